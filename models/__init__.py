@@ -1,0 +1,25 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Flax NNX model definitions for XLA devices (pure JAX, no vLLM).
+
+Shape legend used throughout: T tokens in the step, D hidden size, F MLP size, V vocab,
+N query heads, K kv heads, H head dim, R sequences, P pages per sequence.
+
+Entry points: `ModelConfig.from_pretrained(path)`, `build(config, dtype, rngs)`,
+`load_weights(model, path)`; a model is called as
+`model(input_ids[T], positions[T], kv_caches, metadata) -> (hidden[T, D], kv_caches)` and
+`model.compute_logits(hidden) -> logits[.., V]`.
+"""
+
+from models.config import ModelConfig
+from models.loader import load_model, load_weights
+from models.metadata import AttentionMetadata
+from models.registry import SUPPORTED_ARCHITECTURES, build
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "AttentionMetadata",
+    "ModelConfig",
+    "build",
+    "load_model",
+    "load_weights",
+]

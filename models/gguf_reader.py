@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GGUF checkpoints (llama.cpp format): HF config and HF-named float32 tensors.
+
+Quantized tensors are dequantized with the `gguf` package. llama.cpp stores the rows of
+`attn_q`/`attn_k` permuted for its interleaved RoPE; they are permuted back to the HF
+(rotate-half) order here, so the result is what an HF checkpoint of the same model holds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM"}
+
+
+def _reader(path: str) -> Any:
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def hf_name(gguf_name: str) -> str:
+    """The HF checkpoint name of a GGUF tensor name, or a ValueError."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name")
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's interleaved-RoPE row order of a q/k projection `[out, in]`."""
+    out = w.shape[0]
+    head_dim = out // num_heads
+    rest = w.shape[1:]
+    return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(out, *rest)
+
+
+def hf_config(path: str) -> dict[str, Any]:
+    """An HF `config.json` dict built from the GGUF metadata."""
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in _SUPPORTED_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_SUPPORTED_ARCHS)}")
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    return {
+        "architectures": [_SUPPORTED_ARCHS[arch]],
+        "model_type": arch,
+        "vocab_size": len(_field(reader, "tokenizer.ggml.tokens")),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        "head_dim": hidden // num_heads,
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+
+
+def iter_hf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields `(hf_name, float32 array)` for every tensor of the GGUF file."""
+    from gguf.quants import dequantize
+
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture")
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+            array = unpermute_rope_rows(array, num_heads)
+        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+            array = unpermute_rope_rows(array, num_kv_heads)
+        yield name, array

@@ -1,0 +1,107 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Weight loading: HF safetensors (single file or sharded index) and GGUF, into a built model."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import gguf_reader
+from models.config import ModelConfig
+from models.registry import build
+
+# Checkpoint tensors that carry no parameter of ours (recomputed or duplicated).
+_IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The weight files of a model directory (or a single file), in load order."""
+    if os.path.isfile(path):
+        return [path]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    for pattern in ("*.safetensors", "*.gguf"):
+        found = sorted(glob.glob(os.path.join(path, pattern)))
+        if found:
+            return found
+    raise FileNotFoundError(f"no weights in {path!r}: expected *.safetensors, a safetensors index or a *.gguf")
+
+
+def iter_checkpoint(path: str) -> Iterator[tuple[str, np.ndarray | jax.Array]]:
+    """Yields `(hf_name, array)` over every tensor of the model at `path`."""
+    for file in checkpoint_files(path):
+        if file.endswith(".gguf"):
+            yield from gguf_reader.iter_hf_tensors(file)
+            continue
+        from safetensors import safe_open
+
+        with safe_open(file, framework="flax") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _compile_param_map(hf_param_map: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
+    compiled = []
+    for hf, ours in hf_param_map.items():
+        pattern = re.escape(hf).replace(re.escape("{i}"), r"(?P<i>\d+)")
+        compiled.append((re.compile(pattern + "$"), ours))
+    return compiled
+
+
+def _our_name(hf: str, compiled: list[tuple[re.Pattern[str], str]]) -> str | None:
+    for pattern, ours in compiled:
+        match = pattern.match(hf)
+        if match:
+            return ours.replace("{i}", match.group("i")) if "i" in match.groupdict() else ours
+    return None
+
+
+def load_weights(model: nnx.Module, path: str) -> None:
+    """Fills every parameter of `model` from the checkpoint at `path`.
+
+    Linear weights (HF `[out, in]`) are transposed to our `[in, out]` kernels and every tensor is
+    cast to the parameter's dtype. A checkpoint tensor with no home, a missing parameter or a shape
+    mismatch is an error naming the tensor.
+    """
+    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    by_name = {".".join(str(p) for p in key): var for key, var in params.items()}
+    compiled = _compile_param_map(type(model).hf_param_map)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    filled: set[str] = set()
+    for hf, array in iter_checkpoint(path):
+        ours = _our_name(hf, compiled)
+        if ours is None or ours not in by_name:
+            if any(p.match(hf) for p in _IGNORED) or (tied and hf == "lm_head.weight"):
+                continue
+            raise ValueError(f"checkpoint tensor {hf!r} in {path!r} has no parameter in {type(model).__name__}")
+        var = by_name[ours]
+        value = jnp.asarray(array)
+        if ours.endswith("kernel"):
+            value = value.T
+        current = var.get_value()
+        if value.shape != current.shape:
+            raise ValueError(f"checkpoint tensor {hf!r} has shape {value.shape}, expected {current.shape}")
+        var.set_value(value.astype(current.dtype))
+        filled.add(ours)
+    missing = sorted(set(by_name) - filled)
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+def load_model(path: str, dtype: jnp.dtype = jnp.float32) -> tuple[ModelConfig, nnx.Module]:
+    """Parses the config, builds the model and loads its weights."""
+    config = ModelConfig.from_pretrained(path)
+    model = build(config, dtype)
+    load_weights(model, path)
+    return config, model

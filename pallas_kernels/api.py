@@ -1,0 +1,99 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The public paged-attention API: one entry per op, dispatched to a backend.
+
+Each backend owns its KV cache layout (documented in its own module); nothing outside this
+package depends on it. Backends: `xla` (reference.py, the CPU runtime path), `pallas_tpu`
+(tpu/), `pallas_gpu` (gpu/). `backend="auto"` picks by JAX's default device kind.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import reference
+from pallas_kernels.backend import PALLAS_GPU, PALLAS_TPU, XLA, resolve_backend
+
+
+def _pallas_module(backend: str) -> ModuleType:
+    if backend == PALLAS_TPU:
+        from pallas_kernels import tpu
+
+        return tpu
+    if backend == PALLAS_GPU:
+        from pallas_kernels import gpu
+
+        return gpu
+    raise ValueError(f"{backend!r} is not a Pallas backend")
+
+
+def allocate_kv_cache(
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: jnp.dtype,
+    *,
+    backend: str = "auto",
+) -> jax.Array:
+    """A zeroed KV cache for one layer, in `backend`'s layout."""
+    backend = resolve_backend(backend, interpret=True)
+    if backend == XLA:
+        return reference.allocate_kv_cache_reference(num_pages, page_size, num_kv_heads, head_dim, dtype)
+    return _pallas_module(backend).allocate_kv_cache(num_pages, page_size, num_kv_heads, head_dim, dtype)
+
+
+def write_kv(
+    kv_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    backend: str = "auto",
+) -> jax.Array:
+    """Writes k, v `[T, Hkv, D]` at `slot_mapping[T]` (page * page_size + offset).
+
+    Negative slots are padding and write nothing. Donate `kv_cache` to update it in place.
+    """
+    backend = resolve_backend(backend, interpret=True)
+    if backend == XLA:
+        return reference.write_kv_reference(kv_cache, k, v, slot_mapping)
+    return _pallas_module(backend).write_kv(kv_cache, k, v, slot_mapping)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+    **tuning: int,
+) -> jax.Array:
+    """Causal attention of ragged query rows `q[T, Hq, D]` over their sequences' paged KV.
+
+    Sequence i owns query rows `cu_q_lens[i]:cu_q_lens[i+1]`, its last tokens, and
+    `kv_lens[i]` cached tokens (already written) in pages `page_indices[i]`. Rows past
+    `cu_q_lens[num_seqs]` are padding. Tuning keywords go to the Pallas backends.
+    """
+    backend = resolve_backend(backend, interpret=interpret)
+    if backend == XLA:
+        if tuning:
+            raise ValueError(f"the xla backend takes no tuning arguments, got {sorted(tuning)}")
+        return reference.ragged_paged_attention_reference(
+            q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        )  # fmt: skip
+    return _pallas_module(backend).ragged_paged_attention(
+        q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        interpret=interpret, **tuning,
+    )  # fmt: skip

@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Attention backend names and their selection from the device kind."""
+
+from __future__ import annotations
+
+import jax
+
+XLA = "xla"
+PALLAS_TPU = "pallas_tpu"
+PALLAS_GPU = "pallas_gpu"
+BACKENDS = (XLA, PALLAS_TPU, PALLAS_GPU)
+
+_BACKEND_FOR_PLATFORM = {"tpu": PALLAS_TPU, "gpu": PALLAS_GPU, "cuda": PALLAS_GPU, "cpu": XLA}
+_PLATFORMS_FOR_BACKEND = {XLA: None, PALLAS_TPU: ("tpu",), PALLAS_GPU: ("gpu", "cuda")}
+
+
+def default_platform() -> str:
+    """The platform of JAX's default device: 'tpu', 'gpu' or 'cpu'."""
+    return jax.devices()[0].platform
+
+
+def resolve_backend(backend: str = "auto", *, platform: str | None = None, interpret: bool = False) -> str:
+    """Turns "auto" into the backend for the device kind and checks an explicit choice.
+
+    A Pallas backend runs on its own device kind, or anywhere in interpret mode (tests). The
+    `xla` backend runs everywhere.
+    """
+    platform = platform or default_platform()
+    if backend == "auto":
+        if platform not in _BACKEND_FOR_PLATFORM:
+            raise ValueError(f"no attention backend for JAX platform {platform!r}; choose one of {BACKENDS}")
+        return _BACKEND_FOR_PLATFORM[platform]
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of {BACKENDS}")
+    allowed = _PLATFORMS_FOR_BACKEND[backend]
+    if allowed is not None and platform not in allowed and not interpret:
+        raise ValueError(
+            f"attention backend {backend!r} needs a {allowed[0].upper()} device but JAX runs on "
+            f"{platform!r}; use backend 'xla' (or 'auto') here, or interpret=True in tests"
+        )
+    return backend

@@ -1,0 +1,137 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Pure-jnp paged KV cache and ragged paged attention: the `xla` backend.
+
+This is the reference every Pallas kernel is tested against, and the runtime path on CPU.
+
+KV cache layout (one array per layer): `[2 * Hkv, num_pages, page_size * D]`.
+Rows `0..Hkv-1` hold K heads and rows `Hkv..2*Hkv-1` hold V heads; a page of one head is one
+contiguous row of `page_size * D` values. Why (measured on XLA:CPU, notes/xla-cpu-speed.md):
+row gathers along axis 1 run at memory speed, and the KV write is one windowed scatter that XLA
+keeps in place. A bfloat16 cache is stored as `uint16` bit patterns, because XLA:CPU has no
+bfloat16 scatter and would otherwise convert the whole cache to f32 and back on every write.
+
+Axis letters: T tokens, R sequences, P pages per sequence, S page size, L = P * S,
+K kv heads, G query heads per kv head, H query heads (= K * G), D head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+MASK_VALUE = -1e30
+
+
+def storage_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype the cache array is stored in for values of `dtype` (uint16 bits for bfloat16)."""
+    return jnp.dtype(jnp.uint16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
+
+
+def allocate_kv_cache_reference(
+    num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
+) -> jax.Array:
+    """A zeroed cache `[2 * Hkv, num_pages, page_size * D]` for one layer."""
+    return jnp.zeros((2 * num_kv_heads, num_pages, page_size * head_dim), storage_dtype(dtype))
+
+
+def _encode(x: jax.Array, stored: jnp.dtype) -> jax.Array:
+    if stored == jnp.uint16:
+        return lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(stored)
+
+
+def decode_kv(rows: jax.Array) -> jax.Array:
+    """Cache values as float32 (uint16 rows are bfloat16 bit patterns)."""
+    if rows.dtype == jnp.uint16:
+        return lax.bitcast_convert_type(rows.astype(jnp.uint32) << 16, jnp.float32)
+    return rows.astype(jnp.float32)
+
+
+def write_kv_reference(
+    kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> jax.Array:
+    """Writes k, v `[T, K, D]` at `slot_mapping[T]` (page * S + offset); negative slots write nothing."""
+    num_rows, num_pages, row_len = kv_cache.shape
+    _, num_kv_heads, head_dim = k.shape
+    assert num_rows == 2 * num_kv_heads, (kv_cache.shape, k.shape)
+    page_size = row_len // head_dim
+    updates = _encode(jnp.concatenate([k, v], axis=1), kv_cache.dtype)  # [T, 2K, D]
+    page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range: dropped
+    offset = (slot_mapping % page_size) * head_dim
+    indices = jnp.stack([page, offset], axis=-1).astype(jnp.int32)  # [T, 2]
+    dims = lax.ScatterDimensionNumbers(
+        update_window_dims=(1, 2), inserted_window_dims=(1,), scatter_dims_to_operand_dims=(1, 2)
+    )
+    return lax.scatter(
+        kv_cache, indices, updates, dims, unique_indices=True, mode=lax.GatherScatterMode.FILL_OR_DROP
+    )
+
+
+def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """Index of the sequence each of `num_tokens` rows belongs to (`[T]`, int32)."""
+    starts = cu_q_lens[1:]  # [R]
+    return jnp.sum(jnp.arange(num_tokens)[:, None] >= starts[None, :], axis=1).astype(jnp.int32)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """Causal attention of ragged query rows over their sequences' paged KV.
+
+    Args:
+      q: `[T, H, D]` queries; sequence i owns rows `cu_q_lens[i]:cu_q_lens[i+1]`, its last tokens.
+      kv_cache: `[2K, num_pages, S * D]`, already holding these tokens' K/V.
+      kv_lens: `[R]` int32, tokens cached per sequence (including this step's).
+      page_indices: `[R, P]` int32 block table.
+      cu_q_lens: `[R + 1]` int32 cumulative query lengths.
+      num_seqs: int32 scalar (or `[1]`); sequences past it and rows past `cu_q_lens[num_seqs]`
+        are padding and produce zeros.
+      sm_scale: softmax scale applied to q.k.
+      sliding_window: if set, a query at position p sees keys at positions > p - sliding_window.
+      soft_cap: if set, scores become `soft_cap * tanh(scores / soft_cap)`.
+
+    Returns:
+      `[T, H, D]` in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_rows, _, row_len = kv_cache.shape
+    num_kv_heads = num_rows // 2
+    group = num_heads // num_kv_heads
+    page_size = row_len // head_dim
+    num_seq_slots, pages_per_seq = page_indices.shape
+    kv_len_max = pages_per_seq * page_size
+    num_seqs = jnp.reshape(num_seqs, ())
+
+    seq = jnp.minimum(token_sequence_ids(cu_q_lens, num_tokens), num_seq_slots - 1)  # [T]
+    valid = (jnp.arange(num_tokens) < cu_q_lens[num_seqs]) & (seq < num_seqs)  # [T]
+    q_end = cu_q_lens[seq + 1]
+    position = kv_lens[seq] - (q_end - jnp.arange(num_tokens))  # [T], position of each query token
+
+    pages = page_indices[seq].reshape(-1)  # [T * P]
+    rows = jnp.take(kv_cache, pages, axis=1, mode="clip")  # [2K, T * P, S * D]
+    rows = decode_kv(rows).reshape(num_rows, num_tokens, kv_len_max, head_dim)
+    k, v = rows[:num_kv_heads], rows[num_kv_heads:]  # [K, T, L, D]
+
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, K, G, D]
+    scores = jnp.einsum("tkgd,ktld->tkgl", qg, k) * sm_scale  # [T, K, G, L]
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    key_pos = jnp.arange(kv_len_max)[None, :]  # [1, L]
+    visible = key_pos <= position[:, None]  # [T, L]
+    if sliding_window is not None:
+        visible &= key_pos > position[:, None] - sliding_window
+    visible &= valid[:, None]
+    scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("tkgl,ktld->tkgd", probs, v).reshape(num_tokens, num_heads, head_dim)
+    return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)

@@ -1,0 +1,29 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM platform plugin: the only package that imports vllm or torch."""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("vllm_xla")
+
+PLATFORM_CLASS = "plugin_shim.platform.XlaPlatform"
+
+
+def register() -> str | None:
+    """The `vllm.platform_plugins` entry point.
+
+    Active when `VLLM_XLA_PLATFORM` names a device kind, or when a TPU is visible to JAX;
+    otherwise None, so a machine whose vLLM uses another platform (CUDA, CPU) is never taken
+    over by surprise.
+    """
+    from plugin_shim.devices import detect_tpu
+    from tpu_platform.envs import read_env
+
+    kind = read_env().platform
+    if kind is None and detect_tpu():
+        kind = "tpu"
+    if kind is None:
+        return None
+    logger.info("vllm-xla platform plugin active: the model runs on JAX %s devices", kind)
+    return PLATFORM_CLASS

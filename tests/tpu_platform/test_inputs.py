@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Request table and step input preparation against hand-worked cases."""
+
+import numpy as np
+import pytest
+
+from tpu_platform.batch_update import CachedRequest, NewRequest
+from tpu_platform.buckets import StepBuckets, power_of_two_buckets, round_up
+from tpu_platform.inputs import padding_inputs, prepare_step
+from tpu_platform.request_table import RequestTable
+from tpu_platform.sampling import SamplingOptions
+
+PAGE = 4
+
+
+def _new(req_id, prompt, blocks, computed=0):
+    return NewRequest(req_id, prompt, blocks, computed, SamplingOptions())
+
+
+def _buckets():
+    return StepBuckets.for_limits(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=32, page_size=PAGE)
+
+
+def test_buckets():
+    assert power_of_two_buckets(16, 100) == (16, 32, 64, 100)
+    assert power_of_two_buckets(1, 8) == (1, 2, 4, 8)
+    assert round_up(17, (16, 32)) == 32
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        round_up(33, (16, 32))
+    assert _buckets().shape_for(5, 3, 3) == (16, 4, 4)
+
+
+def test_prefill_and_decode_mix():
+    table = RequestTable(capacity=2, max_model_len=32, max_pages=8)
+    a = table.add(_new("a", [10, 11, 12, 13, 14], [7, 3]))  # 5 prompt tokens, pages 7 then 3
+    b = table.add(_new("b", [20, 21], [5]))
+    table.append_token(b, 22)  # b already decoded one token; b has 2 computed
+    table.update(CachedRequest("b", None, False, 2, 1))
+    inputs, plan = prepare_step(table, np.array([a, b]), np.array([5, 1]), _buckets(), PAGE)
+    # a: positions 0..4, slots page7*4+0..3 = 28..31, then page 3 slot 12; b: position 2 -> page5*4+2 = 22
+    assert inputs.token_ids[:6].tolist() == [10, 11, 12, 13, 14, 22]
+    assert inputs.positions[:6].tolist() == [0, 1, 2, 3, 4, 2]
+    assert inputs.slot_mapping[:6].tolist() == [28, 29, 30, 31, 12, 22]
+    assert (inputs.slot_mapping[6:] == -1).all() and inputs.token_ids.shape == (16,)
+    assert inputs.kv_lens.tolist() == [5, 3]
+    assert inputs.cu_q_lens.tolist() == [0, 5, 6]
+    assert inputs.logits_indices.tolist() == [4, 5]
+    assert inputs.page_indices.tolist() == [[7, 3], [5, 0]]
+    assert plan.emits_token.tolist() == [True, True] and plan.shape == (16, 2, 2)
+
+
+def test_partial_prefill_emits_nothing_and_prefix_hit_starts_late():
+    table = RequestTable(capacity=4, max_model_len=32, max_pages=8)
+    a = table.add(_new("a", list(range(100, 110)), [1, 2, 3]))
+    inputs, plan = prepare_step(table, np.array([a]), np.array([4]), _buckets(), PAGE)
+    assert not plan.emits_token[0] and inputs.positions[:4].tolist() == [0, 1, 2, 3]
+    c = table.add(_new("c", list(range(100, 110)), [1, 2, 4], computed=8))  # prefix-cache hit: 8 cached
+    inputs, plan = prepare_step(table, np.array([c]), np.array([2]), _buckets(), PAGE)
+    assert inputs.positions[:2].tolist() == [8, 9] and inputs.slot_mapping[:2].tolist() == [16, 17]
+    assert plan.emits_token[0]
+
+
+def test_resume_replaces_blocks_and_truncates_outputs():
+    table = RequestTable(capacity=1, max_model_len=32, max_pages=8)
+    row = table.add(_new("a", [1, 2, 3], [4]))
+    for t in (7, 8, 9):
+        table.append_token(row, t)
+    table.update(CachedRequest("a", [6, 2], True, 0, 2))  # preempted, resumed with 2 outputs kept
+    assert table.block_table[row, :2].tolist() == [6, 2] and table.num_pages[row] == 2
+    assert table.output_token_ids(row).tolist() == [7, 8]
+
+
+def test_table_grows_beyond_capacity_and_reuses_rows():
+    table = RequestTable(capacity=1, max_model_len=8, max_pages=2)
+    rows = [table.add(_new(str(i), [i], [i])) for i in range(3)]
+    assert sorted(rows) == [0, 1, 2] and table.token_ids.shape[0] == 4
+    table.remove("1")
+    assert table.add(_new("x", [5], [1])) == rows[1]
+
+
+def test_padding_inputs_compute_nothing():
+    inputs = padding_inputs(16, 2, 1)
+    assert inputs.num_seqs.tolist() == [0] and (inputs.slot_mapping == -1).all()

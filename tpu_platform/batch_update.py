@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The runner's own per-step input and output types (plain data, no vLLM)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from tpu_platform.sampling import SamplingOptions
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NewRequest:
+    """A request scheduled for the first time (or again after being finished by the engine)."""
+
+    req_id: str
+    prompt_token_ids: Sequence[int]
+    block_ids: Sequence[int]
+    num_computed_tokens: int
+    sampling: SamplingOptions
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CachedRequest:
+    """A request the runner already knows; `resumed` means its block table is replaced."""
+
+    req_id: str
+    new_block_ids: Sequence[int] | None
+    resumed: bool
+    num_computed_tokens: int
+    num_output_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchUpdate:
+    """One engine step: state changes, then `num_scheduled_tokens` in batch order."""
+
+    new_requests: Sequence[NewRequest]
+    cached_requests: Sequence[CachedRequest]
+    finished_req_ids: frozenset[str]
+    num_scheduled_tokens: dict[str, int]
+    # Structured output: request id -> packed int32 bitmask row over the vocab (set bit = allowed).
+    grammar_bitmasks: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepLogprobs:
+    """Per request row (batch order): `[N + 1]` ids and logprobs, sampled token first, and its rank."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """Tokens emitted by one step, in batch order; `[]` for a partial prefill chunk."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: StepLogprobs | None = None

@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every `VLLM_XLA_*` environment knob, read here and nowhere else.
+
+| variable | meaning | default |
+|---|---|---|
+| VLLM_XLA_PLATFORM | activate the plugin and name the device kind: tpu, gpu or cpu | unset: active only when JAX sees a TPU |
+| VLLM_XLA_ATTENTION_BACKEND | auto, xla, pallas_tpu or pallas_gpu | auto (by device kind) |
+| VLLM_XLA_CPU_KV_CACHE_GB | KV cache size on CPU, in GiB | 1 |
+| VLLM_XLA_CACHE_DIR | embedded model and JAX compilation cache | $XDG_CACHE_HOME/vllm-xla |
+| VLLM_XLA_STRICT_COMPILE | 1: a compilation after warm-up is an error | 0 |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+DEVICE_KINDS = ("tpu", "gpu", "cpu")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class XlaEnv:
+    platform: str | None
+    attention_backend: str
+    cpu_kv_cache_gb: float
+    cache_dir: str
+    strict_compile: bool
+
+
+def _choice(name: str, value: str | None, choices: tuple[str, ...]) -> str | None:
+    if value is None or value == "":
+        return None
+    value = value.strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; use one of {', '.join(choices)}")
+    return value
+
+
+def _float(name: str, value: str | None, default: float) -> float:
+    if not value:
+        return default
+    try:
+        parsed = float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number (e.g. {name}=2 for 2 GiB)") from None
+    if parsed <= 0:
+        raise ValueError(f"{name}={value!r} must be positive")
+    return parsed
+
+
+def default_cache_dir(environ: os._Environ[str] | dict[str, str]) -> str:
+    xdg = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "vllm-xla")
+
+
+def read_env(environ: os._Environ[str] | dict[str, str] | None = None) -> XlaEnv:
+    """Parses the `VLLM_XLA_*` variables, failing with a message that names the bad one."""
+    env = os.environ if environ is None else environ
+    return XlaEnv(
+        platform=_choice("VLLM_XLA_PLATFORM", env.get("VLLM_XLA_PLATFORM"), DEVICE_KINDS),
+        attention_backend=_choice(
+            "VLLM_XLA_ATTENTION_BACKEND", env.get("VLLM_XLA_ATTENTION_BACKEND"), ATTENTION_BACKENDS
+        )
+        or "auto",
+        cpu_kv_cache_gb=_float("VLLM_XLA_CPU_KV_CACHE_GB", env.get("VLLM_XLA_CPU_KV_CACHE_GB"), 1.0),
+        cache_dir=env.get("VLLM_XLA_CACHE_DIR") or default_cache_dir(env),
+        strict_compile=env.get("VLLM_XLA_STRICT_COMPILE", "0").strip() in ("1", "true", "yes"),
+    )

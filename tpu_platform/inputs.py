@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Step input preparation: vectorised NumPy from the request table to padded device inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from tpu_platform.buckets import StepBuckets
+from tpu_platform.request_table import RequestTable
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """Padded inputs of one forward step (int32; T, R, P are bucket sizes)."""
+
+    # [T] token ids and their positions; padding rows hold 0
+    token_ids: np.ndarray
+    positions: np.ndarray
+    # [T] cache slot of each token, -1 for padding
+    slot_mapping: np.ndarray
+    # [R] tokens cached per sequence after this step
+    kv_lens: np.ndarray
+    # [R, P] block table rows
+    page_indices: np.ndarray
+    # [R + 1] cumulative query lengths (padding sequences are empty)
+    cu_q_lens: np.ndarray
+    # [1] real sequence count
+    num_seqs: np.ndarray
+    # [R] index of each sequence's last token in the step
+    logits_indices: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepPlan:
+    """Host-side facts about a prepared step."""
+
+    rows: np.ndarray  # [num_seqs] request-table rows, batch order
+    emits_token: np.ndarray  # [num_seqs] bool: the step reaches the end of the known tokens
+    shape: tuple[int, int, int]  # padded (T, R, P)
+
+
+def prepare_step(
+    table: RequestTable, rows: np.ndarray, num_scheduled: np.ndarray, buckets: StepBuckets, page_size: int
+) -> tuple[StepInputs, StepPlan]:
+    """Builds the padded inputs for sequences `rows` scheduled for `num_scheduled` tokens each."""
+    num_seqs = rows.size
+    total = int(num_scheduled.sum())
+    start = table.num_computed[rows]
+    kv_lens = start + num_scheduled
+    max_pages = int(-(-kv_lens.max() // page_size))
+    t_pad, r_pad, p_pad = buckets.shape_for(total, num_seqs, max_pages)
+
+    cu_q = np.zeros(r_pad + 1, np.int32)
+    np.cumsum(num_scheduled, out=cu_q[1 : num_seqs + 1])
+    cu_q[num_seqs + 1 :] = total
+    seq_of_token = np.repeat(np.arange(num_seqs), num_scheduled)
+    positions = np.arange(total, dtype=np.int32) - np.repeat(cu_q[:num_seqs] - start, num_scheduled)
+    token_rows = rows[seq_of_token]
+
+    inputs = StepInputs(
+        token_ids=_padded(table.token_ids[token_rows, positions], t_pad, 0),
+        positions=_padded(positions, t_pad, 0),
+        slot_mapping=_padded(
+            table.block_table[token_rows, positions // page_size] * page_size + positions % page_size, t_pad, -1
+        ),
+        kv_lens=_padded(kv_lens, r_pad, 0),
+        page_indices=_page_rows(table.block_table, rows, r_pad, p_pad),
+        cu_q_lens=cu_q,
+        num_seqs=np.array([num_seqs], np.int32),
+        logits_indices=_padded(cu_q[1 : num_seqs + 1] - 1, r_pad, 0),
+    )
+    plan = StepPlan(rows=rows, emits_token=kv_lens >= table.num_tokens[rows], shape=(t_pad, r_pad, p_pad))
+    return inputs, plan
+
+
+def padding_inputs(t_pad: int, r_pad: int, p_pad: int) -> StepInputs:
+    """Inputs of shape (T, R, P) that hold no sequence: they compute nothing and write nothing."""
+    zeros = np.zeros(t_pad, np.int32)
+    return StepInputs(
+        token_ids=zeros,
+        positions=zeros,
+        slot_mapping=np.full(t_pad, -1, np.int32),
+        kv_lens=np.zeros(r_pad, np.int32),
+        page_indices=np.zeros((r_pad, p_pad), np.int32),
+        cu_q_lens=np.zeros(r_pad + 1, np.int32),
+        num_seqs=np.zeros(1, np.int32),
+        logits_indices=np.zeros(r_pad, np.int32),
+    )
+
+
+def _padded(values: np.ndarray, size: int, fill: int) -> np.ndarray:
+    out = np.full(size, fill, np.int32)
+    out[: values.size] = values
+    return out
+
+
+def _page_rows(block_table: np.ndarray, rows: np.ndarray, r_pad: int, p_pad: int) -> np.ndarray:
+    out = np.zeros((r_pad, p_pad), np.int32)
+    width = min(p_pad, block_table.shape[1])
+    out[: rows.size, :width] = block_table[rows, :width]
+    return out

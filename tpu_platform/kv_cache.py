@@ -1,0 +1,43 @@
+# SPDX-License-Identifier: Apache-2.0
+"""KV cache budget and allocation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import allocate_kv_cache
+
+GIB = 1 << 30
+
+
+def available_kv_bytes(device: jax.Device, *, memory_utilization: float, cpu_kv_cache_gb: float) -> int:
+    """Bytes the KV cache may take on `device`.
+
+    CPU: `cpu_kv_cache_gb` (host RAM is shared with everything else, so it is an explicit budget).
+    TPU/GPU: `memory_utilization` of the device's memory limit, minus what is already in use
+    (the weights are loaded by then).
+    """
+    if device.platform == "cpu":
+        return int(cpu_kv_cache_gb * GIB)
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        raise RuntimeError(f"{device.device_kind} reports no memory limit; cannot size the KV cache")
+    free = int(limit * memory_utilization) - int(stats.get("bytes_in_use", 0))
+    if free <= 0:
+        raise RuntimeError(
+            f"no device memory left for the KV cache on {device.device_kind}: limit {limit} B, "
+            f"in use {stats.get('bytes_in_use')} B; raise gpu_memory_utilization or use a smaller model"
+        )
+    return free
+
+
+def allocate_layer_caches(
+    num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype, backend: str
+) -> list[jax.Array]:
+    """One zeroed cache array per layer in `backend`'s layout."""
+    return [
+        allocate_kv_cache(num_pages, page_size, num_kv_heads, head_dim, dtype, backend=backend)
+        for _ in range(num_layers)
+    ]

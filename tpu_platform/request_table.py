@@ -1,0 +1,93 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Host-side request state in preallocated NumPy arrays, one row per live request."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from tpu_platform.batch_update import CachedRequest, NewRequest
+
+
+class RequestTable:
+    """Token history, block table and progress of every request the runner holds.
+
+    Rows are reused; the arrays grow (doubling) only if more requests are alive at once than
+    the initial capacity (preempted requests keep their row until the engine finishes them).
+    """
+
+    def __init__(self, capacity: int, max_model_len: int, max_pages: int):
+        self.max_model_len = max_model_len
+        self.token_ids = np.zeros((capacity, max_model_len), np.int32)
+        self.num_tokens = np.zeros(capacity, np.int32)
+        self.num_prompt_tokens = np.zeros(capacity, np.int32)
+        self.num_computed = np.zeros(capacity, np.int32)
+        self.block_table = np.zeros((capacity, max_pages), np.int32)
+        self.num_pages = np.zeros(capacity, np.int32)
+        self.row_of: dict[str, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def _grow(self) -> None:
+        old = self.token_ids.shape[0]
+        for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed", "block_table", "num_pages"):
+            array = getattr(self, name)
+            setattr(self, name, np.concatenate([array, np.zeros_like(array)], axis=0))
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+    def add(self, request: NewRequest) -> int:
+        """Stores a new request; returns its row."""
+        if request.req_id in self.row_of:
+            self.remove(request.req_id)
+        prompt = np.asarray(request.prompt_token_ids, np.int32)
+        if prompt.size > self.max_model_len:
+            raise ValueError(f"request {request.req_id}: prompt of {prompt.size} tokens exceeds max_model_len")
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self.row_of[request.req_id] = row
+        self.token_ids[row, : prompt.size] = prompt
+        self.num_tokens[row] = self.num_prompt_tokens[row] = prompt.size
+        self.num_computed[row] = request.num_computed_tokens
+        self.num_pages[row] = 0
+        self._append_pages(row, request.block_ids)
+        return row
+
+    def update(self, request: CachedRequest) -> int:
+        """Applies a continuing or resumed request's new blocks and progress; returns its row."""
+        row = self.row_of[request.req_id]
+        if request.resumed:
+            self.num_pages[row] = 0
+        if request.new_block_ids:
+            self._append_pages(row, request.new_block_ids)
+        self.num_computed[row] = request.num_computed_tokens
+        known = self.num_prompt_tokens[row] + request.num_output_tokens
+        if known < self.num_tokens[row]:
+            self.num_tokens[row] = known
+        return row
+
+    def remove(self, req_id: str) -> int | None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self._free.append(row)
+        return row
+
+    def append_token(self, row: int, token: int) -> None:
+        n = self.num_tokens[row]
+        if n < self.max_model_len:
+            self.token_ids[row, n] = token
+            self.num_tokens[row] = n + 1
+
+    def output_token_ids(self, row: int) -> np.ndarray:
+        return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
+
+    def _append_pages(self, row: int, block_ids: Sequence[int]) -> None:
+        start = self.num_pages[row]
+        end = start + len(block_ids)
+        if end > self.block_table.shape[1]:
+            raise ValueError(f"request in row {row} needs {end} pages; the table holds {self.block_table.shape[1]}")
+        self.block_table[row, start:end] = block_ids
+        self.num_pages[row] = end

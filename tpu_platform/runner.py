@@ -1,0 +1,215 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The model runner: request state on the host, one jitted forward and one jitted sampler on device."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import ModelConfig, load_model
+from pallas_kernels import resolve_backend
+from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
+from tpu_platform.buckets import StepBuckets
+from tpu_platform.compile import CompileGuard, enable_persistent_cache
+from tpu_platform.inputs import StepPlan, padding_inputs, prepare_step
+from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes
+from tpu_platform.request_table import RequestTable
+from tpu_platform.sampling import SamplingBatch
+from tpu_platform.step import make_forward, make_sampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """What the runner needs to know, fixed for its lifetime."""
+
+    model_path: str
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    attention_backend: str = "auto"
+    cache_dir: str | None = None
+    strict_compile: bool = False
+    seed: int = 0
+    max_logprobs: int = 20
+
+
+@dataclasses.dataclass(slots=True)
+class RunnerStats:
+    """Running totals since start (reported by the worker to vLLM's stat loggers and tests)."""
+
+    steps: int = 0
+    partial_prefill_steps: int = 0
+    resumed_requests: int = 0
+    prefix_cache_hits: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PendingStep:
+    plan: StepPlan
+    req_ids: list[str]
+    logits: jax.Array
+
+
+class Runner:
+    """Drives one model on the default JAX device, step by step."""
+
+    def __init__(self, config: RunnerConfig):
+        self.config = config
+        self.device = jax.devices()[0]
+        self.backend = resolve_backend(config.attention_backend, platform=self.device.platform)
+        if config.cache_dir:
+            enable_persistent_cache(config.cache_dir)
+        self.dtype = jnp.dtype(config.dtype)
+        self.model_config: ModelConfig | None = None
+        self.kv_caches: list[jax.Array] = []
+        self.buckets = StepBuckets.for_limits(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            page_size=config.page_size,
+        )
+        max_pages = self.buckets.pages[-1]
+        self.table = RequestTable(config.max_num_seqs, config.max_model_len, max_pages)
+        self.guard = CompileGuard(config.strict_compile)
+        self._pending: _PendingStep | None = None
+        self._step_index = 0
+        self.stats = RunnerStats()
+
+    # -- start-up -----------------------------------------------------------------------------
+
+    def load_model(self) -> ModelConfig:
+        start = time.perf_counter()
+        self.model_config, model = load_model(self.config.model_path, self.dtype)
+        graphdef, state = nnx.split(model)
+        self.state = jax.device_put(state, self.device)
+        self._forward = make_forward(graphdef, self.backend)
+        self._sample = make_sampler()
+        self.sampling = SamplingBatch(
+            max_num_reqs=self.config.max_num_seqs,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.config.max_model_len,
+        )
+        logger.info(
+            "loaded %s (%s) in %.1f s on %s, attention backend %s",
+            self.model_config.architecture, self.dtype.name, time.perf_counter() - start,
+            self.device.device_kind, self.backend,
+        )  # fmt: skip
+        return self.model_config
+
+    def kv_bytes_per_page(self) -> int:
+        mc = self.model_config
+        return 2 * mc.num_kv_heads * mc.head_dim * self.config.page_size * self.dtype.itemsize * mc.num_layers
+
+    def available_kv_bytes(self, memory_utilization: float, cpu_kv_cache_gb: float) -> int:
+        return available_kv_bytes(
+            self.device, memory_utilization=memory_utilization, cpu_kv_cache_gb=cpu_kv_cache_gb
+        )
+
+    def initialize_kv_cache(self, num_pages: int) -> None:
+        mc = self.model_config
+        self.kv_caches = allocate_layer_caches(
+            mc.num_layers, num_pages, self.config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.backend
+        )
+        self.num_pages = num_pages
+
+    def warm_up(self, shapes: list[tuple[int, int, int]] | None = None) -> int:
+        """Compiles the forward for `shapes` (padded T, R, P; default: the smallest) and the sampler.
+
+        Runs each program on padding-only inputs (no sequence, every slot -1), so the cache is
+        untouched. Returns the number of programs compiled.
+        """
+        start, before = time.perf_counter(), self.guard.count
+        for t_pad, r_pad, p_pad in shapes or [(self.buckets.tokens[0], self.buckets.seqs[0], self.buckets.pages[0])]:
+            inputs = padding_inputs(t_pad, r_pad, p_pad)
+            logits, self.kv_caches = self.guard.timed(
+                ("forward", t_pad, r_pad, p_pad), self._forward, self.state, self.kv_caches, jax.device_put(inputs)
+            )
+            for tensors, flags in self.sampling.warmup_inputs(r_pad):
+                self.guard.timed(("sample", r_pad, flags), self._sample, logits, tensors, flags=flags)
+        compiled = self.guard.count - before
+        logger.info("warm-up compiled %d programs in %.1f s", compiled, time.perf_counter() - start)
+        return compiled
+
+    # -- one engine step ------------------------------------------------------------------------
+
+    def execute(self, update: BatchUpdate) -> None:
+        """Applies the update and dispatches the forward pass (without waiting for it)."""
+        self._apply(update)
+        self._pending = None
+        if not update.num_scheduled_tokens:
+            return
+        req_ids = list(update.num_scheduled_tokens)
+        rows = np.fromiter((self.table.row_of[r] for r in req_ids), np.int32, len(req_ids))
+        num_scheduled = np.fromiter(update.num_scheduled_tokens.values(), np.int32, len(req_ids))
+        inputs, plan = prepare_step(self.table, rows, num_scheduled, self.buckets, self.config.page_size)
+        self.stats.steps += 1
+        self.stats.partial_prefill_steps += int(not plan.emits_token.all())
+        logits, self.kv_caches = self.guard.timed(
+            ("forward", *plan.shape), self._forward, self.state, self.kv_caches, jax.device_put(inputs)
+        )
+        self._pending = _PendingStep(plan=plan, req_ids=req_ids, logits=logits)
+
+    def sample(self, grammar_bitmasks: dict[str, np.ndarray] | None = None) -> StepResult:
+        """Samples the pending step's logits and records the new tokens."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return StepResult(req_ids=[], sampled_token_ids=[])
+        plan = pending.plan
+        tensors, flags = self.sampling.prepare(
+            rows=plan.rows,
+            padded_rows=plan.shape[1],
+            table=self.table,
+            step_seed=self.config.seed * 1_000_003 + self._step_index,
+            grammar_bitmasks=self._bitmask_rows(pending.req_ids, grammar_bitmasks),
+        )
+        self._step_index += 1
+        out = self.guard.timed(("sample", plan.shape[1], flags), self._sample, pending.logits, tensors, flags=flags)
+        return self._record(pending, out)
+
+    def _bitmask_rows(self, req_ids: list[str], masks: dict[str, np.ndarray] | None) -> list[np.ndarray | None] | None:
+        if not masks:
+            return None
+        return [masks.get(r) for r in req_ids]
+
+    def _record(self, pending: _PendingStep, out) -> StepResult:
+        tokens = np.asarray(out.sampled_token_ids)
+        emits = pending.plan.emits_token
+        sampled: list[list[int]] = []
+        for i, row in enumerate(pending.plan.rows):
+            if emits[i]:
+                self.table.append_token(int(row), int(tokens[i]))
+                sampled.append([int(tokens[i])])
+            else:
+                sampled.append([])
+        logprobs = None
+        if getattr(out, "logprob_token_ids", None) is not None:
+            n = len(pending.req_ids)
+            logprobs = StepLogprobs(
+                token_ids=np.asarray(out.logprob_token_ids)[:n],
+                logprobs=np.asarray(out.logprobs)[:n],
+                ranks=np.asarray(out.sampled_token_ranks)[:n],
+            )
+        return StepResult(req_ids=pending.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _apply(self, update: BatchUpdate) -> None:
+        for req_id in update.finished_req_ids:
+            row = self.table.remove(req_id)
+            if row is not None:
+                self.sampling.remove_request(row)
+        for request in update.new_requests:
+            self.stats.prefix_cache_hits += int(request.num_computed_tokens > 0)
+            row = self.table.add(request)
+            self.sampling.add_request(row, request.sampling, np.asarray(request.prompt_token_ids, np.int32))
+        for request in update.cached_requests:
+            self.stats.resumed_requests += int(request.resumed)
+            self.table.update(request)

@@ -1,0 +1,44 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The jitted device programs: one forward step and one sampling step."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+from models import AttentionMetadata
+from tpu_platform.inputs import StepInputs
+from tpu_platform.sampling import SamplerFlags, sample
+
+
+def forward_logits(
+    graphdef: nnx.GraphDef, state: nnx.State, kv_caches: list[jax.Array], inputs: StepInputs, backend: str
+) -> tuple[jax.Array, list[jax.Array]]:
+    """Runs the model on all scheduled tokens; returns `[R, V]` float32 logits and the new caches."""
+    model = nnx.merge(graphdef, state)
+    md = AttentionMetadata(
+        slot_mapping=inputs.slot_mapping,
+        kv_lens=inputs.kv_lens,
+        page_indices=inputs.page_indices,
+        cu_q_lens=inputs.cu_q_lens,
+        num_seqs=inputs.num_seqs,
+        backend=backend,
+    )
+    hidden, kv_caches = model(inputs.token_ids, inputs.positions, kv_caches, md)
+    return model.compute_logits(hidden[inputs.logits_indices]), kv_caches
+
+
+def make_forward(graphdef: nnx.GraphDef, backend: str) -> Callable:
+    """`forward(state, kv_caches, inputs) -> (logits, kv_caches)`, jitted, caches donated."""
+    return jax.jit(functools.partial(forward_logits, graphdef, backend=backend), donate_argnums=(1,))
+
+
+def make_sampler() -> Callable:
+    """`sample(logits, tensors, flags=...) -> SamplerOutput`, jitted; flags are static."""
+    return jax.jit(sample, static_argnames=("flags",))
+
+
+__all__ = ["SamplerFlags", "make_forward", "make_sampler"]
