@@ -70,7 +70,9 @@ def hf_config(path: str) -> dict[str, Any]:
     reader = _reader(path)
     arch = _field(reader, "general.architecture")
     if arch not in _SUPPORTED_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_SUPPORTED_ARCHS)}")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: {sorted(_SUPPORTED_ARCHS)}"
+        )
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}

@@ -38,9 +38,7 @@ class LlamaDecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
         self.self_attn = PagedAttention(config, dtype=dtype, sliding_window=config.sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype
-        )
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
@@ -74,7 +72,9 @@ class LlamaForCausalLM(nnx.Module):
         self.config = config
         self.model = LlamaModel(config, dtype=dtype)
         tied = config.tie_word_embeddings
-        self.lm_head = None if tied else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = (
+            None if tied else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        )
 
     def __call__(
         self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[jax.Array], md: AttentionMetadata

@@ -35,7 +35,9 @@ def checkpoint_files(path: str) -> list[str]:
         found = sorted(glob.glob(os.path.join(path, pattern)))
         if found:
             return found
-    raise FileNotFoundError(f"no weights in {path!r}: expected *.safetensors, a safetensors index or a *.gguf")
+    raise FileNotFoundError(
+        f"no weights in {path!r}: expected *.safetensors, a safetensors index or a *.gguf"
+    )
 
 
 def iter_checkpoint(path: str) -> Iterator[tuple[str, np.ndarray | jax.Array]]:
@@ -84,7 +86,9 @@ def load_weights(model: nnx.Module, path: str) -> None:
         if ours is None or ours not in by_name:
             if any(p.match(hf) for p in _IGNORED) or (tied and hf == "lm_head.weight"):
                 continue
-            raise ValueError(f"checkpoint tensor {hf!r} in {path!r} has no parameter in {type(model).__name__}")
+            raise ValueError(
+                f"checkpoint tensor {hf!r} in {path!r} has no parameter in {type(model).__name__}"
+            )
         var = by_name[ours]
         value = jnp.asarray(array)
         if ours.endswith("kernel"):

@@ -48,9 +48,7 @@ def decode_kv(rows: jax.Array) -> jax.Array:
     return rows.astype(jnp.float32)
 
 
-def write_kv_reference(
-    kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
-) -> jax.Array:
+def write_kv_reference(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Writes k, v `[T, K, D]` at `slot_mapping[T]` (page * S + offset); negative slots write nothing."""
     num_rows, num_pages, row_len = kv_cache.shape
     _, num_kv_heads, head_dim = k.shape

@@ -3,10 +3,6 @@
 
 from __future__ import annotations
 
-import logging
-
-logger = logging.getLogger("vllm_xla")
-
 PLATFORM_CLASS = "plugin_shim.platform.XlaPlatform"
 
 
@@ -17,6 +13,8 @@ def register() -> str | None:
     otherwise None, so a machine whose vLLM uses another platform (CUDA, CPU) is never taken
     over by surprise.
     """
+    from vllm.logger import init_logger
+
     from plugin_shim.devices import detect_tpu
     from tpu_platform.envs import read_env
 
@@ -25,5 +23,5 @@ def register() -> str | None:
         kind = "tpu"
     if kind is None:
         return None
-    logger.info("vllm-xla platform plugin active: the model runs on JAX %s devices", kind)
+    init_logger("vllm_xla").info("vllm-xla platform plugin active: the model runs on JAX %s devices", kind)
     return PLATFORM_CLASS

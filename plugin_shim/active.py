@@ -13,5 +13,6 @@ def assert_active() -> None:
     if not isinstance(current_platform, XlaPlatform):
         raise RuntimeError(
             f"vLLM is running on {type(current_platform).__name__}, not vllm-xla: set VLLM_XLA_PLATFORM "
-            "(tpu, gpu or cpu), check that `vllm-xla` is installed, and look for 'Failed to load plugin' above"
+            "(tpu, gpu or cpu), check that `vllm-xla` is installed, "
+            "and look for 'Failed to load plugin' above"
         )

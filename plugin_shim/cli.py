@@ -55,7 +55,9 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-xla", description="vLLM on XLA devices (TPU, GPU, CPU) via JAX")
+    parser = argparse.ArgumentParser(
+        prog="vllm-xla", description="vLLM on XLA devices (TPU, GPU, CPU) via JAX"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("model-dir", help="materialize the embedded model (or a GGUF) and print its directory")
     p.add_argument("--gguf", help="a GGUF file to convert instead of the embedded SmolLM2-135M-Instruct")

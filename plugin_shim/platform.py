@@ -78,7 +78,9 @@ class XlaPlatform(Platform):
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
-        raise RuntimeError("vllm-xla runs attention in JAX; no torch attention backend exists on this platform")
+        raise RuntimeError(
+            "vllm-xla runs attention in JAX; no torch attention backend exists on this platform"
+        )
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:

@@ -31,7 +31,8 @@ def sampling_options(params: SamplingParams) -> SamplingOptions:
         value = getattr(params, name, None)
         if value not in unused:
             raise ValueError(f"SamplingParams.{name}={value!r} is not supported by vllm-xla; leave it unset")
-    stop_ids = sorted(params.all_stop_token_ids) if params.all_stop_token_ids else list(params.stop_token_ids or [])
+    # vLLM suppresses `all_stop_token_ids` (stop ids, plus EOS unless ignore_eos) before min_tokens.
+    stop_ids = params.all_stop_token_ids or set(params.stop_token_ids or ())
     return SamplingOptions(
         temperature=params.temperature,
         top_k=params.top_k,
@@ -42,13 +43,13 @@ def sampling_options(params: SamplingParams) -> SamplingOptions:
         repetition_penalty=params.repetition_penalty,
         logit_bias=dict(params.logit_bias) if params.logit_bias else None,
         allowed_token_ids=tuple(params.allowed_token_ids) if params.allowed_token_ids else None,
-        bad_words_token_ids=tuple(tuple(w) for w in params.bad_words_token_ids or ()) or None,
+        bad_words_token_ids=tuple(tuple(w) for w in params.bad_words_token_ids or ()),
         min_tokens=params.min_tokens,
-        stop_token_ids=tuple(stop_ids),
-        eos_token_id=None if params.ignore_eos else params.eos_token_id,
+        stop_token_ids=tuple(sorted(stop_ids)),
         seed=params.seed,
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
+        structured_output=params.structured_outputs is not None,
     )
 
 
@@ -80,6 +81,7 @@ def batch_update(so: SchedulerOutput) -> BatchUpdate:
         cached_requests=cached,
         finished_req_ids=frozenset(so.finished_req_ids),
         num_scheduled_tokens=dict(so.num_scheduled_tokens),
+        preempted_req_ids=frozenset(so.preempted_req_ids or ()),
     )
 
 

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 
 import torch
+from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
@@ -15,7 +15,7 @@ from plugin_shim import translate
 from tpu_platform.envs import read_env
 from tpu_platform.runner import Runner, RunnerConfig
 
-logger = logging.getLogger("vllm_xla")
+logger = init_logger("vllm_xla")
 
 _TORCH_TO_JAX_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -32,7 +32,9 @@ class XlaWorker(WorkerBase):
         mc, sc = self.model_config, self.vllm_config.scheduler_config
         dtype = _TORCH_TO_JAX_DTYPE.get(mc.dtype)
         if dtype is None:
-            raise ValueError(f"dtype {mc.dtype} is not supported by vllm-xla; use float32, bfloat16 or float16")
+            raise ValueError(
+                f"dtype {mc.dtype} is not supported by vllm-xla; use float32, bfloat16 or float16"
+            )
         self.runner = Runner(
             RunnerConfig(
                 model_path=mc.model,
@@ -76,7 +78,9 @@ class XlaWorker(WorkerBase):
         return ["LBNHC"]  # nominal: the JAX side allocates its own per-layer arrays
 
     def determine_available_memory(self) -> int:
-        return self.runner.available_kv_bytes(self.cache_config.gpu_memory_utilization, self.env.cpu_kv_cache_gb)
+        return self.runner.available_kv_bytes(
+            self.cache_config.gpu_memory_utilization, self.env.cpu_kv_cache_gb
+        )
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.runner.initialize_kv_cache(kv_cache_config.num_blocks)

@@ -41,6 +41,8 @@ class BatchUpdate:
     cached_requests: Sequence[CachedRequest]
     finished_req_ids: frozenset[str]
     num_scheduled_tokens: dict[str, int]
+    # Requests the scheduler preempted since the last step (they come back as `resumed`).
+    preempted_req_ids: frozenset[str] = frozenset()
     # Structured output: request id -> packed int32 bitmask row over the vocab (set bit = allowed).
     grammar_bitmasks: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 

@@ -52,4 +52,8 @@ class StepBuckets:
 
     def shape_for(self, num_tokens: int, num_seqs: int, max_pages: int) -> tuple[int, int, int]:
         """Padded `(T, R, P)` for a step."""
-        return round_up(num_tokens, self.tokens), round_up(num_seqs, self.seqs), round_up(max_pages, self.pages)
+        return (
+            round_up(num_tokens, self.tokens),
+            round_up(num_seqs, self.seqs),
+            round_up(max_pages, self.pages),
+        )

@@ -1,13 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every `VLLM_XLA_*` environment knob, read here and nowhere else.
+"""Every `VLLM_XLA_*` environment knob, read here and nowhere else (documented in README.md).
 
-| variable | meaning | default |
-|---|---|---|
-| VLLM_XLA_PLATFORM | activate the plugin and name the device kind: tpu, gpu or cpu | unset: active only when JAX sees a TPU |
-| VLLM_XLA_ATTENTION_BACKEND | auto, xla, pallas_tpu or pallas_gpu | auto (by device kind) |
-| VLLM_XLA_CPU_KV_CACHE_GB | KV cache size on CPU, in GiB | 1 |
-| VLLM_XLA_CACHE_DIR | embedded model and JAX compilation cache | $XDG_CACHE_HOME/vllm-xla |
-| VLLM_XLA_STRICT_COMPILE | 1: a compilation after warm-up is an error | 0 |
+- VLLM_XLA_PLATFORM: activate the plugin for a device kind (tpu, gpu, cpu); unset: only on a TPU.
+- VLLM_XLA_ATTENTION_BACKEND: auto, xla, pallas_tpu or pallas_gpu (default auto, by device kind).
+- VLLM_XLA_CPU_KV_CACHE_GB: KV cache size on CPU in GiB (default 1).
+- VLLM_XLA_CACHE_DIR: embedded model and JAX compilation cache (default $XDG_CACHE_HOME/vllm-xla).
+- VLLM_XLA_STRICT_COMPILE: 1 makes a compilation after warm-up an error (default 0).
 """
 
 from __future__ import annotations

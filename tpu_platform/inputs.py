@@ -65,7 +65,9 @@ def prepare_step(
         token_ids=_padded(table.token_ids[token_rows, positions], t_pad, 0),
         positions=_padded(positions, t_pad, 0),
         slot_mapping=_padded(
-            table.block_table[token_rows, positions // page_size] * page_size + positions % page_size, t_pad, -1
+            table.block_table[token_rows, positions // page_size] * page_size + positions % page_size,
+            t_pad,
+            -1,
         ),
         kv_lens=_padded(kv_lens, r_pad, 0),
         page_indices=_page_rows(table.block_table, rows, r_pad, p_pad),

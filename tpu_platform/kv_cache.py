@@ -34,7 +34,13 @@ def available_kv_bytes(device: jax.Device, *, memory_utilization: float, cpu_kv_
 
 
 def allocate_layer_caches(
-    num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype, backend: str
+    num_layers: int,
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: jnp.dtype,
+    backend: str,
 ) -> list[jax.Array]:
     """One zeroed cache array per layer in `backend`'s layout."""
     return [

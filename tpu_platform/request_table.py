@@ -33,7 +33,14 @@ class RequestTable:
 
     def _grow(self) -> None:
         old = self.token_ids.shape[0]
-        for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed", "block_table", "num_pages"):
+        for name in (
+            "token_ids",
+            "num_tokens",
+            "num_prompt_tokens",
+            "num_computed",
+            "block_table",
+            "num_pages",
+        ):
             array = getattr(self, name)
             setattr(self, name, np.concatenate([array, np.zeros_like(array)], axis=0))
         self._free.extend(range(2 * old - 1, old - 1, -1))
@@ -44,7 +51,9 @@ class RequestTable:
             self.remove(request.req_id)
         prompt = np.asarray(request.prompt_token_ids, np.int32)
         if prompt.size > self.max_model_len:
-            raise ValueError(f"request {request.req_id}: prompt of {prompt.size} tokens exceeds max_model_len")
+            raise ValueError(
+                f"request {request.req_id}: prompt of {prompt.size} tokens exceeds max_model_len"
+            )
         if not self._free:
             self._grow()
         row = self._free.pop()
@@ -88,6 +97,8 @@ class RequestTable:
         start = self.num_pages[row]
         end = start + len(block_ids)
         if end > self.block_table.shape[1]:
-            raise ValueError(f"request in row {row} needs {end} pages; the table holds {self.block_table.shape[1]}")
+            raise ValueError(
+                f"request in row {row} needs {end} pages; the table holds {self.block_table.shape[1]}"
+            )
         self.block_table[row, start:end] = block_ids
         self.num_pages[row] = end

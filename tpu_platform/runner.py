@@ -20,7 +20,7 @@ from tpu_platform.compile import CompileGuard, enable_persistent_cache
 from tpu_platform.inputs import StepPlan, padding_inputs, prepare_step
 from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes
 from tpu_platform.request_table import RequestTable
-from tpu_platform.sampling import SamplingBatch
+from tpu_platform.sampling import SamplingBatch, warmup_flag_sets
 from tpu_platform.step import make_forward, make_sampler
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class RunnerStats:
 
     steps: int = 0
     partial_prefill_steps: int = 0
+    preempted_requests: int = 0
     resumed_requests: int = 0
     prefix_cache_hits: int = 0
 
@@ -98,6 +99,7 @@ class Runner:
             max_num_reqs=self.config.max_num_seqs,
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.config.max_model_len,
+            max_logprobs=self.config.max_logprobs,
         )
         logger.info(
             "loaded %s (%s) in %.1f s on %s, attention backend %s",
@@ -118,7 +120,13 @@ class Runner:
     def initialize_kv_cache(self, num_pages: int) -> None:
         mc = self.model_config
         self.kv_caches = allocate_layer_caches(
-            mc.num_layers, num_pages, self.config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.backend
+            mc.num_layers,
+            num_pages,
+            self.config.page_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.backend,
         )
         self.num_pages = num_pages
 
@@ -129,12 +137,19 @@ class Runner:
         untouched. Returns the number of programs compiled.
         """
         start, before = time.perf_counter(), self.guard.count
-        for t_pad, r_pad, p_pad in shapes or [(self.buckets.tokens[0], self.buckets.seqs[0], self.buckets.pages[0])]:
+        for t_pad, r_pad, p_pad in shapes or [
+            (self.buckets.tokens[0], self.buckets.seqs[0], self.buckets.pages[0])
+        ]:
             inputs = padding_inputs(t_pad, r_pad, p_pad)
             logits, self.kv_caches = self.guard.timed(
-                ("forward", t_pad, r_pad, p_pad), self._forward, self.state, self.kv_caches, jax.device_put(inputs)
+                ("forward", t_pad, r_pad, p_pad),
+                self._forward,
+                self.state,
+                self.kv_caches,
+                jax.device_put(inputs),
             )
-            for tensors, flags in self.sampling.warmup_inputs(r_pad):
+            for flags in warmup_flag_sets(self.config.max_logprobs):
+                tensors = self.sampling.dummy_tensors(flags, r_pad)
                 self.guard.timed(("sample", r_pad, flags), self._sample, logits, tensors, flags=flags)
         compiled = self.guard.count - before
         logger.info("warm-up compiled %d programs in %.1f s", compiled, time.perf_counter() - start)
@@ -168,15 +183,19 @@ class Runner:
         tensors, flags = self.sampling.prepare(
             rows=plan.rows,
             padded_rows=plan.shape[1],
-            table=self.table,
+            history=self.table,
             step_seed=self.config.seed * 1_000_003 + self._step_index,
             grammar_bitmasks=self._bitmask_rows(pending.req_ids, grammar_bitmasks),
         )
         self._step_index += 1
-        out = self.guard.timed(("sample", plan.shape[1], flags), self._sample, pending.logits, tensors, flags=flags)
+        out = self.guard.timed(
+            ("sample", plan.shape[1], flags), self._sample, pending.logits, tensors, flags=flags
+        )
         return self._record(pending, out)
 
-    def _bitmask_rows(self, req_ids: list[str], masks: dict[str, np.ndarray] | None) -> list[np.ndarray | None] | None:
+    def _bitmask_rows(
+        self, req_ids: list[str], masks: dict[str, np.ndarray] | None
+    ) -> list[np.ndarray | None] | None:
         if not masks:
             return None
         return [masks.get(r) for r in req_ids]
@@ -202,6 +221,7 @@ class Runner:
         return StepResult(req_ids=pending.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
 
     def _apply(self, update: BatchUpdate) -> None:
+        self.stats.preempted_requests += len(update.preempted_req_ids)
         for req_id in update.finished_req_ids:
             row = self.table.remove(req_id)
             if row is not None:
@@ -209,7 +229,7 @@ class Runner:
         for request in update.new_requests:
             self.stats.prefix_cache_hits += int(request.num_computed_tokens > 0)
             row = self.table.add(request)
-            self.sampling.add_request(row, request.sampling, np.asarray(request.prompt_token_ids, np.int32))
+            self.sampling.add_request(row, request.sampling)
         for request in update.cached_requests:
             self.stats.resumed_requests += int(request.resumed)
             self.table.update(request)

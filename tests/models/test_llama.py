@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from tests.tiny_models import save_tiny_llama
 from transformers import LlamaForCausalLM
 
 from models import AttentionMetadata, ModelConfig, build, load_model, load_weights
 from pallas_kernels import allocate_kv_cache
+from tests.tiny_models import save_tiny_llama
 
 PAGE = 16
 
@@ -30,7 +30,9 @@ def _hf_logits(hf, ids):
 def _run(config, model, caches, seqs, starts, pages):
     """One ragged step: seqs[i] = new token ids of sequence i, starting at position starts[i]."""
     ids = np.concatenate([np.asarray(s, np.int32) for s in seqs])
-    positions = np.concatenate([np.arange(st, st + len(s)) for s, st in zip(seqs, starts)]).astype(np.int32)
+    positions = np.concatenate(
+        [np.arange(st, st + len(s)) for s, st in zip(seqs, starts, strict=True)]
+    ).astype(np.int32)
     slots = np.concatenate(
         [
             np.asarray(pages[i])[p // PAGE] * PAGE + p % PAGE
@@ -41,7 +43,7 @@ def _run(config, model, caches, seqs, starts, pages):
     table = np.array([list(p) + [0] * (width - len(p)) for p in pages], np.int32)
     md = AttentionMetadata(
         slot_mapping=jnp.asarray(slots),
-        kv_lens=jnp.asarray([st + len(s) for s, st in zip(seqs, starts)], jnp.int32),
+        kv_lens=jnp.asarray([st + len(s) for s, st in zip(seqs, starts, strict=True)], jnp.int32),
         page_indices=jnp.asarray(table),
         cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum([len(s) for s in seqs])]), jnp.int32),
         num_seqs=jnp.asarray([len(seqs)], jnp.int32),

@@ -1,0 +1,46 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The embedded SmolLM2-135M-Instruct (Q4_1 GGUF) through vLLM on the XLA platform."""
+
+import gc
+import json
+import os
+
+import pytest
+from vllm import LLM, SamplingParams
+
+from models.gguf_reader import unpermute_rope_rows
+from plugin_shim.active import assert_active
+from plugin_shim.model_dir import materialize
+from tpu_platform.envs import read_env
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return materialize(read_env().cache_dir)
+
+
+def test_model_dir_is_an_hf_directory(model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_key_value_heads"]) == (30, 576, 3)
+    assert config["tie_word_embeddings"] is True
+    assert os.path.exists(os.path.join(model_dir, "tokenizer.json"))
+    assert materialize(read_env().cache_dir) == model_dir  # reused, not rebuilt
+
+
+def test_unpermute_restores_rotate_half_order():
+    import numpy as np
+
+    # One head of dim 4 stored interleaved by llama.cpp as rows (r0, r2, r1, r3) -> (r0, r1, r2, r3).
+    stored = np.array([[0.0], [2.0], [1.0], [3.0]])
+    assert unpermute_rope_rows(stored, num_heads=1)[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_greedy_completion_says_paris(model_dir):
+    llm = LLM(model=model_dir, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256)
+    assert_active()
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8))
+    del llm
+    gc.collect()
+    assert "Paris" in out[0].outputs[0].text

@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Activation rules, configuration and request validation of the platform."""
+
+import pytest
+from vllm import SamplingParams
+
+import plugin_shim
+from plugin_shim import devices, translate
+from tpu_platform.envs import read_env
+
+
+def test_register_is_inactive_without_tpu_or_opt_in(monkeypatch):
+    monkeypatch.delenv("VLLM_XLA_PLATFORM", raising=False)
+    monkeypatch.setattr(devices, "detect_tpu", lambda: False)
+    assert plugin_shim.register() is None
+
+
+def test_register_activates_for_a_named_device_kind(monkeypatch):
+    for kind in ("tpu", "gpu", "cpu"):
+        monkeypatch.setenv("VLLM_XLA_PLATFORM", kind)
+        assert plugin_shim.register() == "plugin_shim.platform.XlaPlatform"
+
+
+def test_register_activates_on_a_visible_tpu(monkeypatch):
+    monkeypatch.delenv("VLLM_XLA_PLATFORM", raising=False)
+    monkeypatch.setattr(devices, "detect_tpu", lambda: True)
+    assert plugin_shim.register() == "plugin_shim.platform.XlaPlatform"
+
+
+def test_no_accelerator_runtime_here_means_cpu():
+    assert devices.detect_tpu() is False
+    assert devices.detect_device_kind() == "cpu"
+
+
+def test_bad_environment_values_are_named():
+    with pytest.raises(ValueError, match="VLLM_XLA_PLATFORM='cuda' is not valid; use one of tpu, gpu, cpu"):
+        read_env({"VLLM_XLA_PLATFORM": "cuda"})
+    with pytest.raises(ValueError, match="VLLM_XLA_CPU_KV_CACHE_GB='lots' is not a number"):
+        read_env({"VLLM_XLA_CPU_KV_CACHE_GB": "lots"})
+    env = read_env({"XDG_CACHE_HOME": "/x"})
+    assert (env.platform, env.attention_backend, env.cache_dir, env.strict_compile) == (
+        None, "auto", "/x/vllm-xla", False,
+    )  # fmt: skip
+
+
+def test_sampling_params_translate_and_unsupported_ones_are_rejected():
+    params = SamplingParams(temperature=0.5, top_k=5, seed=3, min_tokens=2, stop_token_ids=[7], logprobs=2)
+    options = translate.sampling_options(params)
+    assert (options.temperature, options.top_k, options.seed, options.min_tokens, options.logprobs) == (
+        0.5, 5, 3, 2, 2,
+    )  # fmt: skip
+    assert 7 in options.stop_token_ids
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        translate.sampling_options(SamplingParams(logprob_token_ids=[1, 2]))
