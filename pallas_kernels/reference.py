@@ -83,8 +83,13 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_chunk_pages: int = 16,
 ) -> jax.Array:
     """Causal attention of ragged query rows over their sequences' paged KV.
+
+    The KV length is walked in chunks of `kv_chunk_pages` pages with an online softmax, for only
+    as many chunks as the longest sequence needs: the block-table width P is then free (no
+    compile per context length) and pages past every sequence's end cost nothing.
 
     Args:
       q: `[T, H, D]` queries; sequence i owns rows `cu_q_lens[i]:cu_q_lens[i+1]`, its last tokens.
@@ -97,6 +102,7 @@ def ragged_paged_attention_reference(
       sm_scale: softmax scale applied to q.k.
       sliding_window: if set, a query at position p sees keys at positions > p - sliding_window.
       soft_cap: if set, scores become `soft_cap * tanh(scores / soft_cap)`.
+      kv_chunk_pages: pages per chunk of the online softmax.
 
     Returns:
       `[T, H, D]` in q's dtype.
@@ -107,29 +113,41 @@ def ragged_paged_attention_reference(
     group = num_heads // num_kv_heads
     page_size = row_len // head_dim
     num_seq_slots, pages_per_seq = page_indices.shape
-    kv_len_max = pages_per_seq * page_size
+    chunk_pages = max(1, min(kv_chunk_pages, pages_per_seq))
+    chunk_len = chunk_pages * page_size
     num_seqs = jnp.reshape(num_seqs, ())
 
     seq = jnp.minimum(token_sequence_ids(cu_q_lens, num_tokens), num_seq_slots - 1)  # [T]
     valid = (jnp.arange(num_tokens) < cu_q_lens[num_seqs]) & (seq < num_seqs)  # [T]
-    q_end = cu_q_lens[seq + 1]
-    position = kv_lens[seq] - (q_end - jnp.arange(num_tokens))  # [T], position of each query token
+    position = kv_lens[seq] - (cu_q_lens[seq + 1] - jnp.arange(num_tokens))  # [T] query positions
+    padded_pages = -(-pages_per_seq // chunk_pages) * chunk_pages
+    table = jnp.pad(page_indices, ((0, 0), (0, padded_pages - pages_per_seq)))  # [R, P']
+    qk = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    batch = ((0, 1), (0, 1))
 
-    pages = page_indices[seq].reshape(-1)  # [T * P]
-    rows = jnp.take(kv_cache, pages, axis=1, mode="clip")  # [2K, T * P, S * D]
-    rows = decode_kv(rows).reshape(num_rows, num_tokens, kv_len_max, head_dim)
-    k, v = rows[:num_kv_heads], rows[num_kv_heads:]  # [K, T, L, D]
+    def chunk(c, carry):
+        m, l, acc = carry  # [K, T, G], [K, T, G], [K, T, G, D]
+        pages = lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages, axis=1)[seq]  # [T, C]
+        rows = jnp.take(kv_cache, pages.reshape(-1), axis=1, mode="clip")  # [2K, T * C, S * D]
+        rows = decode_kv(rows).reshape(num_rows, num_tokens, chunk_len, head_dim)
+        k, v = rows[:num_kv_heads], rows[num_kv_heads:]  # [K, T, Lc, D]
+        scores = lax.dot_general(k, qk, (((3,), (3,)), batch)) * sm_scale  # [K, T, Lc, G]
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        key_pos = c * chunk_len + jnp.arange(chunk_len)[None, :]  # [1, Lc]
+        visible = (key_pos <= position[:, None]) & valid[:, None]  # [T, Lc]
+        if sliding_window is not None:
+            visible &= key_pos > position[:, None] - sliding_window
+        visible = visible[None, :, :, None]
+        m_new = jnp.maximum(m, jnp.max(jnp.where(visible, scores, MASK_VALUE), axis=2))
+        p = jnp.where(visible, jnp.exp(scores - m_new[:, :, None, :]), 0.0)  # [K, T, Lc, G]
+        alpha = jnp.exp(m - m_new)
+        pv = lax.dot_general(p, v, (((2,), (2,)), batch))  # [K, T, G, D]
+        return m_new, l * alpha + jnp.sum(p, axis=2), acc * alpha[..., None] + pv
 
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, K, G, D]
-    scores = jnp.einsum("tkgd,ktld->tkgl", qg, k) * sm_scale  # [T, K, G, L]
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
-    key_pos = jnp.arange(kv_len_max)[None, :]  # [1, L]
-    visible = key_pos <= position[:, None]  # [T, L]
-    if sliding_window is not None:
-        visible &= key_pos > position[:, None] - sliding_window
-    visible &= valid[:, None]
-    scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("tkgl,ktld->tkgd", probs, v).reshape(num_tokens, num_heads, head_dim)
-    return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)
+    shape = (num_kv_heads, num_tokens, group)
+    init = (jnp.full(shape, MASK_VALUE), jnp.zeros(shape), jnp.zeros((*shape, head_dim)))
+    longest = jnp.max(jnp.where(jnp.arange(num_seq_slots) < num_seqs, kv_lens, 0))
+    _, l, acc = lax.fori_loop(0, (longest + chunk_len - 1) // chunk_len, chunk, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)  # [K, T, G, D]
+    return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

@@ -33,27 +33,38 @@ def round_up(value: int, buckets: tuple[int, ...]) -> int:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepBuckets:
-    """Bucket sizes for tokens per step, sequences per step and pages per sequence."""
+    """The padded shapes of a step: one program per token bucket.
+
+    Tokens per step round up to a power of two (`tokens`). The sequence rows follow from it,
+    `min(T, max_num_seqs)`, since a step never has more sequences than tokens; and the block
+    table is always `max_pages` wide, because attention walks only the pages in use. So the
+    set of compiled forward programs is exactly `tokens`.
+    """
 
     tokens: tuple[int, ...]
-    seqs: tuple[int, ...]
-    pages: tuple[int, ...]
+    max_seqs: int
+    max_pages: int
 
     @classmethod
     def for_limits(
         cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, page_size: int
     ) -> StepBuckets:
-        max_pages = -(-max_model_len // page_size)
         return cls(
-            tokens=power_of_two_buckets(16, max_num_batched_tokens),
-            seqs=power_of_two_buckets(1, max_num_seqs),
-            pages=power_of_two_buckets(1, max_pages),
+            tokens=power_of_two_buckets(1, max_num_batched_tokens),
+            max_seqs=max_num_seqs,
+            max_pages=-(-max_model_len // page_size),
         )
 
-    def shape_for(self, num_tokens: int, num_seqs: int, max_pages: int) -> tuple[int, int, int]:
-        """Padded `(T, R, P)` for a step."""
-        return (
-            round_up(num_tokens, self.tokens),
-            round_up(num_seqs, self.seqs),
-            round_up(max_pages, self.pages),
-        )
+    def seqs_for(self, padded_tokens: int) -> int:
+        return min(padded_tokens, self.max_seqs)
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every padded `(T, R, P)` a step can have."""
+        return [(t, self.seqs_for(t), self.max_pages) for t in self.tokens]
+
+    def shape_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int, int]:
+        """Padded `(T, R, P)` for a step of `num_tokens` tokens over `num_seqs` sequences."""
+        t_pad = round_up(num_tokens, self.tokens)
+        if num_seqs > self.seqs_for(t_pad):
+            raise ValueError(f"{num_seqs} sequences exceed max_num_seqs={self.max_seqs}")
+        return t_pad, self.seqs_for(t_pad), self.max_pages

@@ -23,38 +23,34 @@ def enable_persistent_cache(cache_dir: str) -> str:
 
 
 class CompileGuard:
-    """Counts distinct program shapes; after `seal()`, a new one is logged or (strict) an error."""
+    """Counts and times the compilations of jitted functions; after `seal()` one is an error
+    (strict) or a warning naming the shape that caused it."""
 
     def __init__(self, strict: bool):
         self.strict = strict
         self.sealed = False
-        self.seen: set[tuple] = set()
         self.count = 0
         self.seconds = 0.0
         self.compiles_after_warmup = 0
 
-    def check(self, key: tuple) -> bool:
-        """Records `key`; returns True if it is new (the caller is about to compile)."""
-        if key in self.seen:
-            return False
-        if self.sealed:
-            self.compiles_after_warmup += 1
-            message = f"compiling a new program after warm-up for shape {key}"
-            if self.strict:
-                raise RuntimeError(message + " (VLLM_XLA_STRICT_COMPILE=1); add this size to the buckets")
-            logger.warning(message)
-        self.seen.add(key)
-        return True
-
-    def timed(self, key: tuple, fn, *args, **kwargs):
-        """Calls `fn`, charging its time to compilation when `key` is new."""
-        if not self.check(key):
-            return fn(*args, **kwargs)
+    def call(self, description: tuple, fn, *args, **kwargs):
+        """Calls the jitted `fn`; when that compiled a new program, records it (and its time)."""
+        before = fn._cache_size()
         start = time.perf_counter()
         out = fn(*args, **kwargs)
+        if fn._cache_size() == before:
+            return out
         jax.block_until_ready(out)
         self.count += 1
         self.seconds += time.perf_counter() - start
+        if self.sealed:
+            self.compiles_after_warmup += 1
+            message = f"compiled a new program after warm-up for {description}"
+            if self.strict:
+                raise RuntimeError(
+                    f"{message} (VLLM_XLA_STRICT_COMPILE=1); this shape is missing from warm-up"
+                )
+            logger.warning(message)
         return out
 
     def seal(self) -> None:

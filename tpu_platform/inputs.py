@@ -51,8 +51,7 @@ def prepare_step(
     total = int(num_scheduled.sum())
     start = table.num_computed[rows]
     kv_lens = start + num_scheduled
-    max_pages = int(-(-kv_lens.max() // page_size))
-    t_pad, r_pad, p_pad = buckets.shape_for(total, num_seqs, max_pages)
+    t_pad, r_pad, p_pad = buckets.shape_for(total, num_seqs)
 
     cu_q = np.zeros(r_pad + 1, np.int32)
     np.cumsum(num_scheduled, out=cu_q[1 : num_seqs + 1])

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from models import ModelConfig, load_model
 from pallas_kernels import resolve_backend
@@ -79,8 +80,7 @@ class Runner:
             max_model_len=config.max_model_len,
             page_size=config.page_size,
         )
-        max_pages = self.buckets.pages[-1]
-        self.table = RequestTable(config.max_num_seqs, config.max_model_len, max_pages)
+        self.table = RequestTable(config.max_num_seqs, config.max_model_len, self.buckets.max_pages)
         self.guard = CompileGuard(config.strict_compile)
         self._pending: _PendingStep | None = None
         self._step_index = 0
@@ -131,17 +131,17 @@ class Runner:
         self.num_pages = num_pages
 
     def warm_up(self, shapes: list[tuple[int, int, int]] | None = None) -> int:
-        """Compiles the forward for `shapes` (padded T, R, P; default: the smallest) and the sampler.
+        """Compiles the forward for `shapes` (padded T, R, P; default: every bucket) and the sampler.
 
         Runs each program on padding-only inputs (no sequence, every slot -1), so the cache is
         untouched. Returns the number of programs compiled.
         """
         start, before = time.perf_counter(), self.guard.count
-        for t_pad, r_pad, p_pad in shapes or [
-            (self.buckets.tokens[0], self.buckets.seqs[0], self.buckets.pages[0])
-        ]:
+        for t_pad, r_pad, p_pad in tqdm(
+            shapes or self.buckets.shapes(), desc="vllm-xla warm-up", unit="shape"
+        ):
             inputs = padding_inputs(t_pad, r_pad, p_pad)
-            logits, self.kv_caches = self.guard.timed(
+            logits, self.kv_caches = self.guard.call(
                 ("forward", t_pad, r_pad, p_pad),
                 self._forward,
                 self.state,
@@ -150,9 +150,10 @@ class Runner:
             )
             for flags in warmup_flag_sets(self.config.max_logprobs):
                 tensors = self.sampling.dummy_tensors(flags, r_pad)
-                self.guard.timed(("sample", r_pad, flags), self._sample, logits, tensors, flags=flags)
+                self.guard.call(("sample", r_pad, flags), self._sample, logits, tensors, flags=flags)
         compiled = self.guard.count - before
         logger.info("warm-up compiled %d programs in %.1f s", compiled, time.perf_counter() - start)
+        self.guard.seal()
         return compiled
 
     # -- one engine step ------------------------------------------------------------------------
@@ -169,7 +170,7 @@ class Runner:
         inputs, plan = prepare_step(self.table, rows, num_scheduled, self.buckets, self.config.page_size)
         self.stats.steps += 1
         self.stats.partial_prefill_steps += int(not plan.emits_token.all())
-        logits, self.kv_caches = self.guard.timed(
+        logits, self.kv_caches = self.guard.call(
             ("forward", *plan.shape), self._forward, self.state, self.kv_caches, jax.device_put(inputs)
         )
         self._pending = _PendingStep(plan=plan, req_ids=req_ids, logits=logits)
@@ -188,7 +189,7 @@ class Runner:
             grammar_bitmasks=self._bitmask_rows(pending.req_ids, grammar_bitmasks),
         )
         self._step_index += 1
-        out = self.guard.timed(
+        out = self.guard.call(
             ("sample", plan.shape[1], flags), self._sample, pending.logits, tensors, flags=flags
         )
         return self._record(pending, out)

@@ -27,7 +27,12 @@ def test_buckets():
     assert round_up(17, (16, 32)) == 32
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         round_up(33, (16, 32))
-    assert _buckets().shape_for(5, 3, 3) == (16, 4, 4)
+    buckets = _buckets()
+    assert buckets.tokens == (1, 2, 4, 8, 16, 32, 64) and buckets.max_pages == 8
+    assert buckets.shape_for(5, 3) == (8, 8, 8) and buckets.shape_for(1, 1) == (1, 1, 8)
+    assert buckets.shape_for(33, 2) == (64, 8, 8)
+    with pytest.raises(ValueError, match="exceed max_num_seqs"):
+        buckets.shape_for(16, 9)
 
 
 def test_prefill_and_decode_mix():
@@ -38,15 +43,16 @@ def test_prefill_and_decode_mix():
     table.update(CachedRequest("b", None, False, 2, 1))
     inputs, plan = prepare_step(table, np.array([a, b]), np.array([5, 1]), _buckets(), PAGE)
     # a: positions 0..4, slots page7*4+0..3 = 28..31, then page 3 slot 12; b: position 2 -> page5*4+2 = 22
+    assert inputs.token_ids.shape == (8,) and inputs.page_indices.shape == (8, 8)
     assert inputs.token_ids[:6].tolist() == [10, 11, 12, 13, 14, 22]
     assert inputs.positions[:6].tolist() == [0, 1, 2, 3, 4, 2]
     assert inputs.slot_mapping[:6].tolist() == [28, 29, 30, 31, 12, 22]
-    assert (inputs.slot_mapping[6:] == -1).all() and inputs.token_ids.shape == (16,)
-    assert inputs.kv_lens.tolist() == [5, 3]
-    assert inputs.cu_q_lens.tolist() == [0, 5, 6]
-    assert inputs.logits_indices.tolist() == [4, 5]
-    assert inputs.page_indices.tolist() == [[7, 3], [5, 0]]
-    assert plan.emits_token.tolist() == [True, True] and plan.shape == (16, 2, 2)
+    assert (inputs.slot_mapping[6:] == -1).all()
+    assert inputs.kv_lens.tolist() == [5, 3, 0, 0, 0, 0, 0, 0]
+    assert inputs.cu_q_lens.tolist() == [0, 5, 6, 6, 6, 6, 6, 6, 6]
+    assert inputs.logits_indices[:2].tolist() == [4, 5]
+    assert inputs.page_indices[:2, :3].tolist() == [[7, 3, 0], [5, 0, 0]]
+    assert plan.emits_token.tolist() == [True, True] and plan.shape == (8, 8, 8)
 
 
 def test_partial_prefill_emits_nothing_and_prefix_hit_starts_late():
