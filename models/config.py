@@ -11,17 +11,23 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """Llama 3 style frequency-dependent RoPE scaling (`rope_type: llama3`)."""
+    """RoPE frequency scaling: `linear` (every frequency divided by `factor`) or `llama3`
+    (frequency-dependent; the other fields are used by `llama3` only)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Architecture hyper-parameters, frozen once parsed."""
+    """Architecture hyper-parameters, frozen once parsed.
+
+    `layer_sliding_windows[i]` is layer i's attention window (None: full attention); it is filled
+    with `(None,) * num_layers` when not given.
+    """
 
     architecture: str
     vocab_size: int
@@ -38,7 +44,21 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
-    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    layer_sliding_windows: tuple[int | None, ...] = ()
+    # RoPE base of the sliding-window layers when it differs from `rope_theta` (Gemma 3).
+    rope_local_theta: float | None = None
+    # Gemma 2/3: softmax scale `query_pre_attn_scalar ** -0.5` and tanh soft-capping.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE); 0 experts means a dense MLP in every layer.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -46,6 +66,31 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if not self.layer_sliding_windows:
+            object.__setattr__(self, "layer_sliding_windows", (None,) * self.num_layers)
+        if len(self.layer_sliding_windows) != self.num_layers:
+            raise ValueError(
+                f"{len(self.layer_sliding_windows)} per-layer sliding windows for {self.num_layers} layers"
+            )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..{self.num_experts}"
+            )
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window every layer shares (e.g. Mistral); None when no layer slides or when sliding
+        and full-attention layers alternate (Gemma 2/3: see `layer_sliding_windows`)."""
+        windows = set(self.layer_sliding_windows)
+        return windows.pop() if len(windows) == 1 else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer` uses routed experts rather than a dense MLP."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -54,12 +99,13 @@ class ModelConfig:
         if not architectures:
             raise ValueError("config.json has no 'architectures' entry; cannot choose a model class")
         num_heads = hf["num_attention_heads"]
+        num_layers = hf["num_hidden_layers"]
         return cls(
             architecture=architectures[0],
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
@@ -70,7 +116,18 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+            layer_sliding_windows=_layer_sliding_windows(hf, num_layers),
+            rope_local_theta=_rope_local_theta(hf),
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            attn_logit_softcap=hf.get("attn_logit_softcapping"),
+            final_logit_softcap=hf.get("final_logit_softcapping"),
+            num_experts=hf.get("num_local_experts") or hf.get("num_experts") or 0,
+            num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
         )
 
     @classmethod
@@ -80,12 +137,43 @@ class ModelConfig:
             return cls.from_hf_dict(json.load(f))
 
 
+def _layer_sliding_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    window = hf.get("sliding_window")
+    if window is None or not hf.get("use_sliding_window", True):
+        return (None,) * num_layers
+    layer_types = hf.get("layer_types") or _default_layer_types(hf, num_layers)
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def _default_layer_types(hf: dict[str, Any], num_layers: int) -> list[str]:
+    """HF's per-architecture layer pattern, for a `config.json` written before `layer_types` existed."""
+    model_type = hf.get("model_type")
+    if model_type == "gemma2":
+        sliding = [i % 2 == 0 for i in range(num_layers)]
+    elif model_type in ("gemma3", "gemma3_text"):
+        pattern = hf.get("sliding_window_pattern") or 6
+        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    elif "max_window_layers" in hf:  # Qwen2/Qwen3: the top layers slide
+        sliding = [i >= hf["max_window_layers"] for i in range(num_layers)]
+    else:  # Mistral, Mixtral: every layer
+        sliding = [True] * num_layers
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
 def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
-    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    """The RoPE parameters of the full-attention layers (Gemma 3 keys them by layer type)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return params.get("full_attention", params) or {}
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:
     return float(hf.get("rope_theta") or _rope_parameters(hf).get("rope_theta") or 10000.0)
+
+
+def _rope_local_theta(hf: dict[str, Any]) -> float | None:
+    params = hf.get("rope_parameters") or {}
+    local = hf.get("rope_local_base_freq") or (params.get("sliding_attention") or {}).get("rope_theta")
+    return None if local is None else float(local)
 
 
 def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
@@ -93,8 +181,12 @@ def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind == "default":
         return None
+    if kind == "linear":
+        return RopeScaling(factor=float(params["factor"]), rope_type="linear")
     if kind != "llama3":
-        raise ValueError(f"rope scaling type {kind!r} is not supported; supported: 'default', 'llama3'")
+        raise ValueError(
+            f"rope scaling type {kind!r} is not supported; supported: 'default', 'linear', 'llama3'"
+        )
     return RopeScaling(
         factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),

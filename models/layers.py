@@ -7,6 +7,10 @@ weights on every step, so stacking layers would cost a full weight copy per step
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,13 +38,18 @@ class Linear(nnx.Module):
 
 
 class Embedding(nnx.Module):
-    """Token embedding table `[V, D]`, also usable as a tied LM head."""
+    """Token embedding table `[V, D]`, also usable as a tied LM head.
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: jnp.dtype):
+    `scale` multiplies looked-up rows (Gemma: `sqrt(D)`, rounded to the table's dtype as HF does).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: jnp.dtype, scale: float | None = None):
         self.embedding = _zeros((vocab_size, hidden_size), dtype)
+        self.scale = scale
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], ids, axis=0)
+        x = jnp.take(self.embedding[...], ids, axis=0)  # [T, D]
+        return x if self.scale is None else x * jnp.asarray(self.scale, x.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         return jnp.einsum("td,vd->tv", x, self.embedding[...], preferred_element_type=jnp.float32)
@@ -62,10 +71,12 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """`[H / 2]` inverse frequencies, with Llama 3 scaling when configured."""
+    """`[H / 2]` inverse frequencies, with linear or Llama 3 scaling when configured."""
     inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if scaling is None:
         return inv.astype(np.float32)
+    if scaling.rope_type == "linear":
+        return (inv / scaling.factor).astype(np.float32)
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * np.pi / inv
@@ -76,6 +87,17 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling |
     medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
     blended = (1 - smooth) * inv / scaling.factor + smooth * inv
     return np.where(medium, blended, scaled).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rope:
+    """One layer's rotary embedding: base `theta` and optional frequency scaling."""
+
+    theta: float
+    scaling: RopeScaling | None = None
+
+    def inverse_frequencies(self, head_dim: int) -> np.ndarray:
+        return rope_inverse_frequencies(head_dim, self.theta, self.scaling)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -89,19 +111,43 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 class PagedAttention(nnx.Module):
-    """Grouped-query self-attention over the paged KV cache, with RoPE."""
+    """Grouped-query self-attention over the paged KV cache, with RoPE.
 
-    def __init__(self, config: ModelConfig, *, dtype: jnp.dtype, sliding_window: int | None = None):
+    Options cover every supported architecture: q/k/v and output biases (default
+    `config.attention_bias`), RMSNorm of each q/k head before RoPE (Qwen3, Gemma 3; `(1 + w)` with
+    `norm_unit_offset`), the softmax scale (default `H ** -0.5`), tanh soft-capping of the scores,
+    a sliding window and the layer's RoPE (default `config.rope_theta` / `config.rope_scaling`).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: jnp.dtype,
+        sliding_window: int | None = None,
+        qkv_bias: bool | None = None,
+        out_bias: bool | None = None,
+        qk_norm: bool = False,
+        norm_unit_offset: bool = False,
+        sm_scale: float | None = None,
+        soft_cap: float | None = None,
+        rope: Rope | None = None,
+    ):
         d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        bias = config.attention_bias
-        self.q_proj = Linear(d, n * h, bias=bias, dtype=dtype)
-        self.k_proj = Linear(d, k * h, bias=bias, dtype=dtype)
-        self.v_proj = Linear(d, k * h, bias=bias, dtype=dtype)
-        self.o_proj = Linear(n * h, d, bias=False, dtype=dtype)
+        qkv_bias = config.attention_bias if qkv_bias is None else qkv_bias
+        out_bias = config.attention_bias if out_bias is None else out_bias
+        self.q_proj = Linear(d, n * h, bias=qkv_bias, dtype=dtype)
+        self.k_proj = Linear(d, k * h, bias=qkv_bias, dtype=dtype)
+        self.v_proj = Linear(d, k * h, bias=qkv_bias, dtype=dtype)
+        self.o_proj = Linear(n * h, d, bias=out_bias, dtype=dtype)
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(h, eps=eps, dtype=dtype, unit_offset=norm_unit_offset) if qk_norm else None
+        self.k_norm = RMSNorm(h, eps=eps, dtype=dtype, unit_offset=norm_unit_offset) if qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
-        self.rope_theta, self.rope_scaling = config.rope_theta, config.rope_scaling
+        self.rope = rope or Rope(config.rope_theta, config.rope_scaling)
         self.sliding_window = sliding_window
-        self.sm_scale = h**-0.5
+        self.sm_scale = h**-0.5 if sm_scale is None else sm_scale
+        self.soft_cap = soft_cap
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
@@ -110,24 +156,196 @@ class PagedAttention(nnx.Module):
         q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)  # [T, N, H]
         k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)  # [T, K, H]
         v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)  # [T, K, H]
-        inv_freq = rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = self.rope.inverse_frequencies(self.head_dim)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         kv_cache = write_kv(kv_cache, k, v, md.slot_mapping, backend=md.backend)
         o = ragged_paged_attention(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
-            sm_scale=self.sm_scale, sliding_window=self.sliding_window, backend=md.backend,
+            sm_scale=self.sm_scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
+            backend=md.backend,
         )  # fmt: skip
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), kv_cache
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), kv_cache  # [T, D]
+
+
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    """The elementwise function of HF's `hidden_act` name, or a ValueError listing the known ones."""
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"activation {name!r} is not supported; supported: {sorted(_ACTIVATIONS)}") from None
 
 
 class GatedMLP(nnx.Module):
-    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+    """Gated MLP: `down(act(gate(x)) * up(x))` (SwiGLU with silu, GeGLU with gelu)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool, dtype: jnp.dtype):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, *, bias: bool, dtype: jnp.dtype, act: str = "silu"
+    ):
+        activation(act)  # fail at build time on an unknown name
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.act = act
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, *, dtype: jnp.dtype) -> GatedMLP:
+        """The dense MLP of `config`: `intermediate_size`, `mlp_bias`, `hidden_act`."""
+        return cls(
+            config.hidden_size,
+            config.intermediate_size,
+            bias=config.mlp_bias,
+            dtype=dtype,
+            act=config.hidden_act,
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block (Llama, Qwen, Mistral, Mixtral): `x += attn(norm(x)); x += mlp(norm(x))`."""
+
+    def __init__(self, config: ModelConfig, self_attn: PagedAttention, mlp: nnx.Module, *, dtype: jnp.dtype):
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
+        self.mlp = mlp
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
+    ) -> tuple[jax.Array, jax.Array]:
+        attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+
+
+class SandwichDecoderLayer(nnx.Module):
+    """Gemma 2/3 block: `(1 + w)` RMSNorms both before and after attention and the MLP."""
+
+    def __init__(self, config: ModelConfig, self_attn: PagedAttention, mlp: nnx.Module, *, dtype: jnp.dtype):
+        def norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, unit_offset=True)
+
+        self.input_layernorm = norm()
+        self.self_attn = self_attn
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        self.mlp = mlp
+        self.post_feedforward_layernorm = norm()
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
+    ) -> tuple[jax.Array, jax.Array]:
+        attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv_cache
+
+
+class DecoderModel(nnx.Module):
+    """The trunk every decoder-only model shares: `embed_tokens -> layers -> norm`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layers: Sequence[nnx.Module],
+        *,
+        dtype: jnp.dtype,
+        embed_scale: float | None = None,
+        norm_unit_offset: bool = False,
+    ):
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, scale=embed_scale)
+        self.layers = nnx.List(layers)
+        eps = config.rms_norm_eps
+        self.norm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype, unit_offset=norm_unit_offset)
+
+    def __call__(
+        self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[jax.Array], md: AttentionMetadata
+    ) -> tuple[jax.Array, list[jax.Array]]:
+        x = self.embed_tokens(input_ids)  # [T, D]
+        new_caches = []
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, kv_cache = layer(x, positions, kv_cache, md)
+            new_caches.append(kv_cache)
+        return self.norm(x), new_caches
+
+
+class CausalLM(nnx.Module):
+    """A `DecoderModel` under an LM head (tied to the embedding or not); the base of every model.
+
+    Subclasses build their layers and set `hf_param_map` (HF checkpoint name -> our parameter path).
+    `final_soft_cap` tanh-caps the logits (Gemma 2/3).
+    """
+
+    hf_param_map: ClassVar[dict[str, str]] = {}
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layers: Sequence[nnx.Module],
+        *,
+        dtype: jnp.dtype,
+        embed_scale: float | None = None,
+        norm_unit_offset: bool = False,
+        final_soft_cap: float | None = None,
+    ):
+        self.config = config
+        self.model = DecoderModel(
+            config, layers, dtype=dtype, embed_scale=embed_scale, norm_unit_offset=norm_unit_offset
+        )
+        tied = config.tie_word_embeddings
+        self.lm_head = (
+            None if tied else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        )
+        self.final_soft_cap = final_soft_cap
+
+    def __call__(
+        self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[jax.Array], md: AttentionMetadata
+    ) -> tuple[jax.Array, list[jax.Array]]:
+        return self.model(input_ids, positions, kv_caches, md)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """`[R, D]` hidden states to float32 logits `[R, V]`."""
+        if self.lm_head is None:
+            logits = self.model.embed_tokens.attend(hidden)
+        else:
+            logits = jnp.einsum(
+                "td,dv->tv", hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32
+            )
+        if self.final_soft_cap is not None:
+            logits = self.final_soft_cap * jnp.tanh(logits / self.final_soft_cap)
+        return logits
+
+
+ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP_LINEARS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def decoder_hf_param_map(*, linears: Iterable[str], norms: Iterable[str]) -> dict[str, str]:
+    """HF names -> ours for the trunk and the given per-layer modules (paths under `model.layers.{i}.`,
+    spelled as in HF, which ours mirror). A Linear's HF `weight` `[out, in]` fills our `kernel`
+    (transposed on load) and its `bias` our `bias`; a norm's `weight` fills our `weight`."""
+    table = {
+        "model.embed_tokens.weight": "model.embed_tokens.embedding",
+        "model.norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.kernel",
+    }
+    layer = "model.layers.{i}"
+    for name in linears:
+        table[f"{layer}.{name}.weight"] = f"{layer}.{name}.kernel"
+        table[f"{layer}.{name}.bias"] = f"{layer}.{name}.bias"
+    for name in norms:
+        table[f"{layer}.{name}.weight"] = f"{layer}.{name}.weight"
+    return table

@@ -56,47 +56,83 @@ def iter_checkpoint(path: str) -> Iterator[tuple[str, np.ndarray | jax.Array]]:
 def _compile_param_map(hf_param_map: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
     compiled = []
     for hf, ours in hf_param_map.items():
-        pattern = re.escape(hf).replace(re.escape("{i}"), r"(?P<i>\d+)")
+        pattern = re.escape(hf)
+        for key in ("i", "e"):
+            pattern = pattern.replace(re.escape(f"{{{key}}}"), rf"(?P<{key}>\d+)")
         compiled.append((re.compile(pattern + "$"), ours))
     return compiled
 
 
-def _our_name(hf: str, compiled: list[tuple[re.Pattern[str], str]]) -> str | None:
+def _our_name(hf: str, compiled: list[tuple[re.Pattern[str], str]]) -> tuple[str, int | None] | None:
+    """Our parameter path for `hf`, and the expert slot it fills (None: the whole parameter)."""
     for pattern, ours in compiled:
         match = pattern.match(hf)
         if match:
-            return ours.replace("{i}", match.group("i")) if "i" in match.groupdict() else ours
+            groups = match.groupdict()
+            if "i" in groups:
+                ours = ours.replace("{i}", groups["i"])
+            return ours, int(groups["e"]) if "e" in groups else None
     return None
+
+
+def _stack_experts(
+    stacked: dict[str, np.ndarray], filled: dict[str, set[int]], ours: str, expert: int, value: jax.Array,
+    current: jax.Array, hf: str,
+) -> None:  # fmt: skip
+    if value.shape != current.shape[1:] or not 0 <= expert < current.shape[0]:
+        raise ValueError(
+            f"checkpoint tensor {hf!r} has shape {value.shape} for expert {expert}, "
+            f"expected {current.shape[1:]} for one of {current.shape[0]} experts"
+        )
+    if ours not in stacked:
+        stacked[ours] = np.zeros(current.shape, current.dtype)
+        filled[ours] = set()
+    stacked[ours][expert] = np.asarray(value.astype(current.dtype))
+    filled[ours].add(expert)
 
 
 def load_weights(model: nnx.Module, path: str) -> None:
     """Fills every parameter of `model` from the checkpoint at `path`.
 
-    Linear weights (HF `[out, in]`) are transposed to our `[in, out]` kernels and every tensor is
-    cast to the parameter's dtype. A checkpoint tensor with no home, a missing parameter or a shape
-    mismatch is an error naming the tensor.
+    Driven by the model's `hf_param_map`. Linear weights (HF `[out, in]`) are transposed to our
+    `[in, out]` kernels and every tensor is cast to the parameter's dtype. An HF name with an
+    `{e}` field is one expert's tensor: it fills slot e of our expert-stacked `[E, ...]` parameter,
+    which is stored once all E slots are filled. A checkpoint tensor with no home, a missing
+    parameter or expert, or a shape mismatch is an error naming the tensor.
     """
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     by_name = {".".join(str(p) for p in key): var for key, var in params.items()}
     compiled = _compile_param_map(type(model).hf_param_map)
     tied = getattr(model.config, "tie_word_embeddings", False)
     filled: set[str] = set()
+    stacked: dict[str, np.ndarray] = {}
+    experts_filled: dict[str, set[int]] = {}
     for hf, array in iter_checkpoint(path):
-        ours = _our_name(hf, compiled)
-        if ours is None or ours not in by_name:
+        found = _our_name(hf, compiled)
+        if found is None or found[0] not in by_name:
             if any(p.match(hf) for p in _IGNORED) or (tied and hf == "lm_head.weight"):
                 continue
             raise ValueError(
                 f"checkpoint tensor {hf!r} in {path!r} has no parameter in {type(model).__name__}"
             )
+        ours, expert = found
         var = by_name[ours]
         value = jnp.asarray(array)
         if ours.endswith("kernel"):
             value = value.T
         current = var.get_value()
+        if expert is not None:
+            _stack_experts(stacked, experts_filled, ours, expert, value, current, hf)
+            continue
         if value.shape != current.shape:
             raise ValueError(f"checkpoint tensor {hf!r} has shape {value.shape}, expected {current.shape}")
         var.set_value(value.astype(current.dtype))
+        filled.add(ours)
+    for ours, array in stacked.items():
+        if len(experts_filled[ours]) != array.shape[0]:
+            absent = sorted(set(range(array.shape[0])) - experts_filled[ours])
+            raise ValueError(f"checkpoint {path!r} lacks experts {absent[:8]} of {ours!r}")
+        by_name[ours].set_value(jnp.asarray(array))
         filled.add(ours)
     missing = sorted(set(by_name) - filled)
     if missing:

@@ -7,11 +7,23 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
+from models.gemma2 import Gemma2ForCausalLM
+from models.gemma3 import Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
+from models.mixtral import MixtralForCausalLM
+from models.qwen2 import Qwen2ForCausalLM
+from models.qwen3 import Qwen3ForCausalLM
+from models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODEL_CLASSES: dict[str, type[nnx.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_MODEL_CLASSES))
 

@@ -126,7 +126,7 @@ def ragged_paged_attention_reference(
     batch = ((0, 1), (0, 1))
 
     def chunk(c, carry):
-        m, l, acc = carry  # [K, T, G], [K, T, G], [K, T, G, D]
+        m, denom, acc = carry  # [K, T, G], [K, T, G], [K, T, G, D]
         pages = lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages, axis=1)[seq]  # [T, C]
         rows = jnp.take(kv_cache, pages.reshape(-1), axis=1, mode="clip")  # [2K, T * C, S * D]
         rows = decode_kv(rows).reshape(num_rows, num_tokens, chunk_len, head_dim)
@@ -143,11 +143,11 @@ def ragged_paged_attention_reference(
         p = jnp.where(visible, jnp.exp(scores - m_new[:, :, None, :]), 0.0)  # [K, T, Lc, G]
         alpha = jnp.exp(m - m_new)
         pv = lax.dot_general(p, v, (((2,), (2,)), batch))  # [K, T, G, D]
-        return m_new, l * alpha + jnp.sum(p, axis=2), acc * alpha[..., None] + pv
+        return m_new, denom * alpha + jnp.sum(p, axis=2), acc * alpha[..., None] + pv
 
     shape = (num_kv_heads, num_tokens, group)
     init = (jnp.full(shape, MASK_VALUE), jnp.zeros(shape), jnp.zeros((*shape, head_dim)))
     longest = jnp.max(jnp.where(jnp.arange(num_seq_slots) < num_seqs, kv_lens, 0))
-    _, l, acc = lax.fori_loop(0, (longest + chunk_len - 1) // chunk_len, chunk, init)
-    out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)  # [K, T, G, D]
+    _, denom, acc = lax.fori_loop(0, (longest + chunk_len - 1) // chunk_len, chunk, init)
+    out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)  # [K, T, G, D]
     return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
