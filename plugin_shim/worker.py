@@ -12,6 +12,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from plugin_shim import translate
+from plugin_shim.logits_processors import LogitsProcessorBridge
 from tpu_platform.envs import read_env
 from tpu_platform.runner import Runner, RunnerConfig
 
@@ -50,6 +51,7 @@ class XlaWorker(WorkerBase):
                 max_logprobs=mc.max_logprobs,
             )
         )
+        self.logits_bridge = LogitsProcessorBridge.load(self.vllm_config)
         logger.info("vllm-xla worker drives JAX devices: %s", ", ".join(str(d) for d in jax.devices()))
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
@@ -92,10 +94,17 @@ class XlaWorker(WorkerBase):
 
     def execute_model(self, scheduler_output):
         self.runner.execute(translate.batch_update(scheduler_output))
+        if self.logits_bridge is not None:
+            self.logits_bridge.update(scheduler_output, self.runner.table.row_of)
         return None
 
     def sample_tokens(self, grammar_output):
-        result = self.runner.sample(translate.grammar_bitmasks(grammar_output))
+        bridge = self.logits_bridge
+        result = self.runner.sample(
+            translate.grammar_bitmasks(grammar_output), logits_transform=bridge.apply if bridge else None
+        )
+        if bridge is not None:
+            bridge.record(result)
         return translate.model_runner_output(result)
 
     def runner_stats(self) -> dict[str, float]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 import logging
 import time
 
@@ -175,8 +176,16 @@ class Runner:
         )
         self._pending = _PendingStep(plan=plan, req_ids=req_ids, logits=logits)
 
-    def sample(self, grammar_bitmasks: dict[str, np.ndarray] | None = None) -> StepResult:
-        """Samples the pending step's logits and records the new tokens."""
+    def sample(
+        self,
+        grammar_bitmasks: dict[str, np.ndarray] | None = None,
+        logits_transform: Callable[[jax.Array, np.ndarray, bool], jax.Array] | None = None,
+    ) -> StepResult:
+        """Samples the pending step's logits and records the new tokens.
+
+        `logits_transform(logits, table_rows, all_greedy)`, when given, rewrites the logits
+        before sampling (the hook for host-side logits processors).
+        """
         pending, self._pending = self._pending, None
         if pending is None:
             return StepResult(req_ids=[], sampled_token_ids=[])
@@ -189,9 +198,10 @@ class Runner:
             grammar_bitmasks=self._bitmask_rows(pending.req_ids, grammar_bitmasks),
         )
         self._step_index += 1
-        out = self.guard.call(
-            ("sample", plan.shape[1], flags), self._sample, pending.logits, tensors, flags=flags
-        )
+        logits = pending.logits
+        if logits_transform is not None:
+            logits = logits_transform(logits, plan.rows, flags.all_greedy)
+        out = self.guard.call(("sample", plan.shape[1], flags), self._sample, logits, tensors, flags=flags)
         return self._record(pending, out)
 
     def _bitmask_rows(
