@@ -66,10 +66,14 @@ def write_kv_reference(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_map
     )
 
 
-def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
-    """Index of the sequence each of `num_tokens` rows belongs to (`[T]`, int32)."""
-    starts = cu_q_lens[1:]  # [R]
-    return jnp.sum(jnp.arange(num_tokens)[:, None] >= starts[None, :], axis=1).astype(jnp.int32)
+def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int, num_seqs: jax.Array) -> jax.Array:
+    """Index of the sequence each of `num_tokens` rows belongs to (`[T]`, int32).
+
+    Entries of `cu_q_lens` past `num_seqs` are ignored (they may hold anything).
+    """
+    ends = cu_q_lens[1:]  # [R]
+    ends = jnp.where(jnp.arange(ends.shape[0]) < num_seqs, ends, jnp.iinfo(jnp.int32).max)
+    return jnp.sum(jnp.arange(num_tokens)[:, None] >= ends[None, :], axis=1).astype(jnp.int32)
 
 
 def ragged_paged_attention_reference(
@@ -117,8 +121,9 @@ def ragged_paged_attention_reference(
     chunk_len = chunk_pages * page_size
     num_seqs = jnp.reshape(num_seqs, ())
 
-    seq = jnp.minimum(token_sequence_ids(cu_q_lens, num_tokens), num_seq_slots - 1)  # [T]
-    valid = (jnp.arange(num_tokens) < cu_q_lens[num_seqs]) & (seq < num_seqs)  # [T]
+    seq_raw = token_sequence_ids(cu_q_lens, num_tokens, num_seqs)  # [T]
+    valid = (jnp.arange(num_tokens) < cu_q_lens[num_seqs]) & (seq_raw < num_seqs)  # [T]
+    seq = jnp.minimum(seq_raw, num_seq_slots - 1)
     position = kv_lens[seq] - (cu_q_lens[seq + 1] - jnp.arange(num_tokens))  # [T] query positions
     padded_pages = -(-pages_per_seq // chunk_pages) * chunk_pages
     table = jnp.pad(page_indices, ((0, 0), (0, padded_pages - pages_per_seq)))  # [R, P']

@@ -94,7 +94,8 @@ def grammar_bitmasks(grammar: GrammarOutput | None) -> dict[str, np.ndarray]:
 
 def model_runner_output(result: StepResult) -> ModelRunnerOutput:
     """vLLM's `ModelRunnerOutput` for a runner step."""
-    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
+    import torch
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, LogprobsTensors, ModelRunnerOutput
 
     if not result.req_ids:
         return EMPTY_MODEL_RUNNER_OUTPUT
@@ -107,6 +108,10 @@ def model_runner_output(result: StepResult) -> ModelRunnerOutput:
         req_id_to_index={r: i for i, r in enumerate(result.req_ids)},
         sampled_token_ids=result.sampled_token_ids,
         logprobs=logprobs,
+        prompt_logprobs_dict={
+            req_id: LogprobsTensors(torch.from_numpy(ids), torch.from_numpy(lps), torch.from_numpy(ranks))
+            for req_id, (ids, lps, ranks) in result.prompt_logprobs.items()
+        },
     )
 
 

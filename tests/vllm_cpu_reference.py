@@ -20,6 +20,7 @@ CASES = {
     "logit_bias": dict(temperature=0.0, max_tokens=8, logit_bias={100: 30.0, 101: 5.0}),
     "allowed": dict(temperature=0.0, max_tokens=8, allowed_token_ids=[7, 8, 9, 10, 11]),
     "min_tokens": dict(temperature=0.0, max_tokens=6, min_tokens=4, stop_token_ids=[2]),
+    "prompt_logprobs": dict(temperature=0.0, max_tokens=2, prompt_logprobs=2),
 }
 
 
@@ -37,6 +38,9 @@ def run_cases(llm) -> dict:
                 "token_ids": list(o.outputs[0].token_ids),
                 "logprobs": [
                     {str(t): lp.logprob for t, lp in step.items()} for step in (o.outputs[0].logprobs or [])
+                ],
+                "prompt_logprobs": [
+                    {str(t): lp.logprob for t, lp in step.items()} for step in (o.prompt_logprobs or [])[1:]
                 ],
             }
             for o in outputs

@@ -63,3 +63,7 @@ class StepResult:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: StepLogprobs | None = None
+    # Requests whose prompt finished this step: (ids [P - 1, N + 1], logprobs, ranks [P - 1]).
+    prompt_logprobs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(
+        default_factory=dict
+    )

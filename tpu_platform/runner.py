@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 import logging
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ from tpu_platform.buckets import StepBuckets
 from tpu_platform.compile import CompileGuard, enable_persistent_cache
 from tpu_platform.inputs import StepPlan, padding_inputs, prepare_step
 from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes
+from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplingBatch, warmup_flag_sets
 from tpu_platform.step import make_forward, make_sampler
@@ -61,6 +62,7 @@ class _PendingStep:
     plan: StepPlan
     req_ids: list[str]
     logits: jax.Array
+    prompt_logprobs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None
 
 
 class Runner:
@@ -95,6 +97,8 @@ class Runner:
         graphdef, state = nnx.split(model)
         self.state = jax.device_put(state, self.device)
         self._forward = make_forward(graphdef, self.backend)
+        self._prompt_logprobs = make_prompt_logprobs(graphdef)
+        self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)
         self._sample = make_sampler()
         self.sampling = SamplingBatch(
             max_num_reqs=self.config.max_num_seqs,
@@ -142,7 +146,7 @@ class Runner:
             shapes or self.buckets.shapes(), desc="vllm-xla warm-up", unit="shape"
         ):
             inputs = padding_inputs(t_pad, r_pad, p_pad)
-            logits, self.kv_caches = self.guard.call(
+            logits, _, self.kv_caches = self.guard.call(
                 ("forward", t_pad, r_pad, p_pad),
                 self._forward,
                 self.state,
@@ -171,10 +175,15 @@ class Runner:
         inputs, plan = prepare_step(self.table, rows, num_scheduled, self.buckets, self.config.page_size)
         self.stats.steps += 1
         self.stats.partial_prefill_steps += int(not plan.emits_token.all())
-        logits, self.kv_caches = self.guard.call(
+        logits, hidden, self.kv_caches = self.guard.call(
             ("forward", *plan.shape), self._forward, self.state, self.kv_caches, jax.device_put(inputs)
         )
-        self._pending = _PendingStep(plan=plan, req_ids=req_ids, logits=logits)
+        prompt = None
+        if self.prompt_logprobs.wanted_in(req_ids):
+            prompt = self.prompt_logprobs.collect(
+                self._prompt_logprobs, self.state, hidden, self.table, req_ids, rows, inputs.cu_q_lens
+            )
+        self._pending = _PendingStep(plan=plan, req_ids=req_ids, logits=logits, prompt_logprobs=prompt)
 
     def sample(
         self,
@@ -229,18 +238,25 @@ class Runner:
                 logprobs=np.asarray(out.logprobs)[:n],
                 ranks=np.asarray(out.sampled_token_ranks)[:n],
             )
-        return StepResult(req_ids=pending.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+        return StepResult(
+            req_ids=pending.req_ids,
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=pending.prompt_logprobs or {},
+        )
 
     def _apply(self, update: BatchUpdate) -> None:
         self.stats.preempted_requests += len(update.preempted_req_ids)
         for req_id in update.finished_req_ids:
             row = self.table.remove(req_id)
+            self.prompt_logprobs.remove(req_id)
             if row is not None:
                 self.sampling.remove_request(row)
         for request in update.new_requests:
             self.stats.prefix_cache_hits += int(request.num_computed_tokens > 0)
             row = self.table.add(request)
             self.sampling.add_request(row, request.sampling)
+            self.prompt_logprobs.add(request.req_id, request.sampling.prompt_logprobs)
         for request in update.cached_requests:
             self.stats.resumed_requests += int(request.resumed)
             self.table.update(request)

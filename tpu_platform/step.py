@@ -16,8 +16,12 @@ from tpu_platform.sampling import SamplerFlags, sample
 
 def forward_logits(
     graphdef: nnx.GraphDef, state: nnx.State, kv_caches: list[jax.Array], inputs: StepInputs, backend: str
-) -> tuple[jax.Array, list[jax.Array]]:
-    """Runs the model on all scheduled tokens; returns `[R, V]` float32 logits and the new caches."""
+) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+    """Runs the model on all scheduled tokens.
+
+    Returns the `[R, V]` float32 logits of the rows to sample, the `[T, D]` hidden states of every
+    token (for prompt logprobs) and the new caches.
+    """
     model = nnx.merge(graphdef, state)
     md = AttentionMetadata(
         slot_mapping=inputs.slot_mapping,
@@ -28,11 +32,11 @@ def forward_logits(
         backend=backend,
     )
     hidden, kv_caches = model(inputs.token_ids, inputs.positions, kv_caches, md)
-    return model.compute_logits(hidden[inputs.logits_indices]), kv_caches
+    return model.compute_logits(hidden[inputs.logits_indices]), hidden, kv_caches
 
 
 def make_forward(graphdef: nnx.GraphDef, backend: str) -> Callable:
-    """`forward(state, kv_caches, inputs) -> (logits, kv_caches)`, jitted, caches donated."""
+    """`forward(state, kv_caches, inputs) -> (logits, hidden, kv_caches)`, jitted, caches donated."""
     return jax.jit(functools.partial(forward_logits, graphdef, backend=backend), donate_argnums=(1,))
 
 

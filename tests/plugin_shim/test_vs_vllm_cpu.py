@@ -58,10 +58,14 @@ def test_same_tokens_as_vllm_cpu_backend(case, reference, our_results):
     assert [r["token_ids"] for r in our_results[case]] == [r["token_ids"] for r in reference[case]]
 
 
-def test_logprobs_match_vllm_cpu_backend(reference, our_results):
-    for ours, theirs in zip(our_results["greedy_logprobs"], reference["greedy_logprobs"], strict=True):
-        assert len(ours["logprobs"]) == len(theirs["logprobs"]) == 10
-        for step_ours, step_theirs in zip(ours["logprobs"], theirs["logprobs"], strict=True):
+@pytest.mark.parametrize(
+    ("case", "key", "length"),
+    [("greedy_logprobs", "logprobs", 10), ("prompt_logprobs", "prompt_logprobs", None)],
+)
+def test_logprobs_match_vllm_cpu_backend(reference, our_results, case, key, length):
+    for ours, theirs in zip(our_results[case], reference[case], strict=True):
+        assert len(ours[key]) == len(theirs[key]) == (length or len(theirs[key])) > 0
+        for step_ours, step_theirs in zip(ours[key], theirs[key], strict=True):
             assert step_ours.keys() == step_theirs.keys()
             for token, value in step_theirs.items():
                 assert abs(step_ours[token] - value) <= 1e-3

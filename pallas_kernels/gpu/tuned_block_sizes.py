@@ -1,0 +1,42 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Default tuning knobs of the Pallas Triton ragged paged attention kernel.
+
+NOT measured on hardware: nothing in this repository has run on a GPU yet. The values are
+first guesses, to be replaced by a sweep on real GPUs (A100/H100/L4):
+
+* KV blocks of 64 tokens (`num_kv_pages_per_block * page_size`): two `[64, D]` tiles plus the
+  `[M, 64]` scores fit the register file at 4 warps for D <= 128, as in flash-decoding kernels;
+* up to 16 query rows per program for prefill-heavy batches; for decode buckets (one query per
+  sequence) a single row, so that a program's M = G rows (padded to 16 for `tl.dot`) are all
+  one sequence's query heads;
+* KV splits (flash-decoding): 8 for decode buckets, where the grid would otherwise have only
+  R x K programs, 1 when the query rows alone give enough programs;
+* num_warps 4, num_stages 2 (Triton's software-pipelining depth for the page loads).
+"""
+
+from __future__ import annotations
+
+TOKENS_PER_KV_BLOCK = 64
+QUERIES_PER_BLOCK_PREFILL = 16
+QUERIES_PER_BLOCK_DECODE = 1
+KV_SPLITS_DECODE = 8
+KV_SPLITS_PREFILL = 1
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def get_block_sizes(
+    *, page_size: int, pages_per_seq: int, num_tokens: int, max_num_seqs: int
+) -> tuple[int, int, int]:
+    """(num_kv_pages_per_block, num_queries_per_block, num_kv_splits) for these static shapes."""
+    pages = _pow2_floor(max(1, TOKENS_PER_KV_BLOCK // page_size))
+    pages = min(pages, _pow2_floor(pages_per_seq))
+    decode_only = num_tokens <= max_num_seqs
+    queries = QUERIES_PER_BLOCK_DECODE if decode_only else QUERIES_PER_BLOCK_PREFILL
+    splits = KV_SPLITS_DECODE if decode_only else KV_SPLITS_PREFILL
+    blocks_per_seq = -(-pages_per_seq // pages)
+    return pages, queries, max(1, min(splits, blocks_per_seq))

@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""KV cache layout of the Mosaic TPU backend, and its KV write.
+
+Layout (one array per layer): `[num_pages, 2 * K, S, Dp]`, with Dp = D rounded up to 128.
+In page p, kv head h keeps its K rows in `[p, 2h]` and its V rows in `[p, 2h + 1]`: K and V
+are interleaved head by head, and each is one `[S, Dp]` slab. Lanes D..Dp-1 stay zero.
+
+Why this layout (TPU tiling, see notes/pallas-on-cpu.md):
+* One page of one layer is one contiguous `2K * S * Dp` chunk, so the kernel fetches K and V of
+  every head with a single DMA per page: half the descriptors and semaphore waits of separate
+  K and V arrays, and the block table is read once per page.
+* The two minor dims of every slab are `(S, Dp)`: a whole number of `(8, 128)` f32 or `(16, 128)`
+  bf16 tiles whatever K is, so the VMEM buffers carry no padding and the kernel picks a head's K
+  or V with a plain index on an untiled axis. (Putting `2K` on the second-minor axis, as
+  `[.., S, 2K, D]`, pads each tile 4x when K = 1 and needs strided sublane loads plus bf16
+  bit tricks to separate K from V.)
+* Dp = 128 fills the 128 lanes of a vreg and the MXU's contraction width; a VMEM buffer with a
+  64-wide last dim would be padded to 128 lanes anyway. The price is 2x HBM for D = 64 models.
+
+Axis letters: T tokens, K kv heads, S page size, D head dim, Dp padded head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+LANES = 128
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """`head_dim` rounded up to a multiple of 128 lanes."""
+    return -(-head_dim // LANES) * LANES
+
+
+def allocate_kv_cache(
+    num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
+) -> jax.Array:
+    """A zeroed cache `[num_pages, 2K, S, Dp]` for one layer."""
+    for name, value in (
+        ("num_pages", num_pages),
+        ("page_size", page_size),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    return jnp.zeros((num_pages, 2 * num_kv_heads, page_size, padded_head_dim(head_dim)), dtype)
+
+
+def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Writes k, v `[T, K, D]` at `slot_mapping[T]` (page * S + offset) into `[num_pages, 2K, S, Dp]`.
+
+    Negative slots are padding and write nothing. One XLA scatter: in place when the caller's
+    jit donates `kv_cache`.
+    """
+    if kv_cache.ndim != 4 or k.ndim != 3 or k.shape != v.shape:
+        raise ValueError(
+            f"write_kv wants kv_cache [num_pages, 2K, S, Dp] and k, v [T, K, D]; got kv_cache "
+            f"{kv_cache.shape}, k {k.shape}, v {v.shape}"
+        )
+    num_pages, num_rows, page_size, lanes = kv_cache.shape
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_rows != 2 * num_kv_heads or lanes != padded_head_dim(head_dim):
+        raise ValueError(
+            f"kv_cache {kv_cache.shape} does not hold k/v {k.shape}: expected "
+            f"[num_pages, {2 * num_kv_heads}, S, {padded_head_dim(head_dim)}]"
+        )
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping {slot_mapping.shape} must be [T] = ({num_tokens},)")
+    kv = jnp.stack([k, v], axis=2).reshape(num_tokens, num_rows, head_dim)  # [T, 2K, D]: k0 v0 k1 v1..
+    kv = jnp.pad(kv.astype(kv_cache.dtype), ((0, 0), (0, 0), (0, lanes - head_dim)))  # [T, 2K, Dp]
+    slot_mapping = slot_mapping.astype(jnp.int32)
+    page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range: dropped
+    offset = slot_mapping % page_size
+    return kv_cache.at[page, :, offset, :].set(kv, mode="drop", unique_indices=True)

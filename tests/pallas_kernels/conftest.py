@@ -1,0 +1,214 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared inputs for the paged-attention tests: a sampled grid of ragged batches and their builder.
+
+A test that takes a `case` argument is parametrized over GRID, one that takes `small_case` over
+SMALL_GRID (see pytest_generate_tests), so the TPU and GPU kernel tests run the same batches.
+Every axis value of the issue's grid appears at least once: page size 16/32/128, head dim
+64/128, Hq/Hkv 1/3/4/8, decode-only, prefill-only and mixed batches, zero-length padding slots
+(num_seqs < R), lengths that are exact page multiples, contexts up to 2048, sliding window and
+soft cap on and off, float32 and bfloat16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import api
+
+# Largest |kernel - reference| allowed, relative to max |reference| (outputs are O(1)).
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One ragged batch. Sequences beyond len(q_lens) up to num_slots are padding slots."""
+
+    name: str
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    num_slots: int
+    page_size: int
+    head_dim: int
+    num_kv_heads: int
+    group: int  # query heads per kv head (Hq / Hkv)
+    dtype: type = jnp.float32
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    pad_tokens: int = 3  # padding query rows after the last sequence
+    tpu_tuning: tuple[tuple[str, int], ...] = ()
+    gpu_tuning: tuple[tuple[str, int], ...] = ()
+    seed: int = 0
+
+
+# fmt: off
+GRID = (
+    # name, q_lens, kv_lens, R, S, D, K, G, dtype, ...
+    Case("decode_p16_d128_g4_2k", (1, 1, 1, 1, 1), (1, 17, 32, 200, 2048), 8, 16, 128, 2, 4),
+    Case("prefill_p32_d64_g8_bf16_cap", (7, 32, 50), (7, 32, 50), 4, 32, 64, 1, 8, jnp.bfloat16,
+         soft_cap=2.0),
+    Case("mixed_p128_d128_g3_window", (1, 19, 1, 40), (70, 83, 128, 300), 6, 128, 128, 2, 3,
+         sliding_window=48),
+    Case("mixed_p16_d64_g1_bf16_window_cap", (33, 1), (1057, 2000), 2, 16, 64, 4, 1, jnp.bfloat16,
+         sliding_window=256, soft_cap=3.0, pad_tokens=0),
+    Case("decode_p32_d128_g3_bf16_window", (1, 1, 1), (300, 64, 5), 4, 32, 128, 1, 3, jnp.bfloat16,
+         sliding_window=100),
+    Case("prefill_p128_d64_g4_cap", (128, 3), (128, 3), 3, 128, 64, 2, 4, soft_cap=1.0),
+    # Odd tuning: query blocks spanning sequences, KV blocks not dividing P, more splits than blocks.
+    Case("mixed_p16_d128_g8_odd_tuning", (5, 1, 12, 1, 2), (5, 97, 60, 16, 48), 7, 16, 128, 1, 8,
+         sliding_window=20,
+         tpu_tuning=(("num_queries_per_block", 8), ("num_kv_pages_per_block", 3)),
+         gpu_tuning=(("num_queries_per_block", 3), ("num_kv_pages_per_block", 2), ("num_kv_splits", 5))),
+    Case("decode_p16_d256_g2", (1, 1), (40, 300), 3, 16, 256, 1, 2),  # Dp = 256: two lane tiles
+    Case("empty_batch", (), (), 2, 16, 64, 1, 1),
+)
+
+# Tiny batches for TPU interpret mode (simulated DMAs and semaphores, slow): several query blocks,
+# a query block spanning sequences, prefetch across sequences, a window that skips first pages.
+SMALL_GRID = (
+    Case("small_mixed",           (1, 9, 1), (40, 9, 64), 4, 16, 128, 2, 2,
+         tpu_tuning=(("num_queries_per_block", 8), ("num_kv_pages_per_block", 2))),
+    Case("small_window_cap_bf16", (1, 20),   (70, 50),    2, 16, 64, 1, 3, jnp.bfloat16,
+         sliding_window=24, soft_cap=2.0,
+         tpu_tuning=(("num_queries_per_block", 16), ("num_kv_pages_per_block", 2))),
+)
+# fmt: on
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    for name, grid in (("case", GRID), ("small_case", SMALL_GRID)):
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, grid, ids=[c.name for c in grid])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "tpu_interpret: slow TPU-interpret-mode (DMA, race) checks")
+    # Registered by pytest-timeout when installed; declared here so the marker never warns.
+    config.addinivalue_line("markers", "timeout(seconds): fail a test that runs longer")
+
+
+@pytest.fixture(autouse=True)
+def _reset_tpu_interpret_state():
+    yield
+    pltpu.reset_tpu_interpret_mode_state()  # a failed interpreted kernel leaves shared state behind
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A case's arrays. K/V of every cached token, written in shuffled order with padding slots."""
+
+    q: jax.Array  # [T, H, D]
+    k: jax.Array  # [N, K, D], N written tokens (some padding)
+    v: jax.Array
+    slot_mapping: jax.Array  # [N], -1 for padding
+    kv_lens: jax.Array  # [R]
+    page_indices: jax.Array  # [R, P]
+    cu_q_lens: jax.Array  # [R + 1]
+    num_seqs: jax.Array  # [1]
+    num_pages: int
+
+
+def build_batch(case: Case) -> Batch:
+    rng = np.random.default_rng(case.seed)
+    num_seqs = len(case.q_lens)
+    size = case.page_size
+    pages_per_seq = max(1, -(-max(case.kv_lens, default=1) // size))
+    num_pages = case.num_slots * pages_per_seq + 5
+    # Shuffled, non-contiguous block table; entries past each sequence's pages are garbage.
+    table = rng.permutation(num_pages)[: case.num_slots * pages_per_seq].reshape(case.num_slots, -1)
+    table = table.astype(np.int32)
+    kv_lens = rng.integers(0, 10**6, case.num_slots).astype(np.int32)  # garbage in padding slots
+    kv_lens[:num_seqs] = case.kv_lens
+    slots = []
+    for i, kv_len in enumerate(case.kv_lens):
+        table[i, -(-kv_len // size) :] = rng.integers(10**5, 10**6)
+        pos = np.arange(kv_len)
+        slots.append(table[i, pos // size] * size + pos % size)
+    slots = np.concatenate([*slots, np.full(4, -1)]).astype(np.int32)
+    slots = slots[rng.permutation(len(slots))]
+    total = sum(case.q_lens)
+    cu_q_lens = np.full(case.num_slots + 1, total, np.int32)
+    cu_q_lens[: num_seqs + 1] = np.concatenate([[0], np.cumsum(case.q_lens)])
+    num_tokens = total + case.pad_tokens
+    heads = case.num_kv_heads * case.group
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32), case.dtype)
+
+    return Batch(
+        q=normal(num_tokens, heads, case.head_dim),
+        k=normal(len(slots), case.num_kv_heads, case.head_dim),
+        v=normal(len(slots), case.num_kv_heads, case.head_dim),
+        slot_mapping=jnp.asarray(slots),
+        kv_lens=jnp.asarray(kv_lens),
+        page_indices=jnp.asarray(table),
+        cu_q_lens=jnp.asarray(cu_q_lens),
+        num_seqs=jnp.asarray([num_seqs], jnp.int32),
+        num_pages=num_pages,
+    )
+
+
+def run_backend(case: Case, batch: Batch, backend: str, **kwargs) -> jax.Array:
+    """Writes the batch's K/V through `backend`'s own write_kv, then runs its attention (one jit)."""
+
+    def step(q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
+        cache = api.allocate_kv_cache(
+            batch.num_pages, case.page_size, case.num_kv_heads, case.head_dim, case.dtype, backend=backend
+        )
+        cache = api.write_kv(cache, k, v, slot_mapping, backend=backend)
+        return api.ragged_paged_attention(
+            q,
+            cache,
+            kv_lens,
+            page_indices,
+            cu_q_lens,
+            num_seqs,
+            sm_scale=case.head_dim**-0.5,
+            sliding_window=case.sliding_window,
+            soft_cap=case.soft_cap,
+            backend=backend,
+            **kwargs,
+        )
+
+    return jax.jit(step)(
+        batch.q,
+        batch.k,
+        batch.v,
+        batch.slot_mapping,
+        batch.kv_lens,
+        batch.page_indices,
+        batch.cu_q_lens,
+        batch.num_seqs,
+    )
+
+
+def _assert_close(actual: jax.Array, expected: np.ndarray, dtype) -> float:
+    actual = np.asarray(jnp.asarray(actual).astype(jnp.float32))
+    assert actual.shape == expected.shape
+    assert np.all(np.isfinite(actual)), "non-finite output"
+    scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+    err = float(np.max(np.abs(actual - expected), initial=0.0))
+    assert err <= TOLERANCE[dtype] * scale, f"max |error| {err:.3g} > {TOLERANCE[dtype]} * {scale:.3g}"
+    return err
+
+
+@pytest.fixture(scope="session")
+def compare_with_reference():
+    """`(case, backend, **kwargs) -> max error`: runs `backend` on the case, asserts it matches xla.
+
+    The reference output of each case is computed once per session (both kernels share it).
+    """
+    references: dict[Case, np.ndarray] = {}
+
+    def compare(case: Case, backend: str, **kwargs) -> float:
+        batch = build_batch(case)
+        if case not in references:
+            references[case] = np.asarray(run_backend(case, batch, "xla").astype(jnp.float32))
+        return _assert_close(run_backend(case, batch, backend, **kwargs), references[case], case.dtype)
+
+    return compare
