@@ -70,6 +70,15 @@ class XlaWorker(WorkerBase):
             head_size=mc.head_dim,
             dtype=self.model_config.dtype,
         )
+        logical = (
+            2
+            * mc.num_kv_heads
+            * mc.head_dim
+            * self.cache_config.block_size
+            * self.model_config.dtype.itemsize
+        )
+        if self.runner.kv_page_bytes() != logical:  # e.g. head_dim padded to 128 for TPU tiling
+            common["page_size_padded"] = self.runner.kv_page_bytes()
         if mc.sliding_window is not None:
             spec: KVCacheSpec = SlidingWindowSpec(sliding_window=mc.sliding_window, **common)
         else:

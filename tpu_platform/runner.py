@@ -113,9 +113,15 @@ class Runner:
         )  # fmt: skip
         return self.model_config
 
-    def kv_bytes_per_page(self) -> int:
+    def kv_page_bytes(self) -> int:
+        """Bytes one page of one layer takes in the attention backend's own cache layout."""
         mc = self.model_config
-        return 2 * mc.num_kv_heads * mc.head_dim * self.config.page_size * self.dtype.itemsize * mc.num_layers
+        two_pages = jax.eval_shape(
+            lambda: allocate_layer_caches(
+                1, 2, self.config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.backend
+            )[0]
+        )
+        return two_pages.size * two_pages.dtype.itemsize // 2
 
     def available_kv_bytes(self, memory_utilization: float, cpu_kv_cache_gb: float) -> int:
         return available_kv_bytes(
