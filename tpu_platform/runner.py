@@ -130,15 +130,10 @@ class Runner:
 
     def initialize_kv_cache(self, num_pages: int) -> None:
         mc = self.model_config
-        self.kv_caches = allocate_layer_caches(
-            mc.num_layers,
-            num_pages,
-            self.config.page_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            self.dtype,
-            self.backend,
-        )
+        shape = (num_pages, self.config.page_size, mc.num_kv_heads, mc.head_dim)
+        caches = allocate_layer_caches(mc.num_layers, *shape, self.dtype, self.backend)
+        # Committed to the device like the step's outputs, so warm-up and serving share programs.
+        self.kv_caches = jax.device_put(caches, self.device)
         self.num_pages = num_pages
 
     def warm_up(self, shapes: list[tuple[int, int, int]] | None = None) -> int:

@@ -1,0 +1,48 @@
+# SPDX-License-Identifier: Apache-2.0
+"""After warm-up, a mixed serving workload compiles nothing (VLLM_XLA_STRICT_COMPILE=1 raises)."""
+
+import gc
+
+import numpy as np
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+from tests.tiny_models import save_tiny_llama
+
+
+def _mixed_params(rng, n):
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=0.7, seed=int(rng.integers(1 << 30))),
+        dict(temperature=1.0, top_k=5),
+        dict(temperature=0.9, top_p=0.8, min_p=0.05),
+        dict(temperature=0.0, logprobs=3),
+        dict(temperature=1.2, top_k=20, top_p=0.9, logprobs=1),
+    ]
+    return [
+        SamplingParams(max_tokens=int(rng.integers(8, 28)), ignore_eos=True, **kinds[i % len(kinds)])
+        for i in range(n)
+    ]
+
+
+def test_mixed_workload_compiles_nothing_after_warm_up(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_XLA_STRICT_COMPILE", "1")
+    model_dir = save_tiny_llama(str(tmp_path / "model"), seed=2, max_position_embeddings=128)
+    # A small step budget (chunked prefill) and 12 pages (preemption) with up to 6 sequences.
+    llm = LLM(
+        model=model_dir, max_model_len=128, max_num_seqs=6, max_num_batched_tokens=32,
+        num_gpu_blocks_override=12, seed=0,
+    )  # fmt: skip
+    warm = llm.collective_rpc("runner_stats")[0]
+    rng = np.random.default_rng(0)
+    for batch_size in (1, 3, 6, 9):
+        lengths = rng.integers(1, 96, batch_size)
+        prompts = [TokensPrompt(prompt_token_ids=[1, *rng.integers(3, 384, n - 1).tolist()]) for n in lengths]
+        outputs = llm.generate(prompts, _mixed_params(rng, batch_size), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) > 0 for o in outputs)
+    stats = llm.collective_rpc("runner_stats")[0]
+    del llm
+    gc.collect()
+    assert stats["compiles_after_warmup"] == 0
+    assert stats["compiles"] == warm["compiles"]
+    assert stats["partial_prefill_steps"] > 0 and stats["preempted_requests"] > 0
