@@ -2,7 +2,11 @@
 """Flax NNX model definitions for XLA devices (pure JAX, no vLLM).
 
 Shape legend used throughout: T tokens in the step, D hidden size, F MLP size, V vocab,
-N query heads, K kv heads, H head dim, R sequences, P pages per sequence.
+N query heads, K kv heads, H head dim, R sequences, P pages per sequence, E experts.
+
+One file per architecture (llama, qwen2, qwen3, gemma2, gemma3, mixtral, qwen3_moe) assembles
+the shared blocks of `layers.py` (attention, MLPs, decoder blocks, trunk, LM head) and `moe.py`
+(routing and the routed expert matmul), and holds its HF-name table `hf_param_map`.
 
 Entry points: `ModelConfig.from_pretrained(path)`, `build(config, dtype, rngs)`,
 `load_weights(model, path)`; a model is called as

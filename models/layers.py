@@ -275,11 +275,11 @@ class DecoderModel(nnx.Module):
         self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[jax.Array], md: AttentionMetadata
     ) -> tuple[jax.Array, list[jax.Array]]:
         x = self.embed_tokens(input_ids)  # [T, D]
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, kv_cache = layer(x, positions, kv_cache, md)
-            new_caches.append(kv_cache)
-        return self.norm(x), new_caches
+        kv_caches = list(kv_caches)
+        for i, layer in enumerate(self.layers):
+            cache, layer_md = md.for_layer(i)  # layers of different KV groups may share an array
+            x, kv_caches[cache] = layer(x, positions, kv_caches[cache], layer_md)
+        return self.norm(x), kv_caches
 
 
 class CausalLM(nnx.Module):

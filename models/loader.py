@@ -75,20 +75,33 @@ def _our_name(hf: str, compiled: list[tuple[re.Pattern[str], str]]) -> tuple[str
     return None
 
 
-def _stack_experts(
-    stacked: dict[str, np.ndarray], filled: dict[str, set[int]], ours: str, expert: int, value: jax.Array,
-    current: jax.Array, hf: str,
-) -> None:  # fmt: skip
-    if value.shape != current.shape[1:] or not 0 <= expert < current.shape[0]:
-        raise ValueError(
-            f"checkpoint tensor {hf!r} has shape {value.shape} for expert {expert}, "
-            f"expected {current.shape[1:]} for one of {current.shape[0]} experts"
-        )
-    if ours not in stacked:
-        stacked[ours] = np.zeros(current.shape, current.dtype)
-        filled[ours] = set()
-    stacked[ours][expert] = np.asarray(value.astype(current.dtype))
-    filled[ours].add(expert)
+class _ExpertStacks:
+    """Host buffers of expert-stacked `[E, ...]` parameters, filled one expert tensor at a time."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, np.ndarray] = {}
+        self.experts: dict[str, set[int]] = {}
+
+    def put(self, ours: str, expert: int, value: jax.Array, current: jax.Array, hf: str) -> None:
+        if value.shape != current.shape[1:] or not 0 <= expert < current.shape[0]:
+            raise ValueError(
+                f"checkpoint tensor {hf!r} has shape {value.shape} for expert {expert}, "
+                f"expected {current.shape[1:]} for one of {current.shape[0]} experts"
+            )
+        if ours not in self.buffers:
+            self.buffers[ours] = np.zeros(current.shape, current.dtype)
+            self.experts[ours] = set()
+        self.buffers[ours][expert] = np.asarray(value.astype(current.dtype))
+        self.experts[ours].add(expert)
+
+    def store(self, by_name: dict[str, nnx.Variable], path: str) -> set[str]:
+        """Sets every complete stack on its parameter; returns their names."""
+        for ours, array in self.buffers.items():
+            absent = sorted(set(range(array.shape[0])) - self.experts[ours])
+            if absent:
+                raise ValueError(f"checkpoint {path!r} lacks experts {absent[:8]} of {ours!r}")
+            by_name[ours].set_value(jnp.asarray(array))
+        return set(self.buffers)
 
 
 def load_weights(model: nnx.Module, path: str) -> None:
@@ -105,8 +118,7 @@ def load_weights(model: nnx.Module, path: str) -> None:
     compiled = _compile_param_map(type(model).hf_param_map)
     tied = getattr(model.config, "tie_word_embeddings", False)
     filled: set[str] = set()
-    stacked: dict[str, np.ndarray] = {}
-    experts_filled: dict[str, set[int]] = {}
+    stacks = _ExpertStacks()
     for hf, array in iter_checkpoint(path):
         found = _our_name(hf, compiled)
         if found is None or found[0] not in by_name:
@@ -122,18 +134,13 @@ def load_weights(model: nnx.Module, path: str) -> None:
             value = value.T
         current = var.get_value()
         if expert is not None:
-            _stack_experts(stacked, experts_filled, ours, expert, value, current, hf)
+            stacks.put(ours, expert, value, current, hf)
             continue
         if value.shape != current.shape:
             raise ValueError(f"checkpoint tensor {hf!r} has shape {value.shape}, expected {current.shape}")
         var.set_value(value.astype(current.dtype))
         filled.add(ours)
-    for ours, array in stacked.items():
-        if len(experts_filled[ours]) != array.shape[0]:
-            absent = sorted(set(range(array.shape[0])) - experts_filled[ours])
-            raise ValueError(f"checkpoint {path!r} lacks experts {absent[:8]} of {ours!r}")
-        by_name[ours].set_value(jnp.asarray(array))
-        filled.add(ours)
+    filled |= stacks.store(by_name, path)
     missing = sorted(set(by_name) - filled)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} parameters, e.g. {missing[:5]}")

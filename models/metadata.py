@@ -13,17 +13,38 @@ import jax
 class AttentionMetadata:
     """Where this step's tokens live in the paged KV cache.
 
-    Data fields are device arrays (int32); `backend` is static and chooses the attention kernel.
+    Data fields are device arrays (int32); the rest is static. A model whose layers fall in
+    several KV-cache groups (e.g. sliding-window and full-attention layers) gets one slot
+    mapping and block table per group, `layer_groups[i]` naming layer i's group, and
+    `layer_caches[i]` naming the cache array layer i uses (layers of different groups may share
+    an array: the engine hands a page to one group at a time). Empty tuples mean one group and
+    one cache array per layer.
     """
 
-    # [T] cache slot (page * page_size + offset) of each token; negative for padding
+    # [T] or [G, T] cache slot (page * page_size + offset) of each token; negative for padding
     slot_mapping: jax.Array
     # [R] tokens in the cache per sequence after this step
     kv_lens: jax.Array
-    # [R, P] block table
+    # [R, P] or [G, R, P] block table
     page_indices: jax.Array
     # [R + 1] cumulative query lengths
     cu_q_lens: jax.Array
     # [1] number of real sequences
     num_seqs: jax.Array
     backend: str = dataclasses.field(default="xla", metadata={"static": True})
+    layer_groups: tuple[int, ...] = dataclasses.field(default=(), metadata={"static": True})
+    layer_caches: tuple[int, ...] = dataclasses.field(default=(), metadata={"static": True})
+
+    def for_layer(self, layer: int) -> tuple[int, AttentionMetadata]:
+        """`(cache array index, single-group metadata)` for decoder layer `layer`."""
+        cache = self.layer_caches[layer] if self.layer_caches else layer
+        if self.slot_mapping.ndim == 1:
+            return cache, self
+        group = self.layer_groups[layer] if self.layer_groups else 0
+        return cache, dataclasses.replace(
+            self,
+            slot_mapping=self.slot_mapping[group],
+            page_indices=self.page_indices[group],
+            layer_groups=(),
+            layer_caches=(),
+        )

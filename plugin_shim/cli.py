@@ -37,7 +37,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from plugin_shim.active import assert_active
 
-    llm = LLM(model=args.model or _default_model(), max_model_len=args.max_model_len, seed=args.seed)
+    llm = LLM(
+        model=args.model or _default_model(),
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+    )
     assert_active()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     for prompt, output in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
@@ -67,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-model-len", type=int, default=2048)
+    # Small step limits keep the warm-up (one program per power-of-two token count) short.
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("serve", help="start vLLM's OpenAI-compatible server on the XLA platform")
     p.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M-Instruct)")

@@ -45,6 +45,11 @@ class XlaPlatform(Platform):
         return True
 
     @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        # Sliding-window and full-attention layers get their own KV-cache groups (block tables).
+        return True
+
+    @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
         return f"xla:{read_env().platform or 'tpu'}"
 

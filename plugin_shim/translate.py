@@ -59,7 +59,7 @@ def batch_update(so: SchedulerOutput) -> BatchUpdate:
         NewRequest(
             req_id=r.req_id,
             prompt_token_ids=r.prompt_token_ids or [],
-            block_ids=_single_group(r.block_ids),
+            block_ids=[list(ids) for ids in r.block_ids],
             num_computed_tokens=r.num_computed_tokens,
             sampling=sampling_options(r.sampling_params),
         )
@@ -69,7 +69,7 @@ def batch_update(so: SchedulerOutput) -> BatchUpdate:
     cached = [
         CachedRequest(
             req_id=req_id,
-            new_block_ids=_single_group(cached_data.new_block_ids[i]),
+            new_block_ids=_groups(cached_data.new_block_ids[i]),
             resumed=req_id in cached_data.resumed_req_ids,
             num_computed_tokens=cached_data.num_computed_tokens[i],
             num_output_tokens=cached_data.num_output_tokens[i],
@@ -115,9 +115,5 @@ def model_runner_output(result: StepResult) -> ModelRunnerOutput:
     )
 
 
-def _single_group(block_ids: tuple[list[int], ...] | None) -> list[int] | None:
-    if block_ids is None:
-        return None
-    if len(block_ids) != 1:
-        raise ValueError(f"vllm-xla supports one KV-cache group, the scheduler sent {len(block_ids)}")
-    return block_ids[0]
+def _groups(block_ids: tuple[list[int], ...] | None) -> list[list[int]] | None:
+    return None if block_ids is None else [list(ids) for ids in block_ids]

@@ -21,6 +21,29 @@ logger = init_logger("vllm_xla")
 _TORCH_TO_JAX_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def layer_name(index: int) -> str:
+    return f"model.layers.{index}.self_attn.attn"
+
+
+def layer_placement(config: KVCacheConfig, num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each layer's KV-cache group, and the cache array it uses.
+
+    The engine hands every page to one group at a time, so the k-th layer of each group can share
+    one array (this is how the engine sized the cache). One group: one array per layer.
+    """
+    group_of, position_of = {}, {}
+    for g, group in enumerate(config.kv_cache_groups):
+        for k, name in enumerate(group.layer_names):
+            group_of[name], position_of[name] = g, k
+    names = [layer_name(i) for i in range(num_layers)]
+    missing = [n for n in names if n not in group_of]
+    if missing:
+        raise ValueError(f"the engine's KV-cache config has no group for layers {missing[:3]}")
+    if len(config.kv_cache_groups) == 1:
+        return (), ()
+    return tuple(group_of[n] for n in names), tuple(position_of[n] for n in names)
+
+
 class XlaWorker(WorkerBase):
     """One process driving the local JAX devices."""
 
@@ -79,11 +102,13 @@ class XlaWorker(WorkerBase):
         )
         if self.runner.kv_page_bytes() != logical:  # e.g. head_dim padded to 128 for TPU tiling
             common["page_size_padded"] = self.runner.kv_page_bytes()
-        if mc.sliding_window is not None:
-            spec: KVCacheSpec = SlidingWindowSpec(sliding_window=mc.sliding_window, **common)
-        else:
-            spec = FullAttentionSpec(**common)
-        return {f"model.layers.{i}.self_attn.attn": spec for i in range(mc.num_layers)}
+        specs: dict[str, KVCacheSpec] = {}
+        for i, window in enumerate(mc.layer_sliding_windows):
+            name = layer_name(i)
+            specs[name] = (
+                SlidingWindowSpec(sliding_window=window, **common) if window else FullAttentionSpec(**common)
+            )
+        return specs
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]  # nominal: the JAX side allocates its own per-layer arrays
@@ -94,7 +119,8 @@ class XlaWorker(WorkerBase):
         )
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        self.runner.initialize_kv_cache(kv_cache_config.num_blocks)
+        layer_groups, layer_caches = layer_placement(kv_cache_config, self.runner.model_config.num_layers)
+        self.runner.initialize_kv_cache(kv_cache_config.num_blocks, layer_groups, layer_caches)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         start = time.perf_counter()
@@ -124,6 +150,7 @@ class XlaWorker(WorkerBase):
             "compiles": guard.count,
             "compile_seconds": guard.seconds,
             "compiles_after_warmup": guard.compiles_after_warmup,
+            "kv_groups": self.runner.num_groups,
         }
 
     def take_draft_token_ids(self):

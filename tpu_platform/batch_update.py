@@ -17,7 +17,7 @@ class NewRequest:
 
     req_id: str
     prompt_token_ids: Sequence[int]
-    block_ids: Sequence[int]
+    block_ids: Sequence[Sequence[int]]  # one list per KV-cache group
     num_computed_tokens: int
     sampling: SamplingOptions
 
@@ -27,7 +27,7 @@ class CachedRequest:
     """A request the runner already knows; `resumed` means its block table is replaced."""
 
     req_id: str
-    new_block_ids: Sequence[int] | None
+    new_block_ids: Sequence[Sequence[int]] | None  # one list per KV-cache group
     resumed: bool
     num_computed_tokens: int
     num_output_tokens: int

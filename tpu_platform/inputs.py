@@ -20,11 +20,11 @@ class StepInputs:
     # [T] token ids and their positions; padding rows hold 0
     token_ids: np.ndarray
     positions: np.ndarray
-    # [T] cache slot of each token, -1 for padding
+    # [G, T] cache slot of each token in each KV-cache group's pages, -1 for padding
     slot_mapping: np.ndarray
     # [R] tokens cached per sequence after this step
     kv_lens: np.ndarray
-    # [R, P] block table rows
+    # [G, R, P] block table rows of each KV-cache group
     page_indices: np.ndarray
     # [R + 1] cumulative query lengths (padding sequences are empty)
     cu_q_lens: np.ndarray
@@ -64,7 +64,7 @@ def prepare_step(
         token_ids=_padded(table.token_ids[token_rows, positions], t_pad, 0),
         positions=_padded(positions, t_pad, 0),
         slot_mapping=_padded(
-            table.block_table[token_rows, positions // page_size] * page_size + positions % page_size,
+            table.block_table[:, token_rows, positions // page_size] * page_size + positions % page_size,
             t_pad,
             -1,
         ),
@@ -78,15 +78,15 @@ def prepare_step(
     return inputs, plan
 
 
-def padding_inputs(t_pad: int, r_pad: int, p_pad: int) -> StepInputs:
+def padding_inputs(t_pad: int, r_pad: int, p_pad: int, num_groups: int = 1) -> StepInputs:
     """Inputs of shape (T, R, P) that hold no sequence: they compute nothing and write nothing."""
     zeros = np.zeros(t_pad, np.int32)
     return StepInputs(
         token_ids=zeros,
         positions=zeros,
-        slot_mapping=np.full(t_pad, -1, np.int32),
+        slot_mapping=np.full((num_groups, t_pad), -1, np.int32),
         kv_lens=np.zeros(r_pad, np.int32),
-        page_indices=np.zeros((r_pad, p_pad), np.int32),
+        page_indices=np.zeros((num_groups, r_pad, p_pad), np.int32),
         cu_q_lens=np.zeros(r_pad + 1, np.int32),
         num_seqs=np.zeros(1, np.int32),
         logits_indices=np.zeros(r_pad, np.int32),
@@ -94,13 +94,14 @@ def padding_inputs(t_pad: int, r_pad: int, p_pad: int) -> StepInputs:
 
 
 def _padded(values: np.ndarray, size: int, fill: int) -> np.ndarray:
-    out = np.full(size, fill, np.int32)
-    out[: values.size] = values
+    """Pads the last axis of `values` to `size` with `fill`."""
+    out = np.full((*values.shape[:-1], size), fill, np.int32)
+    out[..., : values.shape[-1]] = values
     return out
 
 
 def _page_rows(block_table: np.ndarray, rows: np.ndarray, r_pad: int, p_pad: int) -> np.ndarray:
-    out = np.zeros((r_pad, p_pad), np.int32)
-    width = min(p_pad, block_table.shape[1])
-    out[: rows.size, :width] = block_table[rows, :width]
+    out = np.zeros((block_table.shape[0], r_pad, p_pad), np.int32)
+    width = min(p_pad, block_table.shape[2])
+    out[:, : rows.size, :width] = block_table[:, rows, :width]
     return out

@@ -15,16 +15,17 @@ class RequestTable:
 
     Rows are reused; the arrays grow (doubling) only if more requests are alive at once than
     the initial capacity (preempted requests keep their row until the engine finishes them).
+    There is one block table per KV-cache group (`[G, rows, max_pages]`).
     """
 
-    def __init__(self, capacity: int, max_model_len: int, max_pages: int):
+    def __init__(self, capacity: int, max_model_len: int, max_pages: int, num_groups: int = 1):
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((capacity, max_model_len), np.int32)
         self.num_tokens = np.zeros(capacity, np.int32)
         self.num_prompt_tokens = np.zeros(capacity, np.int32)
         self.num_computed = np.zeros(capacity, np.int32)
-        self.block_table = np.zeros((capacity, max_pages), np.int32)
-        self.num_pages = np.zeros(capacity, np.int32)
+        self.block_table = np.zeros((num_groups, capacity, max_pages), np.int32)
+        self.num_pages = np.zeros((num_groups, capacity), np.int32)
         self.row_of: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -33,16 +34,12 @@ class RequestTable:
 
     def _grow(self) -> None:
         old = self.token_ids.shape[0]
-        for name in (
-            "token_ids",
-            "num_tokens",
-            "num_prompt_tokens",
-            "num_computed",
-            "block_table",
-            "num_pages",
-        ):
+        for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed"):
             array = getattr(self, name)
             setattr(self, name, np.concatenate([array, np.zeros_like(array)], axis=0))
+        for name in ("block_table", "num_pages"):  # [G, rows, ...]
+            array = getattr(self, name)
+            setattr(self, name, np.concatenate([array, np.zeros_like(array)], axis=1))
         self._free.extend(range(2 * old - 1, old - 1, -1))
 
     def add(self, request: NewRequest) -> int:
@@ -61,7 +58,7 @@ class RequestTable:
         self.token_ids[row, : prompt.size] = prompt
         self.num_tokens[row] = self.num_prompt_tokens[row] = prompt.size
         self.num_computed[row] = request.num_computed_tokens
-        self.num_pages[row] = 0
+        self.num_pages[:, row] = 0
         self._append_pages(row, request.block_ids)
         return row
 
@@ -69,8 +66,8 @@ class RequestTable:
         """Applies a continuing or resumed request's new blocks and progress; returns its row."""
         row = self.row_of[request.req_id]
         if request.resumed:
-            self.num_pages[row] = 0
-        if request.new_block_ids:
+            self.num_pages[:, row] = 0
+        if request.new_block_ids is not None:
             self._append_pages(row, request.new_block_ids)
         self.num_computed[row] = request.num_computed_tokens
         known = self.num_prompt_tokens[row] + request.num_output_tokens
@@ -93,12 +90,17 @@ class RequestTable:
     def output_token_ids(self, row: int) -> np.ndarray:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
 
-    def _append_pages(self, row: int, block_ids: Sequence[int]) -> None:
-        start = self.num_pages[row]
-        end = start + len(block_ids)
-        if end > self.block_table.shape[1]:
+    def _append_pages(self, row: int, block_ids: Sequence[Sequence[int]]) -> None:
+        if len(block_ids) != self.block_table.shape[0]:
             raise ValueError(
-                f"request in row {row} needs {end} pages; the table holds {self.block_table.shape[1]}"
+                f"got block ids for {len(block_ids)} KV-cache groups, expected {self.block_table.shape[0]}"
             )
-        self.block_table[row, start:end] = block_ids
-        self.num_pages[row] = end
+        for group, ids in enumerate(block_ids):
+            start = self.num_pages[group, row]
+            end = start + len(ids)
+            if end > self.block_table.shape[2]:
+                raise ValueError(
+                    f"request in row {row} needs {end} pages; the table holds {self.block_table.shape[2]}"
+                )
+            self.block_table[group, row, start:end] = ids
+            self.num_pages[group, row] = end

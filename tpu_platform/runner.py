@@ -96,7 +96,7 @@ class Runner:
         self.model_config, model = load_model(self.config.model_path, self.dtype)
         graphdef, state = nnx.split(model)
         self.state = jax.device_put(state, self.device)
-        self._forward = make_forward(graphdef, self.backend)
+        self._graphdef = graphdef
         self._prompt_logprobs = make_prompt_logprobs(graphdef)
         self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)
         self._sample = make_sampler()
@@ -128,13 +128,24 @@ class Runner:
             self.device, memory_utilization=memory_utilization, cpu_kv_cache_gb=cpu_kv_cache_gb
         )
 
-    def initialize_kv_cache(self, num_pages: int) -> None:
+    def initialize_kv_cache(
+        self, num_pages: int, layer_groups: tuple[int, ...] = (), layer_caches: tuple[int, ...] = ()
+    ) -> None:
+        """Allocates the caches: one array per layer, or per `layer_caches` index when layers of
+        different KV-cache groups (`layer_groups`) share arrays."""
         mc = self.model_config
+        num_arrays = max(layer_caches) + 1 if layer_caches else mc.num_layers
+        num_groups = max(layer_groups) + 1 if layer_groups else 1
         shape = (num_pages, self.config.page_size, mc.num_kv_heads, mc.head_dim)
-        caches = allocate_layer_caches(mc.num_layers, *shape, self.dtype, self.backend)
+        caches = allocate_layer_caches(num_arrays, *shape, self.dtype, self.backend)
         # Committed to the device like the step's outputs, so warm-up and serving share programs.
         self.kv_caches = jax.device_put(caches, self.device)
         self.num_pages = num_pages
+        self.num_groups = num_groups
+        self.table = RequestTable(
+            self.config.max_num_seqs, self.config.max_model_len, self.buckets.max_pages, num_groups
+        )
+        self._forward = make_forward(self._graphdef, self.backend, layer_groups, layer_caches)
 
     def warm_up(self, shapes: list[tuple[int, int, int]] | None = None) -> int:
         """Compiles the forward for `shapes` (padded T, R, P; default: every bucket) and the sampler.
@@ -146,7 +157,7 @@ class Runner:
         for t_pad, r_pad, p_pad in tqdm(
             shapes or self.buckets.shapes(), desc="vllm-xla warm-up", unit="shape"
         ):
-            inputs = padding_inputs(t_pad, r_pad, p_pad)
+            inputs = padding_inputs(t_pad, r_pad, p_pad, self.num_groups)
             logits, _, self.kv_caches = self.guard.call(
                 ("forward", t_pad, r_pad, p_pad),
                 self._forward,

@@ -15,7 +15,13 @@ from tpu_platform.sampling import SamplerFlags, sample
 
 
 def forward_logits(
-    graphdef: nnx.GraphDef, state: nnx.State, kv_caches: list[jax.Array], inputs: StepInputs, backend: str
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    kv_caches: list[jax.Array],
+    inputs: StepInputs,
+    backend: str,
+    layer_groups: tuple[int, ...] = (),
+    layer_caches: tuple[int, ...] = (),
 ) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
     """Runs the model on all scheduled tokens.
 
@@ -30,14 +36,28 @@ def forward_logits(
         cu_q_lens=inputs.cu_q_lens,
         num_seqs=inputs.num_seqs,
         backend=backend,
+        layer_groups=layer_groups,
+        layer_caches=layer_caches,
     )
     hidden, kv_caches = model(inputs.token_ids, inputs.positions, kv_caches, md)
     return model.compute_logits(hidden[inputs.logits_indices]), hidden, kv_caches
 
 
-def make_forward(graphdef: nnx.GraphDef, backend: str) -> Callable:
-    """`forward(state, kv_caches, inputs) -> (logits, hidden, kv_caches)`, jitted, caches donated."""
-    return jax.jit(functools.partial(forward_logits, graphdef, backend=backend), donate_argnums=(1,))
+def make_forward(
+    graphdef: nnx.GraphDef,
+    backend: str,
+    layer_groups: tuple[int, ...] = (),
+    layer_caches: tuple[int, ...] = (),
+) -> Callable:
+    """`forward(state, kv_caches, inputs) -> (logits, hidden, kv_caches)`, jitted, caches donated.
+
+    `layer_groups`/`layer_caches` map each layer to its KV-cache group and cache array
+    (see `models.AttentionMetadata`); empty means one group and one array per layer.
+    """
+    step = functools.partial(
+        forward_logits, graphdef, backend=backend, layer_groups=layer_groups, layer_caches=layer_caches
+    )
+    return jax.jit(step, donate_argnums=(1,))
 
 
 def make_sampler() -> Callable:

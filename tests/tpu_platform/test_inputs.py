@@ -14,7 +14,7 @@ PAGE = 4
 
 
 def _new(req_id, prompt, blocks, computed=0):
-    return NewRequest(req_id, prompt, blocks, computed, SamplingOptions())
+    return NewRequest(req_id, prompt, [blocks], computed, SamplingOptions())
 
 
 def _buckets():
@@ -43,15 +43,15 @@ def test_prefill_and_decode_mix():
     table.update(CachedRequest("b", None, False, 2, 1))
     inputs, plan = prepare_step(table, np.array([a, b]), np.array([5, 1]), _buckets(), PAGE)
     # a: positions 0..4, slots page7*4+0..3 = 28..31, then page 3 slot 12; b: position 2 -> page5*4+2 = 22
-    assert inputs.token_ids.shape == (8,) and inputs.page_indices.shape == (8, 8)
+    assert inputs.token_ids.shape == (8,) and inputs.page_indices.shape == (1, 8, 8)
     assert inputs.token_ids[:6].tolist() == [10, 11, 12, 13, 14, 22]
     assert inputs.positions[:6].tolist() == [0, 1, 2, 3, 4, 2]
-    assert inputs.slot_mapping[:6].tolist() == [28, 29, 30, 31, 12, 22]
-    assert (inputs.slot_mapping[6:] == -1).all()
+    assert inputs.slot_mapping[0, :6].tolist() == [28, 29, 30, 31, 12, 22]
+    assert (inputs.slot_mapping[0, 6:] == -1).all()
     assert inputs.kv_lens.tolist() == [5, 3, 0, 0, 0, 0, 0, 0]
     assert inputs.cu_q_lens.tolist() == [0, 5, 6, 6, 6, 6, 6, 6, 6]
     assert inputs.logits_indices[:2].tolist() == [4, 5]
-    assert inputs.page_indices[:2, :3].tolist() == [[7, 3, 0], [5, 0, 0]]
+    assert inputs.page_indices[0, :2, :3].tolist() == [[7, 3, 0], [5, 0, 0]]
     assert plan.emits_token.tolist() == [True, True] and plan.shape == (8, 8, 8)
 
 
@@ -62,7 +62,7 @@ def test_partial_prefill_emits_nothing_and_prefix_hit_starts_late():
     assert not plan.emits_token[0] and inputs.positions[:4].tolist() == [0, 1, 2, 3]
     c = table.add(_new("c", list(range(100, 110)), [1, 2, 4], computed=8))  # prefix-cache hit: 8 cached
     inputs, plan = prepare_step(table, np.array([c]), np.array([2]), _buckets(), PAGE)
-    assert inputs.positions[:2].tolist() == [8, 9] and inputs.slot_mapping[:2].tolist() == [16, 17]
+    assert inputs.positions[:2].tolist() == [8, 9] and inputs.slot_mapping[0, :2].tolist() == [16, 17]
     assert plan.emits_token[0]
 
 
@@ -71,15 +71,15 @@ def test_resume_replaces_blocks_and_truncates_outputs():
     row = table.add(_new("a", [1, 2, 3], [4]))
     for t in (7, 8, 9):
         table.append_token(row, t)
-    table.update(CachedRequest("a", [6, 2], True, 0, 2))  # preempted, resumed with 2 outputs kept
-    assert table.block_table[row, :2].tolist() == [6, 2] and table.num_pages[row] == 2
+    table.update(CachedRequest("a", [[6, 2]], True, 0, 2))  # preempted, resumed with 2 outputs kept
+    assert table.block_table[0, row, :2].tolist() == [6, 2] and table.num_pages[0, row] == 2
     assert table.output_token_ids(row).tolist() == [7, 8]
 
 
 def test_table_grows_beyond_capacity_and_reuses_rows():
     table = RequestTable(capacity=1, max_model_len=8, max_pages=2)
     rows = [table.add(_new(str(i), [i], [i])) for i in range(3)]
-    assert sorted(rows) == [0, 1, 2] and table.token_ids.shape[0] == 4
+    assert sorted(rows) == [0, 1, 2] and table.token_ids.shape[0] == 4 and table.block_table.shape[1] == 4
     table.remove("1")
     assert table.add(_new("x", [5], [1])) == rows[1]
 
@@ -87,3 +87,13 @@ def test_table_grows_beyond_capacity_and_reuses_rows():
 def test_padding_inputs_compute_nothing():
     inputs = padding_inputs(16, 2, 1)
     assert inputs.num_seqs.tolist() == [0] and (inputs.slot_mapping == -1).all()
+
+
+def test_two_kv_groups_get_their_own_slots_and_tables():
+    table = RequestTable(capacity=2, max_model_len=32, max_pages=8, num_groups=2)
+    row = table.add(NewRequest("a", [1, 2, 3, 4, 5], [[1, 2], [6, 7]], 0, SamplingOptions()))
+    inputs, _ = prepare_step(table, np.array([row]), np.array([5]), _buckets(), PAGE)
+    assert inputs.slot_mapping[:, :5].tolist() == [[4, 5, 6, 7, 8], [24, 25, 26, 27, 28]]
+    assert inputs.page_indices[:, 0, :2].tolist() == [[1, 2], [6, 7]]
+    inputs = padding_inputs(4, 2, 3, num_groups=2)
+    assert inputs.slot_mapping.shape == (2, 4) and inputs.page_indices.shape == (2, 2, 3)
