@@ -78,6 +78,38 @@ def prepare_step(
     return inputs, plan
 
 
+_FIELDS = (
+    "token_ids", "positions", "slot_mapping", "kv_lens",
+    "page_indices", "cu_q_lens", "num_seqs", "logits_indices",
+)  # fmt: skip
+
+
+def input_shapes(dims: tuple[int, int, int, int]) -> dict[str, tuple[int, ...]]:
+    """The shape of every field for padded dims `(T, R, P, G)`."""
+    t, r, p, g = dims
+    return {
+        "token_ids": (t,), "positions": (t,), "slot_mapping": (g, t), "kv_lens": (r,),
+        "page_indices": (g, r, p), "cu_q_lens": (r + 1,), "num_seqs": (1,), "logits_indices": (r,),
+    }  # fmt: skip
+
+
+def pack_inputs(inputs: StepInputs) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    """One int32 buffer holding every field (one host-to-device transfer), and its dims."""
+    g, r, p = inputs.page_indices.shape
+    dims = (inputs.token_ids.shape[0], r, p, g)
+    return np.concatenate([getattr(inputs, f).reshape(-1) for f in _FIELDS]), dims
+
+
+def unpack_inputs(packed: jax.Array, dims: tuple[int, int, int, int]) -> StepInputs:
+    """The inverse of `pack_inputs` (traceable: static slices of the device buffer)."""
+    fields, offset = {}, 0
+    for name, shape in input_shapes(dims).items():
+        size = int(np.prod(shape))
+        fields[name] = packed[offset : offset + size].reshape(shape)
+        offset += size
+    return StepInputs(**fields)
+
+
 def padding_inputs(t_pad: int, r_pad: int, p_pad: int, num_groups: int = 1) -> StepInputs:
     """Inputs of shape (T, R, P) that hold no sequence: they compute nothing and write nothing."""
     zeros = np.zeros(t_pad, np.int32)

@@ -19,7 +19,7 @@ from pallas_kernels import resolve_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.compile import CompileGuard, enable_persistent_cache
-from tpu_platform.inputs import StepPlan, padding_inputs, prepare_step
+from tpu_platform.inputs import StepPlan, pack_inputs, padding_inputs, prepare_step
 from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes
 from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
 from tpu_platform.request_table import RequestTable
@@ -157,13 +157,14 @@ class Runner:
         for t_pad, r_pad, p_pad in tqdm(
             shapes or self.buckets.shapes(), desc="vllm-xla warm-up", unit="shape"
         ):
-            inputs = padding_inputs(t_pad, r_pad, p_pad, self.num_groups)
+            packed, dims = pack_inputs(padding_inputs(t_pad, r_pad, p_pad, self.num_groups))
             logits, _, self.kv_caches = self.guard.call(
-                ("forward", t_pad, r_pad, p_pad),
+                ("forward", *dims),
                 self._forward,
                 self.state,
                 self.kv_caches,
-                jax.device_put(inputs),
+                jax.device_put(packed),
+                dims=dims,
             )
             for flags in warmup_flag_sets(self.config.max_logprobs):
                 tensors = self.sampling.dummy_tensors(flags, r_pad)
@@ -185,10 +186,11 @@ class Runner:
         rows = np.fromiter((self.table.row_of[r] for r in req_ids), np.int32, len(req_ids))
         num_scheduled = np.fromiter(update.num_scheduled_tokens.values(), np.int32, len(req_ids))
         inputs, plan = prepare_step(self.table, rows, num_scheduled, self.buckets, self.config.page_size)
+        packed, dims = pack_inputs(inputs)
         self.stats.steps += 1
         self.stats.partial_prefill_steps += int(not plan.emits_token.all())
         logits, hidden, self.kv_caches = self.guard.call(
-            ("forward", *plan.shape), self._forward, self.state, self.kv_caches, jax.device_put(inputs)
+            ("forward", *dims), self._forward, self.state, self.kv_caches, jax.device_put(packed), dims=dims
         )
         prompt = None
         if self.prompt_logprobs.wanted_in(req_ids):

@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 
 from models import AttentionMetadata
-from tpu_platform.inputs import StepInputs
+from tpu_platform.inputs import unpack_inputs
 from tpu_platform.sampling import SamplerFlags, sample
 
 
@@ -18,17 +18,19 @@ def forward_logits(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     kv_caches: list[jax.Array],
-    inputs: StepInputs,
+    packed: jax.Array,
+    dims: tuple[int, int, int, int],
     backend: str,
     layer_groups: tuple[int, ...] = (),
     layer_caches: tuple[int, ...] = (),
 ) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
-    """Runs the model on all scheduled tokens.
+    """Runs the model on all scheduled tokens (`packed` by `pack_inputs`, padded to `dims`).
 
     Returns the `[R, V]` float32 logits of the rows to sample, the `[T, D]` hidden states of every
     token (for prompt logprobs) and the new caches.
     """
     model = nnx.merge(graphdef, state)
+    inputs = unpack_inputs(packed, dims)
     md = AttentionMetadata(
         slot_mapping=inputs.slot_mapping,
         kv_lens=inputs.kv_lens,
@@ -49,7 +51,9 @@ def make_forward(
     layer_groups: tuple[int, ...] = (),
     layer_caches: tuple[int, ...] = (),
 ) -> Callable:
-    """`forward(state, kv_caches, inputs) -> (logits, hidden, kv_caches)`, jitted, caches donated.
+    """`forward(state, kv_caches, packed, dims=...) -> (logits, hidden, kv_caches)`, jitted.
+
+    The caches are donated (updated in place); `dims` is static.
 
     `layer_groups`/`layer_caches` map each layer to its KV-cache group and cache array
     (see `models.AttentionMetadata`); empty means one group and one array per layer.
@@ -57,7 +61,7 @@ def make_forward(
     step = functools.partial(
         forward_logits, graphdef, backend=backend, layer_groups=layer_groups, layer_caches=layer_caches
     )
-    return jax.jit(step, donate_argnums=(1,))
+    return jax.jit(step, donate_argnums=(1,), static_argnames=("dims",))
 
 
 def make_sampler() -> Callable:

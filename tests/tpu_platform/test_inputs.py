@@ -6,7 +6,7 @@ import pytest
 
 from tpu_platform.batch_update import CachedRequest, NewRequest
 from tpu_platform.buckets import StepBuckets, power_of_two_buckets, round_up
-from tpu_platform.inputs import padding_inputs, prepare_step
+from tpu_platform.inputs import pack_inputs, padding_inputs, prepare_step, unpack_inputs
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplingOptions
 
@@ -97,3 +97,22 @@ def test_two_kv_groups_get_their_own_slots_and_tables():
     assert inputs.page_indices[:, 0, :2].tolist() == [[1, 2], [6, 7]]
     inputs = padding_inputs(4, 2, 3, num_groups=2)
     assert inputs.slot_mapping.shape == (2, 4) and inputs.page_indices.shape == (2, 2, 3)
+
+
+def test_pack_round_trips():
+    table = RequestTable(capacity=2, max_model_len=32, max_pages=8, num_groups=2)
+    row = table.add(NewRequest("a", [1, 2, 3, 4, 5], [[1, 2], [6, 7]], 0, SamplingOptions()))
+    inputs, _ = prepare_step(table, np.array([row]), np.array([5]), _buckets(), PAGE)
+    packed, dims = pack_inputs(inputs)
+    assert packed.dtype == np.int32 and packed.ndim == 1 and dims == (8, 8, 8, 2)
+    restored = unpack_inputs(packed, dims)
+    for name in (
+        "token_ids",
+        "positions",
+        "slot_mapping",
+        "kv_lens",
+        "page_indices",
+        "cu_q_lens",
+        "num_seqs",
+    ):
+        assert np.array_equal(getattr(restored, name), getattr(inputs, name)), name

@@ -13,7 +13,7 @@ from flax import nnx
 import pallas_kernels.backend
 from models import ModelConfig, build
 from pallas_kernels import allocate_kv_cache
-from tpu_platform.inputs import padding_inputs
+from tpu_platform.inputs import pack_inputs, padding_inputs
 from tpu_platform.step import make_forward
 
 CONFIG = ModelConfig(
@@ -33,10 +33,10 @@ def test_model_step_lowers(monkeypatch, backend, platform, custom_call, num_toke
         allocate_kv_cache(256, 16, CONFIG.num_kv_heads, CONFIG.head_dim, jnp.bfloat16, backend=backend)
         for _ in range(CONFIG.num_layers)
     ]
-    inputs = padding_inputs(num_tokens, min(num_tokens, 8), 32)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, caches, inputs))
+    packed, dims = pack_inputs(padding_inputs(num_tokens, min(num_tokens, 8), 32))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, caches, packed))
     disabled = [jax.export.DisabledSafetyCheck.custom_call(custom_call)]
     exported = jax.export.export(
         make_forward(graphdef, backend), platforms=[platform], disabled_checks=disabled
-    )(*abstract)
+    )(*abstract, dims=dims)
     assert custom_call in exported.mlir_module()
