@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`vllm-xla serve` starts vLLM's OpenAI server on our platform (loopback only)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from tests.tiny_models import save_tiny_llama
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read()
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def test_serve_answers_completions(tmp_path):
+    model_dir = save_tiny_llama(str(tmp_path / "model"), seed=1)
+    port = _free_port()
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # the real server layout
+    cli = os.path.join(os.path.dirname(sys.executable), "vllm-xla")
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [cli, "serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
+         "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if _get(f"{base}/health", timeout=2) is not None:
+                    break
+            except OSError:
+                pass
+            assert time.time() < deadline, "server did not become healthy"
+            time.sleep(1)
+        body = {"model": model_dir, "prompt": "hello world", "max_tokens": 6, "temperature": 0.0}
+        first = _post(f"{base}/v1/completions", {**body, "ignore_eos": True})
+        second = _post(f"{base}/v1/completions", {**body, "ignore_eos": True})
+        assert first["usage"]["completion_tokens"] == 6
+        assert first["choices"][0]["text"] == second["choices"][0]["text"]  # greedy is deterministic
+        assert (
+            "XlaPlatform" in (tmp_path / "server.log").read_text()
+            or "vllm-xla" in (tmp_path / "server.log").read_text()
+        )
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
