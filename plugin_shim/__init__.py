@@ -23,5 +23,5 @@ def register() -> str | None:
         kind = "tpu"
     if kind is None:
         return None
-    init_logger("vllm_xla").info("vllm-xla platform plugin active: the model runs on JAX %s devices", kind)
+    init_logger("vllm.xla").info("vllm-xla platform plugin active: the model runs on JAX %s devices", kind)
     return PLATFORM_CLASS

@@ -13,10 +13,11 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from plugin_shim import translate
 from plugin_shim.logits_processors import LogitsProcessorBridge
+from plugin_shim.logs import share_vllm_logging
 from tpu_platform.envs import read_env
 from tpu_platform.runner import Runner, RunnerConfig
 
-logger = init_logger("vllm_xla")
+logger = init_logger("vllm.xla.worker")
 
 _TORCH_TO_JAX_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -50,6 +51,7 @@ class XlaWorker(WorkerBase):
     def init_device(self) -> None:
         import jax
 
+        share_vllm_logging()  # the runner's `vllm_xla.*` log lines print like vLLM's
         env = read_env()
         self.env = env
         self.device = torch.device("cpu")

@@ -9,7 +9,7 @@ import time
 
 import jax
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm_xla.{__name__}")
 
 
 def enable_persistent_cache(cache_dir: str) -> str:

@@ -26,7 +26,7 @@ from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplingBatch, warmup_flag_sets
 from tpu_platform.step import make_forward, make_sampler
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm_xla.{__name__}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
