@@ -21,6 +21,7 @@ CASES = {
     "allowed": dict(temperature=0.0, max_tokens=8, allowed_token_ids=[7, 8, 9, 10, 11]),
     "min_tokens": dict(temperature=0.0, max_tokens=6, min_tokens=4, stop_token_ids=[2]),
     "prompt_logprobs": dict(temperature=0.0, max_tokens=2, prompt_logprobs=2),
+    "bad_words": dict(temperature=0.0, max_tokens=10, bad_words=["hello", " the quick"]),
 }
 
 
