@@ -87,7 +87,7 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    kv_chunk_pages: int = 16,
+    kv_chunk_pages: int = 4,
 ) -> jax.Array:
     """Causal attention of ragged query rows over their sequences' paged KV.
 

@@ -1,0 +1,153 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tables, ratios and the bar chart of `throughput.py` (input: results[workload][peer] dicts)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+PEERS = ("xla", "vllm-cpu", "hf")
+PEER_LABELS = {"xla": "ours (vllm-xla)", "vllm-cpu": "vLLM CPU", "hf": "transformers"}
+BASELINES = ("vllm-cpu", "hf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    label: str
+    workload: str
+    path: tuple[str, ...]
+    higher_is_better: bool
+    scale: float = 1.0
+
+
+METRICS = (
+    Metric("batch output tok/s", "batch", ("output_tok_s",), True),
+    Metric("batch total tok/s", "batch", ("total_tok_s",), True),
+    Metric("batch wall s", "batch", ("seconds",), False),
+    Metric("batch start-up s", "batch", ("startup_seconds",), False),
+    Metric("single tok/s", "single", ("tok_s",), True),
+    Metric("single decode tok/s", "single", ("decode_tok_s",), True),
+    Metric("single first token ms", "single", ("first_token_seconds",), False, 1000.0),
+    Metric("single start-up s", "single", ("startup_seconds",), False),
+    Metric("serve output tok/s", "serve", ("output_tok_s",), True),
+    Metric("serve TTFT p50 ms", "serve", ("ttft_ms", "p50"), False),
+    Metric("serve TTFT p90 ms", "serve", ("ttft_ms", "p90"), False),
+    Metric("serve TTFT p99 ms", "serve", ("ttft_ms", "p99"), False),
+    Metric("serve ITL p50 ms", "serve", ("itl_ms", "p50"), False),
+    Metric("serve ITL p90 ms", "serve", ("itl_ms", "p90"), False),
+    Metric("serve ITL p99 ms", "serve", ("itl_ms", "p99"), False),
+    Metric("serve TPOT mean ms", "serve", ("tpot_ms", "mean"), False),
+    Metric("serve start-up s", "serve", ("startup_seconds",), False),
+)
+CHART_THROUGHPUT = ("batch output tok/s", "batch total tok/s", "single tok/s", "serve output tok/s")
+CHART_LATENCY = ("serve TTFT p50 ms", "serve TTFT p99 ms", "serve ITL p50 ms", "serve ITL p99 ms")
+
+
+def value(results: dict[str, Any], metric: Metric, peer: str) -> float | None:
+    node: Any = results.get(metric.workload, {}).get(peer, {})
+    if node.get("status") != "ok":
+        return None
+    for key in metric.path:
+        node = node.get(key) if isinstance(node, dict) else None
+    return None if node is None else float(node) * metric.scale
+
+
+def ratios(results: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """ours / peer for every metric (above 1 is better for throughput, worse for latency and time)."""
+    table: dict[str, dict[str, float | None]] = {}
+    for metric in METRICS:
+        ours = value(results, metric, "xla")
+        row = {}
+        for peer in BASELINES:
+            theirs = value(results, metric, peer)
+            row[f"xla/{peer}"] = ours / theirs if ours is not None and theirs else None
+        table[metric.label] = row
+    return table
+
+
+def _cell(x: float | None, ratio: bool = False) -> str:
+    if x is None:
+        return "-"
+    if ratio:
+        return f"{x:.2f}x"
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.2f}"
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """A plain-text table: one row per measured metric, peers and ratios in columns."""
+    rat = ratios(results)
+    header = ["metric", *(PEER_LABELS[p] for p in PEERS), "ours/vLLM-CPU", "ours/HF", "better"]
+    rows = [header]
+    for metric in METRICS:
+        values = [value(results, metric, p) for p in PEERS]
+        if all(v is None for v in values):
+            continue
+        better = "higher" if metric.higher_is_better else "lower"
+        rows.append(
+            [metric.label, *(_cell(v) for v in values)]
+            + [_cell(rat[metric.label][f"xla/{p}"], ratio=True) for p in BASELINES]
+            + [better]
+        )
+    if len(rows) == 1:
+        return "(no successful measurement)"
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_failures(results: dict[str, Any]) -> str:
+    lines = []
+    for workload, peers in results.items():
+        for peer, result in peers.items():
+            if result.get("status") == "failed":
+                lines.append(f"FAILED {peer} / {workload} (exit {result.get('returncode')}):")
+                lines.append("    " + "\n    ".join(result.get("stderr_tail", "").splitlines()[-25:]))
+            elif result.get("status") == "skipped":
+                lines.append(f"skipped {peer} / {workload}: {result.get('reason')}")
+    return "\n".join(lines)
+
+
+def _bars(ax, results: dict[str, Any], labels: tuple[str, ...], title: str) -> None:
+    by_label = {m.label: m for m in METRICS}
+    width = 0.8 / len(PEERS)
+    for i, peer in enumerate(PEERS):
+        heights = [value(results, by_label[label], peer) or 0.0 for label in labels]
+        xs = [j + (i - (len(PEERS) - 1) / 2) * width for j in range(len(labels))]
+        bars = ax.bar(xs, heights, width, label=PEER_LABELS[peer])
+        ax.bar_label(bars, labels=[f"{h:.0f}" if h >= 10 else (f"{h:.1f}" if h else "") for h in heights],
+                     fontsize=7)  # fmt: skip
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+
+
+def write_chart(results: dict[str, Any], path: str, subtitle: str) -> str | None:
+    """A PNG bar chart (throughput, and serve latency when measured); None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    by_label = {m.label: m for m in METRICS}
+    latency = [lb for lb in CHART_LATENCY if any(value(results, by_label[lb], p) for p in PEERS)]
+    throughput = tuple(lb for lb in CHART_THROUGHPUT if any(value(results, by_label[lb], p) for p in PEERS))
+    if not throughput:
+        return None
+    panels = 2 if latency else 1
+    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4.5), squeeze=False)
+    _bars(axes[0][0], results, throughput, "throughput, tokens/s (higher is better)")
+    if latency:
+        _bars(axes[0][1], results, tuple(latency), "serve latency, ms (lower is better)")
+    fig.suptitle(f"SmolLM2-135M on CPU: {subtitle}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,197 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The `serve` workload of `throughput.py`: vLLM's OpenAI server under concurrent streaming clients.
+
+The server is `python -m vllm.entrypoints.openai.api_server` on a free loopback port, started in
+its own process group with the peer's environment (inherited from the worker). After `/health`
+answers and one warm-up request, `concurrency` clients share `requests` streaming
+`/v1/completions` calls (token-id prompts, greedy, `ignore_eos`). Measured per request: time to
+first token (TTFT), the gaps between streamed tokens (ITL) and time per output token after the
+first (TPOT). The server is then stopped: SIGTERM to its group, SIGKILL if still alive after 30 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+from _peers import SEED, VLLM_LIMITS, Sizes, random_prompts, vocab_size
+
+HOST = "127.0.0.1"
+HEALTH_TIMEOUT_S = 300.0
+COMPILE_AFTER_WARMUP = "compiled a new program after warm-up"  # our runner's warning (tpu_platform)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def server_command(model_dir: str, port: int, dtype: str) -> list[str]:
+    limits = [f"--{k.replace('_', '-')}={v}" for k, v in VLLM_LIMITS.items()]
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+        "--served-model-name", "bench", "--host", HOST, "--port", str(port), "--dtype", dtype,
+        "--seed", str(SEED), "--disable-uvicorn-access-log", *limits,
+    ]  # fmt: skip
+
+
+def start_server(command: list[str], log) -> subprocess.Popen:
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (EngineCore included), SIGKILL after 30 s."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+
+
+async def wait_healthy(session, base: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before /health answered")
+        try:
+            async with session.get(f"{base}/health") as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        await asyncio.sleep(1.0)
+    raise TimeoutError(f"/health did not answer within {HEALTH_TIMEOUT_S:.0f} s")
+
+
+async def stream_one(session, base: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streaming completion: TTFT, the gap per streamed token and the token count."""
+    body = {
+        "model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }  # fmt: skip
+    start = time.perf_counter()
+    last, tokens, ttft, gaps = start, 0, None, []
+    async with session.post(f"{base}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data:") :])
+            usage = chunk.get("usage")
+            if usage:
+                count = int(usage.get("completion_tokens") or tokens)
+            else:  # no per-chunk usage: one streamed text piece counts as one token
+                count = tokens + sum(1 for c in chunk.get("choices", []) if c.get("text"))
+            if count <= tokens:
+                continue
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - start
+            else:
+                gaps.extend([(now - last) / (count - tokens)] * (count - tokens))
+            last, tokens = now, count
+    latency = last - start
+    tpot = (latency - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None
+    return {"ttft": ttft, "gaps": gaps, "tokens": tokens, "latency": latency, "tpot": tpot}
+
+
+async def run_clients(base: str, prompts: list[list[int]], max_tokens: int, concurrency: int, proc):
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        started = time.perf_counter()
+        await wait_healthy(session, base, proc)
+        health_seconds = time.perf_counter() - started
+        warm = time.perf_counter()
+        await stream_one(session, base, prompts[0][:16], 8)
+        warm_seconds = time.perf_counter() - warm
+        queue: asyncio.Queue[list[int]] = asyncio.Queue()
+        for prompt in prompts:
+            queue.put_nowait(prompt)
+        results: list[dict[str, Any]] = []
+
+        async def client() -> None:
+            while not queue.empty():
+                results.append(await stream_one(session, base, queue.get_nowait(), max_tokens))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return health_seconds, warm_seconds, wall, results
+
+
+def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
+    """p50/p90/p99 and mean, in milliseconds by default."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    arr = np.asarray(values) * scale
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(arr.mean())}
+
+
+def summarize(wall: float, results: list[dict[str, Any]], prompts: list[list[int]]) -> dict[str, Any]:
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "requests": len(results),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "output_tokens": tokens,
+        "seconds": wall,
+        "output_tok_s": tokens / wall,
+        "requests_per_s": len(results) / wall,
+        "ttft_ms": percentiles([r["ttft"] for r in results if r["ttft"] is not None]),
+        "itl_ms": percentiles([g for r in results for g in r["gaps"]]),
+        "tpot_ms": percentiles([r["tpot"] for r in results if r["tpot"] is not None]),
+    }
+
+
+def run_serve(peer: str, model_dir: str, dtype: str, sizes: Sizes) -> dict[str, Any]:
+    """Starts the server, drives the clients, stops the server; raises with the log tail on failure."""
+    port = free_port()
+    command = server_command(model_dir, port, dtype)
+    prompts = random_prompts(sizes.serve_requests, sizes.serve_prompt_len, vocab_size(model_dir), SEED + 3)
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = start_server(command, log)
+        try:
+            health, warm, wall, results = asyncio.run(
+                run_clients(
+                    f"http://{HOST}:{port}", prompts, sizes.serve_output, sizes.serve_concurrency, proc
+                )
+            )
+        except BaseException as error:
+            stop_server(proc)
+            log.seek(0)
+            raise RuntimeError(f"serve failed ({error!r}); server log tail:\n{log.read()[-4000:]}") from error
+        stop_server(proc)
+        log.seek(0)
+        server_log = log.read()
+    sys.stderr.write(f"--- server log ---\n{server_log}\n")  # kept in the worker's log file
+    result = {
+        "dtype": dtype,
+        "engine_mode": "OpenAI server (AsyncLLM + EngineCore process)",
+        "command": command,
+        "startup_seconds": health,
+        "warmup_seconds": warm,
+        "concurrency": sizes.serve_concurrency,
+        "expected_output_tokens": sizes.serve_output * sizes.serve_requests,
+        "compiles_after_warmup_logged": server_log.count(COMPILE_AFTER_WARMUP),
+    }
+    result.update(summarize(wall, results, prompts))
+    return result
