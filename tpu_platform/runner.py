@@ -48,13 +48,17 @@ class RunnerConfig:
 
 @dataclasses.dataclass(slots=True)
 class RunnerStats:
-    """Running totals since start (reported by the worker to vLLM's stat loggers and tests)."""
+    """Running totals since start (reported by the worker: `runner_stats`)."""
 
     steps: int = 0
     partial_prefill_steps: int = 0
     preempted_requests: int = 0
     resumed_requests: int = 0
     prefix_cache_hits: int = 0
+    # Host time from the batch update to the dispatched forward, and from the device result to
+    # the step's output; wall time of the whole step (dispatch to tokens on the host).
+    host_seconds: float = 0.0
+    step_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,6 +92,7 @@ class Runner:
         self._pending: _PendingStep | None = None
         self._step_index = 0
         self.stats = RunnerStats()
+        self._dispatched_at = 0.0
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -178,6 +183,7 @@ class Runner:
 
     def execute(self, update: BatchUpdate) -> None:
         """Applies the update and dispatches the forward pass (without waiting for it)."""
+        start = time.perf_counter()
         self._apply(update)
         self._pending = None
         if not update.num_scheduled_tokens:
@@ -192,6 +198,8 @@ class Runner:
         logits, hidden, self.kv_caches = self.guard.call(
             ("forward", *dims), self._forward, self.state, self.kv_caches, jax.device_put(packed), dims=dims
         )
+        self._dispatched_at = time.perf_counter()
+        self.stats.host_seconds += self._dispatched_at - start
         prompt = None
         if self.prompt_logprobs.wanted_in(req_ids):
             prompt = self.prompt_logprobs.collect(
@@ -225,7 +233,9 @@ class Runner:
         if logits_transform is not None:
             logits = logits_transform(logits, plan.rows, flags.all_greedy)
         out = self.guard.call(("sample", plan.shape[1], flags), self._sample, logits, tensors, flags=flags)
-        return self._record(pending, out)
+        result = self._record(pending, out)
+        self.stats.step_seconds += time.perf_counter() - self._dispatched_at
+        return result
 
     def _bitmask_rows(
         self, req_ids: list[str], masks: dict[str, np.ndarray] | None
