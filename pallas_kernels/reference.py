@@ -76,6 +76,29 @@ def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int, num_seqs: jax.Arra
     return jnp.sum(jnp.arange(num_tokens)[:, None] >= ends[None, :], axis=1).astype(jnp.int32)
 
 
+def query_blocks(
+    cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, block: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Cuts every sequence's query rows into blocks of `block` rows (one sequence per block).
+
+    Returns `seq[N]` (each block's sequence), `tok[N, B]` (row indices; `num_tokens` where
+    invalid), `valid[N, B]` and `position[N, B]` (the row's position in its sequence), for a static
+    `N = ceil(T / B) + R` blocks: enough whatever the lengths.
+    """
+    num_slots = kv_lens.shape[0]
+    q_len = jnp.where(jnp.arange(num_slots) < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [R]
+    ends = jnp.cumsum((q_len + block - 1) // block)  # [R] exclusive end block of each sequence
+    num_blocks = -(-num_tokens // block) + num_slots
+    j = jnp.arange(num_blocks)
+    seq_raw = jnp.sum(j[:, None] >= ends[None, :], axis=1)  # [N]
+    seq = jnp.minimum(seq_raw, num_slots - 1)
+    first = cu_q_lens[seq] + (j - (ends[seq] - (q_len[seq] + block - 1) // block)) * block  # [N]
+    tok = first[:, None] + jnp.arange(block)[None, :]  # [N, B]
+    valid = (seq_raw < num_seqs)[:, None] & (tok < cu_q_lens[seq + 1][:, None])
+    position = kv_lens[seq][:, None] - (cu_q_lens[seq + 1][:, None] - tok)
+    return seq, jnp.where(valid, tok, num_tokens), valid, position
+
+
 def ragged_paged_attention_reference(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -88,12 +111,16 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_chunk_pages: int = 4,
+    query_block: int | None = None,
 ) -> jax.Array:
     """Causal attention of ragged query rows over their sequences' paged KV.
 
-    The KV length is walked in chunks of `kv_chunk_pages` pages with an online softmax, for only
-    as many chunks as the longest sequence needs: the block-table width P is then free (no
-    compile per context length) and pages past every sequence's end cost nothing.
+    Query rows are taken in blocks of `query_block` rows of one sequence, and each block gathers
+    its sequence's pages once: 1 (per row) suits decode steps, larger blocks prefill chunks,
+    whose rows share their pages. By default 1 when the step has no more tokens than sequence
+    slots, else 16. The KV length is walked in chunks of `kv_chunk_pages` pages with an online
+    softmax, for only as many chunks as the longest sequence needs: the block-table width P is then
+    free (no compile per context length) and pages past every sequence's end cost nothing.
 
     Args:
       q: `[T, H, D]` queries; sequence i owns rows `cu_q_lens[i]:cu_q_lens[i+1]`, its last tokens.
@@ -107,6 +134,7 @@ def ragged_paged_attention_reference(
       sliding_window: if set, a query at position p sees keys at positions > p - sliding_window.
       soft_cap: if set, scores become `soft_cap * tanh(scores / soft_cap)`.
       kv_chunk_pages: pages per chunk of the online softmax.
+      query_block: query rows per block (static).
 
     Returns:
       `[T, H, D]` in q's dtype.
@@ -120,39 +148,43 @@ def ragged_paged_attention_reference(
     chunk_pages = max(1, min(kv_chunk_pages, pages_per_seq))
     chunk_len = chunk_pages * page_size
     num_seqs = jnp.reshape(num_seqs, ())
+    block = query_block or (1 if num_tokens <= num_seq_slots else 16)
 
-    seq_raw = token_sequence_ids(cu_q_lens, num_tokens, num_seqs)  # [T]
-    valid = (jnp.arange(num_tokens) < cu_q_lens[num_seqs]) & (seq_raw < num_seqs)  # [T]
-    seq = jnp.minimum(seq_raw, num_seq_slots - 1)
-    position = kv_lens[seq] - (cu_q_lens[seq + 1] - jnp.arange(num_tokens))  # [T] query positions
+    seq, tok, valid, position = query_blocks(cu_q_lens, kv_lens, num_seqs, num_tokens, block)
+    num_blocks = seq.shape[0]
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    qb = jnp.take(qg, tok, axis=0, mode="fill", fill_value=0)  # [N, B, K, G, D]
+    qb = qb.transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, num_blocks, block * group, head_dim)
     padded_pages = -(-pages_per_seq // chunk_pages) * chunk_pages
     table = jnp.pad(page_indices, ((0, 0), (0, padded_pages - pages_per_seq)))  # [R, P']
-    qk = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     batch = ((0, 1), (0, 1))
 
     def chunk(c, carry):
-        m, denom, acc = carry  # [K, T, G], [K, T, G], [K, T, G, D]
-        pages = lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages, axis=1)[seq]  # [T, C]
-        rows = jnp.take(kv_cache, pages.reshape(-1), axis=1, mode="clip")  # [2K, T * C, S * D]
-        rows = decode_kv(rows).reshape(num_rows, num_tokens, chunk_len, head_dim)
-        k, v = rows[:num_kv_heads], rows[num_kv_heads:]  # [K, T, Lc, D]
-        scores = lax.dot_general(k, qk, (((3,), (3,)), batch)) * sm_scale  # [K, T, Lc, G]
+        m, denom, acc = carry  # [K, N, B*G], [K, N, B*G], [K, N, B*G, D]
+        pages = lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages, axis=1)[seq]  # [N, C]
+        rows = jnp.take(kv_cache, pages.reshape(-1), axis=1, mode="clip")  # [2K, N * C, S * D]
+        rows = decode_kv(rows).reshape(num_rows, num_blocks, chunk_len, head_dim)
+        k, v = rows[:num_kv_heads], rows[num_kv_heads:]  # [K, N, Lc, D]
+        scores = lax.dot_general(k, qb, (((3,), (3,)), batch)) * sm_scale  # [K, N, Lc, B*G]
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
-        key_pos = c * chunk_len + jnp.arange(chunk_len)[None, :]  # [1, Lc]
-        visible = (key_pos <= position[:, None]) & valid[:, None]  # [T, Lc]
+        key_pos = c * chunk_len + jnp.arange(chunk_len)[None, :, None]  # [1, Lc, 1]
+        visible = (key_pos <= position[:, None, :]) & valid[:, None, :]  # [N, Lc, B]
         if sliding_window is not None:
-            visible &= key_pos > position[:, None] - sliding_window
-        visible = visible[None, :, :, None]
+            visible &= key_pos > position[:, None, :] - sliding_window
+        visible = jnp.repeat(visible, group, axis=2)[None]  # [1, N, Lc, B*G]
         m_new = jnp.maximum(m, jnp.max(jnp.where(visible, scores, MASK_VALUE), axis=2))
-        p = jnp.where(visible, jnp.exp(scores - m_new[:, :, None, :]), 0.0)  # [K, T, Lc, G]
+        p = jnp.where(visible, jnp.exp(scores - m_new[:, :, None, :]), 0.0)  # [K, N, Lc, B*G]
         alpha = jnp.exp(m - m_new)
-        pv = lax.dot_general(p, v, (((2,), (2,)), batch))  # [K, T, G, D]
+        pv = lax.dot_general(p, v, (((2,), (2,)), batch))  # [K, N, B*G, D]
         return m_new, denom * alpha + jnp.sum(p, axis=2), acc * alpha[..., None] + pv
 
-    shape = (num_kv_heads, num_tokens, group)
+    shape = (num_kv_heads, num_blocks, block * group)
     init = (jnp.full(shape, MASK_VALUE), jnp.zeros(shape), jnp.zeros((*shape, head_dim)))
     longest = jnp.max(jnp.where(jnp.arange(num_seq_slots) < num_seqs, kv_lens, 0))
     _, denom, acc = lax.fori_loop(0, (longest + chunk_len - 1) // chunk_len, chunk, init)
-    out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)  # [K, T, G, D]
-    return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)  # [K, N, B*G, D]
+    out = out.reshape(num_kv_heads, num_blocks, block, group, head_dim).transpose(1, 2, 0, 3, 4)
+    rows_out = jnp.zeros((num_tokens + 1, num_heads, head_dim), jnp.float32)
+    rows_out = rows_out.at[tok.reshape(-1)].set(out.reshape(num_blocks * block, num_heads, head_dim))
+    return rows_out[:num_tokens].astype(q.dtype)

@@ -38,6 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.checks import check_lanes, check_metadata
 from pallas_kernels.gpu import tuned_block_sizes
 from pallas_kernels.gpu.layout import padded_head_dim
 
@@ -127,32 +128,15 @@ def _validate(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_w
             f"want q [T, H, D] and kv_cache [2, K, num_pages, S, Dp]; got {q.shape}, {kv_cache.shape}"
         )
     num_heads, head_dim = q.shape[1:]
-    _, num_kv_heads, _, page_size, lanes = kv_cache.shape
+    _, num_kv_heads, _, page_size, _ = kv_cache.shape
     if num_heads % num_kv_heads:
         raise ValueError(
             f"q's {num_heads} heads must be a multiple of kv_cache {kv_cache.shape}'s {num_kv_heads}"
         )
-    if lanes != padded_head_dim(head_dim):
-        raise ValueError(
-            f"kv_cache {kv_cache.shape} last dim must be {padded_head_dim(head_dim)} for D={head_dim}"
-        )
+    check_lanes(kv_cache, head_dim, padded_head_dim(head_dim))
     if page_size & (page_size - 1):
         raise ValueError(f"kv_cache {kv_cache.shape}: page size {page_size} must be a power of two")
-    if page_indices.ndim != 2:
-        raise ValueError(f"page_indices {page_indices.shape} must be [R, P]")
-    num_slots = page_indices.shape[0]
-    if kv_lens.shape != (num_slots,) or cu_q_lens.shape != (num_slots + 1,) or num_seqs.size != 1:
-        raise ValueError(
-            f"want kv_lens [R], cu_q_lens [R + 1], num_seqs [] or [1] with R = {num_slots}; got "
-            f"{kv_lens.shape}, {cu_q_lens.shape}, {num_seqs.shape}"
-        )
-    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens)):
-        if x.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32, got {x.dtype}")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    if soft_cap is not None and soft_cap <= 0:
-        raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+    check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window, soft_cap)
 
 
 def _plan(cu_q_lens, kv_lens, num_seqs, num_tokens, block_q, num_work):

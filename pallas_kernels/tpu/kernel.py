@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.checks import check_lanes, check_metadata
 from pallas_kernels.tpu import tuned_block_sizes
 from pallas_kernels.tpu.layout import LANES, padded_head_dim
 
@@ -205,31 +206,14 @@ def _validate(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_w
             f"want q [T, H, D] and kv_cache [num_pages, 2K, S, Dp]; got {q.shape}, {kv_cache.shape}"
         )
     num_heads, head_dim = q.shape[1:]
-    _, num_rows, page_size, lanes = kv_cache.shape
+    _, num_rows, page_size, _ = kv_cache.shape
     if num_rows % 2 or num_heads % (num_rows // 2):
         raise ValueError(f"kv_cache {kv_cache.shape}: 2K must be even and divide into q's {num_heads} heads")
-    if lanes != padded_head_dim(head_dim):
-        raise ValueError(
-            f"kv_cache {kv_cache.shape} last dim must be {padded_head_dim(head_dim)} for D={head_dim}"
-        )
+    check_lanes(kv_cache, head_dim, padded_head_dim(head_dim))
     tile = _sublane_tile(kv_cache.dtype)
     if page_size % tile:
         raise ValueError(f"page size {page_size} must be a multiple of {tile} for {kv_cache.dtype}")
-    if page_indices.ndim != 2:
-        raise ValueError(f"page_indices {page_indices.shape} must be [R, P]")
-    num_slots = page_indices.shape[0]
-    if kv_lens.shape != (num_slots,) or cu_q_lens.shape != (num_slots + 1,) or num_seqs.size != 1:
-        raise ValueError(
-            f"want kv_lens [R], cu_q_lens [R + 1], num_seqs [] or [1] with R = {num_slots}; got "
-            f"{kv_lens.shape}, {cu_q_lens.shape}, {num_seqs.shape}"
-        )
-    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens)):
-        if x.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32, got {x.dtype}")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    if soft_cap is not None and soft_cap <= 0:
-        raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+    check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window, soft_cap)
 
 
 def _seq_ranges(cu_q_lens, num_seqs, num_q_blocks, block_q):
