@@ -23,7 +23,8 @@ from tpu_platform.inputs import StepPlan, pack_inputs, padding_inputs, prepare_s
 from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes
 from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
 from tpu_platform.request_table import RequestTable
-from tpu_platform.sampling import SamplingBatch, warmup_flag_sets
+from tpu_platform.sampling import SamplingBatch
+from tpu_platform.sampling.uniform import has_extras, uniform_warmup_flag_sets, with_all_extras
 from tpu_platform.step import make_forward, make_sampler
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
@@ -111,6 +112,11 @@ class Runner:
             max_model_len=self.config.max_model_len,
             max_logprobs=self.config.max_logprobs,
         )
+        # Penalty window and sparse list widths of the sampler's single "extras" program.
+        self._extra_widths = {
+            "penalty_width": self.sampling.penalty_widths[-1],
+            "sparse_width": self.sampling.sparse_widths[-1],
+        }
         logger.info(
             "loaded %s (%s) in %.1f s on %s, attention backend %s",
             self.model_config.architecture, self.dtype.name, time.perf_counter() - start,
@@ -171,8 +177,8 @@ class Runner:
                 jax.device_put(packed),
                 dims=dims,
             )
-            for flags in warmup_flag_sets(self.config.max_logprobs):
-                tensors = self.sampling.dummy_tensors(flags, r_pad)
+            for flags in uniform_warmup_flag_sets(self.config.max_logprobs):
+                tensors = self.sampling.dummy_tensors(flags, r_pad, **self._extra_widths)
                 self.guard.call(("sample", r_pad, flags), self._sample, logits, tensors, flags=flags)
         compiled = self.guard.count - before
         logger.info("warm-up compiled %d programs in %.1f s", compiled, time.perf_counter() - start)
@@ -228,6 +234,10 @@ class Runner:
             step_seed=self.config.seed * 1_000_003 + self._step_index,
             grammar_bitmasks=self._bitmask_rows(pending.req_ids, grammar_bitmasks),
         )
+        if has_extras(flags):
+            tensors, flags = with_all_extras(
+                tensors, flags, self.model_config.vocab_size, **self._extra_widths
+            )
         self._step_index += 1
         logits = pending.logits
         if logits_transform is not None:

@@ -1,11 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""After warm-up, a mixed serving workload compiles nothing (VLLM_XLA_STRICT_COMPILE=1 raises)."""
+"""After warm-up, a mixed serving workload compiles nothing (VLLM_XLA_STRICT_COMPILE=1 raises).
+
+Every sampling option is in the mix: greedy, seeds, top-k/top-p/min-p, logprobs, penalties,
+logit_bias, min_tokens, bad words, allowed ids and a JSON-schema grammar.
+"""
 
 import gc
 
 import numpy as np
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+from vllm.sampling_params import StructuredOutputsParams
 
 from tests.tiny_models import save_tiny_llama
 
@@ -18,10 +23,17 @@ def _mixed_params(rng, n):
         dict(temperature=0.9, top_p=0.8, min_p=0.05),
         dict(temperature=0.0, logprobs=3),
         dict(temperature=1.2, top_k=20, top_p=0.9, logprobs=1),
+        dict(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
+        dict(temperature=0.8, logit_bias={7: 3.0, 9: -2.0}, min_tokens=4, seed=5),
+        dict(temperature=0.0, bad_words=["hello", "the quick"], allowed_token_ids=list(range(3, 300))),
+        dict(
+            temperature=0.5,
+            structured_outputs=StructuredOutputsParams(json={"type": "string", "enum": ["a", "b"]}),
+        ),
     ]
     return [
-        SamplingParams(max_tokens=int(rng.integers(8, 28)), ignore_eos=True, **kinds[i % len(kinds)])
-        for i in range(n)
+        SamplingParams(max_tokens=int(rng.integers(8, 28)), ignore_eos=True, **kinds[int(k)])
+        for k in rng.permutation(np.arange(n) % len(kinds))
     ]
 
 
@@ -35,7 +47,7 @@ def test_mixed_workload_compiles_nothing_after_warm_up(tmp_path, monkeypatch):
     )  # fmt: skip
     warm = llm.collective_rpc("runner_stats")[0]
     rng = np.random.default_rng(0)
-    for batch_size in (1, 3, 6, 9):
+    for batch_size in (1, 3, 6, 10, 12):
         lengths = rng.integers(1, 96, batch_size)
         prompts = [TokensPrompt(prompt_token_ids=[1, *rng.integers(3, 384, n - 1).tolist()]) for n in lengths]
         outputs = llm.generate(prompts, _mixed_params(rng, batch_size), use_tqdm=False)
