@@ -74,6 +74,7 @@ class XlaWorker(WorkerBase):
                 strict_compile=env.strict_compile,
                 seed=mc.seed or 0,
                 max_logprobs=mc.max_logprobs,
+                logprobs_mode=str(mc.logprobs_mode),
             )
         )
         self.logits_bridge = LogitsProcessorBridge.load(self.vllm_config)

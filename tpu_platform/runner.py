@@ -45,6 +45,7 @@ class RunnerConfig:
     strict_compile: bool = False
     seed: int = 0
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
 
 
 @dataclasses.dataclass(slots=True)
@@ -111,6 +112,7 @@ class Runner:
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.config.max_model_len,
             max_logprobs=self.config.max_logprobs,
+            logprobs_mode=self.config.logprobs_mode,
         )
         # Penalty window and sparse list widths of the sampler's single "extras" program.
         self._extra_widths = {
@@ -177,7 +179,9 @@ class Runner:
                 jax.device_put(packed),
                 dims=dims,
             )
-            for flags in uniform_warmup_flag_sets(self.config.max_logprobs):
+            for flags in uniform_warmup_flag_sets(
+                self.config.max_logprobs, logprobs_mode=self.config.logprobs_mode
+            ):
                 tensors = self.sampling.dummy_tensors(flags, r_pad, **self._extra_widths)
                 self.guard.call(("sample", r_pad, flags), self._sample, logits, tensors, flags=flags)
         compiled = self.guard.count - before
