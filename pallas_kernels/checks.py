@@ -38,3 +38,10 @@ def check_metadata(
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+
+
+def check_positive(**dims: int) -> None:
+    """A ValueError naming the first of `dims` that is not positive."""
+    for name, value in dims.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")

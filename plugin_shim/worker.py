@@ -103,8 +103,9 @@ class XlaWorker(WorkerBase):
             * self.cache_config.block_size
             * self.model_config.dtype.itemsize
         )
-        if self.runner.kv_page_bytes() != logical:  # e.g. head_dim padded to 128 for TPU tiling
-            common["page_size_padded"] = self.runner.kv_page_bytes()
+        actual = self.runner.kv_page_bytes()
+        if actual != logical:  # e.g. head_dim padded to 128 for TPU tiling
+            common["page_size_padded"] = actual
         specs: dict[str, KVCacheSpec] = {}
         for i, window in enumerate(mc.layer_sliding_windows):
             name = layer_name(i)

@@ -89,7 +89,6 @@ class Runner:
             max_model_len=config.max_model_len,
             page_size=config.page_size,
         )
-        self.table = RequestTable(config.max_num_seqs, config.max_model_len, self.buckets.max_pages)
         self.guard = CompileGuard(config.strict_compile)
         self._pending: _PendingStep | None = None
         self._step_index = 0

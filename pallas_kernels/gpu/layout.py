@@ -23,6 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.checks import check_positive
+
 MIN_HEAD_DIM = 16  # tl.dot needs every dimension >= 16
 
 
@@ -35,14 +37,7 @@ def allocate_kv_cache(
     num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
 ) -> jax.Array:
     """A zeroed cache `[2, K, num_pages, S, Dp]` for one layer."""
-    for name, value in (
-        ("num_pages", num_pages),
-        ("page_size", page_size),
-        ("num_kv_heads", num_kv_heads),
-        ("head_dim", head_dim),
-    ):
-        if value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
+    check_positive(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
     if page_size & (page_size - 1):
         raise ValueError(f"page_size {page_size} must be a power of two for Triton tiles")
     return jnp.zeros((2, num_kv_heads, num_pages, page_size, padded_head_dim(head_dim)), dtype)

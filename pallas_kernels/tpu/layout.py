@@ -25,6 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.checks import check_positive
+
 LANES = 128
 
 
@@ -37,14 +39,7 @@ def allocate_kv_cache(
     num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
 ) -> jax.Array:
     """A zeroed cache `[num_pages, 2K, S, Dp]` for one layer."""
-    for name, value in (
-        ("num_pages", num_pages),
-        ("page_size", page_size),
-        ("num_kv_heads", num_kv_heads),
-        ("head_dim", head_dim),
-    ):
-        if value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
+    check_positive(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
     return jnp.zeros((num_pages, 2 * num_kv_heads, page_size, padded_head_dim(head_dim)), dtype)
 
 
