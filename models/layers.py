@@ -33,8 +33,22 @@ class Linear(nnx.Module):
         self.bias = _zeros((out_features,), dtype) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("td,df->tf", x, self.kernel[...])
+        y = matmul(x, self.kernel[...]).astype(x.dtype)
         return y + self.bias[...] if self.bias is not None else y
+
+
+def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """`x [T, in] @ kernel [in, out]`, accumulated and returned in float32.
+
+    The float32 result type and the `[in, out]` kernel keep bfloat16 products on XLA:CPU's fast
+    dot path (otherwise both operands are upcast to float32 copies first), and a single bfloat16
+    row is padded to two for the same reason (notes in the README, "Performance on CPU").
+    """
+    single_bf16_row = x.shape[0] == 1 and x.dtype == jnp.bfloat16
+    if single_bf16_row:
+        x = jnp.concatenate([x, x])
+    y = jnp.einsum("td,df->tf", x, kernel, preferred_element_type=jnp.float32)
+    return y[:1] if single_bf16_row else y
 
 
 class Embedding(nnx.Module):
@@ -52,7 +66,19 @@ class Embedding(nnx.Module):
         return x if self.scale is None else x * jnp.asarray(self.scale, x.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
+        """Tied LM head: float32 logits `[T, V]`, from the `[D, V]` copy once `transpose_for_head` ran."""
+        head = getattr(self, "head_kernel", None)
+        if head is not None:
+            return matmul(x, head[...])
         return jnp.einsum("td,vd->tv", x, self.embedding[...], preferred_element_type=jnp.float32)
+
+    def transpose_for_head(self) -> None:
+        """Keeps a `[D, V]` copy of the table for the head: the fast dot orientation on CPU."""
+        self.head_kernel = HeadCopy(self.embedding[...].T)
+
+
+class HeadCopy(nnx.Variable):
+    """A derived copy of a parameter (not loaded from checkpoints)."""
 
 
 class RMSNorm(nnx.Module):
@@ -321,9 +347,7 @@ class CausalLM(nnx.Module):
         if self.lm_head is None:
             logits = self.model.embed_tokens.attend(hidden)
         else:
-            logits = jnp.einsum(
-                "td,dv->tv", hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32
-            )
+            logits = matmul(hidden, self.lm_head.kernel[...])
         if self.final_soft_cap is not None:
             logits = self.final_soft_cap * jnp.tanh(logits / self.final_soft_cap)
         return logits

@@ -151,4 +151,6 @@ def load_model(path: str, dtype: jnp.dtype = jnp.float32) -> tuple[ModelConfig, 
     config = ModelConfig.from_pretrained(path)
     model = build(config, dtype)
     load_weights(model, path)
+    if config.tie_word_embeddings:
+        model.model.embed_tokens.transpose_for_head()
     return config, model

@@ -16,6 +16,8 @@ K kv heads, G query heads per kv head, H query heads (= K * G), D head dim.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -55,6 +57,11 @@ def write_kv_reference(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_map
     assert num_rows == 2 * num_kv_heads, (kv_cache.shape, k.shape)
     page_size = row_len // head_dim
     updates = _encode(jnp.concatenate([k, v], axis=1), kv_cache.dtype)  # [T, 2K, D]
+    if slot_mapping.shape[0] == 1:
+        # XLA turns a one-row scatter into a dynamic-update-slice that copies the whole cache;
+        # a second (dropped) row keeps it an in-place scatter.
+        updates = jnp.concatenate([updates, updates])
+        slot_mapping = jnp.concatenate([slot_mapping, jnp.full_like(slot_mapping, -1)])
     page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range: dropped
     offset = (slot_mapping % page_size) * head_dim
     indices = jnp.stack([page, offset], axis=-1).astype(jnp.int32)  # [T, 2]
@@ -78,17 +85,18 @@ def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int, num_seqs: jax.Arra
 
 def query_blocks(
     cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, block: int
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Cuts every sequence's query rows into blocks of `block` rows (one sequence per block).
 
     Returns `seq[N]` (each block's sequence), `tok[N, B]` (row indices; `num_tokens` where
-    invalid), `valid[N, B]` and `position[N, B]` (the row's position in its sequence), for a static
-    `N = ceil(T / B) + R` blocks: enough whatever the lengths.
+    invalid), `valid[N, B]`, `position[N, B]` (the row's position in its sequence) and the
+    number of blocks in use, for a static `N`: `T` when `block == 1`, else
+    `ceil(T / B) + R`, enough whatever the lengths. Blocks in use come first.
     """
     num_slots = kv_lens.shape[0]
     q_len = jnp.where(jnp.arange(num_slots) < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [R]
     ends = jnp.cumsum((q_len + block - 1) // block)  # [R] exclusive end block of each sequence
-    num_blocks = -(-num_tokens // block) + num_slots
+    num_blocks = num_tokens if block == 1 else -(-num_tokens // block) + num_slots
     j = jnp.arange(num_blocks)
     seq_raw = jnp.sum(j[:, None] >= ends[None, :], axis=1)  # [N]
     seq = jnp.minimum(seq_raw, num_slots - 1)
@@ -96,7 +104,15 @@ def query_blocks(
     tok = first[:, None] + jnp.arange(block)[None, :]  # [N, B]
     valid = (seq_raw < num_seqs)[:, None] & (tok < cu_q_lens[seq + 1][:, None])
     position = kv_lens[seq][:, None] - (cu_q_lens[seq + 1][:, None] - tok)
-    return seq, jnp.where(valid, tok, num_tokens), valid, position
+    return seq, jnp.where(valid, tok, num_tokens), valid, position, ends[-1]
+
+
+def _gather_rows(flat_cache: jax.Array, heads: jax.Array, pages: jax.Array, num_pages: int) -> jax.Array:
+    """Rows `heads[h] * num_pages + pages[i]` of the flat cache, float32 `[len(heads), len(pages), S * D]`.
+
+    One gather straight from the flat cache (no copy of a K or V half), decoded as it is read.
+    """
+    return decode_kv(jnp.take(flat_cache, heads[:, None] * num_pages + pages[None, :], axis=0, mode="clip"))
 
 
 def ragged_paged_attention_reference(
@@ -112,15 +128,19 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     kv_chunk_pages: int = 4,
     query_block: int | None = None,
+    rows_per_group: int = 256,
 ) -> jax.Array:
     """Causal attention of ragged query rows over their sequences' paged KV.
 
     Query rows are taken in blocks of `query_block` rows of one sequence, and each block gathers
     its sequence's pages once: 1 (per row) suits decode steps, larger blocks prefill chunks,
     whose rows share their pages. By default 1 when the step has no more tokens than sequence
-    slots, else 16. The KV length is walked in chunks of `kv_chunk_pages` pages with an online
-    softmax, for only as many chunks as the longest sequence needs: the block-table width P is then
-    free (no compile per context length) and pages past every sequence's end cost nothing.
+    slots, else 16. Blocks are processed in groups of about `rows_per_group` rows, for only as
+    many groups as hold rows; each group walks the KV in chunks of `kv_chunk_pages` pages with an
+    online softmax, for only as many chunks as its last query position needs. So the work follows
+    the real rows and the real (causal) context: the block-table width P is free (no compile per
+    context length), and padding rows, padding sequences and pages past every row's position cost
+    nothing.
 
     Args:
       q: `[T, H, D]` queries; sequence i owns rows `cu_q_lens[i]:cu_q_lens[i+1]`, its last tokens.
@@ -135,56 +155,105 @@ def ragged_paged_attention_reference(
       soft_cap: if set, scores become `soft_cap * tanh(scores / soft_cap)`.
       kv_chunk_pages: pages per chunk of the online softmax.
       query_block: query rows per block (static).
+      rows_per_group: query rows (blocks x block rows) processed together (static).
 
     Returns:
       `[T, H, D]` in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_rows, _, row_len = kv_cache.shape
+    num_rows, num_pages, row_len = kv_cache.shape
     num_kv_heads = num_rows // 2
-    group = num_heads // num_kv_heads
     page_size = row_len // head_dim
-    num_seq_slots, pages_per_seq = page_indices.shape
-    chunk_pages = max(1, min(kv_chunk_pages, pages_per_seq))
-    chunk_len = chunk_pages * page_size
     num_seqs = jnp.reshape(num_seqs, ())
-    block = query_block or (1 if num_tokens <= num_seq_slots else 16)
+    block = query_block or (1 if num_tokens <= page_indices.shape[0] else 16)
+    seq, tok, valid, position, used = query_blocks(cu_q_lens, kv_lens, num_seqs, num_tokens, block)
+    group_blocks = max(1, min(seq.shape[0], rows_per_group // block))
+    num_groups = -(-seq.shape[0] // group_blocks)
+    extra = num_groups * group_blocks - seq.shape[0]
+    seq, tok, valid, position = (
+        jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1), constant_values=c)
+        for x, c in ((seq, 0), (tok, num_tokens), (valid, False), (position, 0))
+    )
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    attend = functools.partial(
+        _attend_blocks,
+        kv_cache.reshape(num_rows * num_pages, row_len),
+        page_indices,
+        num_pages=num_pages,
+        page_size=page_size,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        chunk_pages=max(1, min(kv_chunk_pages, page_indices.shape[1])),
+    )
 
-    seq, tok, valid, position = query_blocks(cu_q_lens, kv_lens, num_seqs, num_tokens, block)
-    num_blocks = seq.shape[0]
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    qb = jnp.take(qg, tok, axis=0, mode="fill", fill_value=0)  # [N, B, K, G, D]
+    def one_group(g, rows_out):
+        take = functools.partial(
+            lax.dynamic_slice_in_dim, start_index=g * group_blocks, slice_size=group_blocks
+        )
+        blocks_tok = take(tok)
+        qb = jnp.take(qg, blocks_tok, axis=0, mode="fill", fill_value=0)  # [N', B, K, G, D]
+        out = attend(qb, take(seq), take(valid), take(position))  # [N', B, H, D]
+        return rows_out.at[blocks_tok.reshape(-1)].set(out.reshape(-1, num_heads, head_dim))
+
+    rows_out = jnp.zeros((num_tokens + 1, num_heads, head_dim), jnp.float32)
+    rows_out = lax.fori_loop(0, (used + group_blocks - 1) // group_blocks, one_group, rows_out)
+    return rows_out[:num_tokens].astype(q.dtype)
+
+
+def _attend_blocks(
+    flat_cache: jax.Array,
+    page_indices: jax.Array,
+    qb: jax.Array,
+    seq: jax.Array,
+    valid: jax.Array,
+    position: jax.Array,
+    *,
+    num_pages: int,
+    page_size: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    chunk_pages: int,
+) -> jax.Array:
+    """Online-softmax attention of query blocks `qb [N, B, K, G, D]` over their sequences' pages."""
+    num_blocks, block, num_kv_heads, group, head_dim = qb.shape
+    chunk_len = chunk_pages * page_size
+    pages_per_seq = page_indices.shape[1]
+    table = jnp.pad(
+        page_indices, ((0, 0), (0, -(-pages_per_seq // chunk_pages) * chunk_pages - pages_per_seq))
+    )
     qb = qb.transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, num_blocks, block * group, head_dim)
-    padded_pages = -(-pages_per_seq // chunk_pages) * chunk_pages
-    table = jnp.pad(page_indices, ((0, 0), (0, padded_pages - pages_per_seq)))  # [R, P']
+    k_heads = jnp.arange(num_kv_heads)
     batch = ((0, 1), (0, 1))
+    last = jnp.max(jnp.where(valid, position, -1))  # the furthest position any row looks at
 
     def chunk(c, carry):
         m, denom, acc = carry  # [K, N, B*G], [K, N, B*G], [K, N, B*G, D]
-        pages = lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages, axis=1)[seq]  # [N, C]
-        rows = jnp.take(kv_cache, pages.reshape(-1), axis=1, mode="clip")  # [2K, N * C, S * D]
-        rows = decode_kv(rows).reshape(num_rows, num_blocks, chunk_len, head_dim)
-        k, v = rows[:num_kv_heads], rows[num_kv_heads:]  # [K, N, Lc, D]
-        scores = lax.dot_general(k, qb, (((3,), (3,)), batch)) * sm_scale  # [K, N, Lc, B*G]
+        pages = lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages, axis=1)[seq].reshape(-1)
+        pages = jnp.clip(pages, 0, num_pages - 1)
+        k = _gather_rows(flat_cache, k_heads, pages, num_pages).reshape(
+            num_kv_heads, num_blocks, chunk_len, -1
+        )
+        v = _gather_rows(flat_cache, k_heads + num_kv_heads, pages, num_pages)
+        v = v.reshape(num_kv_heads, num_blocks, chunk_len, head_dim)
+        scores = lax.dot_general(qb, k, (((3,), (3,)), batch)) * sm_scale  # [K, N, B*G, Lc]
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
-        key_pos = c * chunk_len + jnp.arange(chunk_len)[None, :, None]  # [1, Lc, 1]
-        visible = (key_pos <= position[:, None, :]) & valid[:, None, :]  # [N, Lc, B]
+        key_pos = c * chunk_len + jnp.arange(chunk_len)[None, None, :]  # [1, 1, Lc]
+        visible = (key_pos <= position[:, :, None]) & valid[:, :, None]  # [N, B, Lc]
         if sliding_window is not None:
-            visible &= key_pos > position[:, None, :] - sliding_window
-        visible = jnp.repeat(visible, group, axis=2)[None]  # [1, N, Lc, B*G]
-        m_new = jnp.maximum(m, jnp.max(jnp.where(visible, scores, MASK_VALUE), axis=2))
-        p = jnp.where(visible, jnp.exp(scores - m_new[:, :, None, :]), 0.0)  # [K, N, Lc, B*G]
+            visible &= key_pos > position[:, :, None] - sliding_window
+        visible = jnp.repeat(visible, group, axis=1)[None]  # [1, N, B*G, Lc]
+        m_new = jnp.maximum(m, jnp.max(jnp.where(visible, scores, MASK_VALUE), axis=3))
+        p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)  # [K, N, B*G, Lc]
         alpha = jnp.exp(m - m_new)
-        pv = lax.dot_general(p, v, (((2,), (2,)), batch))  # [K, N, B*G, D]
-        return m_new, denom * alpha + jnp.sum(p, axis=2), acc * alpha[..., None] + pv
+        pv = lax.dot_general(p, v, (((3,), (2,)), batch))  # [K, N, B*G, D]
+        return m_new, denom * alpha + jnp.sum(p, axis=3), acc * alpha[..., None] + pv
 
     shape = (num_kv_heads, num_blocks, block * group)
     init = (jnp.full(shape, MASK_VALUE), jnp.zeros(shape), jnp.zeros((*shape, head_dim)))
-    longest = jnp.max(jnp.where(jnp.arange(num_seq_slots) < num_seqs, kv_lens, 0))
-    _, denom, acc = lax.fori_loop(0, (longest + chunk_len - 1) // chunk_len, chunk, init)
+    _, denom, acc = lax.fori_loop(0, (last + chunk_len) // chunk_len, chunk, init)
     out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)  # [K, N, B*G, D]
     out = out.reshape(num_kv_heads, num_blocks, block, group, head_dim).transpose(1, 2, 0, 3, 4)
-    rows_out = jnp.zeros((num_tokens + 1, num_heads, head_dim), jnp.float32)
-    rows_out = rows_out.at[tok.reshape(-1)].set(out.reshape(num_blocks * block, num_heads, head_dim))
-    return rows_out[:num_tokens].astype(q.dtype)
+    return out.reshape(num_blocks, block, num_kv_heads * group, head_dim)

@@ -15,6 +15,7 @@ from plugin_shim import translate
 from plugin_shim.logits_processors import LogitsProcessorBridge
 from plugin_shim.logs import share_vllm_logging
 from tpu_platform.envs import read_env
+from tpu_platform.metrics_file import MetricsPublisher, metrics_path
 from tpu_platform.runner import Runner, RunnerConfig
 
 logger = init_logger("vllm.xla.worker")
@@ -54,6 +55,7 @@ class XlaWorker(WorkerBase):
         share_vllm_logging()  # the runner's `vllm_xla.*` log lines print like vLLM's
         env = read_env()
         self.env = env
+        self.metrics: MetricsPublisher | None = None  # set once warm-up is done
         self.device = torch.device("cpu")
         mc, sc = self.model_config, self.vllm_config.scheduler_config
         dtype = _TORCH_TO_JAX_DTYPE.get(mc.dtype)
@@ -129,6 +131,14 @@ class XlaWorker(WorkerBase):
     def compile_or_warm_up_model(self) -> CompilationTimes:
         start = time.perf_counter()
         self.runner.warm_up()
+        self.metrics = MetricsPublisher(
+            metrics_path(
+                self.env.cache_dir,
+                self.vllm_config.instance_id,
+                self.vllm_config.parallel_config.data_parallel_rank,
+            )
+        )
+        self.metrics.publish(self.runner_stats(), force=True)
         return CompilationTimes(language_model=time.perf_counter() - start, encoder=0.0)
 
     def execute_model(self, scheduler_output):
@@ -144,6 +154,8 @@ class XlaWorker(WorkerBase):
         )
         if bridge is not None:
             bridge.record(result)
+        if self.metrics is not None:
+            self.metrics.publish(self.runner_stats())
         return translate.model_runner_output(result)
 
     def runner_stats(self) -> dict[str, float]:
@@ -164,4 +176,6 @@ class XlaWorker(WorkerBase):
         return None
 
     def shutdown(self) -> None:
+        if self.metrics is not None:
+            self.metrics.remove()
         self.runner = None

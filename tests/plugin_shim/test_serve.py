@@ -34,6 +34,23 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
+def _xla_metrics(base: str, make_traffic) -> dict[str, float]:
+    """Our `vllm_xla:*` gauges from `/metrics`, once they report steps (traffic drives the logger)."""
+    values: dict[str, float] = {}
+    for _ in range(30):
+        make_traffic()
+        text = _get(f"{base}/metrics").decode()
+        values = {
+            line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm_xla:")
+        }
+        if values.get("vllm_xla:steps", 0) > 0:
+            return values
+        time.sleep(1.0)
+    raise AssertionError(f"no vllm_xla:steps on /metrics, saw {values}")
+
+
 def test_serve_answers_completions(tmp_path):
     model_dir = save_tiny_llama(str(tmp_path / "model"), seed=1)
     port = _free_port()
@@ -62,6 +79,11 @@ def test_serve_answers_completions(tmp_path):
         second = _post(f"{base}/v1/completions", {**body, "ignore_eos": True})
         assert first["usage"]["completion_tokens"] == 6
         assert first["choices"][0]["text"] == second["choices"][0]["text"]  # greedy is deterministic
+        metrics = _xla_metrics(base, lambda: _post(f"{base}/v1/completions", {**body, "max_tokens": 2}))
+        assert metrics["vllm_xla:steps"] > 0  # the stat logger plugin exports the worker's counters
+        assert metrics["vllm_xla:compilations"] > 0
+        assert metrics["vllm_xla:compilations_after_warmup"] == 0
+        assert metrics["vllm_xla:host_seconds_per_step"] > 0
         log_text = (tmp_path / "server.log").read_text()
         assert "vllm-xla worker drives JAX devices" in log_text  # our worker ran the model
         assert "warm-up compiled" in log_text

@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`vllm.stat_logger_plugins` entry: our runner's counters beside vLLM's metrics.
+
+The worker publishes its counters (compilations and their seconds, steps, host and device time
+per step) to `<VLLM_XLA_CACHE_DIR>/metrics/<instance>-<engine>.json`; this logger, which vLLM's
+API server creates for every engine, reads them on each `record` and exports them as Prometheus
+gauges (`vllm_xla:*` on `/metrics`) and in the periodic log line. It does nothing when the
+engine does not run on our platform.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import REGISTRY, Gauge
+from vllm.logger import init_logger
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from tpu_platform.envs import read_env
+from tpu_platform.metrics_file import metrics_path, read_metrics
+
+logger = init_logger("vllm.xla.stats")
+
+# Gauge name -> (help, how it is computed from a snapshot).
+GAUGES = {
+    "vllm_xla:compilations": ("XLA programs compiled (warm-up included)", lambda s, d: s["compiles"]),
+    "vllm_xla:compile_seconds": ("Seconds spent compiling XLA programs", lambda s, d: s["compile_seconds"]),
+    "vllm_xla:compilations_after_warmup": (
+        "XLA programs compiled after warm-up (0 when every shape was warmed up)",
+        lambda s, d: s["compiles_after_warmup"],
+    ),
+    "vllm_xla:steps": ("Engine steps the runner executed", lambda s, d: s["steps"]),
+    "vllm_xla:host_seconds_per_step": (
+        "Mean host time per step (inputs in to dispatch, plus output), since the last report",
+        lambda s, d: _per_step(d, "host_seconds"),
+    ),
+    "vllm_xla:step_seconds_per_step": (
+        "Mean time per step from dispatch to sampled tokens on the host, since the last report",
+        lambda s, d: _per_step(d, "step_seconds"),
+    ),
+}
+
+
+def _per_step(delta: dict[str, float], name: str) -> float:
+    return delta[name] / delta["steps"] if delta["steps"] > 0 else 0.0
+
+
+def _gauge(name: str, documentation: str) -> Gauge:
+    existing = REGISTRY._names_to_collectors.get(name)  # a second engine in the same process
+    if existing is not None:
+        return existing
+    return Gauge(name, documentation, labelnames=["model_name", "engine"])
+
+
+class XlaStatLogger(StatLoggerBase):
+    """Exports the runner's counters; a no-op on any other platform."""
+
+    def __init__(self, vllm_config, engine_index: int = 0):
+        from vllm.platforms import current_platform
+
+        from plugin_shim.platform import XlaPlatform
+
+        self.active = isinstance(current_platform, XlaPlatform)
+        self.path = metrics_path(read_env().cache_dir, vllm_config.instance_id, engine_index)
+        self.labels = {
+            "model_name": str(vllm_config.model_config.served_model_name),
+            "engine": str(engine_index),
+        }
+        self.gauges = {name: _gauge(name, doc) for name, (doc, _) in GAUGES.items()} if self.active else {}
+        self.snapshot: dict[str, float] | None = None
+        self._reported: dict[str, float] | None = None
+        self._read_at = float("-inf")
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        if not self.active or time.monotonic() - self._read_at < 1.0:
+            return
+        self._read_at = time.monotonic()
+        snapshot = read_metrics(self.path)
+        if snapshot is None or snapshot == self.snapshot:
+            return
+        previous = self.snapshot or dict.fromkeys(snapshot, 0.0)
+        delta = {k: snapshot[k] - previous.get(k, 0.0) for k in snapshot}
+        self.snapshot = snapshot
+        for name, (_, compute) in GAUGES.items():
+            self.gauges[name].labels(**self.labels).set(compute(snapshot, delta))
+
+    def log(self) -> None:
+        if not self.active or self.snapshot is None or self.snapshot == self._reported:
+            return
+        previous = self._reported or dict.fromkeys(self.snapshot, 0.0)
+        delta = {k: self.snapshot[k] - previous.get(k, 0.0) for k in self.snapshot}
+        self._reported = self.snapshot
+        logger.info(
+            "vllm-xla: %d steps, host %.2f ms/step, step %.1f ms/step; %d programs compiled in %.1f s "
+            "(%d after warm-up)",
+            delta["steps"], 1e3 * _per_step(delta, "host_seconds"), 1e3 * _per_step(delta, "step_seconds"),
+            self.snapshot["compiles"], self.snapshot["compile_seconds"],
+            self.snapshot["compiles_after_warmup"],
+        )  # fmt: skip
+
+    def log_engine_initialized(self) -> None:
+        return None
