@@ -29,6 +29,26 @@ def test_model_dir_is_an_hf_directory(model_dir):
     assert materialize(read_env().cache_dir) == model_dir  # reused, not rebuilt
 
 
+def test_gguf_loads_like_its_safetensors_copy(model_dir, tmp_path):
+    """The loader reads a GGUF directly too, to the same weights the materialized copy holds."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from models.loader import load_model
+    from plugin_shim.model_dir import embedded_gguf_path
+
+    os.symlink(os.path.join(model_dir, "config.json"), tmp_path / "config.json")
+    os.symlink(embedded_gguf_path(), tmp_path / "model.gguf")
+    _, from_gguf = load_model(str(tmp_path))
+    _, from_copy = load_model(model_dir)
+    gguf_leaves = jax.tree.leaves(nnx.state(from_gguf))
+    copy_leaves = jax.tree.leaves(nnx.state(from_copy))
+    assert len(gguf_leaves) == len(copy_leaves) > 30 * 9
+    for a, b in zip(gguf_leaves, copy_leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_unpermute_restores_rotate_half_order():
     import numpy as np
 
