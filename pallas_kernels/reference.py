@@ -128,7 +128,7 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     kv_chunk_pages: int = 4,
     query_block: int | None = None,
-    rows_per_group: int = 256,
+    rows_per_group: int | None = None,
 ) -> jax.Array:
     """Causal attention of ragged query rows over their sequences' paged KV.
 
@@ -155,7 +155,8 @@ def ragged_paged_attention_reference(
       soft_cap: if set, scores become `soft_cap * tanh(scores / soft_cap)`.
       kv_chunk_pages: pages per chunk of the online softmax.
       query_block: query rows per block (static).
-      rows_per_group: query rows (blocks x block rows) processed together (static).
+      rows_per_group: query rows (blocks x block rows) processed together (static); by default
+        32 for one-row blocks, 256 for larger ones (padding rows past the last group cost nothing).
 
     Returns:
       `[T, H, D]` in q's dtype.
@@ -167,6 +168,7 @@ def ragged_paged_attention_reference(
     num_seqs = jnp.reshape(num_seqs, ())
     block = query_block or (1 if num_tokens <= page_indices.shape[0] else 16)
     seq, tok, valid, position, used = query_blocks(cu_q_lens, kv_lens, num_seqs, num_tokens, block)
+    rows_per_group = rows_per_group or (32 if block == 1 else 256)
     group_blocks = max(1, min(seq.shape[0], rows_per_group // block))
     num_groups = -(-seq.shape[0] // group_blocks)
     extra = num_groups * group_blocks - seq.shape[0]

@@ -142,7 +142,10 @@ class XlaWorker(WorkerBase):
         return CompilationTimes(language_model=time.perf_counter() - start, encoder=0.0)
 
     def execute_model(self, scheduler_output):
-        self.runner.execute(translate.batch_update(scheduler_output))
+        start = time.perf_counter()
+        update = translate.batch_update(scheduler_output)
+        self.runner.stats.host_seconds += time.perf_counter() - start
+        self.runner.execute(update)
         if self.logits_bridge is not None:
             self.logits_bridge.update(scheduler_output, self.runner.table.row_of)
         return None
@@ -154,9 +157,12 @@ class XlaWorker(WorkerBase):
         )
         if bridge is not None:
             bridge.record(result)
+        start = time.perf_counter()
+        output = translate.model_runner_output(result)
+        self.runner.stats.host_seconds += time.perf_counter() - start
         if self.metrics is not None:
             self.metrics.publish(self.runner_stats())
-        return translate.model_runner_output(result)
+        return output
 
     def runner_stats(self) -> dict[str, float]:
         """Counters of the runner and the compiler, for stat loggers and tests."""

@@ -10,16 +10,24 @@ import bisect
 import dataclasses
 
 
-def power_of_two_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
-    """Powers of two from `minimum` up to the first one >= `maximum`... capped at `maximum`."""
-    if maximum < 1:
-        raise ValueError(f"bucket maximum must be >= 1, got {maximum}")
-    sizes = []
-    size = max(1, minimum)
-    while size < maximum:
+def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, ...]:
+    """Tokens-per-step buckets: x4 steps up to `min(64, max_num_seqs)`, then x2, capped at the maximum.
+
+    Small steps are decode batches, whose cost barely grows with the padding (the weights are
+    streamed once whatever the rows; attention skips padding rows), so coarse buckets there save
+    programs; large steps are prefill chunks, whose cost grows with every padded token.
+    """
+    if max_num_batched_tokens < 1 or max_num_seqs < 1:
+        raise ValueError(
+            "max_num_batched_tokens and max_num_seqs must be >= 1, "
+            f"got {max_num_batched_tokens} and {max_num_seqs}"
+        )
+    coarse_until = min(64, max_num_seqs)
+    sizes, size = [], 1
+    while size < max_num_batched_tokens:
         sizes.append(size)
-        size *= 2
-    sizes.append(maximum)
+        size = min(size * 4, coarse_until) if size < coarse_until else size * 2
+    sizes.append(max_num_batched_tokens)
     return tuple(sizes)
 
 
@@ -35,7 +43,7 @@ def round_up(value: int, buckets: tuple[int, ...]) -> int:
 class StepBuckets:
     """The padded shapes of a step: one program per token bucket.
 
-    Tokens per step round up to a power of two (`tokens`). The sequence rows follow from it,
+    Tokens per step round up to a bucket of `token_buckets` (`tokens`). The sequence rows follow from it,
     `min(T, max_num_seqs)`, since a step never has more sequences than tokens; and the block
     table is always `max_pages` wide, because attention walks only the pages in use. So the
     set of compiled forward programs is exactly `tokens`.
@@ -50,7 +58,7 @@ class StepBuckets:
         cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, page_size: int
     ) -> StepBuckets:
         return cls(
-            tokens=power_of_two_buckets(1, max_num_batched_tokens),
+            tokens=token_buckets(max_num_batched_tokens, max_num_seqs),
             max_seqs=max_num_seqs,
             max_pages=-(-max_model_len // page_size),
         )

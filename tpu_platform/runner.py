@@ -24,7 +24,12 @@ from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes
 from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplingBatch
-from tpu_platform.sampling.uniform import has_extras, uniform_warmup_flag_sets, with_all_extras
+from tpu_platform.sampling.uniform import (
+    has_extras,
+    uniform_warmup_flag_sets,
+    warm_logprobs_width,
+    with_all_extras,
+)
 from tpu_platform.step import make_forward, make_sampler
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
@@ -57,8 +62,9 @@ class RunnerStats:
     preempted_requests: int = 0
     resumed_requests: int = 0
     prefix_cache_hits: int = 0
-    # Host time from the batch update to the dispatched forward, and from the device result to
-    # the step's output; wall time of the whole step (dispatch to tokens on the host).
+    # Host time: batch update to dispatched forward, sampler inputs to dispatched sampler, and
+    # sampled tokens to the step's output (the worker adds its translation of vLLM's objects);
+    # wall time of the whole step (forward dispatched to tokens recorded on the host).
     host_seconds: float = 0.0
     step_seconds: float = 0.0
 
@@ -113,11 +119,12 @@ class Runner:
             max_logprobs=self.config.max_logprobs,
             logprobs_mode=self.config.logprobs_mode,
         )
-        # Penalty window and sparse list widths of the sampler's single "extras" program.
+        # Penalty window, sparse list and logprobs widths of the sampler's "extras" programs.
         self._extra_widths = {
             "penalty_width": self.sampling.penalty_widths[-1],
             "sparse_width": self.sampling.sparse_widths[-1],
         }
+        self._logprobs_width = warm_logprobs_width(self.config.max_logprobs, self.model_config.vocab_size)
         logger.info(
             "loaded %s (%s) in %.1f s on %s, attention backend %s",
             self.model_config.architecture, self.dtype.name, time.perf_counter() - start,
@@ -179,7 +186,7 @@ class Runner:
                 dims=dims,
             )
             for flags in uniform_warmup_flag_sets(
-                self.config.max_logprobs, logprobs_mode=self.config.logprobs_mode
+                self._logprobs_width, logprobs_mode=self.config.logprobs_mode
             ):
                 tensors = self.sampling.dummy_tensors(flags, r_pad, **self._extra_widths)
                 self.guard.call(("sample", r_pad, flags), self._sample, logits, tensors, flags=flags)
@@ -230,6 +237,7 @@ class Runner:
         if pending is None:
             return StepResult(req_ids=[], sampled_token_ids=[])
         plan = pending.plan
+        start = time.perf_counter()
         tensors, flags = self.sampling.prepare(
             rows=plan.rows,
             padded_rows=plan.shape[1],
@@ -239,15 +247,26 @@ class Runner:
         )
         if has_extras(flags):
             tensors, flags = with_all_extras(
-                tensors, flags, self.model_config.vocab_size, **self._extra_widths
+                tensors,
+                flags,
+                self.model_config.vocab_size,
+                logprobs_width=self._logprobs_width,
+                **self._extra_widths,
             )
         self._step_index += 1
         logits = pending.logits
-        if logits_transform is not None:
+        if logits_transform is not None:  # user code: not counted as our host time
+            self.stats.host_seconds += time.perf_counter() - start
             logits = logits_transform(logits, plan.rows, flags.all_greedy)
+            start = time.perf_counter()
         out = self.guard.call(("sample", plan.shape[1], flags), self._sample, logits, tensors, flags=flags)
+        self.stats.host_seconds += time.perf_counter() - start
+        jax.block_until_ready(out.sampled_token_ids)
+        start = time.perf_counter()
         result = self._record(pending, out)
-        self.stats.step_seconds += time.perf_counter() - self._dispatched_at
+        done = time.perf_counter()
+        self.stats.host_seconds += done - start
+        self.stats.step_seconds += done - self._dispatched_at
         return result
 
     def _bitmask_rows(

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tpu_platform.batch_update import CachedRequest, NewRequest
-from tpu_platform.buckets import StepBuckets, power_of_two_buckets, round_up
+from tpu_platform.buckets import StepBuckets, round_up, token_buckets
 from tpu_platform.inputs import pack_inputs, padding_inputs, prepare_step, unpack_inputs
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplingOptions
@@ -22,14 +22,18 @@ def _buckets():
 
 
 def test_buckets():
-    assert power_of_two_buckets(16, 100) == (16, 32, 64, 100)
-    assert power_of_two_buckets(1, 8) == (1, 2, 4, 8)
     assert round_up(17, (16, 32)) == 32
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         round_up(33, (16, 32))
+    assert token_buckets(1024, 64) == (1, 4, 16, 64, 128, 256, 512, 1024)
+    assert token_buckets(512, 16) == (1, 4, 16, 32, 64, 128, 256, 512)
+    assert token_buckets(2048, 256) == (1, 4, 16, 64, 128, 256, 512, 1024, 2048)
+    assert token_buckets(100, 8) == (1, 4, 8, 16, 32, 64, 100)
+    assert token_buckets(3, 8) == (1, 3)
     buckets = _buckets()
-    assert buckets.tokens == (1, 2, 4, 8, 16, 32, 64) and buckets.max_pages == 8
+    assert buckets.tokens == (1, 4, 8, 16, 32, 64) and buckets.max_pages == 8
     assert buckets.shape_for(5, 3) == (8, 8, 8) and buckets.shape_for(1, 1) == (1, 1, 8)
+    assert buckets.shape_for(2, 2) == (4, 4, 8)
     assert buckets.shape_for(33, 2) == (64, 8, 8)
     with pytest.raises(ValueError, match="exceed max_num_seqs"):
         buckets.shape_for(16, 9)

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """One program for every rarely used option: the "extras" variant at fixed widths.
 
-Penalties, bad words / min_tokens / logit_bias entries, allowed ids and grammars each add a flag
-and a bucketed width, so a serving mix of them would compile programs one by one after warm-up.
-In uniform mode, a step that uses any of them switches all four on, with neutral values for the
-rows (and groups) that do not use them and the widths padded to their largest bucket. The
-sampler then has exactly two variants per greedy/filters/logprobs combination, all warmed up.
+Penalties, bad words / min_tokens / logit_bias entries, allowed ids, grammars and logprobs each
+add a flag (and a bucketed width), so a serving mix of them would compile programs one by one
+after warm-up. In uniform mode, a step that uses any of them switches all of them on, with
+neutral values for the rows (and groups) that do not use them, the widths padded to their largest
+bucket and the logprobs width at `max_logprobs` (rows that did not ask for logprobs get them
+computed and ignored). The sampler then has exactly two variants per greedy/random/filters
+combination, six in all, every one warmed up.
 """
 
 from __future__ import annotations
@@ -27,15 +29,32 @@ _EXTRAS = ("penalties", "sparse", "allowed", "grammar")
 
 
 def has_extras(flags: SamplerFlags) -> bool:
-    return any(getattr(flags, name) for name in _EXTRAS)
+    return flags.num_logprobs is not None or any(getattr(flags, name) for name in _EXTRAS)
+
+
+def warm_logprobs_width(max_logprobs: int | None, vocab_size: int) -> int | None:
+    """The logprobs width N of the extras variant (None: no fixed width, vLLM's `max_logprobs=-1`)."""
+    if max_logprobs is None or max_logprobs < 0:
+        return None
+    return min(max_logprobs, vocab_size)
 
 
 def with_all_extras(
-    tensors: SamplingTensors, flags: SamplerFlags, vocab_size: int, *, penalty_width: int, sparse_width: int
+    tensors: SamplingTensors,
+    flags: SamplerFlags,
+    vocab_size: int,
+    *,
+    penalty_width: int,
+    sparse_width: int,
+    logprobs_width: int | None,
 ) -> tuple[SamplingTensors, SamplerFlags]:
-    """`tensors` with every extra group present (neutral where unused) at the fixed widths."""
+    """`tensors` with every extra group present (neutral where unused) at the fixed widths, and
+    logprobs at `logprobs_width` unless the step asks for more."""
     rows = tensors.temperature.shape[0]
-    all_on = dataclasses.replace(flags, **dict.fromkeys(_EXTRAS, True))
+    num_logprobs = flags.num_logprobs
+    if logprobs_width is not None and (num_logprobs is None or num_logprobs <= logprobs_width):
+        num_logprobs = logprobs_width
+    all_on = dataclasses.replace(flags, num_logprobs=num_logprobs, **dict.fromkeys(_EXTRAS, True))
     neutral = dummy_tensors(all_on, rows, vocab_size, penalty_width=penalty_width, sparse_width=sparse_width)
     penalties = (
         neutral.penalties if tensors.penalties is None else _widen_penalties(tensors.penalties, penalty_width)
@@ -59,11 +78,13 @@ def with_all_extras(
 
 
 def uniform_warmup_flag_sets(
-    max_logprobs: int | None, *, logprobs_mode: str = "raw_logprobs"
+    logprobs_width: int | None, *, logprobs_mode: str = "raw_logprobs"
 ) -> list[SamplerFlags]:
-    """The base flag sets, each also with every extra on: all that uniform mode ever runs."""
-    base = warmup_flag_sets(max_logprobs, logprobs_mode=logprobs_mode)
-    return base + [dataclasses.replace(f, **dict.fromkeys(_EXTRAS, True)) for f in base]
+    """Greedy / random / random with filters, each plain and with every extra on (logprobs at
+    `logprobs_width`): all that uniform mode ever runs."""
+    base = warmup_flag_sets(None, logprobs_mode=logprobs_mode)
+    extras = dict.fromkeys(_EXTRAS, True)
+    return base + [dataclasses.replace(f, num_logprobs=logprobs_width, **extras) for f in base]
 
 
 def _pad_columns(array: np.ndarray, width: int, fill) -> np.ndarray:
