@@ -135,12 +135,12 @@ def ragged_paged_attention_reference(
     Query rows are taken in blocks of `query_block` rows of one sequence, and each block gathers
     its sequence's pages once: 1 (per row) suits decode steps, larger blocks prefill chunks,
     whose rows share their pages. By default 1 when the step has no more tokens than sequence
-    slots, else 16. Blocks are processed in groups of about `rows_per_group` rows, for only as
-    many groups as hold rows; each group walks the KV in chunks of `kv_chunk_pages` pages with an
-    online softmax, for only as many chunks as its last query position needs. So the work follows
-    the real rows and the real (causal) context: the block-table width P is free (no compile per
-    context length), and padding rows, padding sequences and pages past every row's position cost
-    nothing.
+    slots, else 16. Blocks are sorted by how far they reach and processed in groups of about
+    `rows_per_group` rows, for only as many groups as hold rows; each group walks the KV in chunks
+    of `kv_chunk_pages` pages with an online softmax, for only as many chunks as its furthest
+    query position needs. So the work follows the real rows and the real (causal) context: the
+    block-table width P is free (no compile per context length), and padding rows, padding
+    sequences and pages past every row's position cost nothing.
 
     Args:
       q: `[T, H, D]` queries; sequence i owns rows `cu_q_lens[i]:cu_q_lens[i+1]`, its last tokens.
@@ -170,6 +170,11 @@ def ragged_paged_attention_reference(
     seq, tok, valid, position, used = query_blocks(cu_q_lens, kv_lens, num_seqs, num_tokens, block)
     rows_per_group = rows_per_group or (32 if block == 1 else 256)
     group_blocks = max(1, min(seq.shape[0], rows_per_group // block))
+    if group_blocks < seq.shape[0]:
+        # Furthest-reaching blocks first, so each group walks only about as far as its own rows.
+        reach = jnp.max(jnp.where(valid, position, -1), axis=1)
+        order = jnp.argsort(-reach, stable=True)
+        seq, tok, valid, position = seq[order], tok[order], valid[order], position[order]
     num_groups = -(-seq.shape[0] // group_blocks)
     extra = num_groups * group_blocks - seq.shape[0]
     seq, tok, valid, position = (

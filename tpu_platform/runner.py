@@ -108,6 +108,7 @@ class Runner:
         self.model_config, model = load_model(self.config.model_path, self.dtype)
         graphdef, state = nnx.split(model)
         self.state = jax.device_put(state, self.device)
+        self._state_leaves, self._state_def = jax.tree.flatten(self.state)
         self._graphdef = graphdef
         self._prompt_logprobs = make_prompt_logprobs(graphdef)
         self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)
@@ -164,7 +165,9 @@ class Runner:
         self.table = RequestTable(
             self.config.max_num_seqs, self.config.max_model_len, self.buckets.max_pages, num_groups
         )
-        self._forward = make_forward(self._graphdef, self.backend, layer_groups, layer_caches)
+        self._forward = make_forward(
+            self._graphdef, self._state_def, self.backend, layer_groups, layer_caches
+        )
 
     def warm_up(self, shapes: list[tuple[int, int, int]] | None = None) -> int:
         """Compiles the forward for `shapes` (padded T, R, P; default: every bucket) and the sampler.
@@ -180,7 +183,7 @@ class Runner:
             logits, _, self.kv_caches = self.guard.call(
                 ("forward", *dims),
                 self._forward,
-                self.state,
+                self._state_leaves,
                 self.kv_caches,
                 jax.device_put(packed),
                 dims=dims,
@@ -212,7 +215,12 @@ class Runner:
         self.stats.steps += 1
         self.stats.partial_prefill_steps += int(not plan.emits_token.all())
         logits, hidden, self.kv_caches = self.guard.call(
-            ("forward", *dims), self._forward, self.state, self.kv_caches, jax.device_put(packed), dims=dims
+            ("forward", *dims),
+            self._forward,
+            self._state_leaves,
+            self.kv_caches,
+            jax.device_put(packed),
+            dims=dims,
         )
         self._dispatched_at = time.perf_counter()
         self.stats.host_seconds += self._dispatched_at - start

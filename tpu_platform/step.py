@@ -16,7 +16,8 @@ from tpu_platform.sampling import SamplerFlags, sample
 
 def forward_logits(
     graphdef: nnx.GraphDef,
-    state: nnx.State,
+    state_def: jax.tree_util.PyTreeDef,
+    state_leaves: list[jax.Array],
     kv_caches: list[jax.Array],
     packed: jax.Array,
     dims: tuple[int, int, int, int],
@@ -29,7 +30,7 @@ def forward_logits(
     Returns the `[R, V]` float32 logits of the rows to sample, the `[T, D]` hidden states of every
     token (for prompt logprobs) and the new caches.
     """
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
     inputs = unpack_inputs(packed, dims)
     md = AttentionMetadata(
         slot_mapping=inputs.slot_mapping,
@@ -47,19 +48,27 @@ def forward_logits(
 
 def make_forward(
     graphdef: nnx.GraphDef,
+    state_def: jax.tree_util.PyTreeDef,
     backend: str,
     layer_groups: tuple[int, ...] = (),
     layer_caches: tuple[int, ...] = (),
 ) -> Callable:
-    """`forward(state, kv_caches, packed, dims=...) -> (logits, hidden, kv_caches)`, jitted.
+    """`forward(state_leaves, kv_caches, packed, dims=...) -> (logits, hidden, kv_caches)`, jitted.
 
-    The caches are donated (updated in place); `dims` is static.
+    The model state comes as the flat leaves of `state_def` (`jax.tree.flatten(state)`, done
+    once): flattening an NNX state of a few hundred variables on every call would cost
+    milliseconds of host time per step. The caches are donated (updated in place); `dims` is static.
 
     `layer_groups`/`layer_caches` map each layer to its KV-cache group and cache array
     (see `models.AttentionMetadata`); empty means one group and one array per layer.
     """
     step = functools.partial(
-        forward_logits, graphdef, backend=backend, layer_groups=layer_groups, layer_caches=layer_caches
+        forward_logits,
+        graphdef,
+        state_def,
+        backend=backend,
+        layer_groups=layer_groups,
+        layer_caches=layer_caches,
     )
     return jax.jit(step, donate_argnums=(1,), static_argnames=("dims",))
 

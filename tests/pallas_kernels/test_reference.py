@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import api
+from pallas_kernels import api, reference
 
 BACKENDS = ["xla", "pallas_tpu", "pallas_gpu"]
 PAGE_SIZE = 8
@@ -176,3 +176,48 @@ def test_reference_ignores_cu_q_lens_entries_past_num_seqs():
     # Row 0 sees only key 0 -> v0 = [2, 0]; both paddings give the same, non-zero answer.
     assert padded_with_zeros[0, 0].tolist() == [2.0, 0.0]
     assert jnp.array_equal(padded_with_total, padded_with_zeros)
+
+
+def _numpy_causal_attention(q, k, v, q_lens, kv_lens):
+    """Dense oracle: q `[T, H, D]`, k/v per sequence `[L_i, K, D]`; query heads share kv heads in groups."""
+    out = []
+    for qi, ki, vi, n, length in zip(np.split(q, np.cumsum(q_lens)[:-1]), k, v, q_lens, kv_lens, strict=True):
+        group = q.shape[1] // ki.shape[1]
+        kh, vh = np.repeat(ki, group, axis=1), np.repeat(vi, group, axis=1)  # [L, H, D]
+        scores = np.einsum("thd,lhd->htl", qi, kh)
+        positions = length - n + np.arange(n)
+        scores = np.where(np.arange(length)[None, None, :] <= positions[None, :, None], scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        out.append(np.einsum("htl,lhd->thd", p / p.sum(-1, keepdims=True), vh))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize(("q_lens", "query_block", "rows_per_group"), [
+    ([1] * 9, 1, 2),  # decode rows in five groups of two
+    ([5, 1, 12, 1, 3], 2, 4),  # prefill chunks and decode rows, blocks of two rows, groups of two blocks
+])  # fmt: skip
+def test_reference_groups_and_sorting_match_dense_attention(q_lens, query_block, rows_per_group):
+    rng = np.random.default_rng(3)
+    page_size, num_kv_heads, heads, dim = 4, 2, 4, 8
+    kv_lens = [int(n + rng.integers(0, 30)) for n in q_lens]  # mixed reach, so sorting matters
+    pages_per_seq = -(-max(kv_lens) // page_size)
+    page_indices = rng.permutation(len(q_lens) * pages_per_seq).reshape(len(q_lens), pages_per_seq)
+    k = [rng.standard_normal((n, num_kv_heads, dim)).astype(np.float32) for n in kv_lens]
+    v = [rng.standard_normal((n, num_kv_heads, dim)).astype(np.float32) for n in kv_lens]
+    q = rng.standard_normal((sum(q_lens), heads, dim)).astype(np.float32)
+    slots = np.concatenate(
+        [
+            page_indices[i][np.arange(n) // page_size] * page_size + np.arange(n) % page_size
+            for i, n in enumerate(kv_lens)
+        ]
+    )
+    cache = api.allocate_kv_cache(page_indices.size, page_size, num_kv_heads, dim, jnp.float32, backend="xla")
+    cache = api.write_kv(
+        cache, np.concatenate(k), np.concatenate(v), jnp.asarray(slots, jnp.int32), backend="xla"
+    )
+    got = reference.ragged_paged_attention_reference(
+        jnp.asarray(q), cache, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices, jnp.int32),
+        jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32), jnp.int32(len(q_lens)),
+        sm_scale=1.0, query_block=query_block, rows_per_group=rows_per_group, kv_chunk_pages=1,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), _numpy_causal_attention(q, k, v, q_lens, kv_lens), atol=2e-5)

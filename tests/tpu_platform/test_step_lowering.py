@@ -34,9 +34,10 @@ def test_model_step_lowers(monkeypatch, backend, platform, custom_call, num_toke
         for _ in range(CONFIG.num_layers)
     ]
     packed, dims = pack_inputs(padding_inputs(num_tokens, min(num_tokens, 8), 32))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, caches, packed))
+    leaves, state_def = jax.tree.flatten(state)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (leaves, caches, packed))
     disabled = [jax.export.DisabledSafetyCheck.custom_call(custom_call)]
     exported = jax.export.export(
-        make_forward(graphdef, backend), platforms=[platform], disabled_checks=disabled
+        make_forward(graphdef, state_def, backend), platforms=[platform], disabled_checks=disabled
     )(*abstract, dims=dims)
     assert custom_call in exported.mlir_module()
