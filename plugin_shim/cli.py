@@ -33,6 +33,9 @@ def cmd_model_dir(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     _ensure_platform()
+    # A one-shot offline run: the engine runs in this process, with no second interpreter to
+    # start (importing vLLM, torch and JAX again) and to shut down.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
     from plugin_shim.active import assert_active
