@@ -179,15 +179,7 @@ class Runner:
         for t_pad, r_pad, p_pad in tqdm(
             shapes or self.buckets.shapes(), desc="vllm-xla warm-up", unit="shape"
         ):
-            packed, dims = pack_inputs(padding_inputs(t_pad, r_pad, p_pad, self.num_groups))
-            logits, _, self.kv_caches = self.guard.call(
-                ("forward", *dims),
-                self._forward,
-                self._state_leaves,
-                self.kv_caches,
-                jax.device_put(packed),
-                dims=dims,
-            )
+            logits, _ = self._run_forward(*pack_inputs(padding_inputs(t_pad, r_pad, p_pad, self.num_groups)))
             for flags in uniform_warmup_flag_sets(
                 self._logprobs_width, logprobs_mode=self.config.logprobs_mode
             ):
@@ -197,6 +189,20 @@ class Runner:
         logger.info("warm-up compiled %d programs in %.1f s", compiled, time.perf_counter() - start)
         self.guard.seal()
         return compiled
+
+    def _run_forward(
+        self, packed: np.ndarray, dims: tuple[int, int, int, int]
+    ) -> tuple[jax.Array, jax.Array]:
+        """Dispatches the forward on packed inputs (one transfer), keeping the donated caches' successors."""
+        logits, hidden, self.kv_caches = self.guard.call(
+            ("forward", *dims),
+            self._forward,
+            self._state_leaves,
+            self.kv_caches,
+            jax.device_put(packed),
+            dims=dims,
+        )
+        return logits, hidden
 
     # -- one engine step ------------------------------------------------------------------------
 
@@ -214,14 +220,7 @@ class Runner:
         packed, dims = pack_inputs(inputs)
         self.stats.steps += 1
         self.stats.partial_prefill_steps += int(not plan.emits_token.all())
-        logits, hidden, self.kv_caches = self.guard.call(
-            ("forward", *dims),
-            self._forward,
-            self._state_leaves,
-            self.kv_caches,
-            jax.device_put(packed),
-            dims=dims,
-        )
+        logits, hidden = self._run_forward(packed, dims)
         self._dispatched_at = time.perf_counter()
         self.stats.host_seconds += self._dispatched_at - start
         prompt = None
