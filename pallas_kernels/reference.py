@@ -115,6 +115,18 @@ def _gather_rows(flat_cache: jax.Array, heads: jax.Array, pages: jax.Array, num_
     return decode_kv(jnp.take(flat_cache, heads[:, None] * num_pages + pages[None, :], axis=0, mode="clip"))
 
 
+# Jitted so that a model's layers, which call it with identical shapes, trace it once.
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "kv_chunk_pages",
+        "query_block",
+        "rows_per_group",
+    ),
+)
 def ragged_paged_attention_reference(
     q: jax.Array,
     kv_cache: jax.Array,
