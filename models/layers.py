@@ -60,6 +60,7 @@ class Embedding(nnx.Module):
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype: jnp.dtype, scale: float | None = None):
         self.embedding = _zeros((vocab_size, hidden_size), dtype)
         self.scale = scale
+        self.head_kernel: HeadCopy | None = nnx.data(None)  # set by `transpose_for_head`
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         x = jnp.take(self.embedding[...], ids, axis=0)  # [T, D]
@@ -67,9 +68,8 @@ class Embedding(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied LM head: float32 logits `[T, V]`, from the `[D, V]` copy once `transpose_for_head` ran."""
-        head = getattr(self, "head_kernel", None)
-        if head is not None:
-            return matmul(x, head[...])
+        if self.head_kernel is not None:
+            return matmul(x, self.head_kernel[...])
         return jnp.einsum("td,vd->tv", x, self.embedding[...], preferred_element_type=jnp.float32)
 
     def transpose_for_head(self) -> None:

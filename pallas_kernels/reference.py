@@ -73,16 +73,6 @@ def write_kv_reference(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_map
     )
 
 
-def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int, num_seqs: jax.Array) -> jax.Array:
-    """Index of the sequence each of `num_tokens` rows belongs to (`[T]`, int32).
-
-    Entries of `cu_q_lens` past `num_seqs` are ignored (they may hold anything).
-    """
-    ends = cu_q_lens[1:]  # [R]
-    ends = jnp.where(jnp.arange(ends.shape[0]) < num_seqs, ends, jnp.iinfo(jnp.int32).max)
-    return jnp.sum(jnp.arange(num_tokens)[:, None] >= ends[None, :], axis=1).astype(jnp.int32)
-
-
 def query_blocks(
     cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, block: int
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:

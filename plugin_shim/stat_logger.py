@@ -45,6 +45,12 @@ def _per_step(delta: dict[str, float], name: str) -> float:
     return delta[name] / delta["steps"] if delta["steps"] > 0 else 0.0
 
 
+def _delta(current: dict[str, float], previous: dict[str, float] | None) -> dict[str, float]:
+    """Counter increments since `previous` (everything, when there is none)."""
+    previous = previous or {}
+    return {k: v - previous.get(k, 0.0) for k, v in current.items()}
+
+
 def _gauge(name: str, documentation: str) -> Gauge:
     existing = REGISTRY._names_to_collectors.get(name)  # a second engine in the same process
     if existing is not None:
@@ -78,8 +84,7 @@ class XlaStatLogger(StatLoggerBase):
         snapshot = read_metrics(self.path)
         if snapshot is None or snapshot == self.snapshot:
             return
-        previous = self.snapshot or dict.fromkeys(snapshot, 0.0)
-        delta = {k: snapshot[k] - previous.get(k, 0.0) for k in snapshot}
+        delta = _delta(snapshot, self.snapshot)
         self.snapshot = snapshot
         for name, (_, compute) in GAUGES.items():
             self.gauges[name].labels(**self.labels).set(compute(snapshot, delta))
@@ -87,8 +92,7 @@ class XlaStatLogger(StatLoggerBase):
     def log(self) -> None:
         if not self.active or self.snapshot is None or self.snapshot == self._reported:
             return
-        previous = self._reported or dict.fromkeys(self.snapshot, 0.0)
-        delta = {k: self.snapshot[k] - previous.get(k, 0.0) for k in self.snapshot}
+        delta = _delta(self.snapshot, self._reported)
         self._reported = self.snapshot
         logger.info(
             "vllm-xla: %d steps, host %.2f ms/step, step %.1f ms/step; %d programs compiled in %.1f s "
