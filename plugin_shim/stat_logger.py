@@ -23,8 +23,18 @@ logger = init_logger("vllm.xla.stats")
 
 # Gauge name -> (help, how it is computed from a snapshot).
 GAUGES = {
-    "vllm_xla:compilations": ("XLA programs compiled (warm-up included)", lambda s, d: s["compiles"]),
-    "vllm_xla:compile_seconds": ("Seconds spent compiling XLA programs", lambda s, d: s["compile_seconds"]),
+    "vllm_xla:compilations": (
+        "XLA programs built, compiled or loaded (warm-up included)",
+        lambda s, d: s["compiles"],
+    ),
+    "vllm_xla:programs_loaded": (
+        "XLA programs loaded from the executable cache instead of compiled",
+        lambda s, d: s["programs_loaded"],
+    ),
+    "vllm_xla:compile_seconds": (
+        "Seconds spent building XLA programs (compiling or loading)",
+        lambda s, d: s["compile_seconds"],
+    ),
     "vllm_xla:compilations_after_warmup": (
         "XLA programs compiled after warm-up (0 when every shape was warmed up)",
         lambda s, d: s["compiles_after_warmup"],
@@ -95,11 +105,11 @@ class XlaStatLogger(StatLoggerBase):
         delta = _delta(self.snapshot, self._reported)
         self._reported = self.snapshot
         logger.info(
-            "vllm-xla: %d steps, host %.2f ms/step, step %.1f ms/step; %d programs compiled in %.1f s "
-            "(%d after warm-up)",
+            "vllm-xla: %d steps, host %.2f ms/step, step %.1f ms/step; %d programs built in %.1f s "
+            "(%d from the executable cache, %d after warm-up)",
             delta["steps"], 1e3 * _per_step(delta, "host_seconds"), 1e3 * _per_step(delta, "step_seconds"),
             self.snapshot["compiles"], self.snapshot["compile_seconds"],
-            self.snapshot["compiles_after_warmup"],
+            self.snapshot["programs_loaded"], self.snapshot["compiles_after_warmup"],
         )  # fmt: skip
 
     def log_engine_initialized(self) -> None:

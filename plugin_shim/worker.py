@@ -166,12 +166,13 @@ class XlaWorker(WorkerBase):
 
     def runner_stats(self) -> dict[str, float]:
         """Counters of the runner and the compiler, for stat loggers and tests."""
-        guard = self.runner.guard
+        programs = self.runner.programs
         return {
             **dataclasses.asdict(self.runner.stats),
-            "compiles": guard.count,
-            "compile_seconds": guard.seconds,
-            "compiles_after_warmup": guard.compiles_after_warmup,
+            "compiles": programs.count,
+            "programs_loaded": programs.loaded,
+            "compile_seconds": programs.seconds,
+            "compiles_after_warmup": programs.compiles_after_warmup,
             "kv_groups": self.runner.num_groups,
         }
 

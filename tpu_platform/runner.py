@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -18,9 +19,9 @@ from models import ModelConfig, load_model
 from pallas_kernels import resolve_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
-from tpu_platform.compile import CompileGuard, enable_persistent_cache
 from tpu_platform.inputs import StepPlan, pack_inputs, padding_inputs, prepare_step
 from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes
+from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
 from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplingBatch
@@ -84,8 +85,10 @@ class Runner:
         self.config = config
         self.device = jax.devices()[0]
         self.backend = resolve_backend(config.attention_backend, platform=self.device.platform)
+        executables = None
         if config.cache_dir:
             enable_persistent_cache(config.cache_dir)
+            executables = ExecutableCache(os.path.join(config.cache_dir, "executables"), self.device)
         self.dtype = jnp.dtype(config.dtype)
         self.model_config: ModelConfig | None = None
         self.kv_caches: list[jax.Array] = []
@@ -95,7 +98,7 @@ class Runner:
             max_model_len=config.max_model_len,
             page_size=config.page_size,
         )
-        self.guard = CompileGuard(config.strict_compile)
+        self.programs = Programs(strict=config.strict_compile, cache=executables)
         self._pending: _PendingStep | None = None
         self._step_index = 0
         self.stats = RunnerStats()
@@ -168,39 +171,78 @@ class Runner:
         self._forward = make_forward(
             self._graphdef, self._state_def, self.backend, layer_groups, layer_caches
         )
+        # Everything the forward closes over, for naming its cached executables.
+        self._forward_context = repr(
+            (self.model_config, self.backend, layer_groups, layer_caches, self._graphdef)
+        )
 
     def warm_up(self, shapes: list[tuple[int, int, int]] | None = None) -> int:
-        """Compiles the forward for `shapes` (padded T, R, P; default: every bucket) and the sampler.
+        """Builds the forward for `shapes` (padded T, R, P; default: every bucket) and the sampler.
 
-        Runs each program on padding-only inputs (no sequence, every slot -1), so the cache is
-        untouched. Returns the number of programs compiled.
+        Programs come from the executable cache when they are there, else they are compiled;
+        both run on a thread per core. Returns the number of programs built.
         """
-        start, before = time.perf_counter(), self.guard.count
-        for t_pad, r_pad, p_pad in tqdm(
-            shapes or self.buckets.shapes(), desc="vllm-xla warm-up", unit="shape"
-        ):
-            logits, _ = self._run_forward(*pack_inputs(padding_inputs(t_pad, r_pad, p_pad, self.num_groups)))
+        start = time.perf_counter()
+        specs = self._warm_up_specs(shapes or self.buckets.shapes())
+        loaded = self.programs.loaded
+        with tqdm(total=len(specs), desc="vllm-xla warm-up", unit="program") as progress:
+            built = 0
+            for chunk in _chunks(specs, 2 * _build_workers()):
+                built += self.programs.build_all(chunk, _build_workers())
+                progress.update(len(chunk))
+        logger.info(
+            "warm-up built %d programs in %.1f s (%d from the executable cache)",
+            built, time.perf_counter() - start, self.programs.loaded - loaded,
+        )  # fmt: skip
+        self.programs.seal()
+        return built
+
+    def _warm_up_specs(self, shapes: list[tuple[int, int, int]]) -> list[ProgramSpec]:
+        """The forward per shape (largest first: they take longest) and the sampler per row count."""
+        specs, rows = [], []
+        for t_pad, r_pad, p_pad in sorted(shapes, reverse=True):
+            specs.append(
+                self._forward_spec(*pack_inputs(padding_inputs(t_pad, r_pad, p_pad, self.num_groups)))
+            )
+            rows.append(r_pad)
+        vocab = self.model_config.vocab_size
+        for r_pad in dict.fromkeys(rows):
+            logits = jax.ShapeDtypeStruct((r_pad, vocab), jnp.float32)
             for flags in uniform_warmup_flag_sets(
                 self._logprobs_width, logprobs_mode=self.config.logprobs_mode
             ):
                 tensors = self.sampling.dummy_tensors(flags, r_pad, **self._extra_widths)
-                self.guard.call(("sample", r_pad, flags), self._sample, logits, tensors, flags=flags)
-        compiled = self.guard.count - before
-        logger.info("warm-up compiled %d programs in %.1f s", compiled, time.perf_counter() - start)
-        self.guard.seal()
-        return compiled
+                specs.append(self._sampler_spec(logits, tensors, flags))
+        return specs
+
+    def _forward_spec(self, packed: np.ndarray | jax.Array, dims: tuple[int, int, int, int]) -> ProgramSpec:
+        return ProgramSpec(
+            key=("forward", *dims),
+            jitted=self._forward,
+            args=(self._state_leaves, self.kv_caches, packed),
+            static={"dims": dims},
+            context=self._forward_context,
+        )
+
+    def _sampler_spec(self, logits, tensors, flags) -> ProgramSpec:
+        return ProgramSpec(
+            key=("sample", logits.shape[0], flags),
+            jitted=self._sample,
+            args=(logits, tensors),
+            static={"flags": flags},
+        )
 
     def _run_forward(
         self, packed: np.ndarray, dims: tuple[int, int, int, int]
     ) -> tuple[jax.Array, jax.Array]:
         """Dispatches the forward on packed inputs (one transfer), keeping the donated caches' successors."""
-        logits, hidden, self.kv_caches = self.guard.call(
+        packed = jax.device_put(packed)
+        logits, hidden, self.kv_caches = self.programs.call(
             ("forward", *dims),
-            self._forward,
+            lambda: self._forward_spec(packed, dims),
             self._state_leaves,
             self.kv_caches,
-            jax.device_put(packed),
-            dims=dims,
+            packed,
         )
         return logits, hidden
 
@@ -266,7 +308,12 @@ class Runner:
             self.stats.host_seconds += time.perf_counter() - start
             logits = logits_transform(logits, plan.rows, flags.all_greedy)
             start = time.perf_counter()
-        out = self.guard.call(("sample", plan.shape[1], flags), self._sample, logits, tensors, flags=flags)
+        out = self.programs.call(
+            ("sample", plan.shape[1], flags),
+            lambda: self._sampler_spec(logits, tensors, flags),
+            logits,
+            tensors,
+        )
         self.stats.host_seconds += time.perf_counter() - start
         jax.block_until_ready(out.sampled_token_ids)
         start = time.perf_counter()
@@ -323,3 +370,12 @@ class Runner:
         for request in update.cached_requests:
             self.stats.resumed_requests += int(request.resumed)
             self.table.update(request)
+
+
+def _build_workers() -> int:
+    """Threads that build programs at once: one per core, at most four (compiling is memory-hungry)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]

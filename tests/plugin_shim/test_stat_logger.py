@@ -16,6 +16,7 @@ def _snapshot(steps: int, host: float, step: float) -> dict[str, float]:
         "host_seconds": host,
         "step_seconds": step,
         "compiles": 12,
+        "programs_loaded": 9,
         "compile_seconds": 30.5,
         "compiles_after_warmup": 0,
     }
@@ -49,6 +50,7 @@ def test_logger_exports_per_step_means_between_reports(monkeypatch, tmp_path):
     stat_logger.record(None, None)
     assert _value("vllm_xla:steps", "7") == 10
     assert _value("vllm_xla:compilations", "7") == 12
+    assert _value("vllm_xla:programs_loaded", "7") == 9
     assert _value("vllm_xla:compile_seconds", "7") == 30.5
     assert _value("vllm_xla:compilations_after_warmup", "7") == 0
     assert abs(_value("vllm_xla:host_seconds_per_step", "7") - 0.001) < 1e-12

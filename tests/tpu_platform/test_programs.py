@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Programs: built once, reloaded from the executable cache by a new process's runner, keyed by
+everything that shapes them, and refused after warm-up in strict mode."""
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, source_fingerprint
+
+
+def _scaled_softmax(x, w, *, temperature):
+    return jax.nn.softmax((x @ w) / temperature, axis=-1)
+
+
+def _numpy_scaled_softmax(x, w, temperature):
+    z = (x @ w) / temperature
+    z = np.exp(z - z.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+_JITTED = jax.jit(_scaled_softmax, static_argnames=("temperature",))
+
+
+def _spec(rows: int, temperature: float = 2.0, context: str = "model-a") -> ProgramSpec:
+    x = jax.ShapeDtypeStruct((rows, 8), jnp.float32)
+    w = jax.ShapeDtypeStruct((8, 5), jnp.float32)
+    return ProgramSpec(
+        key=("softmax", rows, temperature),
+        jitted=_JITTED,
+        args=(x, w),
+        static={"temperature": temperature},
+        context=context,
+    )
+
+
+def _inputs(rows: int):
+    rng = np.random.default_rng(rows)
+    return rng.standard_normal((rows, 8), np.float32), rng.standard_normal((8, 5), np.float32)
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    return str(tmp_path / "executables")
+
+
+def test_program_is_loaded_from_disk_by_a_new_instance_and_computes_the_same(cache_dir):
+    device = jax.devices()[0]
+    first = Programs(strict=False, cache=ExecutableCache(cache_dir, device))
+    assert first.build_all([_spec(4), _spec(16)], workers=2) == 2
+    x, w = _inputs(16)
+    spec = _spec(16)
+    stored = first.call(spec.key, lambda: spec, x, w)
+
+    second = Programs(strict=True, cache=ExecutableCache(cache_dir, device))
+    assert second.build(_spec(16)) is True
+    assert (second.count, second.loaded) == (1, 1)
+    loaded = second.call(spec.key, lambda: pytest.fail("should be ready"), x, w)
+    np.testing.assert_allclose(np.asarray(loaded), _numpy_scaled_softmax(x, w, 2.0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(loaded), np.asarray(stored))
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [_spec(4, temperature=3.0), _spec(4, context="model-b"), _spec(8)],
+    ids=["static-argument", "context", "shape"],
+)
+def test_anything_that_shapes_a_program_names_a_different_entry(cache_dir, changed):
+    cache = ExecutableCache(cache_dir, jax.devices()[0])
+    assert cache.path(changed) != cache.path(_spec(4))
+    assert cache.path(_spec(4)) == ExecutableCache(cache_dir, jax.devices()[0]).path(_spec(4))
+
+
+def test_unreadable_entry_is_dropped_and_rebuilt(cache_dir):
+    device = jax.devices()[0]
+    cache = ExecutableCache(cache_dir, device)
+    pathlib.Path(cache.path(_spec(4))).write_bytes(b"truncated")
+    programs = Programs(strict=False, cache=cache)
+    programs.build(_spec(4))
+    assert programs.loaded == 0
+    x, w = _inputs(4)
+    out = programs.call(_spec(4).key, lambda: _spec(4), x, w)
+    np.testing.assert_allclose(np.asarray(out), _numpy_scaled_softmax(x, w, 2.0), rtol=1e-5, atol=1e-6)
+    assert os.path.getsize(cache.path(_spec(4))) > 1000  # replaced by a real executable
+
+
+def test_after_seal_a_missing_program_is_an_error_in_strict_mode_and_counted_otherwise():
+    x, w = _inputs(4)
+    strict = Programs(strict=True, cache=None)
+    strict.build(_spec(4))
+    strict.seal()
+    strict.call(_spec(4).key, lambda: _spec(4), x, w)
+    x8, _ = _inputs(8)
+    with pytest.raises(RuntimeError, match=r"after warm-up for \('softmax', 8, 2.0\).*STRICT_COMPILE"):
+        strict.call(_spec(8).key, lambda: _spec(8), x8, w)
+
+    lenient = Programs(strict=False, cache=None)
+    lenient.seal()
+    out = lenient.call(_spec(8).key, lambda: _spec(8), x8, w)
+    np.testing.assert_allclose(np.asarray(out), _numpy_scaled_softmax(x8, w, 2.0), rtol=1e-5, atol=1e-6)
+    assert (lenient.count, lenient.compiles_after_warmup) == (1, 1)
+
+
+_BUILD_SCRIPT = """
+import os, sys
+import jax, jax.numpy as jnp
+from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
+root, name = sys.argv[1:]
+enable_persistent_cache(os.path.join(root, "jax"))
+spec = ProgramSpec(key="tanh", jitted=jax.jit(jnp.tanh), args=(jax.ShapeDtypeStruct((3, 7), jnp.float32),))
+cache = ExecutableCache(os.path.join(root, name), jax.devices()[0])
+programs = Programs(strict=False, cache=cache)
+programs.build(spec)
+x = jnp.linspace(-2, 2, 21, dtype=jnp.float32).reshape(3, 7)
+print(os.path.exists(cache.path(spec)), bool(jnp.allclose(programs.call("tanh", None, x), jnp.tanh(x))))
+"""
+
+
+def _build_in_new_process(root: pathlib.Path, executables: str) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
+    run = subprocess.run(
+        [sys.executable, "-c", _BUILD_SCRIPT, str(root), executables],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.split()
+
+
+def test_an_executable_served_by_jax_own_cache_is_not_written(tmp_path):
+    """XLA:CPU cannot re-serialize what JAX loaded from its persistent cache: such a program is
+    used, not written. Two processes share JAX's cache; the second has an empty executable cache."""
+    assert _build_in_new_process(tmp_path, "first") == ["True", "True"]
+    assert _build_in_new_process(tmp_path, "second") == ["False", "True"]
+
+
+def _package(root: pathlib.Path, body: str) -> pathlib.Path:
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "mod.py").write_text(body)
+    return root
+
+
+def test_source_fingerprint_ignores_comments_and_docstrings_but_not_code(tmp_path):
+    fingerprint = functools.partial(source_fingerprint, packages=("pkg",))
+    base = fingerprint(_package(tmp_path / "a", 'def f(x):\n    """Doc."""\n    return x + 1\n'))
+    commented = fingerprint(
+        _package(tmp_path / "b", '# note\ndef f(x):\n    """Other words."""\n    return x + 1  # why\n')
+    )
+    changed = fingerprint(_package(tmp_path / "c", 'def f(x):\n    """Doc."""\n    return x + 2\n'))
+    assert base == commented
+    assert base != changed

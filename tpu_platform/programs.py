@@ -1,0 +1,230 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The runner's compiled programs: built ahead of time in parallel, kept on disk, counted.
+
+Also turns on JAX's own persistent compilation cache (`enable_persistent_cache`).
+
+A program is one jitted function at one set of static arguments and argument shapes (a forward
+per step shape, a sampler per row count and flag set), named by a hashable key. `Programs.build`
+makes one ready, fastest source first:
+
+1. memory (built earlier in this process);
+2. the executable cache on disk (`<cache_dir>/executables`): a serialized executable, loaded
+   without tracing or compiling;
+3. tracing and compiling it (JAX's persistent compilation cache may still serve the XLA
+   compile), after which a fresh executable is written to the executable cache.
+
+A disk entry is named by a hash of everything that shapes the program: the key, the argument
+structure and shapes, the caller's context (model configuration, attention backend), the JAX and
+jaxlib versions, the device, `XLA_FLAGS` and the source of our three packages (comments and
+docstrings excluded). Executables that JAX itself loaded from its own cache cannot be serialized
+again (XLA:CPU drops their code), so those are not written.
+
+After `seal()`, a program that warm-up did not build is an error (strict) or a counted warning.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
+logger = logging.getLogger(f"vllm_xla.{__name__}")
+
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_PACKAGES = ("models", "pallas_kernels", "tpu_platform")
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProgramSpec:
+    """One program to build: `jitted(*args, **static)` under `key`; `args` may be abstract."""
+
+    key: Hashable
+    jitted: Callable
+    args: tuple
+    static: dict[str, Any] = dataclasses.field(default_factory=dict)
+    context: str = ""
+
+
+def enable_persistent_cache(cache_dir: str) -> str:
+    """Turns on JAX's persistent compilation cache under `cache_dir/jax`; returns the path."""
+    path = os.path.join(cache_dir, "jax")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+@functools.cache
+def source_fingerprint(root: Path = _ROOT, packages: tuple[str, ...] = _PACKAGES) -> str:
+    """A hash of the packages' code: every module's syntax tree (so not comments or docstrings)."""
+    digest = hashlib.sha256()
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                body = getattr(node, "body", None)
+                if isinstance(body, list) and body and _is_docstring(body[0]):
+                    node.body = body[1:] or [ast.Pass()]
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(ast.dump(tree).encode())
+    return digest.hexdigest()
+
+
+def _is_docstring(node: ast.AST) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(getattr(node, "value", None), ast.Constant)
+
+
+def environment_fingerprint(device: jax.Device) -> str:
+    """What, besides a program's own inputs, decides the executable XLA builds for it."""
+    parts = (
+        jax.__version__,
+        jaxlib.__version__,
+        device.platform,
+        device.device_kind,
+        os.environ.get("XLA_FLAGS", ""),
+        jax.config.jax_enable_x64,
+        jax.config.jax_default_matmul_precision,
+        source_fingerprint(),
+    )
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _signature(spec: ProgramSpec) -> str:
+    leaves, treedef = jax.tree.flatten(spec.args)
+    avals = [(tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False))) for x in leaves]
+    return repr((spec.key, sorted(spec.static.items()), spec.context, str(treedef), avals))
+
+
+class ExecutableCache:
+    """Serialized executables in one directory, one file per program."""
+
+    def __init__(self, directory: str, device: jax.Device):
+        self.directory = directory
+        self.device = device
+        self._environment = environment_fingerprint(device)
+        os.makedirs(directory, exist_ok=True)
+
+    def path(self, spec: ProgramSpec) -> str:
+        name = hashlib.sha256(f"{self._environment}\n{_signature(spec)}".encode()).hexdigest()
+        return os.path.join(self.directory, f"{name[:40]}.xla")
+
+    def load(self, spec: ProgramSpec) -> jax.stages.Compiled | None:
+        path = self.path(spec)
+        try:
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.load(f)
+            return serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=[self.device]
+            )
+        except FileNotFoundError:
+            return None
+        except Exception as error:  # a stale or truncated entry: rebuild it
+            logger.warning("dropping unreadable cached executable %s (%s)", path, error)
+            Path(path).unlink(missing_ok=True)
+            return None
+
+    def store(self, spec: ProgramSpec, compiled: jax.stages.Compiled) -> None:
+        path = self.path(spec)
+        partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(partial, "wb") as f:
+                pickle.dump(serialize_executable.serialize(compiled), f)
+            os.replace(partial, path)
+        except (OSError, ValueError, NotImplementedError) as error:
+            logger.warning("could not cache the executable for %s (%s)", spec.key, error)
+            Path(partial).unlink(missing_ok=True)
+
+
+class Programs:
+    """The programs of one runner, with counters for the stat logger."""
+
+    def __init__(self, *, strict: bool, cache: ExecutableCache | None):
+        self.strict = strict
+        self.cache = cache
+        self.sealed = False
+        self.count = 0  # programs made ready (compiled or loaded)
+        self.loaded = 0  # of which loaded from the executable cache
+        self.seconds = 0.0
+        self.compiles_after_warmup = 0
+        self._ready: dict[Hashable, jax.stages.Compiled] = {}
+        self._lock = threading.Lock()
+
+    def call(self, spec_key: Hashable, make_spec: Callable[[], ProgramSpec], *args):
+        """Runs program `spec_key` on `args`, building it first (see `seal`) when it is missing."""
+        program = self._ready.get(spec_key)
+        if program is None:
+            program = self._build_late(make_spec())
+        return program(*args)
+
+    def build_all(self, specs: Sequence[ProgramSpec], workers: int) -> int:
+        """Builds `specs` on `workers` threads; returns how many were new."""
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="vllm-xla-build") as pool:
+            return sum(pool.map(self.build, specs))
+
+    def build(self, spec: ProgramSpec) -> bool:
+        """Makes `spec` ready; False when it already was."""
+        if spec.key in self._ready:
+            return False
+        start = time.perf_counter()
+        program = self.cache.load(spec) if self.cache else None
+        loaded = program is not None
+        if program is None:
+            program, fresh = _compile(spec)
+            if fresh and self.cache:
+                self.cache.store(spec, program)
+        with self._lock:
+            if spec.key in self._ready:
+                return False
+            self._ready[spec.key] = program
+            self.count += 1
+            self.loaded += loaded
+            self.seconds += time.perf_counter() - start
+        return True
+
+    def seal(self) -> None:
+        self.sealed = True
+
+    def _build_late(self, spec: ProgramSpec) -> jax.stages.Compiled:
+        if self.sealed:
+            message = f"a program was built after warm-up for {spec.key}"
+            if self.strict:
+                raise RuntimeError(
+                    f"{message} (VLLM_XLA_STRICT_COMPILE=1); this shape is missing from warm-up"
+                )
+            logger.warning(message)
+            with self._lock:
+                self.compiles_after_warmup += 1
+        self.build(spec)
+        return self._ready[spec.key]
+
+
+def _compile(spec: ProgramSpec) -> tuple[jax.stages.Compiled, bool]:
+    """Traces and compiles `spec`; the flag says whether XLA compiled it (not a JAX cache hit)."""
+    thread, hits = threading.get_ident(), []
+
+    def on_event(event: str, **_: Any) -> None:
+        if event == _CACHE_HIT_EVENT and threading.get_ident() == thread:
+            hits.append(event)
+
+    jax.monitoring.register_event_listener(on_event)
+    try:
+        compiled = spec.jitted.trace(*spec.args, **spec.static).lower().compile()
+    finally:
+        jax.monitoring.unregister_event_listener(on_event)
+    return compiled, not hits
