@@ -16,6 +16,7 @@ from flax import nnx
 
 from models import gguf_reader
 from models.config import ModelConfig
+from models.layers import fuse_projections
 from models.registry import build
 
 # Checkpoint tensors that carry no parameter of ours (recomputed or duplicated).
@@ -153,4 +154,5 @@ def load_model(path: str, dtype: jnp.dtype = jnp.float32) -> tuple[ModelConfig, 
     load_weights(model, path)
     if config.tie_word_embeddings:
         model.model.embed_tokens.transpose_for_head()
+    fuse_projections(model)
     return config, model

@@ -16,8 +16,10 @@ makes one ready, fastest source first:
 A disk entry is named by a hash of everything that shapes the program: the key, the argument
 structure and shapes, the caller's context (model configuration, attention backend), the JAX and
 jaxlib versions, the device, `XLA_FLAGS` and the source of our three packages (comments and
-docstrings excluded). Executables that JAX itself loaded from its own cache cannot be serialized
-again (XLA:CPU drops their code), so those are not written.
+docstrings excluded). An executable that JAX loaded from its own persistent cache cannot be
+serialized again (XLA:CPU drops its code), and JAX's in-memory cache may hand out such a one, so
+only executables XLA demonstrably compiled in this call (JAX reports writing them to its cache)
+are written.
 
 After `seal()`, a program that warm-up did not build is an error (strict) or a counted warning.
 """
@@ -44,7 +46,8 @@ from jax.experimental import serialize_executable
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
-_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+# Recorded by JAX when it writes an executable it just compiled to its persistent cache.
+_FRESH_COMPILE_EVENT = "/jax/compilation_cache/cache_misses"
 _PACKAGES = ("models", "pallas_kernels", "tpu_platform")
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -215,16 +218,16 @@ class Programs:
 
 
 def _compile(spec: ProgramSpec) -> tuple[jax.stages.Compiled, bool]:
-    """Traces and compiles `spec`; the flag says whether XLA compiled it (not a JAX cache hit)."""
-    thread, hits = threading.get_ident(), []
+    """Traces and compiles `spec`; the flag says whether XLA compiled it here (not a cache's copy)."""
+    thread, fresh = threading.get_ident(), []
 
     def on_event(event: str, **_: Any) -> None:
-        if event == _CACHE_HIT_EVENT and threading.get_ident() == thread:
-            hits.append(event)
+        if event == _FRESH_COMPILE_EVENT and threading.get_ident() == thread:
+            fresh.append(event)
 
     jax.monitoring.register_event_listener(on_event)
     try:
         compiled = spec.jitted.trace(*spec.args, **spec.static).lower().compile()
     finally:
         jax.monitoring.unregister_event_listener(on_event)
-    return compiled, not hits
+    return compiled, bool(fresh)

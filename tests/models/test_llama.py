@@ -123,3 +123,20 @@ def test_sharded_checkpoint_and_half_precision_load(tmp_path):
     config, model = load_model(path)
     logits, _ = _run(config, model, _caches(config), [[1, 2, 3, 4]], [0], [[1]])
     assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_fused_projections_replace_the_checkpoint_ones_and_compute_the_same(tiny):
+    """`load_model` fuses q/k/v and gate/up; a model only built and loaded keeps the checkpoint's
+    projections. Both match transformers."""
+    path, config, fused, hf = tiny
+    attention, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+    assert attention.qkv_proj is not None and mlp.gate_up_proj is not None
+    assert not hasattr(attention, "q_proj") and not hasattr(mlp, "gate_proj")
+    unfused = build(config)
+    load_weights(unfused, path)
+    assert unfused.model.layers[0].self_attn.qkv_proj is None
+    ids = [5, 9, 2, 7, 7, 1]
+    ref = _hf_logits(hf, ids)
+    for model in (fused, unfused):
+        logits, _ = _run(config, model, _caches(config), [ids], [0], [[3]])
+        np.testing.assert_allclose(logits, ref, atol=1e-4 * np.abs(ref).max())

@@ -44,7 +44,7 @@ def test_gguf_loads_like_its_safetensors_copy(model_dir, tmp_path):
     _, from_copy = load_model(model_dir)
     gguf_leaves = jax.tree.leaves(nnx.state(from_gguf))
     copy_leaves = jax.tree.leaves(nnx.state(from_copy))
-    assert len(gguf_leaves) == len(copy_leaves) > 30 * 9
+    assert len(gguf_leaves) == len(copy_leaves) > 30 * 6  # per layer: qkv, o, gate_up, down, 2 norms
     for a, b in zip(gguf_leaves, copy_leaves, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

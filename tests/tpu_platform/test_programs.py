@@ -5,6 +5,7 @@ everything that shapes them, and refused after warm-up in strict mode."""
 import functools
 import os
 import pathlib
+import random
 import subprocess
 import sys
 
@@ -13,7 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, source_fingerprint
+from tpu_platform.programs import (
+    ExecutableCache,
+    Programs,
+    ProgramSpec,
+    enable_persistent_cache,
+    source_fingerprint,
+)
 
 
 def _scaled_softmax(x, w, *, temperature):
@@ -27,9 +34,18 @@ def _numpy_scaled_softmax(x, w, temperature):
 
 
 _JITTED = jax.jit(_scaled_softmax, static_argnames=("temperature",))
+# A temperature of this session only: JAX's caches (in memory or on disk, from an earlier session)
+# never know the programs, so they are compiled here and written (the cache under test only keeps
+# executables XLA compiled itself).
+_T = 1.0 + random.random()
 
 
-def _spec(rows: int, temperature: float = 2.0, context: str = "model-a") -> ProgramSpec:
+@pytest.fixture(autouse=True, scope="module")
+def _jax_persistent_cache():
+    enable_persistent_cache(os.environ["VLLM_XLA_CACHE_DIR"])
+
+
+def _spec(rows: int, temperature: float = _T, context: str = "model-a") -> ProgramSpec:
     x = jax.ShapeDtypeStruct((rows, 8), jnp.float32)
     w = jax.ShapeDtypeStruct((8, 5), jnp.float32)
     return ProgramSpec(
@@ -63,13 +79,13 @@ def test_program_is_loaded_from_disk_by_a_new_instance_and_computes_the_same(cac
     assert second.build(_spec(16)) is True
     assert (second.count, second.loaded) == (1, 1)
     loaded = second.call(spec.key, lambda: pytest.fail("should be ready"), x, w)
-    np.testing.assert_allclose(np.asarray(loaded), _numpy_scaled_softmax(x, w, 2.0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(loaded), _numpy_scaled_softmax(x, w, _T), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(loaded), np.asarray(stored))
 
 
 @pytest.mark.parametrize(
     "changed",
-    [_spec(4, temperature=3.0), _spec(4, context="model-b"), _spec(8)],
+    [_spec(4, temperature=_T + 1), _spec(4, context="model-b"), _spec(8)],
     ids=["static-argument", "context", "shape"],
 )
 def test_anything_that_shapes_a_program_names_a_different_entry(cache_dir, changed):
@@ -80,15 +96,16 @@ def test_anything_that_shapes_a_program_names_a_different_entry(cache_dir, chang
 
 def test_unreadable_entry_is_dropped_and_rebuilt(cache_dir):
     device = jax.devices()[0]
+    spec = _spec(4, temperature=_T + 2)  # not compiled by another test of this session
     cache = ExecutableCache(cache_dir, device)
-    pathlib.Path(cache.path(_spec(4))).write_bytes(b"truncated")
+    pathlib.Path(cache.path(spec)).write_bytes(b"truncated")
     programs = Programs(strict=False, cache=cache)
-    programs.build(_spec(4))
+    programs.build(spec)
     assert programs.loaded == 0
     x, w = _inputs(4)
-    out = programs.call(_spec(4).key, lambda: _spec(4), x, w)
-    np.testing.assert_allclose(np.asarray(out), _numpy_scaled_softmax(x, w, 2.0), rtol=1e-5, atol=1e-6)
-    assert os.path.getsize(cache.path(_spec(4))) > 1000  # replaced by a real executable
+    out = programs.call(spec.key, lambda: spec, x, w)
+    np.testing.assert_allclose(np.asarray(out), _numpy_scaled_softmax(x, w, _T + 2), rtol=1e-5, atol=1e-6)
+    assert os.path.getsize(cache.path(spec)) > 1000  # replaced by a real executable
 
 
 def test_after_seal_a_missing_program_is_an_error_in_strict_mode_and_counted_otherwise():
@@ -98,13 +115,13 @@ def test_after_seal_a_missing_program_is_an_error_in_strict_mode_and_counted_oth
     strict.seal()
     strict.call(_spec(4).key, lambda: _spec(4), x, w)
     x8, _ = _inputs(8)
-    with pytest.raises(RuntimeError, match=r"after warm-up for \('softmax', 8, 2.0\).*STRICT_COMPILE"):
+    with pytest.raises(RuntimeError, match=r"after warm-up for \('softmax', 8, .*STRICT_COMPILE"):
         strict.call(_spec(8).key, lambda: _spec(8), x8, w)
 
     lenient = Programs(strict=False, cache=None)
     lenient.seal()
     out = lenient.call(_spec(8).key, lambda: _spec(8), x8, w)
-    np.testing.assert_allclose(np.asarray(out), _numpy_scaled_softmax(x8, w, 2.0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out), _numpy_scaled_softmax(x8, w, _T), rtol=1e-5, atol=1e-6)
     assert (lenient.count, lenient.compiles_after_warmup) == (1, 1)
 
 
@@ -112,21 +129,23 @@ _BUILD_SCRIPT = """
 import os, sys
 import jax, jax.numpy as jnp
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
-root, name = sys.argv[1:]
+root, name, call_first = sys.argv[1:]
 enable_persistent_cache(os.path.join(root, "jax"))
 spec = ProgramSpec(key="tanh", jitted=jax.jit(jnp.tanh), args=(jax.ShapeDtypeStruct((3, 7), jnp.float32),))
+x = jnp.linspace(-2, 2, 21, dtype=jnp.float32).reshape(3, 7)
+if call_first == "yes":  # JAX's in-memory cache then holds the program
+    jax.jit(jnp.tanh)(x).block_until_ready()
 cache = ExecutableCache(os.path.join(root, name), jax.devices()[0])
 programs = Programs(strict=False, cache=cache)
 programs.build(spec)
-x = jnp.linspace(-2, 2, 21, dtype=jnp.float32).reshape(3, 7)
 print(os.path.exists(cache.path(spec)), bool(jnp.allclose(programs.call("tanh", None, x), jnp.tanh(x))))
 """
 
 
-def _build_in_new_process(root: pathlib.Path, executables: str) -> list[str]:
+def _build_in_new_process(root: pathlib.Path, executables: str, call_first: str = "no") -> list[str]:
     env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
     run = subprocess.run(
-        [sys.executable, "-c", _BUILD_SCRIPT, str(root), executables],
+        [sys.executable, "-c", _BUILD_SCRIPT, str(root), executables, call_first],
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -135,9 +154,11 @@ def _build_in_new_process(root: pathlib.Path, executables: str) -> list[str]:
 
 def test_an_executable_served_by_jax_own_cache_is_not_written(tmp_path):
     """XLA:CPU cannot re-serialize what JAX loaded from its persistent cache: such a program is
-    used, not written. Two processes share JAX's cache; the second has an empty executable cache."""
+    used, not written, also when JAX's in-memory cache hands it out. The processes share JAX's
+    cache; the later ones start with an empty executable cache."""
     assert _build_in_new_process(tmp_path, "first") == ["True", "True"]
     assert _build_in_new_process(tmp_path, "second") == ["False", "True"]
+    assert _build_in_new_process(tmp_path, "third", call_first="yes") == ["False", "True"]
 
 
 def _package(root: pathlib.Path, body: str) -> pathlib.Path:
