@@ -4,7 +4,8 @@
 - VLLM_XLA_PLATFORM: activate the plugin for a device kind (tpu, gpu, cpu); unset: only on a TPU.
 - VLLM_XLA_ATTENTION_BACKEND: auto, xla, pallas_tpu or pallas_gpu (default auto, by device kind).
 - VLLM_XLA_CPU_KV_CACHE_GB: KV cache size on CPU in GiB (default 1).
-- VLLM_XLA_CACHE_DIR: embedded model and JAX compilation cache (default $XDG_CACHE_HOME/vllm-xla).
+- VLLM_XLA_CACHE_DIR: embedded model, executable and JAX compilation caches, metrics files
+  (default $XDG_CACHE_HOME/vllm-xla).
 - VLLM_XLA_STRICT_COMPILE: 1 makes a compilation after warm-up an error (default 0).
 """
 

@@ -125,6 +125,41 @@ def padding_inputs(t_pad: int, r_pad: int, p_pad: int, num_groups: int = 1) -> S
     )
 
 
+def exercise_inputs(
+    t_pad: int, r_pad: int, p_pad: int, num_groups: int, num_pages: int, *, page_size: int, num_seqs: int
+) -> StepInputs:
+    """Inputs of shape (T, R, P) that drive every loop of the program: `num_seqs` sequences share
+    the first T - 1 tokens (the last one is padding), write them to the first pages and attend to
+    them. For warm-up only, before any request: the pages written hold nothing yet, and every
+    page is written by its sequence before it is read."""
+    tokens = t_pad - 1 if t_pad > 1 else 1
+    num_seqs = max(1, min(num_seqs, r_pad, tokens))
+    q_lens = np.full(num_seqs, tokens // num_seqs, np.int32)
+    q_lens[-1] += tokens - q_lens.sum()
+    cu_q_lens = np.full(r_pad + 1, tokens, np.int32)
+    cu_q_lens[0] = 0
+    cu_q_lens[1 : num_seqs + 1] = np.cumsum(q_lens)
+    starts = np.repeat(cu_q_lens[:num_seqs], q_lens)
+    positions = np.zeros(t_pad, np.int32)
+    positions[:tokens] = np.arange(tokens) - starts
+    slots = np.full(t_pad, -1, np.int32)
+    slots[:tokens] = np.arange(tokens) % (num_pages * page_size)
+    kv_lens = np.zeros(r_pad, np.int32)
+    kv_lens[:num_seqs] = q_lens
+    return StepInputs(
+        token_ids=np.arange(t_pad, dtype=np.int32) % 1000,
+        positions=positions,
+        slot_mapping=np.broadcast_to(slots, (num_groups, t_pad)).copy(),
+        kv_lens=kv_lens,
+        page_indices=np.broadcast_to(
+            np.arange(p_pad, dtype=np.int32) % num_pages, (num_groups, r_pad, p_pad)
+        ).copy(),
+        cu_q_lens=cu_q_lens,
+        num_seqs=np.array([num_seqs], np.int32),
+        logits_indices=np.pad(cu_q_lens[1 : num_seqs + 1] - 1, (0, r_pad - num_seqs)).astype(np.int32),
+    )
+
+
 def _padded(values: np.ndarray, size: int, fill: int) -> np.ndarray:
     """Pads the last axis of `values` to `size` with `fill`."""
     out = np.full((*values.shape[:-1], size), fill, np.int32)

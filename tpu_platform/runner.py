@@ -19,7 +19,7 @@ from models import ModelConfig, load_model
 from pallas_kernels import resolve_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
-from tpu_platform.inputs import StepPlan, pack_inputs, padding_inputs, prepare_step
+from tpu_platform.inputs import StepPlan, exercise_inputs, pack_inputs, padding_inputs, prepare_step
 from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
 from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
@@ -180,7 +180,11 @@ class Runner:
         """Builds the forward for `shapes` (padded T, R, P; default: every bucket) and the sampler.
 
         Programs come from the executable cache when they are there, else they are compiled;
-        both run on a thread per core. Returns the number of programs built.
+        both run on a thread per core. Then the programs of small steps (decode batches, short
+        prompts: the latency-bound ones) run once, on inputs that attend but write nothing,
+        because on XLA:CPU an executable's first run sets up every YNNPACK fusion it reaches
+        (0.4-1 s for a forward); larger prefill programs pay that on first use. Returns the
+        number of programs built.
         """
         start = time.perf_counter()
         specs = self._warm_up_specs(shapes or self.buckets.shapes())
@@ -190,12 +194,35 @@ class Runner:
             for chunk in _chunks(specs, 2 * _build_workers()):
                 built += self.programs.build_all(chunk, _build_workers())
                 progress.update(len(chunk))
+        self._first_runs(specs)
         logger.info(
             "warm-up built %d programs in %.1f s (%d from the executable cache)",
             built, time.perf_counter() - start, self.programs.loaded - loaded,
         )  # fmt: skip
         self.programs.seal()
         return built
+
+    def _first_runs(self, specs: list[ProgramSpec]) -> None:
+        """Runs every sampler program and the forward programs of up to `_FIRST_RUN_TOKENS` tokens."""
+        logits = {}
+        # Samplers first: a program's first run can undo part of another's (measured: a forward
+        # run before the samplers' first runs paid its first-run cost again afterwards).
+        for spec in sorted(specs, key=lambda spec: spec.key[0] != "sample"):
+            kind, *static = spec.key
+            if kind == "forward" and static[0] <= _FIRST_RUN_TOKENS:
+                t_pad, r_pad, p_pad, _ = static
+                for num_seqs in (1, r_pad):  # a prefill chunk, then a batch
+                    inputs = exercise_inputs(
+                        t_pad, r_pad, p_pad, self.num_groups, self.num_pages,
+                        page_size=self.config.page_size, num_seqs=num_seqs,
+                    )  # fmt: skip
+                    self._run_forward(*pack_inputs(inputs))
+            elif kind == "sample":
+                rows = static[0]
+                if rows not in logits:
+                    logits[rows] = jax.device_put(np.zeros((rows, self.model_config.vocab_size), np.float32))
+                self.programs.call(spec.key, lambda spec=spec: spec, logits[rows], spec.args[1])
+        jax.block_until_ready(self.kv_caches)
 
     def _warm_up_specs(self, shapes: list[tuple[int, int, int]]) -> list[ProgramSpec]:
         """The forward per shape (largest first: they take longest) and the sampler per row count."""
@@ -370,6 +397,10 @@ class Runner:
         for request in update.cached_requests:
             self.stats.resumed_requests += int(request.resumed)
             self.table.update(request)
+
+
+# Forward programs up to this many tokens run once at warm-up (see `Runner.warm_up`).
+_FIRST_RUN_TOKENS = 64
 
 
 def _build_workers() -> int:

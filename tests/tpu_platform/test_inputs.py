@@ -6,7 +6,7 @@ import pytest
 
 from tpu_platform.batch_update import CachedRequest, NewRequest
 from tpu_platform.buckets import StepBuckets, round_up, token_buckets
-from tpu_platform.inputs import pack_inputs, padding_inputs, prepare_step, unpack_inputs
+from tpu_platform.inputs import exercise_inputs, pack_inputs, padding_inputs, prepare_step, unpack_inputs
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplingOptions
 
@@ -120,3 +120,24 @@ def test_pack_round_trips():
         "num_seqs",
     ):
         assert np.array_equal(getattr(restored, name), getattr(inputs, name)), name
+
+
+@pytest.mark.parametrize(
+    ("t_pad", "r_pad", "num_seqs"), [(1, 1, 1), (64, 64, 1), (64, 64, 64), (1024, 64, 64), (16, 16, 5)]
+)
+def test_exercise_inputs_are_consistent_ragged_steps(t_pad, r_pad, num_seqs):
+    """Warm-up inputs: real sequences (so every loop runs) that only write the first pages."""
+    inputs = exercise_inputs(t_pad, r_pad, 8, 2, 40, page_size=16, num_seqs=num_seqs)
+    n = int(inputs.num_seqs[0])
+    q_lens = np.diff(inputs.cu_q_lens)
+    assert 1 <= n <= min(num_seqs, r_pad) and (q_lens[:n] > 0).all() and (q_lens[n:] == 0).all()
+    tokens = int(inputs.cu_q_lens[n])
+    assert tokens == max(1, t_pad - 1)
+    np.testing.assert_array_equal(inputs.kv_lens[:n], q_lens[:n])  # each sequence sees its own tokens
+    for i in range(n):
+        start, end = inputs.cu_q_lens[i], inputs.cu_q_lens[i + 1]
+        np.testing.assert_array_equal(inputs.positions[start:end], np.arange(end - start))
+        assert inputs.logits_indices[i] == end - 1
+    slots = inputs.slot_mapping[:, :tokens]
+    assert (slots >= 0).all() and (slots < 40 * 16).all() and (inputs.slot_mapping[:, tokens:] == -1).all()
+    assert (inputs.page_indices < 40).all()
