@@ -24,5 +24,5 @@ def test_generate_prints_the_completion_in_one_process(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1].startswith("hello world")
     logs = done.stdout + done.stderr
-    assert "warm-up compiled" in logs
+    assert "warm-up built" in logs
     assert "(EngineCore" not in logs  # no engine-core subprocess was started

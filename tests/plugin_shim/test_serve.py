@@ -86,7 +86,7 @@ def test_serve_answers_completions(tmp_path):
         assert metrics["vllm_xla:host_seconds_per_step"] > 0
         log_text = (tmp_path / "server.log").read_text()
         assert "vllm-xla worker drives JAX devices" in log_text  # our worker ran the model
-        assert "warm-up compiled" in log_text
+        assert "warm-up built" in log_text
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
