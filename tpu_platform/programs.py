@@ -17,9 +17,9 @@ A disk entry is named by a hash of everything that shapes the program: the key, 
 structure and shapes, the caller's context (model configuration, attention backend), the JAX and
 jaxlib versions, the device, `XLA_FLAGS` and the source of our three packages (comments and
 docstrings excluded). An executable that JAX loaded from its own persistent cache cannot be
-serialized again (XLA:CPU drops its code), and JAX's in-memory cache may hand out such a one, so
-only executables XLA demonstrably compiled in this call (JAX reports writing them to its cache)
-are written.
+serialized again (XLA:CPU drops its code), so programs bound for the executable cache are compiled
+under a JAX cache key of their own, and only executables XLA demonstrably compiled in the call
+(JAX reports writing them to its cache) are written (see `Programs._compile_for_cache`).
 
 After `seal()`, a program that warm-up did not build is an error (strict) or a counted warning.
 """
@@ -35,6 +35,7 @@ import os
 import pickle
 import threading
 import time
+import uuid
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -187,10 +188,10 @@ class Programs:
         start = time.perf_counter()
         program = self.cache.load(spec) if self.cache else None
         loaded = program is not None
-        if program is None:
-            program, fresh = _compile(spec)
-            if fresh and self.cache:
-                self.cache.store(spec, program)
+        if program is None and self.cache is None:
+            program, _ = _compile(spec)
+        elif program is None:
+            program = self._compile_for_cache(spec)
         with self._lock:
             if spec.key in self._ready:
                 return False
@@ -199,6 +200,23 @@ class Programs:
             self.loaded += loaded
             self.seconds += time.perf_counter() - start
         return True
+
+    def _compile_for_cache(self, spec: ProgramSpec) -> jax.stages.Compiled:
+        """Compiles `spec` so that the executable can be written, and writes it.
+
+        JAX's caches would hand back a copy of an identical program compiled before (under an
+        older key of ours, say after an upgrade that left the program unchanged), which cannot be
+        re-serialized. So the compile carries our entry's name as an inert option, which JAX's
+        cache keys include; if JAX still had that (our entry was deleted), a random one forces a
+        fresh compile.
+        """
+        name = os.path.basename(self.cache.path(spec))
+        program, fresh = _compile(spec, salt=name)
+        if not fresh:
+            program, fresh = _compile(spec, salt=f"{name}-{uuid.uuid4().hex}")
+        if fresh:
+            self.cache.store(spec, program)
+        return program
 
     def seal(self) -> None:
         self.sealed = True
@@ -217,8 +235,17 @@ class Programs:
         return self._ready[spec.key]
 
 
-def _compile(spec: ProgramSpec) -> tuple[jax.stages.Compiled, bool]:
-    """Traces and compiles `spec`; the flag says whether XLA compiled it here (not a cache's copy)."""
+def _compile(spec: ProgramSpec, salt: str | None = None) -> tuple[jax.stages.Compiled, bool]:
+    """Traces and compiles `spec`; the flag says whether XLA compiled it here (not a cache's copy).
+
+    A `salt` sets an XLA option that only affects debug printing (how many buffers a buffer
+    assignment dump lists) but is part of JAX's cache keys.
+    """
+    options = None
+    if salt:
+        options = {
+            "xla_debug_buffer_assignment_show_max": int(hashlib.sha256(salt.encode()).hexdigest()[:7], 16)
+        }
     thread, fresh = threading.get_ident(), []
 
     def on_event(event: str, **_: Any) -> None:
@@ -227,7 +254,7 @@ def _compile(spec: ProgramSpec) -> tuple[jax.stages.Compiled, bool]:
 
     jax.monitoring.register_event_listener(on_event)
     try:
-        compiled = spec.jitted.trace(*spec.args, **spec.static).lower().compile()
+        compiled = spec.jitted.trace(*spec.args, **spec.static).lower().compile(compiler_options=options)
     finally:
         jax.monitoring.unregister_event_listener(on_event)
     return compiled, bool(fresh)
