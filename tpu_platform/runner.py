@@ -180,11 +180,12 @@ class Runner:
         """Builds the forward for `shapes` (padded T, R, P; default: every bucket) and the sampler.
 
         Programs come from the executable cache when they are there, else they are compiled;
-        both run on a thread per core. Then the programs of small steps (decode batches, short
-        prompts: the latency-bound ones) run once, on inputs that attend but write nothing,
-        because on XLA:CPU an executable's first run sets up every YNNPACK fusion it reaches
-        (0.4-1 s for a forward); larger prefill programs pay that on first use. Returns the
-        number of programs built.
+        both run on a thread per core. Then the sampler programs and the forward programs of
+        small steps (decode batches, short prompts: the latency-bound ones) run, the forwards on
+        inputs that attend and write only the first pages (no request holds pages yet), because
+        on XLA:CPU an executable's first run sets up every YNNPACK fusion it reaches (0.4-1 s for
+        a forward); larger prefill programs pay that on first use. Returns the number of
+        programs built.
         """
         start = time.perf_counter()
         specs = self._warm_up_specs(shapes or self.buckets.shapes())
