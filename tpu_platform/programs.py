@@ -10,8 +10,8 @@ makes one ready, fastest source first:
 1. memory (built earlier in this process);
 2. the executable cache on disk (`<cache_dir>/executables`): a serialized executable, loaded
    without tracing or compiling;
-3. tracing and compiling it (JAX's persistent compilation cache may still serve the XLA
-   compile), after which a fresh executable is written to the executable cache.
+3. tracing and compiling it, after which the executable is written to the executable cache
+   (without an executable cache, JAX's persistent compilation cache may serve the compile).
 
 A disk entry is named by a hash of everything that shapes the program: the key, the argument
 structure and shapes, the caller's context (model configuration, attention backend), the JAX and
@@ -128,8 +128,8 @@ class ExecutableCache:
         name = hashlib.sha256(f"{self._environment}\n{_signature(spec)}".encode()).hexdigest()
         return os.path.join(self.directory, f"{name[:40]}.xla")
 
-    def load(self, spec: ProgramSpec) -> jax.stages.Compiled | None:
-        path = self.path(spec)
+    def load(self, path: str) -> jax.stages.Compiled | None:
+        """The executable at `path` (from `path(spec)`), or None when it is missing or unreadable."""
         try:
             with open(path, "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
@@ -143,15 +143,14 @@ class ExecutableCache:
             Path(path).unlink(missing_ok=True)
             return None
 
-    def store(self, spec: ProgramSpec, compiled: jax.stages.Compiled) -> None:
-        path = self.path(spec)
+    def store(self, path: str, compiled: jax.stages.Compiled) -> None:
         partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             with open(partial, "wb") as f:
                 pickle.dump(serialize_executable.serialize(compiled), f)
             os.replace(partial, path)
         except (OSError, ValueError, NotImplementedError) as error:
-            logger.warning("could not cache the executable for %s (%s)", spec.key, error)
+            logger.warning("could not cache the executable at %s (%s)", path, error)
             Path(partial).unlink(missing_ok=True)
 
 
@@ -186,12 +185,14 @@ class Programs:
         if spec.key in self._ready:
             return False
         start = time.perf_counter()
-        program = self.cache.load(spec) if self.cache else None
-        loaded = program is not None
-        if program is None and self.cache is None:
-            program, _ = _compile(spec)
-        elif program is None:
-            program = self._compile_for_cache(spec)
+        if self.cache is None:
+            program, loaded = _compile(spec)[0], False
+        else:
+            path = self.cache.path(spec)
+            program = self.cache.load(path)
+            loaded = program is not None
+            if program is None:
+                program = self._compile_for_cache(spec, path)
         with self._lock:
             if spec.key in self._ready:
                 return False
@@ -201,7 +202,7 @@ class Programs:
             self.seconds += time.perf_counter() - start
         return True
 
-    def _compile_for_cache(self, spec: ProgramSpec) -> jax.stages.Compiled:
+    def _compile_for_cache(self, spec: ProgramSpec, path: str) -> jax.stages.Compiled:
         """Compiles `spec` so that the executable can be written, and writes it.
 
         JAX's caches would hand back a copy of an identical program compiled before (under an
@@ -210,12 +211,12 @@ class Programs:
         cache keys include; if JAX still had that (our entry was deleted), a random one forces a
         fresh compile.
         """
-        name = os.path.basename(self.cache.path(spec))
+        name = os.path.basename(path)
         program, fresh = _compile(spec, salt=name)
         if not fresh:
             program, fresh = _compile(spec, salt=f"{name}-{uuid.uuid4().hex}")
         if fresh:
-            self.cache.store(spec, program)
+            self.cache.store(path, program)
         return program
 
     def seal(self) -> None:
