@@ -3,7 +3,8 @@
 
 Each backend owns its KV cache layout (documented in its own module); nothing outside this
 package depends on it. Backends: `xla` (reference.py, the CPU runtime path), `pallas_tpu`
-(tpu/), `pallas_gpu` (gpu/). `backend="auto"` picks by JAX's default device kind.
+(tpu/), `pallas_gpu` (gpu/), `cpu_native` (cpu/: the reference's cache, C++ attention).
+`backend="auto"` picks by JAX's default device kind.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import reference
-from pallas_kernels.backend import PALLAS_GPU, PALLAS_TPU, XLA, resolve_backend
+from pallas_kernels.backend import CPU_NATIVE, PALLAS_GPU, PALLAS_TPU, XLA, resolve_backend
 
 
-def _pallas_module(backend: str) -> ModuleType:
+def _kernel_module(backend: str) -> ModuleType:
     if backend == PALLAS_TPU:
         from pallas_kernels import tpu
 
@@ -26,7 +27,11 @@ def _pallas_module(backend: str) -> ModuleType:
         from pallas_kernels import gpu
 
         return gpu
-    raise ValueError(f"{backend!r} is not a Pallas backend")
+    if backend == CPU_NATIVE:
+        from pallas_kernels import cpu
+
+        return cpu
+    raise ValueError(f"{backend!r} is not a kernel backend")
 
 
 def allocate_kv_cache(
@@ -42,7 +47,7 @@ def allocate_kv_cache(
     backend = resolve_backend(backend, interpret=True)
     if backend == XLA:
         return reference.allocate_kv_cache_reference(num_pages, page_size, num_kv_heads, head_dim, dtype)
-    return _pallas_module(backend).allocate_kv_cache(num_pages, page_size, num_kv_heads, head_dim, dtype)
+    return _kernel_module(backend).allocate_kv_cache(num_pages, page_size, num_kv_heads, head_dim, dtype)
 
 
 def write_kv(
@@ -60,7 +65,7 @@ def write_kv(
     backend = resolve_backend(backend, interpret=True)
     if backend == XLA:
         return reference.write_kv_reference(kv_cache, k, v, slot_mapping)
-    return _pallas_module(backend).write_kv(kv_cache, k, v, slot_mapping)
+    return _kernel_module(backend).write_kv(kv_cache, k, v, slot_mapping)
 
 
 def ragged_paged_attention(
@@ -92,7 +97,14 @@ def ragged_paged_attention(
             q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         )  # fmt: skip
-    return _pallas_module(backend).ragged_paged_attention(
+    if backend == CPU_NATIVE:
+        if tuning:
+            raise ValueError(f"the cpu_native backend takes no tuning arguments, got {sorted(tuning)}")
+        return _kernel_module(backend).ragged_paged_attention(
+            q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        )  # fmt: skip
+    return _kernel_module(backend).ragged_paged_attention(
         q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         interpret=interpret, **tuning,

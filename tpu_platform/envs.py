@@ -2,7 +2,8 @@
 """Every `VLLM_XLA_*` environment knob, read here and nowhere else (documented in README.md).
 
 - VLLM_XLA_PLATFORM: activate the plugin for a device kind (tpu, gpu, cpu); unset: only on a TPU.
-- VLLM_XLA_ATTENTION_BACKEND: auto, xla, pallas_tpu or pallas_gpu (default auto, by device kind).
+- VLLM_XLA_ATTENTION_BACKEND: auto, xla, pallas_tpu, pallas_gpu or cpu_native (default auto: by
+  device kind; on CPU cpu_native when a C++ compiler can build it, else xla).
 - VLLM_XLA_CPU_KV_CACHE_GB: KV cache size on CPU in GiB (default 1).
 - VLLM_XLA_CACHE_DIR: embedded model, executable and JAX compilation caches, metrics files
   (default $XDG_CACHE_HOME/vllm-xla).
@@ -15,7 +16,7 @@ import dataclasses
 import os
 
 DEVICE_KINDS = ("tpu", "gpu", "cpu")
-ATTENTION_BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "cpu_native")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

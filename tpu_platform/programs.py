@@ -76,7 +76,7 @@ def enable_persistent_cache(cache_dir: str) -> str:
 
 @functools.cache
 def source_fingerprint(root: Path = _ROOT, packages: tuple[str, ...] = _PACKAGES) -> str:
-    """A hash of the packages' code: every module's syntax tree (so not comments or docstrings)."""
+    """A hash of the packages' code: every module's syntax tree (not comments or docstrings), C++ sources."""
     digest = hashlib.sha256()
     for package in packages:
         for path in sorted((root / package).rglob("*.py")):
@@ -87,6 +87,9 @@ def source_fingerprint(root: Path = _ROOT, packages: tuple[str, ...] = _PACKAGES
                     node.body = body[1:] or [ast.Pass()]
             digest.update(str(path.relative_to(root)).encode())
             digest.update(ast.dump(tree).encode())
+        for path in sorted((root / package).rglob("*.cc")):  # native kernels: compiled in
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
     return digest.hexdigest()
 
 

@@ -16,7 +16,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from models import ModelConfig, load_model
-from pallas_kernels import resolve_backend
+from tpu_platform.attention_backend import select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.inputs import StepPlan, exercise_inputs, pack_inputs, padding_inputs, prepare_step
@@ -84,7 +84,7 @@ class Runner:
     def __init__(self, config: RunnerConfig):
         self.config = config
         self.device = jax.devices()[0]
-        self.backend = resolve_backend(config.attention_backend, platform=self.device.platform)
+        self.backend = select_backend(config.attention_backend, self.device.platform, config.cache_dir)
         executables = None
         if config.cache_dir:
             enable_persistent_cache(config.cache_dir)

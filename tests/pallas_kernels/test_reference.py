@@ -17,7 +17,16 @@ import pytest
 
 from pallas_kernels import api, reference
 
-BACKENDS = ["xla", "pallas_tpu", "pallas_gpu"]
+BACKENDS = ["xla", "pallas_tpu", "pallas_gpu", "cpu_native"]
+
+
+@pytest.fixture(autouse=True)
+def _native_kernels_for_cpu_native(request):
+    callspec = getattr(request.node, "callspec", None)
+    if callspec and callspec.params.get("backend") == "cpu_native":
+        request.getfixturevalue("native_kernels")
+
+
 PAGE_SIZE = 8
 
 
@@ -32,7 +41,7 @@ def _attend(backend, q, k, v, q_lens, kv_lens, *, num_slots=None, num_seqs=None,
     page_indices = (2 * np.arange(num_slots, dtype=np.int32) + 1)[:, None]  # [R, 1]
     if num_seqs is None:
         num_seqs = jnp.array([len(q_lens)], jnp.int32)
-    if backend != "xla":
+    if backend.startswith("pallas"):
         kwargs["interpret"] = True
 
     @jax.jit

@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Builds the native CPU kernels (`paged_attention.cc`) and registers them with XLA.
+
+The source is compiled on the machine that runs it, with `-march=native`, by the C++ compiler
+in `$CXX` (else `g++`, `c++` or `clang++` on the PATH), against the XLA FFI headers that jaxlib
+ships. The shared library lands in a build directory under a name that hashes the source, the
+compiler, its flags, jaxlib's version and the CPU's instruction-set flags, so a rebuilt source, an
+upgraded jaxlib or a cache directory shared with a different CPU never picks up a stale library.
+Building takes a few seconds, once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+
+SOURCE = Path(__file__).with_name("paged_attention.cc")
+TARGET = "vllm_xla_ragged_paged_attention"
+_SYMBOL = "VllmXlaRaggedPagedAttention"
+_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-w",
+)
+_COMPILERS = ("g++", "c++", "clang++")
+
+
+class NativeKernelError(RuntimeError):
+    """The native CPU kernels cannot be built or loaded here."""
+
+
+def find_compiler() -> str:
+    """The C++ compiler to use: `$CXX`, else the first of g++, c++, clang++ on the PATH."""
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else list(_COMPILERS)
+    for name in candidates:
+        found = shutil.which(name)
+        if found:
+            return found
+    raise NativeKernelError(
+        f"no C++ compiler found (looked for {', '.join(candidates)}): install one "
+        "(e.g. `apt-get install g++`) or set CXX, or use the pure-XLA attention backend 'xla'"
+    )
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def library_name(compiler: str) -> str:
+    """The file name of the library built from the current source by `compiler` on this CPU."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), version.encode(), repr(_FLAGS).encode(), jaxlib.__version__.encode()):
+        digest.update(part)
+    digest.update(platform.machine().encode() + _cpu_flags().encode())
+    return f"libvllm_xla_cpu_{digest.hexdigest()[:20]}.so"
+
+
+def build_library(build_dir: str | os.PathLike[str]) -> Path:
+    """Compiles the kernels into `build_dir` unless that library is already there; returns its path."""
+    compiler = find_compiler()
+    build_dir = Path(build_dir)
+    library = build_dir / library_name(compiler)
+    if library.exists():
+        return library
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=build_dir) as scratch:
+        partial = Path(scratch) / library.name
+        command = [compiler, *_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(partial)]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise NativeKernelError(
+                f"building {SOURCE.name} failed ({' '.join(command)}):\n{result.stderr[-4000:]}"
+            )
+        os.replace(partial, library)  # atomic: concurrent builders never see half a library
+    return library
+
+
+@dataclasses.dataclass(frozen=True)
+class _Library:
+    """A built library, equal to any copy of it (same name) in another build directory."""
+
+    name: str
+    path: Path = dataclasses.field(compare=False)
+
+
+@functools.cache
+def _register(library: _Library) -> None:
+    """Registers the handler once per process and build: XLA keeps one handler per target name."""
+    handler = getattr(ctypes.CDLL(str(library.path)), _SYMBOL)
+    try:
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    except Exception as error:
+        raise NativeKernelError(
+            f"cannot register {library.name} in this process ({error}); a process serves one build "
+            "of the kernels: restart it to use another"
+        ) from error
+
+
+def load(build_dir: str | os.PathLike[str]) -> Path:
+    """Builds (if needed) and registers the native kernels for this process; returns the library.
+
+    Raises NativeKernelError, naming the cause and the way out, when no compiler is found or
+    the build fails.
+    """
+    library = build_library(build_dir)
+    _register(_Library(library.name, library))
+    return library
+
+
+def is_loaded() -> bool:
+    """Whether `load` registered the kernels in this process."""
+    return _register.cache_info().currsize > 0

@@ -1,0 +1,283 @@
+// SPDX-License-Identifier: Apache-2.0
+// Ragged paged attention for XLA:CPU as an XLA FFI handler.
+//
+// Same contract and KV cache layout as the pure-jnp reference (pallas_kernels/reference.py):
+// the cache is `[2K, num_pages, page_size * D]`, rows 0..K-1 holding K heads and K..2K-1 V
+// heads, bfloat16 values stored as uint16 bit patterns (or float32). Every query row attends to
+// its own sequence's keys up to its position, page by page, with an online softmax, so the work
+// follows the real context: padding rows and unused block-table entries cost nothing.
+//
+// Work items are (sequence, kv head, block of query rows); the caller's thread and XLA's
+// intra-op pool take items from a shared counter until none is left.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kMaskValue = -1e30f;
+constexpr int64_t kRowsPerItem = 16;
+
+struct Shapes {
+  int64_t num_tokens, num_heads, head_dim;      // q [T, H, D]
+  int64_t num_kv_heads, num_pages, page_size;   // cache [2K, num_pages, S * D]
+  int64_t num_slots, pages_per_seq;             // page_indices [R, P]
+};
+
+struct Params {
+  float sm_scale;
+  int32_t sliding_window;  // 0: none
+  float soft_cap;          // 0: none
+};
+
+struct Item {
+  int32_t seq, kv_head, first_row, end_row;
+};
+
+inline float Load(const uint16_t* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float Load(const float* p, int64_t i) { return p[i]; }
+
+// exp(x) for x <= 0 (a softmax's shifted scores), as plain float and int arithmetic that
+// compilers vectorize: 2^n * p(r) with a degree-6 polynomial, relative error < 2e-7.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Per-item scratch: the online-softmax state of a block of rows and one page's scores.
+struct Scratch {
+  std::vector<float> q, acc, m, denom, scores;
+  Scratch(int64_t rows, int64_t G, int64_t S, int64_t D)
+      : q(rows * G * D), acc(rows * G * D, 0.0f), m(rows * G, kMaskValue),
+        denom(rows * G, 0.0f), scores(G * S) {}
+};
+
+// kD > 0 fixes the head dim at compile time (the common sizes), so the loops over it unroll and
+// vectorize; 0 reads it at run time.
+template <typename T, int kD>
+struct Problem {
+  Shapes s;
+  Params prm;
+  const float* q;
+  const T* cache;
+  const int32_t* kv_lens;
+  const int32_t* page_indices;
+  const int32_t* cu_q_lens;
+  float* out;
+
+  int64_t HeadDim() const { return kD > 0 ? kD : s.head_dim; }
+
+  // Online-softmax update of one row's G query heads (q, acc: [G, D]; m, denom: [G]) with keys
+  // j0..j1 of one page; each key and value is converted once for all G heads.
+  void Update(const float* q_row, const T* k_page, const T* v_page, float* acc, float* m,
+              float* denom, int64_t j0, int64_t j1, int64_t G, float* sc) const {
+    const int64_t D = HeadDim(), S = s.page_size;
+    float kv[kD > 0 ? kD : 1024];
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t d = 0; d < D; ++d) kv[d] = Load(k_page + j * D, d);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q_row + g * D;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * kv[d];
+        if (prm.soft_cap > 0.0f) dot = prm.soft_cap * std::tanh(dot / prm.soft_cap);
+        sc[g * S + j] = dot;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* scg = sc + g * S;
+      float page_max = kMaskValue;
+      for (int64_t j = j0; j < j1; ++j) page_max = std::max(page_max, scg[j]);
+      const float m_new = std::max(m[g], page_max);
+      const float alpha = ExpNonPositive(m[g] - m_new);
+      float sum = 0.0f;
+      for (int64_t j = j0; j < j1; ++j) {
+        scg[j] = ExpNonPositive(scg[j] - m_new);
+        sum += scg[j];
+      }
+      float* ag = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+      denom[g] = denom[g] * alpha + sum;
+      m[g] = m_new;
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t d = 0; d < D; ++d) kv[d] = Load(v_page + j * D, d);
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = sc[g * S + j];
+        float* ag = acc + g * D;
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * kv[d];
+      }
+    }
+  }
+
+  // Rows first_row..end_row of one sequence and kv head: each page is converted once and used
+  // by every row of the block that sees it.
+  void Run(const Item& item) const {
+    const int64_t D = HeadDim(), S = s.page_size, G = s.num_heads / s.num_kv_heads;
+    const int64_t rows = item.end_row - item.first_row;
+    const int64_t seq_end = cu_q_lens[item.seq + 1];
+    const int64_t kv_len = kv_lens[item.seq];
+    const int64_t last = kv_len - (seq_end - (item.end_row - 1));  // furthest position
+    if (last < 0) return;  // inconsistent input: leave the zeros
+    const int64_t first = std::max<int64_t>(0, kv_len - (seq_end - item.first_row));
+    const int64_t window = prm.sliding_window;
+    const int64_t lo_block = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+    Scratch w(rows, G, S, D);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* q_row = q + ((item.first_row + r) * s.num_heads + item.kv_head * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) w.q[r * G * D + i] = q_row[i] * prm.sm_scale;
+    }
+    const int32_t* table = page_indices + item.seq * s.pages_per_seq;
+    for (int64_t slot = lo_block / S; slot <= last / S && slot < s.pages_per_seq; ++slot) {
+      const int64_t page = std::clamp<int64_t>(table[slot], 0, s.num_pages - 1);
+      const int64_t n = std::min<int64_t>(S, last - slot * S + 1);
+      const T* k_page = cache + (item.kv_head * s.num_pages + page) * S * D;
+      const T* v_page = cache + ((s.num_kv_heads + item.kv_head) * s.num_pages + page) * S * D;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t position = kv_len - (seq_end - (item.first_row + r));
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+        const int64_t j0 = std::max<int64_t>(lo - slot * S, 0);
+        const int64_t j1 = std::min<int64_t>(position - slot * S + 1, n);
+        if (position < 0 || j1 <= j0) continue;
+        Update(w.q.data() + r * G * D, k_page, v_page, w.acc.data() + r * G * D, w.m.data() + r * G,
+               w.denom.data() + r * G, j0, j1, G, w.scores.data());
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* out_row = out + ((item.first_row + r) * s.num_heads + item.kv_head * G) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = r * G + g;
+        const float inv = w.denom[i] > 0.0f ? 1.0f / w.denom[i] : 0.0f;
+        for (int64_t d = 0; d < D; ++d) out_row[g * D + d] = w.acc[i * D + d] * inv;
+      }
+    }
+  }
+};
+
+struct SharedWork {
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename P>
+void RunAll(const P& problem, std::shared_ptr<SharedWork> work, ffi::ThreadPool& pool) {
+  const int64_t total = static_cast<int64_t>(work->items.size());
+  auto drain = [&problem, work, total]() {
+    for (int64_t i = work->next.fetch_add(1); i < total; i = work->next.fetch_add(1)) {
+      problem.Run(work->items[i]);
+      work->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  // Helpers that start after every item is taken return at once: they touch only `work`.
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total - 1);
+  for (int64_t h = 0; h < helpers; ++h) {
+    pool.Schedule([work, total, problem_ptr = &problem]() {
+      for (int64_t i = work->next.fetch_add(1); i < total; i = work->next.fetch_add(1)) {
+        problem_ptr->Run(work->items[i]);
+        work->done.fetch_add(1, std::memory_order_release);
+      }
+    });
+  }
+  drain();
+  while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache,
+                     ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+                     ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                     ffi::ResultBuffer<ffi::F32> out, float sm_scale, int32_t sliding_window,
+                     float soft_cap) {
+  const auto qd = q.dimensions();
+  const auto cd = kv_cache.dimensions();
+  const auto pd = page_indices.dimensions();
+  if (qd.size() != 3 || cd.size() != 3 || pd.size() != 2) {
+    return ffi::Error::InvalidArgument("expected q [T, H, D], kv_cache [2K, pages, S*D], page_indices [R, P]");
+  }
+  Shapes s{qd[0], qd[1], qd[2], cd[0] / 2, cd[1], cd[2] / qd[2], pd[0], pd[1]};
+  if (s.num_heads % s.num_kv_heads != 0 || s.num_heads / s.num_kv_heads > 64 ||
+      s.page_size * s.head_dim != cd[2]) {
+    return ffi::Error::InvalidArgument("q heads must be a multiple (at most 64x) of kv heads, and the cache rows page_size * head_dim");
+  }
+  std::memset(out->typed_data(), 0, sizeof(float) * s.num_tokens * s.num_heads * s.head_dim);
+  const int32_t* cu = cu_q_lens.typed_data();
+  const int64_t used = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, s.num_slots);
+  auto work = std::make_shared<SharedWork>();
+  for (int32_t seq = 0; seq < used; ++seq) {
+    const int32_t begin = std::max(cu[seq], 0);
+    const int32_t end = std::min<int64_t>(cu[seq + 1], s.num_tokens);
+    for (int32_t first = begin; first < end; first += kRowsPerItem) {
+      const int32_t last = std::min<int32_t>(end, first + kRowsPerItem);
+      for (int32_t h = 0; h < s.num_kv_heads; ++h) work->items.push_back({seq, h, first, last});
+    }
+  }
+  if (work->items.empty()) return ffi::Error::Success();
+  Params prm{sm_scale, sliding_window, soft_cap};
+  const float* qp = q.typed_data();
+  const int32_t* lens = kv_lens.typed_data();
+  const int32_t* table = page_indices.typed_data();
+  float* o = out->typed_data();
+  auto run = [&](auto tag, auto dim) {
+    using T = decltype(tag);
+    Problem<T, decltype(dim)::value> p{
+        s, prm, qp, static_cast<const T*>(kv_cache.untyped_data()), lens, table, cu, o};
+    RunAll(p, work, pool);
+  };
+  auto run_dims = [&](auto tag) {
+    if (s.head_dim == 64) return run(tag, std::integral_constant<int, 64>());
+    if (s.head_dim == 128) return run(tag, std::integral_constant<int, 128>());
+    if (s.head_dim == 256) return run(tag, std::integral_constant<int, 256>());
+    return run(tag, std::integral_constant<int, 0>());
+  };
+  if (kv_cache.element_type() == ffi::DataType::U16) {
+    run_dims(uint16_t{});
+  } else if (kv_cache.element_type() == ffi::DataType::F32) {
+    run_dims(float{});
+  } else {
+    return ffi::Error::InvalidArgument("kv_cache must be uint16 (bfloat16 bits) or float32");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaRaggedPagedAttention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));

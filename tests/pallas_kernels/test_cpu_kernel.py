@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The native CPU attention (C++ through XLA FFI) against the xla reference, and its build.
+
+The kernel runs the whole grid of ragged batches (conftest.GRID: decode, prefill, mixed,
+padding rows and slots, garbage past each block table's pages, sliding window, soft cap,
+float32 and bfloat16 caches, head dims 64/128/256 and a run-time one) plus larger batches that
+span many work items. Tolerances: conftest.TOLERANCE.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import api, cpu, reference
+from pallas_kernels.cpu import build
+from tests.pallas_kernels.conftest import Case
+from tpu_platform.attention_backend import select_backend
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+# fmt: off
+EXTRA = (
+    # Head dim 80 takes the kernel's run-time-size path; 40 sequences make many work items.
+    Case("decode_p16_d80_g3_many", (1,) * 40, tuple(range(3, 1203, 30)), 44, 16, 80, 3, 3,
+         jnp.bfloat16),
+    # Prefill rows split into several 16-row blocks per sequence, one sequence's window inside a block.
+    Case("prefill_p16_d64_g3_blocks", (45, 17, 1), (60, 17, 300), 4, 16, 64, 3, 3,
+         sliding_window=10),
+    Case("mixed_p8_d128_g1_f32_cap", (3, 1, 2), (3, 99, 2), 3, 8, 128, 2, 1, soft_cap=5.0),
+)
+# fmt: on
+
+
+def test_matches_reference(case, compare_with_reference):
+    compare_with_reference(case, "cpu_native")
+
+
+@pytest.mark.parametrize("extra", EXTRA, ids=[c.name for c in EXTRA])
+def test_matches_reference_on_larger_batches(extra, compare_with_reference):
+    compare_with_reference(extra, "cpu_native")
+
+
+def test_output_keeps_the_query_dtype_and_zeroes_padding_rows():
+    q = jnp.ones((5, 2, 64), jnp.bfloat16)
+    cache = reference.allocate_kv_cache_reference(4, 16, 1, 64, jnp.bfloat16)
+    k = jnp.full((2, 1, 64), 0.5)
+    cache = reference.write_kv_reference(cache, k, k + 1, jnp.array([16, 17], jnp.int32))  # page 1
+    out = cpu.ragged_paged_attention(
+        q, cache, jnp.array([2, 7], jnp.int32), jnp.array([[1, 0], [3, 3]], jnp.int32),
+        jnp.array([0, 2, 2], jnp.int32), jnp.array([1], jnp.int32), sm_scale=0.1,
+    )  # fmt: skip
+    assert out.dtype == jnp.bfloat16 and out.shape == q.shape
+    np.testing.assert_array_equal(np.asarray(out[:2], np.float32), 1.5)  # both keys' value is 1.5
+    np.testing.assert_array_equal(np.asarray(out[2:], np.float32), 0.0)  # rows past cu_q_lens[1]
+
+
+def test_rejects_a_cache_dtype_it_cannot_read():
+    args = (jnp.zeros((1, 1, 64)), jnp.zeros((2, 4, 1024), jnp.int32), *(jnp.zeros((1,), jnp.int32),) * 4)
+    with pytest.raises(ValueError, match=r"uint16 .* or float32"):
+        cpu.ragged_paged_attention(*args, sm_scale=1.0)
+
+
+def test_api_rejects_tuning_and_other_platforms():
+    with pytest.raises(ValueError, match="takes no tuning"):
+        api.ragged_paged_attention(
+            *(jnp.zeros((1,)),) * 6, sm_scale=1.0, backend="cpu_native", num_kv_pages_per_block=2
+        )
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        api.resolve_backend("cpu_native", platform="tpu")
+
+
+def test_kernel_runs_in_the_donated_step_that_writes_the_cache():
+    cache = reference.allocate_kv_cache_reference(8, 16, 1, 64, jnp.float32)
+    step = jax.jit(
+        lambda c, x: (
+            c2 := reference.write_kv_reference(c, x, 2 * x, jnp.array([35], jnp.int32)),
+            cpu.ragged_paged_attention(
+                x, c2, jnp.array([4], jnp.int32), jnp.array([[2, 5]], jnp.int32),
+                jnp.array([0, 1], jnp.int32), jnp.array([1], jnp.int32), sm_scale=1.0,
+            ),
+        ),
+        donate_argnums=0,
+    )  # fmt: skip
+    x = jnp.ones((1, 1, 64))
+    _, out = step(cache, x)  # slot 35 = page 2, offset 3: position 3 of the only sequence
+    # Positions 0..2 (page 2, offsets 0..2) hold zeros: softmax over [0, 0, 0, 64] is ~1 on the last.
+    np.testing.assert_allclose(np.asarray(out)[0, 0], 2.0, rtol=1e-6)
+
+
+def test_library_name_follows_the_source_and_build_reuses_it(tmp_path, monkeypatch):
+    compiler = build.find_compiler()
+    first = build.library_name(compiler)
+    assert build.build_library(tmp_path) == tmp_path / first
+    stamp = (tmp_path / first).stat().st_mtime_ns
+    assert build.build_library(tmp_path).stat().st_mtime_ns == stamp  # reused, not rebuilt
+    edited = tmp_path / "paged_attention.cc"
+    edited.write_text(build.SOURCE.read_text() + "\n// edited\n")
+    monkeypatch.setattr(build, "SOURCE", edited)
+    assert build.library_name(compiler) != first
+
+
+def test_build_errors_name_the_cause(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(build.NativeKernelError, match=r"no C\+\+ compiler found.*no-such-compiler.*'xla'"):
+        build.build_library(tmp_path)
+    monkeypatch.delenv("CXX")
+    broken = tmp_path / "broken.cc"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(build, "SOURCE", broken)
+    with pytest.raises(build.NativeKernelError, match=r"building broken\.cc failed"):
+        build.build_library(tmp_path / "out")
+
+
+def test_select_backend_falls_back_to_xla_only_when_asked_for_auto(tmp_path, monkeypatch, caplog):
+    assert select_backend("auto", "cpu", str(tmp_path)) == "cpu_native"
+    assert select_backend("xla", "cpu", str(tmp_path)) == "xla"
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    fresh = tmp_path / "fresh"
+    with caplog.at_level(logging.WARNING):
+        assert select_backend("auto", "cpu", str(fresh)) == "xla"
+    assert "using the slower 'xla' backend" in caplog.text and "no-such-compiler" in caplog.text
+    with pytest.raises(build.NativeKernelError):
+        select_backend("cpu_native", "cpu", str(fresh))
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        select_backend("cpu_native", "tpu", str(fresh))

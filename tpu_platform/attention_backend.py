@@ -1,0 +1,42 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which attention backend a runner uses, building the native CPU kernels when it picks them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+from pallas_kernels import cpu
+from pallas_kernels.backend import CPU_NATIVE, XLA, resolve_backend
+
+logger = logging.getLogger(__name__)
+
+
+def native_build_dir(cache_dir: str | None) -> str:
+    """Where the native kernels are built: `<cache_dir>/native`, else a per-user temp directory."""
+    if cache_dir:
+        return os.path.join(cache_dir, "native")
+    return os.path.join(tempfile.gettempdir(), f"vllm-xla-native-{os.getuid()}")
+
+
+def select_backend(requested: str, platform: str, cache_dir: str | None) -> str:
+    """The backend for `requested` ("auto" or a name) on `platform`.
+
+    "auto" on CPU means `cpu_native` when its kernels build here, else `xla` with a warning that
+    says why; an explicit `cpu_native` that cannot build is an error. Elsewhere "auto" picks by
+    device kind (`resolve_backend`).
+    """
+    wants_native = requested == CPU_NATIVE or (requested == "auto" and platform == "cpu")
+    if not wants_native:
+        return resolve_backend(requested, platform=platform)
+    resolve_backend(CPU_NATIVE, platform=platform)  # rejects cpu_native off CPU
+    try:
+        library = cpu.load(native_build_dir(cache_dir))
+    except cpu.NativeKernelError as error:
+        if requested == CPU_NATIVE:
+            raise
+        logger.warning("native CPU attention unavailable, using the slower 'xla' backend: %s", error)
+        return XLA
+    logger.info("native CPU attention kernels: %s", library)
+    return CPU_NATIVE
