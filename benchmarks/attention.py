@@ -3,9 +3,9 @@
 
 Two workloads: decode-heavy (one query per sequence over long contexts: memory bound) and
 prefill-heavy (long query chunks: compute bound). For each backend that runs natively here
-(`xla` everywhere, `pallas_tpu` on TPU, `pallas_gpu` on GPU) it prints the median step time, the
-achieved FLOP/s and bytes/s, and their fraction of the device's spec-sheet peak when known, and
-writes everything as JSON.
+(`xla` everywhere, `pallas_tpu` on TPU, `pallas_gpu` on GPU, `cpu_native` on CPU) it prints the
+median step time, the achieved FLOP/s and bytes/s, and their fraction of the device's
+spec-sheet peak when known, and writes everything as JSON.
 
     python benchmarks/attention.py [--out benchmarks/results/attention.json] [--iters 10]
 
@@ -33,7 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from pallas_kernels import api
+from pallas_kernels import api, cpu
+from tpu_platform.attention_backend import native_build_dir
+from tpu_platform.envs import read_env
 
 # Spec-sheet peaks (dense bf16 FLOP/s, HBM bytes/s) by device kind prefix. Nothing else measured.
 PEAKS = {
@@ -126,7 +128,9 @@ def main() -> None:
         (v for k, v in PEAKS.items() if device.device_kind.startswith(k)), (None, None)
     )
     peak_flops, peak_bytes = args.peak_flops or peak_flops, args.peak_bytes or peak_bytes
-    native = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(device.platform)
+    native = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "cpu_native"}.get(device.platform)
+    if native == "cpu_native":
+        cpu.load(native_build_dir(read_env().cache_dir))
     backends = (
         ["xla"] + ([native] if native else []) + (["pallas_tpu", "pallas_gpu"] if args.interpret else [])
     )
@@ -136,7 +140,7 @@ def main() -> None:
     for w in workloads(device.platform):
         flops, nbytes = cost(w, dtype.itemsize)
         for backend in dict.fromkeys(backends):
-            interpret = backend != "xla" and backend != native
+            interpret = backend not in ("xla", native)
             extra = {"interpret": True} if interpret else {}
             fn = jax.jit(
                 functools.partial(

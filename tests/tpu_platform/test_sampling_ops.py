@@ -278,6 +278,17 @@ def test_greedy_takes_the_first_max():
     assert np.asarray(ops.greedy_sample(np.array([[1.0, 3.0, 3.0], [-INF, -INF, 0.0]]))).tolist() == [1, 2]
 
 
+@pytest.mark.parametrize("width", [5, 1024, 3000, 49152])
+def test_first_argmax_matches_numpy_with_ties_across_blocks(width):
+    rng = np.random.default_rng(width)
+    x = rng.integers(-50, 50, (9, width)).astype(np.float32)  # many ties
+    x[0] = -INF  # all masked: index 0
+    x[1, -1] = 1e9  # the last column, in the padded final block
+    x[2, [3, width - 1]] = 1e9  # tie between the first and the last block: the first wins
+    x[3, :] = 7.0  # all equal
+    np.testing.assert_array_equal(np.asarray(ops.first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+
+
 def test_random_sample_never_draws_masked_tokens():
     logits = np.full((64, 10), -INF, np.float32)
     logits[:, [2, 7]] = 0.0

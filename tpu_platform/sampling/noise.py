@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tpu_platform.sampling.ops import first_argmax
+
 
 def row_keys(key_data: jax.Array, salt: jax.Array, num_generated: jax.Array) -> jax.Array:
     """uint32[R, 2]: the threefry key fold_in(fold_in(key_data[r], salt[r]), num_generated[r])."""
@@ -49,4 +51,4 @@ def random_sample(logits: jax.Array, key_words: jax.Array) -> jax.Array:
     # No guard for all -inf rows (they draw token 0): clamping the max here costs XLA:CPU 3x.
     weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # unnormalized probabilities
     exponential = -jnp.log(uniform_noise(key_words, logits.shape[1]))
-    return jnp.argmax(weights / exponential, axis=-1).astype(jnp.int32)
+    return first_argmax(weights / exponential)

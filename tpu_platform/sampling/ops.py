@@ -134,9 +134,32 @@ def apply_temperature(logits: jax.Array, temperature: jax.Array) -> jax.Array:
     return logits / temperature[:, None].astype(logits.dtype)
 
 
+_ARGMAX_BLOCK = 1024
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """`argmax(x, axis=-1)` of `[R, V]` (first index among ties) as int32, in two stages.
+
+    The maximum of each block of 1024 values, the first block holding the row's maximum, then the
+    first maximum inside it: the same index as `jnp.argmax`, which XLA:CPU reduces about 10x more
+    slowly over a 49k vocabulary (17 vs 1.7 ms at 64 rows).
+    """
+    rows, width = x.shape
+    blocks = -(-width // _ARGMAX_BLOCK)
+    if blocks < 2:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    pad = blocks * _ARGMAX_BLOCK - width
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    x = x.reshape(rows, blocks, _ARGMAX_BLOCK)
+    block = jnp.argmax(jnp.max(x, axis=-1), axis=-1)  # [R]
+    inside = jnp.argmax(jnp.take_along_axis(x, block[:, None, None], axis=1)[:, 0], axis=-1)
+    return (block * _ARGMAX_BLOCK + inside).astype(jnp.int32)
+
+
 def greedy_sample(logits: jax.Array) -> jax.Array:
     """argmax, first index among ties (like torch). Returns int32[R]."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return first_argmax(logits)
 
 
 def compute_logprobs(logits: jax.Array) -> jax.Array:
