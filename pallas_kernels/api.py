@@ -2,7 +2,7 @@
 """The public paged-attention API: one entry per op, dispatched to a backend.
 
 Each backend owns its KV cache layout (documented in its own module); nothing outside this
-package depends on it. Backends: `xla` (reference.py, the CPU runtime path), `pallas_tpu`
+package depends on it. Backends: `xla` (reference.py, the oracle and CPU fallback), `pallas_tpu`
 (tpu/), `pallas_gpu` (gpu/), `cpu_native` (cpu/: the reference's cache, C++ attention).
 `backend="auto"` picks by JAX's default device kind.
 """

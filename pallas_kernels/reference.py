@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Pure-jnp paged KV cache and ragged paged attention: the `xla` backend.
 
-This is the reference every Pallas kernel is tested against, and the runtime path on CPU.
+This is the reference every kernel is tested against, and the CPU path when the native kernel
+(`cpu/`) cannot be built.
 
 KV cache layout (one array per layer): `[2 * Hkv, num_pages, page_size * D]`.
 Rows `0..Hkv-1` hold K heads and rows `Hkv..2*Hkv-1` hold V heads; a page of one head is one
