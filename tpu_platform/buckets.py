@@ -11,18 +11,19 @@ import dataclasses
 
 
 def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, ...]:
-    """Tokens-per-step buckets: x4 steps up to `min(64, max_num_seqs)`, then x2, capped at the maximum.
+    """Tokens-per-step buckets: x4 steps up to `min(16, max_num_seqs)`, then x2, capped at the maximum.
 
-    Small steps are decode batches, whose cost barely grows with the padding (the weights are
-    streamed once whatever the rows; attention skips padding rows), so coarse buckets there save
-    programs; large steps are prefill chunks, whose cost grows with every padded token.
+    Steps of a few tokens are decode batches, whose cost barely grows with the padding (the
+    weights are streamed once whatever the rows; attention skips padding rows), so coarse buckets
+    there save programs. From 16 tokens on the dense layers are compute-bound and every padded
+    token costs about as much as a real one, so the buckets double.
     """
     if max_num_batched_tokens < 1 or max_num_seqs < 1:
         raise ValueError(
             "max_num_batched_tokens and max_num_seqs must be >= 1, "
             f"got {max_num_batched_tokens} and {max_num_seqs}"
         )
-    coarse_until = min(64, max_num_seqs)
+    coarse_until = min(16, max_num_seqs)
     sizes, size = [], 1
     while size < max_num_batched_tokens:
         sizes.append(size)

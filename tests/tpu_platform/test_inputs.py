@@ -25,9 +25,9 @@ def test_buckets():
     assert round_up(17, (16, 32)) == 32
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         round_up(33, (16, 32))
-    assert token_buckets(1024, 64) == (1, 4, 16, 64, 128, 256, 512, 1024)
+    assert token_buckets(1024, 64) == (1, 4, 16, 32, 64, 128, 256, 512, 1024)
     assert token_buckets(512, 16) == (1, 4, 16, 32, 64, 128, 256, 512)
-    assert token_buckets(2048, 256) == (1, 4, 16, 64, 128, 256, 512, 1024, 2048)
+    assert token_buckets(2048, 256) == (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048)
     assert token_buckets(100, 8) == (1, 4, 8, 16, 32, 64, 100)
     assert token_buckets(3, 8) == (1, 3)
     buckets = _buckets()
