@@ -203,22 +203,15 @@ struct SharedWork {
 template <typename P>
 void RunAll(const P& problem, std::shared_ptr<SharedWork> work, ffi::ThreadPool& pool) {
   const int64_t total = static_cast<int64_t>(work->items.size());
-  auto drain = [&problem, work, total]() {
+  // Helpers that start after every item is taken return at once: they touch only `work`.
+  auto drain = [work, total, problem_ptr = &problem]() {
     for (int64_t i = work->next.fetch_add(1); i < total; i = work->next.fetch_add(1)) {
-      problem.Run(work->items[i]);
+      problem_ptr->Run(work->items[i]);
       work->done.fetch_add(1, std::memory_order_release);
     }
   };
-  // Helpers that start after every item is taken return at once: they touch only `work`.
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), total - 1);
-  for (int64_t h = 0; h < helpers; ++h) {
-    pool.Schedule([work, total, problem_ptr = &problem]() {
-      for (int64_t i = work->next.fetch_add(1); i < total; i = work->next.fetch_add(1)) {
-        problem_ptr->Run(work->items[i]);
-        work->done.fetch_add(1, std::memory_order_release);
-      }
-    });
-  }
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(drain)(drain));  // a copy per task
   drain();
   while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
 }
