@@ -90,17 +90,15 @@ def ragged_paged_attention(
     `cu_q_lens[num_seqs]` are padding. Tuning keywords go to the Pallas backends.
     """
     backend = resolve_backend(backend, interpret=interpret)
-    if backend == XLA:
+    if backend in (XLA, CPU_NATIVE):
         if tuning:
-            raise ValueError(f"the xla backend takes no tuning arguments, got {sorted(tuning)}")
-        return reference.ragged_paged_attention_reference(
-            q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        )  # fmt: skip
-    if backend == CPU_NATIVE:
-        if tuning:
-            raise ValueError(f"the cpu_native backend takes no tuning arguments, got {sorted(tuning)}")
-        return _kernel_module(backend).ragged_paged_attention(
+            raise ValueError(f"the {backend} backend takes no tuning arguments, got {sorted(tuning)}")
+        attend = (
+            reference.ragged_paged_attention_reference
+            if backend == XLA
+            else _kernel_module(backend).ragged_paged_attention
+        )
+        return attend(
             q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         )  # fmt: skip
