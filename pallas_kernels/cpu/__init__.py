@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Native CPU backend: the reference's KV cache layout and writes, attention in C++ via XLA FFI.
+"""Native CPU backend: the reference's KV cache layout and writes, attention in C++ via XLA FFI,
+and bfloat16 dense layers on AMX (`dense.py`).
 
 XLA:CPU has no fast formulation of paged attention (a page gather runs at a few GB/s and every
 pure-XLA variant measured costs 9 to 13 ms a layer at 48 decode rows), so on CPU
@@ -13,15 +14,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu.build import TARGET, NativeKernelError, is_loaded, load
+from pallas_kernels.cpu.build import ATTENTION_TARGET, NativeKernelError, amx_usable, is_loaded, load
+from pallas_kernels.cpu.dense import amx_dense, amx_dense_reference, can_pack, pack_dense_kernel
 from pallas_kernels.reference import allocate_kv_cache_reference as allocate_kv_cache
 from pallas_kernels.reference import write_kv_reference as write_kv
 
 __all__ = [
     "NativeKernelError",
     "allocate_kv_cache",
+    "amx_dense",
+    "amx_dense_reference",
+    "amx_usable",
+    "can_pack",
     "is_loaded",
     "load",
+    "pack_dense_kernel",
     "ragged_paged_attention",
     "write_kv",
 ]
@@ -53,7 +60,7 @@ def ragged_paged_attention(
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be positive, got {soft_cap}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(
         q.astype(jnp.float32),
         kv_cache,

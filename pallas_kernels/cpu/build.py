@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Builds the native CPU kernels (`paged_attention.cc`) and registers them with XLA.
+"""Builds the native CPU kernels (`paged_attention.cc`, `dense.cc`) and registers them with XLA.
 
-The source is compiled on the machine that runs it, with `-march=native`, by the C++ compiler
+The sources are compiled on the machine that runs it, with `-march=native`, by the C++ compiler
 in `$CXX` (else `g++`, `c++` or `clang++` on the PATH), against the XLA FFI headers that jaxlib
-ships. The shared library lands in a build directory under a name that hashes the source, the
+ships. The shared library lands in a build directory under a name that hashes the sources, the
 compiler, its flags, jaxlib's version and the CPU's instruction-set flags, so a rebuilt source, an
 upgraded jaxlib or a cache directory shared with a different CPU never picks up a stale library.
 Building takes a few seconds, once.
@@ -25,9 +25,11 @@ from pathlib import Path
 import jax
 import jaxlib
 
-SOURCE = Path(__file__).with_name("paged_attention.cc")
-TARGET = "vllm_xla_ragged_paged_attention"
-_SYMBOL = "VllmXlaRaggedPagedAttention"
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cc", "dense.cc"))
+HEADERS = (Path(__file__).with_name("parallel.h"),)
+ATTENTION_TARGET = "vllm_xla_ragged_paged_attention"
+DENSE_TARGET = "vllm_xla_amx_dense"
+_HANDLERS = {ATTENTION_TARGET: "VllmXlaRaggedPagedAttention", DENSE_TARGET: "VllmXlaAmxDense"}
 _FLAGS = (
     "-O3",
     "-march=native",
@@ -69,10 +71,12 @@ def _cpu_flags() -> str:
 
 
 def library_name(compiler: str) -> str:
-    """The file name of the library built from the current source by `compiler` on this CPU."""
+    """The file name of the library built from the current sources by `compiler` on this CPU."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), repr(_FLAGS).encode(), jaxlib.__version__.encode()):
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.name.encode() + path.read_bytes())
+    for part in (version.encode(), repr(_FLAGS).encode(), jaxlib.__version__.encode()):
         digest.update(part)
     digest.update(platform.machine().encode() + _cpu_flags().encode())
     return f"libvllm_xla_cpu_{digest.hexdigest()[:20]}.so"
@@ -88,11 +92,13 @@ def build_library(build_dir: str | os.PathLike[str]) -> Path:
     build_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=build_dir) as scratch:
         partial = Path(scratch) / library.name
-        command = [compiler, *_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(partial)]
+        include = ["-I", jax.ffi.include_dir(), "-I", str(HEADERS[0].parent)]
+        command = [compiler, *_FLAGS, *include, *map(str, SOURCES), "-o", str(partial)]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise NativeKernelError(
-                f"building {SOURCE.name} failed ({' '.join(command)}):\n{result.stderr[-4000:]}"
+                f"building {' '.join(p.name for p in SOURCES)} failed ({' '.join(command)}):\n"
+                f"{result.stderr[-4000:]}"
             )
         os.replace(partial, library)  # atomic: concurrent builders never see half a library
     return library
@@ -108,10 +114,11 @@ class _Library:
 
 @functools.cache
 def _register(library: _Library) -> None:
-    """Registers the handler once per process and build: XLA keeps one handler per target name."""
-    handler = getattr(ctypes.CDLL(str(library.path)), _SYMBOL)
+    """Registers the handlers once per process and build: XLA keeps one handler per target name."""
+    shared = ctypes.CDLL(str(library.path))
     try:
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+        for target, symbol in _HANDLERS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(shared, symbol)), platform="cpu")
     except Exception as error:
         raise NativeKernelError(
             f"cannot register {library.name} in this process ({error}); a process serves one build "
@@ -133,3 +140,14 @@ def load(build_dir: str | os.PathLike[str]) -> Path:
 def is_loaded() -> bool:
     """Whether `load` registered the kernels in this process."""
     return _register.cache_info().currsize > 0
+
+
+def amx_usable(library: Path) -> bool:
+    """Whether `library` (from `load`) may run its AMX bfloat16 dense kernel in this process: the
+    CPU has AMX tiles and bfloat16, and the operating system grants this process their state."""
+    return _probe_amx(_Library(library.name, library))
+
+
+@functools.cache
+def _probe_amx(library: _Library) -> bool:
+    return bool(ctypes.CDLL(str(library.path)).VllmXlaAmxUsable())

@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -95,6 +96,8 @@ struct Problem {
   float* out;
 
   int64_t HeadDim() const { return kD > 0 ? kD : s.head_dim; }
+  static void Begin() {}
+  static void End() {}
 
   // Online-softmax update of one row's G query heads (q, acc: [G, D]; m, denom: [G]) with keys
   // j0..j1 of one page; each key and value is converted once for all G heads.
@@ -194,28 +197,6 @@ struct Problem {
   }
 };
 
-struct SharedWork {
-  std::vector<Item> items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-template <typename P>
-void RunAll(const P& problem, std::shared_ptr<SharedWork> work, ffi::ThreadPool& pool) {
-  const int64_t total = static_cast<int64_t>(work->items.size());
-  // Helpers that start after every item is taken return at once: they touch only `work`.
-  auto drain = [work, total, problem_ptr = &problem]() {
-    for (int64_t i = work->next.fetch_add(1); i < total; i = work->next.fetch_add(1)) {
-      problem_ptr->Run(work->items[i]);
-      work->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total - 1);
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(drain)(drain));  // a copy per task
-  drain();
-  while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
-}
-
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache,
                      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                      ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
@@ -235,7 +216,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   std::memset(out->typed_data(), 0, sizeof(float) * s.num_tokens * s.num_heads * s.head_dim);
   const int32_t* cu = cu_q_lens.typed_data();
   const int64_t used = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, s.num_slots);
-  auto work = std::make_shared<SharedWork>();
+  auto work = std::make_shared<vllm_xla::SharedWork<Item>>();
   for (int32_t seq = 0; seq < used; ++seq) {
     const int32_t begin = std::max(cu[seq], 0);
     const int32_t end = std::min<int64_t>(cu[seq + 1], s.num_tokens);
@@ -254,7 +235,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
     using T = decltype(tag);
     Problem<T, decltype(dim)::value> p{
         s, prm, qp, static_cast<const T*>(kv_cache.untyped_data()), lens, table, cu, o};
-    RunAll(p, work, pool);
+    vllm_xla::RunAll(p, work, pool);
   };
   auto run_dims = [&](auto tag) {
     if (s.head_dim == 64) return run(tag, std::integral_constant<int, 64>());

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from models import AttentionMetadata, ModelConfig, build, load_model, load_weights
+from models import AttentionMetadata, ModelConfig, build, load_model, load_weights, pack_for_amx
+from models.layers import AmxKernel
 from pallas_kernels import allocate_kv_cache
 from tests.tiny_models import save_tiny_llama
 
@@ -140,3 +141,25 @@ def test_fused_projections_replace_the_checkpoint_ones_and_compute_the_same(tiny
     for model in (fused, unfused):
         logits, _ = _run(config, model, _caches(config), [ids], [0], [[3]])
         np.testing.assert_allclose(logits, ref, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_amx_packed_bf16_model_computes_what_the_unpacked_one_does(amx_kernels, tmp_path, tied):
+    """`pack_for_amx` moves every Linear (and a tied head's copy) onto the AMX kernel; the logits
+    stay those of the XLA bfloat16 model and close to transformers' float32 ones."""
+    path = save_tiny_llama(str(tmp_path), tie_word_embeddings=tied)
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config, plain = load_model(path, jnp.bfloat16)
+    _, packed = load_model(path, jnp.bfloat16)
+    assert pack_for_amx(packed) == 4 * config.num_layers + 1  # qkv, o, gate/up, down; the head
+    assert isinstance(packed.model.layers[0].mlp.down_proj.kernel, AmxKernel)
+    ids = [1, 5, 9, 20, 33, 7, 3]
+    bf16_caches = [
+        allocate_kv_cache(8, PAGE, config.num_kv_heads, config.head_dim, jnp.bfloat16, backend="xla")
+        for _ in range(config.num_layers)
+    ]
+    got, _ = _run(config, packed, bf16_caches, [ids], [0], [[1]])
+    want, _ = _run(config, plain, bf16_caches, [ids], [0], [[1]])
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, atol=0.02 * scale)
+    assert np.abs(got - _hf_logits(hf, ids)).max() < 0.05 * scale

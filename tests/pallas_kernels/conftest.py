@@ -12,8 +12,6 @@ soft cap on and off, float32 and bfloat16.
 from __future__ import annotations
 
 import dataclasses
-import os
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +19,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import api, cpu
+from pallas_kernels import api
 
 # Largest |kernel - reference| allowed, relative to max |reference| (outputs are O(1)).
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -92,12 +90,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "tpu_interpret: slow TPU-interpret-mode (DMA, race) checks")
     # Registered by pytest-timeout when installed; declared here so the marker never warns.
     config.addinivalue_line("markers", "timeout(seconds): fail a test that runs longer")
-
-
-@pytest.fixture(scope="session")
-def native_kernels() -> pathlib.Path:
-    """Builds (once; kept in the test cache directory) and registers the native CPU kernels."""
-    return cpu.load(os.path.join(os.environ["VLLM_XLA_CACHE_DIR"], "native"))
 
 
 @pytest.fixture(autouse=True)

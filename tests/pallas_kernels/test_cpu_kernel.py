@@ -92,15 +92,18 @@ def test_kernel_runs_in_the_donated_step_that_writes_the_cache():
     np.testing.assert_allclose(np.asarray(out)[0, 0], 2.0, rtol=1e-6)
 
 
-def test_library_name_follows_the_source_and_build_reuses_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("edited_file", ["paged_attention.cc", "dense.cc", "parallel.h"])
+def test_library_name_follows_the_sources_and_build_reuses_it(tmp_path, monkeypatch, edited_file):
     compiler = build.find_compiler()
     first = build.library_name(compiler)
     assert build.build_library(tmp_path) == tmp_path / first
     stamp = (tmp_path / first).stat().st_mtime_ns
     assert build.build_library(tmp_path).stat().st_mtime_ns == stamp  # reused, not rebuilt
-    edited = tmp_path / "paged_attention.cc"
-    edited.write_text(build.SOURCE.read_text() + "\n// edited\n")
-    monkeypatch.setattr(build, "SOURCE", edited)
+    edited = tmp_path / edited_file
+    group = "HEADERS" if edited_file.endswith(".h") else "SOURCES"
+    files = getattr(build, group)
+    edited.write_text(next(f for f in files if f.name == edited_file).read_text() + "\n// edited\n")
+    monkeypatch.setattr(build, group, tuple(edited if f.name == edited_file else f for f in files))
     assert build.library_name(compiler) != first
 
 
@@ -111,8 +114,9 @@ def test_build_errors_name_the_cause(tmp_path, monkeypatch):
     monkeypatch.delenv("CXX")
     broken = tmp_path / "broken.cc"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(build, "SOURCE", broken)
-    with pytest.raises(build.NativeKernelError, match=r"building broken\.cc failed"):
+    monkeypatch.setattr(build, "SOURCES", (*build.SOURCES, broken))
+    failed = r"building paged_attention\.cc dense\.cc broken\.cc failed"
+    with pytest.raises(build.NativeKernelError, match=failed):
         build.build_library(tmp_path / "out")
 
 

@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bfloat16 dense layers on Intel AMX: weights packed once, products through `dense.cc`.
+
+XLA:CPU's bfloat16 dots do not use AMX; `amx_dense` does, for `x [M, K] @ kernel [K, N]` with
+float32 accumulation and a float32 result, the contract of `models.layers.matmul`. The kernel is
+packed once (`pack_dense_kernel`) into the tile layout the instruction reads; `amx_dense_reference`
+computes the same product in plain JAX from the packed form (the oracle in tests).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.cpu.build import DENSE_TARGET, NativeKernelError, is_loaded
+
+DEPTH_MULTIPLE = 32  # K: one tile row holds 32 bfloat16 values
+COLUMN_MULTIPLE = 16  # N: one tile holds 16 float32 results a row
+
+
+def can_pack(shape: tuple[int, ...], dtype: jnp.dtype) -> bool:
+    """Whether a `[K, N]` kernel of this shape and dtype can run on `amx_dense`."""
+    return (
+        len(shape) == 2
+        and jnp.dtype(dtype) == jnp.bfloat16
+        and shape[0] % DEPTH_MULTIPLE == 0
+        and shape[1] % COLUMN_MULTIPLE == 0
+    )
+
+
+def pack_dense_kernel(kernel: jax.Array) -> jax.Array:
+    """`[K, N]` bfloat16 -> `[N/16, K/2, 16, 2]`: 16-column tiles, pairs of rows interleaved."""
+    if not can_pack(kernel.shape, kernel.dtype):
+        raise ValueError(
+            f"AMX dense layers take a bfloat16 [K, N] kernel with K a multiple of {DEPTH_MULTIPLE} "
+            f"and N of {COLUMN_MULTIPLE}, not {kernel.dtype} {tuple(kernel.shape)}"
+        )
+    k, n = kernel.shape
+    return kernel.reshape(k // 2, 2, n // COLUMN_MULTIPLE, COLUMN_MULTIPLE).transpose(2, 0, 3, 1)
+
+
+def unpack_dense_kernel(packed: jax.Array) -> jax.Array:
+    """The `[K, N]` kernel back from `pack_dense_kernel`'s layout."""
+    blocks, pairs, cols, two = packed.shape
+    return packed.transpose(1, 3, 0, 2).reshape(pairs * two, blocks * cols)
+
+
+def amx_dense_reference(x: jax.Array, packed: jax.Array) -> jax.Array:
+    """`x [M, K] @ kernel`, float32, from the packed kernel, in plain JAX."""
+    return jnp.einsum("mk,kn->mn", x, unpack_dense_kernel(packed), preferred_element_type=jnp.float32)
+
+
+def amx_dense(x: jax.Array, packed: jax.Array) -> jax.Array:
+    """`x [M, K] @ kernel` in float32 on AMX tiles, `packed` from `pack_dense_kernel`.
+
+    Needs the native kernels loaded (`pallas_kernels.cpu.load`) on a CPU where `amx_usable` holds.
+    """
+    if not is_loaded():
+        raise NativeKernelError(
+            "the native CPU kernels are not loaded in this process: "
+            "call pallas_kernels.cpu.load(build_dir) first"
+        )
+    blocks, pairs, cols, two = packed.shape
+    if x.ndim != 2 or x.shape[1] != pairs * two or cols != COLUMN_MULTIPLE or two != 2:
+        raise ValueError(f"x {tuple(x.shape)} does not match a packed kernel {tuple(packed.shape)}")
+    call = jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((x.shape[0], blocks * cols), jnp.float32))
+    return call(x.astype(jnp.bfloat16), packed.astype(jnp.bfloat16))

@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The AMX bfloat16 dense kernel (C++ through XLA FFI): its packed layout, its reference and the
+kernel against the reference over a grid of shapes (row counts around the 16-row tiles, odd
+16-column blocks, deep and wide kernels). Kernel runs skip on CPUs without AMX."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu
+
+
+def _bf16(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> jax.Array:
+    return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+
+
+def test_packed_layout_puts_each_element_where_the_tiles_read_it():
+    kernel = jnp.asarray(np.arange(64 * 48).reshape(64, 48), jnp.float32).astype(jnp.bfloat16)
+    packed = np.asarray(cpu.pack_dense_kernel(kernel).astype(jnp.float32))
+    assert packed.shape == (3, 32, 16, 2)
+    source = np.asarray(kernel.astype(jnp.float32))
+    for k, n in [(0, 0), (1, 0), (0, 1), (2, 17), (63, 47), (31, 16), (33, 15)]:
+        # Column block n // 16, row pair k // 2, column n % 16, member k % 2 of the pair.
+        assert packed[n // 16, k // 2, n % 16, k % 2] == source[k, n]
+    np.testing.assert_array_equal(cpu.dense.unpack_dense_kernel(jnp.asarray(packed)), source)
+
+
+def test_reference_on_a_hand_worked_product():
+    # x row r is all r + 1; kernel column n is all (n + 1) / 64 over the 32 rows:
+    # y[r, n] = 32 * (r + 1) * (n + 1) / 64 = (r + 1) * (n + 1) / 2, exact in bfloat16/float32.
+    x = jnp.asarray(np.repeat(np.arange(1, 4, dtype=np.float32)[:, None], 32, axis=1), jnp.bfloat16)
+    kernel = jnp.asarray(np.tile(np.arange(1, 17, dtype=np.float32) / 64, (32, 1)), jnp.bfloat16)
+    y = cpu.amx_dense_reference(x, cpu.pack_dense_kernel(kernel))
+    assert y.dtype == jnp.float32
+    np.testing.assert_array_equal(y, np.outer(np.arange(1, 4), np.arange(1, 17)) / 2)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((48, 16), jnp.bfloat16), ((64, 40), jnp.bfloat16), ((64, 32), jnp.float32), ((64,), jnp.bfloat16)],
+)
+def test_kernels_amx_cannot_take_are_refused_by_name(shape, dtype):
+    assert not cpu.can_pack(shape, dtype)
+    with pytest.raises(ValueError, match=r"bfloat16 \[K, N\] kernel with K a multiple of 32 and N of 16"):
+        cpu.pack_dense_kernel(jnp.zeros(shape, dtype))
+
+
+ROWS = (1, 2, 15, 16, 17, 31, 32, 33, 64, 70)
+KERNELS = ((32, 16), (64, 48), (576, 960), (1536, 64))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("depth", "width"), KERNELS)
+def test_kernel_matches_reference(amx_kernels, rows, depth, width):
+    rng = np.random.default_rng(rows * 7919 + depth + width)
+    x, kernel = _bf16(rng, (rows, depth)), _bf16(rng, (depth, width), scale=depth**-0.5)
+    packed = cpu.pack_dense_kernel(kernel)
+    got = jax.jit(cpu.amx_dense)(x, packed)
+    assert got.shape == (rows, width) and got.dtype == jnp.float32
+    # Same float32 accumulation of exact bfloat16 products; only the summation order differs.
+    np.testing.assert_allclose(got, cpu.amx_dense_reference(x, packed), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_on_a_vocabulary_wide_head_and_inside_a_larger_program(amx_kernels):
+    rng = np.random.default_rng(3)
+    x, kernel = _bf16(rng, (20, 64)), _bf16(rng, (64, 49152), scale=0.125)
+    packed = cpu.pack_dense_kernel(kernel)
+
+    @jax.jit
+    def head(hidden, weights):
+        logits = cpu.amx_dense(jnp.tanh(hidden.astype(jnp.float32)).astype(jnp.bfloat16), weights)
+        return jnp.argmax(logits, axis=-1), logits
+
+    best, logits = head(x, packed)
+    expected = cpu.amx_dense_reference(jnp.tanh(x.astype(jnp.float32)).astype(jnp.bfloat16), packed)
+    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(best, np.argmax(expected, axis=-1))
+
+
+def test_kernel_refuses_an_input_that_does_not_match_the_packed_kernel(amx_kernels):
+    packed = cpu.pack_dense_kernel(jnp.zeros((64, 32), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"x \(4, 32\) does not match a packed kernel \(2, 32, 16, 2\)"):
+        cpu.amx_dense(jnp.zeros((4, 32), jnp.bfloat16), packed)
