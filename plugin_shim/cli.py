@@ -45,6 +45,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
         seed=args.seed,
     )
     assert_active()
@@ -80,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="vLLM's model dtype (auto: float32 on CPU); bfloat16 runs the dense layers on AMX where the CPU has it",
+    )
     p = sub.add_parser("serve", help="start vLLM's OpenAI-compatible server on the XLA platform")
     p.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M-Instruct)")
     return parser

@@ -20,6 +20,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -75,11 +79,14 @@ inline float ExpNonPositive(float x) {
 }
 
 // Per-item scratch: the online-softmax state of a block of rows and one page's scores.
+// Blocks of several rows also keep the current page in float32: keys transposed `[D, S16]` (S
+// rounded up to 16), values `[S, D]`.
 struct Scratch {
-  std::vector<float> q, acc, m, denom, scores;
+  std::vector<float> q, acc, m, denom, scores, keys, values;
   Scratch(int64_t rows, int64_t G, int64_t S, int64_t D)
       : q(rows * G * D), acc(rows * G * D, 0.0f), m(rows * G, kMaskValue),
-        denom(rows * G, 0.0f), scores(G * S) {}
+        denom(rows * G, 0.0f), scores(G * ((S + 15) / 16 * 16)), keys(rows > 1 ? (S + 15) / 16 * 16 * D : 0, 0.0f),
+        values(rows > 1 ? S * D : 0, 0.0f) {}
 };
 
 // kD > 0 fixes the head dim at compile time (the common sizes), so the loops over it unroll and
@@ -115,8 +122,24 @@ struct Problem {
         sc[g * S + j] = dot;
       }
     }
+    Rescale(acc, m, denom, j0, j1, G, sc, S);
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t d = 0; d < D; ++d) kv[d] = Load(v_page + j * D, d);
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = sc[g * S + j];
+        float* ag = acc + g * D;
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * kv[d];
+      }
+    }
+  }
+
+  // Softmax bookkeeping shared by both updates: scores `sc[g * stride + j]` for keys j0..j1 (soft cap
+  // applied) become probabilities; each head's running max, sum and accumulator are rescaled.
+  void Rescale(float* acc, float* m, float* denom, int64_t j0, int64_t j1, int64_t G, float* sc,
+               int64_t stride) const {
+    const int64_t D = HeadDim();
     for (int64_t g = 0; g < G; ++g) {
-      float* scg = sc + g * S;
+      float* scg = sc + g * stride;
       float page_max = kMaskValue;
       for (int64_t j = j0; j < j1; ++j) page_max = std::max(page_max, scg[j]);
       const float m_new = std::max(m[g], page_max);
@@ -131,18 +154,90 @@ struct Problem {
       denom[g] = denom[g] * alpha + sum;
       m[g] = m_new;
     }
+  }
+
+  // acc[d] += sum over keys j0..j1 of p[j] * values[j * D + d]; the accumulator stays in registers
+  // when the head dim is a compile-time multiple of 16.
+  void AccumulateValues(const float* p, const float* values, int64_t j0, int64_t j1, float* acc) const {
+#if defined(__AVX512F__)
+    if constexpr (kD > 0 && kD % 16 == 0) {
+      __m512 sum[kD / 16];
+      for (int k = 0; k < kD / 16; ++k) sum[k] = _mm512_loadu_ps(acc + 16 * k);
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m512 pj = _mm512_set1_ps(p[j]);
+        for (int k = 0; k < kD / 16; ++k) {
+          sum[k] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(values + j * kD + 16 * k), sum[k]);
+        }
+      }
+      for (int k = 0; k < kD / 16; ++k) _mm512_storeu_ps(acc + 16 * k, sum[k]);
+      return;
+    }
+#endif
+    const int64_t D = HeadDim();
     for (int64_t j = j0; j < j1; ++j) {
-      for (int64_t d = 0; d < D; ++d) kv[d] = Load(v_page + j * D, d);
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = sc[g * S + j];
-        float* ag = acc + g * D;
-        for (int64_t d = 0; d < D; ++d) ag[d] += p * kv[d];
+      for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * values[j * D + d];
+    }
+  }
+
+  // dots[j] = sum over d of q[d] * keys[d * stride + j], for 16 keys j.
+  void Dot16(const float* q_head, const float* keys, int64_t stride, float* dots) const {
+#if defined(__AVX512F__)
+    // Four partial sums: one chain of D dependent FMAs would wait on each one's latency.
+    __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int64_t D = HeadDim();
+    int64_t d = 0;
+    for (; d + 4 <= D; d += 4) {
+      for (int u = 0; u < 4; ++u) {
+        sum[u] = _mm512_fmadd_ps(_mm512_set1_ps(q_head[d + u]), _mm512_loadu_ps(keys + (d + u) * stride), sum[u]);
+      }
+    }
+    for (; d < D; ++d) {
+      sum[0] = _mm512_fmadd_ps(_mm512_set1_ps(q_head[d]), _mm512_loadu_ps(keys + d * stride), sum[0]);
+    }
+    _mm512_storeu_ps(dots, _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3])));
+#else
+    float sum[16] = {};
+    for (int64_t d = 0; d < HeadDim(); ++d) {
+      for (int64_t j = 0; j < 16; ++j) sum[j] += q_head[d] * keys[d * stride + j];
+    }
+    std::memcpy(dots, sum, sizeof(sum));
+#endif
+  }
+
+  // The page size rounded up to whole vectors of 16 keys.
+  int64_t PaddedPageSize() const { return (s.page_size + 15) / 16 * 16; }
+
+  // Converts keys 0..n of a page to float32 `[D, S16]` and values to `[S, D]`, once for a block.
+  void ConvertPage(const T* k_page, const T* v_page, int64_t n, float* keys, float* values) const {
+    const int64_t D = HeadDim(), S16 = PaddedPageSize();
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t d = 0; d < D; ++d) {
+        keys[d * S16 + j] = Load(k_page + j * D, d);
+        values[j * D + d] = Load(v_page + j * D, d);
       }
     }
   }
 
-  // Rows first_row..end_row of one sequence and kv head: each page is converted once and used
-  // by every row of the block that sees it.
+  // `Update` from a converted page: the scores of a head are a sum over d of q[d] times a row
+  // of keys, 16 keys to a vector.
+  void UpdateConverted(const float* q_row, const float* keys, const float* values, float* acc, float* m,
+                       float* denom, int64_t j0, int64_t j1, int64_t G, float* sc) const {
+    const int64_t D = HeadDim(), S = s.page_size;
+    const int64_t S16 = PaddedPageSize();
+    for (int64_t g = 0; g < G; ++g) {
+      float* scg = sc + g * S16;
+      const float* qg = q_row + g * D;
+      for (int64_t j16 = 0; j16 < S16; j16 += 16) Dot16(qg, keys + j16, S16, scg + j16);
+      if (prm.soft_cap > 0.0f) {
+        for (int64_t j = j0; j < j1; ++j) scg[j] = prm.soft_cap * std::tanh(scg[j] / prm.soft_cap);
+      }
+    }
+    Rescale(acc, m, denom, j0, j1, G, sc, S16);
+    for (int64_t g = 0; g < G; ++g) AccumulateValues(sc + g * S16, values, j0, j1, acc + g * D);
+  }
+
+  // Rows first_row..end_row of one sequence and kv head. A single row (decode) reads each page
+  // once as stored; a block of rows converts each page once, for every row that sees it.
   void Run(const Item& item) const {
     const int64_t D = HeadDim(), S = s.page_size, G = s.num_heads / s.num_kv_heads;
     const int64_t rows = item.end_row - item.first_row;
@@ -176,14 +271,22 @@ struct Problem {
           __builtin_prefetch(next_v + b);
         }
       }
+      if (rows > 1) ConvertPage(k_page, v_page, n, w.keys.data(), w.values.data());
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t position = kv_len - (seq_end - (item.first_row + r));
         const int64_t lo = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
         const int64_t j0 = std::max<int64_t>(lo - slot * S, 0);
         const int64_t j1 = std::min<int64_t>(position - slot * S + 1, n);
         if (position < 0 || j1 <= j0) continue;
-        Update(w.q.data() + r * G * D, k_page, v_page, w.acc.data() + r * G * D, w.m.data() + r * G,
-               w.denom.data() + r * G, j0, j1, G, w.scores.data());
+        float* acc = w.acc.data() + r * G * D;
+        float* m = w.m.data() + r * G;
+        float* denom = w.denom.data() + r * G;
+        if (rows > 1) {
+          UpdateConverted(w.q.data() + r * G * D, w.keys.data(), w.values.data(), acc, m, denom, j0, j1, G,
+                          w.scores.data());
+        } else {
+          Update(w.q.data() + r * G * D, k_page, v_page, acc, m, denom, j0, j1, G, w.scores.data());
+        }
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
