@@ -165,7 +165,8 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument(
         "expected x [M, K] and a packed weight [N/16, K/2, 16, 2] with K a multiple of 32");
   }
-  if (!AmxUsable()) {
+  static const bool amx_usable = AmxUsable();  // probed once a process
+  if (!amx_usable) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented, "this CPU or kernel does not allow AMX bfloat16");
   }
   const int64_t M = xd[0], K = xd[1], N = wd[0] * 16, Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
