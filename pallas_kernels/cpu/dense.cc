@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // bfloat16 dense layers on Intel AMX as an XLA FFI handler: y[M, N] (float32) = x[M, K] @ w.
+// Compiled on every CPU (the AMX functions carry their own target attribute); it runs only where
+// `VllmXlaAmxUsable` says so.
 //
 // XLA:CPU runs bfloat16 dots without AMX; this kernel multiplies 16x32 tiles of x by weight
 // tiles with TDPBF16PS, accumulating in float32. The weight comes packed once at load time as
@@ -26,8 +28,6 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-
-
 
 namespace {
 
@@ -180,8 +180,8 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
   }
   const int64_t blocks = N / kTileCols;
   const int64_t threads = pool.num_threads() + 1;
-  // Enough items to balance the threads; each an even number of blocks but the last.
-  // Two items a thread, but at most an L2's share of weights each: later row passes reread them.
+  // Two items a thread, each an even number of blocks (but the last) and at most an L2's share
+  // of weights: later row passes reread them.
   const int64_t cached_blocks = kItemWeightBytes / (K * kTileCols * sizeof(uint16_t));
   const int64_t per_item =
       std::max<int64_t>(2, std::min(blocks / (kItemsPerThread * threads), cached_blocks) / 2 * 2);
