@@ -11,12 +11,12 @@ the shared blocks of `layers.py` (attention, MLPs, decoder blocks, trunk, LM hea
 Entry points: `ModelConfig.from_pretrained(path)`, `build(config, dtype, rngs)`,
 `load_weights(model, path)`; a model is called as
 `model(input_ids[T], positions[T], kv_caches, metadata) -> (hidden[T, D], kv_caches)` and
-`model.compute_logits(hidden) -> logits[.., V]`. On a CPU with AMX, `pack_for_amx(model)` moves the
-bfloat16 dense layers onto `pallas_kernels.cpu.amx_dense`.
+`model.compute_logits(hidden) -> logits[.., V]`. On a CPU with AMX or AVX-512 BF16,
+`pack_for_native_dense(model)` moves the bfloat16 dense layers onto `pallas_kernels.cpu.native_dense`.
 """
 
 from models.config import ModelConfig
-from models.layers import pack_for_amx
+from models.layers import pack_for_native_dense
 from models.loader import load_model, load_weights
 from models.metadata import AttentionMetadata
 from models.registry import SUPPORTED_ARCHITECTURES, build
@@ -28,5 +28,5 @@ __all__ = [
     "build",
     "load_model",
     "load_weights",
-    "pack_for_amx",
+    "pack_for_native_dense",
 ]

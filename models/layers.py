@@ -47,20 +47,20 @@ class Linear(nnx.Module):
         return fused
 
 
-class AmxKernel(nnx.Variable):
-    """A `[in, out]` bfloat16 kernel packed for AMX tiles (`pack_for_amx`)."""
+class PackedKernel(nnx.Variable):
+    """A `[in, out]` bfloat16 kernel packed for the native CPU dense kernel (`pack_for_native_dense`)."""
 
 
 def matmul(x: jax.Array, kernel: nnx.Variable) -> jax.Array:
     """`x [T, in] @ kernel [in, out]`, accumulated and returned in float32.
 
-    An `AmxKernel` runs on the native CPU kernels' AMX tiles. Otherwise the float32 result type
-    and the `[in, out]` kernel keep bfloat16 products on XLA:CPU's fast dot path (else both
-    operands are upcast to float32 copies first), and a single bfloat16 row is padded to two for
-    the same reason (notes in the README, "Performance on CPU").
+    A `PackedKernel` runs on the native CPU dense kernel (AMX or AVX-512 BF16). Otherwise the
+    float32 result type and the `[in, out]` kernel keep bfloat16 products on XLA:CPU's fast dot
+    path (else both operands are upcast to float32 copies first), and a single bfloat16 row is
+    padded to two for the same reason (notes in the README, "Performance on CPU").
     """
-    if isinstance(kernel, AmxKernel):
-        return cpu.amx_dense(x, kernel[...])
+    if isinstance(kernel, PackedKernel):
+        return cpu.native_dense(x, kernel[...])
     kernel = kernel[...]
     single_bf16_row = x.shape[0] == 1 and x.dtype == jnp.bfloat16
     if single_bf16_row:
@@ -404,9 +404,10 @@ def fuse_projections(model: nnx.Module) -> None:
             module.fuse_projections()
 
 
-def pack_for_amx(model: nnx.Module) -> int:
-    """Packs every bfloat16 Linear kernel (and a tied head's copy) that AMX tiles can take for
-    `pallas_kernels.cpu.amx_dense`; returns how many. Run after loading, on a CPU with AMX."""
+def pack_for_native_dense(model: nnx.Module) -> int:
+    """Packs every bfloat16 Linear kernel (and a tied head's copy) that the native CPU dense kernel
+    can take (`pallas_kernels.cpu.native_dense`); returns how many. Run after loading, on a CPU
+    where `pallas_kernels.cpu.dense_isa` is not None."""
     packed = 0
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, Linear):
@@ -417,8 +418,8 @@ def pack_for_amx(model: nnx.Module) -> int:
             continue
         kernel = getattr(module, name)
         value = kernel[...]
-        if not isinstance(kernel, AmxKernel) and cpu.can_pack(value.shape, value.dtype):
-            setattr(module, name, AmxKernel(cpu.pack_dense_kernel(value)))
+        if not isinstance(kernel, PackedKernel) and cpu.can_pack(value.shape, value.dtype):
+            setattr(module, name, PackedKernel(cpu.pack_dense_kernel(value)))
             packed += 1
     return packed
 

@@ -26,10 +26,11 @@ def native_kernels() -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
-def amx_kernels(native_kernels: pathlib.Path) -> pathlib.Path:
-    """The native kernels, on a CPU that runs their AMX dense layers (else the test is skipped)."""
+def dense_kernels(native_kernels: pathlib.Path) -> pathlib.Path:
+    """The native kernels, on a CPU that runs their bfloat16 dense layers (AMX or AVX-512 BF16;
+    else the test is skipped)."""
     from pallas_kernels import cpu
 
-    if not cpu.amx_usable(native_kernels):
-        pytest.skip("this CPU (or its kernel) does not run AMX bfloat16 tiles")
+    if cpu.dense_isa(native_kernels) is None:
+        pytest.skip("this CPU (or its kernel) has neither AMX bfloat16 tiles nor AVX-512 BF16")
     return native_kernels

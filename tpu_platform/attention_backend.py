@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which kernels a runner uses: the attention backend (building the native CPU kernels when it
-picks them) and, with those, whether bfloat16 dense layers run on AMX tiles."""
+picks them) and, with those, the instruction set bfloat16 dense layers run with."""
 
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ def select_backend(requested: str, platform: str, cache_dir: str | None) -> str:
     return CPU_NATIVE
 
 
-def amx_dense_usable(backend: str, cache_dir: str | None) -> bool:
-    """Whether the `cpu_native` backend's AMX dense kernel can run here (AMX CPU, loaded kernels)."""
+def native_dense_isa(backend: str, cache_dir: str | None) -> str | None:
+    """The instruction set of the `cpu_native` backend's dense kernel here ("amx" or
+    "avx512_bf16"), or None when the backend is another one or the CPU has neither."""
     if backend != CPU_NATIVE:
-        return False
-    return cpu.amx_usable(cpu.load(native_build_dir(cache_dir)))
+        return None
+    return cpu.dense_isa(cpu.load(native_build_dir(cache_dir)))

@@ -15,8 +15,8 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from models import ModelConfig, load_model, pack_for_amx
-from tpu_platform.attention_backend import amx_dense_usable, select_backend
+from models import ModelConfig, load_model, pack_for_native_dense
+from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.inputs import StepPlan, exercise_inputs, pack_inputs, padding_inputs, prepare_step
@@ -47,7 +47,7 @@ class RunnerConfig:
     max_num_batched_tokens: int = 2048
     page_size: int = 16
     attention_backend: str = "auto"
-    amx_dense: bool = True  # bfloat16 dense layers on AMX tiles where the cpu_native backend runs
+    native_dense: bool = True  # bfloat16 dense layers on AMX / AVX-512 BF16 where cpu_native runs
     cache_dir: str | None = None
     strict_compile: bool = False
     seed: int = 0
@@ -86,7 +86,8 @@ class Runner:
         self.config = config
         self.device = jax.devices()[0]
         self.backend = select_backend(config.attention_backend, self.device.platform, config.cache_dir)
-        self.amx_dense = config.amx_dense and amx_dense_usable(self.backend, config.cache_dir)
+        # The native dense kernel's instruction set here ("amx", "avx512_bf16"), or None: XLA's dots.
+        self.dense_isa = native_dense_isa(self.backend, config.cache_dir) if config.native_dense else None
         executables = None
         if config.cache_dir:
             enable_persistent_cache(config.cache_dir)
@@ -111,7 +112,7 @@ class Runner:
     def load_model(self) -> ModelConfig:
         start = time.perf_counter()
         self.model_config, model = load_model(self.config.model_path, self.dtype)
-        amx_kernels = pack_for_amx(model) if self.amx_dense else 0
+        packed = pack_for_native_dense(model) if self.dense_isa else 0
         graphdef, state = nnx.split(model)
         self.state = jax.device_put(state, self.device)
         self._state_leaves, self._state_def = jax.tree.flatten(self.state)
@@ -133,9 +134,9 @@ class Runner:
         }
         self._logprobs_width = warm_logprobs_width(self.config.max_logprobs, self.model_config.vocab_size)
         logger.info(
-            "loaded %s (%s) in %.1f s on %s, attention backend %s, %d dense kernels on AMX",
+            "loaded %s (%s) in %.1f s on %s, attention backend %s, %d dense kernels on %s",
             self.model_config.architecture, self.dtype.name, time.perf_counter() - start,
-            self.device.device_kind, self.backend, amx_kernels,
+            self.device.device_kind, self.backend, packed, self.dense_isa or "XLA",
         )  # fmt: skip
         return self.model_config
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Native CPU backend: the reference's KV cache layout and writes, attention in C++ via XLA FFI,
-and bfloat16 dense layers on AMX (`dense.py`).
+and bfloat16 dense layers on AMX or AVX-512 BF16 (`dense.py`).
 
 XLA:CPU has no fast formulation of paged attention (a page gather runs at a few GB/s and every
 pure-XLA variant measured costs 9 to 13 ms a layer at 48 decode rows), so on CPU
@@ -14,20 +14,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu.build import ATTENTION_TARGET, NativeKernelError, amx_usable, is_loaded, load
-from pallas_kernels.cpu.dense import amx_dense, amx_dense_reference, can_pack, pack_dense_kernel
+from pallas_kernels.cpu.build import (
+    ATTENTION_TARGET,
+    NativeKernelError,
+    dense_isa,
+    dense_isas,
+    is_loaded,
+    load,
+)
+from pallas_kernels.cpu.dense import can_pack, native_dense, native_dense_reference, pack_dense_kernel
 from pallas_kernels.reference import allocate_kv_cache_reference as allocate_kv_cache
 from pallas_kernels.reference import write_kv_reference as write_kv
 
 __all__ = [
     "NativeKernelError",
     "allocate_kv_cache",
-    "amx_dense",
-    "amx_dense_reference",
-    "amx_usable",
     "can_pack",
+    "dense_isa",
+    "dense_isas",
     "is_loaded",
     "load",
+    "native_dense",
+    "native_dense_reference",
     "pack_dense_kernel",
     "ragged_paged_attention",
     "write_kv",

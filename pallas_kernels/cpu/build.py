@@ -28,8 +28,8 @@ import jaxlib
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cc", "dense.cc"))
 HEADERS = (Path(__file__).with_name("parallel.h"),)
 ATTENTION_TARGET = "vllm_xla_ragged_paged_attention"
-DENSE_TARGET = "vllm_xla_amx_dense"
-_HANDLERS = {ATTENTION_TARGET: "VllmXlaRaggedPagedAttention", DENSE_TARGET: "VllmXlaAmxDense"}
+DENSE_TARGET = "vllm_xla_dense"
+_HANDLERS = {ATTENTION_TARGET: "VllmXlaRaggedPagedAttention", DENSE_TARGET: "VllmXlaDense"}
 _FLAGS = (
     "-O3",
     "-march=native",
@@ -142,12 +142,22 @@ def is_loaded() -> bool:
     return _register.cache_info().currsize > 0
 
 
-def amx_usable(library: Path) -> bool:
-    """Whether `library` (from `load`) may run its AMX bfloat16 dense kernel in this process: the
-    CPU has AMX tiles and bfloat16, and the operating system grants this process their state."""
-    return _probe_amx(_Library(library.name, library))
+DENSE_ISAS = {1: "avx512_bf16", 2: "amx"}  # the dense kernel's paths, by their code in dense.cc
+
+
+def dense_isas(library: Path) -> tuple[str, ...]:
+    """The instruction sets `library` (from `load`) can run its bfloat16 dense kernel with in this
+    process, best first: "amx" (AMX tiles with bfloat16, granted by the operating system) and
+    "avx512_bf16"."""
+    mask = _probe_dense_isas(_Library(library.name, library))
+    return tuple(name for code, name in sorted(DENSE_ISAS.items(), reverse=True) if mask & (1 << code))
+
+
+def dense_isa(library: Path) -> str | None:
+    """The best of `dense_isas`, or None: the dense layers stay on XLA's dots."""
+    return next(iter(dense_isas(library)), None)
 
 
 @functools.cache
-def _probe_amx(library: _Library) -> bool:
-    return bool(ctypes.CDLL(str(library.path)).VllmXlaAmxUsable())
+def _probe_dense_isas(library: _Library) -> int:
+    return int(ctypes.CDLL(str(library.path)).VllmXlaDenseIsas())

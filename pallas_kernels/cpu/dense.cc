@@ -1,16 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0
-// bfloat16 dense layers on Intel AMX as an XLA FFI handler: y[M, N] (float32) = x[M, K] @ w.
-// Compiled on every CPU (the AMX functions carry their own target attribute); it runs only where
-// `VllmXlaAmxUsable` says so.
+// bfloat16 dense layers as an XLA FFI handler: y[M, N] (float32) = x[M, K] @ w, on Intel AMX tiles
+// or, on CPUs without AMX that have AVX-512 BF16 (AMD Zen 4 and later, Intel Cooper Lake), with
+// VDPBF16PS on vectors. Compiled on every CPU (each path carries its own target attribute); a
+// path runs only where `DenseIsa` finds it.
 //
-// XLA:CPU runs bfloat16 dots without AMX; this kernel multiplies 16x32 tiles of x by weight
-// tiles with TDPBF16PS, accumulating in float32. The weight comes packed once at load time as
-// [N/16, K/2, 16, 2] (`pack_dense_kernel` in dense.py): each 16-column, 32-deep tile is 1 KiB of
-// contiguous memory, in the pair-interleaved layout TDPBF16PS reads, and a column panel streams
-// from memory in order. K must be a multiple of 32 and N of 16.
+// XLA:CPU runs bfloat16 dots without either instruction, and streams a single row's weights at a
+// few GB/s. Both paths read one packed weight layout, made once at load time: [N/16, K/2, 16, 2]
+// (`pack_dense_kernel` in dense.py). Each 16-column, 32-deep tile is 1 KiB of contiguous memory in
+// the pair-interleaved layout TDPBF16PS reads, and each 64-byte row of it is the vector operand
+// VDPBF16PS takes against one broadcast pair of x; a column panel streams from memory in order.
+// K must be a multiple of 32 and N of 16.
 //
-// Work items are runs of 16-column blocks (two per thread), walked 32 rows by 32 columns; the
-// first row pass streams the weights from memory with prefetching, later ones find them cached.
+// Work items are runs of 16-column blocks (two per thread). AMX walks an item 32 rows by 32
+// columns; the vector path walks it in register blocks of up to 6 rows by 64 columns. In both the
+// first row pass streams the weights from memory, later ones find them cached.
 
 #include <algorithm>
 #include <cstdint>
@@ -38,6 +41,9 @@ constexpr int64_t kItemsPerThread = 2;  // fewer, longer weight streams; enough 
 constexpr int64_t kItemWeightBytes = 512 << 10;
 constexpr int64_t kPrefetchDepth = 4 * kTileDepth;  // how far ahead a panel's weights are fetched
 
+// The `isa` attribute: which path runs (the codes of `DENSE_ISAS` in build.py).
+enum DenseIsa : int32_t { kBestIsa = 0, kAvx512Bf16 = 1, kAmx = 2 };
+
 #if defined(__x86_64__)
 #define VLLM_XLA_AMX __attribute__((target("amx-tile,amx-bf16,avx512f")))
 
@@ -49,14 +55,26 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
+unsigned CpuidLeaf7(unsigned subleaf, int reg) {
+  unsigned r[4];
+  __asm__("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(7), "c"(subleaf));
+  return r[reg];
+}
+
 // Whether this CPU has AMX tiles with bfloat16 and the kernel lets this process use them.
 bool AmxUsable() {
-  unsigned eax, ebx, ecx, edx;
-  __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+  const unsigned edx = CpuidLeaf7(0, 3);
   const bool tile = edx & (1u << 24), bf16 = edx & (1u << 22);
   if (!tile || !bf16) return false;
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// Whether this CPU has AVX-512 BF16 and the operating system saves the AVX-512 state.
+bool Avx512Bf16Usable() {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return false;
+  return CpuidLeaf7(1, 0) & (1u << 5);  // leaf 7, subleaf 1, EAX bit 5: AVX512_BF16
 }
 
 // Stores accumulator tile `tile` (a literal: tile registers are named in the instruction) at rows
@@ -78,7 +96,7 @@ struct Item {
 
 // Tiles 0-3 accumulate C[row block r][column block c] at 2r + c; 4-5 hold x's row blocks and
 // 6-7 the weight's column blocks. Every tile is 16 rows of 64 bytes.
-struct Problem {
+struct AmxProblem {
   const uint16_t* x;  // [Mp, K]: M rows padded to a multiple of 16
   const uint16_t* w;  // [N/16, K/2, 16, 2]
   float* y;           // [M, N]
@@ -156,8 +174,107 @@ struct Problem {
   }
 };
 
+#define VLLM_XLA_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+constexpr int kVectorRows = 6;    // rows of x in a register block
+constexpr int kVectorBlocks = 4;  // 16-column blocks in a register block: 24 accumulators
+
+// The same product with VDPBF16PS: a packed tile row (16 columns x one pair of K) against a
+// broadcast pair of x adds both products of the pair to 16 float32 accumulators.
+struct VectorProblem {
+  const uint16_t* x;  // [M, K]
+  const uint16_t* w;  // [N/16, K/2, 16, 2]
+  float* y;           // [M, N]
+  int64_t M, K, N;
+
+  static void Begin() {}
+  static void End() {}
+
+  void Run(const Item& item) const {
+    for (int64_t block = item.first_block; block < item.end_block; block += kVectorBlocks) {
+      const int blocks = static_cast<int>(std::min<int64_t>(kVectorBlocks, item.end_block - block));
+      for (int64_t row = 0; row < M; row += kVectorRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kVectorRows, M - row));
+        kBlockKernels[rows - 1][blocks - 1](*this, row, block);
+      }
+    }
+  }
+
+  // y[row : row + R, block * 16 : (block + C) * 16], accumulated over all of K in registers.
+  template <int R, int C>
+  VLLM_XLA_AVX512BF16 static void Block(const VectorProblem& p, int64_t row, int64_t block) {
+    const int64_t pairs = p.K / 2, panel = pairs * 32;  // uint16 values in one column block
+    const uint16_t* w = p.w + block * panel;
+    const uint16_t* x = p.x + row * p.K;
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      __m512i weights[C];
+      for (int c = 0; c < C; ++c) weights[c] = _mm512_loadu_si512(w + c * panel + pair * 32);
+      for (int r = 0; r < R; ++r) {
+        int32_t both;
+        std::memcpy(&both, x + r * p.K + 2 * pair, sizeof(both));
+        const __m512bh xs = (__m512bh)_mm512_set1_epi32(both);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xs, (__m512bh)weights[c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(p.y + (row + r) * p.N + (block + c) * 16, acc[r][c]);
+  }
+
+  using BlockKernel = void (*)(const VectorProblem&, int64_t, int64_t);
+  template <int R>
+  static constexpr BlockKernel kRowKernels[kVectorBlocks] = {&Block<R, 1>, &Block<R, 2>, &Block<R, 3>,
+                                                             &Block<R, 4>};
+  static constexpr const BlockKernel* kBlockKernels[kVectorRows] = {
+      kRowKernels<1>, kRowKernels<2>, kRowKernels<3>, kRowKernels<4>, kRowKernels<5>, kRowKernels<6>};
+};
+
+// Whether this process may run the `isa` path, probed once.
+bool IsaUsable(DenseIsa isa) {
+  static const bool amx = AmxUsable(), vector = Avx512Bf16Usable();
+  return (isa == kAmx && amx) || (isa == kAvx512Bf16 && vector);
+}
+
+// Runs a problem over runs of 16-column blocks, two a thread, each an even number of blocks (but
+// the last) and at most `max_item_blocks` long.
+template <typename Problem>
+void RunOverColumnBlocks(const Problem& problem, int64_t blocks, int64_t max_item_blocks,
+                         ffi::ThreadPool& pool) {
+  const int64_t threads = pool.num_threads() + 1;
+  const int64_t per_item =
+      std::max<int64_t>(2, std::min(blocks / (kItemsPerThread * threads), max_item_blocks) / 2 * 2);
+  auto work = std::make_shared<vllm_xla::SharedWork<Item>>();
+  for (int64_t first = 0; first < blocks; first += per_item) {
+    work->items.push_back({first, std::min(blocks, first + per_item)});
+  }
+  vllm_xla::RunAll(problem, work, pool);
+}
+
+void RunAmx(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
+            ffi::ThreadPool& pool) {
+  const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
+  std::vector<uint16_t> padded;
+  if (Mp != M) {
+    padded.assign(Mp * K, 0);
+    std::memcpy(padded.data(), x_bits, M * K * sizeof(uint16_t));
+    x_bits = padded.data();
+  }
+  // Later row passes reread an item's weights: at most an L2's share of them.
+  const int64_t cached_blocks = kItemWeightBytes / (K * kTileCols * sizeof(uint16_t));
+  RunOverColumnBlocks(AmxProblem{x_bits, w, y, M, Mp, K, N}, N / kTileCols, cached_blocks, pool);
+}
+
+void RunVector(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
+               ffi::ThreadPool& pool) {
+  const int64_t cached_blocks = kItemWeightBytes / (K * kTileCols * sizeof(uint16_t));
+  RunOverColumnBlocks(VectorProblem{x_bits, w, y, M, K, N}, N / kTileCols,
+                      std::max<int64_t>(kVectorBlocks, cached_blocks), pool);
+}
+
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                 ffi::ResultBuffer<ffi::F32> y) {
+                 ffi::ResultBuffer<ffi::F32> y, int32_t isa) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 4 || wd[2] != 16 || wd[3] != 2 || wd[1] * 2 != xd[1] ||
@@ -165,53 +282,47 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument(
         "expected x [M, K] and a packed weight [N/16, K/2, 16, 2] with K a multiple of 32");
   }
-  static const bool amx_usable = AmxUsable();  // probed once a process
-  if (!amx_usable) {
-    return ffi::Error(ffi::ErrorCode::kUnimplemented, "this CPU or kernel does not allow AMX bfloat16");
+  DenseIsa run = static_cast<DenseIsa>(isa);
+  if (run == kBestIsa) run = IsaUsable(kAmx) ? kAmx : kAvx512Bf16;
+  if (!IsaUsable(run)) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "this CPU or kernel does not allow the requested dense path (AMX bfloat16 or "
+                      "AVX-512 BF16)");
   }
-  const int64_t M = xd[0], K = xd[1], N = wd[0] * 16, Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
+  const int64_t M = xd[0], K = xd[1], N = wd[0] * 16;
   if (M == 0) return ffi::Error::Success();
   const auto* x_bits = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  std::vector<uint16_t> padded;
-  if (Mp != M) {
-    padded.assign(Mp * K, 0);
-    std::memcpy(padded.data(), x_bits, M * K * sizeof(uint16_t));
-    x_bits = padded.data();
+  const auto* w_bits = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  if (run == kAmx) {
+    RunAmx(x_bits, w_bits, y->typed_data(), M, K, N, pool);
+  } else {
+    RunVector(x_bits, w_bits, y->typed_data(), M, K, N, pool);
   }
-  const int64_t blocks = N / kTileCols;
-  const int64_t threads = pool.num_threads() + 1;
-  // Two items a thread, each an even number of blocks (but the last) and at most an L2's share
-  // of weights: later row passes reread them.
-  const int64_t cached_blocks = kItemWeightBytes / (K * kTileCols * sizeof(uint16_t));
-  const int64_t per_item =
-      std::max<int64_t>(2, std::min(blocks / (kItemsPerThread * threads), cached_blocks) / 2 * 2);
-  auto work = std::make_shared<vllm_xla::SharedWork<Item>>();
-  for (int64_t first = 0; first < blocks; first += per_item) {
-    work->items.push_back({first, std::min(blocks, first + per_item)});
-  }
-  Problem problem{x_bits, reinterpret_cast<const uint16_t*>(w.untyped_data()), y->typed_data(), M, Mp, K, N};
-  vllm_xla::RunAll(problem, work, pool);
   return ffi::Error::Success();
 }
 
-#else  // not x86-64: no AMX
+#else  // not x86-64: neither AMX nor AVX-512
 
-bool AmxUsable() { return false; }
+bool IsaUsable(DenseIsa) { return false; }
 
-ffi::Error Dense(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>, ffi::ResultBuffer<ffi::F32>) {
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "AMX dense layers need an x86-64 CPU");
+ffi::Error Dense(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>, ffi::ResultBuffer<ffi::F32>,
+                 int32_t) {
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "the native dense layers need an x86-64 CPU");
 }
 
 #endif
 
 }  // namespace
 
-// 1 when this process may run the AMX dense kernel, else 0 (probed once from Python).
-extern "C" int VllmXlaAmxUsable() { return AmxUsable() ? 1 : 0; }
+// The dense paths this process may run, as a bit mask: bit 1 AVX-512 BF16, bit 2 AMX.
+extern "C" int VllmXlaDenseIsas() {
+  return (IsaUsable(kAvx512Bf16) ? 1 << kAvx512Bf16 : 0) | (IsaUsable(kAmx) ? 1 << kAmx : 0);
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaAmxDense, Dense,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDense, Dense,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("isa"));

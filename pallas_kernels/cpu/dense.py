@@ -1,25 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bfloat16 dense layers on Intel AMX: weights packed once, products through `dense.cc`.
+"""bfloat16 dense layers in C++ (`dense.cc`): weights packed once, products on Intel AMX tiles or
+with AVX-512 BF16 vectors.
 
-XLA:CPU's bfloat16 dots do not use AMX; `amx_dense` does, for `x [M, K] @ kernel [K, N]` with
-float32 accumulation and a float32 result, the contract of `models.layers.matmul`. The kernel is
-packed once (`pack_dense_kernel`) into the tile layout the instruction reads; `amx_dense_reference`
-computes the same product in plain JAX from the packed form (the oracle in tests).
+XLA:CPU's bfloat16 dots use neither instruction, and stream a single row's weights at a few GB/s;
+`native_dense` computes `x [M, K] @ kernel [K, N]` with float32 accumulation and a float32 result,
+the contract of `models.layers.matmul`. The kernel is packed once (`pack_dense_kernel`) into the
+layout both instructions read; `native_dense_reference` computes the same product in plain JAX from
+the packed form (the oracle in tests).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.cpu.build import DENSE_TARGET, NativeKernelError, is_loaded
+from pallas_kernels.cpu.build import DENSE_ISAS, DENSE_TARGET, NativeKernelError, is_loaded
 
 DEPTH_MULTIPLE = 32  # K: one tile row holds 32 bfloat16 values
 COLUMN_MULTIPLE = 16  # N: one tile holds 16 float32 results a row
 
 
 def can_pack(shape: tuple[int, ...], dtype: jnp.dtype) -> bool:
-    """Whether a `[K, N]` kernel of this shape and dtype can run on `amx_dense`."""
+    """Whether a `[K, N]` kernel of this shape and dtype can run on `native_dense`."""
     return (
         len(shape) == 2
         and jnp.dtype(dtype) == jnp.bfloat16
@@ -32,7 +35,7 @@ def pack_dense_kernel(kernel: jax.Array) -> jax.Array:
     """`[K, N]` bfloat16 -> `[N/16, K/2, 16, 2]`: 16-column tiles, pairs of rows interleaved."""
     if not can_pack(kernel.shape, kernel.dtype):
         raise ValueError(
-            f"AMX dense layers take a bfloat16 [K, N] kernel with K a multiple of {DEPTH_MULTIPLE} "
+            f"native dense layers take a bfloat16 [K, N] kernel with K a multiple of {DEPTH_MULTIPLE} "
             f"and N of {COLUMN_MULTIPLE}, not {kernel.dtype} {tuple(kernel.shape)}"
         )
     k, n = kernel.shape
@@ -45,23 +48,28 @@ def unpack_dense_kernel(packed: jax.Array) -> jax.Array:
     return packed.transpose(1, 3, 0, 2).reshape(pairs * two, blocks * cols)
 
 
-def amx_dense_reference(x: jax.Array, packed: jax.Array) -> jax.Array:
+def native_dense_reference(x: jax.Array, packed: jax.Array) -> jax.Array:
     """`x [M, K] @ kernel`, float32, from the packed kernel, in plain JAX."""
     return jnp.einsum("mk,kn->mn", x, unpack_dense_kernel(packed), preferred_element_type=jnp.float32)
 
 
-def amx_dense(x: jax.Array, packed: jax.Array) -> jax.Array:
-    """`x [M, K] @ kernel` in float32 on AMX tiles, `packed` from `pack_dense_kernel`.
+def native_dense(x: jax.Array, packed: jax.Array, *, isa: str | None = None) -> jax.Array:
+    """`x [M, K] @ kernel` in float32, `packed` from `pack_dense_kernel`.
 
-    Needs the native kernels loaded (`pallas_kernels.cpu.load`) on a CPU where `amx_usable` holds.
+    `isa` picks the path ("amx" or "avx512_bf16"); None takes the best one `dense_isa` reports.
+    Needs the native kernels loaded (`pallas_kernels.cpu.load`) on a CPU where `dense_isa` is not
+    None; a path the CPU lacks fails when the program runs.
     """
     if not is_loaded():
         raise NativeKernelError(
             "the native CPU kernels are not loaded in this process: "
             "call pallas_kernels.cpu.load(build_dir) first"
         )
+    codes = {name: code for code, name in DENSE_ISAS.items()}
+    if isa is not None and isa not in codes:
+        raise ValueError(f"isa must be one of {sorted(codes)} or None, not {isa!r}")
     blocks, pairs, cols, two = packed.shape
     if x.ndim != 2 or x.shape[1] != pairs * two or cols != COLUMN_MULTIPLE or two != 2:
         raise ValueError(f"x {tuple(x.shape)} does not match a packed kernel {tuple(packed.shape)}")
     call = jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((x.shape[0], blocks * cols), jnp.float32))
-    return call(x.astype(jnp.bfloat16), packed.astype(jnp.bfloat16))
+    return call(x.astype(jnp.bfloat16), packed.astype(jnp.bfloat16), isa=np.int32(codes.get(isa, 0)))

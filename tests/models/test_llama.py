@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from models import AttentionMetadata, ModelConfig, build, load_model, load_weights, pack_for_amx
-from models.layers import AmxKernel
+from models import AttentionMetadata, ModelConfig, build, load_model, load_weights, pack_for_native_dense
+from models.layers import PackedKernel
 from pallas_kernels import allocate_kv_cache
 from tests.tiny_models import save_tiny_llama
 
@@ -144,15 +144,16 @@ def test_fused_projections_replace_the_checkpoint_ones_and_compute_the_same(tiny
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_amx_packed_bf16_model_computes_what_the_unpacked_one_does(amx_kernels, tmp_path, tied):
-    """`pack_for_amx` moves every Linear (and a tied head's copy) onto the AMX kernel; the logits
+def test_packed_bf16_model_computes_what_the_unpacked_one_does(dense_kernels, tmp_path, tied):
+    """`pack_for_native_dense` moves every Linear (and a tied head's copy) onto the native dense
+    kernel (its best path here); the logits
     stay those of the XLA bfloat16 model and close to transformers' float32 ones."""
     path = save_tiny_llama(str(tmp_path), tie_word_embeddings=tied)
     hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
     config, plain = load_model(path, jnp.bfloat16)
     _, packed = load_model(path, jnp.bfloat16)
-    assert pack_for_amx(packed) == 4 * config.num_layers + 1  # qkv, o, gate/up, down; the head
-    assert isinstance(packed.model.layers[0].mlp.down_proj.kernel, AmxKernel)
+    assert pack_for_native_dense(packed) == 4 * config.num_layers + 1  # qkv, o, gate/up, down; the head
+    assert isinstance(packed.model.layers[0].mlp.down_proj.kernel, PackedKernel)
     ids = [1, 5, 9, 20, 33, 7, 3]
     bf16_caches = [
         allocate_kv_cache(8, PAGE, config.num_kv_heads, config.head_dim, jnp.bfloat16, backend="xla")

@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The AMX bfloat16 dense kernel (C++ through XLA FFI): its packed layout, its reference and the
-kernel against the reference over a grid of shapes (row counts around the 16-row tiles, odd
-16-column blocks, deep and wide kernels). Kernel runs skip on CPUs without AMX."""
+"""The bfloat16 dense kernel (C++ through XLA FFI): its packed layout, its reference, and each of
+its paths (AMX tiles, AVX-512 BF16 vectors) against the reference over a grid of shapes (row counts
+around the 16-row tiles and 6-row register blocks, odd 16-column blocks, deep and wide kernels).
+Runs of a path skip on CPUs without its instructions."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +14,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels import cpu
+
+
+@pytest.fixture(params=["amx", "avx512_bf16"])
+def isa(request, dense_kernels) -> str:
+    """Each path of the dense kernel this CPU runs."""
+    if request.param not in cpu.dense_isas(dense_kernels):
+        pytest.skip(f"this CPU (or its kernel) does not run the {request.param} path")
+    return request.param
 
 
 def _bf16(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> jax.Array:
@@ -33,7 +44,7 @@ def test_reference_on_a_hand_worked_product():
     # y[r, n] = 32 * (r + 1) * (n + 1) / 64 = (r + 1) * (n + 1) / 2, exact in bfloat16/float32.
     x = jnp.asarray(np.repeat(np.arange(1, 4, dtype=np.float32)[:, None], 32, axis=1), jnp.bfloat16)
     kernel = jnp.asarray(np.tile(np.arange(1, 17, dtype=np.float32) / 64, (32, 1)), jnp.bfloat16)
-    y = cpu.amx_dense_reference(x, cpu.pack_dense_kernel(kernel))
+    y = cpu.native_dense_reference(x, cpu.pack_dense_kernel(kernel))
     assert y.dtype == jnp.float32
     np.testing.assert_array_equal(y, np.outer(np.arange(1, 4), np.arange(1, 17)) / 2)
 
@@ -42,45 +53,55 @@ def test_reference_on_a_hand_worked_product():
     ("shape", "dtype"),
     [((48, 16), jnp.bfloat16), ((64, 40), jnp.bfloat16), ((64, 32), jnp.float32), ((64,), jnp.bfloat16)],
 )
-def test_kernels_amx_cannot_take_are_refused_by_name(shape, dtype):
+def test_kernels_the_native_kernel_cannot_take_are_refused_by_name(shape, dtype):
     assert not cpu.can_pack(shape, dtype)
     with pytest.raises(ValueError, match=r"bfloat16 \[K, N\] kernel with K a multiple of 32 and N of 16"):
         cpu.pack_dense_kernel(jnp.zeros(shape, dtype))
 
 
-ROWS = (1, 2, 15, 16, 17, 31, 32, 33, 64, 70)
+ROWS = (1, 2, 5, 6, 7, 15, 16, 17, 31, 32, 33, 64, 70)
 KERNELS = ((32, 16), (64, 48), (576, 960), (1536, 64))
 
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize(("depth", "width"), KERNELS)
-def test_kernel_matches_reference(amx_kernels, rows, depth, width):
+def test_kernel_matches_reference(isa, rows, depth, width):
     rng = np.random.default_rng(rows * 7919 + depth + width)
     x, kernel = _bf16(rng, (rows, depth)), _bf16(rng, (depth, width), scale=depth**-0.5)
     packed = cpu.pack_dense_kernel(kernel)
-    got = jax.jit(cpu.amx_dense)(x, packed)
+    got = jax.jit(functools.partial(cpu.native_dense, isa=isa))(x, packed)
     assert got.shape == (rows, width) and got.dtype == jnp.float32
     # Same float32 accumulation of exact bfloat16 products; only the summation order differs.
-    np.testing.assert_allclose(got, cpu.amx_dense_reference(x, packed), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, cpu.native_dense_reference(x, packed), rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_on_a_vocabulary_wide_head_and_inside_a_larger_program(amx_kernels):
+def test_kernel_on_a_vocabulary_wide_head_and_inside_a_larger_program(isa):
     rng = np.random.default_rng(3)
     x, kernel = _bf16(rng, (20, 64)), _bf16(rng, (64, 49152), scale=0.125)
     packed = cpu.pack_dense_kernel(kernel)
 
     @jax.jit
     def head(hidden, weights):
-        logits = cpu.amx_dense(jnp.tanh(hidden.astype(jnp.float32)).astype(jnp.bfloat16), weights)
+        logits = cpu.native_dense(jnp.tanh(hidden.astype(jnp.float32)).astype(jnp.bfloat16), weights, isa=isa)
         return jnp.argmax(logits, axis=-1), logits
 
     best, logits = head(x, packed)
-    expected = cpu.amx_dense_reference(jnp.tanh(x.astype(jnp.float32)).astype(jnp.bfloat16), packed)
+    expected = cpu.native_dense_reference(jnp.tanh(x.astype(jnp.float32)).astype(jnp.bfloat16), packed)
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(best, np.argmax(expected, axis=-1))
 
 
-def test_kernel_refuses_an_input_that_does_not_match_the_packed_kernel(amx_kernels):
+def test_kernel_refuses_an_input_that_does_not_match_the_packed_kernel(dense_kernels):
     packed = cpu.pack_dense_kernel(jnp.zeros((64, 32), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"x \(4, 32\) does not match a packed kernel \(2, 32, 16, 2\)"):
-        cpu.amx_dense(jnp.zeros((4, 32), jnp.bfloat16), packed)
+        cpu.native_dense(jnp.zeros((4, 32), jnp.bfloat16), packed)
+    with pytest.raises(ValueError, match=r"isa must be one of \['amx', 'avx512_bf16'\] or None, not 'avx2'"):
+        cpu.native_dense(jnp.zeros((4, 64), jnp.bfloat16), packed, isa="avx2")
+
+
+def test_default_path_is_the_best_one_the_cpu_runs(dense_kernels):
+    isas = cpu.dense_isas(dense_kernels)
+    assert cpu.dense_isa(dense_kernels) == isas[0]
+    assert set(isas) <= {"amx", "avx512_bf16"}
+    flags = open("/proc/cpuinfo").read()
+    assert ("avx512_bf16" in isas) == (" avx512_bf16" in flags)

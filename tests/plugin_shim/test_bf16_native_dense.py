@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bfloat16 serving on our platform, with the dense layers on AMX where the CPU has it: greedy
+"""bfloat16 serving on our platform, with the dense layers on the native kernel (AMX or AVX-512
+BF16) where the CPU has either: greedy
 continuations checked token by token against transformers' float32 logits (teacher forcing)."""
 
 import gc
@@ -10,6 +11,7 @@ import torch
 from transformers import LlamaForCausalLM
 from vllm import LLM, SamplingParams
 
+from pallas_kernels import cpu
 from plugin_shim.active import assert_active
 from tests.tiny_models import save_tiny_llama
 
@@ -35,8 +37,9 @@ def llm(model_dir):
     gc.collect()
 
 
-def test_dense_layers_run_on_amx_where_the_cpu_has_it(llm, amx_kernels):
-    assert llm.collective_rpc(lambda worker: worker.runner.amx_dense) == [True]
+def test_dense_layers_run_on_the_native_kernel_where_the_cpu_has_it(llm, dense_kernels):
+    best = cpu.dense_isa(dense_kernels)
+    assert llm.collective_rpc(lambda worker: worker.runner.dense_isa) == [best]
 
 
 def test_greedy_tokens_are_transformers_argmax_within_bf16_error(llm, model_dir):
