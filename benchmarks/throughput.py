@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--xla-dtype",
         default="auto",
         help="dtype of vLLM on our platform; auto: bfloat16, except float32 for the single stream "
-        "on CPUs without AMX (XLA:CPU streams float32 matvecs faster than bfloat16 ones)",
+        "on CPUs with neither AMX nor AVX-512 BF16 (there the dense layers stay on XLA:CPU, which "
+        "streams float32 matvecs faster than bfloat16 ones)",
     )
     parser.add_argument("--hf-dtype", default="bfloat16", help="torch dtype of the transformers peer")
     parser.add_argument("--timeout", type=float, help="seconds per worker (default 3600, quick 1200)")
@@ -84,12 +85,14 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(f"terminated by signal {signum}")  # unwinds `serve`, which then stops its server
 
 
-def _cpu_has_amx() -> bool:
+def _cpu_runs_native_dense() -> bool:
+    """Whether the CPU has an instruction set of our native bfloat16 dense kernel."""
     try:
         with open("/proc/cpuinfo") as info:
-            return "amx_bf16" in info.read()
+            flags = info.read()
     except OSError:
         return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -97,7 +100,7 @@ def worker_main(args: argparse.Namespace) -> int:
     sizes = _peers.Sizes.quick() if args.quick else _peers.Sizes.full()
     dtype = {"xla": args.xla_dtype, "vllm-cpu": args.peer_dtype, "hf": args.hf_dtype}[args.worker]
     if dtype == "auto":
-        dtype = "float32" if args.workload == "single" and not _cpu_has_amx() else "bfloat16"
+        dtype = "float32" if args.workload == "single" and not _cpu_runs_native_dense() else "bfloat16"
     if args.workload == "serve":
         from _serve import run_serve
 

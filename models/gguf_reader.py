@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """GGUF checkpoints (llama.cpp format): HF config and HF-named float32 tensors.
 
-Quantized tensors are dequantized with the `gguf` package. llama.cpp stores the rows of
+The file is read by `gguf_file.read_gguf`; quantized tensors are dequantized with the `gguf`
+package. llama.cpp stores the rows of
 `attn_q`/`attn_k` permuted for its interleaved RoPE; they are permuted back to the HF
 (rotate-half) order here, so the result is what an HF checkpoint of the same model holds.
 """
@@ -13,6 +14,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
+from models.gguf_file import GgufFile, read_gguf
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -36,15 +39,8 @@ _GLOBAL_NAMES = {
 _SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM"}
 
 
-def _reader(path: str) -> Any:
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _opened(source: str | GgufFile) -> GgufFile:
+    return source if isinstance(source, GgufFile) else read_gguf(source)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -65,49 +61,50 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(out, *rest)
 
 
-def hf_config(path: str) -> dict[str, Any]:
-    """An HF `config.json` dict built from the GGUF metadata."""
-    reader = _reader(path)
-    arch = _field(reader, "general.architecture")
+def hf_config(source: str | GgufFile) -> dict[str, Any]:
+    """An HF `config.json` dict built from the GGUF metadata (a path, or a file already read)."""
+    gguf = _opened(source)
+    arch = gguf.field("general.architecture")
     if arch not in _SUPPORTED_ARCHS:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; supported: {sorted(_SUPPORTED_ARCHS)}"
         )
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    names = {t.name for t in reader.tensors}
+    num_heads = int(gguf.field(f"{arch}.attention.head_count"))
+    hidden = int(gguf.field(f"{arch}.embedding_length"))
+    names = {t.name for t in gguf.tensors}
     return {
         "architectures": [_SUPPORTED_ARCHS[arch]],
         "model_type": arch,
-        "vocab_size": len(_field(reader, "tokenizer.ggml.tokens")),
+        "vocab_size": len(gguf.field("tokenizer.ggml.tokens")),
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "intermediate_size": int(gguf.field(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(gguf.field(f"{arch}.block_count")),
         "num_attention_heads": num_heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        "num_key_value_heads": int(gguf.field(f"{arch}.attention.head_count_kv", num_heads)),
         "head_dim": hidden // num_heads,
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "rms_norm_eps": float(gguf.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(gguf.field(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(gguf.field(f"{arch}.context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": gguf.field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gguf.field("tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
 
 
-def iter_hf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields `(hf_name, float32 array)` for every tensor of the GGUF file."""
+def iter_hf_tensors(source: str | GgufFile) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields `(hf_name, float32 array)` for every tensor of the GGUF file (a path, or a file
+    already read)."""
     from gguf.quants import dequantize
 
-    reader = _reader(path)
-    arch = _field(reader, "general.architecture")
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
-    for tensor in reader.tensors:
+    gguf = _opened(source)
+    arch = gguf.field("general.architecture")
+    num_heads = int(gguf.field(f"{arch}.attention.head_count"))
+    num_kv_heads = int(gguf.field(f"{arch}.attention.head_count_kv", num_heads))
+    for tensor in gguf.tensors:
         name = hf_name(tensor.name)
-        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        array = np.asarray(dequantize(tensor.data, tensor.ggml_type), dtype=np.float32)
         if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
             array = unpermute_rope_rows(array, num_heads)
         elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):

@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="auto",
-        help="vLLM's model dtype (auto: float32 on CPU); bfloat16 runs the dense layers on AMX "
-        "where the CPU has it",
+        help="vLLM's model dtype (auto: float32 on CPU); bfloat16 runs the dense layers on the "
+        "native kernel where the CPU has AMX or AVX-512 BF16",
     )
     p = sub.add_parser("serve", help="start vLLM's OpenAI-compatible server on the XLA platform")
     p.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M-Instruct)")
