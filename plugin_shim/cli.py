@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import threading
 
-from tpu_platform.envs import read_env
+from tpu_platform.attention_backend import native_build_dir
+from tpu_platform.envs import XlaEnv, read_env
 
 
 def _ensure_platform() -> None:
@@ -16,6 +19,45 @@ def _ensure_platform() -> None:
         from plugin_shim.devices import detect_device_kind
 
         os.environ["VLLM_XLA_PLATFORM"] = detect_device_kind()
+
+
+def _builds_native_kernels(env: XlaEnv) -> bool:
+    return os.environ.get("VLLM_XLA_PLATFORM") == "cpu" and env.attention_backend in ("auto", "cpu_native")
+
+
+def _build_native_kernels_quietly(build_dir: str) -> None:
+    from pallas_kernels.cpu.build import NativeKernelError, build_library
+
+    try:
+        build_library(build_dir)
+    except NativeKernelError:
+        pass  # the worker reports it, and falls back or fails as configured
+
+
+def _start_native_build(env: XlaEnv) -> threading.Thread | None:
+    """Starts building the native CPU kernels while vLLM imports (about 10 s on 2 cores, on the
+    otherwise idle core); the worker then finds the library, or waits for this build to finish."""
+    if not _builds_native_kernels(env):
+        return None
+    import pallas_kernels.cpu.build  # noqa: F401  (imported here, not in the thread: no import races)
+
+    thread = threading.Thread(
+        target=_build_native_kernels_quietly, args=(native_build_dir(env.cache_dir),), daemon=True
+    )
+    thread.start()
+    return thread
+
+
+def _generate_dtype(requested: str, env: XlaEnv, build: threading.Thread | None) -> str:
+    """`auto` is bfloat16 where the native dense kernel runs (AMX or AVX-512 BF16: faster to run
+    and to compile), else vLLM's own choice (float32 on CPU)."""
+    if requested != "auto" or build is None:
+        return requested
+    from tpu_platform.attention_backend import native_dense_isa, select_backend
+
+    build.join()
+    backend = select_backend(env.attention_backend, "cpu", env.cache_dir)
+    return "bfloat16" if native_dense_isa(backend, env.cache_dir) else requested
 
 
 def _default_model() -> str:
@@ -33,6 +75,8 @@ def cmd_model_dir(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     _ensure_platform()
+    env = read_env()
+    build = _start_native_build(env)
     # A one-shot offline run: the engine runs in this process, with no second interpreter to
     # start (importing vLLM, torch and JAX again) and to shut down.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -43,9 +87,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(
         model=args.model or _default_model(),
         max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs or min(len(args.prompts), 16),
         max_num_batched_tokens=args.max_num_batched_tokens,
-        dtype=args.dtype,
+        dtype=_generate_dtype(args.dtype, env, build),
         seed=args.seed,
     )
     assert_active()
@@ -57,6 +101,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     _ensure_platform()
+    env = read_env()
+    if _builds_native_kernels(env):  # in a process of its own: this one becomes vLLM's server
+        command = [sys.executable, "-m", "pallas_kernels.cpu", native_build_dir(env.cache_dir)]
+        subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     model = args.model or _default_model()
     # vLLM's own OpenAI server, as a module: works for every vLLM distribution name.
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra]
@@ -78,14 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-model-len", type=int, default=2048)
     # Small step limits keep the warm-up (one forward program per token bucket) short.
-    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument(
+        "--max-num-seqs", type=int, help="default: the number of prompts, at most 16 (fewer sampler programs)"
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--dtype",
         default="auto",
-        help="vLLM's model dtype (auto: float32 on CPU); bfloat16 runs the dense layers on the "
-        "native kernel where the CPU has AMX or AVX-512 BF16",
+        help="vLLM's model dtype; auto: bfloat16 on CPUs with AMX or AVX-512 BF16 (the dense "
+        "layers then run on the native kernel), else float32 on CPU",
     )
     p = sub.add_parser("serve", help="start vLLM's OpenAI-compatible server on the XLA platform")
     p.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M-Instruct)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import os
@@ -83,25 +84,55 @@ def library_name(compiler: str) -> str:
 
 
 def build_library(build_dir: str | os.PathLike[str]) -> Path:
-    """Compiles the kernels into `build_dir` unless that library is already there; returns its path."""
+    """Compiles the kernels into `build_dir` unless that library is already there; returns its path.
+
+    Builders of the same directory take turns (a file lock), so a process that finds another
+    one building waits for that library instead of compiling it again.
+    """
     compiler = find_compiler()
     build_dir = Path(build_dir)
     library = build_dir / library_name(compiler)
     if library.exists():
         return library
     build_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=build_dir) as scratch:
-        partial = Path(scratch) / library.name
+    with open(build_dir / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not library.exists():
+            _compile(compiler, library)
+    return library
+
+
+def _compile(compiler: str, library: Path) -> None:
+    """One compiler process per source, side by side, then one link; the library appears whole."""
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         include = ["-I", jax.ffi.include_dir(), "-I", str(HEADERS[0].parent)]
-        command = [compiler, *_FLAGS, *include, *map(str, SOURCES), "-o", str(partial)]
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
+        objects = [str(Path(scratch) / f"{source.stem}.o") for source in SOURCES]
+        _run_side_by_side(
+            [
+                [compiler, *_FLAGS, *include, "-c", str(s), "-o", o]
+                for s, o in zip(SOURCES, objects, strict=True)
+            ],
+            Path(scratch),
+        )
+        partial = Path(scratch) / library.name
+        _run_side_by_side([[compiler, *_FLAGS, *objects, "-o", str(partial)]], Path(scratch))
+        os.replace(partial, library)  # atomic: concurrent loaders never see half a library
+
+
+def _run_side_by_side(commands: list[list[str]], scratch: Path) -> None:
+    """Runs the commands at once; the first that fails raises, quoting it and its errors."""
+    logs = [scratch / f"command-{i}.log" for i in range(len(commands))]
+    running = []
+    for command, log in zip(commands, logs, strict=True):
+        with open(log, "w") as out:  # a file, not a pipe: a long error log never blocks the compiler
+            running.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT))
+    codes = [process.wait() for process in running]
+    for command, log, code in zip(commands, logs, codes, strict=True):
+        if code != 0:
             raise NativeKernelError(
                 f"building {' '.join(p.name for p in SOURCES)} failed ({' '.join(command)}):\n"
-                f"{result.stderr[-4000:]}"
+                f"{log.read_text(errors='replace')[-4000:]}"
             )
-        os.replace(partial, library)  # atomic: concurrent builders never see half a library
-    return library
 
 
 @dataclasses.dataclass(frozen=True)

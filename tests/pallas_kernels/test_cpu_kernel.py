@@ -9,7 +9,9 @@ span many work items. Tolerances: conftest.TOLERANCE.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +120,30 @@ def test_build_errors_name_the_cause(tmp_path, monkeypatch):
     failed = r"building paged_attention\.cc dense\.cc broken\.cc failed"
     with pytest.raises(build.NativeKernelError, match=failed):
         build.build_library(tmp_path / "out")
+
+
+def test_concurrent_builders_of_one_directory_compile_once(tmp_path, monkeypatch):
+    compiled = []
+
+    def slow_compile(compiler, library):
+        compiled.append(library)
+        time.sleep(0.3)  # long enough for the other builder to arrive while this one holds the lock
+        library.write_bytes(b"library")
+
+    monkeypatch.setattr(build, "_compile", slow_compile)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        libraries = list(pool.map(lambda _: build.build_library(tmp_path), range(3)))
+    assert len(compiled) == 1 and libraries == [compiled[0]] * 3
+
+
+def test_build_module_prints_the_library_or_the_error(native_kernels, tmp_path, monkeypatch, capsys):
+    from pallas_kernels.cpu.__main__ import main
+
+    assert main([str(native_kernels.parent)]) == 0
+    assert capsys.readouterr().out.strip() == str(native_kernels)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert main([str(tmp_path)]) == 1
+    assert "no C++ compiler found" in capsys.readouterr().err
 
 
 def test_select_backend_falls_back_to_xla_only_when_asked_for_auto(tmp_path, monkeypatch, caplog):
