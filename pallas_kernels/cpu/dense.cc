@@ -2,7 +2,7 @@
 // bfloat16 dense layers as an XLA FFI handler: y[M, N] (float32) = x[M, K] @ w, on Intel AMX tiles
 // or, on CPUs without AMX that have AVX-512 BF16 (AMD Zen 4 and later, Intel Cooper Lake), with
 // VDPBF16PS on vectors. Compiled on every CPU (each path carries its own target attribute); a
-// path runs only where `DenseIsa` finds it.
+// path runs only where `IsaUsable` finds it.
 //
 // XLA:CPU runs bfloat16 dots without either instruction, and streams a single row's weights at a
 // few GB/s. Both paths read one packed weight layout, made once at load time: [N/16, K/2, 16, 2]
