@@ -53,9 +53,18 @@ def decode_kv(rows: jax.Array) -> jax.Array:
 
 def write_kv_reference(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Writes k, v `[T, K, D]` at `slot_mapping[T]` (page * S + offset); negative slots write nothing."""
-    num_rows, num_pages, row_len = kv_cache.shape
+    return scatter_kv(kv_cache, k, v, slot_mapping, page_axis=1)
+
+
+def scatter_kv(
+    kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *, page_axis: int
+) -> jax.Array:
+    """`write_kv_reference` for a cache whose pages lie along `page_axis` (1: `[2K, pages, S*D]`,
+    0: `[pages, 2K, S*D]`, the `cpu_native` layout): one windowed scatter XLA keeps in place."""
+    row_axis = 1 - page_axis
+    num_pages, row_len = kv_cache.shape[page_axis], kv_cache.shape[2]
     _, num_kv_heads, head_dim = k.shape
-    assert num_rows == 2 * num_kv_heads, (kv_cache.shape, k.shape)
+    assert kv_cache.shape[row_axis] == 2 * num_kv_heads, (kv_cache.shape, k.shape)
     page_size = row_len // head_dim
     updates = _encode(jnp.concatenate([k, v], axis=1), kv_cache.dtype)  # [T, 2K, D]
     if slot_mapping.shape[0] == 1:
@@ -67,7 +76,9 @@ def write_kv_reference(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_map
     offset = (slot_mapping % page_size) * head_dim
     indices = jnp.stack([page, offset], axis=-1).astype(jnp.int32)  # [T, 2]
     dims = lax.ScatterDimensionNumbers(
-        update_window_dims=(1, 2), inserted_window_dims=(1,), scatter_dims_to_operand_dims=(1, 2)
+        update_window_dims=(1, 2),
+        inserted_window_dims=(page_axis,),
+        scatter_dims_to_operand_dims=(page_axis, 2),
     )
     return lax.scatter(
         kv_cache, indices, updates, dims, unique_indices=True, mode=lax.GatherScatterMode.FILL_OR_DROP

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Native CPU backend: the reference's KV cache layout and writes, attention in C++ via XLA FFI,
-and bfloat16 dense layers on AMX or AVX-512 BF16 (`dense.py`).
+"""Native CPU backend: a page-major KV cache (`layout.py`), attention in C++ via XLA FFI, and
+bfloat16 dense layers on AMX or AVX-512 BF16 (`dense.py`).
 
 XLA:CPU has no fast formulation of paged attention (a page gather runs at a few GB/s and every
 pure-XLA variant measured costs 9 to 13 ms a layer at 48 decode rows), so on CPU
@@ -23,8 +23,7 @@ from pallas_kernels.cpu.build import (
     load,
 )
 from pallas_kernels.cpu.dense import can_pack, native_dense, native_dense_reference, pack_dense_kernel
-from pallas_kernels.reference import allocate_kv_cache_reference as allocate_kv_cache
-from pallas_kernels.reference import write_kv_reference as write_kv
+from pallas_kernels.cpu.layout import allocate_kv_cache, write_kv
 
 __all__ = [
     "NativeKernelError",

@@ -1,14 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 // Ragged paged attention for XLA:CPU as an XLA FFI handler.
 //
-// Same contract and KV cache layout as the pure-jnp reference (pallas_kernels/reference.py):
-// the cache is `[2K, num_pages, page_size * D]`, rows 0..K-1 holding K heads and K..2K-1 V
-// heads, bfloat16 values stored as uint16 bit patterns (or float32). Every query row attends to
-// its own sequence's keys up to its position, page by page, with an online softmax, so the work
-// follows the real context: padding rows and unused block-table entries cost nothing.
+// Same contract as the pure-jnp reference (pallas_kernels/reference.py), on the page-major cache of
+// layout.py: `[num_pages, 2K, page_size * D]`, rows 0..K-1 of a page holding its K heads and
+// K..2K-1 its V heads, bfloat16 values stored as uint16 bit patterns (or float32). Every query
+// row attends to its own sequence's keys up to its position, page by page, with an online
+// softmax, so the work follows the real context: padding rows and unused block-table entries cost
+// nothing.
 //
-// Work items are (sequence, kv head, block of query rows); the caller's thread and XLA's
-// intra-op pool take items from a shared counter until none is left.
+// Work items are (sequence, block of query rows, kv heads: all of them when there are enough
+// items, else one); the caller's thread and XLA's intra-op pool take items from a shared counter
+// until none is left.
 
 #include <algorithm>
 #include <atomic>
@@ -33,11 +35,12 @@ namespace {
 
 constexpr float kMaskValue = -1e30f;
 constexpr int64_t kRowsPerItem = 16;
+constexpr int64_t kItemsPerThread = 4;  // whole-page items when there are at least this many a thread
 constexpr int64_t kMaxHeadDim = 1024;
 
 struct Shapes {
   int64_t num_tokens, num_heads, head_dim;      // q [T, H, D]
-  int64_t num_kv_heads, num_pages, page_size;   // cache [2K, num_pages, S * D]
+  int64_t num_kv_heads, num_pages, page_size;   // cache [num_pages, 2K, S * D]
   int64_t num_slots, pages_per_seq;             // page_indices [R, P]
 };
 
@@ -48,7 +51,7 @@ struct Params {
 };
 
 struct Item {
-  int32_t seq, kv_head, first_row, end_row;
+  int32_t seq, first_head, end_head, first_row, end_row;  // kv heads [first_head, end_head)
 };
 
 inline float Load(const uint16_t* p, int64_t i) {
@@ -236,10 +239,12 @@ struct Problem {
     for (int64_t g = 0; g < G; ++g) AccumulateValues(sc + g * S16, values, j0, j1, acc + g * D);
   }
 
-  // Rows first_row..end_row of one sequence and kv head. A single row (decode) reads each page
-  // once as stored; a block of rows converts each page once, for every row that sees it.
+  // Rows first_row..end_row of one sequence, for kv heads first_head..end_head. A single row
+  // (decode) reads each page once as stored; a block of rows converts each page once, for every
+  // row that sees it. The heads of a page lie side by side: an item reads them in one stream.
   void Run(const Item& item) const {
     const int64_t D = HeadDim(), S = s.page_size, G = s.num_heads / s.num_kv_heads;
+    const int64_t K = s.num_kv_heads, heads = item.end_head - item.first_head;
     const int64_t rows = item.end_row - item.first_row;
     const int64_t seq_end = cu_q_lens[item.seq + 1];
     const int64_t kv_len = kv_lens[item.seq];
@@ -248,51 +253,58 @@ struct Problem {
     const int64_t first = std::max<int64_t>(0, kv_len - (seq_end - item.first_row));
     const int64_t window = prm.sliding_window;
     const int64_t lo_block = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-    Scratch w(rows, G, S, D);
+    // State of (row r, head h) at r * heads + h.
+    Scratch w(rows * heads, G, S, D);
     for (int64_t r = 0; r < rows; ++r) {
-      const float* q_row = q + ((item.first_row + r) * s.num_heads + item.kv_head * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) w.q[r * G * D + i] = q_row[i] * prm.sm_scale;
+      const float* q_row = q + ((item.first_row + r) * s.num_heads + item.first_head * G) * D;
+      for (int64_t i = 0; i < heads * G * D; ++i) w.q[r * heads * G * D + i] = q_row[i] * prm.sm_scale;
     }
     const int32_t* table = page_indices + item.seq * s.pages_per_seq;
     for (int64_t slot = lo_block / S; slot <= last / S && slot < s.pages_per_seq; ++slot) {
       const int64_t page = std::clamp<int64_t>(table[slot], 0, s.num_pages - 1);
       const int64_t n = std::min<int64_t>(S, last - slot * S + 1);
-      const T* k_page = cache + (item.kv_head * s.num_pages + page) * S * D;
-      const T* v_page = cache + ((s.num_kv_heads + item.kv_head) * s.num_pages + page) * S * D;
-      if (slot + 1 <= last / S && slot + 1 < s.pages_per_seq) {
-        // Start loading the next page: pages are scattered, so the hardware prefetcher cannot
-        // guess it (10-15% off a decode call).
-        const int64_t next = std::clamp<int64_t>(table[slot + 1], 0, s.num_pages - 1);
-        const char* next_k = reinterpret_cast<const char*>(cache + (item.kv_head * s.num_pages + next) * S * D);
-        const char* next_v = reinterpret_cast<const char*>(
-            cache + ((s.num_kv_heads + item.kv_head) * s.num_pages + next) * S * D);
-        for (int64_t b = 0; b < S * D * static_cast<int64_t>(sizeof(T)); b += 64) {
-          __builtin_prefetch(next_k + b);
-          __builtin_prefetch(next_v + b);
+      const T* page_base = cache + page * 2 * K * S * D;
+      const bool has_next = slot + 1 <= last / S && slot + 1 < s.pages_per_seq;
+      const T* next_base =
+          cache + std::clamp<int64_t>(has_next ? table[slot + 1] : page, 0, s.num_pages - 1) * 2 * K * S * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* k_page = page_base + (item.first_head + h) * S * D;
+        const T* v_page = page_base + (K + item.first_head + h) * S * D;
+        if (has_next) {
+          // Start loading this head's part of the next page: pages are scattered, so the
+          // hardware prefetcher cannot guess it. A head at a time keeps the requests in flight
+          // within what the core can track.
+          const char* next_k = reinterpret_cast<const char*>(next_base + (item.first_head + h) * S * D);
+          const char* next_v = reinterpret_cast<const char*>(next_base + (K + item.first_head + h) * S * D);
+          for (int64_t b = 0; b < S * D * static_cast<int64_t>(sizeof(T)); b += 64) {
+            __builtin_prefetch(next_k + b);
+            __builtin_prefetch(next_v + b);
+          }
         }
-      }
-      if (rows > 1) ConvertPage(k_page, v_page, n, w.keys.data(), w.values.data());
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t position = kv_len - (seq_end - (item.first_row + r));
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
-        const int64_t j0 = std::max<int64_t>(lo - slot * S, 0);
-        const int64_t j1 = std::min<int64_t>(position - slot * S + 1, n);
-        if (position < 0 || j1 <= j0) continue;
-        float* acc = w.acc.data() + r * G * D;
-        float* m = w.m.data() + r * G;
-        float* denom = w.denom.data() + r * G;
-        if (rows > 1) {
-          UpdateConverted(w.q.data() + r * G * D, w.keys.data(), w.values.data(), acc, m, denom, j0, j1, G,
-                          w.scores.data());
-        } else {
-          Update(w.q.data() + r * G * D, k_page, v_page, acc, m, denom, j0, j1, G, w.scores.data());
+        if (rows > 1) ConvertPage(k_page, v_page, n, w.keys.data(), w.values.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t position = kv_len - (seq_end - (item.first_row + r));
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+          const int64_t j0 = std::max<int64_t>(lo - slot * S, 0);
+          const int64_t j1 = std::min<int64_t>(position - slot * S + 1, n);
+          if (position < 0 || j1 <= j0) continue;
+          const int64_t i = r * heads + h;
+          float* acc = w.acc.data() + i * G * D;
+          float* m = w.m.data() + i * G;
+          float* denom = w.denom.data() + i * G;
+          if (rows > 1) {
+            UpdateConverted(w.q.data() + i * G * D, w.keys.data(), w.values.data(), acc, m, denom, j0, j1, G,
+                            w.scores.data());
+          } else {
+            Update(w.q.data() + i * G * D, k_page, v_page, acc, m, denom, j0, j1, G, w.scores.data());
+          }
         }
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      float* out_row = out + ((item.first_row + r) * s.num_heads + item.kv_head * G) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t i = r * G + g;
+      float* out_row = out + ((item.first_row + r) * s.num_heads + item.first_head * G) * D;
+      for (int64_t g = 0; g < heads * G; ++g) {
+        const int64_t i = r * heads * G + g;
         const float inv = w.denom[i] > 0.0f ? 1.0f / w.denom[i] : 0.0f;
         for (int64_t d = 0; d < D; ++d) out_row[g * D + d] = w.acc[i * D + d] * inv;
       }
@@ -309,9 +321,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   const auto cd = kv_cache.dimensions();
   const auto pd = page_indices.dimensions();
   if (qd.size() != 3 || cd.size() != 3 || pd.size() != 2) {
-    return ffi::Error::InvalidArgument("expected q [T, H, D], kv_cache [2K, pages, S*D], page_indices [R, P]");
+    return ffi::Error::InvalidArgument("expected q [T, H, D], kv_cache [pages, 2K, S*D], page_indices [R, P]");
   }
-  Shapes s{qd[0], qd[1], qd[2], cd[0] / 2, cd[1], cd[2] / qd[2], pd[0], pd[1]};
+  Shapes s{qd[0], qd[1], qd[2], cd[1] / 2, cd[0], cd[2] / qd[2], pd[0], pd[1]};
   if (s.num_heads % s.num_kv_heads != 0 || s.num_heads / s.num_kv_heads > 64 ||
       s.head_dim > kMaxHeadDim || s.page_size * s.head_dim != cd[2]) {
     return ffi::Error::InvalidArgument("q heads must be a multiple (at most 64x) of kv heads, head_dim at most 1024, and the cache rows page_size * head_dim");
@@ -319,13 +331,24 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   std::memset(out->typed_data(), 0, sizeof(float) * s.num_tokens * s.num_heads * s.head_dim);
   const int32_t* cu = cu_q_lens.typed_data();
   const int64_t used = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, s.num_slots);
+  // An item takes all kv heads of its rows (one stream through each page) when there are enough
+  // items to keep every thread busy, else one head each.
+  int64_t row_blocks = 0;
+  for (int32_t seq = 0; seq < used; ++seq) {
+    const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(cu[seq + 1], s.num_tokens) - std::max(cu[seq], 0));
+    row_blocks += (rows + kRowsPerItem - 1) / kRowsPerItem;
+  }
+  const int32_t heads_per_item =
+      row_blocks >= kItemsPerThread * (pool.num_threads() + 1) ? static_cast<int32_t>(s.num_kv_heads) : 1;
   auto work = std::make_shared<vllm_xla::SharedWork<Item>>();
   for (int32_t seq = 0; seq < used; ++seq) {
     const int32_t begin = std::max(cu[seq], 0);
     const int32_t end = std::min<int64_t>(cu[seq + 1], s.num_tokens);
     for (int32_t first = begin; first < end; first += kRowsPerItem) {
       const int32_t last = std::min<int32_t>(end, first + kRowsPerItem);
-      for (int32_t h = 0; h < s.num_kv_heads; ++h) work->items.push_back({seq, h, first, last});
+      for (int32_t h = 0; h < s.num_kv_heads; h += heads_per_item) {
+        work->items.push_back({seq, h, static_cast<int32_t>(h + heads_per_item), first, last});
+      }
     }
   }
   if (work->items.empty()) return ffi::Error::Success();

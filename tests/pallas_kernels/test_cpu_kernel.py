@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import api, cpu, reference
+from pallas_kernels import api, cpu
 from pallas_kernels.cpu import build
 from tests.pallas_kernels.conftest import Case
 from tpu_platform.attention_backend import select_backend
@@ -49,9 +49,9 @@ def test_matches_reference_on_larger_batches(extra, compare_with_reference):
 
 def test_output_keeps_the_query_dtype_and_zeroes_padding_rows():
     q = jnp.ones((5, 2, 64), jnp.bfloat16)
-    cache = reference.allocate_kv_cache_reference(4, 16, 1, 64, jnp.bfloat16)
+    cache = cpu.allocate_kv_cache(4, 16, 1, 64, jnp.bfloat16)
     k = jnp.full((2, 1, 64), 0.5)
-    cache = reference.write_kv_reference(cache, k, k + 1, jnp.array([16, 17], jnp.int32))  # page 1
+    cache = cpu.write_kv(cache, k, k + 1, jnp.array([16, 17], jnp.int32))  # page 1
     out = cpu.ragged_paged_attention(
         q, cache, jnp.array([2, 7], jnp.int32), jnp.array([[1, 0], [3, 3]], jnp.int32),
         jnp.array([0, 2, 2], jnp.int32), jnp.array([1], jnp.int32), sm_scale=0.1,
@@ -76,11 +76,33 @@ def test_api_rejects_tuning_and_other_platforms():
         api.resolve_backend("cpu_native", platform="tpu")
 
 
+def test_cache_is_page_major_with_each_heads_keys_then_values():
+    cache = cpu.allocate_kv_cache(5, 4, 2, 8, jnp.float32)
+    assert cache.shape == (5, 4, 32)
+    k = jnp.arange(2 * 2 * 8, dtype=jnp.float32).reshape(2, 2, 8)  # tokens x heads x D
+    cache = np.asarray(cpu.write_kv(cache, k, -k, jnp.array([13, -1], jnp.int32)))  # page 3, offset 1
+    expected = np.zeros((5, 4, 32), np.float32)
+    expected[3, 0:2, 8:16] = k[0]  # keys of both heads
+    expected[3, 2:4, 8:16] = -k[0]  # then their values; the -1 slot writes nothing
+    np.testing.assert_array_equal(cache, expected)
+
+
+def test_write_is_in_place_when_the_cache_is_donated():
+    cache = cpu.allocate_kv_cache(64, 16, 3, 64, jnp.bfloat16)
+    pointer = cache.unsafe_buffer_pointer()
+    write = jax.jit(cpu.write_kv, donate_argnums=0)
+    k = jnp.ones((5, 3, 64), jnp.bfloat16)
+    for slots in ([7], [1, 2, 40, 900, -1]):  # one row (the dynamic-update-slice trap), several
+        slots = jnp.asarray(slots, jnp.int32)
+        cache = write(cache, k[: slots.shape[0]], k[: slots.shape[0]], slots)
+        assert cache.unsafe_buffer_pointer() == pointer
+
+
 def test_kernel_runs_in_the_donated_step_that_writes_the_cache():
-    cache = reference.allocate_kv_cache_reference(8, 16, 1, 64, jnp.float32)
+    cache = cpu.allocate_kv_cache(8, 16, 1, 64, jnp.float32)
     step = jax.jit(
         lambda c, x: (
-            c2 := reference.write_kv_reference(c, x, 2 * x, jnp.array([35], jnp.int32)),
+            c2 := cpu.write_kv(c, x, 2 * x, jnp.array([35], jnp.int32)),
             cpu.ragged_paged_attention(
                 x, c2, jnp.array([4], jnp.int32), jnp.array([[2, 5]], jnp.int32),
                 jnp.array([0, 1], jnp.int32), jnp.array([1], jnp.int32), sm_scale=1.0,
