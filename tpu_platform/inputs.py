@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -41,40 +42,50 @@ class StepPlan:
     rows: np.ndarray  # [num_seqs] request-table rows, batch order
     emits_token: np.ndarray  # [num_seqs] bool: the step reaches the end of the known tokens
     shape: tuple[int, int, int]  # padded (T, R, P)
+    packed: np.ndarray | None = None  # every input in one int32 buffer (`pack_inputs`)
+    dims: tuple[int, int, int, int] | None = None  # padded (T, R, P, G) of `packed`
 
 
 def prepare_step(
     table: RequestTable, rows: np.ndarray, num_scheduled: np.ndarray, buckets: StepBuckets, page_size: int
 ) -> tuple[StepInputs, StepPlan]:
-    """Builds the padded inputs for sequences `rows` scheduled for `num_scheduled` tokens each."""
+    """Builds the padded inputs for sequences `rows` scheduled for `num_scheduled` tokens each.
+
+    The inputs are views of one packed buffer (`plan.packed`, laid out as `pack_inputs` does).
+    """
     num_seqs = rows.size
     total = int(num_scheduled.sum())
     start = table.num_computed[rows]
-    kv_lens = start + num_scheduled
     t_pad, r_pad, p_pad = buckets.shape_for(total, num_seqs)
-
-    cu_q = np.zeros(r_pad + 1, np.int32)
-    np.cumsum(num_scheduled, out=cu_q[1 : num_seqs + 1])
+    dims = (t_pad, r_pad, p_pad, table.block_table.shape[0])
+    packed = np.empty(_layout(dims)[0], np.int32)
+    inputs = _views(packed, dims)
+    cu_q = inputs.cu_q_lens
+    cu_q[0] = 0
+    if total == num_seqs:  # one token each (decode): no ragged expansion
+        cu_q[1 : num_seqs + 1] = np.arange(1, num_seqs + 1)
+        positions, token_rows = start, rows
+    else:
+        np.cumsum(num_scheduled, out=cu_q[1 : num_seqs + 1])
+        positions = np.arange(total, dtype=np.int32) - np.repeat(cu_q[:num_seqs] - start, num_scheduled)
+        token_rows = np.repeat(rows, num_scheduled)
     cu_q[num_seqs + 1 :] = total
-    seq_of_token = np.repeat(np.arange(num_seqs), num_scheduled)
-    positions = np.arange(total, dtype=np.int32) - np.repeat(cu_q[:num_seqs] - start, num_scheduled)
-    token_rows = rows[seq_of_token]
-
-    inputs = StepInputs(
-        token_ids=_padded(table.token_ids[token_rows, positions], t_pad, 0),
-        positions=_padded(positions, t_pad, 0),
-        slot_mapping=_padded(
-            table.block_table[:, token_rows, positions // page_size] * page_size + positions % page_size,
-            t_pad,
-            -1,
-        ),
-        kv_lens=_padded(kv_lens, r_pad, 0),
-        page_indices=_page_rows(table.block_table, rows, r_pad, p_pad),
-        cu_q_lens=cu_q,
-        num_seqs=np.array([num_seqs], np.int32),
-        logits_indices=_padded(cu_q[1 : num_seqs + 1] - 1, r_pad, 0),
+    kv_lens = start + num_scheduled
+    _fill(inputs.token_ids, table.token_ids[token_rows, positions], 0)
+    _fill(inputs.positions, positions, 0)
+    pages = table.block_table[:, token_rows, positions // page_size]
+    _fill(inputs.slot_mapping, pages * page_size + positions % page_size, -1)
+    _fill(inputs.kv_lens, kv_lens, 0)
+    _page_rows(inputs.page_indices, table.block_table, rows)
+    inputs.num_seqs[0] = num_seqs
+    _fill(inputs.logits_indices, cu_q[1 : num_seqs + 1] - 1, 0)
+    plan = StepPlan(
+        rows=rows,
+        emits_token=kv_lens >= table.num_tokens[rows],
+        shape=(t_pad, r_pad, p_pad),
+        packed=packed,
+        dims=dims,
     )
-    plan = StepPlan(rows=rows, emits_token=kv_lens >= table.num_tokens[rows], shape=(t_pad, r_pad, p_pad))
     return inputs, plan
 
 
@@ -98,6 +109,22 @@ def pack_inputs(inputs: StepInputs) -> tuple[np.ndarray, tuple[int, int, int, in
     g, r, p = inputs.page_indices.shape
     dims = (inputs.token_ids.shape[0], r, p, g)
     return np.concatenate([getattr(inputs, f).reshape(-1) for f in _FIELDS]), dims
+
+
+@functools.cache
+def _layout(dims: tuple[int, int, int, int]) -> tuple[int, tuple[tuple[int, int, tuple[int, ...]], ...]]:
+    """The packed buffer's size and each field's (offset, size, shape), in `_FIELDS` order."""
+    fields, offset = [], 0
+    for shape in input_shapes(dims).values():
+        size = int(np.prod(shape))
+        fields.append((offset, size, shape))
+        offset += size
+    return offset, tuple(fields)
+
+
+def _views(packed: np.ndarray, dims: tuple[int, int, int, int]) -> StepInputs:
+    """`StepInputs` whose fields are views of `packed` (the layout of `pack_inputs`)."""
+    return StepInputs(*(packed[o : o + n].reshape(shape) for o, n, shape in _layout(dims)[1]))
 
 
 def unpack_inputs(packed: jax.Array, dims: tuple[int, int, int, int]) -> StepInputs:
@@ -160,15 +187,16 @@ def exercise_inputs(
     )
 
 
-def _padded(values: np.ndarray, size: int, fill: int) -> np.ndarray:
-    """Pads the last axis of `values` to `size` with `fill`."""
-    out = np.full((*values.shape[:-1], size), fill, np.int32)
-    out[..., : values.shape[-1]] = values
-    return out
+def _fill(out: np.ndarray, values: np.ndarray, fill: int) -> None:
+    """Writes `values` at the start of `out`'s last axis and `fill` after them."""
+    n = values.shape[-1]
+    out[..., :n] = values
+    out[..., n:] = fill
 
 
-def _page_rows(block_table: np.ndarray, rows: np.ndarray, r_pad: int, p_pad: int) -> np.ndarray:
-    out = np.zeros((block_table.shape[0], r_pad, p_pad), np.int32)
-    width = min(p_pad, block_table.shape[2])
+def _page_rows(out: np.ndarray, block_table: np.ndarray, rows: np.ndarray) -> None:
+    """`out[g, i]` = block table row `rows[i]` of group g, cut or zero-padded to `out`'s width."""
+    width = min(out.shape[2], block_table.shape[2])
     out[:, : rows.size, :width] = block_table[:, rows, :width]
-    return out
+    out[:, rows.size :] = 0
+    out[:, : rows.size, width:] = 0

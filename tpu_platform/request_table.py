@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tpu_platform.batch_update import CachedRequest, NewRequest
+from tpu_platform.batch_update import CachedRequest, CachedRequests, NewRequest
 
 
 class RequestTable:
@@ -64,16 +64,26 @@ class RequestTable:
 
     def update(self, request: CachedRequest) -> int:
         """Applies a continuing or resumed request's new blocks and progress; returns its row."""
-        row = self.row_of[request.req_id]
-        if request.resumed:
-            self.num_pages[:, row] = 0
-        if request.new_block_ids is not None:
-            self._append_pages(row, request.new_block_ids)
-        self.num_computed[row] = request.num_computed_tokens
-        known = self.num_prompt_tokens[row] + request.num_output_tokens
-        if known < self.num_tokens[row]:
-            self.num_tokens[row] = known
-        return row
+        return int(self.update_many(CachedRequests.of([request]))[0])
+
+    def update_many(self, cached: CachedRequests) -> np.ndarray:
+        """Applies every continuing or resumed request's new blocks and progress; returns their rows.
+
+        Per request: a resumed one's block table restarts, new pages are appended, the computed
+        count is set and the token history is cut back to the outputs the engine kept.
+        """
+        n = len(cached.req_ids)
+        rows = np.fromiter(map(self.row_of.__getitem__, cached.req_ids), np.intp, n)
+        if cached.resumed_req_ids:
+            resumed = [i for i, r in enumerate(cached.req_ids) if r in cached.resumed_req_ids]
+            self.num_pages[:, rows[resumed]] = 0
+        for i, block_ids in enumerate(cached.new_block_ids):
+            if block_ids is not None:
+                self._append_pages(int(rows[i]), block_ids)
+        self.num_computed[rows] = np.fromiter(cached.num_computed_tokens, np.int32, n)
+        known = self.num_prompt_tokens[rows] + np.fromiter(cached.num_output_tokens, np.int32, n)
+        self.num_tokens[rows] = np.minimum(self.num_tokens[rows], known)
+        return rows
 
     def remove(self, req_id: str) -> int | None:
         row = self.row_of.pop(req_id, None)
@@ -86,6 +96,15 @@ class RequestTable:
         if n < self.max_model_len:
             self.token_ids[row, n] = token
             self.num_tokens[row] = n + 1
+
+    def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """`append_token` for distinct `rows`, one token each (rows already full are left alone)."""
+        n = self.num_tokens[rows]
+        room = n < self.max_model_len
+        if not room.all():
+            rows, tokens, n = rows[room], tokens[room], n[room]
+        self.token_ids[rows, n] = tokens
+        self.num_tokens[rows] = n + 1
 
     def output_token_ids(self, row: int) -> np.ndarray:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]

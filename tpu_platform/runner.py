@@ -24,7 +24,7 @@ from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
 from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
 from tpu_platform.request_table import RequestTable
-from tpu_platform.sampling import SamplingBatch
+from tpu_platform.sampling import SamplerFlags, SamplingBatch, SamplingTensors
 from tpu_platform.sampling.uniform import (
     has_extras,
     uniform_warmup_flag_sets,
@@ -77,6 +77,9 @@ class _PendingStep:
     req_ids: list[str]
     logits: jax.Array
     prompt_logprobs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None
+    # The sampler's inputs, made before the forward was dispatched (grammar bitmasks come later).
+    tensors: SamplingTensors
+    flags: SamplerFlags
 
 
 class Runner:
@@ -280,20 +283,30 @@ class Runner:
     # -- one engine step ------------------------------------------------------------------------
 
     def execute(self, update: BatchUpdate) -> None:
-        """Applies the update and dispatches the forward pass (without waiting for it)."""
+        """Applies the update and dispatches the forward pass (without waiting for it).
+
+        Everything the step needs on the host, the sampler's inputs included, is built before the
+        dispatch: once dispatched, the forward runs on every core and host work competes with it.
+        """
         start = time.perf_counter()
         self._apply(update)
         self._pending = None
         if not update.num_scheduled_tokens:
             return
         req_ids = list(update.num_scheduled_tokens)
-        rows = np.fromiter((self.table.row_of[r] for r in req_ids), np.int32, len(req_ids))
+        rows = np.fromiter(map(self.table.row_of.__getitem__, req_ids), np.int32, len(req_ids))
         num_scheduled = np.fromiter(update.num_scheduled_tokens.values(), np.int32, len(req_ids))
         inputs, plan = prepare_step(self.table, rows, num_scheduled, self.buckets, self.config.page_size)
-        packed, dims = pack_inputs(inputs)
+        tensors, flags = self.sampling.prepare(
+            rows=rows,
+            padded_rows=plan.shape[1],
+            history=self.table,
+            step_seed=self.config.seed * 1_000_003 + self._step_index,
+        )
+        self._step_index += 1
         self.stats.steps += 1
         self.stats.partial_prefill_steps += int(not plan.emits_token.all())
-        logits, hidden = self._run_forward(packed, dims)
+        logits, hidden = self._run_forward(plan.packed, plan.dims)
         self._dispatched_at = time.perf_counter()
         self.stats.host_seconds += self._dispatched_at - start
         prompt = None
@@ -301,7 +314,7 @@ class Runner:
             prompt = self.prompt_logprobs.collect(
                 self._prompt_logprobs, self.state, hidden, self.table, req_ids, rows, inputs.cu_q_lens
             )
-        self._pending = _PendingStep(plan=plan, req_ids=req_ids, logits=logits, prompt_logprobs=prompt)
+        self._pending = _PendingStep(plan, req_ids, logits, prompt, tensors, flags)
 
     def sample(
         self,
@@ -318,13 +331,10 @@ class Runner:
             return StepResult(req_ids=[], sampled_token_ids=[])
         plan = pending.plan
         start = time.perf_counter()
-        tensors, flags = self.sampling.prepare(
-            rows=plan.rows,
-            padded_rows=plan.shape[1],
-            history=self.table,
-            step_seed=self.config.seed * 1_000_003 + self._step_index,
-            grammar_bitmasks=self._bitmask_rows(pending.req_ids, grammar_bitmasks),
-        )
+        tensors, flags = pending.tensors, pending.flags
+        masks = self._bitmask_rows(pending.req_ids, grammar_bitmasks)
+        if masks is not None:
+            tensors, flags = self.sampling.with_grammar(tensors, flags, masks, len(pending.req_ids))
         if has_extras(flags):
             tensors, flags = with_all_extras(
                 tensors,
@@ -333,7 +343,6 @@ class Runner:
                 logprobs_width=self._logprobs_width,
                 **self._extra_widths,
             )
-        self._step_index += 1
         logits = pending.logits
         if logits_transform is not None:  # user code: not counted as our host time
             self.stats.host_seconds += time.perf_counter() - start
@@ -362,18 +371,17 @@ class Runner:
         return [masks.get(r) for r in req_ids]
 
     def _record(self, pending: _PendingStep, out) -> StepResult:
-        tokens = np.asarray(out.sampled_token_ids)
-        emits = pending.plan.emits_token
-        sampled: list[list[int]] = []
-        for i, row in enumerate(pending.plan.rows):
-            if emits[i]:
-                self.table.append_token(int(row), int(tokens[i]))
-                sampled.append([int(tokens[i])])
-            else:
-                sampled.append([])
+        n = len(pending.req_ids)
+        tokens = np.asarray(out.sampled_token_ids)[:n]
+        emits, rows = pending.plan.emits_token, pending.plan.rows
+        if emits.all():
+            self.table.append_tokens(rows, tokens)
+            sampled = [[t] for t in tokens.tolist()]
+        else:
+            self.table.append_tokens(rows[emits], tokens[emits])
+            sampled = [[t] if e else [] for t, e in zip(tokens.tolist(), emits.tolist(), strict=True)]
         logprobs = None
         if getattr(out, "logprob_token_ids", None) is not None:
-            n = len(pending.req_ids)
             logprobs = StepLogprobs(
                 token_ids=np.asarray(out.logprob_token_ids)[:n],
                 logprobs=np.asarray(out.logprobs)[:n],
@@ -398,9 +406,9 @@ class Runner:
             row = self.table.add(request)
             self.sampling.add_request(row, request.sampling)
             self.prompt_logprobs.add(request.req_id, request.sampling.prompt_logprobs)
-        for request in update.cached_requests:
-            self.stats.resumed_requests += int(request.resumed)
-            self.table.update(request)
+        if update.cached.req_ids:
+            self.stats.resumed_requests += len(update.cached.resumed_req_ids)
+            self.table.update_many(update.cached)
 
 
 # Forward programs up to this many tokens run once at warm-up (see `Runner.warm_up`).
