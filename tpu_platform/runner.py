@@ -19,6 +19,7 @@ from models import ModelConfig, load_model, pack_for_amx
 from tpu_platform.attention_backend import amx_dense_usable, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
+from tpu_platform.dispatch import FlatCall
 from tpu_platform.inputs import StepPlan, exercise_inputs, pack_inputs, padding_inputs, prepare_step
 from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
@@ -108,6 +109,7 @@ class Runner:
         self._step_index = 0
         self.stats = RunnerStats()
         self._dispatched_at = 0.0
+        self._flat_forwards: dict[tuple, FlatCall | None] = {}  # by program key, once it ran
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -269,14 +271,24 @@ class Runner:
     def _run_forward(
         self, packed: np.ndarray, dims: tuple[int, int, int, int]
     ) -> tuple[jax.Array, jax.Array]:
-        """Dispatches the forward on packed inputs (one transfer, done by the call itself: cheaper
-        than a separate `device_put`), keeping the donated caches' successors."""
+        """Dispatches the forward on packed inputs (one transfer), keeping the donated caches'
+        successors. After its first run a program is called on its flat arguments (`FlatCall`)."""
+        key = ("forward", *dims)
+        flat = self._flat_forwards.get(key)
+        if flat is not None:
+            packed = flat.put(len(self._state_leaves) + len(self.kv_caches), packed)
+            outputs = flat([*self._state_leaves, *self.kv_caches, packed])
+            self.kv_caches = outputs[2:]
+            return outputs[0], outputs[1]
         logits, hidden, self.kv_caches = self.programs.call(
-            ("forward", *dims),
+            key,
             lambda: self._forward_spec(packed, dims),
             self._state_leaves,
             self.kv_caches,
             packed,
+        )
+        self._flat_forwards[key] = FlatCall.of(
+            self.programs.get(key), len(self._state_leaves) + len(self.kv_caches) + 1
         )
         return logits, hidden
 
