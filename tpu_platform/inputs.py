@@ -44,20 +44,65 @@ class StepPlan:
     shape: tuple[int, int, int]  # padded (T, R, P)
     packed: np.ndarray | None = None  # every input in one int32 buffer (`pack_inputs`)
     dims: tuple[int, int, int, int] | None = None  # padded (T, R, P, G) of `packed`
+    all_emit: bool = True  # every sequence emits a token (`emits_token.all()`)
 
 
 def prepare_step(
-    table: RequestTable, rows: np.ndarray, num_scheduled: np.ndarray, buckets: StepBuckets, page_size: int
+    table: RequestTable,
+    rows: np.ndarray,
+    num_scheduled: np.ndarray,
+    buckets: StepBuckets,
+    page_size: int,
+    templates: dict | None = None,
 ) -> tuple[StepInputs, StepPlan]:
     """Builds the padded inputs for sequences `rows` scheduled for `num_scheduled` tokens each.
 
     The inputs are views of one packed buffer (`plan.packed`, laid out as `pack_inputs` does).
+    `templates` (a dict the caller keeps) holds a packed decode step (one token per sequence) per
+    (dims, count) with what depends on those alone (query offsets, logits indices, padding): a
+    decode step starts from a copy and writes only its per-sequence fields.
     """
     num_seqs = rows.size
     total = int(num_scheduled.sum())
-    start = table.num_computed[rows]
     t_pad, r_pad, p_pad = buckets.shape_for(total, num_seqs)
     dims = (t_pad, r_pad, p_pad, table.block_table.shape[0])
+    if templates is not None and total == num_seqs:
+        template = templates.get((dims, num_seqs))
+        if template is not None:
+            return _decode_from(template.copy(), table, rows, dims, page_size)
+        inputs, plan = _prepare(table, rows, num_scheduled, dims, page_size)
+        templates[dims, num_seqs] = plan.packed.copy()
+        return inputs, plan
+    return _prepare(table, rows, num_scheduled, dims, page_size)
+
+
+def _decode_from(
+    packed: np.ndarray, table: RequestTable, rows: np.ndarray, dims: tuple[int, int, int, int], page_size: int
+) -> tuple[StepInputs, StepPlan]:
+    """A decode step's inputs in `packed`, a template of its dims and sequence count."""
+    inputs = _views(packed, dims)
+    n, start = rows.size, table.num_computed[rows]
+    inputs.token_ids[:n] = table.token_ids[rows, start]
+    inputs.positions[:n] = start
+    pages = table.block_table[:, rows, start // page_size]
+    inputs.slot_mapping[:, :n] = pages * page_size + start % page_size
+    kv_lens = start + 1
+    inputs.kv_lens[:n] = kv_lens
+    width = min(dims[2], table.block_table.shape[2])
+    inputs.page_indices[:, :n, :width] = table.block_table[:, rows, :width]
+    emits = kv_lens >= table.num_tokens[rows]
+    return inputs, StepPlan(rows, emits, dims[:3], packed, dims, bool(emits.all()))
+
+
+def _prepare(
+    table: RequestTable,
+    rows: np.ndarray,
+    num_scheduled: np.ndarray,
+    dims: tuple[int, int, int, int],
+    page_size: int,
+) -> tuple[StepInputs, StepPlan]:
+    num_seqs, total = rows.size, int(num_scheduled.sum())
+    start = table.num_computed[rows]
     packed = np.empty(_layout(dims)[0], np.int32)
     inputs = _views(packed, dims)
     cu_q = inputs.cu_q_lens
@@ -79,13 +124,8 @@ def prepare_step(
     _page_rows(inputs.page_indices, table.block_table, rows)
     inputs.num_seqs[0] = num_seqs
     _fill(inputs.logits_indices, cu_q[1 : num_seqs + 1] - 1, 0)
-    plan = StepPlan(
-        rows=rows,
-        emits_token=kv_lens >= table.num_tokens[rows],
-        shape=(t_pad, r_pad, p_pad),
-        packed=packed,
-        dims=dims,
-    )
+    emits = kv_lens >= table.num_tokens[rows]
+    plan = StepPlan(rows, emits, dims[:3], packed, dims, bool(emits.all()))
     return inputs, plan
 
 

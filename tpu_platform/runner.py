@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from models import ModelConfig, load_model, pack_for_amx
 from tpu_platform.attention_backend import amx_dense_usable, select_backend
-from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
+from tpu_platform.batch_update import BatchUpdate, StepResult
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.dispatch import FlatCall
 from tpu_platform.inputs import StepPlan, exercise_inputs, pack_inputs, padding_inputs, prepare_step
@@ -33,6 +33,7 @@ from tpu_platform.sampling.uniform import (
     with_all_extras,
 )
 from tpu_platform.step import make_forward, make_sampler
+from tpu_platform.step_record import record_step
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
@@ -110,6 +111,7 @@ class Runner:
         self.stats = RunnerStats()
         self._dispatched_at = 0.0
         self._flat_forwards: dict[tuple, FlatCall | None] = {}  # by program key, once it ran
+        self._templates: dict = {}  # decode steps' packed inputs (`prepare_step`)
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -308,16 +310,20 @@ class Runner:
         req_ids = list(update.num_scheduled_tokens)
         rows = np.fromiter(map(self.table.row_of.__getitem__, req_ids), np.int32, len(req_ids))
         num_scheduled = np.fromiter(update.num_scheduled_tokens.values(), np.int32, len(req_ids))
-        inputs, plan = prepare_step(self.table, rows, num_scheduled, self.buckets, self.config.page_size)
-        tensors, flags = self.sampling.prepare(
-            rows=rows,
-            padded_rows=plan.shape[1],
-            history=self.table,
-            step_seed=self.config.seed * 1_000_003 + self._step_index,
+        inputs, plan = prepare_step(
+            self.table, rows, num_scheduled, self.buckets, self.config.page_size, self._templates
+        )
+        tensors, flags = self._widened(
+            *self.sampling.prepare(
+                rows=rows,
+                padded_rows=plan.shape[1],
+                history=self.table,
+                step_seed=self.config.seed * 1_000_003 + self._step_index,
+            )
         )
         self._step_index += 1
         self.stats.steps += 1
-        self.stats.partial_prefill_steps += int(not plan.emits_token.all())
+        self.stats.partial_prefill_steps += int(not plan.all_emit)
         logits, hidden = self._run_forward(plan.packed, plan.dims)
         self._dispatched_at = time.perf_counter()
         self.stats.host_seconds += self._dispatched_at - start
@@ -344,17 +350,9 @@ class Runner:
         plan = pending.plan
         start = time.perf_counter()
         tensors, flags = pending.tensors, pending.flags
-        masks = self._bitmask_rows(pending.req_ids, grammar_bitmasks)
-        if masks is not None:
-            tensors, flags = self.sampling.with_grammar(tensors, flags, masks, len(pending.req_ids))
-        if has_extras(flags):
-            tensors, flags = with_all_extras(
-                tensors,
-                flags,
-                self.model_config.vocab_size,
-                logprobs_width=self._logprobs_width,
-                **self._extra_widths,
-            )
+        if grammar_bitmasks:
+            masks = [grammar_bitmasks.get(r) for r in pending.req_ids]
+            tensors, flags = self._widened(*self.sampling.with_grammar(tensors, flags, masks, len(masks)))
         logits = pending.logits
         if logits_transform is not None:  # user code: not counted as our host time
             self.stats.host_seconds += time.perf_counter() - start
@@ -369,41 +367,22 @@ class Runner:
         self.stats.host_seconds += time.perf_counter() - start
         jax.block_until_ready(out.sampled_token_ids)
         start = time.perf_counter()
-        result = self._record(pending, out)
+        result = record_step(self.table, plan, pending.req_ids, out, pending.prompt_logprobs)
         done = time.perf_counter()
         self.stats.host_seconds += done - start
         self.stats.step_seconds += done - self._dispatched_at
         return result
 
-    def _bitmask_rows(
-        self, req_ids: list[str], masks: dict[str, np.ndarray] | None
-    ) -> list[np.ndarray | None] | None:
-        if not masks:
-            return None
-        return [masks.get(r) for r in req_ids]
-
-    def _record(self, pending: _PendingStep, out) -> StepResult:
-        n = len(pending.req_ids)
-        tokens = np.asarray(out.sampled_token_ids)[:n]
-        emits, rows = pending.plan.emits_token, pending.plan.rows
-        if emits.all():
-            self.table.append_tokens(rows, tokens)
-            sampled = [[t] for t in tokens.tolist()]
-        else:
-            self.table.append_tokens(rows[emits], tokens[emits])
-            sampled = [[t] if e else [] for t, e in zip(tokens.tolist(), emits.tolist(), strict=True)]
-        logprobs = None
-        if getattr(out, "logprob_token_ids", None) is not None:
-            logprobs = StepLogprobs(
-                token_ids=np.asarray(out.logprob_token_ids)[:n],
-                logprobs=np.asarray(out.logprobs)[:n],
-                ranks=np.asarray(out.sampled_token_ranks)[:n],
-            )
-        return StepResult(
-            req_ids=pending.req_ids,
-            sampled_token_ids=sampled,
-            logprobs=logprobs,
-            prompt_logprobs=pending.prompt_logprobs or {},
+    def _widened(self, tensors: SamplingTensors, flags: SamplerFlags) -> tuple[SamplingTensors, SamplerFlags]:
+        """The sampler's inputs, with every extra on when any is (see `sampling.uniform`)."""
+        if not has_extras(flags):
+            return tensors, flags
+        return with_all_extras(
+            tensors,
+            flags,
+            self.model_config.vocab_size,
+            logprobs_width=self._logprobs_width,
+            **self._extra_widths,
         )
 
     def _apply(self, update: BatchUpdate) -> None:

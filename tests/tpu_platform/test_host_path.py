@@ -187,3 +187,30 @@ def test_cached_requests_columns():
     columns = CachedRequests.of(requests)
     assert len(columns) == 2 and columns.resumed_req_ids == {"b"}
     assert dataclasses.asdict(columns)["new_block_ids"] == [None, [[1]]]
+
+
+@pytest.mark.parametrize("num_groups", [1, 2])
+def test_decode_templates_give_the_same_inputs(num_groups):
+    table = RequestTable(4, 32, 8, num_groups)
+    buckets = StepBuckets.for_limits(
+        max_num_batched_tokens=64, max_num_seqs=8, max_model_len=32, page_size=PAGE
+    )
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        blocks = [[int(b) for b in rng.integers(0, 40, 2)] for _ in range(num_groups)]
+        table.add(NewRequest(f"r{i}", list(range(3 + i)), blocks, 2 + i, SamplingOptions()))
+    templates = {}
+    for step in range(12):
+        rows = rng.permutation(4)[: int(rng.integers(1, 5))].astype(np.int32)
+        ones = np.ones(rows.size, np.int32)
+        _, fast_plan = prepare_step(table, rows, ones, buckets, PAGE, templates)
+        _, plan = prepare_step(table, rows, ones, buckets, PAGE)
+        np.testing.assert_array_equal(fast_plan.packed, plan.packed, err_msg=f"step {step}")
+        np.testing.assert_array_equal(fast_plan.emits_token, plan.emits_token)
+        assert fast_plan.all_emit == plan.all_emit and fast_plan.dims == plan.dims
+        for row in rows:  # the step ran: one more token computed, sometimes a new page
+            table.num_computed[row] += 1
+            table.append_token(int(row), step)
+            if table.num_computed[row] % PAGE == 0:
+                table._append_pages(int(row), [[int(rng.integers(0, 40))]] * num_groups)
+    assert templates
