@@ -105,7 +105,7 @@ def model_runner_output(result: StepResult) -> ModelRunnerOutput:
         logprobs = LogprobsLists(lp.token_ids, lp.logprobs, lp.ranks)
     return ModelRunnerOutput(
         req_ids=result.req_ids,
-        req_id_to_index=dict(zip(result.req_ids, range(len(result.req_ids)))),
+        req_id_to_index=dict(zip(result.req_ids, range(len(result.req_ids)), strict=True)),
         sampled_token_ids=result.sampled_token_ids,
         logprobs=logprobs,
         prompt_logprobs_dict={

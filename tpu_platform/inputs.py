@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from tpu_platform.buckets import StepBuckets
-from tpu_platform.request_table import RequestTable
+from tpu_platform.request_table import Appends, RequestTable
 
 
 @jax.tree_util.register_dataclass
@@ -45,6 +45,7 @@ class StepPlan:
     packed: np.ndarray | None = None  # every input in one int32 buffer (`pack_inputs`)
     dims: tuple[int, int, int, int] | None = None  # padded (T, R, P, G) of `packed`
     all_emit: bool = True  # every sequence emits a token (`emits_token.all()`)
+    appends: Appends | None = None  # where the sampled tokens go in the request table
 
 
 def prepare_step(
@@ -90,8 +91,7 @@ def _decode_from(
     inputs.kv_lens[:n] = kv_lens
     width = min(dims[2], table.block_table.shape[2])
     inputs.page_indices[:, :n, :width] = table.block_table[:, rows, :width]
-    emits = kv_lens >= table.num_tokens[rows]
-    return inputs, StepPlan(rows, emits, dims[:3], packed, dims, bool(emits.all()))
+    return inputs, _plan(table, rows, kv_lens, packed, dims)
 
 
 def _prepare(
@@ -124,9 +124,19 @@ def _prepare(
     _page_rows(inputs.page_indices, table.block_table, rows)
     inputs.num_seqs[0] = num_seqs
     _fill(inputs.logits_indices, cu_q[1 : num_seqs + 1] - 1, 0)
+    return inputs, _plan(table, rows, kv_lens, packed, dims)
+
+
+def _plan(
+    table: RequestTable,
+    rows: np.ndarray,
+    kv_lens: np.ndarray,
+    packed: np.ndarray,
+    dims: tuple[int, int, int, int],
+) -> StepPlan:
     emits = kv_lens >= table.num_tokens[rows]
-    plan = StepPlan(rows, emits, dims[:3], packed, dims, bool(emits.all()))
-    return inputs, plan
+    appends = table.plan_appends(rows, emits)
+    return StepPlan(rows, emits, dims[:3], packed, dims, bool(emits.all()), appends)
 
 
 _FIELDS = (

@@ -3,11 +3,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from tpu_platform.batch_update import CachedRequest, CachedRequests, NewRequest
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Appends:
+    """Where a step's sampled tokens go: token `index[k]` (k when None) to `rows[k]`, `columns[k]`."""
+
+    rows: np.ndarray
+    columns: np.ndarray
+    counts: np.ndarray  # columns + 1: the rows' token counts afterwards
+    index: np.ndarray | None
 
 
 class RequestTable:
@@ -99,12 +110,24 @@ class RequestTable:
 
     def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """`append_token` for distinct `rows`, one token each (rows already full are left alone)."""
-        n = self.num_tokens[rows]
-        room = n < self.max_model_len
-        if not room.all():
-            rows, tokens, n = rows[room], tokens[room], n[room]
-        self.token_ids[rows, n] = tokens
-        self.num_tokens[rows] = n + 1
+        self.append(self.plan_appends(rows, np.ones(rows.size, bool)), tokens)
+
+    def plan_appends(self, rows: np.ndarray, emits: np.ndarray) -> Appends:
+        """Where one token for each of the distinct `rows` that `emits` will go (`append`), decided
+        ahead: the table must not change in between. Rows already full are left out."""
+        columns = self.num_tokens[rows]
+        take = emits & (columns < self.max_model_len)
+        if take.all():
+            return Appends(rows, columns, columns + 1, None)
+        index = np.flatnonzero(take)
+        return Appends(rows[index], columns[index], columns[index] + 1, index)
+
+    def append(self, appends: Appends, tokens: np.ndarray) -> None:
+        """Writes `tokens` (one per row planned, in the planned rows' order) where `appends` says."""
+        if appends.index is not None:
+            tokens = tokens[appends.index]
+        self.token_ids[appends.rows, appends.columns] = tokens
+        self.num_tokens[appends.rows] = appends.counts
 
     def output_token_ids(self, row: int) -> np.ndarray:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]

@@ -18,16 +18,16 @@ def record_step(
     out: SamplerOutput,
     prompt_logprobs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None,
 ) -> StepResult:
-    """Appends each emitting row's token to its history; a partial prefill chunk emits `[]`."""
+    """Appends each emitting row's token to its history (as `plan.appends` says); a partial
+    prefill chunk emits `[]`."""
     n = len(req_ids)
     tokens = np.asarray(out.sampled_token_ids)[:n]
+    table.append(plan.appends, tokens)
     if plan.all_emit:
-        table.append_tokens(plan.rows, tokens)
         sampled = [[t] for t in tokens.tolist()]
     else:
-        emits = plan.emits_token
-        table.append_tokens(plan.rows[emits], tokens[emits])
-        sampled = [[t] if e else [] for t, e in zip(tokens.tolist(), emits.tolist(), strict=True)]
+        emits = plan.emits_token.tolist()
+        sampled = [[t] if e else [] for t, e in zip(tokens.tolist(), emits, strict=True)]
     logprobs = None
     if out.logprob_token_ids is not None:
         logprobs = StepLogprobs(

@@ -214,3 +214,17 @@ def test_decode_templates_give_the_same_inputs(num_groups):
             if table.num_computed[row] % PAGE == 0:
                 table._append_pages(int(row), [[int(rng.integers(0, 40))]] * num_groups)
     assert templates
+
+
+def test_planned_appends_skip_rows_that_do_not_emit_or_are_full():
+    fast, reference, req_ids = _tables(1, 1)
+    rows = np.array([fast.row_of[r] for r in req_ids[:4]])
+    fast.num_tokens[rows[1]] = reference.num_tokens[rows[1]] = 32
+    emits = np.array([True, True, False, True])
+    tokens = np.array([5, 6, 7, 8], np.int32)
+    fast.append(fast.plan_appends(rows, emits), tokens)
+    for row, token, emit in zip(rows, tokens, emits, strict=True):
+        if emit:
+            reference.append_token(int(row), int(token))
+    np.testing.assert_array_equal(fast.token_ids, reference.token_ids)
+    np.testing.assert_array_equal(fast.num_tokens, reference.num_tokens)
