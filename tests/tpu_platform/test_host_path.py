@@ -228,3 +228,15 @@ def test_planned_appends_skip_rows_that_do_not_emit_or_are_full():
             reference.append_token(int(row), int(token))
     np.testing.assert_array_equal(fast.token_ids, reference.token_ids)
     np.testing.assert_array_equal(fast.num_tokens, reference.num_tokens)
+
+
+def test_packed_buffers_are_64_byte_aligned():
+    table = RequestTable(4, 32, 8)
+    buckets = StepBuckets.for_limits(
+        max_num_batched_tokens=64, max_num_seqs=8, max_model_len=32, page_size=PAGE
+    )
+    row = table.add(NewRequest("a", [1, 2, 3], [[1]], 2, SamplingOptions()))
+    templates = {}
+    for _ in range(2):  # built, then from the template
+        _, plan = prepare_step(table, np.array([row]), np.ones(1, np.int32), buckets, PAGE, templates)
+        assert plan.packed.ctypes.data % 64 == 0
