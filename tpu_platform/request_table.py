@@ -10,6 +10,9 @@ import numpy as np
 
 from tpu_platform.batch_update import CachedRequest, CachedRequests, NewRequest
 
+# Up to this many rows, per-row scalar indexing is cheaper than NumPy's fancy indexing.
+_FEW_ROWS = 2
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Appends:
@@ -84,6 +87,8 @@ class RequestTable:
         count is set and the token history is cut back to the outputs the engine kept.
         """
         n = len(cached.req_ids)
+        if n <= _FEW_ROWS:
+            return np.array([self._update_one(cached, i) for i in range(n)], np.intp)
         rows = np.fromiter(map(self.row_of.__getitem__, cached.req_ids), np.intp, n)
         if cached.resumed_req_ids:
             resumed = [i for i, r in enumerate(cached.req_ids) if r in cached.resumed_req_ids]
@@ -95,6 +100,20 @@ class RequestTable:
         known = self.num_prompt_tokens[rows] + np.fromiter(cached.num_output_tokens, np.int32, n)
         self.num_tokens[rows] = np.minimum(self.num_tokens[rows], known)
         return rows
+
+    def _update_one(self, cached: CachedRequests, i: int) -> int:
+        """`update_many` for request `i` alone, with scalar indexing."""
+        req_id = cached.req_ids[i]
+        row = self.row_of[req_id]
+        if req_id in cached.resumed_req_ids:
+            self.num_pages[:, row] = 0
+        if cached.new_block_ids[i] is not None:
+            self._append_pages(row, cached.new_block_ids[i])
+        self.num_computed[row] = cached.num_computed_tokens[i]
+        known = self.num_prompt_tokens[row] + cached.num_output_tokens[i]
+        if known < self.num_tokens[row]:
+            self.num_tokens[row] = known
+        return row
 
     def remove(self, req_id: str) -> int | None:
         row = self.row_of.pop(req_id, None)
@@ -126,6 +145,12 @@ class RequestTable:
         """Writes `tokens` (one per row planned, in the planned rows' order) where `appends` says."""
         if appends.index is not None:
             tokens = tokens[appends.index]
+        if appends.rows.size <= _FEW_ROWS:
+            columns = appends.columns.tolist()
+            for row, column, token in zip(appends.rows.tolist(), columns, tokens.tolist(), strict=True):
+                self.token_ids[row, column] = token
+                self.num_tokens[row] = column + 1
+            return
         self.token_ids[appends.rows, appends.columns] = tokens
         self.num_tokens[appends.rows] = appends.counts
 

@@ -72,12 +72,13 @@ def test_update_many_matches_one_at_a_time(seed, num_groups):
         np.testing.assert_array_equal(getattr(fast, name), getattr(reference, name), err_msg=name)
 
 
-def test_append_tokens_matches_append_token_and_stops_at_max_len():
+@pytest.mark.parametrize("count", [1, 2, 4])  # scalar and fancy indexing
+def test_append_tokens_matches_append_token_and_stops_at_max_len(count):
     fast, reference, req_ids = _tables(0, 1)
-    rows = np.array([fast.row_of[r] for r in req_ids[:4]])
+    rows = np.array([fast.row_of[r] for r in req_ids[:count]])
     fast.num_tokens[rows[0]] = reference.num_tokens[rows[0]] = 32  # full: the token is dropped
     for step in range(3):
-        tokens = np.arange(4, dtype=np.int32) + 10 * step
+        tokens = np.arange(count, dtype=np.int32) + 10 * step
         fast.append_tokens(rows, tokens)
         for row, token in zip(rows, tokens, strict=True):
             reference.append_token(int(row), int(token))
