@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from models import ModelConfig, load_model, pack_for_amx
 from tpu_platform.attention_backend import amx_dense_usable, select_backend
-from tpu_platform.batch_update import BatchUpdate, StepResult
+from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.dispatch import FlatCall
 from tpu_platform.inputs import StepPlan, exercise_inputs, pack_inputs, padding_inputs, prepare_step
@@ -413,3 +413,7 @@ def _build_workers() -> int:
 
 def _chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+# What a caller of `Runner` sees: its configuration and counters, and the step result types.
+__all__ = ["Runner", "RunnerConfig", "RunnerStats", "StepLogprobs", "StepResult"]
