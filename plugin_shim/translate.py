@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tpu_platform.batch_update import BatchUpdate, CachedRequest, NewRequest, StepResult
+from tpu_platform.batch_update import BatchUpdate, CachedRequests, NewRequest, StepResult
 from tpu_platform.sampling import SamplingOptions
 
 if TYPE_CHECKING:
@@ -54,7 +54,11 @@ def sampling_options(params: SamplingParams) -> SamplingOptions:
 
 
 def batch_update(so: SchedulerOutput) -> BatchUpdate:
-    """The runner's view of one `SchedulerOutput` (single KV-cache group)."""
+    """The runner's view of one `SchedulerOutput` (single KV-cache group).
+
+    Continuing requests pass through as vLLM's own columns (no object per request): block id
+    lists are read, never kept, and the scheduler builds them anew each step.
+    """
     new = [
         NewRequest(
             req_id=r.req_id,
@@ -65,23 +69,19 @@ def batch_update(so: SchedulerOutput) -> BatchUpdate:
         )
         for r in so.scheduled_new_reqs
     ]
-    cached_data = so.scheduled_cached_reqs
-    cached = [
-        CachedRequest(
-            req_id=req_id,
-            new_block_ids=_groups(cached_data.new_block_ids[i]),
-            resumed=req_id in cached_data.resumed_req_ids,
-            num_computed_tokens=cached_data.num_computed_tokens[i],
-            num_output_tokens=cached_data.num_output_tokens[i],
-        )
-        for i, req_id in enumerate(cached_data.req_ids)
-    ]
+    c = so.scheduled_cached_reqs
     return BatchUpdate(
         new_requests=new,
-        cached_requests=cached,
-        finished_req_ids=frozenset(so.finished_req_ids),
-        num_scheduled_tokens=dict(so.num_scheduled_tokens),
-        preempted_req_ids=frozenset(so.preempted_req_ids or ()),
+        cached=CachedRequests(
+            req_ids=c.req_ids,
+            new_block_ids=c.new_block_ids,
+            resumed_req_ids=c.resumed_req_ids,
+            num_computed_tokens=c.num_computed_tokens,
+            num_output_tokens=c.num_output_tokens,
+        ),
+        finished_req_ids=so.finished_req_ids,
+        num_scheduled_tokens=so.num_scheduled_tokens,
+        preempted_req_ids=so.preempted_req_ids or frozenset(),
     )
 
 
@@ -105,7 +105,7 @@ def model_runner_output(result: StepResult) -> ModelRunnerOutput:
         logprobs = LogprobsLists(lp.token_ids, lp.logprobs, lp.ranks)
     return ModelRunnerOutput(
         req_ids=result.req_ids,
-        req_id_to_index={r: i for i, r in enumerate(result.req_ids)},
+        req_id_to_index=dict(zip(result.req_ids, range(len(result.req_ids)), strict=True)),
         sampled_token_ids=result.sampled_token_ids,
         logprobs=logprobs,
         prompt_logprobs_dict={
@@ -113,7 +113,3 @@ def model_runner_output(result: StepResult) -> ModelRunnerOutput:
             for req_id, (ids, lps, ranks) in result.prompt_logprobs.items()
         },
     )
-
-
-def _groups(block_ids: tuple[list[int], ...] | None) -> list[list[int]] | None:
-    return None if block_ids is None else [list(ids) for ids in block_ids]

@@ -160,7 +160,7 @@ class XlaWorker(WorkerBase):
         start = time.perf_counter()
         output = translate.model_runner_output(result)
         self.runner.stats.host_seconds += time.perf_counter() - start
-        if self.metrics is not None:
+        if self.metrics is not None and self.metrics.due():  # the counters' snapshot is not free
             self.metrics.publish(self.runner_stats())
         return output
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 
 import numpy as np
 
@@ -34,15 +34,44 @@ class CachedRequest:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class CachedRequests:
+    """Every continuing or resumed request of a step, column by column (index i is one request).
+
+    Columns, not one object per request: a decode step of R requests is read with a few NumPy
+    operations. `new_block_ids[i]` is None when request i got no new pages.
+    """
+
+    req_ids: Sequence[str]
+    new_block_ids: Sequence[Sequence[Sequence[int]] | None]  # one list per KV-cache group
+    resumed_req_ids: Set[str]
+    num_computed_tokens: Sequence[int]
+    num_output_tokens: Sequence[int]
+
+    @classmethod
+    def of(cls, requests: Sequence[CachedRequest]) -> CachedRequests:
+        """The columns of `requests`."""
+        return cls(
+            req_ids=[r.req_id for r in requests],
+            new_block_ids=[r.new_block_ids for r in requests],
+            resumed_req_ids={r.req_id for r in requests if r.resumed},
+            num_computed_tokens=[r.num_computed_tokens for r in requests],
+            num_output_tokens=[r.num_output_tokens for r in requests],
+        )
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class BatchUpdate:
     """One engine step: state changes, then `num_scheduled_tokens` in batch order."""
 
     new_requests: Sequence[NewRequest]
-    cached_requests: Sequence[CachedRequest]
-    finished_req_ids: frozenset[str]
-    num_scheduled_tokens: dict[str, int]
+    cached: CachedRequests
+    finished_req_ids: Set[str]
+    num_scheduled_tokens: Mapping[str, int]
     # Requests the scheduler preempted since the last step (they come back as `resumed`).
-    preempted_req_ids: frozenset[str] = frozenset()
+    preempted_req_ids: Set[str] = frozenset()
     # Structured output: request id -> packed int32 bitmask row over the vocab (set bit = allowed).
     grammar_bitmasks: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 

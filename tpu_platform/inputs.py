@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
 
 from tpu_platform.buckets import StepBuckets
-from tpu_platform.request_table import RequestTable
+from tpu_platform.request_table import Appends, RequestTable
 
 
 @jax.tree_util.register_dataclass
@@ -41,41 +42,103 @@ class StepPlan:
     rows: np.ndarray  # [num_seqs] request-table rows, batch order
     emits_token: np.ndarray  # [num_seqs] bool: the step reaches the end of the known tokens
     shape: tuple[int, int, int]  # padded (T, R, P)
+    packed: np.ndarray | None = None  # every input in one int32 buffer (`pack_inputs`)
+    dims: tuple[int, int, int, int] | None = None  # padded (T, R, P, G) of `packed`
+    all_emit: bool = True  # every sequence emits a token (`emits_token.all()`)
+    appends: Appends | None = None  # where the sampled tokens go in the request table
 
 
 def prepare_step(
-    table: RequestTable, rows: np.ndarray, num_scheduled: np.ndarray, buckets: StepBuckets, page_size: int
+    table: RequestTable,
+    rows: np.ndarray,
+    num_scheduled: np.ndarray,
+    buckets: StepBuckets,
+    page_size: int,
+    templates: dict | None = None,
 ) -> tuple[StepInputs, StepPlan]:
-    """Builds the padded inputs for sequences `rows` scheduled for `num_scheduled` tokens each."""
+    """Builds the padded inputs for sequences `rows` scheduled for `num_scheduled` tokens each.
+
+    The inputs are views of one packed buffer (`plan.packed`, laid out as `pack_inputs` does).
+    `templates` (a dict the caller keeps) holds a packed decode step (one token per sequence) per
+    (dims, count) with what depends on those alone (query offsets, logits indices, padding): a
+    decode step starts from a copy and writes only its per-sequence fields.
+    """
     num_seqs = rows.size
     total = int(num_scheduled.sum())
-    start = table.num_computed[rows]
-    kv_lens = start + num_scheduled
     t_pad, r_pad, p_pad = buckets.shape_for(total, num_seqs)
+    dims = (t_pad, r_pad, p_pad, table.block_table.shape[0])
+    if templates is not None and total == num_seqs:
+        template = templates.get((dims, num_seqs))
+        if template is not None:
+            packed = _aligned_empty(template.size)
+            packed[:] = template
+            return _decode_from(packed, table, rows, dims, page_size)
+        inputs, plan = _prepare(table, rows, num_scheduled, dims, page_size)
+        templates[dims, num_seqs] = plan.packed.copy()
+        return inputs, plan
+    return _prepare(table, rows, num_scheduled, dims, page_size)
 
-    cu_q = np.zeros(r_pad + 1, np.int32)
-    np.cumsum(num_scheduled, out=cu_q[1 : num_seqs + 1])
+
+def _decode_from(
+    packed: np.ndarray, table: RequestTable, rows: np.ndarray, dims: tuple[int, int, int, int], page_size: int
+) -> tuple[StepInputs, StepPlan]:
+    """A decode step's inputs in `packed`, a template of its dims and sequence count."""
+    inputs = _views(packed, dims)
+    n, start = rows.size, table.num_computed[rows]
+    inputs.token_ids[:n] = table.token_ids[rows, start]
+    inputs.positions[:n] = start
+    pages = table.block_table[:, rows, start // page_size]
+    inputs.slot_mapping[:, :n] = pages * page_size + start % page_size
+    kv_lens = start + 1
+    inputs.kv_lens[:n] = kv_lens
+    width = min(dims[2], table.block_table.shape[2])
+    inputs.page_indices[:, :n, :width] = table.block_table[:, rows, :width]
+    return inputs, _plan(table, rows, kv_lens, packed, dims)
+
+
+def _prepare(
+    table: RequestTable,
+    rows: np.ndarray,
+    num_scheduled: np.ndarray,
+    dims: tuple[int, int, int, int],
+    page_size: int,
+) -> tuple[StepInputs, StepPlan]:
+    num_seqs, total = rows.size, int(num_scheduled.sum())
+    start = table.num_computed[rows]
+    packed = _aligned_empty(_layout(dims)[0])
+    inputs = _views(packed, dims)
+    cu_q = inputs.cu_q_lens
+    cu_q[0] = 0
+    if total == num_seqs:  # one token each (decode): no ragged expansion
+        cu_q[1 : num_seqs + 1] = np.arange(1, num_seqs + 1)
+        positions, token_rows = start, rows
+    else:
+        np.cumsum(num_scheduled, out=cu_q[1 : num_seqs + 1])
+        positions = np.arange(total, dtype=np.int32) - np.repeat(cu_q[:num_seqs] - start, num_scheduled)
+        token_rows = np.repeat(rows, num_scheduled)
     cu_q[num_seqs + 1 :] = total
-    seq_of_token = np.repeat(np.arange(num_seqs), num_scheduled)
-    positions = np.arange(total, dtype=np.int32) - np.repeat(cu_q[:num_seqs] - start, num_scheduled)
-    token_rows = rows[seq_of_token]
+    kv_lens = start + num_scheduled
+    _fill(inputs.token_ids, table.token_ids[token_rows, positions], 0)
+    _fill(inputs.positions, positions, 0)
+    pages = table.block_table[:, token_rows, positions // page_size]
+    _fill(inputs.slot_mapping, pages * page_size + positions % page_size, -1)
+    _fill(inputs.kv_lens, kv_lens, 0)
+    _page_rows(inputs.page_indices, table.block_table, rows)
+    inputs.num_seqs[0] = num_seqs
+    _fill(inputs.logits_indices, cu_q[1 : num_seqs + 1] - 1, 0)
+    return inputs, _plan(table, rows, kv_lens, packed, dims)
 
-    inputs = StepInputs(
-        token_ids=_padded(table.token_ids[token_rows, positions], t_pad, 0),
-        positions=_padded(positions, t_pad, 0),
-        slot_mapping=_padded(
-            table.block_table[:, token_rows, positions // page_size] * page_size + positions % page_size,
-            t_pad,
-            -1,
-        ),
-        kv_lens=_padded(kv_lens, r_pad, 0),
-        page_indices=_page_rows(table.block_table, rows, r_pad, p_pad),
-        cu_q_lens=cu_q,
-        num_seqs=np.array([num_seqs], np.int32),
-        logits_indices=_padded(cu_q[1 : num_seqs + 1] - 1, r_pad, 0),
-    )
-    plan = StepPlan(rows=rows, emits_token=kv_lens >= table.num_tokens[rows], shape=(t_pad, r_pad, p_pad))
-    return inputs, plan
+
+def _plan(
+    table: RequestTable,
+    rows: np.ndarray,
+    kv_lens: np.ndarray,
+    packed: np.ndarray,
+    dims: tuple[int, int, int, int],
+) -> StepPlan:
+    emits = kv_lens >= table.num_tokens[rows]
+    appends = table.plan_appends(rows, emits)
+    return StepPlan(rows, emits, dims[:3], packed, dims, bool(emits.all()), appends)
 
 
 _FIELDS = (
@@ -98,6 +161,22 @@ def pack_inputs(inputs: StepInputs) -> tuple[np.ndarray, tuple[int, int, int, in
     g, r, p = inputs.page_indices.shape
     dims = (inputs.token_ids.shape[0], r, p, g)
     return np.concatenate([getattr(inputs, f).reshape(-1) for f in _FIELDS]), dims
+
+
+@functools.cache
+def _layout(dims: tuple[int, int, int, int]) -> tuple[int, tuple[tuple[int, int, tuple[int, ...]], ...]]:
+    """The packed buffer's size and each field's (offset, size, shape), in `_FIELDS` order."""
+    fields, offset = [], 0
+    for shape in input_shapes(dims).values():
+        size = int(np.prod(shape))
+        fields.append((offset, size, shape))
+        offset += size
+    return offset, tuple(fields)
+
+
+def _views(packed: np.ndarray, dims: tuple[int, int, int, int]) -> StepInputs:
+    """`StepInputs` whose fields are views of `packed` (the layout of `pack_inputs`)."""
+    return StepInputs(*(packed[o : o + n].reshape(shape) for o, n, shape in _layout(dims)[1]))
 
 
 def unpack_inputs(packed: jax.Array, dims: tuple[int, int, int, int]) -> StepInputs:
@@ -160,15 +239,24 @@ def exercise_inputs(
     )
 
 
-def _padded(values: np.ndarray, size: int, fill: int) -> np.ndarray:
-    """Pads the last axis of `values` to `size` with `fill`."""
-    out = np.full((*values.shape[:-1], size), fill, np.int32)
-    out[..., : values.shape[-1]] = values
-    return out
+def _aligned_empty(size: int) -> np.ndarray:
+    """An int32 buffer at a 64-byte boundary: XLA:CPU then takes it as a device buffer without a
+    copy (the step never writes it once dispatched)."""
+    raw = np.empty(size + 16, np.int32)
+    start = (-raw.ctypes.data % 64) // 4
+    return raw[start : start + size]
 
 
-def _page_rows(block_table: np.ndarray, rows: np.ndarray, r_pad: int, p_pad: int) -> np.ndarray:
-    out = np.zeros((block_table.shape[0], r_pad, p_pad), np.int32)
-    width = min(p_pad, block_table.shape[2])
+def _fill(out: np.ndarray, values: np.ndarray, fill: int) -> None:
+    """Writes `values` at the start of `out`'s last axis and `fill` after them."""
+    n = values.shape[-1]
+    out[..., :n] = values
+    out[..., n:] = fill
+
+
+def _page_rows(out: np.ndarray, block_table: np.ndarray, rows: np.ndarray) -> None:
+    """`out[g, i]` = block table row `rows[i]` of group g, cut or zero-padded to `out`'s width."""
+    width = min(out.shape[2], block_table.shape[2])
     out[:, : rows.size, :width] = block_table[:, rows, :width]
-    return out
+    out[:, rows.size :] = 0
+    out[:, : rows.size, width:] = 0

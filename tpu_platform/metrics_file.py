@@ -28,6 +28,10 @@ class MetricsPublisher:
         self._last = float("-inf")
         os.makedirs(os.path.dirname(path), exist_ok=True)
 
+    def due(self) -> bool:
+        """Whether `publish` would write now (the interval has passed)."""
+        return time.monotonic() - self._last >= self.interval
+
     def publish(self, snapshot: dict[str, float], *, force: bool = False) -> bool:
         """Writes `snapshot` if the interval has passed (or `force`); returns whether it wrote."""
         now = time.monotonic()

@@ -179,6 +179,10 @@ class Programs:
             program = self._build_late(make_spec())
         return program(*args)
 
+    def get(self, spec_key: Hashable) -> jax.stages.Compiled | None:
+        """Program `spec_key` if it is built."""
+        return self._ready.get(spec_key)
+
     def build_all(self, specs: Sequence[ProgramSpec], workers: int) -> int:
         """Builds `specs` on `workers` threads; returns how many were new."""
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="vllm-xla-build") as pool:

@@ -3,11 +3,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
-from tpu_platform.batch_update import CachedRequest, NewRequest
+from tpu_platform.batch_update import CachedRequest, CachedRequests, NewRequest
+
+# Up to this many rows, per-row scalar indexing is cheaper than NumPy's fancy indexing.
+_FEW_ROWS = 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Appends:
+    """Where a step's sampled tokens go: token `index[k]` (k when None) to `rows[k]`, `columns[k]`."""
+
+    rows: np.ndarray
+    columns: np.ndarray
+    counts: np.ndarray  # columns + 1: the rows' token counts afterwards
+    index: np.ndarray | None
 
 
 class RequestTable:
@@ -64,13 +78,39 @@ class RequestTable:
 
     def update(self, request: CachedRequest) -> int:
         """Applies a continuing or resumed request's new blocks and progress; returns its row."""
-        row = self.row_of[request.req_id]
-        if request.resumed:
+        return int(self.update_many(CachedRequests.of([request]))[0])
+
+    def update_many(self, cached: CachedRequests) -> np.ndarray:
+        """Applies every continuing or resumed request's new blocks and progress; returns their rows.
+
+        Per request: a resumed one's block table restarts, new pages are appended, the computed
+        count is set and the token history is cut back to the outputs the engine kept.
+        """
+        n = len(cached.req_ids)
+        if n <= _FEW_ROWS:
+            return np.array([self._update_one(cached, i) for i in range(n)], np.intp)
+        rows = np.fromiter(map(self.row_of.__getitem__, cached.req_ids), np.intp, n)
+        if cached.resumed_req_ids:
+            resumed = [i for i, r in enumerate(cached.req_ids) if r in cached.resumed_req_ids]
+            self.num_pages[:, rows[resumed]] = 0
+        for i, block_ids in enumerate(cached.new_block_ids):
+            if block_ids is not None:
+                self._append_pages(int(rows[i]), block_ids)
+        self.num_computed[rows] = np.fromiter(cached.num_computed_tokens, np.int32, n)
+        known = self.num_prompt_tokens[rows] + np.fromiter(cached.num_output_tokens, np.int32, n)
+        self.num_tokens[rows] = np.minimum(self.num_tokens[rows], known)
+        return rows
+
+    def _update_one(self, cached: CachedRequests, i: int) -> int:
+        """`update_many` for request `i` alone, with scalar indexing."""
+        req_id = cached.req_ids[i]
+        row = self.row_of[req_id]
+        if req_id in cached.resumed_req_ids:
             self.num_pages[:, row] = 0
-        if request.new_block_ids is not None:
-            self._append_pages(row, request.new_block_ids)
-        self.num_computed[row] = request.num_computed_tokens
-        known = self.num_prompt_tokens[row] + request.num_output_tokens
+        if cached.new_block_ids[i] is not None:
+            self._append_pages(row, cached.new_block_ids[i])
+        self.num_computed[row] = cached.num_computed_tokens[i]
+        known = self.num_prompt_tokens[row] + cached.num_output_tokens[i]
         if known < self.num_tokens[row]:
             self.num_tokens[row] = known
         return row
@@ -86,6 +126,33 @@ class RequestTable:
         if n < self.max_model_len:
             self.token_ids[row, n] = token
             self.num_tokens[row] = n + 1
+
+    def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """`append_token` for distinct `rows`, one token each (rows already full are left alone)."""
+        self.append(self.plan_appends(rows, np.ones(rows.size, bool)), tokens)
+
+    def plan_appends(self, rows: np.ndarray, emits: np.ndarray) -> Appends:
+        """Where one token for each of the distinct `rows` that `emits` will go (`append`), decided
+        ahead: the table must not change in between. Rows already full are left out."""
+        columns = self.num_tokens[rows]
+        take = emits & (columns < self.max_model_len)
+        if take.all():
+            return Appends(rows, columns, columns + 1, None)
+        index = np.flatnonzero(take)
+        return Appends(rows[index], columns[index], columns[index] + 1, index)
+
+    def append(self, appends: Appends, tokens: np.ndarray) -> None:
+        """Writes `tokens` (one per row planned, in the planned rows' order) where `appends` says."""
+        if appends.index is not None:
+            tokens = tokens[appends.index]
+        if appends.rows.size <= _FEW_ROWS:
+            columns = appends.columns.tolist()
+            for row, column, token in zip(appends.rows.tolist(), columns, tokens.tolist(), strict=True):
+                self.token_ids[row, column] = token
+                self.num_tokens[row] = column + 1
+            return
+        self.token_ids[appends.rows, appends.columns] = tokens
+        self.num_tokens[appends.rows] = appends.counts
 
     def output_token_ids(self, row: int) -> np.ndarray:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]

@@ -19,12 +19,13 @@ from models import ModelConfig, load_model, pack_for_native_dense
 from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
+from tpu_platform.dispatch import FlatCall
 from tpu_platform.inputs import StepPlan, exercise_inputs, pack_inputs, padding_inputs, prepare_step
 from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
 from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
 from tpu_platform.request_table import RequestTable
-from tpu_platform.sampling import SamplingBatch
+from tpu_platform.sampling import SamplerFlags, SamplingBatch, SamplingTensors
 from tpu_platform.sampling.uniform import (
     has_extras,
     uniform_warmup_flag_sets,
@@ -32,6 +33,7 @@ from tpu_platform.sampling.uniform import (
     with_all_extras,
 )
 from tpu_platform.step import make_forward, make_sampler
+from tpu_platform.step_record import record_step
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
@@ -77,6 +79,9 @@ class _PendingStep:
     req_ids: list[str]
     logits: jax.Array
     prompt_logprobs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None
+    # The sampler's inputs, made before the forward was dispatched (grammar bitmasks come later).
+    tensors: SamplingTensors
+    flags: SamplerFlags
 
 
 class Runner:
@@ -106,6 +111,8 @@ class Runner:
         self._step_index = 0
         self.stats = RunnerStats()
         self._dispatched_at = 0.0
+        self._flat_forwards: dict[tuple, FlatCall | None] = {}  # by program key, once it ran
+        self._templates: dict = {}  # decode steps' packed inputs (`prepare_step`)
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -267,34 +274,58 @@ class Runner:
     def _run_forward(
         self, packed: np.ndarray, dims: tuple[int, int, int, int]
     ) -> tuple[jax.Array, jax.Array]:
-        """Dispatches the forward on packed inputs (one transfer, done by the call itself: cheaper
-        than a separate `device_put`), keeping the donated caches' successors."""
+        """Dispatches the forward on packed inputs (one transfer), keeping the donated caches'
+        successors. After its first run a program is called on its flat arguments (`FlatCall`)."""
+        key = ("forward", *dims)
+        flat = self._flat_forwards.get(key)
+        if flat is not None:
+            packed = flat.put(len(self._state_leaves) + len(self.kv_caches), packed)
+            outputs = flat([*self._state_leaves, *self.kv_caches, packed])
+            self.kv_caches = outputs[2:]
+            return outputs[0], outputs[1]
         logits, hidden, self.kv_caches = self.programs.call(
-            ("forward", *dims),
+            key,
             lambda: self._forward_spec(packed, dims),
             self._state_leaves,
             self.kv_caches,
             packed,
+        )
+        self._flat_forwards[key] = FlatCall.of(
+            self.programs.get(key), len(self._state_leaves) + len(self.kv_caches) + 1
         )
         return logits, hidden
 
     # -- one engine step ------------------------------------------------------------------------
 
     def execute(self, update: BatchUpdate) -> None:
-        """Applies the update and dispatches the forward pass (without waiting for it)."""
+        """Applies the update and dispatches the forward pass (without waiting for it).
+
+        Everything the step needs on the host, the sampler's inputs included, is built before the
+        dispatch: once dispatched, the forward runs on every core and host work competes with it.
+        """
         start = time.perf_counter()
         self._apply(update)
         self._pending = None
         if not update.num_scheduled_tokens:
             return
         req_ids = list(update.num_scheduled_tokens)
-        rows = np.fromiter((self.table.row_of[r] for r in req_ids), np.int32, len(req_ids))
+        rows = np.fromiter(map(self.table.row_of.__getitem__, req_ids), np.int32, len(req_ids))
         num_scheduled = np.fromiter(update.num_scheduled_tokens.values(), np.int32, len(req_ids))
-        inputs, plan = prepare_step(self.table, rows, num_scheduled, self.buckets, self.config.page_size)
-        packed, dims = pack_inputs(inputs)
+        inputs, plan = prepare_step(
+            self.table, rows, num_scheduled, self.buckets, self.config.page_size, self._templates
+        )
+        tensors, flags = self._widened(
+            *self.sampling.prepare(
+                rows=rows,
+                padded_rows=plan.shape[1],
+                history=self.table,
+                step_seed=self.config.seed * 1_000_003 + self._step_index,
+            )
+        )
+        self._step_index += 1
         self.stats.steps += 1
-        self.stats.partial_prefill_steps += int(not plan.emits_token.all())
-        logits, hidden = self._run_forward(packed, dims)
+        self.stats.partial_prefill_steps += int(not plan.all_emit)
+        logits, hidden = self._run_forward(plan.packed, plan.dims)
         self._dispatched_at = time.perf_counter()
         self.stats.host_seconds += self._dispatched_at - start
         prompt = None
@@ -302,7 +333,7 @@ class Runner:
             prompt = self.prompt_logprobs.collect(
                 self._prompt_logprobs, self.state, hidden, self.table, req_ids, rows, inputs.cu_q_lens
             )
-        self._pending = _PendingStep(plan=plan, req_ids=req_ids, logits=logits, prompt_logprobs=prompt)
+        self._pending = _PendingStep(plan, req_ids, logits, prompt, tensors, flags)
 
     def sample(
         self,
@@ -319,22 +350,10 @@ class Runner:
             return StepResult(req_ids=[], sampled_token_ids=[])
         plan = pending.plan
         start = time.perf_counter()
-        tensors, flags = self.sampling.prepare(
-            rows=plan.rows,
-            padded_rows=plan.shape[1],
-            history=self.table,
-            step_seed=self.config.seed * 1_000_003 + self._step_index,
-            grammar_bitmasks=self._bitmask_rows(pending.req_ids, grammar_bitmasks),
-        )
-        if has_extras(flags):
-            tensors, flags = with_all_extras(
-                tensors,
-                flags,
-                self.model_config.vocab_size,
-                logprobs_width=self._logprobs_width,
-                **self._extra_widths,
-            )
-        self._step_index += 1
+        tensors, flags = pending.tensors, pending.flags
+        if grammar_bitmasks:
+            masks = [grammar_bitmasks.get(r) for r in pending.req_ids]
+            tensors, flags = self._widened(*self.sampling.with_grammar(tensors, flags, masks, len(masks)))
         logits = pending.logits
         if logits_transform is not None:  # user code: not counted as our host time
             self.stats.host_seconds += time.perf_counter() - start
@@ -349,42 +368,22 @@ class Runner:
         self.stats.host_seconds += time.perf_counter() - start
         jax.block_until_ready(out.sampled_token_ids)
         start = time.perf_counter()
-        result = self._record(pending, out)
+        result = record_step(self.table, plan, pending.req_ids, out, pending.prompt_logprobs)
         done = time.perf_counter()
         self.stats.host_seconds += done - start
         self.stats.step_seconds += done - self._dispatched_at
         return result
 
-    def _bitmask_rows(
-        self, req_ids: list[str], masks: dict[str, np.ndarray] | None
-    ) -> list[np.ndarray | None] | None:
-        if not masks:
-            return None
-        return [masks.get(r) for r in req_ids]
-
-    def _record(self, pending: _PendingStep, out) -> StepResult:
-        tokens = np.asarray(out.sampled_token_ids)
-        emits = pending.plan.emits_token
-        sampled: list[list[int]] = []
-        for i, row in enumerate(pending.plan.rows):
-            if emits[i]:
-                self.table.append_token(int(row), int(tokens[i]))
-                sampled.append([int(tokens[i])])
-            else:
-                sampled.append([])
-        logprobs = None
-        if getattr(out, "logprob_token_ids", None) is not None:
-            n = len(pending.req_ids)
-            logprobs = StepLogprobs(
-                token_ids=np.asarray(out.logprob_token_ids)[:n],
-                logprobs=np.asarray(out.logprobs)[:n],
-                ranks=np.asarray(out.sampled_token_ranks)[:n],
-            )
-        return StepResult(
-            req_ids=pending.req_ids,
-            sampled_token_ids=sampled,
-            logprobs=logprobs,
-            prompt_logprobs=pending.prompt_logprobs or {},
+    def _widened(self, tensors: SamplingTensors, flags: SamplerFlags) -> tuple[SamplingTensors, SamplerFlags]:
+        """The sampler's inputs, with every extra on when any is (see `sampling.uniform`)."""
+        if not has_extras(flags):
+            return tensors, flags
+        return with_all_extras(
+            tensors,
+            flags,
+            self.model_config.vocab_size,
+            logprobs_width=self._logprobs_width,
+            **self._extra_widths,
         )
 
     def _apply(self, update: BatchUpdate) -> None:
@@ -399,9 +398,9 @@ class Runner:
             row = self.table.add(request)
             self.sampling.add_request(row, request.sampling)
             self.prompt_logprobs.add(request.req_id, request.sampling.prompt_logprobs)
-        for request in update.cached_requests:
-            self.stats.resumed_requests += int(request.resumed)
-            self.table.update(request)
+        if update.cached.req_ids:
+            self.stats.resumed_requests += len(update.cached.resumed_req_ids)
+            self.table.update_many(update.cached)
 
 
 # Forward programs up to this many tokens run once at warm-up (see `Runner.warm_up`).
@@ -415,3 +414,7 @@ def _build_workers() -> int:
 
 def _chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+# What a caller of `Runner` sees: its configuration and counters, and the step result types.
+__all__ = ["Runner", "RunnerConfig", "RunnerStats", "StepLogprobs", "StepResult"]

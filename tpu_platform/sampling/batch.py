@@ -17,6 +17,7 @@ import numpy as np
 from tpu_platform.sampling.host import (
     BadWords,
     TokenHistory,
+    grammar_rows,
     pack_token_bitmask,
     round_up,
     seed_words,
@@ -91,6 +92,11 @@ class SamplingBatch:
         self._bad_words: list[BadWords | None] = [None] * max_num_reqs
         self._allowed: np.ndarray | None = None  # int32[capacity, W], allocated on first use
         self._last_nonce = 0
+        # What `prepare` derives from the rows' parameters alone, for the last rows prepared;
+        # `_version` changes whenever any row's parameters do.
+        self._version = 0
+        self._rows_key: tuple[bytes, int, int] | None = None
+        self._rows_part: _RowsPart | None = None
 
     @property
     def capacity(self) -> int:
@@ -163,6 +169,7 @@ class SamplingBatch:
 
     def remove_request(self, row: int) -> None:
         """Resets `row` to neutral values; it may be reused by `add_request`."""
+        self._version += 1
         if row >= self.capacity:
             return
         for name, (_, fill) in self._fills.items():
@@ -187,42 +194,79 @@ class SamplingBatch:
         `rows`, holds each row's packed int32 xgrammar bitmask or None.
         """
         rows = np.asarray(rows, np.int64)
+        part = self._rows_part_of(rows, padded_rows)
+        random = None
+        generated = history.num_tokens[rows] - history.num_prompt_tokens[rows]
+        if not part.flags.all_greedy:
+            random = self._random(rows, padded_rows, generated, step_seed)
+        penalties = sparse = None
+        if part.penalties:
+            num_prompt = history.num_prompt_tokens[rows].astype(np.int64)
+            num_tokens = history.num_tokens[rows].astype(np.int64)
+            penalties = self._penalties(rows, padded_rows, history.token_ids, num_prompt, num_tokens)
+        if part.sparse:
+            num_prompt = history.num_prompt_tokens[rows].astype(np.int64)
+            num_tokens = history.num_tokens[rows].astype(np.int64)
+            sparse = self._sparse(rows, padded_rows, history.token_ids, num_prompt, num_tokens)
+        tensors = SamplingTensors(
+            temperature=part.temperature,
+            random=random,
+            filters=part.filters,
+            penalties=penalties,
+            sparse=sparse,
+            allowed_bitmask=part.allowed_bitmask,
+        )
+        flags = part.flags if sparse is None else dataclasses.replace(part.flags, sparse=True)
+        if grammar_bitmasks is not None:
+            return self.with_grammar(tensors, flags, grammar_bitmasks, rows.size)
+        return tensors, flags
+
+    def with_grammar(
+        self,
+        tensors: SamplingTensors,
+        flags: SamplerFlags,
+        grammar_bitmasks: Sequence[np.ndarray | None],
+        num_rows: int,
+    ) -> tuple[SamplingTensors, SamplerFlags]:
+        """`prepare`'s result for `num_rows` rows with their structured-output bitmasks added."""
+        padded_rows = tensors.temperature.shape[0]
+        grammar = grammar_rows(grammar_bitmasks, num_rows, padded_rows, self.bitmask_words)
+        if grammar is None:
+            return tensors, flags
+        tensors = dataclasses.replace(tensors, grammar_bitmask=grammar[0], grammar_rows=grammar[1])
+        return tensors, dataclasses.replace(flags, grammar=True)
+
+    def _rows_part_of(self, rows: np.ndarray, padded_rows: int) -> _RowsPart:
+        """`_RowsPart` of `rows`, reused while the rows and their parameters stay the same."""
+        key = (rows.tobytes(), padded_rows, self._version)
+        if key != self._rows_key:
+            self._rows_part = self._make_rows_part(rows, padded_rows)
+            self._rows_key = key
+        return self._rows_part
+
+    def _make_rows_part(self, rows: np.ndarray, padded_rows: int) -> _RowsPart:
         n = rows.size
         if padded_rows < n:
             raise ValueError(f"padded_rows={padded_rows} is smaller than the {n} rows to sample")
-        if n and (rows.max() >= self.capacity or not self._arrays["active"][rows].all()):
-            raise ValueError(f"rows without a request (add_request first): {rows.tolist()}")
         a = self._arrays
-        num_tokens = np.asarray(history.num_tokens)[rows].astype(np.int64)
-        num_prompt = np.asarray(history.num_prompt_tokens)[rows].astype(np.int64)
+        if n and (rows.max() >= self.capacity or not a["active"][rows].all()):
+            raise ValueError(f"rows without a request (add_request first): {rows.tolist()}")
         temperature = self._pad(a["temperature"][rows], padded_rows, 0.0)
         all_greedy = not bool(np.any(temperature[:n] >= SAMPLING_EPS))
-        random = filters = None
-        if not all_greedy:
-            random = self._random(rows, padded_rows, num_tokens - num_prompt, step_seed)
-            filters = self._filters(rows, padded_rows)
-        tensors = SamplingTensors(
-            temperature=temperature,
-            random=random,
-            filters=filters,
-            penalties=self._penalties(rows, padded_rows, history.token_ids, num_prompt, num_tokens),
-            sparse=self._sparse(rows, padded_rows, history.token_ids, num_prompt, num_tokens),
-            allowed_bitmask=self._allowed_bitmask(rows, padded_rows),
-        )
-        grammar = self._grammar(grammar_bitmasks, n, padded_rows)
-        if grammar is not None:
-            tensors = dataclasses.replace(tensors, grammar_bitmask=grammar[0], grammar_rows=grammar[1])
+        filters = None if all_greedy else self._filters(rows, padded_rows)
+        penalized = (a["presence"][rows] != 0.0) | (a["frequency"][rows] != 0.0)
+        penalties = bool(np.any(penalized | (a["repetition"][rows] != 1.0)))
+        allowed = self._allowed_bitmask(rows, padded_rows)
         flags = SamplerFlags(
             all_greedy=all_greedy,
-            filters=tensors.filters is not None,
-            penalties=tensors.penalties is not None,
-            sparse=tensors.sparse is not None,
-            allowed=tensors.allowed_bitmask is not None,
-            grammar=grammar is not None,
+            filters=filters is not None,
+            penalties=penalties,
+            allowed=allowed is not None,
             num_logprobs=self._num_logprobs(rows),
             logprobs_mode=self.logprobs_mode,
         )
-        return tensors, flags
+        sparse = bool(np.any(a["has_bias"][rows] | a["has_bad"][rows] | a["has_stop"][rows]))
+        return _RowsPart(temperature, filters, allowed, flags, penalties, sparse)
 
     def dummy_tensors(
         self, flags: SamplerFlags, padded_rows: int, *, penalty_width: int = 16, sparse_width: int = 16
@@ -326,20 +370,6 @@ class SamplingBatch:
         out[: rows.size] = np.where(has[:, None], self._allowed[rows], -1)
         return out
 
-    def _grammar(self, bitmasks, n: int, padded: int) -> tuple[np.ndarray, np.ndarray] | None:
-        if bitmasks is None or all(m is None for m in bitmasks):
-            return None
-        if len(bitmasks) != n:
-            raise ValueError(f"grammar_bitmasks has {len(bitmasks)} entries for {n} rows")
-        out = np.full((padded, self.bitmask_words), -1, np.int32)
-        has = np.zeros(padded, bool)
-        for i, mask in enumerate(bitmasks):
-            if mask is not None:
-                # Words past the logits' vocabulary only describe tokens the model cannot emit.
-                mask = np.asarray(mask, np.int32).reshape(-1)[: self.bitmask_words]
-                out[i, : mask.size], has[i] = mask, True
-        return out, has
-
     def _num_logprobs(self, rows: np.ndarray) -> int | None:
         wanted = self._arrays["num_logprobs"][rows]
         if not np.any(wanted != _NO_LOGPROBS):
@@ -348,3 +378,15 @@ class SamplingBatch:
         if self.max_logprobs >= 0 and largest <= self.max_logprobs:
             return min(self.max_logprobs, self.vocab_size)
         return min(self.vocab_size, 1 << max(largest - 1, 0).bit_length())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _RowsPart:
+    """What `prepare` derives from the rows' parameters alone (not from their token history)."""
+
+    temperature: np.ndarray
+    filters: FilterTensors | None
+    allowed_bitmask: np.ndarray | None
+    flags: SamplerFlags  # sparse and grammar off: those are decided per step
+    penalties: bool  # some row has a penalty
+    sparse: bool  # some row may have sparse entries (bad words, min_tokens stop ids, logit bias)

@@ -54,6 +54,25 @@ def pack_token_bitmask(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
     return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
 
 
+def grammar_rows(
+    bitmasks: Sequence[np.ndarray | None] | None, num_rows: int, padded: int, words: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The `[padded, words]` grammar bitmask and `[padded]` has-grammar rows of `num_rows` rows'
+    packed bitmasks (None: no grammar); None when no row has one."""
+    if bitmasks is None or all(m is None for m in bitmasks):
+        return None
+    if len(bitmasks) != num_rows:
+        raise ValueError(f"grammar_bitmasks has {len(bitmasks)} entries for {num_rows} rows")
+    out = np.full((padded, words), -1, np.int32)
+    has = np.zeros(padded, bool)
+    for i, mask in enumerate(bitmasks):
+        if mask is not None:
+            # Words past the logits' vocabulary only describe tokens the model cannot emit.
+            mask = np.asarray(mask, np.int32).reshape(-1)[:words]
+            out[i, : mask.size], has[i] = mask, True
+    return out, has
+
+
 def seed_words(seed: int) -> tuple[int, int]:
     """Threefry key data (high word, low word) of a seed modulo 2**64: `jax.random.PRNGKey(seed)` for
     seeds below 2**32 (and for all seeds under `jax_enable_x64`)."""

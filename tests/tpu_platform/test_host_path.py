@@ -1,0 +1,243 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The vectorised per-step host path against simple per-request references."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from tpu_platform.batch_update import CachedRequest, CachedRequests, NewRequest
+from tpu_platform.buckets import StepBuckets
+from tpu_platform.dispatch import FlatCall
+from tpu_platform.inputs import pack_inputs, prepare_step
+from tpu_platform.request_table import RequestTable
+from tpu_platform.sampling import SamplingBatch, SamplingOptions
+
+PAGE = 4
+
+
+def _update_reference(table: RequestTable, request: CachedRequest) -> None:
+    """The per-request update, one request at a time."""
+    row = table.row_of[request.req_id]
+    if request.resumed:
+        table.num_pages[:, row] = 0
+    if request.new_block_ids is not None:
+        table._append_pages(row, request.new_block_ids)
+    table.num_computed[row] = request.num_computed_tokens
+    known = table.num_prompt_tokens[row] + request.num_output_tokens
+    table.num_tokens[row] = min(table.num_tokens[row], known)
+
+
+def _tables(seed: int, num_groups: int) -> tuple[RequestTable, RequestTable, list[str]]:
+    rng = np.random.default_rng(seed)
+    tables = [RequestTable(4, 32, 8, num_groups) for _ in range(2)]
+    req_ids = [f"r{i}" for i in range(6)]
+    for i, req_id in enumerate(req_ids):
+        prompt = rng.integers(0, 100, int(rng.integers(1, 12))).tolist()
+        blocks = [[int(b) for b in rng.integers(0, 50, 2)] for _ in range(num_groups)]
+        outputs = rng.integers(0, 100, int(rng.integers(0, 6))).tolist()
+        for table in tables:
+            row = table.add(NewRequest(req_id, prompt, blocks, i, SamplingOptions()))
+            for token in outputs:
+                table.append_token(row, token)
+    return *tables, req_ids
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("num_groups", [1, 2])
+def test_update_many_matches_one_at_a_time(seed, num_groups):
+    fast, reference, req_ids = _tables(seed, num_groups)
+    rng = np.random.default_rng(100 + seed)
+    requests = []
+    for req_id in rng.permutation(req_ids)[: int(rng.integers(1, 7))]:
+        new_blocks = None
+        if rng.random() < 0.5:
+            sizes = rng.integers(0, 3, num_groups)
+            new_blocks = [[int(b) for b in rng.integers(0, 50, size)] for size in sizes]
+        requests.append(
+            CachedRequest(
+                str(req_id),
+                new_blocks,
+                resumed=bool(rng.random() < 0.3),
+                num_computed_tokens=int(rng.integers(0, 20)),
+                num_output_tokens=int(rng.integers(0, 6)),
+            )
+        )
+    rows = fast.update_many(CachedRequests.of(requests))
+    for request in requests:
+        _update_reference(reference, request)
+    assert rows.tolist() == [fast.row_of[r.req_id] for r in requests]
+    for name in ("token_ids", "num_tokens", "num_computed", "block_table", "num_pages"):
+        np.testing.assert_array_equal(getattr(fast, name), getattr(reference, name), err_msg=name)
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])  # scalar and fancy indexing
+def test_append_tokens_matches_append_token_and_stops_at_max_len(count):
+    fast, reference, req_ids = _tables(0, 1)
+    rows = np.array([fast.row_of[r] for r in req_ids[:count]])
+    fast.num_tokens[rows[0]] = reference.num_tokens[rows[0]] = 32  # full: the token is dropped
+    for step in range(3):
+        tokens = np.arange(count, dtype=np.int32) + 10 * step
+        fast.append_tokens(rows, tokens)
+        for row, token in zip(rows, tokens, strict=True):
+            reference.append_token(int(row), int(token))
+    np.testing.assert_array_equal(fast.token_ids, reference.token_ids)
+    np.testing.assert_array_equal(fast.num_tokens, reference.num_tokens)
+
+
+@pytest.mark.parametrize("num_scheduled", [[1, 1, 1], [3, 1, 2], [1]])
+def test_prepared_buffer_is_the_packed_inputs(num_scheduled):
+    table = RequestTable(4, 32, 8, 2)
+    buckets = StepBuckets.for_limits(
+        max_num_batched_tokens=64, max_num_seqs=8, max_model_len=32, page_size=PAGE
+    )
+    rows = []
+    for i in range(len(num_scheduled)):
+        prompt = list(range(10 + i))
+        rows.append(table.add(NewRequest(f"r{i}", prompt, [[1, 2, 3], [4, 5, 6]], 5 + i, SamplingOptions())))
+    table.block_table[:] = 99  # stale columns past each row's pages are passed on as they are
+    table.block_table[:, :, :3] = [[1, 2, 3]]
+    inputs, plan = prepare_step(table, np.array(rows), np.array(num_scheduled, np.int32), buckets, PAGE)
+    packed, dims = pack_inputs(inputs)
+    assert plan.dims == dims
+    np.testing.assert_array_equal(plan.packed, packed)
+    n, total = len(num_scheduled), sum(num_scheduled)
+    positions = np.concatenate([np.arange(5 + i, 5 + i + q) for i, q in enumerate(num_scheduled)])
+    assert inputs.positions[:total].tolist() == positions.tolist() and (inputs.positions[total:] == 0).all()
+    assert inputs.cu_q_lens[: n + 1].tolist() == np.concatenate([[0], np.cumsum(num_scheduled)]).tolist()
+    assert (inputs.page_indices[:, n:] == 0).all() and (inputs.slot_mapping[:, total:] == -1).all()
+
+
+def _history(rows=8, max_len=64):
+    table = RequestTable(rows, max_len, 4)
+    return table
+
+
+def test_sampling_prepare_reuses_row_parameters_until_they_change():
+    history = _history()
+    batch = SamplingBatch(8, 64, 64)
+    for row, options in enumerate([SamplingOptions(), SamplingOptions(temperature=0.0)]):
+        history.add(NewRequest(f"r{row}", [1, 2, 3], [[0]], 0, SamplingOptions()))
+        batch.add_request(row, options)
+    rows = np.array([0, 1])
+    first, flags = batch.prepare(rows, 4, history, step_seed=1)
+    again, flags_again = batch.prepare(rows, 4, history, step_seed=2)
+    assert flags_again == flags and again.temperature is first.temperature  # reused
+    assert not np.array_equal(first.random.key_data, again.random.key_data)  # per step
+    batch.add_request(0, SamplingOptions(temperature=0.0, logprobs=2))
+    changed, flags = batch.prepare(rows, 4, history, step_seed=2)
+    assert flags.all_greedy and flags.num_logprobs is not None and changed.random is None
+    _, flags = batch.prepare(np.array([1]), 4, history, step_seed=2)
+    assert flags.num_logprobs is None
+
+
+def test_sampling_prepare_decides_min_tokens_every_step():
+    history = _history()
+    batch = SamplingBatch(8, 64, 64)
+    history.add(NewRequest("r0", [1, 2, 3], [[0]], 0, SamplingOptions()))
+    batch.add_request(0, SamplingOptions(min_tokens=1, stop_token_ids=(7,)))
+    tensors, flags = batch.prepare(np.array([0]), 4, history, step_seed=0)
+    assert flags.sparse and tensors.sparse.token_ids[0, 0] == 7
+    history.append_token(0, 5)
+    tensors, flags = batch.prepare(np.array([0]), 4, history, step_seed=0)
+    assert not flags.sparse and tensors.sparse is None
+
+
+def test_with_grammar_adds_bitmask_rows():
+    history = _history()
+    batch = SamplingBatch(8, 64, 64)
+    for row in range(2):
+        history.add(NewRequest(f"r{row}", [1], [[0]], 0, SamplingOptions()))
+        batch.add_request(row, SamplingOptions())
+    tensors, flags = batch.prepare(np.array([0, 1]), 4, history, step_seed=0)
+    mask = np.array([5, 0], np.int32)
+    with_mask, with_flags = batch.with_grammar(tensors, flags, [None, mask], 2)
+    expected, expected_flags = batch.prepare(np.array([0, 1]), 4, history, 0, grammar_bitmasks=[None, mask])
+    assert with_flags == expected_flags and with_flags.grammar
+    np.testing.assert_array_equal(with_mask.grammar_bitmask, expected.grammar_bitmask)
+    np.testing.assert_array_equal(with_mask.grammar_rows, [False, True, False, False])
+    assert batch.with_grammar(tensors, flags, [None, None], 2) == (tensors, flags)
+
+
+def test_flat_call_matches_the_compiled_call():
+    def step(weights, caches, packed):
+        total = sum(w.sum() for w in weights) + packed.sum()
+        return total, [c + total for c in caches]
+
+    weights = [jax.numpy.full((2, 3), i, jax.numpy.float32) for i in range(3)]
+    caches = [jax.numpy.zeros(4, jax.numpy.float32) for _ in range(2)]
+    packed = np.arange(5, dtype=np.float32)
+    compiled = jax.jit(step, donate_argnums=(1,)).trace(weights, caches, packed).lower().compile()
+    expected_total, expected_caches = compiled(weights, [c.copy() for c in caches], packed)
+    flat = FlatCall.of(compiled, len(weights) + len(caches) + 1)
+    assert flat is not None
+    outputs = flat([*weights, *caches, flat.put(len(weights) + len(caches), packed)])
+    assert float(outputs[0]) == float(expected_total)
+    for got, want in zip(outputs[1:], expected_caches, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert caches[0].is_deleted()  # donated, as with the compiled call
+
+    unused = jax.jit(lambda a, b: a * 2).trace(weights[0], weights[1]).lower().compile()
+    flat = FlatCall.of(unused, 2)
+    np.testing.assert_array_equal(flat([weights[1], weights[0]])[0], weights[1] * 2)
+
+
+def test_cached_requests_columns():
+    requests = [CachedRequest("a", None, False, 3, 1), CachedRequest("b", [[1]], True, 0, 0)]
+    columns = CachedRequests.of(requests)
+    assert len(columns) == 2 and columns.resumed_req_ids == {"b"}
+    assert dataclasses.asdict(columns)["new_block_ids"] == [None, [[1]]]
+
+
+@pytest.mark.parametrize("num_groups", [1, 2])
+def test_decode_templates_give_the_same_inputs(num_groups):
+    table = RequestTable(4, 32, 8, num_groups)
+    buckets = StepBuckets.for_limits(
+        max_num_batched_tokens=64, max_num_seqs=8, max_model_len=32, page_size=PAGE
+    )
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        blocks = [[int(b) for b in rng.integers(0, 40, 2)] for _ in range(num_groups)]
+        table.add(NewRequest(f"r{i}", list(range(3 + i)), blocks, 2 + i, SamplingOptions()))
+    templates = {}
+    for step in range(12):
+        rows = rng.permutation(4)[: int(rng.integers(1, 5))].astype(np.int32)
+        ones = np.ones(rows.size, np.int32)
+        _, fast_plan = prepare_step(table, rows, ones, buckets, PAGE, templates)
+        _, plan = prepare_step(table, rows, ones, buckets, PAGE)
+        np.testing.assert_array_equal(fast_plan.packed, plan.packed, err_msg=f"step {step}")
+        np.testing.assert_array_equal(fast_plan.emits_token, plan.emits_token)
+        assert fast_plan.all_emit == plan.all_emit and fast_plan.dims == plan.dims
+        for row in rows:  # the step ran: one more token computed, sometimes a new page
+            table.num_computed[row] += 1
+            table.append_token(int(row), step)
+            if table.num_computed[row] % PAGE == 0:
+                table._append_pages(int(row), [[int(rng.integers(0, 40))]] * num_groups)
+    assert templates
+
+
+def test_planned_appends_skip_rows_that_do_not_emit_or_are_full():
+    fast, reference, req_ids = _tables(1, 1)
+    rows = np.array([fast.row_of[r] for r in req_ids[:4]])
+    fast.num_tokens[rows[1]] = reference.num_tokens[rows[1]] = 32
+    emits = np.array([True, True, False, True])
+    tokens = np.array([5, 6, 7, 8], np.int32)
+    fast.append(fast.plan_appends(rows, emits), tokens)
+    for row, token, emit in zip(rows, tokens, emits, strict=True):
+        if emit:
+            reference.append_token(int(row), int(token))
+    np.testing.assert_array_equal(fast.token_ids, reference.token_ids)
+    np.testing.assert_array_equal(fast.num_tokens, reference.num_tokens)
+
+
+def test_packed_buffers_are_64_byte_aligned():
+    table = RequestTable(4, 32, 8)
+    buckets = StepBuckets.for_limits(
+        max_num_batched_tokens=64, max_num_seqs=8, max_model_len=32, page_size=PAGE
+    )
+    row = table.add(NewRequest("a", [1, 2, 3], [[1]], 2, SamplingOptions()))
+    templates = {}
+    for _ in range(2):  # built, then from the template
+        _, plan = prepare_step(table, np.array([row]), np.ones(1, np.int32), buckets, PAGE, templates)
+        assert plan.packed.ctypes.data % 64 == 0
