@@ -22,7 +22,7 @@ def _ensure_platform() -> None:
 
 
 def _builds_native_kernels(env: XlaEnv) -> bool:
-    return os.environ.get("VLLM_XLA_PLATFORM") == "cpu" and env.attention_backend in ("auto", "cpu_native")
+    return env.platform == "cpu" and env.attention_backend in ("auto", "cpu_native")
 
 
 def _build_native_kernels_quietly(build_dir: str) -> None:
