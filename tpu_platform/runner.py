@@ -277,7 +277,7 @@ class Runner:
         """Dispatches the forward on packed inputs (one transfer), keeping the donated caches'
         successors. After its first run a program is called on its flat arguments (`FlatCall`)."""
         key = ("forward", *dims)
-        flat = self._flat_forwards.get(key)
+        flat = self._flat_forwards.get(key)  # None too when the program needs JAX's own call
         if flat is not None:
             packed = flat.put(len(self._state_leaves) + len(self.kv_caches), packed)
             outputs = flat([*self._state_leaves, *self.kv_caches, packed])
@@ -290,9 +290,10 @@ class Runner:
             self.kv_caches,
             packed,
         )
-        self._flat_forwards[key] = FlatCall.of(
-            self.programs.get(key), len(self._state_leaves) + len(self.kv_caches) + 1
-        )
+        if key not in self._flat_forwards:  # decided once per program
+            self._flat_forwards[key] = FlatCall.of(
+                self.programs.get(key), len(self._state_leaves) + len(self.kv_caches) + 1
+            )
         return logits, hidden
 
     # -- one engine step ------------------------------------------------------------------------

@@ -7,6 +7,7 @@ Runs of a path skip on CPUs without its instructions."""
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -103,5 +104,5 @@ def test_default_path_is_the_best_one_the_cpu_runs(dense_kernels):
     isas = cpu.dense_isas(dense_kernels)
     assert cpu.dense_isa(dense_kernels) == isas[0]
     assert set(isas) <= {"amx", "avx512_bf16"}
-    flags = open("/proc/cpuinfo").read()
+    flags = pathlib.Path("/proc/cpuinfo").read_text()
     assert ("avx512_bf16" in isas) == (" avx512_bf16" in flags)

@@ -121,6 +121,7 @@ class SamplingBatch:
         options.validate(self.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             self._check_logprobs(name, getattr(options, name))
+        self._version += 1
         if row >= self.capacity:
             self._grow(row)
         self.remove_request(row)
