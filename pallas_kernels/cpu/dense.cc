@@ -178,6 +178,7 @@ struct AmxProblem {
 
 constexpr int kVectorRows = 6;    // rows of x in a register block
 constexpr int kVectorBlocks = 4;  // 16-column blocks in a register block: 24 accumulators
+constexpr int64_t kChunkBytes = 128 << 10;  // x rows a vector item walks before its next columns
 
 // The same product with VDPBF16PS: a packed tile row (16 columns x one pair of K) against a
 // broadcast pair of x adds both products of the pair to 16 float32 accumulators.
@@ -190,12 +191,19 @@ struct VectorProblem {
   static void Begin() {}
   static void End() {}
 
+  // Rows go in chunks whose x stays in L2 while the item's column blocks pass over them (x of
+  // all rows would not: measured at 1024 rows, 576x3072 and 1536x576 run 4-9% faster so).
   void Run(const Item& item) const {
-    for (int64_t block = item.first_block; block < item.end_block; block += kVectorBlocks) {
-      const int blocks = static_cast<int>(std::min<int64_t>(kVectorBlocks, item.end_block - block));
-      for (int64_t row = 0; row < M; row += kVectorRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kVectorRows, M - row));
-        kBlockKernels[rows - 1][blocks - 1](*this, row, block);
+    const int64_t chunk_rows = std::max<int64_t>(
+        kVectorRows, kChunkBytes / (K * static_cast<int64_t>(sizeof(uint16_t))) / kVectorRows * kVectorRows);
+    for (int64_t first_row = 0; first_row < M; first_row += chunk_rows) {
+      const int64_t end_row = std::min(M, first_row + chunk_rows);
+      for (int64_t block = item.first_block; block < item.end_block; block += kVectorBlocks) {
+        const int blocks = static_cast<int>(std::min<int64_t>(kVectorBlocks, item.end_block - block));
+        for (int64_t row = first_row; row < end_row; row += kVectorRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kVectorRows, end_row - row));
+          kBlockKernels[rows - 1][blocks - 1](*this, row, block);
+        }
       }
     }
   }
