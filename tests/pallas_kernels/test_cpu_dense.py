@@ -60,7 +60,8 @@ def test_kernels_the_native_kernel_cannot_take_are_refused_by_name(shape, dtype)
         cpu.pack_dense_kernel(jnp.zeros(shape, dtype))
 
 
-ROWS = (1, 2, 5, 6, 7, 15, 16, 17, 31, 32, 33, 64, 70)
+# 64 and up cross the vector path's row chunks at K = 1536 (42 rows), 130 at K = 576 (108 rows).
+ROWS = (1, 2, 5, 6, 7, 15, 16, 17, 31, 32, 33, 64, 70, 130)
 KERNELS = ((32, 16), (64, 48), (576, 960), (1536, 64))
 
 
