@@ -25,7 +25,7 @@ from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
 from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
 from tpu_platform.request_table import RequestTable
-from tpu_platform.sampling import SamplerFlags, SamplingBatch, SamplingTensors
+from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, SamplingTensors
 from tpu_platform.sampling.uniform import (
     has_extras,
     uniform_warmup_flag_sets,
@@ -71,6 +71,8 @@ class RunnerStats:
     # wall time of the whole step (forward dispatched to tokens recorded on the host).
     host_seconds: float = 0.0
     step_seconds: float = 0.0
+    # Steps whose tokens the sampler program drew; the others took the forward's argmax.
+    sampler_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,6 +80,7 @@ class _PendingStep:
     plan: StepPlan
     req_ids: list[str]
     logits: jax.Array
+    greedy: jax.Array  # the rows' argmax, from the forward
     prompt_logprobs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None
     # The sampler's inputs, made before the forward was dispatched (grammar bitmasks come later).
     tensors: SamplingTensors
@@ -273,7 +276,7 @@ class Runner:
 
     def _run_forward(
         self, packed: np.ndarray, dims: tuple[int, int, int, int]
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Dispatches the forward on packed inputs (one transfer), keeping the donated caches'
         successors. After its first run a program is called on its flat arguments (`FlatCall`)."""
         key = ("forward", *dims)
@@ -281,9 +284,9 @@ class Runner:
         if flat is not None:
             packed = flat.put(len(self._state_leaves) + len(self.kv_caches), packed)
             outputs = flat([*self._state_leaves, *self.kv_caches, packed])
-            self.kv_caches = outputs[2:]
-            return outputs[0], outputs[1]
-        logits, hidden, self.kv_caches = self.programs.call(
+            self.kv_caches = outputs[3:]
+            return outputs[0], outputs[1], outputs[2]
+        logits, greedy, hidden, self.kv_caches = self.programs.call(
             key,
             lambda: self._forward_spec(packed, dims),
             self._state_leaves,
@@ -294,7 +297,7 @@ class Runner:
             self._flat_forwards[key] = FlatCall.of(
                 self.programs.get(key), len(self._state_leaves) + len(self.kv_caches) + 1
             )
-        return logits, hidden
+        return logits, greedy, hidden
 
     # -- one engine step ------------------------------------------------------------------------
 
@@ -326,7 +329,7 @@ class Runner:
         self._step_index += 1
         self.stats.steps += 1
         self.stats.partial_prefill_steps += int(not plan.all_emit)
-        logits, hidden = self._run_forward(plan.packed, plan.dims)
+        logits, greedy, hidden = self._run_forward(plan.packed, plan.dims)
         self._dispatched_at = time.perf_counter()
         self.stats.host_seconds += self._dispatched_at - start
         prompt = None
@@ -334,7 +337,7 @@ class Runner:
             prompt = self.prompt_logprobs.collect(
                 self._prompt_logprobs, self.state, hidden, self.table, req_ids, rows, inputs.cu_q_lens
             )
-        self._pending = _PendingStep(plan, req_ids, logits, prompt, tensors, flags)
+        self._pending = _PendingStep(plan, req_ids, logits, greedy, prompt, tensors, flags)
 
     def sample(
         self,
@@ -360,12 +363,16 @@ class Runner:
             self.stats.host_seconds += time.perf_counter() - start
             logits = logits_transform(logits, plan.rows, flags.all_greedy)
             start = time.perf_counter()
-        out = self.programs.call(
-            ("sample", plan.shape[1], flags),
-            lambda: self._sampler_spec(logits, tensors, flags),
-            logits,
-            tensors,
-        )
+        if logits_transform is None and flags.argmax_only:
+            out = SamplerOutput(sampled_token_ids=pending.greedy)  # the forward's argmax: no sampler run
+        else:
+            self.stats.sampler_steps += 1
+            out = self.programs.call(
+                ("sample", plan.shape[1], flags),
+                lambda: self._sampler_spec(logits, tensors, flags),
+                logits,
+                tensors,
+            )
         self.stats.host_seconds += time.perf_counter() - start
         jax.block_until_ready(out.sampled_token_ids)
         start = time.perf_counter()

@@ -11,7 +11,7 @@ from flax import nnx
 
 from models import AttentionMetadata
 from tpu_platform.inputs import unpack_inputs
-from tpu_platform.sampling import SamplerFlags, sample
+from tpu_platform.sampling import SamplerFlags, greedy_sample, sample
 
 
 def forward_logits(
@@ -24,11 +24,12 @@ def forward_logits(
     backend: str,
     layer_groups: tuple[int, ...] = (),
     layer_caches: tuple[int, ...] = (),
-) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
     """Runs the model on all scheduled tokens (`packed` by `pack_inputs`, padded to `dims`).
 
-    Returns the `[R, V]` float32 logits of the rows to sample, the `[T, D]` hidden states of every
-    token (for prompt logprobs) and the new caches.
+    Returns the `[R, V]` float32 logits of the rows to sample, their `[R]` greedy tokens (an
+    all-greedy step needs no sampler program), the `[T, D]` hidden states of every token (for
+    prompt logprobs) and the new caches.
     """
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
     inputs = unpack_inputs(packed, dims)
@@ -43,7 +44,8 @@ def forward_logits(
         layer_caches=layer_caches,
     )
     hidden, kv_caches = model(inputs.token_ids, inputs.positions, kv_caches, md)
-    return model.compute_logits(hidden[inputs.logits_indices]), hidden, kv_caches
+    logits = model.compute_logits(hidden[inputs.logits_indices])
+    return logits, greedy_sample(logits), hidden, kv_caches
 
 
 def make_forward(
@@ -53,7 +55,7 @@ def make_forward(
     layer_groups: tuple[int, ...] = (),
     layer_caches: tuple[int, ...] = (),
 ) -> Callable:
-    """`forward(state_leaves, kv_caches, packed, dims=...) -> (logits, hidden, kv_caches)`, jitted.
+    """`forward(state_leaves, kv_caches, packed, dims=...) -> (logits, greedy, hidden, kv_caches)`, jitted.
 
     The model state comes as the flat leaves of `state_def` (`jax.tree.flatten(state)`, done
     once): flattening an NNX state of a few hundred variables on every call would cost

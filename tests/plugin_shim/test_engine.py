@@ -67,6 +67,23 @@ def test_batch_of_mixed_lengths_matches_transformers(llm, hf):
     assert _token_ids(out) == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
+def test_greedy_steps_take_the_forwards_argmax_and_others_run_the_sampler(llm, hf):
+    def counters():
+        stats = llm.collective_rpc("runner_stats")[0]
+        return stats["steps"], stats["sampler_steps"]
+
+    prompts = _prompts([9, 23], seed=5)
+    steps, sampler_steps = counters()
+    out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], _greedy())
+    assert _token_ids(out) == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    greedy_steps, after_greedy = counters()
+    assert greedy_steps > steps and after_greedy == sampler_steps
+    # A penalty changes the logits before the argmax: the sampler program runs every step.
+    llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], _greedy(repetition_penalty=1.5))
+    penalty_steps, after_penalty = counters()
+    assert after_penalty - after_greedy == penalty_steps - greedy_steps > 0
+
+
 def test_prefix_cache_hit_gives_the_same_tokens(llm, hf):
     (prompt,) = _prompts([50], seed=3)
     expected = hf_greedy(hf, prompt, NEW_TOKENS)

@@ -14,6 +14,7 @@ from tpu_platform.sampling import (
     SamplingBatch,
     SamplingOptions,
     dummy_tensors,
+    greedy_sample,
     pack_token_bitmask,
     prompt_logprobs,
     sample,
@@ -130,6 +131,30 @@ def test_all_greedy_batch_matches_reference_exactly():
         expected = ref.reference_row(logits[row], opt, history.prompt(row), history.output(row))
         assert int(out.sampled_token_ids[row]) == expected.greedy
     assert int(out.sampled_token_ids[0]) not in (3, 5) and int(out.sampled_token_ids[1]) != 9
+
+
+def test_argmax_only_means_the_sampler_returns_the_greedy_argmax():
+    # Each option that keeps a greedy batch from being the plain argmax, and none.
+    cases = {
+        "plain": SamplingOptions(temperature=0.0),
+        "penalty": SamplingOptions(temperature=0.0, repetition_penalty=1.5),
+        "bias": SamplingOptions(temperature=0.0, logit_bias={7: 9.0}),
+        "allowed": SamplingOptions(temperature=0.0, allowed_token_ids=(1, 2, 3)),
+        "logprobs": SamplingOptions(temperature=0.0, logprobs=2),
+        "random": SamplingOptions(temperature=1.0),
+    }
+    history = History.empty()
+    history.set(0, [1, 2], [7, 7])
+    logits = _logits(2, V, 4)
+    for name, options in cases.items():
+        batch = SamplingBatch(2, V, 64)
+        batch.add_request(0, options)
+        tensors, flags = batch.prepare(np.arange(1), 2, history, step_seed=0)
+        assert flags.argmax_only == (name == "plain"), name
+        if flags.argmax_only:
+            out = sample(logits, tensors, flags=flags).sampled_token_ids
+            np.testing.assert_array_equal(out, greedy_sample(logits))
+            np.testing.assert_array_equal(out, np.argmax(logits, axis=-1))
 
 
 def _run(batch, history, rows, padded, steps, logits_for, step_seed=0):

@@ -18,7 +18,7 @@ No vLLM and no torch here: pure JAX and NumPy.
 
 from tpu_platform.sampling.batch import SamplingBatch
 from tpu_platform.sampling.host import TokenHistory, pack_token_bitmask
-from tpu_platform.sampling.ops import apply_grammar_bitmask, compute_logprobs, gather_logprobs
+from tpu_platform.sampling.ops import apply_grammar_bitmask, compute_logprobs, gather_logprobs, greedy_sample
 from tpu_platform.sampling.options import SAMPLING_EPS, SamplingOptions
 from tpu_platform.sampling.sampler import prompt_logprobs, sample
 from tpu_platform.sampling.tensors import (
@@ -45,6 +45,7 @@ __all__ = [
     "compute_logprobs",
     "dummy_tensors",
     "gather_logprobs",
+    "greedy_sample",
     "pack_token_bitmask",
     "prompt_logprobs",
     "sample",

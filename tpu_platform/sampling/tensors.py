@@ -42,6 +42,16 @@ class SamplerFlags:
     num_logprobs: int | None = None
     logprobs_mode: str = "raw_logprobs"
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the sampled tokens are just the argmax of the logits as they come (all rows
+        greedy, nothing that changes the logits, no logprobs): the forward computes those itself."""
+        return (
+            self.all_greedy
+            and self.num_logprobs is None
+            and not (self.penalties or self.sparse or self.allowed or self.grammar)
+        )
+
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
