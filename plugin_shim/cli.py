@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -96,7 +97,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     for prompt, output in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
         print(f"{prompt}{output.outputs[0].text}")
+    llm.llm_engine.engine_core.shutdown()  # the worker removes its metrics file
+    if build is not None:
+        build.join()
     return 0
+
+
+def _leave_now(code: int) -> None:
+    """Ends the process once its output is out, without the interpreter's teardown of JAX, torch
+    and vLLM (about 2.4 s measured after a `generate`, releasing memory the OS takes back anyway)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
@@ -151,5 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     return {"model-dir": cmd_model_dir, "generate": cmd_generate}[args.command](args)
 
 
+def run() -> None:
+    """The console script: `main`, then a one-shot `generate` leaves at once (`_leave_now`)."""
+    code = main()
+    if sys.argv[1:2] == ["generate"]:
+        _leave_now(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

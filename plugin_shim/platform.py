@@ -11,9 +11,12 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
+from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from tpu_platform.envs import read_env
+
+logger = init_logger("vllm.xla.platform")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,6 +107,9 @@ class XlaPlatform(Platform):
         cache = vllm_config.cache_config
         if cache is not None and not cache.user_specified_block_size:
             cache.block_size = DEFAULT_PAGE_SIZE
+        if vllm_config.scheduler_config.async_scheduling:
+            # vLLM turns it on by default too, so this is said, not raised.
+            logger.info("vllm-xla runs without async scheduling: its runner does not overlap steps yet")
         vllm_config.scheduler_config.async_scheduling = False
         # JAX is multithreaded: a forked engine process would deadlock.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
