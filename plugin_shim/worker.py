@@ -63,6 +63,7 @@ class XlaWorker(WorkerBase):
             raise ValueError(
                 f"dtype {mc.dtype} is not supported by vllm-xla; use float32, bfloat16 or float16"
             )
+        self.logits_bridge = LogitsProcessorBridge.load(self.vllm_config)
         self.runner = Runner(
             RunnerConfig(
                 model_path=mc.model,
@@ -77,9 +78,9 @@ class XlaWorker(WorkerBase):
                 seed=mc.seed or 0,
                 max_logprobs=mc.max_logprobs,
                 logprobs_mode=str(mc.logprobs_mode),
+                logits_processors=self.logits_bridge is not None,
             )
         )
-        self.logits_bridge = LogitsProcessorBridge.load(self.vllm_config)
         logger.info("vllm-xla worker drives JAX devices: %s", ", ".join(str(d) for d in jax.devices()))
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:

@@ -183,6 +183,10 @@ class Programs:
         """Program `spec_key` if it is built."""
         return self._ready.get(spec_key)
 
+    def keys(self) -> list[Hashable]:
+        """The keys of the programs built so far."""
+        return list(self._ready)
+
     def build_all(self, specs: Sequence[ProgramSpec], workers: int) -> int:
         """Builds `specs` on `workers` threads; returns how many were new."""
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="vllm-xla-build") as pool:

@@ -55,6 +55,9 @@ class RunnerConfig:
     seed: int = 0
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
+    # Whether host-side logits processors rewrite the logits (`Runner.sample`'s transform): only
+    # then does an argmax-only step run a sampler program, so only then is one built.
+    logits_processors: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -253,6 +256,8 @@ class Runner:
             for flags in uniform_warmup_flag_sets(
                 self._logprobs_width, logprobs_mode=self.config.logprobs_mode
             ):
+                if flags.argmax_only and not self.config.logits_processors:
+                    continue  # the forward's argmax serves these steps
                 tensors = self.sampling.dummy_tensors(flags, r_pad, **self._extra_widths)
                 specs.append(self._sampler_spec(logits, tensors, flags))
         return specs

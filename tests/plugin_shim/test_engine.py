@@ -84,6 +84,14 @@ def test_greedy_steps_take_the_forwards_argmax_and_others_run_the_sampler(llm, h
     assert after_penalty - after_greedy == penalty_steps - greedy_steps > 0
 
 
+def test_warm_up_builds_no_sampler_program_for_argmax_only_steps(llm):
+    # No logits processor is installed: argmax-only steps never run a sampler program.
+    keys = llm.collective_rpc(lambda worker: worker.runner.programs.keys())[0]
+    samplers = [key for key in keys if key[0] == "sample"]
+    assert samplers and not any(key[2].argmax_only for key in samplers)
+    assert any(key[2].all_greedy for key in samplers)  # greedy with extras still is
+
+
 def test_prefix_cache_hit_gives_the_same_tokens(llm, hf):
     (prompt,) = _prompts([50], seed=3)
     expected = hf_greedy(hf, prompt, NEW_TOKENS)
