@@ -8,6 +8,7 @@ median step time, the achieved FLOP/s and bytes/s, and their fraction of the dev
 spec-sheet peak when known, and writes everything as JSON.
 
     python benchmarks/attention.py [--out benchmarks/results/attention.json] [--iters 10]
+        [--dtype bfloat16] [--kv-dtype float8_e4m3fn]
 
 `--interpret` also times the Pallas backends in interpret mode on CPU: a smoke run of the code
 path, not a performance number. Sizes are smaller on CPU (see WORKLOADS).
@@ -72,16 +73,16 @@ def workloads(platform: str) -> list[Workload]:
     ]
 
 
-def cost(w: Workload, itemsize: int) -> tuple[float, float]:
+def cost(w: Workload, itemsize: int, kv_itemsize: int) -> tuple[float, float]:
     """(FLOPs, ideal bytes) of one attention call over the workload."""
     pairs = sum(q * kv - q * (q - 1) // 2 for q, kv in zip(w.q_lens, w.kv_lens, strict=True))
     flops = 4.0 * w.head_dim * w.num_q_heads * pairs
-    kv_bytes = 2 * sum(w.kv_lens) * w.num_kv_heads * w.head_dim * itemsize
+    kv_bytes = 2 * sum(w.kv_lens) * w.num_kv_heads * w.head_dim * kv_itemsize
     q_bytes = 2 * sum(w.q_lens) * w.num_q_heads * w.head_dim * itemsize  # q in, out back
     return flops, float(kv_bytes + q_bytes)
 
 
-def build(w: Workload, backend: str, dtype, seed: int = 0):
+def build(w: Workload, backend: str, dtype, kv_dtype, seed: int = 0):
     """A filled cache in `backend`'s layout and the attention inputs (shuffled block table)."""
     rng = np.random.default_rng(seed)
     num_seqs = len(w.q_lens)
@@ -93,8 +94,12 @@ def build(w: Workload, backend: str, dtype, seed: int = 0):
         [table[i, p // w.page_size] * w.page_size + p % w.page_size for i, p in enumerate(pos)]
     )
     k = jnp.asarray(rng.standard_normal((len(slots), w.num_kv_heads, w.head_dim), np.float32), dtype)
-    cache = api.allocate_kv_cache(num_pages, w.page_size, w.num_kv_heads, w.head_dim, dtype, backend=backend)
-    write = jax.jit(lambda c, k, s: api.write_kv(c, k, -k, s, backend=backend), donate_argnums=0)
+    cache = api.allocate_kv_cache(
+        num_pages, w.page_size, w.num_kv_heads, w.head_dim, kv_dtype, backend=backend
+    )
+    write = jax.jit(
+        lambda c, k, s: api.write_kv(c, k, -k, s, backend=backend, kv_dtype=kv_dtype.name), donate_argnums=0
+    )
     cache = write(cache, k, jnp.asarray(slots, jnp.int32))
     q = jnp.asarray(rng.standard_normal((sum(w.q_lens), w.num_q_heads, w.head_dim), np.float32), dtype)
     cu_q_lens = np.concatenate([[0], np.cumsum(w.q_lens)]).astype(np.int32)
@@ -117,6 +122,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/attention.json")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--kv-dtype", choices=["bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"], help="default: --dtype"
+    )
     parser.add_argument("--interpret", action="store_true", help="also run Pallas backends interpreted")
     parser.add_argument("--peak-flops", type=float, help="override the device's peak FLOP/s")
     parser.add_argument("--peak-bytes", type=float, help="override the device's peak memory bytes/s")
@@ -124,6 +132,7 @@ def main() -> None:
 
     device = jax.devices()[0]
     dtype = jnp.dtype(args.dtype)
+    kv_dtype = jnp.dtype(args.kv_dtype or args.dtype)
     peak_flops, peak_bytes = next(
         (v for k, v in PEAKS.items() if device.device_kind.startswith(k)), (None, None)
     )
@@ -138,18 +147,23 @@ def main() -> None:
 
     results = []
     for w in workloads(device.platform):
-        flops, nbytes = cost(w, dtype.itemsize)
+        flops, nbytes = cost(w, dtype.itemsize, kv_dtype.itemsize)
         for backend in dict.fromkeys(backends):
             interpret = backend not in ("xla", native)
             extra = {"interpret": True} if interpret else {}
             fn = jax.jit(
                 functools.partial(
-                    api.ragged_paged_attention, sm_scale=w.head_dim**-0.5, backend=backend, **extra
+                    api.ragged_paged_attention,
+                    sm_scale=w.head_dim**-0.5,
+                    backend=backend,
+                    kv_dtype=kv_dtype.name,
+                    **extra,
                 )
             )
-            seconds = time_call(fn, build(w, backend, dtype), args.iters)
+            seconds = time_call(fn, build(w, backend, dtype, kv_dtype), args.iters)
             row = {
                 "workload": w.name, "backend": backend, "interpret": interpret, "dtype": dtype.name,
+                "kv_dtype": kv_dtype.name,
                 "median_s": seconds, "tokens": sum(w.q_lens), "flops": flops, "bytes": nbytes,
                 "flops_per_s": flops / seconds, "bytes_per_s": nbytes / seconds,
                 "flops_fraction_of_peak": flops / seconds / peak_flops if peak_flops else None,

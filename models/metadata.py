@@ -32,6 +32,9 @@ class AttentionMetadata:
     # [1] number of real sequences
     num_seqs: jax.Array
     backend: str = dataclasses.field(default="xla", metadata={"static": True})
+    # The cached values' dtype by name when the cache array holds their bits (float8 in a uint8
+    # array); None: the array's own dtype (see pallas_kernels.api).
+    kv_dtype: str | None = dataclasses.field(default=None, metadata={"static": True})
     layer_groups: tuple[int, ...] = dataclasses.field(default=(), metadata={"static": True})
     layer_caches: tuple[int, ...] = dataclasses.field(default=(), metadata={"static": True})
 

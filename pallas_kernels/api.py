@@ -5,6 +5,10 @@ Each backend owns its KV cache layout (documented in its own module); nothing ou
 package depends on it. Backends: `xla` (reference.py, the oracle and CPU fallback), `pallas_tpu`
 (tpu/), `pallas_gpu` (gpu/), `cpu_native` (cpu/: the reference's cache, C++ attention).
 `backend="auto"` picks by JAX's default device kind.
+
+KV cache dtypes: float32, bfloat16, and float8 (`float8_e4m3fn`, `float8_e5m2`: half the bytes of
+bfloat16, stored unscaled). The `xla` and `cpu_native` caches keep bfloat16 and float8 as bit
+patterns (`reference.storage_dtype`); a float8 one is `uint8` and its ops take `kv_dtype`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ def _kernel_module(backend: str) -> ModuleType:
     raise ValueError(f"{backend!r} is not a kernel backend")
 
 
+def _check_own_dtype(kv_cache: jax.Array, kv_dtype: str | None) -> None:
+    """The Pallas backends' caches hold values of their own dtype: `kv_dtype`, if given, is it."""
+    if kv_dtype is not None and jnp.dtype(kv_dtype) != kv_cache.dtype:
+        raise ValueError(f"kv_dtype {jnp.dtype(kv_dtype).name} does not match the {kv_cache.dtype} cache")
+
+
 def allocate_kv_cache(
     num_pages: int,
     page_size: int,
@@ -43,7 +53,7 @@ def allocate_kv_cache(
     *,
     backend: str = "auto",
 ) -> jax.Array:
-    """A zeroed KV cache for one layer, in `backend`'s layout."""
+    """A zeroed KV cache for one layer, in `backend`'s layout, for values of `dtype`."""
     backend = resolve_backend(backend, interpret=True)
     if backend == XLA:
         return reference.allocate_kv_cache_reference(num_pages, page_size, num_kv_heads, head_dim, dtype)
@@ -57,14 +67,19 @@ def write_kv(
     slot_mapping: jax.Array,
     *,
     backend: str = "auto",
+    kv_dtype: str | None = None,
 ) -> jax.Array:
     """Writes k, v `[T, Hkv, D]` at `slot_mapping[T]` (page * page_size + offset).
 
     Negative slots are padding and write nothing. Donate `kv_cache` to update it in place.
+    `kv_dtype` names the cached values' dtype (the one the cache was allocated for); a float8
+    cache of the `xla` and `cpu_native` backends needs it.
     """
     backend = resolve_backend(backend, interpret=True)
-    if backend == XLA:
-        return reference.write_kv_reference(kv_cache, k, v, slot_mapping)
+    if backend in (XLA, CPU_NATIVE):
+        write = reference.write_kv_reference if backend == XLA else _kernel_module(backend).write_kv
+        return write(kv_cache, k, v, slot_mapping, kv_dtype=kv_dtype)
+    _check_own_dtype(kv_cache, kv_dtype)
     return _kernel_module(backend).write_kv(kv_cache, k, v, slot_mapping)
 
 
@@ -81,13 +96,15 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     backend: str = "auto",
     interpret: bool = False,
+    kv_dtype: str | None = None,
     **tuning: int,
 ) -> jax.Array:
     """Causal attention of ragged query rows `q[T, Hq, D]` over their sequences' paged KV.
 
     Sequence i owns query rows `cu_q_lens[i]:cu_q_lens[i+1]`, its last tokens, and
     `kv_lens[i]` cached tokens (already written) in pages `page_indices[i]`. Rows past
-    `cu_q_lens[num_seqs]` are padding. Tuning keywords go to the Pallas backends.
+    `cu_q_lens[num_seqs]` are padding. `kv_dtype` as in `write_kv`. Tuning keywords go to the
+    Pallas backends.
     """
     backend = resolve_backend(backend, interpret=interpret)
     if backend in (XLA, CPU_NATIVE):
@@ -100,8 +117,9 @@ def ragged_paged_attention(
         )
         return attend(
             q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_dtype=kv_dtype,
         )  # fmt: skip
+    _check_own_dtype(kv_cache, kv_dtype)
     return _kernel_module(backend).ragged_paged_attention(
         q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,

@@ -8,8 +8,12 @@ KV cache layout (one array per layer): `[2 * Hkv, num_pages, page_size * D]`.
 Rows `0..Hkv-1` hold K heads and rows `Hkv..2*Hkv-1` hold V heads; a page of one head is one
 contiguous row of `page_size * D` values. Why (measured on XLA:CPU, notes/xla-cpu-speed.md):
 row gathers along axis 1 run at memory speed, and the KV write is one windowed scatter that XLA
-keeps in place. A bfloat16 cache is stored as `uint16` bit patterns, because XLA:CPU has no
-bfloat16 scatter and would otherwise convert the whole cache to f32 and back on every write.
+keeps in place. A bfloat16 cache is stored as `uint16` bit patterns and a float8 one
+(`float8_e4m3fn`, `float8_e5m2`: vLLM's `kv_cache_dtype="fp8"`) as `uint8`, because XLA:CPU has
+no scatter of either type and converts the whole cache to f32 and back on every write otherwise
+(1.4 s a layer for a float8 cache of 60k pages). A `uint8` array does not say which float8 it
+holds, so its readers and writers take `kv_dtype`. Float8 values are stored unscaled (vLLM's
+default `k_scale = v_scale = 1`) and saturate at the type's largest finite value.
 
 Axis letters: T tokens, R sequences, P pages per sequence, S page size, L = P * S,
 K kv heads, G query heads per kv head, H query heads (= K * G), D head dim.
@@ -26,9 +30,37 @@ from jax import lax
 MASK_VALUE = -1e30
 
 
+FLOAT8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+_BIT_STORAGE = {
+    jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16),
+    **{dtype: jnp.dtype(jnp.uint8) for dtype in FLOAT8_DTYPES},
+}
+
+
 def storage_dtype(dtype: jnp.dtype) -> jnp.dtype:
-    """The dtype the cache array is stored in for values of `dtype` (uint16 bits for bfloat16)."""
-    return jnp.dtype(jnp.uint16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
+    """The dtype the cache array is stored in for values of `dtype` (bit patterns for bfloat16
+    and float8)."""
+    return _BIT_STORAGE.get(jnp.dtype(dtype), jnp.dtype(dtype))
+
+
+def value_dtype(stored: jnp.dtype, kv_dtype: jnp.dtype | str | None = None) -> jnp.dtype:
+    """The dtype of the values a cache of `stored` elements holds: `kv_dtype` when given (checked
+    against `stored`), else bfloat16 for uint16 bits and the array's own dtype otherwise."""
+    stored = jnp.dtype(stored)
+    if kv_dtype is None:
+        if stored == jnp.uint8:
+            raise ValueError(
+                "a uint8 KV cache holds float8 bit patterns: pass kv_dtype='float8_e4m3fn' or "
+                "'float8_e5m2' (the dtype it was allocated for)"
+            )
+        return jnp.dtype(jnp.bfloat16) if stored == jnp.uint16 else stored
+    kv_dtype = jnp.dtype(kv_dtype)
+    if storage_dtype(kv_dtype) != stored:
+        raise ValueError(
+            f"kv_dtype {kv_dtype.name} is stored as {storage_dtype(kv_dtype).name}, but this KV cache "
+            f"is {stored.name}: pass the dtype the cache was allocated for"
+        )
+    return kv_dtype
 
 
 def allocate_kv_cache_reference(
@@ -38,26 +70,54 @@ def allocate_kv_cache_reference(
     return jnp.zeros((2 * num_kv_heads, num_pages, page_size * head_dim), storage_dtype(dtype))
 
 
-def _encode(x: jax.Array, stored: jnp.dtype) -> jax.Array:
-    if stored == jnp.uint16:
-        return lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-    return x.astype(stored)
+def saturating_cast(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`x.astype(dtype)`, with float8 saturating at its largest finite value as vLLM's conversion
+    does (a plain cast makes NaN or inf of what does not fit)."""
+    dtype = jnp.dtype(dtype)
+    if dtype in FLOAT8_DTYPES:
+        limit = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -limit, limit)
+    return x.astype(dtype)
 
 
-def decode_kv(rows: jax.Array) -> jax.Array:
-    """Cache values as float32 (uint16 rows are bfloat16 bit patterns)."""
+def encode_kv(x: jax.Array, kv_dtype: jnp.dtype) -> jax.Array:
+    """Values as stored for `kv_dtype` (`storage_dtype`)."""
+    x = saturating_cast(x, kv_dtype)
+    stored = storage_dtype(kv_dtype)
+    return x if stored == x.dtype else lax.bitcast_convert_type(x, stored)
+
+
+def decode_kv(rows: jax.Array, kv_dtype: jnp.dtype | str | None = None) -> jax.Array:
+    """Cache values as float32 (see `value_dtype` for `kv_dtype`)."""
+    kv_dtype = value_dtype(rows.dtype, kv_dtype)
     if rows.dtype == jnp.uint16:
         return lax.bitcast_convert_type(rows.astype(jnp.uint32) << 16, jnp.float32)
+    if rows.dtype != kv_dtype:
+        rows = lax.bitcast_convert_type(rows, kv_dtype)
     return rows.astype(jnp.float32)
 
 
-def write_kv_reference(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Writes k, v `[T, K, D]` at `slot_mapping[T]` (page * S + offset); negative slots write nothing."""
-    return scatter_kv(kv_cache, k, v, slot_mapping, page_axis=1)
+def write_kv_reference(
+    kv_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    kv_dtype: jnp.dtype | str | None = None,
+) -> jax.Array:
+    """Writes k, v `[T, K, D]` at `slot_mapping[T]` (page * S + offset); negative slots write
+    nothing. `kv_dtype`: the values' dtype, needed for a uint8 (float8) cache."""
+    return scatter_kv(kv_cache, k, v, slot_mapping, page_axis=1, kv_dtype=kv_dtype)
 
 
 def scatter_kv(
-    kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *, page_axis: int
+    kv_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    page_axis: int,
+    kv_dtype: jnp.dtype | str | None = None,
 ) -> jax.Array:
     """`write_kv_reference` for a cache whose pages lie along `page_axis` (1: `[2K, pages, S*D]`,
     0: `[pages, 2K, S*D]`, the `cpu_native` layout): one windowed scatter XLA keeps in place."""
@@ -66,7 +126,8 @@ def scatter_kv(
     _, num_kv_heads, head_dim = k.shape
     assert kv_cache.shape[row_axis] == 2 * num_kv_heads, (kv_cache.shape, k.shape)
     page_size = row_len // head_dim
-    updates = _encode(jnp.concatenate([k, v], axis=1), kv_cache.dtype)  # [T, 2K, D]
+    kv_dtype = value_dtype(kv_cache.dtype, kv_dtype)
+    updates = encode_kv(jnp.concatenate([k, v], axis=1), kv_dtype)  # [T, 2K, D]
     if slot_mapping.shape[0] == 1:
         # XLA turns a one-row scatter into a dynamic-update-slice that copies the whole cache;
         # a second (dropped) row keeps it an in-place scatter.
@@ -109,12 +170,15 @@ def query_blocks(
     return seq, jnp.where(valid, tok, num_tokens), valid, position, ends[-1]
 
 
-def _gather_rows(flat_cache: jax.Array, heads: jax.Array, pages: jax.Array, num_pages: int) -> jax.Array:
+def _gather_rows(
+    flat_cache: jax.Array, heads: jax.Array, pages: jax.Array, num_pages: int, kv_dtype: jnp.dtype
+) -> jax.Array:
     """Rows `heads[h] * num_pages + pages[i]` of the flat cache, float32 `[len(heads), len(pages), S * D]`.
 
     One gather straight from the flat cache (no copy of a K or V half), decoded as it is read.
     """
-    return decode_kv(jnp.take(flat_cache, heads[:, None] * num_pages + pages[None, :], axis=0, mode="clip"))
+    rows = jnp.take(flat_cache, heads[:, None] * num_pages + pages[None, :], axis=0, mode="clip")
+    return decode_kv(rows, kv_dtype)
 
 
 # Jitted so that a model's layers, which call it with identical shapes, trace it once.
@@ -127,6 +191,7 @@ def _gather_rows(flat_cache: jax.Array, heads: jax.Array, pages: jax.Array, num_
         "kv_chunk_pages",
         "query_block",
         "rows_per_group",
+        "kv_dtype",
     ),
 )
 def ragged_paged_attention_reference(
@@ -143,6 +208,7 @@ def ragged_paged_attention_reference(
     kv_chunk_pages: int = 4,
     query_block: int | None = None,
     rows_per_group: int | None = None,
+    kv_dtype: str | None = None,
 ) -> jax.Array:
     """Causal attention of ragged query rows over their sequences' paged KV.
 
@@ -171,6 +237,7 @@ def ragged_paged_attention_reference(
       query_block: query rows per block (static).
       rows_per_group: query rows (blocks x block rows) processed together (static); by default
         32 for one-row blocks, 256 for larger ones (padding rows past the last group cost nothing).
+      kv_dtype: the cached values' dtype (a name, static): needed for a uint8 (float8) cache.
 
     Returns:
       `[T, H, D]` in q's dtype.
@@ -206,6 +273,7 @@ def ragged_paged_attention_reference(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         chunk_pages=max(1, min(kv_chunk_pages, page_indices.shape[1])),
+        kv_dtype=value_dtype(kv_cache.dtype, kv_dtype),
     )
 
     def one_group(g, rows_out):
@@ -236,6 +304,7 @@ def _attend_blocks(
     sliding_window: int | None,
     soft_cap: float | None,
     chunk_pages: int,
+    kv_dtype: jnp.dtype,
 ) -> jax.Array:
     """Online-softmax attention of query blocks `qb [N, B, K, G, D]` over their sequences' pages."""
     num_blocks, block, num_kv_heads, group, head_dim = qb.shape
@@ -253,10 +322,10 @@ def _attend_blocks(
         m, denom, acc = carry  # [K, N, B*G], [K, N, B*G], [K, N, B*G, D]
         pages = lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages, axis=1)[seq].reshape(-1)
         pages = jnp.clip(pages, 0, num_pages - 1)
-        k = _gather_rows(flat_cache, k_heads, pages, num_pages).reshape(
+        k = _gather_rows(flat_cache, k_heads, pages, num_pages, kv_dtype).reshape(
             num_kv_heads, num_blocks, chunk_len, -1
         )
-        v = _gather_rows(flat_cache, k_heads + num_kv_heads, pages, num_pages)
+        v = _gather_rows(flat_cache, k_heads + num_kv_heads, pages, num_pages, kv_dtype)
         v = v.reshape(num_kv_heads, num_blocks, chunk_len, head_dim)
         scores = lax.dot_general(qb, k, (((3,), (3,)), batch)) * sm_scale  # [K, N, B*G, Lc]
         if soft_cap is not None:

@@ -14,6 +14,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from plugin_shim.cache_dtype import runner_kv_cache_dtype
 from tpu_platform.envs import read_env
 
 logger = init_logger("vllm.xla.platform")
@@ -105,8 +106,13 @@ class XlaPlatform(Platform):
         compilation.cudagraph_mode = CUDAGraphMode.NONE
         compilation.cudagraph_capture_sizes = []
         cache = vllm_config.cache_config
-        if cache is not None and not cache.user_specified_block_size:
-            cache.block_size = DEFAULT_PAGE_SIZE
+        if cache is not None:
+            kv_dtype = runner_kv_cache_dtype(cache)  # an unsupported one fails here, not in the worker
+            if not cache.user_specified_block_size:
+                # Float8 pages hold twice the tokens: the same bytes a page (what scattered reads
+                # like on CPU), and a whole (32, 128) tile of 8-bit values on TPU.
+                float8 = kv_dtype is not None and kv_dtype.startswith("float8")
+                cache.block_size = DEFAULT_PAGE_SIZE * (2 if float8 else 1)
         if vllm_config.scheduler_config.async_scheduling:
             # vLLM turns it on by default too, so this is said, not raised.
             logger.info("vllm-xla runs without async scheduling: its runner does not overlap steps yet")

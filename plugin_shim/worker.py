@@ -12,6 +12,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from plugin_shim import translate
+from plugin_shim.cache_dtype import runner_kv_cache_dtype, spec_dtype
 from plugin_shim.logits_processors import LogitsProcessorBridge
 from plugin_shim.logs import share_vllm_logging
 from tpu_platform.envs import read_env
@@ -68,6 +69,7 @@ class XlaWorker(WorkerBase):
             RunnerConfig(
                 model_path=mc.model,
                 dtype=dtype,
+                kv_cache_dtype=runner_kv_cache_dtype(self.cache_config),
                 max_model_len=mc.max_model_len,
                 max_num_seqs=sc.max_num_seqs,
                 max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -93,19 +95,14 @@ class XlaWorker(WorkerBase):
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         mc = self.runner.model_config
+        dtype = spec_dtype(self.runner.kv_dtype.name)
         common = dict(
             block_size=self.cache_config.block_size,
             num_kv_heads=mc.num_kv_heads,
             head_size=mc.head_dim,
-            dtype=self.model_config.dtype,
+            dtype=dtype,
         )
-        logical = (
-            2
-            * mc.num_kv_heads
-            * mc.head_dim
-            * self.cache_config.block_size
-            * self.model_config.dtype.itemsize
-        )
+        logical = 2 * mc.num_kv_heads * mc.head_dim * self.cache_config.block_size * dtype.itemsize
         actual = self.runner.kv_page_bytes()
         if actual != logical:  # e.g. head_dim padded to 128 for TPU tiling
             common["page_size_padded"] = actual

@@ -9,6 +9,15 @@ import jax.numpy as jnp
 from pallas_kernels import allocate_kv_cache
 
 GIB = 1 << 30
+# What a KV cache may hold, by dtype name.
+KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+
+def kv_cache_dtype(name: str) -> jnp.dtype:
+    """The KV cache's value dtype named `name`, or a ValueError listing the choices."""
+    if str(name) not in KV_CACHE_DTYPES:
+        raise ValueError(f"KV cache dtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    return jnp.dtype(name)
 
 
 def available_kv_bytes(device: jax.Device, *, memory_utilization: float, cpu_kv_cache_gb: float) -> int:

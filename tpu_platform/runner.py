@@ -21,7 +21,7 @@ from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.dispatch import FlatCall
 from tpu_platform.inputs import StepPlan, exercise_inputs, pack_inputs, padding_inputs, prepare_step
-from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes
+from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes, kv_cache_dtype
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
 from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
 from tpu_platform.request_table import RequestTable
@@ -44,6 +44,9 @@ class RunnerConfig:
 
     model_path: str
     dtype: str = "float32"
+    # The KV cache's values: None for the model's dtype, or "bfloat16", "float32",
+    # "float8_e4m3fn", "float8_e5m2" (float8: half of bfloat16's bytes, stored unscaled).
+    kv_cache_dtype: str | None = None
     max_model_len: int = 2048
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -104,6 +107,7 @@ class Runner:
             enable_persistent_cache(config.cache_dir)
             executables = ExecutableCache(os.path.join(config.cache_dir, "executables"), self.device)
         self.dtype = jnp.dtype(config.dtype)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype or config.dtype)
         self.model_config: ModelConfig | None = None
         self.kv_caches: list[jax.Array] = []
         self.buckets = StepBuckets.for_limits(
@@ -158,7 +162,7 @@ class Runner:
         mc = self.model_config
         two_pages = jax.eval_shape(
             lambda: allocate_layer_caches(
-                1, 2, self.config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.backend
+                1, 2, self.config.page_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype, self.backend
             )[0]
         )
         return two_pages.size * two_pages.dtype.itemsize // 2
@@ -177,7 +181,7 @@ class Runner:
         num_arrays = max(layer_caches) + 1 if layer_caches else mc.num_layers
         num_groups = max(layer_groups) + 1 if layer_groups else 1
         shape = (num_pages, self.config.page_size, mc.num_kv_heads, mc.head_dim)
-        caches = allocate_layer_caches(num_arrays, *shape, self.dtype, self.backend)
+        caches = allocate_layer_caches(num_arrays, *shape, self.kv_dtype, self.backend)
         # Committed to the device like the step's outputs, so warm-up and serving share programs.
         self.kv_caches = jax.device_put(caches, self.device)
         self.num_pages = num_pages
@@ -186,11 +190,11 @@ class Runner:
             self.config.max_num_seqs, self.config.max_model_len, self.buckets.max_pages, num_groups
         )
         self._forward = make_forward(
-            self._graphdef, self._state_def, self.backend, layer_groups, layer_caches
+            self._graphdef, self._state_def, self.backend, layer_groups, layer_caches, self.kv_dtype.name
         )
         # Everything the forward closes over, for naming its cached executables.
         self._forward_context = repr(
-            (self.model_config, self.backend, layer_groups, layer_caches, self._graphdef)
+            (self.model_config, self.backend, layer_groups, layer_caches, self.kv_dtype.name, self._graphdef)
         )
 
     def warm_up(self, shapes: list[tuple[int, int, int]] | None = None) -> int:

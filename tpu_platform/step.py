@@ -24,6 +24,7 @@ def forward_logits(
     backend: str,
     layer_groups: tuple[int, ...] = (),
     layer_caches: tuple[int, ...] = (),
+    kv_dtype: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
     """Runs the model on all scheduled tokens (`packed` by `pack_inputs`, padded to `dims`).
 
@@ -42,6 +43,7 @@ def forward_logits(
         backend=backend,
         layer_groups=layer_groups,
         layer_caches=layer_caches,
+        kv_dtype=kv_dtype,
     )
     hidden, kv_caches = model(inputs.token_ids, inputs.positions, kv_caches, md)
     logits = model.compute_logits(hidden[inputs.logits_indices])
@@ -54,6 +56,7 @@ def make_forward(
     backend: str,
     layer_groups: tuple[int, ...] = (),
     layer_caches: tuple[int, ...] = (),
+    kv_dtype: str | None = None,
 ) -> Callable:
     """`forward(state_leaves, kv_caches, packed, dims=...) -> (logits, greedy, hidden, kv_caches)`, jitted.
 
@@ -63,6 +66,7 @@ def make_forward(
 
     `layer_groups`/`layer_caches` map each layer to its KV-cache group and cache array
     (see `models.AttentionMetadata`); empty means one group and one array per layer.
+    `kv_dtype` names the cached values' dtype when it is not the model's (a float8 cache).
     """
     step = functools.partial(
         forward_logits,
@@ -71,6 +75,7 @@ def make_forward(
         backend=backend,
         layer_groups=layer_groups,
         layer_caches=layer_caches,
+        kv_dtype=kv_dtype,
     )
     return jax.jit(step, donate_argnums=(1,), static_argnames=("dims",))
 

@@ -24,6 +24,10 @@ from pallas_kernels.cpu.build import (
 )
 from pallas_kernels.cpu.dense import can_pack, native_dense, native_dense_reference, pack_dense_kernel
 from pallas_kernels.cpu.layout import allocate_kv_cache, write_kv
+from pallas_kernels.reference import value_dtype
+
+# What the kernel's `cache_format` attribute says the cache holds (paged_attention.cc).
+_CACHE_FORMATS = {"float32": 0, "bfloat16": 1, "float8_e4m3fn": 2, "float8_e5m2": 3}
 
 __all__ = [
     "NativeKernelError",
@@ -52,6 +56,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_dtype: str | None = None,
 ) -> jax.Array:
     """Same contract as `reference.ragged_paged_attention_reference` (float32 inside)."""
     if not is_loaded():
@@ -59,9 +64,10 @@ def ragged_paged_attention(
             "the native CPU kernels are not loaded in this process: call "
             "pallas_kernels.cpu.load(build_dir) first, or use the attention backend 'xla'"
         )
-    if kv_cache.dtype not in (jnp.uint16, jnp.float32):
+    values = value_dtype(kv_cache.dtype, kv_dtype)
+    if values.name not in _CACHE_FORMATS:
         raise ValueError(
-            f"cpu_native attention reads uint16 (bfloat16 bits) or float32 caches, not {kv_cache.dtype}"
+            f"cpu_native attention reads float32, bfloat16 and float8 (e4m3fn, e5m2) caches, not {values}"
         )
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
@@ -78,5 +84,6 @@ def ragged_paged_attention(
         sm_scale=np.float32(sm_scale),
         sliding_window=np.int32(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
+        cache_format=np.int32(_CACHE_FORMATS[values.name]),
     )
     return out.astype(q.dtype)

@@ -7,8 +7,8 @@ A page holds every kv head's keys (rows `0..Hkv-1`) and then their values (rows
 on the CPUs measured reads of scattered 12 KiB blocks run about twice as fast as of 2 KiB ones
 (the reference's `[2 * Hkv, pages, S * D]` puts each head's page elsewhere), so a decode row's
 attention, which reads all heads of each of its pages, streams its cache in those blocks. As in
-the reference, bfloat16 is stored as `uint16` bit patterns and the write is one windowed
-scatter, with the page axis first.
+the reference, bfloat16 and float8 are stored as bit patterns (`uint16`, `uint8`) and the write
+is one windowed scatter, with the page axis first.
 """
 
 from __future__ import annotations
@@ -26,7 +26,14 @@ def allocate_kv_cache(
     return jnp.zeros((num_pages, 2 * num_kv_heads, page_size * head_dim), storage_dtype(dtype))
 
 
-def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+def write_kv(
+    kv_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    kv_dtype: str | None = None,
+) -> jax.Array:
     """Writes k, v `[T, Hkv, D]` at `slot_mapping[T]` (page * S + offset); negative slots write
-    nothing. In place when the caller's jit donates the cache."""
-    return scatter_kv(kv_cache, k, v, slot_mapping, page_axis=0)
+    nothing. In place when the caller's jit donates the cache. `kv_dtype` as in the reference."""
+    return scatter_kv(kv_cache, k, v, slot_mapping, page_axis=0, kv_dtype=kv_dtype)

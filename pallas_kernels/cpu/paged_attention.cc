@@ -3,7 +3,8 @@
 //
 // Same contract as the pure-jnp reference (pallas_kernels/reference.py), on the page-major cache of
 // layout.py: `[num_pages, 2K, page_size * D]`, rows 0..K-1 of a page holding its K heads and
-// K..2K-1 its V heads, bfloat16 values stored as uint16 bit patterns (or float32). Every query
+// K..2K-1 its V heads, float32, or bit patterns of bfloat16 (uint16) or float8 (e4m3fn, e5m2;
+// uint8, unscaled; the `cache_format` attribute says which). Every query
 // row attends to its own sequence's keys up to its position, page by page, with an online
 // softmax, so the work follows the real context: padding rows and unused block-table entries cost
 // nothing.
@@ -22,7 +23,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -57,13 +58,45 @@ struct Item {
   int32_t seq, first_head, end_head, first_row, end_row;  // kv heads [first_head, end_head)
 };
 
-inline float Load(const uint16_t* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+// Float8 values: one byte of bits each, told apart by type.
+struct E4M3 {
+  uint8_t bits;  // 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities
+};
+struct E5M2 {
+  uint8_t bits;  // 1 sign, 5 exponent (bias 15), 2 mantissa bits: the top byte of a float16
+};
+static_assert(sizeof(E4M3) == 1 && sizeof(E5M2) == 1);
+
+inline float BitsToFloat(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+
+inline uint32_t FloatToBits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return bits;
+}
+
+// A float8 value with kE exponent and kM mantissa bits as float32, exactly (NaN patterns are not
+// written: values saturate when stored). Branch-free, so the loops that convert a row vectorize:
+// a normal value's exponent and mantissa move into float32's fields with the bias raised, a
+// subnormal one (exponent 0) is its mantissa times the smallest subnormal.
+template <int kE, int kM>
+inline float Float8ToFloat(uint8_t b) {
+  constexpr uint32_t kBias = (1u << (kE - 1)) - 1;
+  const uint32_t magnitude = b & 0x7Fu;
+  const float normal = BitsToFloat((magnitude << (23 - kM)) + ((127u - kBias) << 23));
+  const float subnormal = static_cast<float>(magnitude) * (1.0f / static_cast<float>(1u << (kBias - 1 + kM)));
+  const float value = magnitude < (1u << kM) ? subnormal : normal;
+  return BitsToFloat(FloatToBits(value) | (static_cast<uint32_t>(b & 0x80u) << 24));
+}
+
+inline float Load(const uint16_t* p, int64_t i) { return BitsToFloat(static_cast<uint32_t>(p[i]) << 16); }
 inline float Load(const float* p, int64_t i) { return p[i]; }
+inline float Load(const E4M3* p, int64_t i) { return Float8ToFloat<4, 3>(p[i].bits); }
+inline float Load(const E5M2* p, int64_t i) { return Float8ToFloat<5, 2>(p[i].bits); }
 
 #if defined(__AVX512F__)
 // 16 consecutive values as float32 (bfloat16 bits widen by a shift).
@@ -72,6 +105,75 @@ inline __m512 Load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+// e5m2 is the top byte of a float16: shift it up and convert.
+inline __m512 Load16(const E5M2* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));
+}
+// e4m3 as a float16 whose exponent has bias 15, not 7: its magnitude bits move up 7 (into
+// float16's exponent and mantissa fields) and the sign up 8, and the float32 value is then
+// 2^8 too small, subnormals included (float16's subnormals hold e4m3's exactly).
+inline __m256i E4M3ToHalfBits(__m256i x) {  // 16 values, one a 16-bit lane
+  const __m256i magnitude = _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(0x3F80));
+  const __m256i sign = _mm256_and_si256(_mm256_slli_epi16(x, 8), _mm256_set1_epi16(static_cast<int16_t>(0x8000)));
+  return _mm256_or_si256(magnitude, sign);
+}
+inline __m512 Load16(const E4M3* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m512 scaled = _mm512_cvtph_ps(E4M3ToHalfBits(_mm256_cvtepu8_epi16(bytes)));
+  return _mm512_mul_ps(scaled, _mm512_set1_ps(256.0f));
+}
+
+// The decode update's vector operations, 16 lanes.
+struct Avx512 {
+  using Reg = __m512;
+  static constexpr int kLanes = 16;
+  template <typename T>
+  static Reg Load(const T* p) { return Load16(p); }
+  static Reg LoadF(const float* p) { return _mm512_loadu_ps(p); }
+  static void Store(float* p, Reg x) { _mm512_storeu_ps(p, x); }
+  static Reg Mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+  static Reg Fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static Reg Set1(float x) { return _mm512_set1_ps(x); }
+  static float Sum(Reg x) { return _mm512_reduce_add_ps(x); }
+};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VLLM_XLA_AVX2_DECODE 1
+// 8 consecutive values as float32, as Load16 does for 16.
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8(const uint16_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 Load8(const E5M2* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
+}
+// e4m3 through float16, as Load16 does.
+inline __m256 Load8(const E4M3* p) {
+  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i magnitude = _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(0x3F80));
+  const __m128i sign = _mm_and_si128(_mm_slli_epi16(x, 8), _mm_set1_epi16(static_cast<int16_t>(0x8000)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(magnitude, sign)), _mm256_set1_ps(256.0f));
+}
+
+// The decode update's vector operations, 8 lanes (CPUs without AVX-512).
+struct Avx2 {
+  using Reg = __m256;
+  static constexpr int kLanes = 8;
+  template <typename T>
+  static Reg Load(const T* p) { return Load8(p); }
+  static Reg LoadF(const float* p) { return _mm256_loadu_ps(p); }
+  static void Store(float* p, Reg x) { _mm256_storeu_ps(p, x); }
+  static Reg Mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
+  static Reg Fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static Reg Set1(float x) { return _mm256_set1_ps(x); }
+  static float Sum(Reg x) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+  }
+};
 #endif
 
 // exp(x) for x <= 0 (a softmax's shifted scores), as plain float and int arithmetic that
@@ -127,7 +229,12 @@ struct Problem {
               float* denom, int64_t j0, int64_t j1, int64_t G, float* sc) const {
 #if defined(__AVX512F__)
     if constexpr (kD > 0 && kD % 16 == 0) {
-      UpdateVectors(q_row, k_page, v_page, acc, m, denom, j0, j1, G, sc);
+      UpdateVectors<Avx512>(q_row, k_page, v_page, acc, m, denom, j0, j1, G, sc);
+      return;
+    }
+#elif defined(VLLM_XLA_AVX2_DECODE)
+    if constexpr (kD > 0 && kD % 8 == 0) {
+      UpdateVectors<Avx2>(q_row, k_page, v_page, acc, m, denom, j0, j1, G, sc);
       return;
     }
 #endif
@@ -154,23 +261,23 @@ struct Problem {
     }
   }
 
-#if defined(__AVX512F__)
-  // `Update` in vectors of 16 along the head dim: a key's dot with each head is kD / 16 FMAs
-  // and one horizontal sum (a scalar loop would be one chain of D dependent adds: without
-  // reassociation the compiler cannot vectorize it), and each head's accumulator stays in
-  // registers over the page's values.
+#if defined(__AVX512F__) || defined(VLLM_XLA_AVX2_DECODE)
+  // `Update` in vectors of V::kLanes along the head dim: a key's dot with each head is
+  // kD / kLanes FMAs and one horizontal sum (a scalar loop would be one chain of D dependent
+  // adds), and each head's accumulator stays in registers over the page's values.
+  template <class V>
   void UpdateVectors(const float* q_row, const T* k_page, const T* v_page, float* acc, float* m,
                      float* denom, int64_t j0, int64_t j1, int64_t G, float* sc) const {
-    constexpr int kC = kD / 16;
+    constexpr int kW = V::kLanes, kC = kD / kW;
     const int64_t S = s.page_size;
     for (int64_t j = j0; j < j1; ++j) {
-      __m512 key[kC];
-      for (int c = 0; c < kC; ++c) key[c] = Load16(k_page + j * kD + 16 * c);
+      typename V::Reg key[kC];
+      for (int c = 0; c < kC; ++c) key[c] = V::Load(k_page + j * kD + kW * c);
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q_row + g * kD;
-        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), key[0]);
-        for (int c = 1; c < kC; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), key[c], dot);
-        float score = _mm512_reduce_add_ps(dot);
+        typename V::Reg dot = V::Mul(V::LoadF(qg), key[0]);
+        for (int c = 1; c < kC; ++c) dot = V::Fmadd(V::LoadF(qg + kW * c), key[c], dot);
+        float score = V::Sum(dot);
         if (prm.soft_cap > 0.0f) score = prm.soft_cap * std::tanh(score / prm.soft_cap);
         sc[g * S + j] = score;
       }
@@ -179,13 +286,13 @@ struct Problem {
     for (int64_t g = 0; g < G; ++g) {
       const float* pg = sc + g * S;
       float* ag = acc + g * kD;
-      __m512 sum[kC];
-      for (int c = 0; c < kC; ++c) sum[c] = _mm512_loadu_ps(ag + 16 * c);
+      typename V::Reg sum[kC];
+      for (int c = 0; c < kC; ++c) sum[c] = V::LoadF(ag + kW * c);
       for (int64_t j = j0; j < j1; ++j) {
-        const __m512 p = _mm512_set1_ps(pg[j]);
-        for (int c = 0; c < kC; ++c) sum[c] = _mm512_fmadd_ps(p, Load16(v_page + j * kD + 16 * c), sum[c]);
+        const typename V::Reg p = V::Set1(pg[j]);
+        for (int c = 0; c < kC; ++c) sum[c] = V::Fmadd(p, V::Load(v_page + j * kD + kW * c), sum[c]);
       }
-      for (int c = 0; c < kC; ++c) _mm512_storeu_ps(ag + 16 * c, sum[c]);
+      for (int c = 0; c < kC; ++c) V::Store(ag + kW * c, sum[c]);
     }
   }
 #endif
@@ -371,7 +478,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
                      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                      ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                      ffi::ResultBuffer<ffi::F32> out, float sm_scale, int32_t sliding_window,
-                     float soft_cap) {
+                     float soft_cap, int32_t cache_format) {
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
   const auto pd = page_indices.dimensions();
@@ -424,12 +531,19 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
     if (s.head_dim == 256) return run(tag, std::integral_constant<int, 256>());
     return run(tag, std::integral_constant<int, 0>());
   };
-  if (kv_cache.element_type() == ffi::DataType::U16) {
-    run_dims(uint16_t{});
-  } else if (kv_cache.element_type() == ffi::DataType::F32) {
+  // cache_format: 0 float32, 1 bfloat16 bits (uint16), 2 float8_e4m3fn and 3 float8_e5m2 bits (uint8).
+  const ffi::DataType type = kv_cache.element_type();
+  if (cache_format == 0 && type == ffi::DataType::F32) {
     run_dims(float{});
+  } else if (cache_format == 1 && type == ffi::DataType::U16) {
+    run_dims(uint16_t{});
+  } else if (cache_format == 2 && type == ffi::DataType::U8) {
+    run_dims(E4M3{});
+  } else if (cache_format == 3 && type == ffi::DataType::U8) {
+    run_dims(E5M2{});
   } else {
-    return ffi::Error::InvalidArgument("kv_cache must be uint16 (bfloat16 bits) or float32");
+    return ffi::Error::InvalidArgument(
+        "kv_cache must be float32 (cache_format 0), uint16 bfloat16 bits (1) or uint8 float8 bits (2: e4m3fn, 3: e5m2)");
   }
   return ffi::Error::Success();
 }
@@ -448,4 +562,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaRaggedPagedAttention, Attention,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("cache_format"));

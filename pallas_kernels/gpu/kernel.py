@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.checks import check_lanes, check_metadata
+from pallas_kernels.checks import check_lanes, check_metadata, compute_dtype
 from pallas_kernels.gpu import tuned_block_sizes
 from pallas_kernels.gpu.layout import padded_head_dim
 
@@ -91,8 +91,8 @@ def _rpa_kernel(
         m_prev, l_prev, acc = carry
         pages = page_table_ref[seq, pl.ds(blk * pages_per_block, pages_per_block)]
         pages = jnp.clip(pages, 0, num_pages - 1)  # entries past the sequence may be garbage
-        k = kv_ref[0, head, pages].reshape(block_kv, lanes)  # [Tk, Dp]
-        v = kv_ref[1, head, pages].reshape(block_kv, lanes)
+        k = kv_ref[0, head, pages].reshape(block_kv, lanes).astype(q.dtype)  # [Tk, Dp]
+        v = kv_ref[1, head, pages].reshape(block_kv, lanes).astype(q.dtype)
         key_pos = blk * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)  # [Tk]
         v = jnp.where(((key_pos >= kv_lo) & (key_pos < kv_hi))[:, None], v, jnp.zeros_like(v))
         scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -238,7 +238,7 @@ def ragged_paged_attention(
 
     meta, row_start, out_row, valid = _plan(cu_q_lens, kv_lens, num_seqs, num_tokens, block_q, num_work)
     rows = jnp.clip(row_start[:, None] + jnp.arange(block_q), 0, num_tokens - 1)  # [W, Tq]
-    qw = (q.astype(jnp.float32) * sm_scale).astype(kv_cache.dtype)[rows]  # [W, Tq, H, D]
+    qw = (q.astype(jnp.float32) * sm_scale).astype(compute_dtype(kv_cache.dtype))[rows]  # [W, Tq, H, D]
     qw = qw.reshape(num_work, block_q, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
     qw = qw.reshape(num_work, num_kv_heads, block_q * group, head_dim)
     qw = jnp.pad(qw, ((0, 0), (0, 0), (0, num_rows_padded - block_q * group), (0, lanes - head_dim)))

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.checks import check_positive
+from pallas_kernels.reference import saturating_cast
 
 MIN_HEAD_DIM = 16  # tl.dot needs every dimension >= 16
 
@@ -63,7 +64,7 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
         )
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {slot_mapping.shape} must be [T] = ({num_tokens},)")
-    kv = jnp.stack([k, v]).transpose(0, 2, 1, 3).astype(kv_cache.dtype)  # [2, K, T, D]
+    kv = saturating_cast(jnp.stack([k, v]).transpose(0, 2, 1, 3), kv_cache.dtype)  # [2, K, T, D]
     kv = jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, lanes - head_dim)))  # [2, K, T, Dp]
     slot_mapping = slot_mapping.astype(jnp.int32)
     page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range: dropped

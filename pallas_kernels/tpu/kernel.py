@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.checks import check_lanes, check_metadata
+from pallas_kernels.checks import check_lanes, check_metadata, compute_dtype
 from pallas_kernels.tpu import tuned_block_sizes
 from pallas_kernels.tpu.layout import LANES, padded_head_dim
 
@@ -140,10 +140,10 @@ def _rpa_kernel(
         fetched = (value_pos >= kv_lo) & (value_pos < kv_hi)  # other rows may be stale or NaN
 
         def head_body(h, carry):
-            k = kv_buf[slot, :, 2 * h].reshape(block_kv, lanes)  # [Tk, Dp]
-            v = kv_buf[slot, :, 2 * h + 1].reshape(block_kv, lanes)
-            v = jnp.where(fetched, v, jnp.zeros_like(v))
             q = q_ref[h].reshape(num_rows, lanes)  # [G * Tq, Dp]
+            k = kv_buf[slot, :, 2 * h].reshape(block_kv, lanes).astype(q.dtype)  # [Tk, Dp]
+            v = kv_buf[slot, :, 2 * h + 1].reshape(block_kv, lanes).astype(q.dtype)
+            v = jnp.where(fetched, v, jnp.zeros_like(v))
             scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -301,7 +301,7 @@ def ragged_paged_attention(
     num_seqs = jnp.reshape(num_seqs, ()).astype(jnp.int32)
 
     # q -> [K, G, T_pad, Dp], pre-scaled, in the cache's dtype (the MXU operand type).
-    qk = (q.astype(jnp.float32) * sm_scale).astype(kv_cache.dtype)
+    qk = (q.astype(jnp.float32) * sm_scale).astype(compute_dtype(kv_cache.dtype))
     qk = qk.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
     qk = jnp.pad(qk, ((0, 0), (0, 0), (0, num_q_blocks * block_q - num_tokens), (0, lanes - head_dim)))
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.checks import check_positive
+from pallas_kernels.reference import saturating_cast
 
 LANES = 128
 
@@ -64,7 +65,7 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {slot_mapping.shape} must be [T] = ({num_tokens},)")
     kv = jnp.stack([k, v], axis=2).reshape(num_tokens, num_rows, head_dim)  # [T, 2K, D]: k0 v0 k1 v1..
-    kv = jnp.pad(kv.astype(kv_cache.dtype), ((0, 0), (0, 0), (0, lanes - head_dim)))  # [T, 2K, Dp]
+    kv = jnp.pad(saturating_cast(kv, kv_cache.dtype), ((0, 0), (0, 0), (0, lanes - head_dim)))  # [T, 2K, Dp]
     slot_mapping = slot_mapping.astype(jnp.int32)
     page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range: dropped
     offset = slot_mapping % page_size

@@ -6,7 +6,8 @@ SMALL_GRID (see pytest_generate_tests), so the TPU and GPU kernel tests run the 
 Every axis value of the issue's grid appears at least once: page size 16/32/128, head dim
 64/128, Hq/Hkv 1/3/4/8, decode-only, prefill-only and mixed batches, zero-length padding slots
 (num_seqs < R), lengths that are exact page multiples, contexts up to 2048, sliding window and
-soft cap on and off, float32 and bfloat16.
+soft cap on and off, float32 and bfloat16, and float8 caches (e4m3fn, e5m2) under bfloat16
+queries.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Case:
     num_kv_heads: int
     group: int  # query heads per kv head (Hq / Hkv)
     dtype: type = jnp.float32
+    kv_dtype: type | None = None  # the cache's values, when not `dtype` (float8)
     sliding_window: int | None = None
     soft_cap: float | None = None
     pad_tokens: int = 3  # padding query rows after the last sequence
@@ -66,6 +68,11 @@ GRID = (
          gpu_tuning=(("num_queries_per_block", 3), ("num_kv_pages_per_block", 2), ("num_kv_splits", 5))),
     Case("decode_p16_d256_g2", (1, 1), (40, 300), 3, 16, 256, 1, 2),  # Dp = 256: two lane tiles
     Case("empty_batch", (), (), 2, 16, 64, 1, 1),
+    # Float8 caches (32-token pages: the TPU's 8-bit tile), read as bfloat16 by the Pallas kernels.
+    Case("decode_p32_d128_g4_fp8", (1, 1, 1, 1), (5, 40, 300, 1000), 5, 32, 128, 2, 4, jnp.bfloat16,
+         kv_dtype=jnp.float8_e4m3fn),
+    Case("mixed_p32_d64_g3_e5m2_window", (9, 1, 20), (9, 77, 150), 4, 32, 64, 1, 3, jnp.bfloat16,
+         kv_dtype=jnp.float8_e5m2, sliding_window=40),
 )
 
 # Tiny batches for TPU interpret mode (simulated DMAs and semaphores, slow): several query blocks,
@@ -156,11 +163,13 @@ def build_batch(case: Case) -> Batch:
 def run_backend(case: Case, batch: Batch, backend: str, **kwargs) -> jax.Array:
     """Writes the batch's K/V through `backend`'s own write_kv, then runs its attention (one jit)."""
 
+    kv_dtype = jnp.dtype(case.kv_dtype or case.dtype)
+
     def step(q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
         cache = api.allocate_kv_cache(
-            batch.num_pages, case.page_size, case.num_kv_heads, case.head_dim, case.dtype, backend=backend
+            batch.num_pages, case.page_size, case.num_kv_heads, case.head_dim, kv_dtype, backend=backend
         )
-        cache = api.write_kv(cache, k, v, slot_mapping, backend=backend)
+        cache = api.write_kv(cache, k, v, slot_mapping, backend=backend, kv_dtype=kv_dtype.name)
         return api.ragged_paged_attention(
             q,
             cache,
@@ -172,6 +181,7 @@ def run_backend(case: Case, batch: Batch, backend: str, **kwargs) -> jax.Array:
             sliding_window=case.sliding_window,
             soft_cap=case.soft_cap,
             backend=backend,
+            kv_dtype=kv_dtype.name,
             **kwargs,
         )
 

@@ -63,7 +63,7 @@ def test_output_keeps_the_query_dtype_and_zeroes_padding_rows():
 
 def test_rejects_a_cache_dtype_it_cannot_read():
     args = (jnp.zeros((1, 1, 64)), jnp.zeros((2, 4, 1024), jnp.int32), *(jnp.zeros((1,), jnp.int32),) * 4)
-    with pytest.raises(ValueError, match=r"uint16 .* or float32"):
+    with pytest.raises(ValueError, match=r"reads float32, bfloat16 and float8 .* caches, not int32"):
         cpu.ragged_paged_attention(*args, sm_scale=1.0)
 
 

@@ -52,3 +52,21 @@ def test_sampling_params_translate_and_unsupported_ones_are_rejected():
     assert 7 in options.stop_token_ids
     with pytest.raises(ValueError, match="logprob_token_ids"):
         translate.sampling_options(SamplingParams(logprob_token_ids=[1, 2]))
+
+
+def test_kv_cache_dtype_maps_vllm_names_and_rejects_the_rest():
+    from types import SimpleNamespace
+
+    from plugin_shim.cache_dtype import runner_kv_cache_dtype
+
+    def runner_dtype(name, skip=()):
+        return runner_kv_cache_dtype(SimpleNamespace(cache_dtype=name, kv_cache_dtype_skip_layers=list(skip)))
+
+    assert runner_dtype("auto") is None  # the model's dtype
+    assert runner_dtype("bfloat16") == "bfloat16"
+    assert runner_dtype("fp8") == runner_dtype("fp8_e4m3") == "float8_e4m3fn"
+    assert runner_dtype("fp8_e5m2") == "float8_e5m2"
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_inc' is not supported by vllm-xla; use auto"):
+        runner_dtype("fp8_inc")
+    with pytest.raises(ValueError, match="kv_cache_dtype_skip_layers"):
+        runner_dtype("fp8", skip=["model.layers.0"])

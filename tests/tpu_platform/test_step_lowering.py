@@ -24,13 +24,15 @@ CASES = [("pallas_tpu", "tpu", "tpu_custom_call"), ("pallas_gpu", "cuda", "__gpu
 
 
 @pytest.mark.parametrize(("backend", "platform", "custom_call"), CASES)
-@pytest.mark.parametrize("num_tokens", [1, 64])
-def test_model_step_lowers(monkeypatch, backend, platform, custom_call, num_tokens):
+@pytest.mark.parametrize(("num_tokens", "kv_dtype", "page_size"), [
+    (1, "bfloat16", 16), (64, "bfloat16", 16), (64, "float8_e4m3fn", 32),
+])  # fmt: skip
+def test_model_step_lowers(monkeypatch, backend, platform, custom_call, num_tokens, kv_dtype, page_size):
     # Backend selection checks the device kind; here the device is the export target.
     monkeypatch.setattr(pallas_kernels.backend, "default_platform", lambda: platform)
     graphdef, state = nnx.split(build(CONFIG, jnp.bfloat16))
     caches = [
-        allocate_kv_cache(256, 16, CONFIG.num_kv_heads, CONFIG.head_dim, jnp.bfloat16, backend=backend)
+        allocate_kv_cache(256, page_size, CONFIG.num_kv_heads, CONFIG.head_dim, kv_dtype, backend=backend)
         for _ in range(CONFIG.num_layers)
     ]
     packed, dims = pack_inputs(padding_inputs(num_tokens, min(num_tokens, 8), 32))
@@ -38,6 +40,8 @@ def test_model_step_lowers(monkeypatch, backend, platform, custom_call, num_toke
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (leaves, caches, packed))
     disabled = [jax.export.DisabledSafetyCheck.custom_call(custom_call)]
     exported = jax.export.export(
-        make_forward(graphdef, state_def, backend), platforms=[platform], disabled_checks=disabled
+        make_forward(graphdef, state_def, backend, kv_dtype=kv_dtype),
+        platforms=[platform],
+        disabled_checks=disabled,
     )(*abstract, dims=dims)
     assert custom_call in exported.mlir_module()
