@@ -123,10 +123,10 @@ def vocab_size(model_dir: str) -> int:
 # vLLM peers (in-process engine)
 
 
-def _llm(model_dir: str, dtype: str):
+def _llm(model_dir: str, dtype: str, kv_cache_dtype: str = "auto"):
     from vllm import LLM
 
-    return LLM(model=model_dir, dtype=dtype, seed=SEED, **VLLM_LIMITS)
+    return LLM(model=model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, seed=SEED, **VLLM_LIMITS)
 
 
 def _platform_info(peer: str) -> dict[str, Any]:
@@ -169,11 +169,17 @@ def _runner_stats(llm, peer: str) -> dict[str, Any] | None:
     return llm.collective_rpc("runner_stats")[0] if peer == "xla" else None
 
 
-def run_vllm(peer: str, workload: str, model_dir: str, dtype: str, sizes: Sizes) -> dict[str, Any]:
+def run_vllm(
+    peer: str, workload: str, model_dir: str, dtype: str, sizes: Sizes, kv_cache_dtype: str = "auto"
+) -> dict[str, Any]:
     """`batch` or `single` on one vLLM peer; start-up, warm-up and the timed run reported apart."""
     start = time.perf_counter()
-    llm = _llm(model_dir, dtype)
-    result: dict[str, Any] = {"startup_seconds": time.perf_counter() - start, "dtype": dtype}
+    llm = _llm(model_dir, dtype, kv_cache_dtype)
+    result: dict[str, Any] = {
+        "startup_seconds": time.perf_counter() - start,
+        "dtype": dtype,
+        "kv_cache_dtype": kv_cache_dtype,
+    }
     result.update(_platform_info(peer), limits=VLLM_LIMITS)
     result["runner_stats_after_startup"] = _runner_stats(llm, peer)
     vocab = vocab_size(model_dir)

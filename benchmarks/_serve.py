@@ -36,12 +36,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def server_command(model_dir: str, port: int, dtype: str) -> list[str]:
+def server_command(model_dir: str, port: int, dtype: str, kv_cache_dtype: str = "auto") -> list[str]:
     limits = [f"--{k.replace('_', '-')}={v}" for k, v in VLLM_LIMITS.items()]
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
         "--served-model-name", "bench", "--host", HOST, "--port", str(port), "--dtype", dtype,
-        "--seed", str(SEED), "--disable-uvicorn-access-log", *limits,
+        "--kv-cache-dtype", kv_cache_dtype, "--seed", str(SEED), "--disable-uvicorn-access-log", *limits,
     ]  # fmt: skip
 
 
@@ -162,10 +162,12 @@ def summarize(wall: float, results: list[dict[str, Any]], prompts: list[list[int
     }
 
 
-def run_serve(peer: str, model_dir: str, dtype: str, sizes: Sizes) -> dict[str, Any]:
+def run_serve(
+    peer: str, model_dir: str, dtype: str, sizes: Sizes, kv_cache_dtype: str = "auto"
+) -> dict[str, Any]:
     """Starts the server, drives the clients, stops the server; raises with the log tail on failure."""
     port = free_port()
-    command = server_command(model_dir, port, dtype)
+    command = server_command(model_dir, port, dtype, kv_cache_dtype)
     prompts = random_prompts(sizes.serve_requests, sizes.serve_prompt_len, vocab_size(model_dir), SEED + 3)
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = start_server(command, log)
