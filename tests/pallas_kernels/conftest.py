@@ -222,3 +222,17 @@ def compare_with_reference():
         return _assert_close(run_backend(case, batch, backend, **kwargs), references[case], case.dtype)
 
     return compare
+
+
+def numpy_causal_attention(q, k, v, q_lens, kv_lens):
+    """Dense oracle: q `[T, H, D]`, k/v per sequence `[L_i, K, D]`; query heads share kv heads in groups."""
+    out = []
+    for qi, ki, vi, n, length in zip(np.split(q, np.cumsum(q_lens)[:-1]), k, v, q_lens, kv_lens, strict=True):
+        group = q.shape[1] // ki.shape[1]
+        kh, vh = np.repeat(ki, group, axis=1), np.repeat(vi, group, axis=1)  # [L, H, D]
+        scores = np.einsum("thd,lhd->htl", qi, kh)
+        positions = length - n + np.arange(n)
+        scores = np.where(np.arange(length)[None, None, :] <= positions[None, :, None], scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        out.append(np.einsum("htl,lhd->thd", p / p.sum(-1, keepdims=True), vh))
+    return np.concatenate(out)

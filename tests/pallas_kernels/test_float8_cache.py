@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import api, reference
+from tests.pallas_kernels.conftest import numpy_causal_attention
 
 FLOAT8 = ["float8_e4m3fn", "float8_e5m2"]
 
@@ -134,19 +135,6 @@ def test_attention_over_a_float8_cache_is_attention_over_the_rounded_values(back
     def rounded(x):
         return x.astype(jnp.dtype(kv_dtype)).astype(np.float32)  # all within range: no saturation
 
-    want = _dense_attention(q * dim**-0.5, [rounded(x) for x in k], [rounded(x) for x in v], q_lens, kv_lens)
+    k, v = [rounded(x) for x in k], [rounded(x) for x in v]
+    want = numpy_causal_attention(q * dim**-0.5, k, v, q_lens, kv_lens)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
-
-
-def _dense_attention(q, k, v, q_lens, kv_lens):
-    """NumPy causal attention: q `[T, H, D]`, k/v per sequence `[L_i, K, D]`, grouped query heads."""
-    out = []
-    for qi, ki, vi, n, length in zip(np.split(q, np.cumsum(q_lens)[:-1]), k, v, q_lens, kv_lens, strict=True):
-        group = q.shape[1] // ki.shape[1]
-        kh, vh = np.repeat(ki, group, axis=1), np.repeat(vi, group, axis=1)
-        scores = np.einsum("thd,lhd->htl", qi, kh)
-        positions = length - n + np.arange(n)
-        scores = np.where(np.arange(length)[None, None, :] <= positions[None, :, None], scores, -np.inf)
-        p = np.exp(scores - scores.max(-1, keepdims=True))
-        out.append(np.einsum("htl,lhd->thd", p / p.sum(-1, keepdims=True), vh))
-    return np.concatenate(out)

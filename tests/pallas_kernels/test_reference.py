@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import api, reference
+from tests.pallas_kernels.conftest import numpy_causal_attention
 
 BACKENDS = ["xla", "pallas_tpu", "pallas_gpu", "cpu_native"]
 
@@ -187,20 +188,6 @@ def test_reference_ignores_cu_q_lens_entries_past_num_seqs():
     assert jnp.array_equal(padded_with_total, padded_with_zeros)
 
 
-def _numpy_causal_attention(q, k, v, q_lens, kv_lens):
-    """Dense oracle: q `[T, H, D]`, k/v per sequence `[L_i, K, D]`; query heads share kv heads in groups."""
-    out = []
-    for qi, ki, vi, n, length in zip(np.split(q, np.cumsum(q_lens)[:-1]), k, v, q_lens, kv_lens, strict=True):
-        group = q.shape[1] // ki.shape[1]
-        kh, vh = np.repeat(ki, group, axis=1), np.repeat(vi, group, axis=1)  # [L, H, D]
-        scores = np.einsum("thd,lhd->htl", qi, kh)
-        positions = length - n + np.arange(n)
-        scores = np.where(np.arange(length)[None, None, :] <= positions[None, :, None], scores, -np.inf)
-        p = np.exp(scores - scores.max(-1, keepdims=True))
-        out.append(np.einsum("htl,lhd->thd", p / p.sum(-1, keepdims=True), vh))
-    return np.concatenate(out)
-
-
 @pytest.mark.parametrize(("q_lens", "query_block", "rows_per_group"), [
     ([1] * 9, 1, 2),  # decode rows in five groups of two
     ([5, 1, 12, 1, 3], 2, 4),  # prefill chunks and decode rows, blocks of two rows, groups of two blocks
@@ -229,4 +216,4 @@ def test_reference_groups_and_sorting_match_dense_attention(q_lens, query_block,
         jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32), jnp.int32(len(q_lens)),
         sm_scale=1.0, query_block=query_block, rows_per_group=rows_per_group, kv_chunk_pages=1,
     )  # fmt: skip
-    np.testing.assert_allclose(np.asarray(got), _numpy_causal_attention(q, k, v, q_lens, kv_lens), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got), numpy_causal_attention(q, k, v, q_lens, kv_lens), atol=2e-5)
