@@ -27,7 +27,7 @@ import jax
 import jaxlib
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cc", "dense.cc"))
-HEADERS = (Path(__file__).with_name("parallel.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "kv_values.h"))
 ATTENTION_TARGET = "vllm_xla_ragged_paged_attention"
 DENSE_TARGET = "vllm_xla_dense"
 _HANDLERS = {ATTENTION_TARGET: "VllmXlaRaggedPagedAttention", DENSE_TARGET: "VllmXlaDense"}
