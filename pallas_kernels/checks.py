@@ -6,13 +6,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.reference import FLOAT8_DTYPES
+
 
 def compute_dtype(cache_dtype: jnp.dtype) -> jnp.dtype:
     """The matmul operand dtype of a Pallas kernel reading a `cache_dtype` cache: the cache's own,
     except float8, whose keys and values widen to bfloat16 as they are read (q stays bfloat16:
     quantizing queries to float8 would cost accuracy the cache does not need to lose)."""
     cache_dtype = jnp.dtype(cache_dtype)
-    return jnp.dtype(jnp.bfloat16) if cache_dtype.itemsize == 1 else cache_dtype
+    return jnp.dtype(jnp.bfloat16) if cache_dtype in FLOAT8_DTYPES else cache_dtype
 
 
 def check_lanes(kv_cache: jax.Array, head_dim: int, padded_head_dim: int) -> None:

@@ -44,8 +44,8 @@ class RunnerConfig:
 
     model_path: str
     dtype: str = "float32"
-    # The KV cache's values: None for the model's dtype, or "bfloat16", "float32",
-    # "float8_e4m3fn", "float8_e5m2" (float8: half of bfloat16's bytes, stored unscaled).
+    # The KV cache's values: None for the model's dtype, or one of `kv_cache.KV_CACHE_DTYPES`
+    # (float8_e4m3fn, float8_e5m2: half of bfloat16's bytes, stored unscaled).
     kv_cache_dtype: str | None = None
     max_model_len: int = 2048
     max_num_seqs: int = 64

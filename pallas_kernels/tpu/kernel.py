@@ -300,7 +300,7 @@ def ragged_paged_attention(
     num_q_blocks = pl.cdiv(num_tokens, block_q)
     num_seqs = jnp.reshape(num_seqs, ()).astype(jnp.int32)
 
-    # q -> [K, G, T_pad, Dp], pre-scaled, in the cache's dtype (the MXU operand type).
+    # q -> [K, G, T_pad, Dp], pre-scaled, in the MXU operand type (the cache's; bfloat16 for float8).
     qk = (q.astype(jnp.float32) * sm_scale).astype(compute_dtype(kv_cache.dtype))
     qk = qk.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
     qk = jnp.pad(qk, ((0, 0), (0, 0), (0, num_q_blocks * block_q - num_tokens), (0, lanes - head_dim)))
