@@ -101,6 +101,26 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_runner_stats(results: dict[str, Any]) -> str:
+    """Our runner's counters over each workload (after start-up): host time, overlap, compiles."""
+    lines = []
+    for workload, peers in results.items():
+        ours = peers.get("xla", {})
+        after, before = ours.get("runner_stats"), ours.get("runner_stats_after_startup")
+        if ours.get("status") != "ok" or not after or not before:
+            continue
+        delta = {k: after[k] - before.get(k, 0) for k in after}
+        steps = max(delta["steps"], 1)
+        host_ms = 1e3 * delta["host_seconds"] / steps
+        lines.append(
+            f"ours, {workload}: {delta['steps']} steps, host {host_ms:.2f} ms/step, "
+            f"{100 * delta.get('overlapped_steps', 0) / steps:.0f}% dispatched while the previous step ran "
+            f"(async scheduling), {delta['sampler_steps']} sampler runs, "
+            f"{after['compiles_after_warmup']} compiles after warm-up"
+        )
+    return "\n".join(lines)
+
+
 def format_failures(results: dict[str, Any]) -> str:
     lines = []
     for workload, peers in results.items():

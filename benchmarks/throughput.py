@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     chart = _report.write_chart(results, str(out.with_suffix(".png")), subtitle)
     print()
     print(_report.format_table(results))
+    print(_report.format_runner_stats(results))
     failures = _report.format_failures(results)
     if failures:
         print("\n" + failures)

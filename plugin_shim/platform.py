@@ -11,13 +11,10 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from plugin_shim.cache_dtype import runner_kv_cache_dtype
 from tpu_platform.envs import read_env
-
-logger = init_logger("vllm.xla.platform")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -113,10 +110,6 @@ class XlaPlatform(Platform):
                 # like on CPU), and a whole (32, 128) tile of 8-bit values on TPU.
                 float8 = kv_dtype is not None and kv_dtype.startswith("float8")
                 cache.block_size = DEFAULT_PAGE_SIZE * (2 if float8 else 1)
-        if vllm_config.scheduler_config.async_scheduling:
-            # vLLM turns it on by default too, so this is said, not raised.
-            logger.info("vllm-xla runs without async scheduling: its runner does not overlap steps yet")
-        vllm_config.scheduler_config.async_scheduling = False
         # JAX is multithreaded: a forked engine process would deadlock.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 

@@ -48,6 +48,11 @@ GAUGES = {
         "Mean time per step from dispatch to sampled tokens on the host, since the last report",
         lambda s, d: _per_step(d, "step_seconds"),
     ),
+    "vllm_xla:overlapped_step_fraction": (
+        "Share of steps dispatched before the previous step's tokens reached the host (async "
+        "scheduling: the tokens go from step to step on the device), since the last report",
+        lambda s, d: _per_step(d, "overlapped_steps"),
+    ),
 }
 
 
@@ -105,9 +110,10 @@ class XlaStatLogger(StatLoggerBase):
         delta = _delta(self.snapshot, self._reported)
         self._reported = self.snapshot
         logger.info(
-            "vllm-xla: %d steps, host %.2f ms/step, step %.1f ms/step; %d programs built in %.1f s "
-            "(%d from the executable cache, %d after warm-up)",
-            delta["steps"], 1e3 * _per_step(delta, "host_seconds"), 1e3 * _per_step(delta, "step_seconds"),
+            "vllm-xla: %d steps (%.0f%% overlapped), host %.2f ms/step, step %.1f ms/step; "
+            "%d programs built in %.1f s (%d from the executable cache, %d after warm-up)",
+            delta["steps"], 100 * _per_step(delta, "overlapped_steps"),
+            1e3 * _per_step(delta, "host_seconds"), 1e3 * _per_step(delta, "step_seconds"),
             self.snapshot["compiles"], self.snapshot["compile_seconds"],
             self.snapshot["programs_loaded"], self.snapshot["compiles_after_warmup"],
         )  # fmt: skip

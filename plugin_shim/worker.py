@@ -9,6 +9,7 @@ import time
 import torch
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from plugin_shim import translate
@@ -17,7 +18,7 @@ from plugin_shim.logits_processors import LogitsProcessorBridge
 from plugin_shim.logs import share_vllm_logging
 from tpu_platform.envs import read_env
 from tpu_platform.metrics_file import MetricsPublisher, metrics_path
-from tpu_platform.runner import Runner, RunnerConfig
+from tpu_platform.runner import InFlightStep, Runner, RunnerConfig
 
 logger = init_logger("vllm.xla.worker")
 
@@ -45,6 +46,17 @@ def layer_placement(config: KVCacheConfig, num_layers: int) -> tuple[tuple[int, 
     if len(config.kv_cache_groups) == 1:
         return (), ()
     return tuple(group_of[n] for n in names), tuple(position_of[n] for n in names)
+
+
+class _AsyncOutput(AsyncModelRunnerOutput):
+    """A sampled step's output, resolved when vLLM asks for it (async scheduling)."""
+
+    def __init__(self, worker: XlaWorker, step: InFlightStep):
+        self._worker = worker
+        self._step = step
+
+    def get_output(self):
+        return self._worker.step_output(self._step)
 
 
 class XlaWorker(WorkerBase):
@@ -146,15 +158,26 @@ class XlaWorker(WorkerBase):
         self.runner.execute(update)
         if self.logits_bridge is not None:
             self.logits_bridge.update(scheduler_output, self.runner.table.row_of)
+        if not scheduler_output.total_num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT  # no sample_tokens call follows: this is the step's output
         return None
 
     def sample_tokens(self, grammar_output):
+        """The step's output; under async scheduling, a handle vLLM resolves after it has
+        scheduled (and we have dispatched) the next step."""
         bridge = self.logits_bridge
-        result = self.runner.sample(
+        step = self.runner.sample_async(
             translate.grammar_bitmasks(grammar_output), logits_transform=bridge.apply if bridge else None
         )
-        if bridge is not None:
-            bridge.record(result)
+        if self.vllm_config.scheduler_config.async_scheduling and bridge is None:
+            return _AsyncOutput(self, step)
+        return self.step_output(step)
+
+    def step_output(self, step: InFlightStep):
+        """vLLM's `ModelRunnerOutput` for a sampled step, once its tokens are on the host."""
+        result = self.runner.finish(step)
+        if self.logits_bridge is not None:
+            self.logits_bridge.record(result)
         start = time.perf_counter()
         output = translate.model_runner_output(result)
         self.runner.stats.host_seconds += time.perf_counter() - start

@@ -33,6 +33,9 @@ class StepInputs:
     num_seqs: np.ndarray
     # [R] index of each sequence's last token in the step
     logits_indices: np.ndarray
+    # [T] where a token id is still on the device: its index in the previous step's sampled
+    # tokens (which the forward takes instead of `token_ids`), else -1
+    feed: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,6 +89,7 @@ def _decode_from(
     inputs = _views(packed, dims)
     n, start = rows.size, table.num_computed[rows]
     inputs.token_ids[:n] = table.token_ids[rows, start]
+    inputs.feed[:n] = table.feed_index(rows, start)
     inputs.positions[:n] = start
     pages = table.block_table[:, rows, start // page_size]
     inputs.slot_mapping[:, :n] = pages * page_size + start % page_size
@@ -119,6 +123,7 @@ def _prepare(
     cu_q[num_seqs + 1 :] = total
     kv_lens = start + num_scheduled
     _fill(inputs.token_ids, table.token_ids[token_rows, positions], 0)
+    _fill(inputs.feed, table.feed_index(token_rows, positions), -1)
     _fill(inputs.positions, positions, 0)
     pages = table.block_table[:, token_rows, positions // page_size]
     _fill(inputs.slot_mapping, pages * page_size + positions % page_size, -1)
@@ -143,7 +148,7 @@ def _plan(
 
 _FIELDS = (
     "token_ids", "positions", "slot_mapping", "kv_lens",
-    "page_indices", "cu_q_lens", "num_seqs", "logits_indices",
+    "page_indices", "cu_q_lens", "num_seqs", "logits_indices", "feed",
 )  # fmt: skip
 
 
@@ -153,6 +158,7 @@ def input_shapes(dims: tuple[int, int, int, int]) -> dict[str, tuple[int, ...]]:
     return {
         "token_ids": (t,), "positions": (t,), "slot_mapping": (g, t), "kv_lens": (r,),
         "page_indices": (g, r, p), "cu_q_lens": (r + 1,), "num_seqs": (1,), "logits_indices": (r,),
+        "feed": (t,),
     }  # fmt: skip
 
 
@@ -201,6 +207,7 @@ def padding_inputs(t_pad: int, r_pad: int, p_pad: int, num_groups: int = 1) -> S
         cu_q_lens=np.zeros(r_pad + 1, np.int32),
         num_seqs=np.zeros(1, np.int32),
         logits_indices=np.zeros(r_pad, np.int32),
+        feed=np.full(t_pad, -1, np.int32),
     )
 
 
@@ -236,6 +243,7 @@ def exercise_inputs(
         cu_q_lens=cu_q_lens,
         num_seqs=np.array([num_seqs], np.int32),
         logits_indices=np.pad(cu_q_lens[1 : num_seqs + 1] - 1, (0, r_pad - num_seqs)).astype(np.int32),
+        feed=np.full(t_pad, -1, np.int32),
     )
 
 

@@ -40,6 +40,11 @@ class RequestTable:
         self.num_computed = np.zeros(capacity, np.int32)
         self.block_table = np.zeros((num_groups, capacity, max_pages), np.int32)
         self.num_pages = np.zeros((num_groups, capacity), np.int32)
+        # The newest step whose tokens are still on the device ("in flight"): the column each of its
+        # rows reserved (`reserve`; -1 for other rows) and the row's index in that step's tokens.
+        self.pending_column = np.full(capacity, -1, np.int32)
+        self.pending_index = np.zeros(capacity, np.int32)
+        self._pending_rows = np.zeros(0, np.intp)
         self.row_of: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -48,9 +53,10 @@ class RequestTable:
 
     def _grow(self) -> None:
         old = self.token_ids.shape[0]
-        for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed"):
+        for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed", "pending_index"):
             array = getattr(self, name)
             setattr(self, name, np.concatenate([array, np.zeros_like(array)], axis=0))
+        self.pending_column = np.concatenate([self.pending_column, np.full(old, -1, np.int32)])
         for name in ("block_table", "num_pages"):  # [G, rows, ...]
             array = getattr(self, name)
             setattr(self, name, np.concatenate([array, np.zeros_like(array)], axis=1))
@@ -69,6 +75,7 @@ class RequestTable:
             self._grow()
         row = self._free.pop()
         self.row_of[request.req_id] = row
+        self.pending_column[row] = -1
         self.token_ids[row, : prompt.size] = prompt
         self.num_tokens[row] = self.num_prompt_tokens[row] = prompt.size
         self.num_computed[row] = request.num_computed_tokens
@@ -153,6 +160,33 @@ class RequestTable:
             return
         self.token_ids[appends.rows, appends.columns] = tokens
         self.num_tokens[appends.rows] = appends.counts
+
+    def reserve(self, appends: Appends) -> None:
+        """Counts a dispatched step's tokens before they are known: their columns hold -1 until
+        `fill`, and each row remembers its column and token index (`pending_column`,
+        `pending_index`) so the next step can take the token on the device. Only the newest
+        reserving step is remembered: the caller fills older ones before the next `reserve`."""
+        self.pending_column[self._pending_rows] = -1
+        index = np.arange(appends.rows.size) if appends.index is None else appends.index
+        self.token_ids[appends.rows, appends.columns] = -1
+        self.num_tokens[appends.rows] = appends.counts
+        self.pending_column[appends.rows] = appends.columns
+        self.pending_index[appends.rows] = index
+        self._pending_rows = appends.rows
+
+    def fill(self, appends: Appends, tokens: np.ndarray) -> None:
+        """Writes the tokens of a `reserve`d step (one per row planned, in the planned rows' order);
+        rows still marked with this step's column are no longer pending."""
+        if appends.index is not None:
+            tokens = tokens[appends.index]
+        self.token_ids[appends.rows, appends.columns] = tokens
+        mine = self.pending_column[appends.rows] == appends.columns
+        self.pending_column[appends.rows[mine]] = -1
+
+    def feed_index(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """For tokens at `positions` of `rows`: the index of the token in the newest in-flight
+        step's output when that position is the one it reserved, else -1."""
+        return np.where(self.pending_column[rows] == positions, self.pending_index[rows], -1)
 
     def output_token_ids(self, row: int) -> np.ndarray:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]

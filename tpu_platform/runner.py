@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import logging
 import os
 import time
@@ -20,11 +20,12 @@ from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.dispatch import FlatCall
-from tpu_platform.inputs import StepPlan, exercise_inputs, pack_inputs, padding_inputs, prepare_step
+from tpu_platform.inputs import exercise_inputs, pack_inputs, padding_inputs, prepare_step
 from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes, kv_cache_dtype
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
 from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
 from tpu_platform.request_table import RequestTable
+from tpu_platform.runner_config import RunnerConfig, RunnerStats
 from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, SamplingTensors
 from tpu_platform.sampling.uniform import (
     has_extras,
@@ -33,64 +34,9 @@ from tpu_platform.sampling.uniform import (
     with_all_extras,
 )
 from tpu_platform.step import make_forward, make_sampler
-from tpu_platform.step_record import record_step
+from tpu_platform.step_record import DispatchedStep, InFlightStep, record_step
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RunnerConfig:
-    """What the runner needs to know, fixed for its lifetime."""
-
-    model_path: str
-    dtype: str = "float32"
-    # The KV cache's values: None for the model's dtype, or one of `kv_cache.KV_CACHE_DTYPES`
-    # (float8_e4m3fn, float8_e5m2: half of bfloat16's bytes, stored unscaled).
-    kv_cache_dtype: str | None = None
-    max_model_len: int = 2048
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    page_size: int = 16
-    attention_backend: str = "auto"
-    native_dense: bool = True  # bfloat16 dense layers on AMX / AVX-512 BF16 where cpu_native runs
-    cache_dir: str | None = None
-    strict_compile: bool = False
-    seed: int = 0
-    max_logprobs: int = 20
-    logprobs_mode: str = "raw_logprobs"
-    # Whether host-side logits processors rewrite the logits (`Runner.sample`'s transform): only
-    # then does an argmax-only step run a sampler program, so only then is one built.
-    logits_processors: bool = False
-
-
-@dataclasses.dataclass(slots=True)
-class RunnerStats:
-    """Running totals since start (reported by the worker: `runner_stats`)."""
-
-    steps: int = 0
-    partial_prefill_steps: int = 0
-    preempted_requests: int = 0
-    resumed_requests: int = 0
-    prefix_cache_hits: int = 0
-    # Host time: batch update to dispatched forward, sampler inputs to dispatched sampler, and
-    # sampled tokens to the step's output (the worker adds its translation of vLLM's objects);
-    # wall time of the whole step (forward dispatched to tokens recorded on the host).
-    host_seconds: float = 0.0
-    step_seconds: float = 0.0
-    # Steps whose tokens the sampler program drew; the others took the forward's argmax.
-    sampler_steps: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _PendingStep:
-    plan: StepPlan
-    req_ids: list[str]
-    logits: jax.Array
-    greedy: jax.Array  # the rows' argmax, from the forward
-    prompt_logprobs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None
-    # The sampler's inputs, made before the forward was dispatched (grammar bitmasks come later).
-    tensors: SamplingTensors
-    flags: SamplerFlags
 
 
 class Runner:
@@ -117,10 +63,11 @@ class Runner:
             page_size=config.page_size,
         )
         self.programs = Programs(strict=config.strict_compile, cache=executables)
-        self._pending: _PendingStep | None = None
+        self._pending: DispatchedStep | None = None
+        # Sampled steps whose tokens are not recorded yet, oldest first (async scheduling keeps one).
+        self._in_flight: collections.deque[InFlightStep] = collections.deque()
         self._step_index = 0
         self.stats = RunnerStats()
-        self._dispatched_at = 0.0
         self._flat_forwards: dict[tuple, FlatCall | None] = {}  # by program key, once it ran
         self._templates: dict = {}  # decode steps' packed inputs (`prepare_step`)
 
@@ -136,7 +83,9 @@ class Runner:
         self._graphdef = graphdef
         self._prompt_logprobs = make_prompt_logprobs(graphdef)
         self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)
-        self._sample = make_sampler()
+        self._sample = make_sampler(self.buckets.max_seqs)
+        # What a step takes as its previous step's tokens when none is in flight.
+        self._no_feed = jax.device_put(np.zeros(self.buckets.max_seqs, np.int32), self.device)
         self.sampling = SamplingBatch(
             max_num_reqs=self.config.max_num_seqs,
             vocab_size=self.model_config.vocab_size,
@@ -238,7 +187,7 @@ class Runner:
                         t_pad, r_pad, p_pad, self.num_groups, self.num_pages,
                         page_size=self.config.page_size, num_seqs=num_seqs,
                     )  # fmt: skip
-                    self._run_forward(*pack_inputs(inputs))
+                    self._run_forward(*pack_inputs(inputs), self._no_feed)
             elif kind == "sample":
                 rows = static[0]
                 if rows not in logits:
@@ -270,7 +219,7 @@ class Runner:
         return ProgramSpec(
             key=("forward", *dims),
             jitted=self._forward,
-            args=(self._state_leaves, self.kv_caches, packed),
+            args=(self._state_leaves, self.kv_caches, packed, self._no_feed),
             static={"dims": dims},
             context=self._forward_context,
         )
@@ -281,18 +230,20 @@ class Runner:
             jitted=self._sample,
             args=(logits, tensors),
             static={"flags": flags},
+            context=f"tokens padded to {self.buckets.max_seqs}",  # `make_sampler`'s feed width
         )
 
     def _run_forward(
-        self, packed: np.ndarray, dims: tuple[int, int, int, int]
+        self, packed: np.ndarray, dims: tuple[int, int, int, int], fed_tokens: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Dispatches the forward on packed inputs (one transfer), keeping the donated caches'
-        successors. After its first run a program is called on its flat arguments (`FlatCall`)."""
+        """Dispatches the forward on packed inputs (one transfer) and the previous step's tokens,
+        keeping the donated caches' successors. After its first run a program is called on its
+        flat arguments (`FlatCall`)."""
         key = ("forward", *dims)
         flat = self._flat_forwards.get(key)  # None too when the program needs JAX's own call
         if flat is not None:
             packed = flat.put(len(self._state_leaves) + len(self.kv_caches), packed)
-            outputs = flat([*self._state_leaves, *self.kv_caches, packed])
+            outputs = flat([*self._state_leaves, *self.kv_caches, packed, fed_tokens])
             self.kv_caches = outputs[3:]
             return outputs[0], outputs[1], outputs[2]
         logits, greedy, hidden, self.kv_caches = self.programs.call(
@@ -301,10 +252,11 @@ class Runner:
             self._state_leaves,
             self.kv_caches,
             packed,
+            fed_tokens,
         )
         if key not in self._flat_forwards:  # decided once per program
             self._flat_forwards[key] = FlatCall.of(
-                self.programs.get(key), len(self._state_leaves) + len(self.kv_caches) + 1
+                self.programs.get(key), len(self._state_leaves) + len(self.kv_caches) + 2
             )
         return logits, greedy, hidden
 
@@ -315,15 +267,23 @@ class Runner:
 
         Everything the step needs on the host, the sampler's inputs included, is built before the
         dispatch: once dispatched, the forward runs on every core and host work competes with it.
+        A token the previous step is still sampling (async scheduling) goes from that step's
+        output to this step's input on the device; the previous step is finished first when this
+        one reads token history on the host (penalties, bad words, min_tokens, logit bias) or
+        drops one of its requests.
         """
+        if self._pending is not None:  # never sampled: sample it anyway, the table reserved its tokens
+            self.sample_async()
         start = time.perf_counter()
+        self._settle(update.finished_req_ids)
         self._apply(update)
-        self._pending = None
         if not update.num_scheduled_tokens:
             return
         req_ids = list(update.num_scheduled_tokens)
         rows = np.fromiter(map(self.table.row_of.__getitem__, req_ids), np.int32, len(req_ids))
         num_scheduled = np.fromiter(update.num_scheduled_tokens.values(), np.int32, len(req_ids))
+        if self._in_flight and self.sampling.reads_history(rows):
+            self._finish_through(self._in_flight[-1])
         inputs, plan = prepare_step(
             self.table, rows, num_scheduled, self.buckets, self.config.page_size, self._templates
         )
@@ -335,32 +295,48 @@ class Runner:
                 step_seed=self.config.seed * 1_000_003 + self._step_index,
             )
         )
+        self.table.reserve(plan.appends)
         self._step_index += 1
         self.stats.steps += 1
         self.stats.partial_prefill_steps += int(not plan.all_emit)
-        logits, greedy, hidden = self._run_forward(plan.packed, plan.dims)
-        self._dispatched_at = time.perf_counter()
-        self.stats.host_seconds += self._dispatched_at - start
+        fed = self._no_feed
+        if self._in_flight:
+            previous = self._in_flight[-1].out.sampled_token_ids
+            self.stats.overlapped_steps += not previous.is_ready()
+            if inputs.feed.max() >= 0:
+                fed = previous
+                self.stats.fed_steps += 1
+        logits, greedy, hidden = self._run_forward(plan.packed, plan.dims, fed)
+        dispatched_at = time.perf_counter()
+        self.stats.host_seconds += dispatched_at - start
         prompt = None
         if self.prompt_logprobs.wanted_in(req_ids):
             prompt = self.prompt_logprobs.collect(
                 self._prompt_logprobs, self.state, hidden, self.table, req_ids, rows, inputs.cu_q_lens
             )
-        self._pending = _PendingStep(plan, req_ids, logits, greedy, prompt, tensors, flags)
+        self._pending = DispatchedStep(plan, req_ids, logits, greedy, prompt, tensors, flags, dispatched_at)
 
     def sample(
         self,
         grammar_bitmasks: dict[str, np.ndarray] | None = None,
         logits_transform: Callable[[jax.Array, np.ndarray, bool], jax.Array] | None = None,
     ) -> StepResult:
-        """Samples the pending step's logits and records the new tokens.
+        """Samples the pending step's logits and records the new tokens (`sample_async`, `finish`)."""
+        return self.finish(self.sample_async(grammar_bitmasks, logits_transform))
+
+    def sample_async(
+        self,
+        grammar_bitmasks: dict[str, np.ndarray] | None = None,
+        logits_transform: Callable[[jax.Array, np.ndarray, bool], jax.Array] | None = None,
+    ) -> InFlightStep:
+        """Dispatches the sampling of the pending step's logits; `finish` records its tokens.
 
         `logits_transform(logits, table_rows, all_greedy)`, when given, rewrites the logits
         before sampling (the hook for host-side logits processors).
         """
         pending, self._pending = self._pending, None
         if pending is None:
-            return StepResult(req_ids=[], sampled_token_ids=[])
+            return InFlightStep(None, [], None, None, 0.0, StepResult(req_ids=[], sampled_token_ids=[]))
         plan = pending.plan
         start = time.perf_counter()
         tensors, flags = pending.tensors, pending.flags
@@ -382,14 +358,34 @@ class Runner:
                 logits,
                 tensors,
             )
+        step = InFlightStep(plan, pending.req_ids, out, pending.prompt_logprobs, pending.dispatched_at)
+        self._in_flight.append(step)
         self.stats.host_seconds += time.perf_counter() - start
-        jax.block_until_ready(out.sampled_token_ids)
-        start = time.perf_counter()
-        result = record_step(self.table, plan, pending.req_ids, out, pending.prompt_logprobs)
-        done = time.perf_counter()
-        self.stats.host_seconds += done - start
-        self.stats.step_seconds += done - self._dispatched_at
-        return result
+        return step
+
+    def finish(self, step: InFlightStep) -> StepResult:
+        """Waits for `step`'s tokens and records them (and those of every step before it)."""
+        if step.result is None:
+            self._finish_through(step)
+        return step.result
+
+    def _finish_through(self, step: InFlightStep) -> None:
+        while step.result is None:
+            oldest = self._in_flight.popleft()
+            jax.block_until_ready(oldest.out.sampled_token_ids)
+            start = time.perf_counter()
+            oldest.result = record_step(self.table, oldest)
+            done = time.perf_counter()
+            self.stats.host_seconds += done - start
+            self.stats.step_seconds += done - oldest.dispatched_at
+
+    def _settle(self, leaving: frozenset[str] | set[str]) -> None:
+        """Finishes every in-flight step but the newest, and the newest too if one of its requests
+        is `leaving` (its table row may be reused at once)."""
+        if len(self._in_flight) > 1:
+            self._finish_through(self._in_flight[-2])
+        if self._in_flight and leaving and not leaving.isdisjoint(self._in_flight[-1].req_ids):
+            self._finish_through(self._in_flight[-1])
 
     def _widened(self, tensors: SamplingTensors, flags: SamplerFlags) -> tuple[SamplingTensors, SamplerFlags]:
         """The sampler's inputs, with every extra on when any is (see `sampling.uniform`)."""
@@ -434,4 +430,4 @@ def _chunks(items: list, size: int) -> list[list]:
 
 
 # What a caller of `Runner` sees: its configuration and counters, and the step result types.
-__all__ = ["Runner", "RunnerConfig", "RunnerStats", "StepLogprobs", "StepResult"]
+__all__ = ["InFlightStep", "Runner", "RunnerConfig", "RunnerStats", "StepLogprobs", "StepResult"]

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from models import AttentionMetadata
@@ -20,6 +22,7 @@ def forward_logits(
     state_leaves: list[jax.Array],
     kv_caches: list[jax.Array],
     packed: jax.Array,
+    fed_tokens: jax.Array,
     dims: tuple[int, int, int, int],
     backend: str,
     layer_groups: tuple[int, ...] = (),
@@ -28,12 +31,17 @@ def forward_logits(
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
     """Runs the model on all scheduled tokens (`packed` by `pack_inputs`, padded to `dims`).
 
-    Returns the `[R, V]` float32 logits of the rows to sample, their `[R]` greedy tokens (an
-    all-greedy step needs no sampler program), the `[T, D]` hidden states of every token (for
-    prompt logprobs) and the new caches.
+    `fed_tokens` (`[F]` int32) are the previous step's sampled tokens, still on the device: a token
+    whose `inputs.feed` index is not -1 is taken from there (async scheduling).
+
+    Returns the `[R, V]` float32 logits of the rows to sample, their greedy tokens (an all-greedy
+    step needs no sampler program) padded to `[F]` (the next step's `fed_tokens`), the `[T, D]`
+    hidden states of every token (for prompt logprobs) and the new caches.
     """
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
     inputs = unpack_inputs(packed, dims)
+    fed = fed_tokens[jnp.maximum(inputs.feed, 0)]
+    token_ids = jnp.where(inputs.feed >= 0, fed, inputs.token_ids)
     md = AttentionMetadata(
         slot_mapping=inputs.slot_mapping,
         kv_lens=inputs.kv_lens,
@@ -45,9 +53,14 @@ def forward_logits(
         layer_caches=layer_caches,
         kv_dtype=kv_dtype,
     )
-    hidden, kv_caches = model(inputs.token_ids, inputs.positions, kv_caches, md)
+    hidden, kv_caches = model(token_ids, inputs.positions, kv_caches, md)
     logits = model.compute_logits(hidden[inputs.logits_indices])
-    return logits, greedy_sample(logits), hidden, kv_caches
+    return logits, pad_tokens(greedy_sample(logits), fed_tokens.shape[0]), hidden, kv_caches
+
+
+def pad_tokens(tokens: jax.Array, width: int) -> jax.Array:
+    """`[R]` sampled tokens zero-padded to `[width]` (a fixed width: the next step's feed)."""
+    return jnp.zeros(width, tokens.dtype).at[: tokens.shape[0]].set(tokens)
 
 
 def make_forward(
@@ -58,7 +71,8 @@ def make_forward(
     layer_caches: tuple[int, ...] = (),
     kv_dtype: str | None = None,
 ) -> Callable:
-    """`forward(state_leaves, kv_caches, packed, dims=...) -> (logits, greedy, hidden, kv_caches)`, jitted.
+    """`forward(state_leaves, kv_caches, packed, fed_tokens, dims=...) -> (logits, greedy, hidden,
+    kv_caches)`, jitted.
 
     The model state comes as the flat leaves of `state_def` (`jax.tree.flatten(state)`, done
     once): flattening an NNX state of a few hundred variables on every call would cost
@@ -80,9 +94,15 @@ def make_forward(
     return jax.jit(step, donate_argnums=(1,), static_argnames=("dims",))
 
 
-def make_sampler() -> Callable:
-    """`sample(logits, tensors, flags=...) -> SamplerOutput`, jitted; flags are static."""
-    return jax.jit(sample, static_argnames=("flags",))
+def make_sampler(feed_width: int) -> Callable:
+    """`sample(logits, tensors, flags=...) -> SamplerOutput`, jitted; flags are static. The
+    sampled tokens are zero-padded to `[feed_width]`: the next step's `fed_tokens`."""
+
+    def sample_for_feed(logits: jax.Array, tensors, flags: SamplerFlags):
+        out = sample(logits, tensors, flags=flags)
+        return dataclasses.replace(out, sampled_token_ids=pad_tokens(out.sampled_token_ids, feed_width))
+
+    return jax.jit(sample_for_feed, static_argnames=("flags",))
 
 
 __all__ = ["SamplerFlags", "make_forward", "make_sampler"]

@@ -1,28 +1,54 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A step's sampled tokens into the request table and the runner's `StepResult`."""
+"""A step between its dispatch and its result: the forward's outputs before sampling, the sampled
+step whose tokens may still be on the device, and their recording into the request table."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import numpy as np
 
 from tpu_platform.batch_update import StepLogprobs, StepResult
 from tpu_platform.inputs import StepPlan
 from tpu_platform.request_table import RequestTable
-from tpu_platform.sampling import SamplerOutput
+from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingTensors
 
 
-def record_step(
-    table: RequestTable,
-    plan: StepPlan,
-    req_ids: list[str],
-    out: SamplerOutput,
-    prompt_logprobs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None,
-) -> StepResult:
-    """Appends each emitting row's token to its history (as `plan.appends` says); a partial
-    prefill chunk emits `[]`."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class DispatchedStep:
+    """A dispatched forward whose logits are not sampled yet."""
+
+    plan: StepPlan
+    req_ids: list[str]
+    logits: jax.Array
+    greedy: jax.Array  # the rows' argmax, from the forward
+    prompt_logprobs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None
+    # The sampler's inputs, made before the forward was dispatched (grammar bitmasks come later).
+    tensors: SamplingTensors
+    flags: SamplerFlags
+    dispatched_at: float
+
+
+@dataclasses.dataclass(slots=True)
+class InFlightStep:
+    """A sampled step whose tokens may still be on the device; `Runner.finish` records them."""
+
+    plan: StepPlan | None
+    req_ids: list[str]
+    out: SamplerOutput | None  # `out.sampled_token_ids`: [feed width], the next step's fed tokens
+    prompt_logprobs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None
+    dispatched_at: float
+    result: StepResult | None = None  # once finished
+
+
+def record_step(table: RequestTable, step: InFlightStep) -> StepResult:
+    """Writes each emitting row's token of a finished `step` where its plan reserved it in the
+    history (`RequestTable.reserve`), and gives the step's result; a partial prefill chunk emits `[]`."""
+    plan, req_ids, out = step.plan, step.req_ids, step.out
     n = len(req_ids)
     tokens = np.asarray(out.sampled_token_ids)[:n]
-    table.append(plan.appends, tokens)
+    table.fill(plan.appends, tokens)
     if plan.all_emit:
         sampled = [[t] for t in tokens.tolist()]
     else:
@@ -36,5 +62,8 @@ def record_step(
             ranks=np.asarray(out.sampled_token_ranks)[:n],
         )
     return StepResult(
-        req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs or {}
+        req_ids=req_ids,
+        sampled_token_ids=sampled,
+        logprobs=logprobs,
+        prompt_logprobs=step.prompt_logprobs or {},
     )

@@ -120,12 +120,15 @@ def test_n_samples_are_reproducible_with_a_seed(llm):
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
 
 
-def test_chunked_prefill_and_preemption_match_transformers(tiny_dir, hf):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_chunked_prefill_and_preemption_match_transformers(tiny_dir, hf, async_scheduling):
     # A tiny step budget forces chunked prefill; 10 pages of 16 tokens cannot hold the four
-    # 48-token sequences at once, so the scheduler must preempt and recompute.
+    # 48-token sequences at once, so the scheduler must preempt and recompute. With async
+    # scheduling (vLLM's default) every step is dispatched before the previous one's tokens
+    # reach the host, across chunk boundaries, preemptions and resumptions.
     small = LLM(
         model=tiny_dir, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
-        num_gpu_blocks_override=10, seed=0,
+        num_gpu_blocks_override=10, seed=0, async_scheduling=async_scheduling,
     )  # fmt: skip
     prompts = _prompts([40, 37, 45, 42], seed=4)
     out = small.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], _greedy(max_tokens=24))
@@ -136,3 +139,6 @@ def test_chunked_prefill_and_preemption_match_transformers(tiny_dir, hf):
     assert _token_ids(out) == [hf_greedy(hf, p, 24) for p in prompts]
     assert stats["partial_prefill_steps"] > 0
     assert stats["preempted_requests"] > 0 and stats["resumed_requests"] > 0
+    # Decode steps take the previous step's tokens on the device only under async scheduling.
+    assert stats["fed_steps"] > 24 if async_scheduling else stats["fed_steps"] == 0
+    assert async_scheduling or stats["overlapped_steps"] == 0

@@ -10,9 +10,10 @@ from tpu_platform.envs import read_env
 from tpu_platform.metrics_file import MetricsPublisher, metrics_path, read_metrics
 
 
-def _snapshot(steps: int, host: float, step: float) -> dict[str, float]:
+def _snapshot(steps: int, host: float, step: float, overlapped: int = 0) -> dict[str, float]:
     return {
         "steps": steps,
+        "overlapped_steps": overlapped,
         "host_seconds": host,
         "step_seconds": step,
         "compiles": 12,
@@ -46,7 +47,7 @@ def test_logger_exports_per_step_means_between_reports(monkeypatch, tmp_path):
     stat_logger = XlaStatLogger(config, engine_index=7)
     assert stat_logger.active  # the tests run on our platform
     publisher = MetricsPublisher(metrics_path(read_env().cache_dir, "test-instance", 7))
-    publisher.publish(_snapshot(steps=10, host=0.010, step=1.0), force=True)
+    publisher.publish(_snapshot(steps=10, host=0.010, step=1.0, overlapped=8), force=True)
     stat_logger.record(None, None)
     assert _value("vllm_xla:steps", "7") == 10
     assert _value("vllm_xla:compilations", "7") == 12
@@ -55,11 +56,13 @@ def test_logger_exports_per_step_means_between_reports(monkeypatch, tmp_path):
     assert _value("vllm_xla:compilations_after_warmup", "7") == 0
     assert abs(_value("vllm_xla:host_seconds_per_step", "7") - 0.001) < 1e-12
     assert abs(_value("vllm_xla:step_seconds_per_step", "7") - 0.1) < 1e-12
+    assert abs(_value("vllm_xla:overlapped_step_fraction", "7") - 0.8) < 1e-12
 
-    publisher.publish(_snapshot(steps=30, host=0.050, step=3.0), force=True)
+    publisher.publish(_snapshot(steps=30, host=0.050, step=3.0, overlapped=26), force=True)
     stat_logger._read_at = float("-inf")  # skip the one-second read throttle
     stat_logger.record(None, None)
     assert _value("vllm_xla:steps", "7") == 30
     assert abs(_value("vllm_xla:host_seconds_per_step", "7") - 0.002) < 1e-12  # (0.05 - 0.01) / 20
     assert abs(_value("vllm_xla:step_seconds_per_step", "7") - 0.1) < 1e-12
+    assert abs(_value("vllm_xla:overlapped_step_fraction", "7") - 0.9) < 1e-12  # (26 - 8) / 20
     stat_logger.log()  # formats without error

@@ -241,3 +241,46 @@ def test_packed_buffers_are_64_byte_aligned():
     for _ in range(2):  # built, then from the template
         _, plan = prepare_step(table, np.array([row]), np.ones(1, np.int32), buckets, PAGE, templates)
         assert plan.packed.ctypes.data % 64 == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_inputs_prepared_before_the_previous_tokens_arrive_take_them_on_the_device(seed):
+    # Async scheduling: step k is prepared and its tokens reserved before step k-1's tokens are
+    # filled in. The token ids the forward then sees (`feed` picks from step k-1's tokens) and
+    # every history must equal those of the same steps run one after the other.
+    rng = np.random.default_rng(seed)
+    buckets = StepBuckets.for_limits(
+        max_num_batched_tokens=64, max_num_seqs=8, max_model_len=32, page_size=PAGE
+    )
+    overlapped, serial = RequestTable(4, 32, 8), RequestTable(4, 32, 8)
+    for table in (overlapped, serial):
+        for i in range(4):
+            blocks = [list(range(8 * i, 8 * i + 8))]
+            table.add(NewRequest(f"r{i}", list(range(1, 4 + 3 * i)), blocks, 0, SamplingOptions()))
+    templates, previous, fed_steps = {}, None, 0
+    for step in range(16):
+        rows = np.sort(rng.permutation(4)[: int(rng.integers(1, 5))]).astype(np.int32)
+        room = serial.num_tokens[rows] - serial.num_computed[rows]  # tokens known or being sampled
+        num_scheduled = np.minimum(room, rng.integers(1, 4, rows.size)).astype(np.int32)
+        inputs, plan = prepare_step(overlapped, rows, num_scheduled, buckets, PAGE, templates)
+        expected, serial_plan = prepare_step(serial, rows, num_scheduled, buckets, PAGE)
+        tokens = rng.integers(100, 200, buckets.max_seqs).astype(np.int32)  # padded like the device's
+        fed = inputs.feed >= 0
+        fed_steps += bool(fed.any())
+        seen = np.where(fed, previous[0][np.maximum(inputs.feed, 0)] if fed.any() else 0, inputs.token_ids)
+        np.testing.assert_array_equal(seen, expected.token_ids, err_msg=f"step {step}")
+        np.testing.assert_array_equal(inputs.positions, expected.positions)
+        np.testing.assert_array_equal(plan.emits_token, serial_plan.emits_token)
+        overlapped.reserve(plan.appends)
+        if previous is not None:
+            overlapped.fill(previous[1].appends, previous[0][: previous[1].rows.size])  # step k-1's arrive
+        serial.reserve(serial_plan.appends)
+        serial.fill(serial_plan.appends, tokens[: rows.size])
+        for table in (overlapped, serial):
+            table.num_computed[rows] += num_scheduled
+        previous = (tokens, plan)
+    overlapped.fill(previous[1].appends, previous[0][: previous[1].rows.size])
+    assert fed_steps > 4
+    for row in range(4):
+        np.testing.assert_array_equal(overlapped.output_token_ids(row), serial.output_token_ids(row))
+    assert (overlapped.pending_column == -1).all()

@@ -37,7 +37,10 @@ def test_model_step_lowers(monkeypatch, backend, platform, custom_call, num_toke
     ]
     packed, dims = pack_inputs(padding_inputs(num_tokens, min(num_tokens, 8), 32))
     leaves, state_def = jax.tree.flatten(state)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (leaves, caches, packed))
+    fed_tokens = jnp.zeros(8, jnp.int32)  # the previous step's tokens (max_num_seqs wide)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (leaves, caches, packed, fed_tokens)
+    )
     disabled = [jax.export.DisabledSafetyCheck.custom_call(custom_call)]
     exported = jax.export.export(
         make_forward(graphdef, state_def, backend, kv_dtype=kv_dtype),

@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The runner's configuration (fixed for its lifetime) and its running counters."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """What the runner needs to know, fixed for its lifetime."""
+
+    model_path: str
+    dtype: str = "float32"
+    # The KV cache's values: None for the model's dtype, or one of `kv_cache.KV_CACHE_DTYPES`
+    # (float8_e4m3fn, float8_e5m2: half of bfloat16's bytes, stored unscaled).
+    kv_cache_dtype: str | None = None
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    attention_backend: str = "auto"
+    native_dense: bool = True  # bfloat16 dense layers on AMX / AVX-512 BF16 where cpu_native runs
+    cache_dir: str | None = None
+    strict_compile: bool = False
+    seed: int = 0
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
+    # Whether host-side logits processors rewrite the logits (`Runner.sample`'s transform): only
+    # then does an argmax-only step run a sampler program, so only then is one built.
+    logits_processors: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class RunnerStats:
+    """Running totals since start (reported by the worker: `runner_stats`)."""
+
+    steps: int = 0
+    partial_prefill_steps: int = 0
+    preempted_requests: int = 0
+    resumed_requests: int = 0
+    prefix_cache_hits: int = 0
+    # Host time: batch update to dispatched forward, sampler inputs to dispatched sampler, and
+    # sampled tokens to the step's output (the worker adds its translation of vLLM's objects);
+    # wall time of the whole step (forward dispatched to tokens recorded on the host).
+    host_seconds: float = 0.0
+    step_seconds: float = 0.0
+    # Steps whose tokens the sampler program drew; the others took the forward's argmax.
+    sampler_steps: int = 0
+    # Async scheduling: steps dispatched before the previous step's tokens reached the host,
+    # that took some of them on the device (fed), and that were dispatched while the previous
+    # step still ran (overlapped: the device had the next step queued, no wait for the host).
+    fed_steps: int = 0
+    overlapped_steps: int = 0
