@@ -65,9 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--xla-dtype",
         default="auto",
-        help="dtype of vLLM on our platform; auto: bfloat16, except float32 on CPUs with neither AMX "
-        "nor AVX-512 BF16 (there the dense layers stay on XLA:CPU, whose float32 dots are faster "
-        "than its bfloat16 ones: batch 57 -> 81 tok/s on an AVX2 AMD EPYC)",
+        help="dtype of vLLM on our platform; auto: bfloat16, except on CPUs with neither AMX nor "
+        "AVX-512 BF16 for the batch and serve workloads: there the native dense kernel runs in "
+        "float32 on AVX2, which only pays off for a few rows at a time, and XLA:CPU's float32 dots "
+        "are faster for many (see the README)",
     )
     parser.add_argument(
         "--xla-kv-cache-dtype",
@@ -90,8 +91,9 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(f"terminated by signal {signum}")  # unwinds `serve`, which then stops its server
 
 
-def _cpu_runs_native_dense() -> bool:
-    """Whether the CPU has an instruction set of our native bfloat16 dense kernel."""
+def _cpu_has_bfloat16_products() -> bool:
+    """Whether the CPU multiplies bfloat16 natively (AMX or AVX-512 BF16): our native dense kernel
+    then beats XLA:CPU's dots at every row count."""
     try:
         with open("/proc/cpuinfo") as info:
             flags = info.read()
@@ -100,12 +102,19 @@ def _cpu_runs_native_dense() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def _auto_dtype(workload: str) -> str:
+    """Our fastest dtype for `workload` on this CPU (`--xla-dtype auto`)."""
+    if _cpu_has_bfloat16_products() or workload == "single":
+        return "bfloat16"  # a single stream streams weights: bfloat16 halves the bytes
+    return "float32"
+
+
 def worker_main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     sizes = _peers.Sizes.quick() if args.quick else _peers.Sizes.full()
     dtype = {"xla": args.xla_dtype, "vllm-cpu": args.peer_dtype, "hf": args.hf_dtype}[args.worker]
     if dtype == "auto":
-        dtype = "bfloat16" if _cpu_runs_native_dense() else "float32"
+        dtype = _auto_dtype(args.workload)
     kv_cache_dtype = args.xla_kv_cache_dtype if args.worker == "xla" else "auto"
     if args.workload == "serve":
         from _serve import run_serve

@@ -11,7 +11,7 @@ the shared blocks of `layers.py` (attention, MLPs, decoder blocks, trunk, LM hea
 Entry points: `ModelConfig.from_pretrained(path)`, `build(config, dtype, rngs)`,
 `load_weights(model, path)`; a model is called as
 `model(input_ids[T], positions[T], kv_caches, metadata) -> (hidden[T, D], kv_caches)` and
-`model.compute_logits(hidden) -> logits[.., V]`. On a CPU with AMX or AVX-512 BF16,
+`model.compute_logits(hidden) -> logits[.., V]`. On a CPU with AMX, AVX-512 BF16 or AVX2,
 `pack_for_native_dense(model)` moves the bfloat16 dense layers onto `pallas_kernels.cpu.native_dense`.
 """
 

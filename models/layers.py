@@ -54,7 +54,7 @@ class PackedKernel(nnx.Variable):
 def matmul(x: jax.Array, kernel: nnx.Variable) -> jax.Array:
     """`x [T, in] @ kernel [in, out]`, accumulated and returned in float32.
 
-    A `PackedKernel` runs on the native CPU dense kernel (AMX or AVX-512 BF16). Otherwise the
+    A `PackedKernel` runs on the native CPU dense kernel (AMX, AVX-512 BF16 or AVX2). Otherwise the
     float32 result type and the `[in, out]` kernel keep bfloat16 products on XLA:CPU's fast dot
     path (else both operands are upcast to float32 copies first), and a single bfloat16 row is
     padded to two for the same reason (notes in the README, "Performance on CPU").

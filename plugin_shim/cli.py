@@ -50,8 +50,8 @@ def _start_native_build(env: XlaEnv) -> threading.Thread | None:
 
 
 def _generate_dtype(requested: str, env: XlaEnv, build: threading.Thread | None) -> str:
-    """`auto` is bfloat16 where the native dense kernel runs (AMX or AVX-512 BF16: faster to run
-    and to compile), else vLLM's own choice (float32 on CPU)."""
+    """`auto` is bfloat16 where the native dense kernel runs (AMX, AVX-512 BF16 or AVX2: faster to
+    run a single prompt and to compile), else vLLM's own choice (float32 on CPU)."""
     if requested != "auto" or build is None:
         return requested
     from tpu_platform.attention_backend import native_dense_isa, select_backend
@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="auto",
-        help="vLLM's model dtype; auto: bfloat16 on CPUs with AMX or AVX-512 BF16 (the dense "
+        help="vLLM's model dtype; auto: bfloat16 on CPUs with AMX, AVX-512 BF16 or AVX2 (the dense "
         "layers then run on the native kernel), else float32 on CPU",
     )
     p = sub.add_parser("serve", help="start vLLM's OpenAI-compatible server on the XLA platform")

@@ -27,10 +27,10 @@ def native_kernels() -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def dense_kernels(native_kernels: pathlib.Path) -> pathlib.Path:
-    """The native kernels, on a CPU that runs their bfloat16 dense layers (AMX or AVX-512 BF16;
-    else the test is skipped)."""
+    """The native kernels, on a CPU that runs their bfloat16 dense layers (AMX, AVX-512 BF16, or
+    AVX2 with FMA; else the test is skipped)."""
     from pallas_kernels import cpu
 
     if cpu.dense_isa(native_kernels) is None:
-        pytest.skip("this CPU (or its kernel) has neither AMX bfloat16 tiles nor AVX-512 BF16")
+        pytest.skip("this CPU (or its kernel) has none of AMX bfloat16 tiles, AVX-512 BF16, AVX2 with FMA")
     return native_kernels

@@ -44,8 +44,8 @@ def select_backend(requested: str, platform: str, cache_dir: str | None) -> str:
 
 
 def native_dense_isa(backend: str, cache_dir: str | None) -> str | None:
-    """The instruction set of the `cpu_native` backend's dense kernel here ("amx" or
-    "avx512_bf16"), or None when the backend is another one or the CPU has neither."""
+    """The instruction set of the `cpu_native` backend's dense kernel here ("amx", "avx512_bf16" or
+    "avx2"), or None when the backend is another one or the CPU has none of them."""
     if backend != CPU_NATIVE:
         return None
     return cpu.dense_isa(cpu.load(native_build_dir(cache_dir)))

@@ -46,7 +46,7 @@ class Runner:
         self.config = config
         self.device = jax.devices()[0]
         self.backend = select_backend(config.attention_backend, self.device.platform, config.cache_dir)
-        # The native dense kernel's instruction set here ("amx", "avx512_bf16"), or None: XLA's dots.
+        # The native dense kernel's instruction set here ("amx", "avx512_bf16", "avx2"), or None: XLA's dots.
         self.dense_isa = native_dense_isa(self.backend, config.cache_dir) if config.native_dense else None
         executables = None
         if config.cache_dir:

@@ -20,7 +20,7 @@ class RunnerConfig:
     max_num_batched_tokens: int = 2048
     page_size: int = 16
     attention_backend: str = "auto"
-    native_dense: bool = True  # bfloat16 dense layers on AMX / AVX-512 BF16 where cpu_native runs
+    native_dense: bool = True  # bfloat16 dense layers natively (AMX, AVX-512 BF16, AVX2) on cpu_native
     cache_dir: str | None = None
     strict_compile: bool = False
     seed: int = 0

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Native CPU backend: a page-major KV cache (`layout.py`), attention in C++ via XLA FFI, and
-bfloat16 dense layers on AMX or AVX-512 BF16 (`dense.py`).
+bfloat16 dense layers on AMX, AVX-512 BF16 or AVX2 (`dense.py`).
 
 XLA:CPU has no fast formulation of paged attention (a page gather runs at a few GB/s and every
 pure-XLA variant measured costs 9 to 13 ms a layer at 48 decode rows), so on CPU

@@ -173,15 +173,17 @@ def is_loaded() -> bool:
     return _register.cache_info().currsize > 0
 
 
-DENSE_ISAS = {1: "avx512_bf16", 2: "amx"}  # the dense kernel's paths, by their code in dense.cc
+DENSE_ISAS = {1: "avx512_bf16", 2: "amx", 3: "avx2"}  # the dense kernel's paths, by their code in dense.cc
+_DENSE_PREFERENCE = ("amx", "avx512_bf16", "avx2")
 
 
 def dense_isas(library: Path) -> tuple[str, ...]:
     """The instruction sets `library` (from `load`) can run its bfloat16 dense kernel with in this
-    process, best first: "amx" (AMX tiles with bfloat16, granted by the operating system) and
-    "avx512_bf16"."""
+    process, best first: "amx" (AMX tiles with bfloat16, granted by the operating system),
+    "avx512_bf16", and "avx2" (AVX2 with FMA, in float32)."""
     mask = _probe_dense_isas(_Library(library.name, library))
-    return tuple(name for code, name in sorted(DENSE_ISAS.items(), reverse=True) if mask & (1 << code))
+    codes = {name: code for code, name in DENSE_ISAS.items()}
+    return tuple(name for name in _DENSE_PREFERENCE if mask & (1 << codes[name]))
 
 
 def dense_isa(library: Path) -> str | None:

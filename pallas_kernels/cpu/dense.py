@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bfloat16 dense layers in C++ (`dense.cc`): weights packed once, products on Intel AMX tiles or
-with AVX-512 BF16 vectors.
+"""bfloat16 dense layers in C++ (`dense.cc`): weights packed once, products on Intel AMX tiles,
+with AVX-512 BF16 vectors, or with AVX2 FMA on values widened to float32 in registers.
 
-XLA:CPU's bfloat16 dots use neither instruction, and stream a single row's weights at a few GB/s;
+XLA:CPU's bfloat16 dots use none of these, and stream a single row's weights at a few GB/s;
 `native_dense` computes `x [M, K] @ kernel [K, N]` with float32 accumulation and a float32 result,
 the contract of `models.layers.matmul`. The kernel is packed once (`pack_dense_kernel`) into the
 layout both instructions read; `native_dense_reference` computes the same product in plain JAX from
@@ -56,7 +56,7 @@ def native_dense_reference(x: jax.Array, packed: jax.Array) -> jax.Array:
 def native_dense(x: jax.Array, packed: jax.Array, *, isa: str | None = None) -> jax.Array:
     """`x [M, K] @ kernel` in float32, `packed` from `pack_dense_kernel`.
 
-    `isa` picks the path ("amx" or "avx512_bf16"); None takes the best one `dense_isa` reports.
+    `isa` picks the path ("amx", "avx512_bf16" or "avx2"); None takes the best one `dense_isa` reports.
     Needs the native kernels loaded (`pallas_kernels.cpu.load`) on a CPU where `dense_isa` is not
     None; a path the CPU lacks fails when the program runs.
     """

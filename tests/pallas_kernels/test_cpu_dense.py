@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The bfloat16 dense kernel (C++ through XLA FFI): its packed layout, its reference, and each of
-its paths (AMX tiles, AVX-512 BF16 vectors) against the reference over a grid of shapes (row counts
-around the 16-row tiles and 6-row register blocks, odd 16-column blocks, deep and wide kernels).
+its paths (AMX tiles, AVX-512 BF16 vectors, AVX2 FMA) against the reference over a grid of shapes
+(row counts around the 16-row tiles and the 6- and 4-row register blocks, odd 16-column blocks, deep
+and wide kernels).
 Runs of a path skip on CPUs without its instructions."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 from pallas_kernels import cpu
 
 
-@pytest.fixture(params=["amx", "avx512_bf16"])
+@pytest.fixture(params=["amx", "avx512_bf16", "avx2"])
 def isa(request, dense_kernels) -> str:
     """Each path of the dense kernel this CPU runs."""
     if request.param not in cpu.dense_isas(dense_kernels):
@@ -97,13 +98,15 @@ def test_kernel_refuses_an_input_that_does_not_match_the_packed_kernel(dense_ker
     packed = cpu.pack_dense_kernel(jnp.zeros((64, 32), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"x \(4, 32\) does not match a packed kernel \(2, 32, 16, 2\)"):
         cpu.native_dense(jnp.zeros((4, 32), jnp.bfloat16), packed)
-    with pytest.raises(ValueError, match=r"isa must be one of \['amx', 'avx512_bf16'\] or None, not 'avx2'"):
-        cpu.native_dense(jnp.zeros((4, 64), jnp.bfloat16), packed, isa="avx2")
+    names = r"\['amx', 'avx2', 'avx512_bf16'\]"
+    with pytest.raises(ValueError, match=rf"isa must be one of {names} or None, not 'sse'"):
+        cpu.native_dense(jnp.zeros((4, 64), jnp.bfloat16), packed, isa="sse")
 
 
 def test_default_path_is_the_best_one_the_cpu_runs(dense_kernels):
     isas = cpu.dense_isas(dense_kernels)
     assert cpu.dense_isa(dense_kernels) == isas[0]
-    assert set(isas) <= {"amx", "avx512_bf16"}
+    assert set(isas) <= {"amx", "avx512_bf16", "avx2"}
     flags = pathlib.Path("/proc/cpuinfo").read_text()
     assert ("avx512_bf16" in isas) == (" avx512_bf16" in flags)
+    assert ("avx2" in isas) == (" avx2" in flags and " fma" in flags)

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bfloat16 serving on our platform, with the dense layers on the native kernel (AMX or AVX-512
-BF16) where the CPU has either: greedy
+"""bfloat16 serving on our platform, with the dense layers on the native kernel (AMX, AVX-512
+BF16 or AVX2 FMA) where the CPU has one of them: greedy
 continuations checked token by token against transformers' float32 logits (teacher forcing)."""
 
 import gc
