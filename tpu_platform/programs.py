@@ -44,6 +44,7 @@ from typing import Any
 import jax
 import jaxlib
 from jax.experimental import serialize_executable
+from tqdm import tqdm
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
@@ -187,10 +188,19 @@ class Programs:
         """The keys of the programs built so far."""
         return list(self._ready)
 
-    def build_all(self, specs: Sequence[ProgramSpec], workers: int) -> int:
-        """Builds `specs` on `workers` threads; returns how many were new."""
-        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="vllm-xla-build") as pool:
-            return sum(pool.map(self.build, specs))
+    def build_all(self, specs: Sequence[ProgramSpec], workers: int | None = None) -> int:
+        """Builds `specs` on `workers` threads (default: one per core, at most four: compiling is
+        memory-hungry) behind a progress bar; returns how many were new."""
+        workers = workers or max(1, min(4, os.cpu_count() or 1))
+        built = 0
+        with (
+            ThreadPoolExecutor(workers, thread_name_prefix="vllm-xla-build") as pool,
+            tqdm(total=len(specs), desc="vllm-xla warm-up", unit="program", disable=len(specs) < 2) as bar,
+        ):
+            for new in pool.map(self.build, specs):
+                built += new
+                bar.update()
+        return built
 
     def build(self, spec: ProgramSpec) -> bool:
         """Makes `spec` ready; False when it already was."""

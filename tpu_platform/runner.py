@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from models import ModelConfig, load_model, pack_for_native_dense
 from tpu_platform.attention_backend import native_dense_isa, select_backend
@@ -160,11 +159,7 @@ class Runner:
         start = time.perf_counter()
         specs = self._warm_up_specs(shapes or self.buckets.shapes())
         loaded = self.programs.loaded
-        with tqdm(total=len(specs), desc="vllm-xla warm-up", unit="program") as progress:
-            built = 0
-            for chunk in _chunks(specs, 2 * _build_workers()):
-                built += self.programs.build_all(chunk, _build_workers())
-                progress.update(len(chunk))
+        built = self.programs.build_all(specs)
         self._first_runs(specs)
         logger.info(
             "warm-up built %d programs in %.1f s (%d from the executable cache)",
@@ -418,15 +413,6 @@ class Runner:
 
 # Forward programs up to this many tokens run once at warm-up (see `Runner.warm_up`).
 _FIRST_RUN_TOKENS = 64
-
-
-def _build_workers() -> int:
-    """Threads that build programs at once: one per core, at most four (compiling is memory-hungry)."""
-    return max(1, min(4, os.cpu_count() or 1))
-
-
-def _chunks(items: list, size: int) -> list[list]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 # What a caller of `Runner` sees: its configuration and counters, and the step result types.
