@@ -10,6 +10,8 @@ import numpy as np
 
 from tpu_platform.batch_update import CachedRequest, CachedRequests, NewRequest
 
+# The arrays with one entry per row (besides the per-group block tables and `pending_column`).
+_PER_ROW = ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed", "pending_index", "occupant")
 # Up to this many rows, per-row scalar indexing is cheaper than NumPy's fancy indexing.
 _FEW_ROWS = 2
 
@@ -22,6 +24,9 @@ class Appends:
     columns: np.ndarray
     counts: np.ndarray  # columns + 1: the rows' token counts afterwards
     index: np.ndarray | None
+    # Each row's occupant when planned (`RequestTable.occupant`): a token whose request has left
+    # its row by the time it arrives is not written.
+    occupants: np.ndarray
 
 
 class RequestTable:
@@ -44,6 +49,7 @@ class RequestTable:
         # rows reserved (`reserve`; -1 for other rows) and the row's index in that step's tokens.
         self.pending_column = np.full(capacity, -1, np.int32)
         self.pending_index = np.zeros(capacity, np.int32)
+        self.occupant = np.zeros(capacity, np.int64)  # counts the requests a row has held
         self._pending_rows = np.zeros(0, np.intp)
         self.row_of: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
@@ -53,7 +59,7 @@ class RequestTable:
 
     def _grow(self) -> None:
         old = self.token_ids.shape[0]
-        for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed", "pending_index"):
+        for name in _PER_ROW:
             array = getattr(self, name)
             setattr(self, name, np.concatenate([array, np.zeros_like(array)], axis=0))
         self.pending_column = np.concatenate([self.pending_column, np.full(old, -1, np.int32)])
@@ -76,6 +82,7 @@ class RequestTable:
         row = self._free.pop()
         self.row_of[request.req_id] = row
         self.pending_column[row] = -1
+        self.occupant[row] += 1
         self.token_ids[row, : prompt.size] = prompt
         self.num_tokens[row] = self.num_prompt_tokens[row] = prompt.size
         self.num_computed[row] = request.num_computed_tokens
@@ -144,9 +151,9 @@ class RequestTable:
         columns = self.num_tokens[rows]
         take = emits & (columns < self.max_model_len)
         if take.all():
-            return Appends(rows, columns, columns + 1, None)
+            return Appends(rows, columns, columns + 1, None, self.occupant[rows])
         index = np.flatnonzero(take)
-        return Appends(rows[index], columns[index], columns[index] + 1, index)
+        return Appends(rows[index], columns[index], columns[index] + 1, index, self.occupant[rows[index]])
 
     def append(self, appends: Appends, tokens: np.ndarray) -> None:
         """Writes `tokens` (one per row planned, in the planned rows' order) where `appends` says."""
@@ -175,13 +182,18 @@ class RequestTable:
         self._pending_rows = appends.rows
 
     def fill(self, appends: Appends, tokens: np.ndarray) -> None:
-        """Writes the tokens of a `reserve`d step (one per row planned, in the planned rows' order);
-        rows still marked with this step's column are no longer pending."""
+        """Writes the tokens of a `reserve`d step (one per row planned, in the planned rows' order)
+        into the rows still held by the same requests; rows still marked with this step's column
+        are no longer pending."""
         if appends.index is not None:
             tokens = tokens[appends.index]
-        self.token_ids[appends.rows, appends.columns] = tokens
-        mine = self.pending_column[appends.rows] == appends.columns
-        self.pending_column[appends.rows[mine]] = -1
+        rows, columns = appends.rows, appends.columns
+        stayed = self.occupant[rows] == appends.occupants
+        if not stayed.all():
+            rows, columns, tokens = rows[stayed], columns[stayed], tokens[stayed]
+        self.token_ids[rows, columns] = tokens
+        mine = self.pending_column[rows] == columns
+        self.pending_column[rows[mine]] = -1
 
     def feed_index(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """For tokens at `positions` of `rows`: the index of the token in the newest in-flight

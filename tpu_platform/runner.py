@@ -263,14 +263,14 @@ class Runner:
         Everything the step needs on the host, the sampler's inputs included, is built before the
         dispatch: once dispatched, the forward runs on every core and host work competes with it.
         A token the previous step is still sampling (async scheduling) goes from that step's
-        output to this step's input on the device; the previous step is finished first when this
-        one reads token history on the host (penalties, bad words, min_tokens, logit bias) or
-        drops one of its requests.
+        output to this step's input on the device; the previous step is finished first only when
+        this one reads token history on the host (penalties, bad words, min_tokens, logit bias).
         """
         if self._pending is not None:  # never sampled: sample it anyway, the table reserved its tokens
             self.sample_async()
         start = time.perf_counter()
-        self._settle(update.finished_req_ids)
+        if len(self._in_flight) > 1:  # only the newest step's tokens may stay on the device
+            self._finish_through(self._in_flight[-2])
         self._apply(update)
         if not update.num_scheduled_tokens:
             return
@@ -373,14 +373,6 @@ class Runner:
             done = time.perf_counter()
             self.stats.host_seconds += done - start
             self.stats.step_seconds += done - oldest.dispatched_at
-
-    def _settle(self, leaving: frozenset[str] | set[str]) -> None:
-        """Finishes every in-flight step but the newest, and the newest too if one of its requests
-        is `leaving` (its table row may be reused at once)."""
-        if len(self._in_flight) > 1:
-            self._finish_through(self._in_flight[-2])
-        if self._in_flight and leaving and not leaving.isdisjoint(self._in_flight[-1].req_ids):
-            self._finish_through(self._in_flight[-1])
 
     def _widened(self, tensors: SamplingTensors, flags: SamplerFlags) -> tuple[SamplingTensors, SamplerFlags]:
         """The sampler's inputs, with every extra on when any is (see `sampling.uniform`)."""

@@ -284,3 +284,21 @@ def test_inputs_prepared_before_the_previous_tokens_arrive_take_them_on_the_devi
     for row in range(4):
         np.testing.assert_array_equal(overlapped.output_token_ids(row), serial.output_token_ids(row))
     assert (overlapped.pending_column == -1).all()
+
+
+def test_a_token_arriving_after_its_request_left_does_not_touch_the_rows_next_request():
+    table = RequestTable(4, 32, 8)
+    rows = np.array(
+        [table.add(NewRequest(f"r{i}", [1, 2, 3 + i], [[i]], 3, SamplingOptions())) for i in range(3)]
+    )
+    in_flight = table.plan_appends(rows, np.ones(3, bool))
+    table.reserve(in_flight)
+    table.remove("r1")  # aborted while its token is on the device; a new request takes the row
+    newcomer = table.add(NewRequest("n", [7, 8, 9, 10, 11], [[5]], 5, SamplingOptions()))
+    assert newcomer == rows[1] and table.pending_column[newcomer] == -1
+    table.fill(in_flight, np.array([40, 41, 42], np.int32))
+    assert table.output_token_ids(rows[0]).tolist() == [40] and table.output_token_ids(rows[2]).tolist() == [
+        42
+    ]
+    assert table.token_ids[newcomer, :5].tolist() == [7, 8, 9, 10, 11] and table.num_tokens[newcomer] == 5
+    assert (table.pending_column == -1).all()
