@@ -201,9 +201,8 @@ void WalkRegisterBlocks(const Item& item, int64_t M, int64_t K, int block_rows, 
   }
 }
 
-// The same product with VDPBF16PS: a packed tile row (16 columns x one pair of K) against a
-// broadcast pair of x adds both products of the pair to 16 float32 accumulators.
-struct VectorProblem {
+// What the vector paths read and write, and their (empty) per-thread set-up for `RunAll`.
+struct VectorOperands {
   const uint16_t* x;  // [M, K]
   const uint16_t* w;  // [N/16, K/2, 16, 2]
   float* y;           // [M, N]
@@ -211,7 +210,11 @@ struct VectorProblem {
 
   static void Begin() {}
   static void End() {}
+};
 
+// The same product with VDPBF16PS: a packed tile row (16 columns x one pair of K) against a
+// broadcast pair of x adds both products of the pair to 16 float32 accumulators.
+struct VectorProblem : VectorOperands {
   void Run(const Item& item) const {
     WalkRegisterBlocks(item, M, K, kVectorRows, kVectorBlocks,
                        [&](int64_t row, int rows, int64_t block, int blocks) {
@@ -258,15 +261,7 @@ constexpr int kAvx2Rows = 4;  // rows of x in a register block (two 8-column hal
 // 32-bit lane of a packed tile row holds one column's pair (w[k], w[k + 1]): shifted left by 16
 // the lane is w[k] as a float32, with its low half cleared it is w[k + 1]. x's pairs widen the
 // same way from one broadcast 32-bit load. A 16-column block is two 8-lane halves.
-struct Avx2Problem {
-  const uint16_t* x;  // [M, K]
-  const uint16_t* w;  // [N/16, K/2, 16, 2]
-  float* y;           // [M, N]
-  int64_t M, K, N;
-
-  static void Begin() {}
-  static void End() {}
-
+struct Avx2Problem : VectorOperands {
   void Run(const Item& item) const {
     WalkRegisterBlocks(item, M, K, kAvx2Rows, 1, [&](int64_t row, int rows, int64_t block, int) {
       kRowKernels[rows - 1](*this, row, block);
@@ -362,14 +357,14 @@ void RunAmx(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, int6
 void RunAvx2(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
              ffi::ThreadPool& pool) {
   const int64_t cached_blocks = kItemWeightBytes / (K * kTileCols * sizeof(uint16_t));
-  RunOverColumnBlocks(Avx2Problem{x_bits, w, y, M, K, N}, N / kTileCols, std::max<int64_t>(2, cached_blocks),
-                      pool);
+  RunOverColumnBlocks(Avx2Problem{{x_bits, w, y, M, K, N}}, N / kTileCols,
+                      std::max<int64_t>(2, cached_blocks), pool);
 }
 
 void RunVector(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
                ffi::ThreadPool& pool) {
   const int64_t cached_blocks = kItemWeightBytes / (K * kTileCols * sizeof(uint16_t));
-  RunOverColumnBlocks(VectorProblem{x_bits, w, y, M, K, N}, N / kTileCols,
+  RunOverColumnBlocks(VectorProblem{{x_bits, w, y, M, K, N}}, N / kTileCols,
                       std::max<int64_t>(kVectorBlocks, cached_blocks), pool);
 }
 
