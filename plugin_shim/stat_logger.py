@@ -45,7 +45,8 @@ GAUGES = {
         lambda s, d: _per_step(d, "host_seconds"),
     ),
     "vllm_xla:step_seconds_per_step": (
-        "Mean time per step from dispatch to sampled tokens on the host, since the last report",
+        "Mean time per step from dispatch to sampled tokens on the host, since the last report "
+        "(under async scheduling this includes the wait behind the previous step)",
         lambda s, d: _per_step(d, "step_seconds"),
     ),
     "vllm_xla:overlapped_step_fraction": (
