@@ -156,17 +156,10 @@ class RequestTable:
         return Appends(rows[index], columns[index], columns[index] + 1, index, self.occupant[rows[index]])
 
     def append(self, appends: Appends, tokens: np.ndarray) -> None:
-        """Writes `tokens` (one per row planned, in the planned rows' order) where `appends` says."""
-        if appends.index is not None:
-            tokens = tokens[appends.index]
-        if appends.rows.size <= _FEW_ROWS:
-            columns = appends.columns.tolist()
-            for row, column, token in zip(appends.rows.tolist(), columns, tokens.tolist(), strict=True):
-                self.token_ids[row, column] = token
-                self.num_tokens[row] = column + 1
-            return
-        self.token_ids[appends.rows, appends.columns] = tokens
-        self.num_tokens[appends.rows] = appends.counts
+        """Writes `tokens` (one per row planned, in the planned rows' order) where `appends` says:
+        `reserve` and `fill` at once, for tokens already known."""
+        self.reserve(appends)
+        self.fill(appends, tokens)
 
     def reserve(self, appends: Appends) -> None:
         """Counts a dispatched step's tokens before they are known: their columns hold -1 until

@@ -277,8 +277,10 @@ class Runner:
         req_ids = list(update.num_scheduled_tokens)
         rows = np.fromiter(map(self.table.row_of.__getitem__, req_ids), np.int32, len(req_ids))
         num_scheduled = np.fromiter(update.num_scheduled_tokens.values(), np.int32, len(req_ids))
-        if self._in_flight and self.sampling.reads_history(rows):
-            self._finish_through(self._in_flight[-1])
+        if self._in_flight:
+            padded_rows = self.buckets.shape_for(int(num_scheduled.sum()), rows.size)[1]
+            if self.sampling.reads_history(rows, padded_rows):  # `prepare` then reuses its answer
+                self._finish_through(self._in_flight[-1])
         inputs, plan = prepare_step(
             self.table, rows, num_scheduled, self.buckets, self.config.page_size, self._templates
         )
@@ -360,8 +362,7 @@ class Runner:
 
     def finish(self, step: InFlightStep) -> StepResult:
         """Waits for `step`'s tokens and records them (and those of every step before it)."""
-        if step.result is None:
-            self._finish_through(step)
+        self._finish_through(step)
         return step.result
 
     def _finish_through(self, step: InFlightStep) -> None:

@@ -96,8 +96,6 @@ class SamplingBatch:
         # `_version` changes whenever any row's parameters do.
         self._version = 0
         self._rows_key: tuple[bytes, int, int] | None = None
-        self._history_key: tuple[bytes, int] | None = None
-        self._reads_history = False
         self._rows_part: _RowsPart | None = None
 
     @property
@@ -224,15 +222,11 @@ class SamplingBatch:
             return self.with_grammar(tensors, flags, grammar_bitmasks, rows.size)
         return tensors, flags
 
-    def reads_history(self, rows: np.ndarray) -> bool:
-        """Whether `prepare` reads the token ids of `rows`, not only their counts: some row has a
-        penalty or sparse entries (bad words, min_tokens stop ids, logit bias)."""
-        key = (rows.tobytes(), self._version)
-        if key != self._history_key:
-            a = self._arrays
-            self._reads_history = bool(np.any(_penalized(a, rows) | _with_sparse_entries(a, rows)))
-            self._history_key = key
-        return self._reads_history
+    def reads_history(self, rows: np.ndarray, padded_rows: int) -> bool:
+        """Whether `prepare` for `rows` reads their token ids, not only their counts: some row has
+        a penalty or sparse entries (bad words, min_tokens stop ids, logit bias)."""
+        part = self._rows_part_of(np.asarray(rows, np.int64), padded_rows)
+        return part.penalties or part.sparse
 
     def with_grammar(
         self,
@@ -267,7 +261,8 @@ class SamplingBatch:
         temperature = self._pad(a["temperature"][rows], padded_rows, 0.0)
         all_greedy = not bool(np.any(temperature[:n] >= SAMPLING_EPS))
         filters = None if all_greedy else self._filters(rows, padded_rows)
-        penalties = bool(np.any(_penalized(a, rows)))
+        penalized = (a["presence"][rows] != 0.0) | (a["frequency"][rows] != 0.0)
+        penalties = bool(np.any(penalized | (a["repetition"][rows] != 1.0)))
         allowed = self._allowed_bitmask(rows, padded_rows)
         flags = SamplerFlags(
             all_greedy=all_greedy,
@@ -277,7 +272,7 @@ class SamplingBatch:
             num_logprobs=self._num_logprobs(rows),
             logprobs_mode=self.logprobs_mode,
         )
-        sparse = bool(np.any(_with_sparse_entries(a, rows)))
+        sparse = bool(np.any(a["has_bias"][rows] | a["has_bad"][rows] | a["has_stop"][rows]))
         return _RowsPart(temperature, filters, allowed, flags, penalties, sparse)
 
     def dummy_tensors(
@@ -390,16 +385,6 @@ class SamplingBatch:
         if self.max_logprobs >= 0 and largest <= self.max_logprobs:
             return min(self.max_logprobs, self.vocab_size)
         return min(self.vocab_size, 1 << max(largest - 1, 0).bit_length())
-
-
-def _penalized(a: dict[str, np.ndarray], rows: np.ndarray) -> np.ndarray:
-    """Which of `rows` have a presence, frequency or repetition penalty."""
-    return (a["presence"][rows] != 0.0) | (a["frequency"][rows] != 0.0) | (a["repetition"][rows] != 1.0)
-
-
-def _with_sparse_entries(a: dict[str, np.ndarray], rows: np.ndarray) -> np.ndarray:
-    """Which of `rows` may have sparse entries (logit bias, bad words, min_tokens stop ids)."""
-    return a["has_bias"][rows] | a["has_bad"][rows] | a["has_stop"][rows]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
