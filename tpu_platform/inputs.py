@@ -10,7 +10,15 @@ import jax
 import numpy as np
 
 from tpu_platform.buckets import StepBuckets
-from tpu_platform.request_table import Appends, RequestTable
+from tpu_platform.request_table import (
+    NUM_COMPUTED,
+    NUM_TOKENS,
+    OCCUPANT,
+    PENDING_COLUMN,
+    PENDING_INDEX,
+    Appends,
+    RequestTable,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -49,6 +57,33 @@ class StepPlan:
     dims: tuple[int, int, int, int] | None = None  # padded (T, R, P, G) of `packed`
     all_emit: bool = True  # every sequence emits a token (`emits_token.all()`)
     appends: Appends | None = None  # where the sampled tokens go in the request table
+    fed: bool = False  # some token id is still on the device (`StepInputs.feed`)
+
+    def inputs(self) -> StepInputs:
+        """The step's inputs, as views of `packed`."""
+        return _views(self.packed, self.dims)
+
+
+class StepBuffers:
+    """The packed input buffers of the steps a runner prepares.
+
+    XLA:CPU reads a 64-byte-aligned buffer in place, so a step's buffer is written again only
+    once the step that read it has finished: the runner hands it back then (`give_back`). A
+    decode step (one token per sequence) starts from a template of its dims and sequence count,
+    holding what depends on those alone (query offsets, logits indices, padding).
+    """
+
+    def __init__(self) -> None:
+        self._templates: dict[tuple, np.ndarray] = {}
+        self._free: dict[int, list[np.ndarray]] = {}
+
+    def take(self, size: int) -> np.ndarray:
+        free = self._free.get(size)
+        return free.pop() if free else _aligned_empty(size)
+
+    def give_back(self, packed: np.ndarray) -> None:
+        """Makes `packed` available again: the step that read it has finished."""
+        self._free.setdefault(packed.size, []).append(packed)
 
 
 def prepare_step(
@@ -57,59 +92,66 @@ def prepare_step(
     num_scheduled: np.ndarray,
     buckets: StepBuckets,
     page_size: int,
-    templates: dict | None = None,
-) -> tuple[StepInputs, StepPlan]:
-    """Builds the padded inputs for sequences `rows` scheduled for `num_scheduled` tokens each.
-
-    The inputs are views of one packed buffer (`plan.packed`, laid out as `pack_inputs` does).
-    `templates` (a dict the caller keeps) holds a packed decode step (one token per sequence) per
-    (dims, count) with what depends on those alone (query offsets, logits indices, padding): a
-    decode step starts from a copy and writes only its per-sequence fields.
+    buffers: StepBuffers | None = None,
+) -> StepPlan:
+    """Builds the padded inputs for sequences `rows` scheduled for `num_scheduled` tokens each,
+    in one packed buffer (`plan.packed`, laid out as `pack_inputs` does; `plan.inputs()` views it).
     """
     num_seqs = rows.size
     total = int(num_scheduled.sum())
     t_pad, r_pad, p_pad = buckets.shape_for(total, num_seqs)
     dims = (t_pad, r_pad, p_pad, table.block_table.shape[0])
-    if templates is not None and total == num_seqs:
-        template = templates.get((dims, num_seqs))
+    size = _layout(dims)[0]
+    packed = buffers.take(size) if buffers is not None else _aligned_empty(size)
+    if buffers is not None and total == num_seqs:
+        template = buffers._templates.get((dims, num_seqs))
         if template is not None:
-            packed = _aligned_empty(template.size)
             packed[:] = template
             return _decode_from(packed, table, rows, dims, page_size)
-        inputs, plan = _prepare(table, rows, num_scheduled, dims, page_size)
-        templates[dims, num_seqs] = plan.packed.copy()
-        return inputs, plan
-    return _prepare(table, rows, num_scheduled, dims, page_size)
+        plan = _prepare(packed, table, rows, num_scheduled, dims, page_size)
+        buffers._templates[dims, num_seqs] = plan.packed.copy()
+        return plan
+    return _prepare(packed, table, rows, num_scheduled, dims, page_size)
 
 
 def _decode_from(
     packed: np.ndarray, table: RequestTable, rows: np.ndarray, dims: tuple[int, int, int, int], page_size: int
-) -> tuple[StepInputs, StepPlan]:
-    """A decode step's inputs in `packed`, a template of its dims and sequence count."""
-    inputs = _views(packed, dims)
-    n, start = rows.size, table.num_computed[rows]
-    inputs.token_ids[:n] = table.token_ids[rows, start]
-    inputs.feed[:n] = table.feed_index(rows, start)
-    inputs.positions[:n] = start
-    pages = table.block_table[:, rows, start // page_size]
-    inputs.slot_mapping[:, :n] = pages * page_size + start % page_size
+) -> StepPlan:
+    """A decode step's inputs in `packed`, a template of its dims and sequence count: only the
+    per-sequence fields are written, from one gather of the rows' counters."""
+    t, r, p, g = dims
+    offsets = _offsets(dims)
+    n = rows.size
+    progress = table.progress[rows]
+    start = progress[:, NUM_COMPUTED]
+    packed[offsets["token_ids"] : offsets["token_ids"] + n] = table.token_ids[rows, start]
+    feed = np.where(progress[:, PENDING_COLUMN] == start, progress[:, PENDING_INDEX], -1)
+    packed[offsets["feed"] : offsets["feed"] + n] = feed
+    packed[offsets["positions"] : offsets["positions"] + n] = start
+    slots = table.block_table[:, rows, start // page_size] * page_size + start % page_size
+    packed[offsets["slot_mapping"] : offsets["slot_mapping"] + g * t].reshape(g, t)[:, :n] = slots
     kv_lens = start + 1
-    inputs.kv_lens[:n] = kv_lens
-    width = min(dims[2], table.block_table.shape[2])
-    inputs.page_indices[:, :n, :width] = table.block_table[:, rows, :width]
-    return inputs, _plan(table, rows, kv_lens, packed, dims)
+    packed[offsets["kv_lens"] : offsets["kv_lens"] + n] = kv_lens
+    width = min(p, table.block_table.shape[2])
+    page_indices = packed[offsets["page_indices"] : offsets["page_indices"] + g * r * p].reshape(g, r, p)
+    page_indices[:, :n, :width] = table.block_table[:, rows, :width]
+    columns = progress[:, NUM_TOKENS]
+    emits = kv_lens >= columns
+    appends = table.appends_of(rows, emits, columns, progress[:, OCCUPANT])
+    all_emit = bool(emits.all())
+    return StepPlan(rows, emits, dims[:3], packed, dims, all_emit, appends, bool(feed.max() >= 0))
 
 
 def _prepare(
+    packed: np.ndarray,
     table: RequestTable,
     rows: np.ndarray,
     num_scheduled: np.ndarray,
     dims: tuple[int, int, int, int],
     page_size: int,
-) -> tuple[StepInputs, StepPlan]:
+) -> StepPlan:
     num_seqs, total = rows.size, int(num_scheduled.sum())
     start = table.num_computed[rows]
-    packed = _aligned_empty(_layout(dims)[0])
     inputs = _views(packed, dims)
     cu_q = inputs.cu_q_lens
     cu_q[0] = 0
@@ -131,19 +173,10 @@ def _prepare(
     _page_rows(inputs.page_indices, table.block_table, rows)
     inputs.num_seqs[0] = num_seqs
     _fill(inputs.logits_indices, cu_q[1 : num_seqs + 1] - 1, 0)
-    return inputs, _plan(table, rows, kv_lens, packed, dims)
-
-
-def _plan(
-    table: RequestTable,
-    rows: np.ndarray,
-    kv_lens: np.ndarray,
-    packed: np.ndarray,
-    dims: tuple[int, int, int, int],
-) -> StepPlan:
     emits = kv_lens >= table.num_tokens[rows]
     appends = table.plan_appends(rows, emits)
-    return StepPlan(rows, emits, dims[:3], packed, dims, bool(emits.all()), appends)
+    fed = bool(inputs.feed.max() >= 0)
+    return StepPlan(rows, emits, dims[:3], packed, dims, bool(emits.all()), appends, fed)
 
 
 _FIELDS = (
@@ -167,6 +200,12 @@ def pack_inputs(inputs: StepInputs) -> tuple[np.ndarray, tuple[int, int, int, in
     g, r, p = inputs.page_indices.shape
     dims = (inputs.token_ids.shape[0], r, p, g)
     return np.concatenate([getattr(inputs, f).reshape(-1) for f in _FIELDS]), dims
+
+
+@functools.cache
+def _offsets(dims: tuple[int, int, int, int]) -> dict[str, int]:
+    """Each field's offset in the packed buffer."""
+    return {name: offset for name, (offset, _, _) in zip(_FIELDS, _layout(dims)[1], strict=True)}
 
 
 @functools.cache

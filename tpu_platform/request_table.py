@@ -10,8 +10,14 @@ import numpy as np
 
 from tpu_platform.batch_update import CachedRequest, CachedRequests, NewRequest
 
-# The arrays with one entry per row (besides the per-group block tables and `pending_column`).
-_PER_ROW = ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed", "pending_index", "occupant")
+# The per-row counters, columns of one int32 array (`RequestTable.progress`) so that a step
+# gathers all of its rows' counters at once; each is also an attribute (a column view).
+PROGRESS_COLUMNS = (
+    "num_tokens", "num_prompt_tokens", "num_computed", "pending_column", "pending_index", "occupant",
+)  # fmt: skip
+NUM_TOKENS, NUM_PROMPT_TOKENS, NUM_COMPUTED, PENDING_COLUMN, PENDING_INDEX, OCCUPANT = range(
+    len(PROGRESS_COLUMNS)
+)
 # Up to this many rows, per-row scalar indexing is cheaper than NumPy's fancy indexing.
 _FEW_ROWS = 2
 
@@ -27,6 +33,7 @@ class Appends:
     # Each row's occupant when planned (`RequestTable.occupant`): a token whose request has left
     # its row by the time it arrives is not written.
     occupants: np.ndarray
+    departures: int  # `RequestTable.departures` when planned: unchanged, every request stayed
 
 
 class RequestTable:
@@ -40,29 +47,35 @@ class RequestTable:
     def __init__(self, capacity: int, max_model_len: int, max_pages: int, num_groups: int = 1):
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((capacity, max_model_len), np.int32)
-        self.num_tokens = np.zeros(capacity, np.int32)
-        self.num_prompt_tokens = np.zeros(capacity, np.int32)
-        self.num_computed = np.zeros(capacity, np.int32)
+        # [rows, PROGRESS_COLUMNS]: tokens known (prompt + outputs, reserved ones included), prompt
+        # tokens, tokens computed; for the newest step whose tokens are still on the device ("in
+        # flight"), the column each of its rows reserved (`reserve`; -1 for other rows) and the
+        # row's index in that step's tokens; and the count of requests the row has held.
+        self.progress = np.zeros((capacity, len(PROGRESS_COLUMNS)), np.int32)
+        self.progress[:, PENDING_COLUMN] = -1
         self.block_table = np.zeros((num_groups, capacity, max_pages), np.int32)
         self.num_pages = np.zeros((num_groups, capacity), np.int32)
-        # The newest step whose tokens are still on the device ("in flight"): the column each of its
-        # rows reserved (`reserve`; -1 for other rows) and the row's index in that step's tokens.
-        self.pending_column = np.full(capacity, -1, np.int32)
-        self.pending_index = np.zeros(capacity, np.int32)
-        self.occupant = np.zeros(capacity, np.int64)  # counts the requests a row has held
+        self.departures = 0  # requests removed so far
         self._pending_rows = np.zeros(0, np.intp)
+        self._newest_reserved: Appends | None = None
         self.row_of: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
+        self._column_views()
+
+    def _column_views(self) -> None:
+        for column, name in enumerate(PROGRESS_COLUMNS):
+            setattr(self, name, self.progress[:, column])
 
     def __len__(self) -> int:
         return len(self.row_of)
 
     def _grow(self) -> None:
         old = self.token_ids.shape[0]
-        for name in _PER_ROW:
-            array = getattr(self, name)
-            setattr(self, name, np.concatenate([array, np.zeros_like(array)], axis=0))
-        self.pending_column = np.concatenate([self.pending_column, np.full(old, -1, np.int32)])
+        self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
+        added = np.zeros_like(self.progress)
+        added[:, PENDING_COLUMN] = -1
+        self.progress = np.concatenate([self.progress, added])
+        self._column_views()
         for name in ("block_table", "num_pages"):  # [G, rows, ...]
             array = getattr(self, name)
             setattr(self, name, np.concatenate([array, np.zeros_like(array)], axis=1))
@@ -133,6 +146,7 @@ class RequestTable:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self._free.append(row)
+            self.departures += 1
         return row
 
     def append_token(self, row: int, token: int) -> None:
@@ -148,12 +162,19 @@ class RequestTable:
     def plan_appends(self, rows: np.ndarray, emits: np.ndarray) -> Appends:
         """Where one token for each of the distinct `rows` that `emits` will go (`append`), decided
         ahead: the table must not change in between. Rows already full are left out."""
-        columns = self.num_tokens[rows]
+        progress = self.progress[rows]
+        return self.appends_of(rows, emits, progress[:, NUM_TOKENS], progress[:, OCCUPANT])
+
+    def appends_of(
+        self, rows: np.ndarray, emits: np.ndarray, columns: np.ndarray, occupants: np.ndarray
+    ) -> Appends:
+        """`plan_appends` from the rows' token counts and occupants, already gathered."""
         take = emits & (columns < self.max_model_len)
         if take.all():
-            return Appends(rows, columns, columns + 1, None, self.occupant[rows])
+            return Appends(rows, columns, columns + 1, None, occupants, self.departures)
         index = np.flatnonzero(take)
-        return Appends(rows[index], columns[index], columns[index] + 1, index, self.occupant[rows[index]])
+        columns = columns[index]
+        return Appends(rows[index], columns, columns + 1, index, occupants[index], self.departures)
 
     def append(self, appends: Appends, tokens: np.ndarray) -> None:
         """Writes `tokens` (one per row planned, in the planned rows' order) where `appends` says:
@@ -173,20 +194,22 @@ class RequestTable:
         self.pending_column[appends.rows] = appends.columns
         self.pending_index[appends.rows] = index
         self._pending_rows = appends.rows
+        self._newest_reserved = appends
 
     def fill(self, appends: Appends, tokens: np.ndarray) -> None:
         """Writes the tokens of a `reserve`d step (one per row planned, in the planned rows' order)
-        into the rows still held by the same requests; rows still marked with this step's column
-        are no longer pending."""
+        into the rows still held by the same requests; when it is the newest reserving step, its
+        rows are no longer pending (an older step's rows are the newer step's business)."""
         if appends.index is not None:
             tokens = tokens[appends.index]
         rows, columns = appends.rows, appends.columns
-        stayed = self.occupant[rows] == appends.occupants
-        if not stayed.all():
+        if appends.departures != self.departures:  # a request left since: its row may be reused
+            stayed = self.occupant[rows] == appends.occupants
             rows, columns, tokens = rows[stayed], columns[stayed], tokens[stayed]
         self.token_ids[rows, columns] = tokens
-        mine = self.pending_column[rows] == columns
-        self.pending_column[rows[mine]] = -1
+        if appends is self._newest_reserved:  # (a row reused since holds no reservation yet)
+            self.pending_column[appends.rows] = -1
+            self._newest_reserved = None
 
     def feed_index(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """For tokens at `positions` of `rows`: the index of the token in the newest in-flight

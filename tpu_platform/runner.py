@@ -19,7 +19,7 @@ from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.dispatch import FlatCall
-from tpu_platform.inputs import exercise_inputs, pack_inputs, padding_inputs, prepare_step
+from tpu_platform.inputs import StepBuffers, exercise_inputs, pack_inputs, padding_inputs, prepare_step
 from tpu_platform.kv_cache import allocate_layer_caches, available_kv_bytes, kv_cache_dtype
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
 from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
@@ -68,7 +68,7 @@ class Runner:
         self._step_index = 0
         self.stats = RunnerStats()
         self._flat_forwards: dict[tuple, FlatCall | None] = {}  # by program key, once it ran
-        self._templates: dict = {}  # decode steps' packed inputs (`prepare_step`)
+        self._buffers = StepBuffers()  # the steps' packed inputs (`prepare_step`)
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -281,9 +281,8 @@ class Runner:
             padded_rows = self.buckets.shape_for(int(num_scheduled.sum()), rows.size)[1]
             if self.sampling.reads_history(rows, padded_rows):  # `prepare` then reuses its answer
                 self._finish_through(self._in_flight[-1])
-        inputs, plan = prepare_step(
-            self.table, rows, num_scheduled, self.buckets, self.config.page_size, self._templates
-        )
+        page_size = self.config.page_size
+        plan = prepare_step(self.table, rows, num_scheduled, self.buckets, page_size, self._buffers)
         tensors, flags = self._widened(
             *self.sampling.prepare(
                 rows=rows,
@@ -300,7 +299,7 @@ class Runner:
         if self._in_flight:
             previous = self._in_flight[-1].out.sampled_token_ids
             self.stats.overlapped_steps += not previous.is_ready()
-            if inputs.feed.max() >= 0:
+            if plan.fed:
                 fed = previous
                 self.stats.fed_steps += 1
         logits, greedy, hidden = self._run_forward(plan.packed, plan.dims, fed)
@@ -309,7 +308,7 @@ class Runner:
         prompt = None
         if self.prompt_logprobs.wanted_in(req_ids):
             prompt = self.prompt_logprobs.collect(
-                self._prompt_logprobs, self.state, hidden, self.table, req_ids, rows, inputs.cu_q_lens
+                self._prompt_logprobs, self.state, hidden, self.table, req_ids, rows, plan.inputs().cu_q_lens
             )
         self._pending = DispatchedStep(plan, req_ids, logits, greedy, prompt, tensors, flags, dispatched_at)
 
@@ -371,6 +370,8 @@ class Runner:
             jax.block_until_ready(oldest.out.sampled_token_ids)
             start = time.perf_counter()
             oldest.result = record_step(self.table, oldest)
+            if oldest.plan is not None:  # its forward has finished reading the inputs
+                self._buffers.give_back(oldest.plan.packed)
             done = time.perf_counter()
             self.stats.host_seconds += done - start
             self.stats.step_seconds += done - oldest.dispatched_at

@@ -10,7 +10,7 @@ import pytest
 from tpu_platform.batch_update import CachedRequest, CachedRequests, NewRequest
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.dispatch import FlatCall
-from tpu_platform.inputs import pack_inputs, prepare_step
+from tpu_platform.inputs import StepBuffers, pack_inputs, prepare_step
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplingBatch, SamplingOptions
 
@@ -98,7 +98,8 @@ def test_prepared_buffer_is_the_packed_inputs(num_scheduled):
         rows.append(table.add(NewRequest(f"r{i}", prompt, [[1, 2, 3], [4, 5, 6]], 5 + i, SamplingOptions())))
     table.block_table[:] = 99  # stale columns past each row's pages are passed on as they are
     table.block_table[:, :, :3] = [[1, 2, 3]]
-    inputs, plan = prepare_step(table, np.array(rows), np.array(num_scheduled, np.int32), buckets, PAGE)
+    plan = prepare_step(table, np.array(rows), np.array(num_scheduled, np.int32), buckets, PAGE)
+    inputs = plan.inputs()
     packed, dims = pack_inputs(inputs)
     assert plan.dims == dims
     np.testing.assert_array_equal(plan.packed, packed)
@@ -200,21 +201,27 @@ def test_decode_templates_give_the_same_inputs(num_groups):
     for i in range(4):
         blocks = [[int(b) for b in rng.integers(0, 40, 2)] for _ in range(num_groups)]
         table.add(NewRequest(f"r{i}", list(range(3 + i)), blocks, 2 + i, SamplingOptions()))
-    templates = {}
+    buffers, given_back, reused = StepBuffers(), set(), 0
     for step in range(12):
         rows = rng.permutation(4)[: int(rng.integers(1, 5))].astype(np.int32)
         ones = np.ones(rows.size, np.int32)
-        _, fast_plan = prepare_step(table, rows, ones, buckets, PAGE, templates)
-        _, plan = prepare_step(table, rows, ones, buckets, PAGE)
+        fast_plan = prepare_step(table, rows, ones, buckets, PAGE, buffers)
+        plan = prepare_step(table, rows, ones, buckets, PAGE)
         np.testing.assert_array_equal(fast_plan.packed, plan.packed, err_msg=f"step {step}")
         np.testing.assert_array_equal(fast_plan.emits_token, plan.emits_token)
         assert fast_plan.all_emit == plan.all_emit and fast_plan.dims == plan.dims
+        assert fast_plan.fed == plan.fed
+        for name in ("rows", "columns", "counts", "occupants"):
+            np.testing.assert_array_equal(getattr(fast_plan.appends, name), getattr(plan.appends, name))
+        reused += fast_plan.packed.ctypes.data in given_back
+        given_back.add(fast_plan.packed.ctypes.data)
+        buffers.give_back(fast_plan.packed)  # its step finished: the next one of its size reuses it
         for row in rows:  # the step ran: one more token computed, sometimes a new page
             table.num_computed[row] += 1
             table.append_token(int(row), step)
             if table.num_computed[row] % PAGE == 0:
                 table._append_pages(int(row), [[int(rng.integers(0, 40))]] * num_groups)
-    assert templates
+    assert reused
 
 
 def test_planned_appends_skip_rows_that_do_not_emit_or_are_full():
@@ -237,10 +244,11 @@ def test_packed_buffers_are_64_byte_aligned():
         max_num_batched_tokens=64, max_num_seqs=8, max_model_len=32, page_size=PAGE
     )
     row = table.add(NewRequest("a", [1, 2, 3], [[1]], 2, SamplingOptions()))
-    templates = {}
-    for _ in range(2):  # built, then from the template
-        _, plan = prepare_step(table, np.array([row]), np.ones(1, np.int32), buckets, PAGE, templates)
+    buffers = StepBuffers()
+    for _ in range(3):  # built, then from the template, then in a buffer handed back
+        plan = prepare_step(table, np.array([row]), np.ones(1, np.int32), buckets, PAGE, buffers)
         assert plan.packed.ctypes.data % 64 == 0
+        buffers.give_back(plan.packed)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -257,13 +265,15 @@ def test_inputs_prepared_before_the_previous_tokens_arrive_take_them_on_the_devi
         for i in range(4):
             blocks = [list(range(8 * i, 8 * i + 8))]
             table.add(NewRequest(f"r{i}", list(range(1, 4 + 3 * i)), blocks, 0, SamplingOptions()))
-    templates, previous, fed_steps = {}, None, 0
+    buffers, previous, fed_steps = StepBuffers(), None, 0
     for step in range(16):
         rows = np.sort(rng.permutation(4)[: int(rng.integers(1, 5))]).astype(np.int32)
         room = serial.num_tokens[rows] - serial.num_computed[rows]  # tokens known or being sampled
         num_scheduled = np.minimum(room, rng.integers(1, 4, rows.size)).astype(np.int32)
-        inputs, plan = prepare_step(overlapped, rows, num_scheduled, buckets, PAGE, templates)
-        expected, serial_plan = prepare_step(serial, rows, num_scheduled, buckets, PAGE)
+        plan = prepare_step(overlapped, rows, num_scheduled, buckets, PAGE, buffers)
+        serial_plan = prepare_step(serial, rows, num_scheduled, buckets, PAGE)
+        inputs, expected = plan.inputs(), serial_plan.inputs()
+        assert plan.fed == (inputs.feed >= 0).any()
         tokens = rng.integers(100, 200, buckets.max_seqs).astype(np.int32)  # padded like the device's
         fed = inputs.feed >= 0
         fed_steps += bool(fed.any())
@@ -274,6 +284,7 @@ def test_inputs_prepared_before_the_previous_tokens_arrive_take_them_on_the_devi
         overlapped.reserve(plan.appends)
         if previous is not None:
             overlapped.fill(previous[1].appends, previous[0][: previous[1].rows.size])  # step k-1's arrive
+            buffers.give_back(previous[1].packed)  # as the runner does once step k-1 finished
         serial.reserve(serial_plan.appends)
         serial.fill(serial_plan.appends, tokens[: rows.size])
         for table in (overlapped, serial):

@@ -45,7 +45,8 @@ def test_prefill_and_decode_mix():
     b = table.add(_new("b", [20, 21], [5]))
     table.append_token(b, 22)  # b already decoded one token; b has 2 computed
     table.update(CachedRequest("b", None, False, 2, 1))
-    inputs, plan = prepare_step(table, np.array([a, b]), np.array([5, 1]), _buckets(), PAGE)
+    plan = prepare_step(table, np.array([a, b]), np.array([5, 1]), _buckets(), PAGE)
+    inputs = plan.inputs()
     # a: positions 0..4, slots page7*4+0..3 = 28..31, then page 3 slot 12; b: position 2 -> page5*4+2 = 22
     assert inputs.token_ids.shape == (8,) and inputs.page_indices.shape == (1, 8, 8)
     assert inputs.token_ids[:6].tolist() == [10, 11, 12, 13, 14, 22]
@@ -62,10 +63,12 @@ def test_prefill_and_decode_mix():
 def test_partial_prefill_emits_nothing_and_prefix_hit_starts_late():
     table = RequestTable(capacity=4, max_model_len=32, max_pages=8)
     a = table.add(_new("a", list(range(100, 110)), [1, 2, 3]))
-    inputs, plan = prepare_step(table, np.array([a]), np.array([4]), _buckets(), PAGE)
+    plan = prepare_step(table, np.array([a]), np.array([4]), _buckets(), PAGE)
+    inputs = plan.inputs()
     assert not plan.emits_token[0] and inputs.positions[:4].tolist() == [0, 1, 2, 3]
     c = table.add(_new("c", list(range(100, 110)), [1, 2, 4], computed=8))  # prefix-cache hit: 8 cached
-    inputs, plan = prepare_step(table, np.array([c]), np.array([2]), _buckets(), PAGE)
+    plan = prepare_step(table, np.array([c]), np.array([2]), _buckets(), PAGE)
+    inputs = plan.inputs()
     assert inputs.positions[:2].tolist() == [8, 9] and inputs.slot_mapping[0, :2].tolist() == [16, 17]
     assert plan.emits_token[0]
 
@@ -96,7 +99,7 @@ def test_padding_inputs_compute_nothing():
 def test_two_kv_groups_get_their_own_slots_and_tables():
     table = RequestTable(capacity=2, max_model_len=32, max_pages=8, num_groups=2)
     row = table.add(NewRequest("a", [1, 2, 3, 4, 5], [[1, 2], [6, 7]], 0, SamplingOptions()))
-    inputs, _ = prepare_step(table, np.array([row]), np.array([5]), _buckets(), PAGE)
+    inputs = prepare_step(table, np.array([row]), np.array([5]), _buckets(), PAGE).inputs()
     assert inputs.slot_mapping[:, :5].tolist() == [[4, 5, 6, 7, 8], [24, 25, 26, 27, 28]]
     assert inputs.page_indices[:, 0, :2].tolist() == [[1, 2], [6, 7]]
     inputs = padding_inputs(4, 2, 3, num_groups=2)
@@ -106,7 +109,7 @@ def test_two_kv_groups_get_their_own_slots_and_tables():
 def test_pack_round_trips():
     table = RequestTable(capacity=2, max_model_len=32, max_pages=8, num_groups=2)
     row = table.add(NewRequest("a", [1, 2, 3, 4, 5], [[1, 2], [6, 7]], 0, SamplingOptions()))
-    inputs, _ = prepare_step(table, np.array([row]), np.array([5]), _buckets(), PAGE)
+    inputs = prepare_step(table, np.array([row]), np.array([5]), _buckets(), PAGE).inputs()
     packed, dims = pack_inputs(inputs)
     assert packed.dtype == np.int32 and packed.ndim == 1 and dims == (8, 8, 8, 2)
     restored = unpack_inputs(packed, dims)
