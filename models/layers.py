@@ -48,13 +48,14 @@ class Linear(nnx.Module):
 
 
 class PackedKernel(nnx.Variable):
-    """A `[in, out]` bfloat16 kernel packed for the native CPU dense kernel (`pack_for_native_dense`)."""
+    """A `[in, out]` kernel packed for the native CPU dense kernel (`pack_for_native_dense`)."""
 
 
 def matmul(x: jax.Array, kernel: nnx.Variable) -> jax.Array:
     """`x [T, in] @ kernel [in, out]`, accumulated and returned in float32.
 
-    A `PackedKernel` runs on the native CPU dense kernel (AMX, AVX-512 BF16 or AVX2). Otherwise the
+    A `PackedKernel` runs on the native CPU dense kernel (bfloat16: AMX, AVX-512 BF16 or AVX2;
+    float32: AVX2). Otherwise the
     float32 result type and the `[in, out]` kernel keep bfloat16 products on XLA:CPU's fast dot
     path (else both operands are upcast to float32 copies first), and a single bfloat16 row is
     padded to two for the same reason (notes in the README, "Performance on CPU").
@@ -404,10 +405,11 @@ def fuse_projections(model: nnx.Module) -> None:
             module.fuse_projections()
 
 
-def pack_for_native_dense(model: nnx.Module) -> int:
-    """Packs every bfloat16 Linear kernel (and a tied head's copy) that the native CPU dense kernel
-    can take (`pallas_kernels.cpu.native_dense`); returns how many. Run after loading, on a CPU
-    where `pallas_kernels.cpu.dense_isa` is not None."""
+def pack_for_native_dense(model: nnx.Module, *, float32: bool = False) -> int:
+    """Packs every Linear kernel (and a tied head's copy) that the native CPU dense kernel can take
+    (`pallas_kernels.cpu.native_dense`): the bfloat16 ones, and with `float32` the float32 ones;
+    returns how many. Run after loading, on a CPU where `pallas_kernels.cpu.dense_isa` is not None
+    (for `float32`, where it is "avx2": CPUs with AVX-512 or AMX run XLA's float32 dots faster)."""
     packed = 0
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, Linear):
@@ -417,9 +419,14 @@ def pack_for_native_dense(model: nnx.Module) -> int:
         else:
             continue
         kernel = getattr(module, name)
+        if isinstance(kernel, PackedKernel):
+            continue
         value = kernel[...]
-        if not isinstance(kernel, PackedKernel) and cpu.can_pack(value.shape, value.dtype):
+        if cpu.can_pack(value.shape, value.dtype):
             setattr(module, name, PackedKernel(cpu.pack_dense_kernel(value)))
+            packed += 1
+        elif float32 and cpu.can_pack_f32(value.shape, value.dtype):
+            setattr(module, name, PackedKernel(cpu.pack_dense_kernel_f32(value)))
             packed += 1
     return packed
 

@@ -20,7 +20,7 @@ class RunnerConfig:
     max_num_batched_tokens: int = 2048
     page_size: int = 16
     attention_backend: str = "auto"
-    native_dense: bool = True  # bfloat16 dense layers natively (AMX, AVX-512 BF16, AVX2) on cpu_native
+    native_dense: bool = True  # dense layers natively on cpu_native (bfloat16; float32 on AVX2 CPUs)
     cache_dir: str | None = None
     strict_compile: bool = False
     seed: int = 0

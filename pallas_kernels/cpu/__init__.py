@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Native CPU backend: a page-major KV cache (`layout.py`), attention in C++ via XLA FFI, and
-bfloat16 dense layers on AMX, AVX-512 BF16 or AVX2 (`dense.py`).
+dense layers (`dense.py`): bfloat16 on AMX, AVX-512 BF16 or AVX2, float32 on AVX2.
 
 XLA:CPU has no fast formulation of paged attention (a page gather runs at a few GB/s and every
 pure-XLA variant measured costs 9 to 13 ms a layer at 48 decode rows), so on CPU
@@ -17,12 +17,20 @@ import numpy as np
 from pallas_kernels.cpu.build import (
     ATTENTION_TARGET,
     NativeKernelError,
+    dense_f32_usable,
     dense_isa,
     dense_isas,
     is_loaded,
     load,
 )
-from pallas_kernels.cpu.dense import can_pack, native_dense, native_dense_reference, pack_dense_kernel
+from pallas_kernels.cpu.dense import (
+    can_pack,
+    can_pack_f32,
+    native_dense,
+    native_dense_reference,
+    pack_dense_kernel,
+    pack_dense_kernel_f32,
+)
 from pallas_kernels.cpu.layout import allocate_kv_cache, write_kv
 from pallas_kernels.reference import value_dtype
 
@@ -33,6 +41,8 @@ __all__ = [
     "NativeKernelError",
     "allocate_kv_cache",
     "can_pack",
+    "can_pack_f32",
+    "dense_f32_usable",
     "dense_isa",
     "dense_isas",
     "is_loaded",
@@ -40,6 +50,7 @@ __all__ = [
     "native_dense",
     "native_dense_reference",
     "pack_dense_kernel",
+    "pack_dense_kernel_f32",
     "ragged_paged_attention",
     "write_kv",
 ]

@@ -26,11 +26,16 @@ from pathlib import Path
 import jax
 import jaxlib
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cc", "dense.cc"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "kv_values.h"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cc", "dense.cc", "dense_f32.cc"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "kv_values.h", "dense_blocks.h"))
 ATTENTION_TARGET = "vllm_xla_ragged_paged_attention"
 DENSE_TARGET = "vllm_xla_dense"
-_HANDLERS = {ATTENTION_TARGET: "VllmXlaRaggedPagedAttention", DENSE_TARGET: "VllmXlaDense"}
+DENSE_F32_TARGET = "vllm_xla_dense_f32"
+_HANDLERS = {
+    ATTENTION_TARGET: "VllmXlaRaggedPagedAttention",
+    DENSE_TARGET: "VllmXlaDense",
+    DENSE_F32_TARGET: "VllmXlaDenseF32",
+}
 _FLAGS = (
     "-O3",
     "-march=native",
@@ -194,3 +199,13 @@ def dense_isa(library: Path) -> str | None:
 @functools.cache
 def _probe_dense_isas(library: _Library) -> int:
     return int(ctypes.CDLL(str(library.path)).VllmXlaDenseIsas())
+
+
+def dense_f32_usable(library: Path) -> bool:
+    """Whether `library` (from `load`) can run its float32 dense kernel (AVX2 with FMA) here."""
+    return _probe_dense_f32(_Library(library.name, library))
+
+
+@functools.cache
+def _probe_dense_f32(library: _Library) -> bool:
+    return bool(ctypes.CDLL(str(library.path)).VllmXlaDenseF32Usable())

@@ -28,6 +28,7 @@
 #include <unistd.h>
 #endif
 
+#include "dense_blocks.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -35,10 +36,13 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using vllm_xla::Item;
+using vllm_xla::RunOverColumnBlocks;
+using vllm_xla::WalkRegisterBlocks;
+
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kTileDepth = 32;  // bfloat16 values in a 64-byte tile row
 constexpr int64_t kTileCols = 16;   // float32 results in a 64-byte tile row
-constexpr int64_t kItemsPerThread = 2;  // fewer, longer weight streams; enough to rebalance
 constexpr int64_t kItemWeightBytes = 512 << 10;
 constexpr int64_t kPrefetchDepth = 4 * kTileDepth;  // how far ahead a panel's weights are fetched
 
@@ -47,6 +51,8 @@ enum DenseIsa : int32_t { kBestIsa = 0, kAvx512Bf16 = 1, kAmx = 2, kAvx2 = 3 };
 
 #if defined(__x86_64__)
 #define VLLM_XLA_AMX __attribute__((target("amx-tile,amx-bf16,avx512f")))
+
+using vllm_xla::Avx2Usable;
 
 struct TileConfig {
   uint8_t palette_id;
@@ -90,10 +96,6 @@ bool Avx512Bf16Usable() {
       CopyValidRows(scratch, row, block);                            \
     }                                                                \
   } while (0)
-
-struct Item {
-  int64_t first_block, end_block;  // 16-column blocks
-};
 
 // Tiles 0-3 accumulate C[row block r][column block c] at 2r + c; 4-5 hold x's row blocks and
 // 6-7 the weight's column blocks. Every tile is 16 rows of 64 bytes.
@@ -179,27 +181,6 @@ struct AmxProblem {
 
 constexpr int kVectorRows = 6;    // rows of x in a register block
 constexpr int kVectorBlocks = 4;  // 16-column blocks in a register block: 24 accumulators
-constexpr int64_t kChunkBytes = 128 << 10;  // x rows a vector item walks before its next columns
-
-// Calls `block(row, rows, column_block, blocks)` over a work item in register blocks of up to
-// `block_rows` rows by `block_cols` 16-column blocks. Rows go in chunks whose x stays in L2 while
-// the item's column blocks pass over them (x of all rows would not: measured with VDPBF16PS at
-// 1024 rows, 576x3072 and 1536x576 run 4-9% faster so).
-template <typename Block>
-void WalkRegisterBlocks(const Item& item, int64_t M, int64_t K, int block_rows, int block_cols,
-                        Block&& block) {
-  const int64_t chunk_rows = std::max<int64_t>(
-      block_rows, kChunkBytes / (K * static_cast<int64_t>(sizeof(uint16_t))) / block_rows * block_rows);
-  for (int64_t first_row = 0; first_row < M; first_row += chunk_rows) {
-    const int64_t end_row = std::min(M, first_row + chunk_rows);
-    for (int64_t col = item.first_block; col < item.end_block; col += block_cols) {
-      const int cols = static_cast<int>(std::min<int64_t>(block_cols, item.end_block - col));
-      for (int64_t row = first_row; row < end_row; row += block_rows) {
-        block(row, static_cast<int>(std::min<int64_t>(block_rows, end_row - row)), col, cols);
-      }
-    }
-  }
-}
 
 // What the vector paths read and write, and their (empty) per-thread set-up for `RunAll`.
 struct VectorOperands {
@@ -216,7 +197,7 @@ struct VectorOperands {
 // broadcast pair of x adds both products of the pair to 16 float32 accumulators.
 struct VectorProblem : VectorOperands {
   void Run(const Item& item) const {
-    WalkRegisterBlocks(item, M, K, kVectorRows, kVectorBlocks,
+    WalkRegisterBlocks(item, M, K * sizeof(uint16_t), kVectorRows, kVectorBlocks,
                        [&](int64_t row, int rows, int64_t block, int blocks) {
                          kBlockKernels[rows - 1][blocks - 1](*this, row, block);
                        });
@@ -263,7 +244,7 @@ constexpr int kAvx2Rows = 4;  // rows of x in a register block (two 8-column hal
 // same way from one broadcast 32-bit load. A 16-column block is two 8-lane halves.
 struct Avx2Problem : VectorOperands {
   void Run(const Item& item) const {
-    WalkRegisterBlocks(item, M, K, kAvx2Rows, 1, [&](int64_t row, int rows, int64_t block, int) {
+    WalkRegisterBlocks(item, M, K * sizeof(uint16_t), kAvx2Rows, 1, [&](int64_t row, int rows, int64_t block, int) {
       kRowKernels[rows - 1](*this, row, block);
     });
   }
@@ -313,31 +294,10 @@ struct Avx2Problem : VectorOperands {
   static constexpr BlockKernel kRowKernels[kAvx2Rows] = {&Block<1>, &Block<2>, &Block<3>, &Block<4>};
 };
 
-// Whether this CPU has AVX2 and FMA (and the operating system saves the AVX state).
-bool Avx2Usable() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
 // Whether this process may run the `isa` path, probed once.
 bool IsaUsable(DenseIsa isa) {
   static const bool amx = AmxUsable(), vector = Avx512Bf16Usable(), avx2 = Avx2Usable();
   return (isa == kAmx && amx) || (isa == kAvx512Bf16 && vector) || (isa == kAvx2 && avx2);
-}
-
-// Runs a problem over runs of 16-column blocks, two a thread, each an even number of blocks (but
-// the last) and at most `max_item_blocks` long.
-template <typename Problem>
-void RunOverColumnBlocks(const Problem& problem, int64_t blocks, int64_t max_item_blocks,
-                         ffi::ThreadPool& pool) {
-  const int64_t threads = pool.num_threads() + 1;
-  const int64_t per_item =
-      std::max<int64_t>(2, std::min(blocks / (kItemsPerThread * threads), max_item_blocks) / 2 * 2);
-  auto work = std::make_shared<vllm_xla::SharedWork<Item>>();
-  for (int64_t first = 0; first < blocks; first += per_item) {
-    work->items.push_back({first, std::min(blocks, first + per_item)});
-  }
-  vllm_xla::RunAll(problem, work, pool);
 }
 
 void RunAmx(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,

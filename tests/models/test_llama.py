@@ -164,3 +164,23 @@ def test_packed_bf16_model_computes_what_the_unpacked_one_does(dense_kernels, tm
     scale = np.abs(want).max()
     np.testing.assert_allclose(got, want, atol=0.02 * scale)
     assert np.abs(got - _hf_logits(hf, ids)).max() < 0.05 * scale
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_float32_model_computes_what_transformers_does(native_kernels, tmp_path, tied):
+    """With `float32`, `pack_for_native_dense` moves a float32 model's Linears (and a tied head's
+    copy) onto the float32 native kernel; bfloat16 packing alone leaves them on XLA."""
+    from pallas_kernels import cpu
+
+    if not cpu.dense_f32_usable(native_kernels):
+        pytest.skip("this CPU (or its kernel) has no AVX2 with FMA")
+    path = save_tiny_llama(str(tmp_path), tie_word_embeddings=tied)
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config, model = load_model(path, jnp.float32)
+    assert pack_for_native_dense(model) == 0  # float32 kernels stay unless asked for
+    assert pack_for_native_dense(model, float32=True) == 4 * config.num_layers + 1
+    assert model.model.layers[0].mlp.down_proj.kernel[...].dtype == jnp.float32
+    ids = [1, 5, 9, 20, 33, 7, 3]
+    got, _ = _run(config, model, _caches(config), [ids], [0], [[1]])
+    ref = _hf_logits(hf, ids)
+    np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max())
