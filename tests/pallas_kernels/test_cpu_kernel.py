@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import re
 import time
 
 import jax
@@ -116,7 +117,9 @@ def test_kernel_runs_in_the_donated_step_that_writes_the_cache():
     np.testing.assert_allclose(np.asarray(out)[0, 0], 2.0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("edited_file", ["paged_attention.cc", "dense.cc", "parallel.h"])
+@pytest.mark.parametrize(
+    "edited_file", ["paged_attention.cc", "dense.cc", "dense_f32.cc", "parallel.h", "dense_blocks.h"]
+)
 def test_library_name_follows_the_sources_and_build_reuses_it(tmp_path, monkeypatch, edited_file):
     compiler = build.find_compiler()
     first = build.library_name(compiler)
@@ -138,8 +141,10 @@ def test_build_errors_name_the_cause(tmp_path, monkeypatch):
     monkeypatch.delenv("CXX")
     broken = tmp_path / "broken.cc"
     broken.write_text("this is not C++\n")
+    sources = " ".join(source.name for source in build.SOURCES)
+    assert sources == "paged_attention.cc dense.cc dense_f32.cc"
     monkeypatch.setattr(build, "SOURCES", (*build.SOURCES, broken))
-    failed = r"building paged_attention\.cc dense\.cc broken\.cc failed"
+    failed = rf"building {re.escape(sources)} broken\.cc failed"
     with pytest.raises(build.NativeKernelError, match=failed):
         build.build_library(tmp_path / "out")
 
