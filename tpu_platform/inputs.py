@@ -85,6 +85,14 @@ class StepBuffers:
         """Makes `packed` available again: the step that read it has finished."""
         self._free.setdefault(packed.size, []).append(packed)
 
+    def decode_template(self, dims: tuple[int, int, int, int], num_seqs: int) -> np.ndarray | None:
+        return self._templates.get((dims, num_seqs))
+
+    def keep_decode_template(
+        self, dims: tuple[int, int, int, int], num_seqs: int, packed: np.ndarray
+    ) -> None:
+        self._templates[dims, num_seqs] = packed.copy()
+
 
 def prepare_step(
     table: RequestTable,
@@ -104,12 +112,12 @@ def prepare_step(
     size = _layout(dims)[0]
     packed = buffers.take(size) if buffers is not None else _aligned_empty(size)
     if buffers is not None and total == num_seqs:
-        template = buffers._templates.get((dims, num_seqs))
+        template = buffers.decode_template(dims, num_seqs)
         if template is not None:
             packed[:] = template
             return _decode_from(packed, table, rows, dims, page_size)
         plan = _prepare(packed, table, rows, num_scheduled, dims, page_size)
-        buffers._templates[dims, num_seqs] = plan.packed.copy()
+        buffers.keep_decode_template(dims, num_seqs, plan.packed)
         return plan
     return _prepare(packed, table, rows, num_scheduled, dims, page_size)
 
