@@ -14,10 +14,9 @@ from tpu_platform.request_table import (
     NUM_COMPUTED,
     NUM_TOKENS,
     OCCUPANT,
-    PENDING_COLUMN,
-    PENDING_INDEX,
     Appends,
     RequestTable,
+    feed_from,
 )
 
 
@@ -133,7 +132,7 @@ def _decode_from(
     progress = table.progress[rows]
     start = progress[:, NUM_COMPUTED]
     packed[offsets["token_ids"] : offsets["token_ids"] + n] = table.token_ids[rows, start]
-    feed = np.where(progress[:, PENDING_COLUMN] == start, progress[:, PENDING_INDEX], -1)
+    feed = feed_from(progress, start)
     packed[offsets["feed"] : offsets["feed"] + n] = feed
     packed[offsets["positions"] : offsets["positions"] + n] = start
     slots = table.block_table[:, rows, start // page_size] * page_size + start % page_size

@@ -214,7 +214,7 @@ class RequestTable:
     def feed_index(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """For tokens at `positions` of `rows`: the index of the token in the newest in-flight
         step's output when that position is the one it reserved, else -1."""
-        return np.where(self.pending_column[rows] == positions, self.pending_index[rows], -1)
+        return feed_from(self.progress[rows], positions)
 
     def output_token_ids(self, row: int) -> np.ndarray:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
@@ -233,3 +233,8 @@ class RequestTable:
                 )
             self.block_table[group, row, start:end] = ids
             self.num_pages[group, row] = end
+
+
+def feed_from(progress: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """`RequestTable.feed_index` from the rows' gathered counters (`RequestTable.progress[rows]`)."""
+    return np.where(progress[:, PENDING_COLUMN] == positions, progress[:, PENDING_INDEX], -1)

@@ -43,7 +43,6 @@ using vllm_xla::WalkRegisterBlocks;
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kTileDepth = 32;  // bfloat16 values in a 64-byte tile row
 constexpr int64_t kTileCols = 16;   // float32 results in a 64-byte tile row
-constexpr int64_t kItemWeightBytes = 512 << 10;
 constexpr int64_t kPrefetchDepth = 4 * kTileDepth;  // how far ahead a panel's weights are fetched
 
 // The `isa` attribute: which path runs (the codes of `DENSE_ISAS` in build.py).
@@ -309,21 +308,20 @@ void RunAmx(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, int6
     std::memcpy(padded.data(), x_bits, M * K * sizeof(uint16_t));
     x_bits = padded.data();
   }
-  // Later row passes reread an item's weights: at most an L2's share of them.
-  const int64_t cached_blocks = kItemWeightBytes / (K * kTileCols * sizeof(uint16_t));
+  const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(uint16_t));
   RunOverColumnBlocks(AmxProblem{x_bits, w, y, M, Mp, K, N}, N / kTileCols, cached_blocks, pool);
 }
 
 void RunAvx2(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
              ffi::ThreadPool& pool) {
-  const int64_t cached_blocks = kItemWeightBytes / (K * kTileCols * sizeof(uint16_t));
+  const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(uint16_t));
   RunOverColumnBlocks(Avx2Problem{{x_bits, w, y, M, K, N}}, N / kTileCols,
                       std::max<int64_t>(2, cached_blocks), pool);
 }
 
 void RunVector(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
                ffi::ThreadPool& pool) {
-  const int64_t cached_blocks = kItemWeightBytes / (K * kTileCols * sizeof(uint16_t));
+  const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(uint16_t));
   RunOverColumnBlocks(VectorProblem{{x_bits, w, y, M, K, N}}, N / kTileCols,
                       std::max<int64_t>(kVectorBlocks, cached_blocks), pool);
 }

@@ -14,6 +14,13 @@ namespace vllm_xla {
 
 constexpr int64_t kItemsPerThread = 2;  // fewer, longer weight streams; enough to rebalance
 constexpr int64_t kChunkBytes = 128 << 10;  // x rows a vector item walks before its next columns
+constexpr int64_t kItemWeightBytes = 512 << 10;  // weights a work item rereads on later row passes
+
+// How many 16-column blocks of a K-deep weight (of `element_bytes` values) fit an item's share
+// of L2: later row passes reread an item's weights, so items are at most that long.
+inline int64_t CachedBlocks(int64_t K, int64_t element_bytes) {
+  return kItemWeightBytes / (K * 16 * element_bytes);
+}
 
 struct Item {
   int64_t first_block, end_block;  // 16-column blocks

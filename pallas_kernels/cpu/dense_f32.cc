@@ -33,7 +33,6 @@ using vllm_xla::Item;
 
 constexpr int kRows = 6;  // rows of x in a register block (two 8-column halves each)
 constexpr int64_t kCols = 16;
-constexpr int64_t kItemWeightBytes = 512 << 10;
 
 struct F32Problem {
   const float* x;  // [M, K]
@@ -119,8 +118,7 @@ ffi::Error DenseF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   }
   const int64_t M = xd[0], K = xd[1], N = wd[0] * kCols;
   if (M == 0) return ffi::Error::Success();
-  // Later row passes reread an item's weights: at most an L2's share of them.
-  const int64_t cached_blocks = kItemWeightBytes / (K * kCols * static_cast<int64_t>(sizeof(float)));
+  const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(float));
   vllm_xla::RunOverColumnBlocks(F32Problem{x.typed_data(), w.typed_data(), y->typed_data(), M, K, N},
                                 N / kCols, std::max<int64_t>(2, cached_blocks), pool);
   return ffi::Error::Success();
