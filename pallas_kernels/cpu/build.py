@@ -27,7 +27,10 @@ import jax
 import jaxlib
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cc", "dense.cc", "dense_f32.cc"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "kv_values.h", "dense_blocks.h"))
+HEADERS = tuple(
+    Path(__file__).with_name(name)
+    for name in ("parallel.h", "kv_values.h", "dense_blocks.h", "dense_f32_block.h", "dense_avx2.h")
+)
 ATTENTION_TARGET = "vllm_xla_ragged_paged_attention"
 DENSE_TARGET = "vllm_xla_dense"
 DENSE_F32_TARGET = "vllm_xla_dense_f32"

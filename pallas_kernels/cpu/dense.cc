@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // bfloat16 dense layers as an XLA FFI handler: y[M, N] (float32) = x[M, K] @ w, on Intel AMX tiles
 // or, on CPUs without AMX that have AVX-512 BF16 (AMD Zen 4 and later, Intel Cooper Lake), with
-// VDPBF16PS on vectors, or else with AVX2 FMA on float32 widened in registers (every x86-64 CPU of
-// the last decade). Compiled on every CPU (each path carries its own target attribute); a path
-// runs only where `IsaUsable` finds it.
+// VDPBF16PS on vectors, or else with AVX2 FMA in float32 (every x86-64 CPU of the last decade;
+// dense_avx2.h). Compiled on every CPU (each path carries its own target attribute); a path runs
+// only where `IsaUsable` finds it.
 //
 // XLA:CPU runs bfloat16 dots without either instruction, and streams a single row's weights at a
 // few GB/s. Both paths read one packed weight layout, made once at load time: [N/16, K/2, 16, 2]
@@ -29,6 +29,7 @@
 #endif
 
 #include "dense_blocks.h"
+#include "dense_avx2.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -233,66 +234,6 @@ struct VectorProblem : VectorOperands {
       kRowKernels<1>, kRowKernels<2>, kRowKernels<3>, kRowKernels<4>, kRowKernels<5>, kRowKernels<6>};
 };
 
-#define VLLM_XLA_AVX2 __attribute__((target("avx2,fma")))
-
-constexpr int kAvx2Rows = 4;  // rows of x in a register block (two 8-column halves each)
-
-// The same product with AVX2 FMA in float32. A bfloat16 is the high half of a float32, and each
-// 32-bit lane of a packed tile row holds one column's pair (w[k], w[k + 1]): shifted left by 16
-// the lane is w[k] as a float32, with its low half cleared it is w[k + 1]. x's pairs widen the
-// same way from one broadcast 32-bit load. A 16-column block is two 8-lane halves.
-struct Avx2Problem : VectorOperands {
-  void Run(const Item& item) const {
-    WalkRegisterBlocks(item, M, K * sizeof(uint16_t), kAvx2Rows, 1, [&](int64_t row, int rows, int64_t block, int) {
-      kRowKernels[rows - 1](*this, row, block);
-    });
-  }
-
-  // y[row : row + R, block * 16 : block * 16 + 16], accumulated over all of K in registers. With
-  // one or two rows the even and odd k accumulate apart, so enough FMA chains run at once.
-  template <int R>
-  VLLM_XLA_AVX2 static void Block(const Avx2Problem& p, int64_t row, int64_t block) {
-    constexpr int kChains = R <= 2 ? 2 : 1;
-    const int64_t pairs = p.K / 2;
-    const uint16_t* w = p.w + block * pairs * 32;
-    const uint16_t* x = p.x + row * p.K;
-    const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-    __m256 acc[R][2][kChains];
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h)
-        for (int c = 0; c < kChains; ++c) acc[r][h][c] = _mm256_setzero_ps();
-    for (int64_t pair = 0; pair < pairs; ++pair) {
-      __m256 even[2], odd[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + pair * 32 + h * 16));
-        even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16));
-        odd[h] = _mm256_castsi256_ps(_mm256_and_si256(lanes, high));
-      }
-      for (int r = 0; r < R; ++r) {
-        int32_t both;
-        std::memcpy(&both, x + r * p.K + 2 * pair, sizeof(both));
-        const __m256i xs = _mm256_set1_epi32(both);
-        const __m256 x_even = _mm256_castsi256_ps(_mm256_slli_epi32(xs, 16));
-        const __m256 x_odd = _mm256_castsi256_ps(_mm256_and_si256(xs, high));
-        for (int h = 0; h < 2; ++h) {
-          acc[r][h][0] = _mm256_fmadd_ps(even[h], x_even, acc[r][h][0]);
-          acc[r][h][kChains - 1] = _mm256_fmadd_ps(odd[h], x_odd, acc[r][h][kChains - 1]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int h = 0; h < 2; ++h) {
-        __m256 sum = acc[r][h][0];
-        if (kChains == 2) sum = _mm256_add_ps(sum, acc[r][h][kChains - 1]);
-        _mm256_storeu_ps(p.y + (row + r) * p.N + block * 16 + h * 8, sum);
-      }
-    }
-  }
-
-  using BlockKernel = void (*)(const Avx2Problem&, int64_t, int64_t);
-  static constexpr BlockKernel kRowKernels[kAvx2Rows] = {&Block<1>, &Block<2>, &Block<3>, &Block<4>};
-};
-
 // Whether this process may run the `isa` path, probed once.
 bool IsaUsable(DenseIsa isa) {
   static const bool amx = AmxUsable(), vector = Avx512Bf16Usable(), avx2 = Avx2Usable();
@@ -310,13 +251,6 @@ void RunAmx(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, int6
   }
   const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(uint16_t));
   RunOverColumnBlocks(AmxProblem{x_bits, w, y, M, Mp, K, N}, N / kTileCols, cached_blocks, pool);
-}
-
-void RunAvx2(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
-             ffi::ThreadPool& pool) {
-  const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(uint16_t));
-  RunOverColumnBlocks(Avx2Problem{{x_bits, w, y, M, K, N}}, N / kTileCols,
-                      std::max<int64_t>(2, cached_blocks), pool);
 }
 
 void RunVector(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
@@ -351,7 +285,7 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
   } else if (run == kAvx512Bf16) {
     RunVector(x_bits, w_bits, y->typed_data(), M, K, N, pool);
   } else {
-    RunAvx2(x_bits, w_bits, y->typed_data(), M, K, N, pool);
+    vllm_xla::RunBf16Avx2(x_bits, w_bits, y->typed_data(), M, K, N, pool);
   }
   return ffi::Error::Success();
 }

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Dense layers in C++: bfloat16 weights (`dense.cc`) packed once, products on Intel AMX tiles,
-with AVX-512 BF16 vectors, or with AVX2 FMA on values widened to float32 in registers; float32
-weights (`dense_f32.cc`) packed once, products with AVX2 FMA.
+with AVX-512 BF16 vectors, or with AVX2 FMA on values widened to float32 (in registers for up to
+8 rows, a column panel at a time for more: `dense_avx2.h`); float32 weights (`dense_f32.cc`)
+packed once, products with AVX2 FMA.
 
 XLA:CPU's bfloat16 dots use none of these, and stream a single row's weights at a few GB/s;
 `native_dense` computes `x [M, K] @ kernel [K, N]` with float32 accumulation and a float32 result,

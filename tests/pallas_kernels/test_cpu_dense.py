@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The bfloat16 dense kernel (C++ through XLA FFI): its packed layout, its reference, and each of
 its paths (AMX tiles, AVX-512 BF16 vectors, AVX2 FMA) against the reference over a grid of shapes
-(row counts around the 16-row tiles and the 6- and 4-row register blocks, odd 16-column blocks, deep
-and wide kernels).
+(row counts around the 16-row tiles, the 6- and 4-row register blocks and AVX2's switch to panels
+widened once for more than 8 rows, odd 16-column blocks, deep and wide kernels, a deep single panel
+over several chunks of rows).
 Runs of a path skip on CPUs without its instructions."""
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ def test_kernels_the_native_kernel_cannot_take_are_refused_by_name(shape, dtype)
         cpu.pack_dense_kernel(jnp.zeros(shape, dtype))
 
 
-# 64 and up cross the vector path's row chunks at K = 1536 (42 rows), 130 at K = 576 (108 rows).
-ROWS = (1, 2, 5, 6, 7, 15, 16, 17, 31, 32, 33, 64, 70, 130)
-KERNELS = ((32, 16), (64, 48), (576, 960), (1536, 64))
+# 64 and up cross the vector path's row chunks at K = 1536 (42 rows), 130 at K = 576 (108 rows); 31 and
+# up cross the widened AVX2 path's (float32 x: 18 rows at K = 1536, 54 at K = 576).
+ROWS = (1, 2, 4, 5, 6, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64, 70, 130)
+KERNELS = ((32, 16), (64, 48), (576, 960), (1536, 64), (1536, 16))
 
 
 @pytest.mark.parametrize("rows", ROWS)

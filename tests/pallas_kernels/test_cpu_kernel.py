@@ -118,7 +118,16 @@ def test_kernel_runs_in_the_donated_step_that_writes_the_cache():
 
 
 @pytest.mark.parametrize(
-    "edited_file", ["paged_attention.cc", "dense.cc", "dense_f32.cc", "parallel.h", "dense_blocks.h"]
+    "edited_file",
+    [
+        "paged_attention.cc",
+        "dense.cc",
+        "dense_f32.cc",
+        "parallel.h",
+        "dense_blocks.h",
+        "dense_f32_block.h",
+        "dense_avx2.h",
+    ],
 )
 def test_library_name_follows_the_sources_and_build_reuses_it(tmp_path, monkeypatch, edited_file):
     compiler = build.find_compiler()
