@@ -67,8 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="dtype of vLLM on our platform; auto: bfloat16, except on CPUs with neither AMX nor "
         "AVX-512 BF16 for the batch and serve workloads: there the float32 native dense kernel "
-        "(AVX2 FMA, no widening) outruns the bfloat16 one, which widens every weight in registers, "
-        "once a step has more than a few rows (see the README)",
+        "(AVX2 FMA, no widening) outruns the bfloat16 one, which widens its weights to float32, "
+        "by 5-15%% once a step has more than a few rows (see the README)",
     )
     parser.add_argument(
         "--xla-kv-cache-dtype",
