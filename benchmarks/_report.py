@@ -36,6 +36,8 @@ METRICS = (
     Metric("serve ITL p50 ms", "serve", ("itl_ms", "p50"), False),
     Metric("serve ITL p90 ms", "serve", ("itl_ms", "p90"), False),
     Metric("serve ITL p99 ms", "serve", ("itl_ms", "p99"), False),
+    Metric("serve ITL max ms", "serve", ("itl_ms", "max"), False),
+    Metric("serve ITL gaps > 1 s", "serve", ("itl_gaps_over_1s",), False),
     Metric("serve TPOT mean ms", "serve", ("tpot_ms", "mean"), False),
     Metric("serve start-up s", "serve", ("startup_seconds",), False),
 )
