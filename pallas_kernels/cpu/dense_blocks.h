@@ -51,14 +51,14 @@ void WalkRegisterBlocks(const Item& item, int64_t M, int64_t x_row_bytes, int bl
 template <typename Problem>
 void RunOverColumnBlocks(const Problem& problem, int64_t blocks, int64_t max_item_blocks,
                          xla::ffi::ThreadPool& pool) {
-  const int64_t threads = pool.num_threads() + 1;
+  const int64_t threads = Workers(pool, problem.M);
   const int64_t per_item =
       std::max<int64_t>(2, std::min(blocks / (kItemsPerThread * threads), max_item_blocks) / 2 * 2);
   auto work = std::make_shared<SharedWork<Item>>();
   for (int64_t first = 0; first < blocks; first += per_item) {
     work->items.push_back({first, std::min(blocks, first + per_item)});
   }
-  RunAll(problem, work, pool);
+  RunAll(problem, work, pool, threads);
 }
 
 #if defined(__x86_64__)

@@ -430,8 +430,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
     const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(cu[seq + 1], s.num_tokens) - std::max(cu[seq], 0));
     row_blocks += (rows + kRowsPerItem - 1) / kRowsPerItem;
   }
+  const int64_t workers = vllm_xla::Workers(pool, s.num_tokens);
   const int32_t heads_per_item =
-      row_blocks >= kItemsPerThread * (pool.num_threads() + 1) ? static_cast<int32_t>(s.num_kv_heads) : 1;
+      row_blocks >= kItemsPerThread * workers ? static_cast<int32_t>(s.num_kv_heads) : 1;
   auto work = std::make_shared<vllm_xla::SharedWork<Item>>();
   for (int32_t seq = 0; seq < used; ++seq) {
     const int32_t begin = std::max(cu[seq], 0);
@@ -453,7 +454,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
     using T = decltype(tag);
     Problem<T, decltype(dim)::value> p{
         s, prm, qp, static_cast<const T*>(kv_cache.untyped_data()), lens, table, cu, o};
-    vllm_xla::RunAll(p, work, pool);
+    vllm_xla::RunAll(p, work, pool, workers);
   };
   auto run_dims = [&](auto tag) {
     if (s.head_dim == 64) return run(tag, std::integral_constant<int, 64>());
