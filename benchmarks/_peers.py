@@ -100,15 +100,21 @@ def hf_model_dir(gguf_dir: str) -> str:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    return save_model_dir(model, target, gguf_dir)
+
+
+def save_model_dir(model, target: str, tokenizer_dir: str) -> str:
+    """Writes transformers `model` as float32 safetensors, with `tokenizer_dir`'s tokenizer files,
+    to `target`: staged beside it and moved in whole, then marked complete (`.complete`)."""
     staging = target + ".partial"
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)
-    for name in os.listdir(gguf_dir):
+    for name in os.listdir(tokenizer_dir):
         if name.startswith("tokenizer") or name in ("special_tokens_map.json", "chat_template.jinja"):
-            shutil.copy(os.path.join(gguf_dir, name), staging)
+            shutil.copy(os.path.join(tokenizer_dir, name), staging)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)
-    open(marker, "w").close()
+    open(os.path.join(target, ".complete"), "w").close()
     return target
 
 

@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import pathlib
-import shutil
 import statistics
 import subprocess
 import sys
@@ -71,8 +70,7 @@ def thin_model_dir(gguf_dir: str) -> str:
     """The embedded model's structure with a `THIN_WIDTH`-wide trunk: random float32 weights,
     its config otherwise, its tokenizer (built once)."""
     target = os.path.join(_peers.cache_dir(), "models", f"SmolLM2-135M-thin{THIN_WIDTH}-v{THIN_VOCAB}")
-    marker = os.path.join(target, ".complete")
-    if os.path.exists(marker):
+    if os.path.exists(os.path.join(target, ".complete")):
         return target
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -89,16 +87,7 @@ def thin_model_dir(gguf_dir: str) -> str:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig.from_dict(config)).to(torch.float32)
-    staging = target + ".partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
-    for name in os.listdir(gguf_dir):
-        if name.startswith("tokenizer") or name == "chat_template.jinja":
-            shutil.copy(os.path.join(gguf_dir, name), staging)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(staging, target)
-    open(marker, "w").close()
-    return target
+    return _peers.save_model_dir(model, target, gguf_dir)
 
 
 # ---------------------------------------------------------------------------------------------
