@@ -208,11 +208,14 @@ class PagedAttention(nnx.Module):
         inv_freq = self.rope.inverse_frequencies(self.head_dim)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        kv_cache = write_kv(kv_cache, k, v, md.slot_mapping, backend=md.backend, kv_dtype=md.kv_dtype)
+        kv_cache = write_kv(
+            kv_cache, k, v, md.slot_mapping,
+            backend=md.backend, kv_dtype=md.kv_dtype, first_page=md.first_page,
+        )  # fmt: skip
         o = ragged_paged_attention(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=self.sm_scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
-            backend=md.backend, kv_dtype=md.kv_dtype,
+            backend=md.backend, kv_dtype=md.kv_dtype, first_page=md.first_page,
         )  # fmt: skip
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), kv_cache  # [T, D]
 

@@ -19,6 +19,10 @@ class AttentionMetadata:
     `layer_caches[i]` naming the cache array layer i uses (layers of different groups may share
     an array: the engine hands a page to one group at a time). Empty tuples mean one group and
     one cache array per layer.
+
+    `cache_pages > 0` says the caches are stacked: the model gets one array holding every cache
+    one after another along its page axis, `cache_pages` pages each (`pallas_kernels.api`), and
+    cache c starts at page `c * cache_pages`. 0: a list of one array per cache.
     """
 
     # [T] or [G, T] cache slot (page * page_size + offset) of each token; negative for padding
@@ -37,17 +41,22 @@ class AttentionMetadata:
     kv_dtype: str | None = dataclasses.field(default=None, metadata={"static": True})
     layer_groups: tuple[int, ...] = dataclasses.field(default=(), metadata={"static": True})
     layer_caches: tuple[int, ...] = dataclasses.field(default=(), metadata={"static": True})
+    cache_pages: int = dataclasses.field(default=0, metadata={"static": True})
+    # Where the layer's pages start in its cache array (set by `for_layer` for stacked caches).
+    first_page: int = dataclasses.field(default=0, metadata={"static": True})
 
     def for_layer(self, layer: int) -> tuple[int, AttentionMetadata]:
-        """`(cache array index, single-group metadata)` for decoder layer `layer`."""
+        """`(index in the list of cache arrays, single-group metadata)` for decoder layer `layer`."""
         cache = self.layer_caches[layer] if self.layer_caches else layer
-        if self.slot_mapping.ndim == 1:
-            return cache, self
+        array, first_page = (0, cache * self.cache_pages) if self.cache_pages else (cache, 0)
         group = self.layer_groups[layer] if self.layer_groups else 0
-        return cache, dataclasses.replace(
+        grouped = self.slot_mapping.ndim == 2
+        return array, dataclasses.replace(
             self,
-            slot_mapping=self.slot_mapping[group],
-            page_indices=self.page_indices[group],
+            slot_mapping=self.slot_mapping[group] if grouped else self.slot_mapping,
+            page_indices=self.page_indices[group] if grouped else self.page_indices,
             layer_groups=(),
             layer_caches=(),
+            cache_pages=0,
+            first_page=first_page,
         )

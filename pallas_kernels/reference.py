@@ -4,7 +4,8 @@
 This is the reference every kernel is tested against, and the CPU path when the native kernel
 (`cpu/`) cannot be built.
 
-KV cache layout (one array per layer): `[2 * Hkv, num_pages, page_size * D]`.
+KV cache layout (a layer's; several layers stack along the page axis: api.py):
+`[2 * Hkv, num_pages, page_size * D]`.
 Rows `0..Hkv-1` hold K heads and rows `Hkv..2*Hkv-1` hold V heads; a page of one head is one
 contiguous row of `page_size * D` values. Why (measured on XLA:CPU, notes/xla-cpu-speed.md):
 row gathers along axis 1 run at memory speed, and the KV write is one windowed scatter that XLA
@@ -66,7 +67,7 @@ def value_dtype(stored: jnp.dtype, kv_dtype: jnp.dtype | str | None = None) -> j
 def allocate_kv_cache_reference(
     num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
 ) -> jax.Array:
-    """A zeroed cache `[2 * Hkv, num_pages, page_size * D]` for one layer."""
+    """A zeroed `[2 * Hkv, num_pages, page_size * D]`: one layer's pages, or several layers' (api.py)."""
     return jnp.zeros((2 * num_kv_heads, num_pages, page_size * head_dim), storage_dtype(dtype))
 
 

@@ -42,17 +42,17 @@ def available_kv_bytes(device: jax.Device, *, memory_utilization: float, cpu_kv_
     return free
 
 
-def allocate_layer_caches(
-    num_layers: int,
+def allocate_stacked_caches(
+    num_caches: int,
     num_pages: int,
     page_size: int,
     num_kv_heads: int,
     head_dim: int,
     dtype: jnp.dtype,
     backend: str,
-) -> list[jax.Array]:
-    """One zeroed cache array per layer in `backend`'s layout."""
-    return [
-        allocate_kv_cache(num_pages, page_size, num_kv_heads, head_dim, dtype, backend=backend)
-        for _ in range(num_layers)
-    ]
+) -> jax.Array:
+    """One zeroed array in `backend`'s layout holding `num_caches` caches of `num_pages` pages one
+    after another along its page axis (cache c from page `c * num_pages`: `pallas_kernels.api`).
+    A step's program then takes and donates one cache argument, not one a layer."""
+    pages = num_caches * num_pages
+    return allocate_kv_cache(pages, page_size, num_kv_heads, head_dim, dtype, backend=backend)

@@ -28,6 +28,7 @@ def forward_logits(
     layer_groups: tuple[int, ...] = (),
     layer_caches: tuple[int, ...] = (),
     kv_dtype: str | None = None,
+    cache_pages: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
     """Runs the model on all scheduled tokens (`packed` by `pack_inputs`, padded to `dims`).
 
@@ -52,6 +53,7 @@ def forward_logits(
         layer_groups=layer_groups,
         layer_caches=layer_caches,
         kv_dtype=kv_dtype,
+        cache_pages=cache_pages,
     )
     hidden, kv_caches = model(token_ids, inputs.positions, kv_caches, md)
     logits = model.compute_logits(hidden[inputs.logits_indices])
@@ -70,6 +72,8 @@ def make_forward(
     layer_groups: tuple[int, ...] = (),
     layer_caches: tuple[int, ...] = (),
     kv_dtype: str | None = None,
+    *,
+    cache_pages: int = 0,
 ) -> Callable:
     """`forward(state_leaves, kv_caches, packed, fed_tokens, dims=...) -> (logits, greedy, hidden,
     kv_caches)`, jitted.
@@ -81,6 +85,8 @@ def make_forward(
     `layer_groups`/`layer_caches` map each layer to its KV-cache group and cache array
     (see `models.AttentionMetadata`); empty means one group and one array per layer.
     `kv_dtype` names the cached values' dtype when it is not the model's (a float8 cache).
+    `cache_pages > 0`: `kv_caches` is one array holding every cache, `cache_pages` pages each
+    (`models.AttentionMetadata`).
     """
     step = functools.partial(
         forward_logits,
@@ -90,6 +96,7 @@ def make_forward(
         layer_groups=layer_groups,
         layer_caches=layer_caches,
         kv_dtype=kv_dtype,
+        cache_pages=cache_pages,
     )
     return jax.jit(step, donate_argnums=(1,), static_argnames=("dims",))
 

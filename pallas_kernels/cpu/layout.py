@@ -22,7 +22,7 @@ from pallas_kernels.reference import scatter_kv, storage_dtype
 def allocate_kv_cache(
     num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
 ) -> jax.Array:
-    """A zeroed cache `[num_pages, 2 * Hkv, page_size * D]` for one layer."""
+    """A zeroed `[num_pages, 2 * Hkv, page_size * D]`: one layer's pages, or several layers' (api.py)."""
     return jnp.zeros((num_pages, 2 * num_kv_heads, page_size * head_dim), storage_dtype(dtype))
 
 

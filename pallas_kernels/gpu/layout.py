@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """KV cache layout of the Pallas GPU (Triton) backend, and its KV write.
 
-Layout (one array per layer): `[2, K, num_pages, S, Dp]`, with Dp = D rounded up to a power of
-two (at least 16). `[0, h, p]` holds the K rows of kv head h in page p, `[1, h, p]` its V rows,
-each an `[S, Dp]` slab. Lanes D..Dp-1 stay zero.
+Layout (a layer's; several layers stack along the page axis: api.py): `[2, K, num_pages, S, Dp]`,
+with Dp = D rounded up to a power of two (at least 16). `[0, h, p]` holds the K rows of kv head h
+in page p, `[1, h, p]` its V rows, each an `[S, Dp]` slab. Lanes D..Dp-1 stay zero.
 
 Why this layout:
 * A program of the kernel works on one kv head, so one head's page must be one contiguous
@@ -37,7 +37,7 @@ def padded_head_dim(head_dim: int) -> int:
 def allocate_kv_cache(
     num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
 ) -> jax.Array:
-    """A zeroed cache `[2, K, num_pages, S, Dp]` for one layer."""
+    """A zeroed cache `[2, K, num_pages, S, Dp]`: one layer's pages, or several layers' (api.py)."""
     check_positive(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
     if page_size & (page_size - 1):
         raise ValueError(f"page_size {page_size} must be a power of two for Triton tiles")

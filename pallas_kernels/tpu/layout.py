@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """KV cache layout of the Mosaic TPU backend, and its KV write.
 
-Layout (one array per layer): `[num_pages, 2 * K, S, Dp]`, with Dp = D rounded up to 128.
+Layout (a layer's; several layers stack along the page axis: api.py): `[num_pages, 2 * K, S, Dp]`,
+with Dp = D rounded up to 128.
 In page p, kv head h keeps its K rows in `[p, 2h]` and its V rows in `[p, 2h + 1]`: K and V
 are interleaved head by head, and each is one `[S, Dp]` slab. Lanes D..Dp-1 stay zero.
 
@@ -39,7 +40,7 @@ def padded_head_dim(head_dim: int) -> int:
 def allocate_kv_cache(
     num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
 ) -> jax.Array:
-    """A zeroed cache `[num_pages, 2K, S, Dp]` for one layer."""
+    """A zeroed cache `[num_pages, 2K, S, Dp]`: one layer's pages, or several layers' (api.py)."""
     check_positive(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
     return jnp.zeros((num_pages, 2 * num_kv_heads, page_size, padded_head_dim(head_dim)), dtype)
 

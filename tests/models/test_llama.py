@@ -28,8 +28,9 @@ def _hf_logits(hf, ids):
         return hf(torch.tensor([ids], dtype=torch.long)).logits[0].numpy()
 
 
-def _run(config, model, caches, seqs, starts, pages):
-    """One ragged step: seqs[i] = new token ids of sequence i, starting at position starts[i]."""
+def _run(config, model, caches, seqs, starts, pages, cache_pages=0):
+    """One ragged step: seqs[i] = new token ids of sequence i, starting at position starts[i].
+    `cache_pages`: the caches are one stacked array of that many pages a layer."""
     ids = np.concatenate([np.asarray(s, np.int32) for s in seqs])
     positions = np.concatenate(
         [np.arange(st, st + len(s)) for s, st in zip(seqs, starts, strict=True)]
@@ -48,15 +49,18 @@ def _run(config, model, caches, seqs, starts, pages):
         page_indices=jnp.asarray(table),
         cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum([len(s) for s in seqs])]), jnp.int32),
         num_seqs=jnp.asarray([len(seqs)], jnp.int32),
+        cache_pages=cache_pages,
     )
     hidden, caches = model(jnp.asarray(ids), jnp.asarray(positions), caches, md)
     return np.asarray(model.compute_logits(hidden)), caches
 
 
-def _caches(config):
+def _caches(config, stacked=False, backend="xla"):
+    """One float32 cache of 32 pages a layer: an array each, or all in one array (the runner's)."""
+    count, pages = (1, 32 * config.num_layers) if stacked else (config.num_layers, 32)
     return [
-        allocate_kv_cache(32, PAGE, config.num_kv_heads, config.head_dim, jnp.float32, backend="xla")
-        for _ in range(config.num_layers)
+        allocate_kv_cache(pages, PAGE, config.num_kv_heads, config.head_dim, jnp.float32, backend=backend)
+        for _ in range(count)
     ]
 
 
@@ -67,20 +71,24 @@ def test_prefill_logits_match_transformers(tiny):
     np.testing.assert_allclose(logits, _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
-def test_ragged_prefill_then_mixed_decode_match_transformers(tiny):
+@pytest.mark.parametrize("stacked", [False, True], ids=["cache_per_layer", "stacked_caches"])
+def test_ragged_prefill_then_mixed_decode_match_transformers(tiny, stacked):
     _, config, model, hf = tiny
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (5, 16, 33)]  # exact page multiple too
     pages = [[1], [2, 9], [5, 6, 7]]
-    caches = _caches(config)
+    caches = _caches(config, stacked)
+    cache_pages = 32 if stacked else 0
     # Step 1: all three prompts in one ragged prefill; the logits of the last token of each sequence.
-    logits, caches = _run(config, model, caches, prompts, [0, 0, 0], pages)
+    logits, caches = _run(config, model, caches, prompts, [0, 0, 0], pages, cache_pages)
     ends = np.cumsum([len(p) for p in prompts]) - 1
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(logits[ends[i]], _hf_logits(hf, p)[-1], atol=1e-4, rtol=1e-4)
     # Step 2: one decode token for seq 0 and 1, and a 2-token chunk for seq 2 (mixed batch).
     new = [[11], [12], [13, 14]]
-    logits, caches = _run(config, model, caches, new, [len(p) for p in prompts], [[1], [2, 9], [5, 6, 7]])
+    logits, caches = _run(
+        config, model, caches, new, [len(p) for p in prompts], [[1], [2, 9], [5, 6, 7]], cache_pages
+    )
     rows = np.cumsum([len(n) for n in new]) - 1
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(logits[rows[i]], _hf_logits(hf, p + new[i])[-1], atol=1e-4, rtol=1e-4)

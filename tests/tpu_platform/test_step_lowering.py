@@ -12,8 +12,8 @@ from flax import nnx
 
 import pallas_kernels.backend
 from models import ModelConfig, build
-from pallas_kernels import allocate_kv_cache
 from tpu_platform.inputs import pack_inputs, padding_inputs
+from tpu_platform.kv_cache import allocate_stacked_caches
 from tpu_platform.step import make_forward
 
 CONFIG = ModelConfig(
@@ -31,9 +31,11 @@ def test_model_step_lowers(monkeypatch, backend, platform, custom_call, num_toke
     # Backend selection checks the device kind; here the device is the export target.
     monkeypatch.setattr(pallas_kernels.backend, "default_platform", lambda: platform)
     graphdef, state = nnx.split(build(CONFIG, jnp.bfloat16))
+    # The runner's caches: every layer's in one array.
     caches = [
-        allocate_kv_cache(256, page_size, CONFIG.num_kv_heads, CONFIG.head_dim, kv_dtype, backend=backend)
-        for _ in range(CONFIG.num_layers)
+        allocate_stacked_caches(
+            CONFIG.num_layers, 256, page_size, CONFIG.num_kv_heads, CONFIG.head_dim, kv_dtype, backend
+        )
     ]
     packed, dims = pack_inputs(padding_inputs(num_tokens, min(num_tokens, 8), 32))
     leaves, state_def = jax.tree.flatten(state)
@@ -43,7 +45,7 @@ def test_model_step_lowers(monkeypatch, backend, platform, custom_call, num_toke
     )
     disabled = [jax.export.DisabledSafetyCheck.custom_call(custom_call)]
     exported = jax.export.export(
-        make_forward(graphdef, state_def, backend, kv_dtype=kv_dtype),
+        make_forward(graphdef, state_def, backend, kv_dtype=kv_dtype, cache_pages=256),
         platforms=[platform],
         disabled_checks=disabled,
     )(*abstract, dims=dims)
