@@ -11,8 +11,10 @@ the shared blocks of `layers.py` (attention, MLPs, decoder blocks, trunk, LM hea
 Entry points: `ModelConfig.from_pretrained(path)`, `build(config, dtype, rngs)`,
 `load_weights(model, path)`; a model is called as
 `model(input_ids[T], positions[T], kv_caches, metadata) -> (hidden[T, D], kv_caches)` and
-`model.compute_logits(hidden) -> logits[.., V]`. On a CPU with AMX, AVX-512 BF16 or AVX2,
-`pack_for_native_dense(model)` moves the bfloat16 dense layers onto `pallas_kernels.cpu.native_dense`.
+`model.compute_logits(hidden) -> logits[.., V]`, `kv_caches` being a list of one cache array a
+layer or of arrays holding several (`AttentionMetadata.cache_pages`). On a CPU with AMX,
+AVX-512 BF16 or AVX2, `pack_for_native_dense(model)` moves the bfloat16 dense layers onto
+`pallas_kernels.cpu.native_dense`.
 """
 
 from models.config import ModelConfig

@@ -20,9 +20,10 @@ class AttentionMetadata:
     an array: the engine hands a page to one group at a time). Empty tuples mean one group and
     one cache array per layer.
 
-    `cache_pages > 0` says the caches are stacked: the model gets one array holding every cache
-    one after another along its page axis, `cache_pages` pages each (`pallas_kernels.api`), and
-    cache c starts at page `c * cache_pages`. 0: a list of one array per cache.
+    `cache_pages > 0` says the caches are stacked: each array of the model's list holds
+    `caches_per_array` caches (0: all of them, in one array) one after another along its page
+    axis, `cache_pages` pages each (`pallas_kernels.api`), so cache c is in array
+    `c // caches_per_array` from page `(c % caches_per_array) * cache_pages`. 0: one array a cache.
     """
 
     # [T] or [G, T] cache slot (page * page_size + offset) of each token; negative for padding
@@ -42,13 +43,17 @@ class AttentionMetadata:
     layer_groups: tuple[int, ...] = dataclasses.field(default=(), metadata={"static": True})
     layer_caches: tuple[int, ...] = dataclasses.field(default=(), metadata={"static": True})
     cache_pages: int = dataclasses.field(default=0, metadata={"static": True})
+    caches_per_array: int = dataclasses.field(default=0, metadata={"static": True})
     # Where the layer's pages start in its cache array (set by `for_layer` for stacked caches).
     first_page: int = dataclasses.field(default=0, metadata={"static": True})
 
     def for_layer(self, layer: int) -> tuple[int, AttentionMetadata]:
         """`(index in the list of cache arrays, single-group metadata)` for decoder layer `layer`."""
         cache = self.layer_caches[layer] if self.layer_caches else layer
-        array, first_page = (0, cache * self.cache_pages) if self.cache_pages else (cache, 0)
+        array, first_page = cache, 0
+        if self.cache_pages:
+            array, index = divmod(cache, self.caches_per_array) if self.caches_per_array else (0, cache)
+            first_page = index * self.cache_pages
         group = self.layer_groups[layer] if self.layer_groups else 0
         grouped = self.slot_mapping.ndim == 2
         return array, dataclasses.replace(
@@ -58,5 +63,6 @@ class AttentionMetadata:
             layer_groups=(),
             layer_caches=(),
             cache_pages=0,
+            caches_per_array=0,
             first_page=first_page,
         )

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from pallas_kernels import allocate_kv_cache
 
 GIB = 1 << 30
+_SLOT_LIMIT = 1 << 31  # slot numbers are int32
 # What a KV cache may hold, by dtype name.
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
@@ -42,6 +43,13 @@ def available_kv_bytes(device: jax.Device, *, memory_utilization: float, cpu_kv_
     return free
 
 
+def caches_per_array(num_caches: int, num_pages: int, page_size: int) -> int:
+    """How many caches of `num_pages` pages one array holds: all of them, unless their slots
+    (page * page_size + offset, int32) would pass int32's range."""
+    fit = (_SLOT_LIMIT - 1) // (num_pages * page_size)
+    return max(1, min(num_caches, fit))
+
+
 def allocate_stacked_caches(
     num_caches: int,
     num_pages: int,
@@ -50,9 +58,14 @@ def allocate_stacked_caches(
     head_dim: int,
     dtype: jnp.dtype,
     backend: str,
-) -> jax.Array:
-    """One zeroed array in `backend`'s layout holding `num_caches` caches of `num_pages` pages one
-    after another along its page axis (cache c from page `c * num_pages`: `pallas_kernels.api`).
-    A step's program then takes and donates one cache argument, not one a layer."""
-    pages = num_caches * num_pages
-    return allocate_kv_cache(pages, page_size, num_kv_heads, head_dim, dtype, backend=backend)
+) -> list[jax.Array]:
+    """Zeroed arrays in `backend`'s layout holding `num_caches` caches of `num_pages` pages,
+    `caches_per_array` of them one after another along each array's page axis (cache c from
+    page `(c % per_array) * num_pages` of array `c // per_array`: `pallas_kernels.api`). A step's
+    program then takes and donates one cache argument (or a few), not one a layer."""
+    per_array = caches_per_array(num_caches, num_pages, page_size)
+    shape = (page_size, num_kv_heads, head_dim, dtype)
+    return [
+        allocate_kv_cache(min(per_array, num_caches - first) * num_pages, *shape, backend=backend)
+        for first in range(0, num_caches, per_array)
+    ]

@@ -20,7 +20,12 @@ from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.dispatch import FlatCall
 from tpu_platform.inputs import StepBuffers, exercise_inputs, pack_inputs, padding_inputs, prepare_step
-from tpu_platform.kv_cache import allocate_stacked_caches, available_kv_bytes, kv_cache_dtype
+from tpu_platform.kv_cache import (
+    allocate_stacked_caches,
+    available_kv_bytes,
+    caches_per_array,
+    kv_cache_dtype,
+)
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
 from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
 from tpu_platform.request_table import RequestTable
@@ -112,7 +117,7 @@ class Runner:
         two_pages = jax.eval_shape(
             lambda: allocate_stacked_caches(
                 1, 2, self.config.page_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype, self.backend
-            )
+            )[0]
         )
         return two_pages.size * two_pages.dtype.itemsize // 2
 
@@ -124,16 +129,17 @@ class Runner:
     def initialize_kv_cache(
         self, num_pages: int, layer_groups: tuple[int, ...] = (), layer_caches: tuple[int, ...] = ()
     ) -> None:
-        """Allocates the caches, stacked in one array (`allocate_stacked_caches`): one cache per
-        layer, or per `layer_caches` index when layers of different KV-cache groups
-        (`layer_groups`) share caches."""
+        """Allocates the caches, stacked in one array (a few past int32's slot numbers:
+        `allocate_stacked_caches`): one cache per layer, or per `layer_caches` index when layers
+        of different KV-cache groups (`layer_groups`) share caches."""
         mc = self.model_config
         num_arrays = max(layer_caches) + 1 if layer_caches else mc.num_layers
         num_groups = max(layer_groups) + 1 if layer_groups else 1
         shape = (num_pages, self.config.page_size, mc.num_kv_heads, mc.head_dim)
         caches = allocate_stacked_caches(num_arrays, *shape, self.kv_dtype, self.backend)
+        per_array = caches_per_array(num_arrays, num_pages, self.config.page_size)
         # Committed to the device like the step's outputs, so warm-up and serving share programs.
-        self.kv_caches = [jax.device_put(caches, self.device)]
+        self.kv_caches = jax.device_put(caches, self.device)
         self.num_pages = num_pages
         self.num_groups = num_groups
         self.table = RequestTable(
@@ -141,12 +147,12 @@ class Runner:
         )
         self._forward = make_forward(
             self._graphdef, self._state_def, self.backend, layer_groups, layer_caches, self.kv_dtype.name,
-            cache_pages=num_pages,
+            cache_pages=num_pages, caches_per_array=per_array,
         )  # fmt: skip
         # Everything the forward closes over, for naming its cached executables.
         self._forward_context = repr(
             (self.model_config, self.backend, layer_groups, layer_caches, self.kv_dtype.name, num_pages,
-             self._graphdef)
+             per_array, self._graphdef)
         )  # fmt: skip
 
     def warm_up(self, shapes: list[tuple[int, int, int]] | None = None) -> int:

@@ -29,6 +29,7 @@ def forward_logits(
     layer_caches: tuple[int, ...] = (),
     kv_dtype: str | None = None,
     cache_pages: int = 0,
+    caches_per_array: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
     """Runs the model on all scheduled tokens (`packed` by `pack_inputs`, padded to `dims`).
 
@@ -54,6 +55,7 @@ def forward_logits(
         layer_caches=layer_caches,
         kv_dtype=kv_dtype,
         cache_pages=cache_pages,
+        caches_per_array=caches_per_array,
     )
     hidden, kv_caches = model(token_ids, inputs.positions, kv_caches, md)
     logits = model.compute_logits(hidden[inputs.logits_indices])
@@ -74,6 +76,7 @@ def make_forward(
     kv_dtype: str | None = None,
     *,
     cache_pages: int = 0,
+    caches_per_array: int = 0,
 ) -> Callable:
     """`forward(state_leaves, kv_caches, packed, fed_tokens, dims=...) -> (logits, greedy, hidden,
     kv_caches)`, jitted.
@@ -85,8 +88,8 @@ def make_forward(
     `layer_groups`/`layer_caches` map each layer to its KV-cache group and cache array
     (see `models.AttentionMetadata`); empty means one group and one array per layer.
     `kv_dtype` names the cached values' dtype when it is not the model's (a float8 cache).
-    `cache_pages > 0`: `kv_caches` is one array holding every cache, `cache_pages` pages each
-    (`models.AttentionMetadata`).
+    `cache_pages > 0`: each of `kv_caches` holds `caches_per_array` caches (0: all),
+    `cache_pages` pages each (`models.AttentionMetadata`).
     """
     step = functools.partial(
         forward_logits,
@@ -97,6 +100,7 @@ def make_forward(
         layer_caches=layer_caches,
         kv_dtype=kv_dtype,
         cache_pages=cache_pages,
+        caches_per_array=caches_per_array,
     )
     return jax.jit(step, donate_argnums=(1,), static_argnames=("dims",))
 

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Llama forward pass against transformers (fp32), prefill and ragged mixed batches."""
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,9 +30,10 @@ def _hf_logits(hf, ids):
         return hf(torch.tensor([ids], dtype=torch.long)).logits[0].numpy()
 
 
-def _run(config, model, caches, seqs, starts, pages, cache_pages=0):
+def _run(config, model, caches, seqs, starts, pages, cache_pages=0, caches_per_array=0):
     """One ragged step: seqs[i] = new token ids of sequence i, starting at position starts[i].
-    `cache_pages`: the caches are one stacked array of that many pages a layer."""
+    `cache_pages`: the caches are stacked, that many pages a layer, `caches_per_array` an array
+    (0: all in one)."""
     ids = np.concatenate([np.asarray(s, np.int32) for s in seqs])
     positions = np.concatenate(
         [np.arange(st, st + len(s)) for s, st in zip(seqs, starts, strict=True)]
@@ -50,6 +53,7 @@ def _run(config, model, caches, seqs, starts, pages, cache_pages=0):
         cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum([len(s) for s in seqs])]), jnp.int32),
         num_seqs=jnp.asarray([len(seqs)], jnp.int32),
         cache_pages=cache_pages,
+        caches_per_array=caches_per_array,
     )
     hidden, caches = model(jnp.asarray(ids), jnp.asarray(positions), caches, md)
     return np.asarray(model.compute_logits(hidden)), caches
@@ -106,6 +110,25 @@ def test_bf16_serving_dtype_close_to_fp32(tiny):
     logits, _ = _run(config, model, caches, [ids], [0], [[1]])
     ref = _hf_logits(hf, ids)
     assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_layers_split_over_stacked_arrays_match_transformers(tmp_path):
+    # Three layers, two to an array: layer 2 is the second array's first cache.
+    path = save_tiny_llama(str(tmp_path / "three_layers"), num_hidden_layers=3)
+    config, model = load_model(path)
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    caches = [
+        allocate_kv_cache(pages, PAGE, config.num_kv_heads, config.head_dim, jnp.float32, backend="xla")
+        for pages in (2 * 32, 32)
+    ]
+    prompt, more = [5, 9, 20, 33, 7, 100, 200, 3, 17, 250, 251, 4, 8, 15, 16, 23, 42], [11, 12]
+    step = functools.partial(_run, config, model, cache_pages=32, caches_per_array=2)
+    _, caches = step(caches, [prompt], [0], [[3, 1]])
+    logits, caches = step(caches, [more], [len(prompt)], [[3, 1]])
+    want = _hf_logits(hf, prompt + more)[-2:]
+    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=1e-4)
+    written = [set(np.flatnonzero(np.asarray(c).any(axis=(0, 2)))) for c in caches]  # [2K, pages, S*D]
+    assert written == [{1, 3, 33, 35}, {1, 3}]  # layers 0 and 1 in array 0, layer 2 in array 1
 
 
 def test_unsupported_architecture_is_named():

@@ -32,11 +32,9 @@ def test_model_step_lowers(monkeypatch, backend, platform, custom_call, num_toke
     monkeypatch.setattr(pallas_kernels.backend, "default_platform", lambda: platform)
     graphdef, state = nnx.split(build(CONFIG, jnp.bfloat16))
     # The runner's caches: every layer's in one array.
-    caches = [
-        allocate_stacked_caches(
-            CONFIG.num_layers, 256, page_size, CONFIG.num_kv_heads, CONFIG.head_dim, kv_dtype, backend
-        )
-    ]
+    caches = allocate_stacked_caches(
+        CONFIG.num_layers, 256, page_size, CONFIG.num_kv_heads, CONFIG.head_dim, kv_dtype, backend
+    )
     packed, dims = pack_inputs(padding_inputs(num_tokens, min(num_tokens, 8), 32))
     leaves, state_def = jax.tree.flatten(state)
     fed_tokens = jnp.zeros(8, jnp.int32)  # the previous step's tokens (max_num_seqs wide)
