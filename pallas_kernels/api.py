@@ -57,20 +57,25 @@ _PAGES = {
     PALLAS_TPU: (0, lambda cache, head_dim: cache.shape[2]),  # [pages, 2K, S, Dp]
     PALLAS_GPU: (2, lambda cache, head_dim: cache.shape[3]),  # [2, K, pages, S, Dp]
 }
-_SLOT_LIMIT = 2**31  # slot numbers are int32
+# Slot numbers (page * page_size + offset) are int32: a cache array holds fewer slots than this.
+SLOT_LIMIT = 2**31
+
+
+def _check_first_page(first_page: int) -> None:
+    if first_page < 0:
+        raise ValueError(f"first_page must be >= 0, got {first_page}")
 
 
 def _shift_slots(
     slot_mapping: jax.Array, kv_cache: jax.Array, head_dim: int, first_page: int, backend: str
 ) -> jax.Array:
     """`slot_mapping` counted from page `first_page` of the cache; negative slots stay padding."""
-    if first_page < 0:
-        raise ValueError(f"first_page must be >= 0, got {first_page}")
+    _check_first_page(first_page)
     if first_page == 0:
         return slot_mapping
     page_axis, page_size_of = _PAGES[backend]
     page_size = page_size_of(kv_cache, head_dim)
-    if kv_cache.shape[page_axis] * page_size >= _SLOT_LIMIT:
+    if kv_cache.shape[page_axis] * page_size >= SLOT_LIMIT:
         raise ValueError(
             f"a cache of {kv_cache.shape[page_axis]} pages of {page_size} tokens has more slots than "
             "int32 slot numbers address: give the layers several cache arrays"
@@ -79,8 +84,7 @@ def _shift_slots(
 
 
 def _shift_pages(page_indices: jax.Array, first_page: int) -> jax.Array:
-    if first_page < 0:
-        raise ValueError(f"first_page must be >= 0, got {first_page}")
+    _check_first_page(first_page)
     return page_indices + first_page if first_page else page_indices
 
 

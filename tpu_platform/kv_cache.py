@@ -6,10 +6,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import allocate_kv_cache
+from pallas_kernels import SLOT_LIMIT, allocate_kv_cache
 
 GIB = 1 << 30
-_SLOT_LIMIT = 1 << 31  # slot numbers are int32
 # What a KV cache may hold, by dtype name.
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
@@ -46,7 +45,7 @@ def available_kv_bytes(device: jax.Device, *, memory_utilization: float, cpu_kv_
 def caches_per_array(num_caches: int, num_pages: int, page_size: int) -> int:
     """How many caches of `num_pages` pages one array holds: all of them, unless their slots
     (page * page_size + offset, int32) would pass int32's range."""
-    fit = (_SLOT_LIMIT - 1) // (num_pages * page_size)
+    fit = (SLOT_LIMIT - 1) // (num_pages * page_size)
     return max(1, min(num_caches, fit))
 
 
