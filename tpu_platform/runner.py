@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from models import ModelConfig, load_model, pack_for_native_dense
+from pallas_kernels import allocate_kv_cache
 from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
@@ -115,9 +116,9 @@ class Runner:
         """Bytes one page of one layer takes in the attention backend's own cache layout."""
         mc = self.model_config
         two_pages = jax.eval_shape(
-            lambda: allocate_stacked_caches(
-                1, 2, self.config.page_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype, self.backend
-            )[0]
+            lambda: allocate_kv_cache(
+                2, self.config.page_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype, backend=self.backend
+            )
         )
         return two_pages.size * two_pages.dtype.itemsize // 2
 
@@ -133,11 +134,11 @@ class Runner:
         `allocate_stacked_caches`): one cache per layer, or per `layer_caches` index when layers
         of different KV-cache groups (`layer_groups`) share caches."""
         mc = self.model_config
-        num_arrays = max(layer_caches) + 1 if layer_caches else mc.num_layers
+        num_caches = max(layer_caches) + 1 if layer_caches else mc.num_layers
         num_groups = max(layer_groups) + 1 if layer_groups else 1
         shape = (num_pages, self.config.page_size, mc.num_kv_heads, mc.head_dim)
-        caches = allocate_stacked_caches(num_arrays, *shape, self.kv_dtype, self.backend)
-        per_array = caches_per_array(num_arrays, num_pages, self.config.page_size)
+        caches = allocate_stacked_caches(num_caches, *shape, self.kv_dtype, self.backend)
+        per_array = caches_per_array(num_caches, num_pages, self.config.page_size)
         # Committed to the device like the step's outputs, so warm-up and serving share programs.
         self.kv_caches = jax.device_put(caches, self.device)
         self.num_pages = num_pages
