@@ -39,6 +39,9 @@ METRICS = (
     Metric("serve ITL max ms", "serve", ("itl_ms", "max"), False),
     Metric("serve ITL gaps > 1 s", "serve", ("itl_gaps_over_1s",), False),
     Metric("serve TPOT mean ms", "serve", ("tpot_ms", "mean"), False),
+    Metric("serve engine: queue mean ms", "serve", ("engine_mean_ms", "queue"), False),
+    Metric("serve engine: prefill mean ms", "serve", ("engine_mean_ms", "prefill"), False),
+    Metric("serve engine: decode mean ms", "serve", ("engine_mean_ms", "decode"), False),
     Metric("serve start-up s", "serve", ("startup_seconds",), False),
 )
 CHART_THROUGHPUT = ("batch output tok/s", "batch total tok/s", "single tok/s", "serve output tok/s")

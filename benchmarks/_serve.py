@@ -6,7 +6,10 @@ its own process group with the peer's environment (inherited from the worker). A
 answers and one warm-up request, `concurrency` clients share `requests` streaming
 `/v1/completions` calls (token-id prompts, greedy, `ignore_eos`). Measured per request: time to
 first token (TTFT), the gaps between streamed tokens (ITL) and time per output token after the
-first (TPOT). The server is then stopped: SIGTERM to its group, SIGKILL if still alive after 30 s.
+first (TPOT). Then the server's own `/metrics` split each request's time on the engine's side
+(vLLM's histograms: waiting in the queue, prefill, decode; means over the run, the warm-up request
+included) and give our `vllm_xla:*` gauges when our platform serves. The server is then stopped:
+SIGTERM to its group, SIGKILL if still alive after 30 s.
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ from _peers import SEED, VLLM_LIMITS, Sizes, random_prompts, vocab_size
 HOST = "127.0.0.1"
 HEALTH_TIMEOUT_S = 300.0
 COMPILE_AFTER_WARMUP = "compiled a new program after warm-up"  # our runner's warning (tpu_platform)
+# vLLM's per-request histograms (seconds): where a request's time goes on the engine's side.
+ENGINE_HISTOGRAMS = {
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "decode": "vllm:request_decode_time_seconds",
+    "ttft": "vllm:time_to_first_token_seconds",
+}
 
 
 def free_port() -> int:
@@ -135,7 +145,29 @@ async def run_clients(base: str, prompts: list[list[int]], max_tokens: int, conc
         start = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         wall = time.perf_counter() - start
-    return health_seconds, warm_seconds, wall, results
+        async with session.get(f"{base}/metrics") as response:
+            metrics = engine_metrics(await response.text())
+    return health_seconds, warm_seconds, wall, results, metrics
+
+
+def engine_metrics(text: str) -> dict[str, Any]:
+    """Means (ms) of vLLM's per-request histograms and the `vllm_xla:*` gauges, from `/metrics`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}  # "<histogram>_sum" / "<histogram>_count", summed over labels
+    gauges: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm_xla:"):
+                gauges[sample.name] = sample.value
+            elif sample.name.endswith(("_sum", "_count")):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    means = {
+        label: 1000.0 * totals[f"{name}_sum"] / totals[f"{name}_count"]
+        for label, name in ENGINE_HISTOGRAMS.items()
+        if totals.get(f"{name}_count")
+    }
+    return {"engine_mean_ms": means, "platform_gauges": gauges}
 
 
 def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
@@ -183,7 +215,7 @@ def run_serve(
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = start_server(command, log)
         try:
-            health, warm, wall, results = asyncio.run(
+            health, warm, wall, results, metrics = asyncio.run(
                 run_clients(
                     f"http://{HOST}:{port}", prompts, sizes.serve_output, sizes.serve_concurrency, proc
                 )
@@ -207,4 +239,5 @@ def run_serve(
         "compiles_after_warmup_logged": server_log.count(COMPILE_AFTER_WARMUP),
     }
     result.update(summarize(wall, results, prompts))
+    result.update(metrics)
     return result

@@ -117,6 +117,9 @@ def worker_main(args: argparse.Namespace) -> int:
     split = _cpu_split(not args.no_pin)
     if split:  # threads inherit their creator's CPUs: XLA's and vLLM's start on the device CPUs
         os.sched_setaffinity(0, split[1])
+    # The host beside an accelerator runs vLLM's async scheduling, which our platform otherwise
+    # turns off on the CPU device standing in for it here.
+    os.environ["VLLM_XLA_CPU_ASYNC_SCHEDULING"] = "1"
     from vllm import LLM
 
     llm = LLM(

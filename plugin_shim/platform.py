@@ -17,7 +17,7 @@ from plugin_shim.cache_dtype import runner_kv_cache_dtype
 from tpu_platform.envs import read_env
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import SchedulerConfig, VllmConfig
 
 WORKER_CLASS = "plugin_shim.worker.XlaWorker"
 DEFAULT_PAGE_SIZE = 16
@@ -110,6 +110,7 @@ class XlaPlatform(Platform):
                 # like on CPU), and a whole (32, 128) tile of 8-bit values on TPU.
                 float8 = kv_dtype is not None and kv_dtype.startswith("float8")
                 cache.block_size = DEFAULT_PAGE_SIZE * (2 if float8 else 1)
+        _async_scheduling_off_on_cpu(vllm_config.scheduler_config)
         # JAX is multithreaded: a forked engine process would deadlock.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
@@ -123,3 +124,25 @@ class XlaPlatform(Platform):
         if not isinstance(params, SamplingParams):
             raise ValueError("vllm-xla serves text generation only; pooling requests are not supported")
         sampling_options(params)  # raises a ValueError naming the unsupported option
+
+
+def _async_scheduling_off_on_cpu(scheduler: SchedulerConfig) -> None:
+    """Turns vLLM's async scheduling off on the CPU device, as vLLM's own CPU backend does.
+
+    With a step of 0.1-3 s against a few milliseconds of host work there is little to overlap, and
+    what overlapping costs is large: vLLM schedules step N+2 while step N+1 runs, so a request
+    that arrives waits one more whole step for its first token, and the engine's host thread takes
+    a core from the step's compute threads. `VLLM_XLA_CPU_ASYNC_SCHEDULING=1` keeps it (our tests
+    of the async path and `benchmarks/host_overhead.py`, which models an accelerator's host).
+    """
+    env = read_env()
+    if env.platform != "cpu" or not scheduler.async_scheduling or env.cpu_async_scheduling:
+        return
+    scheduler.async_scheduling = False
+    from vllm.logger import init_logger
+
+    init_logger("vllm.xla").info(
+        "vllm-xla: async scheduling is off on the CPU device (a step's 0.1-3 s leave little to "
+        "overlap, and it would delay each new request's first token by a step); "
+        "VLLM_XLA_CPU_ASYNC_SCHEDULING=1 keeps it on"
+    )

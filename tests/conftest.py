@@ -15,6 +15,9 @@ os.environ.setdefault("VLLM_XLA_PLATFORM", "cpu")
 os.environ.setdefault("VLLM_XLA_CACHE_DIR", str(_REPO / ".cache" / "vllm-xla"))
 os.environ.setdefault("VLLM_XLA_CPU_KV_CACHE_GB", "0.25")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The engine tests run what TPU and GPU run by default: vLLM's async scheduling (our platform turns
+# it off on the CPU device otherwise; tests/plugin_shim/test_platform.py checks that rule).
+os.environ.setdefault("VLLM_XLA_CPU_ASYNC_SCHEDULING", "1")
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@
 - VLLM_XLA_CACHE_DIR: embedded model, executable and JAX compilation caches, metrics files
   (default $XDG_CACHE_HOME/vllm-xla).
 - VLLM_XLA_STRICT_COMPILE: 1 makes a compilation after warm-up an error (default 0).
+- VLLM_XLA_CPU_ASYNC_SCHEDULING: 1 keeps vLLM's async scheduling on the CPU device (default 0:
+  there it is turned off, as vLLM's own CPU backend does; see README "Configuration").
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class XlaEnv:
     cpu_kv_cache_gb: float
     cache_dir: str
     strict_compile: bool
+    cpu_async_scheduling: bool
 
 
 def _choice(name: str, value: str | None, choices: tuple[str, ...]) -> str | None:
@@ -49,6 +52,10 @@ def _float(name: str, value: str | None, default: float) -> float:
     return parsed
 
 
+def _flag(value: str | None) -> bool:
+    return (value or "0").strip().lower() in ("1", "true", "yes")
+
+
 def default_cache_dir(environ: os._Environ[str] | dict[str, str]) -> str:
     xdg = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(xdg, "vllm-xla")
@@ -65,5 +72,6 @@ def read_env(environ: os._Environ[str] | dict[str, str] | None = None) -> XlaEnv
         or "auto",
         cpu_kv_cache_gb=_float("VLLM_XLA_CPU_KV_CACHE_GB", env.get("VLLM_XLA_CPU_KV_CACHE_GB"), 1.0),
         cache_dir=env.get("VLLM_XLA_CACHE_DIR") or default_cache_dir(env),
-        strict_compile=env.get("VLLM_XLA_STRICT_COMPILE", "0").strip() in ("1", "true", "yes"),
+        strict_compile=_flag(env.get("VLLM_XLA_STRICT_COMPILE")),
+        cpu_async_scheduling=_flag(env.get("VLLM_XLA_CPU_ASYNC_SCHEDULING")),
     )

@@ -120,6 +120,16 @@ def test_n_samples_are_reproducible_with_a_seed(llm):
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
 
 
+@pytest.mark.parametrize(("keep", "expected"), [("0", False), ("1", True)])
+def test_vllm_config_on_the_cpu_device_schedules_in_step(tiny_dir, monkeypatch, keep, expected):
+    # vLLM resolves its default (async on) and then lets the platform hook have the last word.
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_XLA_CPU_ASYNC_SCHEDULING", keep)
+    config = EngineArgs(model=tiny_dir, max_model_len=128).create_engine_config()
+    assert config.scheduler_config.async_scheduling is expected
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_chunked_prefill_and_preemption_match_transformers(tiny_dir, hf, async_scheduling):
     # A tiny step budget forces chunked prefill; 10 pages of 16 tokens cannot hold the four

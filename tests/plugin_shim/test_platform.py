@@ -38,9 +38,32 @@ def test_bad_environment_values_are_named():
     with pytest.raises(ValueError, match="VLLM_XLA_CPU_KV_CACHE_GB='lots' is not a number"):
         read_env({"VLLM_XLA_CPU_KV_CACHE_GB": "lots"})
     env = read_env({"XDG_CACHE_HOME": "/x"})
-    assert (env.platform, env.attention_backend, env.cache_dir, env.strict_compile) == (
-        None, "auto", "/x/vllm-xla", False,
-    )  # fmt: skip
+    assert (env.platform, env.attention_backend, env.cache_dir) == (None, "auto", "/x/vllm-xla")
+    assert (env.strict_compile, env.cpu_async_scheduling) == (False, False)
+    assert read_env({"VLLM_XLA_CPU_ASYNC_SCHEDULING": "1"}).cpu_async_scheduling
+
+
+@pytest.mark.parametrize(
+    ("device", "keep", "asked", "expected"),
+    [
+        ("cpu", "0", True, False),  # the CPU device: off, as vLLM's CPU backend does
+        ("cpu", "1", True, True),  # VLLM_XLA_CPU_ASYNC_SCHEDULING=1 keeps it
+        ("cpu", "0", False, False),
+        ("tpu", "0", True, True),  # accelerators keep vLLM's choice
+        ("gpu", "0", True, True),
+        ("gpu", "0", False, False),
+    ],
+)
+def test_async_scheduling_is_off_on_the_cpu_device_unless_kept(monkeypatch, device, keep, asked, expected):
+    from types import SimpleNamespace
+
+    from plugin_shim.platform import _async_scheduling_off_on_cpu
+
+    monkeypatch.setenv("VLLM_XLA_PLATFORM", device)
+    monkeypatch.setenv("VLLM_XLA_CPU_ASYNC_SCHEDULING", keep)
+    scheduler = SimpleNamespace(async_scheduling=asked)
+    _async_scheduling_off_on_cpu(scheduler)
+    assert scheduler.async_scheduling is expected
 
 
 def test_sampling_params_translate_and_unsupported_ones_are_rejected():
