@@ -52,8 +52,14 @@ def _float(name: str, value: str | None, default: float) -> float:
     return parsed
 
 
-def _flag(value: str | None) -> bool:
-    return (value or "0").strip().lower() in ("1", "true", "yes")
+_TRUE, _FALSE = ("1", "true", "yes"), ("", "0", "false", "no")
+
+
+def _flag(name: str, value: str | None) -> bool:
+    parsed = (value or "").strip().lower()
+    if parsed not in _TRUE + _FALSE:
+        raise ValueError(f"{name}={value!r} is not valid; use 1 (on) or 0 (off)")
+    return parsed in _TRUE
 
 
 def default_cache_dir(environ: os._Environ[str] | dict[str, str]) -> str:
@@ -72,6 +78,6 @@ def read_env(environ: os._Environ[str] | dict[str, str] | None = None) -> XlaEnv
         or "auto",
         cpu_kv_cache_gb=_float("VLLM_XLA_CPU_KV_CACHE_GB", env.get("VLLM_XLA_CPU_KV_CACHE_GB"), 1.0),
         cache_dir=env.get("VLLM_XLA_CACHE_DIR") or default_cache_dir(env),
-        strict_compile=_flag(env.get("VLLM_XLA_STRICT_COMPILE")),
-        cpu_async_scheduling=_flag(env.get("VLLM_XLA_CPU_ASYNC_SCHEDULING")),
+        strict_compile=_flag("VLLM_XLA_STRICT_COMPILE", env.get("VLLM_XLA_STRICT_COMPILE")),
+        cpu_async_scheduling=_flag("VLLM_XLA_CPU_ASYNC_SCHEDULING", env.get("VLLM_XLA_CPU_ASYNC_SCHEDULING")),
     )

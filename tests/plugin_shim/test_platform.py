@@ -41,6 +41,9 @@ def test_bad_environment_values_are_named():
     assert (env.platform, env.attention_backend, env.cache_dir) == (None, "auto", "/x/vllm-xla")
     assert (env.strict_compile, env.cpu_async_scheduling) == (False, False)
     assert read_env({"VLLM_XLA_CPU_ASYNC_SCHEDULING": "1"}).cpu_async_scheduling
+    assert not read_env({"VLLM_XLA_CPU_ASYNC_SCHEDULING": "no"}).cpu_async_scheduling
+    with pytest.raises(ValueError, match="VLLM_XLA_CPU_ASYNC_SCHEDULING='on' is not valid; use 1"):
+        read_env({"VLLM_XLA_CPU_ASYNC_SCHEDULING": "on"})
 
 
 @pytest.mark.parametrize(
