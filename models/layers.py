@@ -22,7 +22,9 @@ from pallas_kernels import cpu, ragged_paged_attention, write_kv
 
 
 def _zeros(shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
-    return nnx.Param(jnp.zeros(shape, dtype))
+    """A parameter's placeholder until it is loaded: host zeros, which cost nothing until written
+    (a device array would cost a dispatched program per shape, ~1 s for a 30-layer model)."""
+    return nnx.Param(np.zeros(shape, dtype))
 
 
 class Linear(nnx.Module):
@@ -38,12 +40,14 @@ class Linear(nnx.Module):
 
     @classmethod
     def concatenated(cls, parts: Sequence[Linear]) -> Linear:
-        """One Linear computing every part's output side by side (same input, outputs concatenated)."""
-        kernel = jnp.concatenate([p.kernel[...] for p in parts], axis=1)
+        """One Linear computing every part's output side by side (same input, outputs concatenated).
+        Host parts give a host Linear, device parts a device one."""
+        xp = np if isinstance(parts[0].kernel.get_value(), np.ndarray) else jnp
+        kernel = xp.concatenate([p.kernel[...] for p in parts], axis=1)
         fused = cls(kernel.shape[0], kernel.shape[1], bias=parts[0].bias is not None, dtype=kernel.dtype)
         fused.kernel.set_value(kernel)
         if fused.bias is not None:
-            fused.bias.set_value(jnp.concatenate([p.bias[...] for p in parts]))
+            fused.bias.set_value(xp.concatenate([p.bias[...] for p in parts]))
         return fused
 
 

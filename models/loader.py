@@ -41,15 +41,15 @@ def checkpoint_files(path: str) -> list[str]:
     )
 
 
-def iter_checkpoint(path: str) -> Iterator[tuple[str, np.ndarray | jax.Array]]:
-    """Yields `(hf_name, array)` over every tensor of the model at `path`."""
+def iter_checkpoint(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields `(hf_name, host array)` over every tensor of the model at `path`."""
     for file in checkpoint_files(path):
         if file.endswith(".gguf"):
             yield from gguf_reader.iter_hf_tensors(file)
             continue
         from safetensors import safe_open
 
-        with safe_open(file, framework="flax") as f:
+        with safe_open(file, framework="numpy") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
@@ -83,7 +83,7 @@ class _ExpertStacks:
         self.buffers: dict[str, np.ndarray] = {}
         self.experts: dict[str, set[int]] = {}
 
-    def put(self, ours: str, expert: int, value: jax.Array, current: jax.Array, hf: str) -> None:
+    def put(self, ours: str, expert: int, value: np.ndarray, current: jax.Array, hf: str) -> None:
         if value.shape != current.shape[1:] or not 0 <= expert < current.shape[0]:
             raise ValueError(
                 f"checkpoint tensor {hf!r} has shape {value.shape} for expert {expert}, "
@@ -92,7 +92,7 @@ class _ExpertStacks:
         if ours not in self.buffers:
             self.buffers[ours] = np.zeros(current.shape, current.dtype)
             self.experts[ours] = set()
-        self.buffers[ours][expert] = np.asarray(value.astype(current.dtype))
+        self.buffers[ours][expert] = value.astype(current.dtype)
         self.experts[ours].add(expert)
 
     def store(self, by_name: dict[str, nnx.Variable], path: str) -> set[str]:
@@ -101,11 +101,11 @@ class _ExpertStacks:
             absent = sorted(set(range(array.shape[0])) - self.experts[ours])
             if absent:
                 raise ValueError(f"checkpoint {path!r} lacks experts {absent[:8]} of {ours!r}")
-            by_name[ours].set_value(jnp.asarray(array))
+            by_name[ours].set_value(array)
         return set(self.buffers)
 
 
-def load_weights(model: nnx.Module, path: str) -> None:
+def load_weights(model: nnx.Module, path: str, *, on_host: bool = False) -> None:
     """Fills every parameter of `model` from the checkpoint at `path`.
 
     Driven by the model's `hf_param_map`. Linear weights (HF `[out, in]`) are transposed to our
@@ -113,6 +113,9 @@ def load_weights(model: nnx.Module, path: str) -> None:
     `{e}` field is one expert's tensor: it fills slot e of our expert-stacked `[E, ...]` parameter,
     which is stored once all E slots are filled. A checkpoint tensor with no home, a missing
     parameter or expert, or a shape mismatch is an error naming the tensor.
+
+    Tensors are transposed and cast in NumPy, then put on JAX's default device in one transfer
+    (`on_host`: left as NumPy arrays, for a caller that transforms them before its own transfer).
     """
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     by_name = {".".join(str(p) for p in key): var for key, var in params.items()}
@@ -130,7 +133,7 @@ def load_weights(model: nnx.Module, path: str) -> None:
             )
         ours, expert = found
         var = by_name[ours]
-        value = jnp.asarray(array)
+        value = np.asarray(array)
         if ours.endswith("kernel"):
             value = value.T
         current = var.get_value()
@@ -139,20 +142,34 @@ def load_weights(model: nnx.Module, path: str) -> None:
             continue
         if value.shape != current.shape:
             raise ValueError(f"checkpoint tensor {hf!r} has shape {value.shape}, expected {current.shape}")
-        var.set_value(value.astype(current.dtype))
+        var.set_value(
+            value.astype(current.dtype)
+        )  # a transposed kernel stays F-ordered: the transfer lays it out
         filled.add(ours)
     filled |= stacks.store(by_name, path)
     missing = sorted(set(by_name) - filled)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} parameters, e.g. {missing[:5]}")
+    if not on_host:
+        put_on_device(model)
 
 
-def load_model(path: str, dtype: jnp.dtype = jnp.float32) -> tuple[ModelConfig, nnx.Module]:
-    """Parses the config, builds the model and loads its weights."""
+def put_on_device(model: nnx.Module, device: jax.Device | None = None) -> None:
+    """Moves every variable of `model` to `device` (default: JAX's default device) in one transfer."""
+    nnx.update(model, jax.device_put(nnx.state(model), device))
+
+
+def load_model(
+    path: str, dtype: jnp.dtype = jnp.float32, *, on_host: bool = False
+) -> tuple[ModelConfig, nnx.Module]:
+    """Parses the config, builds the model and loads its weights onto JAX's default device
+    (`on_host`: as NumPy arrays; see `load_weights`)."""
     config = ModelConfig.from_pretrained(path)
     model = build(config, dtype)
-    load_weights(model, path)
+    load_weights(model, path, on_host=True)
     if config.tie_word_embeddings:
         model.model.embed_tokens.transpose_for_head()
     fuse_projections(model)
+    if not on_host:
+        put_on_device(model)
     return config, model

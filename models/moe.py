@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
@@ -123,7 +124,7 @@ class StackedLinear(nnx.Module):
     """One `[in, out]` kernel per expert, stacked `[E, in, out]` (filled expert by expert on load)."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, dtype: jnp.dtype):
-        self.kernel = nnx.Param(jnp.zeros((num_experts, in_features, out_features), dtype))
+        self.kernel = nnx.Param(np.zeros((num_experts, in_features, out_features), dtype))  # until loaded
 
 
 class Experts(nnx.Module):

@@ -80,7 +80,8 @@ class Runner:
 
     def load_model(self) -> ModelConfig:
         start = time.perf_counter()
-        self.model_config, model = load_model(self.config.model_path, self.dtype)
+        # On the host until packed: one transfer of the final weights, no device op per tensor.
+        self.model_config, model = load_model(self.config.model_path, self.dtype, on_host=True)
         # float32 kernels too where the best path is AVX2 (measured faster than XLA's dots there).
         packed = pack_for_native_dense(model, float32=self.dense_isa == "avx2") if self.dense_isa else 0
         graphdef, state = nnx.split(model)

@@ -2,6 +2,7 @@
 """Programs: built once, reloaded from the executable cache by a new process's runner, keyed by
 everything that shapes them, and refused after warm-up in strict mode."""
 
+import ast
 import functools
 import os
 import pathlib
@@ -180,3 +181,31 @@ def test_source_fingerprint_ignores_comments_and_docstrings_but_not_code(tmp_pat
     changed = fingerprint(_package(tmp_path / "c", 'def f(x):\n    """Doc."""\n    return x + 2\n'))
     assert base == commented
     assert base != changed
+
+
+def test_source_fingerprint_memo_parses_only_changed_modules(tmp_path, monkeypatch):
+    """With a memo directory, a second start reuses the syntax-tree digests of unchanged modules
+    and still sees a changed one; a torn memo file is ignored."""
+    parsed = []
+    real_parse = ast.parse
+    monkeypatch.setattr(
+        ast, "parse", lambda source, *a, **k: parsed.append(source) or real_parse(source, *a, **k)
+    )
+    root, memo = _package(tmp_path / "src", "def f(x):\n    return x + 1\n"), tmp_path / "memo"
+    memo.mkdir()
+    (root / "pkg" / "other.py").write_text("Y = 2\n")
+
+    def fingerprint() -> str:
+        return source_fingerprint.__wrapped__(root, ("pkg",), str(memo))
+
+    first = fingerprint()
+    assert len(parsed) == 2 and (memo / "source-digests.json").exists()
+    parsed.clear()
+    assert fingerprint() == first and parsed == []
+    assert fingerprint() == source_fingerprint.__wrapped__(root, ("pkg",))  # the memo changes nothing
+    parsed.clear()
+    (root / "pkg" / "mod.py").write_text("def f(x):\n    return x + 2\n")
+    changed = fingerprint()
+    assert changed != first and parsed == [b"def f(x):\n    return x + 2\n"]
+    (memo / "source-digests.json").write_text('{"torn')
+    assert fingerprint() == changed
