@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from pallas_kernels import cpu
+from plugin_shim.cli import step_token_budget
 from tests.tiny_models import save_tiny_llama
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,3 +31,40 @@ def test_generate_prints_the_completion_in_one_process(tmp_path, native_kernels)
     # dtype auto: bfloat16 on the native dense kernel where the CPU has it, else float32.
     dtype = "bfloat16" if cpu.dense_isa(native_kernels) else "float32"
     assert f"loaded LlamaForCausalLM ({dtype})" in logs
+
+
+def test_step_token_budget_is_the_power_of_two_holding_the_longest_prompt():
+    assert step_token_budget(["The capital of France is"], 1) == 32  # 24 bytes + 8
+    assert step_token_budget(["hi", "x" * 100], 2) == 128
+    assert step_token_budget(["é" * 30], 1) == 128  # 60 bytes of UTF-8, not 30 characters
+    assert step_token_budget(["x" * 5000], 1) == 512  # longer prompts are prefilled in chunks
+    assert step_token_budget(["x" * 5000], 1, most=1024) == 1024
+    assert step_token_budget(["a"], 1) == 16  # the smallest budget
+    assert step_token_budget(["a"] * 64, 64) == 64  # never fewer tokens than sequences per step
+    assert step_token_budget(["a"] * 600, 600) == 600
+
+
+PROMPTS = [
+    "The capital of France is",
+    "😀" * 10,  # 40 bytes: a token per byte in a BPE that never saw them
+    "   spaces   and\ttabs\n\n",
+    "ünïcödé 日本語 😀😀",
+    "a" * 300,
+    "!?" * 50,
+]
+
+
+def test_step_token_budget_bounds_real_tokenizers(tmp_path):
+    """Every prompt fits one step of the budget, by the embedded model's tokenizer and a byte-level
+    BPE one, special tokens included: `generate` then prefills each prompt in one step."""
+    from transformers import AutoTokenizer
+
+    from plugin_shim.model_dir import materialize
+    from tpu_platform.envs import read_env
+
+    tiny = save_tiny_llama(str(tmp_path / "model"), seed=0)
+    for model_dir in (materialize(read_env().cache_dir), tiny):
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        for prompt in PROMPTS:
+            tokens = len(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            assert 0 < tokens <= step_token_budget([prompt], 1), (model_dir, prompt, tokens)
