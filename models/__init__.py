@@ -9,7 +9,9 @@ the shared blocks of `layers.py` (attention, MLPs, decoder blocks, trunk, LM hea
 (routing and the routed expert matmul), and holds its HF-name table `hf_param_map`.
 
 Entry points: `ModelConfig.from_pretrained(path)`, `build(config, dtype, rngs)`,
-`load_weights(model, path)`; a model is called as
+`load_weights(model, path)` (a built model's parameters are host zeros until then; loading
+transposes and casts on the host and puts the weights on the device in one transfer, or leaves
+them on the host with `on_host=True`); a model is called as
 `model(input_ids[T], positions[T], kv_caches, metadata) -> (hidden[T, D], kv_caches)` and
 `model.compute_logits(hidden) -> logits[.., V]`, `kv_caches` being a list of one cache array a
 layer or of arrays holding several (`AttentionMetadata.cache_pages`). On a CPU with AMX,

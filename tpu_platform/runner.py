@@ -189,7 +189,7 @@ class Runner:
             kind, *static = spec.key
             if kind == "forward" and static[0] <= _FIRST_RUN_TOKENS:
                 t_pad, r_pad, p_pad, _ = static
-                for num_seqs in (1, r_pad):  # a prefill chunk, then a batch
+                for num_seqs in dict.fromkeys((1, r_pad)):  # a prefill chunk, then a batch (if R > 1)
                     inputs = exercise_inputs(
                         t_pad, r_pad, p_pad, self.num_groups, self.num_pages,
                         page_size=self.config.page_size, num_seqs=num_seqs,

@@ -3,10 +3,12 @@
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from transformers import LlamaForCausalLM
 
 from models import AttentionMetadata, ModelConfig, build, load_model, load_weights, pack_for_native_dense
@@ -172,6 +174,23 @@ def test_fused_projections_replace_the_checkpoint_ones_and_compute_the_same(tiny
     for model in (fused, unfused):
         logits, _ = _run(config, model, _caches(config), [ids], [0], [[3]])
         np.testing.assert_allclose(logits, ref, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_host_load_then_packing_gives_the_device_load_weights(tmp_path, tied):
+    """`on_host=True` leaves every weight a NumPy array (what the runner packs before its one
+    transfer); put on the device, the packed weights are those of a device load packed there."""
+    path = save_tiny_llama(str(tmp_path), tie_word_embeddings=tied)
+    _, on_device = load_model(path, jnp.bfloat16)
+    _, on_host = load_model(path, jnp.bfloat16, on_host=True)
+    device_leaves, host_leaves = jax.tree.leaves(nnx.state(on_device)), jax.tree.leaves(nnx.state(on_host))
+    assert all(isinstance(x, jax.Array) for x in device_leaves)
+    assert all(isinstance(x, np.ndarray) for x in host_leaves)
+    assert pack_for_native_dense(on_device) == pack_for_native_dense(on_host) > 0
+    put = jax.device_put(nnx.state(on_host))
+    for want, got in zip(jax.tree.leaves(nnx.state(on_device)), jax.tree.leaves(put), strict=True):
+        assert want.dtype == got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("tied", [False, True])
