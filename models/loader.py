@@ -83,7 +83,7 @@ class _ExpertStacks:
         self.buffers: dict[str, np.ndarray] = {}
         self.experts: dict[str, set[int]] = {}
 
-    def put(self, ours: str, expert: int, value: np.ndarray, current: jax.Array, hf: str) -> None:
+    def put(self, ours: str, expert: int, value: np.ndarray, current: np.ndarray, hf: str) -> None:
         if value.shape != current.shape[1:] or not 0 <= expert < current.shape[0]:
             raise ValueError(
                 f"checkpoint tensor {hf!r} has shape {value.shape} for expert {expert}, "
@@ -142,9 +142,8 @@ def load_weights(model: nnx.Module, path: str, *, on_host: bool = False) -> None
             continue
         if value.shape != current.shape:
             raise ValueError(f"checkpoint tensor {hf!r} has shape {value.shape}, expected {current.shape}")
-        var.set_value(
-            value.astype(current.dtype)
-        )  # a transposed kernel stays F-ordered: the transfer lays it out
+        # A transposed kernel stays F-ordered here: the device transfer lays it out (faster).
+        var.set_value(value.astype(current.dtype))
         filled.add(ours)
     filled |= stacks.store(by_name, path)
     missing = sorted(set(by_name) - filled)
