@@ -2,7 +2,8 @@
 """The `serve` workload of `throughput.py`: vLLM's OpenAI server under concurrent streaming clients.
 
 The server is `python -m vllm.entrypoints.openai.api_server` on a free loopback port, started in
-its own process group with the peer's environment (inherited from the worker). After `/health`
+its own process group with the peer's environment (inherited from the worker; on our platform
+its engine process is forked, as `vllm-xla serve` does; vLLM's CPU backend spawns its). After `/health`
 answers and one warm-up request, `concurrency` clients share `requests` streaming
 `/v1/completions` calls (token-id prompts, greedy, `ignore_eos`). Measured per request: time to
 first token (TTFT), the gaps between streamed tokens (ITL) and time per output token after the

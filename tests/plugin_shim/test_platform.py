@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Activation rules, configuration and request validation of the platform."""
 
+import os
+
 import pytest
 from vllm import SamplingParams
 
@@ -96,3 +98,70 @@ def test_kv_cache_dtype_maps_vllm_names_and_rejects_the_rest():
         runner_dtype("fp8_inc")
     with pytest.raises(ValueError, match="kv_cache_dtype_skip_layers"):
         runner_dtype("fp8", skip=["model.layers.0"])
+
+
+def test_engine_process_is_forked_unless_jax_runs_here(monkeypatch):
+    """vLLM's default start (fork) is kept while JAX has no backend in this process (a front end
+    never starts one); once JAX runs here, a fork would copy XLA without its threads: spawn."""
+    import sys
+    from types import SimpleNamespace
+
+    import jax
+
+    from plugin_shim.platform import _engine_start_method, jax_runs_here
+
+    jax.devices()  # JAX runs in this (test) process
+    assert jax_runs_here()
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    _engine_start_method()
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # asked for, and unsafe here
+    _engine_start_method()
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+    idle = SimpleNamespace(backends_are_initialized=lambda: False)  # imported, no backend yet
+    monkeypatch.setitem(sys.modules, "jax._src.xla_bridge", idle)
+    assert not jax_runs_here()
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
+    _engine_start_method()
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ  # vLLM's own default: fork
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # a user's choice stays
+    _engine_start_method()
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    monkeypatch.delitem(sys.modules, "jax._src.xla_bridge")
+    assert not jax_runs_here()  # JAX never imported
+
+
+_ENGINE_PROCESS_SCRIPT = """
+import os, sys
+if sys.argv[2] == "jax-first":
+    import jax
+    jax.devices()  # JAX runs in this process before vLLM starts its engine process
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32)
+    out = llm.generate(["hello world"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    print("METHOD", os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork"), len(out[0].outputs[0].token_ids))
+"""
+
+
+@pytest.mark.parametrize(("order", "method"), [("jax-first", "spawn"), ("vllm-only", "fork")])
+def test_engine_process_starts_and_answers_with_jax_running_or_not(tmp_path, order, method):
+    """`vllm.LLM` with its engine in a process of its own: forked when the caller runs no JAX,
+    spawned when it does (a fork there deadlocks), and both answer."""
+    import subprocess
+    import sys
+
+    from tests.tiny_models import save_tiny_llama
+
+    model_dir = save_tiny_llama(str(tmp_path / "model"), seed=3)
+    script = tmp_path / "engine_process.py"
+    script.write_text(_ENGINE_PROCESS_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_WORKER_MULTIPROC_METHOD"}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    done = subprocess.run(
+        [sys.executable, str(script), model_dir, order], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"METHOD {method} 3" in done.stdout

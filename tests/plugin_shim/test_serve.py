@@ -54,7 +54,10 @@ def _xla_metrics(base: str, make_traffic) -> dict[str, float]:
 def test_serve_answers_completions(tmp_path):
     model_dir = save_tiny_llama(str(tmp_path / "model"), seed=1)
     port = _free_port()
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # the real server layout
+    # The real server layout, the engine process started as `vllm-xla serve` decides (forked),
+    # not as an in-process engine of this test process left `VLLM_WORKER_MULTIPROC_METHOD`.
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_WORKER_MULTIPROC_METHOD"}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     cli = os.path.join(os.path.dirname(sys.executable), "vllm-xla")
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
