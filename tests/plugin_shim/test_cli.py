@@ -79,10 +79,9 @@ def test_serve_forks_the_engine_process_unless_told_otherwise(monkeypatch, tmp_p
     chose. The platform still spawns where JAX runs (`test_platform.py`)."""
     from plugin_shim import cli
 
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", asked or "")  # restored after the test
     if asked is None:
-        monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
-    else:
-        monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", asked)
+        monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
     monkeypatch.setenv("VLLM_XLA_PLATFORM", "cpu")
     monkeypatch.setenv("VLLM_XLA_ATTENTION_BACKEND", "xla")  # no native build to start
     started = []

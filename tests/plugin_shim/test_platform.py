@@ -112,7 +112,8 @@ def test_engine_process_is_forked_unless_jax_runs_here(monkeypatch):
 
     jax.devices()  # JAX runs in this (test) process
     assert jax_runs_here()
-    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "")  # restored after the test
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
     _engine_start_method()
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
 
