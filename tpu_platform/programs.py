@@ -130,14 +130,21 @@ def _read_digests(memo_dir: str | None) -> dict[str, str]:
 
 def _write_digests(memo_dir: str, digests: dict[str, str]) -> None:
     path = os.path.join(memo_dir, _DIGESTS_FILE)
-    partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        with open(partial, "w") as f:
-            json.dump(digests, f)
-        os.replace(partial, path)
+        _write_atomically(path, json.dumps(digests).encode())
     except OSError as error:
         logger.warning("could not keep the source digests at %s (%s)", path, error)
-        Path(partial).unlink(missing_ok=True)
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """Writes `data` to `path` through a temporary file: readers never see part of it."""
+    partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(partial, "wb") as f:
+            f.write(data)
+        os.replace(partial, path)
+    finally:
+        Path(partial).unlink(missing_ok=True)  # gone already once replaced
 
 
 def environment_fingerprint(device: jax.Device, memo_dir: str | None = None) -> str:
@@ -191,14 +198,10 @@ class ExecutableCache:
             return None
 
     def store(self, path: str, compiled: jax.stages.Compiled) -> None:
-        partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            with open(partial, "wb") as f:
-                pickle.dump(serialize_executable.serialize(compiled), f)
-            os.replace(partial, path)
+            _write_atomically(path, pickle.dumps(serialize_executable.serialize(compiled)))
         except (OSError, ValueError, NotImplementedError) as error:
             logger.warning("could not cache the executable at %s (%s)", path, error)
-            Path(partial).unlink(missing_ok=True)
 
 
 class Programs:
