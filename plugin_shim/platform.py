@@ -15,7 +15,7 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from plugin_shim.cache_dtype import runner_kv_cache_dtype
-from tpu_platform.envs import read_env
+from tpu_platform.envs import PREFIX, read_env, unknown_variables
 
 if TYPE_CHECKING:
     from vllm.config import SchedulerConfig, VllmConfig
@@ -113,6 +113,27 @@ class XlaPlatform(Platform):
                 cache.block_size = DEFAULT_PAGE_SIZE * (2 if float8 else 1)
         _async_scheduling_off_on_cpu(vllm_config.scheduler_config)
         _engine_start_method()
+
+    @classmethod
+    def validate_environ(cls, hard_fail: bool) -> None:
+        """vLLM's check of `VLLM_*` variables, knowing ours: a `VLLM_XLA_*` name is checked
+        against our knobs (a misspelt one is named with the nearest), any other as vLLM does.
+        `hard_fail` (vLLM's `--fail-on-environ-validation`) makes either an error."""
+        from vllm import envs
+        from vllm.logger import init_logger
+
+        messages = unknown_variables()
+        messages += [
+            f"Unknown vLLM environment variable detected: {name}"
+            for name in os.environ
+            if name.startswith("VLLM_")
+            and not name.startswith(PREFIX)
+            and name not in envs.environment_variables
+        ]
+        if messages and hard_fail:
+            raise ValueError("; ".join(messages))
+        for message in messages:
+            init_logger("vllm.xla").warning(message)
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:

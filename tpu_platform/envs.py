@@ -15,8 +15,15 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 
+# Every variable this module reads; any other `VLLM_XLA_*` name is a mistake (`unknown_variables`).
+VARIABLES = (
+    "VLLM_XLA_PLATFORM", "VLLM_XLA_ATTENTION_BACKEND", "VLLM_XLA_CPU_KV_CACHE_GB", "VLLM_XLA_CACHE_DIR",
+    "VLLM_XLA_STRICT_COMPILE", "VLLM_XLA_CPU_ASYNC_SCHEDULING",
+)  # fmt: skip
+PREFIX = "VLLM_XLA_"
 DEVICE_KINDS = ("tpu", "gpu", "cpu")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "cpu_native")
 
@@ -65,6 +72,19 @@ def _flag(name: str, value: str | None) -> bool:
 def default_cache_dir(environ: os._Environ[str] | dict[str, str]) -> str:
     xdg = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(xdg, "vllm-xla")
+
+
+def unknown_variables(environ: os._Environ[str] | dict[str, str] | None = None) -> list[str]:
+    """One message per `VLLM_XLA_*` variable set in `environ` that is not ours (a misspelt knob
+    would otherwise be ignored), naming the nearest known one."""
+    env = os.environ if environ is None else environ
+    messages = []
+    for name in sorted(n for n in env if n.startswith(PREFIX) and n not in VARIABLES):
+        # Compared without the shared prefix, which would make every name look close.
+        nearest = difflib.get_close_matches(name[len(PREFIX) :], [v[len(PREFIX) :] for v in VARIABLES], n=1)
+        hint = f"did you mean {PREFIX}{nearest[0]}?" if nearest else f"known ones: {', '.join(VARIABLES)}"
+        messages.append(f"unknown vllm-xla environment variable {name}: {hint}")
+    return messages
 
 
 def read_env(environ: os._Environ[str] | dict[str, str] | None = None) -> XlaEnv:

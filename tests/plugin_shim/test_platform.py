@@ -1,13 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """Activation rules, configuration and request validation of the platform."""
 
+import inspect
+import logging
 import os
+import pathlib
+import re
 
 import pytest
 from vllm import SamplingParams
 
 import plugin_shim
 from plugin_shim import devices, translate
+from tpu_platform import envs
 from tpu_platform.envs import read_env
 
 
@@ -46,6 +51,68 @@ def test_bad_environment_values_are_named():
     assert not read_env({"VLLM_XLA_CPU_ASYNC_SCHEDULING": "no"}).cpu_async_scheduling
     with pytest.raises(ValueError, match="VLLM_XLA_CPU_ASYNC_SCHEDULING='on' is not valid; use 1"):
         read_env({"VLLM_XLA_CPU_ASYNC_SCHEDULING": "on"})
+
+
+def test_every_knob_read_is_listed_and_documented():
+    read = set(re.findall(r'"(VLLM_XLA_[A-Z_]+)"', inspect.getsource(read_env)))
+    assert read == set(envs.VARIABLES)
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    documented = set(re.findall(r"^\| `(VLLM_XLA_[A-Z_]+)`", readme, re.M))
+    assert documented == set(envs.VARIABLES)
+
+
+def test_unknown_knobs_are_named_with_the_nearest_known_one():
+    environ = {
+        "VLLM_XLA_CPU_KV_CACHE_GIB": "2",
+        "VLLM_XLA_PLATFORM": "cpu",
+        "VLLM_XLA_ZZZ": "1",
+        "VLLM_X": "1",
+    }
+    assert envs.unknown_variables(environ) == [
+        "unknown vllm-xla environment variable VLLM_XLA_CPU_KV_CACHE_GIB: "
+        "did you mean VLLM_XLA_CPU_KV_CACHE_GB?",
+        "unknown vllm-xla environment variable VLLM_XLA_ZZZ: known ones: " + ", ".join(envs.VARIABLES),
+    ]
+    assert envs.unknown_variables({name: "1" for name in envs.VARIABLES}) == []
+
+
+@pytest.fixture
+def xla_warnings():
+    """The warnings of the platform's `vllm.xla` logger (vLLM's loggers do not propagate)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.xla")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def test_vllm_validates_our_knobs_as_ours(monkeypatch, tmp_path, xla_warnings):
+    """vLLM's environment check (run by `EngineArgs.create_engine_config`) no longer calls our
+    knobs unknown, names a misspelt one, still checks vLLM's own, and fails when asked to."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from plugin_shim.platform import XlaPlatform
+
+    for name in [n for n in os.environ if n.startswith("VLLM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("VLLM_XLA_PLATFORM", "cpu")
+    monkeypatch.setenv("VLLM_XLA_CPU_KV_CACHE_GB", "1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM's own: known to it
+    XlaPlatform.validate_environ(hard_fail=True)
+    assert xla_warnings == []
+    monkeypatch.setenv("VLLM_XLA_STRICT_COMPIL", "1")
+    monkeypatch.setenv("VLLM_NOT_A_KNOB", "1")
+    XlaPlatform.validate_environ(hard_fail=False)
+    assert sorted(r.getMessage() for r in xla_warnings) == [
+        "Unknown vLLM environment variable detected: VLLM_NOT_A_KNOB",
+        "unknown vllm-xla environment variable VLLM_XLA_STRICT_COMPIL: did you mean VLLM_XLA_STRICT_COMPILE?",
+    ]
+    with pytest.raises(ValueError, match="VLLM_XLA_STRICT_COMPIL: did you mean VLLM_XLA_STRICT_COMPILE"):
+        XlaPlatform.validate_environ(hard_fail=True)
+    with pytest.raises(ValueError, match="VLLM_XLA_STRICT_COMPIL: did you mean"):  # vLLM's own call
+        EngineArgs(model=str(tmp_path), fail_on_environ_validation=True).create_engine_config()
 
 
 @pytest.mark.parametrize(
