@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, LogprobsTensors, ModelRunnerOutput
 
 from tpu_platform.batch_update import BatchUpdate, CachedRequests, NewRequest, StepResult
 from tpu_platform.sampling import SamplingOptions
@@ -13,7 +15,6 @@ from tpu_platform.sampling import SamplingOptions
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-    from vllm.v1.outputs import ModelRunnerOutput
 
 # SamplingParams fields we cannot honour, with the value that means "not used".
 _UNSUPPORTED = {
@@ -94,9 +95,6 @@ def grammar_bitmasks(grammar: GrammarOutput | None) -> dict[str, np.ndarray]:
 
 def model_runner_output(result: StepResult) -> ModelRunnerOutput:
     """vLLM's `ModelRunnerOutput` for a runner step."""
-    import torch
-    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, LogprobsTensors, ModelRunnerOutput
-
     if not result.req_ids:
         return EMPTY_MODEL_RUNNER_OUTPUT
     logprobs = None

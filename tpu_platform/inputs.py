@@ -105,7 +105,7 @@ def prepare_step(
     in one packed buffer (`plan.packed`, laid out as `pack_inputs` does; `plan.inputs()` views it).
     """
     num_seqs = rows.size
-    total = int(num_scheduled.sum())
+    total = sum(num_scheduled.tolist())  # (NumPy's reduction costs ~10x more on a cold cache)
     t_pad, r_pad, p_pad = buckets.shape_for(total, num_seqs)
     dims = (t_pad, r_pad, p_pad, table.block_table.shape[0])
     size = _layout(dims)[0]
@@ -135,7 +135,8 @@ def _decode_from(
     feed = feed_from(progress, start)
     packed[offsets["feed"] : offsets["feed"] + n] = feed
     packed[offsets["positions"] : offsets["positions"] + n] = start
-    slots = table.block_table[:, rows, start // page_size] * page_size + start % page_size
+    page, offset = np.divmod(start, page_size)
+    slots = table.block_table[:, rows, page] * page_size + offset
     packed[offsets["slot_mapping"] : offsets["slot_mapping"] + g * t].reshape(g, t)[:, :n] = slots
     kv_lens = start + 1
     packed[offsets["kv_lens"] : offsets["kv_lens"] + n] = kv_lens
@@ -157,7 +158,7 @@ def _prepare(
     dims: tuple[int, int, int, int],
     page_size: int,
 ) -> StepPlan:
-    num_seqs, total = rows.size, int(num_scheduled.sum())
+    num_seqs, total = rows.size, sum(num_scheduled.tolist())
     start = table.num_computed[rows]
     inputs = _views(packed, dims)
     cu_q = inputs.cu_q_lens
@@ -174,8 +175,8 @@ def _prepare(
     _fill(inputs.token_ids, table.token_ids[token_rows, positions], 0)
     _fill(inputs.feed, table.feed_index(token_rows, positions), -1)
     _fill(inputs.positions, positions, 0)
-    pages = table.block_table[:, token_rows, positions // page_size]
-    _fill(inputs.slot_mapping, pages * page_size + positions % page_size, -1)
+    page, offset = np.divmod(positions, page_size)
+    _fill(inputs.slot_mapping, table.block_table[:, token_rows, page] * page_size + offset, -1)
     _fill(inputs.kv_lens, kv_lens, 0)
     _page_rows(inputs.page_indices, table.block_table, rows)
     inputs.num_seqs[0] = num_seqs

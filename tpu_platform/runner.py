@@ -290,7 +290,7 @@ class Runner:
         rows = np.fromiter(map(self.table.row_of.__getitem__, req_ids), np.int32, len(req_ids))
         num_scheduled = np.fromiter(update.num_scheduled_tokens.values(), np.int32, len(req_ids))
         if self._in_flight:
-            padded_rows = self.buckets.shape_for(int(num_scheduled.sum()), rows.size)[1]
+            padded_rows = self.buckets.shape_for(sum(num_scheduled.tolist()), rows.size)[1]
             if self.sampling.reads_history(rows, padded_rows):  # `prepare` then reuses its answer
                 self._finish_through(self._in_flight[-1])
         page_size = self.config.page_size
