@@ -314,9 +314,11 @@ class Runner:
             if plan.fed:
                 fed = previous
                 self.stats.fed_steps += 1
+        dispatch_start = time.perf_counter()
         logits, greedy, hidden = self._run_forward(plan.packed, plan.dims, fed)
         dispatched_at = time.perf_counter()
         self.stats.host_seconds += dispatched_at - start
+        self.stats.dispatch_seconds += dispatched_at - dispatch_start
         prompt = None
         if self.prompt_logprobs.wanted_in(req_ids):
             prompt = self.prompt_logprobs.collect(
@@ -360,12 +362,14 @@ class Runner:
             out = SamplerOutput(sampled_token_ids=pending.greedy)  # the forward's argmax: no sampler run
         else:
             self.stats.sampler_steps += 1
+            dispatch_start = time.perf_counter()
             out = self.programs.call(
                 ("sample", plan.shape[1], flags),
                 lambda: self._sampler_spec(logits, tensors, flags),
                 logits,
                 tensors,
             )
+            self.stats.dispatch_seconds += time.perf_counter() - dispatch_start
         step = InFlightStep(plan, pending.req_ids, out, pending.prompt_logprobs, pending.dispatched_at)
         self._in_flight.append(step)
         self.stats.host_seconds += time.perf_counter() - start

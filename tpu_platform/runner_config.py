@@ -45,6 +45,9 @@ class RunnerStats:
     # wall time of the whole step (forward dispatched to tokens recorded on the host).
     host_seconds: float = 0.0
     step_seconds: float = 0.0
+    # Of `host_seconds`: handing programs to the runtime (the input transfer and the execute
+    # calls), the part a faster host path of ours cannot shorten.
+    dispatch_seconds: float = 0.0
     # Steps whose tokens the sampler program drew; the others took the forward's argmax.
     sampler_steps: int = 0
     # Async scheduling: steps dispatched before the previous step's tokens reached the host,

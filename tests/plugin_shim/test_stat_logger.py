@@ -15,6 +15,7 @@ def _snapshot(steps: int, host: float, step: float, overlapped: int = 0) -> dict
         "steps": steps,
         "overlapped_steps": overlapped,
         "host_seconds": host,
+        "dispatch_seconds": host / 4,
         "step_seconds": step,
         "compiles": 12,
         "programs_loaded": 9,
@@ -55,6 +56,7 @@ def test_logger_exports_per_step_means_between_reports(monkeypatch, tmp_path):
     assert _value("vllm_xla:compile_seconds", "7") == 30.5
     assert _value("vllm_xla:compilations_after_warmup", "7") == 0
     assert abs(_value("vllm_xla:host_seconds_per_step", "7") - 0.001) < 1e-12
+    assert abs(_value("vllm_xla:dispatch_seconds_per_step", "7") - 0.00025) < 1e-12
     assert abs(_value("vllm_xla:step_seconds_per_step", "7") - 0.1) < 1e-12
     assert abs(_value("vllm_xla:overlapped_step_fraction", "7") - 0.8) < 1e-12
 
@@ -63,6 +65,7 @@ def test_logger_exports_per_step_means_between_reports(monkeypatch, tmp_path):
     stat_logger.record(None, None)
     assert _value("vllm_xla:steps", "7") == 30
     assert abs(_value("vllm_xla:host_seconds_per_step", "7") - 0.002) < 1e-12  # (0.05 - 0.01) / 20
+    assert abs(_value("vllm_xla:dispatch_seconds_per_step", "7") - 0.0005) < 1e-12
     assert abs(_value("vllm_xla:step_seconds_per_step", "7") - 0.1) < 1e-12
     assert abs(_value("vllm_xla:overlapped_step_fraction", "7") - 0.9) < 1e-12  # (26 - 8) / 20
     stat_logger.log()  # formats without error
