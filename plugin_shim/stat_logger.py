@@ -116,7 +116,7 @@ class XlaStatLogger(StatLoggerBase):
         delta = _delta(self.snapshot, self._reported)
         self._reported = self.snapshot
         logger.info(
-            "vllm-xla: %d steps (%.0f%% overlapped), host %.2f ms/step (%.2f of it dispatch), "
+            "vllm-xla: %d steps (%.0f%% overlapped), host %.2f ms/step (%.2f of it runtime calls), "
             "step %.1f ms/step; %d programs built in %.1f s (%d from the executable cache, %d after "
             "warm-up)",
             delta["steps"], 100 * _per_step(delta, "overlapped_steps"),
