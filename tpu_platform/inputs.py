@@ -115,10 +115,10 @@ def prepare_step(
         if template is not None:
             packed[:] = template
             return _decode_from(packed, table, rows, dims, page_size)
-        plan = _prepare(packed, table, rows, num_scheduled, dims, page_size)
+        plan = _prepare(packed, table, rows, num_scheduled, total, dims, page_size)
         buffers.keep_decode_template(dims, num_seqs, plan.packed)
         return plan
-    return _prepare(packed, table, rows, num_scheduled, dims, page_size)
+    return _prepare(packed, table, rows, num_scheduled, total, dims, page_size)
 
 
 def _decode_from(
@@ -135,8 +135,7 @@ def _decode_from(
     feed = feed_from(progress, start)
     packed[offsets["feed"] : offsets["feed"] + n] = feed
     packed[offsets["positions"] : offsets["positions"] + n] = start
-    page, offset = np.divmod(start, page_size)
-    slots = table.block_table[:, rows, page] * page_size + offset
+    slots = _slots(table.block_table, rows, start, page_size)
     packed[offsets["slot_mapping"] : offsets["slot_mapping"] + g * t].reshape(g, t)[:, :n] = slots
     kv_lens = start + 1
     packed[offsets["kv_lens"] : offsets["kv_lens"] + n] = kv_lens
@@ -155,10 +154,11 @@ def _prepare(
     table: RequestTable,
     rows: np.ndarray,
     num_scheduled: np.ndarray,
+    total: int,
     dims: tuple[int, int, int, int],
     page_size: int,
 ) -> StepPlan:
-    num_seqs, total = rows.size, sum(num_scheduled.tolist())
+    num_seqs = rows.size
     start = table.num_computed[rows]
     inputs = _views(packed, dims)
     cu_q = inputs.cu_q_lens
@@ -175,8 +175,7 @@ def _prepare(
     _fill(inputs.token_ids, table.token_ids[token_rows, positions], 0)
     _fill(inputs.feed, table.feed_index(token_rows, positions), -1)
     _fill(inputs.positions, positions, 0)
-    page, offset = np.divmod(positions, page_size)
-    _fill(inputs.slot_mapping, table.block_table[:, token_rows, page] * page_size + offset, -1)
+    _fill(inputs.slot_mapping, _slots(table.block_table, token_rows, positions, page_size), -1)
     _fill(inputs.kv_lens, kv_lens, 0)
     _page_rows(inputs.page_indices, table.block_table, rows)
     inputs.num_seqs[0] = num_seqs
@@ -300,6 +299,12 @@ def _aligned_empty(size: int) -> np.ndarray:
     raw = np.empty(size + 16, np.int32)
     start = (-raw.ctypes.data % 64) // 4
     return raw[start : start + size]
+
+
+def _slots(block_table: np.ndarray, rows: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:
+    """`[G, n]` cache slot of each token at `positions` of table rows `rows`, per KV-cache group."""
+    page, offset = np.divmod(positions, page_size)
+    return block_table[:, rows, page] * page_size + offset
 
 
 def _fill(out: np.ndarray, values: np.ndarray, fill: int) -> None:
