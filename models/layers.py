@@ -352,6 +352,10 @@ class DecoderModel(nnx.Module):
         self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[jax.Array], md: AttentionMetadata
     ) -> tuple[jax.Array, list[jax.Array]]:
         x = self.embed_tokens(input_ids)  # [T, D]
+        # Padding tokens start from zeros. Norms, RoPE, attention (it leaves padding rows at zero)
+        # and projections without a bias keep a zero row zero, so the CPU's dense kernels skip
+        # those rows (`pallas_kernels.cpu.native_dense`); a bias on the residual path ends that.
+        x = jnp.where(md.real_tokens(x.shape[0])[:, None], x, jnp.zeros((), x.dtype))
         kv_caches = list(kv_caches)
         for i, layer in enumerate(self.layers):
             cache, layer_md = md.for_layer(i)  # layers of different KV groups may share an array

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 
 @jax.tree_util.register_dataclass
@@ -46,6 +47,10 @@ class AttentionMetadata:
     caches_per_array: int = dataclasses.field(default=0, metadata={"static": True})
     # Where the layer's pages start in its cache array (set by `for_layer` for stacked caches).
     first_page: int = dataclasses.field(default=0, metadata={"static": True})
+
+    def real_tokens(self, num_tokens: int) -> jax.Array:
+        """`[num_tokens]` bool: the step's real tokens (the rest is padding up to its bucket)."""
+        return jnp.arange(num_tokens) < self.cu_q_lens[self.num_seqs[0]]
 
     def for_layer(self, layer: int) -> tuple[int, AttentionMetadata]:
         """`(index in the list of cache arrays, single-group metadata)` for decoder layer `layer`."""

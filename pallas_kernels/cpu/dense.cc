@@ -276,9 +276,11 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
                       "this CPU or kernel does not allow the requested dense path (AMX bfloat16, "
                       "AVX-512 BF16 or AVX2 with FMA)");
   }
-  const int64_t M = xd[0], K = xd[1], N = wd[0] * 16;
-  if (M == 0) return ffi::Error::Success();
+  const int64_t K = xd[1], N = wd[0] * 16;
   const auto* x_bits = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const int64_t M = vllm_xla::RowsBeforeZeroTail<uint16_t>(x_bits, xd[0], K, 0x7fff);
+  std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
+  if (M == 0) return ffi::Error::Success();
   const auto* w_bits = reinterpret_cast<const uint16_t*>(w.untyped_data());
   if (run == kAmx) {
     RunAmx(x_bits, w_bits, y->typed_data(), M, K, N, pool);

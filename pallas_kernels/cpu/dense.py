@@ -84,6 +84,8 @@ def native_dense(x: jax.Array, packed: jax.Array, *, isa: str | None = None) -> 
 
     `isa` picks the path ("amx", "avx512_bf16" or "avx2"); None takes the best one `dense_isa` reports.
     A float32 kernel (from `pack_dense_kernel_f32`) runs on AVX2 FMA, its only path.
+    Trailing rows of x that are all zero (a step's padding tokens) are written as zero rows
+    without being multiplied (exact for finite weights).
     Needs the native kernels loaded (`pallas_kernels.cpu.load`) on a CPU where `dense_isa` is not
     None; a path the CPU lacks fails when the program runs.
     """

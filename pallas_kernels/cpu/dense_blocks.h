@@ -16,6 +16,21 @@ constexpr int64_t kItemsPerThread = 2;  // fewer, longer weight streams; enough 
 constexpr int64_t kChunkBytes = 128 << 10;  // x rows a vector item walks before its next columns
 constexpr int64_t kItemWeightBytes = 512 << 10;  // weights a work item rereads on later row passes
 
+// The rows of x [M, K] before its trailing rows of zeros (+0 or -0; `magnitude_mask` clears the
+// sign bit of a `Bits` value). Such a row's product with any finite weight is a row of zeros, so the
+// kernels write those rows as zeros without multiplying: the padding tokens of a step, whose
+// hidden states the model keeps at zero (`models.DecoderModel`), cost nothing in the dense layers.
+template <typename Bits>
+int64_t RowsBeforeZeroTail(const Bits* x, int64_t M, int64_t K, Bits magnitude_mask) {
+  for (int64_t row = M - 1; row >= 0; --row) {
+    const Bits* values = x + row * K;
+    for (int64_t k = 0; k < K; ++k) {
+      if (values[k] & magnitude_mask) return row + 1;
+    }
+  }
+  return 0;
+}
+
 // How many 16-column blocks of a K-deep weight (of `element_bytes` values) fit an item's share
 // of L2: later row passes reread an item's weights, so items are at most that long.
 inline int64_t CachedBlocks(int64_t K, int64_t element_bytes) {

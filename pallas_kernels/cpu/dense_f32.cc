@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "dense_blocks.h"
 #include "dense_f32_block.h"
@@ -60,7 +61,10 @@ ffi::Error DenseF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   if (!Usable()) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented, "the float32 dense kernel needs AVX2 with FMA");
   }
-  const int64_t M = xd[0], K = xd[1], N = wd[0] * kF32BlockCols;
+  const int64_t K = xd[1], N = wd[0] * kF32BlockCols;
+  const auto* x_bits = reinterpret_cast<const uint32_t*>(x.typed_data());
+  const int64_t M = vllm_xla::RowsBeforeZeroTail<uint32_t>(x_bits, xd[0], K, 0x7fffffffu);
+  std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
   if (M == 0) return ffi::Error::Success();
   const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(float));
   vllm_xla::RunOverColumnBlocks(F32Problem{x.typed_data(), w.typed_data(), y->typed_data(), M, K, N},

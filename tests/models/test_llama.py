@@ -234,3 +234,45 @@ def test_packed_float32_model_computes_what_transformers_does(native_kernels, tm
     got, _ = _run(config, model, _caches(config), [ids], [0], [[1]])
     ref = _hf_logits(hf, ids)
     np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu_native"])
+def test_padding_tokens_stay_zero_through_every_layer(tiny, request, backend):
+    """A step's padding tokens (past `cu_q_lens[num_seqs]`) have zero hidden states out of every
+    layer, on which the CPU's dense kernels skip them; the real tokens' states are those of the
+    same step unpadded."""
+    if backend == "cpu_native":
+        request.getfixturevalue("native_kernels")
+    _, config, model, _ = tiny
+    seqs, real = [[1, 5, 9, 20, 33], [7, 3, 11, 2]], 9
+    caches = _caches(config, backend=backend)
+    padded = _padded_step(seqs, num_tokens=16, num_slots=4, backend=backend)
+    hidden, _ = model(padded[0], padded[1], caches, padded[2])
+    unpadded = _padded_step(seqs, num_tokens=real, num_slots=2, backend=backend)
+    want, _ = model(unpadded[0], unpadded[1], _caches(config, backend=backend), unpadded[2])
+    np.testing.assert_array_equal(np.asarray(hidden)[real:], 0)
+    np.testing.assert_allclose(np.asarray(hidden)[:real], np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def _padded_step(seqs, *, num_tokens, num_slots, backend):
+    """Token ids, positions and metadata of a prefill of `seqs` (a page each), padded to
+    `num_tokens` tokens (id 0, slot -1) and `num_slots` sequence slots."""
+    lens = [len(s) for s in seqs]
+    real = sum(lens)
+    ids = np.zeros(num_tokens, np.int32)
+    ids[:real] = np.concatenate(seqs)
+    positions = np.zeros(num_tokens, np.int32)
+    positions[:real] = np.concatenate([np.arange(n) for n in lens])
+    slots = np.full(num_tokens, -1, np.int32)
+    slots[:real] = np.concatenate([(i + 1) * PAGE + np.arange(n) for i, n in enumerate(lens)])
+    cu = np.full(num_slots + 1, real, np.int32)
+    cu[: len(seqs) + 1] = np.concatenate([[0], np.cumsum(lens)])
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray(slots),
+        kv_lens=jnp.asarray(lens + [0] * (num_slots - len(seqs)), jnp.int32),
+        page_indices=jnp.asarray([[i + 1] for i in range(num_slots)], jnp.int32),
+        cu_q_lens=jnp.asarray(cu),
+        num_seqs=jnp.asarray([len(seqs)], jnp.int32),
+        backend=backend,
+    )
+    return jnp.asarray(ids), jnp.asarray(positions), md

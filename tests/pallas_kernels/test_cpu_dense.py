@@ -80,6 +80,47 @@ def test_kernel_matches_reference(isa, rows, depth, width):
     np.testing.assert_allclose(got, cpu.native_dense_reference(x, packed), rtol=1e-5, atol=1e-5)
 
 
+def _with_zero_tail(x: np.ndarray, tail: int) -> np.ndarray:
+    """`x` with an interior zero row, and its last `tail` rows zero (+0 and -0 alternating)."""
+    x = x.copy()
+    x[1] = 0.0
+    x[-tail:] = 0.0
+    x[-tail + 1 :: 2] = -0.0
+    return x
+
+
+@pytest.mark.parametrize(("rows", "tail"), [(20, 7), (64, 40), (130, 129)])
+def test_trailing_zero_rows_give_zero_rows_and_the_rest_matches_reference(isa, rows, tail):
+    """The kernel skips trailing all-zero rows of x (a step's padding): their output rows are
+    zeros even where the output buffer held another product's values, a row that is zero but for
+    its last value or holds a NaN is still multiplied, and every other row matches the reference."""
+    rng = np.random.default_rng(rows + tail)
+    kernel = _bf16(rng, (576, 960), scale=576**-0.5)
+    packed = cpu.pack_dense_kernel(kernel)
+    base = np.asarray(_bf16(rng, (rows, 576)).astype(jnp.float32))
+    cases = {"zero tail": _with_zero_tail(base, tail), "all zero": np.zeros_like(base)}
+    late = _with_zero_tail(base, tail)
+    late[-tail + 2, -1] = 1.5  # the tail's third row: zero but for its last value
+    cases["late value"] = late
+    nan = _with_zero_tail(base, tail)
+    nan[-1, 100] = np.nan
+    cases["nan"] = nan
+
+    @jax.jit
+    def after_another_product(first, x, weights):
+        # The first product's buffer is free once it is summed: XLA may hand it to the second.
+        total = cpu.native_dense(first, weights, isa=isa).sum()
+        return cpu.native_dense(x * (1 + 0 * total).astype(x.dtype), weights, isa=isa)
+
+    for name, x in cases.items():
+        x = jnp.asarray(x, jnp.bfloat16)
+        got = after_another_product(jnp.asarray(base, jnp.bfloat16), x, packed)
+        expected = cpu.native_dense_reference(x, packed)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5, err_msg=name)
+        zero_rows = ~np.asarray(x, np.float32).any(axis=1)  # (NaN counts as non-zero)
+        assert (np.asarray(got)[zero_rows] == 0).all(), name
+
+
 def test_kernel_on_a_vocabulary_wide_head_and_inside_a_larger_program(isa):
     rng = np.random.default_rng(3)
     x, kernel = _bf16(rng, (20, 64)), _bf16(rng, (64, 49152), scale=0.125)

@@ -66,6 +66,32 @@ def test_kernel_matches_numpy(f32_kernels, rows, depth, width):
     np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5 * np.sqrt(depth))
 
 
+@pytest.mark.parametrize(("rows", "tail"), [(13, 5), (70, 69)])
+def test_trailing_zero_rows_give_zero_rows_and_the_rest_matches_numpy(f32_kernels, rows, tail):
+    """Trailing all-zero rows of x (+0 and -0) are skipped: zeros even where the output buffer
+    held another product's values; a row zero but for its last value, or with a NaN, is multiplied."""
+    rng = np.random.default_rng(rows + tail)
+    kernel = (rng.standard_normal((576, 64)) * 576**-0.5).astype(np.float32)
+    packed = cpu.pack_dense_kernel_f32(jnp.asarray(kernel))
+    base = rng.standard_normal((rows, 576)).astype(np.float32)
+
+    @jax.jit
+    def after_another_product(first, x, weights):
+        total = cpu.native_dense(first, weights).sum()  # its buffer may serve the second product
+        return cpu.native_dense(x * (1 + 0 * total), weights)
+
+    for name, change in [("zero tail", None), ("late value", (-tail + 1, -1)), ("nan", (-1, 7))]:
+        x = base.copy()
+        x[-tail:] = 0.0
+        x[-tail + 1 :: 2] = -0.0
+        if change:
+            x[change] = np.nan if name == "nan" else 2.0
+        got = np.asarray(after_another_product(jnp.asarray(base), jnp.asarray(x), packed))
+        expected = x.astype(np.float64) @ kernel.astype(np.float64)
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5 * np.sqrt(576), err_msg=name)
+        assert (got[~x.any(axis=1)] == 0).all(), name
+
+
 def test_kernel_on_a_vocabulary_wide_head_inside_a_larger_program(f32_kernels):
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((20, 64)), jnp.float32)

@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The forward program on a padded step: padding tokens and padding sequence rows come out as
+zeros (the CPU's dense kernels skip such rows), and the real rows are those of the same step
+padded less."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import load_model, pack_for_native_dense
+from pallas_kernels import allocate_kv_cache
+from tests.tiny_models import save_tiny_llama
+from tpu_platform.inputs import exercise_inputs, pack_inputs
+from tpu_platform.step import make_forward
+
+PAGE, PAGES = 16, 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+def _forward(path, backend, t_pad, r_pad, num_seqs, packed_dense=False):
+    config, model = load_model(path, jnp.bfloat16 if packed_dense else jnp.float32)
+    if packed_dense:
+        assert pack_for_native_dense(model) > 0
+    graphdef, state = nnx.split(model)
+    leaves, state_def = jax.tree.flatten(state)
+    dtype = jnp.bfloat16 if packed_dense else jnp.float32
+    caches = [
+        allocate_kv_cache(PAGES, PAGE, config.num_kv_heads, config.head_dim, dtype, backend=backend)
+        for _ in range(config.num_layers)
+    ]
+    inputs = exercise_inputs(t_pad, r_pad, 2, 1, PAGES, page_size=PAGE, num_seqs=num_seqs)
+    packed, dims = pack_inputs(inputs)
+    forward = make_forward(graphdef, state_def, backend)
+    logits, greedy, hidden, _ = forward(leaves, caches, packed, jnp.zeros(r_pad, jnp.int32), dims=dims)
+    return np.asarray(logits), np.asarray(greedy), np.asarray(hidden)
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu_native"])
+def test_padding_rows_are_zero_and_real_rows_unchanged(tiny, request, backend):
+    packed_dense = backend == "cpu_native"
+    if packed_dense:
+        request.getfixturevalue("dense_kernels")
+    # 15 real tokens in 3 sequences; 16 token rows and 8 sequence rows against 15 and 3.
+    logits, greedy, hidden = _forward(tiny, backend, 16, 8, 3, packed_dense)
+    less_logits, less_greedy, less_hidden = _forward(tiny, backend, 16, 3, 3, packed_dense)
+    assert (logits[3:] == 0).all() and (greedy[3:] == 0).all()
+    assert (hidden[15:] == 0).all()
+    np.testing.assert_allclose(logits[:3], less_logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(greedy[:3], less_greedy[:3])
+    np.testing.assert_allclose(hidden[:15], less_hidden[:15], rtol=1e-5, atol=1e-5)
+    assert np.abs(logits[:3]).max() > 0
