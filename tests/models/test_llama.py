@@ -245,11 +245,10 @@ def test_padding_tokens_stay_zero_through_every_layer(tiny, request, backend):
         request.getfixturevalue("native_kernels")
     _, config, model, _ = tiny
     seqs, real = [[1, 5, 9, 20, 33], [7, 3, 11, 2]], 9
-    caches = _caches(config, backend=backend)
-    padded = _padded_step(seqs, num_tokens=16, num_slots=4, backend=backend)
-    hidden, _ = model(padded[0], padded[1], caches, padded[2])
-    unpadded = _padded_step(seqs, num_tokens=real, num_slots=2, backend=backend)
-    want, _ = model(unpadded[0], unpadded[1], _caches(config, backend=backend), unpadded[2])
+    ids, positions, md = _padded_step(seqs, num_tokens=16, num_slots=4, backend=backend)
+    hidden, _ = model(ids, positions, _caches(config, backend=backend), md)
+    ids, positions, md = _padded_step(seqs, num_tokens=real, num_slots=2, backend=backend)
+    want, _ = model(ids, positions, _caches(config, backend=backend), md)
     np.testing.assert_array_equal(np.asarray(hidden)[real:], 0)
     np.testing.assert_allclose(np.asarray(hidden)[:real], np.asarray(want), rtol=1e-5, atol=1e-5)
 
