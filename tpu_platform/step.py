@@ -36,10 +36,10 @@ def forward_logits(
     `fed_tokens` (`[F]` int32) are the previous step's sampled tokens, still on the device: a token
     whose `inputs.feed` index is not -1 is taken from there (async scheduling).
 
-    Returns the `[R, V]` float32 logits of the rows to sample (zeros past the real sequences),
-    their greedy tokens (an all-greedy step needs no sampler program) padded to `[F]` (the next
-    step's `fed_tokens`), the `[T, D]` hidden states of every token (for prompt logprobs; zeros
-    for padding tokens) and the new caches.
+    Returns the `[R, V]` float32 logits of the rows to sample (rows past the real sequences are
+    the head's output for a zero hidden state), their greedy tokens (an all-greedy step needs no
+    sampler program) padded to `[F]` (the next step's `fed_tokens`), the `[T, D]` hidden states of
+    every token (for prompt logprobs; zeros for padding tokens) and the new caches.
     """
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
     inputs = unpack_inputs(packed, dims)
@@ -60,8 +60,8 @@ def forward_logits(
     )
     hidden, kv_caches = model(token_ids, inputs.positions, kv_caches, md)
     rows = hidden[inputs.logits_indices]
-    # Rows past the real sequences are zeros (their logits too): the CPU's dense kernel then
-    # skips them in the head, which would otherwise cost as much per row as a decode row's.
+    # Rows past the real sequences enter the head as zeros: the CPU's dense kernel then skips
+    # them, which would otherwise cost as much per row as a decode row's.
     real_rows = jnp.arange(rows.shape[0]) < inputs.num_seqs[0]
     logits = model.compute_logits(jnp.where(real_rows[:, None], rows, jnp.zeros((), rows.dtype)))
     return logits, pad_tokens(greedy_sample(logits), fed_tokens.shape[0]), hidden, kv_caches
