@@ -16,12 +16,12 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from plugin_shim.cache_dtype import runner_kv_cache_dtype
 from tpu_platform.envs import PREFIX, read_env, unknown_variables
+from tpu_platform.runner_config import default_page_size
 
 if TYPE_CHECKING:
     from vllm.config import SchedulerConfig, VllmConfig
 
 WORKER_CLASS = "plugin_shim.worker.XlaWorker"
-DEFAULT_PAGE_SIZE = 16
 
 
 class XlaPlatform(Platform):
@@ -107,10 +107,7 @@ class XlaPlatform(Platform):
         if cache is not None:
             kv_dtype = runner_kv_cache_dtype(cache)  # an unsupported one fails here, not in the worker
             if not cache.user_specified_block_size:
-                # Float8 pages hold twice the tokens: the same bytes a page (what scattered reads
-                # like on CPU), and a whole (32, 128) tile of 8-bit values on TPU.
-                float8 = kv_dtype is not None and kv_dtype.startswith("float8")
-                cache.block_size = DEFAULT_PAGE_SIZE * (2 if float8 else 1)
+                cache.block_size = default_page_size(read_env().platform, kv_dtype)
         _async_scheduling_off_on_cpu(vllm_config.scheduler_config)
         _engine_start_method()
 

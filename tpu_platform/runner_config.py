@@ -5,6 +5,27 @@ from __future__ import annotations
 
 import dataclasses
 
+# Tokens a KV page holds when vLLM's `block_size` is not given (`default_page_size`).
+ACCELERATOR_PAGE_SIZE = 16
+CPU_PAGE_SIZE = 128
+
+
+def default_page_size(device_kind: str | None, kv_cache_dtype: str | None) -> int:
+    """Tokens a KV page holds on `device_kind` ("tpu", "gpu", "cpu"; None: a TPU) for a cache of
+    `kv_cache_dtype` (None: the model's dtype) when vLLM's `block_size` is not set.
+
+    CPU: 128, as vLLM's own CPU backend. Decode attention there reads each sequence's pages from
+    memory, scattered, and a 128-token page is one 16 KiB run a kv head (bfloat16, head_dim 64)
+    against 2 KiB at 16 tokens, which the memory system serves faster (64 decode rows of 208
+    tokens: 1.0 -> 0.8 ms a layer; of 500 tokens: 2.4 -> 1.8 ms).
+    TPU and GPU: 16 tokens, 32 in a float8 cache (the bytes of a 16-token bfloat16 page, and on
+    TPU one whole `(32, 128)` tile of 8-bit values).
+    """
+    if device_kind == "cpu":
+        return CPU_PAGE_SIZE
+    float8 = kv_cache_dtype is not None and kv_cache_dtype.startswith("float8")
+    return ACCELERATOR_PAGE_SIZE * (2 if float8 else 1)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RunnerConfig:

@@ -289,12 +289,13 @@ struct Problem {
     }
   }
 
-  // The scores of `count` query vectors (q: [count, D]) against a converted page's keys (all 16
-  // of every panel): sc [count, S16]. With AVX2, blocks of up to 6 vectors by a 16-key panel
-  // accumulate in registers, as a dense layer's rows against a weight panel.
-  void ScoreConverted(const float* q_vectors, int64_t count, const float* keys, float* sc) const {
+  // The scores of `count` query vectors (q: [count, D]) against the panels of a converted page
+  // that hold its first `n` keys (all 16 of each): sc [count, S16], columns past those panels
+  // left as they were. With AVX2, blocks of up to 6 vectors by a 16-key panel accumulate in
+  // registers, as a dense layer's rows against a weight panel.
+  void ScoreConverted(const float* q_vectors, int64_t count, const float* keys, int64_t n, float* sc) const {
     const int64_t D = HeadDim(), S16 = PaddedPageSize();
-    for (int64_t j16 = 0; j16 < S16; j16 += 16) {
+    for (int64_t j16 = 0; j16 < n; j16 += 16) {
       const float* panel = keys + j16 * D;
 #if defined(VLLM_XLA_AVX2_DECODE)
       for (int64_t i = 0; i < count; i += vllm_xla::kF32BlockRows) {
@@ -373,7 +374,7 @@ struct Problem {
         const float* q_head = w.q.data() + h * rows * G * D;
         if (rows > 1) {  // every row's scores against the page at once (rows that do not see it: unused)
           ConvertPage(k_page, v_page, n, w.keys.data(), w.values.data());
-          ScoreConverted(q_head, rows * G, w.keys.data(), w.scores.data());
+          ScoreConverted(q_head, rows * G, w.keys.data(), n, w.scores.data());
         }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t position = kv_len - (seq_end - (item.first_row + r));

@@ -29,7 +29,11 @@ def hf(tiny_dir):
 
 @pytest.fixture(scope="module")
 def llm(tiny_dir):
-    engine = LLM(model=tiny_dir, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256, seed=0)
+    # 16-token pages (the CPU's default is 128): sequences span several pages, and a 50-token
+    # prompt fills whole pages the prefix cache can share.
+    engine = LLM(
+        model=tiny_dir, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256, block_size=16, seed=0
+    )
     yield engine
     del engine
     gc.collect()
@@ -130,6 +134,15 @@ def test_vllm_config_on_the_cpu_device_schedules_in_step(tiny_dir, monkeypatch, 
     assert config.scheduler_config.async_scheduling is expected
 
 
+@pytest.mark.parametrize(("block_size", "expected"), [(None, 128), (16, 16)])
+def test_pages_on_the_cpu_device_hold_128_tokens_unless_given(tiny_dir, block_size, expected):
+    # vLLM's own CPU backend's default; decode attention reads longer runs of a page.
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model=tiny_dir, max_model_len=128, block_size=block_size).create_engine_config()
+    assert config.cache_config.block_size == expected
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_chunked_prefill_and_preemption_match_transformers(tiny_dir, hf, async_scheduling):
     # A tiny step budget forces chunked prefill; 10 pages of 16 tokens cannot hold the four
@@ -138,7 +151,7 @@ def test_chunked_prefill_and_preemption_match_transformers(tiny_dir, hf, async_s
     # reach the host, across chunk boundaries, preemptions and resumptions.
     small = LLM(
         model=tiny_dir, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
-        num_gpu_blocks_override=10, seed=0, async_scheduling=async_scheduling,
+        block_size=16, num_gpu_blocks_override=10, seed=0, async_scheduling=async_scheduling,
     )  # fmt: skip
     prompts = _prompts([40, 37, 45, 42], seed=4)
     out = small.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], _greedy(max_tokens=24))

@@ -40,10 +40,11 @@ def _mixed_params(rng, n):
 def test_mixed_workload_compiles_nothing_after_warm_up(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_XLA_STRICT_COMPILE", "1")
     model_dir = save_tiny_llama(str(tmp_path / "model"), seed=2, max_position_embeddings=128)
-    # A small step budget (chunked prefill) and 12 pages (preemption) with up to 6 sequences.
+    # A small step budget (chunked prefill) and 12 pages of 16 tokens (preemption) with up to 6
+    # sequences.
     llm = LLM(
         model=model_dir, max_model_len=128, max_num_seqs=6, max_num_batched_tokens=32,
-        num_gpu_blocks_override=12, seed=0,
+        block_size=16, num_gpu_blocks_override=12, seed=0,
     )  # fmt: skip
     warm = llm.collective_rpc("runner_stats")[0]
     rng = np.random.default_rng(0)

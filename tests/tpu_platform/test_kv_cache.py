@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Stacked KV caches: how many layers' caches an array holds, and where each layer's pages are."""
+"""Stacked KV caches: how many layers' caches an array holds, where each layer's pages are, and
+the default page size."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import pytest
 
 from models import AttentionMetadata
 from tpu_platform.kv_cache import allocate_stacked_caches, caches_per_array
+from tpu_platform.runner_config import default_page_size
 
 
 def test_all_caches_share_one_array_until_their_slots_pass_int32():
@@ -41,3 +43,19 @@ def test_each_layer_finds_its_array_and_first_page(layer_caches, per_array, want
         got.append((array, layer_md.first_page))
     assert got == want
     np.testing.assert_array_equal(md.for_layer(0)[1].slot_mapping, zeros)
+
+
+@pytest.mark.parametrize(
+    ("device_kind", "kv_cache_dtype", "expected"),
+    [
+        ("cpu", None, 128),  # as vLLM's CPU backend: longer runs for decode attention to read
+        ("cpu", "float8_e5m2", 128),
+        ("tpu", None, 16),
+        ("tpu", "float8_e4m3fn", 32),  # one whole (32, 128) tile of 8-bit values
+        ("gpu", "bfloat16", 16),
+        ("gpu", "float8_e5m2", 32),
+        (None, None, 16),  # the plugin active without VLLM_XLA_PLATFORM: a TPU host
+    ],
+)
+def test_default_page_size_by_device_and_cache_dtype(device_kind, kv_cache_dtype, expected):
+    assert default_page_size(device_kind, kv_cache_dtype) == expected
