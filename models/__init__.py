@@ -16,11 +16,12 @@ them on the host with `on_host=True`); a model is called as
 `model.compute_logits(hidden) -> logits[.., V]`, `kv_caches` being a list of one cache array a
 layer or of arrays holding several (`AttentionMetadata.cache_pages`). On a CPU with AMX,
 AVX-512 BF16 or AVX2, `pack_for_native_dense(model)` moves the bfloat16 dense layers onto
-`pallas_kernels.cpu.native_dense`.
+`pallas_kernels.cpu.native_dense`, and `attach_rope_tables(model, max_positions)` has the
+attention layers gather their RoPE rotations from tables instead of computing them.
 """
 
 from models.config import ModelConfig
-from models.layers import pack_for_native_dense
+from models.layers import attach_rope_tables, pack_for_native_dense
 from models.loader import load_model, load_weights
 from models.metadata import AttentionMetadata
 from models.registry import SUPPORTED_ARCHITECTURES, build
@@ -29,6 +30,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "AttentionMetadata",
     "ModelConfig",
+    "attach_rope_tables",
     "build",
     "load_model",
     "load_weights",

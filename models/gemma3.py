@@ -16,10 +16,10 @@ from models.layers import (
     CausalLM,
     GatedMLP,
     PagedAttention,
-    Rope,
     SandwichDecoderLayer,
     decoder_hf_param_map,
 )
+from models.rope import Rope
 
 # HF checkpoint name -> our parameter path ("{i}" is the layer index).
 HF_PARAM_MAP = decoder_hf_param_map(

@@ -7,7 +7,6 @@ weights on every step, so stacking layers would cost a full weight copy per step
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar
 
@@ -16,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import ModelConfig, RopeScaling
+from models.config import ModelConfig
 from models.metadata import AttentionMetadata
+from models.rope import Rope, RopeTable, apply_rope, rope_cos_sin, rope_table
 from pallas_kernels import cpu, ragged_paged_attention, write_kv
 
 
@@ -119,46 +119,6 @@ class RMSNorm(nnx.Module):
         return (x32 * (1.0 + w if self.unit_offset else w)).astype(x.dtype)
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """`[H / 2]` inverse frequencies, with linear or Llama 3 scaling when configured."""
-    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    if scaling is None:
-        return inv.astype(np.float32)
-    if scaling.rope_type == "linear":
-        return (inv / scaling.factor).astype(np.float32)
-    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-    wavelen = 2 * np.pi / inv
-    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
-    medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-    blended = (1 - smooth) * inv / scaling.factor + smooth * inv
-    return np.where(medium, blended, scaled).astype(np.float32)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Rope:
-    """One layer's rotary embedding: base `theta` and optional frequency scaling."""
-
-    theta: float
-    scaling: RopeScaling | None = None
-
-    def inverse_frequencies(self, head_dim: int) -> np.ndarray:
-        return rope_inverse_frequencies(head_dim, self.theta, self.scaling)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates `x[T, heads, H]` by `positions[T]` (rotate-half convention, as HF)."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
 class PagedAttention(nnx.Module):
     """Grouped-query self-attention over the paged KV cache, with RoPE.
 
@@ -195,6 +155,7 @@ class PagedAttention(nnx.Module):
         self.k_norm = RMSNorm(h, eps=eps, dtype=dtype, unit_offset=norm_unit_offset) if qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
         self.rope = rope or Rope(config.rope_theta, config.rope_scaling)
+        self.rope_table: RopeTable | None = nnx.data(None)  # set by `attach_rope_tables`
         self.sliding_window = sliding_window
         self.sm_scale = h**-0.5 if sm_scale is None else sm_scale
         self.soft_cap = soft_cap
@@ -209,9 +170,8 @@ class PagedAttention(nnx.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, K, H]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = self.rope.inverse_frequencies(self.head_dim)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        cos, sin = rope_cos_sin(positions, self.rope.inverse_frequencies(self.head_dim), self.rope_table)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv_cache = write_kv(
             kv_cache, k, v, md.slot_mapping,
             backend=md.backend, kv_dtype=md.kv_dtype, first_page=md.first_page,
@@ -414,6 +374,21 @@ def fuse_projections(model: nnx.Module) -> None:
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, (PagedAttention, GatedMLP)):
             module.fuse_projections()
+
+
+def attach_rope_tables(model: nnx.Module, num_positions: int) -> int:
+    """Gives every attention layer a table of its RoPE's cosines and sines for positions below
+    `num_positions` (the runner's `max_model_len`), one table shared by the layers of one RoPE;
+    returns how many tables. Steps then gather their rotations instead of computing them
+    (`models.rope`)."""
+    tables: dict[tuple[Rope, int], RopeTable] = {}
+    for _, module in list(nnx.iter_modules(model)):
+        if isinstance(module, PagedAttention):
+            key = (module.rope, module.head_dim)
+            if key not in tables:
+                tables[key] = RopeTable(rope_table(module.rope, module.head_dim, num_positions))
+            module.rope_table = tables[key]
+    return len(tables)
 
 
 def pack_for_native_dense(model: nnx.Module, *, float32: bool = False) -> int:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import ModelConfig, load_model, pack_for_native_dense
+from models import ModelConfig, attach_rope_tables, load_model, pack_for_native_dense
 from pallas_kernels import allocate_kv_cache
 from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
@@ -84,6 +84,7 @@ class Runner:
         self.model_config, model = load_model(self.config.model_path, self.dtype, on_host=True)
         # float32 kernels too where the best path is AVX2 (measured faster than XLA's dots there).
         packed = pack_for_native_dense(model, float32=self.dense_isa == "avx2") if self.dense_isa else 0
+        attach_rope_tables(model, self.config.max_model_len)
         graphdef, state = nnx.split(model)
         self.state = jax.device_put(state, self.device)
         self._state_leaves, self._state_def = jax.tree.flatten(self.state)

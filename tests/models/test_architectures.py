@@ -16,7 +16,10 @@ Architecture-specific checks (configs, weight layouts) are in test_architecture_
 """
 
 import pytest
+from flax import nnx
 
+from models import attach_rope_tables, load_model
+from models.layers import PagedAttention
 from tests.models.tiny_checkpoints import (
     assert_prefill_matches,
     assert_ragged_matches,
@@ -51,6 +54,18 @@ def test_prefill_logits_match_transformers(tiny):
 
 def test_ragged_prefill_then_mixed_decode_match_transformers(tiny):
     _, config, model, hf = tiny
+    assert_ragged_matches(model, config, hf, [5, 16, 33])
+
+
+def test_rotations_from_rope_tables_match_transformers(tiny, request):
+    # What the runner runs: one table a distinct RoPE (Gemma 3: its local and global layers'),
+    # shared by the layers that use it.
+    path, _, _, hf = tiny
+    config, model = load_model(path)
+    arch = request.node.callspec.params["tiny"]
+    assert attach_rope_tables(model, 64) == (2 if arch == "Gemma3ForCausalLM" else 1)
+    tables = {id(m.rope_table) for _, m in nnx.iter_modules(model) if isinstance(m, PagedAttention)}
+    assert len(tables) == (2 if arch == "Gemma3ForCausalLM" else 1)
     assert_ragged_matches(model, config, hf, [5, 16, 33])
 
 

@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Rotary position embeddings (RoPE): frequencies, the rotation, and per-position tables.
+
+A step's cosines and sines are computed from its positions unless the attention layer holds a
+`RopeTable` (`models.attach_rope_tables`), from which they are gathered. XLA fuses the cosine
+and sine into every fusion that consumes them, once per head, and on CPU these are scalar calls:
+the 60 rotations of a step of the embedded model (its q and k, 30 layers) took 4 ms of an 84 ms
+64-row decode step and 14 ms of a 154 ms mixed prefill step before the tables, which cut those
+steps by 2% and 7%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import RopeScaling
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """`[H / 2]` inverse frequencies, with linear or Llama 3 scaling when configured."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv.astype(np.float32)
+    if scaling.rope_type == "linear":
+        return (inv / scaling.factor).astype(np.float32)
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * np.pi / inv
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    blended = (1 - smooth) * inv / scaling.factor + smooth * inv
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rope:
+    """One layer's rotary embedding: base `theta` and optional frequency scaling."""
+
+    theta: float
+    scaling: RopeScaling | None = None
+
+    def inverse_frequencies(self, head_dim: int) -> np.ndarray:
+        return rope_inverse_frequencies(head_dim, self.theta, self.scaling)
+
+
+class RopeTable(nnx.Variable):
+    """`[positions, H]` float32: each position's cosines (`[:, :H/2]`), then its sines."""
+
+
+def rope_table(rope: Rope, head_dim: int, num_positions: int) -> np.ndarray:
+    """The `RopeTable` values of positions `0 .. num_positions - 1`. Angles are float32 products,
+    as `rope_cos_sin` (and HF) compute them; their cosines and sines are rounded from float64."""
+    angles = np.arange(num_positions, dtype=np.float32)[:, None] * rope.inverse_frequencies(head_dim)[None, :]
+    angles = angles.astype(np.float64)
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
+
+
+def rope_cos_sin(
+    positions: jax.Array, inv_freq: np.ndarray, table: RopeTable | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Cosines and sines `[T, H/2]` of `positions[T]`: gathered from `table` when given (positions
+    must lie below its length), else computed."""
+    if table is not None:
+        rows = jnp.take(table[...], positions, axis=0, mode="clip")  # [T, H]
+        half = inv_freq.shape[0]
+        return rows[:, :half], rows[:, half:]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates `x[T, heads, H]` by the angles whose `cos`, `sin` (`[T, H/2]`) are given
+    (rotate-half convention, as HF)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
