@@ -39,7 +39,7 @@ class RunnerConfig:
     max_model_len: int = 2048
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    page_size: int = 16
+    page_size: int = ACCELERATOR_PAGE_SIZE
     attention_backend: str = "auto"
     native_dense: bool = True  # dense layers natively on cpu_native (bfloat16; float32 on AVX2 CPUs)
     cache_dir: str | None = None
