@@ -17,8 +17,9 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.metadata import AttentionMetadata
-from models.rope import Rope, RopeTable, apply_rope, rope_cos_sin, rope_table
-from pallas_kernels import cpu, ragged_paged_attention, write_kv
+from models.rope import Rope, RopeTable, apply_rope, rope_table, step_rope_table
+from pallas_kernels import cpu, ragged_paged_attention, rope_write_kv, write_kv
+from pallas_kernels.rope import split_heads, table_rows
 
 
 def _zeros(shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
@@ -163,33 +164,36 @@ class PagedAttention(nnx.Module):
     def __call__(
         self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
     ) -> tuple[jax.Array, jax.Array]:
-        t = x.shape[0]
-        q, k, v = self._project_qkv(x)
-        q = q.reshape(t, self.num_heads, self.head_dim)  # [T, N, H]
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, K, H]
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, K, H]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_cos_sin(positions, self.rope.inverse_frequencies(self.head_dim), self.rope_table)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv_cache = write_kv(
-            kv_cache, k, v, md.slot_mapping,
-            backend=md.backend, kv_dtype=md.kv_dtype, first_page=md.first_page,
-        )  # fmt: skip
+        t, n, k, h = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self._project_qkv(x)  # [T, (N + 2K) * H]
+        table, rows = step_rope_table(positions, self.rope.inverse_frequencies(h), self.rope_table)
+        heads = dict(num_heads=n, num_kv_heads=k)
+        cache_args = dict(backend=md.backend, kv_dtype=md.kv_dtype, first_page=md.first_page)
+        if self.q_norm is None:
+            q, kv_cache = rope_write_kv(
+                qkv, rows, table, kv_cache, md.slot_mapping, dtype=x.dtype, **heads, **cache_args
+            )
+        else:  # RMSNorm of each q and k head before the rotation
+            q, key, v = split_heads(qkv, head_dim=h, dtype=x.dtype, **heads)
+            cos, sin = table_rows(table, rows)
+            q, key = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(key), cos, sin)
+            kv_cache = write_kv(kv_cache, key, v, md.slot_mapping, **cache_args)
         o = ragged_paged_attention(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=self.sm_scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
-            backend=md.backend, kv_dtype=md.kv_dtype, first_page=md.first_page,
+            **cache_args,
         )  # fmt: skip
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), kv_cache  # [T, D]
+        return self.o_proj(o.reshape(t, n * h)), kv_cache  # [T, D]
 
-    def _project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _project_qkv(self, x: jax.Array) -> jax.Array:
+        """The q, k and v heads side by side, `[T, (N + 2K) * H]`: the fused projection's float32
+        products when it has no bias (`rope_write_kv` rounds them to the activations' dtype), else
+        values of `x`'s dtype."""
         if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q_end = self.num_heads * self.head_dim
-        k_end = q_end + self.num_kv_heads * self.head_dim
-        y = self.qkv_proj(x)
-        return y[:, :q_end], y[:, q_end:k_end], y[:, k_end:]
+            return jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        if self.qkv_proj.bias is None:
+            return matmul(x, self.qkv_proj.kernel)
+        return self.qkv_proj(x)
 
     def fuse_projections(self) -> None:
         """Replaces the q, k and v projections by one (after loading: checkpoints name the three)."""
@@ -239,11 +243,24 @@ class GatedMLP(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self._native_silu():
+            return self.down_proj(cpu.silu_and_mul(matmul(x, self.gate_up_proj.kernel), dtype=x.dtype))
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
         return self.down_proj(activation(self.act)(gate) * up)
+
+    def _native_silu(self) -> bool:
+        """Whether `silu(gate) * up` runs as one native call (`pallas_kernels.cpu.silu_and_mul`): a
+        SwiGLU whose fused projection, without a bias, runs on the native dense kernel."""
+        fused = self.gate_up_proj
+        return (
+            self.act in ("silu", "swish")
+            and fused is not None
+            and fused.bias is None
+            and isinstance(fused.kernel, PackedKernel)
+        )
 
     def fuse_projections(self) -> None:
         """Replaces the gate and up projections by one (after loading: checkpoints name both)."""

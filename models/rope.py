@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import RopeScaling
+from pallas_kernels.rope import rotate_half, table_rows
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -69,17 +70,23 @@ def rope_cos_sin(
     """Cosines and sines `[T, H/2]` of `positions[T]`: gathered from `table` when given (positions
     must lie below its length), else computed."""
     if table is not None:
-        rows = jnp.take(table[...], positions, axis=0, mode="clip")  # [T, H]
-        half = inv_freq.shape[0]
-        return rows[:, :half], rows[:, half:]
+        return table_rows(table[...], positions)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotates `x[T, heads, H]` by the angles whose `cos`, `sin` (`[T, H/2]`) are given
-    (rotate-half convention, as HF)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    (rotate-half convention, as HF), in float32; the result keeps `x`'s dtype."""
+    return rotate_half(x, cos, sin)
+
+
+def step_rope_table(
+    positions: jax.Array, inv_freq: np.ndarray, table: RopeTable | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """A RoPE table and the positions to read from it: `table` and `positions` when given, else
+    the step's own rows (`[T, H]`, computed) and `0 .. T - 1`."""
+    if table is not None:
+        return table[...], positions
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    return jnp.concatenate([cos, sin], axis=-1), jnp.arange(positions.shape[0], dtype=jnp.int32)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import reference
 from pallas_kernels.backend import CPU_NATIVE, PALLAS_GPU, PALLAS_TPU, XLA, resolve_backend
+from pallas_kernels.rope import split_and_rotate
 
 
 def _kernel_module(backend: str) -> ModuleType:
@@ -129,6 +130,47 @@ def write_kv(
         return write(kv_cache, k, v, slot_mapping, kv_dtype=kv_dtype)
     _check_own_dtype(kv_cache, kv_dtype)
     return _kernel_module(backend).write_kv(kv_cache, k, v, slot_mapping)
+
+
+def rope_write_kv(
+    qkv: jax.Array,
+    positions: jax.Array,
+    rope_table: jax.Array,
+    kv_cache: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: jnp.dtype,
+    backend: str = "auto",
+    kv_dtype: str | None = None,
+    first_page: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """RoPE on a fused projection and the KV write: q `[T, H, D]` rotated, and the cache.
+
+    `qkv [T, (H + 2K) * D]` holds a step's q, k and v heads side by side (float32 products, or
+    values of `dtype`); q and k rotate by the rows of `rope_table [P, D]` (float32 cosines, then
+    sines) at `positions[T]`, and k, v are written as `write_kv` does (`slot_mapping`,
+    `kv_dtype`, `first_page` as there). Values are rounded to `dtype` after the projection and
+    after the rotation (`rope.split_and_rotate`). The `cpu_native` backend does it all in one
+    native call; the others run `split_and_rotate` and their `write_kv`.
+    """
+    backend = resolve_backend(backend, interpret=True)
+    if backend == CPU_NATIVE and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        _check_first_page(first_page)
+        page_size = _PAGES[CPU_NATIVE][1](kv_cache, rope_table.shape[1])
+        return _kernel_module(backend).rope_write_kv(
+            qkv, positions, rope_table, kv_cache, slot_mapping,
+            num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype, kv_dtype=kv_dtype,
+            slot_offset=first_page * page_size,
+        )  # fmt: skip
+    q, k, v = split_and_rotate(
+        qkv, positions, rope_table, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype
+    )
+    kv_cache = write_kv(
+        kv_cache, k, v, slot_mapping, backend=backend, kv_dtype=kv_dtype, first_page=first_page
+    )
+    return q, kv_cache
 
 
 def ragged_paged_attention(

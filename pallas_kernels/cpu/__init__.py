@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.cpu.activation import silu_and_mul, silu_and_mul_reference
 from pallas_kernels.cpu.build import (
     ATTENTION_TARGET,
     NativeKernelError,
@@ -31,11 +32,9 @@ from pallas_kernels.cpu.dense import (
     pack_dense_kernel,
     pack_dense_kernel_f32,
 )
-from pallas_kernels.cpu.layout import allocate_kv_cache, write_kv
+from pallas_kernels.cpu.layout import CACHE_FORMATS, allocate_kv_cache, write_kv
+from pallas_kernels.cpu.rope_kv import rope_write_kv
 from pallas_kernels.reference import value_dtype
-
-# What the kernel's `cache_format` attribute says the cache holds (paged_attention.cc).
-_CACHE_FORMATS = {"float32": 0, "bfloat16": 1, "float8_e4m3fn": 2, "float8_e5m2": 3}
 
 __all__ = [
     "NativeKernelError",
@@ -52,6 +51,9 @@ __all__ = [
     "pack_dense_kernel",
     "pack_dense_kernel_f32",
     "ragged_paged_attention",
+    "rope_write_kv",
+    "silu_and_mul",
+    "silu_and_mul_reference",
     "write_kv",
 ]
 
@@ -69,14 +71,15 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     kv_dtype: str | None = None,
 ) -> jax.Array:
-    """Same contract as `reference.ragged_paged_attention_reference` (float32 inside)."""
+    """Same contract as `reference.ragged_paged_attention_reference` (float32 inside; bfloat16
+    queries are read and the output written as bfloat16, other dtypes pass through float32)."""
     if not is_loaded():
         raise NativeKernelError(
             "the native CPU kernels are not loaded in this process: call "
             "pallas_kernels.cpu.load(build_dir) first, or use the attention backend 'xla'"
         )
     values = value_dtype(kv_cache.dtype, kv_dtype)
-    if values.name not in _CACHE_FORMATS:
+    if values.name not in CACHE_FORMATS:
         raise ValueError(
             f"cpu_native attention reads float32, bfloat16 and float8 (e4m3fn, e5m2) caches, not {values}"
         )
@@ -84,9 +87,10 @@ def ragged_paged_attention(
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be positive, got {soft_cap}")
-    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    rows_dtype = q.dtype if q.dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)  # the kernel's two
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, rows_dtype))
     out = call(
-        q.astype(jnp.float32),
+        q.astype(rows_dtype),
         kv_cache,
         kv_lens.astype(jnp.int32),
         page_indices.astype(jnp.int32),
@@ -95,6 +99,6 @@ def ragged_paged_attention(
         sm_scale=np.float32(sm_scale),
         sliding_window=np.int32(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
-        cache_format=np.int32(_CACHE_FORMATS[values.name]),
+        cache_format=np.int32(CACHE_FORMATS[values.name]),
     )
     return out.astype(q.dtype)

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Builds the native CPU kernels (`paged_attention.cc`, `dense.cc`) and registers them with XLA.
+"""Builds the native CPU kernels (`paged_attention.cc`, `rope_kv.cc`, `silu_mul.cc`, `dense.cc`,
+`dense_f32.cc`) and registers them with XLA.
 
 The sources are compiled on the machine that runs it, with `-march=native`, by the C++ compiler
 in `$CXX` (else `g++`, `c++` or `clang++` on the PATH), against the XLA FFI headers that jaxlib
@@ -26,16 +27,30 @@ from pathlib import Path
 import jax
 import jaxlib
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cc", "dense.cc", "dense_f32.cc"))
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("paged_attention.cc", "rope_kv.cc", "silu_mul.cc", "dense.cc", "dense_f32.cc")
+)
 HEADERS = tuple(
     Path(__file__).with_name(name)
-    for name in ("parallel.h", "kv_values.h", "dense_blocks.h", "dense_f32_block.h", "dense_avx2.h")
+    for name in (
+        "parallel.h",
+        "kv_values.h",
+        "fast_math.h",
+        "dense_blocks.h",
+        "dense_f32_block.h",
+        "dense_avx2.h",
+    )
 )
 ATTENTION_TARGET = "vllm_xla_ragged_paged_attention"
+ROPE_KV_TARGET = "vllm_xla_rope_write_kv"
+SILU_MUL_TARGET = "vllm_xla_silu_mul"
 DENSE_TARGET = "vllm_xla_dense"
 DENSE_F32_TARGET = "vllm_xla_dense_f32"
 _HANDLERS = {
     ATTENTION_TARGET: "VllmXlaRaggedPagedAttention",
+    ROPE_KV_TARGET: "VllmXlaRopeWriteKv",
+    SILU_MUL_TARGET: "VllmXlaSiluMul",
     DENSE_TARGET: "VllmXlaDense",
     DENSE_F32_TARGET: "VllmXlaDenseF32",
 }

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// The KV cache's element types and their widening to float32 (scalar, and 16 or 8 at a time),
-// plus the vector operations of the decode update for AVX-512 and for AVX2.
+// The KV cache's element types, their widening to float32 (scalar, and 16 or 8 at a time) and
+// their rounding from it (scalar), plus the vector operations of the decode update for AVX-512 and for AVX2.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -52,6 +53,45 @@ inline float Load(const uint16_t* p, int64_t i) { return BitsToFloat(static_cast
 inline float Load(const float* p, int64_t i) { return p[i]; }
 inline float Load(const E4M3* p, int64_t i) { return Float8ToFloat<4, 3>(p[i].bits); }
 inline float Load(const E5M2* p, int64_t i) { return Float8ToFloat<5, 2>(p[i].bits); }
+
+// float32 to bfloat16 bits, rounded to nearest even as XLA's convert does (NaN stays a quiet NaN).
+// Branch-free, so loops over rows vectorize.
+inline uint16_t FloatToBf16Bits(float f) {
+  const uint32_t bits = FloatToBits(f);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (bits >> 16) | 0x0040u;
+  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
+}
+
+// `f` as a bfloat16 value would hold it (`FloatToBf16Bits`), back in float32.
+inline float RoundToBf16(float f) { return BitsToFloat(static_cast<uint32_t>(FloatToBf16Bits(f)) << 16); }
+
+// float32 to the float8 with kE exponent and kM mantissa bits, rounded to nearest even after
+// saturating at the largest finite value `max_finite` (as `reference.saturating_cast` stores them); NaN
+// becomes the format's quiet NaN `kNan` with the sign kept.
+template <int kE, int kM, uint32_t kNan>
+inline uint8_t FloatToFloat8(float f, float max_finite) {
+  constexpr int kBias = (1 << (kE - 1)) - 1;
+  const uint32_t bits = FloatToBits(f);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint8_t>(sign | kNan);
+  const float magnitude = std::min(std::fabs(f), max_finite);
+  const float smallest_normal = BitsToFloat(static_cast<uint32_t>(127 + 1 - kBias) << 23);
+  if (magnitude < smallest_normal) {  // subnormal (or the smallest normal, reached by rounding up)
+    const float units = std::nearbyint(magnitude * BitsToFloat(static_cast<uint32_t>(127 + kBias - 1 + kM) << 23));
+    return static_cast<uint8_t>(sign | static_cast<uint32_t>(units));
+  }
+  const uint32_t m = FloatToBits(magnitude);
+  constexpr int kDrop = 23 - kM;
+  const uint32_t rounded = (m + ((1u << (kDrop - 1)) - 1u) + ((m >> kDrop) & 1u)) >> kDrop;
+  return static_cast<uint8_t>(sign | (rounded - (static_cast<uint32_t>(127 - kBias) << kM)));
+}
+
+// One value stored into a cache of each element type.
+inline void Store(float* p, int64_t i, float x) { p[i] = x; }
+inline void Store(uint16_t* p, int64_t i, float x) { p[i] = FloatToBf16Bits(x); }
+inline void Store(E4M3* p, int64_t i, float x) { p[i].bits = FloatToFloat8<4, 3, 0x7Fu>(x, 448.0f); }
+inline void Store(E5M2* p, int64_t i, float x) { p[i].bits = FloatToFloat8<5, 2, 0x7Eu>(x, 57344.0f); }
 
 #if defined(__AVX512F__)
 // 16 consecutive values as float32 (bfloat16 bits widen by a shift).

@@ -18,6 +18,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.reference import scatter_kv, storage_dtype
 
+# The values a cache holds, as the native kernels' `cache_format` attribute says them.
+CACHE_FORMATS = {"float32": 0, "bfloat16": 1, "float8_e4m3fn": 2, "float8_e5m2": 3}
+
 
 def allocate_kv_cache(
     num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "dense_f32_block.h"
+#include "fast_math.h"
 #include "kv_values.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -34,6 +35,7 @@ namespace {
 
 using vllm_xla::E4M3;
 using vllm_xla::E5M2;
+using vllm_xla::ExpNonPositive;
 using vllm_xla::Load;
 #if defined(__AVX512F__)
 using vllm_xla::Avx512;
@@ -65,25 +67,6 @@ struct Item {
   int32_t seq, first_head, end_head, first_row, end_row;  // kv heads [first_head, end_head)
 };
 
-// exp(x) for x <= 0 (a softmax's shifted scores), as plain float and int arithmetic that
-// compilers vectorize: 2^n * p(r) with a degree-6 polynomial, relative error < 2e-7.
-inline float ExpNonPositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 // Per-item scratch: the online-softmax state of a block of `rows` rows of `heads` kv heads (q
 // scaled, kept head by head: [heads, rows, G, D]) and one page's scores ([rows, G, S16] for a
 // kv head; S16 is S rounded up to 16). Blocks of several rows also keep the current page in
@@ -102,14 +85,25 @@ template <typename T, int kD>
 struct Problem {
   Shapes s;
   Params prm;
-  const float* q;
+  const void* q;  // [T, H, D] float32, or bfloat16 bits when bf16_rows
   const T* cache;
   const int32_t* kv_lens;
   const int32_t* page_indices;
   const int32_t* cu_q_lens;
-  float* out;
+  void* out;  // same type as q
+  bool bf16_rows;
 
   int64_t HeadDim() const { return kD > 0 ? kD : s.head_dim; }
+  float QueryValue(int64_t i) const {
+    return bf16_rows ? Load(static_cast<const uint16_t*>(q), i) : static_cast<const float*>(q)[i];
+  }
+  void StoreOutput(int64_t i, float x) const {
+    if (bf16_rows) {
+      static_cast<uint16_t*>(out)[i] = vllm_xla::FloatToBf16Bits(x);
+    } else {
+      static_cast<float*>(out)[i] = x;
+    }
+  }
   static void Begin() {}
   static void End() {}
 
@@ -341,10 +335,10 @@ struct Problem {
     // Softmax state of (row r, head h) at r * heads + h; q of (head h, row r) at h * rows + r.
     Scratch w(rows, heads, G, S, D);
     for (int64_t r = 0; r < rows; ++r) {
-      const float* q_row = q + ((item.first_row + r) * s.num_heads + item.first_head * G) * D;
+      const int64_t q_row = ((item.first_row + r) * s.num_heads + item.first_head * G) * D;
       for (int64_t h = 0; h < heads; ++h) {
         float* q_scaled = w.q.data() + (h * rows + r) * G * D;
-        for (int64_t i = 0; i < G * D; ++i) q_scaled[i] = q_row[h * G * D + i] * prm.sm_scale;
+        for (int64_t i = 0; i < G * D; ++i) q_scaled[i] = QueryValue(q_row + h * G * D + i) * prm.sm_scale;
       }
     }
     const int64_t S16 = PaddedPageSize();
@@ -395,20 +389,20 @@ struct Problem {
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      float* out_row = out + ((item.first_row + r) * s.num_heads + item.first_head * G) * D;
+      const int64_t out_row = ((item.first_row + r) * s.num_heads + item.first_head * G) * D;
       for (int64_t g = 0; g < heads * G; ++g) {
         const int64_t i = r * heads * G + g;
         const float inv = w.denom[i] > 0.0f ? 1.0f / w.denom[i] : 0.0f;
-        for (int64_t d = 0; d < D; ++d) out_row[g * D + d] = w.acc[i * D + d] * inv;
+        for (int64_t d = 0; d < D; ++d) StoreOutput(out_row + g * D + d, w.acc[i * D + d] * inv);
       }
     }
   }
 };
 
-ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache,
+ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                      ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                     ffi::ResultBuffer<ffi::F32> out, float sm_scale, int32_t sliding_window,
+                     ffi::Result<ffi::AnyBuffer> out, float sm_scale, int32_t sliding_window,
                      float soft_cap, int32_t cache_format) {
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
@@ -421,7 +415,11 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
       s.head_dim > kMaxHeadDim || s.page_size * s.head_dim != cd[2]) {
     return ffi::Error::InvalidArgument("q heads must be a multiple (at most 64x) of kv heads, head_dim at most 1024, and the cache rows page_size * head_dim");
   }
-  std::memset(out->typed_data(), 0, sizeof(float) * s.num_tokens * s.num_heads * s.head_dim);
+  const bool bf16_rows = q.element_type() == ffi::DataType::BF16;
+  if ((!bf16_rows && q.element_type() != ffi::DataType::F32) || out->element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument("q and the output must both be float32 or both bfloat16");
+  }
+  std::memset(out->untyped_data(), 0, out->size_bytes());
   const int32_t* cu = cu_q_lens.typed_data();
   const int64_t used = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, s.num_slots);
   // An item takes all kv heads of its rows (one stream through each page) when there are enough
@@ -447,14 +445,13 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   }
   if (work->items.empty()) return ffi::Error::Success();
   Params prm{sm_scale, sliding_window, soft_cap};
-  const float* qp = q.typed_data();
   const int32_t* lens = kv_lens.typed_data();
   const int32_t* table = page_indices.typed_data();
-  float* o = out->typed_data();
   auto run = [&](auto tag, auto dim) {
     using T = decltype(tag);
-    Problem<T, decltype(dim)::value> p{
-        s, prm, qp, static_cast<const T*>(kv_cache.untyped_data()), lens, table, cu, o};
+    Problem<T, decltype(dim)::value> p{s,     prm,   q.untyped_data(), static_cast<const T*>(kv_cache.untyped_data()),
+                                       lens,  table, cu,               out->untyped_data(),
+                                       bf16_rows};
     vllm_xla::RunAll(p, work, pool, workers);
   };
   auto run_dims = [&](auto tag) {
@@ -485,13 +482,13 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaRaggedPagedAttention, Attention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")

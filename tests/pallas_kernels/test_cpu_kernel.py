@@ -121,9 +121,12 @@ def test_kernel_runs_in_the_donated_step_that_writes_the_cache():
     "edited_file",
     [
         "paged_attention.cc",
+        "rope_kv.cc",
+        "silu_mul.cc",
         "dense.cc",
         "dense_f32.cc",
         "parallel.h",
+        "fast_math.h",
         "dense_blocks.h",
         "dense_f32_block.h",
         "dense_avx2.h",
@@ -151,7 +154,7 @@ def test_build_errors_name_the_cause(tmp_path, monkeypatch):
     broken = tmp_path / "broken.cc"
     broken.write_text("this is not C++\n")
     sources = " ".join(source.name for source in build.SOURCES)
-    assert sources == "paged_attention.cc dense.cc dense_f32.cc"
+    assert sources == "paged_attention.cc rope_kv.cc silu_mul.cc dense.cc dense_f32.cc"
     monkeypatch.setattr(build, "SOURCES", (*build.SOURCES, broken))
     failed = rf"building {re.escape(sources)} broken\.cc failed"
     with pytest.raises(build.NativeKernelError, match=failed):
