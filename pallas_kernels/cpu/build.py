@@ -37,6 +37,7 @@ HEADERS = tuple(
         "parallel.h",
         "kv_values.h",
         "fast_math.h",
+        "attention_blocks.h",
         "dense_blocks.h",
         "dense_f32_block.h",
         "dense_avx2.h",

@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_blocks.h"
 #include "dense_f32_block.h"
 #include "fast_math.h"
 #include "kv_values.h"
@@ -188,8 +189,7 @@ struct Problem {
     const int64_t D = HeadDim();
     for (int64_t g = 0; g < G; ++g) {
       float* scg = sc + g * stride;
-      float page_max = kMaskValue;
-      for (int64_t j = j0; j < j1; ++j) page_max = std::max(page_max, scg[j]);
+      const float page_max = vllm_xla::MaxOf(scg, j0, j1, kMaskValue);
       const float m_new = std::max(m[g], page_max);
       const float alpha = ExpNonPositive(m[g] - m_new);
       float sum = 0.0f;
@@ -297,10 +297,16 @@ struct Problem {
         vllm_xla::F32BlockFor(block)(q_vectors + i * D, panel, D, sc + i * S16 + j16, S16);
       }
 #else
-      for (int64_t i = 0; i < count; ++i) Dot16(q_vectors + i * D, panel, 16, sc + i * S16 + j16);
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      constexpr int kBlock = vllm_xla::kScoreBlock;
+      for (; i + kBlock <= count; i += kBlock) vllm_xla::ScoreBlock(q_vectors + i * D, D, panel, sc + i * S16 + j16, S16);
+#endif
+      for (; i < count; ++i) Dot16(q_vectors + i * D, panel, 16, sc + i * S16 + j16);
 #endif
     }
   }
+
 
   // `Update` from a converted page whose scores `sc` ([G, S16]) are computed.
   void UpdateScored(const float* values, float* acc, float* m, float* denom, int64_t j0, int64_t j1, int64_t G,
@@ -313,7 +319,17 @@ struct Problem {
       }
     }
     Rescale(acc, m, denom, j0, j1, G, sc, S16);
-    for (int64_t g = 0; g < G; ++g) AccumulateValues(sc + g * S16, values, j0, j1, acc + g * D);
+    int64_t g = 0;
+#if defined(__AVX512F__)
+    // Heads in threes, else pairs, while their accumulators and a value row fit in 32 registers.
+    if constexpr (kD > 0 && kD % 16 == 0 && kD <= 64) {
+      for (; g + 3 <= G; g += 3) vllm_xla::AccumulateValueHeads<3, kD>(sc + g * S16, S16, values, j0, j1, acc + g * D);
+    }
+    if constexpr (kD > 0 && kD % 16 == 0 && kD <= 128) {
+      for (; g + 2 <= G; g += 2) vllm_xla::AccumulateValueHeads<2, kD>(sc + g * S16, S16, values, j0, j1, acc + g * D);
+    }
+#endif
+    for (; g < G; ++g) AccumulateValues(sc + g * S16, values, j0, j1, acc + g * D);
   }
 
   // Rows first_row..end_row of one sequence, for kv heads first_head..end_head. A single row

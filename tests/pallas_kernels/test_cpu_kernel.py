@@ -127,6 +127,7 @@ def test_kernel_runs_in_the_donated_step_that_writes_the_cache():
         "dense_f32.cc",
         "parallel.h",
         "fast_math.h",
+        "attention_blocks.h",
         "dense_blocks.h",
         "dense_f32_block.h",
         "dense_avx2.h",
