@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Native CPU backend: a page-major KV cache (`layout.py`), attention in C++ via XLA FFI, and
+"""Native CPU backend: a page-major KV cache (`layout.py`), attention in C++ via XLA FFI, RoPE
+with the KV write in one call (`rope_kv.py`), SwiGLU's `silu(gate) * up` (`activation.py`), and
 dense layers (`dense.py`): bfloat16 on AMX, AVX-512 BF16 or AVX2, float32 on AVX2.
 
 XLA:CPU has no fast formulation of paged attention (a page gather runs at a few GB/s and every

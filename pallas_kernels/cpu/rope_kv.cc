@@ -55,15 +55,29 @@ inline void Rotate(const float* x, const float* cos, const float* sin, int64_t D
   }
 }
 
+// One call's buffers: qkv of element type In, q_out of Q, the cache of C (see RunToken).
+struct Call {
+  Shapes s;
+  const void* qkv;
+  const int32_t* positions;
+  const float* table;
+  const int32_t* slots;
+  int64_t slot_offset;
+  void* q_out;
+  void* cache;
+};
+
 // One token: its q heads rotated into `q_out` (of element type Q), its k heads rotated and its v
 // heads stored into the cache (of element type C) unless its slot is negative or past the cache.
 template <typename In, typename Q, typename C>
-void RunToken(const Shapes& s, int64_t t, const In* qkv, const int32_t* positions, const float* table,
-              const int32_t* slots, int64_t slot_offset, Q* q_out, C* cache) {
+void RunToken(const Call& c, int64_t t) {
+  const Shapes& s = c.s;
+  const In* qkv = static_cast<const In*>(c.qkv);
+  Q* q_out = static_cast<Q*>(c.q_out);
   const int64_t D = s.head_dim, H = s.num_heads, K = s.num_kv_heads, S = s.page_size;
   const int64_t row_len = (H + 2 * K) * D;
-  const int64_t position = std::clamp<int64_t>(positions[t], 0, s.table_rows - 1);
-  const float* cos = table + position * D;
+  const int64_t position = std::clamp<int64_t>(c.positions[t], 0, s.table_rows - 1);
+  const float* cos = c.table + position * D;
   const float* sin = cos + D / 2;
   float head[kMaxHeadDim], rotated[kMaxHeadDim];
   auto load_head = [&](int64_t h) {
@@ -74,9 +88,9 @@ void RunToken(const Shapes& s, int64_t t, const In* qkv, const int32_t* position
     Rotate<Q>(head, cos, sin, D, rotated);
     for (int64_t d = 0; d < D; ++d) Store(q_out + (t * H + h) * D, d, rotated[d]);
   }
-  const int64_t slot = slots[t] < 0 ? -1 : slots[t] + slot_offset;
+  const int64_t slot = c.slots[t] < 0 ? -1 : c.slots[t] + c.slot_offset;
   if (slot < 0 || slot >= s.num_pages * S) return;
-  C* page = cache + (slot / S) * 2 * K * S * D + (slot % S) * D;
+  C* page = static_cast<C*>(c.cache) + (slot / S) * 2 * K * S * D + (slot % S) * D;
   for (int64_t h = 0; h < K; ++h) {
     load_head(H + h);
     Rotate<Q>(head, cos, sin, D, rotated);
@@ -96,33 +110,13 @@ struct Item {
 
 template <typename In, typename Q, typename C>
 struct Problem {
-  Shapes s;
-  const In* qkv;
-  const int32_t* positions;
-  const float* table;
-  const int32_t* slots;
-  int64_t slot_offset;
-  Q* q_out;
-  C* cache;
+  Call call;
 
   static void Begin() {}
   static void End() {}
   void Run(const Item& item) const {
-    for (int64_t t = item.first; t < item.end; ++t) {
-      RunToken(s, t, qkv, positions, table, slots, slot_offset, q_out, cache);
-    }
+    for (int64_t t = item.first; t < item.end; ++t) RunToken<In, Q, C>(call, t);
   }
-};
-
-struct Call {
-  Shapes s;
-  const void* qkv;
-  const int32_t* positions;
-  const float* table;
-  const int32_t* slots;
-  int64_t slot_offset;
-  void* q_out;
-  void* cache;
 };
 
 template <typename In, typename Q, typename C>
@@ -132,8 +126,7 @@ void RunAll(const Call& c, ffi::ThreadPool& pool) {
     work->items.push_back({t, std::min(c.s.num_tokens, t + kTokensPerItem)});
   }
   if (work->items.empty()) return;
-  const Problem<In, Q, C> p{c.s, static_cast<const In*>(c.qkv), c.positions, c.table, c.slots, c.slot_offset, static_cast<Q*>(c.q_out),
-                            static_cast<C*>(c.cache)};
+  const Problem<In, Q, C> p{c};
   vllm_xla::RunAll(p, work, pool, vllm_xla::Workers(pool, c.s.num_tokens));
 }
 
