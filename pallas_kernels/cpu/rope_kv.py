@@ -52,6 +52,11 @@ def rope_write_kv(
     if values.name not in CACHE_FORMATS:
         raise ValueError(f"cpu_native caches hold float32, bfloat16 or float8 (e4m3fn, e5m2), not {values}")
     head_dim = table.shape[1]
+    if qkv.ndim != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(
+            f"qkv {tuple(qkv.shape)} is not [T, (num_heads + 2 * num_kv_heads) * head_dim] for "
+            f"{num_heads} + 2 * {num_kv_heads} heads of {head_dim} (the table's width)"
+        )
     q_shape = jax.ShapeDtypeStruct((qkv.shape[0], num_heads, head_dim), dtype)
     call = jax.ffi.ffi_call(
         ROPE_KV_TARGET,

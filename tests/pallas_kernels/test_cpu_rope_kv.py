@@ -173,6 +173,11 @@ def test_refuses_dtypes_it_cannot_take(native_kernels):
         cpu.rope_write_kv(
             *args, cache, jnp.zeros(2, jnp.int32), num_heads=1, num_kv_heads=1, dtype=jnp.bfloat16
         )
+    with pytest.raises(ValueError, match=r"qkv \(2, 192\) is not \[T, \(num_heads"):
+        cpu.rope_write_kv(
+            jnp.zeros((2, 3 * 64)), *args[1:], cache, jnp.zeros(2, jnp.int32), num_heads=2, num_kv_heads=1,
+            dtype=jnp.float32,
+        )  # fmt: skip
     # float16 activations are not the native call's: the API composes the reference instead
     q, _ = api.rope_write_kv(
         *args,
