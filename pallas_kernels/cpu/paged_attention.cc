@@ -307,7 +307,6 @@ struct Problem {
     }
   }
 
-
   // `Update` from a converted page whose scores `sc` ([G, S16]) are computed.
   void UpdateScored(const float* values, float* acc, float* m, float* denom, int64_t j0, int64_t j1, int64_t G,
                     float* sc) const {
