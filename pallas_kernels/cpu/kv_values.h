@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "xla/ffi/api/ffi.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -85,6 +87,26 @@ inline uint8_t FloatToFloat8(float f, float max_finite) {
   constexpr int kDrop = 23 - kM;
   const uint32_t rounded = (m + ((1u << (kDrop - 1)) - 1u) + ((m >> kDrop) & 1u)) >> kDrop;
   return static_cast<uint8_t>(sign | (rounded - (static_cast<uint32_t>(127 - kBias) << kM)));
+}
+
+// Calls `f(T{})` with the element type T of a cache whose `cache_format` attribute (0 float32,
+// 1 bfloat16 bits, 2 float8_e4m3fn bits, 3 float8_e5m2 bits) matches its buffer's `type`; false,
+// without calling it, when they do not match.
+template <typename F>
+bool WithCacheType(int32_t cache_format, xla::ffi::DataType type, F&& f) {
+  using xla::ffi::DataType;
+  if (cache_format == 0 && type == DataType::F32) {
+    f(float{});
+  } else if (cache_format == 1 && type == DataType::U16) {
+    f(uint16_t{});
+  } else if (cache_format == 2 && type == DataType::U8) {
+    f(E4M3{});
+  } else if (cache_format == 3 && type == DataType::U8) {
+    f(E5M2{});
+  } else {
+    return false;
+  }
+  return true;
 }
 
 // One value stored into a cache of each element type.

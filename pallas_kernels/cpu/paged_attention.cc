@@ -34,8 +34,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using vllm_xla::E4M3;
-using vllm_xla::E5M2;
 using vllm_xla::ExpNonPositive;
 using vllm_xla::Load;
 #if defined(__AVX512F__)
@@ -475,17 +473,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
     if (s.head_dim == 256) return run(tag, std::integral_constant<int, 256>());
     return run(tag, std::integral_constant<int, 0>());
   };
-  // cache_format: 0 float32, 1 bfloat16 bits (uint16), 2 float8_e4m3fn and 3 float8_e5m2 bits (uint8).
-  const ffi::DataType type = kv_cache.element_type();
-  if (cache_format == 0 && type == ffi::DataType::F32) {
-    run_dims(float{});
-  } else if (cache_format == 1 && type == ffi::DataType::U16) {
-    run_dims(uint16_t{});
-  } else if (cache_format == 2 && type == ffi::DataType::U8) {
-    run_dims(E4M3{});
-  } else if (cache_format == 3 && type == ffi::DataType::U8) {
-    run_dims(E5M2{});
-  } else {
+  if (!vllm_xla::WithCacheType(cache_format, kv_cache.element_type(), run_dims)) {
     return ffi::Error::InvalidArgument(
         "kv_cache must be float32 (cache_format 0), uint16 bfloat16 bits (1) or uint8 float8 bits (2: e4m3fn, 3: e5m2)");
   }

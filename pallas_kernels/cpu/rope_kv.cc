@@ -24,8 +24,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using vllm_xla::E4M3;
-using vllm_xla::E5M2;
 using vllm_xla::Load;
 using vllm_xla::RoundToBf16;
 using vllm_xla::Store;
@@ -130,21 +128,10 @@ void RunAll(const Call& c, ffi::ThreadPool& pool) {
   vllm_xla::RunAll(p, work, pool, vllm_xla::Workers(pool, c.s.num_tokens));
 }
 
-// Picks the cache's element type (cache_format as in paged_attention.cc); false if none fits.
+// Runs the call for the cache's element type (`vllm_xla::WithCacheType`); false if none fits.
 template <typename In, typename Q>
 bool RunForCache(int32_t cache_format, ffi::DataType type, const Call& c, ffi::ThreadPool& pool) {
-  if (cache_format == 0 && type == ffi::DataType::F32) {
-    RunAll<In, Q, float>(c, pool);
-  } else if (cache_format == 1 && type == ffi::DataType::U16) {
-    RunAll<In, Q, uint16_t>(c, pool);
-  } else if (cache_format == 2 && type == ffi::DataType::U8) {
-    RunAll<In, Q, E4M3>(c, pool);
-  } else if (cache_format == 3 && type == ffi::DataType::U8) {
-    RunAll<In, Q, E5M2>(c, pool);
-  } else {
-    return false;
-  }
-  return true;
+  return vllm_xla::WithCacheType(cache_format, type, [&](auto tag) { RunAll<In, Q, decltype(tag)>(c, pool); });
 }
 
 ffi::Error RopeWriteKv(ffi::ThreadPool pool, ffi::AnyBuffer qkv, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> table,

@@ -15,6 +15,7 @@
 #include <memory>
 #include <type_traits>
 
+#include "dense_blocks.h"
 #include "fast_math.h"
 #include "kv_values.h"
 #include "parallel.h"
@@ -61,18 +62,10 @@ struct Problem {
   }
 };
 
-// The number of rows before the trailing rows that are all zeros (+0 or -0).
-int64_t RowsBeforeZeroTail(const float* x, int64_t rows, int64_t row_len) {
-  for (int64_t t = rows; t > 0; --t) {
-    const float* row = x + (t - 1) * row_len;
-    if (std::any_of(row, row + row_len, [](float v) { return v != 0.0f; })) return t;
-  }
-  return 0;
-}
-
 template <typename Out>
 void RunAll(const float* gate_up, Out* out, int64_t rows, int64_t width, ffi::ThreadPool& pool) {
-  const int64_t used = RowsBeforeZeroTail(gate_up, rows, 2 * width);
+  const auto* bits = reinterpret_cast<const uint32_t*>(gate_up);  // +0 and -0 rows alike
+  const int64_t used = vllm_xla::RowsBeforeZeroTail<uint32_t>(bits, rows, 2 * width, 0x7fffffffu);
   std::memset(out + used * width, 0, sizeof(Out) * (rows - used) * width);
   auto work = std::make_shared<vllm_xla::SharedWork<Item>>();
   for (int64_t t = 0; t < used; t += kRowsPerItem) work->items.push_back({t, std::min(used, t + kRowsPerItem)});
