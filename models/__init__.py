@@ -21,7 +21,7 @@ attention layers gather their RoPE rotations from tables instead of computing th
 """
 
 from models.config import ModelConfig
-from models.layers import attach_rope_tables, pack_for_native_dense
+from models.layers import PackedKernel, attach_rope_tables, pack_for_native_dense
 from models.loader import load_model, load_weights
 from models.metadata import AttentionMetadata
 from models.registry import SUPPORTED_ARCHITECTURES, build
@@ -30,6 +30,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "AttentionMetadata",
     "ModelConfig",
+    "PackedKernel",
     "attach_rope_tables",
     "build",
     "load_model",

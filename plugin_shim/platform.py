@@ -103,6 +103,8 @@ class XlaPlatform(Platform):
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_mode = CUDAGraphMode.NONE
         compilation.cudagraph_capture_sizes = []
+        if vllm_config.load_config is not None:
+            runner_load_format(vllm_config.load_config)  # an unsupported one fails here, not in the worker
         cache = vllm_config.cache_config
         if cache is not None:
             kv_dtype = runner_kv_cache_dtype(cache)  # an unsupported one fails here, not in the worker
@@ -191,3 +193,24 @@ def jax_runs_here() -> bool:
         return False
     initialized = getattr(bridge, "backends_are_initialized", None)
     return initialized() if initialized is not None else True  # unknown JAX: assume it runs
+
+
+# vLLM's load formats we honour: a checkpoint's safetensors (or GGUF, in a model directory), and
+# "npcache", which also keeps the prepared weights in our cache directory (`weights_cache`).
+LOAD_FORMATS = ("auto", "safetensors", "npcache")
+
+
+def runner_load_format(load_config) -> str:
+    """The runner's `load_format` for vLLM's `load_config`, or a ValueError naming the choices."""
+    name = str(getattr(load_config.load_format, "value", load_config.load_format))
+    if name == "gguf":
+        raise ValueError(
+            "load_format='gguf' is not supported by vllm-xla: convert the file with "
+            "`vllm-xla model-dir --gguf FILE` and serve the directory it prints"
+        )
+    if name not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format {name!r} is not supported by vllm-xla; use {', '.join(LOAD_FORMATS)} "
+            "(npcache also keeps the prepared weights in VLLM_XLA_CACHE_DIR for a faster start)"
+        )
+    return name

@@ -16,6 +16,7 @@ from plugin_shim import translate
 from plugin_shim.cache_dtype import runner_kv_cache_dtype, spec_dtype
 from plugin_shim.logits_processors import LogitsProcessorBridge
 from plugin_shim.logs import share_vllm_logging
+from plugin_shim.platform import runner_load_format
 from tpu_platform.envs import read_env
 from tpu_platform.metrics_file import MetricsPublisher, metrics_path
 from tpu_platform.runner import InFlightStep, Runner, RunnerConfig
@@ -88,6 +89,7 @@ class XlaWorker(WorkerBase):
                 page_size=self.cache_config.block_size,
                 attention_backend=env.attention_backend,
                 cache_dir=env.cache_dir,
+                load_format=runner_load_format(self.vllm_config.load_config),
                 strict_compile=env.strict_compile,
                 seed=mc.seed or 0,
                 max_logprobs=mc.max_logprobs,
@@ -130,8 +132,11 @@ class XlaWorker(WorkerBase):
         return ["LBNHC"]  # nominal: the JAX side allocates its own per-layer arrays
 
     def determine_available_memory(self) -> int:
+        # vLLM's `kv_cache_memory_bytes` first, then our CPU budget or `gpu_memory_utilization`.
         return self.runner.available_kv_bytes(
-            self.cache_config.gpu_memory_utilization, self.env.cpu_kv_cache_gb
+            self.cache_config.gpu_memory_utilization,
+            self.env.cpu_kv_cache_gb,
+            self.cache_config.kv_cache_memory_bytes,
         )
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:

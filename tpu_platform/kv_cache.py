@@ -20,26 +20,60 @@ def kv_cache_dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def available_kv_bytes(device: jax.Device, *, memory_utilization: float, cpu_kv_cache_gb: float) -> int:
+def available_kv_bytes(
+    device: jax.Device,
+    *,
+    memory_utilization: float,
+    cpu_kv_cache_gb: float,
+    explicit_bytes: int | None = None,
+) -> int:
     """Bytes the KV cache may take on `device`.
 
-    CPU: `cpu_kv_cache_gb` (host RAM is shared with everything else, so it is an explicit budget).
-    TPU/GPU: `memory_utilization` of the device's memory limit, minus what is already in use
-    (the weights are loaded by then).
+    `explicit_bytes` (vLLM's `kv_cache_memory_bytes`), when given, comes first on every device;
+    on TPU/GPU it must fit in the device's memory limit minus what is already in use.
+    CPU: else `cpu_kv_cache_gb` (host RAM is shared with everything else, so it is an explicit
+    budget). TPU/GPU: else `memory_utilization` of the device's memory limit, minus what is
+    already in use (the weights are loaded by then).
     """
+    if explicit_bytes is not None and explicit_bytes <= 0:
+        raise ValueError(f"kv_cache_memory_bytes must be positive, got {explicit_bytes}")
     if device.platform == "cpu":
-        return int(cpu_kv_cache_gb * GIB)
+        return int(explicit_bytes) if explicit_bytes is not None else int(cpu_kv_cache_gb * GIB)
+    limit, in_use = _device_memory(device)
+    if explicit_bytes is not None:
+        if explicit_bytes > limit - in_use:
+            raise ValueError(
+                f"kv_cache_memory_bytes={explicit_bytes} does not fit on {device.device_kind}: limit "
+                f"{limit} B, {in_use} B in use; lower --kv-cache-memory-bytes"
+            )
+        return int(explicit_bytes)
+    free = int(limit * memory_utilization) - in_use
+    if free <= 0:
+        raise RuntimeError(
+            f"no device memory left for the KV cache on {device.device_kind}: limit {limit} B, "
+            f"in use {in_use} B; raise gpu_memory_utilization or use a smaller model"
+        )
+    return free
+
+
+def _device_memory(device: jax.Device) -> tuple[int, int]:
+    """The device's memory limit and the bytes in use on it."""
     stats = device.memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit:
         raise RuntimeError(f"{device.device_kind} reports no memory limit; cannot size the KV cache")
-    free = int(limit * memory_utilization) - int(stats.get("bytes_in_use", 0))
-    if free <= 0:
-        raise RuntimeError(
-            f"no device memory left for the KV cache on {device.device_kind}: limit {limit} B, "
-            f"in use {stats.get('bytes_in_use')} B; raise gpu_memory_utilization or use a smaller model"
-        )
-    return free
+    return int(limit), int(stats.get("bytes_in_use", 0))
+
+
+def pages_for_sequences(num_seqs: int, max_model_len: int, page_size: int) -> int:
+    """KV pages that hold `num_seqs` sequences of `max_model_len` tokens at once, plus the one
+    page vLLM's block pool keeps back (its null block)."""
+    return num_seqs * -(-max_model_len // page_size) + 1
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes a token's keys and values take over all layers (the CPU layout adds no padding)."""
+    return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
 
 def caches_per_array(num_caches: int, num_pages: int, page_size: int) -> int:

@@ -45,8 +45,15 @@ class MetricsPublisher:
         return True
 
     def remove(self) -> None:
-        if os.path.exists(self.path):
-            os.remove(self.path)
+        remove_metrics(self.path)
+
+
+def remove_metrics(path: str) -> None:
+    """Removes a runner's published snapshot, if there is one."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def read_metrics(path: str) -> dict[str, float] | None:

@@ -44,6 +44,8 @@ from typing import Any
 
 import jax
 import jaxlib
+from flax import nnx
+from flax.nnx.graphlib import VariableDef
 from jax.experimental import serialize_executable
 from tqdm import tqdm
 
@@ -161,6 +163,19 @@ def environment_fingerprint(device: jax.Device, memo_dir: str | None = None) -> 
         source_fingerprint(memo_dir=memo_dir),
     )
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def structure_text(graphdef: nnx.GraphDef) -> str:
+    """`repr(graphdef)` with every variable's metadata in key order: equal graph definitions give
+    equal text, however their metadata was built (a model rebuilt from the weights cache lists it
+    sorted, a freshly built one in creation order), so the executables they name are shared."""
+    nodes = [
+        dataclasses.replace(node, metadata=type(node.metadata)(dict(sorted(node.metadata.items()))))
+        if isinstance(node, VariableDef)
+        else node
+        for node in graphdef.nodes
+    ]
+    return repr(dataclasses.replace(graphdef, nodes=nodes))
 
 
 def _signature(spec: ProgramSpec) -> str:

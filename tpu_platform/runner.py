@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import ModelConfig, attach_rope_tables, load_model, pack_for_native_dense
+from models import ModelConfig, PackedKernel, attach_rope_tables, load_model, pack_for_native_dense
 from pallas_kernels import allocate_kv_cache
 from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
+from tpu_platform.collector import collector_paused
 from tpu_platform.dispatch import FlatCall
 from tpu_platform.inputs import StepBuffers, exercise_inputs, pack_inputs, padding_inputs, prepare_step
 from tpu_platform.kv_cache import (
@@ -27,7 +28,13 @@ from tpu_platform.kv_cache import (
     caches_per_array,
     kv_cache_dtype,
 )
-from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
+from tpu_platform.programs import (
+    ExecutableCache,
+    Programs,
+    ProgramSpec,
+    enable_persistent_cache,
+    structure_text,
+)
 from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
 from tpu_platform.request_table import RequestTable
 from tpu_platform.runner_config import RunnerConfig, RunnerStats
@@ -40,6 +47,7 @@ from tpu_platform.sampling.uniform import (
 )
 from tpu_platform.step import make_forward, make_sampler
 from tpu_platform.step_record import DispatchedStep, InFlightStep, record_step
+from tpu_platform.weights_cache import WeightsCache
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
@@ -78,12 +86,11 @@ class Runner:
 
     # -- start-up -----------------------------------------------------------------------------
 
+    @collector_paused()  # start-up's objects outlive it: no full collections while made
     def load_model(self) -> ModelConfig:
         start = time.perf_counter()
-        # On the host until packed: one transfer of the final weights, no device op per tensor.
-        self.model_config, model = load_model(self.config.model_path, self.dtype, on_host=True)
-        # float32 kernels too where the best path is AVX2 (measured faster than XLA's dots there).
-        packed = pack_for_native_dense(model, float32=self.dense_isa == "avx2") if self.dense_isa else 0
+        model, source = self._host_model()
+        packed = len(jax.tree.leaves(nnx.state(model, PackedKernel)))
         attach_rope_tables(model, self.config.max_model_len)
         graphdef, state = nnx.split(model)
         self.state = jax.device_put(state, self.device)
@@ -108,11 +115,37 @@ class Runner:
         }
         self._logprobs_width = warm_logprobs_width(self.config.max_logprobs, self.model_config.vocab_size)
         logger.info(
-            "loaded %s (%s) in %.1f s on %s, attention backend %s, %d dense kernels on %s",
+            "loaded %s (%s) in %.1f s on %s from %s, attention backend %s, %d dense kernels on %s",
             self.model_config.architecture, self.dtype.name, time.perf_counter() - start,
-            self.device.device_kind, self.backend, packed, self.dense_isa or "XLA",
+            self.device.device_kind, source, self.backend, packed, self.dense_isa or "XLA",
         )  # fmt: skip
         return self.model_config
+
+    def _host_model(self) -> tuple[nnx.Module, str]:
+        """The model with its final weights on the host (then one transfer, no device op per
+        tensor), and where they came from. `load_format="npcache"`: from the weights cache when
+        it holds them, else loaded from the checkpoint and stored there."""
+        path = self.config.model_path
+        cache = self._weights_cache()
+        model = cache.load() if cache is not None else None
+        if model is not None:
+            self.model_config = ModelConfig.from_pretrained(path)
+            return model, "the weights cache"
+        self.model_config, model = load_model(path, self.dtype, on_host=True)
+        if self.dense_isa:  # float32 kernels too where the best path is AVX2 (faster than XLA's dots)
+            pack_for_native_dense(model, float32=self.dense_isa == "avx2")
+        if cache is not None:
+            cache.store(model)
+        return model, "the checkpoint"
+
+    def _weights_cache(self) -> WeightsCache | None:
+        if self.config.load_format != "npcache" or not self.config.cache_dir:
+            return None
+        variant = f"{self.dtype.name}-{self.dense_isa or 'xla'}"
+        executables = os.path.join(self.config.cache_dir, "executables")  # its code digests' memo
+        return WeightsCache.for_model(
+            os.path.join(self.config.cache_dir, "weights"), self.config.model_path, variant, executables
+        )
 
     def kv_page_bytes(self) -> int:
         """Bytes one page of one layer takes in the attention backend's own cache layout."""
@@ -124,11 +157,17 @@ class Runner:
         )
         return two_pages.size * two_pages.dtype.itemsize // 2
 
-    def available_kv_bytes(self, memory_utilization: float, cpu_kv_cache_gb: float) -> int:
+    def available_kv_bytes(
+        self, memory_utilization: float, cpu_kv_cache_gb: float, explicit_bytes: int | None = None
+    ) -> int:
         return available_kv_bytes(
-            self.device, memory_utilization=memory_utilization, cpu_kv_cache_gb=cpu_kv_cache_gb
+            self.device,
+            memory_utilization=memory_utilization,
+            cpu_kv_cache_gb=cpu_kv_cache_gb,
+            explicit_bytes=explicit_bytes,
         )
 
+    @collector_paused()
     def initialize_kv_cache(
         self, num_pages: int, layer_groups: tuple[int, ...] = (), layer_caches: tuple[int, ...] = ()
     ) -> None:
@@ -155,9 +194,10 @@ class Runner:
         # Everything the forward closes over, for naming its cached executables.
         self._forward_context = repr(
             (self.model_config, self.backend, layer_groups, layer_caches, self.kv_dtype.name, num_pages,
-             per_array, self._graphdef)
+             per_array, structure_text(self._graphdef))
         )  # fmt: skip
 
+    @collector_paused()
     def warm_up(self, shapes: list[tuple[int, int, int]] | None = None) -> int:
         """Builds the forward for `shapes` (padded T, R, P; default: every bucket) and the sampler.
 

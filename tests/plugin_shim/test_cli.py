@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """`vllm-xla generate`: a one-shot run with the engine in the same process."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -8,10 +9,15 @@ import sys
 import pytest
 
 from pallas_kernels import cpu
-from plugin_shim.cli import step_token_budget
+from plugin_shim.cli import one_shot_kv_pages, step_token_budget
 from tests.tiny_models import save_tiny_llama
+from tpu_platform.envs import read_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _listing(path):
+    return set(os.listdir(path)) if os.path.isdir(path) else set()
 
 
 def test_generate_prints_the_completion_in_one_process(tmp_path, native_kernels):
@@ -19,6 +25,9 @@ def test_generate_prints_the_completion_in_one_process(tmp_path, native_kernels)
     env = {
         k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"
     }  # the CLI's own default
+    cache_dir = os.environ["VLLM_XLA_CACHE_DIR"]
+    metrics, weights = (os.path.join(cache_dir, name) for name in ("metrics", "weights"))
+    metrics_before, weights_before = _listing(metrics), _listing(weights)
     cli = os.path.join(os.path.dirname(sys.executable), "vllm-xla")
     done = subprocess.run(
         [cli, "generate", "hello world", "--model", model_dir, "--max-tokens", "4", "--max-model-len", "128",
@@ -33,6 +42,26 @@ def test_generate_prints_the_completion_in_one_process(tmp_path, native_kernels)
     # dtype auto: bfloat16 on the native dense kernel where the CPU has it, else float32.
     dtype = "bfloat16" if cpu.dense_isa(native_kernels) else "float32"
     assert f"loaded LlamaForCausalLM ({dtype})" in logs
+    # A KV cache for its sequences only: 2 of 128 tokens, one 128-token page each, plus vLLM's
+    # null page (not the 0.25 GiB budget: 1M tokens of this model).
+    assert "CPU KV cache size: 384 tokens" in logs
+    assert len(_listing(weights) - weights_before) == 1  # load_format="npcache": weights kept
+    assert _listing(metrics) <= metrics_before  # the worker's metrics file is gone
+
+
+def test_one_shot_kv_pages_hold_the_sequences_within_the_budget(tmp_path):
+    model_dir = save_tiny_llama(str(tmp_path / "model"))  # 2 layers, 2 kv heads of 16: 256 B a token in bf16
+    cpu_env = dataclasses.replace(read_env(), platform="cpu", cpu_kv_cache_gb=1.0)
+    assert one_shot_kv_pages(model_dir, "bfloat16", 2, 2048, cpu_env) == 2 * 16 + 1
+    assert one_shot_kv_pages(model_dir, "bfloat16", 16, 300, cpu_env) == 16 * 3 + 1
+    # 1 MiB holds 32 pages of 128 tokens in bfloat16, 16 in float32 (and "auto" counts as float32).
+    small = dataclasses.replace(cpu_env, cpu_kv_cache_gb=1 / 1024)
+    assert one_shot_kv_pages(model_dir, "bfloat16", 16, 2048, small) == 32
+    assert one_shot_kv_pages(model_dir, "auto", 16, 2048, small) == 16
+    # Elsewhere, or for a model that is not a directory, the budget stands.
+    tpu_env = dataclasses.replace(cpu_env, platform="tpu")
+    assert one_shot_kv_pages(model_dir, "bfloat16", 2, 2048, tpu_env) is None
+    assert one_shot_kv_pages("org/hub-model", "bfloat16", 2, 2048, cpu_env) is None
 
 
 def test_step_token_budget_is_the_power_of_two_holding_the_longest_prompt():

@@ -15,6 +15,7 @@ from tests.greedy_reference import hf_greedy
 from tests.tiny_models import save_tiny_llama
 
 NEW_TOKENS = 12
+KV_CACHE_BYTES = 4 << 20
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +31,21 @@ def hf(tiny_dir):
 @pytest.fixture(scope="module")
 def llm(tiny_dir):
     # 16-token pages (the CPU's default is 128): sequences span several pages, and a 50-token
-    # prompt fills whole pages the prefix cache can share.
+    # prompt fills whole pages the prefix cache can share. vLLM's `kv_cache_memory_bytes` sizes
+    # the cache (`test_kv_cache_takes_vllms_kv_cache_memory_bytes`).
     engine = LLM(
-        model=tiny_dir, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256, block_size=16, seed=0
-    )
+        model=tiny_dir, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256, block_size=16, seed=0,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+    )  # fmt: skip
     yield engine
     del engine
     gc.collect()
+
+
+def test_kv_cache_takes_vllms_kv_cache_memory_bytes(llm):
+    # A 16-token page of 2 layers, 2 kv heads of 16, float32: 8 KiB; 4 MiB hold 512 of them (the
+    # VLLM_XLA_CPU_KV_CACHE_GB budget of the tests, 0.25 GiB, would hold 32768).
+    assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == KV_CACHE_BYTES // (8 << 10)
 
 
 def _prompts(lengths, seed=0, vocab=384):

@@ -12,6 +12,7 @@ from vllm import SamplingParams
 
 import plugin_shim
 from plugin_shim import devices, translate
+from tests.tiny_models import save_tiny_llama
 from tpu_platform import envs
 from tpu_platform.envs import read_env
 
@@ -165,6 +166,29 @@ def test_kv_cache_dtype_maps_vllm_names_and_rejects_the_rest():
         runner_dtype("fp8_inc")
     with pytest.raises(ValueError, match="kv_cache_dtype_skip_layers"):
         runner_dtype("fp8", skip=["model.layers.0"])
+
+
+def test_load_formats_we_honour_pass_and_the_rest_are_named(tmp_path):
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from plugin_shim.platform import LOAD_FORMATS, runner_load_format
+
+    for name in LOAD_FORMATS:
+        assert runner_load_format(SimpleNamespace(load_format=name)) == name
+    with pytest.raises(
+        ValueError, match="load_format 'pt' is not supported by vllm-xla; use auto, safetensors, npcache"
+    ):
+        runner_load_format(SimpleNamespace(load_format="pt"))
+    with pytest.raises(ValueError, match="vllm-xla model-dir --gguf FILE"):
+        runner_load_format(SimpleNamespace(load_format="gguf"))
+    # vLLM's own configuration step refuses it, before any engine starts.
+    model_dir = save_tiny_llama(str(tmp_path / "model"))
+    with pytest.raises(ValueError, match="load_format 'pt' is not supported by vllm-xla"):
+        EngineArgs(model=model_dir, max_model_len=128, load_format="pt").create_engine_config()
+    config = EngineArgs(model=model_dir, max_model_len=128, load_format="npcache").create_engine_config()
+    assert config.load_config.load_format == "npcache"
 
 
 def test_engine_process_is_forked_unless_jax_runs_here(monkeypatch):

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from models import AttentionMetadata
-from tpu_platform.kv_cache import allocate_stacked_caches, caches_per_array
+from tpu_platform.kv_cache import (
+    allocate_stacked_caches,
+    available_kv_bytes,
+    caches_per_array,
+    kv_bytes_per_token,
+    pages_for_sequences,
+)
 from tpu_platform.runner_config import default_page_size
 
 
@@ -59,3 +65,39 @@ def test_each_layer_finds_its_array_and_first_page(layer_caches, per_array, want
 )
 def test_default_page_size_by_device_and_cache_dtype(device_kind, kv_cache_dtype, expected):
     assert default_page_size(device_kind, kv_cache_dtype) == expected
+
+
+class _Device:
+    """A device reporting `memory_stats` as a TPU or GPU does."""
+
+    platform, device_kind = "tpu", "TPU v5 lite"
+
+    def __init__(self, limit, in_use):
+        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use}
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_kv_budget_takes_vllms_kv_cache_memory_bytes_first():
+    cpu = jax.devices("cpu")[0]
+    assert available_kv_bytes(cpu, memory_utilization=0.9, cpu_kv_cache_gb=0.5) == 1 << 29
+    assert available_kv_bytes(cpu, memory_utilization=0.9, cpu_kv_cache_gb=0.5, explicit_bytes=12345) == 12345
+    tpu = _Device(limit=16 << 30, in_use=2 << 30)
+    assert available_kv_bytes(tpu, memory_utilization=0.5, cpu_kv_cache_gb=1) == 6 << 30
+    fits = available_kv_bytes(tpu, memory_utilization=0.5, cpu_kv_cache_gb=1, explicit_bytes=10 << 30)
+    assert fits == 10 << 30  # past gpu_memory_utilization's share: it is the user's explicit size
+    with pytest.raises(ValueError, match=r"does not fit on TPU v5 lite.*lower --kv-cache-memory-bytes"):
+        available_kv_bytes(tpu, memory_utilization=0.5, cpu_kv_cache_gb=1, explicit_bytes=15 << 30)
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes must be positive"):
+        available_kv_bytes(cpu, memory_utilization=0.9, cpu_kv_cache_gb=1, explicit_bytes=0)
+
+
+def test_pages_for_sequences_round_up_and_keep_vllms_null_page():
+    assert pages_for_sequences(1, 2048, 128) == 17
+    assert pages_for_sequences(3, 130, 128) == 3 * 2 + 1
+    # SmolLM2-135M in bfloat16: 30 layers, 3 kv heads of 64: 23,040 bytes a token.
+    assert kv_bytes_per_token(30, 3, 64, 2) == 23_040
+    for backend in ("xla", "cpu_native"):  # neither layout adds anything: 4 layers, 2 pages of 16
+        arrays = jax.eval_shape(lambda b=backend: allocate_stacked_caches(4, 2, 16, 3, 64, jnp.bfloat16, b))
+        assert sum(a.size * a.dtype.itemsize for a in arrays) == 2 * 16 * kv_bytes_per_token(4, 3, 64, 2)

@@ -209,3 +209,21 @@ def test_source_fingerprint_memo_parses_only_changed_modules(tmp_path, monkeypat
     assert changed != first and parsed == [b"def f(x):\n    return x + 2\n"]
     (memo / "source-digests.json").write_text('{"torn')
     assert fingerprint() == changed
+
+
+def test_the_collector_is_paused_inside_and_left_as_it_was():
+    import gc
+
+    from tpu_platform.collector import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError), collector_paused():
+            raise RuntimeError("an error inside")
+        assert not gc.isenabled()  # it was off: it stays off
+    finally:
+        gc.enable()

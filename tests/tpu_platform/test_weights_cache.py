@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The prepared-weights cache (`load_format="npcache"`) against loading the checkpoint."""
+
+import logging
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import load_model, pack_for_native_dense
+from pallas_kernels import cpu
+from tests.tiny_models import save_tiny_llama
+from tpu_platform.programs import structure_text
+from tpu_platform.runner import Runner
+from tpu_platform.runner_config import RunnerConfig
+from tpu_platform.weights_cache import WeightsCache
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_llama(str(tmp_path_factory.mktemp("weights_cache_llama")), seed=3)
+
+
+def _host_model(path, dtype, packed):
+    _, model = load_model(path, dtype, on_host=True)
+    if packed:
+        pack_for_native_dense(model)
+    return model
+
+
+def _assert_same_model(got, expected):
+    got_def, got_state = nnx.split(got)
+    expected_def, expected_state = nnx.split(expected)
+    assert got_def == expected_def
+    assert structure_text(got_def) == structure_text(expected_def)
+    got_leaves, expected_leaves = nnx.to_flat_state(got_state), nnx.to_flat_state(expected_state)
+    assert [path for path, _ in got_leaves] == [path for path, _ in expected_leaves]
+    for (path, a), (_, b) in zip(got_leaves, expected_leaves, strict=True):
+        a, b = np.asarray(a.get_value()), np.asarray(b.get_value())
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), path
+        assert a.tobytes() == np.ascontiguousarray(b).tobytes(), path  # bit for bit
+
+
+@pytest.mark.parametrize(
+    ("dtype", "packed"), [(jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)]
+)
+def test_a_stored_model_comes_back_bit_for_bit(tiny_dir, tmp_path, request, dtype, packed):
+    if packed:
+        request.getfixturevalue("dense_kernels")
+    cache = WeightsCache.for_model(str(tmp_path), tiny_dir, f"{jnp.dtype(dtype).name}-{packed}")
+    assert cache.load() is None  # nothing stored yet
+    expected = _host_model(tiny_dir, dtype, packed)
+    cache.store(expected)
+    got = cache.load()
+    _assert_same_model(got, expected)
+    leaves = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(got))]
+    assert all(leaf.ctypes.data % 64 == 0 for leaf in leaves)  # the device may take them in place
+
+
+def test_a_changed_checkpoint_misses_and_its_stale_entry_goes(tiny_dir, tmp_path):
+    model = _host_model(tiny_dir, jnp.float32, False)
+    first = WeightsCache.for_model(str(tmp_path), tiny_dir, "float32-xla")
+    first.store(model)
+    other_variant = WeightsCache.for_model(str(tmp_path), tiny_dir, "bfloat16-xla")
+    other_variant.store(_host_model(tiny_dir, jnp.bfloat16, False))
+    weights = os.path.join(tiny_dir, "model.safetensors")
+    stat = os.stat(weights)
+    try:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        second = WeightsCache.for_model(str(tmp_path), tiny_dir, "float32-xla")
+        assert second.path != first.path
+        assert second.load() is None
+        second.store(model)
+    finally:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    entries = sorted(os.listdir(tmp_path))
+    assert entries == sorted(os.path.basename(c.path) for c in (second, other_variant))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign"])
+def test_an_unreadable_entry_is_a_miss_and_is_dropped(tiny_dir, tmp_path, caplog, damage):
+    cache = WeightsCache.for_model(str(tmp_path), tiny_dir, "float32-xla")
+    cache.store(_host_model(tiny_dir, jnp.float32, False))
+    if damage == "truncated":
+        os.truncate(cache.path, os.path.getsize(cache.path) - 100)
+    else:
+        with open(cache.path, "r+b") as f:
+            f.write(b"NOTOURS!")
+    log = logging.getLogger("vllm_xla.tpu_platform.weights_cache")
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=log.name):
+            assert cache.load() is None
+    finally:
+        log.removeHandler(caplog.handler)
+    assert "dropping unreadable weights cache entry" in caplog.text
+    assert not os.path.exists(cache.path)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_runner_loads_the_same_weights_and_names_the_same_programs(tiny_dir, tmp_path, caplog, dtype):
+    # The session's cache directory holds the native kernels (built once); the model lives in
+    # this test's own directory, so its weights cache entries are this test's.
+    cache_dir = os.environ["VLLM_XLA_CACHE_DIR"]
+    model_dir = save_tiny_llama(str(tmp_path / "model"), seed=3)
+
+    def runner(load_format):
+        config = RunnerConfig(
+            model_path=model_dir, dtype=dtype, cache_dir=cache_dir, load_format=load_format,
+            attention_backend="auto", page_size=16, max_model_len=64, max_num_seqs=2,
+            max_num_batched_tokens=16,
+        )  # fmt: skip
+        loaded = Runner(config)
+        loaded.load_model()
+        loaded.initialize_kv_cache(8)
+        return loaded
+
+    log = logging.getLogger("vllm_xla.tpu_platform.runner")  # may not propagate: vLLM's handlers
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger=log.name):
+            reference = runner("auto")
+            stored = runner("npcache")
+            assert "from the checkpoint" in caplog.text and "from the weights cache" not in caplog.text
+            cached = runner("npcache")
+    finally:
+        log.removeHandler(caplog.handler)
+    assert "from the weights cache" in caplog.text
+    for got in (stored, cached):
+        assert got._graphdef == reference._graphdef
+        assert got._forward_context == reference._forward_context  # the same cached executables
+        assert str(got._state_def) == str(reference._state_def)
+        for a, b in zip(got._state_leaves, reference._state_leaves, strict=True):
+            assert (a.dtype, a.shape) == (b.dtype, b.shape)
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    if dtype == "bfloat16" and cpu.dense_isa(cpu.load(os.path.join(cache_dir, "native"))):
+        assert "PackedKernel" in str(cached._state_def)  # the packed kernels came from the cache
