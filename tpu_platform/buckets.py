@@ -11,25 +11,27 @@ import dataclasses
 
 
 def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, ...]:
-    """Tokens-per-step buckets: x4 steps up to `min(16, max_num_seqs)`, then x2, capped at the maximum.
+    """Tokens-per-step buckets: x4 steps up to 16 (1, 4, 16) and a full decode batch
+    (`max_num_seqs`, when below 16), then x2, capped at the maximum.
 
-    Steps of a few tokens are decode batches, whose cost barely grows with the padding (the
-    weights are streamed once whatever the rows; attention skips padding rows), so coarse buckets
-    there save programs. From 16 tokens on the dense layers are compute-bound and every padded
-    token costs about as much as a real one, so the buckets double.
+    Steps of a few tokens (decode batches, short prompts) cost about what streaming the weights
+    costs whatever their padding (attention skips padding rows), so coarse buckets there save
+    programs, except that a full batch of decode rows keeps its own. From 16 tokens on the dense
+    layers are compute-bound and every padded token costs about as much as a real one, so the
+    buckets double.
     """
     if max_num_batched_tokens < 1 or max_num_seqs < 1:
         raise ValueError(
             "max_num_batched_tokens and max_num_seqs must be >= 1, "
             f"got {max_num_batched_tokens} and {max_num_seqs}"
         )
-    coarse_until = min(16, max_num_seqs)
-    sizes, size = [], 1
+    sizes, size = {max_num_batched_tokens}, 1
+    if max_num_seqs < min(16, max_num_batched_tokens):
+        sizes.add(max_num_seqs)
     while size < max_num_batched_tokens:
-        sizes.append(size)
-        size = min(size * 4, coarse_until) if size < coarse_until else size * 2
-    sizes.append(max_num_batched_tokens)
-    return tuple(sizes)
+        sizes.add(size)
+        size = size * 4 if size < 16 else size * 2
+    return tuple(sorted(sizes))
 
 
 def round_up(value: int, buckets: tuple[int, ...]) -> int:

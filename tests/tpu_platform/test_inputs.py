@@ -30,6 +30,11 @@ def test_buckets():
     assert token_buckets(2048, 256) == (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048)
     assert token_buckets(100, 8) == (1, 4, 8, 16, 32, 64, 100)
     assert token_buckets(3, 8) == (1, 3)
+    # Fewer sequences than 16: x4 steps still run to 16 (short prompts cost about what a decode
+    # row does), beside the full decode batch.
+    assert token_buckets(32, 1) == (1, 4, 16, 32)
+    assert token_buckets(64, 2) == (1, 2, 4, 16, 32, 64)
+    assert token_buckets(64, 3) == (1, 3, 4, 16, 32, 64)
     buckets = _buckets()
     assert buckets.tokens == (1, 4, 8, 16, 32, 64) and buckets.max_pages == 8
     assert buckets.shape_for(5, 3) == (8, 8, 8) and buckets.shape_for(1, 1) == (1, 1, 8)
