@@ -184,13 +184,42 @@ def _signature(spec: ProgramSpec) -> str:
     return repr((spec.key, sorted(spec.static.items()), spec.context, str(treedef), avals))
 
 
+# A cache entry not used for this long goes (another version's or configuration's, most likely).
+UNUSED_ENTRY_SECONDS = 30 * 24 * 3600
+
+
+def remove_unused(directory: str, suffix: str, unused_seconds: float = UNUSED_ENTRY_SECONDS) -> int:
+    """Removes the `*suffix` files of `directory` last used (modified: loading one touches it)
+    more than `unused_seconds` ago; returns how many. Cache directories then stop growing with
+    every code or configuration change."""
+    cutoff, removed = time.time() - unused_seconds, 0
+    for entry in Path(directory).glob(f"*{suffix}"):
+        try:
+            if entry.stat().st_mtime < cutoff:
+                entry.unlink()
+                removed += 1
+        except OSError:  # gone already, or not ours to remove
+            continue
+    return removed
+
+
+def mark_used(path: str) -> None:
+    """Touches a cache entry, so that `remove_unused` keeps it."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
 class ExecutableCache:
-    """Serialized executables in one directory, one file per program."""
+    """Serialized executables in one directory, one file per program; those unused for 30 days
+    are removed when a cache is opened."""
 
     def __init__(self, directory: str, device: jax.Device):
         self.directory = directory
         self.device = device
         os.makedirs(directory, exist_ok=True)
+        remove_unused(directory, ".xla")
         self._environment = environment_fingerprint(device, memo_dir=directory)
 
     def path(self, spec: ProgramSpec) -> str:
@@ -202,9 +231,11 @@ class ExecutableCache:
         try:
             with open(path, "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
-            return serialize_executable.deserialize_and_load(
+            loaded = serialize_executable.deserialize_and_load(
                 payload, in_tree, out_tree, execution_devices=[self.device]
             )
+            mark_used(path)
+            return loaded
         except FileNotFoundError:
             return None
         except Exception as error:  # a stale or truncated entry: rebuild it

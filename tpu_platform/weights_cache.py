@@ -10,7 +10,8 @@ hands views of it to the device (about 0.15 s).
 An entry is named by the model directory and the variant (dtype, packing), and keyed by what
 decides its bytes: the checkpoint files' names, sizes and modification times, the model's
 `config.json`, JAX's and Flax's versions and our code's fingerprint. Storing an entry removes
-the entries of the same model and variant under other keys, so the cache keeps one per variant.
+the entries of the same model and variant under other keys, so the cache keeps one per variant,
+and the entries no start has used for 30 days (`programs.remove_unused`).
 A missing, stale or unreadable entry is a miss: the checkpoint is loaded (and stored) as usual.
 """
 
@@ -31,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from models.loader import checkpoint_files
-from tpu_platform.programs import source_fingerprint
+from tpu_platform.programs import mark_used, remove_unused, source_fingerprint
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
@@ -61,7 +62,9 @@ class WeightsCache:
     def load(self) -> nnx.Module | None:
         """The model with the stored host weights, or None when this key has no readable entry."""
         try:
-            return _read_model(self.path)
+            model = _read_model(self.path)
+            mark_used(self.path)
+            return model
         except FileNotFoundError:
             return None
         except Exception as error:  # a truncated or foreign entry: load the checkpoint instead
@@ -80,6 +83,7 @@ class WeightsCache:
         for entry in Path(self.path).parent.glob(f"{os.path.basename(self.variant_prefix)}*.npcache"):
             if str(entry) != self.path:
                 entry.unlink(missing_ok=True)
+        remove_unused(os.path.dirname(self.path), ".npcache")  # other models' entries unused for 30 days
 
 
 def _key(model_path: str, variant: str, memo_dir: str | None) -> str:

@@ -9,6 +9,7 @@ import pathlib
 import random
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,22 @@ def test_program_is_loaded_from_disk_by_a_new_instance_and_computes_the_same(cac
     loaded = second.call(spec.key, lambda: pytest.fail("should be ready"), x, w)
     np.testing.assert_allclose(np.asarray(loaded), _numpy_scaled_softmax(x, w, _T), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(loaded), np.asarray(stored))
+
+
+def test_entries_unused_for_30_days_go_when_a_cache_opens_and_loading_one_keeps_it(cache_dir):
+    device = jax.devices()[0]
+    cache = ExecutableCache(cache_dir, device)
+    Programs(strict=False, cache=cache).build_all([_spec(4), _spec(16)], workers=1)
+    used, unused = cache.path(_spec(4)), cache.path(_spec(16))
+    other = os.path.join(cache_dir, "source-digests.json")  # not an executable: never removed
+    month_ago = time.time() - 31 * 24 * 3600
+    for path in (used, unused, other):
+        os.utime(path, (month_ago, month_ago))
+    assert cache.load(used) is not None  # a start that uses an entry marks it used
+    assert os.path.getmtime(used) > month_ago + 24 * 3600
+    ExecutableCache(cache_dir, device)
+    assert os.path.exists(used) and os.path.exists(other)
+    assert not os.path.exists(unused)
 
 
 @pytest.mark.parametrize(

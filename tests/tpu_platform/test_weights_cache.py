@@ -3,6 +3,7 @@
 
 import logging
 import os
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -53,7 +54,10 @@ def test_a_stored_model_comes_back_bit_for_bit(tiny_dir, tmp_path, request, dtyp
     assert cache.load() is None  # nothing stored yet
     expected = _host_model(tiny_dir, dtype, packed)
     cache.store(expected)
+    month_ago = time.time() - 31 * 24 * 3600
+    os.utime(cache.path, (month_ago, month_ago))
     got = cache.load()
+    assert os.path.getmtime(cache.path) > month_ago + 24 * 3600  # marked used: kept by pruning
     _assert_same_model(got, expected)
     leaves = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(got))]
     assert all(leaf.ctypes.data % 64 == 0 for leaf in leaves)  # the device may take them in place
@@ -77,6 +81,11 @@ def test_a_changed_checkpoint_misses_and_its_stale_entry_goes(tiny_dir, tmp_path
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     entries = sorted(os.listdir(tmp_path))
     assert entries == sorted(os.path.basename(c.path) for c in (second, other_variant))
+    # An entry no start used for a month (here the other variant's) goes when one is stored.
+    month_ago = time.time() - 31 * 24 * 3600
+    os.utime(other_variant.path, (month_ago, month_ago))
+    second.store(model)
+    assert os.listdir(tmp_path) == [os.path.basename(second.path)]
 
 
 @pytest.mark.parametrize("damage", ["truncated", "foreign"])
