@@ -163,6 +163,8 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
         command = [sys.executable, "-m", "pallas_kernels.cpu", native_build_dir(env.cache_dir)]
         subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     model = args.model or _default_model()
+    if args.model is None and not any(arg.split("=")[0] == "--load-format" for arg in extra):
+        extra = ["--load-format", "npcache", *extra]  # the embedded model's prepared weights kept
     # vLLM's server entry point starts its engine process with spawn unless told otherwise, which
     # imports vLLM, torch and JAX a second time (~15 s on 2 cores). JAX never runs in the front
     # end, so a fork is safe; the platform still spawns where JAX already runs

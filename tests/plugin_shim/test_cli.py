@@ -125,3 +125,19 @@ def test_serve_forks_the_engine_process_unless_told_otherwise(monkeypatch, tmp_p
         "1",
     ]
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "load_format"),
+    [([], ["--load-format", "npcache"]), (["--load-format", "auto"], []), (["--load-format=auto"], [])],
+)
+def test_serve_keeps_the_embedded_models_weights_prepared_unless_told(monkeypatch, argv, load_format):
+    from plugin_shim import cli
+
+    monkeypatch.setenv("VLLM_XLA_PLATFORM", "cpu")
+    monkeypatch.setenv("VLLM_XLA_ATTENTION_BACKEND", "xla")  # no native build to start
+    monkeypatch.setattr(cli, "_default_model", lambda: "/embedded")
+    started = []
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: started.append(argv))
+    cli.main(["serve", *argv])
+    assert started[0][3:] == ["--model", "/embedded", *load_format, *argv]
