@@ -121,10 +121,10 @@ def one_shot_kv_pages(
     its sequences can fill at once, within the `VLLM_XLA_CPU_KV_CACHE_GB` budget, so that a
     one-shot run does not allocate and zero the whole budget (1 GiB: 0.25 s). None (the budget)
     on other devices, or for a model that is not a directory we can read."""
-    from models.config import ModelConfig
-
     if env.platform != "cpu" or not os.path.isdir(model):
         return None
+    from models.config import ModelConfig
+
     try:
         config = ModelConfig.from_pretrained(model)
     except (OSError, KeyError, ValueError):

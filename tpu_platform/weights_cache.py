@@ -91,9 +91,14 @@ def _key(model_path: str, variant: str, memo_dir: str | None) -> str:
     config = os.path.join(model_path, "config.json")
     if os.path.isfile(config):
         files = [*files, config]
-    identity = [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    identity = [(os.path.basename(f), *_size_and_mtime(f)) for f in files]
     parts = (identity, variant, jax.__version__, flax.__version__, source_fingerprint(memo_dir=memo_dir))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _size_and_mtime(path: str) -> tuple[int, int]:
+    stat = os.stat(path)
+    return stat.st_size, stat.st_mtime_ns
 
 
 def _write_entry(path: str, model: nnx.Module) -> None:
