@@ -120,7 +120,9 @@ def one_shot_kv_pages(
     """`generate`'s KV cache on the CPU device, in pages (vLLM's `num_gpu_blocks_override`): what
     its sequences can fill at once, within the `VLLM_XLA_CPU_KV_CACHE_GB` budget, so that a
     one-shot run does not allocate and zero the whole budget (1 GiB: 0.25 s). None (the budget)
-    on other devices, or for a model that is not a directory we can read."""
+    on other devices, for a model that is not a directory we can read, and for one whose layers
+    attend differently (sliding windows beside full attention): vLLM then keeps a group of pages
+    per kind of layer, and a request's pages add up over the groups."""
     if env.platform != "cpu" or not os.path.isdir(model):
         return None
     from models.config import ModelConfig
@@ -129,6 +131,8 @@ def one_shot_kv_pages(
         config = ModelConfig.from_pretrained(model)
     except (OSError, KeyError, ValueError):
         return None  # vLLM reports what is wrong with the model
+    if len(set(config.layer_sliding_windows)) > 1:
+        return None
     page_size = default_page_size("cpu", None)
     itemsize = 2 if dtype in ("bfloat16", "float16", "half") else 4  # "auto" on CPU: float32 at most
     per_token = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, itemsize)

@@ -62,6 +62,13 @@ def test_one_shot_kv_pages_hold_the_sequences_within_the_budget(tmp_path):
     tpu_env = dataclasses.replace(cpu_env, platform="tpu")
     assert one_shot_kv_pages(model_dir, "bfloat16", 2, 2048, tpu_env) is None
     assert one_shot_kv_pages("org/hub-model", "bfloat16", 2, 2048, cpu_env) is None
+    # Sliding-window layers beside full ones: vLLM's page groups add up, so the budget stands.
+    hybrid = save_tiny_llama(
+        str(tmp_path / "hybrid"), sliding_window=64, layer_types=["sliding_attention", "full_attention"]
+    )
+    assert one_shot_kv_pages(hybrid, "bfloat16", 2, 2048, cpu_env) is None
+    every_layer_slides = save_tiny_llama(str(tmp_path / "slides"), sliding_window=64)
+    assert one_shot_kv_pages(every_layer_slides, "bfloat16", 2, 2048, cpu_env) == 2 * 16 + 1
 
 
 def test_step_token_budget_is_the_power_of_two_holding_the_longest_prompt():
