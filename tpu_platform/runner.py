@@ -142,9 +142,9 @@ class Runner:
         if self.config.load_format != "npcache" or not self.config.cache_dir:
             return None
         variant = f"{self.dtype.name}-{self.dense_isa or 'xla'}"
-        executables = os.path.join(self.config.cache_dir, "executables")  # its code digests' memo
+        memo = self.programs.cache.directory if self.programs.cache else None  # the code digests' memo
         return WeightsCache.for_model(
-            os.path.join(self.config.cache_dir, "weights"), self.config.model_path, variant, executables
+            os.path.join(self.config.cache_dir, "weights"), self.config.model_path, variant, memo
         )
 
     def kv_page_bytes(self) -> int:

@@ -89,6 +89,10 @@ inline uint8_t FloatToFloat8(float f, float max_finite) {
   return static_cast<uint8_t>(sign | (rounded - (static_cast<uint32_t>(127 - kBias) << kM)));
 }
 
+// What a call whose cache fails `WithCacheType` is told.
+inline constexpr char kCacheTypeError[] =
+    "kv_cache must be float32 (cache_format 0), uint16 bfloat16 bits (1) or uint8 float8 bits (2: e4m3fn, 3: e5m2)";
+
 // Calls `f(T{})` with the element type T of a cache whose `cache_format` attribute (0 float32,
 // 1 bfloat16 bits, 2 float8_e4m3fn bits, 3 float8_e5m2 bits) matches its buffer's `type`; false,
 // without calling it, when they do not match.

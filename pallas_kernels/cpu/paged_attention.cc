@@ -474,8 +474,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
     return run(tag, std::integral_constant<int, 0>());
   };
   if (!vllm_xla::WithCacheType(cache_format, kv_cache.element_type(), run_dims)) {
-    return ffi::Error::InvalidArgument(
-        "kv_cache must be float32 (cache_format 0), uint16 bfloat16 bits (1) or uint8 float8 bits (2: e4m3fn, 3: e5m2)");
+    return ffi::Error::InvalidArgument(vllm_xla::kCacheTypeError);
   }
   return ffi::Error::Success();
 }

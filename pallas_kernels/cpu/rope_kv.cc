@@ -167,8 +167,7 @@ ffi::Error RopeWriteKv(ffi::ThreadPool pool, ffi::AnyBuffer qkv, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument("qkv must be float32 or bfloat16, q float32 (from float32 qkv) or bfloat16");
   }
   if (!ran) {
-    return ffi::Error::InvalidArgument(
-        "kv_cache must be float32 (cache_format 0), uint16 bfloat16 bits (1) or uint8 float8 bits (2: e4m3fn, 3: e5m2)");
+    return ffi::Error::InvalidArgument(vllm_xla::kCacheTypeError);
   }
   return ffi::Error::Success();
 }
