@@ -223,7 +223,11 @@ def ragged_paged_attention(
     group = num_heads // num_kv_heads
     num_slots, pages_per_seq = page_indices.shape
     defaults = tuned_block_sizes.get_block_sizes(
-        page_size=page_size, pages_per_seq=pages_per_seq, num_tokens=num_tokens, max_num_seqs=num_slots
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        num_tokens=num_tokens,
+        max_num_seqs=num_slots,
+        kv_row_bytes=lanes * jnp.dtype(kv_cache.dtype).itemsize,
     )
     pages_per_block = num_kv_pages_per_block or defaults[0]
     block_q = num_queries_per_block or defaults[1]

@@ -6,6 +6,11 @@ first guesses, to be replaced by a sweep on real GPUs (A100/H100/L4):
 
 * KV blocks of 64 tokens (`num_kv_pages_per_block * page_size`): two `[64, D]` tiles plus the
   `[M, 64]` scores fit the register file at 4 warps for D <= 128, as in flash-decoding kernels;
+  fewer tokens when one K (or V) tile of the block would pass 16 KiB (head dim 256 in bfloat16,
+  float32 caches): Triton keeps `num_stages` blocks of K and V in shared memory, and the
+  compiler refuses a kernel that asks for more than the GPU has per block (99 KiB on an L4,
+  163 KiB on an A100; the real compilers showed 64-token bfloat16 blocks of head dim 256 over
+  the L4's limit);
 * up to 16 query rows per program for prefill-heavy batches; for decode buckets (one query per
   sequence) a single row, so that a program's M = G rows (padded to 16 for `tl.dot`) are all
   one sequence's query heads;
@@ -17,6 +22,7 @@ first guesses, to be replaced by a sweep on real GPUs (A100/H100/L4):
 from __future__ import annotations
 
 TOKENS_PER_KV_BLOCK = 64
+KV_TILE_BYTES = 16 * 1024  # most bytes of one K (or V) tile of a KV block
 QUERIES_PER_BLOCK_PREFILL = 16
 QUERIES_PER_BLOCK_DECODE = 1
 KV_SPLITS_DECODE = 8
@@ -30,10 +36,14 @@ def _pow2_floor(x: int) -> int:
 
 
 def get_block_sizes(
-    *, page_size: int, pages_per_seq: int, num_tokens: int, max_num_seqs: int
+    *, page_size: int, pages_per_seq: int, num_tokens: int, max_num_seqs: int, kv_row_bytes: int
 ) -> tuple[int, int, int]:
-    """(num_kv_pages_per_block, num_queries_per_block, num_kv_splits) for these static shapes."""
-    pages = _pow2_floor(max(1, TOKENS_PER_KV_BLOCK // page_size))
+    """(num_kv_pages_per_block, num_queries_per_block, num_kv_splits) for these static shapes.
+
+    `kv_row_bytes`: bytes of one token's K (or V) row of one head in the cache (Dp * itemsize).
+    """
+    tokens = max(1, min(TOKENS_PER_KV_BLOCK, KV_TILE_BYTES // kv_row_bytes))
+    pages = _pow2_floor(max(1, tokens // page_size))
     pages = min(pages, _pow2_floor(pages_per_seq))
     decode_only = num_tokens <= max_num_seqs
     queries = QUERIES_PER_BLOCK_DECODE if decode_only else QUERIES_PER_BLOCK_PREFILL
