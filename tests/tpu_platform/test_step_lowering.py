@@ -3,6 +3,10 @@
 
 No device is needed: `jax.export` runs the Pallas lowerings for the target platform. The model
 is the runner's real forward program (Llama layers, KV write, ragged attention, LM head).
+The kernels themselves are compiled by the real TPU and GPU compilers in
+tests/aot/test_compile_kernels_*.py, and real-size steps in tests/aot/test_model_step*.py; what
+export adds here: the step's lowering (a float8 cache's casts included) checked in the ordinary
+test process, without the compile toolchains, on a model small enough to trace in seconds.
 """
 
 import jax
