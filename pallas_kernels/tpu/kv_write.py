@@ -173,11 +173,11 @@ def write_kv(
     """Writes k, v `[T, K, D]` at `slot_mapping[T]` (page * S + offset) into `[num_pages, 2K, S, Dp]`.
 
     Negative slots are padding and write nothing; slots must be distinct. The cache is updated in
-    place when the caller's jit donates it (the kernels alias it from input to output). `interpret`: False on TPU; True or
-    `pltpu.InterpretParams(...)` to run on CPU (tests).
+    place when the caller's jit donates it (the kernels alias it from input to output).
+    `interpret`: False on TPU; True or `pltpu.InterpretParams(...)` to run on CPU (tests).
     """
     _check_shapes(kv_cache, k, v, slot_mapping)
-    num_pages, num_rows, page_size, lanes = kv_cache.shape
+    _, num_rows, page_size, lanes = kv_cache.shape
     tile_rows = sublane_tile(kv_cache.dtype)
     if page_size % tile_rows:
         raise ValueError(f"page size {page_size} must be a multiple of {tile_rows} for {kv_cache.dtype}")

@@ -70,10 +70,10 @@ class WriteCase:
 CASES = [
     WriteCase("decode_f32_k1_d64", 6, 16, 1, 64, "float32", (5, 40, -1, 77, 16)),
     WriteCase("decode_bf16_k2_d128", 6, 16, 2, 128, "bfloat16", (1, 95, -1, 33, -1, 50)),
-    WriteCase("prefill_bf16_k8_d128_across_pages", 5, 16, 8, 128, "bfloat16", tuple(range(9, 47)) + (-1, -1)),
+    WriteCase("prefill_bf16_k8_d128_across_pages", 5, 16, 8, 128, "bfloat16", (*range(9, 47), -1, -1)),
     WriteCase("shuffled_one_page_f32_k3_d256", 3, 32, 3, 256, "float32", (40, 33, 63, 32, 47, -1, 34)),
     WriteCase("fp8_e4m3_k4_d128_p32", 4, 32, 4, 128, "float8_e4m3fn", (0, 31, 32, 127, -1, 64, 65)),
-    WriteCase("fp8_e5m2_k1_d64_p128", 2, 128, 1, 64, "float8_e5m2", tuple(range(100, 140)) + (3,)),
+    WriteCase("fp8_e5m2_k1_d64_p128", 2, 128, 1, 64, "float8_e5m2", (*range(100, 140), 3)),
     WriteCase("bf16_p128_k5_d64_stacked", 6, 128, 5, 64, "bfloat16", (0, 127, 128, 300, -1), first_page=3),
     WriteCase("f32_k8_d128_stacked", 8, 16, 8, 128, "float32", (17, 2, 63, -1), first_page=4),
     WriteCase("all_padding_bf16", 2, 16, 2, 128, "bfloat16", (-1, -1, -1)),
