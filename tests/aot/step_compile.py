@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """Worker: compiles the runner's forward for a compile-only target and reports what it holds.
 
-`python -m tests.aot.step_compile TARGET BACKEND NUM_TOKENS CACHE_MIB [MODEL]` (run by
-`toolchains.run_worker`) prints one JSON line: the compiled program's memory analysis, XLA's
+`python -m tests.aot.step_compile TARGET BACKEND MODEL TOKENS:CACHE_MIB ...` (run by
+`toolchains.run_worker`) prints one JSON line, a list with per bucket and cache size (MiB, all
+layers' caches stacked in one array) the compiled program's memory analysis, XLA's
 bytes accessed, the compile time, the cache arrays' bytes, and every optimized-HLO instruction
 that makes a new array at least as large as the smallest cache array (a copy, convert, transpose
 or fusion output of a cache-sized buffer: `large_buffers`), with its opcode and shape.
 
-MODEL is `small` (a 2-layer Llama, abstract weights) or `llama8b` (Llama-3.1-8B's shape).
+MODEL is `small` (a 2-layer Llama) or `llama8b` (Llama-3.1-8B's shape), with `+per_layer` for
+one cache array per layer instead of all layers' in one.
 Weights are abstract (`nnx.eval_shape`): nothing is allocated, only compiled.
 """
 
@@ -105,6 +107,7 @@ def large_buffers(hlo_text: str, min_bytes: int) -> list[str]:
 
 
 def compile_step(target_name: str, backend: str, num_tokens: int, cache_mib: int, model: str) -> dict:
+    model, _, arrays = model.partition("+")  # "small+per_layer": one cache array per layer
     config = MODELS[model]
     platform = target(target_name).platform
     device = compile_only_devices(target_name)[0]
@@ -112,18 +115,13 @@ def compile_step(target_name: str, backend: str, num_tokens: int, cache_mib: int
     pallas_kernels.backend.default_platform = lambda: platform
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build(config, jnp.bfloat16)))
     leaves, state_def = jax.tree.flatten(state)
-    page_bytes = jax.eval_shape(
-        lambda: allocate_stacked_caches(
-            1, 1, PAGE_SIZE, config.num_kv_heads, config.head_dim, "bfloat16", backend
-        )
-    )[0]
-    one_page = page_bytes.size * page_bytes.dtype.itemsize
-    num_pages = cache_mib * MIB // (one_page * config.num_layers)
-    caches = jax.eval_shape(
-        lambda: allocate_stacked_caches(
-            config.num_layers, num_pages, PAGE_SIZE, config.num_kv_heads, config.head_dim, "bfloat16", backend
-        )
-    )
+    shape = (PAGE_SIZE, config.num_kv_heads, config.head_dim, "bfloat16", backend)
+    page = jax.eval_shape(lambda: allocate_stacked_caches(1, 1, *shape))[0]
+    num_pages = cache_mib * MIB // (page.size * page.dtype.itemsize * config.num_layers)
+    if arrays == "per_layer":
+        caches = jax.eval_shape(lambda: allocate_stacked_caches(1, num_pages, *shape) * config.num_layers)
+    else:
+        caches = jax.eval_shape(lambda: allocate_stacked_caches(config.num_layers, num_pages, *shape))
     num_seqs = min(num_tokens, MAX_SEQS)
     packed, dims = pack_inputs(padding_inputs(num_tokens, num_seqs, PAGES_PER_SEQ))
     fed_tokens = np.zeros(MAX_SEQS, np.int32)
@@ -132,7 +130,8 @@ def compile_step(target_name: str, backend: str, num_tokens: int, cache_mib: int
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
         (leaves, caches, packed, fed_tokens),
     )
-    forward = make_forward(graphdef, state_def, backend, kv_dtype="bfloat16", cache_pages=num_pages)
+    stacked_pages = 0 if arrays == "per_layer" else num_pages
+    forward = make_forward(graphdef, state_def, backend, kv_dtype="bfloat16", cache_pages=stacked_pages)
     start = time.perf_counter()
     compiled = forward.trace(*abstract, dims=dims).lower().compile()
     seconds = time.perf_counter() - start
@@ -144,7 +143,7 @@ def compile_step(target_name: str, backend: str, num_tokens: int, cache_mib: int
     return {
         "target": target_name,
         "backend": backend,
-        "model": model,
+        "model": model + ("+" + arrays if arrays else ""),
         "num_tokens": num_tokens,
         "cache_arrays": len(caches),
         "cache_bytes": sum(cache_bytes),
@@ -161,9 +160,13 @@ def compile_step(target_name: str, backend: str, num_tokens: int, cache_mib: int
 
 
 def main(argv: list[str]) -> None:
-    target_name, backend, num_tokens, cache_mib, *rest = argv
-    result = compile_step(target_name, backend, int(num_tokens), int(cache_mib), rest[0] if rest else "small")
-    print(json.dumps(result))
+    """`TARGET BACKEND MODEL TOKENS:CACHE_MIB ...`: one compile per bucket and cache size."""
+    target_name, backend, model, *specs = argv
+    results = []
+    for spec in specs:
+        num_tokens, cache_mib = (int(x) for x in spec.split(":"))
+        results.append(compile_step(target_name, backend, num_tokens, cache_mib, model))
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":
