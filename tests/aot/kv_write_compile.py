@@ -2,8 +2,9 @@
 """Worker: compiles the Mosaic TPU KV write for a compile-only TPU target, over a shape grid.
 
 `python -m tests.aot.kv_write_compile TARGET [NUM_CASES]` (run by `toolchains.run_worker`)
-compiles the first NUM_CASES cases of the grid (default all) and prints one JSON line: per case its name, compile seconds, temp bytes and whether the cache's bytes are aliased
-(updated in place), or the compiler's error.
+compiles the first NUM_CASES cases of the grid (default all) and prints one JSON line: per case
+its name, compile seconds, temp bytes and whether the cache's bytes are aliased (updated in
+place), or the compiler's error.
 """
 
 from __future__ import annotations
