@@ -21,7 +21,8 @@ tile: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit values):
   the cache (aliased in -> out). All DMAs of a call are started before the first wait.
 
 Traffic: a decode token reads and writes one tile (`2K * Rt * Dp` values), a prefill chunk each
-tile once; temp memory is the `[T, 2K, Rt, Dp]` buffer, independent of the cache's size.
+tile once; temp memory is the tile buffers of one chunk of tokens (`CHUNK_BYTES` at most),
+independent of the cache's size.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from pallas_kernels.reference import saturating_cast
 from pallas_kernels.tpu.layout import padded_head_dim, sublane_tile
 
 NO_TILE = -1  # a tile buffer that holds no cache tile (padding)
+# Most bytes of tile buffers one chunk of tokens uses: a long prefill goes in several chunks, so
+# its temp memory stays bounded (and a decode step's is one small chunk).
+CHUNK_BYTES = 32 << 20
 
 
 def _check_shapes(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> None:
@@ -181,16 +185,30 @@ def write_kv(
     tile_rows = sublane_tile(kv_cache.dtype)
     if page_size % tile_rows:
         raise ValueError(f"page size {page_size} must be a multiple of {tile_rows} for {kv_cache.dtype}")
-    num_tokens = k.shape[0]
-    buffer_of_token, tile_of_buffer = tile_plan(slot_mapping, tile_rows)
     geometry = dict(tiles_per_page=page_size // tile_rows, tile_rows=tile_rows)
+    rows = _rows(kv_cache, k, v)
+    chunk = max(1, CHUNK_BYTES // (num_rows * tile_rows * lanes * kv_cache.dtype.itemsize))
+    # Chunk by chunk: each chunk's read follows the previous chunk's write (it reads its output),
+    # so a tile two chunks share gets both chunks' rows.
+    for start in range(0, k.shape[0], chunk):
+        chunk_slots = slot_mapping[start : start + chunk]
+        kv_cache = _write_chunk(kv_cache, rows[start : start + chunk], chunk_slots, geometry, interpret)
+    return kv_cache
+
+
+def _write_chunk(kv_cache, rows, slot_mapping, geometry, interpret):
+    """One chunk of tokens: read the tiles they touch, put their rows in, write the tiles back."""
+    num_tokens = rows.shape[0]
+    _, num_rows, _, lanes = kv_cache.shape
+    tile_rows = geometry["tile_rows"]
+    buffer_of_token, tile_of_buffer = tile_plan(slot_mapping, tile_rows)
     buffers_shape = jax.ShapeDtypeStruct((num_tokens, num_rows, tile_rows, lanes), kv_cache.dtype)
     read = _tile_call(
         functools.partial(_read_kernel, **geometry), buffers_shape, 1, "kv_read_tiles", interpret
     )
     buffers = read(tile_of_buffer, kv_cache)
     row = lax.rem(jnp.maximum(slot_mapping.astype(jnp.int32), 0), jnp.int32(tile_rows))
-    buffers = buffers.at[buffer_of_token, :, row, :].set(_rows(kv_cache, k, v), mode="drop")
+    buffers = buffers.at[buffer_of_token, :, row, :].set(rows, mode="drop")
     write = _tile_call(
         functools.partial(_write_kernel, **geometry),
         jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),

@@ -18,6 +18,7 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # race resul
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import api, tpu
+from pallas_kernels.tpu import kv_write
 from pallas_kernels.tpu.kv_write import NO_TILE, tile_plan
 
 
@@ -145,3 +146,14 @@ def test_kernel_rejects_a_page_size_off_the_dtype_tile():
     k = jnp.ones((1, 1, 128), jnp.float32)
     with pytest.raises(ValueError, match="page size 16 must be a multiple of 32"):
         tpu.write_kv(cache, k, k, jnp.array([0], jnp.int32), interpret=True)
+
+
+def test_chunks_share_tiles(monkeypatch):
+    # Chunks of 3 tokens (tile buffers of 3 tiles): tokens of one tile fall in several chunks,
+    # interleaved with another tile's, and each chunk must see the rows the previous one wrote.
+    case = WriteCase("chunked_bf16_k2", 4, 32, 2, 128, "bfloat16", (0, 40, 1, 41, 2, -1, 3, 42, 16, 17))
+    monkeypatch.setattr(kv_write, "CHUNK_BYTES", 3 * 4 * 16 * 128 * 2)
+    cache, k, v, slots = _inputs(case)
+    expected = tpu.write_kv_reference(cache, k, v, slots)
+    actual = kv_write.write_kv.__wrapped__(cache, k, v, slots, interpret=True)  # traced anew
+    np.testing.assert_array_equal(np.asarray(actual, np.float32), np.asarray(expected, np.float32))
