@@ -16,9 +16,10 @@ tile: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit values):
   holding rows `Rt * j ... Rt * j + Rt - 1` of every slab.
 * The wrapper maps the tokens to the distinct tiles they touch (a sort of the tile numbers, so
   tokens of one tile share one tile buffer whatever their order; padding slots touch none).
-* `_read_tiles` DMAs those tiles from the cache into a `[T, 2K, Rt, Dp]` buffer in HBM; an XLA
-  scatter puts the tokens' rows into that small buffer; `_write_tiles` DMAs the tiles back into
-  the cache (aliased in -> out). All DMAs of a call are started before the first wait.
+* `_read_kernel` DMAs those tiles from the cache into `[T, 2K, Rt, Dp]` tile buffers in HBM; an
+  XLA scatter puts the tokens' rows into those small buffers; `_write_kernel` DMAs the tiles
+  back into the cache (aliased in -> out). All DMAs of a call are started before the first wait.
+* Long prefills go in chunks of tokens (`CHUNK_BYTES`, `MAX_CHUNK_TOKENS`), one after another.
 
 Traffic: a decode token reads and writes one tile (`2K * Rt * Dp` values), a prefill chunk each
 tile once; temp memory is the tile buffers of one chunk of tokens (`CHUNK_BYTES` at most),
@@ -42,6 +43,8 @@ NO_TILE = -1  # a tile buffer that holds no cache tile (padding)
 # Most bytes of tile buffers one chunk of tokens uses: a long prefill goes in several chunks, so
 # its temp memory stays bounded (and a decode step's is one small chunk).
 CHUNK_BYTES = 32 << 20
+# Most tokens of one chunk: its tile numbers are scalar-prefetched into SMEM, which is small.
+MAX_CHUNK_TOKENS = 1024
 
 
 def _check_shapes(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> None:
@@ -187,7 +190,8 @@ def write_kv(
         raise ValueError(f"page size {page_size} must be a multiple of {tile_rows} for {kv_cache.dtype}")
     geometry = dict(tiles_per_page=page_size // tile_rows, tile_rows=tile_rows)
     rows = _rows(kv_cache, k, v)
-    chunk = max(1, CHUNK_BYTES // (num_rows * tile_rows * lanes * kv_cache.dtype.itemsize))
+    tile_bytes = num_rows * tile_rows * lanes * kv_cache.dtype.itemsize
+    chunk = min(MAX_CHUNK_TOKENS, max(1, CHUNK_BYTES // tile_bytes))
     # Chunk by chunk: each chunk's read follows the previous chunk's write (it reads its output),
     # so a tile two chunks share gets both chunks' rows.
     for start in range(0, k.shape[0], chunk):
