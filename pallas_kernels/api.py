@@ -115,13 +115,16 @@ def write_kv(
     backend: str = "auto",
     kv_dtype: str | None = None,
     first_page: int = 0,
+    interpret: bool = False,
 ) -> jax.Array:
     """Writes k, v `[T, Hkv, D]` at `slot_mapping[T]` (page * page_size + offset).
 
     Negative slots are padding and write nothing. Donate `kv_cache` to update it in place.
     `kv_dtype` names the cached values' dtype (the one the cache was allocated for); a float8
     cache of the `xla` and `cpu_native` backends needs it. `first_page`: where this layer's
-    pages start in a cache that holds several (the module's docstring).
+    pages start in a cache that holds several (the module's docstring). `interpret` runs the
+    `pallas_tpu` backend's write kernels on CPU (tests), as in `ragged_paged_attention`; the
+    other backends write with XLA (`pallas_gpu`: a scatter, which XLA:GPU keeps in place).
     """
     backend = resolve_backend(backend, interpret=True)
     slot_mapping = _shift_slots(slot_mapping, kv_cache, k.shape[-1], first_page, backend)
@@ -129,6 +132,8 @@ def write_kv(
         write = reference.write_kv_reference if backend == XLA else _kernel_module(backend).write_kv
         return write(kv_cache, k, v, slot_mapping, kv_dtype=kv_dtype)
     _check_own_dtype(kv_cache, kv_dtype)
+    if backend == PALLAS_TPU:
+        return _kernel_module(backend).write_kv(kv_cache, k, v, slot_mapping, interpret=interpret)
     return _kernel_module(backend).write_kv(kv_cache, k, v, slot_mapping)
 
 
@@ -145,13 +150,14 @@ def rope_write_kv(
     backend: str = "auto",
     kv_dtype: str | None = None,
     first_page: int = 0,
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """RoPE on a fused projection and the KV write: q `[T, H, D]` rotated, and the cache.
 
     `qkv [T, (H + 2K) * D]` holds a step's q, k and v heads side by side (float32 products, or
     values of `dtype`); q and k rotate by the rows of `rope_table [P, D]` (float32 cosines, then
     sines) at `positions[T]`, and k, v are written as `write_kv` does (`slot_mapping`,
-    `kv_dtype`, `first_page` as there). Values are rounded to `dtype` after the projection and
+    `kv_dtype`, `first_page`, `interpret` as there). Values are rounded to `dtype` after the projection and
     after the rotation (`rope.split_and_rotate`). The `cpu_native` backend does it all in one
     native call; the others run `split_and_rotate` and their `write_kv`.
     """
@@ -168,8 +174,9 @@ def rope_write_kv(
         qkv, positions, rope_table, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype
     )
     kv_cache = write_kv(
-        kv_cache, k, v, slot_mapping, backend=backend, kv_dtype=kv_dtype, first_page=first_page
-    )
+        kv_cache, k, v, slot_mapping, backend=backend, kv_dtype=kv_dtype, first_page=first_page,
+        interpret=interpret,
+    )  # fmt: skip
     return q, kv_cache
 
 

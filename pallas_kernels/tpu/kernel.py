@@ -39,14 +39,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.checks import check_lanes, check_metadata, compute_dtype
 from pallas_kernels.tpu import tuned_block_sizes
-from pallas_kernels.tpu.layout import LANES, padded_head_dim
+from pallas_kernels.tpu.layout import LANES, padded_head_dim, sublane_tile
 
 MASK_VALUE = -1e30  # finite: exp(MASK_VALUE - MASK_VALUE) must not be NaN
-
-
-def _sublane_tile(dtype: jnp.dtype) -> int:
-    """Rows per (sublane, 128) TPU tile for `dtype`: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit."""
-    return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
 def _cdiv(a: jax.Array, b: int) -> jax.Array:
@@ -210,7 +205,7 @@ def _validate(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_w
     if num_rows % 2 or num_heads % (num_rows // 2):
         raise ValueError(f"kv_cache {kv_cache.shape}: 2K must be even and divide into q's {num_heads} heads")
     check_lanes(kv_cache, head_dim, padded_head_dim(head_dim))
-    tile = _sublane_tile(kv_cache.dtype)
+    tile = sublane_tile(kv_cache.dtype)
     if page_size % tile:
         raise ValueError(f"page size {page_size} must be a multiple of {tile} for {kv_cache.dtype}")
     check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window, soft_cap)
@@ -283,7 +278,7 @@ def ragged_paged_attention(
     num_kv_heads = num_rows // 2
     group = num_heads // num_kv_heads
     num_slots, pages_per_seq = page_indices.shape
-    tile = max(_sublane_tile(q.dtype), _sublane_tile(kv_cache.dtype))
+    tile = max(sublane_tile(q.dtype), sublane_tile(kv_cache.dtype))
     default_pages, default_queries = tuned_block_sizes.get_block_sizes(
         page_size=page_size,
         pages_per_seq=pages_per_seq,

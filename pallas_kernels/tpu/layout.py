@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""KV cache layout of the Mosaic TPU backend, and its KV write.
+"""KV cache layout of the Mosaic TPU backend (its KV write: kv_write.py).
 
 Layout (a layer's; several layers stack along the page axis: api.py): `[num_pages, 2 * K, S, Dp]`,
 with Dp = D rounded up to 128.
@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.checks import check_positive
-from pallas_kernels.reference import saturating_cast
 
 LANES = 128
 
@@ -37,37 +36,14 @@ def padded_head_dim(head_dim: int) -> int:
     return -(-head_dim // LANES) * LANES
 
 
+def sublane_tile(dtype: jnp.dtype) -> int:
+    """Rows per (sublane, 128) TPU tile for `dtype`: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
 def allocate_kv_cache(
     num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
 ) -> jax.Array:
     """A zeroed cache `[num_pages, 2K, S, Dp]`: one layer's pages, or several layers' (api.py)."""
     check_positive(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
     return jnp.zeros((num_pages, 2 * num_kv_heads, page_size, padded_head_dim(head_dim)), dtype)
-
-
-def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Writes k, v `[T, K, D]` at `slot_mapping[T]` (page * S + offset) into `[num_pages, 2K, S, Dp]`.
-
-    Negative slots are padding and write nothing. One XLA scatter: in place when the caller's
-    jit donates `kv_cache`.
-    """
-    if kv_cache.ndim != 4 or k.ndim != 3 or k.shape != v.shape:
-        raise ValueError(
-            f"write_kv wants kv_cache [num_pages, 2K, S, Dp] and k, v [T, K, D]; got kv_cache "
-            f"{kv_cache.shape}, k {k.shape}, v {v.shape}"
-        )
-    num_pages, num_rows, page_size, lanes = kv_cache.shape
-    num_tokens, num_kv_heads, head_dim = k.shape
-    if num_rows != 2 * num_kv_heads or lanes != padded_head_dim(head_dim):
-        raise ValueError(
-            f"kv_cache {kv_cache.shape} does not hold k/v {k.shape}: expected "
-            f"[num_pages, {2 * num_kv_heads}, S, {padded_head_dim(head_dim)}]"
-        )
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"slot_mapping {slot_mapping.shape} must be [T] = ({num_tokens},)")
-    kv = jnp.stack([k, v], axis=2).reshape(num_tokens, num_rows, head_dim)  # [T, 2K, D]: k0 v0 k1 v1..
-    kv = jnp.pad(saturating_cast(kv, kv_cache.dtype), ((0, 0), (0, 0), (0, lanes - head_dim)))  # [T, 2K, Dp]
-    slot_mapping = slot_mapping.astype(jnp.int32)
-    page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range: dropped
-    offset = slot_mapping % page_size
-    return kv_cache.at[page, :, offset, :].set(kv, mode="drop", unique_indices=True)

@@ -36,6 +36,8 @@ def run_worker(platform: str, module: str, *args: str, timeout: float = 1200) ->
         JAX_PLATFORMS="cpu",  # the runtime stays on the CPU; only the compile targets are TPU/GPU
         TPU_ACCELERATOR_TYPE="v5litepod-4",  # quiets libtpu's start-up probes (no TPU here)
         TPU_WORKER_HOSTNAMES="localhost",
+        # Compile-only: no TPU to guard, and workers (and parallel test runs) may overlap.
+        ALLOW_MULTIPLE_LIBTPU_LOAD="1",
         TF_CPP_MIN_LOG_LEVEL="2",
     )
     env.pop("VLLM_XLA_PLATFORM", None)

@@ -169,7 +169,10 @@ def run_backend(case: Case, batch: Batch, backend: str, **kwargs) -> jax.Array:
         cache = api.allocate_kv_cache(
             batch.num_pages, case.page_size, case.num_kv_heads, case.head_dim, kv_dtype, backend=backend
         )
-        cache = api.write_kv(cache, k, v, slot_mapping, backend=backend, kv_dtype=kv_dtype.name)
+        cache = api.write_kv(
+            cache, k, v, slot_mapping, backend=backend, kv_dtype=kv_dtype.name,
+            interpret=kwargs.get("interpret", False),
+        )  # fmt: skip
         return api.ragged_paged_attention(
             q,
             cache,

@@ -8,6 +8,7 @@ Head dim 2, sm_scale 1, page size 8; sequence i's tokens live in page 2 * i + 1.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -48,7 +49,8 @@ def _attend(backend, q, k, v, q_lens, kv_lens, *, num_slots=None, num_seqs=None,
     @jax.jit
     def step(q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
         cache = api.allocate_kv_cache(2 * num_slots, PAGE_SIZE, k.shape[1], 2, jnp.float32, backend=backend)
-        cache = api.write_kv(cache, k, v, slot_mapping, backend=backend)
+        interpret = backend.startswith("pallas")
+        cache = api.write_kv(cache, k, v, slot_mapping, backend=backend, interpret=interpret)
         return api.ragged_paged_attention(
             q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=1.0, backend=backend, **kwargs
         )
@@ -121,8 +123,9 @@ def test_write_kv_negative_slot_writes_nothing(backend):
     # Writing tokens at slots [-1, 11, -8] must equal writing only the middle token at slot 11.
     k = jnp.arange(3 * 2 * 4, dtype=jnp.float32).reshape(3, 2, 4) + 1
     empty = api.allocate_kv_cache(4, PAGE_SIZE, 2, 4, jnp.float32, backend=backend)
-    written = api.write_kv(empty, k, -k, jnp.array([-1, 11, -8], jnp.int32), backend=backend)
-    only_middle = api.write_kv(empty, k[1:2], -k[1:2], jnp.array([11], jnp.int32), backend=backend)
+    write = functools.partial(api.write_kv, backend=backend, interpret=backend.startswith("pallas"))
+    written = write(empty, k, -k, jnp.array([-1, 11, -8], jnp.int32))
+    only_middle = write(empty, k[1:2], -k[1:2], jnp.array([11], jnp.int32))
     np.testing.assert_array_equal(np.asarray(written), np.asarray(only_middle))
     assert np.abs(np.asarray(written, np.float32)).sum() == 2 * float(jnp.abs(k[1]).sum())
 

@@ -46,8 +46,9 @@ def _stacked_step(case, batch, backend, kwargs):
         for layer, (keys, values) in ((2, (k, v)), (0, (v, k))):
             first = layer * batch.num_pages
             cache = api.write_kv(
-                cache, keys, values, slot_mapping, backend=backend, kv_dtype=kv_dtype.name, first_page=first
-            )
+                cache, keys, values, slot_mapping, backend=backend, kv_dtype=kv_dtype.name, first_page=first,
+                interpret=kwargs.get("interpret", False),
+            )  # fmt: skip
             outs.append(
                 api.ragged_paged_attention(
                     q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, first_page=first, **attend, **kwargs

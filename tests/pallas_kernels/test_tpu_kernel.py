@@ -10,9 +10,7 @@ indices raise there. Tolerances: conftest.TOLERANCE (2e-5 f32, 2e-2 bf16, relati
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # race results are private
 from jax.experimental.pallas import tpu as pltpu
@@ -35,29 +33,6 @@ def test_tpu_interpret_mode(small_case, mode, compare_with_reference):
     compare_with_reference(small_case, "pallas_tpu", interpret=params, **dict(small_case.tpu_tuning))
     races = interpret_pallas_call.races
     assert not (races is not None and races.races_found), "race detected (see the RACE DETECTED report)"
-
-
-def test_layout_interleaves_k_and_v_and_pads_lanes():
-    cache = tpu.allocate_kv_cache(4, 16, 2, 64, jnp.float32)
-    assert cache.shape == (4, 4, 16, 128)  # [num_pages, 2K, S, Dp]
-    k = jnp.arange(2 * 64, dtype=jnp.float32).reshape(1, 2, 64) + 1
-    cache = np.asarray(tpu.write_kv(cache, k, -k, jnp.array([2 * 16 + 5], jnp.int32)))  # page 2, offset 5
-    for h in range(2):
-        np.testing.assert_array_equal(cache[2, 2 * h, 5, :64], k[0, h])
-        np.testing.assert_array_equal(cache[2, 2 * h + 1, 5, :64], -k[0, h])
-    assert np.abs(cache[..., 64:]).max() == 0.0  # padding lanes stay zero
-    assert np.abs(cache).sum() == 2 * np.abs(k).sum()  # nothing else written
-
-
-def test_write_kv_drops_negative_slots_in_place():
-    cache = tpu.allocate_kv_cache(8, 16, 2, 128, jnp.float32)
-    k = jnp.ones((3, 2, 128), jnp.float32)
-    slots = jnp.array([-1, 17, -5], jnp.int32)
-    pointer = cache.unsafe_buffer_pointer()
-    out = jax.jit(tpu.write_kv, donate_argnums=0)(cache, k, 2 * k, slots)
-    assert out.unsafe_buffer_pointer() == pointer  # donated: updated in place
-    assert float(out.sum()) == (1 + 2) * 2 * 128  # only slot 17 (page 1, offset 1) written
-    assert float(out[1, :, 1].sum()) == (1 + 2) * 2 * 128
 
 
 def _args(num_tokens=8, heads=4, head_dim=64, cache_shape=(8, 4, 16, 128), slots=4, pages=2):
