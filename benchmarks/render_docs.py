@@ -66,9 +66,10 @@ def _pair(report: dict[str, Any], label: str, peer: str) -> str:
     metric = METRIC_BY_LABEL[label]
     ours = _report.value(report["results"], metric, "xla")
     theirs = _report.value(report["results"], metric, peer)
-    if ours is None or not theirs:
+    ratio = _report.ratios(report["results"])[label][f"xla/{peer}"]
+    if ratio is None:
         return "-"
-    return f"{_number(ours)} / {_number(theirs)} (**{ours / theirs:.2f}x**)"
+    return f"{_number(ours)} / {_number(theirs)} (**{ratio:.2f}x**)"
 
 
 def _run_kind(report: dict[str, Any]) -> str:
@@ -140,18 +141,17 @@ def machine_section(kind: str, report: dict[str, Any]) -> str:
     header = ["metric", *(_report.PEER_LABELS[p] for p in peers)]
     header += [f"ours / {_report.PEER_LABELS[p]}" for p in baselines] + ["better"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    ratios = _report.ratios(report["results"])
     for metric in _report.METRICS:
         values = [_report.value(report["results"], metric, p) for p in peers]
         if all(v is None for v in values):
             continue
-        ratios = []
-        for p in baselines:
-            theirs = _report.value(report["results"], metric, p)
-            ours = values[0]
-            ratios.append(f"{ours / theirs:.2f}x" if ours is not None and theirs else "-")
         cells = ["-" if v is None else _number(v) for v in values]
+        for p in baselines:
+            ratio = ratios[metric.label][f"xla/{p}"]
+            cells.append("-" if ratio is None else f"{ratio:.2f}x")
         better = "higher" if metric.higher_is_better else "lower"
-        rows.append(f"| {metric.label} | " + " | ".join(cells + ratios) + f" | {better} |")
+        rows.append(f"| {metric.label} | " + " | ".join(cells) + f" | {better} |")
     stats = _report.format_runner_stats(report["results"])
     failures = _report.format_failures(report["results"])
     dtypes = ", ".join(f"{peer} {dtype}" for peer, dtype in config["dtypes"].items() if peer in peers)
