@@ -222,6 +222,7 @@ a GPU yet ([kernels.md](kernels.md#support-matrix)).
   precision.
 - To refresh a machine kind: run the benchmark, copy its JSON to
   `benchmarks/results/throughput-<kind>.json`, run `benchmarks/render_docs.py`, commit all three.
+  Earlier figures are that file's history in git (`git log -p benchmarks/results/`).
 """
 
 WHAT_MOVES = """\
