@@ -7,7 +7,7 @@ prefill-heavy (long query chunks: compute bound). For each backend that runs nat
 median step time, the achieved FLOP/s and bytes/s, and their fraction of the device's
 spec-sheet peak when known, and writes everything as JSON.
 
-    python benchmarks/attention.py [--out benchmarks/results/attention.json] [--iters 10]
+    python benchmarks/attention.py [--out benchmarks/out/attention.json] [--iters 10]
         [--dtype bfloat16] [--kv-dtype float8_e4m3fn]
 
 `--interpret` also times the Pallas backends in interpret mode on CPU: a smoke run of the code
@@ -119,7 +119,7 @@ def time_call(fn, args, iters: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/attention.json")
+    parser.add_argument("--out", default="benchmarks/out/attention.json")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(

@@ -2,7 +2,7 @@
 """Host time per engine step at 64 running decode requests, with the device's work kept off the
 engine's core: what a TPU or GPU host sees, approximated on a CPU.
 
-    .venv/bin/python benchmarks/host_overhead.py [--out benchmarks/results/host_overhead.json]
+    .venv/bin/python benchmarks/host_overhead.py [--out benchmarks/out/host_overhead.json]
         [--modes async,sync] [--repeats 3] [--no-pin]
 
 On a CPU the "device" is the host's own cores: XLA's threads run the forward on the cores, and
@@ -57,7 +57,7 @@ PROMPTS, PROMPT_LEN, OUTPUT_LEN = 64, 16, 128
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="JSON path (default benchmarks/results/host_overhead.json)")
+    parser.add_argument("--out", help="JSON path (default benchmarks/out/host_overhead.json)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma list of async, sync")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode")
     parser.add_argument("--no-pin", action="store_true", help="leave every thread on every CPU")
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"unknown modes {bad}; choose from {', '.join(MODES)}")
     if not args.no_pin and len(os.sched_getaffinity(0)) < 2:
         sys.exit("pinning needs at least 2 CPUs; run with --no-pin")
-    out = pathlib.Path(args.out or HERE / "results" / "host_overhead.json")
+    out = pathlib.Path(args.out or HERE / "out" / "host_overhead.json")
     logs = out.with_name(out.stem + "-logs")
     logs.mkdir(parents=True, exist_ok=True)
     info = throughput.machine_info()

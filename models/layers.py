@@ -24,7 +24,7 @@ from pallas_kernels.rope import split_heads, table_rows
 
 def _zeros(shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
     """A parameter's placeholder until it is loaded: host zeros, which cost nothing until written
-    (a device array would cost a dispatched program per shape, ~1 s for a 30-layer model)."""
+    (a device array would cost a dispatched program per shape, which adds up over a model)."""
     return nnx.Param(np.zeros(shape, dtype))
 
 
@@ -63,7 +63,7 @@ def matmul(x: jax.Array, kernel: nnx.Variable) -> jax.Array:
     float32: AVX2). Otherwise the
     float32 result type and the `[in, out]` kernel keep bfloat16 products on XLA:CPU's fast dot
     path (else both operands are upcast to float32 copies first), and a single bfloat16 row is
-    padded to two for the same reason (notes in the README, "Performance on CPU").
+    padded to two for the same reason.
     """
     if isinstance(kernel, PackedKernel):
         return cpu.native_dense(x, kernel[...])

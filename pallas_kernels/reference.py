@@ -7,12 +7,12 @@ This is the reference every kernel is tested against, and the CPU path when the 
 KV cache layout (a layer's; several layers stack along the page axis: api.py):
 `[2 * Hkv, num_pages, page_size * D]`.
 Rows `0..Hkv-1` hold K heads and rows `Hkv..2*Hkv-1` hold V heads; a page of one head is one
-contiguous row of `page_size * D` values. Why (measured on XLA:CPU, notes/xla-cpu-speed.md):
+contiguous row of `page_size * D` values. Why (measured on XLA:CPU):
 row gathers along axis 1 run at memory speed, and the KV write is one windowed scatter that XLA
 keeps in place. A bfloat16 cache is stored as `uint16` bit patterns and a float8 one
 (`float8_e4m3fn`, `float8_e5m2`: vLLM's `kv_cache_dtype="fp8"`) as `uint8`, because XLA:CPU has
 no scatter of either type and converts the whole cache to f32 and back on every write otherwise
-(1.4 s a layer for a float8 cache of 60k pages). A `uint8` array does not say which float8 it
+(seconds a layer for a large cache). A `uint8` array does not say which float8 it
 holds, so its readers and writers take `kv_dtype`. Float8 values are stored unscaled (vLLM's
 default `k_scale = v_scale = 1`) and saturate at the type's largest finite value.
 

@@ -39,8 +39,9 @@ def _build_native_kernels_quietly(build_dir: str) -> None:
 
 
 def _start_native_build(env: XlaEnv) -> threading.Thread | None:
-    """Starts building the native CPU kernels while vLLM imports (about 10 s on 2 cores, on the
-    otherwise idle core); the worker then finds the library, or waits for this build to finish."""
+    """Starts building the native CPU kernels while vLLM imports (on the otherwise idle core: the
+    build is a noticeable part of a cold start); the worker then finds the library, or waits for
+    this build to finish."""
     if not _builds_native_kernels(env):
         return None
     import pallas_kernels.cpu.build  # noqa: F401  (imported here, not in the thread: no import races)
@@ -106,7 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for prompt, output in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
         print(f"{prompt}{output.outputs[0].text}")
     # What the engine's shutdown would do that outlives the process: the worker's metrics file.
-    # The shutdown itself (vLLM's full garbage collection, the caches freed: 0.5 s) is skipped.
+    # The shutdown itself (vLLM's full garbage collection, the caches freed) is skipped.
     config = llm.llm_engine.vllm_config
     remove_metrics(metrics_path(env.cache_dir, config.instance_id, config.parallel_config.data_parallel_rank))
     if build is not None:
@@ -119,7 +120,7 @@ def one_shot_kv_pages(
 ) -> int | None:
     """`generate`'s KV cache on the CPU device, in pages (vLLM's `num_gpu_blocks_override`): what
     its sequences can fill at once, within the `VLLM_XLA_CPU_KV_CACHE_GB` budget, so that a
-    one-shot run does not allocate and zero the whole budget (1 GiB: 0.25 s). None (the budget)
+    one-shot run does not allocate and zero the whole budget. None (the budget)
     on other devices, for a model that is not a directory we can read, and for one whose layers
     attend differently (sliding windows beside full attention): vLLM then keeps a group of pages
     per kind of layer, and a request's pages add up over the groups."""
@@ -153,7 +154,7 @@ def step_token_budget(prompts: list[str], max_num_seqs: int, most: int = 512) ->
 
 def _leave_now(code: int) -> None:
     """Ends the process once its output is out, without the interpreter's teardown of JAX, torch
-    and vLLM (about 2.4 s measured after a `generate`, releasing memory the OS takes back anyway)."""
+    and vLLM (seconds after a `generate`, spent releasing memory the OS takes back anyway)."""
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
@@ -170,7 +171,7 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     if args.model is None and not any(arg.split("=")[0] == "--load-format" for arg in extra):
         extra = ["--load-format", "npcache", *extra]  # the embedded model's prepared weights kept
     # vLLM's server entry point starts its engine process with spawn unless told otherwise, which
-    # imports vLLM, torch and JAX a second time (~15 s on 2 cores). JAX never runs in the front
+    # imports vLLM, torch and JAX a second time (most of a server's start). JAX never runs in the front
     # end, so a fork is safe; the platform still spawns where JAX already runs
     # (`plugin_shim.platform._engine_start_method`).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")

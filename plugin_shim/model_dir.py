@@ -59,8 +59,8 @@ def materialize(cache_dir: str, gguf_path: str | None = None) -> str:
 
 
 def _write_model_dir(directory: str, gguf_path: str) -> None:
-    # The fast tokenizer class reads the GGUF's tokenizer alone (0.5 s); `AutoTokenizer` first
-    # loads the whole checkpoint's config through the slow `gguf` reader (6 s). Same files saved.
+    # The fast tokenizer class reads the GGUF's tokenizer alone; `AutoTokenizer` first loads the
+    # whole checkpoint's config through the far slower `gguf` reader. Same files saved.
     from transformers import PreTrainedTokenizerFast
 
     gguf = read_gguf(gguf_path)
@@ -70,7 +70,7 @@ def _write_model_dir(directory: str, gguf_path: str) -> None:
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)
     )
     tokenizer.save_pretrained(directory)
-    # Dequantized once here (about 2.5 s for the embedded model), so every start reads plain
-    # safetensors (about 0.5 s) instead of dequantizing the GGUF again.
+    # Dequantized once here, so every start reads plain safetensors (several times faster)
+    # instead of dequantizing the GGUF again.
     save_file(dict(iter_hf_tensors(gguf)), os.path.join(directory, "model.safetensors"))
     open(os.path.join(directory, _DONE_MARKER), "w").close()

@@ -149,7 +149,7 @@ class XlaPlatform(Platform):
 def _async_scheduling_off_on_cpu(scheduler: SchedulerConfig) -> None:
     """Turns vLLM's async scheduling off on the CPU device, as vLLM's own CPU backend does.
 
-    With a step of 0.1-3 s against a few milliseconds of host work there is little to overlap, and
+    With a step that takes far longer than its host work there is little to overlap, and
     what overlapping costs is large: vLLM schedules step N+2 while step N+1 runs, so a request
     that arrives waits one more whole step for its first token, and the engine's host thread takes
     a core from the step's compute threads. `VLLM_XLA_CPU_ASYNC_SCHEDULING=1` keeps it (our tests
@@ -170,8 +170,8 @@ def _async_scheduling_off_on_cpu(scheduler: SchedulerConfig) -> None:
 
 def _engine_start_method() -> None:
     """Leaves vLLM's way of starting its engine process (fork by default: the engine process
-    keeps vLLM, torch and our modules imported, where a spawned one imports them again, ~15 s of
-    a server's start on 2 cores) unless JAX already runs in this process: a fork copies XLA's
+    keeps vLLM, torch and our modules imported, where a spawned one imports them again, a large
+    part of a server's start) unless JAX already runs in this process: a fork copies XLA's
     state but not its threads and would deadlock, so then it is spawn. The front end never runs
     JAX itself (`plugin_shim.devices` probes in a subprocess); a notebook or script may have."""
     if not jax_runs_here():

@@ -3,8 +3,8 @@
 
 Calling a `jax.stages.Compiled` flattens the arguments, checks their tree against the compiled
 one and builds a signature of every leaf (shape, dtype, sharding, layout) before it hands the
-buffers to the executable. For the forward's 214 arguments that is a few hundred microseconds of
-host time every step, for arguments that are the same arrays step after step. `FlatCall` does
+buffers to the executable. For a forward of a few hundred arguments that is a large part of the
+host time of every step, for arguments that are the same arrays step after step. `FlatCall` does
 only what JAX does after those checks (the path JAX itself takes when its C++ dispatch does not
 apply): the kept buffers go to the loaded executable and the results are wrapped as arrays.
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every `VLLM_XLA_*` environment knob, read here and nowhere else (documented in README.md).
+"""Every `VLLM_XLA_*` environment knob, read here and nowhere else (documented in docs/configuration.md).
 
 - VLLM_XLA_PLATFORM: activate the plugin for a device kind (tpu, gpu, cpu); unset: only on a TPU.
 - VLLM_XLA_ATTENTION_BACKEND: auto, xla, pallas_tpu, pallas_gpu or cpu_native (default auto: by
@@ -9,7 +9,7 @@
   (default $XDG_CACHE_HOME/vllm-xla).
 - VLLM_XLA_STRICT_COMPILE: 1 makes a compilation after warm-up an error (default 0).
 - VLLM_XLA_CPU_ASYNC_SCHEDULING: 1 keeps vLLM's async scheduling on the CPU device (default 0:
-  there it is turned off, as vLLM's own CPU backend does; see README "Configuration").
+  there it is turned off, as vLLM's own CPU backend does; see docs/configuration.md).
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def prepare_step(
     in one packed buffer (`plan.packed`, laid out as `pack_inputs` does; `plan.inputs()` views it).
     """
     num_seqs = rows.size
-    total = sum(num_scheduled.tolist())  # (NumPy's reduction costs ~10x more on a cold cache)
+    total = sum(num_scheduled.tolist())  # (NumPy's reduction is far slower on a cold cache)
     t_pad, r_pad, p_pad = buckets.shape_for(total, num_seqs)
     dims = (t_pad, r_pad, p_pad, table.block_table.shape[0])
     size = _layout(dims)[0]

@@ -86,8 +86,8 @@ def source_fingerprint(
     """A hash of the packages' code: every module's syntax tree (not comments or docstrings), C++ sources.
 
     With `memo_dir`, each module's syntax-tree digest is kept there under the hash of its bytes,
-    so a start parses only the modules that changed (parsing all of them took 0.6 s of a warm
-    start)."""
+    so a start parses only the modules that changed (parsing all of them was a visible part of a
+    warm start)."""
     memo = _read_digests(memo_dir)
     used: dict[str, str] = {}
     digest = hashlib.sha256()

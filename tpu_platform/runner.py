@@ -205,9 +205,9 @@ class Runner:
         both run on a thread per core. Then the sampler programs and the forward programs of
         small steps (decode batches, short prompts: the latency-bound ones) run, the forwards on
         inputs that attend and write only the first pages (no request holds pages yet), because
-        on XLA:CPU an executable's first run sets up every YNNPACK fusion it reaches (0.4-1 s for
-        a forward); larger prefill programs pay that on first use. Returns the number of
-        programs built.
+        on XLA:CPU an executable's first run sets up every YNNPACK fusion it reaches (which would
+        otherwise land on the first short request); larger prefill programs pay that on first use.
+        Returns the number of programs built.
         """
         start = time.perf_counter()
         specs = self._warm_up_specs(shapes or self.buckets.shapes())

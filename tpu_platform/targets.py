@@ -8,7 +8,7 @@ device facts (a `GpuTargetConfigProto` text in `device_facts/`). A compiled prog
 `memory_analysis()` then says what it needs per chip, against the chip's `hbm_bytes` here.
 
 Neither toolchain is a runtime dependency: they are installed beside the project for its compile
-tests and planner (README, "Compiling for TPU and GPU without them") and run in processes started
+tests and planner (docs/testing.md, "Compiling for TPU and GPU without them") and run in processes started
 with `JAX_PLATFORMS=cpu`, so nothing here makes JAX look for a device.
 """
 

@@ -2,10 +2,10 @@
 """A model's prepared host weights on disk (vLLM's `load_format="npcache"`).
 
 Loading a checkpoint parses it, casts every tensor to the model's dtype, fuses projections and
-packs kernels for the native CPU dense kernel: about 0.7 s for the embedded 135M model, most of
-a warm `generate`'s own start-up. The weights cache keeps the result (the model's structure and
+packs kernels for the native CPU dense kernel: most of a warm `generate`'s own start-up for the
+embedded model. The weights cache keeps the result (the model's structure and
 its final host arrays, one file, arrays 64-byte aligned), so a later start maps one file and
-hands views of it to the device (about 0.15 s).
+hands views of it to the device, several times faster.
 
 An entry is named by the model directory and the variant (dtype, packing), and keyed by what
 decides its bytes: the checkpoint files' names, sizes and modification times, the model's
@@ -129,8 +129,8 @@ def _write_entry(path: str, model: nnx.Module) -> None:
 
 
 def _read_model(path: str) -> nnx.Module:
-    """Maps the entry (copy on write, all pages at once: 0.13 s for 270 MB where reading it into
-    fresh memory took 0.07-0.8 s) and rebuilds the model around views of it; the device takes
+    """Maps the entry (copy on write, all pages at once: steadier than reading it into fresh
+    memory, whose time varied widely) and rebuilds the model around views of it; the device takes
     aligned host arrays in place on the CPU, so they are the weights the programs read."""
     with open(path, "rb") as f:
         magic, header_bytes = _PREAMBLE.unpack(f.read(_PREAMBLE.size))

@@ -3,8 +3,8 @@
 with the KV write in one call (`rope_kv.py`), SwiGLU's `silu(gate) * up` (`activation.py`), and
 dense layers (`dense.py`): bfloat16 on AMX, AVX-512 BF16 or AVX2, float32 on AVX2.
 
-XLA:CPU has no fast formulation of paged attention (a page gather runs at a few GB/s and every
-pure-XLA variant measured costs 9 to 13 ms a layer at 48 decode rows), so on CPU
+XLA:CPU has no fast formulation of paged attention (a page gather is slow there, and so is every
+pure-XLA variant tried: docs/kernels.md), so on CPU
 the attention is one FFI call into `paged_attention.cc`, which walks each row's pages in place.
 Call `load(build_dir)` once per process before tracing or loading programs that use it.
 """

@@ -2,9 +2,9 @@
 """SwiGLU's elementwise half, `silu(gate) * up`, as one native call (`silu_mul.cc`).
 
 On XLA:CPU, `jax.nn.silu(gate) * up` on bfloat16 runs as a loop fusion of scalar ops, each
-rounded to bfloat16: 13 ms of a 256-token step of the embedded model, the largest XLA op left
-beside the native kernels. The native call computes each value in float32 and rounds once,
-as PyTorch does, and skips a step's trailing padding rows.
+rounded to bfloat16: the largest XLA op left beside the native kernels in a prefill step. The
+native call computes each value in float32 and rounds once, as PyTorch does, and skips a step's
+trailing padding rows.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ the contract of `models.layers.matmul`. The kernel is packed once (`pack_dense_k
 layout both instructions read; `native_dense_reference` computes the same product in plain JAX from
 the packed form (the oracle in tests).
 
-XLA:CPU's float32 dots reach a fraction of the FMA peak below about 64 rows (measured on an AVX2
-AMD EPYC: 17-40 GFLOP/s at 4-32 rows, against 60-80 from 64); the float32 kernel keeps 4 to 6
-rows of 16 columns in registers and runs at 55-80 GFLOP/s from 16 rows on (`pack_dense_kernel_f32`
+XLA:CPU's float32 dots reach a fraction of the FMA peak for a few rows (decode batches, short
+prompts); the float32 kernel keeps 4 to 6 rows of 16 columns in registers and keeps the FMA
+units busy from a few rows on (`pack_dense_kernel_f32`
 packs its `[N/16, K, 16]` panels; `native_dense` takes either packed form).
 """
 

@@ -7,9 +7,8 @@
 // Up to 8 rows, the weights widen in registers as they stream (register blocks of up to 4 rows by
 // 16 columns, x's pairs widened the same way from one broadcast load). For more rows that widening
 // would repeat for every register block, so x is widened once and each column panel once per chunk
-// of rows, which then run on the float32 kernel's 6x16 register blocks: measured on an AVX2 AMD
-// EPYC (Zen 1, two threads), 57-68 GFLOP/s from 32 rows against 46-55 widening in registers (the
-// float32 kernel on the same shapes: 64-73).
+// of rows, which then run on the float32 kernel's 6x16 register blocks (faster than widening in
+// registers from a few rows on, and close to the float32 kernel itself).
 #pragma once
 
 #include <algorithm>
@@ -56,8 +55,8 @@ VLLM_XLA_AVX2 inline void WidenPanel(const uint16_t* panel, int64_t K, float* to
 
 constexpr int kBf16Avx2Rows = 4;  // rows of x in an in-register-widening block
 // Above this many rows x and the panels are widened ahead (`RunWidened`). At 8 rows the weights
-// streaming from memory run faster widened in registers (measured on 30 layers' weights: 37-41
-// against 44 ms), from 16 rows widened ahead (65-70 against 73-80 ms).
+// streaming from memory run faster widened in registers, from 16 rows widened ahead (measured on
+// the embedded model's 30 layers of weights).
 constexpr int64_t kWidenAheadAbove = 2 * kBf16Avx2Rows;
 
 struct Bf16Avx2Problem {

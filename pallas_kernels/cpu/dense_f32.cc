@@ -2,8 +2,8 @@
 // float32 dense layers as an XLA FFI handler: y[M, N] = x[M, K] @ w[K, N], with AVX2 FMA.
 //
 // XLA:CPU's float32 dots run a few rows at a time (decode batches, short prompts) at a fraction of
-// the FMA peak (measured on an AVX2 AMD EPYC: 20-31 GFLOP/s at 32 rows, against 60-73 from 64
-// rows); this kernel keeps every FMA unit busy from one row on. It reads the weight packed once
+// the FMA peak (measured on an AVX2 AMD EPYC: well under half of what they reach from 64 rows);
+// this kernel keeps every FMA unit busy from one row on. It reads the weight packed once
 // into [N/16, K, 16] (`pack_dense_kernel_f32` in dense.py): each 16-column panel is K contiguous
 // 64-byte lines, streamed in order. N must be a multiple of 16.
 //

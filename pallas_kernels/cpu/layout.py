@@ -3,8 +3,8 @@
 
 A page holds every kv head's keys (rows `0..Hkv-1`) and then their values (rows
 `Hkv..2*Hkv-1`), each `page_size * D` contiguous values, so all of a page is one block of memory
-(12 KiB for 3 heads of 64 at 16 tokens in bfloat16). Pages are scattered by the block table, and
-on the CPUs measured reads of scattered 12 KiB blocks run about twice as fast as of 2 KiB ones
+(all heads' K and V of a page). Pages are scattered by the block table, and on the CPUs
+measured scattered reads of whole pages run markedly faster than of one head's part of a page
 (the reference's `[2 * Hkv, pages, S * D]` puts each head's page elsewhere), so a decode row's
 attention, which reads all heads of each of its pages, streams its cache in those blocks. As in
 the reference, bfloat16 and float8 are stored as bit patterns (`uint16`, `uint8`) and the write

@@ -331,8 +331,8 @@ struct Problem {
 
   // Rows first_row..end_row of one sequence, for kv heads first_head..end_head. A single row
   // (decode) reads each page once as stored; a block of rows converts each page once and scores
-  // all its rows' query heads against it in one pass (measured on an AVX2 AMD EPYC, 256-token
-  // prefill chunks: 48-50 GFLOP/s, against 16-17 scoring a row at a time). The heads of a page
+  // all its rows' query heads against it in one pass (several times faster for prefill chunks
+  // than scoring a row at a time). The heads of a page
   // lie side by side: an item reads them in one stream.
   void Run(const Item& item) const {
     const int64_t D = HeadDim(), S = s.page_size, G = s.num_heads / s.num_kv_heads;

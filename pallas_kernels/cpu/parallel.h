@@ -29,9 +29,9 @@ constexpr int64_t kOversubscribedRows = 128;
 // too (XLA's executor or one of the pool's threads), so a helper per pool thread puts one thread
 // more than cores on the items: the scheduler then preempts one that holds an item and the whole
 // call waits a time slice for it, which decides a short call (measured on two cores: a one-row
-// bfloat16 decode step 16 ms in some stretches and 25-28 ms in others, 16 ms throughout with one
-// thread a core; eight float32 rows 48.7 -> 43.0 ms) but costs a long one less than the extra
-// thread gains (a 1024-token float32 prefill step 1.5-2% faster with it).
+// decode step then ran at two speeds from stretch to stretch, at the faster one throughout with
+// one thread a core) but costs a long one less than the extra thread gains (a long prefill step
+// is slightly faster with it).
 inline int64_t Workers(xla::ffi::ThreadPool& pool, int64_t rows) {
   const int64_t cores = std::max<int64_t>(1, pool.num_threads());
   return rows >= kOversubscribedRows ? cores + 1 : cores;

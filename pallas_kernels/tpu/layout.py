@@ -6,7 +6,7 @@ with Dp = D rounded up to 128.
 In page p, kv head h keeps its K rows in `[p, 2h]` and its V rows in `[p, 2h + 1]`: K and V
 are interleaved head by head, and each is one `[S, Dp]` slab. Lanes D..Dp-1 stay zero.
 
-Why this layout (TPU tiling, see notes/pallas-on-cpu.md):
+Why this layout (TPU tiling; docs/kernels.md):
 * One page of one layer is one contiguous `2K * S * Dp` chunk, so the kernel fetches K and V of
   every head with a single DMA per page: half the descriptors and semaphore waits of separate
   K and V arrays, and the block table is read once per page.

@@ -48,7 +48,7 @@ def random_sample(logits: jax.Array, key_words: jax.Array) -> jax.Array:
       logits: float32[R, V].
       key_words: uint32[R, 2] from `row_keys`.
     """
-    # No guard for all -inf rows (they draw token 0): clamping the max here costs XLA:CPU 3x.
+    # No guard for all -inf rows (they draw token 0): clamping the max here is costly on XLA:CPU.
     weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # unnormalized probabilities
     exponential = -jnp.log(uniform_noise(key_words, logits.shape[1]))
     return first_argmax(weights / exponential)

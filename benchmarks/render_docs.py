@@ -1,0 +1,301 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Writes docs/performance.md and the README's performance table from the committed benchmark JSON.
+
+    .venv/bin/python benchmarks/render_docs.py           # rewrite both from benchmarks/results/
+    .venv/bin/python benchmarks/render_docs.py --check   # exit 1 when either differs from its render
+
+Inputs, all in `benchmarks/results/` (the only benchmark output kept in git):
+  throughput-<machine kind>.json   a `throughput.py` report, one file per machine kind (the name
+                                   after `throughput-` is the kind's label, e.g. `amd-epyc-avx512bf16-2cpu`)
+  plan.json                        optional: the planner's report, rendered by `benchmarks/plan.py`
+A new measurement replaces its kind's file; the history of the figures is the history of that file
+in git, never prose. `tests/docs/test_docs.py` fails when the committed README or docs/performance.md
+differ from what this script renders from the committed JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import sys
+from typing import Any
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import _report  # noqa: E402
+
+RESULTS = HERE / "results"
+README = REPO / "README.md"
+PERFORMANCE = REPO / "docs" / "performance.md"
+PLAN_JSON = RESULTS / "plan.json"
+PLAN_SCRIPT = HERE / "plan.py"
+TABLE_BEGIN = "<!-- performance table: written by benchmarks/render_docs.py, do not edit -->"
+TABLE_END = "<!-- end of performance table -->"
+
+# The README's headline rows (labels of `_report.METRICS`); a row no run measured is left out.
+HEADLINE = (
+    "batch output tok/s",
+    "single tok/s",
+    "single first token ms",
+    "serve output tok/s",
+    "serve TTFT p50 ms",
+    "serve ITL p50 ms",
+    "batch start-up s",
+)
+METRIC_BY_LABEL = {m.label: m for m in _report.METRICS}
+
+
+def load_runs(results: pathlib.Path = RESULTS) -> dict[str, dict[str, Any]]:
+    """{machine kind: throughput report}, sorted by kind."""
+    return {
+        path.stem.removeprefix("throughput-"): json.loads(path.read_text())
+        for path in sorted(results.glob("throughput-*.json"))
+    }
+
+
+def _number(x: float) -> str:
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def _pair(report: dict[str, Any], label: str, peer: str) -> str:
+    """`ours / theirs (ratio)` for one metric, or '-' when either side is missing."""
+    metric = METRIC_BY_LABEL[label]
+    ours = _report.value(report["results"], metric, "xla")
+    theirs = _report.value(report["results"], metric, peer)
+    ratio = _report.ratios(report["results"])[label][f"xla/{peer}"]
+    if ratio is None:
+        return "-"
+    return f"{_number(ours)} / {_number(theirs)} (**{ratio:.2f}x**)"
+
+
+def _run_kind(report: dict[str, Any]) -> str:
+    return "quick sizes" if report["config"].get("quick") else "full sizes"
+
+
+def readme_table(runs: dict[str, dict[str, Any]]) -> str:
+    """One table: headline metrics in rows, ours / vLLM's CPU backend per machine kind in columns."""
+    if not runs:
+        return "No benchmark results are committed yet (`benchmarks/results/`)."
+    kinds = list(runs)
+    header = ["metric (ours / vLLM CPU backend, same run)", *(f"{k} ({_run_kind(runs[k])})" for k in kinds)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label in HEADLINE:
+        cells = [_pair(runs[k], label, "vllm-cpu") for k in kinds]
+        if any(c != "-" for c in cells):
+            better = "higher" if METRIC_BY_LABEL[label].higher_is_better else "lower"
+            lines.append(f"| {label} ({better} is better) | " + " | ".join(cells) + " |")
+    loads = [f"{_peak_load(runs[k], 'xla')} / {_peak_load(runs[k], 'vllm-cpu')}" for k in kinds]
+    lines.append(
+        "| highest 1-min load average while each ran (2 means both cores busy) | " + " | ".join(loads) + " |"
+    )
+    return "\n".join(lines)
+
+
+def _peak_load(report: dict[str, Any], peer: str) -> str:
+    """The highest 1-minute load average recorded around `peer`'s workers (other jobs included)."""
+    peaks = [
+        max(before_after[0][0], before_after[1][0])
+        for peers in report["results"].values()
+        if (before_after := peers.get(peer, {}).get("load_average_before_after"))
+    ]
+    return f"{max(peaks):.1f}" if peaks else "-"
+
+
+def _sizes_line(report: dict[str, Any]) -> str:
+    s = report["config"]["sizes"]
+    lo, hi = s["batch_prompt_len"]
+    parts = [
+        f"batch: {s['batch_prompts']} prompts of {lo}-{hi} random tokens, "
+        f"{s['batch_output']} greedy tokens each",
+        f"single: one stream of {s['single_output']} tokens after a {s['single_prompt_len']}-token prompt, "
+        f"median of {s['single_repeats']}",
+    ]
+    if "serve" in report["config"]["workloads"]:
+        parts.append(
+            f"serve: {s['serve_concurrency']} streaming clients, {s['serve_requests']} requests of "
+            f"{s['serve_output']} tokens"
+        )
+    return "; ".join(parts)
+
+
+def _load_line(report: dict[str, Any]) -> str:
+    loads = []
+    for workload, peers in report["results"].items():
+        for peer, entry in peers.items():
+            before_after = entry.get("load_average_before_after")
+            if before_after:
+                loads.append(f"{workload}/{peer} {before_after[0][0]:.1f} -> {before_after[1][0]:.1f}")
+    return ", ".join(loads) or "not recorded"
+
+
+def machine_section(kind: str, report: dict[str, Any]) -> str:
+    """Everything one report says: the machine, the run, every metric, our runner's counters."""
+    machine, config = report["machine"], report["config"]
+    versions = machine.get("versions", {})
+    peers = [p for p in _report.PEERS if p in config["peers"]]
+    baselines = [p for p in _report.BASELINES if p in peers]
+    header = ["metric", *(_report.PEER_LABELS[p] for p in peers)]
+    header += [f"ours / {_report.PEER_LABELS[p]}" for p in baselines] + ["better"]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    ratios = _report.ratios(report["results"])
+    for metric in _report.METRICS:
+        values = [_report.value(report["results"], metric, p) for p in peers]
+        if all(v is None for v in values):
+            continue
+        cells = ["-" if v is None else _number(v) for v in values]
+        for p in baselines:
+            ratio = ratios[metric.label][f"xla/{p}"]
+            cells.append("-" if ratio is None else f"{ratio:.2f}x")
+        better = "higher" if metric.higher_is_better else "lower"
+        rows.append(f"| {metric.label} | " + " | ".join(cells) + f" | {better} |")
+    stats = _report.format_runner_stats(report["results"])
+    failures = _report.format_failures(report["results"])
+    dtypes = ", ".join(f"{peer} {dtype}" for peer, dtype in config["dtypes"].items() if peer in peers)
+    parts = [
+        f"## {kind}",
+        "",
+        f"- Machine: {machine['cpu_model']}, {machine['nproc']} CPUs, {machine['mem_total_gib']} GiB; "
+        f"measured {machine['date']} (`benchmarks/results/throughput-{kind}.json`).",
+        f"- Run: {_run_kind(report)} (`throughput.py{' --quick' if config.get('quick') else ''} "
+        f"--peers {','.join(config['peers'])} --workloads {','.join(config['workloads'])}`); "
+        f"{_sizes_line(report)}.",
+        f"- dtypes: {dtypes}; versions: vllm-cpu {versions.get('vllm-cpu')}, jax {versions.get('jax')}, "
+        f"torch {versions.get('torch')}, transformers {versions.get('transformers')}.",
+        f"- Load average (1 min) before -> after each worker: {_load_line(report)}.",
+        "",
+        *rows,
+        "",
+    ]
+    if stats:
+        parts += ["Our runner's counters over each workload (after start-up):", ""]
+        parts += [f"- {line}" for line in stats.splitlines()] + [""]
+    if failures:
+        parts += ["Failed or skipped:", "", "```", failures, "```", ""]
+    return "\n".join(parts)
+
+
+def planner_section() -> str | None:
+    """The planner's table when `benchmarks/results/plan.json` exists, rendered by `plan.py`.
+
+    `benchmarks/plan.py` owns its format: it must define `render_markdown(report: dict) -> str`
+    (the function behind its `--markdown` option)."""
+    if not PLAN_JSON.exists():
+        return None
+    if not PLAN_SCRIPT.exists():
+        raise SystemExit(f"{PLAN_JSON} exists but {PLAN_SCRIPT} does not: cannot render the planner's table")
+    spec = importlib.util.spec_from_file_location("plan", PLAN_SCRIPT)
+    plan = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(plan)
+    render = getattr(plan, "render_markdown", None)
+    if render is None:
+        raise SystemExit(f"{PLAN_SCRIPT} has no render_markdown(report) -> str to render {PLAN_JSON} with")
+    return "## What fits where: the planner\n\n" + render(json.loads(PLAN_JSON.read_text())).strip() + "\n"
+
+
+INTRO = """\
+# Performance
+
+<!-- Written by benchmarks/render_docs.py from benchmarks/results/*.json: edit the script or
+rerun the benchmark, not this page. -->
+
+The latest end-to-end figures, one section per machine kind, each from one run of
+[`benchmarks/throughput.py`](../benchmarks/throughput.py) (its options and workloads:
+[`benchmarks/README.md`](../benchmarks/README.md)). Only CPUs appear: nothing has run on a TPU or
+a GPU yet ([kernels.md](kernels.md#support-matrix)).
+
+## Method
+
+- Every peer serves the embedded SmolLM2-135M-Instruct with the same dequantized weights, in one
+  run on one machine, each (peer, workload) in its own subprocess: ours is vLLM on vllm-xla
+  (`VLLM_XLA_PLATFORM=cpu`), the baseline vLLM's own CPU backend (`vllm-cpu`), optionally
+  transformers' `generate`.
+- Start-up (engine build, compilation or the executable cache) is timed apart and never enters
+  tokens per second; a short warm-up request runs first.
+- The machines are shared with other jobs and noisy: **read the ratios of one run**, not absolute
+  figures across runs or machines. The load average before and after each worker is recorded
+  beside the figures; a peer that shares the cores with another job loses more than the ratio's
+  precision.
+- To refresh a machine kind: run the benchmark, copy its JSON to
+  `benchmarks/results/throughput-<kind>.json`, run `benchmarks/render_docs.py`, commit all three.
+  Earlier figures are that file's history in git (`git log -p benchmarks/results/`).
+"""
+
+WHAT_MOVES = """\
+## What moves the figures
+
+- **Dense layers.** On CPU a bfloat16 model's projections run in a native kernel on AMX tiles,
+  AVX-512 BF16 or AVX2 (the best the CPU has; [kernels.md](kernels.md#native-dense-layers)); a
+  float32 model's run natively on AVX2-only CPUs. Decode steps of many rows and prefill are bound
+  by these. Without a C++ compiler everything stays on XLA's dots and attention
+  ([troubleshooting.md](troubleshooting.md#no-c-compiler)).
+- **Memory traffic.** A single stream reads every weight once a token, and decode attention reads
+  each sequence's KV pages: both run near the memory system's rate. Fewer bytes move them: a
+  bfloat16 model, a float8 KV cache (`--kv-cache-dtype fp8`), 128-token pages on CPU.
+- **Padding.** Tokens per step are padded to a bucket; padding rows are skipped by the dense
+  kernels, but a badly chosen `--max-num-batched-tokens` still prefills in large, slow steps.
+  Smaller steps bound the stalls other streams see ([configuration.md](configuration.md)).
+- **Host time per step.** Ours is reported as `vllm_xla:host_seconds_per_step`
+  ([metrics.md](metrics.md)) and by `benchmarks/host_overhead.py`; on TPU and GPU it is hidden
+  behind the device step by vLLM's async scheduling. On the CPU device the "device" is the host's
+  own cores, so async scheduling is off there by default.
+- **Start-up.** Compiled programs are kept in an executable cache; a warm start loads them
+  instead of compiling ([architecture.md](architecture.md#compilation-and-caches)).
+"""
+
+
+def performance_page(runs: dict[str, dict[str, Any]], planner: str | None) -> str:
+    sections = [INTRO]
+    if runs:
+        sections.append("## Latest figures, all machine kinds\n\n" + readme_table(runs) + "\n")
+    sections += [machine_section(kind, report) for kind, report in runs.items()]
+    if planner is None:
+        planner = (
+            "## What fits where: the planner\n\n"
+            "No planner report is committed (`benchmarks/results/plan.json`, written by "
+            "`benchmarks/plan.py`).\n"
+        )
+    sections += [planner, WHAT_MOVES]
+    return "\n".join(s.rstrip("\n") + "\n" for s in sections)
+
+
+def readme_with_table(readme: str, table: str) -> str:
+    """`readme` with the text between the markers replaced by `table`; an error without them."""
+    begin, end = readme.find(TABLE_BEGIN), readme.find(TABLE_END)
+    if begin < 0 or end < begin:
+        raise SystemExit(f"README.md lacks the markers:\n{TABLE_BEGIN}\n{TABLE_END}")
+    return readme[: begin + len(TABLE_BEGIN)] + "\n" + table + "\n" + readme[end:]
+
+
+def render() -> dict[pathlib.Path, str]:
+    """{path: the text it should hold} for README.md and docs/performance.md."""
+    runs = load_runs()
+    return {
+        README: readme_with_table(README.read_text(), readme_table(runs)),
+        PERFORMANCE: performance_page(runs, planner_section()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when a file differs from its render")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in render().items():
+        if path.exists() and path.read_text() == text:
+            continue
+        stale.append(path)
+        if not args.check:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    verb = "differ from their render" if args.check else "rewritten"
+    print(f"{verb}: {', '.join(str(p.relative_to(REPO)) for p in stale) or 'none'}")
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
