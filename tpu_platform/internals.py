@@ -90,19 +90,26 @@ def flat_program(compiled: jax.stages.Compiled) -> FlatProgram | None:
     mesh_executable = getattr(compiled, "_executable", None)
     params = getattr(compiled, "_params", None)
     call = getattr(mesh_executable, "unsafe_call", None)
-    needed = ("xla_executable", "out_handler", "kept_var_idx", "ordered_effects", "mut")
-    if params is None or call is None or not all(hasattr(call, name) for name in needed):
+    needed = (
+        "xla_executable", "out_handler", "kept_var_idx", "ordered_effects", "has_unordered_effects",
+        "has_host_callbacks", "mut",
+    )  # fmt: skip
+    if (
+        call is None
+        or not all(hasattr(call, name) for name in needed)
+        or not all(hasattr(params, name) for name in ("const_args", "is_high"))
+    ):
         warn_fallback("Compiled._executable.unsafe_call (a compiled program's parts)", _FLAT_CALL_FALLBACK)
         return None
     if not _runs_flat(call.xla_executable):
         return None
     if (
         call.ordered_effects
-        or getattr(call, "has_unordered_effects", True)
-        or getattr(call, "has_host_callbacks", True)
+        or call.has_unordered_effects
+        or call.has_host_callbacks
         or call.mut is not None
-        or getattr(params, "const_args", True)
-        or getattr(params, "is_high", True)
+        or params.const_args
+        or params.is_high
     ):
         return None
     kept = tuple(sorted(call.kept_var_idx))

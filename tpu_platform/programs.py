@@ -21,6 +21,9 @@ serialized again (XLA:CPU drops its code), so programs bound for the executable 
 under a JAX cache key of their own, and only executables XLA demonstrably compiled in the call
 (JAX reports writing them to its cache) are written (see `Programs._compile_for_cache`).
 
+Entries are unpickled, so a cache directory or entry another user could have written is not
+read (`private_files`); the program is compiled instead.
+
 After `seal()`, a program that warm-up did not build is an error (strict) or a counted warning.
 """
 
