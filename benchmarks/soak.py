@@ -199,6 +199,8 @@ def process_rss(pid: int) -> dict[str, float]:
         out = {"server": server.memory_info().rss / 2**20}
         for child in server.children(recursive=True):
             try:
+                if child.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped: holds no memory
+                    continue
                 out[f"{child.name()}:{child.pid}"] = child.memory_info().rss / 2**20
             except psutil.Error:
                 continue
