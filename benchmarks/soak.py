@@ -14,8 +14,9 @@ for `--minutes`, at most `--max-requests` requests. Each request draws its kind:
 Sampled every `--sample-every` seconds: resident memory of the server and its engine process, and
 from `/metrics` the KV-cache usage, running and waiting requests and `vllm_xla:*` counters. At
 the end, once idle: KV usage (must be back to 0), compilations after warm-up (must be 0), `/health`.
-Printed and written as JSON (`--out`): requests by kind and status, 5xx count (must be 0), memory
-over time and its growth after the first minute, and a verdict per check.
+Printed and written as JSON (`--out`, the server's log beside it): requests by kind and status,
+5xx count (must be 0), memory over time and its growth after the first minute, and a verdict per
+check.
 
     python benchmarks/soak.py --minutes 10 --out benchmarks/results/soak.json
 """
@@ -411,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
         log_text = log.read()
     result = report(run, args, command, log_text)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    server_log = os.path.splitext(args.out)[0] + ".server.log"
+    with open(server_log, "w") as f:  # what a traceback or warning counted above came with
+        f.write(log_text)
+    result["server_log"] = server_log
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     summary = {
