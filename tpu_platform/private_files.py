@@ -47,3 +47,9 @@ def make_private_dir(path: str) -> None:
     """Creates `path` (and its parents) readable and writable by the current user only; an
     existing directory is left as it is (`check_private` judges it)."""
     os.makedirs(path, mode=0o700, exist_ok=True)
+
+
+def open_private(path: str):
+    """`path` opened for writing bytes, created readable and writable by the current user only
+    (whatever the umask: a group-writable entry would be refused when read back)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")

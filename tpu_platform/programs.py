@@ -52,7 +52,13 @@ from jax.experimental import serialize_executable
 from tqdm import tqdm
 
 from tpu_platform import internals
-from tpu_platform.private_files import UnsafeCacheError, check_private, make_private_dir, unsafe_reason
+from tpu_platform.private_files import (
+    UnsafeCacheError,
+    check_private,
+    make_private_dir,
+    open_private,
+    unsafe_reason,
+)
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
@@ -72,10 +78,15 @@ class ProgramSpec:
     context: str = ""
 
 
-def enable_persistent_cache(cache_dir: str) -> str:
-    """Turns on JAX's persistent compilation cache under `cache_dir/jax`; returns the path."""
+def enable_persistent_cache(cache_dir: str) -> str | None:
+    """Turns on JAX's persistent compilation cache under `cache_dir/jax`; returns the path, or
+    None when another user could write that directory (its executables are loaded as code)."""
     path = os.path.join(cache_dir, "jax")
-    os.makedirs(path, exist_ok=True)
+    make_private_dir(path)
+    unsafe = unsafe_reason(path)
+    if unsafe:
+        logger.warning("not using JAX's compilation cache at %s: %s", path, unsafe)
+        return None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -145,7 +156,7 @@ def _write_atomically(path: str, data: bytes) -> None:
     """Writes `data` to `path` through a temporary file: readers never see part of it."""
     partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        with open(partial, "wb") as f:
+        with open_private(partial) as f:
             f.write(data)
         os.replace(partial, path)
     finally:

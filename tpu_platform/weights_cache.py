@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from models.loader import checkpoint_files
-from tpu_platform.private_files import UnsafeCacheError, check_private, make_private_dir
+from tpu_platform.private_files import UnsafeCacheError, check_private, make_private_dir, open_private
 from tpu_platform.programs import mark_used, remove_unused, source_fingerprint
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
@@ -122,7 +122,7 @@ def _write_entry(path: str, model: nnx.Module) -> None:
     header = pickle.dumps((graphdef, treedef, table, offset))
     partial = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(partial, "wb") as f:
+        with open_private(partial) as f:
             f.write(_PREAMBLE.pack(_MAGIC, len(header)) + header)
             f.write(bytes(_data_start(len(header)) - f.tell()))
             start = f.tell()

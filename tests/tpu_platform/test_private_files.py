@@ -139,3 +139,30 @@ def test_the_native_build_never_uses_a_shared_temporary_directory(tmp_path, monk
     with pytest.raises(NativeKernelError, match=r"refusing to build or load the native kernels in .*shared"):
         build_library(shared)
     assert list(shared.iterdir()) == []  # nothing built or loaded there
+
+
+def test_entries_written_under_a_permissive_umask_are_private_and_load(tiny_dir, tmp_path):
+    """Entries are created readable and writable by the user alone whatever the umask (a
+    group-writable one would be refused when read back)."""
+    previous = os.umask(0o002)
+    try:
+        directory = str(tmp_path / "executables")
+        path = _stored_entry(directory)
+        cache = WeightsCache.for_model(str(tmp_path / "weights"), tiny_dir, "float32-xla")
+        cache.store(load_model(tiny_dir, jnp.float32, on_host=True)[1])
+    finally:
+        os.umask(previous)
+    for entry in (path, cache.path):
+        assert os.stat(entry).st_mode & 0o077 == 0
+    assert Programs(strict=False, cache=ExecutableCache(directory, jax.devices()[0])).build(_spec())
+    assert cache.load() is not None
+
+
+def test_a_jax_cache_directory_others_can_write_is_not_used(tmp_path, caplog):
+    (tmp_path / "jax").mkdir()
+    os.chmod(tmp_path / "jax", 0o777)
+    before = jax.config.jax_compilation_cache_dir
+    with caplog.at_level(logging.WARNING):
+        assert enable_persistent_cache(str(tmp_path)) is None
+    assert jax.config.jax_compilation_cache_dir == before
+    assert f"not using JAX's compilation cache at {tmp_path / 'jax'}" in _messages(caplog)
