@@ -335,7 +335,8 @@ def rss_growth(samples: list[dict], after_seconds: float = 60.0) -> dict[str, di
     }
 
 
-def report(run: dict[str, Any], args, command: list[str], log_text: str) -> dict[str, Any]:
+def report(run: dict[str, Any], args, command: list[str], served_log: str) -> dict[str, Any]:
+    """The figures and checks of a run; `served_log` is the server's log up to its shutdown."""
     tally: Tally = run.pop("tally")
     statuses = tally.statuses()
     server_errors = sum(n for s, n in statuses.items() if s.isdigit() and int(s) >= 500)
@@ -357,6 +358,7 @@ def report(run: dict[str, Any], args, command: list[str], log_text: str) -> dict
         "kv_usage_back_to_0": idle.get("vllm:kv_cache_usage_perc") == 0,
         "no_compiles_after_warmup": compiles_after == 0,
         "healthy_at_end": run["healthy"],
+        "no_tracebacks_while_serving": "Traceback" not in served_log,
         "rss_growth_under_5pct": bool(growth) and all(g["growth_pct"] < 5 for g in growth.values()),
     }
     return {
@@ -371,7 +373,7 @@ def report(run: dict[str, Any], args, command: list[str], log_text: str) -> dict
         "valid_failed": valid_failed,
         "rss_growth_after_first_minute": growth,
         "compilations_after_warmup": compiles_after,
-        "server_log_tracebacks": log_text.count("Traceback"),
+        "server_log_tracebacks": served_log.count("Traceback"),
         "checks": checks,
         "passed": all(checks.values()),
         **run,
@@ -407,10 +409,15 @@ def main(argv: list[str] | None = None) -> int:
             log.seek(0)
             sys.stderr.write(f"--- server log tail ---\n{log.read()[-6000:]}\n")
             raise
+        served_bytes = os.fstat(log.fileno()).st_size  # the log up to the shutdown
         stop_server(proc)
         log.seek(0)
         log_text = log.read()
-    result = report(run, args, command, log_text)
+    # vLLM's shutdown on SIGTERM logs the engine's end as an error with a traceback: only the
+    # tracebacks before it count.
+    served_log = log_text.encode()[:served_bytes].decode(errors="replace")
+    result = report(run, args, command, served_log)
+    result["server_log_tracebacks_at_shutdown"] = log_text.count("Traceback") - served_log.count("Traceback")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     server_log = os.path.splitext(args.out)[0] + ".server.log"
     with open(server_log, "w") as f:  # what a traceback or warning counted above came with
