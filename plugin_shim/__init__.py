@@ -11,17 +11,22 @@ def register() -> str | None:
 
     Active when `VLLM_XLA_PLATFORM` names a device kind, or when a TPU is visible to JAX;
     otherwise None, so a machine whose vLLM uses another platform (CUDA, CPU) is never taken
-    over by surprise.
+    over by surprise. A vLLM outside the tested range is logged (`plugin_shim.versions`); one
+    without the interfaces the plugin is built on leaves it inactive.
     """
+    import vllm
     from vllm.logger import init_logger
 
     from plugin_shim.devices import detect_tpu
+    from plugin_shim.versions import vllm_usable
     from tpu_platform.envs import read_env
 
     kind = read_env().platform
     if kind is None and detect_tpu():
         kind = "tpu"
     if kind is None:
+        return None
+    if not vllm_usable(vllm.__version__, init_logger("vllm.xla")):
         return None
     init_logger("vllm.xla").info("vllm-xla platform plugin active: the model runs on JAX %s devices", kind)
     return PLATFORM_CLASS

@@ -8,6 +8,7 @@ directory and reused.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -41,20 +42,27 @@ def embedded_gguf_path() -> str:
 
 
 def materialize(cache_dir: str, gguf_path: str | None = None) -> str:
-    """Builds (once) and returns the HF-format directory of a GGUF model."""
+    """Builds (once) and returns the HF-format directory of a GGUF model.
+
+    Processes that start at once take turns (a file lock beside the directory): the first builds
+    it in a staging directory that then takes its place, the others find it complete."""
     name = EMBEDDED_NAME if gguf_path is None else os.path.splitext(os.path.basename(gguf_path))[0]
     gguf_path = gguf_path or embedded_gguf_path()
     target = os.path.join(cache_dir, "models", name)
     if os.path.exists(os.path.join(target, _DONE_MARKER)):
         return target
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(target))
-    try:
-        _write_model_dir(staging, gguf_path)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+    with open(os.path.join(os.path.dirname(target), f".{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if os.path.exists(os.path.join(target, _DONE_MARKER)):  # built while this one waited
+            return target
+        staging = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(target))
+        try:
+            _write_model_dir(staging, gguf_path)
+            shutil.rmtree(target, ignore_errors=True)  # an incomplete one (an older format)
+            os.replace(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

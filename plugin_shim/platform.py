@@ -8,13 +8,13 @@ with CPU tensors, and every device array belongs to JAX inside the worker.
 from __future__ import annotations
 
 import os
-import sys
 from typing import TYPE_CHECKING
 
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from plugin_shim.cache_dtype import runner_kv_cache_dtype
+from plugin_shim.internals import jax_backends_initialized
 from tpu_platform.envs import PREFIX, read_env, unknown_variables
 from tpu_platform.runner_config import default_page_size
 
@@ -188,11 +188,7 @@ def _engine_start_method() -> None:
 
 def jax_runs_here() -> bool:
     """Whether this process has started a JAX backend (without importing JAX to find out)."""
-    bridge = sys.modules.get("jax._src.xla_bridge")
-    if bridge is None:
-        return False
-    initialized = getattr(bridge, "backends_are_initialized", None)
-    return initialized() if initialized is not None else True  # unknown JAX: assume it runs
+    return jax_backends_initialized()
 
 
 # vLLM's load formats we honour: a checkpoint's safetensors (or GGUF, in a model directory), and

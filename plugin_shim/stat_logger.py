@@ -10,12 +10,14 @@ engine does not run on our platform.
 
 from __future__ import annotations
 
+import functools
 import time
 
 from prometheus_client import REGISTRY, Gauge
 from vllm.logger import init_logger
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from plugin_shim.internals import registered_collector
 from tpu_platform.envs import read_env
 from tpu_platform.metrics_file import metrics_path, read_metrics
 
@@ -72,8 +74,9 @@ def _delta(current: dict[str, float], previous: dict[str, float] | None) -> dict
     return {k: v - previous.get(k, 0.0) for k, v in current.items()}
 
 
+@functools.cache  # one per process: a second engine in it shares the gauges (label `engine`)
 def _gauge(name: str, documentation: str) -> Gauge:
-    existing = REGISTRY._names_to_collectors.get(name)  # a second engine in the same process
+    existing = registered_collector(REGISTRY, name)  # registered by an earlier copy of this module
     if existing is not None:
         return existing
     return Gauge(name, documentation, labelnames=["model_name", "engine"])

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 
 from pallas_kernels import cpu
 from pallas_kernels.backend import CPU_NATIVE, XLA, resolve_backend
+from tpu_platform.envs import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
 
 def native_build_dir(cache_dir: str | None) -> str:
-    """Where the native kernels are built: `<cache_dir>/native`, else a per-user temp directory."""
-    if cache_dir:
-        return os.path.join(cache_dir, "native")
-    return os.path.join(tempfile.gettempdir(), f"vllm-xla-native-{os.getuid()}")
+    """Where the native kernels are built: `<cache_dir>/native`, else under the user's default
+    cache directory (never a shared temporary directory, where another user could plant a library)."""
+    return os.path.join(cache_dir or default_cache_dir(os.environ), "native")
 
 
 def select_backend(requested: str, platform: str, cache_dir: str | None) -> str:

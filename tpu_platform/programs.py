@@ -21,6 +21,9 @@ serialized again (XLA:CPU drops its code), so programs bound for the executable 
 under a JAX cache key of their own, and only executables XLA demonstrably compiled in the call
 (JAX reports writing them to its cache) are written (see `Programs._compile_for_cache`).
 
+Entries are unpickled, so a cache directory or entry another user could have written is not
+read (`private_files`); the program is compiled instead.
+
 After `seal()`, a program that warm-up did not build is an error (strict) or a counted warning.
 """
 
@@ -45,14 +48,20 @@ from typing import Any
 import jax
 import jaxlib
 from flax import nnx
-from flax.nnx.graphlib import VariableDef
 from jax.experimental import serialize_executable
 from tqdm import tqdm
 
+from tpu_platform import internals
+from tpu_platform.private_files import (
+    UnsafeCacheError,
+    check_private,
+    make_private_dir,
+    open_private,
+    unsafe_reason,
+)
+
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
-# Recorded by JAX when it writes an executable it just compiled to its persistent cache.
-_FRESH_COMPILE_EVENT = "/jax/compilation_cache/cache_misses"
 _PACKAGES = ("models", "pallas_kernels", "tpu_platform")
 _DIGESTS_FILE = "source-digests.json"  # in the executable cache's directory
 _ROOT = Path(__file__).resolve().parent.parent
@@ -69,10 +78,15 @@ class ProgramSpec:
     context: str = ""
 
 
-def enable_persistent_cache(cache_dir: str) -> str:
-    """Turns on JAX's persistent compilation cache under `cache_dir/jax`; returns the path."""
+def enable_persistent_cache(cache_dir: str) -> str | None:
+    """Turns on JAX's persistent compilation cache under `cache_dir/jax`; returns the path, or
+    None when another user could write that directory (its executables are loaded as code)."""
     path = os.path.join(cache_dir, "jax")
-    os.makedirs(path, exist_ok=True)
+    make_private_dir(path)
+    unsafe = unsafe_reason(path)
+    if unsafe:
+        logger.warning("not using JAX's compilation cache at %s: %s", path, unsafe)
+        return None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -142,7 +156,7 @@ def _write_atomically(path: str, data: bytes) -> None:
     """Writes `data` to `path` through a temporary file: readers never see part of it."""
     partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        with open(partial, "wb") as f:
+        with open_private(partial) as f:
             f.write(data)
         os.replace(partial, path)
     finally:
@@ -169,13 +183,7 @@ def structure_text(graphdef: nnx.GraphDef) -> str:
     """`repr(graphdef)` with every variable's metadata in key order: equal graph definitions give
     equal text, however their metadata was built (a model rebuilt from the weights cache lists it
     sorted, a freshly built one in creation order), so the executables they name are shared."""
-    nodes = [
-        dataclasses.replace(node, metadata=type(node.metadata)(dict(sorted(node.metadata.items()))))
-        if isinstance(node, VariableDef)
-        else node
-        for node in graphdef.nodes
-    ]
-    return repr(dataclasses.replace(graphdef, nodes=nodes))
+    return repr(dataclasses.replace(graphdef, nodes=internals.variable_metadata_sorted(graphdef.nodes)))
 
 
 def _signature(spec: ProgramSpec) -> str:
@@ -218,17 +226,30 @@ class ExecutableCache:
     def __init__(self, directory: str, device: jax.Device):
         self.directory = directory
         self.device = device
-        os.makedirs(directory, exist_ok=True)
-        remove_unused(directory, ".xla")
-        self._environment = environment_fingerprint(device, memo_dir=directory)
+        make_private_dir(directory)
+        # Executables are unpickled: a directory another user can write is not used at all.
+        self.unsafe = unsafe_reason(directory)
+        if self.unsafe:
+            logger.warning(
+                "not using the executable cache at %s: %s; programs are compiled and not kept",
+                directory,
+                self.unsafe,
+            )
+        else:
+            remove_unused(directory, ".xla")
+        self._environment = environment_fingerprint(device, memo_dir=None if self.unsafe else directory)
 
     def path(self, spec: ProgramSpec) -> str:
         name = hashlib.sha256(f"{self._environment}\n{_signature(spec)}".encode()).hexdigest()
         return os.path.join(self.directory, f"{name[:40]}.xla")
 
     def load(self, path: str) -> jax.stages.Compiled | None:
-        """The executable at `path` (from `path(spec)`), or None when it is missing or unreadable."""
+        """The executable at `path` (from `path(spec)`), or None when it is missing, unreadable or
+        could have been written by another user (then compiled instead, and replaced)."""
+        if self.unsafe:
+            return None
         try:
+            check_private(path)
             with open(path, "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
             loaded = serialize_executable.deserialize_and_load(
@@ -238,12 +259,17 @@ class ExecutableCache:
             return loaded
         except FileNotFoundError:
             return None
+        except UnsafeCacheError as error:
+            logger.warning("%s; compiling the program instead", error)
+            return None
         except Exception as error:  # a stale or truncated entry: rebuild it
             logger.warning("dropping unreadable cached executable %s (%s)", path, error)
             Path(path).unlink(missing_ok=True)
             return None
 
     def store(self, path: str, compiled: jax.stages.Compiled) -> None:
+        if self.unsafe:
+            return
         try:
             _write_atomically(path, pickle.dumps(serialize_executable.serialize(compiled)))
         except (OSError, ValueError, NotImplementedError) as error:
@@ -263,6 +289,7 @@ class Programs:
         self.compiles_after_warmup = 0
         self._ready: dict[Hashable, jax.stages.Compiled] = {}
         self._lock = threading.Lock()
+        self._fresh_event_recorded = True  # until a compile proves otherwise (`_compile_for_cache`)
 
     def call(self, spec_key: Hashable, make_spec: Callable[[], ProgramSpec], *args):
         """Runs program `spec_key` on `args`, building it first (see `seal`) when it is missing."""
@@ -325,11 +352,21 @@ class Programs:
         fresh compile.
         """
         name = os.path.basename(path)
-        program, fresh = _compile(spec, salt=name)
+        fresh = False
+        if self._fresh_event_recorded:
+            program, fresh = _compile(spec, salt=name)
+            fresh = fresh or not _jax_cache_on()  # without JAX's cache every compile is XLA's own
         if not fresh:
             program, fresh = _compile(spec, salt=f"{name}-{uuid.uuid4().hex}")
-        if fresh:
-            self.cache.store(path, program)
+            if not fresh and _jax_cache_on():
+                # A salt never used before cannot hit a cache: JAX no longer records the event
+                # that tells a fresh compile. From now on every program takes a new salt.
+                internals.warn_fallback(
+                    f"compilation event {internals.FRESH_COMPILE_EVENT!r}",
+                    "a new compile option salt for every program bound for the executable cache",
+                )
+                self._fresh_event_recorded = False
+        self.cache.store(path, program)
         return program
 
     def seal(self) -> None:
@@ -349,6 +386,10 @@ class Programs:
         return self._ready[spec.key]
 
 
+def _jax_cache_on() -> bool:
+    return bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
+
+
 def _compile(spec: ProgramSpec, salt: str | None = None) -> tuple[jax.stages.Compiled, bool]:
     """Traces and compiles `spec`; the flag says whether XLA compiled it here (not a cache's copy).
 
@@ -363,7 +404,7 @@ def _compile(spec: ProgramSpec, salt: str | None = None) -> tuple[jax.stages.Com
     thread, fresh = threading.get_ident(), []
 
     def on_event(event: str, **_: Any) -> None:
-        if event == _FRESH_COMPILE_EVENT and threading.get_ident() == thread:
+        if event == internals.FRESH_COMPILE_EVENT and threading.get_ident() == thread:
             fresh.append(event)
 
     jax.monitoring.register_event_listener(on_event)

@@ -12,7 +12,8 @@ decides its bytes: the checkpoint files' names, sizes and modification times, th
 `config.json`, JAX's and Flax's versions and our code's fingerprint. Storing an entry removes
 the entries of the same model and variant under other keys, so the cache keeps one per variant,
 and the entries no start has used for 30 days (`programs.remove_unused`).
-A missing, stale or unreadable entry is a miss: the checkpoint is loaded (and stored) as usual.
+A missing, stale or unreadable entry is a miss: the checkpoint is loaded (and stored) as usual;
+so is an entry another user could have written (`private_files`: its header is unpickled).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from models.loader import checkpoint_files
+from tpu_platform.private_files import UnsafeCacheError, check_private, make_private_dir, open_private
 from tpu_platform.programs import mark_used, remove_unused, source_fingerprint
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
@@ -62,10 +64,14 @@ class WeightsCache:
     def load(self) -> nnx.Module | None:
         """The model with the stored host weights, or None when this key has no readable entry."""
         try:
+            check_private(self.path)  # the header is unpickled
             model = _read_model(self.path)
             mark_used(self.path)
             return model
         except FileNotFoundError:
+            return None
+        except UnsafeCacheError as error:
+            logger.warning("%s; loading the checkpoint instead", error)
             return None
         except Exception as error:  # a truncated or foreign entry: load the checkpoint instead
             logger.warning("dropping unreadable weights cache entry %s (%s)", self.path, error)
@@ -75,7 +81,7 @@ class WeightsCache:
     def store(self, model: nnx.Module) -> None:
         """Keeps `model`'s host weights under this key; drops the variant's other entries."""
         try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            make_private_dir(os.path.dirname(self.path))
             _write_entry(self.path, model)
         except (OSError, ValueError, TypeError, pickle.PicklingError) as error:
             logger.warning("could not cache the prepared weights at %s (%s)", self.path, error)
@@ -116,7 +122,7 @@ def _write_entry(path: str, model: nnx.Module) -> None:
     header = pickle.dumps((graphdef, treedef, table, offset))
     partial = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(partial, "wb") as f:
+        with open_private(partial) as f:
             f.write(_PREAMBLE.pack(_MAGIC, len(header)) + header)
             f.write(bytes(_data_start(len(header)) - f.tell()))
             start = f.tell()

@@ -7,6 +7,7 @@ in `$CXX` (else `g++`, `c++` or `clang++` on the PATH), against the XLA FFI head
 ships. The shared library lands in a build directory under a name that hashes the sources, the
 compiler, its flags, jaxlib's version and the CPU's instruction-set flags, so a rebuilt source, an
 upgraded jaxlib or a cache directory shared with a different CPU never picks up a stale library.
+A build directory or library that another user could have written is refused.
 Building takes a few seconds, once.
 """
 
@@ -20,6 +21,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -115,15 +117,32 @@ def build_library(build_dir: str | os.PathLike[str]) -> Path:
     """
     compiler = find_compiler()
     build_dir = Path(build_dir)
+    build_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     library = build_dir / library_name(compiler)
+    _check_private(build_dir, library)
     if library.exists():
         return library
-    build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not library.exists():
             _compile(compiler, library)
     return library
+
+
+def _check_private(*paths: Path) -> None:
+    """Refuses a build directory or library another user could have written: the library is
+    loaded into this process, so it must be the one built here."""
+    for path in paths:
+        try:
+            info = path.stat()
+        except FileNotFoundError:
+            continue
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise NativeKernelError(
+                f"refusing to build or load the native kernels in {path}: it is owned by uid "
+                f"{info.st_uid} with mode {stat.S_IMODE(info.st_mode):o}, where only the current user "
+                f"(uid {os.getuid()}) may write it; use a private VLLM_XLA_CACHE_DIR or `chmod go-w {path}`"
+            )
 
 
 def _compile(compiler: str, library: Path) -> None:

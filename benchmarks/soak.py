@@ -1,0 +1,446 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Soak: `vllm-xla serve` under minutes of mixed traffic, then a check that it is still whole.
+
+The server (the embedded model, on 127.0.0.1 only) takes `--clients` concurrent clients, more
+than its `--max-num-seqs`, plus a burst of three times that many every `--burst-every` seconds,
+for `--minutes`, at most `--max-requests` requests. Each request draws its kind:
+
+- 5%: malformed or invalid (broken JSON, a negative `max_tokens`, a temperature below 0, an
+  unknown model, a prompt longer than the model's length, a missing prompt): must get a 4xx;
+- else a completion or chat completion with a random prompt length and random sampling options
+  (greedy or temperature, top-k, top-p, min-p, penalties, a seed, stop strings), streamed or not;
+  20% of the streamed ones drop the connection after a few chunks.
+
+Sampled every `--sample-every` seconds: resident memory of the server and its engine process, and
+from `/metrics` the KV-cache usage, running and waiting requests and `vllm_xla:*` counters. At
+the end, once idle: KV usage (must be back to 0), compilations after warm-up (must be 0), `/health`.
+Printed and written as JSON (`--out`, the server's log beside it): requests by kind and status,
+5xx count (must be 0), memory over time and its growth after the first minute, and a verdict per
+check.
+
+    python benchmarks/soak.py --minutes 10 --out benchmarks/results/soak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from typing import Any
+
+from _serve import HOST, free_port, start_server, stop_server, wait_healthy
+
+MODEL_NAME = "soak"
+MALFORMED_SHARE = 0.05
+DROP_SHARE = 0.2  # of the streamed requests
+WORDS = "the of a river mountain city light north sea old new quiet bright story road".split()
+
+
+def server_command(port: int, args: argparse.Namespace) -> list[str]:
+    cli = os.path.join(os.path.dirname(sys.executable), "vllm-xla")
+    return [
+        cli,
+        "serve",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL_NAME,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--disable-uvicorn-access-log",
+    ]
+
+
+def random_text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def sampling_options(rng: random.Random) -> dict[str, Any]:
+    options: dict[str, Any] = {"max_tokens": rng.randint(1, 48)}
+    if rng.random() < 0.4:
+        options["temperature"] = 0.0
+    else:
+        options["temperature"] = rng.choice([0.5, 0.8, 1.0, 1.3])
+        options["top_p"] = rng.choice([1.0, 0.9, 0.5])
+        options["top_k"] = rng.choice([-1, 1, 20, 50])
+        if rng.random() < 0.3:
+            options["min_p"] = rng.choice([0.05, 0.1])
+    if rng.random() < 0.3:
+        options["presence_penalty"] = rng.uniform(-1, 1)
+        options["frequency_penalty"] = rng.uniform(-1, 1)
+    if rng.random() < 0.2:
+        options["repetition_penalty"] = rng.uniform(1.0, 1.5)
+    if rng.random() < 0.3:
+        options["seed"] = rng.randint(0, 2**31 - 1)
+    if rng.random() < 0.15:
+        options["stop"] = [rng.choice(WORDS)]
+    return options
+
+
+def invalid_request(rng: random.Random, max_model_len: int) -> tuple[str, str, bytes]:
+    """(name, path, body) of a request the server must refuse with a 4xx."""
+    valid = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4}
+    kind = rng.choice(
+        [
+            "broken_json",
+            "negative_max_tokens",
+            "negative_temperature",
+            "unknown_model",
+            "prompt_too_long",
+            "missing_prompt",
+        ]
+    )
+    body: Any = dict(valid)
+    if kind == "broken_json":
+        return kind, "/v1/completions", b'{"model": "soak", "prompt": "hel'
+    if kind == "negative_max_tokens":
+        body["max_tokens"] = -3
+    elif kind == "negative_temperature":
+        body["temperature"] = -1.0
+    elif kind == "unknown_model":
+        body["model"] = "no-such-model"
+    elif kind == "prompt_too_long":
+        body["prompt"] = random_text(rng, 2 * max_model_len)
+    else:
+        del body["prompt"]
+    return kind, "/v1/completions", json.dumps(body).encode()
+
+
+def valid_request(rng: random.Random, max_model_len: int) -> tuple[str, str, dict[str, Any], bool]:
+    """(kind, path, body, stream) of a request with random length, options and streaming."""
+    options = sampling_options(rng)
+    words = rng.randint(1, max(1, (max_model_len - options["max_tokens"]) // 3))
+    stream = rng.random() < 0.5
+    if rng.random() < 0.3:
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": random_text(rng, words)}]}
+        path, kind = "/v1/chat/completions", "chat"
+    else:
+        body = {"model": MODEL_NAME, "prompt": random_text(rng, words)}
+        path, kind = "/v1/completions", "completion"
+    body.update(options, stream=stream)
+    return kind, path, body, stream
+
+
+class Tally:
+    """Requests by kind and outcome; outcome is the HTTP status, "dropped" or an error name."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self.tokens = 0
+
+    def add(self, kind: str, outcome: str) -> None:
+        self.counts[(kind, outcome)] += 1
+
+    def by_kind(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for (kind, outcome), n in sorted(self.counts.items()):
+            out.setdefault(kind, {})[outcome] = n
+        return out
+
+    def statuses(self) -> Counter[str]:
+        total: Counter[str] = Counter()
+        for (_, outcome), n in self.counts.items():
+            total[outcome] += n
+        return total
+
+
+async def one_request(session, base: str, rng: random.Random, args, tally: Tally) -> None:
+    import aiohttp
+
+    if rng.random() < MALFORMED_SHARE:
+        kind, path, raw = invalid_request(rng, args.max_model_len)
+        headers = {"Content-Type": "application/json"}
+        try:
+            async with session.post(base + path, data=raw, headers=headers) as response:
+                await response.read()
+                tally.add(f"invalid:{kind}", str(response.status))
+        except (TimeoutError, aiohttp.ClientError) as error:
+            tally.add(f"invalid:{kind}", type(error).__name__)
+        return
+    kind, path, body, stream = valid_request(rng, args.max_model_len)
+    drop_after = rng.randint(1, 4) if stream and rng.random() < DROP_SHARE else None
+    kind = f"{kind}:{'stream' if stream else 'whole'}"
+    try:
+        async with session.post(base + path, json=body) as response:
+            if response.status != 200 or not stream:
+                await response.read()
+                tally.add(kind, str(response.status))
+                return
+            chunks = 0
+            async for line in response.content:
+                if line.startswith(b"data:"):
+                    chunks += 1
+                    if drop_after is not None and chunks >= drop_after:
+                        response.close()  # the client goes away mid-stream
+                        tally.add(kind, "dropped")
+                        return
+            tally.add(kind, str(response.status))
+    except (TimeoutError, aiohttp.ClientError) as error:
+        tally.add(kind, type(error).__name__)
+
+
+def process_rss(pid: int) -> dict[str, float]:
+    """Resident memory (MiB) of the server process and of each process under it."""
+    import psutil
+
+    try:
+        server = psutil.Process(pid)
+        out = {"server": server.memory_info().rss / 2**20}
+        for child in server.children(recursive=True):
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped: holds no memory
+                    continue
+                out[f"{child.name()}:{child.pid}"] = child.memory_info().rss / 2**20
+            except psutil.Error:
+                continue
+        return out
+    except psutil.Error:
+        return {}
+
+
+def metric_values(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted or sample.name.startswith("vllm_xla:"):
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+async def scrape(session, base: str) -> dict[str, float]:
+    async with session.get(f"{base}/metrics") as response:
+        return metric_values(await response.text())
+
+
+async def sampler(session, base: str, pid: int, every: float, samples: list, stop: asyncio.Event, t0):
+    while not stop.is_set():
+        try:
+            metrics = await scrape(session, base)
+        except Exception as error:  # noted, the soak goes on
+            metrics = {"error": repr(error)}
+        samples.append({"t": time.monotonic() - t0, "rss_mib": process_rss(pid), "metrics": metrics})
+        try:
+            await asyncio.wait_for(stop.wait(), every)
+        except TimeoutError:
+            pass
+
+
+async def traffic(session, base: str, args, tally: Tally, deadline: float) -> int:
+    """Runs the clients and the bursts until `deadline` or `--max-requests`; returns how many went."""
+    rng = random.Random(args.seed)
+    budget = [args.max_requests]
+
+    def take() -> bool:
+        if budget[0] <= 0 or time.monotonic() >= deadline:
+            return False
+        budget[0] -= 1
+        return True
+
+    async def client(seed: int) -> None:
+        local = random.Random(seed)
+        while take():
+            await one_request(session, base, local, args, tally)
+
+    async def bursts() -> None:
+        while time.monotonic() + args.burst_every < deadline:
+            await asyncio.sleep(args.burst_every)
+            burst = [
+                one_request(session, base, random.Random(rng.random()), args, tally)
+                for _ in range(3 * args.max_num_seqs)
+                if take()
+            ]
+            await asyncio.gather(*burst)
+
+    await asyncio.gather(bursts(), *(client(rng.randrange(2**31)) for _ in range(args.clients)))
+    return args.max_requests - budget[0]
+
+
+async def wait_idle(session, base: str, timeout: float) -> dict[str, float]:
+    """The metrics once nothing runs or waits (vLLM's gauges update on its logging interval)."""
+    deadline = time.monotonic() + timeout
+    metrics: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        metrics = await scrape(session, base)
+        idle = metrics.get("vllm:num_requests_running", 1) + metrics.get("vllm:num_requests_waiting", 1) == 0
+        if idle and metrics.get("vllm:kv_cache_usage_perc", 1) == 0:
+            return metrics
+        await asyncio.sleep(2.0)
+    return metrics
+
+
+async def soak(args, port: int, proc) -> dict[str, Any]:
+    import aiohttp
+
+    base = f"http://{HOST}:{port}"
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        started = time.monotonic()
+        await wait_healthy(session, base, proc)
+        startup = time.monotonic() - started
+        warm = Tally()  # a few of each kind first: the programs warm-up missed would show here
+        for seed in range(4):
+            await one_request(session, base, random.Random(seed), args, warm)
+        warm_metrics = await scrape(session, base)
+        tally, samples, stop = Tally(), [], asyncio.Event()
+        t0 = time.monotonic()
+        sampling = asyncio.create_task(sampler(session, base, proc.pid, args.sample_every, samples, stop, t0))
+        sent = await traffic(session, base, args, tally, t0 + 60 * args.minutes)
+        traffic_seconds = time.monotonic() - t0
+        idle = await wait_idle(session, base, timeout=120)
+        stop.set()
+        await sampling
+        async with session.get(f"{base}/health") as response:
+            healthy = response.status == 200
+    return {
+        "startup_seconds": startup,
+        "warmup_metrics": warm_metrics,
+        "traffic_seconds": traffic_seconds,
+        "requests_sent": sent,
+        "tally": tally,
+        "samples": samples,
+        "idle_metrics": idle,
+        "healthy": healthy,
+    }
+
+
+def rss_growth(samples: list[dict], after_seconds: float = 60.0) -> dict[str, dict[str, float]]:
+    """Per process: RSS at the first sample after `after_seconds`, at the end, and the growth (%)."""
+    later = [s for s in samples if s["t"] >= after_seconds and s["rss_mib"]]
+    if len(later) < 2:
+        return {}
+    first, last = later[0]["rss_mib"], later[-1]["rss_mib"]
+    return {
+        name: {
+            "after_1min_mib": first[name],
+            "end_mib": last[name],
+            "growth_pct": 100 * (last[name] / first[name] - 1),
+        }
+        for name in first
+        if name in last and first[name] > 0
+    }
+
+
+def report(run: dict[str, Any], args, command: list[str], served_log: str) -> dict[str, Any]:
+    """The figures and checks of a run; `served_log` is the server's log up to its shutdown."""
+    tally: Tally = run.pop("tally")
+    statuses = tally.statuses()
+    server_errors = sum(n for s, n in statuses.items() if s.isdigit() and int(s) >= 500)
+    invalid_not_4xx = sum(
+        n for (kind, s), n in tally.counts.items() if kind.startswith("invalid:") and not s.startswith("4")
+    )
+    valid_failed = sum(
+        n
+        for (kind, s), n in tally.counts.items()
+        if not kind.startswith("invalid:") and s not in ("200", "dropped")
+    )
+    idle = run["idle_metrics"]
+    growth = rss_growth(run["samples"])
+    compiles_after = idle.get("vllm_xla:compilations_after_warmup")
+    checks = {
+        "no_5xx": server_errors == 0,
+        "invalid_requests_get_4xx": invalid_not_4xx == 0,
+        "valid_requests_complete": valid_failed == 0,
+        "kv_usage_back_to_0": idle.get("vllm:kv_cache_usage_perc") == 0,
+        "no_compiles_after_warmup": compiles_after == 0,
+        "healthy_at_end": run["healthy"],
+        "no_tracebacks_while_serving": "Traceback" not in served_log,
+        "rss_growth_under_5pct": bool(growth) and all(g["growth_pct"] < 5 for g in growth.values()),
+    }
+    return {
+        "command": command,
+        "minutes": args.minutes,
+        "clients": args.clients,
+        "max_num_seqs": args.max_num_seqs,
+        "requests_by_kind": tally.by_kind(),
+        "requests_by_status": dict(statuses),
+        "server_errors_5xx": server_errors,
+        "invalid_not_4xx": invalid_not_4xx,
+        "valid_failed": valid_failed,
+        "rss_growth_after_first_minute": growth,
+        "compilations_after_warmup": compiles_after,
+        "server_log_tracebacks": served_log.count("Traceback"),
+        "checks": checks,
+        "passed": all(checks.values()),
+        **run,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--clients", type=int, default=12, help="concurrent clients (above --max-num-seqs)")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-requests", type=int, default=5000, help="upper bound on requests sent")
+    p.add_argument("--burst-every", type=float, default=90.0, help="seconds between bursts")
+    p.add_argument("--sample-every", type=float, default=10.0)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/soak.json")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    port = free_port()
+    command = server_command(port, args)
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = start_server(command, log)
+        try:
+            run = asyncio.run(soak(args, port, proc))
+        except BaseException:
+            stop_server(proc)
+            log.seek(0)
+            sys.stderr.write(f"--- server log tail ---\n{log.read()[-6000:]}\n")
+            raise
+        served_bytes = os.fstat(log.fileno()).st_size  # the log up to the shutdown
+        stop_server(proc)
+        log.seek(0)
+        log_text = log.read()
+    # vLLM's shutdown on SIGTERM logs the engine's end as an error with a traceback: only the
+    # tracebacks before it count.
+    served_log = log_text.encode()[:served_bytes].decode(errors="replace")
+    result = report(run, args, command, served_log)
+    result["server_log_tracebacks_at_shutdown"] = log_text.count("Traceback") - served_log.count("Traceback")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    server_log = os.path.splitext(args.out)[0] + ".server.log"
+    with open(server_log, "w") as f:  # what a traceback or warning counted above came with
+        f.write(log_text)
+    result["server_log"] = server_log
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    summary = {
+        k: result[k]
+        for k in (
+            "requests_by_status",
+            "server_errors_5xx",
+            "invalid_not_4xx",
+            "valid_failed",
+            "compilations_after_warmup",
+            "rss_growth_after_first_minute",
+            "checks",
+        )
+    }
+    print(json.dumps(summary, indent=2))
+    print(f"written: {args.out}")
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
