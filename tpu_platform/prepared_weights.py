@@ -13,6 +13,7 @@ checkpoint written with one sharding restores onto another (more or fewer device
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import os
@@ -148,34 +149,59 @@ def restore_prepared(
 ) -> nnx.Module:
     """The prepared model with its weights restored from `directory` onto `shardings` (each array
     read straight into its shards). UnusableCheckpoint when the checkpoint is not one of ours,
-    holds another layout, architecture or preparation, differs from `expected`'s entries (e.g. a
-    cache key), or is damaged."""
-    import orbax.checkpoint as ocp
+    holds another layout, architecture, preparation or structure, differs from `expected`'s
+    entries (e.g. a cache key), or is damaged.
 
-    graphdef, abstract = abstract_prepared(model_config, preparation)
+    The arrays are read (by TensorStore's threads, in the shapes the checkpoint records) while
+    this thread rebuilds the model's structure from its config (Python: holds the interpreter);
+    the two must then agree on every array's path, shape and dtype."""
     metadata = read_metadata(directory)
     wanted = {
         "layout": LAYOUT_VERSION,
         "architecture": model_config.architecture,
         "preparation": preparation.name,
-        "structure": structure_digest(abstract),
         **(expected or {}),
     }
+    _refuse_differences(directory, metadata, wanted)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="restore") as pool:
+        reading = pool.submit(_restore_arrays, directory, shardings)
+        graphdef, abstract = abstract_prepared(model_config, preparation)
+        restored = reading.result()
+    _refuse_differences(directory, metadata, {"structure": structure_digest(abstract)})
+    try:
+        state = _from_nested(abstract, restored)
+    except KeyError as error:
+        raise UnusableCheckpoint(f"{directory} lacks the array {error}") from error
+    if structure_digest(state) != metadata["structure"]:
+        raise UnusableCheckpoint(f"{directory}: its arrays are not those its metadata describes")
+    return nnx.merge(graphdef, state)
+
+
+def _refuse_differences(directory: str, metadata: dict, wanted: dict) -> None:
     differing = sorted(k for k, v in wanted.items() if metadata.get(k) != v)
     if differing:
         found = {k: metadata.get(k) for k in differing}
         expected_values = {k: wanted[k] for k in differing}
         raise UnusableCheckpoint(f"{directory} holds other weights: {found}, expected {expected_values}")
-    target = _nested(_with_shardings(abstract, shardings))
-    arrays = ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
-    )
+
+
+def _restore_arrays(directory: str, shardings: ShardingFor) -> dict:
+    """The checkpoint's arrays, nested by path (`_nested`), each read onto its sharding."""
+    import orbax.checkpoint as ocp
+
+    checkpointer = _checkpointer()
+    path = os.path.abspath(directory)
     try:
-        restored = _checkpointer().restore(os.path.abspath(directory), ocp.args.Composite(state=arrays))
-        restored = restored["state"]
+        recorded = checkpointer.metadata(path).item_metadata["state"].tree
+        target = _with_shardings(
+            jax.tree.map(lambda array: jax.ShapeDtypeStruct(array.shape, array.dtype), recorded), shardings
+        )
+        arrays = ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+        )
+        return checkpointer.restore(path, ocp.args.Composite(state=arrays))["state"]
     except Exception as error:  # a missing or truncated file: Orbax and TensorStore raise many kinds
         raise UnusableCheckpoint(f"{directory}: unreadable arrays ({error})") from error
-    return nnx.merge(graphdef, _from_nested(abstract, restored))
 
 
 def _checkpointer():  # -> ocp.Checkpointer (Orbax is imported only where checkpoints are used)
@@ -189,7 +215,7 @@ def _checkpointer():  # -> ocp.Checkpointer (Orbax is imported only where checkp
     return ocp.Checkpointer(handler)
 
 
-def _with_shardings(abstract: nnx.State, shardings: ShardingFor) -> nnx.State:
+def _with_shardings(abstract: Any, shardings: ShardingFor) -> Any:
     def place(key_path: tuple, leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         sharding = shardings if isinstance(shardings, jax.sharding.Sharding) else None
         if sharding is None:
