@@ -97,7 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or step_token_budget(args.prompts, max_num_seqs),
         num_gpu_blocks_override=one_shot_kv_pages(model, dtype, max_num_seqs, args.max_model_len, env),
-        load_format="npcache",  # keeps the prepared weights: a later start reads one file
+        load_format="npcache",  # keeps the prepared weights: a later start restores them
         dtype=dtype,
         seed=args.seed,
     )
