@@ -18,6 +18,8 @@ import logging
 import os
 import shutil
 
+import jax
+import numpy as np
 from flax import nnx
 
 from models import ModelConfig, load_model
@@ -97,6 +99,9 @@ def restore_converted(
     except UnusableCheckpoint as error:
         raise ValueError(f"the converted weights at {checkpoint} cannot be served: {error}") from error
     if stored.packing != preparation.packing:
+        # Packing runs only on the CPU device, whose arrays NumPy views in place: repacked on the
+        # host (views), the kernels cost one copy each on their way back, not a device op each.
+        nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
         preparation.apply(model)
     return model
 
