@@ -205,8 +205,8 @@ def _restore_arrays(directory: str, shardings: ShardingFor) -> dict:
 
 
 def _checkpointer():  # -> ocp.Checkpointer (Orbax is imported only where checkpoints are used)
-    """Synchronous: a store or restore is done when it returns. Arrays uncompressed: restoring
-    the embedded model took half the time of zstd's, for about a quarter more bytes."""
+    """Synchronous: a store or restore is done when it returns. Arrays uncompressed: weights
+    compress little, and decoding zstd made restores markedly slower."""
     import orbax.checkpoint as ocp
 
     handler = ocp.CompositeCheckpointHandler(
@@ -230,13 +230,16 @@ def _leaves(state: nnx.State) -> list[tuple[tuple, Any]]:
 
 
 def _key_names(key_path: tuple) -> tuple:
+    """The names along a JAX key path, without a Variable's own `value` field at its end."""
+    if key_path and isinstance(key_path[-1], jax.tree_util.GetAttrKey) and key_path[-1].name == "value":
+        key_path = key_path[:-1]
     names = []
     for key in key_path:
         for attr in ("key", "name", "idx"):
             if hasattr(key, attr):
                 names.append(getattr(key, attr))
                 break
-    return tuple(name for name in names if name != "value")  # a Variable's own field
+    return tuple(names)
 
 
 def _path(names: tuple) -> tuple[str, ...]:

@@ -121,14 +121,21 @@ def _size_and_mtime(path: str) -> tuple[int, int]:
 
 
 def _remove_unused_entries(directory: str) -> None:
-    """Removes the entries (of any model) no start has used for 30 days (loading touches one)."""
-    cutoff = time.time() - UNUSED_ENTRY_SECONDS
-    for entry in Path(directory).glob(f"*{_SUFFIX}"):
-        try:
-            if entry.stat().st_mtime < cutoff:
-                shutil.rmtree(entry)
-        except OSError:  # gone already, or not ours to remove
-            continue
+    """Removes the entries (of any model) no start has used for 30 days (loading touches one),
+    and the remains of stores that died."""
+    now = time.time()
+    # Orbax writes an entry under a temporary name first: one a day old is a store that died.
+    stale = [
+        (f"*{_SUFFIX}", now - UNUSED_ENTRY_SECONDS),
+        (f"*{_SUFFIX}.orbax-checkpoint-tmp*", now - 24 * 3600),
+    ]
+    for pattern, cutoff in stale:
+        for entry in Path(directory).glob(pattern):
+            try:
+                if entry.stat().st_mtime < cutoff:
+                    shutil.rmtree(entry)
+            except OSError:  # gone already, or not ours to remove
+                continue
 
 
 def _writable_by_others(entry: str) -> str | None:

@@ -98,6 +98,9 @@ def test_a_changed_checkpoint_misses_and_its_stale_entry_goes(tiny_dir, tmp_path
     # An entry no start used for a month (here the other variant's) goes when one is stored.
     month_ago = time.time() - 31 * 24 * 3600
     os.utime(other_variant.path, (month_ago, month_ago))
+    died = tmp_path / f"{os.path.basename(first.path)}.orbax-checkpoint-tmp-1"  # a store that died
+    died.mkdir()
+    os.utime(died, (month_ago, month_ago))
     shutil.rmtree(second.path)
     second.store(config, model)
     assert os.listdir(tmp_path) == [os.path.basename(second.path)]
