@@ -145,7 +145,8 @@ class Runner:
             if model is not None:
                 return model, "the weights cache"
         self.model_config, model = load_model(path, self.dtype, on_host=True)
-        # float32 kernels too where the best path is AVX2 (faster than XLA's dots)
+        # Packed for the native dense kernel where it runs (float32 kernels too where its best path
+        # is AVX2: faster than XLA's dots).
         preparation.apply(model)
         if cache is not None:
             cache.store(self.model_config, model)
