@@ -91,6 +91,10 @@ class WeightsCache:
         directory = os.path.dirname(self.path)
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
+            unsafe = _writable_by_others(directory)
+            if unsafe:  # never read from there: not worth writing
+                logger.warning("not caching the prepared weights in %s: %s", directory, unsafe)
+                return
             state = nnx.state(model)
             save_prepared(self.path, state, metadata_for(model_config, self.preparation, state, key=self.key))
         except Exception as error:  # a full disk, a concurrent store of the same entry: serve anyway
@@ -139,8 +143,8 @@ def _remove_unused_entries(directory: str) -> None:
 
 
 def _writable_by_others(entry: str) -> str | None:
-    """Why `entry` (a directory) and its parent are not safely ours, or None: each file and
-    directory must be owned by this user and writable by no one else."""
+    """Why `entry` (a directory), its parent or anything in it is not safely ours, or None: each
+    must be owned by this user and writable by no one else."""
     paths = [os.path.dirname(entry), entry]
     for root, dirs, files in os.walk(entry):
         paths += [os.path.join(root, name) for name in (*dirs, *files)]

@@ -159,6 +159,13 @@ def test_an_entry_others_may_write_is_not_read(tiny_dir, tmp_path, caplog):
         log.removeHandler(caplog.handler)
     assert "is writable by others" in caplog.text
     assert os.path.isdir(cache.path)  # not ours to judge: left in place
+    os.chmod(tmp_path, 0o777)  # a cache directory others may write: nothing stored there either
+    try:
+        shutil.rmtree(cache.path)
+        cache.store(config, model)
+        assert not os.path.exists(cache.path)
+    finally:
+        os.chmod(tmp_path, 0o700)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
