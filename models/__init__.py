@@ -22,7 +22,7 @@ attention layers gather their RoPE rotations from tables instead of computing th
 
 from models.config import ModelConfig
 from models.layers import PackedKernel, attach_rope_tables, pack_for_native_dense
-from models.loader import load_model, load_weights
+from models.loader import load_model, load_weights, prepare_for_serving
 from models.metadata import AttentionMetadata
 from models.registry import SUPPORTED_ARCHITECTURES, build
 
@@ -36,4 +36,5 @@ __all__ = [
     "load_model",
     "load_weights",
     "pack_for_native_dense",
+    "prepare_for_serving",
 ]

@@ -158,6 +158,15 @@ def put_on_device(model: nnx.Module, device: jax.Device | None = None) -> None:
     nnx.update(model, jax.device_put(nnx.state(model), device))
 
 
+def prepare_for_serving(model: nnx.Module, config: ModelConfig) -> None:
+    """Derives the served layout from the loaded parameters: the tied head's `[D, V]` copy and
+    the fused projections. Also runs under `nnx.eval_shape` (abstract values): it then gives the
+    served layout's shapes without any weights, which a checkpoint of it is restored into."""
+    if config.tie_word_embeddings:
+        model.model.embed_tokens.transpose_for_head()
+    fuse_projections(model)
+
+
 def load_model(
     path: str, dtype: jnp.dtype = jnp.float32, *, on_host: bool = False
 ) -> tuple[ModelConfig, nnx.Module]:
@@ -166,9 +175,7 @@ def load_model(
     config = ModelConfig.from_pretrained(path)
     model = build(config, dtype)
     load_weights(model, path, on_host=True)
-    if config.tie_word_embeddings:
-        model.model.embed_tokens.transpose_for_head()
-    fuse_projections(model)
+    prepare_for_serving(model, config)
     if not on_host:
         put_on_device(model)
     return config, model

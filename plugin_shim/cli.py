@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The `vllm-xla` command: `model-dir`, `generate` and `serve`."""
+"""The `vllm-xla` command: `model-dir`, `generate`, `serve` and `convert`."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or step_token_budget(args.prompts, max_num_seqs),
         num_gpu_blocks_override=one_shot_kv_pages(model, dtype, max_num_seqs, args.max_model_len, env),
-        load_format="npcache",  # keeps the prepared weights: a later start reads one file
+        load_format="npcache",  # keeps the prepared weights: a later start restores them
         dtype=dtype,
         seed=args.seed,
     )
@@ -161,6 +161,27 @@ def _leave_now(code: int) -> None:
     os._exit(code)
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Writes the prepared weights of `args.model` into `args.out`, a model directory to serve."""
+    import jax.numpy as jnp
+
+    from tpu_platform.converted import convert
+    from tpu_platform.prepared_weights import Preparation
+
+    try:
+        preparation = Preparation(jnp.dtype(args.dtype).name, args.packing)
+    except TypeError:
+        raise SystemExit(
+            f"vllm-xla convert: --dtype {args.dtype!r} is not a dtype (e.g. bfloat16, float32)"
+        ) from None
+    try:
+        checkpoint = convert(args.model, args.out, preparation)
+    except ValueError as error:
+        raise SystemExit(f"vllm-xla convert: {error}") from None
+    print(f"wrote {preparation.name} weights to {checkpoint}; serve the model directory {args.out}")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     _ensure_platform()
     env = read_env()
@@ -213,6 +234,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = sub.add_parser("serve", help="start vLLM's OpenAI-compatible server on the XLA platform")
     p.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M-Instruct)")
+    p = sub.add_parser(
+        "convert",
+        help="write a model's prepared weights (an Orbax checkpoint) into a new model directory, "
+        "served as the model on any number of devices",
+    )
+    p.add_argument("model", help="the source model directory (safetensors or GGUF)")
+    p.add_argument("out", help="the new model directory")
+    p.add_argument("--dtype", default="bfloat16", help="the weights' dtype; serve with the same --dtype")
+    p.add_argument(
+        "--packing",
+        choices=("none", "native", "native+f32"),
+        default="none",
+        help="none: for any device (a CPU with the native dense kernel packs after loading); "
+        "native: bfloat16 kernels packed for the native CPU dense kernel; native+f32: float32 too",
+    )
     return parser
 
 
@@ -222,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve(args, extra)
     if extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
-    return {"model-dir": cmd_model_dir, "generate": cmd_generate}[args.command](args)
+    commands = {"model-dir": cmd_model_dir, "generate": cmd_generate, "convert": cmd_convert}
+    return commands[args.command](args)
 
 
 def run() -> None:

@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import ModelConfig, PackedKernel, attach_rope_tables, load_model, pack_for_native_dense
+from models import ModelConfig, PackedKernel, attach_rope_tables, load_model
 from pallas_kernels import allocate_kv_cache
 from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.collector import collector_paused
+from tpu_platform.converted import converted_weights, restore_converted
 from tpu_platform.dispatch import FlatCall
 from tpu_platform.inputs import StepBuffers, exercise_inputs, pack_inputs, padding_inputs, prepare_step
 from tpu_platform.kv_cache import (
@@ -28,6 +29,7 @@ from tpu_platform.kv_cache import (
     caches_per_array,
     kv_cache_dtype,
 )
+from tpu_platform.prepared_weights import Preparation, ShardingFor
 from tpu_platform.programs import (
     ExecutableCache,
     Programs,
@@ -58,6 +60,9 @@ class Runner:
     def __init__(self, config: RunnerConfig):
         self.config = config
         self.device = jax.devices()[0]
+        # Where each weight lives: a sharding, or a function of a weight's path and abstract
+        # value giving one (`prepared_weights.ShardingFor`); restored checkpoints go straight there.
+        self.weight_shardings: ShardingFor = jax.sharding.SingleDeviceSharding(self.device)
         self.backend = select_backend(config.attention_backend, self.device.platform, config.cache_dir)
         # The native dense kernel's instruction set here ("amx", "avx512_bf16", "avx2"), or None: XLA's dots.
         self.dense_isa = native_dense_isa(self.backend, config.cache_dir) if config.native_dense else None
@@ -89,7 +94,7 @@ class Runner:
     @collector_paused()  # start-up's objects outlive it: no full collections while made
     def load_model(self) -> ModelConfig:
         start = time.perf_counter()
-        model, source = self._host_model()
+        model, source = self._prepared_model()
         packed = len(jax.tree.leaves(nnx.state(model, PackedKernel)))
         attach_rope_tables(model, self.config.max_model_len)
         graphdef, state = nnx.split(model)
@@ -121,30 +126,38 @@ class Runner:
         )  # fmt: skip
         return self.model_config
 
-    def _host_model(self) -> tuple[nnx.Module, str]:
-        """The model with its final weights on the host (then one transfer, no device op per
-        tensor), and where they came from. `load_format="npcache"`: from the weights cache when
-        it holds them, else loaded from the checkpoint and stored there."""
+    def _prepared_model(self) -> tuple[nnx.Module, str]:
+        """The model with its final weights, and where they came from: restored onto the weight
+        shardings from a converted model directory, or from the weights cache
+        (`load_format="npcache"`) when it holds them; else loaded from the checkpoint on the host
+        (then one transfer, no device op per tensor) and, with npcache, stored there."""
         path = self.config.model_path
-        cache = self._weights_cache()
-        model = cache.load() if cache is not None else None
-        if model is not None:
+        preparation = Preparation.for_dense_isa(self.dtype.name, self.dense_isa)
+        converted = converted_weights(path)
+        if converted is not None:
             self.model_config = ModelConfig.from_pretrained(path)
-            return model, "the weights cache"
-        self.model_config, model = load_model(path, self.dtype, on_host=True)
-        if self.dense_isa:  # float32 kernels too where the best path is AVX2 (faster than XLA's dots)
-            pack_for_native_dense(model, float32=self.dense_isa == "avx2")
+            model = restore_converted(converted, self.model_config, preparation, self.weight_shardings)
+            return model, "the converted checkpoint"
+        cache = self._weights_cache(preparation)
         if cache is not None:
-            cache.store(model)
+            self.model_config = ModelConfig.from_pretrained(path)
+            model = cache.load(self.model_config, self.weight_shardings)
+            if model is not None:
+                return model, "the weights cache"
+        self.model_config, model = load_model(path, self.dtype, on_host=True)
+        # Packed for the native dense kernel where it runs (float32 kernels too where its best path
+        # is AVX2: faster than XLA's dots).
+        preparation.apply(model)
+        if cache is not None:
+            cache.store(self.model_config, model)
         return model, "the checkpoint"
 
-    def _weights_cache(self) -> WeightsCache | None:
+    def _weights_cache(self, preparation: Preparation) -> WeightsCache | None:
         if self.config.load_format != "npcache" or not self.config.cache_dir:
             return None
-        variant = f"{self.dtype.name}-{self.dense_isa or 'xla'}"
         memo = self.programs.cache.directory if self.programs.cache else None  # the code digests' memo
         return WeightsCache.for_model(
-            os.path.join(self.config.cache_dir, "weights"), self.config.model_path, variant, memo
+            os.path.join(self.config.cache_dir, "weights"), self.config.model_path, preparation, memo
         )
 
     def kv_page_bytes(self) -> int:

