@@ -37,6 +37,7 @@ def run_worker(platform: str, module: str, *args: str, timeout: float = 1200) ->
         TPU_ACCELERATOR_TYPE="v5litepod-4",  # quiets libtpu's start-up probes (no TPU here)
         TPU_WORKER_HOSTNAMES="localhost",
         TF_CPP_MIN_LOG_LEVEL="2",
+        ALLOW_MULTIPLE_LIBTPU_LOAD="1",  # libtpu otherwise refuses to load while another process holds it
     )
     env.pop("VLLM_XLA_PLATFORM", None)
     proc = subprocess.run(
