@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import time
 from importlib import resources
 from typing import Any
@@ -277,7 +278,28 @@ def compile_with_text(jitted: Any, device: jax.Device, *args: Any, **static: Any
         return jitted.trace(*args, **static).lower().compile()
 
 
+class ProgramTooLarge(Exception):
+    """The target's compiler refused the program: it needs more memory than the chip has."""
+
+    def __init__(self, message: str, needed_bytes: int):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+
+
+# XLA's TPU compiler: "... the total memory required for HLO temporaries (40.46G) exceeds
+# available HBM (31.25G)".
+_OUT_OF_MEMORY = re.compile(r"Ran out of memory.*?required[^(]*\(([\d.]+)([KMGT]?)\)", re.S)
+
+
 def _compile(jitted: Any, device: jax.Device, *args: Any, **static: Any) -> ProgramFacts:
     start = time.perf_counter()
-    compiled = compile_with_text(jitted, device, *args, **static)
+    try:
+        compiled = compile_with_text(jitted, device, *args, **static)
+    except jax.errors.JaxRuntimeError as error:
+        found = _OUT_OF_MEMORY.search(str(error))
+        if found is None:
+            raise
+        number, unit = found.groups()
+        scale = 1 << (10 * "_KMGT".index(unit or "_")) if unit else 1
+        raise ProgramTooLarge(str(error).splitlines()[0], int(float(number) * scale)) from error
     return program_facts(compiled, time.perf_counter() - start)

@@ -12,6 +12,7 @@ All of it is compiler estimates and arithmetic, not measurements.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from tpu_platform.plan import (
     SAMPLING_FLAGS,
     ProgramFacts,
+    ProgramTooLarge,
     StepSetup,
     abstract_model,
     compile_forward,
@@ -33,6 +35,8 @@ MEMORY_UTILIZATION = 0.9
 # The probe compile's cache: this share of what the weights leave (the compile cost does not
 # depend on it; the share is small so a temporary that grows with the cache barely shows).
 PROBE_SHARE = 1 / 16
+# Sizes tried before giving up (a temporary that grows with the cache needs a second one).
+MAX_SIZING_ROUNDS = 3
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,39 +90,47 @@ def fit_kv_cache(
     weights = abstract_model(setup.config, setup.dtype, setup.max_model_len).weight_bytes
     budget = int(setup.compile_target.hbm_bytes * memory_utilization)
     page = kv_page_bytes(setup)
-    no_fit = dict(setup=setup, weight_bytes=weights, budget_bytes=budget, page_bytes=page, num_pages=0)
+    fit = functools.partial(KVFit, setup, weights, budget, page)
     if weights >= budget:
-        reason = f"weights need {weights} B, {weights - budget} B over the {budget} B budget"
-        return KVFit(**no_fit, decode=None, prefill=None, sampler=None, compiles=0, reason=reason)
+        over = f"weights need {weights} B, {weights - budget} B over the {budget} B budget"
+        return fit(0, None, None, None, 0, over)
     sampler = compile_sampler(setup, setup.buckets.seqs_for(decode_tokens), SAMPLING_FLAGS)
     # The sampler runs beside the resident weights and cache: its own bytes come on top.
     budget_steps = budget - (sampler.peak_bytes - sampler.argument_bytes)
     probe_pages = max(1, int((budget_steps - weights) * PROBE_SHARE) // page)
-    probe = compile_forward(setup, probe_pages, prefill_tokens)
+    probe, probe_peak = _compile_peak(setup, probe_pages, prefill_tokens)
     compiles = 2
-    pages = (budget_steps - (probe.peak_bytes - probe_pages * page)) // page
-    while True:
-        if pages < 1:
-            reason = f"weights and temporaries leave no KV page ({probe.peak_bytes} B at {probe_pages} pages)"
-            return KVFit(
-                **no_fit, decode=None, prefill=probe, sampler=sampler, compiles=compiles, reason=reason
-            )
-        prefill, decode = (
-            compile_forward(setup, pages, prefill_tokens),
-            compile_forward(setup, pages, decode_tokens),
-        )
-        compiles += 2
-        worst = max(prefill.peak_bytes, decode.peak_bytes)
-        if worst <= budget_steps or compiles >= 6:
+    if probe is None:
+        too_large = f"the prefill step needs {probe_peak} B with {probe_pages} pages"
+        return fit(0, None, None, sampler, compiles, too_large)
+    pages = (budget_steps - (probe_peak - probe_pages * page)) // page
+    for _ in range(MAX_SIZING_ROUNDS):
+        if pages <= 0:
             break
-        # The temporaries grow with the cache: from the two sizes, bytes per page beyond the page.
-        slope = max((prefill.peak_bytes - probe.peak_bytes) / (pages - probe_pages), page)
-        pages = pages - math.ceil((worst - budget_steps) / slope)
-    return KVFit(
-        **{**no_fit, "num_pages": pages if worst <= budget_steps else 0},
-        decode=decode, prefill=prefill, sampler=sampler, compiles=compiles,
-        reason="" if worst <= budget_steps else f"the sized programs need {worst} B > {budget_steps} B",
-    )  # fmt: skip
+        prefill, peak = _compile_peak(setup, pages, prefill_tokens)
+        decode = None
+        compiles += 1
+        if prefill is not None and peak <= budget_steps:
+            decode, decode_peak = _compile_peak(setup, pages, decode_tokens)
+            compiles += 1
+            peak = max(peak, decode_peak)
+            if decode is not None and peak <= budget_steps:
+                return fit(pages, decode, prefill, sampler, compiles)
+        # The programs grow faster than the cache (temporaries that scale with it): shrink by the
+        # bytes over budget at the growth the prefill step showed since the probe.
+        growth = (peak - probe_peak) / (pages - probe_pages) if pages > probe_pages else page
+        pages -= math.ceil((peak - budget_steps) / max(growth, page))
+    return fit(0, None, probe, sampler, compiles, f"no KV cache size found whose steps fit {budget_steps} B")
+
+
+def _compile_peak(setup: StepSetup, num_pages: int, num_tokens: int) -> tuple[ProgramFacts | None, int]:
+    """The compiled forward and its peak bytes, or None and the bytes the compiler said it needs
+    when it refused the program for the chip's memory."""
+    try:
+        facts = compile_forward(setup, num_pages, num_tokens)
+    except ProgramTooLarge as error:
+        return None, error.needed_bytes
+    return facts, facts.peak_bytes
 
 
 def kv_bytes_read(setup: StepSetup, batch: int, context: int) -> int:
