@@ -267,8 +267,8 @@ def compile_sampler(setup: StepSetup, rows: int, flags: SamplerFlags = SAMPLING_
     """Compiles the runner's sampler for `rows` padded rows of logits with `flags` on one chip."""
     device = compile_only_devices(setup.target)[0]
     vocab = setup.config.vocab_size
-    logits = np.zeros((0, vocab), np.float32)  # only its dtype is used
-    args = _on(device, (jax.ShapeDtypeStruct((rows, vocab), logits.dtype), dummy_tensors(flags, rows, vocab)))
+    logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
+    args = _on(device, (logits, dummy_tensors(flags, rows, vocab)))
     return _compile(make_sampler(setup.max_num_seqs), device, *args, flags=flags)
 
 
