@@ -12,8 +12,9 @@ tokens/s they imply:
   - XLA: the cost model's `optimal_seconds` where usable (XLA's TPU model gives a negative
     figure for programs with Mosaic calls, and a GPU compiled without a device gives none), else
     its `bytes accessed` at peak bandwidth;
-  - HLO: the bytes the optimized program's instructions move (`tpu_platform.plan_hlo`, kernels
-    charged their whole operands) at peak bandwidth, with the operation kinds that move most.
+  - HLO: the bytes the optimized program's instructions move (`tpu_platform.plan_hlo`) at peak
+    bandwidth, with the operation kinds that move most. An upper bound: an in-place cache write
+    (scatter) and an attention kernel are charged the whole cache they take as an operand.
 
     python benchmarks/plan.py --model llama-3.1-8b --target v5e-1 v6e-1 h100x1 --json OUT
     python benchmarks/plan.py --markdown benchmarks/results/plan.json
@@ -111,8 +112,8 @@ def _report(row: dict) -> str:
         f"  decode step (compiler estimates and rooflines, not measurements): roofline "
         f"{roof['seconds'] * 1e3:.2f} ms ({roof['tokens_per_second']:.0f} tok/s)",
         f"    XLA cost model ({xla_label}): {xla_text}",
-        f"    HLO instruction bytes: {hlo['seconds'] * 1e3:.2f} ms ({hlo['tokens_per_second']:.0f} tok/s); "
-        f"most from {kinds} GiB",
+        f"    HLO instruction bytes (upper bound): {hlo['seconds'] * 1e3:.2f} ms "
+        f"({hlo['tokens_per_second']:.0f} tok/s); most from {kinds} GiB",
         f"  compiles: {row['compiles']}, decode {decode['compile_seconds']:.0f} s, prefill "
         f"{prefill['compile_seconds']:.0f} s, sampler {row['sampler']['compile_seconds']:.0f} s",
     ]
@@ -123,7 +124,7 @@ def markdown(rows: list[dict]) -> str:
     """One table of a results JSON: what fits and the decode estimates beside the roofline."""
     out = [
         "| model | target | weights GiB | KV GiB (tokens) | temp GiB decode / prefill | batch x context | "
-        "decode roofline ms (tok/s) | XLA estimate ms | HLO bytes ms |",
+        "decode roofline ms (tok/s) | XLA cost model ms | HLO bytes ms (upper bound) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -6,7 +6,8 @@ compiled for a GPU without one. `hlo_traffic` reads the optimized HLO (`Compiled
 and counts, for every instruction outside fused computations, the bytes of its operands and
 results: the traffic the instruction would cause if each operand is read once and each result
 written once. A custom call (a Mosaic or Triton kernel) is charged its whole operands, which for
-attention is the whole KV cache, though the kernel reads only the pages in use; a while loop's
+attention is the whole KV cache, though the kernel reads only the pages in use; so is an
+in-place update (the KV write's scatter), though it touches only the rows it writes; a while loop's
 body counts once. So the figure is an accounting of what XLA's program moves, per operation,
 useful to find the operation a large total comes from; not a measurement.
 """
