@@ -1,0 +1,305 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The runner's step programs compiled for a named target with abstract weights.
+
+`StepSetup` names a model configuration, a compile target (`tpu_platform.targets`), the dtypes
+and the runner's limits. `compile_forward` builds the runner's forward program
+(`step.make_forward` with the attention backend the runner picks on that device, inputs padded
+by `inputs.padding_inputs` and packed by `inputs.pack_inputs`, caches from
+`kv_cache.allocate_stacked_caches`) from `ShapeDtypeStruct` weights and caches, so nothing is
+allocated, and compiles it with the target's real compiler; `compile_sampler` does the same for
+the sampling program. Both return `ProgramFacts`: XLA's memory and cost analyses of the compiled
+program and the compile time. `plan_kv.fit_kv_cache` sizes the KV cache from them.
+
+Compiling for a TPU or GPU target needs its toolchain importable (`make aot-toolchains`) and
+`JAX_PLATFORMS=cpu`: see `tpu_platform.targets`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import time
+from importlib import resources
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from models import ModelConfig, attach_rope_tables, build
+from pallas_kernels.backend import resolve_backend
+from tpu_platform.buckets import StepBuckets
+from tpu_platform.inputs import pack_inputs, padding_inputs
+from tpu_platform.kv_cache import allocate_stacked_caches, caches_per_array, kv_cache_dtype
+from tpu_platform.plan_hlo import Traffic, hlo_traffic
+from tpu_platform.runner_config import default_page_size
+from tpu_platform.sampling import SamplerFlags, dummy_tensors
+from tpu_platform.step import make_forward, make_sampler
+from tpu_platform.targets import CompileTarget, compile_only_devices, target
+
+# The sampler program the planner compiles: random sampling with top-k/top-p filters (the most
+# work a step without penalties, logprobs or grammar does).
+SAMPLING_FLAGS = SamplerFlags(filters=True)
+
+
+def known_models() -> list[str]:
+    """Names of the real model configurations shipped in `tpu_platform/model_configs/`."""
+    folder = resources.files("tpu_platform").joinpath("model_configs")
+    return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def model_config(name_or_path: str) -> ModelConfig:
+    """The configuration of a known model name (`known_models`), an HF `config.json` file or a
+    model directory holding one."""
+    if name_or_path in known_models():
+        text = resources.files("tpu_platform").joinpath("model_configs", f"{name_or_path}.json").read_text()
+        return ModelConfig.from_hf_dict(json.loads(text))
+    path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{name_or_path!r} is neither a known model ({', '.join(known_models())}) nor a "
+            "config.json file or a directory holding one"
+        )
+    with open(path) as f:
+        return ModelConfig.from_hf_dict(json.load(f))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepSetup:
+    """What the runner would be started with: model, target, dtypes and its limits."""
+
+    config: ModelConfig
+    target: str  # a name of `tpu_platform.targets.TARGETS`
+    dtype: str = "bfloat16"
+    kv_dtype: str | None = None  # None: the model's dtype
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    page_size: int = 0  # 0: the runner's default for the target's device kind and cache dtype
+
+    def __post_init__(self) -> None:
+        target(self.target)  # an unknown name fails here, listing the known ones
+        kv_cache_dtype(self.cache_dtype)
+
+    @property
+    def compile_target(self) -> CompileTarget:
+        return target(self.target)
+
+    @property
+    def cache_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
+
+    @property
+    def tokens_per_page(self) -> int:
+        return self.page_size or default_page_size(self.compile_target.platform, self.kv_dtype)
+
+    @property
+    def buckets(self) -> StepBuckets:
+        return StepBuckets.for_limits(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            page_size=self.tokens_per_page,
+        )
+
+    @property
+    def backend(self) -> str:
+        """The attention backend the runner picks on the target's device kind."""
+        return resolve_backend("auto", platform=self.compile_target.platform)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVLayout:
+    """How the layers share KV-cache groups and cache arrays, as vLLM's engine groups them: one
+    group and one cache per layer when every layer has the same attention window; else groups of
+    equal size, one or more per window, and the k-th layer of every group on cache k."""
+
+    layer_groups: tuple[int, ...]
+    layer_caches: tuple[int, ...]
+    num_caches: int
+    num_groups: int
+
+
+def kv_layout(config: ModelConfig) -> KVLayout:
+    windows = config.layer_sliding_windows
+    kinds = list(dict.fromkeys(windows))
+    if len(kinds) == 1:
+        return KVLayout((), (), config.num_layers, 1)
+    layers_of = [[i for i, w in enumerate(windows) if w == kind] for kind in kinds]
+    group_size = min(len(layers) for layers in layers_of)
+    groups, caches = [0] * config.num_layers, [0] * config.num_layers
+    num_groups = 0
+    for layers in layers_of:
+        for start in range(0, len(layers), group_size):
+            for k, layer in enumerate(layers[start : start + group_size]):
+                groups[layer], caches[layer] = num_groups, k
+            num_groups += 1
+    return KVLayout(tuple(groups), tuple(caches), group_size, num_groups)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProgramFacts:
+    """One compiled program: XLA's memory analysis (bytes per chip), its cost analysis (its
+    model of the program, not a measurement) and the seconds lowering and compiling took."""
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int  # outputs that reuse a donated argument's buffer (the KV caches)
+    temp_bytes: int
+    code_bytes: int
+    flops: float
+    bytes_accessed: float
+    optimal_seconds: float | None  # XLA's own time estimate; negative on TPU with Mosaic calls
+    compile_seconds: float
+    traffic: Traffic  # bytes the optimized HLO's instructions move (`plan_hlo`)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Memory the program needs while it runs: arguments, outputs not aliasing a donated
+        argument, temporaries and its code."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        facts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**facts, "traffic": self.traffic.as_dict(), "peak_bytes": self.peak_bytes}
+
+
+def program_facts(compiled: jax.stages.Compiled, compile_seconds: float) -> ProgramFacts:
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list | tuple):  # older JAX: one dict per computation
+        cost = cost[0] if cost else {}
+    optimal = cost.get("optimal_seconds")
+    return ProgramFacts(
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes),
+        temp_bytes=int(memory.temp_size_in_bytes),
+        code_bytes=int(memory.generated_code_size_in_bytes),
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        optimal_seconds=None if optimal is None else float(optimal),
+        compile_seconds=compile_seconds,
+        traffic=hlo_traffic(compiled.as_text()),
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AbstractModel:
+    """A model's program structure and its weights as `ShapeDtypeStruct`s (no memory)."""
+
+    graphdef: nnx.GraphDef
+    state_def: jax.tree_util.PyTreeDef
+    leaves: tuple[jax.ShapeDtypeStruct, ...]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's state as the runner holds it (weights and RoPE tables)."""
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in self.leaves)
+
+
+@functools.cache
+def abstract_model(config: ModelConfig, dtype: str, max_model_len: int) -> AbstractModel:
+    """The model the runner would load, weights abstract: built under `nnx.eval_shape`, with
+    the RoPE tables the runner attaches for `max_model_len` positions."""
+    model = nnx.eval_shape(lambda: build(config, jnp.dtype(dtype)))
+    attach_rope_tables(model, max_model_len)
+    graphdef, state = nnx.split(model)
+    leaves, state_def = jax.tree.flatten(state)
+    return AbstractModel(graphdef, state_def, tuple(_abstract(leaf) for leaf in leaves))
+
+
+def _abstract(x: Any, sharding: jax.sharding.Sharding | None = None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+def _on(device: jax.Device, tree: Any) -> Any:
+    """`tree`'s leaves as `ShapeDtypeStruct`s placed on `device`."""
+    sharding = SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: _abstract(x, sharding), tree)
+
+
+def kv_page_bytes(setup: StepSetup) -> int:
+    """Bytes one page of every cache array takes (all caches of the model, the backend's layout)."""
+    layout, config = kv_layout(setup.config), setup.config
+    caches = jax.eval_shape(
+        lambda: allocate_stacked_caches(
+            layout.num_caches, 2, setup.tokens_per_page, config.num_kv_heads, config.head_dim,
+            kv_cache_dtype(setup.cache_dtype), setup.backend,
+        )
+    )  # fmt: skip
+    return sum(c.size * c.dtype.itemsize for c in caches) // 2
+
+
+def compile_forward(setup: StepSetup, num_pages: int, num_tokens: int, num_seqs: int = 0) -> ProgramFacts:
+    """Compiles the runner's forward for a step of `num_tokens` tokens over `num_seqs` sequences
+    (0: as many as the bucket allows, one token each for a decode step) padded to the runner's
+    bucket, with a KV cache of `num_pages` pages, on one chip of `setup.target`."""
+    config, layout = setup.config, kv_layout(setup.config)
+    device = compile_only_devices(setup.target)[0]
+    buckets = setup.buckets
+    t_pad, r_pad, p_pad = buckets.shape_for(num_tokens, num_seqs or buckets.seqs_for(num_tokens))
+    model = abstract_model(config, setup.dtype, setup.max_model_len)
+    kv_dtype = kv_cache_dtype(setup.cache_dtype)
+    caches = jax.eval_shape(
+        lambda: allocate_stacked_caches(
+            layout.num_caches, num_pages, setup.tokens_per_page, config.num_kv_heads, config.head_dim,
+            kv_dtype, setup.backend,
+        )
+    )  # fmt: skip
+    per_array = caches_per_array(layout.num_caches, num_pages, setup.tokens_per_page)
+    forward = make_forward(
+        model.graphdef, model.state_def, setup.backend, layout.layer_groups, layout.layer_caches,
+        kv_dtype.name, cache_pages=num_pages, caches_per_array=per_array,
+    )  # fmt: skip
+    packed, dims = pack_inputs(padding_inputs(t_pad, r_pad, p_pad, layout.num_groups))
+    fed_tokens = np.zeros(setup.max_num_seqs, np.int32)  # the runner's feed: max_num_seqs wide
+    args = _on(device, (list(model.leaves), caches, packed, fed_tokens))
+    return _compile(forward, device, *args, dims=dims)
+
+
+def compile_sampler(setup: StepSetup, rows: int, flags: SamplerFlags = SAMPLING_FLAGS) -> ProgramFacts:
+    """Compiles the runner's sampler for `rows` padded rows of logits with `flags` on one chip."""
+    device = compile_only_devices(setup.target)[0]
+    vocab = setup.config.vocab_size
+    logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
+    args = _on(device, (logits, dummy_tensors(flags, rows, vocab)))
+    return _compile(make_sampler(setup.max_num_seqs), device, *args, flags=flags)
+
+
+def compile_with_text(jitted: Any, device: jax.Device, *args: Any, **static: Any) -> jax.stages.Compiled:
+    """The compiled program (its `as_text()` holds the optimized HLO), for a closer look."""
+    with jax.default_device(device):  # the Pallas backends lower for the target's platform
+        return jitted.trace(*args, **static).lower().compile()
+
+
+class ProgramTooLarge(Exception):
+    """The target's compiler refused the program: it needs more memory than the chip has."""
+
+    def __init__(self, message: str, needed_bytes: int):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+
+
+# XLA's TPU compiler: "... the total memory required for HLO temporaries (40.46G) exceeds
+# available HBM (31.25G)".
+_OUT_OF_MEMORY = re.compile(r"Ran out of memory.*?required[^(]*\(([\d.]+)([KMGT]?)\)", re.S)
+
+
+def _compile(jitted: Any, device: jax.Device, *args: Any, **static: Any) -> ProgramFacts:
+    start = time.perf_counter()
+    try:
+        compiled = compile_with_text(jitted, device, *args, **static)
+    except jax.errors.JaxRuntimeError as error:
+        found = _OUT_OF_MEMORY.search(str(error))
+        if found is None:
+            raise
+        number, unit = found.groups()
+        scale = 1 << (10 * "_KMGT".index(unit or "_")) if unit else 1
+        raise ProgramTooLarge(str(error).splitlines()[0], int(float(number) * scale)) from error
+    return program_facts(compiled, time.perf_counter() - start)

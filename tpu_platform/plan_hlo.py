@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Memory traffic of a compiled program, instruction by instruction, read from its HLO text.
+
+XLA's cost model (`Compiled.cost_analysis()`) gives one total, and none at all for a program
+compiled for a GPU without one. `hlo_traffic` reads the optimized HLO (`Compiled.as_text()`)
+and counts, for every instruction outside fused computations, the bytes of its operands and
+results: the traffic the instruction would cause if each operand is read once and each result
+written once. A custom call (a Mosaic or Triton kernel) is charged its whole operands, which for
+attention is the whole KV cache, though the kernel reads only the pages in use; so is an
+in-place update (the KV write's scatter), though it touches only the rows it writes; a while loop's
+body counts once. So the figure is an accounting of what XLA's program moves, per operation,
+useful to find the operation a large total comes from; not a measurement.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+_ITEMSIZE = {
+    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_NAME = re.compile(r"%([\w.\-]+)")
+_FUSION_KIND = re.compile(r"kind=(\w+)")
+_OP_NAME = re.compile(r'op_name="([^"]+)"')
+# Instructions that move no data of their own.
+_FREE = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
+    "after-all", "partition-id", "replica-id", "opt-barrier", "copy-done", "async-done",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Traffic:
+    """Bytes moved by a program's instructions: in total, by kind and the largest instructions."""
+
+    total_bytes: int
+    by_kind: tuple[tuple[str, int, int], ...]  # (kind, bytes, instructions), largest first
+    largest: tuple[tuple[str, str, int], ...]  # (kind, op_name, bytes), largest first
+
+    def as_dict(self) -> dict:
+        return {
+            "total_bytes": self.total_bytes,
+            "by_kind": [{"kind": k, "bytes": b, "count": n} for k, b, n in self.by_kind],
+            "largest": [{"kind": k, "op_name": o, "bytes": b} for k, o, b in self.largest],
+        }
+
+
+def shape_bytes(text: str) -> int:
+    """Bytes of every array shape written in `text` (e.g. `(bf16[64,4096]{1,0}, s32[])`)."""
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        itemsize = _ITEMSIZE.get(dtype, 1 if dtype.startswith("f8") else 0)
+        size = 1
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        total += size * itemsize
+    return total
+
+
+def hlo_traffic(hlo_text: str, top: int = 8) -> Traffic:
+    """The bytes `hlo_text`'s instructions read and write (see the module docstring)."""
+    parsed = []  # (counted, name, result text, opcode, rest of the line)
+    result_bytes: dict[str, int] = {}
+    fused, counted = set(_CALLED.findall(hlo_text)), False
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match is None:
+            header = _COMPUTATION.match(line)
+            if header:
+                counted = header.group(1) not in fused
+            continue
+        name, result, opcode, rest = match.groups()
+        result_bytes[name] = shape_bytes(result)
+        parsed.append((counted, name, opcode, rest))
+    by_kind: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    instructions: list[tuple[int, str, str]] = []
+    for counted, name, opcode, rest in parsed:
+        if not counted or opcode in _FREE:
+            continue
+        read = sum(result_bytes.get(operand, 0) for operand in _NAME.findall(_operands(rest)))
+        # copy-start's result holds the source and the destination: the copy reads and writes once.
+        moved = 2 * read if opcode == "copy-start" else read + result_bytes[name]
+        kind = opcode
+        if opcode == "custom-call" and (target := _TARGET.search(rest)):
+            kind = f"custom-call {target.group(1)}"
+        elif opcode == "fusion" and (fusion_kind := _FUSION_KIND.search(rest)):
+            kind = f"fusion {fusion_kind.group(1)}"
+        op_name = _OP_NAME.search(rest)
+        by_kind[kind][0] += moved
+        by_kind[kind][1] += 1
+        instructions.append((moved, kind, op_name.group(1) if op_name else name))
+    instructions.sort(reverse=True)
+    kinds = sorted(((k, b, n) for k, (b, n) in by_kind.items()), key=lambda x: -x[1])
+    return Traffic(
+        total_bytes=sum(b for _, b, _ in kinds),
+        by_kind=tuple(kinds[:top]),
+        largest=tuple((k, o, b) for b, k, o in instructions[:top]),
+    )
+
+
+def _operands(rest: str) -> str:
+    """The text of an instruction's operand list: `rest` up to the parenthesis closing it."""
+    depth = 1
+    for i, char in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return rest[:i]
+    return rest
