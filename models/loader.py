@@ -16,8 +16,9 @@ from flax import nnx
 
 from models import gguf_reader
 from models.config import ModelConfig
-from models.layers import fuse_projections
+from models.layers import fuse_projections, repeat_kv_heads_for_mesh
 from models.registry import build
+from models.sharding import kv_heads_on_mesh
 
 # Checkpoint tensors that carry no parameter of ours (recomputed or duplicated).
 _IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
@@ -159,16 +160,20 @@ def put_on_device(model: nnx.Module, device: jax.Device | None = None) -> None:
 
 
 def load_model(
-    path: str, dtype: jnp.dtype = jnp.float32, *, on_host: bool = False
+    path: str, dtype: jnp.dtype = jnp.float32, *, on_host: bool = False, tp_size: int = 1
 ) -> tuple[ModelConfig, nnx.Module]:
     """Parses the config, builds the model and loads its weights onto JAX's default device
-    (`on_host`: as NumPy arrays; see `load_weights`)."""
+    (`on_host`: as NumPy arrays; see `load_weights`). `tp_size > 1` prepares the weights for a
+    mesh of that many devices (`models.sharding`): KV heads repeated up to `tp_size` when fewer,
+    fused projections in one block a device; placing them is the caller's (`place_state`)."""
     config = ModelConfig.from_pretrained(path)
+    kv_heads = kv_heads_on_mesh(config.num_heads, config.num_kv_heads, tp_size)
     model = build(config, dtype)
     load_weights(model, path, on_host=True)
+    repeat_kv_heads_for_mesh(model, kv_heads)
     if config.tie_word_embeddings:
         model.model.embed_tokens.transpose_for_head()
-    fuse_projections(model)
+    fuse_projections(model, tp_size)
     if not on_host:
         put_on_device(model)
     return config, model

@@ -164,7 +164,8 @@ def repeat_kv_heads(kernel: np.ndarray, num_kv_heads: int, repeats: int, *, axis
     heads = np.reshape(kernel, split)
     tile = [1] * len(split)
     tile[axis + 1] = repeats
-    return np.reshape(np.tile(heads, tile), (*shape[:axis], num_kv_heads * repeats * head_dim, *shape[axis + 1 :]))
+    repeated = (*shape[:axis], num_kv_heads * repeats * head_dim, *shape[axis + 1 :])
+    return np.reshape(np.tile(heads, tile), repeated)
 
 
 def interleave_blocks(parts: list[np.ndarray], blocks: int, *, axis: int):
