@@ -178,3 +178,47 @@ def interleave_blocks(parts: list[np.ndarray], blocks: int, *, axis: int):
         return xp.concatenate(parts, axis=axis)
     pieces = [xp.split(part, blocks, axis=axis) for part in parts]
     return xp.concatenate([piece[j] for j in range(blocks) for piece in pieces], axis=axis)
+
+
+def fused_layout(
+    path: str,
+    value: np.ndarray,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    from_tp: int,
+    to_tp: int,
+) -> np.ndarray:
+    """A prepared parameter (`load_model(tp_size=from_tp)`) as `load_model(tp_size=to_tp)`
+    prepares it: the fused q/k/v and gate/up columns re-blocked, the KV heads repeated or
+    un-repeated (`kv_heads_on_mesh`). Other parameters do not depend on the TP size. For
+    checkpoints of prepared weights restored at another TP size. `num_kv_heads`: the model's own.
+    """
+    if from_tp == to_tp or not re.search(r"\.(qkv_proj|gate_up_proj)\.(kernel|bias)$", path):
+        return value
+    axis = value.ndim - 1
+    if ".gate_up_proj." in path:
+        gate, up = _unblocked(value, [value.shape[axis] // 2] * 2, from_tp, axis)
+        return interleave_blocks([gate, up], to_tp, axis=axis)
+    kv_from = kv_heads_on_mesh(num_heads, num_kv_heads, from_tp)
+    kv_to = kv_heads_on_mesh(num_heads, num_kv_heads, to_tp)
+    widths = [num_heads * head_dim, kv_from * head_dim, kv_from * head_dim]
+    q, k, v = _unblocked(value, widths, from_tp, axis)
+    k, v = (_kv_heads(x, kv_from, kv_to, num_kv_heads, head_dim, axis) for x in (k, v))
+    return interleave_blocks([q, k, v], to_tp, axis=axis)
+
+
+def _unblocked(value: np.ndarray, widths: list[int], blocks: int, axis: int) -> list[np.ndarray]:
+    """The parts `interleave_blocks` fused (each `widths[i]` wide) back from `blocks` blocks."""
+    pieces = [np.split(block, np.cumsum([w // blocks for w in widths])[:-1], axis=axis)
+              for block in np.split(value, blocks, axis=axis)]  # fmt: skip
+    return [np.concatenate([piece[i] for piece in pieces], axis=axis) for i in range(len(widths))]
+
+
+def _kv_heads(x: np.ndarray, have: int, want: int, num_kv_heads: int, head_dim: int, axis: int) -> np.ndarray:
+    """k or v columns of `have` heads (the model's `num_kv_heads`, each repeated alike) as `want`."""
+    if have != num_kv_heads:  # back to the model's own heads: the first copy of each
+        heads = np.reshape(x, (*x.shape[:axis], num_kv_heads, have // num_kv_heads, head_dim))
+        x = np.reshape(np.take(heads, 0, axis=axis + 1), (*x.shape[:axis], num_kv_heads * head_dim))
+    return repeat_kv_heads(x, num_kv_heads, want // num_kv_heads, axis=axis)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from models.sharding import check_tensor_parallel
+from tpu_platform.mesh import check_model_fits_mesh
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,4 +47,4 @@ def configure_parallel(vllm_config: VllmConfig) -> None:
         heads = getattr(hf, "num_attention_heads", None)
         kv_heads = getattr(hf, "num_key_value_heads", None) or heads
         if heads:
-            check_tensor_parallel(heads, kv_heads, parallel.tensor_parallel_size)
+            check_model_fits_mesh(heads, kv_heads, parallel.tensor_parallel_size)

@@ -134,11 +134,18 @@ class XlaWorker(WorkerBase):
     def determine_available_memory(self) -> int:
         # vLLM's `kv_cache_memory_bytes` first, then our CPU budget or `gpu_memory_utilization`;
         # per device under tensor parallelism (each holds its share of every page).
-        return self.runner.available_kv_bytes(
+        available = self.runner.available_kv_bytes(
             self.cache_config.gpu_memory_utilization,
             self.env.cpu_kv_cache_gb,
             self.cache_config.kv_cache_memory_bytes,
         )
+        if self.runner.tp_size > 1:
+            logger.info(
+                "KV cache budget %.2f GiB per device on %d devices (each holds %d of the %d KV heads "
+                "of every page)", available / (1 << 30), self.runner.tp_size,
+                self.runner.kv_heads_per_device, self.runner.kv_heads,
+            )  # fmt: skip
+        return available
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         layer_groups, layer_caches = layer_placement(kv_cache_config, self.runner.model_config.num_layers)

@@ -12,6 +12,7 @@ from models.layers import Linear
 from models.sharding import (
     MODEL_AXIS,
     check_tensor_parallel,
+    fused_layout,
     interleave_blocks,
     kv_heads_on_mesh,
     parameter_spec,
@@ -101,3 +102,35 @@ def test_fused_linear_in_blocks_computes_the_parts_outputs():
 )
 def test_each_cache_layout_splits_on_its_kv_head_axis(backend, expected):
     assert kv_cache_partition_spec(backend, M) == expected
+
+
+@pytest.fixture(scope="module")
+def prepared_at_each_tp(tmp_path_factory):
+    """A tiny Llama (8 query, 2 KV heads) prepared on the host for TP 1, 2, 4 and 8."""
+    from flax import nnx
+
+    from models import load_model
+    from tests.tiny_models import save_tiny_llama
+
+    path = save_tiny_llama(
+        str(tmp_path_factory.mktemp("llama")), hidden_size=64, num_attention_heads=8, num_key_value_heads=2
+    )
+    prepared = {}
+    for tp in (1, 2, 4, 8):
+        config, model = load_model(path, on_host=True, tp_size=tp)
+        flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+        prepared[tp] = {".".join(map(str, key)): np.asarray(var.get_value()) for key, var in flat}
+    return config, prepared
+
+
+def test_prepared_weights_convert_between_tp_sizes(prepared_at_each_tp):
+    config, prepared = prepared_at_each_tp
+    heads = dict(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+    assert prepared[8]["model.layers.0.self_attn.qkv_proj.kernel"].shape[1] == (8 + 2 * 8) * config.head_dim
+    for source in prepared:
+        for target in prepared:
+            for path, value in prepared[source].items():
+                converted = fused_layout(path, value, from_tp=source, to_tp=target, **heads)
+                np.testing.assert_array_equal(
+                    converted, prepared[target][path], err_msg=f"{path} {source}->{target}"
+                )

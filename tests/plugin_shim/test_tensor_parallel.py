@@ -11,6 +11,7 @@ with chunked prefill, prefix-cache hits and preemption before its greedy check.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -94,35 +95,48 @@ MODELS = {
         [_greedy_run(1), _greedy_run(2), _greedy_run(8), _features_run(4)],
         "cpu_native",
     ),
-    "qwen3": ("Qwen3ForCausalLM", lambda path: save_tiny("Qwen3ForCausalLM", path), [_greedy_run(2)], "xla"),
-    "gemma2": (
-        "Gemma2ForCausalLM",
-        lambda path: save_tiny("Gemma2ForCausalLM", path),
-        [_greedy_run(4)],
-        "xla",
-    ),
-    "mixtral": (
-        "MixtralForCausalLM",
-        lambda path: save_tiny("MixtralForCausalLM", path),
-        [_greedy_run(4)],
-        "xla",
-    ),
+    **{
+        name: (
+            architecture,
+            functools.partial(save_tiny, architecture),
+            [_greedy_run(2), _greedy_run(4)],
+            "xla",
+        )
+        for name, architecture in (
+            ("qwen3", "Qwen3ForCausalLM"),
+            ("gemma2", "Gemma2ForCausalLM"),
+            ("mixtral", "MixtralForCausalLM"),
+        )
+    },
 }
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def served(request, tmp_path_factory):
-    """(model name, engine runs, their results, the HF reference per run) for one model."""
-    architecture, build, runs, backend = MODELS[request.param]
-    tmp = tmp_path_factory.mktemp(request.param)
-    path = build(str(tmp / "model"))
-    results = _run_engines(tmp, path, runs, backend)
-    references = [_hf_reference(architecture, path, run["prompts"]) for run in runs]
-    return request.param, runs, results, references
+class _Served:
+    """Each model's engine runs (one subprocess a model, on first use) and their HF references."""
+
+    def __init__(self, tmp_path_factory):
+        self._tmp = tmp_path_factory
+        self._done: dict[str, tuple] = {}
+
+    def __call__(self, name: str) -> tuple[list[dict], list[dict], list[tuple]]:
+        if name not in self._done:
+            architecture, build, runs, backend = MODELS[name]
+            tmp = self._tmp.mktemp(name)
+            path = build(str(tmp / "model"))
+            results = _run_engines(tmp, path, runs, backend)
+            references = [_hf_reference(architecture, path, run["prompts"]) for run in runs]
+            self._done[name] = (runs, results, references)
+        return self._done[name]
 
 
-def test_greedy_tokens_and_logprobs_match_transformers_at_every_tp_size(served):
-    _, runs, results, references = served
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> _Served:
+    return _Served(tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_tokens_and_logprobs_match_transformers_at_every_tp_size(served, name):
+    runs, results, references = served(name)
     for run, result, (tokens, logprobs) in zip(runs, results, references, strict=True):
         assert result["tokens"] == tokens, f"TP={run['tp']}"
         np.testing.assert_allclose(
@@ -131,15 +145,16 @@ def test_greedy_tokens_and_logprobs_match_transformers_at_every_tp_size(served):
 
 
 def test_sharded_engines_equal_the_one_device_engine(served):
-    name, runs, results, _ = served
-    if name != "llama":
-        pytest.skip("the TP=1 engine runs for Llama (transformers is every model's reference)")
-    one = results[0]
+    """Llama's TP=1 engine against its TP=2 and TP=8 ones (transformers is every model's reference)."""
+    runs, results, _ = served("llama")
+    assert runs[0]["tp"] == 1
+    compared = 0
     for run, result in zip(runs[1:], results[1:], strict=True):
-        same_prompts = run["prompts"] == runs[0]["prompts"]
-        if same_prompts:
-            assert result["tokens"] == one["tokens"], f"TP={run['tp']}"
-            np.testing.assert_allclose(result["logprobs"], one["logprobs"], atol=LOGPROB_ATOL)
+        if run["prompts"] == runs[0]["prompts"]:
+            assert result["tokens"] == results[0]["tokens"], f"TP={run['tp']}"
+            np.testing.assert_allclose(result["logprobs"], results[0]["logprobs"], atol=LOGPROB_ATOL)
+            compared += 1
+    assert compared == 2
 
 
 def _normalized(spec: list) -> list:
@@ -148,8 +163,9 @@ def _normalized(spec: list) -> list:
     return spec
 
 
-def test_every_parameter_is_placed_as_the_rules_table_says(served):
-    name, runs, results, _ = served
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_parameter_is_placed_as_the_rules_table_says(served, name):
+    runs, results, _ = served(name)
     for run, result in zip(runs, results, strict=True):
         tp = run["tp"]
         if tp == 1:
@@ -175,9 +191,7 @@ def test_every_parameter_is_placed_as_the_rules_table_says(served):
 
 
 def test_tp4_serves_chunked_prefill_prefix_hits_and_preemption_without_compiling(served):
-    name, runs, results, _ = served
-    if name != "llama":
-        pytest.skip("the workload runs on Llama")
+    runs, results, _ = served("llama")
     (stats,) = [r["stats"] for run, r in zip(runs, results, strict=True) if run.get("mixed")]
     (warm,) = [r["warm"] for run, r in zip(runs, results, strict=True) if run.get("mixed")]
     assert stats["compiles_after_warmup"] == 0 and stats["compiles"] == warm["compiles"]
