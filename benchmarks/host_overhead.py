@@ -3,7 +3,7 @@
 engine's core: what a TPU or GPU host sees, approximated on a CPU.
 
     .venv/bin/python benchmarks/host_overhead.py [--out benchmarks/out/host_overhead.json]
-        [--modes async,sync] [--repeats 3] [--no-pin]
+        [--modes async,sync] [--repeats 3] [--no-pin] [--tp 1,2,4,8]
 
 On a CPU the "device" is the host's own cores: XLA's threads run the forward on the cores, and
 through the caches, that the engine's Python code then needs, so `vllm_xla:host_seconds_per_step`
@@ -26,6 +26,10 @@ step (batch update in to dispatch, plus recording the tokens and building vLLM's
 the runtime's calls (`vllm_xla:dispatch_seconds_per_step`: the input transfer and the execute
 calls), the time from dispatch to the step's tokens on the host, and the wall time per step of
 the whole engine (vLLM's scheduler included).
+
+`--tp 1,2,4,8` runs each mode at those `tensor_parallel_size`s on 8 simulated CPU devices
+(`--xla_force_host_platform_device_count`), on a variant of the thin model with 8 attention heads
+of 8 (so every size splits it): what a sharded dispatch costs the host next to one device.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ import throughput  # noqa: E402
 
 MODES = ("async", "sync")
 THIN_WIDTH = 64  # hidden size; one attention head of 64, MLP 2x wide
+TP_HEADS = 8  # attention heads (and KV heads) of the `--tp` variant
+SIMULATED_DEVICES = 8
 # The first 8192 of the tokenizer's ids: the tied embedding and head then take 2 MiB, not 12, so
 # the device's step does not flush the last-level cache the engine's thread shares with it.
 THIN_VOCAB = 8192
@@ -62,15 +68,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode")
     parser.add_argument("--no-pin", action="store_true", help="leave every thread on every CPU")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per mode")
+    parser.add_argument("--tp", help="comma list of tensor_parallel_size (simulated CPU devices)")
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def thin_model_dir(gguf_dir: str) -> str:
-    """The embedded model's structure with a `THIN_WIDTH`-wide trunk: random float32 weights,
-    its config otherwise, its tokenizer (built once)."""
-    target = os.path.join(_peers.cache_dir(), "models", f"SmolLM2-135M-thin{THIN_WIDTH}-v{THIN_VOCAB}")
+def thin_model_dir(gguf_dir: str, heads: int = 1) -> str:
+    """The embedded model's structure with a `THIN_WIDTH`-wide trunk of `heads` attention (and
+    KV) heads: random float32 weights, its config otherwise, its tokenizer (built once)."""
+    name = f"SmolLM2-135M-thin{THIN_WIDTH}-v{THIN_VOCAB}" + (f"-h{heads}" if heads > 1 else "")
+    target = os.path.join(_peers.cache_dir(), "models", name)
     if os.path.exists(os.path.join(target, ".complete")):
         return target
     import torch
@@ -81,9 +90,9 @@ def thin_model_dir(gguf_dir: str) -> str:
     config.update(
         hidden_size=THIN_WIDTH,
         intermediate_size=2 * THIN_WIDTH,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=THIN_WIDTH,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=THIN_WIDTH // heads,
         vocab_size=THIN_VOCAB,
     )
     torch.manual_seed(0)
@@ -128,6 +137,7 @@ def worker_main(args: argparse.Namespace) -> int:
         dtype="float32",
         seed=_peers.SEED,
         async_scheduling=args.worker == "async",
+        tensor_parallel_size=args.tensor_parallel_size,
         **_peers.VLLM_LIMITS,
     )
     vocab = _peers.vocab_size(args.model_dir)
@@ -138,6 +148,7 @@ def worker_main(args: argparse.Namespace) -> int:
     runs = [_timed_run(llm, prompts) for _ in range(args.repeats)]
     result = {
         "mode": args.worker,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "pinned": bool(split),
         "engine_cpus": sorted(split[0]) if split else None,
         "thread_affinities": _thread_affinities(),
@@ -172,10 +183,16 @@ def _timed_run(llm, prompts: list[list[int]]) -> dict[str, float]:
 # Parent side
 
 
-def run_mode(args: argparse.Namespace, mode: str, model_dir: str, log: pathlib.Path) -> dict[str, Any]:
+def run_mode(
+    args: argparse.Namespace, mode: str, model_dir: str, log: pathlib.Path, tp: int | None = None
+) -> dict[str, Any]:
     command = [sys.executable, str(HERE / "host_overhead.py"), "--worker", mode, "--model-dir", model_dir]
     command += ["--repeats", str(args.repeats)] + (["--no-pin"] if args.no_pin else [])
     env = throughput.peer_env("xla")
+    if tp is not None:
+        command += ["--tensor-parallel-size", str(tp)]
+        flags = env.get("XLA_FLAGS", "")
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={SIMULATED_DEVICES}".strip()
     try:
         proc = subprocess.run(
             command, cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=args.timeout
@@ -194,19 +211,19 @@ def _median(runs: list[dict[str, float]], key: str) -> float:
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
-    header = "mode   pinned  host ms/step (each run; median)"
-    lines = [header.ljust(55) + "of it runtime calls  dispatch->tokens ms  engine ms/step  overlapped"]
+    header = "mode      pinned  host ms/step (each run; median)"
+    lines = [header.ljust(58) + "of it runtime calls  dispatch->tokens ms  engine ms/step  overlapped"]
     for mode, r in results.items():
         if r["status"] != "ok":
-            lines.append(f"{mode:6s} FAILED (exit {r.get('returncode')}):\n    {r['stderr_tail'][-1500:]}")
+            lines.append(f"{mode:9s} FAILED (exit {r.get('returncode')}):\n    {r['stderr_tail'][-1500:]}")
             continue
         runs = r["runs"]
         each = " ".join(f"{run['host_ms_per_step']:.3f}" for run in runs)
         host = (
-            f"{mode:6s} {'yes' if r['pinned'] else 'no':6s}  {each}; {_median(runs, 'host_ms_per_step'):.3f}"
+            f"{mode:9s} {'yes' if r['pinned'] else 'no':6s}  {each}; {_median(runs, 'host_ms_per_step'):.3f}"
         )
         lines.append(
-            host.ljust(55)
+            host.ljust(58)
             + f"{_median(runs, 'dispatch_ms_per_step'):19.3f}"
             + f"  {_median(runs, 'dispatch_to_tokens_ms'):19.1f}"
             + f"  {_median(runs, 'engine_wall_ms_per_step'):14.1f}"
@@ -229,15 +246,19 @@ def main(argv: list[str] | None = None) -> int:
     logs = out.with_name(out.stem + "-logs")
     logs.mkdir(parents=True, exist_ok=True)
     info = throughput.machine_info()
-    model_dir = thin_model_dir(_peers.gguf_model_dir())
+    sizes = [int(n) for n in args.tp.split(",")] if args.tp else [None]
+    model_dir = thin_model_dir(_peers.gguf_model_dir(), TP_HEADS if args.tp else 1)
     results = {}
     for mode in modes:
-        print(f"[{mode}] running...", end="", flush=True)
-        results[mode] = run_mode(args, mode, model_dir, logs / f"{mode}.log")
-        print(f" {results[mode]['status']}", flush=True)
+        for tp in sizes:
+            name = mode if tp is None else f"{mode}-tp{tp}"
+            print(f"[{name}] running...", end="", flush=True)
+            results[name] = run_mode(args, mode, model_dir, logs / f"{name}.log", tp)
+            print(f" {results[name]['status']}", flush=True)
     config = {
         "prompts": PROMPTS, "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
-        "width": THIN_WIDTH, "vocab": THIN_VOCAB,
+        "width": THIN_WIDTH, "vocab": THIN_VOCAB, "heads": TP_HEADS if args.tp else 1,
+        "tensor_parallel_sizes": sizes if args.tp else None,
     }  # fmt: skip
     out.write_text(json.dumps({"machine": info, "config": config, "results": results}, indent=2))
     print("\n" + format_table(results) + f"\n\nwrote {out}")

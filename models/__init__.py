@@ -18,6 +18,12 @@ layer or of arrays holding several (`AttentionMetadata.cache_pages`). On a CPU w
 AVX-512 BF16 or AVX2, `pack_for_native_dense(model)` moves the bfloat16 dense layers onto
 `pallas_kernels.cpu.native_dense`, and `attach_rope_tables(model, max_positions)` has the
 attention layers gather their RoPE rotations from tables instead of computing them.
+
+Tensor parallelism: `load_model(path, dtype, tp_size=N)` prepares the weights for N devices
+(fused projections in one block a device, KV heads repeated when fewer than N) and
+`models.sharding` places them on the mesh from its rules table (`parameter_spec`,
+`state_shardings`, `place_state`); a model called with `AttentionMetadata.mesh` runs attention
+per device under `jax.shard_map`.
 """
 
 from models.config import ModelConfig

@@ -7,6 +7,8 @@ weights on every step, so stacking layers would cost a full weight copy per step
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar
 
@@ -14,11 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
 from models.metadata import AttentionMetadata
 from models.rope import Rope, RopeTable, apply_rope, rope_table, step_rope_table
-from pallas_kernels import cpu, ragged_paged_attention, rope_write_kv, write_kv
+from models.sharding import MODEL_AXIS, interleave_blocks, repeat_kv_heads, vocab_parallel
+from pallas_kernels import cpu, kv_cache_partition_spec, ragged_paged_attention, rope_write_kv, write_kv
 from pallas_kernels.rope import split_heads, table_rows
 
 
@@ -40,15 +44,16 @@ class Linear(nnx.Module):
         return y + self.bias[...] if self.bias is not None else y
 
     @classmethod
-    def concatenated(cls, parts: Sequence[Linear]) -> Linear:
+    def concatenated(cls, parts: Sequence[Linear], blocks: int = 1) -> Linear:
         """One Linear computing every part's output side by side (same input, outputs concatenated).
-        Host parts give a host Linear, device parts a device one."""
-        xp = np if isinstance(parts[0].kernel.get_value(), np.ndarray) else jnp
-        kernel = xp.concatenate([p.kernel[...] for p in parts], axis=1)
+        Host parts give a host Linear, device parts a device one. `blocks > 1` interleaves the
+        parts in that many blocks (`sharding.interleave_blocks`): block j holds the j-th slice of
+        every part, so a split over `blocks` devices gives each its own slice of each part."""
+        kernel = interleave_blocks([p.kernel[...] for p in parts], blocks, axis=1)
         fused = cls(kernel.shape[0], kernel.shape[1], bias=parts[0].bias is not None, dtype=kernel.dtype)
         fused.kernel.set_value(kernel)
         if fused.bias is not None:
-            fused.bias.set_value(xp.concatenate([p.bias[...] for p in parts]))
+            fused.bias.set_value(interleave_blocks([p.bias[...] for p in parts], blocks, axis=0))
         return fused
 
 
@@ -86,8 +91,17 @@ class Embedding(nnx.Module):
         self.scale = scale
         self.head_kernel: HeadCopy | None = nnx.data(None)  # set by `transpose_for_head`
 
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        x = jnp.take(self.embedding[...], ids, axis=0)  # [T, D]
+    def __call__(self, ids: jax.Array, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+        table = self.embedding[...]
+        if mesh is not None and vocab_parallel(table.shape[0], mesh.shape[MODEL_AXIS]):
+            x = jax.shard_map(
+                _vocab_parallel_lookup,
+                mesh=mesh,
+                in_specs=(PartitionSpec(MODEL_AXIS, None), PartitionSpec()),
+                out_specs=PartitionSpec(),
+            )(table, ids)
+        else:
+            x = jnp.take(table, ids, axis=0)  # [T, D]
         return x if self.scale is None else x * jnp.asarray(self.scale, x.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
@@ -99,6 +113,16 @@ class Embedding(nnx.Module):
     def transpose_for_head(self) -> None:
         """Keeps a `[D, V]` copy of the table for the head: the fast dot orientation on CPU."""
         self.head_kernel = HeadCopy(self.embedding[...].T)
+
+
+def _vocab_parallel_lookup(rows: jax.Array, ids: jax.Array) -> jax.Array:
+    """One device's part of an embedding lookup: its `[V / N, D]` rows of the table, zeros for
+    ids elsewhere, summed over the devices (one row is non-zero per id, so the sum is exact)."""
+    size = rows.shape[0]
+    local = ids - jax.lax.axis_index(MODEL_AXIS) * size
+    mine = (local >= 0) & (local < size)
+    x = jnp.take(rows, jnp.clip(local, 0, size - 1), axis=0)
+    return jax.lax.psum(jnp.where(mine[:, None], x, jnp.zeros((), x.dtype)), MODEL_AXIS)
 
 
 class HeadCopy(nnx.Variable):
@@ -164,17 +188,45 @@ class PagedAttention(nnx.Module):
     def __call__(
         self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
     ) -> tuple[jax.Array, jax.Array]:
-        t, n, k, h = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        h = self.head_dim
         qkv = self._project_qkv(x)  # [T, (N + 2K) * H]
         table, rows = step_rope_table(positions, self.rope.inverse_frequencies(h), self.rope_table)
+        if md.mesh is None:
+            o, kv_cache = self._attend(qkv, rows, table, kv_cache, md, dtype=x.dtype)
+        else:  # each device: its own heads (the fused projection's block) and its cache shard
+            heads, cache = PartitionSpec(None, MODEL_AXIS), kv_cache_partition_spec(md.backend, MODEL_AXIS)
+            o, kv_cache = jax.shard_map(
+                functools.partial(self._attend, dtype=x.dtype, devices=md.tp_size),
+                mesh=md.mesh,
+                in_specs=(heads, PartitionSpec(), PartitionSpec(), cache, PartitionSpec()),
+                out_specs=(heads, cache),
+                check_vma=False,
+            )(qkv, rows, table, kv_cache, dataclasses.replace(md, mesh=None))
+        return self.o_proj(o), kv_cache  # [T, D]
+
+    def _attend(
+        self,
+        qkv: jax.Array,
+        rows: jax.Array,
+        table: jax.Array,
+        kv_cache: jax.Array,
+        md: AttentionMetadata,
+        *,
+        dtype: jnp.dtype,
+        devices: int = 1,
+    ) -> tuple[jax.Array, jax.Array]:
+        """RoPE, the KV write and attention on `qkv`'s heads: all of them, or (`devices > 1`)
+        one device's `[q_i, k_i, v_i]` block and cache shard. Returns `[T, n * H]` and the cache."""
+        t, h = qkv.shape[0], self.head_dim
+        n, k = self.num_heads // devices, self.num_kv_heads // devices
         heads = dict(num_heads=n, num_kv_heads=k)
         cache_args = dict(backend=md.backend, kv_dtype=md.kv_dtype, first_page=md.first_page)
         if self.q_norm is None:
             q, kv_cache = rope_write_kv(
-                qkv, rows, table, kv_cache, md.slot_mapping, dtype=x.dtype, **heads, **cache_args
+                qkv, rows, table, kv_cache, md.slot_mapping, dtype=dtype, **heads, **cache_args
             )
         else:  # RMSNorm of each q and k head before the rotation
-            q, key, v = split_heads(qkv, head_dim=h, dtype=x.dtype, **heads)
+            q, key, v = split_heads(qkv, head_dim=h, dtype=dtype, **heads)
             cos, sin = table_rows(table, rows)
             q, key = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(key), cos, sin)
             kv_cache = write_kv(kv_cache, key, v, md.slot_mapping, **cache_args)
@@ -183,7 +235,7 @@ class PagedAttention(nnx.Module):
             sm_scale=self.sm_scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
             **cache_args,
         )  # fmt: skip
-        return self.o_proj(o.reshape(t, n * h)), kv_cache  # [T, D]
+        return o.reshape(t, n * h), kv_cache
 
     def _project_qkv(self, x: jax.Array) -> jax.Array:
         """The q, k and v heads side by side, `[T, (N + 2K) * H]`: the fused projection's float32
@@ -195,10 +247,24 @@ class PagedAttention(nnx.Module):
             return matmul(x, self.qkv_proj.kernel)
         return self.qkv_proj(x)
 
-    def fuse_projections(self) -> None:
-        """Replaces the q, k and v projections by one (after loading: checkpoints name the three)."""
-        self.qkv_proj = Linear.concatenated([self.q_proj, self.k_proj, self.v_proj])
+    def fuse_projections(self, blocks: int = 1) -> None:
+        """Replaces the q, k and v projections by one (after loading: checkpoints name the three),
+        in `blocks` `[q_i, k_i, v_i]` blocks of whole heads (one a device of a mesh that size)."""
+        self.qkv_proj = Linear.concatenated([self.q_proj, self.k_proj, self.v_proj], blocks)
         del self.q_proj, self.k_proj, self.v_proj
+
+    def repeat_kv_heads(self, repeats: int) -> None:
+        """Repeats each KV head `repeats` times in the k and v projections (before fusing): a
+        mesh of more devices than KV heads gives every device a copy of its group's head."""
+        if repeats == 1:
+            return
+        for linear in (self.k_proj, self.v_proj):
+            axis_of = {"kernel": 1, "bias": 0}
+            for name, axis in axis_of.items():
+                param = getattr(linear, name)
+                if param is not None:
+                    param.set_value(repeat_kv_heads(param[...], self.num_kv_heads, repeats, axis=axis))
+        self.num_kv_heads *= repeats
 
 
 _ACTIVATIONS = {
@@ -229,6 +295,7 @@ class GatedMLP(nnx.Module):
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
         self.gate_up_proj: Linear | None = nnx.data(None)  # replaces gate and up: `fuse_projections`
+        self.blocks = 1  # of `gate_up_proj`'s columns: `fuse_projections`
         self.act = act
 
     @classmethod
@@ -247,8 +314,12 @@ class GatedMLP(nnx.Module):
             return self.down_proj(cpu.silu_and_mul(matmul(x, self.gate_up_proj.kernel), dtype=x.dtype))
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
+        elif self.blocks == 1:
             gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        else:  # `[gate_i, up_i]` blocks (one a device): a reshape keeps each device's own columns
+            t = x.shape[0]
+            blocks = self.gate_up_proj(x).reshape(t, self.blocks, 2, -1)
+            gate, up = blocks[:, :, 0].reshape(t, -1), blocks[:, :, 1].reshape(t, -1)
         return self.down_proj(activation(self.act)(gate) * up)
 
     def _native_silu(self) -> bool:
@@ -262,9 +333,11 @@ class GatedMLP(nnx.Module):
             and isinstance(fused.kernel, PackedKernel)
         )
 
-    def fuse_projections(self) -> None:
-        """Replaces the gate and up projections by one (after loading: checkpoints name both)."""
-        self.gate_up_proj = Linear.concatenated([self.gate_proj, self.up_proj])
+    def fuse_projections(self, blocks: int = 1) -> None:
+        """Replaces the gate and up projections by one (after loading: checkpoints name both), in
+        `blocks` `[gate_i, up_i]` blocks (one a device of a mesh that size)."""
+        self.gate_up_proj = Linear.concatenated([self.gate_proj, self.up_proj], blocks)
+        self.blocks = blocks
         del self.gate_proj, self.up_proj
 
 
@@ -328,7 +401,7 @@ class DecoderModel(nnx.Module):
     def __call__(
         self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[jax.Array], md: AttentionMetadata
     ) -> tuple[jax.Array, list[jax.Array]]:
-        x = self.embed_tokens(input_ids)  # [T, D]
+        x = self.embed_tokens(input_ids, md.mesh)  # [T, D]
         # Padding tokens start from zeros. Norms, RoPE, attention (it leaves padding rows at zero)
         # and projections without a bias keep a zero row zero, so the CPU's dense kernels skip
         # those rows (`pallas_kernels.cpu.native_dense`); a bias on the residual path ends that.
@@ -385,12 +458,20 @@ class CausalLM(nnx.Module):
         return logits
 
 
-def fuse_projections(model: nnx.Module) -> None:
+def fuse_projections(model: nnx.Module, blocks: int = 1) -> None:
     """Fuses q/k/v and gate/up projections everywhere in `model`: fewer, wider matmuls (a single
-    stream's matvecs run faster on XLA:CPU) and fewer arrays for every step to pass."""
+    stream's matvecs run faster on XLA:CPU) and fewer arrays for every step to pass. `blocks`:
+    the tensor-parallel size, whose devices each get one block of every fused kernel."""
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, (PagedAttention, GatedMLP)):
-            module.fuse_projections()
+            module.fuse_projections(blocks)
+
+
+def repeat_kv_heads_for_mesh(model: nnx.Module, num_kv_heads: int) -> None:
+    """Repeats every attention layer's KV heads up to `num_kv_heads` (`sharding.kv_heads_on_mesh`)."""
+    for _, module in list(nnx.iter_modules(model)):
+        if isinstance(module, PagedAttention):
+            module.repeat_kv_heads(num_kv_heads // module.num_kv_heads)
 
 
 def attach_rope_tables(model: nnx.Module, num_positions: int) -> int:

@@ -16,8 +16,9 @@ from flax import nnx
 
 from models import gguf_reader
 from models.config import ModelConfig
-from models.layers import fuse_projections
+from models.layers import fuse_projections, repeat_kv_heads_for_mesh
 from models.registry import build
+from models.sharding import kv_heads_on_mesh
 
 # Checkpoint tensors that carry no parameter of ours (recomputed or duplicated).
 _IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
@@ -158,24 +159,29 @@ def put_on_device(model: nnx.Module, device: jax.Device | None = None) -> None:
     nnx.update(model, jax.device_put(nnx.state(model), device))
 
 
-def prepare_for_serving(model: nnx.Module, config: ModelConfig) -> None:
-    """Derives the served layout from the loaded parameters: the tied head's `[D, V]` copy and
-    the fused projections. Also runs under `nnx.eval_shape` (abstract values): it then gives the
-    served layout's shapes without any weights, which a checkpoint of it is restored into."""
+def prepare_for_serving(model: nnx.Module, config: ModelConfig, tp_size: int = 1) -> None:
+    """Derives the served layout from the loaded parameters: KV heads repeated up to `tp_size`
+    when fewer, the tied head's `[D, V]` copy and the fused projections (one block a device on a
+    mesh of `tp_size`: `models.sharding`). Also runs under `nnx.eval_shape` (abstract values): it
+    then gives the served layout's shapes without any weights, which a checkpoint of it is
+    restored into."""
+    repeat_kv_heads_for_mesh(model, kv_heads_on_mesh(config.num_heads, config.num_kv_heads, tp_size))
     if config.tie_word_embeddings:
         model.model.embed_tokens.transpose_for_head()
-    fuse_projections(model)
+    fuse_projections(model, tp_size)
 
 
 def load_model(
-    path: str, dtype: jnp.dtype = jnp.float32, *, on_host: bool = False
+    path: str, dtype: jnp.dtype = jnp.float32, *, on_host: bool = False, tp_size: int = 1
 ) -> tuple[ModelConfig, nnx.Module]:
     """Parses the config, builds the model and loads its weights onto JAX's default device
-    (`on_host`: as NumPy arrays; see `load_weights`)."""
+    (`on_host`: as NumPy arrays; see `load_weights`). `tp_size > 1` prepares the weights for a
+    mesh of that many devices (`models.sharding`): KV heads repeated up to `tp_size` when fewer,
+    fused projections in one block a device; placing them is the caller's (`place_state`)."""
     config = ModelConfig.from_pretrained(path)
     model = build(config, dtype)
     load_weights(model, path, on_host=True)
-    prepare_for_serving(model, config)
+    prepare_for_serving(model, config, tp_size)
     if not on_host:
         put_on_device(model)
     return config, model

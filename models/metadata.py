@@ -7,6 +7,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 
 @jax.tree_util.register_dataclass
@@ -47,6 +48,13 @@ class AttentionMetadata:
     caches_per_array: int = dataclasses.field(default=0, metadata={"static": True})
     # Where the layer's pages start in its cache array (set by `for_layer` for stacked caches).
     first_page: int = dataclasses.field(default=0, metadata={"static": True})
+    # The tensor-parallel mesh the step runs on (`models.sharding.MODEL_AXIS`), None: one device.
+    mesh: Mesh | None = dataclasses.field(default=None, metadata={"static": True})
+
+    @property
+    def tp_size(self) -> int:
+        """Devices the model is split over (1 without a mesh)."""
+        return 1 if self.mesh is None else self.mesh.shape["model"]
 
     def real_tokens(self, num_tokens: int) -> jax.Array:
         """`[num_tokens]` bool: the step's real tokens (the rest is padding up to its bucket)."""

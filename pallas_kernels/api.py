@@ -23,6 +23,7 @@ from types import ModuleType
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from pallas_kernels import reference
 from pallas_kernels.backend import CPU_NATIVE, PALLAS_GPU, PALLAS_TPU, XLA, resolve_backend
@@ -87,6 +88,25 @@ def _shift_slots(
 def _shift_pages(page_indices: jax.Array, first_page: int) -> jax.Array:
     _check_first_page(first_page)
     return page_indices + first_page if first_page else page_indices
+
+
+# Each layout's axis of KV-head rows (see the layout modules), which a sharded cache splits.
+_HEAD_AXIS = {XLA: 0, CPU_NATIVE: 1, PALLAS_TPU: 1, PALLAS_GPU: 1}
+
+
+def kv_cache_partition_spec(backend: str, axis_name: str) -> PartitionSpec:
+    """How a cache in `backend`'s layout splits over mesh axis `axis_name`: on its KV heads.
+
+    A cache allocated for `N * Hkv` heads and split this way over N devices is, on each device,
+    that device's own cache for its `Hkv` heads in the same layout (in the `xla` and
+    `cpu_native` layouts, whose K rows precede the V rows, the global array is the N local
+    caches side by side, not one cache of `N * Hkv` heads). Every op then runs per device, on
+    the local cache (under `jax.shard_map`), with the local head counts.
+    """
+    backend = resolve_backend(backend, interpret=True)
+    spec = [None] * (_HEAD_AXIS[backend] + 1)
+    spec[_HEAD_AXIS[backend]] = axis_name
+    return PartitionSpec(*spec)
 
 
 def allocate_kv_cache(

@@ -15,6 +15,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from plugin_shim.cache_dtype import runner_kv_cache_dtype
 from plugin_shim.internals import jax_backends_initialized
+from plugin_shim.parallel import configure_parallel
 from tpu_platform.envs import PREFIX, read_env, unknown_variables
 from tpu_platform.runner_config import default_page_size
 
@@ -99,6 +100,7 @@ class XlaPlatform(Platform):
             parallel.worker_cls = WORKER_CLASS
         if parallel.distributed_executor_backend is None and parallel.world_size == 1:
             parallel.distributed_executor_backend = "uni"
+        configure_parallel(vllm_config)  # tensor parallelism: one worker over a mesh
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_mode = CUDAGraphMode.NONE

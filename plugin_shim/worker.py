@@ -95,9 +95,11 @@ class XlaWorker(WorkerBase):
                 max_logprobs=mc.max_logprobs,
                 logprobs_mode=str(mc.logprobs_mode),
                 logits_processors=self.logits_bridge is not None,
+                tensor_parallel_size=self.parallel_config.tensor_parallel_size,
             )
         )
-        logger.info("vllm-xla worker drives JAX devices: %s", ", ".join(str(d) for d in jax.devices()))
+        used = jax.devices()[: self.runner.tp_size]
+        logger.info("vllm-xla worker drives JAX devices: %s", ", ".join(str(d) for d in used))
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
@@ -110,13 +112,11 @@ class XlaWorker(WorkerBase):
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         mc = self.runner.model_config
         dtype = spec_dtype(self.runner.kv_dtype.name)
+        heads = self.runner.kv_heads_per_device  # pages and their bytes are per device
         common = dict(
-            block_size=self.cache_config.block_size,
-            num_kv_heads=mc.num_kv_heads,
-            head_size=mc.head_dim,
-            dtype=dtype,
+            block_size=self.cache_config.block_size, num_kv_heads=heads, head_size=mc.head_dim, dtype=dtype
         )
-        logical = 2 * mc.num_kv_heads * mc.head_dim * self.cache_config.block_size * dtype.itemsize
+        logical = 2 * heads * mc.head_dim * self.cache_config.block_size * dtype.itemsize
         actual = self.runner.kv_page_bytes()
         if actual != logical:  # e.g. head_dim padded to 128 for TPU tiling
             common["page_size_padded"] = actual
@@ -132,12 +132,20 @@ class XlaWorker(WorkerBase):
         return ["LBNHC"]  # nominal: the JAX side allocates its own per-layer arrays
 
     def determine_available_memory(self) -> int:
-        # vLLM's `kv_cache_memory_bytes` first, then our CPU budget or `gpu_memory_utilization`.
-        return self.runner.available_kv_bytes(
+        # vLLM's `kv_cache_memory_bytes` first, then our CPU budget or `gpu_memory_utilization`;
+        # per device under tensor parallelism (each holds its share of every page).
+        available = self.runner.available_kv_bytes(
             self.cache_config.gpu_memory_utilization,
             self.env.cpu_kv_cache_gb,
             self.cache_config.kv_cache_memory_bytes,
         )
+        if self.runner.tp_size > 1:
+            logger.info(
+                "KV cache budget %.2f GiB per device on %d devices (each holds %d of the %d KV heads "
+                "of every page)", available / (1 << 30), self.runner.tp_size,
+                self.runner.kv_heads_per_device, self.runner.kv_heads,
+            )  # fmt: skip
+        return available
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         layer_groups, layer_caches = layer_placement(kv_cache_config, self.runner.model_config.num_layers)

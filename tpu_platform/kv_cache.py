@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
 
-from pallas_kernels import SLOT_LIMIT, allocate_kv_cache
+from models.sharding import MODEL_AXIS
+from pallas_kernels import SLOT_LIMIT, allocate_kv_cache, kv_cache_partition_spec
 
 GIB = 1 << 30
 # What a KV cache may hold, by dtype name.
@@ -27,7 +29,8 @@ def available_kv_bytes(
     cpu_kv_cache_gb: float,
     explicit_bytes: int | None = None,
 ) -> int:
-    """Bytes the KV cache may take on `device`.
+    """Bytes the KV cache may take on `device` (on a tensor-parallel mesh: on each of its
+    devices, which hold equal shares of the cache).
 
     `explicit_bytes` (vLLM's `kv_cache_memory_bytes`), when given, comes first on every device;
     on TPU/GPU it must fit in the device's memory limit minus what is already in use.
@@ -91,6 +94,7 @@ def allocate_stacked_caches(
     head_dim: int,
     dtype: jnp.dtype,
     backend: str,
+    mesh: Mesh | None = None,
 ) -> list[jax.Array]:
     """Zeroed arrays in `backend`'s layout holding `num_caches` caches of `num_pages` pages,
     `caches_per_array` of them one after another along each array's page axis (cache c from
@@ -100,10 +104,21 @@ def allocate_stacked_caches(
     Every backend stacks. On CPU it is what makes a step's call cheap (fewer donated
     arguments). On TPU and GPU it costs nothing once every op on the cache keeps its layout (the
     compiled steps hold no copy of either arrangement: tests/aot/test_step_kv_copies.py), and
-    one array per layer compiled to no smaller program."""
+    one array per layer compiled to no smaller program.
+
+    On a tensor-parallel `mesh`, `num_kv_heads` are all the heads and each array is made on the
+    devices already split on them (`pallas_kernels.kv_cache_partition_spec`): each device
+    allocates only its own heads' pages; the pages are per device."""
     per_array = caches_per_array(num_caches, num_pages, page_size)
     shape = (page_size, num_kv_heads, head_dim, dtype)
-    return [
-        allocate_kv_cache(min(per_array, num_caches - first) * num_pages, *shape, backend=backend)
-        for first in range(0, num_caches, per_array)
-    ]
+
+    def allocate() -> list[jax.Array]:
+        return [
+            allocate_kv_cache(min(per_array, num_caches - first) * num_pages, *shape, backend=backend)
+            for first in range(0, num_caches, per_array)
+        ]
+
+    if mesh is None:
+        return allocate()
+    split = NamedSharding(mesh, kv_cache_partition_spec(backend, MODEL_AXIS))
+    return jax.jit(allocate, out_shardings=split)()

@@ -49,25 +49,29 @@ class Preparation:
     """How the loaded weights were prepared, beyond the model itself.
 
     `packing`: "none" (XLA's dots), "native" (bfloat16 kernels packed for the native CPU dense
-    kernel) or "native+f32" (float32 kernels too: CPUs whose best path is AVX2).
+    kernel) or "native+f32" (float32 kernels too: CPUs whose best path is AVX2). `tp_size`: the
+    tensor-parallel size the weights were laid out for (fused projections one block a device, KV
+    heads repeated up to it: `models.sharding`).
     """
 
     dtype: str
     packing: str = "none"
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.packing not in _PACKINGS:
             raise ValueError(f"packing {self.packing!r} is not one of {_PACKINGS}")
 
     @classmethod
-    def for_dense_isa(cls, dtype: str, dense_isa: str | None) -> Preparation:
-        """The preparation of a runner whose native dense kernel runs `dense_isa` (None: XLA's dots)."""
+    def for_dense_isa(cls, dtype: str, dense_isa: str | None, tp_size: int = 1) -> Preparation:
+        """The preparation of a runner whose native dense kernel runs `dense_isa` (None: XLA's
+        dots), on `tp_size` devices."""
         packing = "none" if dense_isa is None else "native+f32" if dense_isa == "avx2" else "native"
-        return cls(jnp.dtype(dtype).name, packing)
+        return cls(jnp.dtype(dtype).name, packing, tp_size)
 
     @property
     def name(self) -> str:
-        return f"{self.dtype}-{self.packing}"
+        return f"{self.dtype}-{self.packing}" + (f"-tp{self.tp_size}" if self.tp_size > 1 else "")
 
     def apply(self, model: nnx.Module) -> int:
         """Packs `model`'s kernels as this preparation does (after `prepare_for_serving`)."""
@@ -82,7 +86,7 @@ def abstract_prepared(config: ModelConfig, preparation: Preparation) -> tuple[nn
     model = build(config, jnp.dtype(preparation.dtype))
 
     def prepare(model: nnx.Module) -> nnx.Module:
-        prepare_for_serving(model, config)
+        prepare_for_serving(model, config, preparation.tp_size)
         preparation.apply(model)
         return model
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import time
@@ -15,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from models import ModelConfig, PackedKernel, attach_rope_tables, load_model
+from models.sharding import kv_heads_on_mesh, parameter_sharding, place_state
 from pallas_kernels import allocate_kv_cache
 from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
@@ -29,6 +31,7 @@ from tpu_platform.kv_cache import (
     caches_per_array,
     kv_cache_dtype,
 )
+from tpu_platform.mesh import replicated, tensor_parallel_mesh
 from tpu_platform.prepared_weights import Preparation, ShardingFor
 from tpu_platform.programs import (
     ExecutableCache,
@@ -60,16 +63,28 @@ class Runner:
     def __init__(self, config: RunnerConfig):
         self.config = config
         self.device = jax.devices()[0]
+        # The tensor-parallel mesh (None on one device: everything then lives on `device`), and
+        # where a whole (replicated) array goes: step inputs, logits, sampled tokens.
+        self.mesh = tensor_parallel_mesh(config.tensor_parallel_size)
+        self.tp_size = config.tensor_parallel_size
+        self._whole = self.device if self.mesh is None else replicated(self.mesh)
         # Where each weight lives: a sharding, or a function of a weight's path and abstract
         # value giving one (`prepared_weights.ShardingFor`); restored checkpoints go straight there.
-        self.weight_shardings: ShardingFor = jax.sharding.SingleDeviceSharding(self.device)
+        self.weight_shardings: ShardingFor = (
+            jax.sharding.SingleDeviceSharding(self.device)
+            if self.mesh is None
+            else functools.partial(_weight_sharding, self.mesh)
+        )
         self.backend = select_backend(config.attention_backend, self.device.platform, config.cache_dir)
-        # The native dense kernel's instruction set here ("amx", "avx512_bf16", "avx2"), or None: XLA's dots.
-        self.dense_isa = native_dense_isa(self.backend, config.cache_dir) if config.native_dense else None
+        # The native dense kernel's instruction set here ("amx", "avx512_bf16", "avx2"), or None:
+        # XLA's dots (always on a mesh: XLA splits its dots, not the native kernel's calls).
+        native = config.native_dense and self.mesh is None
+        self.dense_isa = native_dense_isa(self.backend, config.cache_dir) if native else None
         executables = None
         if config.cache_dir:
             enable_persistent_cache(config.cache_dir)
-            executables = ExecutableCache(os.path.join(config.cache_dir, "executables"), self.device)
+            if self.mesh is None:  # serialized executables are loaded for one device
+                executables = ExecutableCache(os.path.join(config.cache_dir, "executables"), self.device)
         self.dtype = jnp.dtype(config.dtype)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype or config.dtype)
         self.model_config: ModelConfig | None = None
@@ -98,14 +113,17 @@ class Runner:
         packed = len(jax.tree.leaves(nnx.state(model, PackedKernel)))
         attach_rope_tables(model, self.config.max_model_len)
         graphdef, state = nnx.split(model)
-        self.state = jax.device_put(state, self.device)
+        if self.mesh is None:
+            self.state = jax.device_put(state, self.device)
+        else:  # leaf by leaf to its sharding (`models.sharding`)
+            self.state = place_state(state, self.mesh)
         self._state_leaves, self._state_def = jax.tree.flatten(self.state)
         self._graphdef = graphdef
         self._prompt_logprobs = make_prompt_logprobs(graphdef)
         self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)
-        self._sample = make_sampler(self.buckets.max_seqs)
+        self._sample = make_sampler(self.buckets.max_seqs, self.mesh)
         # What a step takes as its previous step's tokens when none is in flight.
-        self._no_feed = jax.device_put(np.zeros(self.buckets.max_seqs, np.int32), self.device)
+        self._no_feed = jax.device_put(np.zeros(self.buckets.max_seqs, np.int32), self._whole)
         self.sampling = SamplingBatch(
             max_num_reqs=self.config.max_num_seqs,
             vocab_size=self.model_config.vocab_size,
@@ -120,9 +138,10 @@ class Runner:
         }
         self._logprobs_width = warm_logprobs_width(self.config.max_logprobs, self.model_config.vocab_size)
         logger.info(
-            "loaded %s (%s) in %.1f s on %s from %s, attention backend %s, %d dense kernels on %s",
+            "loaded %s (%s) in %.1f s on %s%s from %s, attention backend %s, %d dense kernels on %s",
             self.model_config.architecture, self.dtype.name, time.perf_counter() - start,
-            self.device.device_kind, source, self.backend, packed, self.dense_isa or "XLA",
+            self.device.device_kind, f" x{self.tp_size} (tensor parallel)" if self.mesh else "",
+            source, self.backend, packed, self.dense_isa or "XLA",
         )  # fmt: skip
         return self.model_config
 
@@ -132,7 +151,7 @@ class Runner:
         (`load_format="npcache"`) when it holds them; else loaded from the checkpoint on the host
         (then one transfer, no device op per tensor) and, with npcache, stored there."""
         path = self.config.model_path
-        preparation = Preparation.for_dense_isa(self.dtype.name, self.dense_isa)
+        preparation = Preparation.for_dense_isa(self.dtype.name, self.dense_isa, self.tp_size)
         converted = converted_weights(path)
         if converted is not None:
             self.model_config = ModelConfig.from_pretrained(path)
@@ -144,7 +163,7 @@ class Runner:
             model = cache.load(self.model_config, self.weight_shardings)
             if model is not None:
                 return model, "the weights cache"
-        self.model_config, model = load_model(path, self.dtype, on_host=True)
+        self.model_config, model = load_model(path, self.dtype, on_host=True, tp_size=self.tp_size)
         # Packed for the native dense kernel where it runs (float32 kernels too where its best path
         # is AVX2: faster than XLA's dots).
         preparation.apply(model)
@@ -160,12 +179,24 @@ class Runner:
             os.path.join(self.config.cache_dir, "weights"), self.config.model_path, preparation, memo
         )
 
-    def kv_page_bytes(self) -> int:
-        """Bytes one page of one layer takes in the attention backend's own cache layout."""
+    @property
+    def kv_heads(self) -> int:
+        """KV heads of the whole cache: the model's, repeated up to the TP size when fewer."""
         mc = self.model_config
+        return kv_heads_on_mesh(mc.num_heads, mc.num_kv_heads, self.tp_size)
+
+    @property
+    def kv_heads_per_device(self) -> int:
+        return self.kv_heads // self.tp_size
+
+    def kv_page_bytes(self) -> int:
+        """Bytes one page of one layer takes on one device in the attention backend's own cache
+        layout (its share of the KV heads: pages are counted per device)."""
+        mc = self.model_config
+        heads = self.kv_heads_per_device
         two_pages = jax.eval_shape(
             lambda: allocate_kv_cache(
-                2, self.config.page_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype, backend=self.backend
+                2, self.config.page_size, heads, mc.head_dim, self.kv_dtype, backend=self.backend
             )
         )
         return two_pages.size * two_pages.dtype.itemsize // 2
@@ -190,11 +221,11 @@ class Runner:
         mc = self.model_config
         num_caches = max(layer_caches) + 1 if layer_caches else mc.num_layers
         num_groups = max(layer_groups) + 1 if layer_groups else 1
-        shape = (num_pages, self.config.page_size, mc.num_kv_heads, mc.head_dim)
-        caches = allocate_stacked_caches(num_caches, *shape, self.kv_dtype, self.backend)
+        shape = (num_pages, self.config.page_size, self.kv_heads, mc.head_dim)
+        caches = allocate_stacked_caches(num_caches, *shape, self.kv_dtype, self.backend, self.mesh)
         per_array = caches_per_array(num_caches, num_pages, self.config.page_size)
         # Committed to the device like the step's outputs, so warm-up and serving share programs.
-        self.kv_caches = jax.device_put(caches, self.device)
+        self.kv_caches = jax.device_put(caches, self.device) if self.mesh is None else caches
         self.num_pages = num_pages
         self.num_groups = num_groups
         self.table = RequestTable(
@@ -202,12 +233,13 @@ class Runner:
         )
         self._forward = make_forward(
             self._graphdef, self._state_def, self.backend, layer_groups, layer_caches, self.kv_dtype.name,
-            cache_pages=num_pages, caches_per_array=per_array,
+            cache_pages=num_pages, caches_per_array=per_array, mesh=self.mesh,
+            cache_shardings=[cache.sharding for cache in self.kv_caches] if self.mesh else None,
         )  # fmt: skip
         # Everything the forward closes over, for naming its cached executables.
         self._forward_context = repr(
             (self.model_config, self.backend, layer_groups, layer_caches, self.kv_dtype.name, num_pages,
-             per_array, structure_text(self._graphdef))
+             per_array, structure_text(self._graphdef), self.tp_size)
         )  # fmt: skip
 
     @collector_paused()
@@ -252,7 +284,8 @@ class Runner:
             elif kind == "sample":
                 rows = static[0]
                 if rows not in logits:
-                    logits[rows] = jax.device_put(np.zeros((rows, self.model_config.vocab_size), np.float32))
+                    zeros = np.zeros((rows, self.model_config.vocab_size), np.float32)
+                    logits[rows] = jax.device_put(zeros, None if self.mesh is None else self._whole)
                 self.programs.call(spec.key, lambda spec=spec: spec, logits[rows], spec.args[1])
         jax.block_until_ready(self.kv_caches)
 
@@ -260,13 +293,15 @@ class Runner:
         """The forward per shape (largest first: they take longest) and the sampler per row count."""
         specs, rows = [], []
         for t_pad, r_pad, p_pad in sorted(shapes, reverse=True):
-            specs.append(
-                self._forward_spec(*pack_inputs(padding_inputs(t_pad, r_pad, p_pad, self.num_groups)))
-            )
+            packed, dims = pack_inputs(padding_inputs(t_pad, r_pad, p_pad, self.num_groups))
+            if self.mesh is not None:  # replicated, as each step's inputs arrive
+                packed = jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self._whole)
+            specs.append(self._forward_spec(packed, dims))
             rows.append(r_pad)
         vocab = self.model_config.vocab_size
         for r_pad in dict.fromkeys(rows):
-            logits = jax.ShapeDtypeStruct((r_pad, vocab), jnp.float32)
+            whole = None if self.mesh is None else self._whole
+            logits = jax.ShapeDtypeStruct((r_pad, vocab), jnp.float32, sharding=whole)
             for flags in uniform_warmup_flag_sets(
                 self._logprobs_width, logprobs_mode=self.config.logprobs_mode
             ):
@@ -481,3 +516,8 @@ _FIRST_RUN_TOKENS = 64
 
 # What a caller of `Runner` sees: its configuration and counters, and the step result types.
 __all__ = ["InFlightStep", "Runner", "RunnerConfig", "RunnerStats", "StepLogprobs", "StepResult"]
+
+
+def _weight_sharding(mesh: jax.sharding.Mesh, path: tuple[str, ...], abstract: jax.ShapeDtypeStruct):
+    """A restored weight's sharding on the tensor-parallel `mesh` (`models.sharding` rules)."""
+    return parameter_sharding(".".join(path), abstract.shape, mesh)

@@ -51,6 +51,8 @@ class RunnerConfig:
     # Whether host-side logits processors rewrite the logits (`Runner.sample`'s transform): only
     # then does an argmax-only step run a sampler program, so only then is one built.
     logits_processors: bool = False
+    # vLLM's `tensor_parallel_size`: local devices the model is split over (`tpu_platform.mesh`).
+    tensor_parallel_size: int = 1
 
 
 @dataclasses.dataclass(slots=True)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import AttentionMetadata
 from tpu_platform.inputs import unpack_inputs
@@ -30,6 +31,7 @@ def forward_logits(
     kv_dtype: str | None = None,
     cache_pages: int = 0,
     caches_per_array: int = 0,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
     """Runs the model on all scheduled tokens (`packed` by `pack_inputs`, padded to `dims`).
 
@@ -57,6 +59,7 @@ def forward_logits(
         kv_dtype=kv_dtype,
         cache_pages=cache_pages,
         caches_per_array=caches_per_array,
+        mesh=mesh,
     )
     hidden, kv_caches = model(token_ids, inputs.positions, kv_caches, md)
     rows = hidden[inputs.logits_indices]
@@ -82,6 +85,8 @@ def make_forward(
     *,
     cache_pages: int = 0,
     caches_per_array: int = 0,
+    mesh: Mesh | None = None,
+    cache_shardings: list[NamedSharding] | None = None,
 ) -> Callable:
     """`forward(state_leaves, kv_caches, packed, fed_tokens, dims=...) -> (logits, greedy, hidden,
     kv_caches)`, jitted.
@@ -95,6 +100,9 @@ def make_forward(
     `kv_dtype` names the cached values' dtype when it is not the model's (a float8 cache).
     `cache_pages > 0`: each of `kv_caches` holds `caches_per_array` caches (0: all),
     `cache_pages` pages each (`models.AttentionMetadata`).
+    `mesh`: the tensor-parallel mesh; the state leaves and caches come placed on it, the caches
+    leave with `cache_shardings`, the other outputs replicated (the logits gathered over the
+    vocabulary: the sampler sees all of it).
     """
     step = functools.partial(
         forward_logits,
@@ -106,19 +114,34 @@ def make_forward(
         kv_dtype=kv_dtype,
         cache_pages=cache_pages,
         caches_per_array=caches_per_array,
+        mesh=mesh,
     )
-    return jax.jit(step, donate_argnums=(1,), static_argnames=("dims",))
+    if mesh is None:
+        return jax.jit(step, donate_argnums=(1,), static_argnames=("dims",))
+    # The arguments come placed (the inputs replicated); the outputs are fixed here, so that
+    # every program leaves the caches split as the next one takes them.
+    whole = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(
+        step,
+        donate_argnums=(1,),
+        static_argnames=("dims",),
+        out_shardings=(whole, whole, whole, cache_shardings),
+    )
 
 
-def make_sampler(feed_width: int) -> Callable:
+def make_sampler(feed_width: int, mesh: Mesh | None = None) -> Callable:
     """`sample(logits, tensors, flags=...) -> SamplerOutput`, jitted; flags are static. The
-    sampled tokens are zero-padded to `[feed_width]`: the next step's `fed_tokens`."""
+    sampled tokens are zero-padded to `[feed_width]`: the next step's `fed_tokens`. On a `mesh`
+    every input and output is replicated (the logits arrive gathered)."""
 
     def sample_for_feed(logits: jax.Array, tensors, flags: SamplerFlags):
         out = sample(logits, tensors, flags=flags)
         return dataclasses.replace(out, sampled_token_ids=pad_tokens(out.sampled_token_ids, feed_width))
 
-    return jax.jit(sample_for_feed, static_argnames=("flags",))
+    if mesh is None:
+        return jax.jit(sample_for_feed, static_argnames=("flags",))
+    whole = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(sample_for_feed, static_argnames=("flags",), out_shardings=whole)
 
 
 __all__ = ["SamplerFlags", "make_forward", "make_sampler"]

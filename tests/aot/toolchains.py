@@ -39,7 +39,6 @@ def run_worker(platform: str, module: str, *args: str, timeout: float = 1200) ->
         # Compile-only: no TPU to guard, and workers (and parallel test runs) may overlap.
         ALLOW_MULTIPLE_LIBTPU_LOAD="1",
         TF_CPP_MIN_LOG_LEVEL="2",
-        ALLOW_MULTIPLE_LIBTPU_LOAD="1",  # libtpu otherwise refuses to load while another process holds it
     )
     env.pop("VLLM_XLA_PLATFORM", None)
     proc = subprocess.run(

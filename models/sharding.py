@@ -1,0 +1,224 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tensor-parallel placement of a model's parameters: one rules table, and what follows from it.
+
+Every supported architecture names its parameters alike (Llama's layout: `self_attn.*_proj`,
+`mlp.*_proj`, `embed_tokens`, `lm_head`, `mlp.experts.*`), so one table serves the decoder
+family. The mesh has one axis, `MODEL_AXIS` (vLLM's `tensor_parallel_size`):
+
+- column-parallel (output features split): q/k/v and the fused `qkv_proj`, gate/up and the fused
+  `gate_up_proj`, with their biases. The fused kernels are built so that each device's slice is
+  its own whole heads (`[q_i, k_i, v_i]` blocks) and its own `[gate_i, up_i]` columns
+  (`layers.Linear.concatenated(blocks=N)`), so attention and the activation need no exchange;
+- row-parallel (input features split): `o_proj` and `down_proj`; XLA sums the partial products
+  (one all-reduce per block); their biases are replicated (added once, after the sum);
+- vocab-parallel: the embedding table (rows; the lookup is masked per device and summed,
+  `layers.Embedding`) and the LM head (columns: each device computes its vocabulary slice of
+  the logits, gathered before sampling);
+- MoE experts on the model axis, split inside each expert (gate/up on F, down on F), as vLLM's
+  tensor parallelism does without expert parallelism: it works for any expert count (8 experts
+  on 8 devices or 128), keeps the routed grouped matmul unchanged (no all-to-all of tokens), and
+  balances the work whatever the router picks; the router is replicated;
+- everything else (norms, router, RoPE tables) is replicated.
+
+A dimension the mesh does not divide is not split (the vocabulary of a tiny test model, say):
+`parameter_spec` replicates it, and `vocab_parallel` tells the embedding so.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MODEL_AXIS = "model"
+
+_COLUMN = PartitionSpec(None, MODEL_AXIS)
+_ROW = PartitionSpec(MODEL_AXIS, None)
+_SPLIT = PartitionSpec(MODEL_AXIS)
+_REPLICATED = PartitionSpec()
+
+_COLUMN_LINEARS = r"(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj)"
+
+# (pattern over a parameter's dotted path, its PartitionSpec); the first match wins.
+DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (
+    (r"\.experts\.(gate_proj|up_proj)\.kernel$", PartitionSpec(None, None, MODEL_AXIS)),  # [E, D, F]
+    (r"\.experts\.down_proj\.kernel$", PartitionSpec(None, MODEL_AXIS, None)),  # [E, F, D]
+    (rf"\.{_COLUMN_LINEARS}\.kernel$", _COLUMN),  # [D, out]
+    (rf"\.{_COLUMN_LINEARS}\.bias$", _SPLIT),
+    (r"\.(o_proj|down_proj)\.kernel$", _ROW),  # [in, D]
+    (r"\.(o_proj|down_proj)\.bias$", _REPLICATED),
+    (r"embed_tokens\.embedding$", _ROW),  # [V, D]
+    (r"embed_tokens\.head_kernel$", _COLUMN),  # [D, V], a tied head's copy
+    (r"lm_head\.kernel$", _COLUMN),  # [D, V]
+    (r".*", _REPLICATED),
+)
+_COMPILED_RULES = tuple((re.compile(pattern), spec) for pattern, spec in DECODER_RULES)
+
+
+def rule_spec(path: str) -> PartitionSpec:
+    """The rules table's PartitionSpec for the parameter at dotted `path` (before divisibility)."""
+    for pattern, spec in _COMPILED_RULES:
+        if pattern.search(path):
+            return spec
+    return _REPLICATED  # unreachable: the last rule matches everything
+
+
+def parameter_spec(path: str, shape: tuple[int, ...], tp_size: int) -> PartitionSpec:
+    """The PartitionSpec of the parameter at dotted `path` (e.g. `model.layers.0.self_attn.
+    qkv_proj.kernel`) of `shape` on a mesh of `tp_size` devices along `MODEL_AXIS`.
+
+    The rule's split dimensions, unless `tp_size` is 1 or does not divide one of them: then the
+    parameter is replicated (one device holds it whole). This is the one lookup for placing,
+    checking and restoring parameters.
+    """
+    spec = rule_spec(path)
+    if tp_size == 1 or not spec:
+        return _REPLICATED
+    for axis, name in enumerate(spec):
+        if name is not None and (axis >= len(shape) or shape[axis] % tp_size):
+            return _REPLICATED
+    return spec
+
+
+def parameter_sharding(path: str, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+    """`parameter_spec` on `mesh` (its `MODEL_AXIS` size is the TP size)."""
+    return NamedSharding(mesh, parameter_spec(path, shape, mesh.shape[MODEL_AXIS]))
+
+
+def state_shardings(state: nnx.State, mesh: Mesh):
+    """A `NamedSharding` for every leaf of a model's `state` (same tree), for placing or
+    restoring it onto `mesh`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: parameter_sharding(key_path_name(path), np.shape(leaf), mesh), state
+    )
+
+
+def key_path_name(path: tuple) -> str:
+    """A JAX key path into a model's state as the dotted name the rules match
+    (`model.layers.0.self_attn.qkv_proj.kernel`)."""
+    parts = []
+    for entry in path:
+        if isinstance(entry, jax.tree_util.DictKey):
+            parts.append(str(entry.key))
+        elif isinstance(entry, jax.tree_util.SequenceKey):
+            parts.append(str(entry.idx))
+        elif isinstance(entry, jax.tree_util.GetAttrKey) and entry.name != "value":
+            parts.append(entry.name)
+    return ".".join(parts)
+
+
+def place_state(state: nnx.State, mesh: Mesh) -> nnx.State:
+    """`state` (host or device arrays) on `mesh`, leaf by leaf straight to its sharding: a device
+    receives only its own slice of a split weight."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: jax.device_put(
+            leaf, parameter_sharding(key_path_name(path), np.shape(leaf), mesh)
+        ),
+        state,
+    )
+
+
+def vocab_parallel(vocab_size: int, tp_size: int) -> bool:
+    """Whether the embedding and head are split on the vocabulary (`parameter_spec`'s rule)."""
+    return tp_size > 1 and vocab_size % tp_size == 0
+
+
+def kv_heads_on_mesh(num_heads: int, num_kv_heads: int, tp_size: int) -> int:
+    """The KV heads the sharded model keeps: `num_kv_heads` when `tp_size` divides them, else
+    `tp_size` (each head repeated `tp_size // num_kv_heads` times, one per device, as vLLM
+    does). A ValueError names what does not divide and the sizes that work."""
+    check_tensor_parallel(num_heads, num_kv_heads, tp_size)
+    return num_kv_heads if num_kv_heads % tp_size == 0 else tp_size
+
+
+def check_tensor_parallel(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
+    """Raises a ValueError naming the fix when a model of these heads cannot run at `tp_size`."""
+    if tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
+    sizes = [n for n in range(1, num_heads + 1) if _heads_fit(num_heads, num_kv_heads, n)]
+    if not _heads_fit(num_heads, num_kv_heads, tp_size):
+        if num_heads % tp_size:
+            reason = f"its {num_heads} query heads do not divide by {tp_size}"
+        else:
+            reason = f"its {num_kv_heads} KV heads neither divide by {tp_size} nor divide it (replication)"
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} cannot shard this model: {reason}; "
+            f"use --tensor-parallel-size one of {sizes}"
+        )
+
+
+def _heads_fit(num_heads: int, num_kv_heads: int, tp_size: int) -> bool:
+    return num_heads % tp_size == 0 and (num_kv_heads % tp_size == 0 or tp_size % num_kv_heads == 0)
+
+
+def repeat_kv_heads(kernel: np.ndarray, num_kv_heads: int, repeats: int, *, axis: int) -> np.ndarray:
+    """A k or v projection's `[.., K * H]` output features (on `axis`) with each head repeated
+    `repeats` times in place (`k0 k0 k1 k1 ..`), so device i of `K * repeats` holds head
+    `i // repeats`."""
+    shape = kernel.shape
+    head_dim = shape[axis] // num_kv_heads
+    split = (*shape[:axis], num_kv_heads, 1, head_dim, *shape[axis + 1 :])
+    heads = np.reshape(kernel, split)
+    tile = [1] * len(split)
+    tile[axis + 1] = repeats
+    repeated = (*shape[:axis], num_kv_heads * repeats * head_dim, *shape[axis + 1 :])
+    return np.reshape(np.tile(heads, tile), repeated)
+
+
+def interleave_blocks(parts: list[np.ndarray], blocks: int, *, axis: int):
+    """`parts` concatenated on `axis` so that block j of the result is the j-th of `blocks`
+    equal slices of every part, side by side (`[a_0 b_0 | a_1 b_1 | ..]`): split in `blocks`
+    contiguous pieces, each device gets its own slice of every part. `blocks == 1`: plain
+    concatenation. NumPy or JAX arrays."""
+    xp = np if isinstance(parts[0], np.ndarray) else jax.numpy
+    if blocks == 1:
+        return xp.concatenate(parts, axis=axis)
+    pieces = [xp.split(part, blocks, axis=axis) for part in parts]
+    return xp.concatenate([piece[j] for j in range(blocks) for piece in pieces], axis=axis)
+
+
+def fused_layout(
+    path: str,
+    value: np.ndarray,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    from_tp: int,
+    to_tp: int,
+) -> np.ndarray:
+    """A prepared parameter (`load_model(tp_size=from_tp)`) as `load_model(tp_size=to_tp)`
+    prepares it: the fused q/k/v and gate/up columns re-blocked, the KV heads repeated or
+    un-repeated (`kv_heads_on_mesh`). Other parameters do not depend on the TP size. For
+    checkpoints of prepared weights restored at another TP size. `num_kv_heads`: the model's own.
+    """
+    if from_tp == to_tp or not re.search(r"\.(qkv_proj|gate_up_proj)\.(kernel|bias)$", path):
+        return value
+    axis = value.ndim - 1
+    if ".gate_up_proj." in path:
+        gate, up = _unblocked(value, [value.shape[axis] // 2] * 2, from_tp, axis)
+        return interleave_blocks([gate, up], to_tp, axis=axis)
+    kv_from = kv_heads_on_mesh(num_heads, num_kv_heads, from_tp)
+    kv_to = kv_heads_on_mesh(num_heads, num_kv_heads, to_tp)
+    widths = [num_heads * head_dim, kv_from * head_dim, kv_from * head_dim]
+    q, k, v = _unblocked(value, widths, from_tp, axis)
+    k, v = (_kv_heads(x, kv_from, kv_to, num_kv_heads, head_dim, axis) for x in (k, v))
+    return interleave_blocks([q, k, v], to_tp, axis=axis)
+
+
+def _unblocked(value: np.ndarray, widths: list[int], blocks: int, axis: int) -> list[np.ndarray]:
+    """The parts `interleave_blocks` fused (each `widths[i]` wide) back from `blocks` blocks."""
+    pieces = [np.split(block, np.cumsum([w // blocks for w in widths])[:-1], axis=axis)
+              for block in np.split(value, blocks, axis=axis)]  # fmt: skip
+    return [np.concatenate([piece[i] for piece in pieces], axis=axis) for i in range(len(widths))]
+
+
+def _kv_heads(x: np.ndarray, have: int, want: int, num_kv_heads: int, head_dim: int, axis: int) -> np.ndarray:
+    """k or v columns of `have` heads (the model's `num_kv_heads`, each repeated alike) as `want`."""
+    if have != num_kv_heads:  # back to the model's own heads: the first copy of each
+        heads = np.reshape(x, (*x.shape[:axis], num_kv_heads, have // num_kv_heads, head_dim))
+        x = np.reshape(np.take(heads, 0, axis=axis + 1), (*x.shape[:axis], num_kv_heads * head_dim))
+    return repeat_kv_heads(x, num_kv_heads, want // num_kv_heads, axis=axis)

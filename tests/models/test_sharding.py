@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The tensor-parallel rules table and the weight rearrangements it relies on, on NumPy arrays
+(the sharded engines themselves: tests/plugin_shim/test_tensor_parallel.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from models.layers import Linear
+from models.sharding import (
+    MODEL_AXIS,
+    check_tensor_parallel,
+    fused_layout,
+    interleave_blocks,
+    kv_heads_on_mesh,
+    parameter_spec,
+    repeat_kv_heads,
+)
+from pallas_kernels import kv_cache_partition_spec
+
+M = MODEL_AXIS
+
+
+@pytest.mark.parametrize(
+    ("path", "shape", "expected"),
+    [
+        ("model.layers.0.self_attn.qkv_proj.kernel", (64, 128), P(None, M)),
+        ("model.layers.0.self_attn.qkv_proj.bias", (128,), P(M)),
+        ("model.layers.3.self_attn.o_proj.kernel", (64, 64), P(M, None)),
+        ("model.layers.3.self_attn.o_proj.bias", (64,), P()),
+        ("model.layers.1.mlp.gate_up_proj.kernel", (64, 256), P(None, M)),
+        ("model.layers.1.mlp.down_proj.kernel", (128, 64), P(M, None)),
+        ("model.layers.1.mlp.experts.gate_proj.kernel", (8, 64, 32), P(None, None, M)),
+        ("model.layers.1.mlp.experts.down_proj.kernel", (8, 32, 64), P(None, M, None)),
+        ("model.layers.1.mlp.router.kernel", (64, 8), P()),
+        ("model.embed_tokens.embedding", (384, 64), P(M, None)),
+        ("model.embed_tokens.head_kernel", (64, 384), P(None, M)),
+        ("lm_head.kernel", (64, 384), P(None, M)),
+        ("model.layers.0.input_layernorm.weight", (64,), P()),
+        ("model.layers.0.self_attn.rope_table.value", (512, 16), P()),
+        ("model.embed_tokens.embedding", (385, 64), P()),  # a vocabulary 4 does not divide
+    ],
+)
+def test_parameter_spec_follows_the_table_and_divisibility(path, shape, expected):
+    assert parameter_spec(path, shape, 4) == expected
+    assert parameter_spec(path, shape, 1) == P()
+
+
+def test_kv_heads_split_or_repeat_and_impossible_sizes_name_the_working_ones():
+    assert kv_heads_on_mesh(32, 8, 4) == 8  # split
+    assert kv_heads_on_mesh(32, 8, 8) == 8
+    assert kv_heads_on_mesh(8, 2, 8) == 8  # each head on 4 devices
+    assert kv_heads_on_mesh(4, 1, 4) == 4
+    with pytest.raises(ValueError, match=r"4 query heads do not divide by 8; .* one of \[1, 2, 4\]"):
+        check_tensor_parallel(4, 2, 8)
+    with pytest.raises(ValueError, match=r"3 KV heads neither divide by 2 nor divide it"):
+        check_tensor_parallel(6, 3, 2)
+
+
+def test_repeat_kv_heads_copies_each_head_in_place():
+    heads, head_dim = 2, 3
+    kernel = np.arange(4 * heads * head_dim).reshape(4, heads * head_dim)
+    repeated = repeat_kv_heads(kernel, heads, 2, axis=1)
+    head = [kernel[:, h * head_dim : (h + 1) * head_dim] for h in range(heads)]
+    np.testing.assert_array_equal(repeated, np.concatenate([head[0], head[0], head[1], head[1]], axis=1))
+    bias = np.arange(heads * head_dim)
+    np.testing.assert_array_equal(
+        repeat_kv_heads(bias, heads, 3, axis=0), np.repeat(bias.reshape(2, 1, 3), 3, 1).ravel()
+    )
+
+
+def test_fused_kernel_blocks_give_each_device_its_slice_of_every_part():
+    rng = np.random.default_rng(0)
+    parts = [rng.standard_normal((5, width)).astype(np.float32) for width in (8, 4, 4)]  # q, k, v
+    fused = interleave_blocks(parts, 2, axis=1)
+    for device, block in enumerate(np.split(fused, 2, axis=1)):
+        expected = np.concatenate([np.split(p, 2, axis=1)[device] for p in parts], axis=1)
+        np.testing.assert_array_equal(block, expected)
+    np.testing.assert_array_equal(interleave_blocks(parts, 1, axis=1), np.concatenate(parts, axis=1))
+
+
+def test_fused_linear_in_blocks_computes_the_parts_outputs():
+    x = np.random.default_rng(1).standard_normal((3, 6)).astype(np.float32)
+    parts = []
+    for seed in (2, 3):
+        linear = Linear(6, 8, bias=True, dtype=np.float32)
+        rng = np.random.default_rng(seed)
+        linear.kernel.set_value(rng.standard_normal((6, 8)).astype(np.float32))
+        linear.bias.set_value(rng.standard_normal(8).astype(np.float32))
+        parts.append(linear)
+    fused = Linear.concatenated(parts, blocks=4)
+    y = np.asarray(fused(x)).reshape(3, 4, 2, 2)  # [T, device, part, columns]
+    for i, part in enumerate(parts):
+        np.testing.assert_allclose(y[:, :, i].reshape(3, 8), np.asarray(part(x)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [("xla", P(M)), ("cpu_native", P(None, M)), ("pallas_tpu", P(None, M)), ("pallas_gpu", P(None, M))],
+)
+def test_each_cache_layout_splits_on_its_kv_head_axis(backend, expected):
+    assert kv_cache_partition_spec(backend, M) == expected
+
+
+@pytest.fixture(scope="module")
+def prepared_at_each_tp(tmp_path_factory):
+    """A tiny Llama (8 query, 2 KV heads) prepared on the host for TP 1, 2, 4 and 8."""
+    from flax import nnx
+
+    from models import load_model
+    from tests.tiny_models import save_tiny_llama
+
+    path = save_tiny_llama(
+        str(tmp_path_factory.mktemp("llama")), hidden_size=64, num_attention_heads=8, num_key_value_heads=2
+    )
+    prepared = {}
+    for tp in (1, 2, 4, 8):
+        config, model = load_model(path, on_host=True, tp_size=tp)
+        flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+        prepared[tp] = {".".join(map(str, key)): np.asarray(var.get_value()) for key, var in flat}
+    return config, prepared
+
+
+def test_prepared_weights_convert_between_tp_sizes(prepared_at_each_tp):
+    config, prepared = prepared_at_each_tp
+    heads = dict(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+    assert prepared[8]["model.layers.0.self_attn.qkv_proj.kernel"].shape[1] == (8 + 2 * 8) * config.head_dim
+    for source in prepared:
+        for target in prepared:
+            for path, value in prepared[source].items():
+                converted = fused_layout(path, value, from_tp=source, to_tp=target, **heads)
+                np.testing.assert_array_equal(
+                    converted, prepared[target][path], err_msg=f"{path} {source}->{target}"
+                )

@@ -1,0 +1,223 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tensor parallelism through `vllm.LLM` on 8 simulated CPU devices.
+
+The engines run in a subprocess per model (`tensor_parallel_engine`: the device count is fixed
+when JAX starts, and this process keeps one device). Greedy tokens at every TP size equal
+transformers' fp32 greedy continuation and the TP=1 engine's; logprobs agree within 1e-3. Every
+parameter's actual sharding is the rules table's, and each device holds 1/N of a split weight
+and of the KV cache. One TP=4 engine serves, under VLLM_XLA_STRICT_COMPILE=1, a mixed workload
+with chunked prefill, prefix-cache hits and preemption before its greedy check.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from vllm import LLM
+
+from models.sharding import parameter_spec, rule_spec
+from tests.models.tiny_checkpoints import hf_logits, prompts, save_tiny
+from tests.plugin_shim.tensor_parallel_engine import environment
+from tests.tiny_models import save_tiny_llama
+
+NEW_TOKENS = 6
+LOGPROB_ATOL = 1e-3
+# An 8-token step budget keeps warm-up to a few programs and prefills in chunks.
+ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, seed=0)
+LENGTHS = [5, 13, 2]
+
+
+def _greedy_run(tp: int, **llm) -> dict:
+    return {"tp": tp, "prompts": prompts(LENGTHS, seed=3), "new_tokens": NEW_TOKENS, "llm": {**ENGINE, **llm}}
+
+
+def _features_run(tp: int) -> dict:
+    """Shared 40-token prefixes (prefix-cache hits), prompts longer than a step (chunked
+    prefill) and 9 pages of 16 tokens for four sequences (preemption); a mixed sampling
+    workload runs first, then the greedy check on the same engine."""
+    prefix = prompts([40], seed=7)[0]
+    tails = prompts([3, 9, 6, 12], seed=8)
+    return {
+        "tp": tp,
+        "prompts": [prefix + t[1:] for t in tails],
+        "new_tokens": NEW_TOKENS,
+        "mixed": True,
+        "llm": {**ENGINE, "block_size": 16, "num_gpu_blocks_override": 9, "enable_prefix_caching": True},
+    }
+
+
+def _run_engines(tmp_path, model: str, runs: list[dict], backend: str) -> list[dict]:
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    job.write_text(json.dumps({"model": model, "runs": runs}))
+    env = {**environment(), "VLLM_XLA_ATTENTION_BACKEND": backend, "VLLM_XLA_STRICT_COMPILE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.plugin_shim.tensor_parallel_engine", str(job), str(out)],
+        env=env, capture_output=True, text=True, timeout=3600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def _hf_reference(architecture: str, path: str, ps: list[list[int]]) -> tuple[list, list]:
+    """transformers' greedy continuation of each prompt and the chosen tokens' logprobs."""
+    import torch
+    import transformers
+
+    hf = getattr(transformers, architecture).from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    tokens, logprobs = [], []
+    for p in ps:
+        ids, lps = list(p), []
+        for _ in range(NEW_TOKENS):
+            logits = hf_logits(hf, ids)[-1].astype(np.float64)
+            log_softmax = logits - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()
+            ids.append(int(np.argmax(logits)))
+            lps.append(float(log_softmax[ids[-1]]))
+        tokens.append(ids[len(p) :])
+        logprobs.append(lps)
+    return tokens, logprobs
+
+
+# model -> (architecture, checkpoint builder, engine runs, attention backend). Llama has 8 query
+# and 2 KV heads (TP 4 and 8 repeat KV heads), the tiny Qwen3 and Gemma 2 have 4 and 2.
+MODELS = {
+    "llama": (
+        "LlamaForCausalLM",
+        lambda path: save_tiny_llama(
+            path, seed=4, hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2
+        ),
+        [_greedy_run(1), _greedy_run(2), _greedy_run(8), _features_run(4)],
+        "cpu_native",
+    ),
+    **{
+        name: (
+            architecture,
+            functools.partial(save_tiny, architecture),
+            [_greedy_run(2), _greedy_run(4)],
+            "xla",
+        )
+        for name, architecture in (
+            ("qwen3", "Qwen3ForCausalLM"),
+            ("gemma2", "Gemma2ForCausalLM"),
+            ("mixtral", "MixtralForCausalLM"),
+        )
+    },
+}
+
+
+class _Served:
+    """Each model's engine runs (one subprocess a model, on first use) and their HF references."""
+
+    def __init__(self, tmp_path_factory):
+        self._tmp = tmp_path_factory
+        self._done: dict[str, tuple] = {}
+
+    def __call__(self, name: str) -> tuple[list[dict], list[dict], list[tuple]]:
+        if name not in self._done:
+            architecture, build, runs, backend = MODELS[name]
+            tmp = self._tmp.mktemp(name)
+            path = build(str(tmp / "model"))
+            results = _run_engines(tmp, path, runs, backend)
+            references = [_hf_reference(architecture, path, run["prompts"]) for run in runs]
+            self._done[name] = (runs, results, references)
+        return self._done[name]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> _Served:
+    return _Served(tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_tokens_and_logprobs_match_transformers_at_every_tp_size(served, name):
+    runs, results, references = served(name)
+    for run, result, (tokens, logprobs) in zip(runs, results, references, strict=True):
+        assert result["tokens"] == tokens, f"TP={run['tp']}"
+        np.testing.assert_allclose(
+            np.asarray(result["logprobs"]), np.asarray(logprobs), atol=LOGPROB_ATOL, err_msg=f"TP={run['tp']}"
+        )
+
+
+def test_sharded_engines_equal_the_one_device_engine(served):
+    """Llama's TP=1 engine against its TP=2 and TP=8 ones (transformers is every model's reference)."""
+    runs, results, _ = served("llama")
+    assert runs[0]["tp"] == 1
+    compared = 0
+    for run, result in zip(runs[1:], results[1:], strict=True):
+        if run["prompts"] == runs[0]["prompts"]:
+            assert result["tokens"] == results[0]["tokens"], f"TP={run['tp']}"
+            np.testing.assert_allclose(result["logprobs"], results[0]["logprobs"], atol=LOGPROB_ATOL)
+            compared += 1
+    assert compared == 2
+
+
+def _normalized(spec: list) -> list:
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return spec
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_parameter_is_placed_as_the_rules_table_says(served, name):
+    runs, results, _ = served(name)
+    for run, result in zip(runs, results, strict=True):
+        tp = run["tp"]
+        if tp == 1:
+            continue
+        split = set()
+        for path, placed in result["params"].items():
+            expected = parameter_spec(path, tuple(placed["shape"]), tp)
+            assert _normalized(placed["spec"]) == _normalized(list(expected)), path
+            assert placed["devices"] == tp, path
+            if any(expected):
+                assert placed["device_bytes"] == [placed["bytes"] // tp] * tp, path
+                split.add(path)
+            else:
+                assert placed["device_bytes"] == [placed["bytes"]] * tp, path
+        # The table's split rules are in use (the tiny vocabularies divide by 8).
+        kinds = ["qkv_proj.kernel", "o_proj.kernel", "embed_tokens.embedding"]
+        kinds += ["experts.gate_proj.kernel", "experts.down_proj.kernel"] if name == "mixtral" else []
+        kinds += ["gate_up_proj.kernel", "down_proj.kernel"] if name != "mixtral" else []
+        for kind in kinds:
+            assert any(path.endswith(kind) and any(rule_spec(path)) for path in split), (name, tp, kind)
+        for cache in result["caches"]:
+            assert cache["device_bytes"] == [cache["bytes"] // tp] * tp
+
+
+def test_tp4_serves_chunked_prefill_prefix_hits_and_preemption_without_compiling(served):
+    runs, results, _ = served("llama")
+    (stats,) = [r["stats"] for run, r in zip(runs, results, strict=True) if run.get("mixed")]
+    (warm,) = [r["warm"] for run, r in zip(runs, results, strict=True) if run.get("mixed")]
+    assert stats["compiles_after_warmup"] == 0 and stats["compiles"] == warm["compiles"]
+    assert stats["partial_prefill_steps"] > 0
+    assert stats["prefix_cache_hits"] > 0
+    assert stats["preempted_requests"] > 0 and stats["resumed_requests"] > 0
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "options", "message"),
+    [
+        (
+            {},
+            dict(tensor_parallel_size=3),
+            r"attention heads \(4\) must be divisible by tensor parallel size \(3\)",
+        ),
+        (
+            dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3),
+            dict(tensor_parallel_size=2),
+            r"tensor_parallel_size=2 cannot shard this model: its 3 KV heads .* one of \[1, 3, 6\]",
+        ),
+        ({}, dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported by vllm-xla"),
+        ({}, dict(tensor_parallel_size=2), "needs 2 devices, but this host has 1 cpu device"),
+    ],
+)
+def test_impossible_configurations_are_refused_by_name(tmp_path_factory, checkpoint, options, message):
+    path = save_tiny_llama(str(tmp_path_factory.mktemp("refused") / "model"), **checkpoint)
+    with pytest.raises(Exception, match=message):
+        LLM(model=path, **ENGINE, **options)
