@@ -133,6 +133,20 @@ def test_n_samples_are_reproducible_with_a_seed(llm):
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
 
 
+def test_prompt_embeds_are_refused_and_the_engine_keeps_serving(llm, hf, tiny_dir):
+    # The worker runs token ids only: an embeddings prompt once came out as wrong text. The
+    # option is refused at start, and vLLM refuses such a prompt to an engine without it.
+    with pytest.raises(ValueError, match=r"enable_prompt_embeds \(.*not supported by vllm-xla"):
+        LLM(model=tiny_dir, max_model_len=128, enable_prompt_embeds=True)
+    (prompt,) = _prompts([6], seed=6)
+    with torch.no_grad():
+        embeds = hf.get_input_embeddings()(torch.tensor(prompt))
+    with pytest.raises(ValueError, match="enable-prompt-embeds"):
+        llm.generate([{"prompt_embeds": embeds}], _greedy())
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], _greedy())
+    assert _token_ids(out) == [hf_greedy(hf, prompt, NEW_TOKENS)]
+
+
 @pytest.mark.parametrize(("keep", "expected"), [("0", False), ("1", True)])
 def test_vllm_config_on_the_cpu_device_schedules_in_step(tiny_dir, monkeypatch, keep, expected):
     # vLLM resolves its default (async on) and then lets the platform hook have the last word.
@@ -167,7 +181,6 @@ def test_chunked_prefill_and_preemption_match_transformers(tiny_dir, hf, async_s
     stats = small.collective_rpc("runner_stats")[0]
     del small
     gc.collect()
-    print(stats)
     assert _token_ids(out) == [hf_greedy(hf, p, 24) for p in prompts]
     assert stats["partial_prefill_steps"] > 0
     assert stats["preempted_requests"] > 0 and stats["resumed_requests"] > 0
