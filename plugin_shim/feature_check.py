@@ -198,6 +198,13 @@ REFUSED: tuple[Refusal, ...] = (
         "put the config.json into the model directory",
     ),
     Refusal(
+        "model_loader_extra_config",
+        "options for vLLM's weight loaders",
+        "any value",
+        lambda c: bool(c.load_config.model_loader_extra_config),
+        "leave it unset: vllm-xla reads the checkpoint itself (load_format chooses how)",
+    ),
+    Refusal(
         "disable_sliding_window",
         "ignoring the model's sliding window",
         "True",
@@ -282,6 +289,11 @@ SUPPORTED: tuple[Supported, ...] = (
         "Stat loggers and metrics",
         "disable_log_stats, stat logger plugins",
         "vllm_xla:* gauges beside vLLM's",
+    ),
+    Supported(
+        "Accepted, no effect",
+        "enforce_eager, compilation_config, cudagraph options, numa_bind",
+        "torch compilation and CUDA graphs do not apply: XLA compiles each step program once",
     ),
     Supported("OpenAI-compatible server", "vllm serve / vllm-xla serve", "completions, chat, streaming"),
 )

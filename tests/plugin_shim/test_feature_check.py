@@ -42,6 +42,7 @@ CASES = {
     "multimodal inputs": ("multimodal", {}),
     "hf_overrides": ("llama", dict(hf_overrides={"num_hidden_layers": 1})),
     "hf_config_path": ("llama", dict(hf_config_path="{model}")),
+    "model_loader_extra_config": ("llama", dict(model_loader_extra_config={"enable_multithread_load": True})),
     "disable_sliding_window": ("llama", dict(disable_sliding_window=True)),
     "model_impl": ("llama", dict(model_impl="transformers")),
     "attention_backend": ("llama", dict(attention_backend="FLASH_ATTN")),

@@ -15,6 +15,8 @@ from plugin_shim.active import assert_active
 from tests.tiny_models import save_tiny_llama
 from tests.vllm_cpu_reference import CASES, run_cases
 
+pytestmark = pytest.mark.slow  # vllm.LLM here and vLLM's CPU backend in a subprocess
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
