@@ -32,7 +32,7 @@ class Refusal:
 
 @dataclasses.dataclass(frozen=True)
 class Supported:
-    """A vLLM feature that works on this platform, and where it is tested."""
+    """A vLLM feature that works on this platform."""
 
     feature: str
     options: str
@@ -300,7 +300,10 @@ SUPPORTED: tuple[Supported, ...] = (
 
 
 def refusals(config: VllmConfig) -> list[Refusal]:
-    """The refused features `config` asks for."""
+    """The refused features `config` asks for (none without a model: vLLM builds such configs
+    for its own utilities, never to start an engine)."""
+    if config.model_config is None:
+        return []
     return [r for r in REFUSED if r.detect(config)]
 
 
