@@ -24,7 +24,6 @@ def test_matches_reference(case, compare_with_reference):
     compare_with_reference(case, "pallas_tpu", interpret=True, **dict(case.tpu_tuning))
 
 
-@pytest.mark.slow
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["dma_on_wait", "eager_detect_races"])
