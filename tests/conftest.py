@@ -37,3 +37,10 @@ def dense_kernels(native_kernels: pathlib.Path) -> pathlib.Path:
     if cpu.dense_isa(native_kernels) is None:
         pytest.skip("this CPU (or its kernel) has none of AMX bfloat16 tiles, AVX-512 BF16, AVX2 with FMA")
     return native_kernels
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The TPU interpreter's DMA and race simulations are the long interpret-mode checks: slow tier.
+    for item in items:
+        if item.get_closest_marker("tpu_interpret") is not None:
+            item.add_marker(pytest.mark.slow)

@@ -69,6 +69,7 @@ def test_rotations_from_rope_tables_match_transformers(tiny, request):
     assert_ragged_matches(model, config, hf, [5, 16, 33])
 
 
+@pytest.mark.slow  # builds vllm.LLM per architecture
 def test_vllm_greedy_matches_transformers(tiny, request):
     path, _, _, hf = tiny
     stats = vllm_greedy_matches(path, hf, [7, 40, 25])

@@ -18,6 +18,7 @@ import pytest
 from pallas_kernels import gpu
 
 
+@pytest.mark.slow  # the interpreter over the whole grid of batches
 def test_matches_reference(case, compare_with_reference):
     compare_with_reference(case, "pallas_gpu", interpret=True, **dict(case.gpu_tuning))
 

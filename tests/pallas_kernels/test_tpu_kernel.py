@@ -18,6 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import tpu
 
 
+@pytest.mark.slow  # the interpreter over the whole grid of batches
 def test_matches_reference(case, compare_with_reference):
     compare_with_reference(case, "pallas_tpu", interpret=True, **dict(case.tpu_tuning))
 

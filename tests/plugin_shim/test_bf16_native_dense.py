@@ -15,6 +15,8 @@ from pallas_kernels import cpu
 from plugin_shim.active import assert_active
 from tests.tiny_models import save_tiny_llama
 
+pytestmark = pytest.mark.slow  # builds vllm.LLM
+
 PROMPTS = ([1, 17, 33, 90, 5], [1, 200, 7], [1, *range(40, 100)])
 NEW_TOKENS = 12
 

@@ -20,6 +20,7 @@ def _listing(path):
     return set(os.listdir(path)) if os.path.isdir(path) else set()
 
 
+@pytest.mark.slow
 def test_generate_prints_the_completion_in_one_process(tmp_path, native_kernels):
     model_dir = save_tiny_llama(str(tmp_path / "model"), seed=2)
     env = {

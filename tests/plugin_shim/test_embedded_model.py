@@ -57,6 +57,7 @@ def test_unpermute_restores_rotate_half_order():
     assert unpermute_rope_rows(stored, num_heads=1)[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+@pytest.mark.slow
 def test_greedy_completion_says_paris(model_dir):
     llm = LLM(model=model_dir, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256)
     assert_active()
@@ -66,6 +67,7 @@ def test_greedy_completion_says_paris(model_dir):
     assert "Paris" in out[0].outputs[0].text
 
 
+@pytest.mark.slow
 def test_fp8_kv_cache_holds_twice_the_tokens_and_still_says_paris(model_dir):
     """vLLM's kv_cache_dtype="fp8": float8 e4m3 values, one byte each, in the CPU's 128-token
     pages, so the same budget holds twice the tokens of a bfloat16 cache."""

@@ -6,11 +6,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import LlamaForCausalLM
 
 from tests.greedy_reference import hf_greedy
 from tests.tiny_models import save_tiny_llama
+
+pytestmark = pytest.mark.slow  # vllm.LLM in a subprocess
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

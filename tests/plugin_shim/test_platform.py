@@ -238,6 +238,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("order", "method"), [("jax-first", "spawn"), ("vllm-only", "fork")])
 def test_engine_process_starts_and_answers_with_jax_running_or_not(tmp_path, order, method):
     """`vllm.LLM` with its engine in a process of its own: forked when the caller runs no JAX,

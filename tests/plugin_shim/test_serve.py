@@ -10,7 +10,11 @@ import sys
 import time
 import urllib.request
 
+import pytest
+
 from tests.tiny_models import save_tiny_llama
+
+pytestmark = pytest.mark.slow  # starts a server
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

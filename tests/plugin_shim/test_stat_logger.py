@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The stat logger plugin exports the counters the worker publishes (cross-process file)."""
 
+import contextlib
+import logging
 import types
 
 from prometheus_client import REGISTRY
@@ -68,4 +70,34 @@ def test_logger_exports_per_step_means_between_reports(monkeypatch, tmp_path):
     assert abs(_value("vllm_xla:dispatch_seconds_per_step", "7") - 0.0005) < 1e-12
     assert abs(_value("vllm_xla:step_seconds_per_step", "7") - 0.1) < 1e-12
     assert abs(_value("vllm_xla:overlapped_step_fraction", "7") - 0.9) < 1e-12  # (26 - 8) / 20
-    stat_logger.log()  # formats without error
+
+    with _log_lines("vllm.xla.stats") as lines:
+        stat_logger.log()  # the first report: everything up to now
+        stat_logger.log()  # nothing new since: no line
+        publisher.publish(_snapshot(steps=40, host=0.070, step=4.5, overlapped=36), force=True)
+        stat_logger._read_at = float("-inf")
+        stat_logger.record(None, None)
+        stat_logger.log()  # the 10 steps since the first report
+    assert lines == [
+        "vllm-xla: 30 steps (87% overlapped), host 1.67 ms/step (0.42 of it runtime calls), "
+        "step 100.0 ms/step; 12 programs built in 30.5 s (9 from the executable cache, 0 after warm-up)",
+        "vllm-xla: 10 steps (100% overlapped), host 2.00 ms/step (0.50 of it runtime calls), "
+        "step 150.0 ms/step; 12 programs built in 30.5 s (9 from the executable cache, 0 after warm-up)",
+    ]
+
+
+@contextlib.contextmanager
+def _log_lines(name: str):
+    """The formatted messages `name`'s logger emits (vLLM's loggers do not propagate)."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

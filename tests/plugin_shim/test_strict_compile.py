@@ -8,11 +8,14 @@ logit_bias, min_tokens, bad words, allowed ids and a JSON-schema grammar.
 import gc
 
 import numpy as np
+import pytest
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import StructuredOutputsParams
 
 from tests.tiny_models import save_tiny_llama
+
+pytestmark = pytest.mark.slow  # builds vllm.LLM
 
 
 def _mixed_params(rng, n):

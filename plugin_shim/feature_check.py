@@ -1,0 +1,366 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one list of vLLM features and what vllm-xla does with each: supported, or refused at start.
+
+The platform's config check (`XlaPlatform.check_and_update_config`, run inside vLLM's
+`EngineArgs.create_engine_config`, hence at `vllm.LLM(...)` and server start) calls
+`refuse_unsupported`: every option below that the worker does not implement is refused by name,
+with what to do instead, instead of being silently ignored. `docs/features.md` is generated from
+these tables (`python -m plugin_shim.feature_check > docs/features.md`); a test keeps them equal.
+A feature that lands moves from `REFUSED` to `SUPPORTED` and gets its own tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A vLLM option the worker does not implement."""
+
+    option: str  # vLLM's name (`EngineArgs` field / CLI flag without dashes)
+    feature: str  # what it is, in a few words
+    refused: str  # which values are refused
+    detect: Callable[[VllmConfig], bool]  # whether the config asks for it
+    instead: str  # what to do instead
+
+
+@dataclasses.dataclass(frozen=True)
+class Supported:
+    """A vLLM feature that works on this platform."""
+
+    feature: str
+    options: str
+    note: str
+
+
+def _model(config: VllmConfig) -> Any:
+    return config.model_config
+
+
+def _parallel(config: VllmConfig) -> Any:
+    return config.parallel_config
+
+
+def _uva_offload_gb(config: VllmConfig) -> float:
+    offload = getattr(config, "offload_config", None)
+    return float(offload.uva.cpu_offload_gb) if offload is not None else 0.0
+
+
+def _prefetch_offload(config: VllmConfig) -> bool:
+    offload = getattr(config, "offload_config", None)
+    return offload is not None and offload.prefetch.offload_group_size > 0
+
+
+def _pooling(config: VllmConfig) -> bool:
+    model = _model(config)
+    return model.runner_type == "pooling" or model.convert_type not in ("none", None)
+
+
+_NO_PARALLELISM = (
+    "use --tensor-parallel-size to split the model over this host's devices (one process per "
+    "host behind a load balancer scales out)"
+)
+
+REFUSED: tuple[Refusal, ...] = (
+    Refusal(
+        "enable_lora",
+        "LoRA adapters",
+        "True",
+        lambda c: c.lora_config is not None,
+        "merge the adapter into the base weights (e.g. PEFT's merge_and_unload) and serve the merged "
+        "checkpoint",
+    ),
+    Refusal(
+        "enable_prompt_embeds",
+        "prompt embeddings as input",
+        "True",
+        lambda c: bool(_model(c).enable_prompt_embeds),
+        "send token ids or text prompts",
+    ),
+    Refusal(
+        "quantization",
+        "quantized weights (also a checkpoint's quantization_config)",
+        "any value",
+        lambda c: _model(c).quantization is not None,
+        "serve an unquantized checkpoint (dtype bfloat16 halves the weights' memory); a GGUF file "
+        "converts with `vllm-xla model-dir --gguf FILE`",
+    ),
+    Refusal(
+        "speculative_config",
+        "speculative decoding",
+        "any method",
+        lambda c: c.speculative_config is not None,
+        "leave speculative_config unset (and spec_method / spec_model)",
+    ),
+    Refusal(
+        "cpu_offload_gb",
+        "offloading weights to host memory",
+        "> 0",
+        lambda c: _uva_offload_gb(c) > 0,
+        "leave it 0: the weights stay on the device (a smaller max_num_seqs or max_model_len leaves "
+        "them more room)",
+    ),
+    Refusal(
+        "offload_group_size",
+        "prefetched layer offloading",
+        "> 0",
+        _prefetch_offload,
+        "leave it 0: the weights stay on the device",
+    ),
+    Refusal(
+        "pipeline_parallel_size",
+        "pipeline parallelism",
+        "> 1",
+        lambda c: _parallel(c).pipeline_parallel_size > 1,
+        _NO_PARALLELISM,
+    ),
+    Refusal(
+        "data_parallel_size",
+        "data parallelism",
+        "> 1",
+        lambda c: _parallel(c).data_parallel_size > 1,
+        _NO_PARALLELISM,
+    ),
+    Refusal(
+        "decode_context_parallel_size",
+        "decode context parallelism",
+        "> 1",
+        lambda c: _parallel(c).decode_context_parallel_size > 1,
+        _NO_PARALLELISM,
+    ),
+    Refusal(
+        "enable_expert_parallel",
+        "expert parallelism (MoE)",
+        "True",
+        lambda c: bool(_parallel(c).enable_expert_parallel),
+        "leave it off: MoE models run with every expert on the one device",
+    ),
+    Refusal(
+        "runner / convert",
+        "pooling models (embeddings, classification, scoring)",
+        "runner='pooling' or any convert",
+        _pooling,
+        "serve text generation (runner='generate'), or run the pooling model on vLLM's own backend",
+    ),
+    Refusal(
+        "kv_offloading_size",
+        "KV-cache offloading to host memory",
+        "any value",
+        lambda c: c.cache_config.kv_offloading_size is not None,
+        "leave it unset; size the device's KV cache with kv_cache_memory_bytes or gpu_memory_utilization",
+    ),
+    Refusal(
+        "kv_transfer_config",
+        "KV-cache transfer connectors (disaggregated prefill)",
+        "any value",
+        lambda c: c.kv_transfer_config is not None,
+        "serve prefill and decode in one engine",
+    ),
+    Refusal(
+        "ec_transfer_config",
+        "encoder-cache transfer connectors",
+        "any value",
+        lambda c: c.ec_transfer_config is not None,
+        "leave it unset (vllm-xla serves text-only models)",
+    ),
+    Refusal(
+        "multimodal inputs",
+        "a multimodal model (image, audio or video inputs)",
+        "any such model",
+        lambda c: bool(_model(c).is_multimodal_model),
+        "serve a text-only checkpoint",
+    ),
+    Refusal(
+        "hf_overrides",
+        "overriding the checkpoint's config.json",
+        "any value",
+        lambda c: bool(_model(c).hf_overrides),
+        "copy the model directory and edit its config.json",
+    ),
+    Refusal(
+        "hf_config_path",
+        "a config.json from another path",
+        "any value",
+        lambda c: bool(_model(c).hf_config_path),
+        "put the config.json into the model directory",
+    ),
+    Refusal(
+        "model_loader_extra_config",
+        "options for vLLM's weight loaders",
+        "any value",
+        lambda c: bool(c.load_config.model_loader_extra_config),
+        "leave it unset: vllm-xla reads the checkpoint itself (load_format chooses how)",
+    ),
+    Refusal(
+        "disable_sliding_window",
+        "ignoring the model's sliding window",
+        "True",
+        lambda c: bool(_model(c).disable_sliding_window),
+        "leave it off: layers with a sliding window attend within it",
+    ),
+    Refusal(
+        "model_impl",
+        "another model implementation",
+        "anything but 'auto'",
+        lambda c: str(getattr(_model(c).model_impl, "value", _model(c).model_impl)) != "auto",
+        "leave it 'auto': vllm-xla runs its own Flax models",
+    ),
+    Refusal(
+        "attention_backend",
+        "vLLM's torch attention backends",
+        "any value",
+        lambda c: c.attention_config.backend is not None,
+        "choose the JAX attention kernel with VLLM_XLA_ATTENTION_BACKEND",
+    ),
+    Refusal(
+        "watermark_config",
+        "text watermarking",
+        "any value",
+        lambda c: getattr(c, "watermark_config", None) is not None,
+        "leave it unset",
+    ),
+    Refusal(
+        "enable_return_routed_experts",
+        "returning MoE routing decisions",
+        "True",
+        lambda c: bool(c.aux_output_config.enabled),
+        "leave it off",
+    ),
+    Refusal(
+        "weight_transfer_config",
+        "in-place weight updates",
+        "any value",
+        lambda c: getattr(c, "weight_transfer_config", None) is not None,
+        "restart the engine on the new checkpoint",
+    ),
+)
+
+SUPPORTED: tuple[Supported, ...] = (
+    Supported(
+        "Text generation",
+        "runner='generate'",
+        "Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Mixtral, "
+        "Qwen3-MoE checkpoints (safetensors; GGUF through `vllm-xla model-dir`)",
+    ),
+    Supported(
+        "Sampling options",
+        "SamplingParams",
+        "temperature, top-k/p, min-p, seed, penalties, "
+        "logit_bias, allowed_token_ids, bad_words, min_tokens, stop, n; a request with an option "
+        "the runner cannot honour is refused by name",
+    ),
+    Supported("Logprobs", "logprobs, prompt_logprobs, max_logprobs, logprobs_mode", ""),
+    Supported("Structured outputs", "structured_outputs", "vLLM's grammar bitmasks, applied in the step"),
+    Supported("Logits processors", "logits_processors", "vLLM's logits-processor plugins"),
+    Supported(
+        "Prefix caching, chunked prefill, preemption",
+        "enable_prefix_caching, enable_chunked_prefill, max_num_batched_tokens",
+        "",
+    ),
+    Supported(
+        "Async scheduling",
+        "async_scheduling",
+        "off by default on the CPU device (VLLM_XLA_CPU_ASYNC_SCHEDULING=1 keeps it)",
+    ),
+    Supported(
+        "KV-cache size and dtype",
+        "block_size, kv_cache_memory_bytes, gpu_memory_utilization, "
+        "num_gpu_blocks_override, kv_cache_dtype (auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2)",
+        "",
+    ),
+    Supported("Sliding-window and hybrid models", "", "each window size gets its own KV-cache group"),
+    Supported("Model dtype", "dtype", "float32, bfloat16, float16"),
+    Supported("Load formats", "load_format", "auto, safetensors, npcache"),
+    Supported("Scheduler options", "max_num_seqs, max_model_len, scheduling_policy, scheduler_cls", ""),
+    Supported(
+        "Stat loggers and metrics",
+        "disable_log_stats, stat logger plugins",
+        "vllm_xla:* gauges beside vLLM's",
+    ),
+    Supported(
+        "Accepted, no effect",
+        "enforce_eager, compilation_config, cudagraph options, numa_bind",
+        "torch compilation and CUDA graphs do not apply: XLA compiles each step program once",
+    ),
+    Supported("OpenAI-compatible server", "vllm serve / vllm-xla serve", "completions, chat, streaming"),
+)
+
+
+def refusals(config: VllmConfig) -> list[Refusal]:
+    """The refused features `config` asks for (none without a model: vLLM builds such configs
+    for its own utilities, never to start an engine)."""
+    if config.model_config is None:
+        return []
+    return [r for r in REFUSED if r.detect(config)]
+
+
+def message(refusal: Refusal) -> str:
+    return (
+        f"{refusal.option} ({refusal.feature}) is not supported by vllm-xla "
+        f"(refused: {refusal.refused}); {refusal.instead}"
+    )
+
+
+def refuse_unsupported(config: VllmConfig) -> None:
+    """Raises a ValueError naming every feature `config` asks for that vllm-xla does not implement."""
+    found = refusals(config)
+    if found:
+        raise ValueError("; and ".join(message(r) for r in found))
+
+
+def refuse_quantization(quantization: str) -> None:
+    """vLLM's per-platform quantization check, called as soon as the method is known (before
+    vLLM's own dtype checks for it): no method is supported yet."""
+    (entry,) = [r for r in REFUSED if r.option == "quantization"]
+    raise ValueError(f"quantization={quantization!r}: " + message(entry))
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|") or "-"
+
+
+def features_markdown() -> str:
+    """`docs/features.md`: both tables, from the lists above."""
+    lines = [
+        "# vLLM features on vllm-xla",
+        "",
+        "<!-- Generated by `python -m plugin_shim.feature_check > docs/features.md`; edit "
+        "plugin_shim/feature_check.py, not this file. -->",
+        "",
+        "vLLM's configuration check on this platform refuses, at `vllm.LLM(...)` or server start,",
+        "every vLLM option the XLA worker does not implement, with a ValueError naming the option",
+        "and what to do instead. Nothing else is silently ignored.",
+        "",
+        "## Supported",
+        "",
+        "| Feature | vLLM options | Notes |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| {_cell(s.feature)} | {_cell(s.options)} | {_cell(s.note)} |" for s in SUPPORTED]
+    lines += [
+        "",
+        "## Refused at start",
+        "",
+        "| Option | Feature | Refused values | Instead |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| `{r.option}` | {_cell(r.feature)} | {_cell(r.refused)} | {_cell(r.instead)} |" for r in REFUSED
+    ]
+    lines += [
+        "",
+        "vLLM itself refuses some others on this platform before the check above runs:",
+        "`enable_sleep_mode`, `prefill_context_parallel_size`, `return_sampling_mask`, `enable_dbo`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(features_markdown(), end="")

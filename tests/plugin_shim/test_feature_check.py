@@ -1,0 +1,160 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every vLLM feature the worker does not implement is refused at start, through vLLM's own
+configuration path, by name; what works stays accepted; docs/features.md is the same list."""
+
+import json
+import pathlib
+import shutil
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+
+from plugin_shim import feature_check
+from tests.tiny_models import save_tiny_llama
+
+_DOC = pathlib.Path(__file__).parents[2] / "docs" / "features.md"
+
+# Refused option -> (model variant, EngineArgs keywords that ask for it).
+CASES = {
+    "enable_lora": ("llama", dict(enable_lora=True)),
+    "enable_prompt_embeds": ("llama", dict(enable_prompt_embeds=True)),
+    "quantization": ("llama", dict(quantization="fp8")),
+    "speculative_config": (
+        "llama",
+        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
+    ),
+    "cpu_offload_gb": ("llama", dict(cpu_offload_gb=1)),
+    "offload_group_size": ("llama", dict(offload_group_size=2, offload_num_in_group=1)),
+    "pipeline_parallel_size": ("llama", dict(pipeline_parallel_size=2)),
+    "data_parallel_size": ("llama", dict(data_parallel_size=2)),
+    # vLLM wants tensor parallelism beyond the KV heads (2) for it: both are refused.
+    "decode_context_parallel_size": ("llama", dict(decode_context_parallel_size=2, tensor_parallel_size=4)),
+    "enable_expert_parallel": ("mixtral", dict(enable_expert_parallel=True)),
+    "runner / convert": ("llama", dict(runner="pooling")),
+    "kv_offloading_size": ("llama", dict(kv_offloading_size=1.0)),
+    "kv_transfer_config": (
+        "llama", dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
+    ),
+    "ec_transfer_config": (
+        "llama", dict(ec_transfer_config={"ec_connector": "ECExampleConnector", "ec_role": "ec_both"}),
+    ),
+    "multimodal inputs": ("multimodal", {}),
+    "hf_overrides": ("llama", dict(hf_overrides={"num_hidden_layers": 1})),
+    "hf_config_path": ("llama", dict(hf_config_path="{model}")),
+    "model_loader_extra_config": ("llama", dict(model_loader_extra_config={"enable_multithread_load": True})),
+    "disable_sliding_window": ("llama", dict(disable_sliding_window=True)),
+    "model_impl": ("llama", dict(model_impl="transformers")),
+    "attention_backend": ("llama", dict(attention_backend="FLASH_ATTN")),
+    "watermark_config": ("llama", dict(watermark_config={"key": 7})),
+    "enable_return_routed_experts": ("mixtral", dict(enable_return_routed_experts=True)),
+    "weight_transfer_config": ("llama", dict(weight_transfer_config={"backend": "nccl"})),
+}  # fmt: skip
+# More ways of asking for a refused feature.
+MORE_CASES = [
+    ("quantization", "fp8_checkpoint", {}),  # a checkpoint's quantization_config
+    ("quantization", "llama", dict(quantization="fp8", dtype="bfloat16")),
+    ("speculative_config", "llama", dict(spec_method="ngram", spec_tokens=2)),
+    ("runner / convert", "llama", dict(convert="embed")),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    """Model directories: a tiny Llama with weights, and config-only variants of it (vLLM's
+    configuration reads config.json and the tokenizer only)."""
+    root = tmp_path_factory.mktemp("features")
+    llama = save_tiny_llama(str(root / "llama"))
+    config = json.loads((pathlib.Path(llama) / "config.json").read_text())
+    variants = {
+        "mixtral": dict(
+            config, architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        "fp8_checkpoint": dict(
+            config, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"}
+        ),
+    }  # fmt: skip
+    dirs = {"llama": llama, "multimodal": llama}
+    for name, variant in variants.items():
+        path = root / name
+        shutil.copytree(llama, path, ignore=shutil.ignore_patterns("*.safetensors"))
+        (path / "config.json").write_text(json.dumps(variant))
+        dirs[name] = str(path)
+    return dirs
+
+
+@pytest.fixture
+def multimodal(monkeypatch):
+    """vLLM inspects a multimodal architecture's classes, which import torchvision (not installed
+    beside the CPU torch): the tiny text model stands in, reported multimodal by vLLM's own
+    `ModelConfig.is_multimodal_model`."""
+    from vllm.config.model import ModelConfig
+
+    monkeypatch.setattr(ModelConfig, "is_multimodal_model", property(lambda self: True))
+
+
+def _config(models: dict[str, str], variant: str, kwargs: dict):
+    kwargs = {k: v.format(model=models[variant]) if isinstance(v, str) else v for k, v in kwargs.items()}
+    return EngineArgs(model=models[variant], max_model_len=128, **kwargs).create_engine_config()
+
+
+def test_every_refusal_has_a_case():
+    assert sorted(CASES) == sorted(r.option for r in feature_check.REFUSED)
+
+
+@pytest.mark.parametrize("refusal", feature_check.REFUSED, ids=lambda r: r.option)
+def test_refused_at_engine_config_with_the_option_named(request, models, refusal):
+    variant, kwargs = CASES[refusal.option]
+    if variant == "multimodal":
+        request.getfixturevalue("multimodal")
+    with pytest.raises(ValueError) as raised:
+        _config(models, variant, kwargs)
+    assert feature_check.message(refusal) in str(raised.value)
+    # Only what was asked for (decode context parallelism comes with tensor parallelism).
+    also = 1 if refusal.option == "decode_context_parallel_size" else 0
+    assert str(raised.value).count("not supported by vllm-xla") == 1 + also
+
+
+@pytest.mark.parametrize(("option", "variant", "kwargs"), MORE_CASES)
+def test_refused_whichever_way_it_is_asked_for(models, option, variant, kwargs):
+    (refusal,) = [r for r in feature_check.REFUSED if r.option == option]
+    with pytest.raises(ValueError, match="not supported by vllm-xla") as raised:
+        _config(models, variant, kwargs)
+    assert feature_check.message(refusal) in str(raised.value)
+
+
+def test_several_refused_features_are_named_together(models):
+    with pytest.raises(ValueError) as raised:
+        _config(models, "llama", dict(enable_lora=True, cpu_offload_gb=2, hf_overrides={"x": 1}))
+    for option in ("enable_lora", "cpu_offload_gb", "hf_overrides"):
+        assert f"{option} (" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=64),
+        dict(kv_cache_dtype="fp8", load_format="npcache", dtype="bfloat16", block_size=32),
+        dict(kv_events_config={"enable_kv_cache_events": True, "publisher": "null"}),
+        dict(async_scheduling=True, max_num_seqs=4, seed=3, max_logprobs=5, enforce_eager=True),
+        dict(runner="generate", convert="none", model_impl="auto", tensor_parallel_size=1),
+    ],
+    ids=["defaults", "prefix_chunked", "dtypes_npcache", "kv_events", "scheduling", "explicit_defaults"],
+)
+def test_what_works_stays_accepted(models, kwargs):
+    config = _config(models, "llama", kwargs)
+    assert feature_check.refusals(config) == []
+    assert config.parallel_config.worker_cls == "plugin_shim.worker.XlaWorker"
+
+
+def test_moe_model_is_accepted(models):
+    assert feature_check.refusals(_config(models, "mixtral", {})) == []
+
+
+def test_docs_table_is_the_list():
+    assert _DOC.read_text() == feature_check.features_markdown(), (
+        "docs/features.md is stale: python -m plugin_shim.feature_check > docs/features.md"
+    )
+    for refusal in feature_check.REFUSED:
+        assert f"| `{refusal.option}` |" in _DOC.read_text()
