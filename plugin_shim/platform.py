@@ -14,9 +14,9 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from plugin_shim.cache_dtype import runner_kv_cache_dtype
+from plugin_shim.feature_check import refuse_quantization, refuse_unsupported
 from plugin_shim.internals import jax_backends_initialized
 from plugin_shim.parallel import configure_parallel
-from plugin_shim.feature_check import refuse_quantization, refuse_unsupported
 from tpu_platform.envs import PREFIX, read_env, unknown_variables
 from tpu_platform.runner_config import default_page_size
 

@@ -213,7 +213,11 @@ def test_tp4_serves_chunked_prefill_prefix_hits_and_preemption_without_compiling
             dict(tensor_parallel_size=2),
             r"tensor_parallel_size=2 cannot shard this model: its 3 KV heads .* one of \[1, 3, 6\]",
         ),
-        ({}, dict(pipeline_parallel_size=2), r"pipeline_parallel_size \(pipeline parallelism\) is not supported"),
+        (
+            {},
+            dict(pipeline_parallel_size=2),
+            r"pipeline_parallel_size \(pipeline parallelism\) is not supported",
+        ),
         ({}, dict(tensor_parallel_size=2), "needs 2 devices, but this host has 1 cpu device"),
     ],
 )
