@@ -90,6 +90,13 @@ def restore_converted(
                 f"it holds {stored.dtype} weights and the model runs in {preparation.dtype}: pass "
                 f"--dtype {stored.dtype}, or convert the source again with --dtype {preparation.dtype}"
             )
+        if stored.tp_size != preparation.tp_size:
+            raise UnusableCheckpoint(
+                f"it is laid out for tensor_parallel_size={stored.tp_size} (fused projections, KV "
+                f"heads) and the model runs at {preparation.tp_size}: serve it at "
+                f"--tensor-parallel-size {stored.tp_size}, or serve the source model (with "
+                "--load-format npcache to keep its prepared weights)"
+            )
         if stored.packing not in ("none", preparation.packing):
             raise UnusableCheckpoint(
                 f"its kernels are packed ({stored.packing}) for the native CPU dense kernel, which "
@@ -107,8 +114,9 @@ def restore_converted(
 
 
 def _stored_preparation(metadata: dict) -> Preparation:
-    dtype, _, packing = str(metadata.get("preparation", "")).partition("-")
+    dtype, _, rest = str(metadata.get("preparation", "")).partition("-")
+    packing, _, tp = rest.partition("-tp")
     try:
-        return Preparation(dtype, packing)
+        return Preparation(dtype, packing, int(tp or 1))
     except ValueError as error:
         raise UnusableCheckpoint(f"unknown preparation {metadata.get('preparation')!r}") from error
