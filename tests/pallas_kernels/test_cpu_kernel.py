@@ -133,6 +133,7 @@ def test_kernel_runs_in_the_donated_step_that_writes_the_cache():
         "dense_avx2.h",
     ],
 )
+@pytest.mark.slow  # rebuilds the native library with g++ for each source
 def test_library_name_follows_the_sources_and_build_reuses_it(tmp_path, monkeypatch, edited_file):
     compiler = build.find_compiler()
     first = build.library_name(compiler)
@@ -147,6 +148,7 @@ def test_library_name_follows_the_sources_and_build_reuses_it(tmp_path, monkeypa
     assert build.library_name(compiler) != first
 
 
+@pytest.mark.slow  # runs g++ on broken sources
 def test_build_errors_name_the_cause(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(build.NativeKernelError, match=r"no C\+\+ compiler found.*no-such-compiler.*'xla'"):
