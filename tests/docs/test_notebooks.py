@@ -13,6 +13,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each notebook runs from a clean kernel
+
 nbclient = pytest.importorskip("nbclient", reason="make test installs nbclient (Makefile PIN)")
 nbformat = pytest.importorskip("nbformat")
 

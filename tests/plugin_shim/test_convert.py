@@ -11,6 +11,8 @@ from plugin_shim.cli import main
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.converted import PREPARED_DIR
 
+pytestmark = pytest.mark.slow  # converts and serves through vllm.LLM
+
 _PROMPTS = ["The capital of France is", "hello world, hello"]
 _LIMITS = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, dtype="bfloat16", seed=0)
 

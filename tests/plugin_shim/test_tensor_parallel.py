@@ -25,6 +25,8 @@ from tests.models.tiny_checkpoints import hf_logits, prompts, save_tiny
 from tests.plugin_shim.tensor_parallel_engine import environment
 from tests.tiny_models import save_tiny_llama
 
+pytestmark = pytest.mark.slow  # engines on simulated multi-device hosts
+
 NEW_TOKENS = 6
 LOGPROB_ATOL = 1e-3
 # An 8-token step budget keeps warm-up to a few programs and prefills in chunks.
