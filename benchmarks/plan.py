@@ -144,6 +144,12 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def render_markdown(report: dict) -> str:
+    """A results JSON (`{"note", "results"}`) as its label and one table: what the docs show."""
+    note = report.get("note") or "compiler estimates and rooflines from compile-only targets, not measurements"
+    return f"**{note[0].upper()}{note[1:]}.**\n\n" + markdown(report["results"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", nargs="+", default=["llama-3.1-8b"])
@@ -159,7 +165,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.markdown:
-        print(markdown(json.loads(pathlib.Path(args.markdown).read_text())["results"]))
+        print(render_markdown(json.loads(pathlib.Path(args.markdown).read_text())))
         return
     if args.worker:
         _worker(args)
