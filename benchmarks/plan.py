@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 from tpu_platform.targets import TARGETS  # noqa: E402
 
 GIB = 1 << 30
+NOTE = "compiler estimates and rooflines from compile-only targets, not measurements"
 _TOOLCHAIN_MARKERS = {"tpu": "libtpu", "cuda": "jax_plugins"}
 
 
@@ -146,7 +147,7 @@ def markdown(rows: list[dict]) -> str:
 
 def render_markdown(report: dict) -> str:
     """A results JSON (`{"note", "results"}`) as its label and one table: what the docs show."""
-    note = report.get("note") or "compiler estimates and rooflines from compile-only targets, not measurements"
+    note = report.get("note") or NOTE
     return f"**{note[0].upper()}{note[1:]}.**\n\n" + markdown(report["results"])
 
 
@@ -180,9 +181,8 @@ def main() -> None:
     for row in rows:
         print(_report(row) + "\n")
     if args.json:
-        note = "compiler estimates and rooflines from compile-only targets, not measurements"
         pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps({"note": note, "results": rows}, indent=1) + "\n")
+        pathlib.Path(args.json).write_text(json.dumps({"note": NOTE, "results": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
