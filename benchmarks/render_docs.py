@@ -205,11 +205,12 @@ PLANNER_INTRO = """\
 What one chip of each compile-only target holds and how fast a decode step could be, from
 [`benchmarks/plan.py`](../benchmarks/plan.py): the runner's decode and prefill steps and its
 sampler compiled by the target's real compiler with abstract weights, the KV cache sized to the
-memory left (`gpu_memory_utilization` 0.9). Columns: per-chip weights, the largest KV cache that
-fits (GiB and tokens), the steps' temporary memory, whether the batch's full context fits, and
-three decode-step times: the roofline (weights and the batch's KV read once at peak bandwidth),
-XLA's cost model, and the bytes the optimized program's instructions move at peak bandwidth (an
-upper bound: a kernel is charged every operand it takes whole). None of them is a measurement.
+memory left (`--memory-utilization`, as vLLM's `gpu_memory_utilization`). Columns: per-chip
+weights, the KV cache that fits (GiB and tokens), the steps' temporary memory, whether the
+batch's full context fits, and three decode-step times: the roofline (weights and the batch's
+KV read once at peak bandwidth), XLA's cost model, and the bytes the optimized program's
+instructions move at peak bandwidth (an upper bound: a kernel is charged every operand it takes
+whole). None of them is a measurement.
 """
 
 
