@@ -208,9 +208,10 @@ sampler compiled by the target's real compiler with abstract weights, the KV cac
 memory left (`--memory-utilization`, as vLLM's `gpu_memory_utilization`). Columns: per-chip
 weights, the KV cache that fits (GiB and tokens), the steps' temporary memory, whether the
 batch's full context fits, and three decode-step times: the roofline (weights and the batch's
-KV read once at peak bandwidth), XLA's cost model, and the bytes the optimized program's
-instructions move at peak bandwidth (an upper bound: a kernel is charged every operand it takes
-whole). None of them is a measurement.
+KV read once at peak bandwidth), XLA's cost model (it does not count what happens inside a
+Mosaic or Triton kernel, so it can come out below the roofline), and the bytes the optimized
+program's instructions move at peak bandwidth (an upper bound: a kernel is charged every operand
+it takes whole). None of them is a measurement.
 """
 
 
