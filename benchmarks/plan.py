@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 from tpu_platform.targets import TARGETS  # noqa: E402
 
 GIB = 1 << 30
+NOTE = "compiler estimates and rooflines from compile-only targets, not measurements"
 _TOOLCHAIN_MARKERS = {"tpu": "libtpu", "cuda": "jax_plugins"}
 
 
@@ -144,6 +145,12 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def render_markdown(report: dict) -> str:
+    """A results JSON (`{"note", "results"}`) as its label and one table: what the docs show."""
+    note = report.get("note") or NOTE
+    return f"**{note[0].upper()}{note[1:]}.**\n\n" + markdown(report["results"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", nargs="+", default=["llama-3.1-8b"])
@@ -159,7 +166,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.markdown:
-        print(markdown(json.loads(pathlib.Path(args.markdown).read_text())["results"]))
+        print(render_markdown(json.loads(pathlib.Path(args.markdown).read_text())))
         return
     if args.worker:
         _worker(args)
@@ -174,9 +181,8 @@ def main() -> None:
     for row in rows:
         print(_report(row) + "\n")
     if args.json:
-        note = "compiler estimates and rooflines from compile-only targets, not measurements"
         pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps({"note": note, "results": rows}, indent=1) + "\n")
+        pathlib.Path(args.json).write_text(json.dumps({"note": NOTE, "results": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

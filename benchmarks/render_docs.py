@@ -7,7 +7,8 @@
 Inputs, all in `benchmarks/results/` (the only benchmark output kept in git):
   throughput-<machine kind>.json   a `throughput.py` report, one file per machine kind (the name
                                    after `throughput-` is the kind's label, e.g. `amd-epyc-avx512bf16-2cpu`)
-  plan.json                        optional: the planner's report, rendered by `benchmarks/plan.py`
+  plan.json                        optional: the planner's report (compiler estimates, not
+                                   measurements), rendered by `benchmarks/plan.py` into both
 A new measurement replaces its kind's file; the history of the figures is the history of that file
 in git, never prose. `tests/docs/test_docs.py` fails when the committed README or docs/performance.md
 differ from what this script renders from the committed JSON.
@@ -35,6 +36,9 @@ PLAN_JSON = RESULTS / "plan.json"
 PLAN_SCRIPT = HERE / "plan.py"
 TABLE_BEGIN = "<!-- performance table: written by benchmarks/render_docs.py, do not edit -->"
 TABLE_END = "<!-- end of performance table -->"
+PLAN_BEGIN = "<!-- planner table: written by benchmarks/render_docs.py, do not edit -->"
+PLAN_END = "<!-- end of planner table -->"
+NO_PLAN = "No planner report is committed (`benchmarks/results/plan.json`, written by `benchmarks/plan.py`)."
 
 # The README's headline rows (labels of `_report.METRICS`); a row no run measured is left out.
 HEADLINE = (
@@ -178,7 +182,7 @@ def machine_section(kind: str, report: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def planner_section() -> str | None:
+def planner_table() -> str | None:
     """The planner's table when `benchmarks/results/plan.json` exists, rendered by `plan.py`.
 
     `benchmarks/plan.py` owns its format: it must define `render_markdown(report: dict) -> str`
@@ -194,7 +198,27 @@ def planner_section() -> str | None:
     render = getattr(plan, "render_markdown", None)
     if render is None:
         raise SystemExit(f"{PLAN_SCRIPT} has no render_markdown(report) -> str to render {PLAN_JSON} with")
-    return "## What fits where: the planner\n\n" + render(json.loads(PLAN_JSON.read_text())).strip() + "\n"
+    return render(json.loads(PLAN_JSON.read_text())).strip()
+
+
+PLANNER_INTRO = """\
+What one chip of each compile-only target holds and how fast a decode step could be, from
+[`benchmarks/plan.py`](../benchmarks/plan.py): the runner's decode and prefill steps and its
+sampler compiled by the target's real compiler with abstract weights, the KV cache sized to the
+memory left (`--memory-utilization`, as vLLM's `gpu_memory_utilization`). Columns: per-chip
+weights, the KV cache that fits (GiB and tokens), the steps' temporary memory, whether the
+batch's full context fits, and three decode-step times: the roofline (weights and the batch's
+KV read once at peak bandwidth), XLA's cost model (it does not count what happens inside a
+Mosaic or Triton kernel, so it can come out below the roofline), and the bytes the optimized
+program's instructions move at peak bandwidth (an upper bound: a kernel is charged every operand
+it takes whole). None of them is a measurement.
+"""
+
+
+def planner_section(table: str | None) -> str:
+    """The performance page's planner section: the table, or a line saying none is committed."""
+    body = NO_PLAN if table is None else PLANNER_INTRO + "\n" + table
+    return "## What fits where: the planner\n\n" + body + "\n"
 
 
 INTRO = """\
@@ -205,8 +229,10 @@ rerun the benchmark, not this page. -->
 
 The latest end-to-end figures, one section per machine kind, each from one run of
 [`benchmarks/throughput.py`](../benchmarks/throughput.py) (its options and workloads:
-[`benchmarks/README.md`](../benchmarks/README.md)). Only CPUs appear: nothing has run on a TPU or
-a GPU yet ([kernels.md](kernels.md#support-matrix)).
+[`benchmarks/README.md`](../benchmarks/README.md)). Only CPUs are measured: nothing has run on a
+TPU or a GPU yet ([kernels.md](kernels.md#support-matrix)). For TPU and GPU targets the
+[planner's section](#what-fits-where-the-planner) gives compiler estimates and rooflines, not
+measurements.
 
 ## Method
 
@@ -249,35 +275,30 @@ WHAT_MOVES = """\
 
 
 def performance_page(runs: dict[str, dict[str, Any]], planner: str | None) -> str:
+    """The whole page: method, every machine kind's figures, the planner's `planner` table."""
     sections = [INTRO]
     if runs:
         sections.append("## Latest figures, all machine kinds\n\n" + readme_table(runs) + "\n")
     sections += [machine_section(kind, report) for kind, report in runs.items()]
-    if planner is None:
-        planner = (
-            "## What fits where: the planner\n\n"
-            "No planner report is committed (`benchmarks/results/plan.json`, written by "
-            "`benchmarks/plan.py`).\n"
-        )
-    sections += [planner, WHAT_MOVES]
+    sections += [planner_section(planner), WHAT_MOVES]
     return "\n".join(s.rstrip("\n") + "\n" for s in sections)
 
 
-def readme_with_table(readme: str, table: str) -> str:
-    """`readme` with the text between the markers replaced by `table`; an error without them."""
-    begin, end = readme.find(TABLE_BEGIN), readme.find(TABLE_END)
+def readme_with_table(readme: str, table: str, markers: tuple[str, str] = (TABLE_BEGIN, TABLE_END)) -> str:
+    """`readme` with the text between `markers` replaced by `table`; an error without them."""
+    begin_marker, end_marker = markers
+    begin, end = readme.find(begin_marker), readme.find(end_marker)
     if begin < 0 or end < begin:
-        raise SystemExit(f"README.md lacks the markers:\n{TABLE_BEGIN}\n{TABLE_END}")
-    return readme[: begin + len(TABLE_BEGIN)] + "\n" + table + "\n" + readme[end:]
+        raise SystemExit(f"README.md lacks the markers:\n{begin_marker}\n{end_marker}")
+    return readme[: begin + len(begin_marker)] + "\n" + table + "\n" + readme[end:]
 
 
 def render() -> dict[pathlib.Path, str]:
     """{path: the text it should hold} for README.md and docs/performance.md."""
-    runs = load_runs()
-    return {
-        README: readme_with_table(README.read_text(), readme_table(runs)),
-        PERFORMANCE: performance_page(runs, planner_section()),
-    }
+    runs, planner = load_runs(), planner_table()
+    readme = readme_with_table(README.read_text(), readme_table(runs))
+    readme = readme_with_table(readme, NO_PLAN if planner is None else planner, (PLAN_BEGIN, PLAN_END))
+    return {README: readme, PERFORMANCE: performance_page(runs, planner)}
 
 
 def main(argv: list[str] | None = None) -> int:
