@@ -139,7 +139,8 @@ REFUSED: tuple[Refusal, ...] = (
         "expert parallelism (MoE)",
         "True",
         lambda c: bool(_parallel(c).enable_expert_parallel),
-        "leave it off: MoE models run with every expert on the one device",
+        "leave it off: under --tensor-parallel-size each expert is split over the devices "
+        "(its intermediate dimension), with no all-to-all",
     ),
     Refusal(
         "runner / convert",
@@ -254,6 +255,12 @@ SUPPORTED: tuple[Supported, ...] = (
         "temperature, top-k/p, min-p, seed, penalties, "
         "logit_bias, allowed_token_ids, bad_words, min_tokens, stop, n; a request with an option "
         "the runner cannot honour is refused by name",
+    ),
+    Supported(
+        "Tensor parallelism on one host",
+        "tensor_parallel_size",
+        "one worker drives a JAX mesh of the host's devices (models/sharding.py); several hosts "
+        "(--nnodes > 1) and the Ray executor are refused",
     ),
     Supported("Logprobs", "logprobs, prompt_logprobs, max_logprobs, logprobs_mode", ""),
     Supported("Structured outputs", "structured_outputs", "vLLM's grammar bitmasks, applied in the step"),
