@@ -182,12 +182,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def start_detached(command: list[str]) -> None:
+    """Starts `command` in the background as no child of this process: a shell starts it and
+    exits, so init reaps it. (This process becomes vLLM's server, which never waits for a child
+    it did not start: a direct child would stay a zombie once done.)"""
+    subprocess.run(["sh", "-c", '"$@" >/dev/null 2>&1 &', "sh", *command], check=True)
+
+
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     _ensure_platform()
     env = read_env()
     if _builds_native_kernels(env):  # in a process of its own: this one becomes vLLM's server
-        command = [sys.executable, "-m", "pallas_kernels.cpu", native_build_dir(env.cache_dir)]
-        subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        start_detached([sys.executable, "-m", "pallas_kernels.cpu", native_build_dir(env.cache_dir)])
     model = args.model or _default_model()
     if args.model is None and not any(arg.split("=")[0] == "--load-format" for arg in extra):
         extra = ["--load-format", "npcache", *extra]  # the embedded model's prepared weights kept

@@ -5,11 +5,13 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from pallas_kernels import cpu
-from plugin_shim.cli import one_shot_kv_pages, step_token_budget
+from plugin_shim.cli import one_shot_kv_pages, start_detached, step_token_budget
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.envs import read_env
 
@@ -149,3 +151,17 @@ def test_serve_keeps_the_embedded_models_weights_prepared_unless_told(monkeypatc
     monkeypatch.setattr(cli.os, "execv", lambda path, argv: started.append(argv))
     cli.main(["serve", *argv])
     assert started[0][3:] == ["--model", "/embedded", *load_format, *argv]
+
+
+def test_the_serve_commands_native_build_is_no_child_of_the_server(tmp_path):
+    """The server `serve` execs into never waits for a child it did not start: the build must
+    not be one (it would stay a zombie once done)."""
+    marker = tmp_path / "done"
+    code = f"import time; time.sleep(1); open({str(marker)!r}, 'w').close()"
+    start_detached([sys.executable, "-c", code])
+    children = psutil.Process().children(recursive=True)
+    assert not [c for c in children if str(marker) in " ".join(c.cmdline())]  # running, not ours
+    deadline = time.monotonic() + 30
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists()  # and it ran
