@@ -110,9 +110,9 @@ def test_refused_at_engine_config_with_the_option_named(request, models, refusal
     with pytest.raises(ValueError) as raised:
         _config(models, variant, kwargs)
     assert feature_check.message(refusal) in str(raised.value)
-    # Only what was asked for (decode context parallelism comes with tensor parallelism).
-    also = 1 if refusal.option == "decode_context_parallel_size" else 0
-    assert str(raised.value).count("not supported by vllm-xla") == 1 + also
+    # Only what was asked for (decode context parallelism comes with tensor parallelism, which
+    # is supported).
+    assert str(raised.value).count("not supported by vllm-xla") == 1
 
 
 @pytest.mark.parametrize(("option", "variant", "kwargs"), MORE_CASES)
