@@ -19,6 +19,7 @@ from safetensors.numpy import load_file
 
 from models import load_model
 from tests.tiny_models import save_tiny_llama
+from tpu_platform.prepared_weights import Preparation
 from tpu_platform.programs import ExecutableCache, ProgramSpec
 from tpu_platform.weights_cache import WeightsCache
 
@@ -29,6 +30,7 @@ import jax, jax.numpy as jnp
 from models import load_model
 from plugin_shim.model_dir import materialize
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
+from tpu_platform.prepared_weights import Preparation
 from tpu_platform.weights_cache import WeightsCache
 while time.time() < start_at:  # both processes go at the same moment, imports done
     time.sleep(0.005)
@@ -41,8 +43,8 @@ enable_persistent_cache(cache_dir)
 cache = ExecutableCache(os.path.join(cache_dir, "executables"), jax.devices()[0])
 spec = ProgramSpec(key="sin", jitted=jax.jit(jnp.sin), args=(jax.ShapeDtypeStruct((5, 3), jnp.float32),))
 Programs(strict=False, cache=cache).build(spec)
-weights = WeightsCache.for_model(os.path.join(cache_dir, "weights"), tiny, "float32-xla")
-weights.store(load_model(tiny, jnp.float32, on_host=True)[1])
+weights = WeightsCache.for_model(os.path.join(cache_dir, "weights"), tiny, Preparation("float32"))
+weights.store(*load_model(tiny, jnp.float32, on_host=True))
 paths = {"executable": cache.path(spec), "weights": weights.path}
 print(json.dumps({"model_dir": model_dir, "model_digest": digest.hexdigest(), **paths}))
 """
@@ -105,11 +107,11 @@ def test_two_processes_starting_at_once_share_whole_caches(tmp_path):
     spec = ProgramSpec(key="sin", jitted=jax.jit(jnp.sin), args=(jax.ShapeDtypeStruct((5, 3), jnp.float32),))
     assert cache.path(spec) == first["executable"]
 
-    weights = WeightsCache.for_model(str(cache_dir / "weights"), tiny, "float32-xla")
+    weights = WeightsCache.for_model(str(cache_dir / "weights"), tiny, Preparation("float32"))
     assert weights.path == first["weights"]
-    model = weights.load()
+    config, expected = load_model(tiny, jnp.float32, on_host=True)
+    model = weights.load(config, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     assert model is not None
-    expected = load_model(tiny, jnp.float32, on_host=True)[1]
     got_leaves, want_leaves = jax.tree.leaves(model), jax.tree.leaves(expected)
     assert len(got_leaves) == len(want_leaves)
     for got, want in zip(got_leaves, want_leaves, strict=True):
