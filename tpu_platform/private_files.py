@@ -53,3 +53,26 @@ def open_private(path: str):
     """`path` opened for writing bytes, created readable and writable by the current user only
     (whatever the umask: a group-writable entry would be refused when read back)."""
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+
+
+def _tree(directory: str) -> list[str]:
+    """`directory` and everything in it."""
+    paths = []
+    for root, dirs, files in os.walk(directory):
+        paths += [root, *(os.path.join(root, name) for name in (*dirs, *files))]
+    return paths
+
+
+def unsafe_tree_reason(directory: str) -> str | None:
+    """`unsafe_reason` of the first of `directory`'s parent, itself and everything in it that
+    another user could have written, or None (a checkpoint directory is read whole)."""
+    paths = [os.path.dirname(os.path.abspath(directory)), *_tree(directory)]
+    return next((reason for reason in map(unsafe_reason, paths) if reason), None)
+
+
+def make_tree_private(directory: str) -> None:
+    """Takes group and other permissions off `directory` and everything in it (a library that
+    writes under the process's umask, e.g. Orbax, leaves them; `unsafe_tree_reason` would then
+    refuse what was written)."""
+    for path in _tree(directory):
+        os.chmod(path, os.lstat(path).st_mode & 0o700)

@@ -40,7 +40,7 @@ from tpu_platform.prepared_weights import (
     restore_prepared,
     save_prepared,
 )
-from tpu_platform.private_files import unsafe_reason
+from tpu_platform.private_files import make_tree_private, unsafe_tree_reason
 from tpu_platform.programs import UNUSED_ENTRY_SECONDS, mark_used, remove_unused, source_fingerprint
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
@@ -74,7 +74,7 @@ class WeightsCache:
         has no usable entry (a damaged or foreign one is logged and removed)."""
         if not os.path.isdir(self.path):
             return None
-        unsafe = _writable_by_others(self.path)
+        unsafe = unsafe_tree_reason(self.path)
         if unsafe:
             logger.warning("not reading the weights cache entry %s: %s", self.path, unsafe)
             return None
@@ -92,13 +92,13 @@ class WeightsCache:
         directory = os.path.dirname(self.path)
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
-            unsafe = _writable_by_others(directory)
+            unsafe = unsafe_tree_reason(directory)
             if unsafe:  # never read from there: not worth writing
                 logger.warning("not caching the prepared weights in %s: %s", directory, unsafe)
                 return
             state = nnx.state(model)
             save_prepared(self.path, state, metadata_for(model_config, self.preparation, state, key=self.key))
-            _keep_private(self.path)
+            make_tree_private(self.path)
         except Exception as error:  # a full disk, a concurrent store of the same entry: serve anyway
             logger.warning("could not cache the prepared weights at %s (%s)", self.path, error)
             return
@@ -142,20 +142,3 @@ def _remove_unused_entries(directory: str) -> None:
                     shutil.rmtree(entry)
             except OSError:  # gone already, or not ours to remove
                 continue
-
-
-def _keep_private(entry: str) -> None:
-    """Takes group and other permissions off everything in `entry`: Orbax creates files under the
-    process's umask, and an entry others could write would be refused when read back."""
-    for root, dirs, files in os.walk(entry):
-        for path in (root, *(os.path.join(root, name) for name in (*dirs, *files))):
-            os.chmod(path, os.lstat(path).st_mode & 0o700)
-
-
-def _writable_by_others(entry: str) -> str | None:
-    """Why `entry` (a directory), its parent or anything in it is not safely ours, or None
-    (`private_files.unsafe_reason` of each)."""
-    paths = [os.path.dirname(entry), entry]
-    for root, dirs, files in os.walk(entry):
-        paths += [os.path.join(root, name) for name in (*dirs, *files)]
-    return next((reason for reason in map(unsafe_reason, paths) if reason), None)
