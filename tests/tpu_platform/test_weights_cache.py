@@ -54,6 +54,18 @@ def _prepared(path, preparation):
 _ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
+def _load_logging_warnings(cache, config, caplog):
+    """`cache.load(...)` with the weights cache's warnings captured in `caplog` (its logger does
+    not propagate to the root one)."""
+    log = logging.getLogger("vllm_xla.tpu_platform.weights_cache")
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=log.name):
+            return cache.load(config, _ON_DEVICE)
+    finally:
+        log.removeHandler(caplog.handler)
+
+
 @pytest.mark.parametrize(
     ("dtype", "packed"), [(jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)]
 )
@@ -131,13 +143,7 @@ def test_an_unusable_entry_is_a_logged_miss_and_is_dropped(tiny_dir, tmp_path, c
     config, model = _prepared(tiny_dir, preparation)
     cache.store(config, model)
     _damage(cache.path, damage, tiny_dir)
-    log = logging.getLogger("vllm_xla.tpu_platform.weights_cache")
-    log.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.WARNING, logger=log.name):
-            assert cache.load(config, _ON_DEVICE) is None
-    finally:
-        log.removeHandler(caplog.handler)
+    assert _load_logging_warnings(cache, config, caplog) is None
     assert "dropping unusable weights cache entry" in caplog.text
     assert not os.path.exists(cache.path)
     cache.store(config, model)  # the next start stores it again
@@ -150,13 +156,7 @@ def test_an_entry_others_may_write_is_not_read(tiny_dir, tmp_path, caplog):
     config, model = _prepared(tiny_dir, preparation)
     cache.store(config, model)
     os.chmod(os.path.join(cache.path, "metadata"), 0o777)
-    log = logging.getLogger("vllm_xla.tpu_platform.weights_cache")
-    log.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.WARNING, logger=log.name):
-            assert cache.load(config, _ON_DEVICE) is None
-    finally:
-        log.removeHandler(caplog.handler)
+    assert _load_logging_warnings(cache, config, caplog) is None
     assert "is writable by group or others" in caplog.text
     assert os.path.isdir(cache.path)  # not ours to judge: left in place
     os.chmod(tmp_path, 0o777)  # a cache directory others may write: nothing stored there either
