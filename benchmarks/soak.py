@@ -288,7 +288,12 @@ async def soak(args, port: int, proc) -> dict[str, Any]:
 
     base = f"http://{HOST}:{port}"
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # The server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds; a client that
+    # keeps it longer may send a request on a socket the server is closing (a connection reset on
+    # a valid request, the client's race, not the server's failure). Reuse only well inside that.
+    keep_alive = max(0.5, float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")) / 2)
+    connector = aiohttp.TCPConnector(keepalive_timeout=keep_alive)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         started = time.monotonic()
         await wait_healthy(session, base, proc)
         startup = time.monotonic() - started
