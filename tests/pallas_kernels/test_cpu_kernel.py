@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import re
 import time
 
@@ -189,8 +190,9 @@ def test_build_module_prints_the_library_or_the_error(native_kernels, tmp_path, 
 
 
 def test_select_backend_falls_back_to_xla_only_when_asked_for_auto(tmp_path, monkeypatch, caplog):
-    assert select_backend("auto", "cpu", str(tmp_path)) == "cpu_native"
-    assert select_backend("xla", "cpu", str(tmp_path)) == "xla"
+    built = os.environ["VLLM_XLA_CACHE_DIR"]  # where the `native_kernels` fixture built them
+    assert select_backend("auto", "cpu", built) == "cpu_native"
+    assert select_backend("xla", "cpu", built) == "xla"
     monkeypatch.setenv("CXX", "no-such-compiler")
     fresh = tmp_path / "fresh"
     with caplog.at_level(logging.WARNING):

@@ -22,8 +22,9 @@ CASES = [c for c in GRID if c.name in ("mixed_p16_d64_g1_bf16_window_cap", "deco
 BACKENDS = [
     ("xla", {}),
     ("cpu_native", {}),
-    ("pallas_tpu", {"interpret": True}),
-    ("pallas_gpu", {"interpret": True}),
+    # Interpret mode runs the kernels' grids in Python: long, so in the slow tier.
+    pytest.param("pallas_tpu", {"interpret": True}, marks=pytest.mark.slow),
+    pytest.param("pallas_gpu", {"interpret": True}, marks=pytest.mark.slow),
 ]
 NUM_LAYERS = 3
 
