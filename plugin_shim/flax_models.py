@@ -53,11 +53,15 @@ def register_flax_model(
     and vLLM's `ModelRegistry` so that vLLM resolves the name in a checkpoint's `config.json`.
 
     Call it from a `vllm.general_plugins` entry point (vLLM runs those in every process it
-    starts); the contract the classes follow is docs/models.md.
+    starts); the contract the classes follow is docs/models.md. A name vLLM has a model of its
+    own for keeps it in vLLM's registry (vLLM reads what it supports from it; our worker serves
+    the Flax model), so that vLLM without this platform still serves it.
     """
     from vllm import ModelRegistry
 
     register_architecture(architecture, model_class, config_class=config_class)
+    if architecture in ModelRegistry.get_supported_archs():
+        return
     placeholder = type(architecture, (FlaxModelPlaceholder,), {"__module__": __name__})
     ModelRegistry.register_model(architecture, placeholder)
 
