@@ -19,6 +19,10 @@ AVX-512 BF16 or AVX2, `pack_for_native_dense(model)` moves the bfloat16 dense la
 `pallas_kernels.cpu.native_dense`, and `attach_rope_tables(model, max_positions)` has the
 attention layers gather their RoPE rotations from tables instead of computing them.
 
+Out-of-tree architectures: `register_architecture(name, ModelClass, config_class=...)` serves a
+checkpoint whose `config.json` names `name` with a plugin's Flax model (contract: docs/models.md);
+`supported_architectures()` lists the built-in and registered ones.
+
 Tensor parallelism: `load_model(path, dtype, tp_size=N)` prepares the weights for N devices
 (fused projections in one block a device, KV heads repeated when fewer than N) and
 `models.sharding` places them on the mesh from its rules table (`parameter_spec`,
@@ -30,7 +34,7 @@ from models.config import ModelConfig
 from models.layers import PackedKernel, attach_rope_tables, pack_for_native_dense
 from models.loader import load_model, load_weights, prepare_for_serving
 from models.metadata import AttentionMetadata
-from models.registry import SUPPORTED_ARCHITECTURES, build
+from models.registry import SUPPORTED_ARCHITECTURES, build, register_architecture, supported_architectures
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -43,4 +47,6 @@ __all__ = [
     "load_weights",
     "pack_for_native_dense",
     "prepare_for_serving",
+    "register_architecture",
+    "supported_architectures",
 ]

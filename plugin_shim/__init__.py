@@ -30,3 +30,14 @@ def register() -> str | None:
         return None
     init_logger("vllm.xla").info("vllm-xla platform plugin active: the model runs on JAX %s devices", kind)
     return PLATFORM_CLASS
+
+
+def register_flax_model(
+    architecture: str, model_class: type | str, *, config_class: type | str | None = None
+) -> None:
+    """Serves `architecture` with an out-of-tree Flax model (`plugin_shim.flax_models`; the
+    contract: docs/models.md). Imported on call: this package's import stays free of torch."""
+    from models.config import ModelConfig
+    from plugin_shim.flax_models import register_flax_model as register
+
+    register(architecture, model_class, config_class=config_class or ModelConfig)

@@ -28,6 +28,8 @@ class Refusal:
     refused: str  # which values are refused
     detect: Callable[[VllmConfig], bool]  # whether the config asks for it
     instead: str  # what to do instead
+    # The values the config asks for, named before the message (None: the option says it all).
+    asked: Callable[[VllmConfig], str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,12 @@ def _prefetch_offload(config: VllmConfig) -> bool:
 def _pooling(config: VllmConfig) -> bool:
     model = _model(config)
     return model.runner_type == "pooling" or model.convert_type not in ("none", None)
+
+
+def _pooling_asked(config: VllmConfig) -> str:
+    """What vLLM resolved (a pooling architecture, or `runner="auto"`, resolves to pooling)."""
+    model = _model(config)
+    return f"runner={model.runner_type!r}, convert={model.convert_type!r}"
 
 
 _NO_PARALLELISM = (
@@ -144,10 +152,15 @@ REFUSED: tuple[Refusal, ...] = (
     ),
     Refusal(
         "runner / convert",
-        "pooling models (embeddings, classification, scoring)",
-        "runner='pooling' or any convert",
+        "pooling: embeddings, classification, scoring, rewards (LLM.embed / encode / classify / "
+        "score, /v1/embeddings, /pooling, IO-processor plugins), also a pooling architecture "
+        "such as *ForSequenceClassification",
+        "runner='pooling', convert other than 'none'",
         _pooling,
-        "serve text generation (runner='generate'), or run the pooling model on vLLM's own backend",
+        "serve a text-generation checkpoint with runner='generate' and convert='none' (the "
+        "defaults for one); for embeddings, run vLLM without this platform (unset "
+        "VLLM_XLA_PLATFORM, or leave 'xla' out of VLLM_PLUGINS)",
+        asked=_pooling_asked,
     ),
     Refusal(
         "kv_offloading_size",
@@ -284,7 +297,17 @@ SUPPORTED: tuple[Supported, ...] = (
     Supported("Sliding-window and hybrid models", "", "each window size gets its own KV-cache group"),
     Supported("Model dtype", "dtype", "float32, bfloat16, float16"),
     Supported("Load formats", "load_format", "auto, safetensors, npcache"),
-    Supported("Scheduler options", "max_num_seqs, max_model_len, scheduling_policy, scheduler_cls", ""),
+    Supported(
+        "Scheduler options",
+        "max_num_seqs, max_model_len, scheduling_policy, scheduler_cls",
+        "a scheduler_cls (a subclass of vLLM's v1 Scheduler) runs unchanged",
+    ),
+    Supported(
+        "Out-of-tree models",
+        "vllm.general_plugins",
+        "a package's Flax NNX model, registered with plugin_shim.register_flax_model (docs/models.md); "
+        "an architecture neither built in nor registered is refused at start with the served list",
+    ),
     Supported(
         "Stat loggers and metrics",
         "disable_log_stats, stat logger plugins",
@@ -318,7 +341,11 @@ def refuse_unsupported(config: VllmConfig) -> None:
     """Raises a ValueError naming every feature `config` asks for that vllm-xla does not implement."""
     found = refusals(config)
     if found:
-        raise ValueError("; and ".join(message(r) for r in found))
+        raise ValueError("; and ".join(_asked(r, config) + message(r) for r in found))
+
+
+def _asked(refusal: Refusal, config: VllmConfig) -> str:
+    return "" if refusal.asked is None else f"{refusal.asked(config)}: "
 
 
 def refuse_quantization(quantization: str) -> None:

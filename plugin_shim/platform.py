@@ -15,6 +15,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from plugin_shim.cache_dtype import runner_kv_cache_dtype
 from plugin_shim.feature_check import refuse_quantization, refuse_unsupported
+from plugin_shim.flax_models import refuse_unsupported_architecture
 from plugin_shim.internals import jax_backends_initialized
 from plugin_shim.parallel import configure_parallel
 from tpu_platform.envs import PREFIX, read_env, unknown_variables
@@ -102,6 +103,7 @@ class XlaPlatform(Platform):
         if parallel.distributed_executor_backend is None and parallel.world_size == 1:
             parallel.distributed_executor_backend = "uni"
         refuse_unsupported(vllm_config)  # the one list of features vllm-xla does not implement
+        refuse_unsupported_architecture(vllm_config)  # before the worker: with the list we serve
         configure_parallel(vllm_config)  # tensor parallelism: one worker over a mesh
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE

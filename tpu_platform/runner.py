@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from models import ModelConfig, PackedKernel, attach_rope_tables, load_model
+from models.registry import architecture_fingerprint
 from models.sharding import kv_heads_on_mesh, parameter_sharding, place_state
 from pallas_kernels import allocate_kv_cache
 from tpu_platform.attention_backend import native_dense_isa, select_backend
@@ -236,10 +237,12 @@ class Runner:
             cache_pages=num_pages, caches_per_array=per_array, mesh=self.mesh,
             cache_shardings=[cache.sharding for cache in self.kv_caches] if self.mesh else None,
         )  # fmt: skip
-        # Everything the forward closes over, for naming its cached executables.
+        # Everything the forward closes over, for naming its cached executables (a plugin
+        # model's code too: our own is in every entry's name already).
         self._forward_context = repr(
             (self.model_config, self.backend, layer_groups, layer_caches, self.kv_dtype.name, num_pages,
-             per_array, structure_text(self._graphdef), self.tp_size)
+             per_array, structure_text(self._graphdef), self.tp_size,
+             architecture_fingerprint(self.model_config.architecture))
         )  # fmt: skip
 
     @collector_paused()

@@ -55,6 +55,9 @@ MORE_CASES = [
     ("quantization", "llama", dict(quantization="fp8", dtype="bfloat16")),
     ("speculative_config", "llama", dict(spec_method="ngram", spec_tokens=2)),
     ("runner / convert", "llama", dict(convert="embed")),
+    ("runner / convert", "llama", dict(runner="pooling", convert="embed")),
+    ("runner / convert", "llama", dict(convert="classify")),
+    ("runner / convert", "classifier", {}),  # a pooling architecture: vLLM resolves runner='pooling'
 ]
 
 
@@ -73,6 +76,7 @@ def models(tmp_path_factory) -> dict[str, str]:
         "fp8_checkpoint": dict(
             config, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"}
         ),
+        "classifier": dict(config, architectures=["LlamaForSequenceClassification"], num_labels=3),
     }  # fmt: skip
     dirs = {"llama": llama, "multimodal": llama}
     for name, variant in variants.items():
@@ -121,6 +125,29 @@ def test_refused_whichever_way_it_is_asked_for(models, option, variant, kwargs):
     with pytest.raises(ValueError, match="not supported by vllm-xla") as raised:
         _config(models, variant, kwargs)
     assert feature_check.message(refusal) in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("variant", "kwargs", "asked"),
+    [
+        ("llama", dict(runner="pooling", convert="embed"), "runner='pooling', convert='embed'"),
+        ("llama", dict(runner="pooling"), "runner='pooling', convert='embed'"),  # vLLM's default
+        ("classifier", {}, "runner='pooling', convert='classify'"),
+    ],
+)
+def test_a_pooling_run_is_refused_naming_what_was_asked_and_the_way_out(models, variant, kwargs, asked):
+    with pytest.raises(ValueError) as raised:
+        _config(models, variant, kwargs)
+    text = str(raised.value)
+    assert f"{asked}: runner / convert (pooling:" in text
+    assert "runner='generate' and convert='none'" in text and "VLLM_PLUGINS" in text
+    assert "--convert" not in text  # not vLLM's advice, which this platform would refuse next
+
+
+def test_an_explicit_convert_none_under_runner_pooling_is_refused_by_vllm_first(models):
+    """vLLM's own model check runs before any platform hook: refused at config all the same."""
+    with pytest.raises(ValueError, match="does not support `--runner pooling`"):
+        _config(models, "llama", dict(runner="pooling", convert="none"))
 
 
 def test_several_refused_features_are_named_together(models):
