@@ -23,7 +23,9 @@ Tensor parallelism: `load_model(path, dtype, tp_size=N)` prepares the weights fo
 (fused projections in one block a device, KV heads repeated when fewer than N) and
 `models.sharding` places them on the mesh from its rules table (`parameter_spec`,
 `state_shardings`, `place_state`); a model called with `AttentionMetadata.mesh` runs attention
-per device under `jax.shard_map`.
+per device under `jax.shard_map`. `stream_model(path, dtype, mesh=mesh)` loads a model for
+serving without the host ever holding it: each tensor goes from the checkpoint straight to its
+device or sharding (`models.weight_stream`).
 """
 
 from models.config import ModelConfig
@@ -31,6 +33,7 @@ from models.layers import PackedKernel, attach_rope_tables, pack_for_native_dens
 from models.loader import load_model, load_weights, prepare_for_serving
 from models.metadata import AttentionMetadata
 from models.registry import SUPPORTED_ARCHITECTURES, build
+from models.weight_stream import stream_model
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -43,4 +46,5 @@ __all__ = [
     "load_weights",
     "pack_for_native_dense",
     "prepare_for_serving",
+    "stream_model",
 ]

@@ -8,7 +8,9 @@ object (format, layout version, architecture, preparation, a digest of every arr
 and dtype, an optional cache key, the library versions). The model's structure is never stored:
 it is rebuilt from the model's `config.json` and the preparation (`abstract_prepared`), and the
 checkpoint is restored into that abstract state with a `jax.sharding.Sharding` per array, so a
-checkpoint written with one sharding restores onto another (more or fewer devices).
+checkpoint written with one sharding restores onto another (more or fewer devices), and one
+laid out for another tensor-parallel size has its fused projections re-blocked on the way.
+`load_prepared` makes the prepared state from the source weights, streamed tensor by tensor.
 """
 
 from __future__ import annotations

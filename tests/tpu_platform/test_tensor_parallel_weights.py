@@ -70,3 +70,7 @@ def test_a_checkpoint_written_at_two_way_restores_as_the_source_loads(report, tp
     qkv = restored["arrays"]["model.layers.0.self_attn.qkv_proj.kernel"]
     # 4 query heads and, at TP=4, each of the 2 KV heads twice (k and v): 8 or 12 heads of 16.
     assert qkv["bytes"] == 64 * 16 * (8 if tp == "1" else 12) * 4
+
+
+def test_a_damaged_checkpoint_restored_at_another_tp_size_is_an_error_naming_it(report):
+    assert "cannot be served" in report["damaged"] and "unreadable arrays" in report["damaged"]
