@@ -27,7 +27,9 @@ Tensor parallelism: `load_model(path, dtype, tp_size=N)` prepares the weights fo
 (fused projections in one block a device, KV heads repeated when fewer than N) and
 `models.sharding` places them on the mesh from its rules table (`parameter_spec`,
 `state_shardings`, `place_state`); a model called with `AttentionMetadata.mesh` runs attention
-per device under `jax.shard_map`.
+per device under `jax.shard_map`. `stream_model(path, dtype, mesh=mesh)` loads a model for
+serving without the host ever holding it: each tensor goes from the checkpoint straight to its
+device or sharding (`models.weight_stream`).
 """
 
 from models.config import ModelConfig
@@ -35,6 +37,7 @@ from models.layers import PackedKernel, attach_rope_tables, pack_for_native_dens
 from models.loader import load_model, load_weights, prepare_for_serving
 from models.metadata import AttentionMetadata
 from models.registry import SUPPORTED_ARCHITECTURES, build, register_architecture, supported_architectures
+from models.weight_stream import stream_model
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -48,5 +51,6 @@ __all__ = [
     "pack_for_native_dense",
     "prepare_for_serving",
     "register_architecture",
+    "stream_model",
     "supported_architectures",
 ]

@@ -505,14 +505,21 @@ def pack_for_native_dense(model: nnx.Module, *, float32: bool = False) -> int:
         kernel = getattr(module, name)
         if isinstance(kernel, PackedKernel):
             continue
-        value = kernel[...]
-        if cpu.can_pack(value.shape, value.dtype):
-            setattr(module, name, PackedKernel(cpu.pack_dense_kernel(value)))
-            packed += 1
-        elif float32 and cpu.can_pack_f32(value.shape, value.dtype):
-            setattr(module, name, PackedKernel(cpu.pack_dense_kernel_f32(value)))
+        value = packed_for_native_dense(kernel[...], float32=float32)
+        if value is not None:
+            setattr(module, name, PackedKernel(value))
             packed += 1
     return packed
+
+
+def packed_for_native_dense(kernel: jax.Array, *, float32: bool = False) -> jax.Array | None:
+    """One `[in, out]` kernel as `pack_for_native_dense` packs it, or None when it stays as it is
+    (NumPy in, NumPy out: a streamed load packs each kernel on its way to the device)."""
+    if cpu.can_pack(kernel.shape, kernel.dtype):
+        return cpu.pack_dense_kernel(kernel)
+    if float32 and cpu.can_pack_f32(kernel.shape, kernel.dtype):
+        return cpu.pack_dense_kernel_f32(kernel)
+    return None
 
 
 ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")

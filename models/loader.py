@@ -78,78 +78,100 @@ def _our_name(hf: str, compiled: list[tuple[re.Pattern[str], str]]) -> tuple[str
 
 
 class _ExpertStacks:
-    """Host buffers of expert-stacked `[E, ...]` parameters, filled one expert tensor at a time."""
+    """Host buffers of expert-stacked `[E, ...]` parameters, filled one expert tensor at a time;
+    each is handed over (and dropped here) as soon as its last expert arrives."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, np.ndarray] = {}
         self.experts: dict[str, set[int]] = {}
 
-    def put(self, ours: str, expert: int, value: np.ndarray, current: np.ndarray, hf: str) -> None:
-        if value.shape != current.shape[1:] or not 0 <= expert < current.shape[0]:
+    def put(
+        self, ours: str, expert: int, value: np.ndarray, shape: tuple, dtype, hf: str
+    ) -> np.ndarray | None:
+        """Fills slot `expert` of `ours` (of `shape`); the whole stack once it is complete."""
+        if value.shape != shape[1:] or not 0 <= expert < shape[0]:
             raise ValueError(
                 f"checkpoint tensor {hf!r} has shape {value.shape} for expert {expert}, "
-                f"expected {current.shape[1:]} for one of {current.shape[0]} experts"
+                f"expected {shape[1:]} for one of {shape[0]} experts"
             )
         if ours not in self.buffers:
-            self.buffers[ours] = np.zeros(current.shape, current.dtype)
+            self.buffers[ours] = np.zeros(shape, dtype)
             self.experts[ours] = set()
-        self.buffers[ours][expert] = value.astype(current.dtype)
+        self.buffers[ours][expert] = value.astype(dtype)
         self.experts[ours].add(expert)
+        if len(self.experts[ours]) < shape[0]:
+            return None
+        del self.experts[ours]
+        return self.buffers.pop(ours)
 
-    def store(self, by_name: dict[str, nnx.Variable], path: str) -> set[str]:
-        """Sets every complete stack on its parameter; returns their names."""
+    def held_bytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self.buffers.values())
+
+    def check_complete(self, path: str) -> None:
         for ours, array in self.buffers.items():
             absent = sorted(set(range(array.shape[0])) - self.experts[ours])
-            if absent:
-                raise ValueError(f"checkpoint {path!r} lacks experts {absent[:8]} of {ours!r}")
-            by_name[ours].set_value(array)
-        return set(self.buffers)
+            raise ValueError(f"checkpoint {path!r} lacks experts {absent[:8]} of {ours!r}")
 
 
-def load_weights(model: nnx.Module, path: str, *, on_host: bool = False) -> None:
-    """Fills every parameter of `model` from the checkpoint at `path`.
+def iter_parameters(
+    model: nnx.Module, path: str, stacks: _ExpertStacks | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields `(our dotted parameter path, host value)` for every parameter of `model` (built,
+    unprepared: its values are read for their shapes and dtypes only) from the checkpoint at
+    `path`, one at a time in checkpoint order, each as `load_weights` sets it.
 
     Driven by the model's `hf_param_map`. Linear weights (HF `[out, in]`) are transposed to our
-    `[in, out]` kernels and every tensor is cast to the parameter's dtype. An HF name with an
-    `{e}` field is one expert's tensor: it fills slot e of our expert-stacked `[E, ...]` parameter,
-    which is stored once all E slots are filled. A checkpoint tensor with no home, a missing
+    `[in, out]` kernels (left F-ordered: a device transfer lays them out, faster) and every
+    tensor is cast to the parameter's dtype. An HF name with an `{e}` field is one expert's
+    tensor: it fills slot e of our expert-stacked `[E, ...]` parameter, yielded once all E slots
+    are filled (`stacks` holds the partial ones). A checkpoint tensor with no home, a missing
     parameter or expert, or a shape mismatch is an error naming the tensor.
-
-    Tensors are transposed and cast in NumPy, then put on JAX's default device in one transfer
-    (`on_host`: left as NumPy arrays, for a caller that transforms them before its own transfer).
     """
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    by_name = {".".join(str(p) for p in key): var for key, var in params.items()}
+    expected = {".".join(str(p) for p in key): var.get_value() for key, var in params.items()}
     compiled = _compile_param_map(type(model).hf_param_map)
     tied = getattr(model.config, "tie_word_embeddings", False)
     filled: set[str] = set()
-    stacks = _ExpertStacks()
+    stacks = _ExpertStacks() if stacks is None else stacks
     for hf, array in iter_checkpoint(path):
         found = _our_name(hf, compiled)
-        if found is None or found[0] not in by_name:
+        if found is None or found[0] not in expected:
             if any(p.match(hf) for p in _IGNORED) or (tied and hf == "lm_head.weight"):
                 continue
             raise ValueError(
                 f"checkpoint tensor {hf!r} in {path!r} has no parameter in {type(model).__name__}"
             )
         ours, expert = found
-        var = by_name[ours]
         value = np.asarray(array)
         if ours.endswith("kernel"):
             value = value.T
-        current = var.get_value()
+        current = expected[ours]
         if expert is not None:
-            stacks.put(ours, expert, value, current, hf)
-            continue
-        if value.shape != current.shape:
+            value = stacks.put(ours, expert, value, current.shape, current.dtype, hf)
+            if value is None:
+                continue
+        elif value.shape != current.shape:
             raise ValueError(f"checkpoint tensor {hf!r} has shape {value.shape}, expected {current.shape}")
-        # A transposed kernel stays F-ordered here: the device transfer lays it out (faster).
-        var.set_value(value.astype(current.dtype))
+        else:
+            value = value.astype(current.dtype)
         filled.add(ours)
-    filled |= stacks.store(by_name, path)
-    missing = sorted(set(by_name) - filled)
+        yield ours, value
+    stacks.check_complete(path)
+    missing = sorted(set(expected) - filled)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+def load_weights(model: nnx.Module, path: str, *, on_host: bool = False) -> None:
+    """Fills every parameter of `model` from the checkpoint at `path` (`iter_parameters`), then
+    puts them on JAX's default device in one transfer (`on_host`: left as NumPy arrays, for a
+    caller that transforms them before its own transfer). For a model served on devices,
+    `models.weight_stream.stream_model` puts each tensor on its device(s) as it is read instead."""
+    by_name = {
+        ".".join(str(p) for p in key): var for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+    for ours, value in iter_parameters(model, path):
+        by_name[ours].set_value(value)
     if not on_host:
         put_on_device(model)
 

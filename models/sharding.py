@@ -157,15 +157,16 @@ def _heads_fit(num_heads: int, num_kv_heads: int, tp_size: int) -> bool:
 def repeat_kv_heads(kernel: np.ndarray, num_kv_heads: int, repeats: int, *, axis: int) -> np.ndarray:
     """A k or v projection's `[.., K * H]` output features (on `axis`) with each head repeated
     `repeats` times in place (`k0 k0 k1 k1 ..`), so device i of `K * repeats` holds head
-    `i // repeats`."""
+    `i // repeats`. NumPy or JAX arrays (abstract ones too: `nnx.eval_shape`)."""
+    xp = np if isinstance(kernel, np.ndarray) else jax.numpy
     shape = kernel.shape
     head_dim = shape[axis] // num_kv_heads
     split = (*shape[:axis], num_kv_heads, 1, head_dim, *shape[axis + 1 :])
-    heads = np.reshape(kernel, split)
+    heads = xp.reshape(kernel, split)
     tile = [1] * len(split)
     tile[axis + 1] = repeats
     repeated = (*shape[:axis], num_kv_heads * repeats * head_dim, *shape[axis + 1 :])
-    return np.reshape(np.tile(heads, tile), repeated)
+    return xp.reshape(xp.tile(heads, tile), repeated)
 
 
 def interleave_blocks(parts: list[np.ndarray], blocks: int, *, axis: int):
@@ -178,6 +179,36 @@ def interleave_blocks(parts: list[np.ndarray], blocks: int, *, axis: int):
         return xp.concatenate(parts, axis=axis)
     pieces = [xp.split(part, blocks, axis=axis) for part in parts]
     return xp.concatenate([piece[j] for j in range(blocks) for piece in pieces], axis=axis)
+
+
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED = re.compile(r"\.(qkv_proj|gate_up_proj)\.(kernel|bias)$")
+
+
+def fused_parts(path: str) -> tuple[str, ...]:
+    """The parameters a fused q/k/v or gate/up parameter at dotted `path` is made of, in order
+    (`...qkv_proj.kernel` -> `...q_proj.kernel`, `...k_proj.kernel`, `...v_proj.kernel`); () for
+    any other parameter."""
+    match = _FUSED.search(path)
+    if match is None:
+        return ()
+    prefix, leaf = path[: match.start()], match.group(2)
+    return tuple(f"{prefix}.{part}.{leaf}" for part in FUSED_PARTS[match.group(1)])
+
+
+def fuse_parts(
+    path: str, parts: list[np.ndarray], *, num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int
+) -> np.ndarray:
+    """The fused parameter at `path` as `load_model(tp_size=tp_size)` prepares it, from its
+    `fused_parts` as checkpoints hold them (the model's own `num_kv_heads`): the KV heads repeated
+    up to the mesh (`kv_heads_on_mesh`), then the parts in `tp_size` blocks (`interleave_blocks`)."""
+    axis = parts[0].ndim - 1
+    if ".qkv_proj." in path:
+        repeats = kv_heads_on_mesh(num_heads, num_kv_heads, tp_size) // num_kv_heads
+        if repeats > 1:
+            q, k, v = parts
+            parts = [q, *(repeat_kv_heads(x, num_kv_heads, repeats, axis=axis) for x in (k, v))]
+    return interleave_blocks(parts, tp_size, axis=axis)
 
 
 def fused_layout(
@@ -195,18 +226,18 @@ def fused_layout(
     un-repeated (`kv_heads_on_mesh`). Other parameters do not depend on the TP size. For
     checkpoints of prepared weights restored at another TP size. `num_kv_heads`: the model's own.
     """
-    if from_tp == to_tp or not re.search(r"\.(qkv_proj|gate_up_proj)\.(kernel|bias)$", path):
+    if from_tp == to_tp or not _FUSED.search(path):
         return value
     axis = value.ndim - 1
+    heads = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     if ".gate_up_proj." in path:
-        gate, up = _unblocked(value, [value.shape[axis] // 2] * 2, from_tp, axis)
-        return interleave_blocks([gate, up], to_tp, axis=axis)
+        parts = _unblocked(value, [value.shape[axis] // 2] * 2, from_tp, axis)
+        return fuse_parts(path, parts, **heads, tp_size=to_tp)
     kv_from = kv_heads_on_mesh(num_heads, num_kv_heads, from_tp)
-    kv_to = kv_heads_on_mesh(num_heads, num_kv_heads, to_tp)
     widths = [num_heads * head_dim, kv_from * head_dim, kv_from * head_dim]
     q, k, v = _unblocked(value, widths, from_tp, axis)
-    k, v = (_kv_heads(x, kv_from, kv_to, num_kv_heads, head_dim, axis) for x in (k, v))
-    return interleave_blocks([q, k, v], to_tp, axis=axis)
+    k, v = (_own_kv_heads(x, kv_from, num_kv_heads, head_dim, axis) for x in (k, v))
+    return fuse_parts(path, [q, k, v], **heads, tp_size=to_tp)
 
 
 def _unblocked(value: np.ndarray, widths: list[int], blocks: int, axis: int) -> list[np.ndarray]:
@@ -216,9 +247,10 @@ def _unblocked(value: np.ndarray, widths: list[int], blocks: int, axis: int) -> 
     return [np.concatenate([piece[i] for piece in pieces], axis=axis) for i in range(len(widths))]
 
 
-def _kv_heads(x: np.ndarray, have: int, want: int, num_kv_heads: int, head_dim: int, axis: int) -> np.ndarray:
-    """k or v columns of `have` heads (the model's `num_kv_heads`, each repeated alike) as `want`."""
-    if have != num_kv_heads:  # back to the model's own heads: the first copy of each
-        heads = np.reshape(x, (*x.shape[:axis], num_kv_heads, have // num_kv_heads, head_dim))
-        x = np.reshape(np.take(heads, 0, axis=axis + 1), (*x.shape[:axis], num_kv_heads * head_dim))
-    return repeat_kv_heads(x, num_kv_heads, want // num_kv_heads, axis=axis)
+def _own_kv_heads(x: np.ndarray, have: int, num_kv_heads: int, head_dim: int, axis: int) -> np.ndarray:
+    """k or v columns of `have` heads (the model's `num_kv_heads`, each repeated alike) back to
+    the model's own heads: the first copy of each."""
+    if have == num_kv_heads:
+        return x
+    heads = np.reshape(x, (*x.shape[:axis], num_kv_heads, have // num_kv_heads, head_dim))
+    return np.reshape(np.take(heads, 0, axis=axis + 1), (*x.shape[:axis], num_kv_heads * head_dim))

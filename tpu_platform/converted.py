@@ -22,11 +22,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from models import ModelConfig, load_model
+from models import ModelConfig
 from tpu_platform.prepared_weights import (
     Preparation,
     ShardingFor,
     UnusableCheckpoint,
+    load_prepared,
     metadata_for,
     read_metadata,
     restore_prepared,
@@ -61,10 +62,9 @@ def convert(source: str, out: str, preparation: Preparation) -> str:
         raise ValueError(f"{source!r} is already converted; serve it as it is or convert its source")
     if os.path.exists(out) and os.listdir(out):
         raise ValueError(f"{out!r} exists and is not empty; name a new directory")
-    import jax.numpy as jnp
-
-    model_config, model = load_model(source, jnp.dtype(preparation.dtype), on_host=True)
-    preparation.apply(model)
+    # Streamed onto the host's CPU device (never an accelerator the whole model may not fit on).
+    on_cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    model_config, model = load_prepared(source, preparation, on_cpu)
     os.makedirs(out, exist_ok=True)
     for name in sorted(os.listdir(source)):
         path = os.path.join(source, name)
@@ -90,19 +90,12 @@ def restore_converted(
                 f"it holds {stored.dtype} weights and the model runs in {preparation.dtype}: pass "
                 f"--dtype {stored.dtype}, or convert the source again with --dtype {preparation.dtype}"
             )
-        if stored.tp_size != preparation.tp_size:
-            raise UnusableCheckpoint(
-                f"it is laid out for tensor_parallel_size={stored.tp_size} (fused projections, KV "
-                f"heads) and the model runs at {preparation.tp_size}: serve it at "
-                f"--tensor-parallel-size {stored.tp_size}, or serve the source model (with "
-                "--load-format npcache to keep its prepared weights)"
-            )
         if stored.packing not in ("none", preparation.packing):
             raise UnusableCheckpoint(
                 f"its kernels are packed ({stored.packing}) for the native CPU dense kernel, which "
                 f"this device does not run ({preparation.packing}): convert with --packing none"
             )
-        model = restore_prepared(checkpoint, model_config, stored, shardings)
+        model = restore_prepared(checkpoint, model_config, stored, shardings, tp_size=preparation.tp_size)
     except UnusableCheckpoint as error:
         raise ValueError(f"the converted weights at {checkpoint} cannot be served: {error}") from error
     if stored.packing != preparation.packing:

@@ -8,7 +8,9 @@ object (format, layout version, architecture, preparation, a digest of every arr
 and dtype, an optional cache key, the library versions). The model's structure is never stored:
 it is rebuilt from the model's `config.json` and the preparation (`abstract_prepared`), and the
 checkpoint is restored into that abstract state with a `jax.sharding.Sharding` per array, so a
-checkpoint written with one sharding restores onto another (more or fewer devices).
+checkpoint written with one sharding restores onto another (more or fewer devices), and one
+laid out for another tensor-parallel size has its fused projections re-blocked on the way.
+`load_prepared` makes the prepared state from the source weights, streamed tensor by tensor.
 """
 
 from __future__ import annotations
@@ -23,9 +25,14 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
-from models import ModelConfig, build, pack_for_native_dense, prepare_for_serving
+from models import ModelConfig, PackedKernel, build, pack_for_native_dense
+from models.layers import packed_for_native_dense
+from models.sharding import fused_layout, fused_parts
+from models.weight_stream import HostBytes, served_abstract, stream_model
 
 FORMAT = "vllm-xla prepared weights"
 # The prepared layout's version: a change to how the state is derived (fusion order, packing)
@@ -79,18 +86,36 @@ class Preparation:
             return 0
         return pack_for_native_dense(model, float32=self.packing == "native+f32")
 
+    def served_value(self, value: np.ndarray, served: nnx.Variable) -> np.ndarray:
+        """One parameter as `prepare_for_serving` leaves it, as this preparation has it: packed
+        when its abstract served Variable is a `PackedKernel` (`stream_model`'s `place`)."""
+        if not isinstance(served, PackedKernel):
+            return value
+        return packed_for_native_dense(value, float32=self.packing == "native+f32")
+
 
 def abstract_prepared(config: ModelConfig, preparation: Preparation) -> tuple[nnx.GraphDef, nnx.State]:
     """The prepared model's structure and its state's shapes and dtypes, without any weights:
     the model is built (host zeros, never written: no memory) and prepared under `nnx.eval_shape`."""
     model = build(config, jnp.dtype(preparation.dtype))
+    return served_abstract(model, config, preparation.tp_size, preparation.apply)
 
-    def prepare(model: nnx.Module) -> nnx.Module:
-        prepare_for_serving(model, config, preparation.tp_size)
-        preparation.apply(model)
-        return model
 
-    return nnx.split(nnx.eval_shape(prepare, model))
+def load_prepared(
+    path: str, preparation: Preparation, shardings: ShardingFor, host_bytes: HostBytes | None = None
+) -> tuple[ModelConfig, nnx.Module]:
+    """The model at `path` (safetensors or GGUF) prepared so, each tensor streamed from the
+    checkpoint straight onto its sharding (`models.weight_stream`): packed on the host on its way
+    where the preparation packs, and never the whole model on the host at once."""
+
+    def place(name: str, value: np.ndarray, served: nnx.Variable) -> jax.Array:
+        value = preparation.served_value(value, served)
+        return jax.device_put(value, _sharding(shardings, tuple(name.split(".")), value))
+
+    return stream_model(
+        path, jnp.dtype(preparation.dtype), tp_size=preparation.tp_size, prepare=preparation.apply,
+        place=place, host_bytes=host_bytes,
+    )  # fmt: skip
 
 
 def structure_digest(state: nnx.State) -> str:
@@ -150,11 +175,17 @@ def restore_prepared(
     preparation: Preparation,
     shardings: ShardingFor,
     expected: dict | None = None,
+    *,
+    tp_size: int | None = None,
 ) -> nnx.Module:
     """The prepared model with its weights restored from `directory` onto `shardings` (each array
     read straight into its shards). UnusableCheckpoint when the checkpoint is not one of ours,
-    holds another layout, architecture, preparation or structure, differs from `expected`'s
-    entries (e.g. a cache key), or is damaged.
+    holds another layout, architecture, preparation (`preparation`: what it must hold) or
+    structure, differs from `expected`'s entries (e.g. a cache key), or is damaged.
+
+    `tp_size`: the tensor-parallel size to serve at (default: the preparation's). The fused q/k/v
+    and gate/up parameters of a checkpoint laid out for another are re-blocked (`_reblocked`);
+    every other array is the same at any TP size and restores as it is.
 
     The arrays are read (by TensorStore's threads, in the shapes the checkpoint records) while
     this thread rebuilds the model's structure from its config (Python: holds the interpreter);
@@ -167,18 +198,73 @@ def restore_prepared(
         **(expected or {}),
     }
     _refuse_differences(directory, metadata, wanted)
+    served = dataclasses.replace(preparation, tp_size=tp_size or preparation.tp_size)
+    reblock = served != preparation
+    if reblock and preparation.packing != "none":
+        raise UnusableCheckpoint(f"{directory}: packed kernels serve at tensor_parallel_size=1 only")
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="restore") as pool:
-        reading = pool.submit(_restore_arrays, directory, shardings)
+        reading = pool.submit(_restore_arrays, directory, _reading(shardings) if reblock else shardings)
         graphdef, abstract = abstract_prepared(model_config, preparation)
+        if reblock:
+            graphdef, served_state = abstract_prepared(model_config, served)
         restored = reading.result()
     _refuse_differences(directory, metadata, {"structure": structure_digest(abstract)})
     try:
         state = _from_nested(abstract, restored)
     except KeyError as error:
         raise UnusableCheckpoint(f"{directory} lacks the array {error}") from error
+    del restored
     if structure_digest(state) != metadata["structure"]:
         raise UnusableCheckpoint(f"{directory}: its arrays are not those its metadata describes")
+    if reblock:
+        arrays = {key: var.get_value() for key, var in nnx.to_flat_state(state)}
+        del state
+        state = _reblocked(arrays, served_state, shardings, model_config, preparation.tp_size, served.tp_size)
     return nnx.merge(graphdef, state)
+
+
+def _reading(shardings: ShardingFor) -> ShardingFor:
+    """`shardings`, except that a fused parameter read to be re-blocked is split over the target
+    devices even where its stored shape would be replicated (no device holds it whole)."""
+
+    def sharding(path: tuple[str, ...], leaf: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
+        target = _sharding(shardings, path, leaf)
+        if not fused_parts(".".join(path)) or not isinstance(target, NamedSharding):
+            return target
+        if not target.is_fully_replicated or target.mesh.size == 1:
+            return target
+        for axis in reversed(range(len(leaf.shape))):
+            if leaf.shape[axis] % target.mesh.size == 0:
+                spec = [None] * len(leaf.shape)
+                spec[axis] = target.mesh.axis_names
+                return NamedSharding(target.mesh, PartitionSpec(*spec))
+        return target
+
+    return sharding
+
+
+def _reblocked(
+    arrays: dict[tuple, jax.Array],
+    served: nnx.State,
+    shardings: ShardingFor,
+    config: ModelConfig,
+    from_tp: int,
+    to_tp: int,
+) -> nnx.State:
+    """`served` (abstract, at `to_tp`) filled from the restored `arrays` (laid out for
+    `from_tp`): each fused parameter, one at a time, gathered to the host, re-blocked with
+    `models.sharding.fused_layout` (KV heads repeated or un-repeated too) and put on its
+    sharding, its restored copy dropped before the next; every other array as it is."""
+    heads = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim}
+    for key, var in nnx.to_flat_state(served):
+        array = arrays.pop(key)
+        name = ".".join(map(str, key))
+        if fused_parts(name):
+            value = fused_layout(name, np.asarray(array), **heads, from_tp=from_tp, to_tp=to_tp)
+            del array
+            array = jax.device_put(value, _sharding(shardings, tuple(name.split(".")), value))
+        var.set_value(array)
+    return served
 
 
 def _refuse_differences(directory: str, metadata: dict, wanted: dict) -> None:
@@ -221,12 +307,16 @@ def _checkpointer():  # -> ocp.Checkpointer (Orbax is imported only where checkp
 
 def _with_shardings(abstract: Any, shardings: ShardingFor) -> Any:
     def place(key_path: tuple, leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        sharding = shardings if isinstance(shardings, jax.sharding.Sharding) else None
-        if sharding is None:
-            sharding = shardings(_path(_key_names(key_path)), leaf)
+        sharding = _sharding(shardings, _path(_key_names(key_path)), leaf)
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
     return jax.tree_util.tree_map_with_path(place, abstract)
+
+
+def _sharding(shardings: ShardingFor, path: tuple[str, ...], leaf: Any) -> jax.sharding.Sharding:
+    if isinstance(shardings, jax.sharding.Sharding):
+        return shardings
+    return shardings(path, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
 
 
 def _leaves(state: nnx.State) -> list[tuple[tuple, Any]]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import ModelConfig, PackedKernel, attach_rope_tables, load_model
+from models import ModelConfig, PackedKernel, attach_rope_tables
 from models.registry import architecture_fingerprint
 from models.sharding import kv_heads_on_mesh, parameter_sharding, place_state
 from pallas_kernels import allocate_kv_cache
@@ -33,7 +33,7 @@ from tpu_platform.kv_cache import (
     kv_cache_dtype,
 )
 from tpu_platform.mesh import replicated, tensor_parallel_mesh
-from tpu_platform.prepared_weights import Preparation, ShardingFor
+from tpu_platform.prepared_weights import Preparation, ShardingFor, load_prepared
 from tpu_platform.programs import (
     ExecutableCache,
     Programs,
@@ -149,8 +149,9 @@ class Runner:
     def _prepared_model(self) -> tuple[nnx.Module, str]:
         """The model with its final weights, and where they came from: restored onto the weight
         shardings from a converted model directory, or from the weights cache
-        (`load_format="npcache"`) when it holds them; else loaded from the checkpoint on the host
-        (then one transfer, no device op per tensor) and, with npcache, stored there."""
+        (`load_format="npcache"`) when it holds them; else streamed from the checkpoint, tensor
+        by tensor, onto the weight shardings (`prepared_weights.load_prepared`) and, with
+        npcache, stored there."""
         path = self.config.model_path
         preparation = Preparation.for_dense_isa(self.dtype.name, self.dense_isa, self.tp_size)
         converted = converted_weights(path)
@@ -164,10 +165,9 @@ class Runner:
             model = cache.load(self.model_config, self.weight_shardings)
             if model is not None:
                 return model, "the weights cache"
-        self.model_config, model = load_model(path, self.dtype, on_host=True, tp_size=self.tp_size)
         # Packed for the native dense kernel where it runs (float32 kernels too where its best path
         # is AVX2: faster than XLA's dots).
-        preparation.apply(model)
+        self.model_config, model = load_prepared(path, preparation, self.weight_shardings)
         if cache is not None:
             cache.store(self.model_config, model)
         return model, "the checkpoint"

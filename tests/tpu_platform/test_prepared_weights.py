@@ -16,7 +16,7 @@ from flax import nnx
 from models import ModelConfig, PackedKernel, load_model
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.converted import PREPARED_DIR, convert, converted_weights, restore_converted
-from tpu_platform.prepared_weights import Preparation
+from tpu_platform.prepared_weights import Preparation, load_prepared
 
 _ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
@@ -79,9 +79,6 @@ def test_a_conversion_restores_the_prepared_weights_and_packs_where_the_runner_p
 def test_a_conversion_that_cannot_serve_is_an_error_naming_the_fix(tiny_dir, converted, tmp_path):
     with pytest.raises(ValueError, match=r"holds bfloat16 weights.*pass --dtype bfloat16"):
         _restore(converted, Preparation("float32"))
-    # Same shapes, another order of the fused columns: restoring it would serve wrong weights.
-    with pytest.raises(ValueError, match=r"laid out for tensor_parallel_size=1 .* runs at 2"):
-        _restore(converted, Preparation("bfloat16", tp_size=2))
     packed = str(tmp_path / "packed")
     convert(tiny_dir, packed, Preparation("bfloat16", "native"))
     with pytest.raises(ValueError, match="convert with --packing none"):
@@ -91,3 +88,20 @@ def test_a_conversion_that_cannot_serve_is_an_error_naming_the_fix(tiny_dir, con
         os.truncate(file, file.stat().st_size // 2)
     with pytest.raises(ValueError, match=r"cannot be served: .*unreadable arrays"):
         _restore(packed, Preparation("bfloat16", "native"))
+
+
+@pytest.mark.parametrize("packing", ["none", "native"])
+def test_streamed_weights_are_those_the_host_prepares(tiny_dir, packing, request):
+    if packing != "none":
+        request.getfixturevalue("dense_kernels")  # packing needs a CPU with the native dense kernel
+    preparation = Preparation("bfloat16", packing)
+    _, expected = load_model(tiny_dir, jnp.bfloat16, on_host=True)
+    preparation.apply(expected)
+    _, got = load_prepared(tiny_dir, preparation, _ON_DEVICE)
+    assert nnx.graphdef(got) == nnx.graphdef(expected)
+    assert (len(jax.tree.leaves(nnx.state(got, PackedKernel))) > 0) == (packing != "none")
+    expected_leaves = dict(nnx.to_flat_state(nnx.state(expected)))
+    for path, var in nnx.to_flat_state(nnx.state(got)):
+        value = var.get_value()
+        assert value.sharding == _ON_DEVICE, path
+        assert np.asarray(value).tobytes() == np.asarray(expected_leaves[path].get_value()).tobytes(), path

@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A checkpoint's weights streamed straight onto their devices, one tensor at a time.
+
+`load_model` fills the whole model on the host, then prepares and transfers it: the host holds
+every weight at once (twice, during the transfer). Serving on devices, `stream_model` never does:
+the served model's structure comes from `nnx.eval_shape` (build, `prepare_for_serving` and the
+caller's own preparation on abstract values: no weights), and each checkpoint tensor is read,
+transposed and cast, then put on its device or its `NamedSharding` (`models.sharding`) and
+dropped. A fused q/k/v or gate/up parameter waits for its parts (a few tensors of one layer:
+checkpoints list a layer's tensors together), an expert-stacked parameter for its experts; a
+tied head's `[D, V]` copy is made from the embedding as it passes. So the host holds a few
+tensors at a time beyond what its own (CPU) device keeps, and a device receives only its slice
+of a split weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from models.config import ModelConfig
+from models.loader import _ExpertStacks, iter_parameters, prepare_for_serving
+from models.registry import build
+from models.sharding import MODEL_AXIS, fuse_parts, fused_parts, parameter_sharding
+
+# (dotted path of a served parameter, its host value, its abstract served Variable) -> the array
+# on its device(s).
+Place = Callable[[str, np.ndarray, nnx.Variable], jax.Array]
+
+
+@dataclasses.dataclass
+class HostBytes:
+    """The most host bytes a streamed load held at once: the tensor being placed (a fused one's
+    parts and the fused result), the parts waiting for the rest of their fused parameter, and
+    the partial expert stacks. Read by tests; one per load."""
+
+    peak: int = 0
+    tensors: int = 0  # how many tensors were placed
+
+    def observe(self, held: int) -> None:
+        self.peak = max(self.peak, held)
+        self.tensors += 1
+
+
+def served_abstract(
+    model: nnx.Module,
+    config: ModelConfig,
+    tp_size: int,
+    prepare: Callable[[nnx.Module], object] | None = None,
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """The served model's structure and its state's shapes and dtypes (`prepare_for_serving` at
+    `tp_size`, then `prepare`), from a built model without touching its values."""
+
+    def serve(model: nnx.Module) -> nnx.Module:
+        prepare_for_serving(model, config, tp_size)
+        if prepare is not None:
+            prepare(model)
+        return model
+
+    return nnx.split(nnx.eval_shape(serve, model))
+
+
+def default_place(mesh: Mesh | None) -> Place:
+    """Each array on JAX's default device, or on `mesh` with the rules table's sharding."""
+    if mesh is None:
+        device = jax.devices()[0]
+        return lambda path, value, served: jax.device_put(value, device)
+    return lambda path, value, served: jax.device_put(value, parameter_sharding(path, value.shape, mesh))
+
+
+def stream_model(
+    path: str,
+    dtype: jnp.dtype = jnp.float32,
+    *,
+    mesh: Mesh | None = None,
+    tp_size: int | None = None,
+    prepare: Callable[[nnx.Module], object] | None = None,
+    place: Place | None = None,
+    host_bytes: HostBytes | None = None,
+) -> tuple[ModelConfig, nnx.Module]:
+    """The model at `path` prepared for serving at `tp_size` (default: `mesh`'s size, else 1),
+    each weight streamed to its device(s) by `place` (default: `default_place(mesh)`).
+
+    `prepare`: a further preparation of the served model (e.g. packing kernels), applied here to
+    its abstract structure only; `place` then receives each parameter as `load_model` leaves it
+    and returns it as that preparation has it (its abstract Variable says which: a
+    `PackedKernel`, say). `host_bytes` records the most host bytes held at once."""
+    config = ModelConfig.from_pretrained(path)
+    if tp_size is None:
+        tp_size = 1 if mesh is None else mesh.shape[MODEL_AXIS]
+    model = build(config, dtype)  # host zeros, never written: their pages are never touched
+    graphdef, abstract = served_abstract(model, config, tp_size, prepare)
+    served = {".".join(map(str, key)): var for key, var in nnx.to_flat_state(abstract)}
+    placed = _stream(
+        model, config, path, served, tp_size, place or default_place(mesh), host_bytes or HostBytes()
+    )
+    for name, var in served.items():
+        var.set_value(placed[name])
+    return config, nnx.merge(graphdef, abstract)
+
+
+def _stream(
+    model: nnx.Module,
+    config: ModelConfig,
+    path: str,
+    served: dict[str, nnx.Variable],
+    tp_size: int,
+    place: Place,
+    host_bytes: HostBytes,
+) -> dict[str, jax.Array]:
+    """Every served parameter placed, from the checkpoint's tensors in their order."""
+    part_of = {part: (name, i) for name in served for i, part in enumerate(fused_parts(name))}
+    # A tied head's `[D, V]` copy (`Embedding.transpose_for_head`), made from the embedding.
+    head_copies = {
+        name.removesuffix("head_kernel") + "embedding": name
+        for name in served
+        if name.endswith(".head_kernel")
+    }
+    _check_sources(model, served, part_of, head_copies)
+    heads = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim}
+    pending: dict[str, list[np.ndarray | None]] = {}
+    stacks = _ExpertStacks()
+    placed: dict[str, jax.Array] = {}
+
+    def waiting_bytes() -> int:
+        parts = sum(p.nbytes for ps in pending.values() for p in ps if p is not None)
+        return parts + stacks.held_bytes()
+
+    for ours, value in iter_parameters(model, path, stacks):
+        if ours in part_of:
+            name, index = part_of[ours]
+            parts = pending.setdefault(name, [None] * len(fused_parts(name)))
+            parts[index] = value
+            if any(p is None for p in parts):
+                host_bytes.observe(waiting_bytes())
+                continue
+            value = fuse_parts(name, pending.pop(name), **heads, tp_size=tp_size)
+            host_bytes.observe(waiting_bytes() + sum(p.nbytes for p in parts) + value.nbytes)
+            ours = name
+        else:
+            host_bytes.observe(waiting_bytes() + value.nbytes)
+        placed[ours] = place(ours, value, served[ours])
+        if ours in head_copies:
+            placed[head_copies[ours]] = place(head_copies[ours], value.T, served[head_copies[ours]])
+    return placed
+
+
+def _check_sources(
+    model: nnx.Module,
+    served: dict[str, nnx.Variable],
+    part_of: dict[str, tuple[str, int]],
+    head_copies: dict[str, str],
+) -> None:
+    """A served parameter that no loaded parameter fills is a bug in a model's definition: named
+    before any tensor is read."""
+    loaded = {".".join(map(str, key)) for key, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    filled = {part_of[p][0] if p in part_of else p for p in loaded} | {
+        head_copies[p] for p in loaded & set(head_copies)
+    }
+    orphans = sorted(set(served) - filled)
+    if orphans:
+        raise ValueError(f"{type(model).__name__}: no checkpoint parameter fills {orphans[:5]}")
