@@ -43,6 +43,7 @@ def configure_parallel(vllm_config: VllmConfig) -> None:
     if parallel.nnodes > 1:
         _one_worker_per_host(vllm_config)
         _check_heads(vllm_config, mesh_tensor_parallel_size(vllm_config))
+        _async_scheduling_off_across_hosts(vllm_config)
         return
     backend = parallel.distributed_executor_backend
     if parallel.tensor_parallel_size > 1:
@@ -92,3 +93,20 @@ def _one_worker_per_host(vllm_config: VllmConfig) -> None:
     parallel.tensor_parallel_size = nnodes
     parallel.world_size = nnodes * parallel.pipeline_parallel_size * parallel.prefill_context_parallel_size
     parallel.distributed_executor_backend = "mp"
+
+
+def _async_scheduling_off_across_hosts(vllm_config: VllmConfig) -> None:
+    """Across hosts, every host's runner must record each step's tokens before the next step, as
+    host 0's does: vLLM's multi-node executor resolves an async output on the replying host only
+    (in a thread of its own) and drops the other hosts' handles, whose runners would then go out
+    of step. So each step's output is returned when sampled (docs/multihost.md)."""
+    scheduler = vllm_config.scheduler_config
+    if scheduler is None or not scheduler.async_scheduling:
+        return
+    scheduler.async_scheduling = False
+    from vllm.logger import init_logger
+
+    init_logger("vllm.xla").info(
+        "vllm-xla: async scheduling is off across hosts (--nnodes > 1): every host records each "
+        "step's tokens before the next step"
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import jax
 
@@ -90,9 +91,12 @@ def check_joined(group: HostGroup) -> None:
         )
 
 
-def per_host_devices(tp_size: int, num_hosts: int) -> list[jax.Device]:
+def per_host_devices(
+    tp_size: int, num_hosts: int, devices: Sequence[jax.Device] | None = None
+) -> list[jax.Device]:
     """The mesh's devices: the first `tp_size / num_hosts` local devices of every process, in
-    process order (each host's share contiguous on the model axis)."""
+    process order (each host's share contiguous on the model axis). `devices`: all processes'
+    (default `jax.devices()`; a compile-only pod topology's devices carry their hosts too)."""
     if tp_size % num_hosts:
         raise ValueError(
             f"tensor_parallel_size={tp_size} does not split over {num_hosts} hosts; use a multiple "
@@ -100,7 +104,9 @@ def per_host_devices(tp_size: int, num_hosts: int) -> list[jax.Device]:
         )
     share = tp_size // num_hosts
     by_process: dict[int, list[jax.Device]] = {}
-    for device in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+    for device in sorted(
+        jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id)
+    ):
         by_process.setdefault(device.process_index, []).append(device)
     short = {p: len(ds) for p, ds in by_process.items() if len(ds) < share}
     if len(by_process) != num_hosts or short:
