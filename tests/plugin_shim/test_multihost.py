@@ -43,6 +43,7 @@ def _options(engine: dict) -> list[str]:
 
 SERVE = [
     *_options({**ENGINE, **KV}),
+    "--no-enable-prefix-caching",  # the crowded prompts share a prefix: it would leave pages free
     "--tensor-parallel-size=4",
     f"--distributed-timeout-seconds={TIMEOUT_S}",
 ]
