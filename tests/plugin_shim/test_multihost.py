@@ -30,9 +30,10 @@ pytestmark = pytest.mark.slow  # four vLLM processes and two JAX hosts
 
 NEW_TOKENS = 6
 TIMEOUT_S = 20  # --distributed-timeout-seconds: the join's and a silent host's bound
-# Chunked prefill (an 8-token step), 9 pages of 16 tokens for four long sequences (preemption).
+# Chunked prefill (an 8-token step), 8 pages of 16 tokens for four long sequences (preemption).
+CROWDED_TOKENS = 12
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, seed=0)
-KV = dict(block_size=16, num_gpu_blocks_override=9)
+KV = dict(block_size=16, num_gpu_blocks_override=8)
 GREEDY = prompts([5, 13, 2], seed=3)
 CROWDED = [prompts([40], seed=7)[0] + tail[1:] for tail in prompts([3, 9, 6, 12], seed=8)]
 
@@ -61,9 +62,9 @@ def model(tmp_path_factory) -> str:
 def reference(model) -> dict[str, list[list[int]]]:
     """One process, one device (TP=1), in-process vLLM: the tokens both hosts must give."""
     llm = LLM(model=model, **ENGINE)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     out = {}
-    for name, batch in (("greedy", GREEDY), ("crowded", CROWDED)):
+    for name, batch, new in (("greedy", GREEDY, NEW_TOKENS), ("crowded", CROWDED, CROWDED_TOKENS)):
+        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
         done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
         out[name] = [list(o.outputs[0].token_ids) for o in done]
     del llm
@@ -93,7 +94,7 @@ def test_two_hosts_at_tp4_answer_with_the_one_device_tokens(hosts, model, refere
 
 def test_two_hosts_under_chunked_prefill_and_preemption(hosts, model, reference):
     before = metric(hosts["port"], "vllm:num_preemptions_total")
-    assert completions(hosts["port"], model, CROWDED, NEW_TOKENS) == reference["crowded"]
+    assert completions(hosts["port"], model, CROWDED, CROWDED_TOKENS) == reference["crowded"]
     assert metric(hosts["port"], "vllm:num_preemptions_total") > before
 
 

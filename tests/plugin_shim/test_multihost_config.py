@@ -76,10 +76,11 @@ def test_host_group_checks_its_numbers():
         HostGroup("h:1", num_hosts=1, host_rank=0)
 
 
-def test_serve_passes_the_multi_node_options_through_and_headless_hosts_run_vllm_serve():
+def test_serve_passes_the_multi_node_options_through_to_vllms_serve_command():
     options = ["--nnodes", "4", "--node-rank", "2", "--master-addr", "10.0.0.2", "--master-port", "29501"]
-    assert serve_argv("M", options) == [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "M", *options,
+    assert serve_argv("M", options) == [sys.executable, "-m", "plugin_shim.vllm_serve", "M", *options]
+    assert serve_argv("M", ["--port", "1"]) == [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "M", "--port", "1",
     ]  # fmt: skip
     assert serve_argv("M", [*options, "--headless"]) == [
         sys.executable, "-m", "plugin_shim.vllm_serve", "M", *options, "--headless",
