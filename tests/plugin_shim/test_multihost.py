@@ -124,3 +124,24 @@ def test_a_host_that_never_joins_ends_the_other_within_the_timeout(model, tmp_pa
     assert time.monotonic() - start < TIMEOUT_S + 240
     assert "joining 2 hosts as host 0 at 127.0.0.1" in text
     assert f"waiting up to {TIMEOUT_S} s for every host to join" in text
+
+
+def test_killing_host_0_ends_the_headless_host_within_the_timeout(model, tmp_path):
+    """Host 1 idles between steps: JAX's coordination service (host 0's) stops answering, and
+    after `--distributed-timeout-seconds` of silence host 1's worker is ended, then its host."""
+    master, port = free_port(), free_port()
+    host1, log1 = start_host(1, model, SERVE, master, tmp_path, None)
+    host0, log0 = start_host(0, model, SERVE, master, tmp_path, port)
+    try:
+        wait_healthy(port, [host0, host1], [log0, log1], timeout=900)
+        kill_host(host0)
+        start = time.monotonic()
+        code = host1.wait(timeout=TIMEOUT_S + 120)
+        elapsed = time.monotonic() - start
+    finally:
+        kill_host(host0)
+        kill_host(host1)
+    text = log1.read_text()
+    assert code != 0, text[-4000:]
+    assert elapsed < TIMEOUT_S + 120
+    assert "vllm-xla serve: exiting with status 1" in text
