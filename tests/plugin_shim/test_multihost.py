@@ -79,7 +79,7 @@ def hosts(model, tmp_path_factory):
     started = [start_host(1, model, SERVE, master, tmp, None), start_host(0, model, SERVE, master, tmp, port)]
     procs, logs = [p for p, _ in started], [log for _, log in started]
     try:
-        wait_healthy(port, procs[::-1], logs[::-1], timeout=900)
+        wait_healthy(port, procs[::-1], logs[::-1], timeout=800)
         yield {"port": port, "host0": procs[1], "host1": procs[0], "log0": logs[1]}
     finally:
         for proc in procs:
@@ -133,7 +133,7 @@ def test_killing_host_0_ends_the_headless_host_within_the_timeout(model, tmp_pat
     host1, log1 = start_host(1, model, SERVE, master, tmp_path, None)
     host0, log0 = start_host(0, model, SERVE, master, tmp_path, port)
     try:
-        wait_healthy(port, [host0, host1], [log0, log1], timeout=900)
+        wait_healthy(port, [host0, host1], [log0, log1], timeout=800)
         kill_host(host0)
         start = time.monotonic()
         code = host1.wait(timeout=TIMEOUT_S + 120)
