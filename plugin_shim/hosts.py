@@ -69,6 +69,16 @@ def join(vllm_config: VllmConfig, rank: int, local_rank: int, init_method: str) 
     )
 
 
+def replies(vllm_config: VllmConfig, rank: int) -> bool:
+    """Whether vLLM reads this worker's step outputs: its executor reads one rank's,
+    `world_size - tensor_parallel_size * prefill_context_parallel_size` (`MultiprocExecutor.
+    _get_output_rank`): host 0's worker across hosts, the one worker on one host."""
+    parallel = vllm_config.parallel_config
+    return (
+        rank == parallel.world_size - parallel.tensor_parallel_size * parallel.prefill_context_parallel_size
+    )
+
+
 @contextlib.contextmanager
 def naming_lost_hosts(num_hosts: int) -> Iterator[None]:
     """Across hosts, a step's XLA failure (a collective whose peer is gone) becomes an error that

@@ -75,6 +75,7 @@ class XlaWorker(WorkerBase):
         # Across hosts, before JAX starts a backend: JAX's hosts, then vLLM's (docs/multihost.md).
         hosts.join(self.vllm_config, self.rank, self.local_rank, self.distributed_init_method)
         self.num_hosts = self.parallel_config.nnodes
+        self.replies = hosts.replies(self.vllm_config, self.rank)  # else vLLM drops the outputs
         mc, sc = self.model_config, self.vllm_config.scheduler_config
         dtype = _TORCH_TO_JAX_DTYPE.get(mc.dtype)
         if dtype is None:
@@ -204,11 +205,13 @@ class XlaWorker(WorkerBase):
             result = self.runner.finish(step)
         if self.logits_bridge is not None:
             self.logits_bridge.record(result)
+        if self.metrics is not None and self.metrics.due():  # the counters' snapshot is not free
+            self.metrics.publish(self.runner_stats())
+        if not self.replies:  # another host's worker: its tokens are recorded, vLLM reads host 0's
+            return None
         start = time.perf_counter()
         output = translate.model_runner_output(result)
         self.runner.stats.host_seconds += time.perf_counter() - start
-        if self.metrics is not None and self.metrics.due():  # the counters' snapshot is not free
-            self.metrics.publish(self.runner_stats())
         return output
 
     def runner_stats(self) -> dict[str, float]:
