@@ -202,10 +202,20 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     # end, so a fork is safe; the platform still spawns where JAX already runs
     # (`plugin_shim.platform._engine_start_method`).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
-    # vLLM's own OpenAI server, as a module: works for every vLLM distribution name.
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra]
-    os.execv(sys.executable, argv)
+    os.execv(sys.executable, serve_argv(model, extra))
     return 0
+
+
+def serve_argv(model: str, extra: list[str]) -> list[str]:
+    """The vLLM command `serve` becomes. vLLM's own options pass through untouched, the multi-node
+    ones too (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`, docs/multihost.md): the
+    same line works with `vllm serve`. Across hosts, vLLM's `serve` subcommand (`--headless`: no
+    API server, only the host's worker) through `plugin_shim.vllm_serve`, which ends non-zero when a
+    host died; on one host, vLLM's OpenAI server, as a module (works for every vLLM distribution
+    name)."""
+    if "--headless" in extra or any(arg.split("=")[0] == "--nnodes" for arg in extra):
+        return [sys.executable, "-m", "plugin_shim.vllm_serve", model, *extra]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -272,8 +272,14 @@ SUPPORTED: tuple[Supported, ...] = (
     Supported(
         "Tensor parallelism on one host",
         "tensor_parallel_size",
-        "one worker drives a JAX mesh of the host's devices (models/sharding.py); several hosts "
-        "(--nnodes > 1) and the Ray executor are refused",
+        "one worker drives a JAX mesh of the host's devices (models/sharding.py); the Ray executor "
+        "is refused",
+    ),
+    Supported(
+        "Tensor parallelism across hosts",
+        "nnodes, node_rank, master_addr, master_port, headless, distributed_timeout_seconds",
+        "one worker a host, one JAX mesh over every host's devices (docs/multihost.md); "
+        "tensor_parallel_size must be a multiple of nnodes; async scheduling is off across hosts",
     ),
     Supported("Logprobs", "logprobs, prompt_logprobs, max_logprobs, logprobs_mode", ""),
     Supported("Structured outputs", "structured_outputs", "vLLM's grammar bitmasks, applied in the step"),

@@ -12,10 +12,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from plugin_shim import translate
+from plugin_shim import hosts, translate
 from plugin_shim.cache_dtype import runner_kv_cache_dtype, spec_dtype
 from plugin_shim.logits_processors import LogitsProcessorBridge
 from plugin_shim.logs import share_vllm_logging
+from plugin_shim.parallel import mesh_tensor_parallel_size
 from plugin_shim.platform import runner_load_format
 from tpu_platform.envs import read_env
 from tpu_platform.metrics_file import MetricsPublisher, metrics_path
@@ -71,6 +72,10 @@ class XlaWorker(WorkerBase):
         self.env = env
         self.metrics: MetricsPublisher | None = None  # set once warm-up is done
         self.device = torch.device("cpu")
+        # Across hosts, before JAX starts a backend: JAX's hosts, then vLLM's (docs/multihost.md).
+        hosts.join(self.vllm_config, self.rank, self.local_rank, self.distributed_init_method)
+        self.num_hosts = self.parallel_config.nnodes
+        self.replies = hosts.replies(self.vllm_config, self.rank)  # else vLLM drops the outputs
         mc, sc = self.model_config, self.vllm_config.scheduler_config
         dtype = _TORCH_TO_JAX_DTYPE.get(mc.dtype)
         if dtype is None:
@@ -95,11 +100,17 @@ class XlaWorker(WorkerBase):
                 max_logprobs=mc.max_logprobs,
                 logprobs_mode=str(mc.logprobs_mode),
                 logits_processors=self.logits_bridge is not None,
-                tensor_parallel_size=self.parallel_config.tensor_parallel_size,
+                tensor_parallel_size=mesh_tensor_parallel_size(self.vllm_config),
             )
         )
-        used = jax.devices()[: self.runner.tp_size]
-        logger.info("vllm-xla worker drives JAX devices: %s", ", ".join(str(d) for d in used))
+        mesh = self.runner.mesh
+        used = (
+            [self.runner.device]
+            if mesh is None
+            else [d for d in mesh.devices.flat if d in jax.local_devices()]
+        )
+        across = f" (of {mesh.size} on {jax.process_count()} hosts)" if jax.process_count() > 1 else ""
+        logger.info("vllm-xla worker drives JAX devices: %s%s", ", ".join(str(d) for d in used), across)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
@@ -168,7 +179,8 @@ class XlaWorker(WorkerBase):
         start = time.perf_counter()
         update = translate.batch_update(scheduler_output)
         self.runner.stats.host_seconds += time.perf_counter() - start
-        self.runner.execute(update)
+        with hosts.naming_lost_hosts(self.num_hosts):
+            self.runner.execute(update)
         if self.logits_bridge is not None:
             self.logits_bridge.update(scheduler_output, self.runner.table.row_of)
         if not scheduler_output.total_num_scheduled_tokens:
@@ -179,23 +191,27 @@ class XlaWorker(WorkerBase):
         """The step's output; under async scheduling, a handle vLLM resolves after it has
         scheduled (and we have dispatched) the next step."""
         bridge = self.logits_bridge
-        step = self.runner.sample_async(
-            translate.grammar_bitmasks(grammar_output), logits_transform=bridge.apply if bridge else None
-        )
+        with hosts.naming_lost_hosts(self.num_hosts):
+            step = self.runner.sample_async(
+                translate.grammar_bitmasks(grammar_output), logits_transform=bridge.apply if bridge else None
+            )
         if self.vllm_config.scheduler_config.async_scheduling and bridge is None:
             return _AsyncOutput(self, step)
         return self.step_output(step)
 
     def step_output(self, step: InFlightStep):
         """vLLM's `ModelRunnerOutput` for a sampled step, once its tokens are on the host."""
-        result = self.runner.finish(step)
+        with hosts.naming_lost_hosts(self.num_hosts):
+            result = self.runner.finish(step)
         if self.logits_bridge is not None:
             self.logits_bridge.record(result)
+        if self.metrics is not None and self.metrics.due():  # the counters' snapshot is not free
+            self.metrics.publish(self.runner_stats())
+        if not self.replies:  # another host's worker: its tokens are recorded, vLLM reads host 0's
+            return None
         start = time.perf_counter()
         output = translate.model_runner_output(result)
         self.runner.stats.host_seconds += time.perf_counter() - start
-        if self.metrics is not None and self.metrics.due():  # the counters' snapshot is not free
-            self.metrics.publish(self.runner_stats())
         return output
 
     def runner_stats(self) -> dict[str, float]:

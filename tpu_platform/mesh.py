@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.sharding import MODEL_AXIS, check_tensor_parallel
+from tpu_platform.hosts import per_host_devices
 
 
 def check_devices(tp_size: int, devices: Sequence[jax.Device]) -> None:
@@ -35,7 +36,12 @@ def check_devices(tp_size: int, devices: Sequence[jax.Device]) -> None:
 
 
 def tensor_parallel_mesh(tp_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh | None:
-    """A one-axis mesh over the first `tp_size` local devices, or None for `tp_size == 1`."""
+    """A one-axis mesh over the first `tp_size` local devices, or None for `tp_size == 1`.
+
+    Joined to other hosts (`tpu_platform.hosts`), the mesh spans every host's devices: an equal
+    share of each, in host order."""
+    if devices is None and jax.process_count() > 1:
+        return Mesh(np.array(per_host_devices(tp_size, jax.process_count())), (MODEL_AXIS,))
     devices = list(jax.local_devices() if devices is None else devices)
     check_devices(tp_size, devices)
     if tp_size == 1:

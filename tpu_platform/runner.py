@@ -63,7 +63,7 @@ class Runner:
 
     def __init__(self, config: RunnerConfig):
         self.config = config
-        self.device = jax.devices()[0]
+        self.device = jax.local_devices()[0]  # this host's first (with several hosts too)
         # The tensor-parallel mesh (None on one device: everything then lives on `device`), and
         # where a whole (replicated) array goes: step inputs, logits, sampled tokens.
         self.mesh = tensor_parallel_mesh(config.tensor_parallel_size)

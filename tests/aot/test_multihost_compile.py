@@ -1,0 +1,42 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The multi-host mesh program compiled for a 16-chip TPU slice of 4 hosts (v5e-16, `v5e:4x4`).
+
+The worker (`multihost_compile_worker`) builds the mesh the way the hosts build it at run time
+(`tpu_platform.hosts.per_host_devices` over the topology's devices, which carry their host) and
+compiles the runner's sharded decode step of Llama-3.1-8B at TP=16 with the Mosaic TPU attention
+kernel, weights abstract. A compile error, a mesh that interleaves hosts, a program that is not
+split 16 ways, or one whose weights are not split across the chips fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.aot.toolchains import run_worker
+
+pytestmark = pytest.mark.timeout(3600)  # a multi-billion-parameter program: minutes when busy
+
+V5E_HBM_BYTES = 16 << 30
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    return run_worker("tpu", "multihost_compile_worker", "v5e-16", "llama-3.1-8b", "16", "pallas_tpu")
+
+
+def test_the_mesh_spans_four_hosts_each_contiguous(compiled):
+    assert compiled["hosts"] == 4
+    assert compiled["mesh_hosts"] == [h for h in range(4) for _ in range(4)]
+
+
+def test_the_step_is_one_program_split_over_the_16_chips(compiled):
+    assert compiled["num_partitions"] == 16
+    # Row-parallel o_proj and down_proj: at least one all-reduce each a layer.
+    assert compiled["all_reduces"] >= 2 * compiled["num_layers"]
+
+
+def test_each_chip_holds_its_share_of_the_weights(compiled):
+    share = compiled["weight_bytes"] / 16
+    # Arguments per chip: its weight share (norms and RoPE tables replicated) and its KV pages.
+    assert share < compiled["argument_bytes"] < 2 * share
+    assert compiled["argument_bytes"] + compiled["temp_bytes"] < V5E_HBM_BYTES

@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Serving across two hosts, each a process on this machine with 2 simulated CPU devices, joined
+through the path a pod's hosts take (vLLM's multi-node options, `jax.distributed`, gloo
+collectives), one tiny model at TP=4 across both: vLLM's OpenAI server on host 0 answers
+completions with the greedy tokens of a one-process TP=1 engine, also under chunked prefill and
+preemption. Killing host 1 ends host 0 with a clear error, non-zero, within the bound; a host that
+never joins ends the other within `--distributed-timeout-seconds`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+from tests.models.tiny_checkpoints import prompts
+from tests.plugin_shim.multihost_launch import (
+    completions,
+    free_port,
+    kill_host,
+    metric,
+    start_host,
+    wait_healthy,
+)
+from tests.tiny_models import save_tiny_llama
+
+pytestmark = pytest.mark.slow  # four vLLM processes and two JAX hosts
+
+NEW_TOKENS = 6
+TIMEOUT_S = 20  # --distributed-timeout-seconds: the join's and a silent host's bound
+# Chunked prefill (an 8-token step), 8 pages of 16 tokens for four long sequences (preemption).
+CROWDED_TOKENS = 12
+ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, seed=0)
+KV = dict(block_size=16, num_gpu_blocks_override=8)
+GREEDY = prompts([5, 13, 2], seed=3)
+CROWDED = [prompts([40], seed=7)[0] + tail[1:] for tail in prompts([3, 9, 6, 12], seed=8)]
+
+
+def _options(engine: dict) -> list[str]:
+    return [f"--{key.replace('_', '-')}={value}" for key, value in engine.items()]
+
+
+SERVE = [
+    *_options({**ENGINE, **KV}),
+    "--no-enable-prefix-caching",  # the crowded prompts share a prefix: it would leave pages free
+    "--tensor-parallel-size=4",
+    f"--distributed-timeout-seconds={TIMEOUT_S}",
+]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return save_tiny_llama(
+        str(tmp_path_factory.mktemp("multihost") / "model"),
+        seed=4, hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> dict[str, list[list[int]]]:
+    """One process, one device (TP=1), in-process vLLM: the tokens both hosts must give."""
+    llm = LLM(model=model, **ENGINE)
+    out = {}
+    for name, batch, new in (("greedy", GREEDY, NEW_TOKENS), ("crowded", CROWDED, CROWDED_TOKENS)):
+        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        out[name] = [list(o.outputs[0].token_ids) for o in done]
+    del llm
+    return out
+
+
+@pytest.fixture(scope="module")
+def hosts(model, tmp_path_factory):
+    """Host 1 (headless) and host 0 (the OpenAI server on `port`), both serving at TP=4."""
+    tmp = tmp_path_factory.mktemp("hosts")
+    master, port = free_port(), free_port()
+    started = [start_host(1, model, SERVE, master, tmp, None), start_host(0, model, SERVE, master, tmp, port)]
+    procs, logs = [p for p, _ in started], [log for _, log in started]
+    try:
+        wait_healthy(port, procs[::-1], logs[::-1], timeout=800)
+        yield {"port": port, "host0": procs[1], "host1": procs[0], "log0": logs[1]}
+    finally:
+        for proc in procs:
+            kill_host(proc)
+
+
+def test_two_hosts_at_tp4_answer_with_the_one_device_tokens(hosts, model, reference):
+    assert completions(hosts["port"], model, GREEDY, NEW_TOKENS) == reference["greedy"]
+    log = hosts["log0"].read_text()
+    assert "drives JAX devices: cpu:0, cpu:1 (of 4 on 2 hosts)" in log
+
+
+def test_two_hosts_under_chunked_prefill_and_preemption(hosts, model, reference):
+    before = metric(hosts["port"], "vllm:num_preemptions_total")
+    assert completions(hosts["port"], model, CROWDED, CROWDED_TOKENS) == reference["crowded"]
+    assert metric(hosts["port"], "vllm:num_preemptions_total") > before
+
+
+def test_killing_host_1_ends_host_0_with_a_clear_error_in_bounded_time(hosts, model):
+    """Runs last: it ends the hosts."""
+    kill_host(hosts["host1"])
+    start = time.monotonic()
+    with pytest.raises(Exception, match="500"):
+        completions(hosts["port"], model, GREEDY[:1], NEW_TOKENS)  # a step that needs host 1
+    code = hosts["host0"].wait(timeout=TIMEOUT_S + 60)
+    elapsed = time.monotonic() - start
+    log = hosts["log0"].read_text()
+    assert code != 0, log[-4000:]
+    assert elapsed < TIMEOUT_S + 60
+    assert "another host died or left mid-step; restart every host" in log
+
+
+def test_a_host_that_never_joins_ends_the_other_within_the_timeout(model, tmp_path):
+    proc, log = start_host(0, model, SERVE, free_port(), tmp_path, free_port())
+    start = time.monotonic()
+    try:
+        code = proc.wait(timeout=TIMEOUT_S + 240)  # the timeout after vLLM's and JAX's start
+    finally:
+        kill_host(proc)
+    text = log.read_text()
+    assert code != 0, text[-4000:]
+    assert time.monotonic() - start < TIMEOUT_S + 240
+    assert "joining 2 hosts as host 0 at 127.0.0.1" in text
+    assert f"waiting up to {TIMEOUT_S} s for every host to join" in text
+
+
+def test_killing_host_0_ends_the_headless_host_within_the_timeout(model, tmp_path):
+    """Host 1 idles between steps: JAX's coordination service (host 0's) stops answering, and
+    after `--distributed-timeout-seconds` of silence host 1's worker is ended, then its host."""
+    master, port = free_port(), free_port()
+    host1, log1 = start_host(1, model, SERVE, master, tmp_path, None)
+    host0, log0 = start_host(0, model, SERVE, master, tmp_path, port)
+    try:
+        wait_healthy(port, [host0, host1], [log0, log1], timeout=800)
+        kill_host(host0)
+        start = time.monotonic()
+        code = host1.wait(timeout=TIMEOUT_S + 120)
+        elapsed = time.monotonic() - start
+    finally:
+        kill_host(host0)
+        kill_host(host1)
+    text = log1.read_text()
+    assert code != 0, text[-4000:]
+    assert elapsed < TIMEOUT_S + 120
+    assert "vllm-xla serve: exiting with status 1" in text
