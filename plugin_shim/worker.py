@@ -96,6 +96,7 @@ class XlaWorker(WorkerBase):
                 logprobs_mode=str(mc.logprobs_mode),
                 logits_processors=self.logits_bridge is not None,
                 tensor_parallel_size=self.parallel_config.tensor_parallel_size,
+                quantization=mc.quantization,
             )
         )
         used = jax.devices()[: self.runner.tp_size]

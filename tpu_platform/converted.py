@@ -116,7 +116,8 @@ def restore_converted(
 def _stored_preparation(metadata: dict) -> Preparation:
     dtype, _, rest = str(metadata.get("preparation", "")).partition("-")
     packing, _, tp = rest.partition("-tp")
+    packing, int8, _ = packing.partition("-int8")
     try:
-        return Preparation(dtype, packing, int(tp or 1))
+        return Preparation(dtype, packing, int(tp or 1), "int8" if int8 else "none")
     except ValueError as error:
         raise UnusableCheckpoint(f"unknown preparation {metadata.get('preparation')!r}") from error

@@ -151,7 +151,8 @@ class Runner:
         (`load_format="npcache"`) when it holds them; else loaded from the checkpoint on the host
         (then one transfer, no device op per tensor) and, with npcache, stored there."""
         path = self.config.model_path
-        preparation = Preparation.for_dense_isa(self.dtype.name, self.dense_isa, self.tp_size)
+        int8 = "none" if self.config.quantization is None else "int8"
+        preparation = Preparation.for_dense_isa(self.dtype.name, self.dense_isa, self.tp_size, int8)
         converted = converted_weights(path)
         if converted is not None:
             self.model_config = ModelConfig.from_pretrained(path)
