@@ -6,9 +6,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-PEERS = ("xla", "vllm-cpu", "hf")
-PEER_LABELS = {"xla": "ours (vllm-xla)", "vllm-cpu": "vLLM CPU", "hf": "transformers"}
+PEERS = ("xla", "xla-int8", "vllm-cpu", "hf")
+PEER_LABELS = {
+    "xla": "ours (vllm-xla)",
+    "xla-int8": "ours int8",
+    "vllm-cpu": "vLLM CPU",
+    "hf": "transformers",
+}
 BASELINES = ("vllm-cpu", "hf")
+# Peers reported only where run (the default run leaves them out): their own ratio to ours.
+OPTIONAL_PEERS = ("xla-int8",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +73,8 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, float | None]]:
         for peer in BASELINES:
             theirs = value(results, metric, peer)
             row[f"xla/{peer}"] = ours / theirs if ours is not None and theirs else None
+        int8 = value(results, metric, "xla-int8")
+        row["xla-int8/xla"] = int8 / ours if int8 is not None and ours else None
         table[metric.label] = row
     return table
 
@@ -81,18 +90,23 @@ def _cell(x: float | None, ratio: bool = False) -> str:
 def format_table(results: dict[str, Any]) -> str:
     """A plain-text table: one row per measured metric, peers and ratios in columns."""
     rat = ratios(results)
-    header = ["metric", *(PEER_LABELS[p] for p in PEERS), "ours/vLLM-CPU", "ours/HF", "better"]
-    rows = [header]
+    ran = [p for p in PEERS if p not in OPTIONAL_PEERS or any(p in r for r in results.values())]
+    int8 = "xla-int8" in ran
+    header = ["metric", *(PEER_LABELS[p] for p in ran), "ours/vLLM-CPU", "ours/HF"]
+    header += ["int8/ours"] if int8 else []
+    rows = [[*header, "better"]]
     for metric in METRICS:
-        values = [value(results, metric, p) for p in PEERS]
+        values = [value(results, metric, p) for p in ran]
         if all(v is None for v in values):
             continue
         better = "higher" if metric.higher_is_better else "lower"
         rows.append(
             [metric.label, *(_cell(v) for v in values)]
             + [_cell(rat[metric.label][f"xla/{p}"], ratio=True) for p in BASELINES]
+            + ([_cell(rat[metric.label]["xla-int8/xla"], ratio=True)] if int8 else [])
             + [better]
         )
+    header = rows[0]
     if len(rows) == 1:
         return "(no successful measurement)"
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
