@@ -79,6 +79,11 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     return table
 
 
+def ran_peers(results: dict[str, Any]) -> list[str]:
+    """The peers to report: all but the optional ones, which only where they ran."""
+    return [p for p in PEERS if p not in OPTIONAL_PEERS or any(p in r for r in results.values())]
+
+
 def _cell(x: float | None, ratio: bool = False) -> str:
     if x is None:
         return "-"
@@ -90,7 +95,7 @@ def _cell(x: float | None, ratio: bool = False) -> str:
 def format_table(results: dict[str, Any]) -> str:
     """A plain-text table: one row per measured metric, peers and ratios in columns."""
     rat = ratios(results)
-    ran = [p for p in PEERS if p not in OPTIONAL_PEERS or any(p in r for r in results.values())]
+    ran = ran_peers(results)
     int8 = "xla-int8" in ran
     header = ["metric", *(PEER_LABELS[p] for p in ran), "ours/vLLM-CPU", "ours/HF"]
     header += ["int8/ours"] if int8 else []
@@ -154,10 +159,11 @@ def format_failures(results: dict[str, Any]) -> str:
 
 def _bars(ax, results: dict[str, Any], labels: tuple[str, ...], title: str) -> None:
     by_label = {m.label: m for m in METRICS}
-    width = 0.8 / len(PEERS)
-    for i, peer in enumerate(PEERS):
+    peers = ran_peers(results)
+    width = 0.8 / len(peers)
+    for i, peer in enumerate(peers):
         heights = [value(results, by_label[label], peer) or 0.0 for label in labels]
-        xs = [j + (i - (len(PEERS) - 1) / 2) * width for j in range(len(labels))]
+        xs = [j + (i - (len(peers) - 1) / 2) * width for j in range(len(labels))]
         bars = ax.bar(xs, heights, width, label=PEER_LABELS[peer])
         ax.bar_label(bars, labels=[f"{h:.0f}" if h >= 10 else (f"{h:.1f}" if h else "") for h in heights],
                      fontsize=7)  # fmt: skip
