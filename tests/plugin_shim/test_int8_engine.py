@@ -8,8 +8,11 @@ argmax after the same tokens, or within `TIE` of it. Other methods are refused b
 list."""
 
 import gc
+import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,6 +23,9 @@ from plugin_shim import feature_check
 from tests.greedy_reference import hf_greedy
 from tests.models.test_compressed_tensors import write_compressed
 from tests.models.trained_tiny import save_trained_tiny, text_ids
+from tests.plugin_shim.tensor_parallel_engine import environment
+
+pytestmark = pytest.mark.slow  # engines
 
 NEW_TOKENS = 8
 TIE = 0.05  # logits this close are a tie at bfloat16 activations (about 2^-8 of their magnitude)
@@ -95,6 +101,24 @@ def test_compressed_tensors_checkpoint_generates_what_the_dequantized_model_does
         assert os.path.exists(os.path.join(out, name))
     _assert_greedy_of(dequantized, prompts, _generate(out, prompts))  # method from config.json
     shutil.rmtree(out)
+
+
+def test_int8_on_two_devices_equals_one(trained, prompts, tmp_path):
+    """Tensor parallelism over 2 simulated devices (a subprocess: the device count is fixed when
+    JAX starts): the int8 kernels and scales split with their columns; same tokens and logprobs."""
+    llm = dict(_ENGINE, quantization="int8_per_channel_weight_only", max_num_batched_tokens=16)
+    runs = [{"tp": tp, "prompts": prompts[:2], "new_tokens": 6, "llm": llm} for tp in (1, 2)]
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    job.write_text(json.dumps({"model": trained, "runs": runs}))
+    env = {**environment(), "VLLM_XLA_ATTENTION_BACKEND": "xla"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.plugin_shim.tensor_parallel_engine", str(job), str(out)],
+        env=env, capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    one, two = json.loads(out.read_text())
+    assert two["tokens"] == one["tokens"]
+    np.testing.assert_allclose(np.array(two["logprobs"]), np.array(one["logprobs"]), atol=1e-2)
 
 
 @pytest.mark.parametrize("method", ["fp8", "experts_int8", "awq"])
