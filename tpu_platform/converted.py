@@ -97,6 +97,11 @@ def restore_converted(
                 f"--tensor-parallel-size {stored.tp_size}, or serve the source model (with "
                 "--load-format npcache to keep its prepared weights)"
             )
+        if stored.quantization not in ("none", preparation.quantization):
+            raise UnusableCheckpoint(
+                f"it holds {stored.quantization} weights: serve it with "
+                "--quantization int8_per_channel_weight_only, or convert the source again"
+            )
         if stored.packing not in ("none", preparation.packing):
             raise UnusableCheckpoint(
                 f"its kernels are packed ({stored.packing}) for the native CPU dense kernel, which "
@@ -105,7 +110,7 @@ def restore_converted(
         model = restore_prepared(checkpoint, model_config, stored, shardings)
     except UnusableCheckpoint as error:
         raise ValueError(f"the converted weights at {checkpoint} cannot be served: {error}") from error
-    if stored.packing != preparation.packing:
+    if stored.packing != preparation.packing or stored.quantization != preparation.quantization:
         # Packing runs only on the CPU device, whose arrays NumPy views in place: repacked on the
         # host (views), the kernels cost one copy each on their way back, not a device op each.
         nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))

@@ -54,6 +54,19 @@ def test_abstract_layout_is_the_loaded_one(tiny_dir):
     assert int8_bytes - embedding < 0.55 * (bf16_bytes - embedding)
 
 
+def test_a_float_conversion_serves_int8_when_asked_and_an_int8_one_not_as_float(tiny_dir, tmp_path):
+    from tpu_platform.converted import convert, restore_converted
+
+    checkpoint = convert(tiny_dir, str(tmp_path / "float"), Preparation("bfloat16"))
+    config, _ = load_model(tiny_dir, jnp.bfloat16, on_host=True)
+    model = restore_converted(checkpoint, config, INT8, _ON_DEVICE)
+    assert model.model.layers[0].mlp.down_proj.kernel[...].dtype == jnp.int8
+    int8 = convert(tiny_dir, str(tmp_path / "int8"), INT8)
+    with pytest.raises(ValueError, match="it holds int8 weights: serve it with --quantization"):
+        restore_converted(int8, config, Preparation("bfloat16"), _ON_DEVICE)
+    assert restore_converted(int8, config, INT8, _ON_DEVICE).lm_head.kernel[...].dtype == jnp.int8
+
+
 def test_weights_cache_keeps_the_quantized_weights(tiny_dir, tmp_path, monkeypatch):
     cache = WeightsCache.for_model(str(tmp_path), tiny_dir, INT8)
     assert cache.path != WeightsCache.for_model(str(tmp_path), tiny_dir, Preparation("bfloat16")).path
