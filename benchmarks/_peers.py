@@ -129,16 +129,19 @@ def vocab_size(model_dir: str) -> int:
 # vLLM peers (in-process engine)
 
 
-def _llm(model_dir: str, dtype: str, kv_cache_dtype: str = "auto"):
+def _llm(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantization: str | None = None):
     from vllm import LLM
 
-    return LLM(model=model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, seed=SEED, **VLLM_LIMITS)
+    return LLM(
+        model=model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization, seed=SEED,
+        **VLLM_LIMITS,
+    )  # fmt: skip
 
 
 def _platform_info(peer: str) -> dict[str, Any]:
     from vllm.platforms import current_platform
 
-    if peer == "xla":
+    if peer in ("xla", "xla-int8"):
         from plugin_shim.active import assert_active
 
         assert_active()
@@ -172,7 +175,7 @@ def _vllm_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[floa
 
 
 def _runner_stats(llm, peer: str) -> dict[str, Any] | None:
-    return llm.collective_rpc("runner_stats")[0] if peer == "xla" else None
+    return llm.collective_rpc("runner_stats")[0] if peer in ("xla", "xla-int8") else None
 
 
 def run_vllm(
@@ -180,11 +183,13 @@ def run_vllm(
 ) -> dict[str, Any]:
     """`batch` or `single` on one vLLM peer; start-up, warm-up and the timed run reported apart."""
     start = time.perf_counter()
-    llm = _llm(model_dir, dtype, kv_cache_dtype)
+    quantization = "int8_per_channel_weight_only" if peer == "xla-int8" else None
+    llm = _llm(model_dir, dtype, kv_cache_dtype, quantization)
     result: dict[str, Any] = {
         "startup_seconds": time.perf_counter() - start,
         "dtype": dtype,
         "kv_cache_dtype": kv_cache_dtype,
+        "quantization": quantization,
     }
     result.update(_platform_info(peer), limits=VLLM_LIMITS)
     result["runner_stats_after_startup"] = _runner_stats(llm, peer)

@@ -6,9 +6,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-PEERS = ("xla", "vllm-cpu", "hf")
-PEER_LABELS = {"xla": "ours (vllm-xla)", "vllm-cpu": "vLLM CPU", "hf": "transformers"}
+PEERS = ("xla", "xla-int8", "vllm-cpu", "hf")
+PEER_LABELS = {
+    "xla": "ours (vllm-xla)",
+    "xla-int8": "ours int8",
+    "vllm-cpu": "vLLM CPU",
+    "hf": "transformers",
+}
 BASELINES = ("vllm-cpu", "hf")
+# Peers reported only where run (the default run leaves them out): their own ratio to ours.
+OPTIONAL_PEERS = ("xla-int8",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +73,15 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, float | None]]:
         for peer in BASELINES:
             theirs = value(results, metric, peer)
             row[f"xla/{peer}"] = ours / theirs if ours is not None and theirs else None
+        int8 = value(results, metric, "xla-int8")
+        row["xla-int8/xla"] = int8 / ours if int8 is not None and ours else None
         table[metric.label] = row
     return table
+
+
+def ran_peers(results: dict[str, Any]) -> list[str]:
+    """The peers to report: all but the optional ones, which only where they ran."""
+    return [p for p in PEERS if p not in OPTIONAL_PEERS or any(p in r for r in results.values())]
 
 
 def _cell(x: float | None, ratio: bool = False) -> str:
@@ -81,18 +95,23 @@ def _cell(x: float | None, ratio: bool = False) -> str:
 def format_table(results: dict[str, Any]) -> str:
     """A plain-text table: one row per measured metric, peers and ratios in columns."""
     rat = ratios(results)
-    header = ["metric", *(PEER_LABELS[p] for p in PEERS), "ours/vLLM-CPU", "ours/HF", "better"]
-    rows = [header]
+    ran = ran_peers(results)
+    int8 = "xla-int8" in ran
+    header = ["metric", *(PEER_LABELS[p] for p in ran), "ours/vLLM-CPU", "ours/HF"]
+    header += ["int8/ours"] if int8 else []
+    rows = [[*header, "better"]]
     for metric in METRICS:
-        values = [value(results, metric, p) for p in PEERS]
+        values = [value(results, metric, p) for p in ran]
         if all(v is None for v in values):
             continue
         better = "higher" if metric.higher_is_better else "lower"
         rows.append(
             [metric.label, *(_cell(v) for v in values)]
             + [_cell(rat[metric.label][f"xla/{p}"], ratio=True) for p in BASELINES]
+            + ([_cell(rat[metric.label]["xla-int8/xla"], ratio=True)] if int8 else [])
             + [better]
         )
+    header = rows[0]
     if len(rows) == 1:
         return "(no successful measurement)"
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -140,10 +159,11 @@ def format_failures(results: dict[str, Any]) -> str:
 
 def _bars(ax, results: dict[str, Any], labels: tuple[str, ...], title: str) -> None:
     by_label = {m.label: m for m in METRICS}
-    width = 0.8 / len(PEERS)
-    for i, peer in enumerate(PEERS):
+    peers = ran_peers(results)
+    width = 0.8 / len(peers)
+    for i, peer in enumerate(peers):
         heights = [value(results, by_label[label], peer) or 0.0 for label in labels]
-        xs = [j + (i - (len(PEERS) - 1) / 2) * width for j in range(len(labels))]
+        xs = [j + (i - (len(peers) - 1) / 2) * width for j in range(len(labels))]
         bars = ax.bar(xs, heights, width, label=PEER_LABELS[peer])
         ax.bar_label(bars, labels=[f"{h:.0f}" if h >= 10 else (f"{h:.1f}" if h else "") for h in heights],
                      fontsize=7)  # fmt: skip

@@ -6,6 +6,8 @@
 
 Peers, all on the embedded SmolLM2-135M-Instruct (the same dequantized weights):
   xla       vLLM on vllm-xla (`VLLM_XLA_PLATFORM=cpu`), float32 (our CPU default), GGUF directory
+  xla-int8  the same with `quantization="int8_per_channel_weight_only"` (int8 weights quantized at
+            load, bfloat16 activations); not run unless named in --peers; its ratio to `xla`
   vllm-cpu  vLLM's built-in CPU backend (`VLLM_TARGET_DEVICE=cpu`), bfloat16 (its fastest here),
             on a float32 safetensors copy built once in `<VLLM_XLA_CACHE_DIR>/models/`
   hf        transformers `generate`, bfloat16, one left-padded batch
@@ -59,7 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, no serve: a few minutes")
     parser.add_argument("--out", help="JSON path (default benchmarks/out/throughput[-quick].json)")
-    parser.add_argument("--peers", default=",".join(_report.PEERS), help="comma list of xla, vllm-cpu, hf")
+    parser.add_argument(
+        "--peers",
+        default=",".join(p for p in _report.PEERS if p not in _report.OPTIONAL_PEERS),
+        help="comma list of xla, xla-int8, vllm-cpu, hf",
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of batch, single, serve")
     parser.add_argument("--peer-dtype", default="bfloat16", help="dtype of vLLM's CPU backend")
     parser.add_argument(
@@ -112,10 +118,11 @@ def _auto_dtype(workload: str) -> str:
 def worker_main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     sizes = _peers.Sizes.quick() if args.quick else _peers.Sizes.full()
-    dtype = {"xla": args.xla_dtype, "vllm-cpu": args.peer_dtype, "hf": args.hf_dtype}[args.worker]
+    dtypes = {"xla": args.xla_dtype, "xla-int8": "bfloat16", "vllm-cpu": args.peer_dtype, "hf": args.hf_dtype}
+    dtype = dtypes[args.worker]  # int8 weights: vLLM allows 16-bit activations only
     if dtype == "auto":
         dtype = _auto_dtype(args.workload)
-    kv_cache_dtype = args.xla_kv_cache_dtype if args.worker == "xla" else "auto"
+    kv_cache_dtype = args.xla_kv_cache_dtype if args.worker in ("xla", "xla-int8") else "auto"
     if args.workload == "serve":
         from _serve import run_serve
 
@@ -139,7 +146,7 @@ def peer_env(peer: str) -> dict[str, str]:
         JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
     )
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if peer == "xla":
+    if peer in ("xla", "xla-int8"):
         env["VLLM_XLA_PLATFORM"] = "cpu"
         env.setdefault("VLLM_XLA_CPU_KV_CACHE_GB", "2")  # the same 2 GiB as the CPU backend
         env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # the server as `vllm-xla serve` runs it
@@ -216,7 +223,7 @@ def prepare_models(peers: list[str]) -> tuple[dict[str, str], dict[str, str]]:
         gguf_dir = _peers.gguf_model_dir()
     except Exception:
         return {}, {p: traceback.format_exc() for p in peers}
-    dirs["xla"] = gguf_dir
+    dirs["xla"] = dirs["xla-int8"] = gguf_dir
     if {"vllm-cpu", "hf"} & set(peers):
         if not _peers.hf_model_dir_ready():
             print("writing the safetensors copy for vLLM's CPU backend and transformers...", flush=True)

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
+from models.int8 import quantize_per_channel
 from models.metadata import AttentionMetadata
 from models.rope import Rope, RopeTable, apply_rope, rope_table, step_rope_table
 from models.sharding import MODEL_AXIS, interleave_blocks, repeat_kv_heads, vocab_parallel
@@ -33,15 +34,21 @@ def _zeros(shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
 
 
 class Linear(nnx.Module):
-    """`y = x @ kernel (+ bias)` with the kernel stored `[in, out]`."""
+    """`y = x @ kernel (+ bias)` with the kernel stored `[in, out]`; an int8 kernel has its
+    per-output-channel scale in `kernel_scale` (`models.int8`, `models.quantization`)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype):
         self.kernel = _zeros((in_features, out_features), dtype)
         self.bias = _zeros((out_features,), dtype) if bias else None
+        self.kernel_scale: nnx.Param | None = nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.kernel).astype(x.dtype)
+        y = self.product(x).astype(x.dtype)
         return y + self.bias[...] if self.bias is not None else y
+
+    def product(self, x: jax.Array) -> jax.Array:
+        """`x @ kernel` in float32, without the bias."""
+        return matmul(x, self.kernel, self.kernel_scale)
 
     @classmethod
     def concatenated(cls, parts: Sequence[Linear], blocks: int = 1) -> Linear:
@@ -49,20 +56,35 @@ class Linear(nnx.Module):
         Host parts give a host Linear, device parts a device one. `blocks > 1` interleaves the
         parts in that many blocks (`sharding.interleave_blocks`): block j holds the j-th slice of
         every part, so a split over `blocks` devices gives each its own slice of each part."""
-        kernel = interleave_blocks([p.kernel[...] for p in parts], blocks, axis=1)
+        if any(p.kernel_scale is not None for p in parts):  # int8 parts: all of them, each its scales
+            values = [_int8_kernel(p) for p in parts]
+            kernels, scales = [k for k, _ in values], [s for _, s in values]
+        else:
+            kernels, scales = [p.kernel[...] for p in parts], None
+        kernel = interleave_blocks(kernels, blocks, axis=1)
         fused = cls(kernel.shape[0], kernel.shape[1], bias=parts[0].bias is not None, dtype=kernel.dtype)
         fused.kernel.set_value(kernel)
+        if scales is not None:
+            fused.kernel_scale = nnx.Param(interleave_blocks(scales, blocks, axis=0))
         if fused.bias is not None:
             fused.bias.set_value(interleave_blocks([p.bias[...] for p in parts], blocks, axis=0))
         return fused
+
+
+def _int8_kernel(linear: Linear) -> tuple:
+    """`linear`'s int8 kernel and scale, quantizing a float one (`models.int8`)."""
+    if linear.kernel_scale is not None:
+        return linear.kernel[...], linear.kernel_scale[...]
+    return quantize_per_channel(linear.kernel[...])
 
 
 class PackedKernel(nnx.Variable):
     """A `[in, out]` kernel packed for the native CPU dense kernel (`pack_for_native_dense`)."""
 
 
-def matmul(x: jax.Array, kernel: nnx.Variable) -> jax.Array:
-    """`x [T, in] @ kernel [in, out]`, accumulated and returned in float32.
+def matmul(x: jax.Array, kernel: nnx.Variable, scale: nnx.Variable | None = None) -> jax.Array:
+    """`x [T, in] @ kernel [in, out]`, accumulated and returned in float32; with `scale`, an int8
+    kernel converted to x's dtype in the program, the product times the per-column scale.
 
     A `PackedKernel` runs on the native CPU dense kernel (bfloat16: AMX, AVX-512 BF16 or AVX2;
     float32: AVX2). Otherwise the
@@ -72,12 +94,13 @@ def matmul(x: jax.Array, kernel: nnx.Variable) -> jax.Array:
     """
     if isinstance(kernel, PackedKernel):
         return cpu.native_dense(x, kernel[...])
-    kernel = kernel[...]
+    kernel = kernel[...] if scale is None else kernel[...].astype(x.dtype)
     single_bf16_row = x.shape[0] == 1 and x.dtype == jnp.bfloat16
     if single_bf16_row:
         x = jnp.concatenate([x, x])
     y = jnp.einsum("td,df->tf", x, kernel, preferred_element_type=jnp.float32)
-    return y[:1] if single_bf16_row else y
+    y = y[:1] if single_bf16_row else y
+    return y if scale is None else y * scale[...]
 
 
 class Embedding(nnx.Module):
@@ -90,6 +113,7 @@ class Embedding(nnx.Module):
         self.embedding = _zeros((vocab_size, hidden_size), dtype)
         self.scale = scale
         self.head_kernel: HeadCopy | None = nnx.data(None)  # set by `transpose_for_head`
+        self.head_scale: HeadCopy | None = nnx.data(None)  # an int8 head's (`models.quantization`)
 
     def __call__(self, ids: jax.Array, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
         table = self.embedding[...]
@@ -107,7 +131,7 @@ class Embedding(nnx.Module):
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied LM head: float32 logits `[T, V]`, from the `[D, V]` copy once `transpose_for_head` ran."""
         if self.head_kernel is not None:
-            return matmul(x, self.head_kernel)
+            return matmul(x, self.head_kernel, self.head_scale)
         return jnp.einsum("td,vd->tv", x, self.embedding[...], preferred_element_type=jnp.float32)
 
     def transpose_for_head(self) -> None:
@@ -244,7 +268,7 @@ class PagedAttention(nnx.Module):
         if self.qkv_proj is None:
             return jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
         if self.qkv_proj.bias is None:
-            return matmul(x, self.qkv_proj.kernel)
+            return self.qkv_proj.product(x)
         return self.qkv_proj(x)
 
     def fuse_projections(self, blocks: int = 1) -> None:
@@ -259,7 +283,7 @@ class PagedAttention(nnx.Module):
         if repeats == 1:
             return
         for linear in (self.k_proj, self.v_proj):
-            axis_of = {"kernel": 1, "bias": 0}
+            axis_of = {"kernel": 1, "bias": 0, "kernel_scale": 0}
             for name, axis in axis_of.items():
                 param = getattr(linear, name)
                 if param is not None:
@@ -311,7 +335,7 @@ class GatedMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self._native_silu():
-            return self.down_proj(cpu.silu_and_mul(matmul(x, self.gate_up_proj.kernel), dtype=x.dtype))
+            return self.down_proj(cpu.silu_and_mul(self.gate_up_proj.product(x), dtype=x.dtype))
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         elif self.blocks == 1:
@@ -452,7 +476,7 @@ class CausalLM(nnx.Module):
         if self.lm_head is None:
             logits = self.model.embed_tokens.attend(hidden)
         else:
-            logits = matmul(hidden, self.lm_head.kernel)
+            logits = self.lm_head.product(hidden)
         if self.final_soft_cap is not None:
             logits = self.final_soft_cap * jnp.tanh(logits / self.final_soft_cap)
         return logits

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import gguf_reader
+from models import compressed_tensors, gguf_reader
 from models.config import ModelConfig
+from models.int8 import checkpoint_scale
 from models.layers import fuse_projections, repeat_kv_heads_for_mesh
 from models.registry import build
 from models.sharding import kv_heads_on_mesh
@@ -40,6 +41,18 @@ def checkpoint_files(path: str) -> list[str]:
     raise FileNotFoundError(
         f"no weights in {path!r}: expected *.safetensors, a safetensors index or a *.gguf"
     )
+
+
+def checkpoint_names(path: str) -> list[str]:
+    """The names of the safetensors tensors of the model at `path` (read from the headers only)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in checkpoint_files(path):
+        if file.endswith(".safetensors"):
+            with safe_open(file, framework="numpy") as f:
+                names.extend(f.keys())
+    return names
 
 
 def iter_checkpoint(path: str) -> Iterator[tuple[str, np.ndarray]]:
@@ -126,14 +139,23 @@ def iter_parameters(
     tensor: it fills slot e of our expert-stacked `[E, ...]` parameter, yielded once all E slots
     are filled (`stacks` holds the partial ones). A checkpoint tensor with no home, a missing
     parameter or expert, or a shape mismatch is an error naming the tensor.
+
+    A compressed-tensors int8 checkpoint's quantized layers load as int8 kernels with their
+    scales, unchanged (`models.compressed_tensors`).
     """
+    compiled = _compile_param_map(type(model).hf_param_map)
+    tensors = iter_checkpoint(path)
+    int8 = compressed_tensors.int8_layout(
+        model, path, lambda: checkpoint_names(path), lambda hf: (_our_name(hf, compiled) or (None,))[0]
+    )
+    if int8 is not None:
+        compiled, tensors = _compile_param_map(int8.param_map), int8.tensors(tensors)
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     expected = {".".join(str(p) for p in key): var.get_value() for key, var in params.items()}
-    compiled = _compile_param_map(type(model).hf_param_map)
     tied = getattr(model.config, "tie_word_embeddings", False)
     filled: set[str] = set()
     stacks = _ExpertStacks() if stacks is None else stacks
-    for hf, array in iter_checkpoint(path):
+    for hf, array in tensors:
         found = _our_name(hf, compiled)
         if found is None or found[0] not in expected:
             if any(p.match(hf) for p in _IGNORED) or (tied and hf == "lm_head.weight"):
@@ -143,9 +165,11 @@ def iter_parameters(
             )
         ours, expert = found
         value = np.asarray(array)
+        current = expected[ours]
         if ours.endswith("kernel"):
             value = value.T
-        current = expected[ours]
+        elif ours.endswith("kernel_scale"):  # `[out, 1]` per channel or one per tensor -> `[out]`
+            value = checkpoint_scale(value, current.shape[-1])
         if expert is not None:
             value = stacks.put(ours, expert, value, current.shape, current.dtype, hf)
             if value is None:

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
+from models.int8 import dequantize
 from models.layers import Linear, activation
 
 MAX_TILE_ROWS = 128
@@ -88,10 +89,13 @@ def experts_routed(
     act: Callable[[jax.Array], jax.Array],
     *,
     rows: int | None = None,
+    scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """The same result as `experts_dense_reference`, computing each token only for its k experts.
 
-    `rows` (B) overrides `tile_rows`. Shapes as in `experts_dense_reference`.
+    `rows` (B) overrides `tile_rows`. Shapes as in `experts_dense_reference`. `scales`: int8
+    gate, up and down with their per-channel scales `[E, F]`, `[E, F]`, `[E, D]` (`models.int8`):
+    each tile's int8 weights are converted to x's dtype in the dot, its scales applied after.
     """
     t, d = x.shape
     e, k = gate.shape[0], experts.shape[1]
@@ -112,19 +116,31 @@ def experts_routed(
     tile_expert = jnp.minimum(tile_expert, e - 1)  # tiles past the last group hold only empty rows
     token = jnp.append(jnp.arange(a, dtype=jnp.int32) // k, t)[src]  # [N*B]; t = the zero row
     x_rows = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[token].reshape(n, b, d)  # [N, B, D]
-    h = act(jnp.einsum("nbd,ndf->nbf", x_rows, gate[tile_expert]))
-    h = h * jnp.einsum("nbd,ndf->nbf", x_rows, up[tile_expert])  # [N, B, F]
-    y = jnp.einsum("nbf,nfd->nbd", h, down[tile_expert]).reshape(n * b, d)  # [N*B, D]
+    scale_of = (None, None, None) if scales is None else scales
+
+    def tile_dot(spec: str, rows_in: jax.Array, kernel: jax.Array, scale: jax.Array | None) -> jax.Array:
+        if scale is None:
+            return jnp.einsum(spec, rows_in, kernel[tile_expert])
+        product = jnp.einsum(
+            spec, rows_in, kernel[tile_expert].astype(x.dtype), preferred_element_type=jnp.float32
+        )
+        return (product * scale[tile_expert][:, None, :]).astype(x.dtype)
+
+    h = act(tile_dot("nbd,ndf->nbf", x_rows, gate, scale_of[0]))
+    h = h * tile_dot("nbd,ndf->nbf", x_rows, up, scale_of[1])  # [N, B, F]
+    y = tile_dot("nbf,nfd->nbd", h, down, scale_of[2]).reshape(n * b, d)  # [N*B, D]
     w = jnp.append(weights.reshape(a), 0.0)[src]  # [N*B]
     out = jnp.zeros((t + 1, d), jnp.float32).at[token].add(y.astype(jnp.float32) * w[:, None])
     return out[:t].astype(x.dtype)
 
 
 class StackedLinear(nnx.Module):
-    """One `[in, out]` kernel per expert, stacked `[E, in, out]` (filled expert by expert on load)."""
+    """One `[in, out]` kernel per expert, stacked `[E, in, out]` (filled expert by expert on load);
+    int8 kernels have their per-channel scales `[E, out]` in `kernel_scale` (`models.int8`)."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, dtype: jnp.dtype):
         self.kernel = nnx.Param(np.zeros((num_experts, in_features, out_features), dtype))  # until loaded
+        self.kernel_scale: nnx.Param | None = nnx.data(None)
 
 
 class Experts(nnx.Module):
@@ -165,12 +181,20 @@ class SparseMoE(nnx.Module):
             renormalize=renormalize, dtype=dtype, act=config.hidden_act,
         )  # fmt: skip
 
-    def _weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _stacks(self) -> tuple[StackedLinear, StackedLinear, StackedLinear]:
         ex = self.experts
-        return ex.gate_proj.kernel[...], ex.up_proj.kernel[...], ex.down_proj.kernel[...]
+        return ex.gate_proj, ex.up_proj, ex.down_proj
 
     def __call__(self, x: jax.Array, *, dense: bool = False) -> jax.Array:
-        """`dense=True` runs `experts_dense_reference` instead (tests)."""
+        """`dense=True` runs `experts_dense_reference` instead (tests; int8 weights dequantized)."""
         weights, experts = route(self.router(x), self.top_k, renormalize=self.renormalize)  # [T, k]
-        combine = experts_dense_reference if dense else experts_routed
-        return combine(x, *self._weights(), weights, experts, activation(self.act))
+        stacks, act = self._stacks(), activation(self.act)
+        int8 = stacks[0].kernel_scale is not None
+        if dense:
+            if int8:
+                kernels = [dequantize(s.kernel[...], s.kernel_scale[...], x.dtype) for s in stacks]
+            else:
+                kernels = [s.kernel[...] for s in stacks]
+            return experts_dense_reference(x, *kernels, weights, experts, act)
+        scales = tuple(s.kernel_scale[...] for s in stacks) if int8 else None
+        return experts_routed(x, *(s.kernel[...] for s in stacks), weights, experts, act, scales=scales)

@@ -15,6 +15,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tpu_platform.runner_config import QUANTIZATION_METHODS
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -75,6 +77,15 @@ _NO_PARALLELISM = (
     "host behind a load balancer scales out)"
 )
 
+# vLLM `quantization` values served (int8 weights, `models.quantization`); anything else is refused.
+SUPPORTED_QUANTIZATION: tuple[str, ...] = QUANTIZATION_METHODS
+
+
+def _other_quantization(config: VllmConfig) -> bool:
+    method = _model(config).quantization
+    return method is not None and method not in SUPPORTED_QUANTIZATION
+
+
 REFUSED: tuple[Refusal, ...] = (
     Refusal(
         "enable_lora",
@@ -93,11 +104,13 @@ REFUSED: tuple[Refusal, ...] = (
     ),
     Refusal(
         "quantization",
-        "quantized weights (also a checkpoint's quantization_config)",
-        "any value",
-        lambda c: _model(c).quantization is not None,
-        "serve an unquantized checkpoint (dtype bfloat16 halves the weights' memory); a GGUF file "
-        "converts with `vllm-xla model-dir --gguf FILE`",
+        "other quantized weights (also a checkpoint's quantization_config)",
+        f"anything but {', '.join(SUPPORTED_QUANTIZATION)}",
+        _other_quantization,
+        "quantization='int8_per_channel_weight_only' quantizes a float checkpoint's weights to int8 "
+        "at load; a compressed-tensors int8 checkpoint (8-bit symmetric weights, per channel or per "
+        "tensor) loads as it is; otherwise serve an unquantized checkpoint (a GGUF file converts "
+        "with `vllm-xla model-dir --gguf FILE`)",
     ),
     Refusal(
         "speculative_config",
@@ -302,6 +315,14 @@ SUPPORTED: tuple[Supported, ...] = (
     ),
     Supported("Sliding-window and hybrid models", "", "each window size gets its own KV-cache group"),
     Supported("Model dtype", "dtype", "float32, bfloat16, float16"),
+    Supported(
+        "int8 weights (W8A16)",
+        "quantization='int8_per_channel_weight_only', quantization='compressed-tensors'",
+        "int8 per output channel, symmetric, activations in the model dtype: every linear layer, "
+        "the MoE experts and the LM head (the embedding table and MoE router stay in the model "
+        "dtype); quantized at load from a float checkpoint, or a compressed-tensors int8 "
+        "checkpoint's weights as they are (a W8A8 one's activations stay in the model dtype)",
+    ),
     Supported("Load formats", "load_format", "auto, safetensors, npcache"),
     Supported(
         "Scheduler options",
@@ -356,7 +377,9 @@ def _asked(refusal: Refusal, config: VllmConfig) -> str:
 
 def refuse_quantization(quantization: str) -> None:
     """vLLM's per-platform quantization check, called as soon as the method is known (before
-    vLLM's own dtype checks for it): no method is supported yet."""
+    vLLM's own dtype checks for it): a method not in `SUPPORTED_QUANTIZATION` is refused by name."""
+    if quantization in SUPPORTED_QUANTIZATION:
+        return
     (entry,) = [r for r in REFUSED if r.option == "quantization"]
     raise ValueError(f"quantization={quantization!r}: " + message(entry))
 

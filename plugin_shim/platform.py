@@ -14,7 +14,7 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from plugin_shim.cache_dtype import runner_kv_cache_dtype
-from plugin_shim.feature_check import refuse_quantization, refuse_unsupported
+from plugin_shim.feature_check import SUPPORTED_QUANTIZATION, refuse_quantization, refuse_unsupported
 from plugin_shim.flax_models import refuse_unsupported_architecture
 from plugin_shim.internals import jax_backends_initialized
 from plugin_shim.parallel import configure_parallel
@@ -35,7 +35,7 @@ class XlaPlatform(Platform):
     dist_backend = "gloo"
     ray_device_key = ""
     simple_compile_backend = "eager"
-    supported_quantization: list[str] = []
+    supported_quantization: list[str] = list(SUPPORTED_QUANTIZATION)
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -121,8 +121,9 @@ class XlaPlatform(Platform):
 
     @classmethod
     def verify_quantization(cls, quant: str) -> None:
-        """vLLM's early quantization check (vLLM's default accepts all when
-        `supported_quantization` is empty): none is supported yet, see `plugin_shim.feature_check`."""
+        """vLLM's early quantization check: vLLM's default refuses the methods outside
+        `supported_quantization` without naming the others; ours names them and what to do
+        (`plugin_shim.feature_check`)."""
         refuse_quantization(quant)
 
     @classmethod

@@ -101,6 +101,7 @@ class XlaWorker(WorkerBase):
                 logprobs_mode=str(mc.logprobs_mode),
                 logits_processors=self.logits_bridge is not None,
                 tensor_parallel_size=mesh_tensor_parallel_size(self.vllm_config),
+                quantization=mc.quantization,
             )
         )
         mesh = self.runner.mesh

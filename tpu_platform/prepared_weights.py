@@ -29,8 +29,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import ModelConfig, PackedKernel, build, pack_for_native_dense
+from models import ModelConfig, PackedKernel, build, load_model, pack_for_native_dense
 from models.layers import packed_for_native_dense
+from models.quantization import quantize_int8
 from models.sharding import fused_layout, fused_parts
 from models.weight_stream import HostBytes, served_abstract, stream_model
 
@@ -44,6 +45,7 @@ LAYOUT_VERSION = 1
 ShardingFor = jax.sharding.Sharding | Callable[[tuple[str, ...], jax.ShapeDtypeStruct], jax.sharding.Sharding]
 
 _PACKINGS = ("none", "native", "native+f32")
+_QUANTIZATIONS = ("none", "int8")
 
 
 class UnusableCheckpoint(Exception):
@@ -58,30 +60,40 @@ class Preparation:
     `packing`: "none" (XLA's dots), "native" (bfloat16 kernels packed for the native CPU dense
     kernel) or "native+f32" (float32 kernels too: CPUs whose best path is AVX2). `tp_size`: the
     tensor-parallel size the weights were laid out for (fused projections one block a device, KV
-    heads repeated up to it: `models.sharding`).
+    heads repeated up to it: `models.sharding`). `quantization`: "none", or "int8" (every float
+    dense kernel quantized to int8 per output channel: `models.quantization`).
     """
 
     dtype: str
     packing: str = "none"
     tp_size: int = 1
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.packing not in _PACKINGS:
             raise ValueError(f"packing {self.packing!r} is not one of {_PACKINGS}")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not one of {_QUANTIZATIONS}")
 
     @classmethod
-    def for_dense_isa(cls, dtype: str, dense_isa: str | None, tp_size: int = 1) -> Preparation:
+    def for_dense_isa(
+        cls, dtype: str, dense_isa: str | None, tp_size: int = 1, quantization: str = "none"
+    ) -> Preparation:
         """The preparation of a runner whose native dense kernel runs `dense_isa` (None: XLA's
         dots), on `tp_size` devices."""
         packing = "none" if dense_isa is None else "native+f32" if dense_isa == "avx2" else "native"
-        return cls(jnp.dtype(dtype).name, packing, tp_size)
+        return cls(jnp.dtype(dtype).name, packing, tp_size, quantization)
 
     @property
     def name(self) -> str:
-        return f"{self.dtype}-{self.packing}" + (f"-tp{self.tp_size}" if self.tp_size > 1 else "")
+        int8 = "-int8" if self.quantization == "int8" else ""
+        return f"{self.dtype}-{self.packing}{int8}" + (f"-tp{self.tp_size}" if self.tp_size > 1 else "")
 
     def apply(self, model: nnx.Module) -> int:
-        """Packs `model`'s kernels as this preparation does (after `prepare_for_serving`)."""
+        """Quantizes and packs `model`'s kernels as this preparation does (after
+        `prepare_for_serving`); returns how many kernels were packed."""
+        if self.quantization == "int8":
+            quantize_int8(model)  # before packing: int8 kernels stay on XLA's dots
         if self.packing == "none":
             return 0
         return pack_for_native_dense(model, float32=self.packing == "native+f32")
@@ -106,7 +118,17 @@ def load_prepared(
 ) -> tuple[ModelConfig, nnx.Module]:
     """The model at `path` (safetensors or GGUF) prepared so, each tensor streamed from the
     checkpoint straight onto its sharding (`models.weight_stream`): packed on the host on its way
-    where the preparation packs, and never the whole model on the host at once."""
+    where the preparation packs, and never the whole model on the host at once. An int8
+    preparation is made on the host, whole, and returned there (NumPy arrays) for the caller to
+    place."""
+
+    if preparation.quantization != "none":
+        # Quantized whole on the host (not streamed yet: a fused projection's scales would need
+        # their own re-blocking); the caller places the host arrays on their shardings.
+        dtype = jnp.dtype(preparation.dtype)
+        config, model = load_model(path, dtype, on_host=True, tp_size=preparation.tp_size)
+        preparation.apply(model)
+        return config, model
 
     def place(name: str, value: np.ndarray, served: nnx.Variable) -> jax.Array:
         value = preparation.served_value(value, served)

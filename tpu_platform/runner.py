@@ -153,7 +153,8 @@ class Runner:
         by tensor, onto the weight shardings (`prepared_weights.load_prepared`) and, with
         npcache, stored there."""
         path = self.config.model_path
-        preparation = Preparation.for_dense_isa(self.dtype.name, self.dense_isa, self.tp_size)
+        int8 = "none" if self.config.quantization is None else "int8"
+        preparation = Preparation.for_dense_isa(self.dtype.name, self.dense_isa, self.tp_size, int8)
         converted = converted_weights(path)
         if converted is not None:
             self.model_config = ModelConfig.from_pretrained(path)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+# vLLM `quantization` values the runner serves, all as int8 weights (`models.quantization`).
+QUANTIZATION_METHODS = ("int8_per_channel_weight_only", "compressed-tensors")
+
 # Tokens a KV page holds when vLLM's `block_size` is not given (`default_page_size`).
 ACCELERATOR_PAGE_SIZE = 16
 CPU_PAGE_SIZE = 128
@@ -53,6 +56,14 @@ class RunnerConfig:
     logits_processors: bool = False
     # vLLM's `tensor_parallel_size`: local devices the model is split over (`tpu_platform.mesh`).
     tensor_parallel_size: int = 1
+    # vLLM's `quantization`: None, or a method serving int8 weights (`QUANTIZATION_METHODS`).
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported; supported: {QUANTIZATION_METHODS}"
+            )
 
 
 @dataclasses.dataclass(slots=True)

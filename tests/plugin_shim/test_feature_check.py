@@ -166,8 +166,17 @@ def test_several_refused_features_are_named_together(models):
         dict(kv_events_config={"enable_kv_cache_events": True, "publisher": "null"}),
         dict(async_scheduling=True, max_num_seqs=4, seed=3, max_logprobs=5, enforce_eager=True),
         dict(runner="generate", convert="none", model_impl="auto", tensor_parallel_size=1),
+        dict(quantization="int8_per_channel_weight_only", dtype="bfloat16"),
     ],
-    ids=["defaults", "prefix_chunked", "dtypes_npcache", "kv_events", "scheduling", "explicit_defaults"],
+    ids=[
+        "defaults",
+        "prefix_chunked",
+        "dtypes_npcache",
+        "kv_events",
+        "scheduling",
+        "explicit_defaults",
+        "int8",
+    ],
 )
 def test_what_works_stays_accepted(models, kwargs):
     config = _config(models, "llama", kwargs)

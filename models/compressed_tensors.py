@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Pre-quantized int8 checkpoints in the compressed-tensors format, loaded as they are.
+
+A model directory whose `config.json` holds a `quantization_config` with `quant_method:
+"compressed-tensors"` stores some linear layers' weights as int8 with a scale: W8A16 as
+`pack-quantized` (`weight_packed`: four int8 values a little-endian int32, each offset by 128;
+`weight_shape`; `weight_scale`), W8A8 as `int-quantized` / `naive-quantized` (`weight` int8;
+`weight_scale`). Only 8-bit symmetric integer weights, one scale per output channel or per
+tensor, are accepted; anything else is refused naming the group and what it has. A W8A8
+checkpoint's activations are not quantized here: its weights serve as W8A16.
+
+The layers the checkpoint holds a `weight_scale` for get int8 kernels before loading
+(`int8_layout`), so their int8 values and scales are copied in unchanged; the others load in the
+model's dtype (`models.quantization.quantize_int8` quantizes them at load when asked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterator
+
+import numpy as np
+from flax import nnx
+
+from models.int8 import SCALE_DTYPE
+
+METHOD = "compressed-tensors"
+_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+_STRATEGIES = ("channel", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Checkpoint:
+    """A compressed-tensors int8 checkpoint's reading: its HF-name table (ours plus one scale
+    name per linear weight) and the HF weight names that hold int8 values."""
+
+    param_map: dict[str, str]
+    int8_weights: frozenset[str]
+
+    def tensors(self, tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+        """The checkpoint's tensors as plain `weight` (int8 `[out, in]`) and `weight_scale`:
+        `weight_packed` unpacked (trimmed to `weight_shape` when that comes), `weight_shape` consumed."""
+        packed: dict[str, np.ndarray] = {}
+        for name, array in tensors:
+            if name.endswith(".weight_packed"):
+                packed[name.removesuffix("_packed")] = unpack_int32(array)
+            elif name.endswith(".weight_shape"):
+                weight = name.removesuffix("_shape")
+                rows, cols = (int(v) for v in np.asarray(array).reshape(-1))
+                yield weight, packed.pop(weight)[:rows, :cols]
+            else:
+                yield name, array
+        yield from packed.items()
+
+
+def unpack_int32(packed: np.ndarray) -> np.ndarray:
+    """`[out, in / 4]` int32 (compressed-tensors' 8-bit packing) -> `[out, in]` int8."""
+    unsigned = np.ascontiguousarray(packed, dtype="<i4").view(np.uint8)  # 4 values a word, low first
+    return (unsigned.astype(np.int16) - 128).astype(np.int8).reshape(packed.shape[0], -1)
+
+
+def quantization_config(path: str) -> dict | None:
+    """The `quantization_config` of the model directory at `path`'s `config.json`, or None."""
+    config = os.path.join(path, "config.json") if os.path.isdir(path) else None
+    if config is None or not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        return json.load(f).get("quantization_config")
+
+
+def check_config(config: dict) -> None:
+    """ValueError unless every config group holds 8-bit symmetric int weights per channel or tensor."""
+    fmt = config.get("format")
+    if fmt not in _FORMATS:
+        raise ValueError(f"compressed-tensors format {fmt!r} is not supported; supported: {_FORMATS}")
+    for name, group in (config.get("config_groups") or {}).items():
+        weights = group.get("weights") or {}
+        found = {k: weights.get(k) for k in ("num_bits", "type", "symmetric", "strategy")}
+        if found != {"num_bits": 8, "type": "int", "symmetric": True, "strategy": found["strategy"]} or (
+            found["strategy"] not in _STRATEGIES
+        ):
+            raise ValueError(
+                f"compressed-tensors group {name!r} has weights {found}; vllm-xla loads 8-bit "
+                f"symmetric int weights with strategy {' or '.join(_STRATEGIES)} only"
+            )
+        activations = group.get("input_activations")
+        if activations and not activations.get("dynamic", False):
+            raise ValueError(
+                f"compressed-tensors group {name!r} has static activation scales; vllm-xla serves "
+                "int8 weights with unquantized activations (dynamic W8A8 or W8A16 checkpoints)"
+            )
+
+
+def int8_layout(
+    model: nnx.Module,
+    path: str,
+    names: Callable[[], list[str]],
+    our_name: Callable[[str], str | None],
+) -> Int8Checkpoint | None:
+    """For a compressed-tensors checkpoint at `path` whose tensor names `names()` lists: gives each layer
+    it quantized int8 zeros and a scale (in place, before loading) and returns how to read it;
+    None for any other checkpoint. `our_name`: an HF name's parameter path (the loader's table)."""
+    config = quantization_config(path)
+    if not config or config.get("quant_method") != METHOD:
+        return None
+    check_config(config)
+    param_map = dict(type(model).hf_param_map)
+    for hf, ours in type(model).hf_param_map.items():
+        if hf.endswith(".weight") and ours.endswith(".kernel"):
+            param_map[f"{hf}_scale"] = f"{ours}_scale"
+    scaled = {n.removesuffix("_scale") for n in names() if n.endswith(".weight_scale")}
+    modules = {".".join(str(p) for p in path_): m for path_, m in nnx.iter_modules(model)}
+    for weight in sorted(scaled):
+        ours = our_name(weight)
+        if ours is None or ours.removesuffix(".kernel") not in modules:
+            raise ValueError(f"checkpoint tensor {weight!r}_scale in {path!r} scales no weight of ours")
+        module = modules[ours.removesuffix(".kernel")]
+        if module.kernel_scale is None:
+            shape = module.kernel.get_value().shape
+            module.kernel = nnx.Param(np.zeros(shape, np.int8))
+            module.kernel_scale = nnx.Param(np.zeros(shape[:-2] + shape[-1:], SCALE_DTYPE))
+    return Int8Checkpoint(param_map, frozenset(scaled))

@@ -1,0 +1,47 @@
+# SPDX-License-Identifier: Apache-2.0
+"""int8 weight-only quantization (W8A16) of a loaded model: which weights, and the pass itself.
+
+`quantize_int8(model)` replaces every float dense kernel by int8 values and a float32 scale per
+output channel (`models.int8`): the attention and MLP projections (fused or not), the MoE
+experts' stacked kernels, and the LM head (an untied `lm_head`, or a tied head's `[D, V]` copy).
+Kept in the model's dtype: the embedding table (a lookup reads one row a token: its bytes do not
+bound a step), norms, biases, and the MoE router (tiny, and a rounding there changes which
+experts run, not just how precisely). A kernel that is int8 already (loaded so from a
+pre-quantized checkpoint: `models.compressed_tensors`) is left as it is.
+
+Run after `prepare_for_serving` (quantizing per output channel commutes with fusing columns and
+repeating KV heads: each column keeps its own scale) and before packing for the native CPU dense
+kernel, which takes bfloat16 and float32 kernels only: int8 kernels run on XLA's dots there.
+Also runs under `nnx.eval_shape`, giving the quantized layout's shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from models.int8 import quantize_per_channel
+from models.layers import Embedding, HeadCopy, Linear, PackedKernel
+from models.moe import SparseMoE, StackedLinear
+
+# The values of vLLM's `quantization` option that serve int8 weights, and what each means here.
+INT8_METHODS = {
+    "int8_per_channel_weight_only": "int8 weights quantized at load from a float checkpoint",
+    "compressed-tensors": "a pre-quantized int8 checkpoint (compressed-tensors), loaded as it is",
+}
+
+
+def quantize_int8(model: nnx.Module) -> int:
+    """Quantizes `model`'s float dense kernels in place (see the module docstring); returns how many."""
+    routers = {id(m.router) for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoE)}
+    quantized = 0
+    for _, module in list(nnx.iter_modules(model)):
+        if isinstance(module, (Linear, StackedLinear)) and id(module) not in routers:
+            if module.kernel_scale is None and not isinstance(module.kernel, PackedKernel):
+                q, scale = quantize_per_channel(module.kernel[...])
+                module.kernel, module.kernel_scale = nnx.Param(q), nnx.Param(scale)
+                quantized += 1
+        elif isinstance(module, Embedding) and module.head_kernel is not None and module.head_scale is None:
+            q, scale = quantize_per_channel(module.head_kernel[...])
+            module.head_kernel, module.head_scale = HeadCopy(q), HeadCopy(scale)
+            quantized += 1
+    return quantized

@@ -1,0 +1,34 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The int8 model step (decode, 64 sequences) compiled by the real TPU compiler for a v5e and a
+v6e chip beside its bfloat16 twin, weights abstract (`int8_step_worker`): the weights' bytes are
+about halved (the embedding table stays bfloat16), the program's arguments shrink by as much,
+and no weight-sized buffer appears in the optimized program (the int8 -> bfloat16 convert is
+fused into the dots, not a copy of the weights)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.aot.toolchains import run_worker
+
+CASES = {"v5e-1": "llama-3.2-3b", "v6e-1": "llama-3.1-8b"}
+
+pytestmark = pytest.mark.timeout(3600)  # four compiles of a multi-billion-parameter step
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    cases = [f"{t}:{m}:{v}" for t, m in CASES.items() for v in ("bfloat16", "int8")]
+    return {row["case"]: row for row in run_worker("tpu", "int8_step_worker", *cases, timeout=3500)}
+
+
+@pytest.mark.parametrize("target", sorted(CASES))
+def test_int8_step_compiles_with_weight_bytes_halved(results, target):
+    bf16 = results[f"{target}:{CASES[target]}:bfloat16"]
+    int8 = results[f"{target}:{CASES[target]}:int8"]
+    assert int8["int8_leaves"] > 0 and bf16["int8_leaves"] == 0
+    assert int8["weight_bytes"] < 0.6 * bf16["weight_bytes"]
+    saved = bf16["weight_bytes"] - int8["weight_bytes"]
+    assert bf16["argument_bytes"] - int8["argument_bytes"] >= 0.99 * saved  # memory_analysis agrees
+    assert int8["peak_bytes"] < 0.65 * bf16["peak_bytes"]
+    assert int8["large_buffers"] == []

@@ -1,0 +1,178 @@
+# SPDX-License-Identifier: Apache-2.0
+"""int8 weights (W8A16): quantization against NumPy, the int8 products against float references,
+every architecture's int8 model against the float model holding the dequantized weights, and
+trained tiny models' teacher-forced choices against their float originals."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import load_model
+from models.int8 import checkpoint_scale, dequantize, quantize_per_channel
+from models.layers import Linear, matmul
+from models.loader import put_on_device
+from models.moe import SparseMoE, StackedLinear
+from models.quantization import quantize_int8
+from tests.models.tiny_checkpoints import caches, prompts, run_step, save_tiny
+from tests.models.trained_tiny import save_trained_tiny, teacher_forced_logits, text_ids
+
+
+def _numpy_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The definition, column by column, in float64."""
+    w = w.astype(np.float64)
+    q = np.zeros(w.shape, np.int8)
+    s = np.zeros(w.shape[:-2] + w.shape[-1:])
+    for index in np.ndindex(*w.shape[:-2], w.shape[-1]):
+        column = w[(*index[:-1], slice(None), index[-1])]
+        amax = np.abs(column).max()
+        scale = amax / 127 if amax > 0 else 1.0
+        s[index] = scale
+        q[(*index[:-1], slice(None), index[-1])] = np.clip(np.rint(column / scale), -127, 127)
+    return q, s
+
+
+def test_hand_worked_column():
+    # Column max |w| = 2.54 -> scale 0.02; 1.0 / 0.02 = 50; -2.54 -> -127; 0.011 / 0.02 = 0.55 -> 1.
+    w = np.array([[1.0, 0.0], [-2.54, 0.0], [0.011, 0.0]], np.float32)
+    q, s = quantize_per_channel(w)
+    np.testing.assert_allclose(s, [0.02, 1.0], rtol=1e-6)  # an all-zero column: scale 1
+    assert q[:, 0].tolist() == [50, -127, 1] and q[:, 1].tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        ((64, 96), np.float32),  # a Linear's [in, out]
+        ((64, 96), jnp.bfloat16),
+        ((4, 32, 48), np.float32),  # MoE experts' [E, in, out]
+        ((576, 1536), jnp.bfloat16),  # an embedded-model MLP kernel's shape
+    ],
+)
+def test_quantize_matches_numpy_and_error_is_half_a_step(shape, dtype):
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal(shape) * rng.uniform(0.01, 2.0, shape[-1])).astype(dtype)
+    q, s = quantize_per_channel(w)
+    expected_q, expected_s = _numpy_quantize(np.asarray(w, np.float32))
+    assert q.dtype == np.int8 and s.dtype == np.float32 and s.shape == shape[:-2] + shape[-1:]
+    np.testing.assert_allclose(s, expected_s, rtol=1e-6)
+    # float32 division may round a value sitting on .5 the other way: at most one step, rarely.
+    assert np.abs(q.astype(int) - expected_q).max() <= 1
+    assert (q != expected_q).mean() < 1e-3
+    assert np.abs(q).max() == 127 and q.min() >= -127
+    error = np.abs(dequantize(q, s) - np.asarray(w, np.float32))
+    assert np.all(error <= s[..., None, :] * 0.5 * (1 + 1e-5))  # half a step, each column's own
+    # The same function on device arrays (the abstract and in-program path): XLA may divide by
+    # 127 as a multiply by its inverse, one float32 rounding apart.
+    jq, js = quantize_per_channel(jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(js), s, rtol=1e-6)
+    assert np.abs(np.asarray(jq).astype(int) - q).max() <= 1
+
+
+def test_checkpoint_scales_per_channel_and_per_tensor():
+    np.testing.assert_array_equal(checkpoint_scale(np.array([[0.5], [0.25]]), 2), [0.5, 0.25])
+    np.testing.assert_array_equal(checkpoint_scale(np.array([0.5]), 3), [0.5, 0.5, 0.5])
+    with pytest.raises(ValueError, match="per output channel"):
+        checkpoint_scale(np.ones((4, 1)), 3)
+
+
+# The int8 product against float64 NumPy on the dequantized weights: float32 activations carry
+# only float32 rounding; bfloat16 activations are rounded to bfloat16 first in both (the products
+# then accumulate in float32: relative error around 2^-9 of the row's magnitude).
+@pytest.mark.parametrize(("dtype", "tol"), [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-5)])
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_int8_matmul_matches_float_reference(dtype, tol, tokens):
+    rng = np.random.default_rng(tokens)
+    w = rng.standard_normal((128, 80)).astype(np.float32)
+    q, s = quantize_per_channel(w)
+    x = jnp.asarray(rng.standard_normal((tokens, 128)), dtype)
+    got = jax.jit(lambda x, q, s: matmul(x, nnx.Param(q), nnx.Param(s)))(x, q, s)
+    expected = np.asarray(x, np.float64) @ dequantize(q, s).astype(np.float64)
+    assert got.dtype == jnp.float32
+    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(dequantize(q, s).astype(np.float64))
+    assert np.all(np.abs(np.asarray(got) - expected) <= tol * scale + 1e-6)
+
+
+def test_int8_program_carries_int8_weights():
+    """The step program takes the int8 array itself: the weights cross memory as int8."""
+    q, s = quantize_per_channel(np.ones((64, 32), np.float32))
+    text = (
+        jax.jit(lambda x, q, s: matmul(x, nnx.Param(q), nnx.Param(s)))
+        .lower(jnp.ones((4, 64), jnp.bfloat16), q, s)
+        .as_text()
+    )
+    assert "tensor<64x32xi8>" in text
+
+
+ARCHS = [
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+]
+
+
+def _dequantized_copy(model: nnx.Module) -> None:
+    """Replaces every int8 kernel of `model` by its float32 dequantization (the float model
+    the int8 one must equal)."""
+    for _, module in list(nnx.iter_modules(model)):
+        scale = getattr(module, "kernel_scale", None)
+        if scale is not None:
+            module.kernel = nnx.Param(dequantize(np.asarray(module.kernel[...]), np.asarray(scale[...])))
+            module.kernel_scale = None
+        head_scale = getattr(module, "head_scale", None)
+        if head_scale is not None:
+            kernel = dequantize(np.asarray(module.head_kernel[...]), np.asarray(head_scale[...]))
+            module.head_kernel = type(module.head_kernel)(kernel)
+            module.head_scale = None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_quantizes_every_linear_and_equals_its_dequantized_model(arch, tmp_path):
+    path = save_tiny(arch, str(tmp_path / arch))
+    config, model = load_model(path, on_host=True)
+    count = quantize_int8(model)
+    routers = {id(m.router) for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoE)}
+    kernels = [m for _, m in nnx.iter_modules(model) if isinstance(m, (Linear, StackedLinear))]
+    for module in kernels:
+        int8 = module.kernel[...].dtype == np.int8
+        assert int8 == (id(module) not in routers), module  # all but the MoE router
+        assert (module.kernel_scale is not None) == int8
+    assert count == len(kernels) - len(routers) + int(config.tie_word_embeddings)  # + a tied head
+    assert model.model.embed_tokens.embedding[...].dtype == np.float32
+    assert quantize_int8(model) == 0  # int8 kernels stay as they are
+    reference = load_model(path, on_host=True)[1]
+    quantize_int8(reference)
+    _dequantized_copy(reference)
+    put_on_device(model)
+    put_on_device(reference)
+    (ids,) = prompts([40], seed=3)
+    pages = [[1, 2, 3]]
+    got, _ = run_step(model, caches(config), [ids], [0], pages)
+    expected, _ = run_step(reference, caches(config), [ids], [0], pages)
+    np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
+
+
+@functools.cache
+def _trained(arch: str, root: str) -> str:
+    return save_trained_tiny(arch, f"{root}/{arch}")
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MixtralForCausalLM"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_trained_tiny_int8_agrees_with_float_on_the_fixed_text(arch, dtype, tmp_path_factory):
+    path = _trained(arch, str(tmp_path_factory.getbasetemp()))
+    ids = text_ids(path)
+    config, reference = load_model(path, dtype)
+    _, model = load_model(path, dtype, on_host=True)
+    quantize_int8(model)
+    put_on_device(model)
+    expected = teacher_forced_logits(reference, config, ids, dtype).argmax(-1)
+    got = teacher_forced_logits(model, config, ids, dtype).argmax(-1)
+    assert (got == expected).mean() >= 0.97

@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""int8 weights end to end through `vllm.LLM(quantization=...)`: quantized at load from a float
+checkpoint, and a compressed-tensors int8 checkpoint as it is; both generate greedily what
+transformers (float32) does on the dequantized weights. The engine's activations are bfloat16
+(vLLM allows these methods with 16-bit activations only), so a token may differ from float32's
+choice where two are tied within bfloat16 rounding: each generated token must be transformers'
+argmax after the same tokens, or within `TIE` of it. Other methods are refused by name, with the
+list."""
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+from plugin_shim import feature_check
+from tests.greedy_reference import hf_greedy
+from tests.models.test_compressed_tensors import write_compressed
+from tests.models.trained_tiny import save_trained_tiny, text_ids
+from tests.plugin_shim.tensor_parallel_engine import environment
+
+pytestmark = pytest.mark.slow  # engines
+
+NEW_TOKENS = 8
+TIE = 0.05  # logits this close are a tie at bfloat16 activations (about 2^-8 of their magnitude)
+_ENGINE = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, seed=0)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return save_trained_tiny("LlamaForCausalLM", str(tmp_path_factory.mktemp("int8_engine") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def prompts(trained):
+    ids = text_ids(trained)
+    return [ids[:12], ids[40:61], ids[100:107]]
+
+
+@pytest.fixture(scope="module")
+def dequantized(trained):
+    """transformers fp32 greedy on the dequantized weights: every projection and the LM head
+    quantized per output channel (its `[out, in]` rows) and multiplied back, in NumPy."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("_proj.weight") or name == "lm_head.weight":
+                w = param.numpy().astype(np.float64)
+                scale = np.abs(w).max(axis=1, keepdims=True) / 127
+                param.copy_(
+                    torch.from_numpy((np.clip(np.rint(w / scale), -127, 127) * scale).astype(np.float32))
+                )
+    return hf
+
+
+def _assert_greedy_of(hf, prompts, generated) -> None:
+    import torch
+
+    assert [g[0] for g in generated] == [hf_greedy(hf, p, 1)[0] for p in prompts]
+    for prompt, tokens in zip(prompts, generated, strict=True):
+        assert len(tokens) == NEW_TOKENS
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens])).logits[0].numpy()
+        steps = logits[len(prompt) - 1 : -1]  # the logits each generated token was chosen from
+        chosen = steps[np.arange(NEW_TOKENS), tokens]
+        assert np.all(chosen >= steps.max(-1) - TIE), (chosen, steps.max(-1))
+
+
+def _generate(path: str, prompts, **kwargs) -> list[list[int]]:
+    llm = LLM(model=path, **_ENGINE, **kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        assert llm.llm_engine.vllm_config.model_config.quantization in feature_check.SUPPORTED_QUANTIZATION
+    finally:
+        del llm
+        gc.collect()
+    return [list(o.outputs[0].token_ids) for o in out]
+
+
+def test_int8_at_load_generates_what_the_dequantized_model_does(trained, prompts, dequantized):
+    generated = _generate(trained, prompts, quantization="int8_per_channel_weight_only")
+    _assert_greedy_of(dequantized, prompts, generated)
+
+
+def test_compressed_tensors_checkpoint_generates_what_the_dequantized_model_does(
+    trained, prompts, dequantized, tmp_path
+):
+    out = str(tmp_path / "w8a16")
+    write_compressed(trained, out, fmt="pack-quantized", strategy="channel")
+    for name in os.listdir(trained):  # the tokenizer files come with the copy; nothing else to add
+        assert os.path.exists(os.path.join(out, name))
+    _assert_greedy_of(dequantized, prompts, _generate(out, prompts))  # method from config.json
+    shutil.rmtree(out)
+
+
+def test_int8_on_two_devices_equals_one(trained, prompts, tmp_path):
+    """Tensor parallelism over 2 simulated devices (a subprocess: the device count is fixed when
+    JAX starts): the int8 kernels and scales split with their columns; same tokens and logprobs."""
+    llm = dict(_ENGINE, quantization="int8_per_channel_weight_only", max_num_batched_tokens=16)
+    runs = [{"tp": tp, "prompts": prompts[:2], "new_tokens": 6, "llm": llm} for tp in (1, 2)]
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    job.write_text(json.dumps({"model": trained, "runs": runs}))
+    env = {**environment(), "VLLM_XLA_ATTENTION_BACKEND": "xla"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.plugin_shim.tensor_parallel_engine", str(job), str(out)],
+        env=env, capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    one, two = json.loads(out.read_text())
+    assert two["tokens"] == one["tokens"]
+    np.testing.assert_allclose(np.array(two["logprobs"]), np.array(one["logprobs"]), atol=1e-2)
+
+
+@pytest.mark.parametrize("method", ["fp8", "experts_int8", "awq"])
+def test_other_methods_are_refused_with_the_supported_list(trained, method):
+    with pytest.raises(ValueError) as raised:
+        LLM(model=trained, quantization=method, **_ENGINE)
+    assert f"quantization={method!r}" in str(raised.value) or "quantization (" in str(raised.value)
+    for supported in feature_check.SUPPORTED_QUANTIZATION:
+        assert supported in str(raised.value)

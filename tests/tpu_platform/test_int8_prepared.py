@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+"""int8 prepared weights: the preparation names its quantization, the weights cache keeps the
+quantized state (a restart restores it, no quantizing again), and a runner serves it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import models.quantization
+from models import load_model
+from tests.tiny_models import save_tiny_llama
+from tpu_platform.converted import _stored_preparation
+from tpu_platform.prepared_weights import Preparation, abstract_prepared, structure_digest
+from tpu_platform.runner import Runner
+from tpu_platform.runner_config import RunnerConfig
+from tpu_platform.weights_cache import WeightsCache
+
+_ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+INT8 = Preparation("bfloat16", quantization="int8")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_llama(str(tmp_path_factory.mktemp("int8_llama")), seed=5)
+
+
+def test_preparation_names_its_quantization():
+    assert INT8.name == "bfloat16-none-int8"
+    assert Preparation("bfloat16", "native", 2, "int8").name == "bfloat16-native-int8-tp2"
+    for preparation in (INT8, Preparation("bfloat16", "native+f32", 4, "int8"), Preparation("float32")):
+        assert _stored_preparation({"preparation": preparation.name}) == preparation
+    with pytest.raises(ValueError, match="quantization 'int4' is not one of"):
+        Preparation("bfloat16", quantization="int4")
+
+
+def test_abstract_layout_is_the_loaded_one(tiny_dir):
+    """The structure a cache entry is restored into (built from the config alone) is the one
+    quantizing the loaded checkpoint gives: int8 kernels, float32 scales, weight bytes halved."""
+    config, model = load_model(tiny_dir, jnp.bfloat16, on_host=True)
+    bf16_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model)))
+    INT8.apply(model)
+    _, abstract = abstract_prepared(config, INT8)
+    assert structure_digest(abstract) == structure_digest(nnx.state(model))
+    leaves = jax.tree.leaves(nnx.state(model))
+    assert {leaf.dtype for leaf in leaves} == {
+        np.dtype(np.int8),
+        np.dtype(np.float32),
+        np.dtype(jnp.bfloat16),
+    }
+    int8_bytes = sum(leaf.nbytes for leaf in leaves)
+    embedding = model.model.embed_tokens.embedding[...].nbytes  # stays bfloat16
+    assert int8_bytes - embedding < 0.55 * (bf16_bytes - embedding)
+
+
+def test_a_float_conversion_serves_int8_when_asked_and_an_int8_one_not_as_float(tiny_dir, tmp_path):
+    from tpu_platform.converted import convert, restore_converted
+
+    checkpoint = convert(tiny_dir, str(tmp_path / "float"), Preparation("bfloat16"))
+    config, _ = load_model(tiny_dir, jnp.bfloat16, on_host=True)
+    model = restore_converted(checkpoint, config, INT8, _ON_DEVICE)
+    assert model.model.layers[0].mlp.down_proj.kernel[...].dtype == jnp.int8
+    int8 = convert(tiny_dir, str(tmp_path / "int8"), INT8)
+    with pytest.raises(ValueError, match="it holds int8 weights: serve it with --quantization"):
+        restore_converted(int8, config, Preparation("bfloat16"), _ON_DEVICE)
+    assert restore_converted(int8, config, INT8, _ON_DEVICE).lm_head.kernel[...].dtype == jnp.int8
+
+
+def test_weights_cache_keeps_the_quantized_weights(tiny_dir, tmp_path, monkeypatch):
+    cache = WeightsCache.for_model(str(tmp_path), tiny_dir, INT8)
+    assert cache.path != WeightsCache.for_model(str(tmp_path), tiny_dir, Preparation("bfloat16")).path
+    config, expected = load_model(tiny_dir, jnp.bfloat16, on_host=True)
+    INT8.apply(expected)
+    cache.store(config, expected)
+
+    quantize = models.quantization.quantize_per_channel
+
+    def abstract_only(kernel):  # the restored structure is derived abstractly: values never
+        if not isinstance(kernel, jax.core.Tracer):
+            raise AssertionError("a restore must not quantize weights again")
+        return quantize(kernel)
+
+    monkeypatch.setattr(models.quantization, "quantize_per_channel", abstract_only)
+    got = cache.load(config, _ON_DEVICE)
+    got_leaves = nnx.to_flat_state(nnx.state(got))
+    expected_leaves = nnx.to_flat_state(nnx.state(expected))
+    assert [p for p, _ in got_leaves] == [p for p, _ in expected_leaves]
+    for (path, a), (_, b) in zip(got_leaves, expected_leaves, strict=True):
+        a, b = np.asarray(a.get_value()), np.asarray(b.get_value())
+        assert a.dtype == b.dtype and a.tobytes() == np.ascontiguousarray(b).tobytes(), path
+
+
+def test_runner_serves_int8_from_the_weights_cache(tiny_dir, tmp_path):
+    """A runner asked for vLLM's int8 method prepares int8 weights, stores them, and a second
+    runner restores them from the cache."""
+
+    def runner():
+        config = RunnerConfig(
+            model_path=tiny_dir, dtype="bfloat16", max_model_len=64, max_num_seqs=2,
+            max_num_batched_tokens=16, page_size=16, native_dense=False, cache_dir=str(tmp_path),
+            load_format="npcache", quantization="int8_per_channel_weight_only",
+        )  # fmt: skip
+        r = Runner(config)
+        r.load_model()
+        return r
+
+    first = runner()
+    kernel = first.state["model"]["layers"][0]["mlp"]["down_proj"]["kernel"]
+    assert kernel.get_value().dtype == jnp.int8
+    second = runner()
+    first_leaves, second_leaves = jax.tree.leaves(first.state), jax.tree.leaves(second.state)
+    assert len(first_leaves) == len(second_leaves)
+    for a, b in zip(first_leaves, second_leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="quantization 'fp8' is not supported; supported"):
+        RunnerConfig(model_path=tiny_dir, quantization="fp8")
