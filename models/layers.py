@@ -87,12 +87,14 @@ def matmul(x: jax.Array, kernel: nnx.Variable, scale: nnx.Variable | None = None
     kernel converted to x's dtype in the program, the product times the per-column scale.
 
     A `PackedKernel` runs on the native CPU dense kernel (bfloat16: AMX, AVX-512 BF16 or AVX2;
-    float32: AVX2). Otherwise the
+    float32: AVX2; int8 with `scale`: AVX-512 or AVX2). Otherwise the
     float32 result type and the `[in, out]` kernel keep bfloat16 products on XLA:CPU's fast dot
     path (else both operands are upcast to float32 copies first), and a single bfloat16 row is
     padded to two for the same reason.
     """
     if isinstance(kernel, PackedKernel):
+        if scale is not None:  # int8 panels: the native int8 kernel (AVX-512 or AVX2)
+            return cpu.native_dense_int8(x, kernel[...], scale[...])
         return cpu.native_dense(x, kernel[...])
     kernel = kernel[...] if scale is None else kernel[...].astype(x.dtype)
     single_bf16_row = x.shape[0] == 1 and x.dtype == jnp.bfloat16
@@ -515,7 +517,7 @@ def attach_rope_tables(model: nnx.Module, num_positions: int) -> int:
 
 def pack_for_native_dense(model: nnx.Module, *, float32: bool = False) -> int:
     """Packs every Linear kernel (and a tied head's copy) that the native CPU dense kernel can take
-    (`pallas_kernels.cpu.native_dense`): the bfloat16 ones, and with `float32` the float32 ones;
+    (`pallas_kernels.cpu.native_dense`): the bfloat16 and int8 ones, and with `float32` the float32 ones;
     returns how many. Run after loading, on a CPU where `pallas_kernels.cpu.dense_isa` is not None
     (for `float32`, where it is "avx2": CPUs with AVX-512 or AMX run XLA's float32 dots faster)."""
     packed = 0
@@ -543,6 +545,8 @@ def packed_for_native_dense(kernel: jax.Array, *, float32: bool = False) -> jax.
         return cpu.pack_dense_kernel(kernel)
     if float32 and cpu.can_pack_f32(kernel.shape, kernel.dtype):
         return cpu.pack_dense_kernel_f32(kernel)
+    if cpu.can_pack_int8(kernel.shape, kernel.dtype):  # its scale stays beside it, unpacked
+        return cpu.pack_dense_kernel_int8(kernel)
     return None
 
 

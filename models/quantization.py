@@ -11,7 +11,7 @@ pre-quantized checkpoint: `models.compressed_tensors`) is left as it is.
 
 Run after `prepare_for_serving` (quantizing per output channel commutes with fusing columns and
 repeating KV heads: each column keeps its own scale) and before packing for the native CPU dense
-kernel, which takes bfloat16 and float32 kernels only: int8 kernels run on XLA's dots there.
+kernel, which then packs the int8 kernels for its int8 path (`pallas_kernels.cpu.native_dense_int8`).
 Also runs under `nnx.eval_shape`, giving the quantized layout's shapes and dtypes.
 """
 

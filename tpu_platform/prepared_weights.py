@@ -93,7 +93,7 @@ class Preparation:
         """Quantizes and packs `model`'s kernels as this preparation does (after
         `prepare_for_serving`); returns how many kernels were packed."""
         if self.quantization == "int8":
-            quantize_int8(model)  # before packing: int8 kernels stay on XLA's dots
+            quantize_int8(model)  # before packing: the int8 kernels pack for the native int8 kernel
         if self.packing == "none":
             return 0
         return pack_for_native_dense(model, float32=self.packing == "native+f32")

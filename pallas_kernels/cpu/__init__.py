@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Native CPU backend: a page-major KV cache (`layout.py`), attention in C++ via XLA FFI, RoPE
 with the KV write in one call (`rope_kv.py`), SwiGLU's `silu(gate) * up` (`activation.py`), and
-dense layers (`dense.py`): bfloat16 on AMX, AVX-512 BF16 or AVX2, float32 on AVX2.
+dense layers (`dense.py`): bfloat16 on AMX, AVX-512 BF16 or AVX2, float32 on AVX2, int8 weights
+on AVX-512 or AVX2 (`dense_int8.py`).
 
 XLA:CPU has no fast formulation of paged attention (a page gather is slow there, and so is every
 pure-XLA variant tried: docs/kernels.md), so on CPU
@@ -20,6 +21,7 @@ from pallas_kernels.cpu.build import (
     ATTENTION_TARGET,
     NativeKernelError,
     dense_f32_usable,
+    dense_int8_isas,
     dense_isa,
     dense_isas,
     is_loaded,
@@ -33,6 +35,12 @@ from pallas_kernels.cpu.dense import (
     pack_dense_kernel,
     pack_dense_kernel_f32,
 )
+from pallas_kernels.cpu.dense_int8 import (
+    can_pack_int8,
+    native_dense_int8,
+    native_dense_int8_reference,
+    pack_dense_kernel_int8,
+)
 from pallas_kernels.cpu.layout import CACHE_FORMATS, allocate_kv_cache, write_kv
 from pallas_kernels.cpu.rope_kv import rope_write_kv
 from pallas_kernels.reference import value_dtype
@@ -42,15 +50,20 @@ __all__ = [
     "allocate_kv_cache",
     "can_pack",
     "can_pack_f32",
+    "can_pack_int8",
     "dense_f32_usable",
+    "dense_int8_isas",
     "dense_isa",
     "dense_isas",
     "is_loaded",
     "load",
     "native_dense",
+    "native_dense_int8",
+    "native_dense_int8_reference",
     "native_dense_reference",
     "pack_dense_kernel",
     "pack_dense_kernel_f32",
+    "pack_dense_kernel_int8",
     "ragged_paged_attention",
     "rope_write_kv",
     "silu_and_mul",

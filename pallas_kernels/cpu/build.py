@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Builds the native CPU kernels (`paged_attention.cc`, `rope_kv.cc`, `silu_mul.cc`, `dense.cc`,
-`dense_f32.cc`) and registers them with XLA.
+`dense_f32.cc`, `dense_int8.cc`) and registers them with XLA.
 
 The sources are compiled on the machine that runs it, with `-march=native`, by the C++ compiler
 in `$CXX` (else `g++`, `c++` or `clang++` on the PATH), against the XLA FFI headers that jaxlib
@@ -31,7 +31,14 @@ import jaxlib
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_attention.cc", "rope_kv.cc", "silu_mul.cc", "dense.cc", "dense_f32.cc")
+    for name in (
+        "paged_attention.cc",
+        "rope_kv.cc",
+        "silu_mul.cc",
+        "dense.cc",
+        "dense_f32.cc",
+        "dense_int8.cc",
+    )
 )
 HEADERS = tuple(
     Path(__file__).with_name(name)
@@ -50,12 +57,14 @@ ROPE_KV_TARGET = "vllm_xla_rope_write_kv"
 SILU_MUL_TARGET = "vllm_xla_silu_mul"
 DENSE_TARGET = "vllm_xla_dense"
 DENSE_F32_TARGET = "vllm_xla_dense_f32"
+DENSE_INT8_TARGET = "vllm_xla_dense_int8"
 _HANDLERS = {
     ATTENTION_TARGET: "VllmXlaRaggedPagedAttention",
     ROPE_KV_TARGET: "VllmXlaRopeWriteKv",
     SILU_MUL_TARGET: "VllmXlaSiluMul",
     DENSE_TARGET: "VllmXlaDense",
     DENSE_F32_TARGET: "VllmXlaDenseF32",
+    DENSE_INT8_TARGET: "VllmXlaDenseInt8",
 }
 _FLAGS = (
     "-O3",
@@ -247,3 +256,19 @@ def dense_f32_usable(library: Path) -> bool:
 @functools.cache
 def _probe_dense_f32(library: _Library) -> bool:
     return bool(ctypes.CDLL(str(library.path)).VllmXlaDenseF32Usable())
+
+
+DENSE_INT8_ISAS = {1: "avx512", 3: "avx2"}  # the int8 dense kernel's paths, by their code in dense_int8.cc
+
+
+def dense_int8_isas(library: Path) -> tuple[str, ...]:
+    """The instruction sets `library` (from `load`) can run its int8 dense kernel with in this
+    process, best first: "avx512" (AVX-512F) and "avx2" (AVX2 with FMA); empty: int8 kernels
+    stay on XLA's dots."""
+    mask = _probe_dense_int8_isas(_Library(library.name, library))
+    return tuple(name for code, name in sorted(DENSE_INT8_ISAS.items()) if mask & (1 << code))
+
+
+@functools.cache
+def _probe_dense_int8_isas(library: _Library) -> int:
+    return int(ctypes.CDLL(str(library.path)).VllmXlaDenseInt8Isas())

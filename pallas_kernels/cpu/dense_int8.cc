@@ -1,0 +1,268 @@
+// SPDX-License-Identifier: Apache-2.0
+// int8-weight dense layers (W8A16) as an XLA FFI handler: y[M, N] (float32) = (x[M, K] @ q) * s,
+// q int8 with one float32 scale per output column, x bfloat16 or float32.
+//
+// Decode streams every weight once a step and does little else, so its speed is the weights'
+// bytes over the memory bandwidth: int8 halves bfloat16's bytes. XLA:CPU converts an int8 kernel
+// to a bfloat16 copy in memory before its dot, which costs more than the bytes saved; here the
+// int8 values widen to float32 in registers (sign-extend, convert) as they stream and meet x in
+// float32 FMAs, and the scale multiplies each output once, at the store. Every int8 value is exact
+// in float32 and the products accumulate in float32, so the result is the float product of x and
+// q, rounded only by the accumulation.
+//
+// The weight is packed once into [N/16, K, 16] int8 (`pack_dense_kernel_int8` in dense_int8.py):
+// each 16-column panel is K contiguous 16-byte rows, read in order; one row is the 16 lanes of an
+// AVX-512 vector (or two AVX2 vectors) after widening. N must be a multiple of 16, K is free.
+// x is widened to float32 once per call (its rows are few next to the weights' bytes).
+//
+// Work items are runs of 16-column blocks (two per thread, `RunOverColumnBlocks`), walked in
+// register blocks of up to 6 rows by 4 column blocks (AVX-512) or 6 rows by one (AVX2).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "dense_blocks.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// The `isa` attribute: which path runs (the codes of `DENSE_INT8_ISAS` in build.py).
+enum Int8Isa : int32_t { kBestIsa = 0, kAvx512 = 1, kAvx2 = 3 };
+
+#if defined(__x86_64__)
+using vllm_xla::Item;
+using vllm_xla::WalkRegisterBlocks;
+
+constexpr int64_t kCols = 16;  // columns of a packed panel
+constexpr int kRows = 6;       // rows of x in a register block
+constexpr int kAvx512Blocks = 4;  // 16-column blocks in an AVX-512 register block: 24 accumulators
+
+#define VLLM_XLA_INT8_AVX512 __attribute__((target("avx512f")))
+#define VLLM_XLA_INT8_AVX2 __attribute__((target("avx2,fma")))
+
+bool Avx512Usable() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+
+struct Int8Problem {
+  const float* x;      // [M, K]
+  const int8_t* w;     // [N/16, K, 16]
+  const float* scale;  // [N]
+  float* y;            // [M, N]
+  int64_t M, K, N;
+
+  static void Begin() {}
+  static void End() {}
+
+  // y[row : row + R, block * 16 : (block + C) * 16] with AVX-512: each 16-byte panel row widens
+  // to one vector of 16 float32 columns. With one row, even and odd k accumulate apart, so enough
+  // FMA chains run at once.
+  template <int R, int C>
+  VLLM_XLA_INT8_AVX512 static void Avx512Block(const Int8Problem& p, int64_t row, int64_t block) {
+    constexpr int kChains = R == 1 ? 2 : 1;
+    const int64_t panel = p.K * kCols;
+    const int8_t* w = p.w + block * panel;
+    const float* x = p.x + row * p.K;
+    __m512 acc[R][C][kChains];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        for (int h = 0; h < kChains; ++h) acc[r][c][h] = _mm512_setzero_ps();
+    const int64_t steps = p.K / kChains * kChains;
+    for (int64_t k = 0; k < steps; k += kChains) {
+      for (int h = 0; h < kChains; ++h) {
+        __m512 weights[C];
+        for (int c = 0; c < C; ++c) {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * panel + (k + h) * kCols));
+          weights[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512 xs = _mm512_set1_ps(x[r * p.K + k + h]);
+          for (int c = 0; c < C; ++c) acc[r][c][h] = _mm512_fmadd_ps(weights[c], xs, acc[r][c][h]);
+        }
+      }
+    }
+    for (int64_t k = steps; k < p.K; ++k) {  // an odd K's last row (one-row blocks)
+      for (int c = 0; c < C; ++c) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * panel + k * kCols));
+        const __m512 weights = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+        for (int r = 0; r < R; ++r) acc[r][c][0] = _mm512_fmadd_ps(weights, _mm512_set1_ps(x[r * p.K + k]), acc[r][c][0]);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 s = _mm512_loadu_ps(p.scale + (block + c) * kCols);
+      for (int r = 0; r < R; ++r) {
+        __m512 sum = acc[r][c][0];
+        if constexpr (kChains == 2) sum = _mm512_add_ps(sum, acc[r][c][1]);
+        _mm512_storeu_ps(p.y + (row + r) * p.N + (block + c) * kCols, _mm512_mul_ps(sum, s));
+      }
+    }
+  }
+
+  // The same for one 16-column block with AVX2: a panel row widens to two vectors of 8 columns.
+  template <int R>
+  VLLM_XLA_INT8_AVX2 static void Avx2Block(const Int8Problem& p, int64_t row, int64_t block) {
+    constexpr int kChains = R <= 2 ? 2 : 1;
+    const int8_t* w = p.w + block * p.K * kCols;
+    const float* x = p.x + row * p.K;
+    __m256 acc[R][2][kChains];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < kChains; ++c) acc[r][h][c] = _mm256_setzero_ps();
+    auto widen = [](const int8_t* bytes) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+    };
+    const int64_t steps = p.K / kChains * kChains;
+    for (int64_t k = 0; k < steps; k += kChains) {
+      for (int c = 0; c < kChains; ++c) {
+        const int8_t* line = w + (k + c) * kCols;
+        const __m256 low = widen(line), high = widen(line + 8);
+        for (int r = 0; r < R; ++r) {
+          const __m256 xs = _mm256_set1_ps(x[r * p.K + k + c]);
+          acc[r][0][c] = _mm256_fmadd_ps(low, xs, acc[r][0][c]);
+          acc[r][1][c] = _mm256_fmadd_ps(high, xs, acc[r][1][c]);
+        }
+      }
+    }
+    for (int64_t k = steps; k < p.K; ++k) {
+      const int8_t* line = w + k * kCols;
+      const __m256 low = widen(line), high = widen(line + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xs = _mm256_set1_ps(x[r * p.K + k]);
+        acc[r][0][0] = _mm256_fmadd_ps(low, xs, acc[r][0][0]);
+        acc[r][1][0] = _mm256_fmadd_ps(high, xs, acc[r][1][0]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) {
+        __m256 sum = acc[r][h][0];
+        if constexpr (kChains == 2) sum = _mm256_add_ps(sum, acc[r][h][1]);
+        const __m256 s = _mm256_loadu_ps(p.scale + block * kCols + h * 8);
+        _mm256_storeu_ps(p.y + (row + r) * p.N + block * kCols + h * 8, _mm256_mul_ps(sum, s));
+      }
+    }
+  }
+
+  using BlockKernel = void (*)(const Int8Problem&, int64_t, int64_t);
+  template <int R>
+  static constexpr BlockKernel kAvx512Row[kAvx512Blocks] = {&Avx512Block<R, 1>, &Avx512Block<R, 2>,
+                                                            &Avx512Block<R, 3>, &Avx512Block<R, 4>};
+  static constexpr const BlockKernel* kAvx512Kernels[kRows] = {
+      kAvx512Row<1>, kAvx512Row<2>, kAvx512Row<3>, kAvx512Row<4>, kAvx512Row<5>, kAvx512Row<6>};
+  static constexpr BlockKernel kAvx2Kernels[kRows] = {&Avx2Block<1>, &Avx2Block<2>, &Avx2Block<3>,
+                                                      &Avx2Block<4>, &Avx2Block<5>, &Avx2Block<6>};
+};
+
+struct Avx512Int8 : Int8Problem {
+  void Run(const Item& item) const {
+    WalkRegisterBlocks(item, M, K * sizeof(float), kRows, kAvx512Blocks,
+                       [&](int64_t row, int rows, int64_t block, int blocks) {
+                         kAvx512Kernels[rows - 1][blocks - 1](*this, row, block);
+                       });
+  }
+};
+
+struct Avx2Int8 : Int8Problem {
+  void Run(const Item& item) const {
+    WalkRegisterBlocks(item, M, K * sizeof(float), kRows, 1,
+                       [&](int64_t row, int rows, int64_t block, int) { kAvx2Kernels[rows - 1](*this, row, block); });
+  }
+};
+
+// Whether this process may run the `isa` path, probed once.
+bool IsaUsable(Int8Isa isa) {
+  static const bool avx512 = Avx512Usable(), avx2 = vllm_xla::Avx2Usable();
+  return (isa == kAvx512 && avx512) || (isa == kAvx2 && avx2);
+}
+
+// x's first M rows as float32: bfloat16 values are the high halves of float32s.
+void WidenRows(const ffi::AnyBuffer& x, int64_t M, int64_t K, std::vector<float>& wide) {
+  wide.resize(M * K);
+  const auto* bits = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  for (int64_t i = 0; i < M * K; ++i) {
+    const uint32_t value = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(&wide[i], &value, sizeof(value));
+  }
+}
+
+// The rows of x before its trailing zero rows (`RowsBeforeZeroTail`).
+int64_t RowsToMultiply(const ffi::AnyBuffer& x, int64_t rows, int64_t K) {
+  if (x.element_type() == ffi::DataType::BF16) {
+    return vllm_xla::RowsBeforeZeroTail<uint16_t>(reinterpret_cast<const uint16_t*>(x.untyped_data()), rows, K,
+                                                  0x7fff);
+  }
+  return vllm_xla::RowsBeforeZeroTail<uint32_t>(reinterpret_cast<const uint32_t*>(x.untyped_data()), rows, K,
+                                                0x7fffffffu);
+}
+
+ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+                     ffi::ResultBuffer<ffi::F32> y, int32_t isa) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto type = x.element_type();
+  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || wd[2] != kCols || scale.element_count() != wd[0] * kCols ||
+      (type != ffi::DataType::BF16 && type != ffi::DataType::F32)) {
+    return ffi::Error::InvalidArgument(
+        "expected x [M, K] (bfloat16 or float32), a packed int8 weight [N/16, K, 16] and float32 scales [N]");
+  }
+  Int8Isa run = static_cast<Int8Isa>(isa);
+  if (run == kBestIsa) run = IsaUsable(kAvx512) ? kAvx512 : kAvx2;
+  if (!IsaUsable(run)) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "this CPU or kernel does not allow the requested int8 dense path (AVX-512 or AVX2 with FMA)");
+  }
+  const int64_t K = xd[1], N = wd[0] * kCols;
+  const int64_t M = RowsToMultiply(x, xd[0], K);
+  std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
+  if (M == 0) return ffi::Error::Success();
+  std::vector<float> wide;
+  const float* x_values = reinterpret_cast<const float*>(x.untyped_data());
+  if (type == ffi::DataType::BF16) {
+    WidenRows(x, M, K, wide);
+    x_values = wide.data();
+  }
+  const Int8Problem problem{x_values, w.typed_data(), scale.typed_data(), y->typed_data(), M, K, N};
+  const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(int8_t));
+  if (run == kAvx512) {
+    vllm_xla::RunOverColumnBlocks(Avx512Int8{problem}, N / kCols, std::max<int64_t>(kAvx512Blocks, cached_blocks),
+                                  pool);
+  } else {
+    vllm_xla::RunOverColumnBlocks(Avx2Int8{problem}, N / kCols, std::max<int64_t>(2, cached_blocks), pool);
+  }
+  return ffi::Error::Success();
+}
+
+#else  // not x86-64
+
+bool IsaUsable(Int8Isa) { return false; }
+
+ffi::Error DenseInt8(ffi::ThreadPool, ffi::AnyBuffer, ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>,
+                     ffi::ResultBuffer<ffi::F32>, int32_t) {
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "the int8 dense kernel needs an x86-64 CPU");
+}
+
+#endif
+
+}  // namespace
+
+// The int8 dense paths this process may run, as a bit mask: bit 1 AVX-512, bit 3 AVX2.
+extern "C" int VllmXlaDenseInt8Isas() {
+  return (IsaUsable(kAvx512) ? 1 << kAvx512 : 0) | (IsaUsable(kAvx2) ? 1 << kAvx2 : 0);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt8, DenseInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("isa"));
