@@ -30,6 +30,7 @@
 
 #include "dense_blocks.h"
 #include "dense_avx2.h"
+#include "dense_avx512_bf16.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -177,10 +178,8 @@ struct AmxProblem {
   }
 };
 
-#define VLLM_XLA_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
-
-constexpr int kVectorRows = 6;    // rows of x in a register block
-constexpr int kVectorBlocks = 4;  // 16-column blocks in a register block: 24 accumulators
+constexpr int kVectorRows = vllm_xla::kBf16VectorRows;
+constexpr int kVectorBlocks = vllm_xla::kBf16VectorBlocks;
 
 // What the vector paths read and write, and their (empty) per-thread set-up for `RunAll`.
 struct VectorOperands {
@@ -193,45 +192,16 @@ struct VectorOperands {
   static void End() {}
 };
 
-// The same product with VDPBF16PS: a packed tile row (16 columns x one pair of K) against a
-// broadcast pair of x adds both products of the pair to 16 float32 accumulators.
+// The same product with VDPBF16PS (`Bf16VectorBlock` in dense_avx512_bf16.h).
 struct VectorProblem : VectorOperands {
   void Run(const Item& item) const {
+    const int64_t panel = K * 16;  // uint16 values in one column block
     WalkRegisterBlocks(item, M, K * sizeof(uint16_t), kVectorRows, kVectorBlocks,
                        [&](int64_t row, int rows, int64_t block, int blocks) {
-                         kBlockKernels[rows - 1][blocks - 1](*this, row, block);
+                         vllm_xla::Bf16VectorBlockFor(rows, blocks)(x + row * K, w + block * panel, panel, K,
+                                                                    y + row * N + block * 16, N);
                        });
   }
-
-  // y[row : row + R, block * 16 : (block + C) * 16], accumulated over all of K in registers.
-  template <int R, int C>
-  VLLM_XLA_AVX512BF16 static void Block(const VectorProblem& p, int64_t row, int64_t block) {
-    const int64_t pairs = p.K / 2, panel = pairs * 32;  // uint16 values in one column block
-    const uint16_t* w = p.w + block * panel;
-    const uint16_t* x = p.x + row * p.K;
-    __m512 acc[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t pair = 0; pair < pairs; ++pair) {
-      __m512i weights[C];
-      for (int c = 0; c < C; ++c) weights[c] = _mm512_loadu_si512(w + c * panel + pair * 32);
-      for (int r = 0; r < R; ++r) {
-        int32_t both;
-        std::memcpy(&both, x + r * p.K + 2 * pair, sizeof(both));
-        const __m512bh xs = (__m512bh)_mm512_set1_epi32(both);
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xs, (__m512bh)weights[c]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(p.y + (row + r) * p.N + (block + c) * 16, acc[r][c]);
-  }
-
-  using BlockKernel = void (*)(const VectorProblem&, int64_t, int64_t);
-  template <int R>
-  static constexpr BlockKernel kRowKernels[kVectorBlocks] = {&Block<R, 1>, &Block<R, 2>, &Block<R, 3>,
-                                                             &Block<R, 4>};
-  static constexpr const BlockKernel* kBlockKernels[kVectorRows] = {
-      kRowKernels<1>, kRowKernels<2>, kRowKernels<3>, kRowKernels<4>, kRowKernels<5>, kRowKernels<6>};
 };
 
 // Whether this process may run the `isa` path, probed once.

@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #endif
 
+#include "dense_avx512_bf16.h"
 #include "dense_blocks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -35,7 +36,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 // The `isa` attribute: which path runs (the codes of `DENSE_INT8_ISAS` in build.py).
-enum Int8Isa : int32_t { kBestIsa = 0, kAvx512 = 1, kAvx2 = 3 };
+enum Int8Isa : int32_t { kBestIsa = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAvx2 = 3 };
 
 #if defined(__x86_64__)
 using vllm_xla::Item;
@@ -52,6 +53,19 @@ bool Avx512Usable() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f");
 }
+
+// Whether this CPU has AVX-512 BF16 (leaf 7, subleaf 1, EAX bit 5) besides AVX-512 BW.
+bool Avx512Bf16Usable() {
+  if (!Avx512Usable() || !__builtin_cpu_supports("avx512bw")) return false;
+  unsigned eax, ebx, ecx, edx;
+  __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(1));
+  return eax & (1u << 5);
+}
+
+// Above this many rows of bfloat16 x, the AVX-512 BF16 path widens each int8 panel once to
+// bfloat16 pairs and multiplies with VDPBF16PS (two products an instruction, no widening per row
+// block); at fewer rows the weights stream from memory and widen in registers (`Avx512Block`).
+constexpr int64_t kWidenAheadAbove = 4;
 
 struct Int8Problem {
   const float* x;      // [M, K]
@@ -177,10 +191,60 @@ struct Avx2Int8 : Int8Problem {
   }
 };
 
+// An int8 panel [K, 16] -> bfloat16 pairs [K/2, 16, 2] (`Bf16VectorBlock`'s layout): each int8
+// value is exact in bfloat16, the high half of its float32.
+VLLM_XLA_AVX512BF16 void WidenPanelToPairs(const int8_t* panel, int64_t K, uint16_t* to) {
+  auto widen = [](const int8_t* bytes) {
+    return _mm512_castps_si512(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)))));
+  };
+  for (int64_t pair = 0; pair < K / 2; ++pair) {
+    const __m512i even = widen(panel + 2 * pair * kCols), odd = widen(panel + (2 * pair + 1) * kCols);
+    // each 32-bit lane: w[2 pair] in its low half, w[2 pair + 1] in its high half
+    const __m512i lanes = _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(even, 16), odd);
+    _mm512_storeu_si512(to + pair * 2 * kCols, lanes);
+  }
+}
+
+// y[0 : rows, 0 : 16 blocks] (row stride N) *= the blocks' scales.
+VLLM_XLA_AVX512BF16 void ScaleOutputs(float* y, int rows, int blocks, const float* scale, int64_t N) {
+  for (int c = 0; c < blocks; ++c) {
+    const __m512 s = _mm512_loadu_ps(scale + c * kCols);
+    for (int r = 0; r < rows; ++r) {
+      float* out = y + r * N + c * kCols;
+      _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_loadu_ps(out), s));
+    }
+  }
+}
+
+// Many rows of bfloat16 x on AVX-512 BF16: each group of column panels widened once per chunk of
+// rows, then the bfloat16 kernel's register blocks, then the scales.
+struct WidenedInt8 : Int8Problem {
+  const uint16_t* x_bits;  // [M, K] bfloat16; K even
+
+  void Run(const Item& item) const {
+    const int64_t panel = K * kCols;
+    std::vector<uint16_t> pairs(vllm_xla::kBf16VectorBlocks * panel);
+    int64_t widened = -1;  // the first column block `pairs` holds
+    WalkRegisterBlocks(item, M, K * sizeof(uint16_t), vllm_xla::kBf16VectorRows, vllm_xla::kBf16VectorBlocks,
+                       [&](int64_t row, int rows, int64_t block, int blocks) {
+                         if (block != widened) {
+                           for (int c = 0; c < blocks; ++c) {
+                             WidenPanelToPairs(w + (block + c) * panel, K, pairs.data() + c * panel);
+                           }
+                           widened = block;
+                         }
+                         float* out = y + row * N + block * kCols;
+                         vllm_xla::Bf16VectorBlockFor(rows, blocks)(x_bits + row * K, pairs.data(), panel, K, out, N);
+                         ScaleOutputs(out, rows, blocks, scale + block * kCols, N);
+                       });
+  }
+};
+
 // Whether this process may run the `isa` path, probed once.
 bool IsaUsable(Int8Isa isa) {
-  static const bool avx512 = Avx512Usable(), avx2 = vllm_xla::Avx2Usable();
-  return (isa == kAvx512 && avx512) || (isa == kAvx2 && avx2);
+  static const bool avx512 = Avx512Usable(), bf16 = Avx512Bf16Usable(), avx2 = vllm_xla::Avx2Usable();
+  return (isa == kAvx512 && avx512) || (isa == kAvx512Bf16 && bf16) || (isa == kAvx2 && avx2);
 }
 
 // x's first M rows as float32: bfloat16 values are the high halves of float32s.
@@ -214,15 +278,25 @@ ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8
         "expected x [M, K] (bfloat16 or float32), a packed int8 weight [N/16, K, 16] and float32 scales [N]");
   }
   Int8Isa run = static_cast<Int8Isa>(isa);
-  if (run == kBestIsa) run = IsaUsable(kAvx512) ? kAvx512 : kAvx2;
+  if (run == kBestIsa) run = IsaUsable(kAvx512Bf16) ? kAvx512Bf16 : IsaUsable(kAvx512) ? kAvx512 : kAvx2;
   if (!IsaUsable(run)) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      "this CPU or kernel does not allow the requested int8 dense path (AVX-512 or AVX2 with FMA)");
+                      "this CPU or kernel does not allow the requested int8 dense path (AVX-512 BF16, AVX-512 or AVX2 "
+                      "with FMA)");
   }
   const int64_t K = xd[1], N = wd[0] * kCols;
   const int64_t M = RowsToMultiply(x, xd[0], K);
   std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
   if (M == 0) return ffi::Error::Success();
+  const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(int8_t));
+  if (run == kAvx512Bf16 && type == ffi::DataType::BF16 && K % 2 == 0 && M > kWidenAheadAbove) {
+    const WidenedInt8 widened{{nullptr, w.typed_data(), scale.typed_data(), y->typed_data(), M, K, N},
+                              reinterpret_cast<const uint16_t*>(x.untyped_data())};
+    vllm_xla::RunOverColumnBlocks(widened, N / kCols,
+                                  std::max<int64_t>(vllm_xla::kBf16VectorBlocks, cached_blocks), pool);
+    return ffi::Error::Success();
+  }
+  if (run == kAvx512Bf16) run = kAvx512;  // few rows, float32 x or an odd K: widened in registers
   std::vector<float> wide;
   const float* x_values = reinterpret_cast<const float*>(x.untyped_data());
   if (type == ffi::DataType::BF16) {
@@ -230,7 +304,6 @@ ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8
     x_values = wide.data();
   }
   const Int8Problem problem{x_values, w.typed_data(), scale.typed_data(), y->typed_data(), M, K, N};
-  const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(int8_t));
   if (run == kAvx512) {
     vllm_xla::RunOverColumnBlocks(Avx512Int8{problem}, N / kCols, std::max<int64_t>(kAvx512Blocks, cached_blocks),
                                   pool);
@@ -253,9 +326,11 @@ ffi::Error DenseInt8(ffi::ThreadPool, ffi::AnyBuffer, ffi::Buffer<ffi::S8>, ffi:
 
 }  // namespace
 
-// The int8 dense paths this process may run, as a bit mask: bit 1 AVX-512, bit 3 AVX2.
+// The int8 dense paths this process may run, as a bit mask: bit 1 AVX-512, bit 2 AVX-512 BF16,
+// bit 3 AVX2.
 extern "C" int VllmXlaDenseInt8Isas() {
-  return (IsaUsable(kAvx512) ? 1 << kAvx512 : 0) | (IsaUsable(kAvx2) ? 1 << kAvx2 : 0);
+  return (IsaUsable(kAvx512) ? 1 << kAvx512 : 0) | (IsaUsable(kAvx512Bf16) ? 1 << kAvx512Bf16 : 0) |
+         (IsaUsable(kAvx2) ? 1 << kAvx2 : 0);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt8, DenseInt8,

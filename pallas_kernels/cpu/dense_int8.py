@@ -60,8 +60,9 @@ def native_dense_int8(
     """`(x [M, K] @ q) * s` in float32, `packed` from `pack_dense_kernel_int8`, `scale [N]`.
 
     x is bfloat16 (read as it is) or another float dtype (converted to float32). `isa` picks the
-    path ("avx512" or "avx2"); None takes the best the CPU has (`dense_int8_isas`). Trailing rows
-    of x that are all zero are written as zero rows without being multiplied, as in `native_dense`.
+    path ("avx512_bf16", "avx512" or "avx2"); None takes the best the CPU has
+    (`dense_int8_isas`). Trailing rows of x that are all zero are written as zero rows without
+    being multiplied, as in `native_dense`.
     Needs the native kernels loaded (`pallas_kernels.cpu.load`); a path the CPU lacks fails when
     the program runs.
     """

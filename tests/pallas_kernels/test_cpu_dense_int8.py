@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The int8-weight dense kernel (`dense_int8.cc`, AVX-512 and AVX2): its packed layout, a
-hand-worked product, then every path the CPU has against NumPy's `x @ (q * s)` over a grid of
-shapes (1 to 64 rows around its 6-row register blocks, odd depths for the one-row blocks that split
-even and odd k, odd 16-column counts around the 4-block AVX-512 register blocks), bfloat16 and
-float32 activations; trailing zero rows; and a tiny model with its int8 kernels packed for the
+"""The int8-weight dense kernel (`dense_int8.cc`, AVX-512 BF16, AVX-512 and AVX2): its packed
+layout, a hand-worked product, then every path the CPU has against NumPy's `x @ (q * s)` over a
+grid of shapes (1 to 64 rows around its 6-row register blocks and the rows from which AVX-512 BF16
+widens panels ahead, odd depths for the one-row blocks that split even and odd k and for the
+register path that takes them, 16-column counts around the 4-block AVX-512 register blocks),
+bfloat16 and float32 activations; trailing zero rows; and a tiny model with its int8 kernels packed for the
 native kernel against the same model on XLA's int8 dots."""
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def test_hand_worked_product(int8_isas):
 
 
 ROWS = (1, 2, 3, 5, 6, 7, 13, 31, 64)
-KERNELS = ((1, 16), (7, 48), (33, 80), (576, 960), (1535, 64))
+KERNELS = ((1, 16), (7, 48), (33, 80), (96, 112), (576, 960), (1535, 64), (1536, 48))
 
 
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
@@ -72,7 +73,8 @@ def test_kernel_matches_numpy(int8_isas, x_dtype, rows, depth, width):
     x = jnp.asarray(rng.standard_normal((rows, depth)), x_dtype)
     q = rng.integers(-127, 128, (depth, width)).astype(np.int8)
     scale = (rng.random(width) * 0.02 + 1e-3).astype(np.float32)
-    # float64 on the values the kernel reads: only its float32 accumulation differs
+    # float64 on the values the kernel reads (x rounded to bfloat16 or float32, the int8 values, the
+    # scales): only the kernel's float32 accumulation differs
     expected = np.asarray(x, np.float64) @ (q.astype(np.float64) * scale.astype(np.float64))
     bound = np.abs(np.asarray(x, np.float64)) @ (np.abs(q.astype(np.float64)) * scale)
     packed = jnp.asarray(cpu.pack_dense_kernel_int8(q))

@@ -1,0 +1,58 @@
+// SPDX-License-Identifier: Apache-2.0
+// The AVX-512 BF16 register block of the bfloat16 dense kernel (dense.cc), shared with the int8
+// kernel (dense_int8.cc), which widens its int8 panels to this layout once for many rows.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+namespace vllm_xla {
+
+constexpr int kBf16VectorRows = 6;    // rows of x in a register block
+constexpr int kBf16VectorBlocks = 4;  // 16-column blocks in a register block: 24 accumulators
+
+#define VLLM_XLA_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+// y[0 : R, 0 : 16 C] (row stride `y_stride`) = x[0 : R, 0 : K] (bfloat16, row stride K) @ C
+// column panels [K/2, 16, 2] (bfloat16 pairs, `panel` uint16 values apart), accumulated over all
+// of K in registers with VDPBF16PS: a packed tile row (16 columns x one pair of K) against a
+// broadcast pair of x adds both products of the pair to 16 float32 accumulators. K even.
+template <int R, int C>
+VLLM_XLA_AVX512BF16 void Bf16VectorBlock(const uint16_t* x, const uint16_t* w, int64_t panel, int64_t K, float* y,
+                                         int64_t y_stride) {
+  const int64_t pairs = K / 2;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    __m512i weights[C];
+    for (int c = 0; c < C; ++c) weights[c] = _mm512_loadu_si512(w + c * panel + pair * 32);
+    for (int r = 0; r < R; ++r) {
+      int32_t both;
+      std::memcpy(&both, x + r * K + 2 * pair, sizeof(both));
+      const __m512bh xs = (__m512bh)_mm512_set1_epi32(both);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xs, (__m512bh)weights[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + r * y_stride + c * 16, acc[r][c]);
+}
+
+using Bf16VectorBlockKernel = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, float*, int64_t);
+
+// The register block for `rows` (1 to kBf16VectorRows) rows by `blocks` (1 to kBf16VectorBlocks)
+// column blocks.
+inline Bf16VectorBlockKernel Bf16VectorBlockFor(int rows, int blocks) {
+#define VLLM_XLA_ROW(R) {&Bf16VectorBlock<R, 1>, &Bf16VectorBlock<R, 2>, &Bf16VectorBlock<R, 3>, &Bf16VectorBlock<R, 4>}
+  static constexpr Bf16VectorBlockKernel kKernels[kBf16VectorRows][kBf16VectorBlocks] = {
+      VLLM_XLA_ROW(1), VLLM_XLA_ROW(2), VLLM_XLA_ROW(3), VLLM_XLA_ROW(4), VLLM_XLA_ROW(5), VLLM_XLA_ROW(6)};
+#undef VLLM_XLA_ROW
+  return kKernels[rows - 1][blocks - 1];
+}
+
+}  // namespace vllm_xla
+
+#endif  // __x86_64__
