@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """int8 weights end to end through `vllm.LLM(quantization=...)`: quantized at load from a float
 checkpoint, and a compressed-tensors int8 checkpoint as it is; both generate greedily what
-transformers (float32) does on the dequantized weights. The engine's activations are bfloat16
+transformers (float32) does on the dequantized weights. On a CPU with the native dense kernel the
+int8 kernels run packed on its int8 path (`pallas_kernels.cpu.native_dense_int8`), and the same
+engine on XLA's int8 dots (the `xla` backend) generates the same tokens. The engine's activations are bfloat16
 (vLLM allows these methods with 16-bit activations only), so a token may differ from float32's
 choice where two are tied within bfloat16 rounding: each generated token must be transformers'
 argmax after the same tokens, or within `TIE` of it. Other methods are refused by name, with the
@@ -14,11 +16,15 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
+from models import PackedKernel
+from pallas_kernels import cpu
 from plugin_shim import feature_check
 from tests.greedy_reference import hf_greedy
 from tests.models.test_compressed_tensors import write_compressed
@@ -75,21 +81,53 @@ def _assert_greedy_of(hf, prompts, generated) -> None:
         assert np.all(chosen >= steps.max(-1) - TIE), (chosen, steps.max(-1))
 
 
-def _generate(path: str, prompts, **kwargs) -> list[list[int]]:
+def _int8_kernels(worker) -> dict[str, int]:
+    """How many of the engine's int8 kernels are packed for the native int8 kernel, how many not."""
+    leaves = jax.tree.leaves(worker.runner.state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    kinds = [
+        "packed" if isinstance(v, PackedKernel) else "unpacked" for v in leaves if v[...].dtype == np.int8
+    ]
+    return {kind: kinds.count(kind) for kind in set(kinds)}
+
+
+def _generate(path: str, prompts, kernels: dict | None = None, **kwargs) -> list[list[int]]:
+    """Greedy tokens of an engine; `kernels` receives `_int8_kernels` of it."""
     llm = LLM(model=path, **_ENGINE, **kwargs)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         assert llm.llm_engine.vllm_config.model_config.quantization in feature_check.SUPPORTED_QUANTIZATION
+        if kernels is not None:
+            kernels.update(llm.collective_rpc(_int8_kernels)[0])
     finally:
         del llm
         gc.collect()
     return [list(o.outputs[0].token_ids) for o in out]
 
 
-def test_int8_at_load_generates_what_the_dequantized_model_does(trained, prompts, dequantized):
-    generated = _generate(trained, prompts, quantization="int8_per_channel_weight_only")
-    _assert_greedy_of(dequantized, prompts, generated)
+@pytest.fixture(scope="module")
+def int8_at_load(trained, prompts):
+    """The tokens and int8 kernels of the default engine (the native dense kernel where it runs)."""
+    kernels: dict[str, int] = {}
+    return _generate(trained, prompts, kernels, quantization="int8_per_channel_weight_only"), kernels
+
+
+def test_int8_at_load_generates_what_the_dequantized_model_does(int8_at_load, prompts, dequantized):
+    _assert_greedy_of(dequantized, prompts, int8_at_load[0])
+
+
+def test_int8_kernels_run_packed_on_the_native_int8_kernel(int8_at_load, dense_kernels):
+    """Every int8 kernel (each projection, the LM head) is packed for the native int8 kernel."""
+    assert cpu.dense_int8_isas(dense_kernels)
+    assert set(int8_at_load[1]) == {"packed"} and int8_at_load[1]["packed"] > 0
+
+
+def test_native_int8_generates_what_xla_int8_does(int8_at_load, trained, prompts, monkeypatch, dense_kernels):
+    monkeypatch.setenv("VLLM_XLA_ATTENTION_BACKEND", "xla")  # no native kernels: XLA's int8 dots
+    kernels: dict[str, int] = {}
+    generated = _generate(trained, prompts, kernels, quantization="int8_per_channel_weight_only")
+    assert set(kernels) == {"unpacked"}
+    assert generated == int8_at_load[0]
 
 
 def test_compressed_tensors_checkpoint_generates_what_the_dequantized_model_does(

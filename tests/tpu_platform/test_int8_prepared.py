@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import models.quantization
-from models import load_model
+from models import PackedKernel, load_model
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.converted import _stored_preparation
 from tpu_platform.prepared_weights import Preparation, abstract_prepared, structure_digest
@@ -19,6 +19,8 @@ from tpu_platform.weights_cache import WeightsCache
 
 _ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 INT8 = Preparation("bfloat16", quantization="int8")
+# int8 kernels packed for the native CPU dense kernel's int8 path, scales beside them
+INT8_NATIVE = Preparation("bfloat16", "native", quantization="int8")
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +37,18 @@ def test_preparation_names_its_quantization():
         Preparation("bfloat16", quantization="int4")
 
 
-def test_abstract_layout_is_the_loaded_one(tiny_dir):
+@pytest.mark.parametrize("preparation", [INT8, INT8_NATIVE], ids=lambda p: p.name)
+def test_abstract_layout_is_the_loaded_one(tiny_dir, preparation):
     """The structure a cache entry is restored into (built from the config alone) is the one
-    quantizing the loaded checkpoint gives: int8 kernels, float32 scales, weight bytes halved."""
+    quantizing (and packing) the loaded checkpoint gives: int8 kernels, float32 scales, weight
+    bytes halved."""
     config, model = load_model(tiny_dir, jnp.bfloat16, on_host=True)
     bf16_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model)))
-    INT8.apply(model)
-    _, abstract = abstract_prepared(config, INT8)
+    preparation.apply(model)
+    _, abstract = abstract_prepared(config, preparation)
+    down_proj = model.model.layers[0].mlp.down_proj
+    assert isinstance(down_proj.kernel, PackedKernel) == (preparation.packing == "native")
+    assert down_proj.kernel[...].ndim == (3 if preparation.packing == "native" else 2)
     assert structure_digest(abstract) == structure_digest(nnx.state(model))
     leaves = jax.tree.leaves(nnx.state(model))
     assert {leaf.dtype for leaf in leaves} == {
@@ -67,11 +74,12 @@ def test_a_float_conversion_serves_int8_when_asked_and_an_int8_one_not_as_float(
     assert restore_converted(int8, config, INT8, _ON_DEVICE).lm_head.kernel[...].dtype == jnp.int8
 
 
-def test_weights_cache_keeps_the_quantized_weights(tiny_dir, tmp_path, monkeypatch):
-    cache = WeightsCache.for_model(str(tmp_path), tiny_dir, INT8)
+@pytest.mark.parametrize("preparation", [INT8, INT8_NATIVE], ids=lambda p: p.name)
+def test_weights_cache_keeps_the_quantized_weights(tiny_dir, tmp_path, monkeypatch, preparation):
+    cache = WeightsCache.for_model(str(tmp_path), tiny_dir, preparation)
     assert cache.path != WeightsCache.for_model(str(tmp_path), tiny_dir, Preparation("bfloat16")).path
     config, expected = load_model(tiny_dir, jnp.bfloat16, on_host=True)
-    INT8.apply(expected)
+    preparation.apply(expected)
     cache.store(config, expected)
 
     quantize = models.quantization.quantize_per_channel
