@@ -139,6 +139,16 @@ def test_known_models_and_errors(tmp_path):
         StepSetup(model_config("qwen3-8b"), "v9z-1")
 
 
+def test_tensor_parallel_setups_that_cannot_work_are_refused_by_name():
+    llama = model_config("llama-3.1-70b")  # 64 query heads, 8 KV heads
+    with pytest.raises(ValueError, match=r"tp_size=8 does not fit target 'v6e-4' of 4 chip\(s\)"):
+        StepSetup(llama, "v6e-4", tp_size=8)
+    with pytest.raises(ValueError, match="64 query heads do not divide by 3"):
+        StepSetup(llama, "v6e-8", tp_size=3)
+    qwen = StepSetup(model_config("qwen3-30b-a3b"), "h100x8", tp_size=8)  # 4 KV heads: each on 2 chips
+    assert qwen.kv_heads == 8
+
+
 def test_abstract_weights_have_the_published_size():
     # Llama-3.1-8B: 8,030,261,248 parameters (model card), bfloat16; plus the RoPE table.
     state = abstract_model(model_config("llama-3.1-8b"), "bfloat16", 2048)
