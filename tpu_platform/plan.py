@@ -8,7 +8,14 @@ by `inputs.padding_inputs` and packed by `inputs.pack_inputs`, caches from
 `kv_cache.allocate_stacked_caches`) from `ShapeDtypeStruct` weights and caches, so nothing is
 allocated, and compiles it with the target's real compiler; `compile_sampler` does the same for
 the sampling program. Both return `ProgramFacts`: XLA's memory and cost analyses of the compiled
-program and the compile time. `plan_kv.fit_kv_cache` sizes the KV cache from them.
+program, the compile time and the collectives of its optimized HLO. `plan_kv.fit_kv_cache`
+sizes the KV cache from them.
+
+With `StepSetup.tp_size = N` the programs are the runner's tensor-parallel ones on its mesh of N
+compile-only chips (`tpu_platform.mesh`): the weights placed by the rules table
+(`models.sharding.state_shardings`), the caches split on their KV heads as
+`allocate_stacked_caches` splits them, the step's inputs replicated; every byte is then per chip,
+and `expected_collectives` says what the compiled step should exchange between the chips.
 
 Compiling for a TPU or GPU target needs its toolchain importable (`make aot-toolchains`) and
 `JAX_PLATFORMS=cpu`: see `tpu_platform.targets`.
@@ -223,8 +230,8 @@ def program_facts(compiled: jax.stages.Compiled, compile_seconds: float) -> Prog
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AbstractModel:
-    """A model's program structure and its weights as `ShapeDtypeStruct`s (no memory), with
-    each weight's dotted path (`models.sharding.key_path_name`)."""
+    """A model's program structure and its weights as `ShapeDtypeStruct`s (no memory), and the
+    abstract state they come from (its paths are what the rules table matches)."""
 
     graphdef: nnx.GraphDef
     state_def: jax.tree_util.PyTreeDef

@@ -2,9 +2,10 @@
 """Sizing the KV cache from compiled programs, and the decode step's memory-bandwidth roofline.
 
 `fit_kv_cache` compiles the runner's prefill and decode programs (`tpu_platform.plan`) for one
-chip of a target: once with a small cache to learn what the weights, inputs and temporaries
-take, then with the cache sized to what is left of the chip's memory budget, and again (from
-the two compiles' slope) if the temporaries grew with the cache. `decode_roofline` is the time a
+chip of a target (or its tensor-parallel mesh: then every byte is per chip): once with a small
+cache to learn what the weights, inputs and temporaries take, then with the cache sized to what
+is left of the chip's memory budget, and again (from the two compiles' slope) if the
+temporaries grew with the cache. `decode_roofline` is the time a
 decode step needs at the chip's peak bandwidth just to read the weights and the batch's KV once.
 All of it is compiler estimates and arithmetic, not measurements.
 """
