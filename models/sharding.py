@@ -157,15 +157,16 @@ def _heads_fit(num_heads: int, num_kv_heads: int, tp_size: int) -> bool:
 def repeat_kv_heads(kernel: np.ndarray, num_kv_heads: int, repeats: int, *, axis: int) -> np.ndarray:
     """A k or v projection's `[.., K * H]` output features (on `axis`) with each head repeated
     `repeats` times in place (`k0 k0 k1 k1 ..`), so device i of `K * repeats` holds head
-    `i // repeats`."""
+    `i // repeats`. NumPy or JAX arrays (abstract ones too: the planner prepares abstract models)."""
+    xp = np if isinstance(kernel, np.ndarray) else jax.numpy
     shape = kernel.shape
     head_dim = shape[axis] // num_kv_heads
     split = (*shape[:axis], num_kv_heads, 1, head_dim, *shape[axis + 1 :])
-    heads = np.reshape(kernel, split)
+    heads = xp.reshape(kernel, split)
     tile = [1] * len(split)
     tile[axis + 1] = repeats
     repeated = (*shape[:axis], num_kv_heads * repeats * head_dim, *shape[axis + 1 :])
-    return np.reshape(np.tile(heads, tile), repeated)
+    return xp.reshape(xp.tile(heads, tile), repeated)
 
 
 def interleave_blocks(parts: list[np.ndarray], blocks: int, *, axis: int):
