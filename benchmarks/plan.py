@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Deployment planner: what a model needs on one chip of a TPU or GPU target, from the compiled
+"""Deployment planner: what a model needs on each chip of a TPU or GPU target, from the compiled
 step programs. COMPILER ESTIMATES AND ROOFLINES, NOT MEASUREMENTS: nothing here runs on a device.
 
 For each model and target it compiles the runner's decode step (`--batch` sequences, one token
@@ -17,7 +17,13 @@ tokens/s they imply:
     (scatter) and an attention kernel are charged the whole cache they take as an operand.
 
     python benchmarks/plan.py --model llama-3.1-8b --target v5e-1 v6e-1 h100x1 --json OUT
+    python benchmarks/plan.py --model llama-3.1-70b --target v6e-8 h100x8 --tp 1 4 8 --json OUT
     python benchmarks/plan.py --markdown benchmarks/results/plan.json
+
+`--tp N [N ...]` splits the model over N chips of the target as the runner's tensor parallelism
+does (the rules table of `models.sharding`, the KV cache split on its heads): every figure is then
+per chip, and a row also counts the collectives (and the bytes they give) of the decode step.
+A model too large for its chips is reported as not fitting, by how much.
 
 `--model` takes a known name (`tpu_platform/model_configs/`), an HF `config.json` or a model
 directory. The toolchains come from `make aot-toolchains` (`.aot/`, or `VLLM_XLA_AOT_DIR`): the
@@ -32,6 +38,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -42,33 +49,39 @@ NOTE = "compiler estimates and rooflines from compile-only targets, not measurem
 _TOOLCHAIN_MARKERS = {"tpu": "libtpu", "cuda": "jax_plugins"}
 
 
-def plan_one(model: str, target: str, args: argparse.Namespace) -> dict:
-    """Compiles and sizes `model` on one chip of `target` (in a process with its toolchain)."""
+def plan_one(model: str, target: str, tp_size: int, args: argparse.Namespace) -> dict:
+    """Compiles and sizes `model` split over `tp_size` chips of `target` (in a process with its
+    toolchain); every byte and time is per chip."""
     from tpu_platform.plan import StepSetup, model_config
     from tpu_platform.plan_kv import decode_roofline, fit_kv_cache, xla_decode_estimate
 
     setup = StepSetup(
         model_config(model), target, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.batch,
-        max_model_len=args.context, max_num_batched_tokens=args.prefill,
+        max_model_len=args.context, max_num_batched_tokens=args.prefill, tp_size=tp_size,
     )  # fmt: skip
     fit = fit_kv_cache(setup, args.batch, args.prefill, args.memory_utilization)
     bandwidth = setup.compile_target.hbm_bytes_per_second
     row = {
-        "model": model, "target": target, "dtype": args.dtype, "kv_dtype": setup.cache_dtype,
-        "batch": args.batch, "context": args.context, "prefill": args.prefill, "backend": setup.backend,
-        "hbm_bytes": setup.compile_target.hbm_bytes, "hbm_bytes_per_second": bandwidth,
-        "roofline": decode_roofline(setup, args.batch, args.context), **fit.as_dict(),
+        "model": model, "target": target, "tp_size": tp_size, "dtype": args.dtype,
+        "kv_dtype": setup.cache_dtype, "batch": args.batch, "context": args.context, "prefill": args.prefill,
+        "backend": setup.backend, "hbm_bytes": setup.compile_target.hbm_bytes,
+        "hbm_bytes_per_second": bandwidth, "roofline": decode_roofline(setup, args.batch, args.context),
+        **fit.as_dict(),
     }  # fmt: skip
     if fit.decode is not None:
         row["batch_fits"] = fit.kv_tokens >= args.batch * args.context
         row["xla"] = xla_decode_estimate(setup, fit.decode, args.batch)
         seconds = fit.decode.traffic.total_bytes / bandwidth
         row["hlo"] = {"seconds": seconds, "tokens_per_second": args.batch / seconds}
+        exchanged = fit.decode.collectives
+        row["decode_collectives"] = {"count": len(exchanged), "bytes": sum(c.result_bytes for c in exchanged)}
     return row
 
 
 def _worker(args: argparse.Namespace) -> None:
-    rows = [plan_one(model, target, args) for model in args.model for target in args.target]
+    rows = [
+        plan_one(model, target, tp, args) for model in args.model for target in args.target for tp in args.tp
+    ]
     print(json.dumps(rows))
 
 
@@ -92,7 +105,11 @@ def _gib(n: float | None) -> str:
 
 
 def _report(row: dict) -> str:
-    head = f"{row['model']} on {row['target']} ({row['dtype']}, KV {row['kv_dtype']}, {row['backend']})"
+    tp = row.get("tp_size", 1)
+    split = f", split over {tp} chips, figures per chip" if tp > 1 else ""
+    head = (
+        f"{row['model']} on {row['target']} ({row['dtype']}, KV {row['kv_dtype']}, {row['backend']}{split})"
+    )
     if not row["fits"]:
         return f"{head}: DOES NOT FIT: {row['reason']}"
     decode, prefill, roof = row["decode"], row["prefill"], row["roofline"]
@@ -145,16 +162,52 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def tensor_parallel_markdown(rows: list[dict]) -> str:
+    """One table of a results JSON planned at several TP sizes: per chip, what fits and the
+    decode estimates, and what the decode step exchanges between the chips."""
+    out = [
+        "| model | target | TP | weights GiB per chip | KV GiB per chip (tokens) | "
+        "temp GiB decode / prefill | batch x context | decode roofline ms (tok/s) | XLA cost model ms | "
+        "decode collectives (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        head = f"| {r['model']} | {r['target']} | {r['tp_size']} | {_gib(r['weight_bytes'])} |"
+        if not r["fits"]:
+            over = r["weight_bytes"] - r["budget_bytes"]
+            why = (f"weights {_gib(over)} GiB over the {_gib(r['budget_bytes'])} GiB budget" if over > 0
+                   else r["reason"])  # fmt: skip
+            out.append(f"{head} does not fit: {why} | | | | | |")
+            continue
+        roof, xla, exchanged = r["roofline"], r["xla"], r["decode_collectives"]
+        xla_seconds = xla["optimal_seconds"] or xla["bytes_accessed_seconds"]
+        out.append(
+            f"{head} {_gib(r['kv_bytes'])} ({r['kv_tokens']}) | {_gib(r['decode']['temp_bytes'])} / "
+            f"{_gib(r['prefill']['temp_bytes'])} | {r['batch']} x {r['context']}: "
+            f"{'fits' if r['batch_fits'] else 'no'} | "
+            f"{roof['seconds'] * 1e3:.1f} ({roof['tokens_per_second']:.0f}) | "
+            f"{'n/a' if not xla_seconds else f'{xla_seconds * 1e3:.1f}'} | "
+            f"{exchanged['count']} ({exchanged['bytes'] / (1 << 20):.1f}) |"
+        )
+    return "\n".join(out)
+
+
 def render_markdown(report: dict) -> str:
-    """A results JSON (`{"note", "results"}`) as its label and one table: what the docs show."""
+    """A results JSON (`{"note", "results"}`) as its label and one table: what the docs show
+    (with a TP column and per-chip figures when it was planned at several TP sizes)."""
     note = report.get("note") or NOTE
-    return f"**{note[0].upper()}{note[1:]}.**\n\n" + markdown(report["results"])
+    rows = report["results"]
+    split = any(r.get("tp_size", 1) > 1 for r in rows)
+    return f"**{note[0].upper()}{note[1:]}.**\n\n" + (tensor_parallel_markdown if split else markdown)(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", nargs="+", default=["llama-3.1-8b"])
     parser.add_argument("--target", nargs="+", default=["v5e-1", "v6e-1", "h100x1"], choices=sorted(TARGETS))
+    parser.add_argument(
+        "--tp", nargs="+", type=int, default=[1], help="tensor-parallel sizes (chips of the target)"
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
     parser.add_argument("--batch", type=int, default=64, help="decode sequences (max_num_seqs)")
@@ -172,12 +225,13 @@ def main() -> None:
         _worker(args)
         return
     argv = [a for a in sys.argv[1:] if a not in args.target and a != "--target"]
-    rows = []
-    for platform in ("tpu", "cuda"):
-        targets = [t for t in args.target if TARGETS[t].platform == platform]
-        if targets:
-            rows += _in_toolchain(platform, targets, argv)
-    print("COMPILER ESTIMATES AND ROOFLINES, NOT MEASUREMENTS (one chip of each target)\n")
+    by_platform = {p: [t for t in args.target if TARGETS[t].platform == p] for p in ("tpu", "cuda")}
+    with ThreadPoolExecutor(2) as pool:  # each platform's compiles in its own process, both at once
+        answers = pool.map(
+            lambda p: _in_toolchain(p, by_platform[p], argv), [p for p in by_platform if by_platform[p]]
+        )
+        rows = [row for answer in answers for row in answer]
+    print("COMPILER ESTIMATES AND ROOFLINES, NOT MEASUREMENTS (per chip of each target)\n")
     for row in rows:
         print(_report(row) + "\n")
     if args.json:

@@ -9,6 +9,8 @@ Inputs, all in `benchmarks/results/` (the only benchmark output kept in git):
                                    after `throughput-` is the kind's label, e.g. `amd-epyc-avx512bf16-2cpu`)
   plan.json                        optional: the planner's report (compiler estimates, not
                                    measurements), rendered by `benchmarks/plan.py` into both
+  plan-tp.json                     optional: the planner's report at several tensor-parallel
+                                   sizes (`plan.py --tp`), rendered alike into both
 A new measurement replaces its kind's file; the history of the figures is the history of that file
 in git, never prose. `tests/docs/test_docs.py` fails when the committed README or docs/performance.md
 differ from what this script renders from the committed JSON.
@@ -33,12 +35,19 @@ RESULTS = HERE / "results"
 README = REPO / "README.md"
 PERFORMANCE = REPO / "docs" / "performance.md"
 PLAN_JSON = RESULTS / "plan.json"
+PLAN_TP_JSON = RESULTS / "plan-tp.json"
 PLAN_SCRIPT = HERE / "plan.py"
 TABLE_BEGIN = "<!-- performance table: written by benchmarks/render_docs.py, do not edit -->"
 TABLE_END = "<!-- end of performance table -->"
 PLAN_BEGIN = "<!-- planner table: written by benchmarks/render_docs.py, do not edit -->"
 PLAN_END = "<!-- end of planner table -->"
 NO_PLAN = "No planner report is committed (`benchmarks/results/plan.json`, written by `benchmarks/plan.py`)."
+PLAN_TP_BEGIN = "<!-- tensor-parallel planner table: written by benchmarks/render_docs.py, do not edit -->"
+PLAN_TP_END = "<!-- end of tensor-parallel planner table -->"
+NO_PLAN_TP = (
+    "No tensor-parallel planner report is committed (`benchmarks/results/plan-tp.json`, written by "
+    "`benchmarks/plan.py --tp`)."
+)
 
 # The README's headline rows (labels of `_report.METRICS`); a row no run measured is left out.
 HEADLINE = (
@@ -182,23 +191,24 @@ def machine_section(kind: str, report: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def planner_table() -> str | None:
-    """The planner's table when `benchmarks/results/plan.json` exists, rendered by `plan.py`.
+def planner_table(report: pathlib.Path = PLAN_JSON) -> str | None:
+    """The planner's table when its `report` (`benchmarks/results/plan.json` or `plan-tp.json`)
+    exists, rendered by `plan.py`.
 
     `benchmarks/plan.py` owns its format: it must define `render_markdown(report: dict) -> str`
     (the function behind its `--markdown` option)."""
-    if not PLAN_JSON.exists():
+    if not report.exists():
         return None
     if not PLAN_SCRIPT.exists():
-        raise SystemExit(f"{PLAN_JSON} exists but {PLAN_SCRIPT} does not: cannot render the planner's table")
+        raise SystemExit(f"{report} exists but {PLAN_SCRIPT} does not: cannot render the planner's table")
     spec = importlib.util.spec_from_file_location("plan", PLAN_SCRIPT)
     plan = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(plan)
     render = getattr(plan, "render_markdown", None)
     if render is None:
-        raise SystemExit(f"{PLAN_SCRIPT} has no render_markdown(report) -> str to render {PLAN_JSON} with")
-    return render(json.loads(PLAN_JSON.read_text())).strip()
+        raise SystemExit(f"{PLAN_SCRIPT} has no render_markdown(report) -> str to render {report} with")
+    return render(json.loads(report.read_text())).strip()
 
 
 PLANNER_INTRO = """\
@@ -215,10 +225,27 @@ it takes whole). None of them is a measurement.
 """
 
 
-def planner_section(table: str | None) -> str:
-    """The performance page's planner section: the table, or a line saying none is committed."""
+PLANNER_TP_INTRO = """\
+The same, for a model split over the chips of one host (`benchmarks/plan.py --tp`, the runner's
+`--tensor-parallel-size`): the weights placed by the rules table of `models/sharding.py`, the KV
+cache split on its heads, every figure per chip. The last column counts the collectives of the
+compiled decode step and the bytes they give: per layer two all-reduces of the `[tokens, hidden]`
+activations, one for the embedding, and the logits gathered once (`tests/aot` fails a sharded
+step that exchanges anything else). The roofline and XLA's cost model leave that exchange out.
+"""
+
+
+def planner_section(table: str | None, tp_table: str | None = None) -> str:
+    """The performance page's planner section: the tables, or lines saying none is committed."""
     body = NO_PLAN if table is None else PLANNER_INTRO + "\n" + table
-    return "## What fits where: the planner\n\n" + body + "\n"
+    tp_body = NO_PLAN_TP if tp_table is None else PLANNER_TP_INTRO + "\n" + tp_table
+    return (
+        "## What fits where: the planner\n\n"
+        + body
+        + "\n\n### Split over the chips of a host\n\n"
+        + tp_body
+        + "\n"
+    )
 
 
 INTRO = """\
@@ -274,13 +301,15 @@ WHAT_MOVES = """\
 """
 
 
-def performance_page(runs: dict[str, dict[str, Any]], planner: str | None) -> str:
-    """The whole page: method, every machine kind's figures, the planner's `planner` table."""
+def performance_page(
+    runs: dict[str, dict[str, Any]], planner: str | None, planner_tp: str | None = None
+) -> str:
+    """The whole page: method, every machine kind's figures, the planner's tables."""
     sections = [INTRO]
     if runs:
         sections.append("## Latest figures, all machine kinds\n\n" + readme_table(runs) + "\n")
     sections += [machine_section(kind, report) for kind, report in runs.items()]
-    sections += [planner_section(planner), WHAT_MOVES]
+    sections += [planner_section(planner, planner_tp), WHAT_MOVES]
     return "\n".join(s.rstrip("\n") + "\n" for s in sections)
 
 
@@ -295,10 +324,12 @@ def readme_with_table(readme: str, table: str, markers: tuple[str, str] = (TABLE
 
 def render() -> dict[pathlib.Path, str]:
     """{path: the text it should hold} for README.md and docs/performance.md."""
-    runs, planner = load_runs(), planner_table()
+    runs, planner, planner_tp = load_runs(), planner_table(), planner_table(PLAN_TP_JSON)
     readme = readme_with_table(README.read_text(), readme_table(runs))
     readme = readme_with_table(readme, NO_PLAN if planner is None else planner, (PLAN_BEGIN, PLAN_END))
-    return {README: readme, PERFORMANCE: performance_page(runs, planner)}
+    tp_table = NO_PLAN_TP if planner_tp is None else planner_tp
+    readme = readme_with_table(readme, tp_table, (PLAN_TP_BEGIN, PLAN_TP_END))
+    return {README: readme, PERFORMANCE: performance_page(runs, planner, planner_tp)}
 
 
 def main(argv: list[str] | None = None) -> int:

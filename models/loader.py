@@ -191,10 +191,11 @@ def load_weights(model: nnx.Module, path: str, *, on_host: bool = False) -> None
     puts them on JAX's default device in one transfer (`on_host`: left as NumPy arrays, for a
     caller that transforms them before its own transfer). For a model served on devices,
     `models.weight_stream.stream_model` puts each tensor on its device(s) as it is read instead."""
-    by_name = {
-        ".".join(str(p) for p in key): var for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
-    }
+    by_name: dict[str, nnx.Variable] | None = None
     for ours, value in iter_parameters(model, path):
+        if by_name is None:  # read once the first tensor is out: an int8 checkpoint adds scales first
+            params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+            by_name = {".".join(map(str, key)): var for key, var in params}
         by_name[ours].set_value(value)
     if not on_host:
         put_on_device(model)

@@ -8,7 +8,14 @@ by `inputs.padding_inputs` and packed by `inputs.pack_inputs`, caches from
 `kv_cache.allocate_stacked_caches`) from `ShapeDtypeStruct` weights and caches, so nothing is
 allocated, and compiles it with the target's real compiler; `compile_sampler` does the same for
 the sampling program. Both return `ProgramFacts`: XLA's memory and cost analyses of the compiled
-program and the compile time. `plan_kv.fit_kv_cache` sizes the KV cache from them.
+program, the compile time and the collectives of its optimized HLO. `plan_kv.fit_kv_cache`
+sizes the KV cache from them.
+
+With `StepSetup.tp_size = N` the programs are the runner's tensor-parallel ones on its mesh of N
+compile-only chips (`tpu_platform.mesh`): the weights placed by the rules table
+(`models.sharding.state_shardings`), the caches split on their KV heads as
+`allocate_stacked_caches` splits them, the step's inputs replicated; every byte is then per chip,
+and `expected_collectives` says what the compiled step should exchange between the chips.
 
 Compiling for a TPU or GPU target needs its toolchain importable (`make aot-toolchains`) and
 `JAX_PLATFORMS=cpu`: see `tpu_platform.targets`.
@@ -19,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import re
 import time
@@ -29,14 +37,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from models import ModelConfig, attach_rope_tables, build
+from models import ModelConfig, attach_rope_tables, build, prepare_for_serving
+from models.sharding import MODEL_AXIS, kv_heads_on_mesh, state_shardings, vocab_parallel
+from pallas_kernels import kv_cache_partition_spec
 from pallas_kernels.backend import resolve_backend
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.inputs import pack_inputs, padding_inputs
 from tpu_platform.kv_cache import allocate_stacked_caches, caches_per_array, kv_cache_dtype
-from tpu_platform.plan_hlo import Traffic, hlo_traffic
+from tpu_platform.mesh import check_model_fits_mesh, replicated, tensor_parallel_mesh
+from tpu_platform.plan_hlo import (
+    Collective,
+    ExpectedCollectives,
+    Traffic,
+    hlo_collectives,
+    hlo_traffic,
+    summarize_collectives,
+)
 from tpu_platform.runner_config import default_page_size
 from tpu_platform.sampling import SamplerFlags, dummy_tensors
 from tpu_platform.step import make_forward, make_sampler
@@ -71,7 +89,8 @@ def model_config(name_or_path: str) -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepSetup:
-    """What the runner would be started with: model, target, dtypes and its limits."""
+    """What the runner would be started with: model, target, dtypes, its limits and the tensor
+    parallel size (`tp_size` chips of the target, one mesh axis as `tpu_platform.mesh` builds)."""
 
     config: ModelConfig
     target: str  # a name of `tpu_platform.targets.TARGETS`
@@ -81,10 +100,17 @@ class StepSetup:
     max_model_len: int = 2048
     max_num_batched_tokens: int = 2048
     page_size: int = 0  # 0: the runner's default for the target's device kind and cache dtype
+    tp_size: int = 1  # vLLM's tensor_parallel_size: chips of the target the model is split over
 
     def __post_init__(self) -> None:
-        target(self.target)  # an unknown name fails here, listing the known ones
+        chips = target(self.target).num_chips  # an unknown name fails here, listing the known ones
         kv_cache_dtype(self.cache_dtype)
+        if not 1 <= self.tp_size <= chips:
+            raise ValueError(
+                f"tp_size={self.tp_size} does not fit target {self.target!r} of {chips} chip(s); "
+                f"use a tp_size from 1 to {chips} or a larger target"
+            )
+        check_model_fits_mesh(self.config.num_heads, self.config.num_kv_heads, self.tp_size)
 
     @property
     def compile_target(self) -> CompileTarget:
@@ -111,6 +137,15 @@ class StepSetup:
     def backend(self) -> str:
         """The attention backend the runner picks on the target's device kind."""
         return resolve_backend("auto", platform=self.compile_target.platform)
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads of the whole cache: the model's, repeated up to `tp_size` when fewer."""
+        return kv_heads_on_mesh(self.config.num_heads, self.config.num_kv_heads, self.tp_size)
+
+    def mesh(self) -> Mesh | None:
+        """The runner's mesh over the first `tp_size` compile-only chips (None at TP=1)."""
+        return tensor_parallel_mesh(self.tp_size, compile_only_devices(self.target))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -157,6 +192,7 @@ class ProgramFacts:
     optimal_seconds: float | None  # XLA's own time estimate; negative on TPU with Mosaic calls
     compile_seconds: float
     traffic: Traffic  # bytes the optimized HLO's instructions move (`plan_hlo`)
+    collectives: tuple[Collective, ...] = ()  # the cross-chip exchanges of a sharded program
 
     @property
     def peak_bytes(self) -> int:
@@ -166,7 +202,8 @@ class ProgramFacts:
 
     def as_dict(self) -> dict[str, Any]:
         facts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {**facts, "traffic": self.traffic.as_dict(), "peak_bytes": self.peak_bytes}
+        facts.update(traffic=self.traffic.as_dict(), collectives=summarize_collectives(self.collectives))
+        return {**facts, "peak_bytes": self.peak_bytes}
 
 
 def program_facts(compiled: jax.stages.Compiled, compile_seconds: float) -> ProgramFacts:
@@ -175,6 +212,7 @@ def program_facts(compiled: jax.stages.Compiled, compile_seconds: float) -> Prog
     if isinstance(cost, list | tuple):  # older JAX: one dict per computation
         cost = cost[0] if cost else {}
     optimal = cost.get("optimal_seconds")
+    text = compiled.as_text()
     return ProgramFacts(
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
@@ -185,33 +223,65 @@ def program_facts(compiled: jax.stages.Compiled, compile_seconds: float) -> Prog
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         optimal_seconds=None if optimal is None else float(optimal),
         compile_seconds=compile_seconds,
-        traffic=hlo_traffic(compiled.as_text()),
+        traffic=hlo_traffic(text),
+        collectives=tuple(hlo_collectives(text)),
     )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AbstractModel:
-    """A model's program structure and its weights as `ShapeDtypeStruct`s (no memory)."""
+    """A model's program structure and its weights as `ShapeDtypeStruct`s (no memory), and the
+    abstract state they come from (its paths are what the rules table matches)."""
 
     graphdef: nnx.GraphDef
     state_def: jax.tree_util.PyTreeDef
     leaves: tuple[jax.ShapeDtypeStruct, ...]
+    state: nnx.State  # the abstract state itself, for the rules table's shardings
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of the model's state as the runner holds it (weights and RoPE tables)."""
-        return sum(leaf.size * leaf.dtype.itemsize for leaf in self.leaves)
+        return sum(_bytes(leaf.shape, leaf.dtype) for leaf in self.leaves)
+
+    def placed(self, mesh: Mesh | None, device: jax.Device) -> list[jax.ShapeDtypeStruct]:
+        """The leaves as the runner places them: on `device`, or on `mesh` with the shardings of
+        `models.sharding`'s rules table (`state_shardings`, as `place_state` puts them)."""
+        if mesh is None:
+            return _on(device, list(self.leaves))
+        shardings = jax.tree.leaves(state_shardings(self.state, mesh))
+        return [_abstract(leaf, sharding) for leaf, sharding in zip(self.leaves, shardings, strict=True)]
+
+    def chip_weight_bytes(self, mesh: Mesh | None) -> int:
+        """Bytes of the state one chip holds: all of it, or on `mesh` its shard of each weight."""
+        if mesh is None:
+            return self.weight_bytes
+        return sum(
+            _bytes(leaf.sharding.shard_shape(leaf.shape), leaf.dtype) for leaf in self.placed(mesh, None)
+        )
 
 
 @functools.cache
-def abstract_model(config: ModelConfig, dtype: str, max_model_len: int) -> AbstractModel:
-    """The model the runner would load, weights abstract: built under `nnx.eval_shape`, with
+def abstract_model(config: ModelConfig, dtype: str, max_model_len: int, tp_size: int = 1) -> AbstractModel:
+    """The model the runner would load, weights abstract: built under `nnx.eval_shape` and
+    prepared as `models.load_model` prepares it for `tp_size` devices (KV heads repeated up to
+    the TP size when fewer, the tied head's copy, fused projections in one block a device), with
     the RoPE tables the runner attaches for `max_model_len` positions."""
-    model = nnx.eval_shape(lambda: build(config, jnp.dtype(dtype)))
+
+    def prepared(model: nnx.Module) -> nnx.Module:
+        prepare_for_serving(model, config, tp_size)
+        return model
+
+    # Prepared from abstract arguments: built inside, the placeholders would be concrete host
+    # zeros, which the fused projections' concatenation would then really fill.
+    model = nnx.eval_shape(prepared, nnx.eval_shape(lambda: build(config, jnp.dtype(dtype))))
     attach_rope_tables(model, max_model_len)
     graphdef, state = nnx.split(model)
     leaves, state_def = jax.tree.flatten(state)
-    return AbstractModel(graphdef, state_def, tuple(_abstract(leaf) for leaf in leaves))
+    return AbstractModel(graphdef, state_def, tuple(_abstract(leaf) for leaf in leaves), state)
+
+
+def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
+    return math.prod(shape) * np.dtype(dtype).itemsize
 
 
 def _abstract(x: Any, sharding: jax.sharding.Sharding | None = None) -> jax.ShapeDtypeStruct:
@@ -224,52 +294,102 @@ def _on(device: jax.Device, tree: Any) -> Any:
     return jax.tree.map(lambda x: _abstract(x, sharding), tree)
 
 
-def kv_page_bytes(setup: StepSetup) -> int:
-    """Bytes one page of every cache array takes (all caches of the model, the backend's layout)."""
+def _everywhere(mesh: Mesh | None, device: jax.Device, tree: Any) -> Any:
+    """`tree`'s leaves on `device`, or replicated on `mesh` (the runner's step inputs)."""
+    if mesh is None:
+        return _on(device, tree)
+    whole = replicated(mesh)
+    return jax.tree.map(lambda x: _abstract(x, whole), tree)
+
+
+def _abstract_caches(setup: StepSetup, num_pages: int, mesh: Mesh | None) -> list[jax.ShapeDtypeStruct]:
+    """The runner's stacked caches (`allocate_stacked_caches`), abstract: on a mesh of all KV
+    heads (`StepSetup.kv_heads`), split on them as the runner allocates them."""
     layout, config = kv_layout(setup.config), setup.config
     caches = jax.eval_shape(
         lambda: allocate_stacked_caches(
-            layout.num_caches, 2, setup.tokens_per_page, config.num_kv_heads, config.head_dim,
+            layout.num_caches, num_pages, setup.tokens_per_page, setup.kv_heads, config.head_dim,
+            kv_cache_dtype(setup.cache_dtype), setup.backend, mesh,
+        )
+    )  # fmt: skip
+    if mesh is None:
+        return caches
+    # `eval_shape` gives the shapes; the shardings are the ones `allocate_stacked_caches` makes.
+    split = NamedSharding(mesh, kv_cache_partition_spec(setup.backend, MODEL_AXIS))
+    return [_abstract(cache, split) for cache in caches]
+
+
+def kv_page_bytes(setup: StepSetup) -> int:
+    """Bytes one page of every cache array takes on one chip (all caches of the model, the
+    backend's layout; on a mesh the chip's share of the KV heads)."""
+    layout, config = kv_layout(setup.config), setup.config
+    heads = setup.kv_heads // setup.tp_size
+    caches = jax.eval_shape(
+        lambda: allocate_stacked_caches(
+            layout.num_caches, 2, setup.tokens_per_page, heads, config.head_dim,
             kv_cache_dtype(setup.cache_dtype), setup.backend,
         )
     )  # fmt: skip
-    return sum(c.size * c.dtype.itemsize for c in caches) // 2
+    return sum(_bytes(c.shape, c.dtype) for c in caches) // 2
 
 
 def compile_forward(setup: StepSetup, num_pages: int, num_tokens: int, num_seqs: int = 0) -> ProgramFacts:
     """Compiles the runner's forward for a step of `num_tokens` tokens over `num_seqs` sequences
     (0: as many as the bucket allows, one token each for a decode step) padded to the runner's
-    bucket, with a KV cache of `num_pages` pages, on one chip of `setup.target`."""
+    bucket, with a KV cache of `num_pages` pages (per chip), on one chip of `setup.target` or
+    on the runner's mesh of `setup.tp_size` chips."""
     config, layout = setup.config, kv_layout(setup.config)
-    device = compile_only_devices(setup.target)[0]
+    device, mesh = compile_only_devices(setup.target)[0], setup.mesh()
     buckets = setup.buckets
     t_pad, r_pad, p_pad = buckets.shape_for(num_tokens, num_seqs or buckets.seqs_for(num_tokens))
-    model = abstract_model(config, setup.dtype, setup.max_model_len)
+    model = abstract_model(config, setup.dtype, setup.max_model_len, setup.tp_size)
     kv_dtype = kv_cache_dtype(setup.cache_dtype)
-    caches = jax.eval_shape(
-        lambda: allocate_stacked_caches(
-            layout.num_caches, num_pages, setup.tokens_per_page, config.num_kv_heads, config.head_dim,
-            kv_dtype, setup.backend,
-        )
-    )  # fmt: skip
+    caches = _abstract_caches(setup, num_pages, mesh)
     per_array = caches_per_array(layout.num_caches, num_pages, setup.tokens_per_page)
     forward = make_forward(
         model.graphdef, model.state_def, setup.backend, layout.layer_groups, layout.layer_caches,
-        kv_dtype.name, cache_pages=num_pages, caches_per_array=per_array,
+        kv_dtype.name, cache_pages=num_pages, caches_per_array=per_array, mesh=mesh,
+        cache_shardings=None if mesh is None else [cache.sharding for cache in caches],
     )  # fmt: skip
     packed, dims = pack_inputs(padding_inputs(t_pad, r_pad, p_pad, layout.num_groups))
     fed_tokens = np.zeros(setup.max_num_seqs, np.int32)  # the runner's feed: max_num_seqs wide
-    args = _on(device, (list(model.leaves), caches, packed, fed_tokens))
-    return _compile(forward, device, *args, dims=dims)
+    if mesh is None:
+        caches = _on(device, caches)
+    inputs = _everywhere(mesh, device, (packed, fed_tokens))
+    weights = model.placed(mesh, device)
+    return _compile(forward, device, weights, caches, *inputs, dims=dims)
+
+
+def expected_collectives(setup: StepSetup, num_tokens: int, num_seqs: int = 0) -> ExpectedCollectives:
+    """What the rules table (`models.sharding`) implies the step of `compile_forward(setup, _,
+    num_tokens, num_seqs)` exchanges on its mesh: per layer two all-reduces of the `[tokens,
+    hidden]` activations (the row-parallel o and down projections; a mixture of experts' down
+    projection is split alike), one more for the vocab-parallel embedding, the `[rows, vocab]`
+    logits gathered once, and no weight gathered whole."""
+    config, buckets = setup.config, setup.buckets
+    t_pad, r_pad, _ = buckets.shape_for(num_tokens, num_seqs or buckets.seqs_for(num_tokens))
+    mesh = setup.mesh()
+    if mesh is None:  # one chip: nothing to exchange
+        return ExpectedCollectives(t_pad * config.hidden_size, 0, 0, 0)
+    split_vocab = vocab_parallel(config.vocab_size, setup.tp_size)
+    model = abstract_model(config, setup.dtype, setup.max_model_len, setup.tp_size)
+    split = [leaf for leaf in model.placed(mesh, None) if leaf.sharding.spec]
+    return ExpectedCollectives(
+        activation_elements=t_pad * config.hidden_size,
+        all_reduces=2 * config.num_layers + split_vocab,
+        logits_elements=r_pad * config.vocab_size if split_vocab else 0,
+        weight_floor_bytes=min((_bytes(leaf.shape, leaf.dtype) for leaf in split), default=0),
+    )
 
 
 def compile_sampler(setup: StepSetup, rows: int, flags: SamplerFlags = SAMPLING_FLAGS) -> ProgramFacts:
-    """Compiles the runner's sampler for `rows` padded rows of logits with `flags` on one chip."""
-    device = compile_only_devices(setup.target)[0]
+    """Compiles the runner's sampler for `rows` padded rows of logits with `flags` on one chip
+    (on a mesh: replicated, as the runner's, the logits arriving gathered)."""
+    device, mesh = compile_only_devices(setup.target)[0], setup.mesh()
     vocab = setup.config.vocab_size
     logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
-    args = _on(device, (logits, dummy_tensors(flags, rows, vocab)))
-    return _compile(make_sampler(setup.max_num_seqs), device, *args, flags=flags)
+    args = _everywhere(mesh, device, (logits, dummy_tensors(flags, rows, vocab)))
+    return _compile(make_sampler(setup.max_num_seqs, mesh), device, *args, flags=flags)
 
 
 def compile_with_text(jitted: Any, device: jax.Device, *args: Any, **static: Any) -> jax.stages.Compiled:

@@ -114,3 +114,129 @@ def _operands(rest: str) -> str:
         if depth == 0:
             return rest[:i]
     return rest
+
+
+# Cross-device operations: each of these moves data between the chips of a sharded program.
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective of an optimized program: its kind (an async pair, `*-start` / `*-done`,
+    counts once, as its plain kind), the arrays it takes and gives (`(dtype, dims)` each) and
+    the source operation's name."""
+
+    kind: str
+    operands: tuple[tuple[str, tuple[int, ...]], ...]
+    results: tuple[tuple[str, tuple[int, ...]], ...]
+    op_name: str
+
+    @property
+    def result_bytes(self) -> int:
+        return sum(_array_bytes(dtype, dims) for dtype, dims in self.results)
+
+    @property
+    def result_elements(self) -> tuple[int, ...]:
+        """Elements of each result array (layouts and transposes aside, what identifies it)."""
+        return tuple(_elements(dims) for _, dims in self.results)
+
+
+def hlo_collectives(hlo_text: str) -> list[Collective]:
+    """Every collective in `hlo_text` (optimized HLO), in program order, with operand and result
+    shapes. An async `*-start` gives the results of its `*-done` (its own result is a tuple that
+    also holds the operands and scratch values)."""
+    results: dict[str, str] = {}
+    found = []  # (name, kind, operand names, op_name, is_start)
+    done_of: dict[str, str] = {}  # a start's name -> its done's result text
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match is None:
+            continue
+        name, result, opcode, rest = match.groups()
+        results[name] = result
+        kind = opcode.removesuffix("-start").removesuffix("-done")
+        if kind not in COLLECTIVES:
+            continue
+        operands = _NAME.findall(_operands(rest))
+        if opcode.endswith("-done"):
+            done_of.update({operand: result for operand in operands})
+            continue
+        op_name = _OP_NAME.search(rest)
+        found.append((name, kind, operands, op_name.group(1) if op_name else name, opcode.endswith("-start")))
+    return [
+        Collective(
+            kind=kind,
+            operands=tuple(a for operand in operands for a in _arrays(results.get(operand, ""))),
+            results=_arrays(done_of.get(name, "") if started else results[name]),
+            op_name=op_name,
+        )
+        for name, kind, operands, op_name, started in found
+    ]
+
+
+def summarize_collectives(collectives: list[Collective]) -> list[dict]:
+    """The collectives grouped by kind and result shapes, with their count: a compact record."""
+    counts = collections.Counter(
+        (c.kind, ", ".join(f"{dtype}[{','.join(map(str, dims))}]" for dtype, dims in c.results))
+        for c in collectives
+    )
+    return [{"kind": kind, "results": shapes, "count": n} for (kind, shapes), n in counts.items()]
+
+
+def _arrays(text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(text))
+
+
+def _elements(dims: tuple[int, ...]) -> int:
+    size = 1
+    for d in dims:
+        size *= d
+    return size
+
+
+def _array_bytes(dtype: str, dims: tuple[int, ...]) -> int:
+    return _elements(dims) * _ITEMSIZE.get(dtype, 1 if dtype.startswith("f8") else 0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExpectedCollectives:
+    """What a tensor-parallel step's rules table implies it exchanges (`plan.expected_collectives`):
+    `all_reduces` sums of `[tokens, hidden]` activations (each row-parallel o/down projection's,
+    and the vocab-parallel embedding's), one all-gather of the `[rows, vocab]` logits (0: none,
+    the head is not split), and nothing else; a collective of `weight_floor_bytes` or more (the
+    smallest split weight's whole size) would be a weight gathered whole."""
+
+    activation_elements: int
+    all_reduces: int
+    logits_elements: int
+    weight_floor_bytes: int
+
+
+def unexpected_collectives(collectives: list[Collective], expected: ExpectedCollectives) -> list[str]:
+    """What in `collectives` the rules table does not imply (see `ExpectedCollectives`), one line
+    each; empty when the program exchanges exactly what it should."""
+    problems = []
+    reduces = gathers = 0
+    for c in collectives:
+        if c.kind == "all-reduce" and set(c.result_elements) == {expected.activation_elements}:
+            reduces += len(c.results)
+        elif (
+            c.kind == "all-gather"
+            and expected.logits_elements
+            and c.result_elements == (expected.logits_elements,)
+        ):
+            gathers += 1
+        else:
+            shapes = ", ".join(f"{dtype}{list(dims)}" for dtype, dims in c.results)
+            weight = " (as large as a whole weight)" if c.result_bytes >= expected.weight_floor_bytes else ""
+            problems.append(f"unexpected {c.kind} of {shapes}{weight} from {c.op_name}")
+    if reduces != expected.all_reduces:
+        problems.append(
+            f"{reduces} all-reduces of [tokens, hidden] activations ({expected.activation_elements} "
+            f"elements), expected {expected.all_reduces}"
+        )
+    wanted = 1 if expected.logits_elements else 0
+    if gathers != wanted:
+        problems.append(f"{gathers} all-gathers of the [rows, vocab] logits, expected {wanted}")
+    return problems

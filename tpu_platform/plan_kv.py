@@ -2,9 +2,10 @@
 """Sizing the KV cache from compiled programs, and the decode step's memory-bandwidth roofline.
 
 `fit_kv_cache` compiles the runner's prefill and decode programs (`tpu_platform.plan`) for one
-chip of a target: once with a small cache to learn what the weights, inputs and temporaries
-take, then with the cache sized to what is left of the chip's memory budget, and again (from
-the two compiles' slope) if the temporaries grew with the cache. `decode_roofline` is the time a
+chip of a target (or its tensor-parallel mesh: then every byte is per chip): once with a small
+cache to learn what the weights, inputs and temporaries take, then with the cache sized to what
+is left of the chip's memory budget, and again (from the two compiles' slope) if the
+temporaries grew with the cache. `decode_roofline` is the time a
 decode step needs at the chip's peak bandwidth just to read the weights and the batch's KV once.
 All of it is compiler estimates and arithmetic, not measurements.
 """
@@ -87,7 +88,8 @@ def fit_kv_cache(
 ) -> KVFit:
     """Sizes the KV cache so that both steps (and the sampler beside the resident weights and
     cache) fit `memory_utilization` of one chip's memory; see the module docstring."""
-    weights = abstract_model(setup.config, setup.dtype, setup.max_model_len).weight_bytes
+    model = abstract_model(setup.config, setup.dtype, setup.max_model_len, setup.tp_size)
+    weights = model.chip_weight_bytes(setup.mesh())
     budget = int(setup.compile_target.hbm_bytes * memory_utilization)
     page = kv_page_bytes(setup)
     fit = functools.partial(KVFit, setup, weights, budget, page)
@@ -134,23 +136,26 @@ def _compile_peak(setup: StepSetup, num_pages: int, num_tokens: int) -> tuple[Pr
 
 
 def kv_bytes_read(setup: StepSetup, batch: int, context: int) -> int:
-    """KV bytes a decode step of `batch` sequences of `context` tokens reads (every layer reads
-    its keys and values once; a sliding-window layer only its window)."""
+    """KV bytes a decode step of `batch` sequences of `context` tokens reads on one chip (every
+    layer reads its keys and values once, a sliding-window layer only its window; on a mesh each
+    chip its own KV heads)."""
     config, itemsize = setup.config, _itemsize(setup.cache_dtype)
-    per_layer_token = 2 * config.num_kv_heads * config.head_dim * itemsize
+    per_layer_token = 2 * (setup.kv_heads // setup.tp_size) * config.head_dim * itemsize
     tokens = sum(min(context, w) if w else context for w in config.layer_sliding_windows)
     return batch * tokens * per_layer_token
 
 
 def weight_bytes_read(setup: StepSetup, batch: int) -> int:
-    """Weight bytes a decode step of `batch` tokens reads: all of them for a dense model; for a
-    mixture of experts, the experts a batch of uniformly routed tokens is expected to touch."""
+    """Weight bytes a decode step of `batch` tokens reads on one chip: all it holds for a dense
+    model; for a mixture of experts, the experts a batch of uniformly routed tokens is expected
+    to touch (on a mesh each chip holds a `1 / tp_size` slice of every expert)."""
     config = setup.config
-    total = abstract_model(config, setup.dtype, setup.max_model_len).weight_bytes
+    model = abstract_model(config, setup.dtype, setup.max_model_len, setup.tp_size)
+    total = model.chip_weight_bytes(setup.mesh() if setup.tp_size > 1 else None)
     if not config.num_experts:
         return total
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
-    expert = 3 * config.hidden_size * config.moe_intermediate_size * _itemsize(setup.dtype)
+    expert = 3 * config.hidden_size * config.moe_intermediate_size * _itemsize(setup.dtype) // setup.tp_size
     all_experts = moe_layers * config.num_experts * expert
     untouched = (1 - config.num_experts_per_tok / config.num_experts) ** batch
     return int(total - all_experts * untouched)

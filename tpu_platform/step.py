@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import AttentionMetadata
+from models.sharding import MODEL_AXIS, vocab_parallel
 from tpu_platform.inputs import unpack_inputs
 from tpu_platform.sampling import SamplerFlags, greedy_sample, sample
 
@@ -67,7 +68,21 @@ def forward_logits(
     # them, which would otherwise cost as much per row as a decode row's.
     real_rows = jnp.arange(rows.shape[0]) < inputs.num_seqs[0]
     logits = model.compute_logits(jnp.where(real_rows[:, None], rows, jnp.zeros((), rows.dtype)))
+    if mesh is not None:
+        logits = gather_logits(logits, mesh)
     return logits, pad_tokens(greedy_sample(logits), fed_tokens.shape[0]), hidden, kv_caches
+
+
+def gather_logits(logits: jax.Array, mesh: Mesh) -> jax.Array:
+    """The `[R, V]` logits whole on every device of `mesh`, gathered once from the vocab-parallel
+    head's slices: the greedy argmax and the sampler need the whole vocabulary. Left to itself,
+    XLA either re-splits the slices for the argmax's blocks (collectives on top of the gather
+    the replicated output needs anyway) or, told only the result, gathers the head's weight."""
+    if vocab_parallel(logits.shape[1], mesh.shape[MODEL_AXIS]):
+        logits = jax.lax.with_sharding_constraint(
+            logits, NamedSharding(mesh, PartitionSpec(None, MODEL_AXIS))
+        )
+    return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, PartitionSpec()))
 
 
 def pad_tokens(tokens: jax.Array, width: int) -> jax.Array:

@@ -6,7 +6,14 @@ the KV-cache grouping, the abstract model's bytes and the decode roofline's arit
 import pytest
 
 from tpu_platform.plan import StepSetup, abstract_model, known_models, kv_layout, model_config
-from tpu_platform.plan_hlo import hlo_traffic, shape_bytes
+from tpu_platform.plan_hlo import (
+    ExpectedCollectives,
+    hlo_collectives,
+    hlo_traffic,
+    shape_bytes,
+    summarize_collectives,
+    unexpected_collectives,
+)
 from tpu_platform.plan_kv import decode_roofline, kv_bytes_read, weight_bytes_read
 
 HLO = """HloModule m
@@ -46,6 +53,74 @@ def test_hlo_traffic_counts_operands_and_results_outside_fusions():
     assert traffic.largest[1] == ("fusion kLoop", "jit(f)/neg", 256)
 
 
+# A tensor-parallel step's collectives as TPU (synchronous) and GPU (async start/done pairs) print
+# them: the embedding's and two layers' sums (one pair combined in a tuple), the logits gathered.
+COLLECTIVES_HLO = """HloModule step
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %sum = bf16[] add(%a, %b)
+}
+
+ENTRY %main (p0: bf16[64,1024], p1: f32[64,32064], p2: bf16[1024,32064]) -> f32[64,128256] {
+  %p0 = bf16[64,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %p1 = f32[64,32064]{1,0} parameter(1)
+  %p2 = bf16[1024,32064]{1,0} parameter(2)
+  %psum = bf16[64,1024]{1,0:T(8,128)(2,1)} all-reduce(%p0), to_apply=%add, metadata={op_name="psum"}
+  %ar-start = f32[64,1024]{1,0} all-reduce-start(%p0), to_apply=%add, metadata={op_name="o_proj"}
+  %ar-done = f32[64,1024]{1,0} all-reduce-done(%ar-start), metadata={op_name="o_proj"}
+  %pair = (bf16[64,1024]{1,0}, bf16[64,1024]{1,0}) all-reduce(%psum, %p0), to_apply=%add
+  %cp-start = (f32[64,32064]{1,0}, f32[64,32064]{1,0}, u32[], u32[]) collective-permute-start(%p1)
+  %cp-done = f32[64,32064]{1,0} collective-permute-done(%cp-start)
+  %ag-start = (f32[64,32064]{0,1}, f32[64,128256]{0,1}) all-gather-start(%cp-done), dimensions={1}
+  %ag-done = f32[64,128256]{0,1} all-gather-done(%ag-start)
+  %weight = bf16[1024,128256]{0,1} all-gather(%p2), dimensions={1}, metadata={op_name="head"}
+  ROOT %t = f32[64,128256]{0,1} copy(%ag-done)
+}
+"""
+
+
+def test_hlo_collectives_reads_sync_async_and_combined_collectives():
+    found = hlo_collectives(COLLECTIVES_HLO)
+    assert [c.kind for c in found] == [
+        "all-reduce", "all-reduce", "all-reduce", "collective-permute", "all-gather", "all-gather",
+    ]  # fmt: skip
+    psum, started, pair, permute, logits, weight = found
+    assert psum.operands == psum.results == (("bf16", (64, 1024)),) and psum.op_name == "psum"
+    # An async pair: the operand of the start, the result of the done.
+    assert started.operands == (("bf16", (64, 1024)),) and started.results == (("f32", (64, 1024)),)
+    assert pair.results == (("bf16", (64, 1024)),) * 2 and pair.result_elements == (65536, 65536)
+    assert permute.results == (("f32", (64, 32064)),)
+    assert logits.operands == (("f32", (64, 32064)),) and logits.results == (("f32", (64, 128256)),)
+    assert weight.result_bytes == 2 * 1024 * 128256
+    summary = {(row["kind"], row["results"]): row["count"] for row in summarize_collectives(found)}
+    assert summary[("all-reduce", "bf16[64,1024]")] == 1
+    assert summary[("all-reduce", "bf16[64,1024], bf16[64,1024]")] == 1
+    assert summary[("all-gather", "f32[64,128256]")] == 1
+
+
+def test_unexpected_collectives_names_what_the_rules_do_not_imply():
+    found = hlo_collectives(COLLECTIVES_HLO)
+    # Four sums of [64, 1024] activations (the combined pair counts twice), the logits gathered.
+    expected = ExpectedCollectives(
+        activation_elements=64 * 1024, all_reduces=4, logits_elements=64 * 128256,
+        weight_floor_bytes=2 * 1024 * 32064 * 4,
+    )  # fmt: skip
+    problems = unexpected_collectives(found, expected)
+    assert problems == [
+        "unexpected collective-permute of f32[64, 32064] from cp-start",
+        "unexpected all-gather of bf16[1024, 128256] (as large as a whole weight) from head",
+    ]
+    clean = [c for c in found if c.kind == "all-reduce" or c.results[0] == ("f32", (64, 128256))]
+    assert unexpected_collectives(clean, expected) == []
+    wrong = ExpectedCollectives(64 * 1024, 6, 0, 1 << 40)
+    assert unexpected_collectives(clean, wrong) == [
+        "unexpected all-gather of f32[64, 128256] from ag-start",
+        "4 all-reduces of [tokens, hidden] activations (65536 elements), expected 6",
+    ]
+
+
 def test_kv_layout_groups_sliding_and_full_layers_as_the_engine_does():
     gemma = model_config("gemma-2-9b")  # 42 layers, even ones sliding
     layout = kv_layout(gemma)
@@ -62,6 +137,16 @@ def test_known_models_and_errors(tmp_path):
         model_config(str(tmp_path / "nothing"))
     with pytest.raises(ValueError, match="unknown compile target"):
         StepSetup(model_config("qwen3-8b"), "v9z-1")
+
+
+def test_tensor_parallel_setups_that_cannot_work_are_refused_by_name():
+    llama = model_config("llama-3.1-70b")  # 64 query heads, 8 KV heads
+    with pytest.raises(ValueError, match=r"tp_size=8 does not fit target 'v6e-4' of 4 chip\(s\)"):
+        StepSetup(llama, "v6e-4", tp_size=8)
+    with pytest.raises(ValueError, match="64 query heads do not divide by 3"):
+        StepSetup(llama, "v6e-8", tp_size=3)
+    qwen = StepSetup(model_config("qwen3-30b-a3b"), "h100x8", tp_size=8)  # 4 KV heads: each on 2 chips
+    assert qwen.kv_heads == 8
 
 
 def test_abstract_weights_have_the_published_size():
