@@ -16,7 +16,11 @@
 // x is widened to float32 once per call (its rows are few next to the weights' bytes).
 //
 // Work items are runs of 16-column blocks (two per thread, `RunOverColumnBlocks`), walked in
-// register blocks of up to 6 rows by 4 column blocks (AVX-512) or 6 rows by one (AVX2).
+// register blocks of up to 6 rows by 4 column blocks (AVX-512) or 6 rows by one (AVX2). Widening
+// in registers costs two instructions per 16 weights per register block of rows; from a few rows
+// of bfloat16 x on AVX-512 BF16 each panel is instead widened once to bfloat16 pairs, and the
+// rows run on the bfloat16 kernel's VDPBF16PS blocks (dense_avx512_bf16.h), which take two
+// products an instruction.
 
 #include <algorithm>
 #include <cstdint>
