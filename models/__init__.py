@@ -16,8 +16,9 @@ them on the host with `on_host=True`); a model is called as
 `model.compute_logits(hidden) -> logits[.., V]`, `kv_caches` being a list of one cache array a
 layer or of arrays holding several (`AttentionMetadata.cache_pages`). On a CPU with AMX,
 AVX-512 BF16 or AVX2, `pack_for_native_dense(model)` moves the bfloat16 dense layers onto
-`pallas_kernels.cpu.native_dense` (int8 ones onto `native_dense_int8`), and `attach_rope_tables(model, max_positions)` has the
-attention layers gather their RoPE rotations from tables instead of computing them.
+`pallas_kernels.cpu.native_dense` (int8 ones onto `native_dense_int8`), and
+`attach_rope_tables(model, max_positions)` has the attention layers gather their RoPE rotations
+from tables instead of computing them.
 
 Out-of-tree architectures: `register_architecture(name, ModelClass, config_class=...)` serves a
 checkpoint whose `config.json` names `name` with a plugin's Flax model (contract: docs/models.md);
