@@ -158,7 +158,7 @@ def test_build_errors_name_the_cause(tmp_path, monkeypatch):
     broken = tmp_path / "broken.cc"
     broken.write_text("this is not C++\n")
     sources = " ".join(source.name for source in build.SOURCES)
-    assert sources == "paged_attention.cc rope_kv.cc silu_mul.cc dense.cc dense_f32.cc"
+    assert sources == "paged_attention.cc rope_kv.cc silu_mul.cc dense.cc dense_f32.cc dense_int8.cc"
     monkeypatch.setattr(build, "SOURCES", (*build.SOURCES, broken))
     failed = rf"building {re.escape(sources)} broken\.cc failed"
     with pytest.raises(build.NativeKernelError, match=failed):
