@@ -21,22 +21,13 @@ from flax import nnx
 from models import attach_rope_tables, load_model
 from models.layers import PagedAttention
 from tests.models.tiny_checkpoints import (
+    ARCHS,
     assert_prefill_matches,
     assert_ragged_matches,
     load_pair,
     save_tiny,
     vllm_greedy_matches,
 )
-
-ARCHS = [
-    "MistralForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-]
 
 
 @pytest.fixture(scope="module", params=ARCHS, ids=ARCHS)

@@ -17,7 +17,7 @@ from models.layers import Linear, matmul
 from models.loader import put_on_device
 from models.moe import SparseMoE, StackedLinear
 from models.quantization import quantize_int8
-from tests.models.tiny_checkpoints import caches, prompts, run_step, save_tiny
+from tests.models.tiny_checkpoints import ARCHS, caches, prompts, run_step, save_tiny
 from tests.models.trained_tiny import save_trained_tiny, teacher_forced_logits, text_ids
 
 
@@ -105,17 +105,6 @@ def test_int8_program_carries_int8_weights():
         .as_text()
     )
     assert "tensor<64x32xi8>" in text
-
-
-ARCHS = [
-    "MistralForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-]
 
 
 def _dequantized_copy(model: nnx.Module) -> None:

@@ -30,6 +30,16 @@ from tests.tiny_models import save_tokenizer
 PAGE = 16
 VOCAB = 384
 ATOL = RTOL = 1e-4
+# The architectures beside Llama that `save_tiny` builds (Llama has its own tests).
+ARCHS = [
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+]
 
 _COMMON = dict(
     vocab_size=VOCAB,
