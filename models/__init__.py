@@ -34,7 +34,8 @@ device or sharding (`models.weight_stream`).
 """
 
 from models.config import ModelConfig
-from models.layers import PackedKernel, attach_rope_tables, pack_for_native_dense
+from models.layers import attach_rope_tables, pack_for_native_dense
+from models.linear import PackedKernel
 from models.loader import load_model, load_weights, prepare_for_serving
 from models.metadata import AttentionMetadata
 from models.registry import SUPPORTED_ARCHITECTURES, build, register_architecture, supported_architectures

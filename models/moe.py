@@ -24,7 +24,8 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.int8 import dequantize
-from models.layers import Linear, activation
+from models.layers import activation
+from models.linear import Linear
 
 MAX_TILE_ROWS = 128
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 from flax import nnx
 
 from models.int8 import quantize_per_channel
-from models.layers import Embedding, HeadCopy, Linear, PackedKernel
+from models.layers import Embedding, HeadCopy
+from models.linear import Linear, PackedKernel
 from models.moe import SparseMoE, StackedLinear
 
 # The values of vLLM's `quantization` option that serve int8 weights, and what each means here.

@@ -8,7 +8,7 @@ family. The mesh has one axis, `MODEL_AXIS` (vLLM's `tensor_parallel_size`):
 - column-parallel (output features split): q/k/v and the fused `qkv_proj`, gate/up and the fused
   `gate_up_proj`, with their biases. The fused kernels are built so that each device's slice is
   its own whole heads (`[q_i, k_i, v_i]` blocks) and its own `[gate_i, up_i]` columns
-  (`layers.Linear.concatenated(blocks=N)`), so attention and the activation need no exchange;
+  (`linear.Linear.concatenated(blocks=N)`), so attention and the activation need no exchange;
 - row-parallel (input features split): `o_proj` and `down_proj`; XLA sums the partial products
   (one all-reduce per block); their biases are replicated (added once, after the sum);
 - vocab-parallel: the embedding table (rows; the lookup is masked per device and summed,

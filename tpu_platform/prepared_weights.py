@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import ModelConfig, PackedKernel, build, load_model, pack_for_native_dense
-from models.layers import packed_for_native_dense
+from models.linear import packed_for_native_dense
 from models.quantization import quantize_int8
 from models.sharding import fused_layout, fused_parts
 from models.weight_stream import HostBytes, served_abstract, stream_model

@@ -6,7 +6,7 @@ packed once, products with AVX2 FMA.
 
 XLA:CPU's bfloat16 dots use none of these, and stream a single row's weights at a few GB/s;
 `native_dense` computes `x [M, K] @ kernel [K, N]` with float32 accumulation and a float32 result,
-the contract of `models.layers.matmul`. The kernel is packed once (`pack_dense_kernel`) into the
+the contract of `models.linear.matmul`. The kernel is packed once (`pack_dense_kernel`) into the
 layout both instructions read; `native_dense_reference` computes the same product in plain JAX from
 the packed form (the oracle in tests).
 

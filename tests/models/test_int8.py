@@ -13,7 +13,7 @@ from flax import nnx
 
 from models import load_model
 from models.int8 import checkpoint_scale, dequantize, quantize_per_channel
-from models.layers import Linear, matmul
+from models.linear import Linear, matmul
 from models.loader import put_on_device
 from models.moe import SparseMoE, StackedLinear
 from models.quantization import quantize_int8

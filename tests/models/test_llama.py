@@ -12,7 +12,7 @@ from flax import nnx
 from transformers import LlamaForCausalLM
 
 from models import AttentionMetadata, ModelConfig, build, load_model, load_weights, pack_for_native_dense
-from models.layers import PackedKernel
+from models.linear import PackedKernel
 from pallas_kernels import allocate_kv_cache
 from tests.tiny_models import save_tiny_llama
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from models.layers import Linear
+from models.linear import Linear
 from models.sharding import (
     MODEL_AXIS,
     check_tensor_parallel,

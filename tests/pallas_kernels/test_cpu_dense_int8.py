@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from models import load_model, pack_for_native_dense
-from models.layers import Linear, PackedKernel
+from models.linear import Linear, PackedKernel
 from models.loader import put_on_device
 from models.quantization import quantize_int8
 from pallas_kernels import cpu

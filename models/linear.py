@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Dense projections: the `Linear` module and the one `matmul` every projection runs through,
+on XLA's dot (float or int8 weights) or, for packed kernels, the native CPU dense kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.int8 import quantize_per_channel
+from models.sharding import interleave_blocks
+from pallas_kernels import cpu
+
+
+def zeros_param(shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
+    """A parameter's placeholder until it is loaded: host zeros, which cost nothing until written
+    (a device array would cost a dispatched program per shape, which adds up over a model)."""
+    return nnx.Param(np.zeros(shape, dtype))
+
+
+class Linear(nnx.Module):
+    """`y = x @ kernel (+ bias)` with the kernel stored `[in, out]`; an int8 kernel has its
+    per-output-channel scale in `kernel_scale` (`models.int8`, `models.quantization`)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype):
+        self.kernel = zeros_param((in_features, out_features), dtype)
+        self.bias = zeros_param((out_features,), dtype) if bias else None
+        self.kernel_scale: nnx.Param | None = nnx.data(None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.product(x).astype(x.dtype)
+        return y + self.bias[...] if self.bias is not None else y
+
+    def product(self, x: jax.Array) -> jax.Array:
+        """`x @ kernel` in float32, without the bias."""
+        return matmul(x, self.kernel, self.kernel_scale)
+
+    @classmethod
+    def concatenated(cls, parts: Sequence[Linear], blocks: int = 1) -> Linear:
+        """One Linear computing every part's output side by side (same input, outputs concatenated).
+        Host parts give a host Linear, device parts a device one. `blocks > 1` interleaves the
+        parts in that many blocks (`sharding.interleave_blocks`): block j holds the j-th slice of
+        every part, so a split over `blocks` devices gives each its own slice of each part."""
+        if any(p.kernel_scale is not None for p in parts):  # int8 parts: all of them, each its scales
+            values = [_int8_kernel(p) for p in parts]
+            kernels, scales = [k for k, _ in values], [s for _, s in values]
+        else:
+            kernels, scales = [p.kernel[...] for p in parts], None
+        kernel = interleave_blocks(kernels, blocks, axis=1)
+        fused = cls(kernel.shape[0], kernel.shape[1], bias=parts[0].bias is not None, dtype=kernel.dtype)
+        fused.kernel.set_value(kernel)
+        if scales is not None:
+            fused.kernel_scale = nnx.Param(interleave_blocks(scales, blocks, axis=0))
+        if fused.bias is not None:
+            fused.bias.set_value(interleave_blocks([p.bias[...] for p in parts], blocks, axis=0))
+        return fused
+
+
+def _int8_kernel(linear: Linear) -> tuple:
+    """`linear`'s int8 kernel and scale, quantizing a float one (`models.int8`)."""
+    if linear.kernel_scale is not None:
+        return linear.kernel[...], linear.kernel_scale[...]
+    return quantize_per_channel(linear.kernel[...])
+
+
+class PackedKernel(nnx.Variable):
+    """A `[in, out]` kernel packed for the native CPU dense kernel (`pack_for_native_dense`)."""
+
+
+def matmul(x: jax.Array, kernel: nnx.Variable, scale: nnx.Variable | None = None) -> jax.Array:
+    """`x [T, in] @ kernel [in, out]`, accumulated and returned in float32; with `scale`, an int8
+    kernel converted to x's dtype in the program, the product times the per-column scale.
+
+    A `PackedKernel` runs on the native CPU dense kernel (bfloat16: AMX, AVX-512 BF16 or AVX2;
+    float32: AVX2; int8 with `scale`: AVX-512 or AVX2). Otherwise the
+    float32 result type and the `[in, out]` kernel keep bfloat16 products on XLA:CPU's fast dot
+    path (else both operands are upcast to float32 copies first), and a single bfloat16 row is
+    padded to two for the same reason.
+    """
+    if isinstance(kernel, PackedKernel):
+        if scale is not None:  # int8 panels: the native int8 kernel (AVX-512 or AVX2)
+            return cpu.native_dense_int8(x, kernel[...], scale[...])
+        return cpu.native_dense(x, kernel[...])
+    kernel = kernel[...] if scale is None else kernel[...].astype(x.dtype)
+    single_bf16_row = x.shape[0] == 1 and x.dtype == jnp.bfloat16
+    if single_bf16_row:
+        x = jnp.concatenate([x, x])
+    y = jnp.einsum("td,df->tf", x, kernel, preferred_element_type=jnp.float32)
+    y = y[:1] if single_bf16_row else y
+    return y if scale is None else y * scale[...]
+
+
+def packed_for_native_dense(kernel: jax.Array, *, float32: bool = False) -> jax.Array | None:
+    """One `[in, out]` kernel as `pack_for_native_dense` packs it, or None when it stays as it is
+    (NumPy in, NumPy out: a streamed load packs each kernel on its way to the device)."""
+    if cpu.can_pack(kernel.shape, kernel.dtype):
+        return cpu.pack_dense_kernel(kernel)
+    if float32 and cpu.can_pack_f32(kernel.shape, kernel.dtype):
+        return cpu.pack_dense_kernel_f32(kernel)
+    if cpu.can_pack_int8(kernel.shape, kernel.dtype):  # its scale stays beside it, unpacked
+        return cpu.pack_dense_kernel_int8(kernel)
+    return None
