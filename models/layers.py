@@ -256,7 +256,8 @@ class GatedMLP(nnx.Module):
             act=config.hidden_act,
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, md: AttentionMetadata | None = None) -> jax.Array:
+        """`md` is the step's metadata every MLP is given; a dense MLP's sharded sums are XLA's own."""
         if self._native_silu():
             return self.down_proj(cpu.silu_and_mul(self.gate_up_proj.product(x), dtype=x.dtype))
         if self.gate_up_proj is None:
@@ -303,7 +304,7 @@ class DecoderLayer(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:
         attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        return x + self.mlp(self.post_attention_layernorm(x), md), kv_cache
 
 
 class SandwichDecoderLayer(nnx.Module):
@@ -325,7 +326,8 @@ class SandwichDecoderLayer(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:
         attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
         x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv_cache
+        mlp = self.mlp(self.pre_feedforward_layernorm(x), md)
+        return x + self.post_feedforward_layernorm(mlp), kv_cache
 
 
 class DecoderModel(nnx.Module):

@@ -21,11 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
 from models.config import ModelConfig
 from models.int8 import dequantize
 from models.layers import activation
 from models.linear import Linear
+from models.metadata import AttentionMetadata
+from models.sharding import MODEL_AXIS
 
 MAX_TILE_ROWS = 128
 
@@ -135,6 +138,39 @@ def experts_routed(
     return out[:t].astype(x.dtype)
 
 
+def experts_routed_on_mesh(
+    mesh: Mesh,
+    x: jax.Array,
+    stacks: tuple[jax.Array, jax.Array, jax.Array],
+    weights: jax.Array,
+    experts: jax.Array,
+    act: Callable[[jax.Array], jax.Array],
+    scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+) -> jax.Array:
+    """`experts_routed` with each expert split over `mesh`'s model axis (gate/up on F, down on F,
+    as `models.sharding` places them): each device combines its partial outputs into `[T, D]`
+    with the routing weights, then one sum over the devices. Left to XLA, the split down
+    projection is summed over the routed `[tiles * rows, D]` rows, before the combine: top-k
+    times the bytes."""
+    whole, split_f = PartitionSpec(), PartitionSpec(None, None, MODEL_AXIS)
+    stack_specs = (split_f, split_f, PartitionSpec(None, MODEL_AXIS, None))
+    # Per-channel scales: gate/up `[E, F]` split like their columns, down's `[E, D]` whole.
+    scale_specs = (PartitionSpec(None, MODEL_AXIS), PartitionSpec(None, MODEL_AXIS), whole)
+
+    def local(x, stacks, weights, experts, *scales):
+        partial = experts_routed(x, *stacks, weights, experts, act, scales=scales or None)
+        return jax.lax.psum(partial, MODEL_AXIS)
+
+    extra, extra_specs = (scales, scale_specs) if scales is not None else ((), ())
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(whole, stack_specs, whole, whole, *extra_specs),
+        out_specs=whole,
+        check_vma=False,
+    )(x, stacks, weights, experts, *extra)
+
+
 class StackedLinear(nnx.Module):
     """One `[in, out]` kernel per expert, stacked `[E, in, out]` (filled expert by expert on load);
     int8 kernels have their per-channel scales `[E, out]` in `kernel_scale` (`models.int8`)."""
@@ -186,8 +222,12 @@ class SparseMoE(nnx.Module):
         ex = self.experts
         return ex.gate_proj, ex.up_proj, ex.down_proj
 
-    def __call__(self, x: jax.Array, *, dense: bool = False) -> jax.Array:
-        """`dense=True` runs `experts_dense_reference` instead (tests; int8 weights dequantized)."""
+    def __call__(
+        self, x: jax.Array, md: AttentionMetadata | None = None, *, dense: bool = False
+    ) -> jax.Array:
+        """`md`: the step's metadata (its mesh splits the experts, `experts_routed_on_mesh`, when
+        the rules table could split them: F divisible by the TP size, else they are whole).
+        `dense=True` runs `experts_dense_reference` instead (tests; int8 weights dequantized)."""
         weights, experts = route(self.router(x), self.top_k, renormalize=self.renormalize)  # [T, k]
         stacks, act = self._stacks(), activation(self.act)
         int8 = stacks[0].kernel_scale is not None
@@ -198,4 +238,7 @@ class SparseMoE(nnx.Module):
                 kernels = [s.kernel[...] for s in stacks]
             return experts_dense_reference(x, *kernels, weights, experts, act)
         scales = tuple(s.kernel_scale[...] for s in stacks) if int8 else None
-        return experts_routed(x, *(s.kernel[...] for s in stacks), weights, experts, act, scales=scales)
+        kernels = tuple(s.kernel[...] for s in stacks)
+        if md is not None and md.mesh is not None and kernels[0].shape[2] % md.tp_size == 0:
+            return experts_routed_on_mesh(md.mesh, x, kernels, weights, experts, act, scales)
+        return experts_routed(x, *kernels, weights, experts, act, scales=scales)

@@ -68,21 +68,7 @@ def test_sharded_step_compiles_and_fits_each_chip(results, case):
     assert row["budget_bytes"] - peak <= 0.05 * row["budget_bytes"]
 
 
-# XLA sums a mixture of experts' split down projection over the routed `[slots, hidden]` rows
-# (every token's top-k experts' outputs, before the router's weighted sum), not over the
-# `[tokens, hidden]` result: top-k times the bytes a dense layer's sum moves.
-MOE_SUM_BEFORE_COMBINE = pytest.mark.xfail(
-    strict=True, reason="the MoE down projection is summed over the routed rows, before the combine"
-)
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(case, marks=MOE_SUM_BEFORE_COMBINE) if "a3b" in case else case
-        for case in CASES["tpu"] + CASES["cuda"]
-    ],
-)
+@pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
 @pytest.mark.parametrize("step", ["decode", "prefill"])
 def test_sharded_step_exchanges_what_the_rules_table_implies(results, case, step):
     # Per layer the two row-parallel sums of [tokens, hidden], the embedding's sum and the

@@ -1,0 +1,49 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run by `test_moe_on_mesh.py` in a process with 4 simulated CPU devices: the mixture of experts
+split over a mesh against the one-device routed path, float and int8, and the all-reduces of its
+compiled program. Prints one JSON object."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from models.int8 import quantize_per_channel
+from models.moe import experts_routed, experts_routed_on_mesh, route
+from tpu_platform.plan_hlo import hlo_collectives
+
+TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 7, 16, 32, 8, 2
+
+
+def main() -> None:
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(TOKENS, HIDDEN)), jnp.float32)
+    shapes = [(EXPERTS, HIDDEN, FFN), (EXPERTS, HIDDEN, FFN), (EXPERTS, FFN, HIDDEN)]
+    stacks = tuple(jnp.asarray(rng.normal(size=s) * 0.2, jnp.float32) for s in shapes)
+    router_logits = jnp.asarray(rng.normal(size=(TOKENS, EXPERTS)), jnp.float32)
+    weights, experts = route(router_logits, TOP_K, renormalize=True)
+    quantized = [quantize_per_channel(np.asarray(s)) for s in stacks]
+    int8 = tuple(jnp.asarray(q) for q, _ in quantized)
+    scales = tuple(jnp.asarray(s) for _, s in quantized)
+
+    def on_mesh(x, stacks, weights, experts, scales):
+        return experts_routed_on_mesh(mesh, x, stacks, weights, experts, jax.nn.silu, scales)
+
+    program = jax.jit(on_mesh)
+    report = {}
+    for name, kernels, kernel_scales in (("float", stacks, None), ("int8", int8, scales)):
+        want = experts_routed(x, *kernels, weights, experts, jax.nn.silu, scales=kernel_scales)
+        got = program(x, kernels, weights, experts, kernel_scales)
+        report[f"{name}_max_error"] = float(np.abs(np.asarray(got) - np.asarray(want)).max())
+    hlo = program.lower(x, stacks, weights, experts, None).compile().as_text()
+    report["all_reduces"] = [list(c.result_elements) for c in hlo_collectives(hlo) if c.kind == "all-reduce"]
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The mixture of experts split over a tensor-parallel mesh (`models.moe.experts_routed_on_mesh`),
+run on 4 simulated CPU devices in a subprocess (`moe_mesh_worker.py`: the device count is fixed
+when JAX starts): the same outputs as one device, and one sum of `[tokens, hidden]` per layer
+instead of one over every routed row."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.models.moe_mesh_worker import HIDDEN, TOKENS
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.models.moe_mesh_worker"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_experts_on_a_mesh_equal_one_device(report, weights):
+    assert report[f"{weights}_max_error"] < 1e-5
+
+
+def test_experts_on_a_mesh_sum_once_over_tokens_and_hidden(report):
+    assert report["all_reduces"] == [[TOKENS * HIDDEN]]
