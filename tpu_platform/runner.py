@@ -33,6 +33,7 @@ from tpu_platform.kv_cache import (
     kv_cache_dtype,
 )
 from tpu_platform.mesh import replicated, tensor_parallel_mesh
+from tpu_platform.pooling import PoolingRequests, make_pooler, output_width, pooled_outputs, pooling_rows
 from tpu_platform.prepared_weights import Preparation, ShardingFor, load_prepared
 from tpu_platform.programs import (
     ExecutableCache,
@@ -104,6 +105,7 @@ class Runner:
         self.stats = RunnerStats()
         self._flat_forwards: dict[tuple, FlatCall | None] = {}  # by program key, once it ran
         self._buffers = StepBuffers()  # the steps' packed inputs (`prepare_step`)
+        self.pooling_requests = PoolingRequests()  # a pooling runner's per-request options
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -123,6 +125,8 @@ class Runner:
         self._prompt_logprobs = make_prompt_logprobs(graphdef)
         self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)
         self._sample = make_sampler(self.buckets.max_seqs, self.mesh)
+        if self.config.pooling is not None:
+            self._pool = make_pooler(graphdef, self._state_def, self.config.pooling)
         # What a step takes as its previous step's tokens when none is in flight.
         self._no_feed = jax.device_put(np.zeros(self.buckets.max_seqs, np.int32), self._whole)
         self.sampling = SamplingBatch(
@@ -302,6 +306,8 @@ class Runner:
                 packed = jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self._whole)
             specs.append(self._forward_spec(packed, dims))
             rows.append(r_pad)
+        if self.config.pooling is not None:  # a pooling engine never samples (only argmax rows)
+            return specs + [self._pool_spec(t, r) for t, r in dict.fromkeys((s[0], s[1]) for s in shapes)]
         vocab = self.model_config.vocab_size
         for r_pad in dict.fromkeys(rows):
             whole = None if self.mesh is None else self._whole
@@ -332,6 +338,16 @@ class Runner:
             static={"flags": flags},
             context=f"tokens padded to {self.buckets.max_seqs}",  # `make_sampler`'s feed width
         )
+
+    def _pool_spec(self, t_pad: int, r_pad: int, hidden=None, rows=None) -> ProgramSpec:
+        whole = None if self.mesh is None else self._whole
+        if hidden is None:
+            hidden = jax.ShapeDtypeStruct((t_pad, self.model_config.hidden_size), self.dtype, sharding=whole)
+            rows = jax.ShapeDtypeStruct((4, r_pad), jnp.int32, sharding=whole)
+        return ProgramSpec(
+            key=("pool", t_pad, r_pad), jitted=self._pool, args=(self._state_leaves, hidden, rows),
+            context=repr(self.config.pooling),
+        )  # fmt: skip
 
     def _run_forward(
         self, packed: np.ndarray, dims: tuple[int, int, int, int], fed_tokens: jax.Array
@@ -417,7 +433,34 @@ class Runner:
             prompt = self.prompt_logprobs.collect(
                 self._prompt_logprobs, self.state, hidden, self.table, req_ids, rows, plan.inputs().cu_q_lens
             )
-        self._pending = DispatchedStep(plan, req_ids, logits, greedy, prompt, tensors, flags, dispatched_at)
+        self._pending = DispatchedStep(
+            plan, req_ids, logits, greedy, prompt, tensors, flags, dispatched_at, hidden=hidden
+        )
+
+    def pool(self) -> tuple[list[str], list[np.ndarray | None]]:
+        """A pooling runner's step output: the pending step's request ids and, for each, its
+        pooled row (`tpu_platform.pooling`) where the step reached the end of its prompt, else
+        None. The step's argmax tokens are recorded as a sampled step's (no sampler runs)."""
+        pending = self._pending
+        if pending is None:
+            return [], []
+        plan = pending.plan
+        options = self.pooling_requests.options(pending.req_ids)
+        mc = self.model_config
+        width = output_width(self.config.pooling, mc.hidden_size, mc.num_labels)
+        rows = pooling_rows(plan.inputs().cu_q_lens, options, width, plan.shape[1])
+        rows = jax.device_put(rows, self._whole)
+        t_pad, r_pad = plan.shape[:2]
+        pooled = self.programs.call(
+            ("pool", t_pad, r_pad),
+            lambda: self._pool_spec(t_pad, r_pad, pending.hidden, rows),
+            self._state_leaves,
+            pending.hidden,
+            rows,
+        )
+        emits = plan.emits_token
+        self.finish(self.sample_async())
+        return pending.req_ids, pooled_outputs(np.asarray(pooled), emits, options)
 
     def sample(
         self,
@@ -502,6 +545,7 @@ class Runner:
         for req_id in update.finished_req_ids:
             row = self.table.remove(req_id)
             self.prompt_logprobs.remove(req_id)
+            self.pooling_requests.remove(req_id)
             if row is not None:
                 self.sampling.remove_request(row)
         for request in update.new_requests:
