@@ -143,7 +143,8 @@ def test_classifying_a_causal_lm_names_what_was_asked_and_the_way_out(models):
     with pytest.raises(ValueError) as raised:
         _config(models, "llama", dict(convert="classify"))
     text = str(raised.value)
-    assert "runner='pooling', convert='classify' (convert='classify' needs a *ForSequenceClassification" in text
+    asked = "runner='pooling', convert='classify' (convert='classify' needs a *ForSequenceClassification"
+    assert asked in text
     assert "convert='embed'" in text
 
 
