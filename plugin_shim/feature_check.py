@@ -65,8 +65,8 @@ def _unsupported_pooling(config: VllmConfig) -> bool:
     from plugin_shim.pooling import unsupported_pooling  # it imports torch and vllm
 
     model = _model(config)
-    if model.runner_type != "pooling":
-        return model.convert_type not in ("none", None)
+    if model.runner_type != "pooling" and model.convert_type not in ("none", None):
+        return True
     return unsupported_pooling(model) is not None
 
 
@@ -76,7 +76,7 @@ def _pooling_asked(config: VllmConfig) -> str:
     from plugin_shim.pooling import unsupported_pooling
 
     model = _model(config)
-    why = unsupported_pooling(model) if model.runner_type == "pooling" else None
+    why = unsupported_pooling(model)
     return f"runner={model.runner_type!r}, convert={model.convert_type!r}" + (f" ({why})" if why else "")
 
 
@@ -174,9 +174,10 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal(
         "runner / convert",
         "pooling beyond sequence embeddings and classification (a pooling architecture of its own, "
-        "convert='classify' on a checkpoint without a score head, token-wise pooling types)",
+        "convert='classify' on a checkpoint without a score head), or generating with a classifier",
         "runner='pooling' with anything but convert='embed', or convert='classify' on a "
-        "*ForSequenceClassification checkpoint",
+        "*ForSequenceClassification checkpoint; runner='generate' on a *ForSequenceClassification "
+        "checkpoint",
         _unsupported_pooling,
         "embed with a causal LM's checkpoint (runner='pooling', convert='embed'), or classify with a "
         "Llama or Qwen3 *ForSequenceClassification checkpoint",

@@ -41,8 +41,14 @@ def is_classifier(model_config: ModelConfig) -> bool:
 
 
 def unsupported_pooling(model_config: ModelConfig) -> str | None:
-    """Why this platform cannot serve `model_config`'s pooling, or None (also for a generating one)."""
+    """Why this platform cannot serve `model_config`'s pooling, or None (also for a generating
+    engine of a causal LM)."""
     if model_config.runner_type != "pooling":
+        if is_classifier(model_config):
+            return (
+                "a *ForSequenceClassification checkpoint has no LM head to generate with; "
+                "use runner='pooling'"
+            )
         return None
     convert = model_config.convert_type
     if convert == "classify" and not is_classifier(model_config):

@@ -55,6 +55,7 @@ MORE_CASES = [
     ("quantization", "llama", dict(quantization="fp8", dtype="bfloat16")),
     ("speculative_config", "llama", dict(spec_method="ngram", spec_tokens=2)),
     ("runner / convert", "llama", dict(runner="pooling", convert="classify")),
+    ("runner / convert", "classifier", dict(runner="generate")),  # no LM head to generate with
 ]
 
 
