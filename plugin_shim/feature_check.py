@@ -175,9 +175,8 @@ REFUSED: tuple[Refusal, ...] = (
         "runner / convert",
         "pooling beyond sequence embeddings and classification (a pooling architecture of its own, "
         "convert='classify' on a checkpoint without a score head), or generating with a classifier",
-        "runner='pooling' with anything but convert='embed', or convert='classify' on a "
-        "*ForSequenceClassification checkpoint; runner='generate' on a *ForSequenceClassification "
-        "checkpoint",
+        "runner='pooling' other than convert='embed' or a *ForSequenceClassification checkpoint's "
+        "convert='classify'; runner='generate' on a *ForSequenceClassification checkpoint",
         _unsupported_pooling,
         "embed with a causal LM's checkpoint (runner='pooling', convert='embed'), or classify with a "
         "Llama or Qwen3 *ForSequenceClassification checkpoint",
