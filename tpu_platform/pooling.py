@@ -43,9 +43,7 @@ class PoolingConfig:
         if self.task not in POOLING_TASKS:
             raise ValueError(f"pooling task {self.task!r} is not supported; supported: {POOLING_TASKS}")
         if self.method not in POOLING_METHODS:
-            raise ValueError(
-                f"pooling type {self.method!r} is not supported; supported: {POOLING_METHODS}"
-            )
+            raise ValueError(f"pooling type {self.method!r} is not supported; supported: {POOLING_METHODS}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not supported; supported: {ACTIVATIONS}")
         if self.logit_sigma == 0:
@@ -122,7 +120,9 @@ def classify_head(logits: jax.Array, rows: jax.Array, config: PoolingConfig) -> 
     return jnp.where(rows[_ACTIVATE][:, None] > 0, activated, logits)
 
 
-def make_pooler(graphdef: nnx.GraphDef, state_def: jax.tree_util.PyTreeDef, config: PoolingConfig) -> Callable:
+def make_pooler(
+    graphdef: nnx.GraphDef, state_def: jax.tree_util.PyTreeDef, config: PoolingConfig
+) -> Callable:
     """`pool(state_leaves, hidden[T, D], rows[4, R]) -> [R, N]` float32, jitted (N: the hidden
     size for `embed`, the labels for `classify`, whose head is the model's `compute_logits`)."""
 

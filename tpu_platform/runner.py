@@ -33,7 +33,8 @@ from tpu_platform.kv_cache import (
     kv_cache_dtype,
 )
 from tpu_platform.mesh import replicated, tensor_parallel_mesh
-from tpu_platform.pooling import PoolingRequests, make_pooler, output_width, pooled_outputs, pooling_rows
+from tpu_platform.pooled_step import PoolingPrograms
+from tpu_platform.pooling import PoolingRequests, pooled_outputs
 from tpu_platform.prepared_weights import Preparation, ShardingFor, load_prepared
 from tpu_platform.programs import (
     ExecutableCache,
@@ -125,8 +126,12 @@ class Runner:
         self._prompt_logprobs = make_prompt_logprobs(graphdef)
         self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)
         self._sample = make_sampler(self.buckets.max_seqs, self.mesh)
+        self._pooling = None  # a pooling runner's programs
         if self.config.pooling is not None:
-            self._pool = make_pooler(graphdef, self._state_def, self.config.pooling)
+            self._pooling = PoolingPrograms(
+                graphdef, self._state_def, self.config.pooling, self.model_config, self.dtype,
+                None if self.mesh is None else self._whole,
+            )  # fmt: skip
         # What a step takes as its previous step's tokens when none is in flight.
         self._no_feed = jax.device_put(np.zeros(self.buckets.max_seqs, np.int32), self._whole)
         self.sampling = SamplingBatch(
@@ -306,8 +311,8 @@ class Runner:
                 packed = jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self._whole)
             specs.append(self._forward_spec(packed, dims))
             rows.append(r_pad)
-        if self.config.pooling is not None:  # a pooling engine never samples (only argmax rows)
-            return specs + [self._pool_spec(t, r) for t, r in dict.fromkeys((s[0], s[1]) for s in shapes)]
+        if self._pooling is not None:  # a pooling engine never samples (the forward's argmax serves)
+            return specs + self._pooling.specs(self._state_leaves, shapes)
         vocab = self.model_config.vocab_size
         for r_pad in dict.fromkeys(rows):
             whole = None if self.mesh is None else self._whole
@@ -338,16 +343,6 @@ class Runner:
             static={"flags": flags},
             context=f"tokens padded to {self.buckets.max_seqs}",  # `make_sampler`'s feed width
         )
-
-    def _pool_spec(self, t_pad: int, r_pad: int, hidden=None, rows=None) -> ProgramSpec:
-        whole = None if self.mesh is None else self._whole
-        if hidden is None:
-            hidden = jax.ShapeDtypeStruct((t_pad, self.model_config.hidden_size), self.dtype, sharding=whole)
-            rows = jax.ShapeDtypeStruct((4, r_pad), jnp.int32, sharding=whole)
-        return ProgramSpec(
-            key=("pool", t_pad, r_pad), jitted=self._pool, args=(self._state_leaves, hidden, rows),
-            context=repr(self.config.pooling),
-        )  # fmt: skip
 
     def _run_forward(
         self, packed: np.ndarray, dims: tuple[int, int, int, int], fed_tokens: jax.Array
@@ -444,23 +439,10 @@ class Runner:
         pending = self._pending
         if pending is None:
             return [], []
-        plan = pending.plan
         options = self.pooling_requests.options(pending.req_ids)
-        mc = self.model_config
-        width = output_width(self.config.pooling, mc.hidden_size, mc.num_labels)
-        rows = pooling_rows(plan.inputs().cu_q_lens, options, width, plan.shape[1])
-        rows = jax.device_put(rows, self._whole)
-        t_pad, r_pad = plan.shape[:2]
-        pooled = self.programs.call(
-            ("pool", t_pad, r_pad),
-            lambda: self._pool_spec(t_pad, r_pad, pending.hidden, rows),
-            self._state_leaves,
-            pending.hidden,
-            rows,
-        )
-        emits = plan.emits_token
-        self.finish(self.sample_async())
-        return pending.req_ids, pooled_outputs(np.asarray(pooled), emits, options)
+        pooled = self._pooling.pool(self.programs, self._state_leaves, pending.hidden, pending.plan, options)
+        self.finish(self.sample_async())  # before the step's input buffer is read again
+        return pending.req_ids, pooled_outputs(np.asarray(pooled), pending.plan.emits_token, options)
 
     def sample(
         self,
