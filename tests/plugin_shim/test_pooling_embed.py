@@ -139,6 +139,13 @@ def test_score_of_a_pair_is_the_cosine_of_their_embeddings(llm, hf):
 
 
 @pytest.mark.slow
+def test_encode_with_the_embed_task_gives_the_embeddings(llm, hf):
+    (ids,) = prompts([15], seed=8)
+    (out,) = llm.encode([TokensPrompt(prompt_token_ids=ids)], pooling_task="embed")
+    np.testing.assert_allclose(out.outputs.data.numpy(), _normalized(hf_hidden(hf, ids)[-1]), atol=ATOL)
+
+
+@pytest.mark.slow
 def test_generation_is_refused_by_vllm(llm):
     with pytest.raises(ValueError, match="generat"):
         llm.generate(["hello"])
