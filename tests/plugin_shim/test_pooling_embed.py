@@ -129,6 +129,19 @@ def test_a_prompt_longer_than_a_step_is_chunked_and_pools_its_last_token(llm, hf
 
 
 @pytest.mark.slow
+def test_a_prefix_cache_hit_pools_the_last_token_all_the_same(llm, hf):
+    # Last-token pooling keeps vLLM's prefix caching: the second request computes its last token only.
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    (ids,) = prompts([50], seed=14)
+    hits = llm.collective_rpc("runner_stats")[0]["prefix_cache_hits"]
+    first, second = (_embed(llm, [ids])[0] for _ in range(2))
+    assert llm.collective_rpc("runner_stats")[0]["prefix_cache_hits"] == hits + 1
+    expected = _normalized(hf_hidden(hf, ids)[-1])
+    np.testing.assert_allclose(first, expected, atol=ATOL)
+    np.testing.assert_allclose(second, expected, atol=ATOL)
+
+
+@pytest.mark.slow
 def test_score_of_a_pair_is_the_cosine_of_their_embeddings(llm, hf):
     tokenizer = llm.get_tokenizer()
     query, document = "The capital of France", "Paris is the capital of France."
