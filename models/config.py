@@ -59,6 +59,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # A `*ForSequenceClassification` checkpoint's labels (its score head's rows); 0 for a causal LM.
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -108,6 +110,7 @@ class ModelConfig:
                 return registered.from_hf_dict(hf)
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
+        classifier = architectures[0].endswith("ForSequenceClassification")
         return cls(
             architecture=architectures[0],
             vocab_size=hf["vocab_size"],
@@ -121,7 +124,8 @@ class ModelConfig:
             rope_theta=_rope_theta(hf),
             rope_scaling=_rope_scaling(hf),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # A classifier's score head is its own weight, never the embedding's.
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)) and not classifier,
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
@@ -136,6 +140,7 @@ class ModelConfig:
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            num_labels=_num_labels(hf) if classifier else 0,
         )
 
     @classmethod
@@ -143,6 +148,13 @@ class ModelConfig:
         """Reads `config.json` from a model directory."""
         with open(os.path.join(path, "config.json")) as f:
             return cls.from_hf_dict(json.load(f))
+
+
+def _num_labels(hf: dict[str, Any]) -> int:
+    """A classifier's label count, as transformers reads it (`id2label` first, then `num_labels`)."""
+    if hf.get("id2label"):
+        return len(hf["id2label"])
+    return int(hf.get("num_labels") or 2)
 
 
 def _layer_sliding_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:

@@ -27,6 +27,7 @@ from models.mixtral import MixtralForCausalLM
 from models.qwen2 import Qwen2ForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 from models.qwen3_moe import Qwen3MoeForCausalLM
+from models.sequence_classification import LlamaForSequenceClassification, Qwen3ForSequenceClassification
 
 _MODEL_CLASSES: dict[str, type[nnx.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -37,6 +38,9 @@ _MODEL_CLASSES: dict[str, type[nnx.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Served by a pooling engine only (`runner="pooling"`: vLLM resolves them to it).
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_MODEL_CLASSES))  # the built-in ones
 

@@ -61,15 +61,23 @@ def _prefetch_offload(config: VllmConfig) -> bool:
     return offload is not None and offload.prefetch.offload_group_size > 0
 
 
-def _pooling(config: VllmConfig) -> bool:
+def _unsupported_pooling(config: VllmConfig) -> bool:
+    from plugin_shim.pooling import unsupported_pooling  # it imports torch and vllm
+
     model = _model(config)
-    return model.runner_type == "pooling" or model.convert_type not in ("none", None)
+    if model.runner_type != "pooling" and model.convert_type not in ("none", None):
+        return True
+    return unsupported_pooling(model) is not None
 
 
 def _pooling_asked(config: VllmConfig) -> str:
-    """What vLLM resolved (a pooling architecture, or `runner="auto"`, resolves to pooling)."""
+    """What vLLM resolved (a pooling architecture, or `runner="auto"`, resolves to pooling), and
+    why it is refused."""
+    from plugin_shim.pooling import unsupported_pooling
+
     model = _model(config)
-    return f"runner={model.runner_type!r}, convert={model.convert_type!r}"
+    why = unsupported_pooling(model)
+    return f"runner={model.runner_type!r}, convert={model.convert_type!r}" + (f" ({why})" if why else "")
 
 
 _NO_PARALLELISM = (
@@ -165,14 +173,13 @@ REFUSED: tuple[Refusal, ...] = (
     ),
     Refusal(
         "runner / convert",
-        "pooling: embeddings, classification, scoring, rewards (LLM.embed / encode / classify / "
-        "score, /v1/embeddings, /pooling, IO-processor plugins), also a pooling architecture "
-        "such as *ForSequenceClassification",
-        "runner='pooling', convert other than 'none'",
-        _pooling,
-        "serve a text-generation checkpoint with runner='generate' and convert='none' (the "
-        "defaults for one); for embeddings, run vLLM without this platform (unset "
-        "VLLM_XLA_PLATFORM, or leave 'xla' out of VLLM_PLUGINS)",
+        "pooling beyond sequence embeddings and classification (a pooling architecture of its own, "
+        "convert='classify' on a checkpoint without a score head), or generating with a classifier",
+        "runner='pooling' other than convert='embed' or a *ForSequenceClassification checkpoint's "
+        "convert='classify'; runner='generate' on a *ForSequenceClassification checkpoint",
+        _unsupported_pooling,
+        "embed with a causal LM's checkpoint (runner='pooling', convert='embed'), or classify with a "
+        "Llama or Qwen3 *ForSequenceClassification checkpoint",
         asked=_pooling_asked,
     ),
     Refusal(
@@ -344,6 +351,16 @@ SUPPORTED: tuple[Supported, ...] = (
         "Accepted, no effect",
         "enforce_eager, compilation_config, cudagraph options, numa_bind",
         "torch compilation and CUDA graphs do not apply: XLA compiles each step program once",
+    ),
+    Supported(
+        "Pooling: embeddings, classification, scoring",
+        "runner='pooling', convert='embed' or a *ForSequenceClassification checkpoint, pooler_config "
+        "(pooling_type LAST, MEAN or CLS; use_activation, dimensions, logit_mean, logit_sigma), "
+        "io_processor_plugin",
+        "LLM.embed / classify / score / encode, /v1/embeddings, /classify, /score, /pooling and "
+        "IO-processor plugins; the pooled row is computed in a jitted program per step shape; "
+        "Llama and Qwen3 classifiers (their score head); token-wise tasks (token_embed, "
+        "token_classify) are refused by name at request time",
     ),
     Supported("OpenAI-compatible server", "vllm serve / vllm-xla serve", "completions, chat, streaming"),
 )

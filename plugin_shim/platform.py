@@ -150,13 +150,15 @@ class XlaPlatform(Platform):
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
         """Rejects, at request time, anything the XLA runner cannot honour."""
-        from vllm.sampling_params import SamplingParams
+        from vllm.pooling_params import PoolingParams
 
+        from plugin_shim.pooling import pooling_options
         from plugin_shim.translate import sampling_options
 
-        if not isinstance(params, SamplingParams):
-            raise ValueError("vllm-xla serves text generation only; pooling requests are not supported")
-        sampling_options(params)  # raises a ValueError naming the unsupported option
+        if isinstance(params, PoolingParams):  # a generating engine's: vLLM refuses its task
+            pooling_options(params)  # raises a ValueError naming the unsupported option
+        else:
+            sampling_options(params)
 
 
 def _async_scheduling_off_on_cpu(scheduler: SchedulerConfig) -> None:

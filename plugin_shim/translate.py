@@ -54,6 +54,10 @@ def sampling_options(params: SamplingParams) -> SamplingOptions:
     )
 
 
+# A pooling request's options: its argmax is recorded like a greedy request's token (no sampler runs).
+POOLING_SAMPLING = SamplingOptions(temperature=0.0)
+
+
 def batch_update(so: SchedulerOutput) -> BatchUpdate:
     """The runner's view of one `SchedulerOutput` (single KV-cache group).
 
@@ -66,7 +70,7 @@ def batch_update(so: SchedulerOutput) -> BatchUpdate:
             prompt_token_ids=r.prompt_token_ids or [],
             block_ids=[list(ids) for ids in r.block_ids],
             num_computed_tokens=r.num_computed_tokens,
-            sampling=sampling_options(r.sampling_params),
+            sampling=POOLING_SAMPLING if r.sampling_params is None else sampling_options(r.sampling_params),
         )
         for r in so.scheduled_new_reqs
     ]

@@ -18,6 +18,7 @@ from plugin_shim.logits_processors import LogitsProcessorBridge
 from plugin_shim.logs import share_vllm_logging
 from plugin_shim.parallel import mesh_tensor_parallel_size
 from plugin_shim.platform import runner_load_format
+from plugin_shim.pooling import execute_pooling, pooling_config, supported_tasks
 from tpu_platform.envs import read_env
 from tpu_platform.metrics_file import MetricsPublisher, metrics_path
 from tpu_platform.runner import InFlightStep, Runner, RunnerConfig
@@ -102,6 +103,7 @@ class XlaWorker(WorkerBase):
                 logits_processors=self.logits_bridge is not None,
                 tensor_parallel_size=mesh_tensor_parallel_size(self.vllm_config),
                 quantization=mc.quantization,
+                pooling=pooling_config(self.vllm_config),
             )
         )
         mesh = self.runner.mesh
@@ -119,7 +121,7 @@ class XlaWorker(WorkerBase):
         self.runner.load_model()
 
     def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
+        return supported_tasks(self.runner.config.pooling)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         mc = self.runner.model_config
@@ -180,6 +182,10 @@ class XlaWorker(WorkerBase):
         start = time.perf_counter()
         update = translate.batch_update(scheduler_output)
         self.runner.stats.host_seconds += time.perf_counter() - start
+        if self.runner.config.pooling is not None:  # a pooling engine's step output: no sampling
+            with hosts.naming_lost_hosts(self.num_hosts):
+                output = execute_pooling(self.runner, scheduler_output, update)
+            return output if self.replies else None
         with hosts.naming_lost_hosts(self.num_hosts):
             self.runner.execute(update)
         if self.logits_bridge is not None:

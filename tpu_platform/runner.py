@@ -33,6 +33,8 @@ from tpu_platform.kv_cache import (
     kv_cache_dtype,
 )
 from tpu_platform.mesh import replicated, tensor_parallel_mesh
+from tpu_platform.pooled_step import PoolingPrograms
+from tpu_platform.pooling import PoolingRequests, pooled_outputs
 from tpu_platform.prepared_weights import Preparation, ShardingFor, load_prepared
 from tpu_platform.programs import (
     ExecutableCache,
@@ -104,6 +106,7 @@ class Runner:
         self.stats = RunnerStats()
         self._flat_forwards: dict[tuple, FlatCall | None] = {}  # by program key, once it ran
         self._buffers = StepBuffers()  # the steps' packed inputs (`prepare_step`)
+        self.pooling_requests = PoolingRequests()  # a pooling runner's per-request options
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -123,6 +126,12 @@ class Runner:
         self._prompt_logprobs = make_prompt_logprobs(graphdef)
         self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)
         self._sample = make_sampler(self.buckets.max_seqs, self.mesh)
+        self._pooling = None  # a pooling runner's programs
+        if self.config.pooling is not None:
+            self._pooling = PoolingPrograms(
+                graphdef, self._state_def, self.config.pooling, self.model_config, self.dtype,
+                None if self.mesh is None else self._whole,
+            )  # fmt: skip
         # What a step takes as its previous step's tokens when none is in flight.
         self._no_feed = jax.device_put(np.zeros(self.buckets.max_seqs, np.int32), self._whole)
         self.sampling = SamplingBatch(
@@ -302,6 +311,8 @@ class Runner:
                 packed = jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self._whole)
             specs.append(self._forward_spec(packed, dims))
             rows.append(r_pad)
+        if self._pooling is not None:  # a pooling engine never samples (the forward's argmax serves)
+            return specs + self._pooling.specs(self._state_leaves, shapes)
         vocab = self.model_config.vocab_size
         for r_pad in dict.fromkeys(rows):
             whole = None if self.mesh is None else self._whole
@@ -417,7 +428,21 @@ class Runner:
             prompt = self.prompt_logprobs.collect(
                 self._prompt_logprobs, self.state, hidden, self.table, req_ids, rows, plan.inputs().cu_q_lens
             )
-        self._pending = DispatchedStep(plan, req_ids, logits, greedy, prompt, tensors, flags, dispatched_at)
+        self._pending = DispatchedStep(
+            plan, req_ids, logits, greedy, prompt, tensors, flags, dispatched_at, hidden=hidden
+        )
+
+    def pool(self) -> tuple[list[str], list[np.ndarray | None]]:
+        """A pooling runner's step output: the pending step's request ids and, for each, its
+        pooled row (`tpu_platform.pooling`) where the step reached the end of its prompt, else
+        None. The step's argmax tokens are recorded as a sampled step's (no sampler runs)."""
+        pending = self._pending
+        if pending is None:
+            return [], []
+        options = self.pooling_requests.options(pending.req_ids)
+        pooled = self._pooling.pool(self.programs, self._state_leaves, pending.hidden, pending.plan, options)
+        self.finish(self.sample_async())  # before the step's input buffer is read again
+        return pending.req_ids, pooled_outputs(np.asarray(pooled), pending.plan.emits_token, options)
 
     def sample(
         self,
@@ -502,6 +527,7 @@ class Runner:
         for req_id in update.finished_req_ids:
             row = self.table.remove(req_id)
             self.prompt_logprobs.remove(req_id)
+            self.pooling_requests.remove(req_id)
             if row is not None:
                 self.sampling.remove_request(row)
         for request in update.new_requests:

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tpu_platform.pooling import PoolingConfig
 
 # vLLM `quantization` values the runner serves, all as int8 weights (`models.quantization`).
 QUANTIZATION_METHODS = ("int8_per_channel_weight_only", "compressed-tensors")
@@ -58,6 +62,8 @@ class RunnerConfig:
     tensor_parallel_size: int = 1
     # vLLM's `quantization`: None, or a method serving int8 weights (`QUANTIZATION_METHODS`).
     quantization: str | None = None
+    # A pooling engine's pooling (`tpu_platform.pooling`); None: a generating one.
+    pooling: PoolingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

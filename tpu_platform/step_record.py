@@ -28,6 +28,7 @@ class DispatchedStep:
     tensors: SamplingTensors
     flags: SamplerFlags
     dispatched_at: float
+    hidden: jax.Array | None = None  # `[T, D]` hidden states of every token (a pooling runner's)
 
 
 @dataclasses.dataclass(slots=True)

@@ -102,6 +102,9 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
             mlp_only_layers=[1],
         ),
     ),
+    # Classifiers (a pooling engine's): the score head's labels.
+    "LlamaForSequenceClassification": ("LlamaConfig", dict(num_labels=3)),
+    "Qwen3ForSequenceClassification": ("Qwen3Config", dict(num_labels=1, tie_word_embeddings=True)),
 }
 
 

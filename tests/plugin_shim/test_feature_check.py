@@ -30,7 +30,7 @@ CASES = {
     # vLLM wants tensor parallelism beyond the KV heads (2) for it: both are refused.
     "decode_context_parallel_size": ("llama", dict(decode_context_parallel_size=2, tensor_parallel_size=4)),
     "enable_expert_parallel": ("mixtral", dict(enable_expert_parallel=True)),
-    "runner / convert": ("llama", dict(runner="pooling")),
+    "runner / convert": ("llama", dict(convert="classify")),  # a causal LM has no score head
     "kv_offloading_size": ("llama", dict(kv_offloading_size=1.0)),
     "kv_transfer_config": (
         "llama", dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
@@ -54,10 +54,8 @@ MORE_CASES = [
     ("quantization", "fp8_checkpoint", {}),  # a checkpoint's quantization_config
     ("quantization", "llama", dict(quantization="fp8", dtype="bfloat16")),
     ("speculative_config", "llama", dict(spec_method="ngram", spec_tokens=2)),
-    ("runner / convert", "llama", dict(convert="embed")),
-    ("runner / convert", "llama", dict(runner="pooling", convert="embed")),
-    ("runner / convert", "llama", dict(convert="classify")),
-    ("runner / convert", "classifier", {}),  # a pooling architecture: vLLM resolves runner='pooling'
+    ("runner / convert", "llama", dict(runner="pooling", convert="classify")),
+    ("runner / convert", "classifier", dict(runner="generate")),  # no LM head to generate with
 ]
 
 
@@ -128,20 +126,27 @@ def test_refused_whichever_way_it_is_asked_for(models, option, variant, kwargs):
 
 
 @pytest.mark.parametrize(
-    ("variant", "kwargs", "asked"),
+    ("variant", "kwargs", "task"),
     [
-        ("llama", dict(runner="pooling", convert="embed"), "runner='pooling', convert='embed'"),
-        ("llama", dict(runner="pooling"), "runner='pooling', convert='embed'"),  # vLLM's default
-        ("classifier", {}, "runner='pooling', convert='classify'"),
+        ("llama", dict(runner="pooling", convert="embed"), "embed"),
+        ("llama", dict(runner="pooling"), "embed"),  # vLLM's default convert for a causal LM
+        ("llama", dict(runner="pooling", pooler_config={"pooling_type": "MEAN"}), "embed"),
+        ("classifier", {}, "classify"),  # a pooling architecture: vLLM resolves runner='pooling'
     ],
 )
-def test_a_pooling_run_is_refused_naming_what_was_asked_and_the_way_out(models, variant, kwargs, asked):
+def test_pooling_runs_are_accepted(models, variant, kwargs, task):
+    config = _config(models, variant, kwargs)
+    assert feature_check.refusals(config) == []
+    assert (config.model_config.runner_type, config.model_config.convert_type) == ("pooling", task)
+
+
+def test_classifying_a_causal_lm_names_what_was_asked_and_the_way_out(models):
     with pytest.raises(ValueError) as raised:
-        _config(models, variant, kwargs)
+        _config(models, "llama", dict(convert="classify"))
     text = str(raised.value)
-    assert f"{asked}: runner / convert (pooling:" in text
-    assert "runner='generate' and convert='none'" in text and "VLLM_PLUGINS" in text
-    assert "--convert" not in text  # not vLLM's advice, which this platform would refuse next
+    asked = "runner='pooling', convert='classify' (convert='classify' needs a *ForSequenceClassification"
+    assert asked in text
+    assert "convert='embed'" in text
 
 
 def test_an_explicit_convert_none_under_runner_pooling_is_refused_by_vllm_first(models):

@@ -66,10 +66,10 @@ def test_a_name_vllm_serves_itself_keeps_vllms_model(llama, tmp_path):
 
 
 def test_an_architecture_vllm_knows_but_nothing_here_serves_is_refused_at_config(llama, tmp_path):
-    # A classifier's checkpoint asked to generate: vLLM would adapt its own model; ours has none.
-    model = _variant(llama, tmp_path, architectures=["LlamaForSequenceClassification"], num_labels=3)
+    # vLLM serves it with its own Llama; no Flax model here is registered under the name.
+    model = _variant(llama, tmp_path, architectures=["InternLM3ForCausalLM"])
     with pytest.raises(ValueError) as raised:
-        _config(model, runner="generate")
+        _config(model)
     text = str(raised.value)
-    assert "model architecture 'LlamaForSequenceClassification' is not supported by vllm-xla" in text
+    assert "model architecture 'InternLM3ForCausalLM' is not supported by vllm-xla" in text
     assert ", ".join(supported_architectures()) in text

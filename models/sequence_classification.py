@@ -1,0 +1,50 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`*ForSequenceClassification`: a decoder whose head is the checkpoint's `score` weight.
+
+The trunk is the causal LM's; the head maps a hidden state to `num_labels` logits instead of the
+vocabulary (HF `score.weight` `[L, D]`, no bias), so `compute_logits` gives the class logits of the
+rows it is handed. Which row a sequence is classified by (its last token) is the runner's pooling.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.linear import Linear
+from models.llama import HF_PARAM_MAP as LLAMA_PARAM_MAP
+from models.llama import LlamaForCausalLM
+from models.qwen3 import HF_PARAM_MAP as QWEN3_PARAM_MAP
+from models.qwen3 import Qwen3ForCausalLM
+
+
+def classifier_param_map(causal_lm_map: dict[str, str]) -> dict[str, str]:
+    """A causal LM's HF name table with the `score` head in place of `lm_head`."""
+    table = {hf: ours for hf, ours in causal_lm_map.items() if hf != "lm_head.weight"}
+    table["score.weight"] = "lm_head.kernel"
+    return table
+
+
+def _require_labels(config: ModelConfig) -> None:
+    if config.num_labels < 1:
+        raise ValueError(
+            f"{config.architecture} needs num_labels >= 1 (config.json's id2label or num_labels)"
+        )
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    hf_param_map = classifier_param_map(LLAMA_PARAM_MAP)
+
+    def __init__(self, config: ModelConfig, *, dtype: jnp.dtype):
+        _require_labels(config)
+        super().__init__(config, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, config.num_labels, bias=False, dtype=dtype)
+
+
+class Qwen3ForSequenceClassification(Qwen3ForCausalLM):
+    hf_param_map = classifier_param_map(QWEN3_PARAM_MAP)
+
+    def __init__(self, config: ModelConfig, *, dtype: jnp.dtype):
+        _require_labels(config)
+        super().__init__(config, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, config.num_labels, bias=False, dtype=dtype)
