@@ -5,11 +5,14 @@ For one model directory (a float checkpoint quantized at load, or a compressed-t
 loaded as it is): streams its int8 weights at TP=1, 2 and 4 (`load_prepared`), and compares each
 array bit for bit with the reference, the whole model loaded on the host, prepared at that TP
 size and quantized whole (`load_model` + `quantize_int8`); records each array's placement, the
-loader's peak host bytes, and the prefill logits against the reference's at TP=1. Prints JSON."""
+loader's peak host bytes, and the prefill logits against the reference's at TP=1. Then converts
+it to int8 at TP=1 (`vllm-xla convert --quantization ...`'s `convert`) and restores that at TP=1,
+2 and 4, counting the kernels quantized during the restores (none should be). Prints JSON."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import jax
@@ -17,10 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import models.quantization
+import models.weight_stream
 from models import ModelConfig, load_model
 from models.quantization import quantize_int8
 from models.weight_stream import HostBytes
 from tests.tpu_platform.tensor_parallel_weights_worker import arrays, describe, prefill_logits, shardings
+from tpu_platform.converted import convert, converted_weights, restore_converted
 from tpu_platform.prepared_weights import Preparation, load_prepared
 
 DTYPE = "float32"
@@ -40,17 +46,31 @@ def float_bytes(model_dir: str) -> int:
     return int(sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model))))
 
 
-def main(model_dir: str) -> None:
+def counting_quantizations(counter: list[int]) -> None:
+    """Counts the kernels quantized with concrete values (not `nnx.eval_shape`'s abstract ones)."""
+    for module in (models.quantization, models.weight_stream):
+        original = module.quantize_per_channel
+
+        def counted(kernel, original=original):
+            if not isinstance(kernel, jax.core.Tracer):
+                counter[0] += 1
+            return original(kernel)
+
+        module.quantize_per_channel = counted
+
+
+def main(model_dir: str, scratch: str) -> None:
     assert len(jax.devices()) == 8, jax.devices()
     config = ModelConfig.from_pretrained(model_dir)
     reference_logits = None
-    report: dict = {"float_bytes": float_bytes(model_dir), "tp": {}}
+    report: dict = {"float_bytes": float_bytes(model_dir), "tp": {}, "converted": {}}
+    streamed = {}
     for tp in (1, 2, 4):
         expected = arrays(host_quantized(model_dir, tp))
         host_bytes = HostBytes()
         preparation = Preparation(DTYPE, tp_size=tp, quantization="int8")
         _, model = load_prepared(model_dir, preparation, shardings(tp), host_bytes)
-        got = arrays(model)
+        got = streamed[tp] = arrays(model)
         logits = prefill_logits(model, config, tp, PROMPT)
         if tp == 1:
             reference = host_quantized(model_dir, 1)
@@ -72,6 +92,27 @@ def main(model_dir: str) -> None:
             "logits_scale": float(np.abs(reference_logits).max()),
             "same_argmax": bool((logits.argmax(-1) == reference_logits.argmax(-1)).all()),
         }
+    out = os.path.join(scratch, "converted")
+    convert(model_dir, out, Preparation(DTYPE, quantization="int8"))
+    quantized = [0]
+    counting_quantizations(quantized)
+    for tp in (1, 2, 4):
+        preparation = Preparation(DTYPE, tp_size=tp, quantization="int8")
+        restored = arrays(restore_converted(converted_weights(out), config, preparation, shardings(tp)))
+        report["converted"][str(tp)] = {
+            "same_names": sorted(restored) == sorted(streamed[tp]),
+            "unequal": [
+                name
+                for name, array in restored.items()
+                if array.dtype != streamed[tp][name].dtype
+                or np.asarray(array).tobytes() != np.asarray(streamed[tp][name]).tobytes()
+                or array.sharding != streamed[tp][name].sharding
+            ],
+            "int8_kernels": sum(array.dtype == np.int8 for array in restored.values()),
+        }
+    report["quantized_while_restoring"] = quantized[0]
+    load_prepared(model_dir, Preparation(DTYPE, quantization="int8"), shardings(1))
+    report["quantized_while_streaming"] = quantized[0] - report["quantized_while_restoring"]
     print("REPORT " + json.dumps(report))
 
 

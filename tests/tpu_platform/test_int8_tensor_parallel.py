@@ -2,7 +2,8 @@
 """int8 weights streamed onto tensor-parallel meshes of simulated CPU devices (a process of their
 own: `int8_tensor_parallel_worker.py`): at TP=1, 2 and 4 every array equals the whole model
 quantized on the host, the scales are split like their kernels' columns, the host never holds
-the float model, and the logits are the host-quantized model's.
+the float model, and the logits are the host-quantized model's. An int8 conversion written at
+TP=1 restores at TP=1, 2 and 4 as the streamed load has it, quantizing nothing.
 
 Tiny Qwen2 (q/k/v biases, re-blocked beside the scales), Qwen3 (a tied head: its `[D, V]` copy
 quantized as it is made), Qwen3-MoE (expert stacks) and a compressed-tensors int8 Llama (int8
@@ -21,7 +22,7 @@ from tests.tiny_models import save_tiny_llama
 
 
 def _compressed_llama(path: str) -> str:
-    source = save_tiny_llama(path + "_float", seed=4)
+    source = save_tiny_llama(path + "_float", seed=4, num_hidden_layers=6)
     write_compressed(source, path, fmt="pack-quantized", strategy="channel")
     return path
 
@@ -39,7 +40,7 @@ def report(request, tmp_path_factory):
     scratch = tmp_path_factory.mktemp(f"int8_tp_{request.param}")
     model_dir = _MODELS[request.param](str(scratch / "model"))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    worker = [sys.executable, "-m", "tests.tpu_platform.int8_tensor_parallel_worker", model_dir]
+    worker = [sys.executable, "-m", "tests.tpu_platform.int8_tensor_parallel_worker", model_dir, str(scratch)]
     done = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.split("REPORT ", 1)[1])
@@ -84,5 +85,18 @@ def test_logits_are_the_host_quantized_model_s(report, tp):
 
 def test_the_host_never_holds_the_float_model(report):
     for tp, at in report["tp"].items():
-        # A fused projection's int8 parts, or one expert stack, at a time: never the model.
+        # A float tensor and a fused projection's int8 parts, or one expert stack, at a time:
+        # never the model (`float_bytes`: the model loaded whole, as the checkpoint holds it).
         assert 0 < at["loader_peak"] * 4 < report["float_bytes"], (tp, at["loader_peak"])
+
+
+@pytest.mark.parametrize("tp", ["1", "2", "4"])
+def test_an_int8_conversion_restores_at_any_tp_size_as_the_streamed_load(report, tp):
+    converted = report["converted"][tp]
+    assert converted["same_names"] and converted["unequal"] == []  # bit for bit, same shardings
+    assert converted["int8_kernels"] >= 4
+
+
+def test_restoring_an_int8_conversion_quantizes_nothing(report):
+    assert report["quantized_while_restoring"] == 0
+    assert report["quantized_while_streaming"] > 0  # the counter sees a load that quantizes
