@@ -18,7 +18,8 @@ output column, so quantizing a part before fusing gives the fused kernel's own v
 scale travels beside it as one more tensor: a fused projection's scales wait for their siblings
 and are re-blocked exactly like the kernels' columns (`models.sharding.fuse_parts`), then placed
 split like those columns. A pre-quantized checkpoint's int8 kernels and scales
-(`models.compressed_tensors`) take the same way without quantizing.
+(`models.compressed_tensors`, a GGUF's Q8_0 weights: `models.gguf_reader`) take the same way
+without quantizing here.
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ def _stream(
         parts = sum(p.nbytes for ps in pending.values() for p in ps if p is not None)
         return parts + stacks.held_bytes()
 
-    for ours, value in _with_scales(iter_parameters(model, path, stacks), quantized):
+    loaded = iter_parameters(model, path, stacks, int8=bool(quantized))
+    for ours, value in _with_scales(loaded, quantized):
         if ours in part_of:
             name, index = part_of[ours]
             parts = pending.setdefault(name, [None] * len(fused_parts(name)))
