@@ -155,7 +155,10 @@ def iter_parameters(
     """
     compiled = _compile_param_map(type(model).hf_param_map)
     tensors = iter_checkpoint(path)
-    our_name = lambda hf: (_our_name(hf, compiled) or (None,))[0]  # noqa: E731
+
+    def our_name(hf: str) -> str | None:
+        return (_our_name(hf, compiled) or (None,))[0]
+
     layout = compressed_tensors.int8_layout(model, path, lambda: checkpoint_names(path), our_name)
     if layout is not None:
         compiled, tensors = _compile_param_map(layout.param_map), layout.tensors(tensors)
