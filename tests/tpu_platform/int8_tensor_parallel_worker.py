@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import models.gguf_reader
 import models.quantization
 import models.weight_stream
 from models import ModelConfig, load_model
@@ -48,7 +49,7 @@ def float_bytes(model_dir: str) -> int:
 
 def counting_quantizations(counter: list[int]) -> None:
     """Counts the kernels quantized with concrete values (not `nnx.eval_shape`'s abstract ones)."""
-    for module in (models.quantization, models.weight_stream):
+    for module in (models.quantization, models.weight_stream, models.gguf_reader):
         original = module.quantize_per_channel
 
         def counted(kernel, original=original):

@@ -6,8 +6,9 @@ the float model, and the logits are the host-quantized model's. An int8 conversi
 TP=1 restores at TP=1, 2 and 4 as the streamed load has it, quantizing nothing.
 
 Tiny Qwen2 (q/k/v biases, re-blocked beside the scales), Qwen3 (a tied head: its `[D, V]` copy
-quantized as it is made), Qwen3-MoE (expert stacks) and a compressed-tensors int8 Llama (int8
-kernels and scales from the checkpoint, the float `lm_head` quantized at load)."""
+quantized as it is made), Qwen3-MoE (expert stacks), a compressed-tensors int8 Llama (int8
+kernels and scales from the checkpoint, the float `lm_head` quantized at load) and a GGUF Llama
+of Q8_0 weights (int8 as they are read: `models.gguf_reader`)."""
 
 import json
 import os
@@ -17,6 +18,7 @@ import sys
 import pytest
 
 from tests.models.test_compressed_tensors import write_compressed
+from tests.models.test_gguf_q8_0 import write_q8_0_gguf
 from tests.models.tiny_checkpoints import save_tiny
 from tests.tiny_models import save_tiny_llama
 
@@ -27,11 +29,17 @@ def _compressed_llama(path: str) -> str:
     return path
 
 
+def _q8_0_llama(path: str) -> str:
+    write_q8_0_gguf(save_tiny_llama(path + "_float", seed=5, num_hidden_layers=6), path)
+    return path
+
+
 _MODELS = {
     "qwen2": lambda path: save_tiny("Qwen2ForCausalLM", path, seed=2),
     "qwen3_tied": lambda path: save_tiny("Qwen3ForCausalLM", path, seed=3),
     "qwen3_moe": lambda path: save_tiny("Qwen3MoeForCausalLM", path, seed=1),
     "compressed_llama": _compressed_llama,
+    "q8_0_gguf_llama": _q8_0_llama,
 }
 
 
