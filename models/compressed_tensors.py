@@ -106,13 +106,22 @@ def int8_layout(
     if not config or config.get("quant_method") != METHOD:
         return None
     check_config(config)
+    scaled = {n.removesuffix("_scale") for n in names() if n.endswith(".weight_scale")}
+    return Int8Checkpoint(int8_kernels_for(model, scaled, our_name, path), frozenset(scaled))
+
+
+def int8_kernels_for(
+    model: nnx.Module, weights: set[str], our_name: Callable[[str], str | None], path: str
+) -> dict[str, str]:
+    """Gives the layers of the HF linear `weights` (names ending `.weight`) that a checkpoint holds
+    as int8 with a `<weight>_scale` int8 zeros and a scale (in place, before loading); returns the
+    model's HF-name table with one scale name per linear weight."""
     param_map = dict(type(model).hf_param_map)
     for hf, ours in type(model).hf_param_map.items():
         if hf.endswith(".weight") and ours.endswith(".kernel"):
             param_map[f"{hf}_scale"] = f"{ours}_scale"
-    scaled = {n.removesuffix("_scale") for n in names() if n.endswith(".weight_scale")}
     modules = {".".join(str(p) for p in path_): m for path_, m in nnx.iter_modules(model)}
-    for weight in sorted(scaled):
+    for weight in sorted(weights):
         ours = our_name(weight)
         if ours is None or ours.removesuffix(".kernel") not in modules:
             raise ValueError(f"checkpoint tensor {weight!r}_scale in {path!r} scales no weight of ours")
@@ -121,4 +130,4 @@ def int8_layout(
             shape = module.kernel.get_value().shape
             module.kernel = nnx.Param(np.zeros(shape, np.int8))
             module.kernel_scale = nnx.Param(np.zeros(shape[:-2] + shape[-1:], SCALE_DTYPE))
-    return Int8Checkpoint(param_map, frozenset(scaled))
+    return param_map

@@ -5,6 +5,15 @@ The file is read by `gguf_file.read_gguf`; quantized tensors are dequantized wit
 package. llama.cpp stores the rows of
 `attn_q`/`attn_k` permuted for its interleaved RoPE; they are permuted back to the HF
 (rotate-half) order here, so the result is what an HF checkpoint of the same model holds.
+
+Serving int8 weights (`models.quantization`), the Q8_0 linear weights can come as int8 instead
+(`int8_q8_0=True`): each is dequantized to float32 (exact: an int8 times its block's float16
+scale), its rows put in HF order, and quantized per output channel from those float32 values
+(`models.int8.quantize_per_channel`), yielded as `<name>` (int8 `[out, in]`) and `<name>_scale`
+(float32 `[out]`), the pair a pre-quantized checkpoint holds. Q8_0's 32-value blocks each have
+their own scale, a row one here: a row's values whose block has the row's largest scale keep
+their exact int8 values, the others are rounded again, to at most half of the row's step. Going
+from the float32 values, not from the model's dtype, spares them a bfloat16 rounding first.
 """
 
 from __future__ import annotations
@@ -16,6 +25,9 @@ from typing import Any
 import numpy as np
 
 from models.gguf_file import GgufFile, read_gguf
+from models.int8 import quantize_per_channel
+
+_Q8_0 = 8  # GGMLQuantizationType.Q8_0
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -93,15 +105,23 @@ def hf_config(source: str | GgufFile) -> dict[str, Any]:
     }
 
 
-def iter_hf_tensors(source: str | GgufFile) -> Iterator[tuple[str, np.ndarray]]:
+def q8_0_linear_weights(source: str | GgufFile) -> list[str]:
+    """The HF names of the file's linear weights (projections and `lm_head`) stored as Q8_0."""
+    names = [hf_name(t.name) for t in _opened(source).tensors if t.ggml_type == _Q8_0]
+    return [n for n in names if n.endswith("_proj.weight") or n == "lm_head.weight"]
+
+
+def iter_hf_tensors(source: str | GgufFile, *, int8_q8_0: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(hf_name, float32 array)` for every tensor of the GGUF file (a path, or a file
-    already read)."""
+    already read); with `int8_q8_0`, each of `q8_0_linear_weights` as an int8 weight and its
+    scale (see the module docstring)."""
     from gguf.quants import dequantize
 
     gguf = _opened(source)
     arch = gguf.field("general.architecture")
     num_heads = int(gguf.field(f"{arch}.attention.head_count"))
     num_kv_heads = int(gguf.field(f"{arch}.attention.head_count_kv", num_heads))
+    int8_names = set(q8_0_linear_weights(gguf)) if int8_q8_0 else set()
     for tensor in gguf.tensors:
         name = hf_name(tensor.name)
         array = np.asarray(dequantize(tensor.data, tensor.ggml_type), dtype=np.float32)
@@ -109,4 +129,9 @@ def iter_hf_tensors(source: str | GgufFile) -> Iterator[tuple[str, np.ndarray]]:
             array = unpermute_rope_rows(array, num_heads)
         elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
             array = unpermute_rope_rows(array, num_kv_heads)
+        if int8_q8_0 and tensor.ggml_type == _Q8_0 and name in int8_names:
+            q, scale = quantize_per_channel(array.T)  # `[in, out]`: a scale per HF row
+            yield name, q.T
+            yield f"{name}_scale", scale
+            continue
         yield name, array

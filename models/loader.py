@@ -55,11 +55,12 @@ def checkpoint_names(path: str) -> list[str]:
     return names
 
 
-def iter_checkpoint(path: str) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields `(hf_name, host array)` over every tensor of the model at `path`."""
+def iter_checkpoint(path: str, *, int8_q8_0: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields `(hf_name, host array)` over every tensor of the model at `path` (`int8_q8_0`: a
+    GGUF's Q8_0 linear weights as int8 weights and scales, `gguf_reader.iter_hf_tensors`)."""
     for file in checkpoint_files(path):
         if file.endswith(".gguf"):
-            yield from gguf_reader.iter_hf_tensors(file)
+            yield from gguf_reader.iter_hf_tensors(file, int8_q8_0=int8_q8_0)
             continue
         from safetensors import safe_open
 
@@ -126,8 +127,15 @@ class _ExpertStacks:
             raise ValueError(f"checkpoint {path!r} lacks experts {absent[:8]} of {ours!r}")
 
 
+def gguf_q8_0_weights(path: str) -> set[str]:
+    """The HF names of the Q8_0 linear weights of the model at `path`'s GGUF files (none for
+    safetensors)."""
+    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
+    return {name for file in files for name in gguf_reader.q8_0_linear_weights(file)}
+
+
 def iter_parameters(
-    model: nnx.Module, path: str, stacks: _ExpertStacks | None = None
+    model: nnx.Module, path: str, stacks: _ExpertStacks | None = None, *, int8: bool = False
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(our dotted parameter path, host value)` for every parameter of `model` (built,
     unprepared: its values are read for their shapes and dtypes only) from the checkpoint at
@@ -141,15 +149,22 @@ def iter_parameters(
     parameter or expert, or a shape mismatch is an error naming the tensor.
 
     A compressed-tensors int8 checkpoint's quantized layers load as int8 kernels with their
-    scales, unchanged (`models.compressed_tensors`).
+    scales, unchanged (`models.compressed_tensors`). `int8` (the model is served with int8
+    weights): a GGUF's Q8_0 linear weights load as int8 kernels and scales too, quantized per
+    channel from their exact float32 values (`gguf_reader`), before any cast to the model's dtype.
     """
     compiled = _compile_param_map(type(model).hf_param_map)
     tensors = iter_checkpoint(path)
-    int8 = compressed_tensors.int8_layout(
-        model, path, lambda: checkpoint_names(path), lambda hf: (_our_name(hf, compiled) or (None,))[0]
-    )
-    if int8 is not None:
-        compiled, tensors = _compile_param_map(int8.param_map), int8.tensors(tensors)
+
+    def our_name(hf: str) -> str | None:
+        return (_our_name(hf, compiled) or (None,))[0]
+
+    layout = compressed_tensors.int8_layout(model, path, lambda: checkpoint_names(path), our_name)
+    if layout is not None:
+        compiled, tensors = _compile_param_map(layout.param_map), layout.tensors(tensors)
+    elif int8 and (q8_0 := gguf_q8_0_weights(path)):
+        param_map = compressed_tensors.int8_kernels_for(model, q8_0, our_name, path)
+        compiled, tensors = _compile_param_map(param_map), iter_checkpoint(path, int8_q8_0=True)
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     expected = {".".join(str(p) for p in key): var.get_value() for key, var in params.items()}
     tied = getattr(model.config, "tie_word_embeddings", False)

@@ -11,6 +11,8 @@ family. The mesh has one axis, `MODEL_AXIS` (vLLM's `tensor_parallel_size`):
   (`linear.Linear.concatenated(blocks=N)`), so attention and the activation need no exchange;
 - row-parallel (input features split): `o_proj` and `down_proj`; XLA sums the partial products
   (one all-reduce per block); their biases are replicated (added once, after the sum);
+- an int8 kernel's per-output-channel scale (`kernel_scale`, a tied head's `head_scale`) follows
+  its kernel's columns: split where they are, replicated for the row-parallel ones;
 - vocab-parallel: the embedding table (rows; the lookup is masked per device and summed,
   `layers.Embedding`) and the LM head (columns: each device computes its vocabulary slice of
   the logits, gathered before sampling);
@@ -46,13 +48,17 @@ _COLUMN_LINEARS = r"(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_pro
 DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"\.experts\.(gate_proj|up_proj)\.kernel$", PartitionSpec(None, None, MODEL_AXIS)),  # [E, D, F]
     (r"\.experts\.down_proj\.kernel$", PartitionSpec(None, MODEL_AXIS, None)),  # [E, F, D]
+    # int8 kernels' per-output-channel scales: split like their kernel's columns
+    (r"\.experts\.(gate_proj|up_proj)\.kernel_scale$", PartitionSpec(None, MODEL_AXIS)),  # [E, F]
     (rf"\.{_COLUMN_LINEARS}\.kernel$", _COLUMN),  # [D, out]
-    (rf"\.{_COLUMN_LINEARS}\.bias$", _SPLIT),
+    (rf"\.{_COLUMN_LINEARS}\.(bias|kernel_scale)$", _SPLIT),
     (r"\.(o_proj|down_proj)\.kernel$", _ROW),  # [in, D]
     (r"\.(o_proj|down_proj)\.bias$", _REPLICATED),
     (r"embed_tokens\.embedding$", _ROW),  # [V, D]
     (r"embed_tokens\.head_kernel$", _COLUMN),  # [D, V], a tied head's copy
+    (r"embed_tokens\.head_scale$", _SPLIT),  # [V], its int8 scales
     (r"lm_head\.kernel$", _COLUMN),  # [D, V]
+    (r"lm_head\.kernel_scale$", _SPLIT),  # [V]
     (r".*", _REPLICATED),
 )
 _COMPILED_RULES = tuple((re.compile(pattern), spec) for pattern, spec in DECODER_RULES)
@@ -182,7 +188,7 @@ def interleave_blocks(parts: list[np.ndarray], blocks: int, *, axis: int):
 
 
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_FUSED = re.compile(r"\.(qkv_proj|gate_up_proj)\.(kernel|bias)$")
+_FUSED = re.compile(r"\.(qkv_proj|gate_up_proj)\.(kernel|bias|kernel_scale)$")
 
 
 def fused_parts(path: str) -> tuple[str, ...]:

@@ -11,12 +11,21 @@ checkpoints list a layer's tensors together), an expert-stacked parameter for it
 tied head's `[D, V]` copy is made from the embedding as it passes. So the host holds a few
 tensors at a time beyond what its own (CPU) device keeps, and a device receives only its slice
 of a split weight.
+
+int8 weights (`models.quantization`) stream alike: where the served model has a kernel's scale,
+a float kernel is quantized on the host as it is read (`models.int8.quantize_per_channel`, per
+output column, so quantizing a part before fusing gives the fused kernel's own values), and its
+scale travels beside it as one more tensor: a fused projection's scales wait for their siblings
+and are re-blocked exactly like the kernels' columns (`models.sharding.fuse_parts`), then placed
+split like those columns. A pre-quantized checkpoint's int8 kernels and scales
+(`models.compressed_tensors`, a GGUF's Q8_0 weights: `models.gguf_reader`) take the same way
+without quantizing here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from models.config import ModelConfig
+from models.int8 import quantize_per_channel
 from models.loader import _ExpertStacks, iter_parameters, prepare_for_serving
 from models.registry import build
 from models.sharding import MODEL_AXIS, fuse_parts, fused_parts, parameter_sharding
@@ -123,6 +133,7 @@ def _stream(
         if name.endswith(".head_kernel")
     }
     _check_sources(model, served, part_of, head_copies)
+    quantized = _quantized_kernels(served, part_of)
     heads = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim}
     pending: dict[str, list[np.ndarray | None]] = {}
     stacks = _ExpertStacks()
@@ -132,7 +143,8 @@ def _stream(
         parts = sum(p.nbytes for ps in pending.values() for p in ps if p is not None)
         return parts + stacks.held_bytes()
 
-    for ours, value in iter_parameters(model, path, stacks):
+    loaded = iter_parameters(model, path, stacks, int8=bool(quantized))
+    for ours, value in _with_scales(loaded, quantized):
         if ours in part_of:
             name, index = part_of[ours]
             parts = pending.setdefault(name, [None] * len(fused_parts(name)))
@@ -147,8 +159,44 @@ def _stream(
             host_bytes.observe(waiting_bytes() + value.nbytes)
         placed[ours] = place(ours, value, served[ours])
         if ours in head_copies:
-            placed[head_copies[ours]] = place(head_copies[ours], value.T, served[head_copies[ours]])
+            for name, copy in _with_scales([(head_copies[ours], value.T)], quantized):
+                placed[name] = place(name, copy, served[name])
     return placed
+
+
+def _scale_name(kernel: str) -> str:
+    """The dotted path of an int8 kernel's scale: `kernel_scale` beside `kernel`, `head_scale`
+    beside a tied head's `head_kernel`."""
+    return (
+        kernel.removesuffix("head_kernel") + "head_scale"
+        if kernel.endswith(".head_kernel")
+        else kernel + "_scale"
+    )
+
+
+def _quantized_kernels(served: dict[str, nnx.Variable], part_of: dict[str, tuple[str, int]]) -> set[str]:
+    """The loaded kernels the served model holds as int8 with a scale (a fused kernel's parts
+    under their own names)."""
+    int8 = {
+        name for name in served if name.endswith(("kernel", "head_kernel")) and _scale_name(name) in served
+    }
+    return int8 | {part for part, (name, _) in part_of.items() if name in int8}
+
+
+def _with_scales(
+    params: Iterable[tuple[str, np.ndarray]], quantized: set[str]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """`params` (`(dotted path, host value)`) with each float kernel that the served model holds
+    as int8 quantized on the host, followed by its scale as a parameter of its own; a kernel
+    that is int8 already (a pre-quantized checkpoint's, whose scale comes from the checkpoint)
+    and every other parameter pass as they are."""
+    for ours, value in params:
+        if ours in quantized and jnp.issubdtype(value.dtype, jnp.floating):
+            q, scale = quantize_per_channel(value)
+            yield ours, q
+            yield _scale_name(ours), scale
+        else:
+            yield ours, value
 
 
 def _check_sources(
@@ -163,6 +211,7 @@ def _check_sources(
     filled = {part_of[p][0] if p in part_of else p for p in loaded} | {
         head_copies[p] for p in loaded & set(head_copies)
     }
+    filled |= {_scale_name(name) for name in filled if name.endswith("kernel")}  # int8: made or read
     orphans = sorted(set(served) - filled)
     if orphans:
         raise ValueError(f"{type(model).__name__}: no checkpoint parameter fills {orphans[:5]}")

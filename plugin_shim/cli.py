@@ -165,11 +165,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """Writes the prepared weights of `args.model` into `args.out`, a model directory to serve."""
     import jax.numpy as jnp
 
+    from models.compressed_tensors import METHOD, quantization_config
     from tpu_platform.converted import convert
     from tpu_platform.prepared_weights import Preparation
 
+    # A compressed-tensors int8 source is int8 as it is (vLLM serves it so): kept, never dequantized.
+    source_method = (quantization_config(args.model) or {}).get("quant_method")
+    int8 = args.quantization != "none" or source_method == METHOD
     try:
-        preparation = Preparation(jnp.dtype(args.dtype).name, args.packing)
+        preparation = Preparation(
+            jnp.dtype(args.dtype).name, args.packing, quantization="int8" if int8 else "none"
+        )
     except TypeError:
         raise SystemExit(
             f"vllm-xla convert: --dtype {args.dtype!r} is not a dtype (e.g. bfloat16, float32)"
@@ -178,7 +184,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         checkpoint = convert(args.model, args.out, preparation)
     except ValueError as error:
         raise SystemExit(f"vllm-xla convert: {error}") from None
-    print(f"wrote {preparation.name} weights to {checkpoint}; serve the model directory {args.out}")
+    serve = " with --quantization int8_per_channel_weight_only" if int8 and source_method != METHOD else ""
+    print(f"wrote {preparation.name} weights to {checkpoint}; serve the model directory {args.out}{serve}")
     return 0
 
 
@@ -264,6 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="none: for any device (a CPU with the native dense kernel packs after loading); "
         "native: bfloat16 kernels packed for the native CPU dense kernel; native+f32: float32 too",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=("none", "int8_per_channel_weight_only"),
+        default="none",
+        help="int8_per_channel_weight_only: int8 kernels and their per-channel scales, quantized "
+        "once here (serve with the same --quantization: nothing is quantized at start); a "
+        "compressed-tensors int8 source is kept int8 without it",
     )
     return parser
 

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import ModelConfig, PackedKernel, build, load_model, pack_for_native_dense
+from models import ModelConfig, PackedKernel, build, pack_for_native_dense
 from models.linear import packed_for_native_dense
 from models.quantization import quantize_int8
 from models.sharding import fused_layout, fused_parts
@@ -117,18 +117,8 @@ def load_prepared(
     path: str, preparation: Preparation, shardings: ShardingFor, host_bytes: HostBytes | None = None
 ) -> tuple[ModelConfig, nnx.Module]:
     """The model at `path` (safetensors or GGUF) prepared so, each tensor streamed from the
-    checkpoint straight onto its sharding (`models.weight_stream`): packed on the host on its way
-    where the preparation packs, and never the whole model on the host at once. An int8
-    preparation is made on the host, whole, and returned there (NumPy arrays) for the caller to
-    place."""
-
-    if preparation.quantization != "none":
-        # Quantized whole on the host (not streamed yet: a fused projection's scales would need
-        # their own re-blocking); the caller places the host arrays on their shardings.
-        dtype = jnp.dtype(preparation.dtype)
-        config, model = load_model(path, dtype, on_host=True, tp_size=preparation.tp_size)
-        preparation.apply(model)
-        return config, model
+    checkpoint straight onto its sharding (`models.weight_stream`): quantized and packed on the
+    host on its way where the preparation does, and never the whole model on the host at once."""
 
     def place(name: str, value: np.ndarray, served: nnx.Variable) -> jax.Array:
         value = preparation.served_value(value, served)

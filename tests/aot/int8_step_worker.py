@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Compile worker: the runner's decode step with bfloat16 and with int8 weights (the served
-layout: fused projections, `Preparation(quantization="int8")`) for one chip of a compile-only
-target, weights abstract. Prints one JSON line: per case, the weights' bytes, the compiled
+"""Compile worker: the runner's decode step (64 sequences, one token each) or a prefill step
+(one sequence's 512-token chunk) with bfloat16 and with int8 weights (the served layout: fused
+projections, `Preparation(quantization="int8")`) for one chip of a compile-only target, weights
+abstract. Prints one JSON line: per case, the weights' bytes, the compiled
 program's memory analysis and the optimized-HLO buffers at least as large as the largest
 int8 kernel (a bfloat16 copy of a weight would show there).
 
-    python -m tests.aot.int8_step_worker TARGET:MODEL:{bfloat16,int8} ...
+    python -m tests.aot.int8_step_worker TARGET:MODEL:{bfloat16,int8}[:prefill] ...
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ from tpu_platform.step import make_forward
 from tpu_platform.targets import compile_only_devices
 
 DECODE_TOKENS = 64
+PREFILL_TOKENS = 512
 NUM_PAGES = 256
 
 
 def compile_case(case: str) -> dict:
-    target_name, model, variant = case.split(":")
+    target_name, model, variant, *phase = case.split(":")
+    prefill = phase == ["prefill"]
     setup = StepSetup(model_config(model), target_name, max_num_seqs=DECODE_TOKENS, max_model_len=2048)
     config, layout = setup.config, kv_layout(setup.config)
     preparation = Preparation("bfloat16", quantization="int8" if variant == "int8" else "none")
@@ -53,13 +56,14 @@ def compile_case(case: str) -> dict:
         graphdef, state_def, setup.backend, layout.layer_groups, layout.layer_caches, kv_dtype.name,
         cache_pages=NUM_PAGES, caches_per_array=per_array,
     )  # fmt: skip
-    t_pad, r_pad, p_pad = setup.buckets.shape_for(DECODE_TOKENS, DECODE_TOKENS)
+    tokens, seqs = (PREFILL_TOKENS, 1) if prefill else (DECODE_TOKENS, DECODE_TOKENS)
+    t_pad, r_pad, p_pad = setup.buckets.shape_for(tokens, seqs)
     packed, dims = pack_inputs(padding_inputs(t_pad, r_pad, p_pad, layout.num_groups))
     device = compile_only_devices(target_name)[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
     args = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding),
-        (list(leaves), caches, packed, np.zeros(DECODE_TOKENS, np.int32)),
+        (list(leaves), caches, packed, np.zeros(setup.buckets.max_seqs, np.int32)),
     )
     start = time.perf_counter()
     with jax.default_device(device):
@@ -69,6 +73,7 @@ def compile_case(case: str) -> dict:
     largest = max((leaf.size for leaf in int8_kernels), default=0)
     return {
         "case": case,
+        "tokens": t_pad,
         "weight_bytes": int(sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)),
         "int8_leaves": len(int8_kernels),
         "large_buffers": large_buffers(compiled.as_text(), largest) if largest else [],

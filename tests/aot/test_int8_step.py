@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The int8 model step (decode, 64 sequences) compiled by the real TPU compiler for a v5e and a
-v6e chip beside its bfloat16 twin, weights abstract (`int8_step_worker`): the weights' bytes are
-about halved (the embedding table stays bfloat16), the program's arguments shrink by as much,
-and no weight-sized buffer appears in the optimized program (the int8 -> bfloat16 convert is
-fused into the dots, not a copy of the weights)."""
+"""The int8 model step compiled by the real TPU compiler beside its bfloat16 twin, weights
+abstract (`int8_step_worker`): decode (64 sequences) for a v5e and a v6e chip, and a prefill
+chunk (one sequence, 512 tokens) for a v5e. The weights' bytes are about halved (the embedding
+table stays bfloat16), the program's arguments shrink by as much, and no weight-sized buffer
+appears in the optimized program (the int8 -> bfloat16 convert is fused into the dots, not a
+copy of the weights), for the many-token dots of a prefill as for decode's."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 from tests.aot.toolchains import run_worker
 
 CASES = {"v5e-1": "llama-3.2-3b", "v6e-1": "llama-3.1-8b"}
+PREFILL_CASES = {"v5e-1": "llama-3.2-3b"}
 
-pytestmark = pytest.mark.timeout(3600)  # four compiles of a multi-billion-parameter step
+pytestmark = pytest.mark.timeout(3600)  # compiles of a multi-billion-parameter step
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +24,29 @@ def results() -> dict[str, dict]:
     return {row["case"]: row for row in run_worker("tpu", "int8_step_worker", *cases, timeout=3500)}
 
 
+@pytest.fixture(scope="module")
+def prefill_results() -> dict[str, dict]:
+    cases = [f"{t}:{m}:{v}:prefill" for t, m in PREFILL_CASES.items() for v in ("bfloat16", "int8")]
+    return {row["case"]: row for row in run_worker("tpu", "int8_step_worker", *cases, timeout=3500)}
+
+
 @pytest.mark.parametrize("target", sorted(CASES))
 def test_int8_step_compiles_with_weight_bytes_halved(results, target):
     bf16 = results[f"{target}:{CASES[target]}:bfloat16"]
     int8 = results[f"{target}:{CASES[target]}:int8"]
+    assert bf16["tokens"] == int8["tokens"] == 64
+    _assert_weight_bytes_halved(bf16, int8)
+
+
+@pytest.mark.parametrize("target", sorted(PREFILL_CASES))
+def test_int8_prefill_compiles_with_weight_bytes_halved(prefill_results, target):
+    bf16 = prefill_results[f"{target}:{PREFILL_CASES[target]}:bfloat16:prefill"]
+    int8 = prefill_results[f"{target}:{PREFILL_CASES[target]}:int8:prefill"]
+    assert bf16["tokens"] == int8["tokens"] == 512
+    _assert_weight_bytes_halved(bf16, int8)
+
+
+def _assert_weight_bytes_halved(bf16: dict, int8: dict) -> None:
     assert int8["int8_leaves"] > 0 and bf16["int8_leaves"] == 0
     assert int8["weight_bytes"] < 0.6 * bf16["weight_bytes"]
     saved = bf16["weight_bytes"] - int8["weight_bytes"]

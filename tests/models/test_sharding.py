@@ -41,6 +41,17 @@ M = MODEL_AXIS
         ("model.layers.0.input_layernorm.weight", (64,), P()),
         ("model.layers.0.self_attn.rope_table.value", (512, 16), P()),
         ("model.embed_tokens.embedding", (385, 64), P()),  # a vocabulary 4 does not divide
+        # int8 kernels' per-output-channel scales: split with their kernel's columns
+        ("model.layers.0.self_attn.qkv_proj.kernel_scale", (128,), P(M)),
+        ("model.layers.1.mlp.gate_up_proj.kernel_scale", (256,), P(M)),
+        ("model.layers.3.self_attn.o_proj.kernel_scale", (64,), P()),
+        ("model.layers.1.mlp.down_proj.kernel_scale", (64,), P()),
+        ("model.layers.1.mlp.experts.gate_proj.kernel_scale", (8, 32), P(None, M)),
+        ("model.layers.1.mlp.experts.up_proj.kernel_scale", (8, 32), P(None, M)),
+        ("model.layers.1.mlp.experts.down_proj.kernel_scale", (8, 64), P()),
+        ("model.embed_tokens.head_scale", (384,), P(M)),
+        ("lm_head.kernel_scale", (384,), P(M)),
+        ("lm_head.kernel_scale", (385,), P()),
     ],
 )
 def test_parameter_spec_follows_the_table_and_divisibility(path, shape, expected):

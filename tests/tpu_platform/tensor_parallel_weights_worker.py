@@ -55,40 +55,60 @@ def describe(array: jax.Array) -> dict:
     }
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, state, kv_caches, ids, positions, md):
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _forward(graphdef, state, kv_caches, ids, positions, md, every_position=False):
     model = nnx.merge(graphdef, state)
     hidden, kv_caches = model(ids, positions, kv_caches, md)
-    return model.compute_logits(hidden[-1:]), kv_caches
+    return model.compute_logits(hidden if every_position else hidden[-1:]), kv_caches
 
 
-def greedy(model: nnx.Module, config: ModelConfig, tp: int, prompt: list[int], new_tokens: int) -> list[int]:
-    """Greedy tokens after `prompt`: one prefill, then one decode step a token."""
+def _caches(config: ModelConfig, tp: int) -> tuple[list[jax.Array], dict]:
+    """Empty KV caches of `PAGES` pages at `tp`, and the metadata fields a mesh's caches need."""
     mesh = tensor_parallel_mesh(tp)
     heads = kv_heads_on_mesh(config.num_heads, config.num_kv_heads, tp)
     if mesh is None:
         kv = [allocate_kv_cache(PAGES, PAGE, heads, config.head_dim, jnp.float32, backend="xla")
               for _ in range(config.num_layers)]  # fmt: skip
-        stacked = {}
-    else:
-        kv = allocate_stacked_caches(
-            config.num_layers, PAGES, PAGE, heads, config.head_dim, jnp.float32, "xla", mesh
-        )
-        per_array = caches_per_array(config.num_layers, PAGES, PAGE)
-        stacked = {"cache_pages": PAGES, "caches_per_array": per_array, "mesh": mesh}
+        return kv, {}
+    kv = allocate_stacked_caches(
+        config.num_layers, PAGES, PAGE, heads, config.head_dim, jnp.float32, "xla", mesh
+    )
+    per_array = caches_per_array(config.num_layers, PAGES, PAGE)
+    return kv, {"cache_pages": PAGES, "caches_per_array": per_array, "mesh": mesh}
+
+
+def _metadata(done: int, new: int, stacked: dict) -> tuple[np.ndarray, AttentionMetadata]:
+    """The positions and metadata of one step of `new` tokens after `done` (one sequence)."""
+    positions = np.arange(done, done + new, dtype=np.int32)
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray(positions),  # pages 0, 1, .. in order: slot == position
+        kv_lens=jnp.asarray([done + new], jnp.int32),
+        page_indices=jnp.asarray([list(range(PAGES))], jnp.int32),
+        cu_q_lens=jnp.asarray([0, new], jnp.int32),
+        num_seqs=jnp.asarray([1], jnp.int32),
+        backend="xla",
+        **stacked,
+    )
+    return positions, md
+
+
+def prefill_logits(model: nnx.Module, config: ModelConfig, tp: int, prompt: list[int]) -> np.ndarray:
+    """The float32 logits `[len(prompt), V]` of one prefill of `prompt` at `tp`."""
+    kv, stacked = _caches(config, tp)
+    positions, md = _metadata(0, len(prompt), stacked)
+    graphdef, state = nnx.split(model)
+    ids = jnp.asarray(prompt, jnp.int32)
+    logits, _ = _forward(graphdef, state, kv, ids, jnp.asarray(positions), md, True)
+    return np.asarray(logits, np.float32)
+
+
+def greedy(model: nnx.Module, config: ModelConfig, tp: int, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens after `prompt`: one prefill, then one decode step a token."""
+    kv, stacked = _caches(config, tp)
     graphdef, state = nnx.split(model)
     done, new, out = 0, list(prompt), []
     for _ in range(new_tokens):
-        positions = np.arange(done, done + len(new), dtype=np.int32)
-        md = AttentionMetadata(
-            slot_mapping=jnp.asarray(positions),  # pages 0, 1, .. in order: slot == position
-            kv_lens=jnp.asarray([done + len(new)], jnp.int32),
-            page_indices=jnp.asarray([list(range(PAGES))], jnp.int32),
-            cu_q_lens=jnp.asarray([0, len(new)], jnp.int32),
-            num_seqs=jnp.asarray([1], jnp.int32),
-            backend="xla",
-            **stacked,
-        )
+        positions, md = _metadata(done, len(new), stacked)
         logits, kv = _forward(graphdef, state, kv, jnp.asarray(new, jnp.int32), jnp.asarray(positions), md)
         done += len(new)
         new = [int(np.argmax(np.asarray(logits)[-1]))]

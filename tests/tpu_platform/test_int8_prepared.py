@@ -12,7 +12,7 @@ import models.quantization
 from models import PackedKernel, load_model
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.converted import _stored_preparation
-from tpu_platform.prepared_weights import Preparation, abstract_prepared, structure_digest
+from tpu_platform.prepared_weights import Preparation, abstract_prepared, load_prepared, structure_digest
 from tpu_platform.runner import Runner
 from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.weights_cache import WeightsCache
@@ -59,6 +59,22 @@ def test_abstract_layout_is_the_loaded_one(tiny_dir, preparation):
     int8_bytes = sum(leaf.nbytes for leaf in leaves)
     embedding = model.model.embed_tokens.embedding[...].nbytes  # stays bfloat16
     assert int8_bytes - embedding < 0.55 * (bf16_bytes - embedding)
+
+
+@pytest.mark.parametrize("preparation", [INT8, INT8_NATIVE], ids=lambda p: p.name)
+def test_a_streamed_int8_load_is_the_whole_model_prepared_on_the_host(tiny_dir, preparation):
+    """Each kernel quantized (and packed for the native int8 kernel) as it streams equals the
+    whole float model loaded, quantized and packed on the host."""
+    _, expected = load_model(tiny_dir, jnp.bfloat16, on_host=True)
+    preparation.apply(expected)
+    _, streamed = load_prepared(tiny_dir, preparation, _ON_DEVICE)
+    got_leaves = nnx.to_flat_state(nnx.state(streamed))
+    expected_leaves = nnx.to_flat_state(nnx.state(expected))
+    assert [p for p, _ in got_leaves] == [p for p, _ in expected_leaves]
+    for (path, a), (_, b) in zip(got_leaves, expected_leaves, strict=True):
+        a, b = np.asarray(a.get_value()), np.asarray(b.get_value())
+        assert a.dtype == b.dtype and a.tobytes() == np.ascontiguousarray(b).tobytes(), path
+    assert nnx.graphdef(streamed) == nnx.graphdef(expected)
 
 
 def test_a_float_conversion_serves_int8_when_asked_and_an_int8_one_not_as_float(tiny_dir, tmp_path):

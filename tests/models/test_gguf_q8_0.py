@@ -1,0 +1,153 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A GGUF's Q8_0 weights served as int8 (`gguf_reader`, int8 loads): a tiny Llama written here
+with the `gguf` package's writer and Q8_0 quantizer, loaded with int8 weights, against the
+float model of the dequantized Q8_0 values (the file's own meaning) and against quantizing that
+float model per channel (what the int8 load must give, bit for bit)."""
+
+import json
+import os
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors import safe_open
+
+from models import ModelConfig, load_model
+from models.gguf_reader import hf_config
+from models.int8 import dequantize, quantize_per_channel
+from tests.models.tiny_checkpoints import caches, prompts, run_step
+from tests.tiny_models import save_tiny_llama
+from tpu_platform.prepared_weights import Preparation, load_prepared
+
+_ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's interleaved-RoPE row order of a q/k projection (its converter's `permute`)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_q8_0_gguf(source: str, out: str) -> None:
+    """`source` (a tiny HF Llama) as a GGUF at `out/model.gguf` and its config: linear weights
+    Q8_0 (the `gguf` package's quantizer), the embedding and norms float32."""
+    config = ModelConfig.from_pretrained(source)
+    os.makedirs(out)
+    writer = gguf.GGUFWriter(os.path.join(out, "model.gguf"), "llama")
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(512)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    with safe_open(os.path.join(source, "model.safetensors"), framework="numpy") as f:
+        for name in f.keys():
+            w = f.get_tensor(name).astype(np.float32)
+            if name == "model.embed_tokens.weight":
+                writer.add_tensor("token_embd.weight", w)
+                continue
+            if name == "model.norm.weight":
+                writer.add_tensor("output_norm.weight", w)
+                continue
+            if name == "lm_head.weight":
+                gguf_name = "output.weight"
+            else:
+                layer, rest = name.removeprefix("model.layers.").split(".", 1)
+                gguf_name = f"blk.{layer}.{_LAYER[rest]}"
+                if rest == "self_attn.q_proj.weight":
+                    w = _permute(w, config.num_heads)
+                elif rest == "self_attn.k_proj.weight":
+                    w = _permute(w, config.num_kv_heads)
+            if w.ndim == 1:
+                writer.add_tensor(gguf_name, w)
+            else:
+                q8 = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+                writer.add_tensor(gguf_name, q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with open(os.path.join(out, "config.json"), "w") as f:  # as `vllm-xla model-dir` writes it
+        json.dump(hf_config(os.path.join(out, "model.gguf")), f)
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    scratch = tmp_path_factory.mktemp("q8_0")
+    source = save_tiny_llama(str(scratch / "source"), seed=9)
+    write_q8_0_gguf(source, str(scratch / "gguf"))
+    return str(scratch / "gguf")
+
+
+def _arrays(model: nnx.Module) -> dict[str, np.ndarray]:
+    return {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def _logits(model: nnx.Module, config: ModelConfig) -> np.ndarray:
+    (ids,) = prompts([24], seed=3)
+    logits, _ = run_step(model, caches(config), [ids], [0], [[1, 2]])
+    return np.asarray(logits, np.float64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_q8_0_kernels_are_quantized_from_their_exact_float32_values(gguf_dir, dtype):
+    """Each Q8_0 kernel's int8 values and scale are `quantize_per_channel` of its dequantized
+    float32 values (before any cast to the model's dtype): within half a step of them, and the
+    values of a column's largest-scale block exact."""
+    config, reference = load_model(gguf_dir, jnp.float32, on_host=True)  # dequantized, float32
+    expected = _arrays(reference)
+    _, model = load_prepared(gguf_dir, Preparation(dtype, quantization="int8"), _ON_DEVICE)
+    got = _arrays(model)
+    kernels = [n for n in got if n.endswith(".kernel") and got[n].dtype == np.int8]
+    assert len(kernels) == 4 * config.num_layers + 1  # qkv, o, gate_up, down a layer, lm_head
+    for name in kernels:
+        q, scale = quantize_per_channel(expected[name])
+        np.testing.assert_array_equal(got[name], q, err_msg=name)
+        np.testing.assert_array_equal(got[f"{name}_scale"], scale, err_msg=name)
+        error = np.abs(dequantize(got[name], got[f"{name}_scale"]) - expected[name])
+        assert np.all(error <= 0.5 * scale * (1 + 1e-6)), name
+    assert got["model.embed_tokens.embedding"].dtype == jnp.dtype(dtype)  # the table stays float
+
+
+def test_int8_logits_against_the_dequantized_q8_0_model(gguf_dir):
+    config, reference = load_model(gguf_dir, jnp.float32)
+    _, model = load_prepared(gguf_dir, Preparation("float32", quantization="int8"), _ON_DEVICE)
+    expected, got = _logits(reference, config), _logits(model, config)
+    # The int8 model computes exactly its own weights: the float model of its dequantized kernels.
+    twin = _arrays(model)
+    for name in [n for n in twin if n.endswith("kernel_scale")]:
+        kernel = name.removesuffix("_scale")
+        twin[kernel] = dequantize(twin[kernel], twin.pop(name))
+    assert twin.keys() == _arrays(reference).keys()
+    nnx.update(reference, _state_of(reference, twin))
+    np.testing.assert_allclose(_logits(reference, config), got, rtol=1e-4, atol=1e-4)
+    # Against the file's own values: the per-channel rounding (a few % of the logits' spread).
+    relative = np.linalg.norm(got - expected) / np.linalg.norm(expected - expected.mean(-1, keepdims=True))
+    assert relative < 0.05, relative
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
+
+
+def _state_of(model: nnx.Module, arrays: dict[str, np.ndarray]) -> nnx.State:
+    """`model`'s state with each array replaced by `arrays`' (by dotted path)."""
+    state = nnx.state(model)
+    for key, var in nnx.to_flat_state(state):
+        var.set_value(jnp.asarray(arrays[".".join(map(str, key))]))
+    return state
