@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -69,7 +70,9 @@ bool Avx512Bf16Usable() {
 // Above this many rows of bfloat16 x, the AVX-512 BF16 path widens each int8 panel once to
 // bfloat16 pairs and multiplies with VDPBF16PS (two products an instruction, no widening per row
 // block); at fewer rows the weights stream from memory and widen in registers (`Avx512Block`).
-constexpr int64_t kWidenAheadAbove = 4;
+// Widening a panel to memory costs about as much as multiplying it with a few rows, so the
+// register path stays ahead up to two of its row blocks (measured at the 135M model's shapes).
+constexpr int64_t kWidenAheadAbove = 8;
 
 struct Int8Problem {
   const float* x;      // [M, K]
@@ -221,25 +224,40 @@ VLLM_XLA_AVX512BF16 void ScaleOutputs(float* y, int rows, int blocks, const floa
   }
 }
 
-// Many rows of bfloat16 x on AVX-512 BF16: each group of column panels widened once per chunk of
-// rows, then the bfloat16 kernel's register blocks, then the scales.
+// Scratch for an item's widened panels: 64-byte aligned, so that each 64-byte row the register
+// blocks load is one cache line (a split load costs two), and left uninitialized (every value is
+// written before it is read).
+class AlignedPairs {
+ public:
+  explicit AlignedPairs(int64_t values)
+      : data_(static_cast<uint16_t*>(::operator new(values * sizeof(uint16_t), std::align_val_t{64}))) {}
+  ~AlignedPairs() { ::operator delete(data_, std::align_val_t{64}); }
+  AlignedPairs(const AlignedPairs&) = delete;
+  AlignedPairs& operator=(const AlignedPairs&) = delete;
+  uint16_t* data() const { return data_; }
+
+ private:
+  uint16_t* data_;
+};
+
+// Many rows of bfloat16 x on AVX-512 BF16: a work item's column panels widened once to bfloat16
+// pairs (the item is sized so that they stay in L2, as the bfloat16 kernel's items are), then the
+// bfloat16 kernel's register blocks over every row, then the scales (widening per chunk of rows
+// would redo it for every chunk).
 struct WidenedInt8 : Int8Problem {
   const uint16_t* x_bits;  // [M, K] bfloat16; K even
 
   void Run(const Item& item) const {
     const int64_t panel = K * kCols;
-    std::vector<uint16_t> pairs(vllm_xla::kBf16VectorBlocks * panel);
-    int64_t widened = -1;  // the first column block `pairs` holds
+    const AlignedPairs pairs((item.end_block - item.first_block) * panel);
+    for (int64_t block = item.first_block; block < item.end_block; ++block) {
+      WidenPanelToPairs(w + block * panel, K, pairs.data() + (block - item.first_block) * panel);
+    }
     WalkRegisterBlocks(item, M, K * sizeof(uint16_t), vllm_xla::kBf16VectorRows, vllm_xla::kBf16VectorBlocks,
                        [&](int64_t row, int rows, int64_t block, int blocks) {
-                         if (block != widened) {
-                           for (int c = 0; c < blocks; ++c) {
-                             WidenPanelToPairs(w + (block + c) * panel, K, pairs.data() + c * panel);
-                           }
-                           widened = block;
-                         }
                          float* out = y + row * N + block * kCols;
-                         vllm_xla::Bf16VectorBlockFor(rows, blocks)(x_bits + row * K, pairs.data(), panel, K, out, N);
+                         const uint16_t* widened = pairs.data() + (block - item.first_block) * panel;
+                         vllm_xla::Bf16VectorBlockFor(rows, blocks)(x_bits + row * K, widened, panel, K, out, N);
                          ScaleOutputs(out, rows, blocks, scale + block * kCols, N);
                        });
   }
@@ -296,8 +314,9 @@ ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8
   if (run == kAvx512Bf16 && type == ffi::DataType::BF16 && K % 2 == 0 && M > kWidenAheadAbove) {
     const WidenedInt8 widened{{nullptr, w.typed_data(), scale.typed_data(), y->typed_data(), M, K, N},
                               reinterpret_cast<const uint16_t*>(x.untyped_data())};
+    const int64_t widened_blocks = vllm_xla::CachedBlocks(K, sizeof(uint16_t));  // in L2 as bfloat16
     vllm_xla::RunOverColumnBlocks(widened, N / kCols,
-                                  std::max<int64_t>(vllm_xla::kBf16VectorBlocks, cached_blocks), pool);
+                                  std::max<int64_t>(vllm_xla::kBf16VectorBlocks, widened_blocks), pool);
     return ffi::Error::Success();
   }
   if (run == kAvx512Bf16) run = kAvx512;  // few rows, float32 x or an odd K: widened in registers

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The int8-weight dense kernel (`dense_int8.cc`, AVX-512 BF16, AVX-512 and AVX2): its packed
 layout, a hand-worked product, then every path the CPU has against NumPy's `x @ (q * s)` over a
-grid of shapes (1 to 64 rows around its 6-row register blocks and the rows from which AVX-512 BF16
-widens panels ahead, odd depths for the one-row blocks that split even and odd k and for the
-register path that takes them, 16-column counts around the 4-block AVX-512 register blocks),
-bfloat16 and float32 activations; trailing zero rows; and a tiny model with its int8 kernels packed for the
-native kernel against the same model on XLA's int8 dots."""
+grid of shapes (1 to 130 rows around its 6-row register blocks, the rows from which AVX-512 BF16
+widens panels ahead and the chunks of rows that reuse them; odd depths for the one-row blocks that
+split even and odd k and for the register path that takes them; 16-column counts around the
+4-block AVX-512 register blocks), bfloat16 and float32 activations; trailing zero rows; and a tiny
+model with its int8 kernels packed for the native kernel against the same model on XLA's int8
+dots."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def test_hand_worked_product(int8_isas):
         np.testing.assert_array_equal(y, expected)
 
 
-ROWS = (1, 2, 3, 5, 6, 7, 13, 31, 64)
+ROWS = (1, 2, 3, 5, 6, 7, 8, 9, 13, 31, 64, 130)
 KERNELS = ((1, 16), (7, 48), (33, 80), (96, 112), (576, 960), (1535, 64), (1536, 48))
 
 
