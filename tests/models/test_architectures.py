@@ -48,6 +48,14 @@ def test_ragged_prefill_then_mixed_decode_match_transformers(tiny):
     assert_ragged_matches(model, config, hf, [5, 16, 33])
 
 
+# The ragged check again, through RoPE tables: the fast tier runs it on Gemma 3 (two tables), the
+# slow tier on every architecture.
+@pytest.mark.parametrize(
+    "tiny",
+    [a if a == "Gemma3ForCausalLM" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS],
+    ids=ARCHS,
+    indirect=True,
+)
 def test_rotations_from_rope_tables_match_transformers(tiny, request):
     # What the runner runs: one table a distinct RoPE (Gemma 3: its local and global layers'),
     # shared by the layers that use it.

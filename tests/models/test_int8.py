@@ -122,7 +122,13 @@ def _dequantized_copy(model: nnx.Module) -> None:
             module.head_scale = None
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# The fast tier keeps a dense model, a mixture of experts (routers stay float) and a tied head;
+# the other architectures are the slow tier's.
+_FAST_ARCHS = {"MistralForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"}
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("arch", [a if a in _FAST_ARCHS else pytest.param(a, marks=_SLOW) for a in ARCHS])
 def test_every_architecture_quantizes_every_linear_and_equals_its_dequantized_model(arch, tmp_path):
     path = save_tiny(arch, str(tmp_path / arch))
     config, model = load_model(path, on_host=True)
@@ -153,6 +159,7 @@ def _trained(arch: str, root: str) -> str:
     return save_trained_tiny(arch, f"{root}/{arch}")
 
 
+@pytest.mark.slow  # trains a tiny model per architecture first
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MixtralForCausalLM"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_trained_tiny_int8_agrees_with_float_on_the_fixed_text(arch, dtype, tmp_path_factory):

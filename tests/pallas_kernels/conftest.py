@@ -94,7 +94,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "tpu_interpret: slow TPU-interpret-mode (DMA, race) checks")
     # Registered by pytest-timeout when installed; declared here so the marker never warns.
     config.addinivalue_line("markers", "timeout(seconds): fail a test that runs longer")
 

@@ -15,6 +15,9 @@ from tpu_platform.envs import read_env
 
 TOKENS = 300
 
+# A 135M-parameter model's prefill over 300 tokens, four times: slow tier.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def embedded():

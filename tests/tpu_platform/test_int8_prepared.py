@@ -115,6 +115,7 @@ def test_weights_cache_keeps_the_quantized_weights(tiny_dir, tmp_path, monkeypat
         assert a.dtype == b.dtype and a.tobytes() == np.ascontiguousarray(b).tobytes(), path
 
 
+@pytest.mark.slow  # two runners, each preparing or restoring a whole model
 def test_runner_serves_int8_from_the_weights_cache(tiny_dir, tmp_path):
     """A runner asked for vLLM's int8 method prepares int8 weights, stores them, and a second
     runner restores them from the cache."""

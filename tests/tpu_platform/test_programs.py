@@ -171,6 +171,7 @@ def _build_in_new_process(root: pathlib.Path, executables: str, call_first: str 
     return run.stdout.split()
 
 
+@pytest.mark.slow  # five fresh processes, each importing JAX and compiling
 def test_entries_are_written_even_when_jax_caches_hold_the_program(tmp_path):
     """XLA:CPU cannot re-serialize what JAX loaded from its persistent cache, so a program bound for
     an empty executable cache is compiled afresh even when JAX's caches (on disk, from an earlier

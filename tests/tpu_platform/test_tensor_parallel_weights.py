@@ -16,6 +16,9 @@ import pytest
 from tests.models.tiny_checkpoints import save_tiny
 from tests.tiny_models import save_tiny_llama
 
+# A subprocess per model on 8 simulated devices: slow tier.
+pytestmark = pytest.mark.slow
+
 _MODELS = {
     "llama": lambda path: save_tiny_llama(path, seed=3, num_hidden_layers=8),
     "qwen3_moe": lambda path: save_tiny(
