@@ -15,6 +15,8 @@ import pytest
 
 from tests.models.moe_mesh_worker import HIDDEN, TOKENS
 
+pytestmark = pytest.mark.slow  # 4 simulated devices in a subprocess
+
 
 @pytest.fixture(scope="module")
 def report() -> dict:

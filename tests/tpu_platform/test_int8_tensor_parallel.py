@@ -22,6 +22,8 @@ from tests.models.test_gguf_q8_0 import write_q8_0_gguf
 from tests.models.tiny_checkpoints import save_tiny
 from tests.tiny_models import save_tiny_llama
 
+pytestmark = pytest.mark.slow  # 8 simulated devices in a subprocess per model
+
 
 def _compressed_llama(path: str) -> str:
     source = save_tiny_llama(path + "_float", seed=4, num_hidden_layers=6)
