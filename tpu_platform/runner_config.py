@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tpu_platform.lora_slots import LoraConfig
+
 # vLLM `quantization` values the runner serves, all as int8 weights (`models.quantization`).
 QUANTIZATION_METHODS = ("int8_per_channel_weight_only", "compressed-tensors")
 
@@ -58,6 +60,8 @@ class RunnerConfig:
     tensor_parallel_size: int = 1
     # vLLM's `quantization`: None, or a method serving int8 weights (`QUANTIZATION_METHODS`).
     quantization: str | None = None
+    # vLLM's LoRA limits when `enable_lora` (`tpu_platform.lora_slots`); None: no adapters.
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
