@@ -119,7 +119,10 @@ class Runner:
         sites = None
         if lora is not None:  # zeroed adapter slots: `models.lora`
             sites = attach_lora(
-                model, max_loras=lora.max_loras, max_rank=lora.max_lora_rank, dtype=lora.dtype or self.dtype
+                model,
+                max_loras=lora.max_loras,
+                max_rank=lora.max_lora_rank,
+                dtype=jnp.dtype(lora.dtype or self.dtype),
             )
         graphdef, state = nnx.split(model)
         if self.mesh is None:
