@@ -28,7 +28,7 @@ from flax import nnx
 
 from models.layers import GatedMLP, PagedAttention
 from models.linear import Linear
-from models.sharding import interleave_blocks
+from models.sharding import interleave_blocks, repeat_kv_heads
 
 # The HF module names an adapter may target, by where they live in a decoder layer.
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -82,22 +82,31 @@ def set_lora_tokens(model: nnx.Module, slots: jax.Array) -> None:
 @dataclasses.dataclass(frozen=True)
 class LoraSite:
     """A projection that carries adapters: the HF module names of its parts (fused in this order),
-    each part's output width, and the blocks its columns are interleaved in."""
+    each part's output width, the blocks its columns are interleaved in, and how many times
+    each part's heads of `head_dim` columns are repeated (k and v on a mesh of more devices than
+    KV heads, `sharding.kv_heads_on_mesh`; an adapter's B is repeated alike)."""
 
     parts: tuple[str, ...]  # full HF module paths, e.g. "model.layers.0.self_attn.q_proj"
     widths: tuple[int, ...]
     in_features: int
     blocks: int = 1
+    head_repeats: tuple[int, ...] = ()  # per part; () for none
+    head_dim: int = 0
 
     @property
     def out_features(self) -> int:
         return sum(self.widths)
+
+    def adapter_width(self, part: int) -> int:
+        """Part `part`'s output width in the checkpoint (and its adapters): before repetition."""
+        return self.widths[part] // (self.head_repeats[part] if self.head_repeats else 1)
 
 
 def lora_sites(model: nnx.Module) -> dict[str, LoraSite]:
     """Every projection of `model` (after `fuse_projections`) that can carry an adapter, by the
     path of its Linear (e.g. "model.layers.0.self_attn.qkv_proj")."""
     sites: dict[str, LoraSite] = {}
+    config = getattr(model, "config", None)
     for path, module in nnx.iter_modules(model):
         prefix = ".".join(map(str, path))
         if isinstance(module, PagedAttention):
@@ -107,9 +116,10 @@ def lora_sites(model: nnx.Module) -> dict[str, LoraSite]:
                     sites[f"{prefix}.{name}"] = _single(prefix, name, getattr(module, name))
             else:
                 n, k, h = module.num_heads, module.num_kv_heads, module.head_dim
+                repeats = k // config.num_kv_heads if config is not None else 1
                 sites[f"{prefix}.qkv_proj"] = LoraSite(
                     tuple(f"{prefix}.{name}" for name in qkv), (n * h, k * h, k * h),
-                    module.qkv_proj.in_features,
+                    module.qkv_proj.in_features, head_repeats=(1, repeats, repeats), head_dim=h,
                 )  # fmt: skip
             sites[f"{prefix}.o_proj"] = _single(prefix, "o_proj", module.o_proj)
         elif isinstance(module, GatedMLP):
@@ -164,7 +174,7 @@ def site_slot_values(
     site: LoraSite, parts: dict[str, tuple[np.ndarray, np.ndarray]], max_rank: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """One slot's `a [in, P * R]` and `b [P * R, out]` of `site` from its parts' adapter weights
-    (`{hf_module: (A [in, r], B [r, out] scaled)}`, float32; a missing part stays zero)."""
+    (`{hf_module: (A [in, r], B [r, adapter width] scaled)}`, float32; a missing part stays zero)."""
     rank = len(site.parts) * max_rank
     a = np.zeros((site.in_features, rank), np.float32)
     columns = []
@@ -173,6 +183,9 @@ def site_slot_values(
         if name in parts:
             part_a, part_b = parts[name]
             r = part_a.shape[1]
+            repeats = site.head_repeats[p] if site.head_repeats else 1
+            if repeats > 1:
+                part_b = repeat_kv_heads(part_b, part_b.shape[1] // site.head_dim, repeats, axis=1)
             a[:, p * max_rank : p * max_rank + r] = part_a
             b_part[p * max_rank : p * max_rank + r] = part_b
         columns.append(b_part)

@@ -104,9 +104,9 @@ def _parts(
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """`{hf_module: (A [in, r], B * scaling [r, out])}` of every module the tensors adapt."""
     widths = {
-        part: (site.in_features, width)
+        part: (site.in_features, site.adapter_width(i))
         for site in sites.values()
-        for part, width in zip(site.parts, site.widths, strict=True)
+        for i, part in enumerate(site.parts)
     }
     found: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():

@@ -88,19 +88,12 @@ def _other_quantization(config: VllmConfig) -> bool:
 
 REFUSED: tuple[Refusal, ...] = (
     Refusal(
-        "enable_lora",
-        "LoRA adapters on a model split over devices",
-        "True with tensor_parallel_size > 1",
-        lambda c: c.lora_config is not None and _parallel(c).tensor_parallel_size > 1,
-        "serve LoRA adapters on one device, or merge the adapter into the base weights (e.g. PEFT's "
-        "merge_and_unload) and serve the merged checkpoint",
-    ),
-    Refusal(
         "fully_sharded_loras",
         "LoRA computation sharded over tensor-parallel devices",
         "True",
         lambda c: c.lora_config is not None and bool(c.lora_config.fully_sharded_loras),
-        "leave it off (LoRA adapters are served on one device)",
+        "leave it off: under tensor parallelism each adapter's update follows its projection's split "
+        "(the slot arrays themselves are replicated)",
     ),
     Refusal(
         "lora_target_modules",
@@ -359,7 +352,7 @@ SUPPORTED: tuple[Supported, ...] = (
         "PEFT LoRA adapters (adapter_config.json + adapter_model.safetensors) on the q/k/v/o and "
         "dense MLP gate/up/down projections; many adapters and the base model mixed in one batch, "
         "each in one of max_loras device slots preallocated at max_lora_rank (loading one never "
-        "recompiles); on one device only; refused by name when loaded: a rank above max_lora_rank, "
+        "recompiles); under tensor parallelism too; refused by name when loaded: a rank above max_lora_rank, "
         "other target modules (embed_tokens, lm_head, MoE experts), DoRA, biases, modules_to_save",
     ),
     Supported("Load formats", "load_format", "auto, safetensors, npcache"),

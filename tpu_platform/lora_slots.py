@@ -52,12 +52,10 @@ class LoraSlots:
         sites: dict[str, LoraSite],
         state: object,
         leaves: list[jax.Array],
-        device: jax.Device,
     ):
         self.config = config
         self.sites = sites
         self._leaves = leaves  # the runner's state leaves: slot arrays are replaced in this list
-        self._device = device
         self._index = _slot_leaf_indices(state, sites)
         self._host = {i: np.array(leaves[i]) for pair in self._index.values() for i in pair}
         self._paths: dict[int, tuple[str, str]] = {}  # id -> (name, path): to read it again
@@ -181,7 +179,7 @@ class LoraSlots:
                     continue
                 host[slot] = 0 if value is None else value.astype(host.dtype)
                 # a copy: the device array must not alias the host one written again later
-                self._leaves[i] = jax.device_put(host.copy(), self._device)
+                self._leaves[i] = jax.device_put(host.copy(), self._leaves[i].sharding)
 
 
 def _slot_leaf_indices(state: object, sites: dict[str, LoraSite]) -> dict[str, tuple[int, int]]:

@@ -123,6 +123,7 @@ class Runner:
                 max_loras=lora.max_loras,
                 max_rank=lora.max_lora_rank,
                 dtype=jnp.dtype(lora.dtype or self.dtype),
+                blocks=self.tp_size,
             )
         graphdef, state = nnx.split(model)
         if self.mesh is None:
@@ -132,7 +133,7 @@ class Runner:
         self._state_leaves, self._state_def = jax.tree.flatten(self.state)
         self.lora: LoraSlots | None = None
         if sites is not None:
-            self.lora = LoraSlots(lora, sites, self.state, self._state_leaves, self.device)
+            self.lora = LoraSlots(lora, sites, self.state, self._state_leaves)
         self._graphdef = graphdef
         self._prompt_logprobs = make_prompt_logprobs(graphdef)
         self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)

@@ -12,6 +12,7 @@ import pytest
 from models.linear import Linear
 from models.lora import LoraSite, LoraWeights, attach_lora, set_lora_tokens, site_slot_values
 from models.lora_files import read_adapter
+from models.sharding import repeat_kv_heads
 
 
 def _linear(rng, in_features, out_features):
@@ -20,15 +21,17 @@ def _linear(rng, in_features, out_features):
     return linear
 
 
-@pytest.mark.parametrize("blocks", [1, 2])
-def test_fused_projection_update_is_each_part_merged(blocks):
-    """q/k/v fused (in `blocks` interleaved blocks, as for tensor parallelism) with two adapters of
+@pytest.mark.parametrize("blocks, repeats", [(1, 1), (2, 1), (4, 4)])
+def test_fused_projection_update_is_each_part_merged(blocks, repeats):
+    """q/k/v fused (in `blocks` interleaved blocks, as for tensor parallelism; the one KV head
+    repeated `repeats` times, as on a mesh of more devices than KV heads) with two adapters of
     ranks 3 and 2 (max 4) give, token by token, the fused projection of the merged parts."""
     rng = np.random.default_rng(0)
-    d, widths, max_rank = 8, (8, 4, 4), 4
+    d, widths, max_rank, head_dim = 8, (8, 4, 4), 4, 4
     parts = [_linear(rng, d, w) for w in widths]
     names = ("q", "k", "v")
-    site = LoraSite(names, widths, d, blocks)
+    repeated = (8, 4 * repeats, 4 * repeats)
+    site = LoraSite(names, repeated, d, blocks, head_repeats=(1, repeats, repeats), head_dim=head_dim)
     adapters = []
     for rank, targets in ((3, ("q", "k", "v")), (2, ("k",))):
         adapters.append(
@@ -38,9 +41,9 @@ def test_fused_projection_update_is_each_part_merged(blocks):
                 if n in targets
             }
         )
-    fused = Linear.concatenated(parts, blocks)
+    fused = Linear.concatenated([_repeated(p, n, repeats) for p, n in zip(parts, names, strict=True)], blocks)
     a = np.zeros((3, d, 3 * max_rank), np.float32)
-    b = np.zeros((3, 3 * max_rank, sum(widths)), np.float32)
+    b = np.zeros((3, 3 * max_rank, sum(repeated)), np.float32)
     for slot, adapter in enumerate(adapters, start=1):
         a[slot], b[slot] = site_slot_values(site, adapter, max_rank)
     fused.lora = LoraWeights(a, b)
@@ -57,8 +60,19 @@ def test_fused_projection_update_is_each_part_merged(blocks):
                 kernel = kernel + pa @ pb
             merged.append(Linear(d, kernel.shape[1], bias=False, dtype=jnp.float32))
             merged[-1].kernel.set_value(kernel.astype(np.float32))
+            merged[-1] = _repeated(merged[-1], name, repeats)
         want = np.asarray(Linear.concatenated(merged, blocks).kernel[...])
         np.testing.assert_allclose(got[t], x[t] @ want, rtol=1e-4, atol=1e-4)
+
+
+def _repeated(linear, name, repeats):
+    """A k or v part with its one head repeated (`sharding.repeat_kv_heads`), q as it is."""
+    if name == "q" or repeats == 1:
+        return linear
+    kernel = repeat_kv_heads(np.asarray(linear.kernel[...]), 1, repeats, axis=1)
+    out = Linear(kernel.shape[0], kernel.shape[1], bias=False, dtype=jnp.float32)
+    out.kernel.set_value(kernel)
+    return out
 
 
 def test_a_model_without_slots_ignores_the_step_slots():

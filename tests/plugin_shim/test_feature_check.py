@@ -16,7 +16,6 @@ _DOC = pathlib.Path(__file__).parents[2] / "docs" / "features.md"
 
 # Refused option -> (model variant, EngineArgs keywords that ask for it).
 CASES = {
-    "enable_lora": ("llama", dict(enable_lora=True, tensor_parallel_size=2)),
     "fully_sharded_loras": ("llama", dict(enable_lora=True, fully_sharded_loras=True)),
     "lora_target_modules": ("llama", dict(enable_lora=True, lora_target_modules=["o_proj"])),
     "enable_mixed_moe_lora_format": ("mixtral", dict(enable_lora=True, enable_mixed_moe_lora_format=True)),

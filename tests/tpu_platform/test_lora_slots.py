@@ -29,7 +29,7 @@ def _slots(model_dir, **config):
     sites = attach_lora(model, max_loras=config.max_loras, max_rank=config.max_lora_rank, dtype=jnp.float32)
     state = jax.device_put(nnx.state(model), jax.devices()[0])
     leaves = jax.tree.leaves(state)
-    return LoraSlots(config, sites, state, leaves, jax.devices()[0]), leaves
+    return LoraSlots(config, sites, state, leaves), leaves
 
 
 def _adapter(root, slots, seed):
