@@ -27,17 +27,21 @@ class Linear(nnx.Module):
     per-output-channel scale in `kernel_scale` (`models.int8`, `models.quantization`)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype):
+        self.in_features, self.out_features = in_features, out_features
         self.kernel = zeros_param((in_features, out_features), dtype)
         self.bias = zeros_param((out_features,), dtype) if bias else None
         self.kernel_scale: nnx.Param | None = nnx.data(None)
+        self.lora: nnx.Module | None = nnx.data(None)  # adapter slots: `models.lora.attach_lora`
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = self.product(x).astype(x.dtype)
         return y + self.bias[...] if self.bias is not None else y
 
     def product(self, x: jax.Array) -> jax.Array:
-        """`x @ kernel` in float32, without the bias."""
-        return matmul(x, self.kernel, self.kernel_scale)
+        """`x @ kernel` in float32, without the bias; plus each token's LoRA update when the
+        projection carries adapter slots (`models.lora`)."""
+        y = matmul(x, self.kernel, self.kernel_scale)
+        return y if self.lora is None else y + self.lora.delta(x)
 
     @classmethod
     def concatenated(cls, parts: Sequence[Linear], blocks: int = 1) -> Linear:

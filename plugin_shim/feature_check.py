@@ -96,12 +96,34 @@ def _other_quantization(config: VllmConfig) -> bool:
 
 REFUSED: tuple[Refusal, ...] = (
     Refusal(
-        "enable_lora",
-        "LoRA adapters",
+        "fully_sharded_loras",
+        "LoRA computation sharded over tensor-parallel devices",
         "True",
-        lambda c: c.lora_config is not None,
-        "merge the adapter into the base weights (e.g. PEFT's merge_and_unload) and serve the merged "
-        "checkpoint",
+        lambda c: c.lora_config is not None and bool(c.lora_config.fully_sharded_loras),
+        "leave it off: under tensor parallelism each adapter's update follows its projection's split "
+        "(the slot arrays themselves are replicated)",
+    ),
+    Refusal(
+        "lora_target_modules",
+        "restricting LoRA to some modules at deployment",
+        "any value",
+        lambda c: c.lora_config is not None and bool(c.lora_config.target_modules),
+        "leave it unset: every q/k/v/o and gate/up/down projection can carry an adapter, and each "
+        "adapter adapts the modules it has weights for",
+    ),
+    Refusal(
+        "enable_mixed_moe_lora_format",
+        "LoRA adapters on MoE experts",
+        "True",
+        lambda c: c.lora_config is not None and bool(c.lora_config.enable_mixed_moe_lora_format),
+        "leave it off: on MoE models adapters may target the attention projections only",
+    ),
+    Refusal(
+        "enable_moe_shared_loras",
+        "LoRA adapters on MoE experts",
+        "True",
+        lambda c: c.lora_config is not None and bool(c.lora_config.enable_moe_shared_loras),
+        "leave it off: on MoE models adapters may target the attention projections only",
     ),
     Refusal(
         "enable_prompt_embeds",
@@ -329,6 +351,16 @@ SUPPORTED: tuple[Supported, ...] = (
         "the MoE experts and the LM head (the embedding table and MoE router stay in the model "
         "dtype); quantized at load from a float checkpoint, or a compressed-tensors int8 "
         "checkpoint's weights as they are (a W8A8 one's activations stay in the model dtype)",
+    ),
+    Supported(
+        "LoRA adapters",
+        "enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_dtype, LoRARequest, "
+        "/v1/load_lora_adapter, /v1/unload_lora_adapter, LoRA resolver plugins",
+        "PEFT LoRA adapters (adapter_config.json + adapter_model.safetensors) on the q/k/v/o and "
+        "dense MLP gate/up/down projections; many adapters and the base model mixed in one batch, "
+        "each in one of max_loras device slots preallocated at max_lora_rank (loading one never "
+        "recompiles); under tensor parallelism too; refused by name when loaded: a rank above max_lora_rank, "
+        "other target modules (embed_tokens, lm_head, MoE experts), DoRA, biases, modules_to_save",
     ),
     Supported("Load formats", "load_format", "auto, safetensors, npcache"),
     Supported(

@@ -71,6 +71,7 @@ def batch_update(so: SchedulerOutput) -> BatchUpdate:
             block_ids=[list(ids) for ids in r.block_ids],
             num_computed_tokens=r.num_computed_tokens,
             sampling=POOLING_SAMPLING if r.sampling_params is None else sampling_options(r.sampling_params),
+            lora_id=r.lora_request.lora_int_id if r.lora_request is not None else 0,
         )
         for r in so.scheduled_new_reqs
     ]

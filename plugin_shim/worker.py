@@ -12,7 +12,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from plugin_shim import hosts, translate
+from plugin_shim import hosts, lora, translate
 from plugin_shim.cache_dtype import runner_kv_cache_dtype, spec_dtype
 from plugin_shim.logits_processors import LogitsProcessorBridge
 from plugin_shim.logs import share_vllm_logging
@@ -104,6 +104,7 @@ class XlaWorker(WorkerBase):
                 tensor_parallel_size=mesh_tensor_parallel_size(self.vllm_config),
                 quantization=mc.quantization,
                 pooling=pooling_config(self.vllm_config),
+                lora=lora.runner_lora_config(self.vllm_config),
             )
         )
         mesh = self.runner.mesh
@@ -181,6 +182,8 @@ class XlaWorker(WorkerBase):
     def execute_model(self, scheduler_output):
         start = time.perf_counter()
         update = translate.batch_update(scheduler_output)
+        if self.runner.lora is not None:
+            lora.remember_requested(self.runner, scheduler_output)
         self.runner.stats.host_seconds += time.perf_counter() - start
         if self.runner.config.pooling is not None:  # a pooling engine's step output: no sampling
             with hosts.naming_lost_hosts(self.num_hosts):
@@ -232,6 +235,20 @@ class XlaWorker(WorkerBase):
             "compiles_after_warmup": programs.compiles_after_warmup,
             "kv_groups": self.runner.num_groups,
         }
+
+    # vLLM's LoRA calls (`LLM.llm_engine.add_lora`, the server's /v1/load_lora_adapter, resolvers)
+
+    def add_lora(self, lora_request) -> bool:
+        return lora.add(self.runner, lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return lora.adapters(self.runner).remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return lora.adapters(self.runner).pin(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return lora.adapters(self.runner).ids()
 
     def take_draft_token_ids(self):
         return None

@@ -20,6 +20,7 @@ class NewRequest:
     block_ids: Sequence[Sequence[int]]  # one list per KV-cache group
     num_computed_tokens: int
     sampling: SamplingOptions
+    lora_id: int = 0  # its LoRA adapter (`tpu_platform.lora_slots`), 0 for the base model
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

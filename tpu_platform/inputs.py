@@ -11,6 +11,7 @@ import numpy as np
 
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.request_table import (
+    LORA_SLOT,
     NUM_COMPUTED,
     NUM_TOKENS,
     OCCUPANT,
@@ -43,6 +44,8 @@ class StepInputs:
     # [T] where a token id is still on the device: its index in the previous step's sampled
     # tokens (which the forward takes instead of `token_ids`), else -1
     feed: np.ndarray
+    # [T] each token's LoRA adapter slot (`models.lora`); 0 (no adapter) for padding
+    lora_slots: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -135,6 +138,7 @@ def _decode_from(
     feed = feed_from(progress, start)
     packed[offsets["feed"] : offsets["feed"] + n] = feed
     packed[offsets["positions"] : offsets["positions"] + n] = start
+    packed[offsets["lora_slots"] : offsets["lora_slots"] + n] = progress[:, LORA_SLOT]
     slots = _slots(table.block_table, rows, start, page_size)
     packed[offsets["slot_mapping"] : offsets["slot_mapping"] + g * t].reshape(g, t)[:, :n] = slots
     kv_lens = start + 1
@@ -175,6 +179,7 @@ def _prepare(
     _fill(inputs.token_ids, table.token_ids[token_rows, positions], 0)
     _fill(inputs.feed, table.feed_index(token_rows, positions), -1)
     _fill(inputs.positions, positions, 0)
+    _fill(inputs.lora_slots, table.lora_slot[token_rows], 0)
     _fill(inputs.slot_mapping, _slots(table.block_table, token_rows, positions, page_size), -1)
     _fill(inputs.kv_lens, kv_lens, 0)
     _page_rows(inputs.page_indices, table.block_table, rows)
@@ -188,7 +193,7 @@ def _prepare(
 
 _FIELDS = (
     "token_ids", "positions", "slot_mapping", "kv_lens",
-    "page_indices", "cu_q_lens", "num_seqs", "logits_indices", "feed",
+    "page_indices", "cu_q_lens", "num_seqs", "logits_indices", "feed", "lora_slots",
 )  # fmt: skip
 
 
@@ -198,7 +203,7 @@ def input_shapes(dims: tuple[int, int, int, int]) -> dict[str, tuple[int, ...]]:
     return {
         "token_ids": (t,), "positions": (t,), "slot_mapping": (g, t), "kv_lens": (r,),
         "page_indices": (g, r, p), "cu_q_lens": (r + 1,), "num_seqs": (1,), "logits_indices": (r,),
-        "feed": (t,),
+        "feed": (t,), "lora_slots": (t,),
     }  # fmt: skip
 
 
@@ -254,6 +259,7 @@ def padding_inputs(t_pad: int, r_pad: int, p_pad: int, num_groups: int = 1) -> S
         num_seqs=np.zeros(1, np.int32),
         logits_indices=np.zeros(r_pad, np.int32),
         feed=np.full(t_pad, -1, np.int32),
+        lora_slots=zeros,
     )
 
 
@@ -290,6 +296,7 @@ def exercise_inputs(
         num_seqs=np.array([num_seqs], np.int32),
         logits_indices=np.pad(cu_q_lens[1 : num_seqs + 1] - 1, (0, r_pad - num_seqs)).astype(np.int32),
         feed=np.full(t_pad, -1, np.int32),
+        lora_slots=np.zeros(t_pad, np.int32),
     )
 
 

@@ -14,9 +14,10 @@ from tpu_platform.batch_update import CachedRequest, CachedRequests, NewRequest
 # gathers all of its rows' counters at once; each is also an attribute (a column view).
 PROGRESS_COLUMNS = (
     "num_tokens", "num_prompt_tokens", "num_computed", "pending_column", "pending_index", "occupant",
+    "lora_id", "lora_slot",
 )  # fmt: skip
-NUM_TOKENS, NUM_PROMPT_TOKENS, NUM_COMPUTED, PENDING_COLUMN, PENDING_INDEX, OCCUPANT = range(
-    len(PROGRESS_COLUMNS)
+(NUM_TOKENS, NUM_PROMPT_TOKENS, NUM_COMPUTED, PENDING_COLUMN, PENDING_INDEX, OCCUPANT, LORA_ID, LORA_SLOT) = (
+    range(len(PROGRESS_COLUMNS))
 )
 # Up to this many rows, per-row scalar indexing is cheaper than NumPy's fancy indexing.
 _FEW_ROWS = 2
@@ -50,7 +51,8 @@ class RequestTable:
         # [rows, PROGRESS_COLUMNS]: tokens known (prompt + outputs, reserved ones included), prompt
         # tokens, tokens computed; for the newest step whose tokens are still on the device ("in
         # flight"), the column each of its rows reserved (`reserve`; -1 for other rows) and the
-        # row's index in that step's tokens; and the count of requests the row has held.
+        # row's index in that step's tokens; the count of requests the row has held; the
+        # request's LoRA adapter (a `LoraSlots.handle`, 0: none) and its device slot this step.
         self.progress = np.zeros((capacity, len(PROGRESS_COLUMNS)), np.int32)
         self.progress[:, PENDING_COLUMN] = -1
         self.block_table = np.zeros((num_groups, capacity, max_pages), np.int32)
@@ -99,6 +101,7 @@ class RequestTable:
         self.token_ids[row, : prompt.size] = prompt
         self.num_tokens[row] = self.num_prompt_tokens[row] = prompt.size
         self.num_computed[row] = request.num_computed_tokens
+        self.lora_id[row] = self.lora_slot[row] = 0  # the runner's to set (`lora_slots.LoraSlots`)
         self.num_pages[:, row] = 0
         self._append_pages(row, request.block_ids)
         return row

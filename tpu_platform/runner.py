@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from models import ModelConfig, PackedKernel, attach_rope_tables
+from models.lora import attach_lora
 from models.registry import architecture_fingerprint
 from models.sharding import kv_heads_on_mesh, parameter_sharding, place_state
 from pallas_kernels import allocate_kv_cache
@@ -32,6 +33,7 @@ from tpu_platform.kv_cache import (
     caches_per_array,
     kv_cache_dtype,
 )
+from tpu_platform.lora_slots import LoraSlots
 from tpu_platform.mesh import replicated, tensor_parallel_mesh
 from tpu_platform.pooled_step import PoolingPrograms
 from tpu_platform.pooling import PoolingRequests, pooled_outputs
@@ -116,12 +118,25 @@ class Runner:
         model, source = self._prepared_model()
         packed = len(jax.tree.leaves(nnx.state(model, PackedKernel)))
         attach_rope_tables(model, self.config.max_model_len)
+        lora = self.config.lora
+        sites = None
+        if lora is not None:  # zeroed adapter slots: `models.lora`
+            sites = attach_lora(
+                model,
+                max_loras=lora.max_loras,
+                max_rank=lora.max_lora_rank,
+                dtype=jnp.dtype(lora.dtype or self.dtype),
+                blocks=self.tp_size,
+            )
         graphdef, state = nnx.split(model)
         if self.mesh is None:
             self.state = jax.device_put(state, self.device)
         else:  # leaf by leaf to its sharding (`models.sharding`)
             self.state = place_state(state, self.mesh)
         self._state_leaves, self._state_def = jax.tree.flatten(self.state)
+        self.lora: LoraSlots | None = None
+        if sites is not None:
+            self.lora = LoraSlots(lora, sites, self.state, self._state_leaves)
         self._graphdef = graphdef
         self._prompt_logprobs = make_prompt_logprobs(graphdef)
         self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)
@@ -393,6 +408,8 @@ class Runner:
         req_ids = list(update.num_scheduled_tokens)
         rows = np.fromiter(map(self.table.row_of.__getitem__, req_ids), np.int32, len(req_ids))
         num_scheduled = np.fromiter(update.num_scheduled_tokens.values(), np.int32, len(req_ids))
+        if self.lora is not None:  # the step's adapters into device slots, each row's slot
+            self.table.lora_slot[rows] = self.lora.slots_for(self.table.lora_id[rows])
         if self._in_flight:
             padded_rows = self.buckets.shape_for(sum(num_scheduled.tolist()), rows.size)[1]
             if self.sampling.reads_history(rows, padded_rows):  # `prepare` then reuses its answer
@@ -522,6 +539,11 @@ class Runner:
             **self._extra_widths,
         )
 
+    def _lora_handle(self, lora_id: int) -> int:
+        if self.lora is None:
+            raise ValueError(f"a request asks for LoRA adapter {lora_id}, but LoRA is not enabled")
+        return self.lora.handle(lora_id)
+
     def _apply(self, update: BatchUpdate) -> None:
         self.stats.preempted_requests += len(update.preempted_req_ids)
         for req_id in update.finished_req_ids:
@@ -533,6 +555,8 @@ class Runner:
         for request in update.new_requests:
             self.stats.prefix_cache_hits += int(request.num_computed_tokens > 0)
             row = self.table.add(request)
+            if request.lora_id:
+                self.table.lora_id[row] = self._lora_handle(request.lora_id)
             self.sampling.add_request(row, request.sampling)
             self.prompt_logprobs.add(request.req_id, request.sampling.prompt_logprobs)
         if update.cached.req_ids:

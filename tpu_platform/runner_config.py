@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from tpu_platform.lora_slots import LoraConfig
+
 if TYPE_CHECKING:
     from tpu_platform.pooling import PoolingConfig
 
@@ -64,6 +66,8 @@ class RunnerConfig:
     quantization: str | None = None
     # A pooling engine's pooling (`tpu_platform.pooling`); None: a generating one.
     pooling: PoolingConfig | None = None
+    # vLLM's LoRA limits when `enable_lora` (`tpu_platform.lora_slots`); None: no adapters.
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

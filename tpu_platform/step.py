@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import AttentionMetadata
+from models.lora import set_lora_tokens
 from models.sharding import MODEL_AXIS, vocab_parallel
 from tpu_platform.inputs import unpack_inputs
 from tpu_platform.sampling import SamplerFlags, greedy_sample, sample
@@ -48,6 +49,7 @@ def forward_logits(
     inputs = unpack_inputs(packed, dims)
     fed = fed_tokens[jnp.maximum(inputs.feed, 0)]
     token_ids = jnp.where(inputs.feed >= 0, fed, inputs.token_ids)
+    set_lora_tokens(model, inputs.lora_slots)  # a no-op for a model without adapter slots
     md = AttentionMetadata(
         slot_mapping=inputs.slot_mapping,
         kv_lens=inputs.kv_lens,

@@ -45,6 +45,7 @@ def placement(worker) -> dict:
 def run(model: str, spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     llm = LLM(model=model, tensor_parallel_size=spec["tp"], **spec["llm"])
     try:
@@ -58,7 +59,9 @@ def run(model: str, spec: dict) -> dict:
             rng = np.random.default_rng(0)
             llm.generate(prompts, _mixed_params(rng, len(prompts)), use_tqdm=False)
         params = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True, logprobs=1)
-        out = llm.generate(prompts, params, use_tqdm=False)
+        # Optional LoRA adapters, one `[name, id, path]` or None a prompt.
+        loras = [LoRARequest(*lora) if lora else None for lora in spec.get("loras", [])] or None
+        out = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         tokens = [list(o.outputs[0].token_ids) for o in out]
         logprobs = [
             [step[t].logprob for step, t in zip(o.outputs[0].logprobs, ids, strict=True)]

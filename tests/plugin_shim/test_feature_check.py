@@ -16,7 +16,10 @@ _DOC = pathlib.Path(__file__).parents[2] / "docs" / "features.md"
 
 # Refused option -> (model variant, EngineArgs keywords that ask for it).
 CASES = {
-    "enable_lora": ("llama", dict(enable_lora=True)),
+    "fully_sharded_loras": ("llama", dict(enable_lora=True, fully_sharded_loras=True)),
+    "lora_target_modules": ("llama", dict(enable_lora=True, lora_target_modules=["o_proj"])),
+    "enable_mixed_moe_lora_format": ("mixtral", dict(enable_lora=True, enable_mixed_moe_lora_format=True)),
+    "enable_moe_shared_loras": ("mixtral", dict(enable_lora=True, enable_moe_shared_loras=True)),
     "enable_prompt_embeds": ("llama", dict(enable_prompt_embeds=True)),
     "quantization": ("llama", dict(quantization="fp8")),
     "speculative_config": (
@@ -157,8 +160,12 @@ def test_an_explicit_convert_none_under_runner_pooling_is_refused_by_vllm_first(
 
 def test_several_refused_features_are_named_together(models):
     with pytest.raises(ValueError) as raised:
-        _config(models, "llama", dict(enable_lora=True, cpu_offload_gb=2, hf_overrides={"x": 1}))
-    for option in ("enable_lora", "cpu_offload_gb", "hf_overrides"):
+        _config(
+            models,
+            "llama",
+            dict(enable_lora=True, fully_sharded_loras=True, cpu_offload_gb=2, hf_overrides={"x": 1}),
+        )
+    for option in ("fully_sharded_loras", "cpu_offload_gb", "hf_overrides"):
         assert f"{option} (" in str(raised.value)
 
 
@@ -172,6 +179,7 @@ def test_several_refused_features_are_named_together(models):
         dict(async_scheduling=True, max_num_seqs=4, seed=3, max_logprobs=5, enforce_eager=True),
         dict(runner="generate", convert="none", model_impl="auto", tensor_parallel_size=1),
         dict(quantization="int8_per_channel_weight_only", dtype="bfloat16"),
+        dict(enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=4, lora_dtype="bfloat16"),
     ],
     ids=[
         "defaults",
@@ -181,6 +189,7 @@ def test_several_refused_features_are_named_together(models):
         "scheduling",
         "explicit_defaults",
         "int8",
+        "lora",
     ],
 )
 def test_what_works_stays_accepted(models, kwargs):

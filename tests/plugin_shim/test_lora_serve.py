@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+"""LoRA through vLLM's OpenAI server on our platform: adapters found by LoRA resolver plugins
+(vLLM's filesystem resolver, and one of our own registered from a `vllm.general_plugins` entry
+point) when a request names an unknown model, and loaded and unloaded at run time through
+/v1/load_lora_adapter and /v1/unload_lora_adapter; every answer is transformers' greedy text with
+that adapter merged, a broken adapter is refused naming it, and the server keeps serving."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from tests.greedy_reference import hf_greedy
+from tests.lora_adapters import merged, scaling, write_adapter
+from tests.plugin_shim.test_serve import _free_port, _get, _post
+from tests.tiny_models import save_tiny_llama
+
+pytestmark = pytest.mark.slow  # starts a server
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NEW_TOKENS = 5
+PROMPT = [1, 45, 200, 17, 99, 310, 8]
+
+# A resolver plugin as a package would ship it: the entry point registers it with vLLM.
+_RESOLVER = textwrap.dedent(
+    """
+    import os
+
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry
+
+
+    class PrefixResolver(LoRAResolver):
+        async def resolve_lora(self, base_model_name, lora_name):
+            if not lora_name.startswith("mine-"):
+                return None
+            path = os.path.join(os.environ["TEST_LORA_RESOLVER_DIR"], lora_name.removeprefix("mine-"))
+            return LoRARequest(lora_name, 4242, path)
+
+
+    def register():
+        LoRAResolverRegistry.register_resolver("test prefix resolver", PrefixResolver())
+    """
+)
+
+
+def _install_resolver(site):
+    """The resolver module and a dist-info carrying its entry point (found on `sys.path`)."""
+    os.makedirs(site / "lora_prefix_resolver-0.1.dist-info")
+    (site / "lora_prefix_resolver.py").write_text(_RESOLVER)
+    info = site / "lora_prefix_resolver-0.1.dist-info"
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lora-prefix-resolver\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nprefix_resolver = lora_prefix_resolver:register\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("lora_serve")
+    model_dir = save_tiny_llama(str(root / "model"), seed=5)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    dirs = {"fs": root / "fs_cache", "mine": root / "mine", "loaded": root / "loaded"}
+    texts = {None: tokenizer.decode(hf_greedy(hf, PROMPT, NEW_TOKENS))}
+    specs = {  # adapter -> (directory, rank, targets)
+        "fs-adapter": (dirs["fs"] / "fs-adapter", 8, ("q_proj", "v_proj", "down_proj")),
+        "mine-adapter": (dirs["mine"] / "adapter", 4, ("k_proj", "o_proj", "up_proj")),
+        "loaded": (dirs["loaded"], 2, ("gate_proj", "q_proj")),
+    }
+    for seed, (name, (path, rank, targets)) in enumerate(specs.items()):
+        weights = write_adapter(
+            str(path), hf, rank=rank, alpha=2.0 * rank, targets=targets, seed=seed, base_model=model_dir
+        )
+        texts[name] = tokenizer.decode(
+            hf_greedy(merged(hf, weights, scaling(rank, 2.0 * rank)), PROMPT, NEW_TOKENS)
+        )
+    assert len(set(texts.values())) == len(texts)  # every adapter changes the answer
+    write_adapter(str(root / "broken"), hf, rank=16, alpha=8.0, targets=("q_proj",), seed=9)
+    site = root / "site"
+    _install_resolver(site)
+    return model_dir, dirs, texts, root, site
+
+
+@pytest.fixture(scope="module")
+def server(setup):
+    model_dir, dirs, _, root, site = setup
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_WORKER_MULTIPROC_METHOD"}
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",
+        VLLM_LORA_RESOLVER_CACHE_DIR=str(dirs["fs"]),
+        TEST_LORA_RESOLVER_DIR=str(dirs["mine"]),
+        PYTHONPATH=os.pathsep.join([REPO, str(site)]),
+    )
+    cli = os.path.join(os.path.dirname(sys.executable), "vllm-xla")
+    log_path = root / "server.log"
+    log = open(log_path, "w")
+    process = subprocess.Popen(
+        [cli, "serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
+         "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 400
+        while True:
+            assert process.poll() is None, log_path.read_text()[-3000:]
+            try:
+                if _get(f"{base}/health", timeout=2) is not None:
+                    break
+            except OSError:
+                pass
+            assert time.time() < deadline, "server did not become healthy"
+            time.sleep(1)
+        yield base, log_path
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+
+
+def _post_text(url: str, body: dict) -> str:
+    """A POST answered in plain text (the adapter endpoints)."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return response.read().decode()
+
+
+def _complete(base, model):
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    return _post(f"{base}/v1/completions", body)["choices"][0]["text"]
+
+
+def _error(call) -> tuple[int, str]:
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        call()
+    return raised.value.code, raised.value.read().decode()
+
+
+def test_resolver_plugins_find_adapters_a_request_names(setup, server):
+    model_dir, _, texts, _, _ = setup
+    base, _ = server
+    assert _complete(base, model_dir) == texts[None]
+    assert _complete(base, "fs-adapter") == texts["fs-adapter"]  # vLLM's filesystem resolver
+    assert _complete(base, "mine-adapter") == texts["mine-adapter"]  # our entry point's resolver
+    assert _complete(base, model_dir) == texts[None]
+    models = json.loads(_get(f"{base}/v1/models"))
+    assert {"fs-adapter", "mine-adapter"} <= {m["id"] for m in models["data"]}
+
+
+def test_adapters_load_and_unload_at_run_time(setup, server):
+    model_dir, dirs, texts, root, _ = setup
+    base, _ = server
+    answer = _post_text(
+        f"{base}/v1/load_lora_adapter", {"lora_name": "loaded", "lora_path": str(dirs["loaded"])}
+    )
+    assert "'loaded' added" in answer
+    assert _complete(base, "loaded") == texts["loaded"]
+    assert _complete(base, "fs-adapter") == texts["fs-adapter"]  # three adapters, two slots
+    _post_text(f"{base}/v1/unload_lora_adapter", {"lora_name": "loaded"})
+    code, _ = _error(lambda: _complete(base, "loaded"))
+    assert code == 404
+    code, text = _error(
+        lambda: _post(
+            f"{base}/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(root / "broken")}
+        )
+    )
+    assert code >= 400 and "rank r=16 exceeds max_lora_rank=8" in text, text
+    assert _complete(base, model_dir) == texts[None]  # still serving
+    assert _complete(base, "mine-adapter") == texts["mine-adapter"]
+    metrics = _get(f"{base}/metrics").decode()
+    assert np.isclose(
+        float(
+            next(
+                line for line in metrics.splitlines() if line.startswith("vllm_xla:compilations_after_warmup")
+            ).rsplit(" ", 1)[1]
+        ),
+        0,
+    )
