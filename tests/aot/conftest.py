@@ -1,7 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every test in this directory compiles for real TPU and GPU targets: they belong to the slow tier."""
+"""Every test in this directory compiles for real TPU and GPU targets: they belong to the slow tier.
 
+Their compiles of multi-billion-parameter programs take several GiB each, so under pytest-xdist
+one module at a time compiles: each module holds a lock file shared by the run's workers (the
+other worker runs the rest of the suite meanwhile)."""
+
+import fcntl
 import pathlib
+from collections.abc import Iterator
 
 import pytest
 
@@ -10,6 +16,21 @@ _HERE = pathlib.Path(__file__).resolve().parent
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A conftest's collection hook sees the whole session's items: mark only this directory's.
+    # The timeout covers a module's wait for the lock below.
     for item in items:
         if _HERE in item.path.resolve().parents:
             item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.timeout(3600))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_compiling_module_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    # Under xdist each worker's base temp is `<run's directory>/popen-gwN`: the parent is the run's.
+    base = tmp_path_factory.getbasetemp()
+    run_dir = base.parent if base.name.startswith("popen-gw") else base
+    with open(run_dir / "aot-compile.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
