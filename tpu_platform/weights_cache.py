@@ -46,6 +46,7 @@ from tpu_platform.programs import UNUSED_ENTRY_SECONDS, mark_used, remove_unused
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
 _SUFFIX = ".orbax"
+_STAGING = ".staging-"  # a store in progress: `<entry>.staging-<pid>-<random>`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +98,15 @@ class WeightsCache:
                 logger.warning("not caching the prepared weights in %s: %s", directory, unsafe)
                 return
             state = nnx.state(model)
-            save_prepared(self.path, state, metadata_for(model_config, self.preparation, state, key=self.key))
-            make_tree_private(self.path)
-        except Exception as error:  # a full disk, a concurrent store of the same entry: serve anyway
+            # Orbax's own temporary name is the destination's plus a fixed suffix: two processes
+            # storing one entry at once would write into the same directory. Each writes its own
+            # staging copy instead, and the first rename wins.
+            staging = f"{self.path}{_STAGING}{os.getpid()}-{os.urandom(4).hex()}"
+            save_prepared(staging, state, metadata_for(model_config, self.preparation, state, key=self.key))
+            make_tree_private(staging)
+            if not _rename_unless_present(staging, self.path):
+                shutil.rmtree(staging, ignore_errors=True)  # another process stored it first
+        except Exception as error:  # a full disk: serve anyway
             logger.warning("could not cache the prepared weights at %s (%s)", self.path, error)
             return
         for entry in Path(directory).glob(f"{os.path.basename(self.variant_prefix)}*{_SUFFIX}"):
@@ -126,6 +133,18 @@ def _size_and_mtime(path: str) -> tuple[int, int]:
     return stat.st_size, stat.st_mtime_ns
 
 
+def _rename_unless_present(source: str, destination: str) -> bool:
+    """Renames directory `source` to `destination`; False when `destination` already exists
+    (a rename onto a non-empty directory fails, so a concurrent winner is never replaced)."""
+    try:
+        os.rename(source, destination)
+    except OSError:
+        if os.path.isdir(destination):
+            return False
+        raise
+    return True
+
+
 def _remove_unused_entries(directory: str) -> None:
     """Removes the entries (of any model) no start has used for 30 days (loading touches one),
     and the remains of stores that died."""
@@ -134,6 +153,7 @@ def _remove_unused_entries(directory: str) -> None:
     stale = [
         (f"*{_SUFFIX}", now - UNUSED_ENTRY_SECONDS),
         (f"*{_SUFFIX}.orbax-checkpoint-tmp*", now - 24 * 3600),
+        (f"*{_SUFFIX}{_STAGING}*", now - 24 * 3600),
     ]
     for pattern, cutoff in stale:
         for entry in Path(directory).glob(pattern):

@@ -206,3 +206,24 @@ def test_the_runner_loads_the_same_weights_and_names_the_same_programs(tiny_dir,
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     if dtype == "bfloat16" and cpu.dense_isa(cpu.load(os.path.join(cache_dir, "native"))):
         assert "PackedKernel" in str(cached._state_def)  # the packed kernels came from the cache
+
+
+def test_a_store_that_finds_its_entry_already_stored_keeps_it(tiny_dir, tmp_path, caplog):
+    # Each store writes its own staging copy (Orbax's temporary name is fixed per destination, so
+    # two processes storing one entry would share it) and renames it; the second finds the
+    # first's entry there, keeps it and removes its own copy.
+    preparation = _preparation("float32", packed=False)
+    config, model = _prepared(tiny_dir, preparation)
+    first, second = (WeightsCache.for_model(str(tmp_path), tiny_dir, preparation) for _ in range(2))
+    first.store(config, model)
+    stored = sorted(p.stat().st_ino for p in tmp_path.iterdir())
+    log = logging.getLogger("vllm_xla.tpu_platform.weights_cache")
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=log.name):
+            second.store(config, model)
+    finally:
+        log.removeHandler(caplog.handler)
+    assert sorted(p.stat().st_ino for p in tmp_path.iterdir()) == stored  # the first's, nothing else
+    assert "could not cache" not in caplog.text
+    _assert_same_model(second.load(config, _ON_DEVICE), model)
