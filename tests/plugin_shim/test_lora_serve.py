@@ -7,11 +7,7 @@ that adapter merged, a broken adapter is refused naming it, and the server keeps
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 import urllib.error
 import urllib.request
 
@@ -21,12 +17,12 @@ import torch
 
 from tests.greedy_reference import hf_greedy
 from tests.lora_adapters import merged, scaling, write_adapter
-from tests.plugin_shim.test_serve import _free_port, _get, _post
+from tests.plugin_shim.served import serving
+from tests.plugin_shim.test_serve import REPO, _get, _post
 from tests.tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.slow  # starts a server
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NEW_TOKENS = 5
 PROMPT = [1, 45, 200, 17, 99, 310, 8]
 
@@ -96,7 +92,6 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(setup):
     model_dir, dirs, _, root, site = setup
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_WORKER_MULTIPROC_METHOD"}
     env.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="1",
@@ -105,36 +100,13 @@ def server(setup):
         TEST_LORA_RESOLVER_DIR=str(dirs["mine"]),
         PYTHONPATH=os.pathsep.join([REPO, str(site)]),
     )
-    cli = os.path.join(os.path.dirname(sys.executable), "vllm-xla")
+    args = [
+        "--model", model_dir, "--max-model-len", "128", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "64", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+    ]  # fmt: skip
     log_path = root / "server.log"
-    log = open(log_path, "w")
-    process = subprocess.Popen(
-        [cli, "serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-         "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 400
-        while True:
-            assert process.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if _get(f"{base}/health", timeout=2) is not None:
-                    break
-            except OSError:
-                pass
-            assert time.time() < deadline, "server did not become healthy"
-            time.sleep(1)
+    with serving(args, env, log_path, startup_seconds=400) as base:
         yield base, log_path
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
 
 
 def _post_text(url: str, body: dict) -> str:

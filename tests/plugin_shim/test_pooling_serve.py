@@ -3,10 +3,6 @@
 client, and `/pooling` through an IO-processor plugin installed by its entry point."""
 
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import openai
@@ -15,7 +11,8 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from tests.io_processor_plugin import NAME, install, word_token_ids
-from tests.plugin_shim.test_serve import REPO, _free_port, _get, _post
+from tests.plugin_shim.served import serving
+from tests.plugin_shim.test_serve import _post
 from tests.tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.slow  # starts a server
@@ -32,40 +29,16 @@ def model_dir(tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve_embed_run")
     site = install(str(work / "site"))
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_WORKER_MULTIPROC_METHOD"}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
-    cli = os.path.join(os.path.dirname(sys.executable), "vllm-xla")
-    log_path = work / "server.log"
-    log = open(log_path, "w")
-    process = subprocess.Popen(
-        [cli, "serve", "--model", model_dir, "--runner", "pooling", "--convert", "embed",
-         "--dtype", "float32", "--io-processor-plugin", NAME, "--host", "127.0.0.1", "--port", str(port),
-         "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            assert process.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if _get(f"{base}/health", timeout=2) is not None:
-                    break
-            except OSError:
-                pass
-            assert time.time() < deadline, "server did not become healthy"
-            time.sleep(1)
+    args = [
+        "--model", model_dir, "--runner", "pooling", "--convert", "embed", "--dtype", "float32",
+        "--io-processor-plugin", NAME, "--max-model-len", "128", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "64",
+    ]  # fmt: skip
+    with serving(args, env, work / "server.log", startup_seconds=300) as base:
         yield base
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")
