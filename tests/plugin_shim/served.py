@@ -1,26 +1,49 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A `vllm-xla serve` process for server tests: started in its own session, waited for until
-`/health` answers, stopped (the whole session) when the test module is done."""
+"""Server tests' helpers: a `vllm-xla serve` process (`serving`: started in its own session,
+waited for until `/health` answers, stopped with its whole session when the block ends), a free
+port, and GET / POST of JSON."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.plugin_shim.test_serve import REPO, _free_port, _get
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read()
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
 
 
 @contextlib.contextmanager
 def serving(args: list[str], env: dict[str, str], log_path: Path, *, startup_seconds: float) -> Iterator[str]:
     """Runs `vllm-xla serve --host 127.0.0.1 --port <free> *args` with `env`, its output in
     `log_path`; yields the server's base URL once healthy."""
-    port = _free_port()
+    port = free_port()
     cli = os.path.join(os.path.dirname(sys.executable), "vllm-xla")
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -33,7 +56,7 @@ def serving(args: list[str], env: dict[str, str], log_path: Path, *, startup_sec
             while True:
                 assert process.poll() is None, log_path.read_text()[-3000:]
                 try:
-                    if _get(f"{base}/health", timeout=2) is not None:
+                    if get(f"{base}/health", timeout=2) is not None:
                         break
                 except OSError:
                     pass

@@ -17,8 +17,7 @@ import torch
 
 from tests.greedy_reference import hf_greedy
 from tests.lora_adapters import merged, scaling, write_adapter
-from tests.plugin_shim.served import serving
-from tests.plugin_shim.test_serve import REPO, _get, _post
+from tests.plugin_shim.served import REPO, get, post, serving
 from tests.tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.slow  # starts a server
@@ -126,7 +125,7 @@ def _complete(base, model):
         "temperature": 0.0,
         "ignore_eos": True,
     }
-    return _post(f"{base}/v1/completions", body)["choices"][0]["text"]
+    return post(f"{base}/v1/completions", body)["choices"][0]["text"]
 
 
 def _error(call) -> tuple[int, str]:
@@ -142,7 +141,7 @@ def test_resolver_plugins_find_adapters_a_request_names(setup, server):
     assert _complete(base, "fs-adapter") == texts["fs-adapter"]  # vLLM's filesystem resolver
     assert _complete(base, "mine-adapter") == texts["mine-adapter"]  # our entry point's resolver
     assert _complete(base, model_dir) == texts[None]
-    models = json.loads(_get(f"{base}/v1/models"))
+    models = json.loads(get(f"{base}/v1/models"))
     assert {"fs-adapter", "mine-adapter"} <= {m["id"] for m in models["data"]}
 
 
@@ -159,14 +158,14 @@ def test_adapters_load_and_unload_at_run_time(setup, server):
     code, _ = _error(lambda: _complete(base, "loaded"))
     assert code == 404
     code, text = _error(
-        lambda: _post(
+        lambda: post(
             f"{base}/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(root / "broken")}
         )
     )
     assert code >= 400 and "rank r=16 exceeds max_lora_rank=8" in text, text
     assert _complete(base, model_dir) == texts[None]  # still serving
     assert _complete(base, "mine-adapter") == texts["mine-adapter"]
-    metrics = _get(f"{base}/metrics").decode()
+    metrics = get(f"{base}/metrics").decode()
     assert np.isclose(
         float(
             next(

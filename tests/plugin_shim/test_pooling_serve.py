@@ -11,8 +11,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from tests.io_processor_plugin import NAME, install, word_token_ids
-from tests.plugin_shim.served import serving
-from tests.plugin_shim.test_serve import _post
+from tests.plugin_shim.served import post, serving
 from tests.tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.slow  # starts a server
@@ -66,7 +65,7 @@ def test_openai_client_gets_embeddings(server, model_dir, hf):
 
 def test_io_processor_plugin_serves_its_own_input_and_output(server, model_dir, hf):
     sentences = [["hello", "world"], ["tiny", "models", "pool", "too"]]
-    reply = _post(f"{server}/pooling", {"model": model_dir, "data": {"sentences": sentences}})
+    reply = post(f"{server}/pooling", {"model": model_dir, "data": {"sentences": sentences}})
     data = reply["data"]
     assert data["prompt_token_ids"] == [word_token_ids(s) for s in sentences]
     for ids, row, largest in zip(data["prompt_token_ids"], data["embeddings"], data["largest"], strict=True):
