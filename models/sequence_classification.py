@@ -25,26 +25,21 @@ def classifier_param_map(causal_lm_map: dict[str, str]) -> dict[str, str]:
     return table
 
 
-def _require_labels(config: ModelConfig) -> None:
-    if config.num_labels < 1:
-        raise ValueError(
-            f"{config.architecture} needs num_labels >= 1 (config.json's id2label or num_labels)"
-        )
+class _ScoreHead:
+    """Mixed in before a causal LM: its LM head replaced by the `[D, num_labels]` score head."""
+
+    def __init__(self, config: ModelConfig, *, dtype: jnp.dtype):
+        if config.num_labels < 1:
+            raise ValueError(
+                f"{config.architecture} needs num_labels >= 1 (config.json's id2label or num_labels)"
+            )
+        super().__init__(config, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, config.num_labels, bias=False, dtype=dtype)
 
 
-class LlamaForSequenceClassification(LlamaForCausalLM):
+class LlamaForSequenceClassification(_ScoreHead, LlamaForCausalLM):
     hf_param_map = classifier_param_map(LLAMA_PARAM_MAP)
 
-    def __init__(self, config: ModelConfig, *, dtype: jnp.dtype):
-        _require_labels(config)
-        super().__init__(config, dtype=dtype)
-        self.lm_head = Linear(config.hidden_size, config.num_labels, bias=False, dtype=dtype)
 
-
-class Qwen3ForSequenceClassification(Qwen3ForCausalLM):
+class Qwen3ForSequenceClassification(_ScoreHead, Qwen3ForCausalLM):
     hf_param_map = classifier_param_map(QWEN3_PARAM_MAP)
-
-    def __init__(self, config: ModelConfig, *, dtype: jnp.dtype):
-        _require_labels(config)
-        super().__init__(config, dtype=dtype)
-        self.lm_head = Linear(config.hidden_size, config.num_labels, bias=False, dtype=dtype)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 from transformers import Qwen3ForCausalLM
-from vllm import LLM, PoolingParams
-from vllm.inputs import TokensPrompt
+from vllm import LLM
 
 from tests.models.tiny_checkpoints import prompts, save_tiny
+from tests.plugin_shim.test_pooling_embed import _embed, _normalized
 
 ATOL = 1e-4
 
@@ -41,17 +41,6 @@ def llm(tiny_dir):
 def hf_mean(hf, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return hf.model(torch.tensor([ids])).last_hidden_state[0].mean(0).numpy()
-
-
-def _normalized(x: np.ndarray) -> np.ndarray:
-    return x / max(np.linalg.norm(x), 1e-12)
-
-
-def _embed(llm, batch, **params):
-    outs = llm.embed(
-        [TokensPrompt(prompt_token_ids=ids) for ids in batch], pooling_params=PoolingParams(**params)
-    )
-    return [np.asarray(o.outputs.embedding, np.float32) for o in outs]
 
 
 @pytest.mark.slow
