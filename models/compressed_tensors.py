@@ -5,8 +5,11 @@ A model directory whose `config.json` holds a `quantization_config` with `quant_
 "compressed-tensors"` stores some linear layers' weights as int8 with a scale: W8A16 as
 `pack-quantized` (`weight_packed`: four int8 values a little-endian int32, each offset by 128;
 `weight_shape`; `weight_scale`), W8A8 as `int-quantized` / `naive-quantized` (`weight` int8;
-`weight_scale`). Only 8-bit symmetric integer weights, one scale per output channel or per
-tensor, are accepted; anything else is refused naming the group and what it has. A W8A8
+`weight_scale`). Only 8-bit symmetric integer weights with one scale per output channel, per
+tensor, or per group of `group_size` inputs of each channel (`strategy: "group"`, `weight_scale`
+`[out, in / G]`, without activation reordering) are accepted; anything else is refused naming
+the group and what it has. A checkpoint's groups share one layout (grouped with one
+`group_size`, or not): the model's int8 kernels have one. A W8A8
 checkpoint's activations are not quantized here: its weights serve as W8A16.
 
 The layers the checkpoint holds a `weight_scale` for get int8 kernels before loading
@@ -28,7 +31,7 @@ from models.int8 import SCALE_DTYPE
 
 METHOD = "compressed-tensors"
 _FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
-_STRATEGIES = ("channel", "tensor")
+_STRATEGIES = ("channel", "tensor", "group")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +74,8 @@ def quantization_config(path: str) -> dict | None:
 
 
 def check_config(config: dict) -> None:
-    """ValueError unless every config group holds 8-bit symmetric int weights per channel or tensor."""
+    """ValueError unless every config group holds 8-bit symmetric int weights per channel, per
+    tensor or per group of inputs (one `group_size` for all), activations dynamic or none."""
     fmt = config.get("format")
     if fmt not in _FORMATS:
         raise ValueError(f"compressed-tensors format {fmt!r} is not supported; supported: {_FORMATS}")
@@ -85,12 +89,46 @@ def check_config(config: dict) -> None:
                 f"compressed-tensors group {name!r} has weights {found}; vllm-xla loads 8-bit "
                 f"symmetric int weights with strategy {' or '.join(_STRATEGIES)} only"
             )
+        if found["strategy"] == "group":
+            _check_group(name, weights)
         activations = group.get("input_activations")
         if activations and not activations.get("dynamic", False):
             raise ValueError(
                 f"compressed-tensors group {name!r} has static activation scales; vllm-xla serves "
                 "int8 weights with unquantized activations (dynamic W8A8 or W8A16 checkpoints)"
             )
+    group_size(config)  # one layout for every group
+
+
+def _check_group(name: str, weights: dict) -> None:
+    size, order = weights.get("group_size"), weights.get("actorder")
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"compressed-tensors group {name!r} has strategy 'group' without a group_size")
+    if order not in (None, False):
+        raise ValueError(
+            f"compressed-tensors group {name!r} reorders its inputs (actorder {order!r}); vllm-xla "
+            "loads grouped int8 weights whose groups are consecutive inputs only"
+        )
+
+
+def group_size(config: dict | None) -> int | None:
+    """The inputs per scale of a compressed-tensors `config`'s int8 weights: its `group_size` when
+    they are grouped, None per channel or tensor (or not compressed-tensors). A ValueError when
+    its groups mix layouts or group sizes."""
+    if not config or config.get("quant_method") != METHOD:
+        return None
+    sizes = {
+        (group.get("weights") or {}).get("group_size")
+        if (group.get("weights") or {}).get("strategy") == "group"
+        else None
+        for group in (config.get("config_groups") or {}).values()
+    }
+    if len(sizes) > 1:
+        raise ValueError(
+            "compressed-tensors groups mix int8 scale layouts (group sizes "
+            f"{sorted(sizes, key=str)}, None: per channel or tensor); vllm-xla loads one layout a model"
+        )
+    return next(iter(sizes), None)
 
 
 def int8_layout(
@@ -107,15 +145,21 @@ def int8_layout(
         return None
     check_config(config)
     scaled = {n.removesuffix("_scale") for n in names() if n.endswith(".weight_scale")}
-    return Int8Checkpoint(int8_kernels_for(model, scaled, our_name, path), frozenset(scaled))
+    param_map = int8_kernels_for(model, scaled, our_name, path, group_size(config))
+    return Int8Checkpoint(param_map, frozenset(scaled))
 
 
 def int8_kernels_for(
-    model: nnx.Module, weights: set[str], our_name: Callable[[str], str | None], path: str
+    model: nnx.Module,
+    weights: set[str],
+    our_name: Callable[[str], str | None],
+    path: str,
+    group_size: int | None = None,
 ) -> dict[str, str]:
     """Gives the layers of the HF linear `weights` (names ending `.weight`) that a checkpoint holds
-    as int8 with a `<weight>_scale` int8 zeros and a scale (in place, before loading); returns the
-    model's HF-name table with one scale name per linear weight."""
+    as int8 with a `<weight>_scale` int8 zeros and a scale (in place, before loading): per
+    channel, or with `group_size` one per group of that many inputs (dense projections only);
+    returns the model's HF-name table with one scale name per linear weight."""
     param_map = dict(type(model).hf_param_map)
     for hf, ours in type(model).hf_param_map.items():
         if hf.endswith(".weight") and ours.endswith(".kernel"):
@@ -129,5 +173,23 @@ def int8_kernels_for(
         if module.kernel_scale is None:
             shape = module.kernel.get_value().shape
             module.kernel = nnx.Param(np.zeros(shape, np.int8))
-            module.kernel_scale = nnx.Param(np.zeros(shape[:-2] + shape[-1:], SCALE_DTYPE))
+            scale_shape = _scale_shape(weight, shape, group_size, path)
+            module.kernel_scale = nnx.Param(np.zeros(scale_shape, SCALE_DTYPE))
     return param_map
+
+
+def _scale_shape(weight: str, shape: tuple[int, ...], group_size: int | None, path: str) -> tuple[int, ...]:
+    """The scale of an int8 kernel of `shape` (`[in, out]`, or an expert stack's `[E, in, out]`)."""
+    if group_size is None:
+        return shape[:-2] + shape[-1:]
+    if len(shape) != 2:
+        raise ValueError(
+            f"checkpoint tensor {weight!r} in {path!r} is an expert's with grouped int8 scales; "
+            "vllm-xla keeps one int8 scale per channel for MoE experts: use a checkpoint quantized "
+            "per channel"
+        )
+    if shape[0] % group_size:
+        raise ValueError(
+            f"checkpoint tensor {weight!r} in {path!r} has {shape[0]} inputs, not groups of {group_size}"
+        )
+    return (shape[0] // group_size, shape[1])

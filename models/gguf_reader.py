@@ -6,14 +6,12 @@ package. llama.cpp stores the rows of
 `attn_q`/`attn_k` permuted for its interleaved RoPE; they are permuted back to the HF
 (rotate-half) order here, so the result is what an HF checkpoint of the same model holds.
 
-Serving int8 weights (`models.quantization`), the Q8_0 linear weights can come as int8 instead
-(`int8_q8_0=True`): each is dequantized to float32 (exact: an int8 times its block's float16
-scale), its rows put in HF order, and quantized per output channel from those float32 values
-(`models.int8.quantize_per_channel`), yielded as `<name>` (int8 `[out, in]`) and `<name>_scale`
-(float32 `[out]`), the pair a pre-quantized checkpoint holds. Q8_0's 32-value blocks each have
-their own scale, a row one here: a row's values whose block has the row's largest scale keep
-their exact int8 values, the others are rounded again, to at most half of the row's step. Going
-from the float32 values, not from the model's dtype, spares them a bfloat16 rounding first.
+Serving int8 weights (`models.quantization`), the Q8_0 linear weights come as they are instead
+(`int8_q8_0=True`): Q8_0 stores each row in blocks of `Q8_0_BLOCK` (32) int8 values with one
+float16 scale a block, so a weight `[out, in]` is yielded as `<name>` (its int8 values `[out,
+in]`, rows in HF order) and `<name>_scale` (its block scales `[out, in / 32]` in float32, exact),
+the pair a compressed-tensors `group` checkpoint holds: loaded as an int8 kernel `[in, out]` with
+grouped scales `[in / 32, out]` (`models.int8`), nothing re-quantized.
 """
 
 from __future__ import annotations
@@ -25,9 +23,10 @@ from typing import Any
 import numpy as np
 
 from models.gguf_file import GgufFile, read_gguf
-from models.int8 import quantize_per_channel
+from models.int8 import SCALE_DTYPE
 
 _Q8_0 = 8  # GGMLQuantizationType.Q8_0
+Q8_0_BLOCK = 32  # inputs a Q8_0 scale covers (ggml's QK8_0)
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -113,8 +112,8 @@ def q8_0_linear_weights(source: str | GgufFile) -> list[str]:
 
 def iter_hf_tensors(source: str | GgufFile, *, int8_q8_0: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(hf_name, float32 array)` for every tensor of the GGUF file (a path, or a file
-    already read); with `int8_q8_0`, each of `q8_0_linear_weights` as an int8 weight and its
-    scale (see the module docstring)."""
+    already read); with `int8_q8_0`, each of `q8_0_linear_weights` as its int8 values and block
+    scales (see the module docstring)."""
     from gguf.quants import dequantize
 
     gguf = _opened(source)
@@ -124,14 +123,30 @@ def iter_hf_tensors(source: str | GgufFile, *, int8_q8_0: bool = False) -> Itera
     int8_names = set(q8_0_linear_weights(gguf)) if int8_q8_0 else set()
     for tensor in gguf.tensors:
         name = hf_name(tensor.name)
-        array = np.asarray(dequantize(tensor.data, tensor.ggml_type), dtype=np.float32)
-        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-            array = unpermute_rope_rows(array, num_heads)
-        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-            array = unpermute_rope_rows(array, num_kv_heads)
         if int8_q8_0 and tensor.ggml_type == _Q8_0 and name in int8_names:
-            q, scale = quantize_per_channel(array.T)  # `[in, out]`: a scale per HF row
-            yield name, q.T
-            yield f"{name}_scale", scale
+            q, scale = q8_0_blocks(tensor.data)
+            yield name, _hf_rows(name, q, num_heads, num_kv_heads)
+            yield f"{name}_scale", _hf_rows(name, scale, num_heads, num_kv_heads)
             continue
-        yield name, array
+        array = np.asarray(dequantize(tensor.data, tensor.ggml_type), dtype=np.float32)
+        yield name, _hf_rows(name, array, num_heads, num_kv_heads)
+
+
+def _hf_rows(name: str, array: np.ndarray, num_heads: int, num_kv_heads: int) -> np.ndarray:
+    """A tensor's rows in HF order: q and k projections' (and their per-row scales') unpermuted."""
+    if name.endswith(("q_proj.weight", "q_proj.bias", "q_proj.weight_scale")):
+        return unpermute_rope_rows(array, num_heads)
+    if name.endswith(("k_proj.weight", "k_proj.bias", "k_proj.weight_scale")):
+        return unpermute_rope_rows(array, num_kv_heads)
+    return array
+
+
+def q8_0_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 tensor's raw bytes `[rows, blocks * 34]` (each block a float16 scale, then 32 int8
+    values) -> its int8 values `[rows, blocks * 32]` and float32 scales `[rows, blocks]`."""
+    raw = np.ascontiguousarray(data, np.uint8)
+    rows = raw.reshape(-1, raw.shape[-1]).shape[0]
+    blocks = raw.reshape(rows, -1, 2 + Q8_0_BLOCK)
+    scale = blocks[..., :2].copy().view("<f2")[..., 0].astype(SCALE_DTYPE)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+    return q, scale

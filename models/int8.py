@@ -1,15 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""int8 weights (W8A16): symmetric, one float32 scale per output channel.
+"""int8 weights (W8A16): symmetric, one float32 scale per output channel or per group of inputs.
 
-A kernel `[..., in, out]` is stored as int8 values `q` and a scale `s [..., out]` with
-`w ~ q * s`, `s = max|w| / 127` over the input axis, `q = round(w / s)` in [-127, 127] (the
-symmetric range: -128 is never produced, so `-q` is always representable).
+A kernel `[..., in, out]` is stored as int8 values `q` and a float32 scale `s` with `w ~ q * s`,
+`s = max|w| / 127`, `q = round(w / s)` in [-127, 127] (the symmetric range: -128 is never
+produced, so `-q` is always representable). Two scale layouts:
+
+- per channel: `s [..., out]`, the maximum over every input of a column;
+- grouped: `s [..., in / G, out]`, one scale per column for each run of `G` consecutive inputs
+  (GGUF's Q8_0 blocks, G = 32; compressed-tensors' `group` strategy). `G` is never stored: it
+  is `in / s.shape[-2]` (`group_size`).
 
 The product keeps the activations' dtype: `(x @ q.astype(x.dtype)) * s`. Every int8 value is
 exact in bfloat16 (8 significant bits), so the only rounding is the weights' own quantization;
 the scale multiplies the float32 accumulator after the dot, where it costs one multiply per
-output instead of one per weight. Under `jax.jit` XLA fuses the int8 -> bfloat16 convert into
-the dot's operand on TPU and GPU, so the weights cross memory as int8.
+output (per group and output when grouped: a partial product per group, scaled, then summed)
+instead of one per weight. Under `jax.jit` XLA fuses the int8 -> bfloat16 convert into the
+dot's operand on TPU and GPU, so the weights cross memory as int8.
 
 The functions take NumPy arrays (quantizing on the host at load, no device program per tensor)
 or JAX arrays and tracers (`nnx.eval_shape`, the step) alike.
@@ -29,27 +35,80 @@ def _xp(array):  # NumPy for host arrays, jax.numpy for everything else
     return np if isinstance(array, np.ndarray) else jnp
 
 
+def _quantized(w, amax) -> tuple:
+    """int8 values of float32 `w` and the scales of their maxima `amax` (broadcastable to `w`
+    once a size-1 axis is put where they were reduced; the caller has done so)."""
+    xp = _xp(w)
+    scale = xp.where(amax > 0, amax / INT8_MAX, np.float32(1)).astype(SCALE_DTYPE)
+    q = xp.clip(xp.round(w / scale), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return q, scale
+
+
 def quantize_per_channel(kernel) -> tuple:
     """`kernel [..., in, out]` (any float dtype) -> int8 `q [..., in, out]`, float32 `s [..., out]`.
 
     An all-zero column gets scale 1 (and zero values), never a division by zero."""
     xp = _xp(kernel)
     w = kernel.astype(np.float32)
-    amax = xp.max(xp.abs(w), axis=-2)  # [..., out]
-    scale = xp.where(amax > 0, amax / INT8_MAX, np.float32(1)).astype(SCALE_DTYPE)
-    q = xp.clip(xp.round(w / scale[..., None, :]), -INT8_MAX, INT8_MAX).astype(np.int8)
-    return q, scale
+    q, scale = _quantized(w, xp.max(xp.abs(w), axis=-2, keepdims=True))
+    return q, scale[..., 0, :]
+
+
+def quantize_grouped(kernel, group_size: int) -> tuple:
+    """`kernel [..., in, out]` -> int8 `q [..., in, out]`, float32 `s [..., in / G, out]`: one
+    scale per column for each `group_size` consecutive inputs (`in` must be a multiple of it).
+    An all-zero group gets scale 1."""
+    *lead, inputs, outputs = kernel.shape
+    if group_size < 1 or inputs % group_size:
+        raise ValueError(f"a kernel of {inputs} inputs does not split into groups of {group_size}")
+    xp = _xp(kernel)
+    w = kernel.astype(np.float32).reshape(*lead, inputs // group_size, group_size, outputs)
+    q, scale = _quantized(w, xp.max(xp.abs(w), axis=-2, keepdims=True))
+    return q.reshape(kernel.shape), scale[..., 0, :]
+
+
+def quantize(kernel, group_size: int | None = None) -> tuple:
+    """`quantize_grouped` with `group_size`, else `quantize_per_channel`."""
+    return quantize_per_channel(kernel) if group_size is None else quantize_grouped(kernel, group_size)
+
+
+def group_size(kernel_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> int | None:
+    """The inputs sharing a scale of an int8 kernel of `kernel_shape` with a scale of
+    `scale_shape`: None per channel (`[..., out]`), `in / groups` grouped (`[..., groups, out]`)."""
+    if len(scale_shape) == len(kernel_shape) - 1:
+        return None
+    inputs, groups = kernel_shape[-2], scale_shape[-2]
+    if len(scale_shape) != len(kernel_shape) or groups < 1 or inputs % groups:
+        raise ValueError(f"an int8 scale of shape {scale_shape} fits no kernel of shape {kernel_shape}")
+    return inputs // groups
 
 
 def dequantize(q, scale, dtype=np.float32):
-    """`q [..., in, out] * s [..., out]` in `dtype` (float32 by default)."""
-    return (q.astype(np.float32) * scale[..., None, :].astype(np.float32)).astype(dtype)
+    """`q [..., in, out] * s` in `dtype` (float32 by default), `s` per channel or grouped."""
+    size = group_size(q.shape, scale.shape)
+    s = scale.astype(np.float32)
+    if size is None:
+        return (q.astype(np.float32) * s[..., None, :]).astype(dtype)
+    xp = _xp(q)
+    w = q.astype(np.float32).reshape(*q.shape[:-2], q.shape[-2] // size, size, q.shape[-1])
+    return xp.reshape(w * s[..., None, :], q.shape).astype(dtype)
 
 
-def checkpoint_scale(value: np.ndarray, out_features: int) -> np.ndarray:
-    """A checkpoint's weight scale as our `[out]` float32: per channel (`[out, 1]` or `[out]`, as
-    compressed-tensors writes it) or per tensor (`[1]` or a scalar, broadcast to every channel)."""
-    flat = np.asarray(value, np.float32).reshape(-1)
+def checkpoint_scale(value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A checkpoint's weight scale as ours of `shape` (float32): `(out,)` per channel, from `[out,
+    1]` or `[out]` (as compressed-tensors writes it) or one per tensor (`[1]` or a scalar,
+    broadcast to every channel); `(in / G, out)` grouped, from the HF orientation `[out, in / G]`
+    (compressed-tensors' `group` strategy, GGUF's Q8_0 blocks: `models.gguf_reader`)."""
+    value = np.asarray(value, np.float32)
+    if len(shape) == 2:
+        if value.shape != shape[::-1]:
+            raise ValueError(
+                f"a weight scale of shape {value.shape} is not one per group of inputs and output "
+                f"channel ({shape[::-1]})"
+            )
+        return np.ascontiguousarray(value.T, SCALE_DTYPE)
+    (out_features,) = shape
+    flat = value.reshape(-1)
     if flat.size == 1:
         return np.full((out_features,), flat[0], SCALE_DTYPE)
     if flat.size != out_features:
@@ -60,9 +119,23 @@ def checkpoint_scale(value: np.ndarray, out_features: int) -> np.ndarray:
     return flat.astype(SCALE_DTYPE)
 
 
-def int8_dot(x: jax.Array, q: jax.Array, scale: jax.Array, spec: str = "td,df->tf") -> jax.Array:
-    """`einsum(spec, x, q * s)` in float32: the int8 values converted to `x`'s dtype inside the
-    program (fused into the dot's operand), the per-channel scale applied to the product's last
-    axis. `scale` broadcasts against the product (`[out]`, or e.g. `[N, 1, out]` for tiles)."""
-    y = jnp.einsum(spec, x, q.astype(x.dtype), preferred_element_type=jnp.float32)
-    return y * scale.astype(jnp.float32)
+def int8_dot(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x [T, in] @ (q * s) [in, out]` in float32, the int8 values converted to `x`'s dtype inside
+    the program (fused into the dot's operand: no dequantized weight is ever materialized).
+
+    Per channel: one dot, the product's columns times `s [out]`. Grouped (`s [in / G, out]`): a
+    partial product per group (`[in / G, T, G] x [in / G, G, out] -> [in / G, T, out]`, a dot
+    batched over the groups), each times its scale, summed over the groups; the batched dot
+    costs the same multiply-adds as the plain one, the scaling one multiply-add per group and
+    output."""
+    size = group_size(q.shape, scale.shape)
+    if size is None:
+        y = jnp.einsum("td,df->tf", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
+        return y * scale.astype(jnp.float32)
+    groups = q.shape[0] // size
+    # The groups lead both operands: the batched dot XLA:CPU runs on bfloat16 (with the batch
+    # axis inside x it falls back to a generic dot without bfloat16 -> float32).
+    xg = jnp.swapaxes(x.reshape(x.shape[0], groups, size), 0, 1)  # [G', T, G]
+    qg = q.reshape(groups, size, q.shape[1]).astype(x.dtype)
+    partial = jnp.einsum("gti,gif->gtf", xg, qg, preferred_element_type=jnp.float32)
+    return jnp.einsum("gtf,gf->tf", partial, scale.astype(jnp.float32))

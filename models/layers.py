@@ -18,7 +18,15 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
-from models.linear import Linear, PackedKernel, matmul, packed_for_native_dense, zeros_param
+from models.int8 import group_size
+from models.linear import (
+    Linear,
+    PackedKernel,
+    matmul,
+    native_dense_takes_groups,
+    packed_for_native_dense,
+    zeros_param,
+)
 from models.metadata import AttentionMetadata
 from models.rope import Rope, RopeTable, apply_rope, rope_table, step_rope_table
 from models.sharding import MODEL_AXIS, repeat_kv_heads, vocab_parallel
@@ -206,11 +214,11 @@ class PagedAttention(nnx.Module):
         if repeats == 1:
             return
         for linear in (self.k_proj, self.v_proj):
-            axis_of = {"kernel": 1, "bias": 0, "kernel_scale": 0}
-            for name, axis in axis_of.items():
+            for name in ("kernel", "bias", "kernel_scale"):  # output features last in each
                 param = getattr(linear, name)
                 if param is not None:
-                    param.set_value(repeat_kv_heads(param[...], self.num_kv_heads, repeats, axis=axis))
+                    value = param[...]
+                    param.set_value(repeat_kv_heads(value, self.num_kv_heads, repeats, axis=value.ndim - 1))
         self.num_kv_heads *= repeats
 
 
@@ -442,17 +450,22 @@ def pack_for_native_dense(model: nnx.Module, *, float32: bool = False) -> int:
     """Packs every Linear kernel (and a tied head's copy) that the native CPU dense kernel can take
     (`pallas_kernels.cpu.native_dense`): the bfloat16 and int8 ones, and with `float32` the float32 ones;
     returns how many. Run after loading, on a CPU where `pallas_kernels.cpu.dense_isa` is not None
-    (for `float32`, where it is "avx2": CPUs with AVX-512 or AMX run XLA's float32 dots faster)."""
+    (for `float32`, where it is "avx2": CPUs with AVX-512 or AMX run XLA's float32 dots faster).
+    An int8 kernel with grouped scales is packed only where the native kernel takes them
+    (`linear.native_dense_takes_groups`); else it stays on XLA's dot."""
     packed = 0
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, Linear):
-            name = "kernel"
+            name, scale = "kernel", module.kernel_scale
         elif isinstance(module, Embedding) and module.head_kernel is not None:
-            name = "head_kernel"
+            name, scale = "head_kernel", module.head_scale
         else:
             continue
         kernel = getattr(module, name)
         if isinstance(kernel, PackedKernel):
+            continue
+        grouped = scale is not None and group_size(kernel.get_value().shape, scale.get_value().shape)
+        if grouped and not native_dense_takes_groups():
             continue
         value = packed_for_native_dense(kernel[...], float32=float32)
         if value is not None:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.int8 import quantize_per_channel
+from models.int8 import group_size, int8_dot, quantize
 from models.sharding import interleave_blocks
 from pallas_kernels import cpu
 
@@ -23,8 +23,9 @@ def zeros_param(shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
 
 
 class Linear(nnx.Module):
-    """`y = x @ kernel (+ bias)` with the kernel stored `[in, out]`; an int8 kernel has its
-    per-output-channel scale in `kernel_scale` (`models.int8`, `models.quantization`)."""
+    """`y = x @ kernel (+ bias)` with the kernel stored `[in, out]`; an int8 kernel has its scale
+    in `kernel_scale`: `[out]` per output channel or `[in / G, out]` per group of `G` inputs
+    (`models.int8`, `models.quantization`)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype):
         self.in_features, self.out_features = in_features, out_features
@@ -50,7 +51,7 @@ class Linear(nnx.Module):
         parts in that many blocks (`sharding.interleave_blocks`): block j holds the j-th slice of
         every part, so a split over `blocks` devices gives each its own slice of each part."""
         if any(p.kernel_scale is not None for p in parts):  # int8 parts: all of them, each its scales
-            values = [_int8_kernel(p) for p in parts]
+            values = _int8_kernels(parts)
             kernels, scales = [k for k, _ in values], [s for _, s in values]
         else:
             kernels, scales = [p.kernel[...] for p in parts], None
@@ -58,17 +59,30 @@ class Linear(nnx.Module):
         fused = cls(kernel.shape[0], kernel.shape[1], bias=parts[0].bias is not None, dtype=kernel.dtype)
         fused.kernel.set_value(kernel)
         if scales is not None:
-            fused.kernel_scale = nnx.Param(interleave_blocks(scales, blocks, axis=0))
+            fused.kernel_scale = nnx.Param(interleave_blocks(scales, blocks, axis=scales[0].ndim - 1))
         if fused.bias is not None:
             fused.bias.set_value(interleave_blocks([p.bias[...] for p in parts], blocks, axis=0))
         return fused
 
 
-def _int8_kernel(linear: Linear) -> tuple:
-    """`linear`'s int8 kernel and scale, quantizing a float one (`models.int8`)."""
-    if linear.kernel_scale is not None:
-        return linear.kernel[...], linear.kernel_scale[...]
-    return quantize_per_channel(linear.kernel[...])
+def _int8_kernels(parts: Sequence[Linear]) -> list[tuple]:
+    """Each part's int8 kernel and scale, a float part quantized like the int8 ones (per channel,
+    or in their groups): a fused kernel has one scale layout, which every part must share."""
+    sizes = {
+        group_size(p.kernel.get_value().shape, p.kernel_scale.get_value().shape)
+        for p in parts
+        if p.kernel_scale is not None
+    }
+    if len(sizes) > 1:
+        raise ValueError(
+            "the projections fused into one have int8 scales of different layouts "
+            f"(inputs per scale: {sorted(sizes, key=str)}); a fused projection needs one"
+        )
+    (size,) = sizes
+    return [
+        (p.kernel[...], p.kernel_scale[...]) if p.kernel_scale is not None else quantize(p.kernel[...], size)
+        for p in parts
+    ]
 
 
 class PackedKernel(nnx.Variable):
@@ -89,13 +103,21 @@ def matmul(x: jax.Array, kernel: nnx.Variable, scale: nnx.Variable | None = None
         if scale is not None:  # int8 panels: the native int8 kernel (AVX-512 or AVX2)
             return cpu.native_dense_int8(x, kernel[...], scale[...])
         return cpu.native_dense(x, kernel[...])
-    kernel = kernel[...] if scale is None else kernel[...].astype(x.dtype)
     single_bf16_row = x.shape[0] == 1 and x.dtype == jnp.bfloat16
     if single_bf16_row:
         x = jnp.concatenate([x, x])
-    y = jnp.einsum("td,df->tf", x, kernel, preferred_element_type=jnp.float32)
-    y = y[:1] if single_bf16_row else y
-    return y if scale is None else y * scale[...]
+    if scale is None:
+        y = jnp.einsum("td,df->tf", x, kernel[...], preferred_element_type=jnp.float32)
+    else:
+        y = int8_dot(x, kernel[...], scale[...])
+    return y[:1] if single_bf16_row else y
+
+
+def native_dense_takes_groups() -> bool:
+    """Whether the native CPU int8 dense kernel takes grouped scales (`scale [K / G, N]`): a
+    grouped int8 kernel is packed for it only then, else it stays on XLA's dot."""
+    takes = getattr(cpu, "dense_int8_takes_groups", None)
+    return bool(takes is not None and takes())
 
 
 def packed_for_native_dense(kernel: jax.Array, *, float32: bool = False) -> jax.Array | None:

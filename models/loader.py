@@ -127,6 +127,16 @@ class _ExpertStacks:
             raise ValueError(f"checkpoint {path!r} lacks experts {absent[:8]} of {ours!r}")
 
 
+def int8_group_size(path: str) -> int | None:
+    """The inputs per scale of the int8 weights the checkpoint at `path` holds as they are: a
+    GGUF's Q8_0 blocks (`gguf_reader.Q8_0_BLOCK`), a compressed-tensors `group` checkpoint's
+    `group_size`; None when they are per channel (or there are none: quantized at load per
+    channel). What `models.quantization.quantize_int8` takes to prepare a model that loads them."""
+    if gguf_q8_0_weights(path):
+        return gguf_reader.Q8_0_BLOCK
+    return compressed_tensors.group_size(compressed_tensors.quantization_config(path))
+
+
 def gguf_q8_0_weights(path: str) -> set[str]:
     """The HF names of the Q8_0 linear weights of the model at `path`'s GGUF files (none for
     safetensors)."""
@@ -150,8 +160,8 @@ def iter_parameters(
 
     A compressed-tensors int8 checkpoint's quantized layers load as int8 kernels with their
     scales, unchanged (`models.compressed_tensors`). `int8` (the model is served with int8
-    weights): a GGUF's Q8_0 linear weights load as int8 kernels and scales too, quantized per
-    channel from their exact float32 values (`gguf_reader`), before any cast to the model's dtype.
+    weights): a GGUF's Q8_0 linear weights load as int8 kernels and scales too, as they are: one
+    scale per block of 32 inputs of each column (`gguf_reader`).
     """
     compiled = _compile_param_map(type(model).hf_param_map)
     tensors = iter_checkpoint(path)
@@ -163,7 +173,7 @@ def iter_parameters(
     if layout is not None:
         compiled, tensors = _compile_param_map(layout.param_map), layout.tensors(tensors)
     elif int8 and (q8_0 := gguf_q8_0_weights(path)):
-        param_map = compressed_tensors.int8_kernels_for(model, q8_0, our_name, path)
+        param_map = compressed_tensors.int8_kernels_for(model, q8_0, our_name, path, gguf_reader.Q8_0_BLOCK)
         compiled, tensors = _compile_param_map(param_map), iter_checkpoint(path, int8_q8_0=True)
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     expected = {".".join(str(p) for p in key): var.get_value() for key, var in params.items()}
@@ -183,8 +193,8 @@ def iter_parameters(
         current = expected[ours]
         if ours.endswith("kernel"):
             value = value.T
-        elif ours.endswith("kernel_scale"):  # `[out, 1]` per channel or one per tensor -> `[out]`
-            value = checkpoint_scale(value, current.shape[-1])
+        elif ours.endswith("kernel_scale"):  # -> `[out]` per channel, `[in / G, out]` grouped
+            value = checkpoint_scale(value, current.shape if expert is None else current.shape[1:])
         if expert is not None:
             value = stacks.put(ours, expert, value, current.shape, current.dtype, hf)
             if value is None:

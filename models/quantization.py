@@ -2,16 +2,20 @@
 """int8 weight-only quantization (W8A16) of a loaded model: which weights, and the pass itself.
 
 `quantize_int8(model)` replaces every float dense kernel by int8 values and a float32 scale per
-output channel (`models.int8`): the attention and MLP projections (fused or not), the MoE
-experts' stacked kernels, and the LM head (an untied `lm_head`, or a tied head's `[D, V]` copy).
-Kept in the model's dtype: the embedding table (a lookup reads one row a token: its bytes do not
-bound a step), norms, biases, and the MoE router (tiny, and a rounding there changes which
-experts run, not just how precisely). A kernel that is int8 already (loaded so from a
-pre-quantized checkpoint: `models.compressed_tensors`) is left as it is.
+output channel, or with `group_size` per group of that many inputs (`models.int8`): the
+attention and MLP projections (fused or not), the MoE experts' stacked kernels, and the LM head
+(an untied `lm_head`, or a tied head's `[D, V]` copy). Kept in the model's dtype: the embedding
+table (a lookup reads one row a token: its bytes do not bound a step), norms, biases, and the
+MoE router (tiny, and a rounding there changes which experts run, not just how precisely). A
+kernel that is int8 already (loaded so from a pre-quantized checkpoint:
+`models.compressed_tensors`, a GGUF's Q8_0 weights) is left as it is. Grouped scales are for
+the dense projections and the head: the MoE experts keep one scale per channel, and so does a
+kernel whose inputs do not split into groups of `group_size`.
 
-Run after `prepare_for_serving` (quantizing per output channel commutes with fusing columns and
-repeating KV heads: each column keeps its own scale) and before packing for the native CPU dense
-kernel, which then packs the int8 kernels for its int8 path (`pallas_kernels.cpu.native_dense_int8`).
+Run after `prepare_for_serving` (quantizing per output channel, or per group of inputs of each
+column, commutes with fusing columns and repeating KV heads: each column keeps its own scales)
+and before packing for the native CPU dense kernel, which then packs the int8 kernels for its
+int8 path (`pallas_kernels.cpu.native_dense_int8`).
 Also runs under `nnx.eval_shape`, giving the quantized layout's shapes and dtypes.
 """
 
@@ -19,30 +23,40 @@ from __future__ import annotations
 
 from flax import nnx
 
-from models.int8 import quantize_per_channel
+from models.int8 import quantize, quantize_per_channel
 from models.layers import Embedding, HeadCopy
 from models.linear import Linear, PackedKernel
 from models.moe import SparseMoE, StackedLinear
 
 # The values of vLLM's `quantization` option that serve int8 weights, and what each means here.
 INT8_METHODS = {
-    "int8_per_channel_weight_only": "int8 weights quantized at load from a float checkpoint",
+    "int8_per_channel_weight_only": (
+        "int8 weights quantized at load from a float checkpoint (a GGUF's Q8_0 weights loaded as they are)"
+    ),
     "compressed-tensors": "a pre-quantized int8 checkpoint (compressed-tensors), loaded as it is",
 }
 
 
-def quantize_int8(model: nnx.Module) -> int:
+def quantize_int8(model: nnx.Module, group_size: int | None = None) -> int:
     """Quantizes `model`'s float dense kernels in place (see the module docstring); returns how many."""
     routers = {id(m.router) for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoE)}
     quantized = 0
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, (Linear, StackedLinear)) and id(module) not in routers:
             if module.kernel_scale is None and not isinstance(module.kernel, PackedKernel):
-                q, scale = quantize_per_channel(module.kernel[...])
+                size = group_size if isinstance(module, Linear) else None
+                q, scale = _quantized(module.kernel[...], size)
                 module.kernel, module.kernel_scale = nnx.Param(q), nnx.Param(scale)
                 quantized += 1
         elif isinstance(module, Embedding) and module.head_kernel is not None and module.head_scale is None:
-            q, scale = quantize_per_channel(module.head_kernel[...])
+            q, scale = _quantized(module.head_kernel[...], group_size)
             module.head_kernel, module.head_scale = HeadCopy(q), HeadCopy(scale)
             quantized += 1
     return quantized
+
+
+def _quantized(kernel, group_size: int | None) -> tuple:
+    """`kernel [in, out]` quantized in groups of `group_size` inputs where they split so, else per channel."""
+    if group_size is not None and kernel.shape[-2] % group_size == 0:
+        return quantize(kernel, group_size)
+    return quantize_per_channel(kernel)

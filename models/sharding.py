@@ -11,8 +11,11 @@ family. The mesh has one axis, `MODEL_AXIS` (vLLM's `tensor_parallel_size`):
   (`linear.Linear.concatenated(blocks=N)`), so attention and the activation need no exchange;
 - row-parallel (input features split): `o_proj` and `down_proj`; XLA sums the partial products
   (one all-reduce per block); their biases are replicated (added once, after the sum);
-- an int8 kernel's per-output-channel scale (`kernel_scale`, a tied head's `head_scale`) follows
-  its kernel's columns: split where they are, replicated for the row-parallel ones;
+- an int8 kernel's scale (`kernel_scale`, a tied head's `head_scale`) follows its kernel: per
+  output channel (`[out]`) split where the columns are, replicated for the row-parallel ones;
+  grouped (`[in / G, out]`, `GROUPED_SCALE_RULES`) split on its last axis for the
+  column-parallel ones and on its groups for the row-parallel ones, whose every device must
+  then hold whole groups of inputs (else `parameter_spec` refuses the TP size by name);
 - vocab-parallel: the embedding table (rows; the lookup is masked per device and summed,
   `layers.Embedding`) and the LM head (columns: each device computes its vocabulary slice of
   the logits, gathered before sampling);
@@ -61,12 +64,31 @@ DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"lm_head\.kernel_scale$", _SPLIT),  # [V]
     (r".*", _REPLICATED),
 )
+# int8 scales of one per group of inputs and output (`[in / G, out]`, `models.int8`): a
+# 2-D `kernel_scale` or `head_scale` outside the experts (theirs are per channel, `[E, out]`).
+GROUPED_SCALE_RULES: tuple[tuple[str, PartitionSpec], ...] = (
+    (rf"\.{_COLUMN_LINEARS}\.kernel_scale$", _COLUMN),
+    (r"\.(o_proj|down_proj)\.kernel_scale$", _ROW),
+    (r"embed_tokens\.head_scale$", _COLUMN),
+    (r"lm_head\.kernel_scale$", _COLUMN),
+    (r".*", _REPLICATED),
+)
 _COMPILED_RULES = tuple((re.compile(pattern), spec) for pattern, spec in DECODER_RULES)
+_COMPILED_GROUPED = tuple((re.compile(pattern), spec) for pattern, spec in GROUPED_SCALE_RULES)
+_SCALE = re.compile(r"(kernel_scale|head_scale)$")
+_EXPERTS = re.compile(r"\.experts\.")
 
 
-def rule_spec(path: str) -> PartitionSpec:
-    """The rules table's PartitionSpec for the parameter at dotted `path` (before divisibility)."""
-    for pattern, spec in _COMPILED_RULES:
+def is_grouped_scale(path: str, ndim: int) -> bool:
+    """Whether the parameter at dotted `path` with `ndim` axes is an int8 scale per group of inputs."""
+    return ndim == 2 and _SCALE.search(path) is not None and _EXPERTS.search(path) is None
+
+
+def rule_spec(path: str, ndim: int | None = None) -> PartitionSpec:
+    """The rules table's PartitionSpec for the parameter at dotted `path` (before divisibility);
+    `ndim`, its axes when known, tells a grouped int8 scale from a per-channel one."""
+    rules = _COMPILED_GROUPED if ndim is not None and is_grouped_scale(path, ndim) else _COMPILED_RULES
+    for pattern, spec in rules:
         if pattern.search(path):
             return spec
     return _REPLICATED  # unreachable: the last rule matches everything
@@ -79,10 +101,19 @@ def parameter_spec(path: str, shape: tuple[int, ...], tp_size: int) -> Partition
     The rule's split dimensions, unless `tp_size` is 1 or does not divide one of them: then the
     parameter is replicated (one device holds it whole). This is the one lookup for placing,
     checking and restoring parameters.
+
+    A row-parallel kernel's grouped int8 scale (`[in / G, out]`) whose groups `tp_size` does not
+    divide is a ValueError: a device's share of the inputs would end inside a group.
     """
-    spec = rule_spec(path)
+    spec = rule_spec(path, len(shape))
     if tp_size == 1 or not spec:
         return _REPLICATED
+    if spec == _ROW and is_grouped_scale(path, len(shape)) and shape[0] % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} cannot split {path}: its kernel's inputs are in "
+            f"{shape[0]} groups sharing an int8 scale, which do not divide by {tp_size}, so a "
+            f"device's share would end inside a group; use a tensor_parallel_size dividing {shape[0]}"
+        )
     for axis, name in enumerate(spec):
         if name is not None and (axis >= len(shape) or shape[axis] % tp_size):
             return _REPLICATED

@@ -13,13 +13,14 @@ tensors at a time beyond what its own (CPU) device keeps, and a device receives 
 of a split weight.
 
 int8 weights (`models.quantization`) stream alike: where the served model has a kernel's scale,
-a float kernel is quantized on the host as it is read (`models.int8.quantize_per_channel`, per
-output column, so quantizing a part before fusing gives the fused kernel's own values), and its
+a float kernel is quantized on the host as it is read (`models.int8.quantize`, per output column
+or per group of inputs of each column, as the served scale's shape says: quantizing a part
+before fusing gives the fused kernel's own values), and its
 scale travels beside it as one more tensor: a fused projection's scales wait for their siblings
 and are re-blocked exactly like the kernels' columns (`models.sharding.fuse_parts`), then placed
 split like those columns. A pre-quantized checkpoint's int8 kernels and scales
 (`models.compressed_tensors`, a GGUF's Q8_0 weights: `models.gguf_reader`) take the same way
-without quantizing here.
+without quantizing here; a scale whose layout is not the served one is refused by name.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from models.config import ModelConfig
-from models.int8 import quantize_per_channel
+from models.int8 import group_size, quantize
+from models.linear import PackedKernel
 from models.loader import _ExpertStacks, iter_parameters, prepare_for_serving
 from models.registry import build
 from models.sharding import MODEL_AXIS, fuse_parts, fused_parts, parameter_sharding
@@ -157,6 +159,12 @@ def _stream(
             ours = name
         else:
             host_bytes.observe(waiting_bytes() + value.nbytes)
+        if ours.endswith("_scale") and tuple(value.shape) != tuple(served[ours].get_value().shape):
+            raise ValueError(
+                f"the checkpoint's int8 scale {ours} has shape {tuple(value.shape)}, the served "
+                f"model {tuple(served[ours].get_value().shape)}: its int8 layout (per channel or "
+                "grouped, and the group size) is not the one this model was prepared for"
+            )
         placed[ours] = place(ours, value, served[ours])
         if ours in head_copies:
             for name, copy in _with_scales([(head_copies[ours], value.T)], quantized):
@@ -174,25 +182,37 @@ def _scale_name(kernel: str) -> str:
     )
 
 
-def _quantized_kernels(served: dict[str, nnx.Variable], part_of: dict[str, tuple[str, int]]) -> set[str]:
+def _quantized_kernels(
+    served: dict[str, nnx.Variable], part_of: dict[str, tuple[str, int]]
+) -> dict[str, int | None]:
     """The loaded kernels the served model holds as int8 with a scale (a fused kernel's parts
-    under their own names)."""
-    int8 = {
-        name for name in served if name.endswith(("kernel", "head_kernel")) and _scale_name(name) in served
-    }
-    return int8 | {part for part, (name, _) in part_of.items() if name in int8}
+    under their own names), each with its inputs per scale (`models.int8.group_size`: None per
+    channel)."""
+    int8 = {}
+    for name in served:
+        if name.endswith(("kernel", "head_kernel")) and _scale_name(name) in served:
+            shapes = (served[name].get_value().shape, served[_scale_name(name)].get_value().shape)
+            packed = isinstance(served[name], PackedKernel)
+            int8[name] = _packed_group(shapes) if packed else group_size(*shapes)
+    return int8 | {part: int8[name] for part, (name, _) in part_of.items() if name in int8}
+
+
+def _packed_group(shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> int | None:
+    """`group_size` of a kernel packed for the native CPU dense kernel (`[N / 16, K, 16]`)."""
+    (panels, inputs, width), scale = shapes
+    return group_size((inputs, panels * width), scale)
 
 
 def _with_scales(
-    params: Iterable[tuple[str, np.ndarray]], quantized: set[str]
+    params: Iterable[tuple[str, np.ndarray]], quantized: dict[str, int | None]
 ) -> Iterator[tuple[str, np.ndarray]]:
     """`params` (`(dotted path, host value)`) with each float kernel that the served model holds
-    as int8 quantized on the host, followed by its scale as a parameter of its own; a kernel
-    that is int8 already (a pre-quantized checkpoint's, whose scale comes from the checkpoint)
-    and every other parameter pass as they are."""
+    as int8 quantized on the host (in its groups where grouped), followed by its scale as a
+    parameter of its own; a kernel that is int8 already (a pre-quantized checkpoint's, whose
+    scale comes from the checkpoint) and every other parameter pass as they are."""
     for ours, value in params:
         if ours in quantized and jnp.issubdtype(value.dtype, jnp.floating):
-            q, scale = quantize_per_channel(value)
+            q, scale = quantize(value, quantized[ours])
             yield ours, q
             yield _scale_name(ours), scale
         else:

@@ -167,14 +167,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     from models.compressed_tensors import METHOD, quantization_config
     from tpu_platform.converted import convert
-    from tpu_platform.prepared_weights import Preparation
+    from tpu_platform.prepared_weights import Preparation, int8_quantization
 
     # A compressed-tensors int8 source is int8 as it is (vLLM serves it so): kept, never dequantized.
     source_method = (quantization_config(args.model) or {}).get("quant_method")
     int8 = args.quantization != "none" or source_method == METHOD
     try:
         preparation = Preparation(
-            jnp.dtype(args.dtype).name, args.packing, quantization="int8" if int8 else "none"
+            jnp.dtype(args.dtype).name,
+            args.packing,
+            quantization=int8_quantization(args.model) if int8 else "none",
         )
     except TypeError:
         raise SystemExit(

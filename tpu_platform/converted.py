@@ -90,7 +90,7 @@ def restore_converted(
                 f"it holds {stored.dtype} weights and the model runs in {preparation.dtype}: pass "
                 f"--dtype {stored.dtype}, or convert the source again with --dtype {preparation.dtype}"
             )
-        if stored.quantization not in ("none", preparation.quantization):
+        if stored.int8 and not preparation.int8:  # either int8 layout serves as it was converted
             raise UnusableCheckpoint(
                 f"it holds {stored.quantization} weights: serve it with "
                 "--quantization int8_per_channel_weight_only, or convert the source again"
@@ -103,7 +103,7 @@ def restore_converted(
         model = restore_prepared(checkpoint, model_config, stored, shardings, tp_size=preparation.tp_size)
     except UnusableCheckpoint as error:
         raise ValueError(f"the converted weights at {checkpoint} cannot be served: {error}") from error
-    if stored.packing != preparation.packing or stored.quantization != preparation.quantization:
+    if stored.packing != preparation.packing or stored.int8 != preparation.int8:
         # Packing runs only on the CPU device, whose arrays NumPy views in place: repacked on the
         # host (views), the kernels cost one copy each on their way back, not a device op each.
         nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
@@ -114,8 +114,8 @@ def restore_converted(
 def _stored_preparation(metadata: dict) -> Preparation:
     dtype, _, rest = str(metadata.get("preparation", "")).partition("-")
     packing, _, tp = rest.partition("-tp")
-    packing, int8, _ = packing.partition("-int8")
+    packing, int8, group = packing.partition("-int8")
     try:
-        return Preparation(dtype, packing, int(tp or 1), "int8" if int8 else "none")
+        return Preparation(dtype, packing, int(tp or 1), f"int8{group}" if int8 else "none")
     except ValueError as error:
         raise UnusableCheckpoint(f"unknown preparation {metadata.get('preparation')!r}") from error

@@ -19,6 +19,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models import ModelConfig, PackedKernel, build, pack_for_native_dense
 from models.linear import packed_for_native_dense
+from models.loader import int8_group_size
 from models.quantization import quantize_int8
 from models.sharding import fused_layout, fused_parts
 from models.weight_stream import HostBytes, served_abstract, stream_model
@@ -45,7 +47,8 @@ LAYOUT_VERSION = 1
 ShardingFor = jax.sharding.Sharding | Callable[[tuple[str, ...], jax.ShapeDtypeStruct], jax.sharding.Sharding]
 
 _PACKINGS = ("none", "native", "native+f32")
-_QUANTIZATIONS = ("none", "int8")
+_QUANTIZATIONS = ("none", "int8")  # and "int8-g<G>": int8 with one scale per G inputs
+_GROUPED_INT8 = re.compile(r"int8-g([1-9][0-9]*)")
 
 
 class UnusableCheckpoint(Exception):
@@ -60,8 +63,11 @@ class Preparation:
     `packing`: "none" (XLA's dots), "native" (bfloat16 kernels packed for the native CPU dense
     kernel) or "native+f32" (float32 kernels too: CPUs whose best path is AVX2). `tp_size`: the
     tensor-parallel size the weights were laid out for (fused projections one block a device, KV
-    heads repeated up to it: `models.sharding`). `quantization`: "none", or "int8" (every float
-    dense kernel quantized to int8 per output channel: `models.quantization`).
+    heads repeated up to it: `models.sharding`). `quantization`: "none", "int8" (every float
+    dense kernel int8 with a scale per output channel: `models.quantization`) or "int8-g<G>"
+    (the dense projections' and the head's scales per group of G inputs of each column, as a
+    GGUF's Q8_0 weights (G = 32) or a compressed-tensors `group` checkpoint hold them:
+    `int8_quantization`). The two int8 layouts are distinct preparations (names, cache entries).
     """
 
     dtype: str
@@ -72,8 +78,20 @@ class Preparation:
     def __post_init__(self) -> None:
         if self.packing not in _PACKINGS:
             raise ValueError(f"packing {self.packing!r} is not one of {_PACKINGS}")
-        if self.quantization not in _QUANTIZATIONS:
-            raise ValueError(f"quantization {self.quantization!r} is not one of {_QUANTIZATIONS}")
+        if self.quantization not in _QUANTIZATIONS and not _GROUPED_INT8.fullmatch(self.quantization):
+            raise ValueError(
+                f"quantization {self.quantization!r} is not one of {_QUANTIZATIONS} or int8-g<group size>"
+            )
+
+    @property
+    def int8(self) -> bool:
+        return self.quantization != "none"
+
+    @property
+    def int8_group_size(self) -> int | None:
+        """The inputs sharing an int8 scale: None per channel (or no int8)."""
+        grouped = _GROUPED_INT8.fullmatch(self.quantization)
+        return int(grouped.group(1)) if grouped else None
 
     @classmethod
     def for_dense_isa(
@@ -86,14 +104,16 @@ class Preparation:
 
     @property
     def name(self) -> str:
-        int8 = "-int8" if self.quantization == "int8" else ""
+        int8 = f"-{self.quantization}" if self.int8 else ""
         return f"{self.dtype}-{self.packing}{int8}" + (f"-tp{self.tp_size}" if self.tp_size > 1 else "")
 
     def apply(self, model: nnx.Module) -> int:
         """Quantizes and packs `model`'s kernels as this preparation does (after
         `prepare_for_serving`); returns how many kernels were packed."""
-        if self.quantization == "int8":
-            quantize_int8(model)  # before packing: the int8 kernels pack for the native int8 kernel
+        if self.int8:
+            quantize_int8(
+                model, self.int8_group_size
+            )  # before packing: the int8 kernels pack for the native int8 kernel
         if self.packing == "none":
             return 0
         return pack_for_native_dense(model, float32=self.packing == "native+f32")
@@ -104,6 +124,14 @@ class Preparation:
         if not isinstance(served, PackedKernel):
             return value
         return packed_for_native_dense(value, float32=self.packing == "native+f32")
+
+
+def int8_quantization(path: str) -> str:
+    """The `Preparation.quantization` serving the model at `path` with int8 weights: its own int8
+    weights' layout where it holds them as they are (`models.loader.int8_group_size`: a GGUF's
+    Q8_0 blocks, a compressed-tensors `group` checkpoint), else per channel."""
+    size = int8_group_size(path)
+    return "int8" if size is None else f"int8-g{size}"
 
 
 def abstract_prepared(config: ModelConfig, preparation: Preparation) -> tuple[nnx.GraphDef, nnx.State]:

@@ -37,7 +37,7 @@ from tpu_platform.lora_slots import LoraSlots
 from tpu_platform.mesh import replicated, tensor_parallel_mesh
 from tpu_platform.pooled_step import PoolingPrograms
 from tpu_platform.pooling import PoolingRequests, pooled_outputs
-from tpu_platform.prepared_weights import Preparation, ShardingFor, load_prepared
+from tpu_platform.prepared_weights import Preparation, ShardingFor, int8_quantization, load_prepared
 from tpu_platform.programs import (
     ExecutableCache,
     Programs,
@@ -177,9 +177,12 @@ class Runner:
         by tensor, onto the weight shardings (`prepared_weights.load_prepared`) and, with
         npcache, stored there."""
         path = self.config.model_path
-        int8 = "none" if self.config.quantization is None else "int8"
-        preparation = Preparation.for_dense_isa(self.dtype.name, self.dense_isa, self.tp_size, int8)
         converted = converted_weights(path)
+        # int8 in the source's own layout (a converted directory keeps the one it was converted in)
+        int8 = "none"
+        if self.config.quantization is not None:
+            int8 = "int8" if converted else int8_quantization(path)
+        preparation = Preparation.for_dense_isa(self.dtype.name, self.dense_isa, self.tp_size, int8)
         if converted is not None:
             self.model_config = ModelConfig.from_pretrained(path)
             model = restore_converted(converted, self.model_config, preparation, self.weight_shardings)

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A GGUF's Q8_0 weights served as int8 (`gguf_reader`, int8 loads): a tiny Llama written here
-with the `gguf` package's writer and Q8_0 quantizer, loaded with int8 weights, against the
-float model of the dequantized Q8_0 values (the file's own meaning) and against quantizing that
-float model per channel (what the int8 load must give, bit for bit)."""
+"""A GGUF's Q8_0 weights served as int8 as they are (`gguf_reader`, int8 loads): a tiny Llama
+written here with the `gguf` package's writer and Q8_0 quantizer, loaded with int8 weights whose
+scales are the file's own blocks (`[in / 32, out]`, nothing re-quantized), against the `gguf`
+package's dequantization and the float model of the dequantized Q8_0 values (the file's own
+meaning)."""
 
 import json
 import os
@@ -16,11 +17,18 @@ from flax import nnx
 from safetensors import safe_open
 
 from models import ModelConfig, load_model
-from models.gguf_reader import hf_config
-from models.int8 import dequantize, quantize_per_channel
+from models.gguf_reader import (
+    Q8_0_BLOCK,
+    hf_config,
+    hf_name,
+    iter_hf_tensors,
+    q8_0_linear_weights,
+    unpermute_rope_rows,
+)
+from models.int8 import dequantize
 from tests.models.tiny_checkpoints import caches, prompts, run_step
 from tests.tiny_models import save_tiny_llama
-from tpu_platform.prepared_weights import Preparation, load_prepared
+from tpu_platform.prepared_weights import Preparation, int8_quantization, load_prepared
 
 _ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 _LAYER = {
@@ -107,42 +115,62 @@ def _logits(model: nnx.Module, config: ModelConfig) -> np.ndarray:
     return np.asarray(logits, np.float64)
 
 
+def test_q8_0_tensors_come_as_their_int8_values_and_block_scales(gguf_dir):
+    """q * s of each yielded Q8_0 weight is the `gguf` package's dequantized tensor, exactly (rows
+    in HF order: q and k unpermuted, their scales with them)."""
+    path = os.path.join(gguf_dir, "model.gguf")
+    floats = dict(iter_hf_tensors(path))
+    tensors = dict(iter_hf_tensors(path, int8_q8_0=True))
+    names = q8_0_linear_weights(path)
+    assert len(names) == 7 * 2 + 1  # seven projections a layer, lm_head
+    reader = gguf.GGUFReader(path)
+    by_name = {hf_name(t.name): t for t in reader.tensors}
+    for name in names:
+        q, scale = tensors[name], tensors[f"{name}_scale"]
+        out, inputs = floats[name].shape
+        assert q.dtype == np.int8 and q.shape == (out, inputs), name
+        assert scale.dtype == np.float32 and scale.shape == (out, inputs // Q8_0_BLOCK), name
+        package = gguf.quants.dequantize(by_name[name].data, by_name[name].tensor_type)
+        if name.endswith("q_proj.weight"):
+            package = unpermute_rope_rows(package, 4)
+        elif name.endswith("k_proj.weight"):
+            package = unpermute_rope_rows(package, 2)
+        grouped = (q.reshape(out, -1, Q8_0_BLOCK).astype(np.float32) * scale[..., None]).reshape(out, inputs)
+        np.testing.assert_array_equal(grouped, package, err_msg=name)
+        np.testing.assert_array_equal(floats[name], package, err_msg=name)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_q8_0_kernels_are_quantized_from_their_exact_float32_values(gguf_dir, dtype):
-    """Each Q8_0 kernel's int8 values and scale are `quantize_per_channel` of its dequantized
-    float32 values (before any cast to the model's dtype): within half a step of them, and the
-    values of a column's largest-scale block exact."""
+def test_q8_0_kernels_load_as_they_are(gguf_dir, dtype):
+    """Each Q8_0 kernel (fused ones too) is int8 with one scale per block of 32 inputs of each
+    column, and dequantizes to exactly the float32 load's kernel (whatever the model's dtype)."""
+    assert int8_quantization(gguf_dir) == "int8-g32"
     config, reference = load_model(gguf_dir, jnp.float32, on_host=True)  # dequantized, float32
     expected = _arrays(reference)
-    _, model = load_prepared(gguf_dir, Preparation(dtype, quantization="int8"), _ON_DEVICE)
+    _, model = load_prepared(gguf_dir, Preparation(dtype, quantization="int8-g32"), _ON_DEVICE)
     got = _arrays(model)
     kernels = [n for n in got if n.endswith(".kernel") and got[n].dtype == np.int8]
     assert len(kernels) == 4 * config.num_layers + 1  # qkv, o, gate_up, down a layer, lm_head
     for name in kernels:
-        q, scale = quantize_per_channel(expected[name])
-        np.testing.assert_array_equal(got[name], q, err_msg=name)
-        np.testing.assert_array_equal(got[f"{name}_scale"], scale, err_msg=name)
-        error = np.abs(dequantize(got[name], got[f"{name}_scale"]) - expected[name])
-        assert np.all(error <= 0.5 * scale * (1 + 1e-6)), name
+        inputs, out = got[name].shape
+        assert got[f"{name}_scale"].shape == (inputs // 32, out), name
+        np.testing.assert_array_equal(
+            dequantize(got[name], got[f"{name}_scale"]), expected[name], err_msg=name
+        )
     assert got["model.embed_tokens.embedding"].dtype == jnp.dtype(dtype)  # the table stays float
 
 
-def test_int8_logits_against_the_dequantized_q8_0_model(gguf_dir):
+def test_int8_logits_equal_the_dequantized_q8_0_model(gguf_dir):
     config, reference = load_model(gguf_dir, jnp.float32)
-    _, model = load_prepared(gguf_dir, Preparation("float32", quantization="int8"), _ON_DEVICE)
+    _, model = load_prepared(gguf_dir, Preparation("float32", quantization="int8-g32"), _ON_DEVICE)
     expected, got = _logits(reference, config), _logits(model, config)
-    # The int8 model computes exactly its own weights: the float model of its dequantized kernels.
-    twin = _arrays(model)
-    for name in [n for n in twin if n.endswith("kernel_scale")]:
-        kernel = name.removesuffix("_scale")
-        twin[kernel] = dequantize(twin[kernel], twin.pop(name))
-    assert twin.keys() == _arrays(reference).keys()
-    nnx.update(reference, _state_of(reference, twin))
-    np.testing.assert_allclose(_logits(reference, config), got, rtol=1e-4, atol=1e-4)
-    # Against the file's own values: the per-channel rounding (a few % of the logits' spread).
-    relative = np.linalg.norm(got - expected) / np.linalg.norm(expected - expected.mean(-1, keepdims=True))
-    assert relative < 0.05, relative
-    assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
+    # The int8 model's weights are the file's own values: only the order of float32 sums differs.
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_per_channel_preparation_of_q8_0_weights_is_refused_by_name(gguf_dir):
+    with pytest.raises(ValueError, match="int8 layout"):
+        load_prepared(gguf_dir, Preparation("float32", quantization="int8"), _ON_DEVICE)
 
 
 def _state_of(model: nnx.Module, arrays: dict[str, np.ndarray]) -> nnx.State:

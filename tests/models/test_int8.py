@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from models import load_model
-from models.int8 import checkpoint_scale, dequantize, quantize_per_channel
+from models.int8 import checkpoint_scale, dequantize, group_size, quantize_grouped, quantize_per_channel
 from models.linear import Linear, matmul
 from models.loader import put_on_device
 from models.moe import SparseMoE, StackedLinear
@@ -72,11 +72,104 @@ def test_quantize_matches_numpy_and_error_is_half_a_step(shape, dtype):
     assert np.abs(np.asarray(jq).astype(int) - q).max() <= 1
 
 
-def test_checkpoint_scales_per_channel_and_per_tensor():
-    np.testing.assert_array_equal(checkpoint_scale(np.array([[0.5], [0.25]]), 2), [0.5, 0.25])
-    np.testing.assert_array_equal(checkpoint_scale(np.array([0.5]), 3), [0.5, 0.5, 0.5])
+def test_checkpoint_scales_per_channel_per_tensor_and_grouped():
+    np.testing.assert_array_equal(checkpoint_scale(np.array([[0.5], [0.25]]), (2,)), [0.5, 0.25])
+    np.testing.assert_array_equal(checkpoint_scale(np.array([0.5]), (3,)), [0.5, 0.5, 0.5])
     with pytest.raises(ValueError, match="per output channel"):
-        checkpoint_scale(np.ones((4, 1)), 3)
+        checkpoint_scale(np.ones((4, 1)), (3,))
+    # Grouped: the HF orientation `[out, in / G]` -> ours `[in / G, out]`.
+    hf = np.array([[0.5, 0.25, 0.125], [1.0, 2.0, 4.0]], np.float16)
+    np.testing.assert_array_equal(checkpoint_scale(hf, (3, 2)), [[0.5, 1.0], [0.25, 2.0], [0.125, 4.0]])
+    with pytest.raises(ValueError, match="per group of inputs"):
+        checkpoint_scale(hf, (2, 3))
+
+
+def _numpy_quantize_grouped(w: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The grouped definition, group by group of `size` inputs of each column, in float64."""
+    w = w.astype(np.float64)
+    q = np.zeros(w.shape, np.int8)
+    s = np.zeros((w.shape[0] // size, w.shape[1]))
+    for g, col in np.ndindex(*s.shape):
+        block = w[g * size : (g + 1) * size, col]
+        amax = np.abs(block).max()
+        s[g, col] = amax / 127 if amax > 0 else 1.0
+        q[g * size : (g + 1) * size, col] = np.clip(np.rint(block / s[g, col]), -127, 127)
+    return q, s
+
+
+def test_grouped_hand_worked_column():
+    # Groups of 2 inputs: [1.0, -2.54] -> scale 0.02, q [50, -127]; [0.0, 0.0] -> scale 1, q 0;
+    # [0.3, 0.011] -> scale 0.3/127, q [127, round(4.656...)] = 5.
+    w = np.array([[1.0], [-2.54], [0.0], [0.0], [0.3], [0.011]], np.float32)
+    q, s = quantize_grouped(w, 2)
+    assert s.shape == (3, 1) and group_size(q.shape, s.shape) == 2
+    np.testing.assert_allclose(s[:, 0], [0.02, 1.0, 0.3 / 127], rtol=1e-6)
+    assert q[:, 0].tolist() == [50, -127, 0, 0, 127, 5]
+    np.testing.assert_allclose(dequantize(q, s)[:, 0], [1.0, -2.54, 0, 0, 0.3, 5 * 0.3 / 127], rtol=1e-6)
+
+
+@pytest.mark.parametrize(("shape", "size"), [((64, 48), 32), ((96, 80), 16), ((256, 32), 128)])
+def test_grouped_quantize_matches_numpy_and_error_is_half_its_groups_step(shape, size):
+    rng = np.random.default_rng(size)
+    w = (rng.standard_normal(shape) * rng.uniform(0.01, 2.0, (shape[0], 1))).astype(np.float32)
+    q, s = quantize_grouped(w, size)
+    expected_q, expected_s = _numpy_quantize_grouped(w, size)
+    assert q.dtype == np.int8 and s.dtype == np.float32 and s.shape == (shape[0] // size, shape[1])
+    np.testing.assert_allclose(s, expected_s, rtol=1e-6)
+    assert np.abs(q.astype(int) - expected_q).max() <= 1 and (q != expected_q).mean() < 1e-3
+    error = np.abs(dequantize(q, s) - w)
+    assert np.all(error <= np.repeat(s, size, axis=0) * 0.5 * (1 + 1e-5))
+    # Device arrays alike (the abstract path), and the dequantization too.
+    _, js = quantize_grouped(jnp.asarray(w), size)
+    np.testing.assert_allclose(np.asarray(js), s, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(dequantize(jnp.asarray(q), jnp.asarray(s))), dequantize(q, s))
+    with pytest.raises(ValueError, match="groups of 7"):
+        quantize_grouped(w, 7)
+    with pytest.raises(ValueError, match="fits no kernel"):
+        group_size((64, 48), (3, 48))
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-5)])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_grouped_int8_matmul_matches_float_reference(dtype, tol, tokens):
+    """`matmul` (and so every Linear) on a grouped int8 kernel against float64 NumPy on the
+    dequantized weights."""
+    rng = np.random.default_rng(tokens)
+    w = rng.standard_normal((128, 80)).astype(np.float32) * rng.uniform(0.01, 2.0, (128, 1)).astype(
+        np.float32
+    )
+    q, s = quantize_grouped(w, 32)
+    x = jnp.asarray(rng.standard_normal((tokens, 128)), dtype)
+    got = jax.jit(lambda x, q, s: matmul(x, nnx.Param(q), nnx.Param(s)))(x, q, s)
+    expected = np.asarray(x, np.float64) @ dequantize(q, s).astype(np.float64)
+    assert got.dtype == jnp.float32 and got.shape == (tokens, 80)
+    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(dequantize(q, s).astype(np.float64))
+    assert np.all(np.abs(np.asarray(got) - expected) <= tol * scale + 1e-6)
+
+
+def test_fused_grouped_parts_keep_their_scales_and_refuse_mixed_layouts():
+    rng = np.random.default_rng(0)
+    parts = []
+    for out in (32, 16, 16):
+        linear = Linear(64, out, bias=False, dtype=jnp.float32)
+        q, s = quantize_grouped(rng.standard_normal((64, out)).astype(np.float32), 32)
+        linear.kernel, linear.kernel_scale = nnx.Param(q), nnx.Param(s)
+        parts.append(linear)
+    fused = Linear.concatenated(parts, blocks=2)
+    assert fused.kernel_scale[...].shape == (2, 64)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    halves = [np.split(np.asarray(p(x)), 2, axis=1) for p in parts]
+    expected = np.concatenate([h[j] for j in range(2) for h in halves], axis=1)  # interleaved blocks
+    np.testing.assert_allclose(np.asarray(fused(x)), expected, rtol=1e-6, atol=1e-6)
+    float_part = Linear(64, 16, bias=False, dtype=jnp.float32)
+    float_part.kernel.set_value(rng.standard_normal((64, 16)).astype(np.float32))
+    mixed = Linear.concatenated([parts[0], float_part])  # quantized in the int8 parts' groups
+    assert mixed.kernel_scale[...].shape == (2, 48)
+    per_channel = Linear(64, 16, bias=False, dtype=jnp.float32)
+    q, s = quantize_per_channel(rng.standard_normal((64, 16)).astype(np.float32))
+    per_channel.kernel, per_channel.kernel_scale = nnx.Param(q), nnx.Param(s)
+    with pytest.raises(ValueError, match="different layouts"):
+        Linear.concatenated([parts[0], per_channel])
 
 
 # The int8 product against float64 NumPy on the dequantized weights: float32 activations carry
