@@ -21,8 +21,12 @@ from tests.models.tiny_checkpoints import caches, prompts, run_step, save_tiny
 _QUANTIZED = re.compile(r"_proj\.weight$")
 
 
+GROUP_SIZE = 16  # the `group` strategy's inputs per scale here
+
+
 def _group(strategy: str, activations: bool) -> dict:
-    weights = dict(num_bits=8, type="int", symmetric=True, strategy=strategy, dynamic=False, group_size=None)
+    size = GROUP_SIZE if strategy == "group" else None
+    weights = dict(num_bits=8, type="int", symmetric=True, strategy=strategy, dynamic=False, group_size=size)
     dynamic = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
     return {"targets": ["Linear"], "weights": weights, "input_activations": dynamic if activations else None}
 
@@ -48,14 +52,21 @@ def write_compressed(source: str, out: str, *, fmt: str, strategy: str) -> dict[
             if not _QUANTIZED.search(name):
                 tensors[name] = dequantized[name] = w
                 continue
-            axis = 1 if strategy == "channel" else None  # HF [out, in]: a row per output channel
-            scale = (np.abs(w).max(axis=axis, keepdims=True) / 127).astype(np.float32)
-            q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
-            dequantized[name] = (q.astype(np.float32) * scale).astype(np.float32)
+            if strategy == "group":  # HF [out, in]: a scale per row and run of GROUP_SIZE inputs
+                blocks = w.reshape(w.shape[0], -1, GROUP_SIZE)
+                scale = (np.abs(blocks).max(axis=2, keepdims=True) / 127).astype(np.float32)
+                q = np.clip(np.rint(blocks / scale), -127, 127).astype(np.int8)
+                dequantized[name] = (q.astype(np.float32) * scale).reshape(w.shape)
+                q, scale = q.reshape(w.shape), scale[..., 0]  # scale [out, in / G]
+            else:
+                axis = 1 if strategy == "channel" else None  # HF [out, in]: a row per output channel
+                scale = (np.abs(w).max(axis=axis, keepdims=True) / 127).astype(np.float32)
+                q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+                dequantized[name] = (q.astype(np.float32) * scale).astype(np.float32)
             base = name.removesuffix("weight")
-            tensors[f"{base}weight_scale"] = (
-                scale.reshape(-1, 1) if strategy == "channel" else scale.reshape(1)
-            )
+            if strategy != "group":  # `[out, 1]` a row, or `[1]`
+                scale = scale.reshape(-1, 1) if strategy == "channel" else scale.reshape(1)
+            tensors[f"{base}weight_scale"] = scale
             if fmt == "pack-quantized":
                 tensors[f"{base}weight_packed"] = pack_int8(q)
                 tensors[f"{base}weight_shape"] = np.asarray(q.shape, np.int64)
@@ -95,6 +106,7 @@ def test_hand_packing_is_the_format_s_own():
         ("MistralForCausalLM", "pack-quantized", "channel"),  # W8A16
         ("MistralForCausalLM", "int-quantized", "tensor"),  # W8A8 weights, one scale a tensor
         ("Qwen3MoeForCausalLM", "pack-quantized", "channel"),  # experts stacked from int8 tensors
+        ("MistralForCausalLM", "pack-quantized", "group"),  # W8A16, a scale per 16 inputs a row
     ],
 )
 def test_compressed_checkpoint_loads_as_it_is(arch, fmt, strategy, tmp_path):
@@ -113,6 +125,9 @@ def test_compressed_checkpoint_loads_as_it_is(arch, fmt, strategy, tmp_path):
     q = unpack_int32(stored) if fmt == "pack-quantized" else stored
     np.testing.assert_array_equal(np.asarray(qkv.kernel[...])[:, : q.shape[0]], q.T)
     assert model.lm_head.kernel[...].dtype == np.float32  # ignored by the checkpoint: as it was
+    if strategy == "group":  # the checkpoint's block scales, `[in / G, out]`
+        assert qkv.kernel_scale[...].shape == (qkv.in_features // GROUP_SIZE, qkv.out_features)
+        assert layer.mlp.down_proj.kernel_scale[...].shape[0] == layer.mlp.down_proj.in_features // GROUP_SIZE
     if arch == "Qwen3MoeForCausalLM":
         experts = layer.mlp.experts
         assert experts.gate_proj.kernel[...].dtype == np.int8
@@ -124,12 +139,21 @@ def test_compressed_checkpoint_loads_as_it_is(arch, fmt, strategy, tmp_path):
     np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
 
 
+def test_grouped_expert_scales_are_refused_by_name(tmp_path):
+    source = save_tiny("Qwen3MoeForCausalLM", str(tmp_path / "source"))
+    write_compressed(source, str(tmp_path / "int8"), fmt="pack-quantized", strategy="group")
+    with pytest.raises(ValueError, match="one int8 scale per channel for MoE experts"):
+        load_model(str(tmp_path / "int8"))
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (dict(num_bits=4), "group 'group_0' has weights"),
         (dict(symmetric=False), "group 'group_0' has weights"),
-        (dict(strategy="group"), "group 'group_0' has weights"),
+        (dict(strategy="block"), "group 'group_0' has weights"),
+        (dict(strategy="group"), "'group' without a group_size"),
+        (dict(strategy="group", group_size=16, actorder="group"), "reorders its inputs"),
     ],
 )
 def test_other_compressed_schemes_are_refused_by_name(tmp_path, change, message):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from models.int8 import quantize_grouped
 from models.linear import Linear
 from models.sharding import (
     MODEL_AXIS,
@@ -52,11 +53,26 @@ M = MODEL_AXIS
         ("model.embed_tokens.head_scale", (384,), P(M)),
         ("lm_head.kernel_scale", (384,), P(M)),
         ("lm_head.kernel_scale", (385,), P()),
+        # grouped int8 scales `[in / G, out]`: column-parallel split on out, row-parallel on groups
+        ("model.layers.0.self_attn.qkv_proj.kernel_scale", (2, 128), P(None, M)),
+        ("model.layers.1.mlp.gate_up_proj.kernel_scale", (2, 256), P(None, M)),
+        ("model.layers.3.self_attn.o_proj.kernel_scale", (4, 64), P(M, None)),
+        ("model.layers.1.mlp.down_proj.kernel_scale", (8, 64), P(M, None)),
+        ("model.embed_tokens.head_scale", (2, 384), P(None, M)),
+        ("lm_head.kernel_scale", (2, 384), P(None, M)),
+        ("lm_head.kernel_scale", (2, 385), P()),
     ],
 )
 def test_parameter_spec_follows_the_table_and_divisibility(path, shape, expected):
     assert parameter_spec(path, shape, 4) == expected
     assert parameter_spec(path, shape, 1) == P()
+
+
+def test_a_row_parallel_grouped_scale_refuses_a_tp_size_ending_inside_a_group():
+    # o_proj of 64 inputs in 2 groups of 32: 4 devices would hold 16 inputs each.
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 cannot split .*o_proj.kernel_scale"):
+        parameter_spec("model.layers.3.self_attn.o_proj.kernel_scale", (2, 64), 4)
+    assert parameter_spec("model.layers.3.self_attn.o_proj.kernel_scale", (2, 64), 2) == P(M, None)
 
 
 def test_kv_heads_split_or_repeat_and_impossible_sizes_name_the_working_ones():
@@ -145,3 +161,18 @@ def test_prepared_weights_convert_between_tp_sizes(prepared_at_each_tp):
                 np.testing.assert_array_equal(
                     converted, prepared[target][path], err_msg=f"{path} {source}->{target}"
                 )
+
+
+def test_grouped_scales_convert_between_tp_sizes_like_their_kernels(prepared_at_each_tp):
+    """A fused kernel's grouped int8 scales re-blocked between TP sizes (KV heads repeated or not)
+    are those of the kernel prepared at the target size: quantizing in groups commutes with it."""
+    config, prepared = prepared_at_each_tp
+    heads = dict(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+    fused = [p for p in prepared[1] if p.endswith(("qkv_proj.kernel", "gate_up_proj.kernel"))]
+    for source, target in [(1, 8), (8, 2), (4, 1)]:
+        for path in fused:
+            _, scale = quantize_grouped(prepared[source][path], 16)
+            converted = fused_layout(f"{path}_scale", scale, from_tp=source, to_tp=target, **heads)
+            np.testing.assert_array_equal(
+                converted, quantize_grouped(prepared[target][path], 16)[1], err_msg=path
+            )

@@ -10,6 +10,7 @@ from flax import nnx
 
 import models.quantization
 from models import PackedKernel, load_model
+from models.linear import native_dense_takes_groups
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.converted import _stored_preparation
 from tpu_platform.prepared_weights import Preparation, abstract_prepared, load_prepared, structure_digest
@@ -21,6 +22,10 @@ _ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 INT8 = Preparation("bfloat16", quantization="int8")
 # int8 kernels packed for the native CPU dense kernel's int8 path, scales beside them
 INT8_NATIVE = Preparation("bfloat16", "native", quantization="int8")
+# scales per group of 32 inputs (a GGUF's Q8_0 layout): packed only where the native kernel takes them
+INT8_G32 = Preparation("bfloat16", quantization="int8-g32")
+INT8_G32_NATIVE = Preparation("bfloat16", "native", quantization="int8-g32")
+_PREPARATIONS = [INT8, INT8_NATIVE, INT8_G32, INT8_G32_NATIVE]
 
 
 @pytest.fixture(scope="module")
@@ -31,24 +36,31 @@ def tiny_dir(tmp_path_factory):
 def test_preparation_names_its_quantization():
     assert INT8.name == "bfloat16-none-int8"
     assert Preparation("bfloat16", "native", 2, "int8").name == "bfloat16-native-int8-tp2"
-    for preparation in (INT8, Preparation("bfloat16", "native+f32", 4, "int8"), Preparation("float32")):
+    assert INT8_G32.name == "bfloat16-none-int8-g32" and INT8_G32.int8_group_size == 32
+    assert INT8.int8_group_size is None
+    stored = (INT8, INT8_G32, Preparation("bfloat16", "native+f32", 4, "int8-g16"), Preparation("float32"))
+    for preparation in stored:
         assert _stored_preparation({"preparation": preparation.name}) == preparation
-    with pytest.raises(ValueError, match="quantization 'int4' is not one of"):
-        Preparation("bfloat16", quantization="int4")
+    for wrong in ("int4", "int8-g0", "int8-g"):
+        with pytest.raises(ValueError, match=f"quantization '{wrong}' is not one of"):
+            Preparation("bfloat16", quantization=wrong)
 
 
-@pytest.mark.parametrize("preparation", [INT8, INT8_NATIVE], ids=lambda p: p.name)
+@pytest.mark.parametrize("preparation", _PREPARATIONS, ids=lambda p: p.name)
 def test_abstract_layout_is_the_loaded_one(tiny_dir, preparation):
     """The structure a cache entry is restored into (built from the config alone) is the one
     quantizing (and packing) the loaded checkpoint gives: int8 kernels, float32 scales, weight
-    bytes halved."""
+    bytes about halved (grouped: plus a float32 scale per 32 weights)."""
     config, model = load_model(tiny_dir, jnp.bfloat16, on_host=True)
     bf16_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model)))
     preparation.apply(model)
     _, abstract = abstract_prepared(config, preparation)
     down_proj = model.model.layers[0].mlp.down_proj
-    assert isinstance(down_proj.kernel, PackedKernel) == (preparation.packing == "native")
-    assert down_proj.kernel[...].ndim == (3 if preparation.packing == "native" else 2)
+    grouped = preparation.int8_group_size is not None
+    packed = preparation.packing == "native" and (not grouped or native_dense_takes_groups())
+    assert isinstance(down_proj.kernel, PackedKernel) == packed
+    assert down_proj.kernel[...].ndim == (3 if packed else 2)
+    assert down_proj.kernel_scale[...].shape == ((128 // 32, 64) if grouped else (64,))
     assert structure_digest(abstract) == structure_digest(nnx.state(model))
     leaves = jax.tree.leaves(nnx.state(model))
     assert {leaf.dtype for leaf in leaves} == {
@@ -58,10 +70,10 @@ def test_abstract_layout_is_the_loaded_one(tiny_dir, preparation):
     }
     int8_bytes = sum(leaf.nbytes for leaf in leaves)
     embedding = model.model.embed_tokens.embedding[...].nbytes  # stays bfloat16
-    assert int8_bytes - embedding < 0.55 * (bf16_bytes - embedding)
+    assert int8_bytes - embedding < (0.6 if grouped else 0.55) * (bf16_bytes - embedding)
 
 
-@pytest.mark.parametrize("preparation", [INT8, INT8_NATIVE], ids=lambda p: p.name)
+@pytest.mark.parametrize("preparation", _PREPARATIONS, ids=lambda p: p.name)
 def test_a_streamed_int8_load_is_the_whole_model_prepared_on_the_host(tiny_dir, preparation):
     """Each kernel quantized (and packed for the native int8 kernel) as it streams equals the
     whole float model loaded, quantized and packed on the host."""
@@ -90,22 +102,24 @@ def test_a_float_conversion_serves_int8_when_asked_and_an_int8_one_not_as_float(
     assert restore_converted(int8, config, INT8, _ON_DEVICE).lm_head.kernel[...].dtype == jnp.int8
 
 
-@pytest.mark.parametrize("preparation", [INT8, INT8_NATIVE], ids=lambda p: p.name)
+@pytest.mark.parametrize("preparation", [INT8, INT8_NATIVE, INT8_G32], ids=lambda p: p.name)
 def test_weights_cache_keeps_the_quantized_weights(tiny_dir, tmp_path, monkeypatch, preparation):
     cache = WeightsCache.for_model(str(tmp_path), tiny_dir, preparation)
-    assert cache.path != WeightsCache.for_model(str(tmp_path), tiny_dir, Preparation("bfloat16")).path
+    for other in (Preparation("bfloat16"), INT8_G32 if preparation == INT8 else INT8):  # one entry a layout
+        assert cache.path != WeightsCache.for_model(str(tmp_path), tiny_dir, other).path
     config, expected = load_model(tiny_dir, jnp.bfloat16, on_host=True)
     preparation.apply(expected)
     cache.store(config, expected)
 
-    quantize = models.quantization.quantize_per_channel
+    for name in ("quantize_per_channel", "quantize"):
+        quantize = getattr(models.quantization, name)
 
-    def abstract_only(kernel):  # the restored structure is derived abstractly: values never
-        if not isinstance(kernel, jax.core.Tracer):
-            raise AssertionError("a restore must not quantize weights again")
-        return quantize(kernel)
+        def abstract_only(kernel, *args, quantize=quantize):  # the restored structure is derived
+            if not isinstance(kernel, jax.core.Tracer):  # abstractly: values never
+                raise AssertionError("a restore must not quantize weights again")
+            return quantize(kernel, *args)
 
-    monkeypatch.setattr(models.quantization, "quantize_per_channel", abstract_only)
+        monkeypatch.setattr(models.quantization, name, abstract_only)
     got = cache.load(config, _ON_DEVICE)
     got_leaves = nnx.to_flat_state(nnx.state(got))
     expected_leaves = nnx.to_flat_state(nnx.state(expected))
