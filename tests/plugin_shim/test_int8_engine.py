@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """int8 weights end to end through `vllm.LLM(quantization=...)`: quantized at load from a float
-checkpoint, and a compressed-tensors int8 checkpoint as it is; both generate greedily what
-transformers (float32) does on the dequantized weights. On a CPU with the native dense kernel the
+checkpoint, a compressed-tensors int8 checkpoint and a GGUF's Q8_0 weights (scales per block of
+32 inputs) as they are; each generates greedily what transformers (float32) does on the
+dequantized weights. On a CPU with the native dense kernel the
 int8 kernels run packed on its int8 path (`pallas_kernels.cpu.native_dense_int8`), and the same
 engine on XLA's int8 dots (the `xla` backend) generates the same tokens. The engine's activations are bfloat16
 (vLLM allows these methods with 16-bit activations only), so a token may differ from float32's
@@ -20,14 +21,18 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import save_file
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from models import PackedKernel
+from models.gguf_reader import iter_hf_tensors
+from models.linear import native_dense_takes_groups
 from pallas_kernels import cpu
 from plugin_shim import feature_check
 from tests.greedy_reference import hf_greedy
 from tests.models.test_compressed_tensors import write_compressed
+from tests.models.test_gguf_q8_0 import write_q8_0_gguf
 from tests.models.trained_tiny import save_trained_tiny, text_ids
 from tests.plugin_shim.tensor_parallel_engine import environment
 
@@ -138,6 +143,32 @@ def test_compressed_tensors_checkpoint_generates_what_the_dequantized_model_does
     for name in os.listdir(trained):  # the tokenizer files come with the copy; nothing else to add
         assert os.path.exists(os.path.join(out, name))
     _assert_greedy_of(dequantized, prompts, _generate(out, prompts))  # method from config.json
+    shutil.rmtree(out)
+
+
+def test_q8_0_gguf_generates_what_its_dequantized_model_does(trained, prompts, tmp_path):
+    """A model directory holding the Q8_0 GGUF itself (config.json and tokenizer beside it):
+    its int8 values and block scales serve as they are, on XLA's grouped int8 dot unless the
+    native int8 kernel takes grouped scales."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    out = str(tmp_path / "q8_0")
+    write_q8_0_gguf(trained, out)
+    for name in os.listdir(trained):  # the tokenizer files
+        if not name.endswith((".safetensors", "config.json")) or name == "tokenizer_config.json":
+            shutil.copy(os.path.join(trained, name), out)
+    float_dir = str(tmp_path / "dequantized")
+    shutil.copytree(trained, float_dir)  # the file's own values, as transformers' weights
+    save_file(
+        dict(iter_hf_tensors(os.path.join(out, "model.gguf"))), os.path.join(float_dir, "model.safetensors")
+    )
+    hf = LlamaForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    kernels: dict[str, int] = {}
+    _assert_greedy_of(
+        hf, prompts, _generate(out, prompts, kernels, quantization="int8_per_channel_weight_only")
+    )
+    assert set(kernels) == ({"packed"} if native_dense_takes_groups() else {"unpacked"})
     shutil.rmtree(out)
 
 
