@@ -138,8 +138,9 @@ REFUSED: tuple[Refusal, ...] = (
         f"anything but {', '.join(SUPPORTED_QUANTIZATION)}",
         _other_quantization,
         "quantization='int8_per_channel_weight_only' quantizes a float checkpoint's weights to int8 "
-        "at load; a compressed-tensors int8 checkpoint (8-bit symmetric weights, per channel or per "
-        "tensor) loads as it is; otherwise serve an unquantized checkpoint (a GGUF file converts "
+        "at load (a GGUF's Q8_0 weights load as they are); a compressed-tensors int8 checkpoint "
+        "(8-bit symmetric weights, per channel, per tensor or per group) loads as it is; otherwise "
+        "serve an unquantized checkpoint (a GGUF file converts "
         "with `vllm-xla model-dir --gguf FILE`)",
     ),
     Refusal(

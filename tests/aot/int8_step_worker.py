@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Compile worker: the runner's decode step (64 sequences, one token each) or a prefill step
 (one sequence's 512-token chunk) with bfloat16 and with int8 weights (the served layout: fused
-projections, `Preparation(quantization="int8")`) for one chip of a compile-only target, weights
+projections, `Preparation(quantization="int8")`; `int8-g32`: scales per group of 32 inputs, a
+GGUF's Q8_0 layout) for one chip of a compile-only target, weights
 abstract. Prints one JSON line: per case, the weights' bytes, the compiled
 program's memory analysis and the optimized-HLO buffers at least as large as the largest
 int8 kernel (a bfloat16 copy of a weight would show there).
 
-    python -m tests.aot.int8_step_worker TARGET:MODEL:{bfloat16,int8}[:prefill] ...
+    python -m tests.aot.int8_step_worker TARGET:MODEL:{bfloat16,int8,int8-g32}[:prefill] ...
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def compile_case(case: str) -> dict:
     prefill = phase == ["prefill"]
     setup = StepSetup(model_config(model), target_name, max_num_seqs=DECODE_TOKENS, max_model_len=2048)
     config, layout = setup.config, kv_layout(setup.config)
-    preparation = Preparation("bfloat16", quantization="int8" if variant == "int8" else "none")
+    preparation = Preparation("bfloat16", quantization="none" if variant == "bfloat16" else variant)
     graphdef, state = abstract_prepared(config, preparation)
     model_ = nnx.merge(graphdef, state)
     attach_rope_tables(model_, setup.max_model_len)
