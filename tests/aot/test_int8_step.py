@@ -4,7 +4,10 @@ abstract (`int8_step_worker`): decode (64 sequences) for a v5e and a v6e chip, a
 chunk (one sequence, 512 tokens) for a v5e. The weights' bytes are about halved (the embedding
 table stays bfloat16), the program's arguments shrink by as much, and no weight-sized buffer
 appears in the optimized program (the int8 -> bfloat16 convert is fused into the dots, not a
-copy of the weights), for the many-token dots of a prefill as for decode's."""
+copy of the weights), for the many-token dots of a prefill as for decode's. With scales per
+group of 32 inputs (a GGUF's Q8_0 layout) the weights' bytes are int8 plus a float32 scale per 32
+weights, and the per-group partial products are fused into their dots alike (no weight-sized
+buffer)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from tests.aot.toolchains import run_worker
 
 CASES = {"v5e-1": "llama-3.2-3b", "v6e-1": "llama-3.1-8b"}
 PREFILL_CASES = {"v5e-1": "llama-3.2-3b"}
+GROUPED_CASE = "v5e-1:llama-3.2-3b"
 
 pytestmark = pytest.mark.timeout(3600)  # compiles of a multi-billion-parameter step
 
@@ -28,6 +32,23 @@ def results() -> dict[str, dict]:
 def prefill_results() -> dict[str, dict]:
     cases = [f"{t}:{m}:{v}:prefill" for t, m in PREFILL_CASES.items() for v in ("bfloat16", "int8")]
     return {row["case"]: row for row in run_worker("tpu", "int8_step_worker", *cases, timeout=3500)}
+
+
+@pytest.fixture(scope="module")
+def grouped_results() -> dict[str, dict]:
+    cases = [f"{GROUPED_CASE}:{v}" for v in ("bfloat16", "int8-g32")]
+    return {row["case"]: row for row in run_worker("tpu", "int8_step_worker", *cases, timeout=3500)}
+
+
+def test_grouped_int8_step_compiles_without_a_weight_sized_buffer(grouped_results):
+    bf16 = grouped_results[f"{GROUPED_CASE}:bfloat16"]
+    grouped = grouped_results[f"{GROUPED_CASE}:int8-g32"]
+    assert grouped["int8_leaves"] > 0 and bf16["int8_leaves"] == 0
+    # 1 + 4/32 bytes a weight against 2 (the bfloat16 embedding table unchanged)
+    assert grouped["weight_bytes"] < 0.65 * bf16["weight_bytes"]
+    saved = bf16["weight_bytes"] - grouped["weight_bytes"]
+    assert bf16["argument_bytes"] - grouped["argument_bytes"] >= 0.99 * saved
+    assert grouped["large_buffers"] == []
 
 
 @pytest.mark.parametrize("target", sorted(CASES))
