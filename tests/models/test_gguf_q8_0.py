@@ -168,6 +168,28 @@ def test_int8_logits_equal_the_dequantized_q8_0_model(gguf_dir):
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_a_tied_head_is_quantized_in_the_same_groups(tmp_path):
+    """A GGUF without `output.weight` (tied head, float embedding table): its head's `[D, V]`
+    copy is quantized at load in groups of 32 inputs, like the Q8_0 kernels beside it, and the
+    model computes the float model of its dequantized weights."""
+    source = save_tiny_llama(str(tmp_path / "source"), seed=4, tie_word_embeddings=True)
+    write_q8_0_gguf(source, str(tmp_path / "gguf"))
+    path = str(tmp_path / "gguf")
+    config, reference = load_model(path, jnp.float32)
+    assert config.tie_word_embeddings
+    _, model = load_prepared(path, Preparation("float32", quantization=int8_quantization(path)), _ON_DEVICE)
+    head = model.model.embed_tokens
+    assert head.head_kernel[...].dtype == jnp.int8 and head.head_scale[...].shape == (64 // 32, 384)
+    twin = _arrays(model)
+    for name in [n for n in twin if n.endswith(("kernel_scale", "head_scale"))]:
+        kernel = (
+            name.removesuffix("_scale") if name.endswith("kernel_scale") else name.replace("scale", "kernel")
+        )
+        twin[kernel] = dequantize(twin[kernel], twin.pop(name))
+    nnx.update(reference, _state_of(reference, twin))
+    np.testing.assert_allclose(_logits(model, config), _logits(reference, config), rtol=1e-4, atol=1e-4)
+
+
 def test_a_per_channel_preparation_of_q8_0_weights_is_refused_by_name(gguf_dir):
     with pytest.raises(ValueError, match="int8 layout"):
         load_prepared(gguf_dir, Preparation("float32", quantization="int8"), _ON_DEVICE)
