@@ -132,7 +132,11 @@ def int8_group_size(path: str) -> int | None:
     GGUF's Q8_0 blocks (`gguf_reader.Q8_0_BLOCK`), a compressed-tensors `group` checkpoint's
     `group_size`; None when they are per channel (or there are none: quantized at load per
     channel). What `models.quantization.quantize_int8` takes to prepare a model that loads them."""
-    if gguf_q8_0_weights(path):
+    try:
+        q8_0 = gguf_q8_0_weights(path)
+    except FileNotFoundError:  # no weights there (a converted directory): none held as they are
+        q8_0 = set()
+    if q8_0:
         return gguf_reader.Q8_0_BLOCK
     return compressed_tensors.group_size(compressed_tensors.quantization_config(path))
 
