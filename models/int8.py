@@ -120,22 +120,36 @@ def checkpoint_scale(value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def int8_dot(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    """`x [T, in] @ (q * s) [in, out]` in float32, the int8 values converted to `x`'s dtype inside
-    the program (fused into the dot's operand: no dequantized weight is ever materialized).
+    """`x [T, in] @ (q * s) [in, out]` in float32, the int8 values converted inside the program.
 
-    Per channel: one dot, the product's columns times `s [out]`. Grouped (`s [in / G, out]`): a
-    partial product per group (`[in / G, T, G] x [in / G, G, out] -> [in / G, T, out]`, a dot
-    batched over the groups), each times its scale, summed over the groups; the batched dot
-    costs the same multiply-adds as the plain one, the scaling one multiply-add per group and
-    output."""
+    Per channel: one dot of the int8 values converted to `x`'s dtype (fused into the dot's
+    operand), the product's columns times `s [out]`. Grouped (`s [in / G, out]`): on TPU and GPU
+    a partial product per group (`[in / G, T, G] x [in / G, G, out] -> [in / G, T, out]`, a dot
+    batched over the groups, the int8 -> `x` dtype convert fused into it), each times its
+    scale, summed over the groups: no dequantized weight is ever materialized. XLA:CPU runs such
+    narrow batched dots far slower than one dot, and converts an int8 dot operand in memory
+    anyway: there the weight is dequantized in float32 (exact: 8-bit values times scales of at
+    most 16 significant bits) and multiplied in one dot."""
     size = group_size(q.shape, scale.shape)
     if size is None:
         y = jnp.einsum("td,df->tf", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
         return y * scale.astype(jnp.float32)
-    groups = q.shape[0] // size
-    # The groups lead both operands: the batched dot XLA:CPU runs on bfloat16 (with the batch
+    return jax.lax.platform_dependent(x, q, scale, cpu=int8_dot_dequantized, default=int8_dot_per_group)
+
+
+def int8_dot_per_group(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """`int8_dot` of a grouped kernel as TPU and GPU run it: a dot batched over the groups."""
+    groups = scale.shape[0]
+    size = q.shape[0] // groups
+    # The groups lead both operands: the batched dot XLA:CPU can run on bfloat16 (with the batch
     # axis inside x it falls back to a generic dot without bfloat16 -> float32).
-    xg = jnp.swapaxes(x.reshape(x.shape[0], groups, size), 0, 1)  # [G', T, G]
+    xg = jnp.swapaxes(x.reshape(x.shape[0], groups, size), 0, 1)  # [in / G, T, G]
     qg = q.reshape(groups, size, q.shape[1]).astype(x.dtype)
     partial = jnp.einsum("gti,gif->gtf", xg, qg, preferred_element_type=jnp.float32)
     return jnp.einsum("gtf,gf->tf", partial, scale.astype(jnp.float32))
+
+
+def int8_dot_dequantized(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """`int8_dot` of a grouped kernel as XLA:CPU runs it: the weight dequantized, one dot."""
+    w = dequantize(q, scale)
+    return jnp.einsum("td,df->tf", x.astype(jnp.float32), w, preferred_element_type=jnp.float32)

@@ -12,7 +12,15 @@ import pytest
 from flax import nnx
 
 from models import load_model
-from models.int8 import checkpoint_scale, dequantize, group_size, quantize_grouped, quantize_per_channel
+from models.int8 import (
+    checkpoint_scale,
+    dequantize,
+    group_size,
+    int8_dot_dequantized,
+    int8_dot_per_group,
+    quantize_grouped,
+    quantize_per_channel,
+)
 from models.linear import Linear, matmul
 from models.loader import put_on_device
 from models.moe import SparseMoE, StackedLinear
@@ -131,16 +139,23 @@ def test_grouped_quantize_matches_numpy_and_error_is_half_its_groups_step(shape,
 
 @pytest.mark.parametrize(("dtype", "tol"), [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-5)])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_grouped_int8_matmul_matches_float_reference(dtype, tol, tokens):
-    """`matmul` (and so every Linear) on a grouped int8 kernel against float64 NumPy on the
-    dequantized weights."""
+@pytest.mark.parametrize("path", ["matmul", "per_group", "dequantized"])
+def test_grouped_int8_matmul_matches_float_reference(dtype, tol, tokens, path):
+    """`matmul` (and so every Linear) on a grouped int8 kernel, and each platform's formulation
+    of it (`int8_dot`: a dot batched over the groups on TPU and GPU, the dequantized weight on
+    CPU) against float64 NumPy on the dequantized weights."""
     rng = np.random.default_rng(tokens)
     w = rng.standard_normal((128, 80)).astype(np.float32) * rng.uniform(0.01, 2.0, (128, 1)).astype(
         np.float32
     )
     q, s = quantize_grouped(w, 32)
     x = jnp.asarray(rng.standard_normal((tokens, 128)), dtype)
-    got = jax.jit(lambda x, q, s: matmul(x, nnx.Param(q), nnx.Param(s)))(x, q, s)
+    products = {
+        "matmul": lambda x, q, s: matmul(x, nnx.Param(q), nnx.Param(s)),
+        "per_group": int8_dot_per_group,
+        "dequantized": int8_dot_dequantized,
+    }
+    got = jax.jit(products[path])(x, q, s)
     expected = np.asarray(x, np.float64) @ dequantize(q, s).astype(np.float64)
     assert got.dtype == jnp.float32 and got.shape == (tokens, 80)
     scale = np.abs(np.asarray(x, np.float64)) @ np.abs(dequantize(q, s).astype(np.float64))
@@ -160,7 +175,7 @@ def test_fused_grouped_parts_keep_their_scales_and_refuse_mixed_layouts():
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
     halves = [np.split(np.asarray(p(x)), 2, axis=1) for p in parts]
     expected = np.concatenate([h[j] for j in range(2) for h in halves], axis=1)  # interleaved blocks
-    np.testing.assert_allclose(np.asarray(fused(x)), expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(fused(x)), expected, rtol=1e-5, atol=1e-5)  # float32 sums
     float_part = Linear(64, 16, bias=False, dtype=jnp.float32)
     float_part.kernel.set_value(rng.standard_normal((64, 16)).astype(np.float32))
     mixed = Linear.concatenated([parts[0], float_part])  # quantized in the int8 parts' groups
