@@ -8,6 +8,12 @@ costs more than int8's halved bytes save; the native kernel widens the int8 valu
 is packed once (`pack_dense_kernel_int8`) into `[N/16, K, 16]` panels (the float32 kernel's
 layout, one byte a value); `native_dense_int8_reference` computes the same product in plain JAX
 from the packed form (the oracle in tests).
+
+With AVX-512 VNNI ("avx512_vnni", bfloat16 x) the kernel multiplies integers: each row of x in
+16-bit fixed point (`quantize_rows_fixed_point`), the products with VPDPBUSD in int32, exact; the
+one error next to the float product is x's rounding to 16 bits, at most `s[n] sx / 2 sum_k |q_kn|`
+(`fixed_point_error_bound`). `native_dense_int8_fixed_point_reference` computes that product in
+plain JAX.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import numpy as np
 from pallas_kernels.cpu.build import DENSE_INT8_ISAS, DENSE_INT8_TARGET, NativeKernelError, is_loaded
 
 COLUMN_MULTIPLE = 16  # N: one packed row holds 16 columns
+FIXED_POINT_LEVELS = 32639  # |x16| <= 32639: 256 hi + lo with both planes signed bytes
 
 
 def _xp(array):  # NumPy for host arrays (a streamed or host load), jax.numpy for everything else
@@ -54,14 +61,50 @@ def native_dense_int8_reference(x: jax.Array, packed: jax.Array, scale: jax.Arra
     return jnp.einsum("mk,kn->mn", x.astype(jnp.float32), q, precision="highest") * scale.astype(jnp.float32)
 
 
+def quantize_rows_fixed_point(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (x16 [M, K] int32, sx [M] float32) with x ~ x16 * sx per row, as the VNNI path
+    computes them in float32: sx = max|x_row| / 32639, x16 = rint(x * (32639 / max|x_row|)) (ties
+    to even), a row of zeros giving sx = 0 and zeros."""
+    values = x.astype(jnp.float32)
+    largest = jnp.max(jnp.abs(values), axis=1)
+    levels = jnp.float32(FIXED_POINT_LEVELS)
+    inverse = jnp.where(largest > 0, levels / jnp.where(largest > 0, largest, 1), 0)
+    fixed = jnp.clip(jnp.rint(values * inverse[:, None]), -levels, levels).astype(jnp.int32)
+    return fixed, largest / levels
+
+
+def split_fixed_point(fixed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x16 -> (hi, lo) with x16 = 256 hi + lo, lo the sign-extended low byte (both in int8's range
+    for |x16| <= 32639)."""
+    low = (fixed & 0xFF).astype(jnp.uint8).astype(jnp.int8).astype(jnp.int32)
+    return (fixed - low) >> 8, low
+
+
+def native_dense_int8_fixed_point_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
+    """What the VNNI path computes, in plain JAX: `(256 (hi @ q) + (lo @ q)) * (s * sx)` in
+    float32, each plane's product exact in int32 (at most 128 * 128 K)."""
+    fixed, step = quantize_rows_fixed_point(x)
+    high, low = split_fixed_point(fixed)
+    q = unpack_dense_kernel_int8(packed).astype(jnp.int32)
+
+    def plane(p):
+        return jnp.einsum("mk,kn->mn", p, q, preferred_element_type=jnp.int32).astype(jnp.float32)
+
+    total = plane(high) * 256 + plane(low)
+    return total * (scale.astype(jnp.float32)[None, :] * step[:, None])
+
+
 def native_dense_int8(
     x: jax.Array, packed: jax.Array, scale: jax.Array, *, isa: str | None = None
 ) -> jax.Array:
     """`(x [M, K] @ q) * s` in float32, `packed` from `pack_dense_kernel_int8`, `scale [N]`.
 
     x is bfloat16 (read as it is) or another float dtype (converted to float32). `isa` picks the
-    path ("avx512_bf16", "avx512" or "avx2"); None takes the best the CPU has
-    (`dense_int8_isas`). Trailing rows of x that are all zero are written as zero rows without
+    path ("avx512_vnni", "avx512_bf16", "avx512" or "avx2"); None takes the best the CPU has
+    (`dense_int8_isas`; float32 x skips "avx512_vnni", whose fixed point is finer than bfloat16's
+    rounding but coarser than float32's). On "avx512_vnni" a call with a value of x that is not
+    finite, a row whose largest magnitude is below 1e-30 but not zero, or K past 131072 runs the
+    float product instead ("avx512"). Trailing rows of x that are all zero are written as zero rows without
     being multiplied, as in `native_dense`.
     Needs the native kernels loaded (`pallas_kernels.cpu.load`); a path the CPU lacks fails when
     the program runs.
