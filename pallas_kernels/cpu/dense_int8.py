@@ -94,6 +94,15 @@ def native_dense_int8_fixed_point_reference(x: jax.Array, packed: jax.Array, sca
     return total * (scale.astype(jnp.float32)[None, :] * step[:, None])
 
 
+def fixed_point_error_bound(x, q, scale) -> np.ndarray:
+    """How far the VNNI path's `[M, N]` result may be from the float product `(x @ q) * s`, in
+    float64 on the host: x's rounding to 16 bits (at most sx / 2 a value) times `sum_k |q_kn| s[n]`,
+    plus float32 rounding of the result. `q` is the `[K, N]` int8 kernel."""
+    x, q, scale = np.asarray(x, np.float64), np.abs(np.asarray(q, np.float64)), np.asarray(scale, np.float64)
+    step = np.abs(x).max(axis=1, keepdims=True) / FIXED_POINT_LEVELS
+    return step / 2 * (q.sum(axis=0) * scale) + 2e-7 * np.abs(x) @ (q * scale)
+
+
 def native_dense_int8(
     x: jax.Array, packed: jax.Array, scale: jax.Array, *, isa: str | None = None
 ) -> jax.Array:

@@ -23,6 +23,7 @@ from models.loader import put_on_device
 from models.quantization import quantize_int8
 from pallas_kernels import cpu
 from pallas_kernels.cpu.dense_int8 import (
+    fixed_point_error_bound,
     native_dense_int8_fixed_point_reference,
     quantize_rows_fixed_point,
     split_fixed_point,
@@ -55,15 +56,6 @@ def test_kernels_the_int8_kernel_cannot_take_are_refused_by_name(shape, dtype):
         cpu.pack_dense_kernel_int8(np.zeros(shape, dtype))
 
 
-def fixed_point_bound(x, q, scale) -> np.ndarray:
-    """The VNNI path's error bound next to the float product, in float64: x's rounding to 16 bits,
-    at most sx / 2 per value, times sum_k |q_kn| s[n] (plus float32 rounding of the result)."""
-    x = np.asarray(x, np.float64)
-    step = np.abs(x).max(axis=1, keepdims=True) / 32639
-    sums = np.abs(q.astype(np.float64)).sum(axis=0) * np.asarray(scale, np.float64)
-    return step / 2 * sums + 2e-7 * np.abs(x) @ (np.abs(q.astype(np.float64)) * np.asarray(scale, np.float64))
-
-
 def test_fixed_point_reference_on_hand_worked_rows():
     # row 0: max 1, so x16 = rint(x * 32639): 32639, -16319.5 -> -16320 (ties to even),
     # 8159.75 -> 8160, 0; row 1: all zero (sx = 0); row 2: max 2, x16 = 32639 and -16320 (rint(-16319.5))
@@ -84,7 +76,7 @@ def test_fixed_point_reference_on_hand_worked_rows():
     np.testing.assert_allclose(y[2], 2 * (32639 - 3 * 16320) / 32639 * (np.arange(16) - 8) / 2, rtol=1e-6)
     # the float product (0.75 (n - 8) / 2 for row 0) is within the bound
     float_y = np.asarray(x, np.float64) @ q * 0.5
-    assert np.all(np.abs(np.asarray(y) - float_y) <= fixed_point_bound(x, q, np.full(16, 0.5)))
+    assert np.all(np.abs(np.asarray(y) - float_y) <= fixed_point_error_bound(x, q, np.full(16, 0.5)))
 
 
 def test_vnni_is_listed_where_the_cpu_has_it(int8_isas):
@@ -132,7 +124,7 @@ def test_kernel_matches_numpy(int8_isas, x_dtype, rows, depth, width):
         assert got.shape == (rows, width) and got.dtype == jnp.float32
         error = np.abs(np.asarray(got, np.float64) - expected)
         if isa == "avx512_vnni":  # exact integer products: x's 16-bit rounding, then float32 rounding
-            assert np.all(error <= fixed_point_bound(x, q, scale) + 1e-30), isa
+            assert np.all(error <= fixed_point_error_bound(x, q, scale) + 1e-30), isa
             fixed_point = native_dense_int8_fixed_point_reference(x, packed, jnp.asarray(scale))
             np.testing.assert_allclose(got, fixed_point, rtol=5e-7, atol=1e-30)
         else:  # float32 accumulation: an error below depth ulps of the sum of |products|
@@ -172,7 +164,7 @@ def test_vnni_error_bound_is_far_below_bfloat16_rounding(vnni):
     q = rng.integers(-127, 128, (576, 960)).astype(np.int8)
     scale = rng.random(960) * 0.01
     carried = 2.0**-9 * np.abs(x) @ (np.abs(q) * scale)
-    bound = fixed_point_bound(x, q, scale)
+    bound = fixed_point_error_bound(x, q, scale)
     assert np.all(bound[:4] <= 0.05 * carried[:4]) and np.all(bound[4:] <= 0.5 * carried[4:])
     expected = x @ (q * scale)
     packed = jnp.asarray(cpu.pack_dense_kernel_int8(q))
@@ -225,7 +217,7 @@ def test_trailing_zero_rows_give_zero_rows(int8_isas):
     got, _ = after_another_product(jnp.ones((9, 96), jnp.bfloat16), jnp.asarray(x, jnp.bfloat16))
     x = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
     expected = x @ (q * np.asarray(scale, np.float64))
-    assert np.all(np.abs(np.asarray(got) - expected) <= fixed_point_bound(x, q, scale) + 1e-6)
+    assert np.all(np.abs(np.asarray(got) - expected) <= fixed_point_error_bound(x, q, scale) + 1e-6)
     np.testing.assert_array_equal(np.asarray(got)[5:], 0.0)
 
 
