@@ -55,10 +55,20 @@ def unpack_dense_kernel_int8(packed: jax.Array) -> jax.Array:
     return packed.transpose(1, 0, 2).reshape(depth, blocks * cols)
 
 
+def _grouped_scale(scale: jax.Array) -> jax.Array:
+    """Scales `[N]` or `[K/G, N]` as `[groups, N]`."""
+    return scale.astype(jnp.float32).reshape(-1, scale.shape[-1])
+
+
 def native_dense_int8_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
-    """`(x [M, K] @ q) * s`, float32, from the packed kernel, in plain JAX."""
+    """`(x [M, K] @ q) * s`, float32, from the packed kernel, in plain JAX; with scales `[K/G, N]`
+    each group of G consecutive k is multiplied by its own row of scales."""
     q = unpack_dense_kernel_int8(packed).astype(jnp.float32)
-    return jnp.einsum("mk,kn->mn", x.astype(jnp.float32), q, precision="highest") * scale.astype(jnp.float32)
+    scale = _grouped_scale(scale)
+    groups, (rows, depth) = scale.shape[0], x.shape
+    xs = x.astype(jnp.float32).reshape(rows, groups, depth // groups)
+    partial = jnp.einsum("mgk,gkn->mgn", xs, q.reshape(groups, depth // groups, -1), precision="highest")
+    return jnp.einsum("mgn,gn->mn", partial, scale, precision="highest")
 
 
 def quantize_rows_fixed_point(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -82,31 +92,43 @@ def split_fixed_point(fixed: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def native_dense_int8_fixed_point_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
     """What the VNNI path computes, in plain JAX: `(256 (hi @ q) + (lo @ q)) * (s * sx)` in
-    float32, each plane's product exact in int32 (at most 128 * 128 K)."""
+    float32, each plane's product exact in int32 (at most 128 * 128 K); with scales `[K/G, N]`,
+    `sx * sum_g (256 (hi_g @ q_g) + (lo_g @ q_g)) * s_g` over the groups of k."""
     fixed, step = quantize_rows_fixed_point(x)
     high, low = split_fixed_point(fixed)
     q = unpack_dense_kernel_int8(packed).astype(jnp.int32)
+    scale = _grouped_scale(scale)
+    groups, (rows, depth) = scale.shape[0], x.shape
+    q = q.reshape(groups, depth // groups, -1)
 
     def plane(p):
-        return jnp.einsum("mk,kn->mn", p, q, preferred_element_type=jnp.int32).astype(jnp.float32)
+        p = p.reshape(rows, groups, depth // groups)
+        return jnp.einsum("mgk,gkn->mgn", p, q, preferred_element_type=jnp.int32).astype(jnp.float32)
 
     total = plane(high) * 256 + plane(low)
-    return total * (scale.astype(jnp.float32)[None, :] * step[:, None])
+    if groups == 1:
+        return total[:, 0] * (scale[0][None, :] * step[:, None])
+    return (total * scale[None]).sum(axis=1) * step[:, None]
 
 
 def fixed_point_error_bound(x, q, scale) -> np.ndarray:
     """How far the VNNI path's `[M, N]` result may be from the float product `(x @ q) * s`, in
-    float64 on the host: x's rounding to 16 bits (at most sx / 2 a value) times `sum_k |q_kn| s[n]`,
-    plus float32 rounding of the result. `q` is the `[K, N]` int8 kernel."""
-    x, q, scale = np.asarray(x, np.float64), np.abs(np.asarray(q, np.float64)), np.asarray(scale, np.float64)
+    float64 on the host: x's rounding to 16 bits (at most sx / 2 a value) times `sum_k |q_kn s_kn|`,
+    plus float32 rounding of the result. `q` is the `[K, N]` int8 kernel, `scale` `[N]` or
+    `[K/G, N]`."""
+    x, q = np.asarray(x, np.float64), np.abs(np.asarray(q, np.float64))
+    scale = np.asarray(scale, np.float64).reshape(-1, q.shape[1])
+    weights = q * np.repeat(scale, q.shape[0] // scale.shape[0], axis=0)  # |q_kn| s_kn
     step = np.abs(x).max(axis=1, keepdims=True) / FIXED_POINT_LEVELS
-    return step / 2 * (q.sum(axis=0) * scale) + 2e-7 * np.abs(x) @ (q * scale)
+    return step / 2 * weights.sum(axis=0) + 2e-7 * np.abs(x) @ weights
 
 
 def native_dense_int8(
     x: jax.Array, packed: jax.Array, scale: jax.Array, *, isa: str | None = None
 ) -> jax.Array:
-    """`(x [M, K] @ q) * s` in float32, `packed` from `pack_dense_kernel_int8`, `scale [N]`.
+    """`(x [M, K] @ q) * s` in float32, `packed` from `pack_dense_kernel_int8`, `scale [N]` (one
+    per column), or `[K/G, N]`: one per group of G consecutive k and column (G a multiple of 4 that
+    divides K; GGUF Q8_0's G is 32), each group's products scaled before they are summed.
 
     x is bfloat16 (read as it is) or another float dtype (converted to float32). `isa` picks the
     path ("avx512_vnni", "avx512_bf16", "avx512" or "avx2"); None takes the best the CPU has
@@ -127,16 +149,22 @@ def native_dense_int8(
     if isa is not None and isa not in codes:
         raise ValueError(f"isa must be one of {sorted(codes)} or None, not {isa!r}")
     blocks, depth, cols = packed.shape
+    groups = scale.shape[0] if scale.ndim == 2 else 1
     if (
         x.ndim != 2
         or x.shape[1] != depth
         or cols != COLUMN_MULTIPLE
         or packed.dtype != jnp.int8
-        or scale.shape != (blocks * cols,)
+        or scale.shape not in ((blocks * cols,), (groups, blocks * cols))
     ):
         raise ValueError(
             f"x {tuple(x.shape)} and scale {tuple(scale.shape)} do not match a packed int8 kernel "
-            f"{packed.dtype} {tuple(packed.shape)}"
+            f"{packed.dtype} {tuple(packed.shape)}: scale is [N] or [K/G, N]"
+        )
+    if scale.ndim == 2 and (groups < 1 or depth % groups or (groups > 1 and (depth // groups) % 4)):
+        raise ValueError(
+            f"grouped scales {tuple(scale.shape)} need groups of a multiple of 4 consecutive k that divide "
+            f"K = {depth}: [K/G, N] with G % 4 == 0"
         )
     x = x if x.dtype == jnp.bfloat16 else x.astype(jnp.float32)
     call = jax.ffi.ffi_call(DENSE_INT8_TARGET, jax.ShapeDtypeStruct((x.shape[0], blocks * cols), jnp.float32))

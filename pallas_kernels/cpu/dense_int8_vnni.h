@@ -49,31 +49,44 @@ inline bool Avx512VnniUsable() {
 // word (VPDPBUSD's broadcast operand), K rounded up to a multiple of 4 with zeros.
 struct FixedPointRows {
   int64_t words = 0;              // per row: ceil(K / 4)
+  int64_t groups = 1;             // runs of k with their own scales
   std::vector<int32_t> hi, lo;    // [M, words]
-  std::vector<int32_t> hi_sum, lo_sum;  // [M]: 128 * the plane's sum over k (the weights' offset)
+  std::vector<int32_t> hi_sum, lo_sum;  // [M, groups]: 128 * the plane's sum over the group's k
   std::vector<float> step;        // [M]: sx
 
   // Quantizes the first M rows of x (float32 values, or bfloat16 ones when `Value` is uint16_t;
   // row stride K); false, leaving the rest undone, if a row holds a value that is not finite or
   // its largest magnitude is positive but below `kSmallestVnniMax` (then the float path must run).
+  // With `group` < K (a multiple of 4 that divides K) the plane sums are kept per group.
   template <typename Value>
-  bool Quantize(const Value* x, int64_t M, int64_t K) {
-    words = (K + 3) / 4;
+  bool Quantize(const Value* x, int64_t M, int64_t K, int64_t group) {
+    words = (K + 3) / 4, groups = K / group;
     hi.assign(M * words, 0), lo.assign(M * words, 0);
-    hi_sum.assign(M, 0), lo_sum.assign(M, 0), step.assign(M, 0.0f);
+    hi_sum.assign(M * groups, 0), lo_sum.assign(M * groups, 0), step.assign(M, 0.0f);
     for (int64_t m = 0; m < M; ++m) {
       float largest;
       if (!Largest(x + m * K, K, largest) || (largest > 0.0f && largest < kSmallestVnniMax)) return false;
       if (largest == 0.0f) continue;  // zero planes, sx = 0
       const auto planes = Split(x + m * K, K, kVnniLevels / largest, reinterpret_cast<int8_t*>(&hi[m * words]),
                                 reinterpret_cast<int8_t*>(&lo[m * words]));
-      hi_sum[m] = 128 * planes.first, lo_sum[m] = 128 * planes.second;
+      hi_sum[m * groups] = 128 * planes.first, lo_sum[m * groups] = 128 * planes.second;
+      if (groups > 1) GroupSums(m, group);
       step[m] = largest / kVnniLevels;
     }
     return true;
   }
 
  private:
+  void GroupSums(int64_t m, int64_t group) {
+    const auto* high = reinterpret_cast<const int8_t*>(&hi[m * words]);
+    const auto* low = reinterpret_cast<const int8_t*>(&lo[m * words]);
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t high_total = 0, low_total = 0;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) high_total += high[k], low_total += low[k];
+      hi_sum[m * groups + g] = 128 * high_total, lo_sum[m * groups + g] = 128 * low_total;
+    }
+  }
+
   // 16 values of x from `at` (`present` of them) as float32 bits: bfloat16 is float32's high half.
   VLLM_XLA_INT8_VNNI static __m512i LoadBits(const float* at, __mmask16 present) {
     return _mm512_maskz_loadu_epi32(present, at);
@@ -137,7 +150,7 @@ VLLM_XLA_INT8_VNNI inline __m512i DotBytes(__m512i acc, __m512i u, __m512i s) {
 struct VnniInt8 {
   const FixedPointRows* rows;
   const int8_t* w;     // [N/16, K, 16]
-  const float* scale;  // [N]
+  const float* scale;  // [N], or [groups, N] (`FixedPointRows::groups`)
   float* y;            // [M, N]
   int64_t M, K, N;
 
@@ -153,24 +166,21 @@ struct VnniInt8 {
   }
 
   // y[row : row + R, block * 16 : (block + C) * 16].
+  // The int32 sums of a register block over words [first, end), plane by plane.
   template <int R, int C>
-  VLLM_XLA_INT8_VNNI static void Block(const VnniInt8& p, int64_t row, int64_t block) {
+  VLLM_XLA_INT8_VNNI static void Accumulate(const VnniInt8& p, int64_t row, int64_t block, int64_t first,
+                                            int64_t end, __m512i (&acc)[R][2 * C]) {
     const int64_t panel = p.K * 16, words = p.rows->words;
     const int8_t* w = p.w + block * panel;
     const int32_t* hi = p.rows->hi.data() + row * words;
     const int32_t* lo = p.rows->lo.data() + row * words;
     const __m512i order = InterleaveOrder();
     const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-    __m512i acc[R][2 * C];  // [r][c]: the high plane's sums, [r][C + c]: the low plane's
-    VLLM_XLA_UNROLL
-    for (int r = 0; r < R; ++r)
-      VLLM_XLA_UNROLL
-      for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm512_setzero_si512();
     // The last word of a K that is not a multiple of 4 loads only its k: zero bytes past K meet
     // zero planes.
     const int64_t full = p.K / 4;
     const __mmask64 last = full < words ? (~0ULL) >> (64 - 16 * (p.K - 4 * full)) : ~0ULL;
-    for (int64_t word = 0; word < words; ++word) {
+    for (int64_t word = first; word < end; ++word) {
       const __mmask64 present = word < full ? ~0ULL : last;
       __m512i weights[C];
       VLLM_XLA_UNROLL
@@ -188,19 +198,67 @@ struct VnniInt8 {
         for (int c = 0; c < C; ++c) acc[r][C + c] = DotBytes(acc[r][C + c], weights[c], l);
       }
     }
+  }
+
+  // 256 (high - its offset) + (low - its offset) of accumulator pair (r, c) for group g, in float32.
+  template <int R, int C>
+  VLLM_XLA_INT8_VNNI static __m512 Combine(const VnniInt8& p, int64_t row, int64_t g, int r, int c,
+                                           const __m512i (&acc)[R][2 * C]) {
+    const int64_t at = (row + r) * p.rows->groups + g;
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], _mm512_set1_epi32(p.rows->hi_sum[at])));
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][C + c], _mm512_set1_epi32(p.rows->lo_sum[at])));
+    return _mm512_fmadd_ps(high, _mm512_set1_ps(256.0f), low);
+  }
+
+  // y[row : row + R, block * 16 : (block + C) * 16], one scale per column.
+  template <int R, int C>
+  VLLM_XLA_INT8_VNNI static void Block(const VnniInt8& p, int64_t row, int64_t block) {
+    __m512i acc[R][2 * C];  // [r][c]: the high plane's sums, [r][C + c]: the low plane's
+    VLLM_XLA_UNROLL
+    for (int r = 0; r < R; ++r)
+      VLLM_XLA_UNROLL
+      for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm512_setzero_si512();
+    Accumulate<R, C>(p, row, block, 0, p.rows->words, acc);
     VLLM_XLA_UNROLL
     for (int r = 0; r < R; ++r) {
-      const __m512i hi_sum = _mm512_set1_epi32(p.rows->hi_sum[row + r]);
-      const __m512i lo_sum = _mm512_set1_epi32(p.rows->lo_sum[row + r]);
       const __m512 step = _mm512_set1_ps(p.rows->step[row + r]);
       VLLM_XLA_UNROLL
       for (int c = 0; c < C; ++c) {
-        const __m512 high = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], hi_sum));
-        const __m512 low = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][C + c], lo_sum));
-        const __m512 total = _mm512_fmadd_ps(high, _mm512_set1_ps(256.0f), low);
         const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(p.scale + (block + c) * 16), step);
-        _mm512_storeu_ps(p.y + (row + r) * p.N + (block + c) * 16, _mm512_mul_ps(total, s));
+        _mm512_storeu_ps(p.y + (row + r) * p.N + (block + c) * 16, _mm512_mul_ps(Combine<R, C>(p, row, 0, r, c, acc), s));
       }
+    }
+  }
+
+  // The same with a scale per group of k and column (`scale` [K / group, N]): the int32 sums flush
+  // into float32 ones, each group's sums times its scales, then sx at the store.
+  template <int R, int C>
+  VLLM_XLA_INT8_VNNI static void GroupedBlock(const VnniInt8& p, int64_t row, int64_t block) {
+    const int64_t group_words = p.K / p.rows->groups / 4;
+    __m512 total[R][C];
+    VLLM_XLA_UNROLL
+    for (int r = 0; r < R; ++r)
+      VLLM_XLA_UNROLL
+      for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < p.rows->groups; ++g) {
+      __m512i acc[R][2 * C];
+      VLLM_XLA_UNROLL
+      for (int r = 0; r < R; ++r)
+        VLLM_XLA_UNROLL
+        for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm512_setzero_si512();
+      Accumulate<R, C>(p, row, block, g * group_words, (g + 1) * group_words, acc);
+      VLLM_XLA_UNROLL
+      for (int c = 0; c < C; ++c) {
+        const __m512 s = _mm512_loadu_ps(p.scale + g * p.N + (block + c) * 16);
+        VLLM_XLA_UNROLL
+        for (int r = 0; r < R; ++r) total[r][c] = _mm512_fmadd_ps(Combine<R, C>(p, row, g, r, c, acc), s, total[r][c]);
+      }
+    }
+    VLLM_XLA_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m512 step = _mm512_set1_ps(p.rows->step[row + r]);
+      VLLM_XLA_UNROLL
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(p.y + (row + r) * p.N + (block + c) * 16, _mm512_mul_ps(total[r][c], step));
     }
   }
 
@@ -209,23 +267,33 @@ struct VnniInt8 {
   // Register blocks of up to 3 rows by 4 column blocks for up to 3 rows (a decode step: the
   // weights stream from memory once, and 8 accumulators for one row hide VPDPBUSD's latency), else
   // 6 rows by 2 (fewer weight permutations per product); both hold 24 accumulators (two planes).
-  static BlockKernel KernelFor(int rows, int blocks) {
+  // Grouped scales add float32 sums: 1 row by 4 blocks, else 3 by 2.
+  static BlockKernel KernelFor(bool grouped, int rows, int blocks) {
 #define VLLM_XLA_WIDE(R) {&Block<R, 1>, &Block<R, 2>, &Block<R, 3>, &Block<R, 4>}
 #define VLLM_XLA_TALL(R) {&Block<R, 1>, &Block<R, 2>, nullptr, nullptr}
     static constexpr BlockKernel kKernels[kVnniRows][kVnniBlocks] = {
         VLLM_XLA_WIDE(1), VLLM_XLA_WIDE(2), VLLM_XLA_WIDE(3), VLLM_XLA_TALL(4), VLLM_XLA_TALL(5), VLLM_XLA_TALL(6)};
+    static constexpr BlockKernel kGrouped[3][kVnniBlocks] = {
+        {&GroupedBlock<1, 1>, &GroupedBlock<1, 2>, &GroupedBlock<1, 3>, &GroupedBlock<1, 4>},
+        {&GroupedBlock<2, 1>, &GroupedBlock<2, 2>, nullptr, nullptr},
+        {&GroupedBlock<3, 1>, &GroupedBlock<3, 2>, nullptr, nullptr}};
 #undef VLLM_XLA_WIDE
 #undef VLLM_XLA_TALL
-    return kKernels[rows - 1][blocks - 1];
+    return grouped ? kGrouped[rows - 1][blocks - 1] : kKernels[rows - 1][blocks - 1];
   }
 
-  int BlockRows() const { return M <= 3 ? 3 : kVnniRows; }
-  int BlockCols() const { return M <= 3 ? kVnniBlocks : 2; }
+  bool Grouped() const { return rows->groups > 1; }
+  int BlockRows() const {
+    if (Grouped()) return M <= 1 ? 1 : 3;
+    return M <= 3 ? 3 : kVnniRows;
+  }
+  int BlockCols() const { return (Grouped() ? M <= 1 : M <= 3) ? kVnniBlocks : 2; }
 
   void Run(const Item& item) const {
+    const bool grouped = Grouped();
     WalkRegisterBlocks(item, M, rows->words * 8, BlockRows(), BlockCols(),
                        [&](int64_t row, int count, int64_t block, int blocks) {
-                         KernelFor(count, blocks)(*this, row, block);
+                         KernelFor(grouped, count, blocks)(*this, row, block);
                        });
   }
 };

@@ -199,6 +199,55 @@ def test_vnni_leaves_what_its_fixed_point_cannot_hold_to_the_float_product(vnni,
         assert np.all(np.isfinite(got[[0, 1, 3]]))
 
 
+def test_grouped_scales_reference_on_a_hand_worked_case():
+    # K = 8 in two groups of 4; x = (1, ..., 1, 2, ..., 2); column n of q all n + 1; group scales
+    # 1 and 0.5: y[n] = 4 (n + 1) * 1 + 8 (n + 1) * 0.5 = 8 (n + 1)
+    x = jnp.asarray([[1.0] * 4 + [2.0] * 4], jnp.bfloat16)
+    q = np.tile(np.arange(1, 17, dtype=np.int8), (8, 1))
+    scale = jnp.asarray([[1.0] * 16, [0.5] * 16])
+    packed = cpu.pack_dense_kernel_int8(q)
+    np.testing.assert_allclose(cpu.native_dense_int8_reference(x, packed, scale)[0], 8 * np.arange(1, 17))
+    # fixed point: x16 = 16320 (16319.5 to even) then 32639; y = 2 / 32639 (16320 * 4 + 32639 * 2) (n + 1)
+    expected = 2 / 32639 * (16320 * 4 + 32639 * 2) * np.arange(1, 17)
+    np.testing.assert_allclose(
+        native_dense_int8_fixed_point_reference(x, packed, scale)[0], expected, rtol=1e-6
+    )
+
+
+GROUPED = ((32, 48, 4), (64, 80, 32), (576, 96, 32), (96, 16, 96), (1536, 64, 128))
+
+
+@pytest.mark.parametrize("rows", (1, 2, 5, 7, 13, 64))
+@pytest.mark.parametrize(("depth", "width", "group"), GROUPED)
+def test_grouped_scales_match_numpy(int8_isas, rows, depth, width, group):
+    rng = np.random.default_rng(rows * 31 + depth + group)
+    x = jnp.asarray(rng.standard_normal((rows, depth)), jnp.bfloat16)
+    q = rng.integers(-127, 128, (depth, width)).astype(np.int8)
+    scale = (rng.random((depth // group, width)) * 0.02 + 1e-3).astype(np.float32)
+    weights = q.astype(np.float64) * np.repeat(scale.astype(np.float64), group, axis=0)  # q_kn s_kn
+    x64 = np.asarray(x, np.float64)
+    expected, bound = x64 @ weights, np.abs(x64) @ np.abs(weights)
+    packed = jnp.asarray(cpu.pack_dense_kernel_int8(q))
+    for isa in int8_isas:
+        got = jax.jit(cpu.native_dense_int8, static_argnames="isa")(x, packed, jnp.asarray(scale), isa=isa)
+        error = np.abs(np.asarray(got, np.float64) - expected)
+        if isa == "avx512_vnni":
+            assert np.all(error <= fixed_point_error_bound(x, q, scale) + 1e-30), isa
+            fixed_point = native_dense_int8_fixed_point_reference(x, packed, jnp.asarray(scale))
+            np.testing.assert_allclose(got, fixed_point, rtol=2e-6, atol=1e-6 * np.abs(expected).max())
+        else:
+            assert np.all(error <= 2e-7 * depth * bound + 1e-30), isa
+    reference = cpu.native_dense_int8_reference(x, packed, jnp.asarray(scale))
+    np.testing.assert_allclose(reference, expected, rtol=1e-5, atol=1e-5 * np.sqrt(depth))
+
+
+@pytest.mark.parametrize("shape", [(5, 16), (2, 16), (4, 32)], ids=["not-dividing", "odd-group", "columns"])
+def test_grouped_scales_that_do_not_fit_are_refused(native_kernels, shape):
+    packed = cpu.pack_dense_kernel_int8(np.zeros((12, 16), np.int8))  # K = 12: groups of 4 or 12
+    with pytest.raises(ValueError, match=r"scale|grouped scales"):
+        cpu.native_dense_int8(jnp.ones((1, 12)), packed, jnp.ones(shape))
+
+
 def test_trailing_zero_rows_give_zero_rows(int8_isas):
     rng = np.random.default_rng(5)
     q = rng.integers(-127, 128, (96, 64)).astype(np.int8)
