@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // int8-weight dense layers (W8A16) as an XLA FFI handler: y[M, N] (float32) = (x[M, K] @ q) * s,
-// q int8 with one float32 scale per output column, x bfloat16 or float32.
+// q int8 with one float32 scale per output column (or per group of G consecutive k and column,
+// scale [K/G, N]), x bfloat16 or float32.
 //
 // Decode streams every weight once a step and does little else, so its speed is the weights'
 // bytes over the memory bandwidth: int8 halves bfloat16's bytes. XLA:CPU converts an int8 kernel

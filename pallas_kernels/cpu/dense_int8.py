@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Dense layers with int8 weights in C++ (`dense_int8.cc`): `(x [M, K] @ q [K, N]) * s [N]` in
-float32, q int8 with one float32 scale per output column (W8A16: x stays bfloat16 or float32).
+float32, q int8 with one float32 scale per output column, or `s [K/G, N]` per group of G
+consecutive k and column (W8A16: x stays bfloat16 or float32).
 
 XLA:CPU converts an int8 kernel to a bfloat16 copy in memory every step before its dot, which
 costs more than int8's halved bytes save; the native kernel widens the int8 values in registers
