@@ -3,7 +3,7 @@
 projection shapes, over row counts from a decode step's one row to a prefill's hundreds.
 
     .venv/bin/python benchmarks/dense_int8.py [--rows 1,2,4,8,16,32,64,128,512]
-        [--shapes 576x960,576x576,576x3072,1536x576,576x49152] [--isa avx512_bf16]
+        [--shapes 576x960,576x576,576x3072,1536x576,576x49152] [--isa avx512_vnni,avx512_bf16]
         [--out benchmarks/out/dense_int8.json]
 
 Each measurement is one jitted program that applies distinct weights of one shape in a chain
@@ -13,7 +13,8 @@ from cache, and so does this. The bfloat16 and int8 programs alternate call by c
 call is timed in process CPU time (all threads): on a shared machine another process's time
 slices then fall outside the figures, which wall time would count. Reported per shape and row
 count: the fastest call of each (per product) and the median over calls of bfloat16 time over
-int8 time (above 1: int8 is faster).
+int8 time (above 1: int8 is faster), for each int8 path asked for (`--isa`, a comma list; by
+default the best this CPU has).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _cpu_seconds(program, *args) -> float:
     return time.process_time() - start
 
 
-def measure(depth: int, width: int, rows: list[int], isa: str | None, rng: np.random.Generator) -> list[dict]:
+def measure(depth: int, width: int, rows: list[int], isas: list[str], rng: np.random.Generator) -> list[dict]:
     copies = max(2, int(STREAMED_BYTES // (depth * width * 2)))
     bf16 = [
         cpu.pack_dense_kernel(rng.standard_normal((depth, width)).astype(jnp.bfloat16)) for _ in range(copies)
@@ -62,28 +63,32 @@ def measure(depth: int, width: int, rows: list[int], isa: str | None, rng: np.ra
     scales = [jnp.asarray(rng.random(width, dtype=np.float32) * 0.02) for _ in range(copies)]
     bf16, int8 = [jnp.asarray(w) for w in bf16], [jnp.asarray(w) for w in int8]
     run_bf16 = _chain(lambda x, w: cpu.native_dense(x, w))
-    run_int8 = _chain(lambda x, w, s: cpu.native_dense_int8(x, w, s, isa=isa))
+    runs_int8 = [_chain(lambda x, w, s, isa=isa: cpu.native_dense_int8(x, w, s, isa=isa)) for isa in isas]
     results = []
     for count in rows:
         x = jnp.asarray(rng.standard_normal((count, depth)), jnp.bfloat16)
-        _cpu_seconds(run_bf16, x, bf16), _cpu_seconds(run_int8, x, int8, scales)  # compile, warm up
+        _cpu_seconds(run_bf16, x, bf16)  # compile, warm up
+        for run in runs_int8:
+            _cpu_seconds(run, x, int8, scales)
         calls = max(7, min(40, int(1.5 / max(_cpu_seconds(run_bf16, x, bf16), 1e-6))))
         times = np.array(
-            [(_cpu_seconds(run_bf16, x, bf16), _cpu_seconds(run_int8, x, int8, scales)) for _ in range(calls)]
+            [
+                [_cpu_seconds(run_bf16, x, bf16), *(_cpu_seconds(run, x, int8, scales) for run in runs_int8)]
+                for _ in range(calls)
+            ]
         )
         times /= copies
         result = {
             "shape": f"{depth}x{width}",
             "rows": count,
             "bfloat16_us": round(float(times[:, 0].min()) * 1e6, 1),
-            "int8_us": round(float(times[:, 1].min()) * 1e6, 1),
-            "bfloat16_over_int8": round(float(np.median(times[:, 0] / times[:, 1])), 3),
         }
-        print(
-            f"{result['shape']:>10} rows {count:4d}: bfloat16 {result['bfloat16_us']:9.1f} us, "
-            f"int8 {result['int8_us']:9.1f} us, bfloat16/int8 {result['bfloat16_over_int8']:.2f}x",
-            flush=True,
-        )
+        line = f"{result['shape']:>10} rows {count:4d}: bfloat16 {result['bfloat16_us']:9.1f} us"
+        for i, isa in enumerate(isas, start=1):
+            result[f"int8_{isa}_us"] = round(float(times[:, i].min()) * 1e6, 1)
+            result[f"bfloat16_over_int8_{isa}"] = round(float(np.median(times[:, 0] / times[:, i])), 3)
+            line += f", {isa} {result[f'int8_{isa}_us']:9.1f} us ({result[f'bfloat16_over_int8_{isa}']:.2f}x)"
+        print(line, flush=True)
         results.append(result)
     return results
 
@@ -92,23 +97,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,512", help="comma list of row counts")
     parser.add_argument("--shapes", default="576x960,576x576,576x3072,1536x576,576x49152", help="KxN list")
-    parser.add_argument("--isa", default=None, help="the int8 kernel's path (default: the best this CPU has)")
+    parser.add_argument(
+        "--isa", default=None, help="int8 paths, a comma list (default: the best this CPU has)"
+    )
     parser.add_argument("--out", default=str(HERE / "out" / "dense_int8.json"), help="JSON path")
     args = parser.parse_args()
     cache = os.environ.get("VLLM_XLA_CACHE_DIR", str(HERE.parent / ".cache" / "vllm-xla"))
     library = cpu.load(os.path.join(cache, "native"))
     rows = [int(r) for r in args.rows.split(",")]
+    isas = args.isa.split(",") if args.isa else [cpu.dense_int8_isas(library)[0]]
     rng = np.random.default_rng(0)
     results = []
     for shape in args.shapes.split(","):
         depth, width = (int(v) for v in shape.split("x"))
-        results += measure(depth, width, rows, args.isa, rng)
+        results += measure(depth, width, rows, isas, rng)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    isa = args.isa or cpu.dense_int8_isas(library)[0]
-    out.write_text(json.dumps({"isa": isa, "load_average_1min": load, "results": results}, indent=1) + "\n")
-    print(f"wrote {out} (int8 path {isa}, 1-minute load average {load:.1f})")
+    out.write_text(json.dumps({"isas": isas, "load_average_1min": load, "results": results}, indent=1) + "\n")
+    print(f"wrote {out} (int8 paths {', '.join(isas)}, 1-minute load average {load:.1f})")
 
 
 if __name__ == "__main__":

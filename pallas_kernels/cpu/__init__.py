@@ -38,6 +38,7 @@ from pallas_kernels.cpu.dense import (
 from pallas_kernels.cpu.dense_int8 import (
     can_pack_int8,
     native_dense_int8,
+    native_dense_int8_fixed_point_reference,
     native_dense_int8_reference,
     pack_dense_kernel_int8,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "load",
     "native_dense",
     "native_dense_int8",
+    "native_dense_int8_fixed_point_reference",
     "native_dense_int8_reference",
     "native_dense_reference",
     "pack_dense_kernel",

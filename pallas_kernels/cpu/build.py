@@ -51,6 +51,7 @@ HEADERS = tuple(
         "dense_f32_block.h",
         "dense_avx2.h",
         "dense_avx512_bf16.h",
+        "dense_int8_vnni.h",
     )
 )
 ATTENTION_TARGET = "vllm_xla_ragged_paged_attention"
@@ -259,13 +260,16 @@ def _probe_dense_f32(library: _Library) -> bool:
     return bool(ctypes.CDLL(str(library.path)).VllmXlaDenseF32Usable())
 
 
-DENSE_INT8_ISAS = {1: "avx512", 2: "avx512_bf16", 3: "avx2"}  # the int8 kernel's paths, by code
-_DENSE_INT8_PREFERENCE = ("avx512_bf16", "avx512", "avx2")
+# the int8 kernel's paths, by their code in dense_int8.cc
+DENSE_INT8_ISAS = {1: "avx512", 2: "avx512_bf16", 3: "avx2", 4: "avx512_vnni"}
+_DENSE_INT8_PREFERENCE = ("avx512_vnni", "avx512_bf16", "avx512", "avx2")
 
 
 def dense_int8_isas(library: Path) -> tuple[str, ...]:
     """The instruction sets `library` (from `load`) can run its int8 dense kernel with in this
-    process, best first: "avx512_bf16" (as "avx512" for a few rows; for more, with bfloat16 x,
+    process, best first: "avx512_vnni" (AVX-512 VNNI with VBMI: bfloat16 x in 16-bit fixed point,
+    int8 products in int32 with VPDPBUSD; float32 x, and a call with values that are not finite,
+    take the next path), "avx512_bf16" (as "avx512" for a few rows; for more, with bfloat16 x,
     each int8 panel widened once to bfloat16 and multiplied with VDPBF16PS), "avx512" (AVX-512F:
     int8 widened to float32 in registers) and "avx2" (the same with AVX2 and FMA)."""
     mask = _probe_dense_int8_isas(_Library(library.name, library))

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // int8-weight dense layers (W8A16) as an XLA FFI handler: y[M, N] (float32) = (x[M, K] @ q) * s,
-// q int8 with one float32 scale per output column, x bfloat16 or float32.
+// q int8 with one float32 scale per output column (or per group of G consecutive k and column,
+// scale [K/G, N]), x bfloat16 or float32.
 //
 // Decode streams every weight once a step and does little else, so its speed is the weights'
 // bytes over the memory bandwidth: int8 halves bfloat16's bytes. XLA:CPU converts an int8 kernel
@@ -21,6 +22,15 @@
 // of bfloat16 x on AVX-512 BF16 each panel is instead widened once to bfloat16 pairs, and the
 // rows run on the bfloat16 kernel's VDPBF16PS blocks (dense_avx512_bf16.h), which take two
 // products an instruction.
+//
+// With AVX-512 VNNI (and VBMI), bfloat16 x takes integer products instead (dense_int8_vnni.h): x
+// rounded per row to 16-bit fixed point, two signed byte planes against the weights' bytes with
+// VPDPBUSD (64 byte products an instruction, two per 16-bit product), exact in int32. Per weight
+// that is about a third of the widening path's instructions at one row (a permutation, an offset
+// and two VPDPBUSD per 64 weights against 16 loads, conversions and FMAs), so a decode step comes
+// near the weights' bytes; with many rows it keeps pace with VDPBF16PS on panels widened ahead, without
+// widening them, so it serves every row count. The price is x's rounding to 16 bits (below its
+// bfloat16 rounding), so float32 x keeps the float product unless the path is asked for.
 
 #include <algorithm>
 #include <cstdint>
@@ -34,6 +44,7 @@
 
 #include "dense_avx512_bf16.h"
 #include "dense_blocks.h"
+#include "dense_int8_vnni.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -41,7 +52,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 // The `isa` attribute: which path runs (the codes of `DENSE_INT8_ISAS` in build.py).
-enum Int8Isa : int32_t { kBestIsa = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAvx2 = 3 };
+enum Int8Isa : int32_t { kBestIsa = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAvx2 = 3, kAvx512Vnni = 4 };
 
 #if defined(__x86_64__)
 using vllm_xla::Item;
@@ -77,17 +88,18 @@ constexpr int64_t kWidenAheadAbove = 8;
 struct Int8Problem {
   const float* x;      // [M, K]
   const int8_t* w;     // [N/16, K, 16]
-  const float* scale;  // [N]
+  const float* scale;  // [N], or [K / group, N]
   float* y;            // [M, N]
   int64_t M, K, N;
+  int64_t group;       // k that share a scale: K, or a multiple of 4 that divides K
 
   static void Begin() {}
   static void End() {}
 
   // y[row : row + R, block * 16 : (block + C) * 16] with AVX-512: each 16-byte panel row widens
   // to one vector of 16 float32 columns. With one row, even and odd k accumulate apart, so enough
-  // FMA chains run at once.
-  template <int R, int C>
+  // FMA chains run at once. `Grouped`: a scale per group of k, applied to the widened weights.
+  template <int R, int C, bool Grouped>
   VLLM_XLA_INT8_AVX512 static void Avx512Block(const Int8Problem& p, int64_t row, int64_t block) {
     constexpr int kChains = R == 1 ? 2 : 1;
     const int64_t panel = p.K * kCols;
@@ -97,13 +109,20 @@ struct Int8Problem {
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c)
         for (int h = 0; h < kChains; ++h) acc[r][c][h] = _mm512_setzero_ps();
+    __m512 group_scale[C];
+    int64_t next_group = 0;  // grouped: the k whose group's scales load next
     const int64_t steps = p.K / kChains * kChains;
     for (int64_t k = 0; k < steps; k += kChains) {
+      if (Grouped && k == next_group) {
+        for (int c = 0; c < C; ++c) group_scale[c] = _mm512_loadu_ps(p.scale + k / p.group * p.N + (block + c) * kCols);
+        next_group += p.group;
+      }
       for (int h = 0; h < kChains; ++h) {
         __m512 weights[C];
         for (int c = 0; c < C; ++c) {
           const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * panel + (k + h) * kCols));
           weights[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+          if constexpr (Grouped) weights[c] = _mm512_mul_ps(weights[c], group_scale[c]);
         }
         for (int r = 0; r < R; ++r) {
           const __m512 xs = _mm512_set1_ps(x[r * p.K + k + h]);
@@ -111,7 +130,7 @@ struct Int8Problem {
         }
       }
     }
-    for (int64_t k = steps; k < p.K; ++k) {  // an odd K's last row (one-row blocks)
+    for (int64_t k = steps; k < p.K; ++k) {  // an odd K's last row (one-row blocks; never grouped)
       for (int c = 0; c < C; ++c) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * panel + k * kCols));
         const __m512 weights = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
@@ -119,7 +138,7 @@ struct Int8Problem {
       }
     }
     for (int c = 0; c < C; ++c) {
-      const __m512 s = _mm512_loadu_ps(p.scale + (block + c) * kCols);
+      const __m512 s = Grouped ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(p.scale + (block + c) * kCols);
       for (int r = 0; r < R; ++r) {
         __m512 sum = acc[r][c][0];
         if constexpr (kChains == 2) sum = _mm512_add_ps(sum, acc[r][c][1]);
@@ -129,7 +148,7 @@ struct Int8Problem {
   }
 
   // The same for one 16-column block with AVX2: a panel row widens to two vectors of 8 columns.
-  template <int R>
+  template <int R, bool Grouped>
   VLLM_XLA_INT8_AVX2 static void Avx2Block(const Int8Problem& p, int64_t row, int64_t block) {
     constexpr int kChains = R <= 2 ? 2 : 1;
     const int8_t* w = p.w + block * p.K * kCols;
@@ -141,11 +160,19 @@ struct Int8Problem {
     auto widen = [](const int8_t* bytes) {
       return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
     };
+    __m256 group_low, group_high;
+    int64_t next_group = 0;
     const int64_t steps = p.K / kChains * kChains;
     for (int64_t k = 0; k < steps; k += kChains) {
+      if (Grouped && k == next_group) {
+        group_low = _mm256_loadu_ps(p.scale + k / p.group * p.N + block * kCols);
+        group_high = _mm256_loadu_ps(p.scale + k / p.group * p.N + block * kCols + 8);
+        next_group += p.group;
+      }
       for (int c = 0; c < kChains; ++c) {
         const int8_t* line = w + (k + c) * kCols;
-        const __m256 low = widen(line), high = widen(line + 8);
+        __m256 low = widen(line), high = widen(line + 8);
+        if constexpr (Grouped) low = _mm256_mul_ps(low, group_low), high = _mm256_mul_ps(high, group_high);
         for (int r = 0; r < R; ++r) {
           const __m256 xs = _mm256_set1_ps(x[r * p.K + k + c]);
           acc[r][0][c] = _mm256_fmadd_ps(low, xs, acc[r][0][c]);
@@ -166,35 +193,40 @@ struct Int8Problem {
       for (int h = 0; h < 2; ++h) {
         __m256 sum = acc[r][h][0];
         if constexpr (kChains == 2) sum = _mm256_add_ps(sum, acc[r][h][1]);
-        const __m256 s = _mm256_loadu_ps(p.scale + block * kCols + h * 8);
+        const __m256 s = Grouped ? _mm256_set1_ps(1.0f) : _mm256_loadu_ps(p.scale + block * kCols + h * 8);
         _mm256_storeu_ps(p.y + (row + r) * p.N + block * kCols + h * 8, _mm256_mul_ps(sum, s));
       }
     }
   }
 
   using BlockKernel = void (*)(const Int8Problem&, int64_t, int64_t);
-  template <int R>
-  static constexpr BlockKernel kAvx512Row[kAvx512Blocks] = {&Avx512Block<R, 1>, &Avx512Block<R, 2>,
-                                                            &Avx512Block<R, 3>, &Avx512Block<R, 4>};
-  static constexpr const BlockKernel* kAvx512Kernels[kRows] = {
-      kAvx512Row<1>, kAvx512Row<2>, kAvx512Row<3>, kAvx512Row<4>, kAvx512Row<5>, kAvx512Row<6>};
-  static constexpr BlockKernel kAvx2Kernels[kRows] = {&Avx2Block<1>, &Avx2Block<2>, &Avx2Block<3>,
-                                                      &Avx2Block<4>, &Avx2Block<5>, &Avx2Block<6>};
+  template <int R, bool G>
+  static constexpr BlockKernel kAvx512Row[kAvx512Blocks] = {&Avx512Block<R, 1, G>, &Avx512Block<R, 2, G>,
+                                                            &Avx512Block<R, 3, G>, &Avx512Block<R, 4, G>};
+  template <bool G>
+  static constexpr const BlockKernel* kAvx512Kernels[kRows] = {kAvx512Row<1, G>, kAvx512Row<2, G>,
+                                                               kAvx512Row<3, G>, kAvx512Row<4, G>,
+                                                               kAvx512Row<5, G>, kAvx512Row<6, G>};
+  template <bool G>
+  static constexpr BlockKernel kAvx2Kernels[kRows] = {&Avx2Block<1, G>, &Avx2Block<2, G>, &Avx2Block<3, G>,
+                                                      &Avx2Block<4, G>, &Avx2Block<5, G>, &Avx2Block<6, G>};
 };
 
 struct Avx512Int8 : Int8Problem {
   void Run(const Item& item) const {
+    const BlockKernel* const* kernels = group < K ? kAvx512Kernels<true> : kAvx512Kernels<false>;
     WalkRegisterBlocks(item, M, K * sizeof(float), kRows, kAvx512Blocks,
                        [&](int64_t row, int rows, int64_t block, int blocks) {
-                         kAvx512Kernels[rows - 1][blocks - 1](*this, row, block);
+                         kernels[rows - 1][blocks - 1](*this, row, block);
                        });
   }
 };
 
 struct Avx2Int8 : Int8Problem {
   void Run(const Item& item) const {
+    const BlockKernel* kernels = group < K ? kAvx2Kernels<true> : kAvx2Kernels<false>;
     WalkRegisterBlocks(item, M, K * sizeof(float), kRows, 1,
-                       [&](int64_t row, int rows, int64_t block, int) { kAvx2Kernels[rows - 1](*this, row, block); });
+                       [&](int64_t row, int rows, int64_t block, int) { kernels[rows - 1](*this, row, block); });
   }
 };
 
@@ -265,8 +297,17 @@ struct WidenedInt8 : Int8Problem {
 
 // Whether this process may run the `isa` path, probed once.
 bool IsaUsable(Int8Isa isa) {
-  static const bool avx512 = Avx512Usable(), bf16 = Avx512Bf16Usable(), avx2 = vllm_xla::Avx2Usable();
-  return (isa == kAvx512 && avx512) || (isa == kAvx512Bf16 && bf16) || (isa == kAvx2 && avx2);
+  static const bool avx512 = Avx512Usable(), bf16 = Avx512Bf16Usable(), avx2 = vllm_xla::Avx2Usable(),
+                    vnni = vllm_xla::Avx512VnniUsable();
+  return (isa == kAvx512 && avx512) || (isa == kAvx512Bf16 && bf16) || (isa == kAvx2 && avx2) ||
+         (isa == kAvx512Vnni && vnni);
+}
+
+// The path an unforced call takes: VNNI for bfloat16 x (its 16-bit fixed point is finer than x's
+// own bfloat16 rounding; float32 x asks for more, so it keeps the float product), then the rest.
+Int8Isa BestIsa(ffi::DataType type) {
+  if (type == ffi::DataType::BF16 && IsaUsable(kAvx512Vnni)) return kAvx512Vnni;
+  return IsaUsable(kAvx512Bf16) ? kAvx512Bf16 : IsaUsable(kAvx512) ? kAvx512 : kAvx2;
 }
 
 // x's first M rows as float32: bfloat16 values are the high halves of float32s.
@@ -293,40 +334,60 @@ ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8
                      ffi::ResultBuffer<ffi::F32> y, int32_t isa) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
+  const auto sd = scale.dimensions();
   const auto type = x.element_type();
-  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || wd[2] != kCols || scale.element_count() != wd[0] * kCols ||
+  // Scales [N] (per column) or [K / G, N] (per group of G consecutive k, G a multiple of 4).
+  const int64_t groups = sd.size() == 2 ? sd[0] : 1;
+  const bool scales_fit = (sd.size() == 1 || sd.size() == 2) && sd.back() == wd[0] * kCols && groups > 0 &&
+                          xd.size() == 2 && xd[1] % groups == 0 && (groups == 1 || xd[1] / groups % 4 == 0);
+  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || wd[2] != kCols || !scales_fit ||
       (type != ffi::DataType::BF16 && type != ffi::DataType::F32)) {
     return ffi::Error::InvalidArgument(
-        "expected x [M, K] (bfloat16 or float32), a packed int8 weight [N/16, K, 16] and float32 scales [N]");
+        "expected x [M, K] (bfloat16 or float32), a packed int8 weight [N/16, K, 16] and float32 scales [N] or "
+        "[K/G, N] with G a multiple of 4");
   }
   Int8Isa run = static_cast<Int8Isa>(isa);
-  if (run == kBestIsa) run = IsaUsable(kAvx512Bf16) ? kAvx512Bf16 : IsaUsable(kAvx512) ? kAvx512 : kAvx2;
+  if (run == kBestIsa) run = BestIsa(type);
   if (!IsaUsable(run)) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      "this CPU or kernel does not allow the requested int8 dense path (AVX-512 BF16, AVX-512 or AVX2 "
-                      "with FMA)");
+                      "this CPU or kernel does not allow the requested int8 dense path (AVX-512 VNNI with VBMI, "
+                      "AVX-512 BF16, AVX-512 or AVX2 with FMA)");
   }
-  const int64_t K = xd[1], N = wd[0] * kCols;
+  const int64_t K = xd[1], N = wd[0] * kCols, group = K / groups;
   const int64_t M = RowsToMultiply(x, xd[0], K);
   std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
   if (M == 0) return ffi::Error::Success();
   const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(int8_t));
-  if (run == kAvx512Bf16 && type == ffi::DataType::BF16 && K % 2 == 0 && M > kWidenAheadAbove) {
-    const WidenedInt8 widened{{nullptr, w.typed_data(), scale.typed_data(), y->typed_data(), M, K, N},
+  if (run == kAvx512Bf16 && type == ffi::DataType::BF16 && K % 2 == 0 && M > kWidenAheadAbove && groups == 1) {
+    const WidenedInt8 widened{{nullptr, w.typed_data(), scale.typed_data(), y->typed_data(), M, K, N, K},
                               reinterpret_cast<const uint16_t*>(x.untyped_data())};
     const int64_t widened_blocks = vllm_xla::CachedBlocks(K, sizeof(uint16_t));  // in L2 as bfloat16
     vllm_xla::RunOverColumnBlocks(widened, N / kCols,
                                   std::max<int64_t>(vllm_xla::kBf16VectorBlocks, widened_blocks), pool);
     return ffi::Error::Success();
   }
-  if (run == kAvx512Bf16) run = kAvx512;  // few rows, float32 x or an odd K: widened in registers
+  if (run == kAvx512Vnni) {
+    vllm_xla::FixedPointRows rows;
+    const bool quantized =
+        K <= vllm_xla::kMaxVnniDepth &&
+        (type == ffi::DataType::BF16 ? rows.Quantize(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, group)
+                                     : rows.Quantize(reinterpret_cast<const float*>(x.untyped_data()), M, K, group));
+    if (quantized) {
+      const vllm_xla::VnniInt8 problem{&rows, w.typed_data(), scale.typed_data(), y->typed_data(), M, K, N};
+      vllm_xla::RunOverColumnBlocks(problem, N / kCols, std::max<int64_t>(kAvx512Blocks, cached_blocks), pool);
+      return ffi::Error::Success();
+    }
+    // Not finite values (the float product carries them as it would), rows too small for the
+    // fixed point, or a depth past int32's reach: the float path.
+  }
   std::vector<float> wide;
   const float* x_values = reinterpret_cast<const float*>(x.untyped_data());
   if (type == ffi::DataType::BF16) {
     WidenRows(x, M, K, wide);
     x_values = wide.data();
   }
-  const Int8Problem problem{x_values, w.typed_data(), scale.typed_data(), y->typed_data(), M, K, N};
+  if (run == kAvx512Bf16 || run == kAvx512Vnni) run = kAvx512;  // widened in registers
+  const Int8Problem problem{x_values, w.typed_data(), scale.typed_data(), y->typed_data(), M, K, N, group};
   if (run == kAvx512) {
     vllm_xla::RunOverColumnBlocks(Avx512Int8{problem}, N / kCols, std::max<int64_t>(kAvx512Blocks, cached_blocks),
                                   pool);
@@ -350,10 +411,10 @@ ffi::Error DenseInt8(ffi::ThreadPool, ffi::AnyBuffer, ffi::Buffer<ffi::S8>, ffi:
 }  // namespace
 
 // The int8 dense paths this process may run, as a bit mask: bit 1 AVX-512, bit 2 AVX-512 BF16,
-// bit 3 AVX2.
+// bit 3 AVX2, bit 4 AVX-512 VNNI.
 extern "C" int VllmXlaDenseInt8Isas() {
   return (IsaUsable(kAvx512) ? 1 << kAvx512 : 0) | (IsaUsable(kAvx512Bf16) ? 1 << kAvx512Bf16 : 0) |
-         (IsaUsable(kAvx2) ? 1 << kAvx2 : 0);
+         (IsaUsable(kAvx2) ? 1 << kAvx2 : 0) | (IsaUsable(kAvx512Vnni) ? 1 << kAvx512Vnni : 0);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt8, DenseInt8,

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Dense layers with int8 weights in C++ (`dense_int8.cc`): `(x [M, K] @ q [K, N]) * s [N]` in
-float32, q int8 with one float32 scale per output column (W8A16: x stays bfloat16 or float32).
+float32, q int8 with one float32 scale per output column, or `s [K/G, N]` per group of G
+consecutive k and column (W8A16: x stays bfloat16 or float32).
 
 XLA:CPU converts an int8 kernel to a bfloat16 copy in memory every step before its dot, which
 costs more than int8's halved bytes save; the native kernel widens the int8 values in registers
@@ -8,6 +9,12 @@ costs more than int8's halved bytes save; the native kernel widens the int8 valu
 is packed once (`pack_dense_kernel_int8`) into `[N/16, K, 16]` panels (the float32 kernel's
 layout, one byte a value); `native_dense_int8_reference` computes the same product in plain JAX
 from the packed form (the oracle in tests).
+
+With AVX-512 VNNI ("avx512_vnni", bfloat16 x) the kernel multiplies integers: each row of x in
+16-bit fixed point (`quantize_rows_fixed_point`), the products with VPDPBUSD in int32, exact; the
+one error next to the float product is x's rounding to 16 bits, at most `s[n] sx / 2 sum_k |q_kn|`
+(`fixed_point_error_bound`). `native_dense_int8_fixed_point_reference` computes that product in
+plain JAX.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import numpy as np
 from pallas_kernels.cpu.build import DENSE_INT8_ISAS, DENSE_INT8_TARGET, NativeKernelError, is_loaded
 
 COLUMN_MULTIPLE = 16  # N: one packed row holds 16 columns
+FIXED_POINT_LEVELS = 32639  # |x16| <= 32639: 256 hi + lo with both planes signed bytes
 
 
 def _xp(array):  # NumPy for host arrays (a streamed or host load), jax.numpy for everything else
@@ -48,20 +56,87 @@ def unpack_dense_kernel_int8(packed: jax.Array) -> jax.Array:
     return packed.transpose(1, 0, 2).reshape(depth, blocks * cols)
 
 
+def _grouped_scale(scale: jax.Array) -> jax.Array:
+    """Scales `[N]` or `[K/G, N]` as `[groups, N]`."""
+    return scale.astype(jnp.float32).reshape(-1, scale.shape[-1])
+
+
 def native_dense_int8_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
-    """`(x [M, K] @ q) * s`, float32, from the packed kernel, in plain JAX."""
+    """`(x [M, K] @ q) * s`, float32, from the packed kernel, in plain JAX; with scales `[K/G, N]`
+    each group of G consecutive k is multiplied by its own row of scales."""
     q = unpack_dense_kernel_int8(packed).astype(jnp.float32)
-    return jnp.einsum("mk,kn->mn", x.astype(jnp.float32), q, precision="highest") * scale.astype(jnp.float32)
+    scale = _grouped_scale(scale)
+    groups, (rows, depth) = scale.shape[0], x.shape
+    xs = x.astype(jnp.float32).reshape(rows, groups, depth // groups)
+    partial = jnp.einsum("mgk,gkn->mgn", xs, q.reshape(groups, depth // groups, -1), precision="highest")
+    return jnp.einsum("mgn,gn->mn", partial, scale, precision="highest")
+
+
+def quantize_rows_fixed_point(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (x16 [M, K] int32, sx [M] float32) with x ~ x16 * sx per row, as the VNNI path
+    computes them in float32: sx = max|x_row| / 32639, x16 = rint(x * (32639 / max|x_row|)) (ties
+    to even), a row of zeros giving sx = 0 and zeros."""
+    values = x.astype(jnp.float32)
+    largest = jnp.max(jnp.abs(values), axis=1)
+    levels = jnp.float32(FIXED_POINT_LEVELS)
+    inverse = jnp.where(largest > 0, levels / jnp.where(largest > 0, largest, 1), 0)
+    fixed = jnp.clip(jnp.rint(values * inverse[:, None]), -levels, levels).astype(jnp.int32)
+    return fixed, largest / levels
+
+
+def split_fixed_point(fixed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x16 -> (hi, lo) with x16 = 256 hi + lo, lo the sign-extended low byte (both in int8's range
+    for |x16| <= 32639)."""
+    low = (fixed & 0xFF).astype(jnp.uint8).astype(jnp.int8).astype(jnp.int32)
+    return (fixed - low) >> 8, low
+
+
+def native_dense_int8_fixed_point_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
+    """What the VNNI path computes, in plain JAX: `(256 (hi @ q) + (lo @ q)) * (s * sx)` in
+    float32, each plane's product exact in int32 (at most 128 * 128 K); with scales `[K/G, N]`,
+    `sx * sum_g (256 (hi_g @ q_g) + (lo_g @ q_g)) * s_g` over the groups of k."""
+    fixed, step = quantize_rows_fixed_point(x)
+    high, low = split_fixed_point(fixed)
+    q = unpack_dense_kernel_int8(packed).astype(jnp.int32)
+    scale = _grouped_scale(scale)
+    groups, (rows, depth) = scale.shape[0], x.shape
+    q = q.reshape(groups, depth // groups, -1)
+
+    def plane(p):
+        p = p.reshape(rows, groups, depth // groups)
+        return jnp.einsum("mgk,gkn->mgn", p, q, preferred_element_type=jnp.int32).astype(jnp.float32)
+
+    total = plane(high) * 256 + plane(low)
+    if groups == 1:
+        return total[:, 0] * (scale[0][None, :] * step[:, None])
+    return (total * scale[None]).sum(axis=1) * step[:, None]
+
+
+def fixed_point_error_bound(x, q, scale) -> np.ndarray:
+    """How far the VNNI path's `[M, N]` result may be from the float product `(x @ q) * s`, in
+    float64 on the host: x's rounding to 16 bits (at most sx / 2 a value) times `sum_k |q_kn s_kn|`,
+    plus float32 rounding of the result. `q` is the `[K, N]` int8 kernel, `scale` `[N]` or
+    `[K/G, N]`."""
+    x, q = np.asarray(x, np.float64), np.abs(np.asarray(q, np.float64))
+    scale = np.asarray(scale, np.float64).reshape(-1, q.shape[1])
+    weights = q * np.repeat(scale, q.shape[0] // scale.shape[0], axis=0)  # |q_kn| s_kn
+    step = np.abs(x).max(axis=1, keepdims=True) / FIXED_POINT_LEVELS
+    return step / 2 * weights.sum(axis=0) + 2e-7 * np.abs(x) @ weights
 
 
 def native_dense_int8(
     x: jax.Array, packed: jax.Array, scale: jax.Array, *, isa: str | None = None
 ) -> jax.Array:
-    """`(x [M, K] @ q) * s` in float32, `packed` from `pack_dense_kernel_int8`, `scale [N]`.
+    """`(x [M, K] @ q) * s` in float32, `packed` from `pack_dense_kernel_int8`, `scale [N]` (one
+    per column), or `[K/G, N]`: one per group of G consecutive k and column (G a multiple of 4 that
+    divides K; GGUF Q8_0's G is 32), each group's products scaled before they are summed.
 
     x is bfloat16 (read as it is) or another float dtype (converted to float32). `isa` picks the
-    path ("avx512_bf16", "avx512" or "avx2"); None takes the best the CPU has
-    (`dense_int8_isas`). Trailing rows of x that are all zero are written as zero rows without
+    path ("avx512_vnni", "avx512_bf16", "avx512" or "avx2"); None takes the best the CPU has
+    (`dense_int8_isas`; float32 x skips "avx512_vnni", whose fixed point is finer than bfloat16's
+    rounding but coarser than float32's). On "avx512_vnni" a call with a value of x that is not
+    finite, a row whose largest magnitude is below 1e-30 but not zero, or K past 131072 runs the
+    float product instead ("avx512"). Trailing rows of x that are all zero are written as zero rows without
     being multiplied, as in `native_dense`.
     Needs the native kernels loaded (`pallas_kernels.cpu.load`); a path the CPU lacks fails when
     the program runs.
@@ -75,16 +150,22 @@ def native_dense_int8(
     if isa is not None and isa not in codes:
         raise ValueError(f"isa must be one of {sorted(codes)} or None, not {isa!r}")
     blocks, depth, cols = packed.shape
+    groups = scale.shape[0] if scale.ndim == 2 else 1
     if (
         x.ndim != 2
         or x.shape[1] != depth
         or cols != COLUMN_MULTIPLE
         or packed.dtype != jnp.int8
-        or scale.shape != (blocks * cols,)
+        or scale.shape not in ((blocks * cols,), (groups, blocks * cols))
     ):
         raise ValueError(
             f"x {tuple(x.shape)} and scale {tuple(scale.shape)} do not match a packed int8 kernel "
-            f"{packed.dtype} {tuple(packed.shape)}"
+            f"{packed.dtype} {tuple(packed.shape)}: scale is [N] or [K/G, N]"
+        )
+    if scale.ndim == 2 and (groups < 1 or depth % groups or (groups > 1 and (depth // groups) % 4)):
+        raise ValueError(
+            f"grouped scales {tuple(scale.shape)} need groups of a multiple of 4 consecutive k that divide "
+            f"K = {depth}: [K/G, N] with G % 4 == 0"
         )
     x = x if x.dtype == jnp.bfloat16 else x.astype(jnp.float32)
     call = jax.ffi.ffi_call(DENSE_INT8_TARGET, jax.ShapeDtypeStruct((x.shape[0], blocks * cols), jnp.float32))

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The int8-weight dense kernel (`dense_int8.cc`, AVX-512 BF16, AVX-512 and AVX2): its packed
-layout, a hand-worked product, then every path the CPU has against NumPy's `x @ (q * s)` over a
+"""The int8-weight dense kernel (`dense_int8.cc`, AVX-512 VNNI, AVX-512 BF16, AVX-512 and AVX2): its
+packed layout, a hand-worked product, the VNNI path's fixed-point reference on hand-worked rows,
+then every path the CPU has against NumPy's `x @ (q * s)` over a
 grid of shapes (1 to 130 rows around its 6-row register blocks, the rows from which AVX-512 BF16
 widens panels ahead and the chunks of rows that reuse them; odd depths for the one-row blocks that
 split even and odd k and for the register path that takes them; 16-column counts around the
@@ -21,7 +22,13 @@ from models.linear import Linear, PackedKernel
 from models.loader import put_on_device
 from models.quantization import quantize_int8
 from pallas_kernels import cpu
-from pallas_kernels.cpu.dense_int8 import unpack_dense_kernel_int8
+from pallas_kernels.cpu.dense_int8 import (
+    fixed_point_error_bound,
+    native_dense_int8_fixed_point_reference,
+    quantize_rows_fixed_point,
+    split_fixed_point,
+    unpack_dense_kernel_int8,
+)
 from tests.models.tiny_checkpoints import caches, prompts, run_step, save_tiny
 
 
@@ -49,6 +56,36 @@ def test_kernels_the_int8_kernel_cannot_take_are_refused_by_name(shape, dtype):
         cpu.pack_dense_kernel_int8(np.zeros(shape, dtype))
 
 
+def test_fixed_point_reference_on_hand_worked_rows():
+    # row 0: max 1, so x16 = rint(x * 32639): 32639, -16319.5 -> -16320 (ties to even),
+    # 8159.75 -> 8160, 0; row 1: all zero (sx = 0); row 2: max 2, x16 = 32639 and -16320 (rint(-16319.5))
+    x = jnp.asarray([[1.0, -0.5, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [2.0, 0.0, -1.0, 0.0]], jnp.float32)
+    fixed, step = quantize_rows_fixed_point(x)
+    np.testing.assert_array_equal(fixed, [[32639, -16320, 8160, 0], [0, 0, 0, 0], [32639, 0, -16320, 0]])
+    np.testing.assert_allclose(step, [1 / 32639, 0.0, 2 / 32639], rtol=1e-7)
+    high, low = split_fixed_point(fixed)
+    # 32639 = 256 * 127 + 127; -16320 = 256 * -64 + 64; 8160 = 256 * 32 - 32
+    np.testing.assert_array_equal(high[0], [127, -64, 32, 0])
+    np.testing.assert_array_equal(low[0], [127, 64, -32, 0])
+    # column n of q is (1, 2, 3, 4) * (n - 8), scale 0.5:
+    # row 0: x16 @ q = (32639 - 32640 + 24480) (n - 8) = 24479 (n - 8), y = 24479 / 32639 (n - 8) / 2
+    q = (np.arange(1, 5)[:, None] * (np.arange(16) - 8)[None, :]).astype(np.int8)
+    y = native_dense_int8_fixed_point_reference(x, cpu.pack_dense_kernel_int8(q), jnp.full(16, 0.5))
+    np.testing.assert_allclose(y[0], 24479 / 32639 * (np.arange(16) - 8) / 2, rtol=1e-6)
+    np.testing.assert_array_equal(y[1], 0.0)
+    np.testing.assert_allclose(y[2], 2 * (32639 - 3 * 16320) / 32639 * (np.arange(16) - 8) / 2, rtol=1e-6)
+    # the float product (0.75 (n - 8) / 2 for row 0) is within the bound
+    float_y = np.asarray(x, np.float64) @ q * 0.5
+    assert np.all(np.abs(np.asarray(y) - float_y) <= fixed_point_error_bound(x, q, np.full(16, 0.5)))
+
+
+def test_vnni_is_listed_where_the_cpu_has_it(int8_isas):
+    flags = open("/proc/cpuinfo").read().split("\n\n")[0]
+    has = all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"))
+    assert ("avx512_vnni" in int8_isas) == has
+    assert int8_isas[0] == "avx512_vnni" or not has
+
+
 def test_hand_worked_product(int8_isas):
     # x row r is all r + 1 over 3 columns; q column n is all n - 16, scale n + 1:
     # y[r, n] = 3 (r + 1)(n - 16)(n + 1).
@@ -56,10 +93,13 @@ def test_hand_worked_product(int8_isas):
     q = np.tile(np.arange(-16, 16, dtype=np.int8), (3, 1))
     scale = jnp.arange(1, 33, dtype=jnp.float32)
     packed = cpu.pack_dense_kernel_int8(q)
+    expected = 3 * np.outer(np.arange(1, 8), np.arange(-16, 16) * np.arange(1, 33))
     for isa in int8_isas:
         y = jax.jit(cpu.native_dense_int8, static_argnames="isa")(x, packed, scale, isa=isa)
-        expected = 3 * np.outer(np.arange(1, 8), np.arange(-16, 16) * np.arange(1, 33))
-        np.testing.assert_array_equal(y, expected)
+        if isa == "avx512_vnni":  # x16 = 32639 throughout, sx = (r + 1) / 32639: float32 rounding
+            np.testing.assert_allclose(y, expected, rtol=3e-7)
+        else:
+            np.testing.assert_array_equal(y, expected)
 
 
 ROWS = (1, 2, 3, 5, 6, 7, 8, 9, 13, 31, 64, 130)
@@ -82,10 +122,130 @@ def test_kernel_matches_numpy(int8_isas, x_dtype, rows, depth, width):
     for isa in int8_isas:
         got = jax.jit(cpu.native_dense_int8, static_argnames="isa")(x, packed, jnp.asarray(scale), isa=isa)
         assert got.shape == (rows, width) and got.dtype == jnp.float32
-        # float32 accumulation: an error below depth ulps of the sum of |products|
-        assert np.all(np.abs(np.asarray(got, np.float64) - expected) <= 2e-7 * depth * bound + 1e-30), isa
+        error = np.abs(np.asarray(got, np.float64) - expected)
+        if isa == "avx512_vnni":  # exact integer products: x's 16-bit rounding, then float32 rounding
+            assert np.all(error <= fixed_point_error_bound(x, q, scale) + 1e-30), isa
+            fixed_point = native_dense_int8_fixed_point_reference(x, packed, jnp.asarray(scale))
+            np.testing.assert_allclose(got, fixed_point, rtol=5e-7, atol=1e-30)
+        else:  # float32 accumulation: an error below depth ulps of the sum of |products|
+            assert np.all(error <= 2e-7 * depth * bound + 1e-30), isa
     reference = cpu.native_dense_int8_reference(x, packed, jnp.asarray(scale))
     np.testing.assert_allclose(reference, expected, rtol=1e-5, atol=1e-5 * np.sqrt(depth))
+
+
+@pytest.fixture(scope="module")
+def vnni(int8_isas):
+    if "avx512_vnni" not in int8_isas:
+        pytest.skip("this CPU (or its kernel) has no AVX-512 VNNI with VBMI")
+
+
+def test_vnni_is_the_default_for_bfloat16_x_and_not_for_float32(vnni):
+    rng = np.random.default_rng(11)
+    q = rng.integers(-127, 128, (64, 32)).astype(np.int8)
+    packed, scale = jnp.asarray(cpu.pack_dense_kernel_int8(q)), jnp.asarray(rng.random(32), jnp.float32)
+    run = jax.jit(cpu.native_dense_int8, static_argnames="isa")
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
+    np.testing.assert_array_equal(run(x, packed, scale), run(x, packed, scale, isa="avx512_vnni"))
+    x32 = x.astype(jnp.float32)
+    np.testing.assert_array_equal(run(x32, packed, scale), run(x32, packed, scale, isa="avx512"))
+    assert not np.array_equal(run(x, packed, scale, isa="avx512_vnni"), run(x, packed, scale, isa="avx512"))
+
+
+def test_vnni_error_bound_is_far_below_bfloat16_rounding(vnni):
+    """x's 16-bit rounding bounds the error at a small part of the error bfloat16 x already carries
+    (its rounding, half an ulp: 2^-9 relative, of every product): a twentieth on rows of normal
+    values, under half on rows with an outlier 20x their spread (as hidden states have); the
+    median error found is a fiftieth (a tenth with the outlier) of the output's own bfloat16
+    rounding."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((8, 576))
+    x[4:, 7] = 20.0
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+    q = rng.integers(-127, 128, (576, 960)).astype(np.int8)
+    scale = rng.random(960) * 0.01
+    carried = 2.0**-9 * np.abs(x) @ (np.abs(q) * scale)
+    bound = fixed_point_error_bound(x, q, scale)
+    assert np.all(bound[:4] <= 0.05 * carried[:4]) and np.all(bound[4:] <= 0.5 * carried[4:])
+    expected = x @ (q * scale)
+    packed = jnp.asarray(cpu.pack_dense_kernel_int8(q))
+    got = np.asarray(
+        cpu.native_dense_int8(jnp.asarray(x, jnp.bfloat16), packed, jnp.asarray(scale, jnp.float32))
+    )
+    error = np.abs(got - expected)
+    assert np.all(error <= bound)
+    relative = error / (2.0**-9 * np.abs(expected))
+    assert np.median(relative[:4]) < 0.02 and np.median(relative[4:]) < 0.1
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan, 1e-35], ids=["inf", "-inf", "nan", "tiny"])
+def test_vnni_leaves_what_its_fixed_point_cannot_hold_to_the_float_product(vnni, value):
+    """A value that is not finite gives what the float product gives (inf or nan where it meets a
+    weight, nothing silent), and so does a row too small for the fixed point's step."""
+    rng = np.random.default_rng(13)
+    q = rng.integers(-127, 128, (40, 32)).astype(np.int8)
+    q[3, :16] = 0  # inf * 0: nan
+    packed, scale = jnp.asarray(cpu.pack_dense_kernel_int8(q)), jnp.asarray(rng.random(32) + 0.5, jnp.float32)
+    x = rng.standard_normal((4, 40)).astype(np.float32)
+    x[2] = x[2] * 1e-36 if value == 1e-35 else x[2]
+    x[2, 3] = value
+    x = jnp.asarray(x, jnp.bfloat16)
+    run = jax.jit(cpu.native_dense_int8, static_argnames="isa")
+    got = np.asarray(run(x, packed, scale, isa="avx512_vnni"))
+    np.testing.assert_array_equal(got, run(x, packed, scale, isa="avx512"))
+    if value == 1e-35:
+        assert np.all(np.isfinite(got)) and np.any(got[2] != 0)
+    else:
+        assert np.all(np.isnan(got[2, :16])) and not np.any(np.isfinite(got[2, 16:]))
+        assert np.all(np.isfinite(got[[0, 1, 3]]))
+
+
+def test_grouped_scales_reference_on_a_hand_worked_case():
+    # K = 8 in two groups of 4; x = (1, ..., 1, 2, ..., 2); column n of q all n + 1; group scales
+    # 1 and 0.5: y[n] = 4 (n + 1) * 1 + 8 (n + 1) * 0.5 = 8 (n + 1)
+    x = jnp.asarray([[1.0] * 4 + [2.0] * 4], jnp.bfloat16)
+    q = np.tile(np.arange(1, 17, dtype=np.int8), (8, 1))
+    scale = jnp.asarray([[1.0] * 16, [0.5] * 16])
+    packed = cpu.pack_dense_kernel_int8(q)
+    np.testing.assert_allclose(cpu.native_dense_int8_reference(x, packed, scale)[0], 8 * np.arange(1, 17))
+    # fixed point: x16 = 16320 (16319.5 to even) then 32639; y = 2 / 32639 (16320 * 4 + 32639 * 2) (n + 1)
+    expected = 2 / 32639 * (16320 * 4 + 32639 * 2) * np.arange(1, 17)
+    np.testing.assert_allclose(
+        native_dense_int8_fixed_point_reference(x, packed, scale)[0], expected, rtol=1e-6
+    )
+
+
+GROUPED = ((32, 48, 4), (64, 80, 32), (576, 96, 32), (96, 16, 96), (1536, 64, 128))
+
+
+@pytest.mark.parametrize("rows", (1, 2, 5, 7, 13, 64))
+@pytest.mark.parametrize(("depth", "width", "group"), GROUPED)
+def test_grouped_scales_match_numpy(int8_isas, rows, depth, width, group):
+    rng = np.random.default_rng(rows * 31 + depth + group)
+    x = jnp.asarray(rng.standard_normal((rows, depth)), jnp.bfloat16)
+    q = rng.integers(-127, 128, (depth, width)).astype(np.int8)
+    scale = (rng.random((depth // group, width)) * 0.02 + 1e-3).astype(np.float32)
+    weights = q.astype(np.float64) * np.repeat(scale.astype(np.float64), group, axis=0)  # q_kn s_kn
+    x64 = np.asarray(x, np.float64)
+    expected, bound = x64 @ weights, np.abs(x64) @ np.abs(weights)
+    packed = jnp.asarray(cpu.pack_dense_kernel_int8(q))
+    for isa in int8_isas:
+        got = jax.jit(cpu.native_dense_int8, static_argnames="isa")(x, packed, jnp.asarray(scale), isa=isa)
+        error = np.abs(np.asarray(got, np.float64) - expected)
+        if isa == "avx512_vnni":
+            assert np.all(error <= fixed_point_error_bound(x, q, scale) + 1e-30), isa
+            fixed_point = native_dense_int8_fixed_point_reference(x, packed, jnp.asarray(scale))
+            np.testing.assert_allclose(got, fixed_point, rtol=2e-6, atol=1e-6 * np.abs(expected).max())
+        else:
+            assert np.all(error <= 2e-7 * depth * bound + 1e-30), isa
+    reference = cpu.native_dense_int8_reference(x, packed, jnp.asarray(scale))
+    np.testing.assert_allclose(reference, expected, rtol=1e-5, atol=1e-5 * np.sqrt(depth))
+
+
+@pytest.mark.parametrize("shape", [(5, 16), (2, 16), (4, 32)], ids=["not-dividing", "odd-group", "columns"])
+def test_grouped_scales_that_do_not_fit_are_refused(native_kernels, shape):
+    packed = cpu.pack_dense_kernel_int8(np.zeros((12, 16), np.int8))  # K = 12: groups of 4 or 12
+    with pytest.raises(ValueError, match=r"scale|grouped scales"):
+        cpu.native_dense_int8(jnp.ones((1, 12)), packed, jnp.ones(shape))
 
 
 def test_trailing_zero_rows_give_zero_rows(int8_isas):
@@ -104,8 +264,9 @@ def test_trailing_zero_rows_give_zero_rows(int8_isas):
         return cpu.native_dense_int8(x, packed, scale), total
 
     got, _ = after_another_product(jnp.ones((9, 96), jnp.bfloat16), jnp.asarray(x, jnp.bfloat16))
-    expected = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64) @ (q * np.asarray(scale, np.float64))
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+    expected = x @ (q * np.asarray(scale, np.float64))
+    assert np.all(np.abs(np.asarray(got) - expected) <= fixed_point_error_bound(x, q, scale) + 1e-6)
     np.testing.assert_array_equal(np.asarray(got)[5:], 0.0)
 
 
