@@ -465,7 +465,7 @@ def pack_for_native_dense(model: nnx.Module, *, float32: bool = False) -> int:
         if isinstance(kernel, PackedKernel):
             continue
         grouped = scale is not None and group_size(kernel.get_value().shape, scale.get_value().shape)
-        if grouped and not native_dense_takes_groups():
+        if grouped and not native_dense_takes_groups(grouped):
             continue
         value = packed_for_native_dense(kernel[...], float32=float32)
         if value is not None:

@@ -113,11 +113,11 @@ def matmul(x: jax.Array, kernel: nnx.Variable, scale: nnx.Variable | None = None
     return y[:1] if single_bf16_row else y
 
 
-def native_dense_takes_groups() -> bool:
-    """Whether the native CPU int8 dense kernel takes grouped scales (`scale [K / G, N]`): a
-    grouped int8 kernel is packed for it only then, else it stays on XLA's dot."""
-    takes = getattr(cpu, "dense_int8_takes_groups", None)
-    return bool(takes is not None and takes())
+def native_dense_takes_groups(group_size: int = 32) -> bool:
+    """Whether the native CPU int8 dense kernel takes scales grouped by `group_size` inputs
+    (`scale [K / G, N]`; GGUF Q8_0's 32 by default): a grouped int8 kernel is packed for it only
+    then, else it stays on XLA's dot."""
+    return cpu.dense_int8_takes_groups(group_size)
 
 
 def packed_for_native_dense(kernel: jax.Array, *, float32: bool = False) -> jax.Array | None:

@@ -37,6 +37,7 @@ from pallas_kernels.cpu.dense import (
 )
 from pallas_kernels.cpu.dense_int8 import (
     can_pack_int8,
+    dense_int8_takes_groups,
     native_dense_int8,
     native_dense_int8_fixed_point_reference,
     native_dense_int8_reference,
@@ -54,6 +55,7 @@ __all__ = [
     "can_pack_int8",
     "dense_f32_usable",
     "dense_int8_isas",
+    "dense_int8_takes_groups",
     "dense_isa",
     "dense_isas",
     "is_loaded",

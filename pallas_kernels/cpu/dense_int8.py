@@ -33,6 +33,14 @@ def _xp(array):  # NumPy for host arrays (a streamed or host load), jax.numpy fo
     return np if isinstance(array, np.ndarray) else jnp
 
 
+GROUP_MULTIPLE = 4  # grouped scales: G a multiple of the 4 k one VPDPBUSD lane sums
+
+
+def dense_int8_takes_groups(group_size: int) -> bool:
+    """Whether `native_dense_int8` takes scales grouped by `group_size` consecutive k."""
+    return group_size >= 1 and group_size % GROUP_MULTIPLE == 0
+
+
 def can_pack_int8(shape: tuple[int, ...], dtype: jnp.dtype) -> bool:
     """Whether a `[K, N]` kernel of this shape and dtype can run on `native_dense_int8`."""
     return len(shape) == 2 and jnp.dtype(dtype) == jnp.int8 and shape[1] % COLUMN_MULTIPLE == 0
@@ -162,7 +170,9 @@ def native_dense_int8(
             f"x {tuple(x.shape)} and scale {tuple(scale.shape)} do not match a packed int8 kernel "
             f"{packed.dtype} {tuple(packed.shape)}: scale is [N] or [K/G, N]"
         )
-    if scale.ndim == 2 and (groups < 1 or depth % groups or (groups > 1 and (depth // groups) % 4)):
+    if scale.ndim == 2 and (
+        groups < 1 or depth % groups or (groups > 1 and not dense_int8_takes_groups(depth // groups))
+    ):
         raise ValueError(
             f"grouped scales {tuple(scale.shape)} need groups of a multiple of 4 consecutive k that divide "
             f"K = {depth}: [K/G, N] with G % 4 == 0"
