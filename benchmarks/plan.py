@@ -18,7 +18,8 @@ tokens/s they imply:
 
     python benchmarks/plan.py --model llama-3.1-8b --target v5e-1 v6e-1 h100x1 \
         --quantization none int8 --json OUT
-    python benchmarks/plan.py --model llama-3.1-70b --target v6e-8 h100x8 --tp 1 4 8 --json OUT
+    python benchmarks/plan.py --model llama-3.1-70b --target v6e-8 h100x8 --tp 1 4 8 \
+        --quantization none int8 --json OUT
     python benchmarks/plan.py --markdown benchmarks/results/plan.json
 
 `--quantization none int8` plans each model, target and TP size with the weights as the runner
