@@ -16,9 +16,16 @@ tokens/s they imply:
     bandwidth, with the operation kinds that move most. An upper bound: an in-place cache write
     (scatter) and an attention kernel are charged the whole cache they take as an operand.
 
-    python benchmarks/plan.py --model llama-3.1-8b --target v5e-1 v6e-1 h100x1 --json OUT
-    python benchmarks/plan.py --model llama-3.1-70b --target v6e-8 h100x8 --tp 1 4 8 --json OUT
+    python benchmarks/plan.py --model llama-3.1-8b --target v5e-1 v6e-1 h100x1 \
+        --quantization none int8 --json OUT
+    python benchmarks/plan.py --model llama-3.1-70b --target v6e-8 h100x8 --tp 1 4 8 \
+        --quantization none int8 --json OUT
     python benchmarks/plan.py --markdown benchmarks/results/plan.json
+
+`--quantization none int8` plans each model, target and TP size with the weights as the runner
+serves them (`none`: in `--dtype`) and as `--quantization int8_per_channel_weight_only` serves
+them (`int8`: every dense kernel int8 with a float32 scale per output channel, activations in
+`--dtype`; the embedding table stays in `--dtype`); the roofline then reads the int8 bytes.
 
 `--tp N [N ...]` splits the model over N chips of the target as the runner's tensor parallelism
 does (the rules table of `models.sharding`, the KV cache split on its heads): every figure is then
@@ -42,6 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from tpu_platform.plan import QUANTIZATIONS  # noqa: E402
 from tpu_platform.targets import TARGETS  # noqa: E402
 
 GIB = 1 << 30
@@ -49,21 +57,23 @@ NOTE = "compiler estimates and rooflines from compile-only targets, not measurem
 _TOOLCHAIN_MARKERS = {"tpu": "libtpu", "cuda": "jax_plugins"}
 
 
-def plan_one(model: str, target: str, tp_size: int, args: argparse.Namespace) -> dict:
-    """Compiles and sizes `model` split over `tp_size` chips of `target` (in a process with its
-    toolchain); every byte and time is per chip."""
+def plan_one(model: str, target: str, tp_size: int, quantization: str, args: argparse.Namespace) -> dict:
+    """Compiles and sizes `model` split over `tp_size` chips of `target` with its weights
+    quantized so (in a process with its toolchain); every byte and time is per chip."""
     from tpu_platform.plan import StepSetup, model_config
     from tpu_platform.plan_kv import decode_roofline, fit_kv_cache, xla_decode_estimate
 
     setup = StepSetup(
         model_config(model), target, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.batch,
         max_model_len=args.context, max_num_batched_tokens=args.prefill, tp_size=tp_size,
+        quantization=quantization,
     )  # fmt: skip
     fit = fit_kv_cache(setup, args.batch, args.prefill, args.memory_utilization)
     bandwidth = setup.compile_target.hbm_bytes_per_second
     row = {
         "model": model, "target": target, "tp_size": tp_size, "dtype": args.dtype,
-        "kv_dtype": setup.cache_dtype, "batch": args.batch, "context": args.context, "prefill": args.prefill,
+        "quantization": quantization, "kv_dtype": setup.cache_dtype, "batch": args.batch,
+        "context": args.context, "prefill": args.prefill,
         "backend": setup.backend, "hbm_bytes": setup.compile_target.hbm_bytes,
         "hbm_bytes_per_second": bandwidth, "roofline": decode_roofline(setup, args.batch, args.context),
         **fit.as_dict(),
@@ -80,7 +90,11 @@ def plan_one(model: str, target: str, tp_size: int, args: argparse.Namespace) ->
 
 def _worker(args: argparse.Namespace) -> None:
     rows = [
-        plan_one(model, target, tp, args) for model in args.model for target in args.target for tp in args.tp
+        plan_one(model, target, tp, quantization, args)
+        for model in args.model
+        for target in args.target
+        for tp in args.tp
+        for quantization in args.quantization
     ]
     print(json.dumps(rows))
 
@@ -104,11 +118,18 @@ def _gib(n: float | None) -> str:
     return "-" if n is None else f"{n / GIB:.2f}"
 
 
+def _weights(row: dict) -> str:
+    """The weights' format: the model's dtype, or int8 (reports older than quantization: none)."""
+    return "int8" if row.get("quantization", "none") == "int8" else row["dtype"]
+
+
 def _report(row: dict) -> str:
     tp = row.get("tp_size", 1)
     split = f", split over {tp} chips, figures per chip" if tp > 1 else ""
+    activations = f" x {row['dtype']} activations" if _weights(row) != row["dtype"] else ""
     head = (
-        f"{row['model']} on {row['target']} ({row['dtype']}, KV {row['kv_dtype']}, {row['backend']}{split})"
+        f"{row['model']} on {row['target']} ({_weights(row)} weights{activations}, KV {row['kv_dtype']}, "
+        f"{row['backend']}{split})"
     )
     if not row["fits"]:
         return f"{head}: DOES NOT FIT: {row['reason']}"
@@ -141,19 +162,19 @@ def _report(row: dict) -> str:
 def markdown(rows: list[dict]) -> str:
     """One table of a results JSON: what fits and the decode estimates beside the roofline."""
     out = [
-        "| model | target | weights GiB | KV GiB (tokens) | temp GiB decode / prefill | batch x context | "
-        "decode roofline ms (tok/s) | XLA cost model ms | HLO bytes ms (upper bound) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | target | weights | weights GiB | KV GiB (tokens) | temp GiB decode / prefill | "
+        "batch x context | decode roofline ms (tok/s) | XLA cost model ms | HLO bytes ms (upper bound) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        head = f"| {r['model']} | {r['target']} | {_weights(r)} | {_gib(r['weight_bytes'])} |"
         if not r["fits"]:
-            out.append(f"| {r['model']} | {r['target']} | {_gib(r['weight_bytes'])} | does not fit: "
-                       f"{r['reason']} | | | | | |")  # fmt: skip
+            out.append(f"{head} does not fit: {_why_not(r)} | | | | | |")
             continue
         roof, xla = r["roofline"], r["xla"]
         xla_seconds = xla["optimal_seconds"] or xla["bytes_accessed_seconds"]
         out.append(
-            f"| {r['model']} | {r['target']} | {_gib(r['weight_bytes'])} | {_gib(r['kv_bytes'])} "
+            f"{head} {_gib(r['kv_bytes'])} "
             f"({r['kv_tokens']}) | {_gib(r['decode']['temp_bytes'])} / {_gib(r['prefill']['temp_bytes'])} | "
             f"{r['batch']} x {r['context']}: {'fits' if r['batch_fits'] else 'no'} | "
             f"{roof['seconds'] * 1e3:.1f} ({roof['tokens_per_second']:.0f}) | "
@@ -166,18 +187,16 @@ def tensor_parallel_markdown(rows: list[dict]) -> str:
     """One table of a results JSON planned at several TP sizes: per chip, what fits and the
     decode estimates, and what the decode step exchanges between the chips."""
     out = [
-        "| model | target | TP | weights GiB per chip | KV GiB per chip (tokens) | "
+        "| model | target | TP | weights | weights GiB per chip | KV GiB per chip (tokens) | "
         "temp GiB decode / prefill | batch x context | decode roofline ms (tok/s) | XLA cost model ms | "
         "decode collectives (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        head = f"| {r['model']} | {r['target']} | {r['tp_size']} | {_gib(r['weight_bytes'])} |"
+        chip = f"{_weights(r)} | {_gib(r['weight_bytes'])}"
+        head = f"| {r['model']} | {r['target']} | {r['tp_size']} | {chip} |"
         if not r["fits"]:
-            over = r["weight_bytes"] - r["budget_bytes"]
-            why = (f"weights {_gib(over)} GiB over the {_gib(r['budget_bytes'])} GiB budget" if over > 0
-                   else r["reason"])  # fmt: skip
-            out.append(f"{head} does not fit: {why} | | | | | |")
+            out.append(f"{head} does not fit: {_why_not(r)} | | | | | |")
             continue
         roof, xla, exchanged = r["roofline"], r["xla"], r["decode_collectives"]
         xla_seconds = xla["optimal_seconds"] or xla["bytes_accessed_seconds"]
@@ -190,6 +209,14 @@ def tensor_parallel_markdown(rows: list[dict]) -> str:
             f"{exchanged['count']} ({exchanged['bytes'] / (1 << 20):.1f}) |"
         )
     return "\n".join(out)
+
+
+def _why_not(row: dict) -> str:
+    """Why a row does not fit: its weights' excess over the budget, or the planner's reason."""
+    over = row["weight_bytes"] - row["budget_bytes"]
+    if over <= 0:
+        return row["reason"]
+    return f"weights {_gib(over)} GiB over the {_gib(row['budget_bytes'])} GiB budget"
 
 
 def render_markdown(report: dict) -> str:
@@ -209,6 +236,10 @@ def main() -> None:
         "--tp", nargs="+", type=int, default=[1], help="tensor-parallel sizes (chips of the target)"
     )
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--quantization", nargs="+", default=["none"], choices=QUANTIZATIONS,
+        help="weights to plan with: none (--dtype) and/or int8 (int8_per_channel_weight_only)",
+    )  # fmt: skip
     parser.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
     parser.add_argument("--batch", type=int, default=64, help="decode sequences (max_num_seqs)")
     parser.add_argument("--context", type=int, default=2048, help="tokens per sequence (max_model_len)")

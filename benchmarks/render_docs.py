@@ -215,13 +215,15 @@ PLANNER_INTRO = """\
 What one chip of each compile-only target holds and how fast a decode step could be, from
 [`benchmarks/plan.py`](../benchmarks/plan.py): the runner's decode and prefill steps and its
 sampler compiled by the target's real compiler with abstract weights, the KV cache sized to the
-memory left (`--memory-utilization`, as vLLM's `gpu_memory_utilization`). Columns: per-chip
-weights, the KV cache that fits (GiB and tokens), the steps' temporary memory, whether the
-batch's full context fits, and three decode-step times: the roofline (weights and the batch's
-KV read once at peak bandwidth), XLA's cost model (it does not count what happens inside a
-Mosaic or Triton kernel, so it can come out below the roofline), and the bytes the optimized
-program's instructions move at peak bandwidth (an upper bound: a kernel is charged every operand
-it takes whole). None of them is a measurement.
+memory left (`--memory-utilization`, as vLLM's `gpu_memory_utilization`). Columns: the weights
+as served (the model's dtype, or `int8`: `--quantization int8_per_channel_weight_only`, every
+dense kernel int8 with a float32 scale per output channel, the embedding table and activations
+in the model's dtype), their bytes per chip, the KV cache that fits (GiB and tokens), the
+steps' temporary memory, whether the batch's full context fits, and three decode-step times: the
+roofline (weights and the batch's KV read once at peak bandwidth), XLA's cost model (it does not
+count what happens inside a Mosaic or Triton kernel, so it can come out below the roofline), and
+the bytes the optimized program's instructions move at peak bandwidth (an upper bound: a kernel
+is charged every operand it takes whole). None of them is a measurement.
 """
 
 

@@ -6,10 +6,14 @@ and the runner's limits. `compile_forward` builds the runner's forward program
 (`step.make_forward` with the attention backend the runner picks on that device, inputs padded
 by `inputs.padding_inputs` and packed by `inputs.pack_inputs`, caches from
 `kv_cache.allocate_stacked_caches`) from `ShapeDtypeStruct` weights and caches, so nothing is
-allocated, and compiles it with the target's real compiler; `compile_sampler` does the same for
-the sampling program. Both return `ProgramFacts`: XLA's memory and cost analyses of the compiled
-program, the compile time and the collectives of its optimized HLO. `plan_kv.fit_kv_cache`
-sizes the KV cache from them.
+allocated (`forward_program`), and compiles it with the target's real compiler; `compile_sampler`
+does the same for the sampling program. Both return `ProgramFacts`: XLA's memory and cost
+analyses of the compiled program, the compile time and the collectives of its optimized HLO.
+`plan_kv.fit_kv_cache` sizes the KV cache from them.
+
+With `StepSetup.quantization = "int8"` the weights are the runner's int8 ones
+(`--quantization int8_per_channel_weight_only`: every dense kernel int8 with one float32 scale
+per output channel, `models.quantization`), prepared as `tpu_platform.prepared_weights` does.
 
 With `StepSetup.tp_size = N` the programs are the runner's tensor-parallel ones on its mesh of N
 compile-only chips (`tpu_platform.mesh`): the weights placed by the rules table
@@ -55,6 +59,7 @@ from tpu_platform.plan_hlo import (
     hlo_traffic,
     summarize_collectives,
 )
+from tpu_platform.prepared_weights import Preparation
 from tpu_platform.runner_config import default_page_size
 from tpu_platform.sampling import SamplerFlags, dummy_tensors
 from tpu_platform.step import make_forward, make_sampler
@@ -63,6 +68,9 @@ from tpu_platform.targets import CompileTarget, compile_only_devices, target
 # The sampler program the planner compiles: random sampling with top-k/top-p filters (the most
 # work a step without penalties, logprobs or grammar does).
 SAMPLING_FLAGS = SamplerFlags(filters=True)
+# The weights' quantizations the planner knows: the runner's bfloat16/float weights, int8 with one
+# scale per output channel, or int8 with one per 32 inputs (a GGUF's Q8_0 blocks, kept as they are).
+QUANTIZATIONS = ("none", "int8", "int8-g32")
 
 
 def known_models() -> list[str]:
@@ -89,8 +97,9 @@ def model_config(name_or_path: str) -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepSetup:
-    """What the runner would be started with: model, target, dtypes, its limits and the tensor
-    parallel size (`tp_size` chips of the target, one mesh axis as `tpu_platform.mesh` builds)."""
+    """What the runner would be started with: model, target, dtypes, its limits, the tensor
+    parallel size (`tp_size` chips of the target, one mesh axis as `tpu_platform.mesh` builds)
+    and the weights' quantization ("int8": vLLM's `--quantization int8_per_channel_weight_only`)."""
 
     config: ModelConfig
     target: str  # a name of `tpu_platform.targets.TARGETS`
@@ -101,10 +110,17 @@ class StepSetup:
     max_num_batched_tokens: int = 2048
     page_size: int = 0  # 0: the runner's default for the target's device kind and cache dtype
     tp_size: int = 1  # vLLM's tensor_parallel_size: chips of the target the model is split over
+    quantization: str = "none"  # one of QUANTIZATIONS
 
     def __post_init__(self) -> None:
         chips = target(self.target).num_chips  # an unknown name fails here, listing the known ones
         kv_cache_dtype(self.cache_dtype)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not one the planner knows; use one of "
+                f"{', '.join(QUANTIZATIONS)} (int8: the weights as --quantization "
+                "int8_per_channel_weight_only serves them; int8-g32: a Q8_0 GGUF's, so served)"
+            )
         if not 1 <= self.tp_size <= chips:
             raise ValueError(
                 f"tp_size={self.tp_size} does not fit target {self.target!r} of {chips} chip(s); "
@@ -146,6 +162,10 @@ class StepSetup:
     def mesh(self) -> Mesh | None:
         """The runner's mesh over the first `tp_size` compile-only chips (None at TP=1)."""
         return tensor_parallel_mesh(self.tp_size, compile_only_devices(self.target))
+
+    def abstract_model(self) -> AbstractModel:
+        """The model as the runner would serve it with this setup, weights abstract."""
+        return abstract_model(self.config, self.dtype, self.max_model_len, self.tp_size, self.quantization)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -261,14 +281,19 @@ class AbstractModel:
 
 
 @functools.cache
-def abstract_model(config: ModelConfig, dtype: str, max_model_len: int, tp_size: int = 1) -> AbstractModel:
+def abstract_model(
+    config: ModelConfig, dtype: str, max_model_len: int, tp_size: int = 1, quantization: str = "none"
+) -> AbstractModel:
     """The model the runner would load, weights abstract: built under `nnx.eval_shape` and
     prepared as `models.load_model` prepares it for `tp_size` devices (KV heads repeated up to
-    the TP size when fewer, the tied head's copy, fused projections in one block a device), with
+    the TP size when fewer, the tied head's copy, fused projections in one block a device), then
+    quantized as the runner's `Preparation` does ("int8": int8 kernels and their scales), with
     the RoPE tables the runner attaches for `max_model_len` positions."""
+    preparation = Preparation(jnp.dtype(dtype).name, tp_size=tp_size, quantization=quantization)
 
     def prepared(model: nnx.Module) -> nnx.Module:
         prepare_for_serving(model, config, tp_size)
+        preparation.apply(model)
         return model
 
     # Prepared from abstract arguments: built inside, the placeholders would be concrete host
@@ -333,16 +358,30 @@ def kv_page_bytes(setup: StepSetup) -> int:
     return sum(_bytes(c.shape, c.dtype) for c in caches) // 2
 
 
-def compile_forward(setup: StepSetup, num_pages: int, num_tokens: int, num_seqs: int = 0) -> ProgramFacts:
-    """Compiles the runner's forward for a step of `num_tokens` tokens over `num_seqs` sequences
-    (0: as many as the bucket allows, one token each for a decode step) padded to the runner's
-    bucket, with a KV cache of `num_pages` pages (per chip), on one chip of `setup.target` or
-    on the runner's mesh of `setup.tp_size` chips."""
-    config, layout = setup.config, kv_layout(setup.config)
+@dataclasses.dataclass(frozen=True, slots=True)
+class ForwardProgram:
+    """The runner's forward for one step shape, ready to compile: the jitted function, the chip
+    it compiles for and its abstract arguments (weights, caches, packed inputs, fed tokens)."""
+
+    forward: Any
+    device: jax.Device
+    args: tuple[Any, ...]
+    dims: Any  # the packed inputs' static dimensions
+
+    def compile(self) -> jax.stages.Compiled:
+        return compile_with_text(self.forward, self.device, *self.args, dims=self.dims)
+
+
+def forward_program(setup: StepSetup, num_pages: int, num_tokens: int, num_seqs: int = 0) -> ForwardProgram:
+    """The runner's forward for a step of `num_tokens` tokens over `num_seqs` sequences (0: as
+    many as the bucket allows, one token each for a decode step) padded to the runner's bucket,
+    with a KV cache of `num_pages` pages (per chip), on one chip of `setup.target` or on the
+    runner's mesh of `setup.tp_size` chips."""
+    layout = kv_layout(setup.config)
     device, mesh = compile_only_devices(setup.target)[0], setup.mesh()
     buckets = setup.buckets
     t_pad, r_pad, p_pad = buckets.shape_for(num_tokens, num_seqs or buckets.seqs_for(num_tokens))
-    model = abstract_model(config, setup.dtype, setup.max_model_len, setup.tp_size)
+    model = setup.abstract_model()
     kv_dtype = kv_cache_dtype(setup.cache_dtype)
     caches = _abstract_caches(setup, num_pages, mesh)
     per_array = caches_per_array(layout.num_caches, num_pages, setup.tokens_per_page)
@@ -356,8 +395,14 @@ def compile_forward(setup: StepSetup, num_pages: int, num_tokens: int, num_seqs:
     if mesh is None:
         caches = _on(device, caches)
     inputs = _everywhere(mesh, device, (packed, fed_tokens))
-    weights = model.placed(mesh, device)
-    return _compile(forward, device, weights, caches, *inputs, dims=dims)
+    return ForwardProgram(forward, device, (model.placed(mesh, device), caches, *inputs), dims)
+
+
+def compile_forward(setup: StepSetup, num_pages: int, num_tokens: int, num_seqs: int = 0) -> ProgramFacts:
+    """Compiles `forward_program(setup, num_pages, num_tokens, num_seqs)` with the target's
+    compiler: its memory, cost and HLO facts."""
+    program = forward_program(setup, num_pages, num_tokens, num_seqs)
+    return _compile(program.forward, program.device, *program.args, dims=program.dims)
 
 
 def expected_collectives(setup: StepSetup, num_tokens: int, num_seqs: int = 0) -> ExpectedCollectives:
@@ -372,7 +417,7 @@ def expected_collectives(setup: StepSetup, num_tokens: int, num_seqs: int = 0) -
     if mesh is None:  # one chip: nothing to exchange
         return ExpectedCollectives(t_pad * config.hidden_size, 0, 0, 0)
     split_vocab = vocab_parallel(config.vocab_size, setup.tp_size)
-    model = abstract_model(config, setup.dtype, setup.max_model_len, setup.tp_size)
+    model = setup.abstract_model()
     split = [leaf for leaf in model.placed(mesh, None) if leaf.sharding.spec]
     return ExpectedCollectives(
         activation_elements=t_pad * config.hidden_size,

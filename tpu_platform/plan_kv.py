@@ -24,7 +24,6 @@ from tpu_platform.plan import (
     ProgramFacts,
     ProgramTooLarge,
     StepSetup,
-    abstract_model,
     compile_forward,
     compile_sampler,
     kv_layout,
@@ -88,8 +87,7 @@ def fit_kv_cache(
 ) -> KVFit:
     """Sizes the KV cache so that both steps (and the sampler beside the resident weights and
     cache) fit `memory_utilization` of one chip's memory; see the module docstring."""
-    model = abstract_model(setup.config, setup.dtype, setup.max_model_len, setup.tp_size)
-    weights = model.chip_weight_bytes(setup.mesh())
+    weights = setup.abstract_model().chip_weight_bytes(setup.mesh())
     budget = int(setup.compile_target.hbm_bytes * memory_utilization)
     page = kv_page_bytes(setup)
     fit = functools.partial(KVFit, setup, weights, budget, page)
@@ -150,12 +148,15 @@ def weight_bytes_read(setup: StepSetup, batch: int) -> int:
     model; for a mixture of experts, the experts a batch of uniformly routed tokens is expected
     to touch (on a mesh each chip holds a `1 / tp_size` slice of every expert)."""
     config = setup.config
-    model = abstract_model(config, setup.dtype, setup.max_model_len, setup.tp_size)
-    total = model.chip_weight_bytes(setup.mesh() if setup.tp_size > 1 else None)
+    total = setup.abstract_model().chip_weight_bytes(setup.mesh() if setup.tp_size > 1 else None)
     if not config.num_experts:
         return total
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
-    expert = 3 * config.hidden_size * config.moe_intermediate_size * _itemsize(setup.dtype) // setup.tp_size
+    hidden, inner = config.hidden_size, config.moe_intermediate_size
+    if setup.quantization == "int8":  # int8 kernels and a float32 scale per output channel
+        expert = (3 * hidden * inner + 4 * (2 * inner + hidden)) // setup.tp_size
+    else:
+        expert = 3 * hidden * inner * _itemsize(setup.dtype) // setup.tp_size
     all_experts = moe_layers * config.num_experts * expert
     untouched = (1 - config.num_experts_per_tok / config.num_experts) ** batch
     return int(total - all_experts * untouched)

@@ -3,7 +3,9 @@
 compiler (`tpu_platform.plan_kv.fit_kv_cache`: the runner's prefill and decode programs and its
 sampler, weights abstract) and prints one JSON line: each case's fit and compiled programs.
 
-    python -m tests.aot.model_step_worker TARGET:MODEL [TARGET:MODEL ...]
+    python -m tests.aot.model_step_worker TARGET:MODEL[:int8] [TARGET:MODEL[:int8] ...]
+
+A case ending in `:int8` plans the model with int8 weights (`StepSetup(quantization="int8")`).
 
 Run through `tests.aot.toolchains.run_worker` (the compiler's toolchain on the path, JAX on CPU).
 """
@@ -23,10 +25,10 @@ MAX_MODEL_LEN = 2048
 
 
 def fit_case(case: str) -> dict:
-    target_name, model = case.split(":")
+    target_name, model, *quantization = case.split(":")
     setup = StepSetup(
         model_config(model), target_name, max_num_seqs=DECODE_TOKENS, max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=PREFILL_TOKENS,
+        max_num_batched_tokens=PREFILL_TOKENS, quantization=quantization[0] if quantization else "none",
     )  # fmt: skip
     start = time.perf_counter()
     fit = fit_kv_cache(setup, DECODE_TOKENS, PREFILL_TOKENS)

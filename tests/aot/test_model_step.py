@@ -8,6 +8,9 @@ has left, and compiles the prefill and decode (64 sequences) steps and the sampl
 again. A Mosaic or Triton compile error, or a program that no longer fits its chip, fails here.
 Weights are abstract (`ShapeDtypeStruct`): nothing is allocated.
 
+A small model is also planned with int8 weights beside its bfloat16 twin on a v5e chip: the
+weights about halve and the cache takes what they free.
+
 No one-chip TPU case has a mixture of experts: the smallest one the project runs,
 Qwen3-30B-A3B, has 61 GB of bfloat16 weights, more than a v5e (16 GiB) or v6e (32 GiB) chip
 holds; the planner's answer for it on v6e is checked instead.
@@ -34,6 +37,8 @@ PARAMETERS = {
     "qwen3-30b-a3b": 30.5e9,
 }  # fmt: skip
 BACKEND = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}
+# Planned with bfloat16 and with int8 weights (a model no other case plans: no compile repeated).
+QUANTIZED = "v5e-1:qwen3-4b"
 
 
 # Every case is a few compiles of a multi-billion-parameter program: minutes on a busy machine.
@@ -46,6 +51,12 @@ def results() -> dict[str, dict]:
         cases = {p: FITS[p] + TOO_LARGE[p] for p in FITS}
         answers = pool.map(lambda p: run_worker(p, "model_step_worker", *cases[p], timeout=3500), cases)
         return {row["case"]: row for answer in answers for row in answer}
+
+
+@pytest.fixture(scope="module")
+def quantized_results() -> dict[str, dict]:
+    answer = run_worker("tpu", "model_step_worker", QUANTIZED, f"{QUANTIZED}:int8", timeout=3500)
+    return {row["case"]: row for row in answer}
 
 
 def _platform(case: str) -> str:
@@ -83,3 +94,17 @@ def test_planner_says_what_does_not_fit(results, case):
     assert not row["fits"] and row["compiles"] == 0
     over = row["weight_bytes"] - row["budget_bytes"]
     assert over > 0 and f"{over} B over" in row["reason"]
+
+
+def test_int8_weights_halve_and_leave_the_cache_the_room(quantized_results):
+    bf16, int8 = quantized_results[QUANTIZED], quantized_results[f"{QUANTIZED}:int8"]
+    assert bf16["fits"] and int8["fits"], (bf16["reason"], int8["reason"])
+    # int8 kernels and their float32 scales; the embedding table stays bfloat16.
+    assert 0.45 * bf16["weight_bytes"] < int8["weight_bytes"] < 0.6 * bf16["weight_bytes"]
+    for row in (bf16, int8):  # the compiled programs take the int8 weights beside the cache
+        assert row["decode"]["argument_bytes"] >= row["weight_bytes"] + row["kv_bytes"]
+        assert row["decode"]["peak_bytes"] <= row["budget_bytes"]
+    # The bytes the weights free go to the cache (less what the steps' own buffers change).
+    saved = bf16["weight_bytes"] - int8["weight_bytes"]
+    assert int8["kv_tokens"] > bf16["kv_tokens"]
+    assert int8["kv_bytes"] - bf16["kv_bytes"] >= 0.9 * saved

@@ -3,6 +3,9 @@
 the KV-cache grouping, the abstract model's bytes and the decode roofline's arithmetic.
 (`tests/aot/test_model_step.py` compiles the real programs.)"""
 
+from collections import Counter
+
+import jax
 import pytest
 
 from tpu_platform.plan import StepSetup, abstract_model, known_models, kv_layout, model_config
@@ -15,6 +18,7 @@ from tpu_platform.plan_hlo import (
     unexpected_collectives,
 )
 from tpu_platform.plan_kv import decode_roofline, kv_bytes_read, weight_bytes_read
+from tpu_platform.prepared_weights import Preparation, abstract_prepared
 
 HLO = """HloModule m
 
@@ -174,3 +178,47 @@ def test_moe_decode_reads_the_experts_a_batch_touches():
     # one token touches 8 of 128 experts in each of 48 layers
     assert weight_bytes_read(setup, 1) == pytest.approx(total - 48 * 120 * expert, rel=1e-9)
     assert weight_bytes_read(setup, 4096) == pytest.approx(total, rel=1e-6)
+
+
+def test_int8_weights_are_the_runners_int8_preparation():
+    config = model_config("llama-3.2-3b")
+    setup = StepSetup(config, "v5e-1", max_model_len=2048, quantization="int8")
+    int8 = setup.abstract_model()
+    # The runner's int8 weights, restored from a prepared checkpoint: the same leaves, plus the
+    # RoPE tables the runner attaches (`max_model_len` rows).
+    _, served = abstract_prepared(config, Preparation("bfloat16", quantization="int8"))
+    served_leaves = Counter((leaf.shape, leaf.dtype) for leaf in jax.tree.leaves(served))
+    planned_leaves = Counter((leaf.shape, leaf.dtype) for leaf in int8.leaves)
+    assert served_leaves - planned_leaves == Counter()
+    assert {shape[0] for shape, _ in planned_leaves - served_leaves} == {2048}
+    # Every dense kernel int8 (and the tied head's copy), with a float32 scale per output channel;
+    # the embedding table and the norms stay bfloat16.
+    hidden, inner, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    kernels = config.num_layers * (
+        hidden * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        + config.num_heads * config.head_dim * hidden + 3 * hidden * inner
+    ) + hidden * vocab  # fmt: skip
+    bf16 = abstract_model(config, "bfloat16", 2048)
+    scales = config.num_layers * ((config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+                                  + hidden + 2 * inner + hidden) + vocab  # fmt: skip
+    assert bf16.weight_bytes - int8.weight_bytes == 2 * kernels - (kernels + 4 * scales)
+    # The decode roofline reads the int8 bytes.
+    assert weight_bytes_read(setup, 64) == int8.weight_bytes
+    assert (
+        decode_roofline(setup, 64, 2048)["seconds"]
+        < decode_roofline(StepSetup(config, "v5e-1", max_model_len=2048), 64, 2048)["seconds"]
+    )
+
+
+def test_unknown_quantization_is_refused_by_name():
+    with pytest.raises(
+        ValueError, match=r"quantization 'fp8' is not one the planner knows; use one of none, int8"
+    ):
+        StepSetup(model_config("llama-3.1-8b"), "v5e-1", quantization="fp8")
+
+
+def test_moe_int8_decode_reads_int8_experts():
+    int8 = StepSetup(model_config("qwen3-30b-a3b"), "h100x1", quantization="int8")
+    total = int8.abstract_model().weight_bytes
+    expert = 3 * 2048 * 768 + 4 * (2 * 768 + 2048)  # int8 kernels, float32 scales per output channel
+    assert weight_bytes_read(int8, 1) == pytest.approx(total - 48 * 120 * expert, rel=1e-9)
