@@ -59,6 +59,8 @@ HEADLINE = (
     "serve ITL p50 ms",
     "batch start-up s",
 )
+# Rows of our int8 peer against our bfloat16 one, where a run has it (`--peers ...,xla-int8`).
+INT8_HEADLINE = ("batch output tok/s", "single tok/s")
 METRIC_BY_LABEL = {m.label: m for m in _report.METRICS}
 
 
@@ -85,6 +87,16 @@ def _pair(report: dict[str, Any], label: str, peer: str) -> str:
     return f"{_number(ours)} / {_number(theirs)} (**{ratio:.2f}x**)"
 
 
+def _int8_pair(report: dict[str, Any], label: str) -> str:
+    """`int8 / bfloat16 (ratio)` of our two peers for one metric, or '-' without an int8 run."""
+    metric = METRIC_BY_LABEL[label]
+    ratio = _report.ratios(report["results"])[label].get("xla-int8/xla")
+    if ratio is None:
+        return "-"
+    int8, ours = (_report.value(report["results"], metric, peer) for peer in ("xla-int8", "xla"))
+    return f"{_number(int8)} / {_number(ours)} (**{ratio:.2f}x**)"
+
+
 def _run_kind(report: dict[str, Any]) -> str:
     return "quick sizes" if report["config"].get("quick") else "full sizes"
 
@@ -101,6 +113,10 @@ def readme_table(runs: dict[str, dict[str, Any]]) -> str:
         if any(c != "-" for c in cells):
             better = "higher" if METRIC_BY_LABEL[label].higher_is_better else "lower"
             lines.append(f"| {label} ({better} is better) | " + " | ".join(cells) + " |")
+    for label in INT8_HEADLINE:
+        cells = [_int8_pair(runs[k], label) for k in kinds]
+        if any(c != "-" for c in cells):
+            lines.append(f"| ours int8 / ours bfloat16: {label} (higher is better) | " + " | ".join(cells) + " |")
     loads = [f"{_peak_load(runs[k], 'xla')} / {_peak_load(runs[k], 'vllm-cpu')}" for k in kinds]
     lines.append(
         "| highest 1-min load average while each ran (2 means both cores busy) | " + " | ".join(loads) + " |"
