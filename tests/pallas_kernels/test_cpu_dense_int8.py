@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 from models import load_model, pack_for_native_dense
+from models.int8 import dequantize, quantize_grouped
 from models.linear import Linear, PackedKernel
 from models.loader import put_on_device
 from models.quantization import quantize_int8
@@ -300,3 +301,19 @@ def test_packed_int8_model_equals_the_xla_int8_model(dense_kernels, int8_isas, d
         np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
     else:  # a bfloat16 rounding that flips between the two compounds over the layers
         np.testing.assert_allclose(got, expected, atol=0.02 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("group, packs", [(32, True), (8, True), (6, False)])
+def test_grouped_linear_packs_only_for_group_sizes_the_kernel_takes(int8_isas, group, packs):
+    rng = np.random.default_rng(11)
+    kernel = rng.standard_normal((96, 32)).astype(np.float32)
+    linear = Linear(96, 32, bias=False, dtype=jnp.float32)
+    q, scale = quantize_grouped(kernel, group)
+    linear.kernel, linear.kernel_scale = nnx.Param(jnp.asarray(q)), nnx.Param(jnp.asarray(scale))
+    x = jnp.asarray(rng.standard_normal((3, 96)), jnp.bfloat16)
+    on_xla = np.asarray(linear.product(x))
+    assert pack_for_native_dense(linear) == int(packs)
+    assert isinstance(linear.kernel, PackedKernel) == packs
+    expected = np.asarray(x, np.float32) @ dequantize(q, scale)
+    np.testing.assert_allclose(on_xla, expected, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(linear.product(x)), expected, rtol=1e-3, atol=1e-3)
