@@ -133,8 +133,20 @@ def int8_dot(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     size = group_size(q.shape, scale.shape)
     if size is None:
         y = jnp.einsum("td,df->tf", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
-        return y * scale.astype(jnp.float32)
+        return _rounded_on_accelerators(y, x.dtype) * scale.astype(jnp.float32)
     return jax.lax.platform_dependent(x, q, scale, cpu=int8_dot_dequantized, default=int8_dot_per_group)
+
+
+def _rounded_on_accelerators(y: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """The float32 product `y` rounded to the activations' `dtype` (and back) on TPU and GPU, as
+    a bfloat16 weight's dot rounds its product. Under tensor parallelism XLA moves that narrowing
+    ahead of a row-parallel layer's all-reduce, which then carries `dtype` instead of float32;
+    without it the scale multiply between the dot and the model's cast keeps the reduction in
+    float32. The CPU keeps the exact float32 product (no collective to save there)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return y
+    rounded = lambda v: v.astype(dtype).astype(jnp.float32)  # noqa: E731
+    return jax.lax.platform_dependent(y, cpu=lambda v: v, default=rounded)
 
 
 def int8_dot_per_group(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
@@ -146,7 +158,8 @@ def int8_dot_per_group(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Arra
     xg = jnp.swapaxes(x.reshape(x.shape[0], groups, size), 0, 1)  # [in / G, T, G]
     qg = q.reshape(groups, size, q.shape[1]).astype(x.dtype)
     partial = jnp.einsum("gti,gif->gtf", xg, qg, preferred_element_type=jnp.float32)
-    return jnp.einsum("gtf,gf->tf", partial, scale.astype(jnp.float32))
+    y = jnp.einsum("gtf,gf->tf", partial, scale.astype(jnp.float32))
+    return y if x.dtype == jnp.float32 else y.astype(x.dtype).astype(jnp.float32)  # see above
 
 
 def int8_dot_dequantized(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
