@@ -123,10 +123,11 @@ def int8_dot(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     """`x [T, in] @ (q * s) [in, out]` in float32, the int8 values converted inside the program.
 
     Per channel: one dot of the int8 values converted to `x`'s dtype (fused into the dot's
-    operand), the product's columns times `s [out]`. Grouped (`s [in / G, out]`): on TPU and GPU
-    a partial product per group (`[in / G, T, G] x [in / G, G, out] -> [in / G, T, out]`, a dot
-    batched over the groups, the int8 -> `x` dtype convert fused into it), each times its
-    scale, summed over the groups: no dequantized weight is ever materialized. XLA:CPU runs such
+    operand), the product's columns times `s [out]`. Grouped (`s [in / G, out]`): on TPU (and
+    GPU at few tokens: `int8_dot_on_gpu`) a partial product per group (`[in / G, T, G] x
+    [in / G, G, out] -> [in / G, T, out]`, a dot batched over the groups, the int8 -> `x` dtype
+    convert fused into it), each times its scale, summed over the groups: no dequantized weight
+    is materialized. XLA:CPU runs such
     narrow batched dots far slower than one dot, and converts an int8 dot operand in memory
     anyway: there the weight is dequantized in float32 (exact: 8-bit values times scales of at
     most 16 significant bits) and multiplied in one dot."""
@@ -134,7 +135,9 @@ def int8_dot(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     if size is None:
         y = jnp.einsum("td,df->tf", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
         return _rounded_on_accelerators(y, x.dtype) * scale.astype(jnp.float32)
-    return jax.lax.platform_dependent(x, q, scale, cpu=int8_dot_dequantized, default=int8_dot_per_group)
+    return jax.lax.platform_dependent(
+        x, q, scale, cpu=int8_dot_dequantized, cuda=int8_dot_on_gpu, default=int8_dot_per_group
+    )
 
 
 def _rounded_on_accelerators(y: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -160,6 +163,18 @@ def int8_dot_per_group(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Arra
     partial = jnp.einsum("gti,gif->gtf", xg, qg, preferred_element_type=jnp.float32)
     y = jnp.einsum("gtf,gf->tf", partial, scale.astype(jnp.float32))
     return y if x.dtype == jnp.float32 else y.astype(x.dtype).astype(jnp.float32)  # see above
+
+
+def int8_dot_on_gpu(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """`int8_dot` of a grouped kernel on GPU, where the per-group products are a float32 buffer
+    `[in / G, T, out]` (4 T / G bytes a weight): per group while that is no larger than a copy
+    of the weight in x's dtype, else the weight dequantized to x's dtype (each value rounded
+    once, as a bfloat16 checkpoint's are) for one dot."""
+    group = q.shape[0] // scale.shape[0]
+    if 4 * x.shape[0] <= group * jnp.dtype(x.dtype).itemsize:
+        return int8_dot_per_group(x, q, scale)
+    w = dequantize(q, scale, x.dtype)
+    return jnp.einsum("td,df->tf", x, w, preferred_element_type=jnp.float32)
 
 
 def int8_dot_dequantized(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
