@@ -94,13 +94,13 @@ def matmul(x: jax.Array, kernel: nnx.Variable, scale: nnx.Variable | None = None
     kernel converted to x's dtype in the program, the product times the per-column scale.
 
     A `PackedKernel` runs on the native CPU dense kernel (bfloat16: AMX, AVX-512 BF16 or AVX2;
-    float32: AVX2; int8 with `scale`: AVX-512 or AVX2). Otherwise the
+    float32: AVX2; int8 with `scale`: AVX-512 VNNI, AVX-512 or AVX2). Otherwise the
     float32 result type and the `[in, out]` kernel keep bfloat16 products on XLA:CPU's fast dot
     path (else both operands are upcast to float32 copies first), and a single bfloat16 row is
     padded to two for the same reason.
     """
     if isinstance(kernel, PackedKernel):
-        if scale is not None:  # int8 panels: the native int8 kernel (AVX-512 or AVX2)
+        if scale is not None:  # int8 panels: the native int8 kernel
             return cpu.native_dense_int8(x, kernel[...], scale[...])
         return cpu.native_dense(x, kernel[...])
     single_bf16_row = x.shape[0] == 1 and x.dtype == jnp.bfloat16
