@@ -35,22 +35,11 @@ def _xp(array):  # NumPy for host arrays, jax.numpy for everything else
     return np if isinstance(array, np.ndarray) else jnp
 
 
-def _quantized(w, amax) -> tuple:
-    """int8 values of float32 `w` and the scales of their maxima `amax` (broadcastable to `w`
-    once a size-1 axis is put where they were reduced; the caller has done so)."""
-    xp = _xp(w)
-    scale = xp.where(amax > 0, amax / INT8_MAX, np.float32(1)).astype(SCALE_DTYPE)
-    q = xp.clip(xp.round(w / scale), -INT8_MAX, INT8_MAX).astype(np.int8)
-    return q, scale
-
-
 def quantize_per_channel(kernel) -> tuple:
-    """`kernel [..., in, out]` (any float dtype) -> int8 `q [..., in, out]`, float32 `s [..., out]`.
-
-    An all-zero column gets scale 1 (and zero values), never a division by zero."""
-    xp = _xp(kernel)
-    w = kernel.astype(np.float32)
-    q, scale = _quantized(w, xp.max(xp.abs(w), axis=-2, keepdims=True))
+    """`kernel [..., in, out]` (any float dtype) -> int8 `q [..., in, out]`, float32 `s [..., out]`:
+    `quantize_grouped` with one group of every input. An all-zero column gets scale 1 (and zero
+    values), never a division by zero."""
+    q, scale = quantize_grouped(kernel, kernel.shape[-2])
     return q, scale[..., 0, :]
 
 
@@ -63,7 +52,9 @@ def quantize_grouped(kernel, group_size: int) -> tuple:
         raise ValueError(f"a kernel of {inputs} inputs does not split into groups of {group_size}")
     xp = _xp(kernel)
     w = kernel.astype(np.float32).reshape(*lead, inputs // group_size, group_size, outputs)
-    q, scale = _quantized(w, xp.max(xp.abs(w), axis=-2, keepdims=True))
+    amax = xp.max(xp.abs(w), axis=-2, keepdims=True)
+    scale = xp.where(amax > 0, amax / INT8_MAX, np.float32(1)).astype(SCALE_DTYPE)
+    q = xp.clip(xp.round(w / scale), -INT8_MAX, INT8_MAX).astype(np.int8)
     return q.reshape(kernel.shape), scale[..., 0, :]
 
 
@@ -127,10 +118,9 @@ def int8_dot(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     GPU at few tokens: `int8_dot_on_gpu`) a partial product per group (`[in / G, T, G] x
     [in / G, G, out] -> [in / G, T, out]`, a dot batched over the groups, the int8 -> `x` dtype
     convert fused into it), each times its scale, summed over the groups: no dequantized weight
-    is materialized. XLA:CPU runs such
-    narrow batched dots far slower than one dot, and converts an int8 dot operand in memory
-    anyway: there the weight is dequantized in float32 (exact: 8-bit values times scales of at
-    most 16 significant bits) and multiplied in one dot."""
+    is materialized. XLA:CPU runs such narrow batched dots far slower than one dot, and converts
+    an int8 dot operand in memory anyway: there the weight is dequantized in float32 (exact:
+    8-bit values times scales of at most 16 significant bits) and multiplied in one dot."""
     size = group_size(q.shape, scale.shape)
     if size is None:
         y = jnp.einsum("td,df->tf", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
@@ -140,16 +130,18 @@ def int8_dot(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     )
 
 
+def _rounded(y: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """The float32 `y` rounded to `dtype` and back (as it is, for float32)."""
+    return y if jnp.dtype(dtype) == jnp.float32 else y.astype(dtype).astype(jnp.float32)
+
+
 def _rounded_on_accelerators(y: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """The float32 product `y` rounded to the activations' `dtype` (and back) on TPU and GPU, as
     a bfloat16 weight's dot rounds its product. Under tensor parallelism XLA moves that narrowing
     ahead of a row-parallel layer's all-reduce, which then carries `dtype` instead of float32;
     without it the scale multiply between the dot and the model's cast keeps the reduction in
     float32. The CPU keeps the exact float32 product (no collective to save there)."""
-    if jnp.dtype(dtype) == jnp.float32:
-        return y
-    rounded = lambda v: v.astype(dtype).astype(jnp.float32)  # noqa: E731
-    return jax.lax.platform_dependent(y, cpu=lambda v: v, default=rounded)
+    return jax.lax.platform_dependent(y, cpu=lambda v: v, default=lambda v: _rounded(v, dtype))
 
 
 def int8_dot_per_group(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
@@ -161,8 +153,8 @@ def int8_dot_per_group(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Arra
     xg = jnp.swapaxes(x.reshape(x.shape[0], groups, size), 0, 1)  # [in / G, T, G]
     qg = q.reshape(groups, size, q.shape[1]).astype(x.dtype)
     partial = jnp.einsum("gti,gif->gtf", xg, qg, preferred_element_type=jnp.float32)
-    y = jnp.einsum("gtf,gf->tf", partial, scale.astype(jnp.float32))
-    return y if x.dtype == jnp.float32 else y.astype(x.dtype).astype(jnp.float32)  # see above
+    # rounded to x's dtype as `_rounded_on_accelerators` says, for the same all-reduce
+    return _rounded(jnp.einsum("gtf,gf->tf", partial, scale.astype(jnp.float32)), x.dtype)
 
 
 def int8_dot_on_gpu(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
