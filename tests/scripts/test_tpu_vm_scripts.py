@@ -38,6 +38,11 @@ elif argv[:4] == ["compute", "tpus", "queued-resources", "describe"]:
     print(os.environ.get("FAKE_GCLOUD_QR_STATE", "ACTIVE"))
 elif argv[:4] == ["compute", "tpus", "tpu-vm", "ssh"] and "/health" in argv[-1]:
     sys.exit(int(os.environ.get("FAKE_GCLOUD_HEALTH_STATUS", "0")))
+elif argv[:4] == ["compute", "tpus", "tpu-vm", "scp"]:
+    with open(os.environ["FAKE_GCLOUD_LOG"] + ".scp", "a") as copies:  # what scp would send
+        info = os.stat(argv[4])
+        copies.write(json.dumps([argv[4], info.st_mode & 0o777, open(argv[4]).read()]) + "\\n")
+    sys.exit(int(os.environ.get("FAKE_GCLOUD_SCP_STATUS", "0")))
 """
 
 ONE_HOST = {
@@ -206,18 +211,39 @@ def test_setup_installs_the_git_ref_on_every_worker(gcloud):
 
 
 def test_setup_copies_a_local_wheel_and_the_token_to_every_worker(gcloud, tmp_path):
+    """The token is sent as a private copy (scp gives the new file its source's mode: 0600 on the
+    workers from the start, whatever the local file's mode), moved into place at once, and the
+    local copy removed."""
     wheel = tmp_path / "vllm_xla-0.1.0-py3-none-any.whl"
     wheel.write_bytes(b"wheel")
     token = tmp_path / "hf-token"
     token.write_text("hf_x")
+    token.chmod(0o644)
     ok(gcloud.run("setup", config={**SLICE, "PACKAGE_SOURCE": str(wheel), "HF_TOKEN_FILE": str(token)}))
-    scp_wheel, scp_token, install = gcloud.calls()
+    scp_wheel, scp_token, place_token, install = gcloud.calls()
     assert scp_wheel == [*TPU, "scp", str(wheel), "v5e-slice:vllm_xla-0.1.0-py3-none-any.whl", *where(SLICE),
                          "--worker=all"]  # fmt: skip
-    assert scp_token == [*TPU, "scp", str(token), "v5e-slice:.hf-token", *where(SLICE), "--worker=all"]
+    copy = scp_token[4]
+    assert scp_token == [*TPU, "scp", copy, "v5e-slice:.hf-token", *where(SLICE), "--worker=all"]
+    assert copy != str(token) and not os.path.exists(copy)  # a copy, removed afterwards
+    sent = [json.loads(line) for line in pathlib.Path(f"{gcloud.log}.scp").read_text().splitlines()]
+    assert sent[1] == [copy, 0o600, "hf_x"]
+    assert place_token == ssh(SLICE, "all", "umask 077 && mkdir -p .cache/huggingface && mv .hf-token "
+                              ".cache/huggingface/token && chmod 600 .cache/huggingface/token")  # fmt: skip
     assert install[7] == "--worker=all"
     assert "'./vllm_xla-0.1.0-py3-none-any.whl[cpu,tpu]'" in install[-1]
-    assert "mv .hf-token .cache/huggingface/token && chmod 600 .cache/huggingface/token" in install[-1]
+    assert ".hf-token" not in install[-1]
+
+
+def test_setup_removes_the_token_from_the_workers_when_its_copy_fails(gcloud, tmp_path):
+    token = tmp_path / "hf-token"
+    token.write_text("hf_x")
+    result = gcloud.run("setup", config={**ONE_HOST, "HF_TOKEN_FILE": str(token)}, FAKE_GCLOUD_SCP_STATUS="1")
+    assert result.returncode == 1
+    assert "copying HF_TOKEN_FILE to the workers failed; the copies were removed" in result.stderr
+    scp_token, remove = gcloud.calls()
+    assert remove == ssh(ONE_HOST, "all", "rm -f .hf-token")
+    assert not os.path.exists(scp_token[4])  # nothing installed, no local copy left
 
 
 def test_setup_refuses_a_source_it_cannot_install(gcloud):
