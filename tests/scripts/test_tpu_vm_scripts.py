@@ -150,13 +150,41 @@ def test_create_queues_a_resource_and_waits_until_it_is_active(gcloud):
     ]  # fmt: skip
 
 
+def _fence(config: dict[str, str], network: str) -> list[list[str]]:
+    """The firewall rules `create` makes first for a slice of several hosts."""
+    tag, ports = f"{config['TPU_NAME']}-hosts", "--rules=tcp:29500-29501"
+    common = [f"--project={config['PROJECT']}", f"--network={network}", "--direction=INGRESS"]
+    return [
+        ["compute", "firewall-rules", "create", tag, *common, "--priority=900", "--action=ALLOW", ports,
+         f"--source-tags={tag}", f"--target-tags={tag}"],
+        ["compute", "firewall-rules", "create", f"{tag}-deny", *common, "--priority=910", "--action=DENY",
+         ports, "--source-ranges=0.0.0.0/0", f"--target-tags={tag}"],
+    ]  # fmt: skip
+
+
 def test_create_direct_spot_slice_with_more_flags(gcloud):
+    """A slice of several hosts is fenced before it exists: only its own (tagged) workers reach
+    host 0's MASTER_PORT and JAX's coordinator on the port after it."""
     config = {**SLICE, "CREATE_WITH": "direct", "CREATE_FLAGS": "--network=tpu-net"}
     ok(gcloud.run("create", "--", "--labels=team=serving", config=config))
     assert gcloud.calls() == [
+        *_fence(SLICE, "tpu-net"),
         [*TPU, "create", "v5e-slice", *where(SLICE), "--accelerator-type=v5litepod-16",
-         "--version=v2-alpha-tpuv5-lite", "--network=tpu-net", "--spot", "--labels=team=serving"],
+         "--version=v2-alpha-tpuv5-lite", "--network=tpu-net", "--spot", "--labels=team=serving",
+         "--tags=v5e-slice-hosts"],
     ]  # fmt: skip
+
+
+def test_create_queued_slice_fenced_on_the_default_network_or_not_at_all(gcloud):
+    ok(gcloud.run("create", config=SLICE))
+    fence, create = gcloud.calls()[:2], gcloud.calls()[2]
+    assert fence == _fence(SLICE, "default") and create[-1] == "--tags=v5e-slice-hosts"
+    ok(gcloud.run("create", config={**SLICE, "FIREWALL": "none"}))
+    assert not any(
+        "--tags=v5e-slice-hosts" in call or "firewall-rules" in call for call in gcloud.calls()[4:]
+    )
+    result = gcloud.run("create", config={**SLICE, "FIREWALL": "open"})
+    assert result.returncode != 0 and "FIREWALL=open: use hosts or none" in result.stderr
 
 
 def test_create_fails_when_the_queued_resource_fails(gcloud):
@@ -174,10 +202,15 @@ def test_create_refuses_preemptible_queued_resources(gcloud):
 def test_delete_removes_the_queued_resource_with_its_tpu(gcloud):
     ok(gcloud.run("delete", "--yes", config=SLICE))
     assert gcloud.calls() == [
-        ["compute", "tpus", "queued-resources", "delete", "v5e-slice-qr", *where(SLICE), "--force", "--quiet"]
-    ]
+        ["compute", "tpus", "queued-resources", "delete", "v5e-slice-qr", *where(SLICE), "--force",
+         "--quiet"],
+        ["compute", "firewall-rules", "delete", "v5e-slice-hosts", "v5e-slice-hosts-deny", "--project=proj",
+         "--quiet"],
+    ]  # fmt: skip
     ok(gcloud.run("delete", "--yes", config={**SLICE, "CREATE_WITH": "direct"}))
-    assert gcloud.calls()[-1] == [*TPU, "delete", "v5e-slice", *where(SLICE), "--quiet"]
+    assert gcloud.calls()[-2] == [*TPU, "delete", "v5e-slice", *where(SLICE), "--quiet"]
+    ok(gcloud.run("delete", "--yes", config=ONE_HOST))  # one host: no rules were made
+    assert gcloud.calls()[-1][:4] == ["compute", "tpus", "queued-resources", "delete"]
 
 
 def test_delete_without_yes_asks_and_cannot_without_a_terminal(gcloud):
