@@ -67,7 +67,10 @@ def _check_splits(vllm_config: VllmConfig, tp_size: int) -> None:
     if hf is None or tp_size <= 1:
         return
     try:
-        config = ModelConfig.from_hf_dict(hf.to_dict())
+        fields = hf.to_dict()
+        # A text config inside a multimodal one names no architecture: the model's does.
+        fields["architectures"] = fields.get("architectures") or list(model.architectures)
+        config = ModelConfig.from_hf_dict(fields)
     except (AttributeError, KeyError, TypeError, ValueError):  # a layout we do not parse: its heads
         heads = getattr(hf, "num_attention_heads", None)
         if heads:
