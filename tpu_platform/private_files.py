@@ -1,58 +1,36 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Which cache files are safe to unpickle: those only the current user could have written.
+"""Which cache files are safe to unpickle or restore: those only the current user could have written.
 
-Loading a pickle runs whatever code its author chose, so the executable cache and the weights
-cache read a file only when it and its directory belong to the current user and neither is
-writable by group or others, the rule ssh applies to its keys. Anything else is refused with a
-message naming the path and the fix; the caller then compiles or loads from the source.
+The rule (the file, its directory and every ancestor; files read through the descriptor that
+was judged) lives in `pallas_kernels.private_files`, beside the native kernels' build, which
+needs it and sits below this package; this module adds whole directory trees (a checkpoint
+directory is read whole, by a library that opens its files by path).
 """
 
 from __future__ import annotations
 
 import os
-import stat
 
+from pallas_kernels.private_files import (
+    UnsafeCacheError,
+    check_private,
+    make_private_dir,
+    open_private,
+    open_private_file,
+    own_reason,
+    unsafe_reason,
+)
 
-class UnsafeCacheError(PermissionError):
-    """A cache file or directory that another user could have written."""
-
-
-def unsafe_reason(path: str) -> str | None:
-    """Why `path` (a file or directory) could hold someone else's content, or None when only the
-    current user can have written it. A missing path is not unsafe."""
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        return None
-    if info.st_uid != os.getuid():
-        return f"{path} is owned by uid {info.st_uid}, not by the current user (uid {os.getuid()})"
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return (
-            f"{path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):o}); "
-            f"`chmod go-w {path}` makes it usable"
-        )
-    return None
-
-
-def check_private(path: str) -> None:
-    """Raises UnsafeCacheError unless `path` and its directory could only be written by the
-    current user (see `unsafe_reason`)."""
-    for candidate in (os.path.dirname(os.path.abspath(path)), path):
-        reason = unsafe_reason(candidate)
-        if reason is not None:
-            raise UnsafeCacheError(f"refusing to load cached data from {path}: {reason}")
-
-
-def make_private_dir(path: str) -> None:
-    """Creates `path` (and its parents) readable and writable by the current user only; an
-    existing directory is left as it is (`check_private` judges it)."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-
-
-def open_private(path: str):
-    """`path` opened for writing bytes, created readable and writable by the current user only
-    (whatever the umask: a group-writable entry would be refused when read back)."""
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+__all__ = [
+    "UnsafeCacheError",
+    "check_private",
+    "make_private_dir",
+    "make_tree_private",
+    "open_private",
+    "open_private_file",
+    "unsafe_reason",
+    "unsafe_tree_reason",
+]
 
 
 def _tree(directory: str) -> list[str]:
@@ -64,10 +42,21 @@ def _tree(directory: str) -> list[str]:
 
 
 def unsafe_tree_reason(directory: str) -> str | None:
-    """`unsafe_reason` of the first of `directory`'s parent, itself and everything in it that
-    another user could have written, or None (a checkpoint directory is read whole)."""
-    paths = [os.path.dirname(os.path.abspath(directory)), *_tree(directory)]
-    return next((reason for reason in map(unsafe_reason, paths) if reason), None)
+    """Why another user could have written something in `directory` (a checkpoint read whole):
+    `unsafe_reason` of itself (its parent and every ancestor) and of everything in it; or None.
+    With every ancestor trusted, nobody else can swap what was checked before it is read."""
+    if not os.path.exists(directory):
+        return None
+    inside = _tree(directory)[1:]  # below a checked directory: their own status is enough
+    reasons = (unsafe_reason(directory), *map(_own_unless_gone, inside))
+    return next((reason for reason in reasons if reason), None)
+
+
+def _own_unless_gone(path: str) -> str | None:
+    try:
+        return own_reason(path)
+    except FileNotFoundError:  # removed since the walk (a concurrent clean-up): nothing to read
+        return None
 
 
 def make_tree_private(directory: str) -> None:

@@ -21,8 +21,9 @@ serialized again (XLA:CPU drops its code), so programs bound for the executable 
 under a JAX cache key of their own, and only executables XLA demonstrably compiled in the call
 (JAX reports writing them to its cache) are written (see `Programs._compile_for_cache`).
 
-Entries are unpickled, so a cache directory or entry another user could have written is not
-read (`private_files`); the program is compiled instead.
+Entries are unpickled, so a cache directory or entry another user could have written (or a
+directory above them, or one swapped in after the check) is not read (`private_files`); the
+program is compiled instead.
 
 After `seal()`, a program that warm-up did not build is an error (strict) or a counted warning.
 """
@@ -54,9 +55,9 @@ from tqdm import tqdm
 from tpu_platform import internals
 from tpu_platform.private_files import (
     UnsafeCacheError,
-    check_private,
     make_private_dir,
     open_private,
+    open_private_file,
     unsafe_reason,
 )
 
@@ -249,8 +250,7 @@ class ExecutableCache:
         if self.unsafe:
             return None
         try:
-            check_private(path)
-            with open(path, "rb") as f:
+            with open_private_file(path) as f:  # unpickled from the descriptor that was judged
                 payload, in_tree, out_tree = pickle.load(f)
             loaded = serialize_executable.deserialize_and_load(
                 payload, in_tree, out_tree, execution_devices=[self.device]

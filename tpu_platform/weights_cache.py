@@ -13,7 +13,8 @@ decides its bytes: the checkpoint files' names, sizes and modification times, th
 the entries of the same model and preparation under other keys, so the cache keeps one per
 preparation, and the entries no start has used for 30 days. A missing, stale, damaged or foreign
 entry is a miss (logged when it was there): the checkpoint is loaded (and stored) as usual. An
-entry, or the cache directory, that another user owns or may write is never read.
+entry, or the cache directory, or a directory above it, that another user owns or may write is
+never read (`private_files`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from tpu_platform.prepared_weights import (
     restore_prepared,
     save_prepared,
 )
-from tpu_platform.private_files import make_tree_private, unsafe_tree_reason
+from tpu_platform.private_files import make_private_dir, make_tree_private, unsafe_tree_reason
 from tpu_platform.programs import UNUSED_ENTRY_SECONDS, mark_used, remove_unused, source_fingerprint
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
@@ -92,7 +93,7 @@ class WeightsCache:
         """Keeps `model`'s prepared weights under this key; drops the preparation's other entries."""
         directory = os.path.dirname(self.path)
         try:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
+            make_private_dir(directory)
             unsafe = unsafe_tree_reason(directory)
             if unsafe:  # never read from there: not worth writing
                 logger.warning("not caching the prepared weights in %s: %s", directory, unsafe)

@@ -7,7 +7,9 @@ in `$CXX` (else `g++`, `c++` or `clang++` on the PATH), against the XLA FFI head
 ships. The shared library lands in a build directory under a name that hashes the sources, the
 compiler, its flags, jaxlib's version and the CPU's instruction-set flags, so a rebuilt source, an
 upgraded jaxlib or a cache directory shared with a different CPU never picks up a stale library.
-A build directory or library that another user could have written is refused.
+A build directory or library that another user could have written (or replace: every directory
+above is judged, `private_files`) is refused; the library is built private whatever the umask and
+loaded through the descriptor that was judged.
 Building takes a few seconds, once.
 """
 
@@ -21,13 +23,20 @@ import hashlib
 import os
 import platform
 import shutil
-import stat
 import subprocess
 import tempfile
 from pathlib import Path
 
 import jax
 import jaxlib
+
+from pallas_kernels.private_files import (
+    UnsafeCacheError,
+    make_private_dir,
+    open_private,
+    open_private_file,
+    unsafe_reason,
+)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
@@ -128,12 +137,12 @@ def build_library(build_dir: str | os.PathLike[str]) -> Path:
     """
     compiler = find_compiler()
     build_dir = Path(build_dir)
-    build_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    make_private_dir(str(build_dir))
     library = build_dir / library_name(compiler)
     _check_private(build_dir, library)
     if library.exists():
         return library
-    with open(build_dir / ".build.lock", "w") as lock:
+    with open_private(str(build_dir / ".build.lock")) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not library.exists():
             _compile(compiler, library)
@@ -141,18 +150,15 @@ def build_library(build_dir: str | os.PathLike[str]) -> Path:
 
 
 def _check_private(*paths: Path) -> None:
-    """Refuses a build directory or library another user could have written: the library is
-    loaded into this process, so it must be the one built here."""
+    """Refuses a build directory or library another user could have written, or replace, by the
+    rule of `private_files` (itself, its directory, every ancestor): the library is loaded into
+    this process, so it must be the one built here."""
     for path in paths:
-        try:
-            info = path.stat()
-        except FileNotFoundError:
-            continue
-        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        reason = unsafe_reason(str(path))
+        if reason is not None:
             raise NativeKernelError(
-                f"refusing to build or load the native kernels in {path}: it is owned by uid "
-                f"{info.st_uid} with mode {stat.S_IMODE(info.st_mode):o}, where only the current user "
-                f"(uid {os.getuid()}) may write it; use a private VLLM_XLA_CACHE_DIR or `chmod go-w {path}`"
+                f"refusing to build or load the native kernels in {path}: {reason} (or set "
+                "VLLM_XLA_CACHE_DIR to a private directory)"
             )
 
 
@@ -170,6 +176,9 @@ def _compile(compiler: str, library: Path) -> None:
         )
         partial = Path(scratch) / library.name
         _run_side_by_side([[compiler, *_FLAGS, *objects, "-o", str(partial)]], Path(scratch))
+        # The linker creates it under the umask (group-writable under 002), and a library others
+        # may write is refused on every later start: private, whatever the umask.
+        os.chmod(partial, 0o700)
         os.replace(partial, library)  # atomic: concurrent loaders never see half a library
 
 
@@ -198,9 +207,24 @@ class _Library:
 
 
 @functools.cache
+def _shared_object(library: _Library) -> ctypes.CDLL:
+    """`library` loaded into this process, once, from the descriptor that was judged private
+    (`private_files.open_private_file`): a file swapped in after the check is never loaded. Where
+    `/proc/self/fd` is missing, by its path after the same check."""
+    try:
+        with open_private_file(str(library.path)) as opened:
+            by_descriptor = f"/proc/self/fd/{opened.fileno()}"
+            return ctypes.CDLL(by_descriptor if os.path.exists(by_descriptor) else str(library.path))
+    except UnsafeCacheError as error:
+        raise NativeKernelError(
+            f"refusing to load the native kernels: {error}; use a private VLLM_XLA_CACHE_DIR"
+        ) from error
+
+
+@functools.cache
 def _register(library: _Library) -> None:
     """Registers the handlers once per process and build: XLA keeps one handler per target name."""
-    shared = ctypes.CDLL(str(library.path))
+    shared = _shared_object(library)
     try:
         for target, symbol in _HANDLERS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(shared, symbol)), platform="cpu")
@@ -247,7 +271,7 @@ def dense_isa(library: Path) -> str | None:
 
 @functools.cache
 def _probe_dense_isas(library: _Library) -> int:
-    return int(ctypes.CDLL(str(library.path)).VllmXlaDenseIsas())
+    return int(_shared_object(library).VllmXlaDenseIsas())
 
 
 def dense_f32_usable(library: Path) -> bool:
@@ -257,7 +281,7 @@ def dense_f32_usable(library: Path) -> bool:
 
 @functools.cache
 def _probe_dense_f32(library: _Library) -> bool:
-    return bool(ctypes.CDLL(str(library.path)).VllmXlaDenseF32Usable())
+    return bool(_shared_object(library).VllmXlaDenseF32Usable())
 
 
 # the int8 kernel's paths, by their code in dense_int8.cc
@@ -279,4 +303,4 @@ def dense_int8_isas(library: Path) -> tuple[str, ...]:
 
 @functools.cache
 def _probe_dense_int8_isas(library: _Library) -> int:
-    return int(ctypes.CDLL(str(library.path)).VllmXlaDenseInt8Isas())
+    return int(_shared_object(library).VllmXlaDenseInt8Isas())

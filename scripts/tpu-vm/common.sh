@@ -72,7 +72,7 @@ parse_args() {
 CONFIG_VARS=(PROJECT ZONE TPU_NAME ACCELERATOR_TYPE RUNTIME_VERSION CREATE_WITH QUEUED_RESOURCE
   PROVISIONING CREATE_TIMEOUT CREATE_FLAGS PACKAGE_SOURCE PYTHON TORCH_INDEX_URL HF_TOKEN_FILE
   REMOTE_DIR MODEL MODEL_GCS CONVERT_SOURCE CONVERT_OUT CONVERT_GCS TENSOR_PARALLEL_SIZE SERVER
-  PORT MASTER_PORT SERVE_ARGS SERVE_ENV HEALTH_TIMEOUT HEALTH_INTERVAL STOP_TIMEOUT SSH_FLAGS)
+  PORT MASTER_PORT FIREWALL SERVE_ARGS SERVE_ENV HEALTH_TIMEOUT HEALTH_INTERVAL STOP_TIMEOUT SSH_FLAGS)
 
 # Sources the config file and fills in the optional variables' defaults. The config file is
 # the only source: variables of the same names in the environment (PORT, PYTHON, ZONE are
@@ -94,6 +94,7 @@ load_config() {
   SERVER=${SERVER:-vllm-xla}
   PORT=${PORT:-8000}
   MASTER_PORT=${MASTER_PORT:-29500}
+  FIREWALL=${FIREWALL:-hosts}
   HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-1800}
   HEALTH_INTERVAL=${HEALTH_INTERVAL:-15}
   STOP_TIMEOUT=${STOP_TIMEOUT:-60}
@@ -191,6 +192,27 @@ hosts_of_accelerator() {
     *) die "a dry run cannot tell the hosts of ACCELERATOR_TYPE=$type (a real run asks describe)" ;;
   esac
   if ((size <= 8)); then echo 1; else echo $((size / per_host)); fi
+}
+
+# Whether ACCELERATOR_TYPE is a slice of several hosts (more than 8 chips or TensorCores; see
+# hosts_of_accelerator), whose hosts join through host 0's MASTER_PORT and the port after it.
+several_hosts() {
+  local size=${ACCELERATOR_TYPE##*-}
+  [[ $size =~ ^[0-9]+$ ]] && ((size > 8))
+}
+
+# The firewall rules that keep host 0's MASTER_PORT (vLLM's store) and MASTER_PORT+1 (JAX's
+# coordinator, which authenticates nobody) to the slice's own workers (FIREWALL=hosts): the
+# workers carry the network tag, an allow rule lets tagged workers in, a deny rule below it
+# keeps everyone else out (the default network lets every internal address in otherwise).
+firewall_tag() { printf '%s-hosts' "$TPU_NAME"; }
+firewall_rules() { printf '%s\n' "$(firewall_tag)" "$(firewall_tag)-deny"; }
+firewall_wanted() {
+  case $FIREWALL in
+    hosts) several_hosts ;;
+    none) return 1 ;;
+    *) die "FIREWALL=$FIREWALL: use hosts or none" ;;
+  esac
 }
 
 # The files a server leaves on each worker, relative to the worker's home directory.

@@ -4,6 +4,8 @@ metadata type, plain and quantized tensors and a custom alignment, and the embed
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -70,3 +72,40 @@ def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
     path.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match=r"model.bin is not a GGUF file"):
         read_gguf(str(path))
+
+
+def _small_gguf(path, *, label: str, rows: int = 3) -> str:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_string("general.name", label)
+    writer.add_tensor("weight", np.ones((rows, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_a_gguf_model_directory_is_named_by_content_not_only_by_file_name(tmp_path, monkeypatch):
+    """Two files of one name (another model, or a file replaced in place) get their own model
+    directory: the name carries a hash of the size, metadata and tensor table."""
+    import plugin_shim.model_dir as model_dir
+
+    monkeypatch.setattr(model_dir, "_write_model_dir", _record)
+    for name in "abcd":
+        (tmp_path / name).mkdir()
+    first = _small_gguf(tmp_path / "a" / "model.gguf", label="first")
+    other_metadata = _small_gguf(tmp_path / "b" / "model.gguf", label="other")
+    other_tensors = _small_gguf(tmp_path / "c" / "model.gguf", label="first", rows=5)
+    same = _small_gguf(tmp_path / "d" / "model.gguf", label="first")
+    cache = str(tmp_path / "cache")
+    built = [model_dir.materialize(cache, path) for path in (first, other_metadata, other_tensors, same)]
+    assert len(set(built[:3])) == 3 and built[3] == built[0]
+    assert all(os.path.basename(b).startswith("model-") for b in built)
+    for directory, source in zip(built[:3], (first, other_metadata, other_tensors), strict=True):
+        assert open(os.path.join(directory, "source")).read() == source  # each from its own file
+
+
+def _record(directory: str, source: str) -> None:
+    with open(os.path.join(directory, "source"), "w") as f:
+        f.write(source)
+    open(os.path.join(directory, ".complete-safetensors"), "w").close()

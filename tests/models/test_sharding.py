@@ -4,22 +4,32 @@
 
 from __future__ import annotations
 
+import functools
+import re
+
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from models.config import ModelConfig
 from models.int8 import quantize_grouped
 from models.linear import Linear
+from models.registry import build, config_class
 from models.sharding import (
     MODEL_AXIS,
+    check_model_splits,
     check_tensor_parallel,
     fused_layout,
     interleave_blocks,
     kv_heads_on_mesh,
     parameter_spec,
     repeat_kv_heads,
+    rule_spec,
 )
+from models.weight_stream import served_abstract
 from pallas_kernels import kv_cache_partition_spec
+from tests.models.tiny_checkpoints import _COMMON, TINY
 
 M = MODEL_AXIS
 
@@ -176,3 +186,102 @@ def test_grouped_scales_convert_between_tp_sizes_like_their_kernels(prepared_at_
             np.testing.assert_array_equal(
                 converted, quantize_grouped(prepared[target][path], 16)[1], err_msg=path
             )
+
+
+@functools.cache
+def _tiny_config(architecture: str, **overrides) -> ModelConfig:
+    """The tiny test checkpoint's configuration of `architecture` (no weights), with `overrides`
+    (`moe_intermediate_size` only where the architecture has that field: Mixtral's experts are
+    `intermediate_size` wide)."""
+    import transformers
+
+    config_name, arch_kwargs = TINY[architecture]
+    if architecture != "Qwen3MoeForCausalLM":
+        overrides.pop("moe_intermediate_size", None)
+    hf = getattr(transformers, config_name)(**{**_COMMON, **arch_kwargs, **overrides}).to_dict()
+    return config_class(architecture).from_hf_dict({**hf, "architectures": [architecture]})
+
+
+@functools.cache
+def _rules_split(config: ModelConfig, tp: int) -> bool:
+    """Whether the model prepares for `tp` devices and every parameter the rules table splits
+    (but the vocabulary's, replicated when it does not divide) splits evenly there."""
+    try:
+        _, state = served_abstract(nnx.eval_shape(lambda: build(config)), config, tp)
+    except ValueError:  # the fused q/k/v or gate/up blocks, or the KV heads, cannot be made
+        return False
+    for key, leaf in nnx.to_flat_state(state):
+        path = ".".join(map(str, key))
+        if re.search(r"embed_tokens|lm_head", path):
+            continue
+        spec = rule_spec(path, len(leaf.shape))
+        if any(name is not None and leaf.shape[axis] % tp for axis, name in enumerate(spec)):
+            return False
+    return True
+
+
+# 12 query and 4 KV heads (TP 2, 3, 4, 6, 12 split them; 8 does not); intermediate sizes that
+# 3, 6 and 12, or 3, 8 and 12, do not divide, each in turn (a MoE model's dense layers and its experts).
+_VARIANTS = (
+    dict(
+        hidden_size=96,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=320,
+        moe_intermediate_size=48,
+    ),
+    dict(
+        hidden_size=96,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=384,
+        moe_intermediate_size=20,
+    ),
+)
+_SIZES = (1, 2, 3, 4, 6, 8, 12)
+_FAST = ("Qwen2ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")  # dense, experts, both
+
+
+@pytest.mark.parametrize(
+    "architecture", [a if a in _FAST else pytest.param(a, marks=pytest.mark.slow) for a in sorted(TINY)]
+)
+def test_the_start_check_covers_every_dimension_the_rules_table_splits(architecture):
+    """`check_model_splits` accepts a TP size exactly when the model prepares for it and every
+    parameter the rules table splits divides evenly; a refusal names the sizes that work."""
+    for overrides in _VARIANTS:
+        config = _tiny_config(architecture, **overrides)
+        for tp in _SIZES[1:]:
+            try:
+                check_model_splits(config, tp)
+                accepted = True
+            except ValueError as error:
+                accepted = False
+                message = str(error)
+                assert message.startswith(f"tensor_parallel_size={tp} cannot shard this model: its "), message
+                listed = [int(n) for n in re.search(r"one of \[(.*)\]$", message).group(1).split(", ")]
+                assert [n for n in _SIZES if n in listed] == [n for n in _SIZES if _rules_split(config, n)]
+            assert accepted == _rules_split(config, tp), (architecture, overrides, tp)
+
+
+def test_an_intermediate_size_that_does_not_divide_is_named():
+    config = _tiny_config(
+        "Qwen2ForCausalLM",
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=320,
+    )
+    with pytest.raises(
+        ValueError, match=r"its intermediate_size \(320\) does not divide by 6; .* one of \[1, 2\]$"
+    ):
+        check_model_splits(config, 6)
+    moe = _tiny_config("Qwen3MoeForCausalLM", moe_intermediate_size=18)
+    with pytest.raises(
+        ValueError, match=r"its experts' intermediate size \(18\) does not divide by 4; .* \[1, 2\]$"
+    ):
+        check_model_splits(moe, 4)
+    mixtral = _tiny_config("MixtralForCausalLM", intermediate_size=18)
+    with pytest.raises(
+        ValueError, match=r"its experts' intermediate size \(18\) does not divide by 4; .* \[1, 2\]$"
+    ):
+        check_model_splits(mixtral, 4)

@@ -85,3 +85,26 @@ def test_serve_passes_the_multi_node_options_through_to_vllms_serve_command():
     assert serve_argv("M", [*options, "--headless"]) == [
         sys.executable, "-m", "plugin_shim.vllm_serve", "M", *options, "--headless",
     ]  # fmt: skip
+
+
+def test_host_0s_coordinator_listens_on_the_master_address_only(monkeypatch):
+    """JAX's coordinator has no authentication and binds every interface by default: it is
+    bound to the master address (the others connect there), with the join's bounds."""
+    import jax
+
+    from tpu_platform import hosts
+
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **options: joined.append(options))
+    monkeypatch.setattr(hosts, "check_joined", lambda group: None)
+    hosts.join_hosts(HostGroup("10.0.0.2:29502", num_hosts=2, host_rank=0, timeout_seconds=30), "tpu")
+    assert joined == [
+        dict(
+            coordinator_address="10.0.0.2:29502",
+            coordinator_bind_address="10.0.0.2:29502",
+            num_processes=2,
+            process_id=0,
+            initialization_timeout=30,
+            heartbeat_timeout_seconds=30,
+        )
+    ]

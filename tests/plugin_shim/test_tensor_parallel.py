@@ -211,9 +211,15 @@ def test_tp4_serves_chunked_prefill_prefix_hits_and_preemption_without_compiling
             r"attention heads \(4\) must be divisible by tensor parallel size \(3\)",
         ),
         (
-            dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3),
+            dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=192),
             dict(tensor_parallel_size=2),
             r"tensor_parallel_size=2 cannot shard this model: its 3 KV heads .* one of \[1, 3, 6\]",
+        ),
+        (
+            dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=320),
+            dict(tensor_parallel_size=6),
+            r"tensor_parallel_size=6 cannot shard this model: its intermediate_size \(320\) does not "
+            r"divide by 6; use --tensor-parallel-size one of \[1, 2\]",
         ),
         (
             {},

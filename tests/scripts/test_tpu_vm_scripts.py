@@ -38,6 +38,11 @@ elif argv[:4] == ["compute", "tpus", "queued-resources", "describe"]:
     print(os.environ.get("FAKE_GCLOUD_QR_STATE", "ACTIVE"))
 elif argv[:4] == ["compute", "tpus", "tpu-vm", "ssh"] and "/health" in argv[-1]:
     sys.exit(int(os.environ.get("FAKE_GCLOUD_HEALTH_STATUS", "0")))
+elif argv[:4] == ["compute", "tpus", "tpu-vm", "scp"]:
+    with open(os.environ["FAKE_GCLOUD_LOG"] + ".scp", "a") as copies:  # what scp would send
+        info = os.stat(argv[4])
+        copies.write(json.dumps([argv[4], info.st_mode & 0o777, open(argv[4]).read()]) + "\\n")
+    sys.exit(int(os.environ.get("FAKE_GCLOUD_SCP_STATUS", "0")))
 """
 
 ONE_HOST = {
@@ -145,13 +150,41 @@ def test_create_queues_a_resource_and_waits_until_it_is_active(gcloud):
     ]  # fmt: skip
 
 
+def _fence(config: dict[str, str], network: str) -> list[list[str]]:
+    """The firewall rules `create` makes first for a slice of several hosts."""
+    tag, ports = f"{config['TPU_NAME']}-hosts", "--rules=tcp:29500-29501"
+    common = [f"--project={config['PROJECT']}", f"--network={network}", "--direction=INGRESS"]
+    return [
+        ["compute", "firewall-rules", "create", tag, *common, "--priority=900", "--action=ALLOW", ports,
+         f"--source-tags={tag}", f"--target-tags={tag}"],
+        ["compute", "firewall-rules", "create", f"{tag}-deny", *common, "--priority=910", "--action=DENY",
+         ports, "--source-ranges=0.0.0.0/0", f"--target-tags={tag}"],
+    ]  # fmt: skip
+
+
 def test_create_direct_spot_slice_with_more_flags(gcloud):
+    """A slice of several hosts is fenced before it exists: only its own (tagged) workers reach
+    host 0's MASTER_PORT and JAX's coordinator on the port after it."""
     config = {**SLICE, "CREATE_WITH": "direct", "CREATE_FLAGS": "--network=tpu-net"}
     ok(gcloud.run("create", "--", "--labels=team=serving", config=config))
     assert gcloud.calls() == [
+        *_fence(SLICE, "tpu-net"),
         [*TPU, "create", "v5e-slice", *where(SLICE), "--accelerator-type=v5litepod-16",
-         "--version=v2-alpha-tpuv5-lite", "--network=tpu-net", "--spot", "--labels=team=serving"],
+         "--version=v2-alpha-tpuv5-lite", "--network=tpu-net", "--spot", "--labels=team=serving",
+         "--tags=v5e-slice-hosts"],
     ]  # fmt: skip
+
+
+def test_create_queued_slice_fenced_on_the_default_network_or_not_at_all(gcloud):
+    ok(gcloud.run("create", config=SLICE))
+    fence, create = gcloud.calls()[:2], gcloud.calls()[2]
+    assert fence == _fence(SLICE, "default") and create[-1] == "--tags=v5e-slice-hosts"
+    ok(gcloud.run("create", config={**SLICE, "FIREWALL": "none"}))
+    assert not any(
+        "--tags=v5e-slice-hosts" in call or "firewall-rules" in call for call in gcloud.calls()[4:]
+    )
+    result = gcloud.run("create", config={**SLICE, "FIREWALL": "open"})
+    assert result.returncode != 0 and "FIREWALL=open: use hosts or none" in result.stderr
 
 
 def test_create_fails_when_the_queued_resource_fails(gcloud):
@@ -169,10 +202,15 @@ def test_create_refuses_preemptible_queued_resources(gcloud):
 def test_delete_removes_the_queued_resource_with_its_tpu(gcloud):
     ok(gcloud.run("delete", "--yes", config=SLICE))
     assert gcloud.calls() == [
-        ["compute", "tpus", "queued-resources", "delete", "v5e-slice-qr", *where(SLICE), "--force", "--quiet"]
-    ]
+        ["compute", "tpus", "queued-resources", "delete", "v5e-slice-qr", *where(SLICE), "--force",
+         "--quiet"],
+        ["compute", "firewall-rules", "delete", "v5e-slice-hosts", "v5e-slice-hosts-deny", "--project=proj",
+         "--quiet"],
+    ]  # fmt: skip
     ok(gcloud.run("delete", "--yes", config={**SLICE, "CREATE_WITH": "direct"}))
-    assert gcloud.calls()[-1] == [*TPU, "delete", "v5e-slice", *where(SLICE), "--quiet"]
+    assert gcloud.calls()[-2] == [*TPU, "delete", "v5e-slice", *where(SLICE), "--quiet"]
+    ok(gcloud.run("delete", "--yes", config=ONE_HOST))  # one host: no rules were made
+    assert gcloud.calls()[-1][:4] == ["compute", "tpus", "queued-resources", "delete"]
 
 
 def test_delete_without_yes_asks_and_cannot_without_a_terminal(gcloud):
@@ -206,18 +244,39 @@ def test_setup_installs_the_git_ref_on_every_worker(gcloud):
 
 
 def test_setup_copies_a_local_wheel_and_the_token_to_every_worker(gcloud, tmp_path):
+    """The token is sent as a private copy (scp gives the new file its source's mode: 0600 on the
+    workers from the start, whatever the local file's mode), moved into place at once, and the
+    local copy removed."""
     wheel = tmp_path / "vllm_xla-0.1.0-py3-none-any.whl"
     wheel.write_bytes(b"wheel")
     token = tmp_path / "hf-token"
     token.write_text("hf_x")
+    token.chmod(0o644)
     ok(gcloud.run("setup", config={**SLICE, "PACKAGE_SOURCE": str(wheel), "HF_TOKEN_FILE": str(token)}))
-    scp_wheel, scp_token, install = gcloud.calls()
+    scp_wheel, scp_token, place_token, install = gcloud.calls()
     assert scp_wheel == [*TPU, "scp", str(wheel), "v5e-slice:vllm_xla-0.1.0-py3-none-any.whl", *where(SLICE),
                          "--worker=all"]  # fmt: skip
-    assert scp_token == [*TPU, "scp", str(token), "v5e-slice:.hf-token", *where(SLICE), "--worker=all"]
+    copy = scp_token[4]
+    assert scp_token == [*TPU, "scp", copy, "v5e-slice:.hf-token", *where(SLICE), "--worker=all"]
+    assert copy != str(token) and not os.path.exists(copy)  # a copy, removed afterwards
+    sent = [json.loads(line) for line in pathlib.Path(f"{gcloud.log}.scp").read_text().splitlines()]
+    assert sent[1] == [copy, 0o600, "hf_x"]
+    assert place_token == ssh(SLICE, "all", "umask 077 && mkdir -p .cache/huggingface && mv .hf-token "
+                              ".cache/huggingface/token && chmod 600 .cache/huggingface/token")  # fmt: skip
     assert install[7] == "--worker=all"
     assert "'./vllm_xla-0.1.0-py3-none-any.whl[cpu,tpu]'" in install[-1]
-    assert "mv .hf-token .cache/huggingface/token && chmod 600 .cache/huggingface/token" in install[-1]
+    assert ".hf-token" not in install[-1]
+
+
+def test_setup_removes_the_token_from_the_workers_when_its_copy_fails(gcloud, tmp_path):
+    token = tmp_path / "hf-token"
+    token.write_text("hf_x")
+    result = gcloud.run("setup", config={**ONE_HOST, "HF_TOKEN_FILE": str(token)}, FAKE_GCLOUD_SCP_STATUS="1")
+    assert result.returncode == 1
+    assert "copying HF_TOKEN_FILE to the workers failed; the copies were removed" in result.stderr
+    scp_token, remove = gcloud.calls()
+    assert remove == ssh(ONE_HOST, "all", "rm -f .hf-token")
+    assert not os.path.exists(scp_token[4])  # nothing installed, no local copy left
 
 
 def test_setup_refuses_a_source_it_cannot_install(gcloud):
