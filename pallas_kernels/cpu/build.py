@@ -207,18 +207,25 @@ class _Library:
 
 
 @functools.cache
+@functools.cache
 def _shared_object(library: _Library) -> ctypes.CDLL:
     """`library` loaded into this process, once, from the descriptor that was judged private
     (`private_files.open_private_file`): a file swapped in after the check is never loaded. Where
     `/proc/self/fd` is missing, by its path after the same check."""
     try:
-        with open_private_file(str(library.path)) as opened:
-            by_descriptor = f"/proc/self/fd/{opened.fileno()}"
-            return ctypes.CDLL(by_descriptor if os.path.exists(by_descriptor) else str(library.path))
+        opened = open_private_file(str(library.path))
     except UnsafeCacheError as error:
         raise NativeKernelError(
             f"refusing to load the native kernels: {error}; use a private VLLM_XLA_CACHE_DIR"
         ) from error
+    with opened:
+        if not os.path.exists(f"/proc/self/fd/{opened.fileno()}"):
+            return ctypes.CDLL(str(library.path))
+        # A raw duplicate of the judged descriptor, never closed: the dynamic loader knows the
+        # library by this name, and a closed descriptor's number, reused for another library,
+        # would make the loader hand back this one.
+        kept = os.dup(opened.fileno())
+    return ctypes.CDLL(f"/proc/self/fd/{kept}")
 
 
 @functools.cache
