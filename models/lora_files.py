@@ -88,7 +88,9 @@ def _number(name: str, config: dict, key: str, default: float) -> float:
     """`config[key]` as a finite float (JSON as Python reads it accepts NaN and Infinity)."""
     value = config.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"LoRA adapter {name!r}: {key}={value!r} in adapter_config.json is not a finite number")
+        raise ValueError(
+            f"LoRA adapter {name!r}: {key}={value!r} in adapter_config.json is not a finite number"
+        )
     return float(value)
 
 

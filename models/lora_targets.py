@@ -110,7 +110,9 @@ class _Parser:
     def _is_repeat(self) -> bool:
         end = self.pattern.find("}", self.i)
         body = self.pattern[self.i + 1 : end] if end > 0 else ""
-        return bool(body) and all(part.isdigit() or part == "" for part in body.split(",", 1)) and body[0] != ","
+        return (
+            bool(body) and all(part.isdigit() or part == "" for part in body.split(",", 1)) and body[0] != ","
+        )
 
     def _repeat_bounds(self) -> tuple[int, int | None]:
         end = self.pattern.index("}", self.i)
@@ -200,7 +202,9 @@ class _Nfa:
 
     def add(self, *state) -> int:
         if len(self.states) >= MAX_STATES:
-            raise PatternError(f"target_modules pattern expands to more than {MAX_STATES} states; simplify it")
+            raise PatternError(
+                f"target_modules pattern expands to more than {MAX_STATES} states; simplify it"
+            )
         self.states.append(list(state))
         return len(self.states) - 1
 
