@@ -36,6 +36,7 @@ from jax.tree_util import DictKey
 
 from models.lora import LoraSite
 from models.lora_files import LoraAdapter, read_adapter
+from tpu_platform.hosts import agree_across_hosts
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
@@ -81,11 +82,13 @@ class LoraSlots:
         sites: dict[str, LoraSite],
         state: object,
         leaves: list[jax.Array],
-        agree: Agreement = _alone,
+        agree: Agreement | None = None,
     ):
         self.config = config
         self.sites = sites
-        self._agree = agree
+        # across hosts every host's worker reads each adapter at the same point (vLLM sends its
+        # LoRA calls and steps to all of them): they agree before any writes a slot
+        self._agree = agree or (agree_across_hosts if jax.process_count() > 1 else _alone)
         self._leaves = leaves  # the runner's state leaves: slot arrays are replaced in this list
         self._index = _slot_leaf_indices(state, sites)
         self._host = {i: np.array(leaves[i]) for pair in self._index.values() for i in pair}
