@@ -202,6 +202,18 @@ class LoraSlots:
             table[self._handles[lora_id]] = self._slot_of[lora_id]
         return table[handles]
 
+    def read_ahead(self, lora_ids: list[int]) -> dict[int, str]:
+        """Reads each adapter of `lora_ids` (a step's new requests') that is not cached, keeping
+        them and those in use cached; returns why each one that could not be read was not."""
+        failed = {}
+        for lora_id in dict.fromkeys(lora_ids):
+            try:
+                for i, adapter in self._read_missing([lora_id]).items():
+                    self._admit(i, adapter, keep=set(lora_ids), strict=False)
+            except LoraUnavailable as error:
+                failed[lora_id] = str(error)
+        return failed
+
     def _read_missing(self, wanted: list[int]) -> dict[int, LoraAdapter]:
         """Every adapter of `wanted` that is not cached, read; none when any cannot be."""
         read, failed = {}, {}
