@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """PEFT LoRA adapter directories (`adapter_config.json` + `adapter_model.safetensors`) read with
 NumPy into one slot's values per adapter site (`models.lora`), checked against the model: every
-problem is a ValueError naming the adapter, the tensor or module, and the fix."""
+problem is a ValueError naming the adapter, the tensor or module, and the fix.
+
+An adapter's values enter slots every row of a step shares, so a value that is not finite, or
+that the slot dtype cannot hold, is refused here rather than left to turn a step's outputs NaN."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import re
 import numpy as np
 
 from models.lora import SUPPORTED_TARGETS, LoraSite, site_slot_values
+from models.lora_targets import PatternError, compile_target_pattern
 
 # `base_model.model.<module>.lora_A.weight` (PEFT strips the adapter's name when saving; an
 # unstripped `lora_A.<name>.weight` is taken too).
@@ -39,25 +43,37 @@ class LoraAdapter:
     targets: tuple[str, ...]  # the HF module short names it adapts
 
 
-def read_adapter(name: str, path: str, sites: dict[str, LoraSite], max_rank: int) -> LoraAdapter:
-    """Reads the PEFT adapter `name` at `path` for a model whose adapter sites are `sites`.
+def read_adapter(
+    name: str,
+    path: str,
+    sites: dict[str, LoraSite],
+    max_rank: int,
+    slot_dtype: np.dtype | str = np.float32,
+) -> LoraAdapter:
+    """Reads the PEFT adapter `name` at `path` for a model whose adapter sites are `sites` and
+    whose slots hold `slot_dtype`.
 
     Refused by name: a missing file, a non-LoRA PEFT type, a rank above `max_rank`, options
     that change the computation (DoRA, biases, modules_to_save, ...), a tensor for a module that
     cannot carry an adapter (e.g. embed_tokens, lm_head) or that the model lacks, an A without
-    its B (or the reverse), a target module left without its tensors, and a shape that does not
-    fit the module."""
+    its B (or the reverse), a target module left without its tensors, a shape that does not
+    fit the module, a non-finite `r`/`lora_alpha` or tensor value, a value (B scaled) beyond
+    what `slot_dtype` holds, and a `target_modules` pattern `models.lora_targets` does not run."""
     config = _adapter_config(name, path)
-    rank = int(config.get("r", 8))
+    rank = _number(name, config, "r", 8)
+    if rank != int(rank) or rank < 1:
+        raise ValueError(f"LoRA adapter {name!r}: r={rank!r} is not a positive integer rank")
+    rank = int(rank)
     if rank > max_rank:
         raise ValueError(
             f"LoRA adapter {name!r}: rank r={rank} exceeds max_lora_rank={max_rank}; start the engine "
             f"with max_lora_rank >= {rank}"
         )
-    alpha = float(config.get("lora_alpha", rank))
+    alpha = _number(name, config, "lora_alpha", rank)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     tensors = _adapter_tensors(name, path)
     parts = _parts(name, tensors, sites, max_rank, scaling)
+    _check_values(name, parts, np.dtype(slot_dtype))
     targets = sorted({module.rsplit(".", 1)[1] for module in parts})
     _check_targets(name, config, parts, sites)
     by_site: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -66,6 +82,39 @@ def read_adapter(name: str, path: str, sites: dict[str, LoraSite], max_rank: int
         if mine:
             by_site[key] = site_slot_values(site, mine, max_rank)
     return LoraAdapter(name, rank, scaling, by_site, tuple(targets))
+
+
+def _number(name: str, config: dict, key: str, default: float) -> float:
+    """`config[key]` as a finite float (JSON as Python reads it accepts NaN and Infinity)."""
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(
+            f"LoRA adapter {name!r}: {key}={value!r} in adapter_config.json is not a finite number"
+        )
+    return float(value)
+
+
+def _check_values(name: str, parts: dict[str, tuple[np.ndarray, np.ndarray]], slot_dtype: np.dtype) -> None:
+    """Every value finite and, once cast to the slots' dtype, still finite."""
+    limit = float(np.finfo(slot_dtype).max) if np.issubdtype(slot_dtype, np.floating) else math.inf
+    if slot_dtype.name == "bfloat16":
+        import ml_dtypes
+
+        limit = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+    for module, (a, b) in parts.items():
+        for which, value in (("lora_A", a), ("lora_B", b)):
+            if not np.isfinite(value).all():
+                raise ValueError(
+                    f"LoRA adapter {name!r}: {module}.{which} holds NaN or infinite values (scaled by "
+                    "lora_alpha / r for lora_B); retrain or repair the adapter"
+                )
+            peak = float(np.abs(value).max(initial=0.0))
+            if peak > limit:
+                raise ValueError(
+                    f"LoRA adapter {name!r}: {module}.{which} holds {peak:.3g} (scaled by lora_alpha / r "
+                    f"for lora_B), beyond the {slot_dtype.name} LoRA slots' range ({limit:.3g}); "
+                    "rescale the adapter or start the engine with a wider lora_dtype"
+                )
 
 
 def _adapter_config(name: str, path: str) -> dict:
@@ -88,6 +137,7 @@ def _adapter_config(name: str, path: str) -> dict:
 
 
 def _adapter_tensors(name: str, path: str) -> dict[str, np.ndarray]:
+    import ml_dtypes  # noqa: F401  (NumPy learns bfloat16, PEFT's usual dtype, from it)
     from safetensors.numpy import load_file
 
     file = os.path.join(path, "adapter_model.safetensors")
@@ -96,7 +146,10 @@ def _adapter_tensors(name: str, path: str) -> dict[str, np.ndarray]:
             f"LoRA adapter {name!r}: no adapter_model.safetensors in {path!r} (save the adapter with "
             "safe_serialization=True)"
         )
-    return load_file(file)
+    try:
+        return load_file(file)
+    except Exception as error:  # a truncated or foreign file: safetensors' own error names it
+        raise ValueError(f"LoRA adapter {name!r}: cannot read {file!r}: {error}") from error
 
 
 def _parts(
@@ -142,7 +195,11 @@ def _parts(
                 f"LoRA adapter {name!r}: {module} has lora_A {a.shape} and lora_B {b.shape}; this model "
                 f"needs ({r}, {in_features}) and ({out_features}, {r}) (an adapter for another base model?)"
             )
-        parts[module] = (a.T.astype(np.float32), (b.T.astype(np.float64) * scaling).astype(np.float32))
+        with np.errstate(over="ignore", invalid="ignore"):  # non-finite values are refused after
+            parts[module] = (
+                a.T.astype(np.float32),
+                (b.T.astype(np.float64) * scaling).astype(np.float32),
+            )
     return parts
 
 
@@ -150,7 +207,13 @@ def _check_targets(name: str, config: dict, parts: dict, sites: dict[str, LoraSi
     """Every module `target_modules` names (a list of names; a regex string is matched against the
     full paths) in every layer `layers_to_transform` allows must have its tensors."""
     targets = config.get("target_modules") or []
-    if isinstance(targets, list):
+    pattern = None
+    if isinstance(targets, str):
+        try:
+            pattern = compile_target_pattern(targets)
+        except PatternError as error:
+            raise ValueError(f"LoRA adapter {name!r}: {error}") from None
+    elif isinstance(targets, list):
         unsupported = sorted(set(targets) - set(SUPPORTED_TARGETS))
         if unsupported:
             raise ValueError(
@@ -162,8 +225,8 @@ def _check_targets(name: str, config: dict, parts: dict, sites: dict[str, LoraSi
     for site in sites.values():
         for module in site.parts:
             short = module.rsplit(".", 1)[1]
-            if isinstance(targets, str):
-                wanted = re.fullmatch(targets, module) is not None
+            if pattern is not None:
+                wanted = pattern.fullmatch(module)
             else:
                 wanted = short in targets
             layer = re.search(r"\.layers\.(\d+)\.", module)

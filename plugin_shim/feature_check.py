@@ -360,8 +360,10 @@ SUPPORTED: tuple[Supported, ...] = (
         "PEFT LoRA adapters (adapter_config.json + adapter_model.safetensors) on the q/k/v/o and "
         "dense MLP gate/up/down projections; many adapters and the base model mixed in one batch, "
         "each in one of max_loras device slots preallocated at max_lora_rank (loading one never "
-        "recompiles); under tensor parallelism too; refused by name when loaded: a rank above max_lora_rank, "
-        "other target modules (embed_tokens, lm_head, MoE experts), DoRA, biases, modules_to_save",
+        "recompiles); under tensor parallelism and across hosts too; float32, float16 or bfloat16; "
+        "refused by name when loaded: a rank above max_lora_rank, other target modules (embed_tokens, "
+        "lm_head, MoE experts), DoRA, biases, modules_to_save, NaN/infinite values or alphas, values "
+        "beyond the slot dtype, target_modules patterns with backreferences or lookarounds",
     ),
     Supported("Load formats", "load_format", "auto, safetensors, npcache"),
     Supported(

@@ -1,18 +1,36 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vLLM's LoRA options and requests, handed to the runner's adapter slots (`tpu_platform.lora_slots`)."""
+"""vLLM's LoRA options and requests, handed to the runner's adapter slots (`tpu_platform.lora_slots`).
+
+Adapters are read and checked when vLLM's `add_lora` asks (the server's /v1/load_lora_adapter,
+resolvers, `LLM.llm_engine.add_lora`): a bad one is refused there, by name, and only that call
+fails. A request may still name an adapter the worker cannot read when its step comes (an
+offline `LoRARequest` never added, or an adapter evicted from the host cache whose files have
+gone since). vLLM 0.32 gives a worker no way to fail one request (its runners end the engine),
+so such a request is ended by its own stop condition instead: it samples only its stop token
+(EOS, else its first stop id) on the base model, returns no text, and the error naming the
+request, the adapter and why is logged. The engine and every other request go on.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
+from vllm.logger import init_logger
+
+from tpu_platform.batch_update import BatchUpdate
 from tpu_platform.lora_slots import LoraConfig, LoraSlots
+from tpu_platform.sampling import SamplingOptions
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.output import SchedulerOutput
 
     from tpu_platform.runner import Runner
+
+logger = init_logger("vllm.xla.lora")
 
 
 def runner_lora_config(config: VllmConfig) -> LoraConfig | None:
@@ -44,9 +62,44 @@ def add(runner: Runner, request: LoRARequest) -> bool:
     )
 
 
-def remember_requested(runner: Runner, output: SchedulerOutput) -> None:
-    """Where to read the adapters that new requests name (read when a step first needs one)."""
+def admit_requested(runner: Runner, output: SchedulerOutput, update: BatchUpdate) -> BatchUpdate:
+    """Reads the adapters this step's new requests name (before the step takes slots); `update`
+    with each request whose adapter cannot be read ended by its stop token (see the module)."""
+    slots = adapters(runner)
+    named: dict[str, tuple[LoRARequest, SamplingParams | None]] = {}
     for request in output.scheduled_new_reqs:
         lora = request.lora_request
         if lora is not None:
-            adapters(runner).remember(lora.lora_int_id, lora.lora_name, lora.lora_path)
+            slots.remember(lora.lora_int_id, lora.lora_name, lora.lora_path)
+            named[request.req_id] = (lora, request.sampling_params)
+    failed = slots.read_ahead([lora.lora_int_id for lora, _ in named.values()]) if named else {}
+    if not failed:
+        return update
+    refused = {}
+    for request in update.new_requests:
+        lora, params = named.get(request.req_id, (None, None))
+        if lora is None or lora.lora_int_id not in failed:
+            continue
+        if params is None:  # a pooling request has no stop condition to end it by
+            raise ValueError(f"request {request.req_id}: {failed[lora.lora_int_id]}")
+        logger.error(
+            "request %s is ended without output: %s (vLLM gives a worker no way to fail one request)",
+            request.req_id, failed[lora.lora_int_id],
+        )  # fmt: skip
+        refused[request.req_id] = dataclasses.replace(request, lora_id=0, sampling=_stop_at_once(params))
+    new = [refused.get(request.req_id, request) for request in update.new_requests]
+    return dataclasses.replace(update, new_requests=new)
+
+
+def _stop_at_once(params: SamplingParams) -> SamplingOptions:
+    """Options under which a request's first sampled token is one that ends it (its EOS, else
+    its first stop id; a request that ignores EOS and has no stop id runs to its max_tokens)."""
+    stops = [params.eos_token_id] if params.eos_token_id is not None else sorted(params.stop_token_ids or ())
+    token = stops[0] if stops else next(iter(params.all_stop_token_ids or ()), 0)
+    return SamplingOptions(
+        temperature=0.0,
+        allowed_token_ids=(token,),
+        stop_token_ids=(token,),
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+    )

@@ -183,7 +183,7 @@ class XlaWorker(WorkerBase):
         start = time.perf_counter()
         update = translate.batch_update(scheduler_output)
         if self.runner.lora is not None:
-            lora.remember_requested(self.runner, scheduler_output)
+            update = lora.admit_requested(self.runner, scheduler_output, update)
         self.runner.stats.host_seconds += time.perf_counter() - start
         if self.runner.config.pooling is not None:  # a pooling engine's step output: no sampling
             with hosts.naming_lost_hosts(self.num_hosts):

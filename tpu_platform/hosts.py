@@ -17,6 +17,7 @@ import logging
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
@@ -122,3 +123,32 @@ def per_host_devices(
             f"use --tensor-parallel-size {num_hosts * min(len(ds) for ds in by_process.values())}"
         )
     return [d for p in sorted(by_process) for d in by_process[p][:share]]
+
+
+# An outcome's message, as gathered: longer ones are cut (the host that has it logs it whole).
+_MESSAGE_BYTES = 1024
+_DIGEST_BYTES = 32
+
+
+def agree_across_hosts(error: str | None, digest: bytes) -> list[tuple[str | None, bytes]]:
+    """Every host's `(error or None, digest)` of the same step of work, in host order, so that all
+    hosts take one decision (e.g. whether an adapter is loaded). A collective: every host calls it
+    at the same point, as they do for the calls and steps vLLM sends to every host's worker."""
+    from jax.experimental import multihost_utils
+
+    if len(digest) > _DIGEST_BYTES:
+        raise ValueError(f"a digest of at most {_DIGEST_BYTES} bytes, got {len(digest)}")
+    message = (error or "").encode()[:_MESSAGE_BYTES]
+    row = np.zeros(2 + _DIGEST_BYTES + 2 + _MESSAGE_BYTES, np.uint8)
+    row[0], row[1] = error is not None, len(digest)
+    row[2 : 2 + len(digest)] = np.frombuffer(digest, np.uint8)
+    start = 2 + _DIGEST_BYTES
+    row[start : start + 2] = divmod(len(message), 256)
+    row[start + 2 : start + 2 + len(message)] = np.frombuffer(message, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(row)).reshape(-1, row.size)
+    outcomes = []
+    for host in gathered:
+        length = int(host[start]) * 256 + int(host[start + 1])
+        text = bytes(host[start + 2 : start + 2 + length]).decode(errors="replace")
+        outcomes.append((text if host[0] else None, bytes(host[2 : 2 + int(host[1])])))
+    return outcomes

@@ -547,19 +547,29 @@ class Runner:
             raise ValueError(f"a request asks for LoRA adapter {lora_id}, but LoRA is not enabled")
         return self.lora.handle(lora_id)
 
+    def _remove_request(self, req_id: str) -> int | None:
+        row = self.table.remove(req_id)
+        if row is not None and self.lora is not None:
+            self.lora.release(self.table.lora_id[row])
+            self.table.lora_id[row] = 0
+        return row
+
     def _apply(self, update: BatchUpdate) -> None:
         self.stats.preempted_requests += len(update.preempted_req_ids)
         for req_id in update.finished_req_ids:
-            row = self.table.remove(req_id)
+            row = self._remove_request(req_id)
             self.prompt_logprobs.remove(req_id)
             self.pooling_requests.remove(req_id)
             if row is not None:
                 self.sampling.remove_request(row)
         for request in update.new_requests:
             self.stats.prefix_cache_hits += int(request.num_computed_tokens > 0)
+            if request.req_id in self.table.row_of:  # added again: its old row ends first
+                self._remove_request(request.req_id)
             row = self.table.add(request)
             if request.lora_id:
                 self.table.lora_id[row] = self._lora_handle(request.lora_id)
+                self.lora.acquire(self.table.lora_id[row])  # cached while the request lives
             self.sampling.add_request(row, request.sampling)
             self.prompt_logprobs.add(request.req_id, request.sampling.prompt_logprobs)
         if update.cached.req_ids:
