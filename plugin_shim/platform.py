@@ -153,12 +153,12 @@ class XlaPlatform(Platform):
         from vllm.pooling_params import PoolingParams
 
         from plugin_shim.pooling import pooling_options
-        from plugin_shim.translate import sampling_options
+        from plugin_shim.translate import refuse_oversized_sampling
 
         if isinstance(params, PoolingParams):  # a generating engine's: vLLM refuses its task
             pooling_options(params)  # raises a ValueError naming the unsupported option
         else:
-            sampling_options(params)
+            refuse_oversized_sampling(params)  # also a ValueError naming anything unsupported
 
 
 def _async_scheduling_off_on_cpu(scheduler: SchedulerConfig) -> None:
