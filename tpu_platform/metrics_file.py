@@ -98,8 +98,8 @@ def remove_metrics(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
-    except OSError as error:  # not ours to remove, or not a file: leave it
-        logger.warning("could not remove the metrics file %s (%s)", path, error)
+    except OSError as error:  # not ours to remove, or not a file: left as it is
+        logger.debug("could not remove the metrics file %s (%s)", path, error)
 
 
 def read_metrics(path: str) -> dict[str, float] | None:
