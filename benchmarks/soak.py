@@ -410,6 +410,7 @@ def report(run: dict[str, Any], args, command: list[str], served_log: str) -> di
     idle = run["idle_metrics"]
     growth = rss_growth(run["samples"], min(60.0, run["traffic_seconds"] / 3))
     hostile = run["hostile"]
+    server_errors += sum(s["outcome"].startswith("5") for s in hostile["steps"])
     compiles_after = idle.get("vllm_xla:compilations_after_warmup")
     checks = {
         "no_5xx": server_errors == 0,

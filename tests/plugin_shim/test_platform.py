@@ -159,12 +159,14 @@ def test_sampling_params_translate_and_unsupported_ones_are_rejected():
     ],
 )
 def test_requests_wider_than_the_warmed_sparse_list_are_refused_by_name(kwargs, entries):
+    from vllm.exceptions import VLLMValidationError
+
     from plugin_shim.platform import XlaPlatform
 
-    with pytest.raises(
-        ValueError, match=f"needs {entries} sampler entries, more than vllm-xla's limit of 4096"
-    ):
+    limit = f"needs {entries} sampler entries, more than vllm-xla's limit of 4096"
+    with pytest.raises(ValueError, match=limit) as raised:
         XlaPlatform.validate_request(None, SamplingParams(**kwargs))
+    assert isinstance(raised.value, VLLMValidationError)  # vLLM's server answers 400, not 500
 
 
 def test_requests_at_the_sparse_limit_pass():
