@@ -74,8 +74,8 @@ def stop_server(proc: subprocess.Popen) -> None:
         pass
 
 
-async def wait_healthy(session, base: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+async def wait_healthy(session, base: str, proc: subprocess.Popen, timeout: float = HEALTH_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with code {proc.returncode} before /health answered")
@@ -86,7 +86,7 @@ async def wait_healthy(session, base: str, proc: subprocess.Popen) -> None:
         except OSError:
             pass
         await asyncio.sleep(1.0)
-    raise TimeoutError(f"/health did not answer within {HEALTH_TIMEOUT_S:.0f} s")
+    raise TimeoutError(f"/health did not answer within {timeout:.0f} s")
 
 
 async def stream_one(session, base: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Soak: `vllm-xla serve` under minutes of mixed traffic, then a check that it is still whole.
+"""Soak: `vllm-xla serve` under minutes of mixed and hostile traffic, then a check that it is still whole.
 
 The server (the embedded model, on 127.0.0.1 only) takes `--clients` concurrent clients, more
 than its `--max-num-seqs`, plus a burst of three times that many every `--burst-every` seconds,
@@ -9,16 +9,26 @@ for `--minutes`, at most `--max-requests` requests. Each request draws its kind:
   unknown model, a prompt longer than the model's length, a missing prompt): must get a 4xx;
 - else a completion or chat completion with a random prompt length and random sampling options
   (greedy or temperature, top-k, top-p, min-p, penalties, a seed, stop strings), streamed or not;
-  20% of the streamed ones drop the connection after a few chunks.
+  20% of the streamed ones drop the connection after a few chunks;
+- with LoRA (unless `--no-lora`): 30% of the valid requests name one of the LoRA adapters that
+  are loaded at the time, while adapters are loaded and unloaded every `--lora-every` seconds
+  (`benchmarks/_soak_hostile.py`; a request that races an unload may get a 404).
+
+Then the hostile phase (`_soak_hostile.py`): a 5000-entry `logit_bias` and a NaN adapter and
+a catastrophic-regex adapter (each must be refused with a 4xx), `prompt_logprobs` 0..5 (served),
+each followed by a greedy probe of the base model that must answer with its first text.
 
 Sampled every `--sample-every` seconds: resident memory of the server and its engine process, and
 from `/metrics` the KV-cache usage, running and waiting requests and `vllm_xla:*` counters. At
-the end, once idle: KV usage (must be back to 0), compilations after warm-up (must be 0), `/health`.
-Printed and written as JSON (`--out`, the server's log beside it): requests by kind and status,
-5xx count (must be 0), memory over time and its growth after the first minute, and a verdict per
-check.
+the end, once idle: KV usage (must be back to 0), compilations after warm-up (must be 0),
+`/health`, and a last probe (the engine alive). Printed and written as JSON (`--out`, the
+server's log beside it): requests by kind and status, 5xx count (must be 0), memory at the start,
+over time and at the end, its growth after the first minute (a third of the run when shorter),
+the hostile steps and a verdict per check. Loopback only; bounded by `--minutes`,
+`--max-requests` and per-request timeouts (`--quick`: a one-minute run of at most 120 requests).
 
     python benchmarks/soak.py --minutes 10 --out benchmarks/results/soak.json
+    python benchmarks/soak.py --quick --out benchmarks/results/soak-quick.json
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import asyncio
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,17 +46,29 @@ from collections import Counter
 from typing import Any
 
 from _serve import HOST, free_port, start_server, stop_server, wait_healthy
+from _soak_hostile import (
+    LORA_SERVER_ARGS,
+    LoraTraffic,
+    hostile_phase,
+    probe,
+    write_hostile_adapters,
+    write_lora_adapters,
+)
 
 MODEL_NAME = "soak"
 MALFORMED_SHARE = 0.05
 DROP_SHARE = 0.2  # of the streamed requests
+LORA_SHARE = 0.3  # of the valid requests, while an adapter is loaded
 WORDS = "the of a river mountain city light north sea old new quiet bright story road".split()
 
 
+def cli() -> str:
+    return os.path.join(os.path.dirname(sys.executable), "vllm-xla")
+
+
 def server_command(port: int, args: argparse.Namespace) -> list[str]:
-    cli = os.path.join(os.path.dirname(sys.executable), "vllm-xla")
     return [
-        cli,
+        cli(),
         "serve",
         "--host",
         HOST,
@@ -60,6 +83,7 @@ def server_command(port: int, args: argparse.Namespace) -> list[str]:
         "--max-num-batched-tokens",
         str(args.max_num_batched_tokens),
         "--disable-uvicorn-access-log",
+        *([] if args.no_lora else LORA_SERVER_ARGS),
     ]
 
 
@@ -156,7 +180,7 @@ class Tally:
         return total
 
 
-async def one_request(session, base: str, rng: random.Random, args, tally: Tally) -> None:
+async def one_request(session, base: str, rng: random.Random, args, tally: Tally, lora=None) -> None:
     import aiohttp
 
     if rng.random() < MALFORMED_SHARE:
@@ -170,6 +194,9 @@ async def one_request(session, base: str, rng: random.Random, args, tally: Tally
             tally.add(f"invalid:{kind}", type(error).__name__)
         return
     kind, path, body, stream = valid_request(rng, args.max_model_len)
+    adapter = lora.pick(rng) if lora is not None and rng.random() < LORA_SHARE else None
+    if adapter is not None:
+        body["model"], kind = adapter, f"lora:{kind}"
     drop_after = rng.randint(1, 4) if stream and rng.random() < DROP_SHARE else None
     kind = f"{kind}:{'stream' if stream else 'whole'}"
     try:
@@ -227,12 +254,17 @@ async def scrape(session, base: str) -> dict[str, float]:
         return metric_values(await response.text())
 
 
+async def scrape_or_error(session, base: str) -> dict[str, Any]:
+    """`scrape`, or the error that stopped it (a server that died is a finding, not a crash)."""
+    try:
+        return await scrape(session, base)
+    except Exception as error:  # noted, the soak goes on
+        return {"error": repr(error)}
+
+
 async def sampler(session, base: str, pid: int, every: float, samples: list, stop: asyncio.Event, t0):
     while not stop.is_set():
-        try:
-            metrics = await scrape(session, base)
-        except Exception as error:  # noted, the soak goes on
-            metrics = {"error": repr(error)}
+        metrics = await scrape_or_error(session, base)
         samples.append({"t": time.monotonic() - t0, "rss_mib": process_rss(pid), "metrics": metrics})
         try:
             await asyncio.wait_for(stop.wait(), every)
@@ -240,7 +272,7 @@ async def sampler(session, base: str, pid: int, every: float, samples: list, sto
             pass
 
 
-async def traffic(session, base: str, args, tally: Tally, deadline: float) -> int:
+async def traffic(session, base: str, args, tally: Tally, deadline: float, lora=None) -> int:
     """Runs the clients and the bursts until `deadline` or `--max-requests`; returns how many went."""
     rng = random.Random(args.seed)
     budget = [args.max_requests]
@@ -254,19 +286,22 @@ async def traffic(session, base: str, args, tally: Tally, deadline: float) -> in
     async def client(seed: int) -> None:
         local = random.Random(seed)
         while take():
-            await one_request(session, base, local, args, tally)
+            await one_request(session, base, local, args, tally, lora)
 
     async def bursts() -> None:
         while time.monotonic() + args.burst_every < deadline:
             await asyncio.sleep(args.burst_every)
             burst = [
-                one_request(session, base, random.Random(rng.random()), args, tally)
+                one_request(session, base, random.Random(rng.random()), args, tally, lora)
                 for _ in range(3 * args.max_num_seqs)
                 if take()
             ]
             await asyncio.gather(*burst)
 
-    await asyncio.gather(bursts(), *(client(rng.randrange(2**31)) for _ in range(args.clients)))
+    clients = [client(rng.randrange(2**31)) for _ in range(args.clients)]
+    if lora is not None:
+        clients.append(lora.cycle(session, base, tally, deadline, args.lora_every, args.seed))
+    await asyncio.gather(bursts(), *clients)
     return args.max_requests - budget[0]
 
 
@@ -275,7 +310,9 @@ async def wait_idle(session, base: str, timeout: float) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     metrics: dict[str, float] = {}
     while time.monotonic() < deadline:
-        metrics = await scrape(session, base)
+        metrics = await scrape_or_error(session, base)
+        if "error" in metrics:
+            return metrics
         idle = metrics.get("vllm:num_requests_running", 1) + metrics.get("vllm:num_requests_waiting", 1) == 0
         if idle and metrics.get("vllm:kv_cache_usage_perc", 1) == 0:
             return metrics
@@ -283,7 +320,7 @@ async def wait_idle(session, base: str, timeout: float) -> dict[str, float]:
     return metrics
 
 
-async def soak(args, port: int, proc) -> dict[str, Any]:
+async def soak(args, port: int, proc, adapters: dict[str, dict[str, str]]) -> dict[str, Any]:
     import aiohttp
 
     base = f"http://{HOST}:{port}"
@@ -295,22 +332,27 @@ async def soak(args, port: int, proc) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(keepalive_timeout=keep_alive)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         started = time.monotonic()
-        await wait_healthy(session, base, proc)
+        await wait_healthy(session, base, proc, args.startup_timeout)
         startup = time.monotonic() - started
         warm = Tally()  # a few of each kind first: the programs warm-up missed would show here
         for seed in range(4):
             await one_request(session, base, random.Random(seed), args, warm)
-        warm_metrics = await scrape(session, base)
+        warm_metrics = await scrape_or_error(session, base)
         tally, samples, stop = Tally(), [], asyncio.Event()
+        lora = LoraTraffic(adapters["lora"]) if adapters else None
         t0 = time.monotonic()
         sampling = asyncio.create_task(sampler(session, base, proc.pid, args.sample_every, samples, stop, t0))
-        sent = await traffic(session, base, args, tally, t0 + 60 * args.minutes)
+        sent = await traffic(session, base, args, tally, t0 + 60 * args.minutes, lora)
         traffic_seconds = time.monotonic() - t0
+        hostile = await hostile_phase(
+            session, base, MODEL_NAME, adapters.get("hostile", {}), rounds=args.hostile_rounds,
+            timeout=args.hostile_timeout,
+        )  # fmt: skip
         idle = await wait_idle(session, base, timeout=120)
         stop.set()
         await sampling
-        async with session.get(f"{base}/health") as response:
-            healthy = response.status == 200
+        healthy = await health(session, base)
+        alive = await probe(session, base, MODEL_NAME, args.hostile_timeout) is not None
     return {
         "startup_seconds": startup,
         "warmup_metrics": warm_metrics,
@@ -318,12 +360,24 @@ async def soak(args, port: int, proc) -> dict[str, Any]:
         "requests_sent": sent,
         "tally": tally,
         "samples": samples,
+        "hostile": hostile,
         "idle_metrics": idle,
         "healthy": healthy,
+        "engine_alive_at_end": alive,
     }
 
 
-def rss_growth(samples: list[dict], after_seconds: float = 60.0) -> dict[str, dict[str, float]]:
+async def health(session, base: str) -> bool:
+    import aiohttp
+
+    try:
+        async with session.get(f"{base}/health", timeout=aiohttp.ClientTimeout(total=30)) as response:
+            return response.status == 200
+    except (TimeoutError, aiohttp.ClientError):
+        return False
+
+
+def rss_growth(samples: list[dict], after_seconds: float) -> dict[str, dict[str, float]]:
     """Per process: RSS at the first sample after `after_seconds`, at the end, and the growth (%)."""
     later = [s for s in samples if s["t"] >= after_seconds and s["rss_mib"]]
     if len(later) < 2:
@@ -351,10 +405,12 @@ def report(run: dict[str, Any], args, command: list[str], served_log: str) -> di
     valid_failed = sum(
         n
         for (kind, s), n in tally.counts.items()
-        if not kind.startswith("invalid:") and s not in ("200", "dropped")
+        if not kind.startswith("invalid:") and s not in ("200", "dropped") and not _lora_race(kind, s)
     )
     idle = run["idle_metrics"]
-    growth = rss_growth(run["samples"])
+    growth = rss_growth(run["samples"], min(60.0, run["traffic_seconds"] / 3))
+    hostile = run["hostile"]
+    server_errors += sum(s["outcome"].startswith("5") for s in hostile["steps"])
     compiles_after = idle.get("vllm_xla:compilations_after_warmup")
     checks = {
         "no_5xx": server_errors == 0,
@@ -363,6 +419,9 @@ def report(run: dict[str, Any], args, command: list[str], served_log: str) -> di
         "kv_usage_back_to_0": idle.get("vllm:kv_cache_usage_perc") == 0,
         "no_compiles_after_warmup": compiles_after == 0,
         "healthy_at_end": run["healthy"],
+        "engine_alive_at_end": run["engine_alive_at_end"],
+        "hostile_steps_as_expected": hostile["all_expected"],
+        "base_output_unchanged_by_hostile_steps": hostile["base_output_unchanged"],
         "no_tracebacks_while_serving": "Traceback" not in served_log,
         "rss_growth_under_5pct": bool(growth) and all(g["growth_pct"] < 5 for g in growth.values()),
     }
@@ -376,6 +435,8 @@ def report(run: dict[str, Any], args, command: list[str], served_log: str) -> di
         "server_errors_5xx": server_errors,
         "invalid_not_4xx": invalid_not_4xx,
         "valid_failed": valid_failed,
+        "rss_start_mib": run["samples"][0]["rss_mib"] if run["samples"] else {},
+        "rss_end_mib": run["samples"][-1]["rss_mib"] if run["samples"] else {},
         "rss_growth_after_first_minute": growth,
         "compilations_after_warmup": compiles_after,
         "server_log_tracebacks": served_log.count("Traceback"),
@@ -383,6 +444,11 @@ def report(run: dict[str, Any], args, command: list[str], served_log: str) -> di
         "passed": all(checks.values()),
         **run,
     }
+
+
+def _lora_race(kind: str, outcome: str) -> bool:
+    """A LoRA request whose adapter was unloaded before it arrived: the server's right answer."""
+    return kind.startswith("lora:") and outcome == "404"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -398,17 +464,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/soak.json")
-    return p.parse_args(argv)
+    p.add_argument("--no-lora", action="store_true", help="no LoRA traffic and no adapter steps")
+    p.add_argument("--lora-every", type=float, default=5.0, help="seconds between adapter loads")
+    p.add_argument("--hostile-rounds", type=int, default=2, help="prompt_logprobs 0..5 cycles")
+    p.add_argument("--hostile-timeout", type=float, default=120.0, help="seconds per hostile request")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
+    p.add_argument("--quick", action="store_true", help="a short run: see the module docstring")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.minutes, args.max_requests, args.clients = 1.0, 120, 10
+        args.burst_every, args.sample_every, args.hostile_rounds, args.hostile_timeout = 20.0, 5.0, 1, 60.0
+    return args
+
+
+def write_adapters(root: str) -> dict[str, dict[str, str]]:
+    """The LoRA traffic's and the hostile steps' adapters, for the embedded model."""
+    model_dir = subprocess.run([cli(), "model-dir"], capture_output=True, text=True, check=True)
+    model_dir = model_dir.stdout.strip().splitlines()[-1]
+    return {"lora": write_lora_adapters(model_dir, root), "hostile": write_hostile_adapters(model_dir, root)}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     port = free_port()
     command = server_command(port, args)
-    with tempfile.TemporaryFile(mode="w+") as log:
+    if not args.no_lora:  # adapters loaded and unloaded while serving
+        os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    with tempfile.TemporaryFile(mode="w+") as log, tempfile.TemporaryDirectory() as root:
+        adapters = {} if args.no_lora else write_adapters(root)
         proc = start_server(command, log)
         try:
-            run = asyncio.run(soak(args, port, proc))
+            run = asyncio.run(soak(args, port, proc, adapters))
         except BaseException:
             stop_server(proc)
             log.seek(0)
@@ -430,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     result["server_log"] = server_log
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+    result["hostile_outcomes"] = {s["step"]: s["outcome"] for s in result["hostile"]["steps"]}
     summary = {
         k: result[k]
         for k in (
@@ -438,7 +525,10 @@ def main(argv: list[str] | None = None) -> int:
             "invalid_not_4xx",
             "valid_failed",
             "compilations_after_warmup",
+            "rss_start_mib",
+            "rss_end_mib",
             "rss_growth_after_first_minute",
+            "hostile_outcomes",
             "checks",
         )
     }

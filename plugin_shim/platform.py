@@ -11,6 +11,7 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
+from vllm.exceptions import VLLMValidationError
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from plugin_shim.cache_dtype import runner_kv_cache_dtype
@@ -149,16 +150,24 @@ class XlaPlatform(Platform):
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
-        """Rejects, at request time, anything the XLA runner cannot honour."""
+        """Rejects, at request time, anything the XLA runner cannot honour (`RequestRefused`)."""
         from vllm.pooling_params import PoolingParams
 
         from plugin_shim.pooling import pooling_options
-        from plugin_shim.translate import sampling_options
+        from plugin_shim.translate import refuse_oversized_sampling
 
-        if isinstance(params, PoolingParams):  # a generating engine's: vLLM refuses its task
-            pooling_options(params)  # raises a ValueError naming the unsupported option
-        else:
-            sampling_options(params)
+        try:
+            if isinstance(params, PoolingParams):  # a generating engine's: vLLM refuses its task
+                pooling_options(params)  # raises a ValueError naming the unsupported option
+            else:
+                refuse_oversized_sampling(params)  # also a ValueError naming anything unsupported
+        except ValueError as error:
+            raise RequestRefused(str(error)) from error
+
+
+class RequestRefused(VLLMValidationError, ValueError):
+    """A request the runner cannot honour: vLLM's server answers 400 with the message (a plain
+    ValueError from `validate_request` would be a 500), and offline callers catch a ValueError."""
 
 
 def _async_scheduling_off_on_cpu(scheduler: SchedulerConfig) -> None:

@@ -19,7 +19,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from plugin_shim.internals import registered_collector
 from tpu_platform.envs import read_env
-from tpu_platform.metrics_file import metrics_path, read_metrics
+from tpu_platform.metrics_file import MetricsFileError, metrics_path, read_metrics
 
 logger = init_logger("vllm.xla.stats")
 
@@ -64,6 +64,13 @@ GAUGES = {
 }
 
 
+# What the gauges and the log line read from a snapshot.
+SNAPSHOT_KEYS = frozenset(
+    {"steps", "overlapped_steps", "host_seconds", "dispatch_seconds", "step_seconds", "compiles"}
+    | {"programs_loaded", "compile_seconds", "compiles_after_warmup"}
+)
+
+
 def _per_step(delta: dict[str, float], name: str) -> float:
     return delta[name] / delta["steps"] if delta["steps"] > 0 else 0.0
 
@@ -100,18 +107,39 @@ class XlaStatLogger(StatLoggerBase):
         self.snapshot: dict[str, float] | None = None
         self._reported: dict[str, float] | None = None
         self._read_at = float("-inf")
+        self._skipped: str | None = None  # why the last read was skipped
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
         if not self.active or time.monotonic() - self._read_at < 1.0:
             return
         self._read_at = time.monotonic()
-        snapshot = read_metrics(self.path)
+        snapshot = self._read()
         if snapshot is None or snapshot == self.snapshot:
             return
         delta = _delta(snapshot, self.snapshot)
         self.snapshot = snapshot
         for name, (_, compute) in GAUGES.items():
             self.gauges[name].labels(**self.labels).set(compute(snapshot, delta))
+
+    def _read(self) -> dict[str, float] | None:
+        """The published snapshot; None when there is none or it is not one of ours (said once
+        per kind of problem: the server carries on, the gauges keep their last values)."""
+        try:
+            snapshot = read_metrics(self.path)
+        except MetricsFileError as error:
+            self._skip(str(error))
+            return None
+        missing = sorted(SNAPSHOT_KEYS - snapshot.keys()) if snapshot is not None else []
+        if missing:
+            self._skip(f"{self.path} is not a vllm-xla counter snapshot (no {', '.join(missing)})")
+            return None
+        self._skipped = None
+        return snapshot
+
+    def _skip(self, reason: str) -> None:
+        if reason != self._skipped:
+            logger.warning("vllm-xla: skipping the runner's counters: %s", reason)
+        self._skipped = reason
 
     def log(self) -> None:
         if not self.active or self.snapshot is None or self.snapshot == self._reported:

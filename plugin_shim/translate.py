@@ -54,6 +54,16 @@ def sampling_options(params: SamplingParams) -> SamplingOptions:
     )
 
 
+def refuse_oversized_sampling(params: SamplingParams) -> None:
+    """Raises a ValueError for `params` the runner cannot serve from its warmed programs: an
+    unsupported option, or more logit_bias / min_tokens stop ids / bad words than its sparse list
+    holds (before tokenization each bad word counts twice: vLLM bans it with and without a
+    leading space)."""
+    options = sampling_options(params)
+    untokenized = 2 * len(params.bad_words or ())
+    options.check_sparse_entries(max(len(options.bad_words_token_ids), untokenized))
+
+
 # A pooling request's options: its argmax is recorded like a greedy request's token (no sampler runs).
 POOLING_SAMPLING = SamplingOptions(temperature=0.0)
 

@@ -4,14 +4,30 @@
 The engine core (which owns the runner) and the API server (which owns the Prometheus registry)
 are separate processes in a real deployment; the worker publishes its counters to a file at
 most every `interval` seconds, and the stat logger in the server reads them back.
+
+The file is a side channel: a write that fails (disk full, read-only directory) is logged once
+and skipped, never raised into the engine, and a file that is not a snapshot (malformed,
+truncated, foreign, too large) is refused with its reason, never handed on.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import tempfile
 import time
+from pathlib import Path
+
+logger = logging.getLogger(f"vllm_xla.{__name__}")
+
+# A snapshot is a few hundred bytes: anything much larger is not one, and is not read whole.
+MAX_SNAPSHOT_BYTES = 64 * 1024
+
+
+class MetricsFileError(ValueError):
+    """A metrics file that is not a counter snapshot; the message says what is wrong with it."""
 
 
 def metrics_path(cache_dir: str, instance_id: str, engine_index: int) -> str:
@@ -20,13 +36,17 @@ def metrics_path(cache_dir: str, instance_id: str, engine_index: int) -> str:
 
 
 class MetricsPublisher:
-    """Writes a counter snapshot to `path` atomically, at most once per `interval` seconds."""
+    """Writes a counter snapshot to `path` atomically, at most once per `interval` seconds.
+
+    A failed write is logged the first time (and once more when writing works again) and
+    counted in `failed_writes`; the next write is tried an interval later."""
 
     def __init__(self, path: str, interval: float = 1.0):
         self.path = path
         self.interval = interval
+        self.failed_writes = 0
         self._last = float("-inf")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._failing = False
 
     def due(self) -> bool:
         """Whether `publish` would write now (the interval has passed)."""
@@ -38,14 +58,38 @@ class MetricsPublisher:
         if not force and now - self._last < self.interval:
             return False
         self._last = now
-        fd, staging = tempfile.mkstemp(prefix=".metrics-", dir=os.path.dirname(self.path))
-        with os.fdopen(fd, "w") as f:
-            json.dump(snapshot, f)
-        os.replace(staging, self.path)
+        try:
+            _write_atomically(self.path, json.dumps(snapshot))
+        except OSError as error:
+            self.failed_writes += 1
+            if not self._failing:
+                logger.warning(
+                    "cannot publish the runner's counters to %s (%s); the engine carries on, and "
+                    "the vllm_xla:* metrics stay at their last values until a write succeeds",
+                    self.path, error,
+                )  # fmt: skip
+            self._failing = True
+            return False
+        if self._failing:
+            logger.info("publishing the runner's counters to %s again", self.path)
+            self._failing = False
         return True
 
     def remove(self) -> None:
         remove_metrics(self.path)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Writes `text` to `path` through a temporary file in its directory: readers never see part of it."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, staging = tempfile.mkstemp(prefix=".metrics-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(staging, path)
+    finally:
+        Path(staging).unlink(missing_ok=True)  # gone already once replaced
 
 
 def remove_metrics(path: str) -> None:
@@ -54,12 +98,35 @@ def remove_metrics(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
+    except OSError as error:  # not ours to remove, or not a file: left as it is
+        logger.debug("could not remove the metrics file %s (%s)", path, error)
 
 
 def read_metrics(path: str) -> dict[str, float] | None:
-    """The last published snapshot, or None when there is none yet."""
+    """The last published snapshot, or None when there is none yet.
+
+    Raises `MetricsFileError` naming the problem when the file cannot be read or is not a
+    snapshot: a JSON object of finite numbers by name, under `MAX_SNAPSHOT_BYTES`."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
+        with open(path, "rb") as f:
+            data = f.read(MAX_SNAPSHOT_BYTES + 1)
+    except FileNotFoundError:
         return None
+    except OSError as error:
+        raise MetricsFileError(f"cannot read {path} ({error})") from error
+    if len(data) > MAX_SNAPSHOT_BYTES:
+        raise MetricsFileError(f"{path} is larger than a counter snapshot ({MAX_SNAPSHOT_BYTES} bytes)")
+    try:
+        snapshot = json.loads(data)
+    except (ValueError, RecursionError) as error:  # malformed, truncated, not UTF-8, too deep
+        raise MetricsFileError(f"{path} is not JSON ({error})") from error
+    if not isinstance(snapshot, dict):
+        raise MetricsFileError(f"{path} holds a JSON {type(snapshot).__name__}, not a counter snapshot")
+    bad = [k for k, v in snapshot.items() if not _is_count(v)]
+    if bad:
+        raise MetricsFileError(f"{path} has values that are not finite numbers: {sorted(bad)[:5]}")
+    return snapshot
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

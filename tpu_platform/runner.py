@@ -45,7 +45,7 @@ from tpu_platform.programs import (
     enable_persistent_cache,
     structure_text,
 )
-from tpu_platform.prompt_logprobs import PromptLogprobs, make_prompt_logprobs
+from tpu_platform.prompt_logprobs import PromptLogprobs, PromptLogprobsProgram
 from tpu_platform.request_table import RequestTable
 from tpu_platform.runner_config import RunnerConfig, RunnerStats
 from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, SamplingTensors
@@ -138,7 +138,9 @@ class Runner:
         if sites is not None:
             self.lora = LoraSlots(lora, sites, self.state, self._state_leaves)
         self._graphdef = graphdef
-        self._prompt_logprobs = make_prompt_logprobs(graphdef)
+        self._prompt_logprobs = PromptLogprobsProgram.for_model(
+            graphdef, self.model_config, self.config, self.dtype, None if self.mesh is None else self._whole
+        )
         self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)
         self._sample = make_sampler(self.buckets.max_seqs, self.mesh)
         self._pooling = None  # a pooling runner's programs
@@ -342,7 +344,7 @@ class Runner:
                     continue  # the forward's argmax serves these steps
                 tensors = self.sampling.dummy_tensors(flags, r_pad, **self._extra_widths)
                 specs.append(self._sampler_spec(logits, tensors, flags))
-        return specs
+        return specs + self._prompt_logprobs.warm_up_specs(self._whole_state())
 
     def _forward_spec(self, packed: np.ndarray | jax.Array, dims: tuple[int, int, int, int]) -> ProgramSpec:
         return ProgramSpec(
@@ -445,8 +447,9 @@ class Runner:
         self.stats.dispatch_seconds += dispatched_at - dispatch_start
         prompt = None
         if self.prompt_logprobs.wanted_in(req_ids):
+            compute = functools.partial(self._prompt_logprobs.run, self.programs, self._whole_state())
             prompt = self.prompt_logprobs.collect(
-                self._prompt_logprobs, self.state, hidden, self.table, req_ids, rows, plan.inputs().cu_q_lens
+                compute, hidden, self.table, req_ids, rows, plan.inputs().cu_q_lens
             )
         self._pending = DispatchedStep(
             plan, req_ids, logits, greedy, prompt, tensors, flags, dispatched_at, hidden=hidden
@@ -541,6 +544,10 @@ class Runner:
             logprobs_width=self._logprobs_width,
             **self._extra_widths,
         )
+
+    def _whole_state(self) -> nnx.State:
+        """The model's state as the forward sees it (LoRA slots rewrite its leaves)."""
+        return jax.tree.unflatten(self._state_def, self._state_leaves)
 
     def _lora_handle(self, lora_id: int) -> int:
         if self.lora is None:

@@ -150,6 +150,34 @@ def test_sampling_params_translate_and_unsupported_ones_are_rejected():
         translate.sampling_options(SamplingParams(logprob_token_ids=[1, 2]))
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "entries"),
+    [
+        (dict(logit_bias={t: 1.0 for t in range(5000)}), 5000),
+        (dict(logit_bias={t: 1.0 for t in range(4000)}, min_tokens=3, stop_token_ids=list(range(97))), 4097),
+        (dict(logit_bias={t: 1.0 for t in range(4000)}, bad_words=[f"w{i}" for i in range(49)]), 4098),
+    ],
+)
+def test_requests_wider_than_the_warmed_sparse_list_are_refused_by_name(kwargs, entries):
+    from vllm.exceptions import VLLMValidationError
+
+    from plugin_shim.platform import XlaPlatform
+
+    limit = f"needs {entries} sampler entries, more than vllm-xla's limit of 4096"
+    with pytest.raises(ValueError, match=limit) as raised:
+        XlaPlatform.validate_request(None, SamplingParams(**kwargs))
+    assert isinstance(raised.value, VLLMValidationError)  # vLLM's server answers 400, not 500
+
+
+def test_requests_at_the_sparse_limit_pass():
+    from plugin_shim.platform import XlaPlatform
+
+    XlaPlatform.validate_request(None, SamplingParams(logit_bias={t: 1.0 for t in range(4096)}))
+    # Stop ids count only while min_tokens holds them back.
+    params = SamplingParams(logit_bias={t: 1.0 for t in range(4000)}, stop_token_ids=list(range(500)))
+    XlaPlatform.validate_request(None, params)
+
+
 def test_kv_cache_dtype_maps_vllm_names_and_rejects_the_rest():
     from types import SimpleNamespace
 

@@ -2,14 +2,26 @@
 """The stat logger plugin exports the counters the worker publishes (cross-process file)."""
 
 import contextlib
+import errno
+import json
 import logging
+import os
 import types
 
+import pytest
 from prometheus_client import REGISTRY
 
 from plugin_shim.stat_logger import XlaStatLogger
 from tpu_platform.envs import read_env
-from tpu_platform.metrics_file import MetricsPublisher, metrics_path, read_metrics
+from tpu_platform.metrics_file import (
+    MAX_SNAPSHOT_BYTES,
+    MetricsFileError,
+    MetricsPublisher,
+    metrics_path,
+    read_metrics,
+)
+
+_PUBLISHER_LOG = "vllm_xla.tpu_platform.metrics_file"
 
 
 def _snapshot(steps: int, host: float, step: float, overlapped: int = 0) -> dict[str, float]:
@@ -84,6 +96,101 @@ def test_logger_exports_per_step_means_between_reports(monkeypatch, tmp_path):
         "vllm-xla: 10 steps (100% overlapped), host 2.00 ms/step (0.50 of it runtime calls), "
         "step 150.0 ms/step; 12 programs built in 30.5 s (9 from the executable cache, 0 after warm-up)",
     ]
+
+
+def test_publisher_logs_a_failing_target_once_and_carries_on(tmp_path):
+    """A directory where the snapshot goes makes every write fail (as a read-only or full disk
+    would); publishing returns False, logs the first failure only, and recovers."""
+    publisher = MetricsPublisher(str(tmp_path / "m" / "x.json"), interval=0.0)
+    os.makedirs(publisher.path)
+    with _log_lines(_PUBLISHER_LOG) as lines:
+        assert not publisher.publish({"steps": 1})
+        assert not publisher.publish({"steps": 2})
+        assert not publisher.publish({"steps": 3}, force=True)
+        os.rmdir(publisher.path)
+        assert publisher.publish({"steps": 4})
+    assert publisher.failed_writes == 3
+    assert len(lines) == 2 and "cannot publish the runner's counters" in lines[0], lines
+    assert "again" in lines[1]
+    assert read_metrics(publisher.path) == {"steps": 4}
+    assert os.listdir(tmp_path / "m") == ["x.json"]  # no staging file left behind
+
+
+def test_publisher_survives_a_full_disk_and_a_parent_that_is_a_file(tmp_path, monkeypatch):
+    publisher = MetricsPublisher(str(tmp_path / "x.json"), interval=0.0)
+
+    def disk_full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with _log_lines(_PUBLISHER_LOG) as lines:
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "replace", disk_full)
+            assert not publisher.publish({"steps": 1})
+            assert not publisher.publish({"steps": 2})
+        (tmp_path / "file").write_text("")
+        under_a_file = MetricsPublisher(str(tmp_path / "file" / "metrics" / "x.json"))
+        assert not under_a_file.publish({"steps": 1})
+    assert sum("No space left on device" in line for line in lines) == 1
+    assert sum("file/metrics/x.json" in line for line in lines) == 1
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # the staging file went with the failed write
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b'{"steps": 1, "compi', "is not JSON"),  # truncated
+        (b"not json at all", "is not JSON"),
+        (b"\xff\xfe\x00garbage", "is not JSON"),
+        (b"[" * 20_000, "is not JSON"),  # nested beyond the parser's recursion limit
+        (b"[1, 2]", "holds a JSON list"),
+        (b'"steps"', "holds a JSON str"),
+        (b'{"steps": "many", "compiles": 1}', "not finite numbers: ['steps']"),
+        (b'{"steps": NaN}', "not finite numbers: ['steps']"),
+        (b'{"steps": true}', "not finite numbers: ['steps']"),
+        (b" " * (MAX_SNAPSHOT_BYTES + 1), "larger than a counter snapshot"),
+    ],
+)
+def test_read_refuses_what_is_not_a_snapshot(tmp_path, content, problem):
+    path = tmp_path / "x.json"
+    path.write_bytes(content)
+    with pytest.raises(MetricsFileError, match=r"x\.json") as raised:
+        read_metrics(str(path))
+    assert problem in str(raised.value)
+
+
+def test_read_refuses_an_unreadable_path(tmp_path):
+    os.makedirs(tmp_path / "x.json")
+    with pytest.raises(MetricsFileError, match="cannot read"):
+        read_metrics(str(tmp_path / "x.json"))
+
+
+def test_logger_skips_foreign_and_malformed_files_saying_why_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_XLA_CACHE_DIR", str(tmp_path))
+    config = types.SimpleNamespace(
+        instance_id="foreign", model_config=types.SimpleNamespace(served_model_name="tiny")
+    )
+    stat_logger = XlaStatLogger(config, engine_index=8)
+    path = metrics_path(str(tmp_path), "foreign", 8)
+    os.makedirs(os.path.dirname(path))
+
+    def record(content: str) -> None:
+        with open(path, "w") as f:
+            f.write(content)
+        stat_logger._read_at = float("-inf")  # skip the one-second read throttle
+        stat_logger.record(None, None)
+
+    with _log_lines("vllm.xla.stats") as lines:
+        record(json.dumps({"requests": 3}))  # another program's JSON
+        record(json.dumps({"requests": 4}))  # the same problem: said once
+        record('{"steps": 1')  # a torn file
+        stat_logger.log()  # nothing read: no report
+        record(json.dumps(_snapshot(steps=5, host=0.01, step=0.5)))
+        stat_logger.log()
+    assert len(lines) == 3, lines
+    assert "is not a vllm-xla counter snapshot (no " in lines[0] and "steps" in lines[0]
+    assert "is not JSON" in lines[1]
+    assert lines[2].startswith("vllm-xla: 5 steps")
+    assert _value("vllm_xla:steps", "8") == 5
 
 
 @contextlib.contextmanager

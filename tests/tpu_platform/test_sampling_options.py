@@ -5,9 +5,16 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from tpu_platform.sampling import SamplerFlags, SamplingBatch, SamplingOptions, warmup_flag_sets
+from tpu_platform.sampling import (
+    MAX_SPARSE_ENTRIES,
+    SamplerFlags,
+    SamplingBatch,
+    SamplingOptions,
+    warmup_flag_sets,
+)
 
 V = 100
 
@@ -84,6 +91,33 @@ def test_validate_names_the_option_and_the_fix(kwargs, match):
 )
 def test_validate_accepts_edge_values(kwargs):
     SamplingOptions(**kwargs).validate(V)
+
+
+def test_sparse_entries_beyond_the_warmed_width_are_refused():
+    """logit_bias, stop ids under min_tokens and bad words share one list per row; the widest the
+    batch builds is its largest warmed width, and a request that could need more is refused."""
+    vocab = 3 * MAX_SPARSE_ENTRIES
+    bias = {t: 0.5 for t in range(MAX_SPARSE_ENTRIES)}
+    batch = SamplingBatch(2, vocab, 32)
+    batch.add_request(0, SamplingOptions(logit_bias=bias))
+    tensors, _ = batch.prepare(np.array([0]), 1, _History(), step_seed=0)
+    assert tensors.sparse.token_ids.shape == (1, MAX_SPARSE_ENTRIES) == (1, batch.sparse_widths[-1])
+    too_many = [
+        SamplingOptions(logit_bias={**bias, MAX_SPARSE_ENTRIES: 1.0}),
+        SamplingOptions(logit_bias=bias, min_tokens=1, eos_token_id=vocab - 1),
+        SamplingOptions(logit_bias=bias, bad_words_token_ids=((7, 8),)),
+    ]
+    for options in too_many:
+        with pytest.raises(ValueError, match=r"SamplingOptions\.logit_bias has .* limit of 4096"):
+            batch.add_request(1, options)
+    batch.add_request(1, SamplingOptions(logit_bias=bias, eos_token_id=vocab - 1))  # min_tokens 0: no stops
+
+
+class _History:  # `TokenHistory`: two rows of a 4-token prompt
+    def __init__(self):
+        self.token_ids = np.full((2, 32), 5, np.int32)
+        self.num_prompt_tokens = np.array([4, 4], np.int32)
+        self.num_tokens = np.array([4, 4], np.int32)
 
 
 def test_batch_rejects_more_logprobs_than_max_logprobs():

@@ -19,7 +19,7 @@ No vLLM and no torch here: pure JAX and NumPy.
 from tpu_platform.sampling.batch import SamplingBatch
 from tpu_platform.sampling.host import TokenHistory, pack_token_bitmask
 from tpu_platform.sampling.ops import apply_grammar_bitmask, compute_logprobs, gather_logprobs, greedy_sample
-from tpu_platform.sampling.options import SAMPLING_EPS, SamplingOptions
+from tpu_platform.sampling.options import MAX_SPARSE_ENTRIES, SAMPLING_EPS, SamplingOptions
 from tpu_platform.sampling.sampler import prompt_logprobs, sample
 from tpu_platform.sampling.tensors import (
     EXTRA_FEATURES,
@@ -34,6 +34,7 @@ from tpu_platform.sampling.tensors import (
 __all__ = [
     "EXTRA_FEATURES",
     "LOGPROBS_MODES",
+    "MAX_SPARSE_ENTRIES",
     "SAMPLING_EPS",
     "SamplerFlags",
     "SamplerOutput",

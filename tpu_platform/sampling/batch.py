@@ -23,7 +23,7 @@ from tpu_platform.sampling.host import (
     seed_words,
     width_buckets,
 )
-from tpu_platform.sampling.options import SAMPLING_EPS, SamplingOptions
+from tpu_platform.sampling.options import MAX_SPARSE_ENTRIES, SAMPLING_EPS, SamplingOptions
 from tpu_platform.sampling.tensors import (
     KIND_BAN,
     KIND_BIAS,
@@ -62,7 +62,7 @@ class SamplingBatch:
         SamplerFlags(logprobs_mode=logprobs_mode)  # validates the mode
         self.bitmask_words = -(-vocab_size // 32)
         self.penalty_widths = width_buckets(16, max_model_len)
-        self.sparse_widths = width_buckets(16, 4096)
+        self.sparse_widths = width_buckets(16, MAX_SPARSE_ENTRIES)
         self._fills = {
             "active": (bool, False),
             "temperature": (np.float32, 0.0),

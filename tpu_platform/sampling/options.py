@@ -14,6 +14,9 @@ from collections.abc import Mapping
 
 # vLLM `_SAMPLING_EPS`: a temperature below this means greedy sampling.
 SAMPLING_EPS = 1e-5
+# Token entries one request may bring to the sampler's sparse list (logit_bias, stop ids while
+# min_tokens holds them back, banned bad-word tokens): the width of the warmed sampler programs.
+MAX_SPARSE_ENTRIES = 4096
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64
 
@@ -75,6 +78,22 @@ class SamplingOptions:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    def check_sparse_entries(self, bad_word_tokens: int | None = None) -> None:
+        """Raises `ValueError` when the request's logit_bias, stop ids under min_tokens and bad
+        words could need more than `MAX_SPARSE_ENTRIES` sampler entries in one step (at most one
+        banned token per tokenized bad word; `bad_word_tokens` counts them before tokenization)."""
+        bias = len(self.logit_bias or ())
+        stops = len(self.all_stop_token_ids) if self.min_tokens > 0 else 0
+        words = len(self.bad_words_token_ids) if bad_word_tokens is None else bad_word_tokens
+        _check(
+            bias + stops + words <= MAX_SPARSE_ENTRIES,
+            "logit_bias",
+            f"has {bias} entries; with {stops} stop ids held back by min_tokens and {words} "
+            f"bad-word tokens the request needs {bias + stops + words} sampler entries, more than "
+            f"vllm-xla's limit of {MAX_SPARSE_ENTRIES}",
+            "send fewer logit_bias entries (to restrict the output to a few tokens, use allowed_token_ids)",
+        )
+
     def validate(self, vocab_size: int) -> None:
         """Raises `ValueError` naming the first option that is out of range, and how to fix it."""
         _check(
@@ -116,6 +135,7 @@ class SamplingOptions:
             f"must be an integer >= 0, got {self.min_tokens!r}",
             "use 0 to disable it",
         )
+        self.check_sparse_entries()
         if self.logit_bias:
             _check_ids(self.logit_bias.keys(), vocab_size, "logit_bias")
             bad = [v for v in self.logit_bias.values() if not math.isfinite(v)]
