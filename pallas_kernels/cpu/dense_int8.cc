@@ -232,11 +232,15 @@ struct Avx2Int8 : Int8Problem {
 
 // An int8 panel [K, 16] -> bfloat16 pairs [K/2, 16, 2] (`Bf16VectorBlock`'s layout): each int8
 // value is exact in bfloat16, the high half of its float32.
+// (A function rather than a lambda: a lambda does not inherit the target attribute, so a
+// compiler for a CPU without AVX-512 cannot inline the intrinsics into it.)
+VLLM_XLA_AVX512BF16 inline __m512i WidenToFloatBits(const int8_t* bytes) {
+  return _mm512_castps_si512(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)))));
+}
+
 VLLM_XLA_AVX512BF16 void WidenPanelToPairs(const int8_t* panel, int64_t K, uint16_t* to) {
-  auto widen = [](const int8_t* bytes) {
-    return _mm512_castps_si512(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)))));
-  };
+  const auto widen = WidenToFloatBits;
   for (int64_t pair = 0; pair < K / 2; ++pair) {
     const __m512i even = widen(panel + 2 * pair * kCols), odd = widen(panel + (2 * pair + 1) * kCols);
     // each 32-bit lane: w[2 pair] in its low half, w[2 pair + 1] in its high half

@@ -28,7 +28,7 @@
 
 namespace vllm_xla {
 
-#define VLLM_XLA_INT8_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi")))
+#define VLLM_XLA_INT8_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
 // Register blocks unroll whole: an accumulator array indexed in a loop would live in memory.
 #define VLLM_XLA_UNROLL _Pragma("GCC unroll 16")
 
