@@ -5,20 +5,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """RoPE frequency scaling: `linear` (every frequency divided by `factor`) or `llama3`
-    (frequency-dependent; the other fields are used by `llama3` only)."""
+    """RoPE frequency scaling: `linear` (every frequency divided by `factor`), `llama3`
+    (frequency-dependent: `low_freq_factor`, `high_freq_factor`) or `yarn` (frequencies blended
+    between interpolated and original over the dimensions between `beta_fast` and `beta_slow`
+    rotations, `truncate` rounding that range to whole dimensions; cosines and sines scaled by
+    `attention_factor`). `original_max_position_embeddings` serves `llama3` and `yarn`."""
 
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -203,13 +211,40 @@ def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
         return None
     if kind == "linear":
         return RopeScaling(factor=float(params["factor"]), rope_type="linear")
+    if kind == "yarn":
+        return _yarn_scaling(hf, params)
     if kind != "llama3":
         raise ValueError(
-            f"rope scaling type {kind!r} is not supported; supported: 'default', 'linear', 'llama3'"
+            f"rope scaling type {kind!r} is not supported; supported: 'default', 'linear', 'llama3', 'yarn'"
         )
     return RopeScaling(
         factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def _yarn_scaling(hf: dict[str, Any], params: dict[str, Any]) -> RopeScaling:
+    """YaRN's parameters as transformers reads them (`_compute_yarn_parameters`): the factor
+    defaults to the context extension, the attention factor to `0.1 ln(factor) + 1` (or the
+    ratio of two such terms with `mscale` and `mscale_all_dim`)."""
+    original = int(params["original_max_position_embeddings"])
+    factor = float(params.get("factor") or hf.get("max_position_embeddings", original) / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling(
+        factor=factor,
+        original_max_position_embeddings=original,
+        rope_type="yarn",
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=float(attention),
     )

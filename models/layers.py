@@ -105,7 +105,8 @@ class PagedAttention(nnx.Module):
     Options cover every supported architecture: q/k/v and output biases (default
     `config.attention_bias`), RMSNorm of each q/k head before RoPE (Qwen3, Gemma 3; `(1 + w)` with
     `norm_unit_offset`), the softmax scale (default `H ** -0.5`), tanh soft-capping of the scores,
-    a sliding window and the layer's RoPE (default `config.rope_theta` / `config.rope_scaling`).
+    a sliding window, the layer's RoPE (default `config.rope_theta` / `config.rope_scaling`) and
+    attention sinks (GPT-OSS: a learned logit per query head in the softmax denominator, `[N]`).
     """
 
     def __init__(
@@ -121,6 +122,7 @@ class PagedAttention(nnx.Module):
         sm_scale: float | None = None,
         soft_cap: float | None = None,
         rope: Rope | None = None,
+        sinks: bool = False,
     ):
         d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         qkv_bias = config.attention_bias if qkv_bias is None else qkv_bias
@@ -139,24 +141,29 @@ class PagedAttention(nnx.Module):
         self.sliding_window = sliding_window
         self.sm_scale = h**-0.5 if sm_scale is None else sm_scale
         self.soft_cap = soft_cap
+        self.sinks = zeros_param((n,), dtype) if sinks else None
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
     ) -> tuple[jax.Array, jax.Array]:
         h = self.head_dim
         qkv = self._project_qkv(x)  # [T, (N + 2K) * H]
-        table, rows = step_rope_table(positions, self.rope.inverse_frequencies(h), self.rope_table)
+        table, rows = step_rope_table(
+            positions, self.rope.inverse_frequencies(h), self.rope_table, self.rope.attention_factor
+        )
+        sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)  # [N]
         if md.mesh is None:
-            o, kv_cache = self._attend(qkv, rows, table, kv_cache, md, dtype=x.dtype)
-        else:  # each device: its own heads (the fused projection's block) and its cache shard
+            o, kv_cache = self._attend(qkv, rows, table, kv_cache, md, sinks, dtype=x.dtype)
+        else:  # each device: its own heads (the fused projection's block, their sinks) and its cache shard
             heads, cache = PartitionSpec(None, MODEL_AXIS), kv_cache_partition_spec(md.backend, MODEL_AXIS)
+            whole = PartitionSpec()
             o, kv_cache = jax.shard_map(
                 functools.partial(self._attend, dtype=x.dtype, devices=md.tp_size),
                 mesh=md.mesh,
-                in_specs=(heads, PartitionSpec(), PartitionSpec(), cache, PartitionSpec()),
+                in_specs=(heads, whole, whole, cache, whole, PartitionSpec(MODEL_AXIS)),
                 out_specs=(heads, cache),
                 check_vma=False,
-            )(qkv, rows, table, kv_cache, dataclasses.replace(md, mesh=None))
+            )(qkv, rows, table, kv_cache, dataclasses.replace(md, mesh=None), sinks)
         return self.o_proj(o), kv_cache  # [T, D]
 
     def _attend(
@@ -166,6 +173,7 @@ class PagedAttention(nnx.Module):
         table: jax.Array,
         kv_cache: jax.Array,
         md: AttentionMetadata,
+        sinks: jax.Array | None = None,
         *,
         dtype: jnp.dtype,
         devices: int = 1,
@@ -188,7 +196,7 @@ class PagedAttention(nnx.Module):
         o = ragged_paged_attention(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=self.sm_scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
-            **cache_args,
+            sinks=sinks, **cache_args,
         )  # fmt: skip
         return o.reshape(t, n * h), kv_cache
 

@@ -94,12 +94,16 @@ def experts_routed(
     *,
     rows: int | None = None,
     scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    gate_bias: jax.Array | None = None,
 ) -> jax.Array:
     """The same result as `experts_dense_reference`, computing each token only for its k experts.
 
     `rows` (B) overrides `tile_rows`. Shapes as in `experts_dense_reference`. `scales`: int8
     gate, up and down with their per-channel scales `[E, F]`, `[E, F]`, `[E, D]` (`models.int8`):
     each tile's int8 weights are converted to x's dtype in the dot, its scales applied after.
+    `up=None`: `gate` is a fused gate-and-up kernel `[E, D, F']` and `act` maps its `[.., F']`
+    products to the `[.., F]` hidden values (GPT-OSS's clamped SwiGLU). `gate_bias [E, F']`: added
+    to the gate (or fused) products before `act`.
     """
     t, d = x.shape
     e, k = gate.shape[0], experts.shape[1]
@@ -130,8 +134,12 @@ def experts_routed(
         )
         return (product * scale[tile_expert][:, None, :]).astype(x.dtype)
 
-    h = act(tile_dot("nbd,ndf->nbf", x_rows, gate, scale_of[0]))
-    h = h * tile_dot("nbd,ndf->nbf", x_rows, up, scale_of[1])  # [N, B, F]
+    h = tile_dot("nbd,ndf->nbf", x_rows, gate, scale_of[0])
+    if gate_bias is not None:
+        h = h + gate_bias[tile_expert][:, None, :].astype(h.dtype)
+    h = act(h)
+    if up is not None:
+        h = h * tile_dot("nbd,ndf->nbf", x_rows, up, scale_of[1])  # [N, B, F]
     y = tile_dot("nbf,nfd->nbd", h, down, scale_of[2]).reshape(n * b, d)  # [N*B, D]
     w = jnp.append(weights.reshape(a), 0.0)[src]  # [N*B]
     out = jnp.zeros((t + 1, d), jnp.float32).at[token].add(y.astype(jnp.float32) * w[:, None])
@@ -146,29 +154,33 @@ def experts_routed_on_mesh(
     experts: jax.Array,
     act: Callable[[jax.Array], jax.Array],
     scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    gate_bias: jax.Array | None = None,
 ) -> jax.Array:
     """`experts_routed` with each expert split over `mesh`'s model axis (gate/up on F, down on F,
     as `models.sharding` places them): each device combines its partial outputs into `[T, D]`
     with the routing weights, then one sum over the devices. Left to XLA, the split down
     projection is summed over the routed `[tiles * rows, D]` rows, before the combine: top-k
-    times the bytes."""
+    times the bytes. `up` (None) and `gate_bias` as in `experts_routed`: a fused kernel's columns
+    split like gate's, so each device's `act` must see whole units of its own."""
     whole, split_f = PartitionSpec(), PartitionSpec(None, None, MODEL_AXIS)
     stack_specs = (split_f, split_f, PartitionSpec(None, MODEL_AXIS, None))
     # Per-channel scales: gate/up `[E, F]` split like their columns, down's `[E, D]` whole.
     scale_specs = (PartitionSpec(None, MODEL_AXIS), PartitionSpec(None, MODEL_AXIS), whole)
 
-    def local(x, stacks, weights, experts, *scales):
-        partial = experts_routed(x, *stacks, weights, experts, act, scales=scales or None)
+    def local(x, stacks, weights, experts, gate_bias, *scales):
+        partial = experts_routed(
+            x, *stacks, weights, experts, act, scales=scales or None, gate_bias=gate_bias
+        )
         return jax.lax.psum(partial, MODEL_AXIS)
 
     extra, extra_specs = (scales, scale_specs) if scales is not None else ((), ())
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(whole, stack_specs, whole, whole, *extra_specs),
+        in_specs=(whole, stack_specs, whole, whole, PartitionSpec(None, MODEL_AXIS), *extra_specs),
         out_specs=whole,
         check_vma=False,
-    )(x, stacks, weights, experts, *extra)
+    )(x, stacks, weights, experts, gate_bias, *extra)
 
 
 class StackedLinear(nnx.Module):

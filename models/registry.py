@@ -22,6 +22,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.gemma2 import Gemma2ForCausalLM
 from models.gemma3 import Gemma3ForCausalLM
+from models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from models.llama import LlamaForCausalLM
 from models.mixtral import MixtralForCausalLM
 from models.qwen2 import Qwen2ForCausalLM
@@ -38,11 +39,14 @@ _MODEL_CLASSES: dict[str, type[nnx.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     # Served by a pooling engine only (`runner="pooling"`: vLLM resolves them to it).
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_MODEL_CLASSES))  # the built-in ones
+# Built-in architectures whose `config.json` has fields of their own (else `ModelConfig`).
+_CONFIG_CLASSES: dict[str, type[ModelConfig]] = {"GptOssForCausalLM": GptOssConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +118,8 @@ def model_class(architecture: str) -> type[nnx.Module]:
 
 def config_class(architecture: str) -> type[ModelConfig]:
     """The `ModelConfig` class that parses `architecture`'s `config.json`."""
+    if architecture in _CONFIG_CLASSES:
+        return _CONFIG_CLASSES[architecture]
     entry = _REGISTERED.get(architecture)
     return ModelConfig if entry is None else _imported(entry.config_class)
 

@@ -12,6 +12,7 @@ table removes that work.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,8 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling |
         return inv.astype(np.float32)
     if scaling.rope_type == "linear":
         return (inv / scaling.factor).astype(np.float32)
+    if scaling.rope_type == "yarn":
+        return _yarn_inverse_frequencies(head_dim, theta, scaling)
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * np.pi / inv
@@ -41,6 +44,29 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling |
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
+def _yarn_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """YaRN: each dimension's frequency blends the interpolated one (divided by `factor`) and the
+    original, the original kept for dimensions that rotate more than `beta_fast` times over the
+    original context, the interpolated one for fewer than `beta_slow`, a linear ramp between.
+    In float32 as transformers computes it."""
+    original = scaling.original_max_position_embeddings
+
+    def dimension(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    pos_freqs = np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
+    ramp = (np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(
+        high - low if high != low else 0.001
+    )
+    extrapolation = 1 - np.clip(ramp, 0, 1)
+    inv = (1 / (scaling.factor * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation
+    return inv.astype(np.float32)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Rope:
     """One layer's rotary embedding: base `theta` and optional frequency scaling."""
@@ -50,6 +76,11 @@ class Rope:
 
     def inverse_frequencies(self, head_dim: int) -> np.ndarray:
         return rope_inverse_frequencies(head_dim, self.theta, self.scaling)
+
+    @property
+    def attention_factor(self) -> float:
+        """What the cosines and sines are multiplied by (YaRN's attention scaling; else 1)."""
+        return 1.0 if self.scaling is None else self.scaling.attention_factor
 
 
 class RopeTable(nnx.Variable):
@@ -61,7 +92,8 @@ def rope_table(rope: Rope, head_dim: int, num_positions: int) -> np.ndarray:
     as `rope_cos_sin` (and HF) compute them; their cosines and sines are rounded from float64."""
     angles = np.arange(num_positions, dtype=np.float32)[:, None] * rope.inverse_frequencies(head_dim)[None, :]
     angles = angles.astype(np.float64)
-    return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
+    table = np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
+    return table if rope.attention_factor == 1.0 else table * np.float32(rope.attention_factor)
 
 
 def rope_cos_sin(
@@ -82,11 +114,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def step_rope_table(
-    positions: jax.Array, inv_freq: np.ndarray, table: RopeTable | None = None
+    positions: jax.Array, inv_freq: np.ndarray, table: RopeTable | None = None, scale: float = 1.0
 ) -> tuple[jax.Array, jax.Array]:
     """A RoPE table and the positions to read from it: `table` and `positions` when given, else
-    the step's own rows (`[T, H]`, computed) and `0 .. T - 1`."""
+    the step's own rows (`[T, H]`, computed, multiplied by `scale`: `Rope.attention_factor`,
+    which `rope_table` includes) and `0 .. T - 1`."""
     if table is not None:
         return table[...], positions
     cos, sin = rope_cos_sin(positions, inv_freq)
-    return jnp.concatenate([cos, sin], axis=-1), jnp.arange(positions.shape[0], dtype=jnp.int32)
+    rows = jnp.concatenate([cos, sin], axis=-1)
+    rows = rows if scale == 1.0 else rows * jnp.float32(scale)
+    return rows, jnp.arange(positions.shape[0], dtype=jnp.int32)

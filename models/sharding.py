@@ -58,6 +58,11 @@ DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"\.experts\.down_proj\.kernel$", PartitionSpec(None, MODEL_AXIS, None)),  # [E, F, D]
     # int8 kernels' per-output-channel scales: split like their kernel's columns
     (r"\.experts\.(gate_proj|up_proj)\.kernel_scale$", PartitionSpec(None, MODEL_AXIS)),  # [E, F]
+    # GPT-OSS: fused experts in the checkpoint's layout, gate/up pairs interleaved on the last axis
+    (r"\.experts\.gate_up_proj$", PartitionSpec(None, None, MODEL_AXIS)),  # [E, D, 2F]
+    (r"\.experts\.gate_up_proj_bias$", PartitionSpec(None, MODEL_AXIS)),  # [E, 2F]
+    (r"\.experts\.down_proj$", PartitionSpec(None, MODEL_AXIS, None)),  # [E, F, D]
+    (r"\.self_attn\.sinks$", _SPLIT),  # [N], with the query heads
     (rf"\.{_COLUMN_LINEARS}\.kernel$", _COLUMN),  # [D, out]
     (rf"\.{_COLUMN_LINEARS}\.(bias|kernel_scale)$", _SPLIT),
     (r"\.(o_proj|down_proj)\.kernel$", _ROW),  # [in, D]

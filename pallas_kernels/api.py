@@ -215,16 +215,21 @@ def ragged_paged_attention(
     interpret: bool = False,
     kv_dtype: str | None = None,
     first_page: int = 0,
+    sinks: jax.Array | None = None,
     **tuning: int,
 ) -> jax.Array:
     """Causal attention of ragged query rows `q[T, Hq, D]` over their sequences' paged KV.
 
     Sequence i owns query rows `cu_q_lens[i]:cu_q_lens[i+1]`, its last tokens, and
     `kv_lens[i]` cached tokens (already written) in pages `page_indices[i]`. Rows past
-    `cu_q_lens[num_seqs]` are padding. `kv_dtype` and `first_page` as in `write_kv`. Tuning
-    keywords go to the Pallas backends.
+    `cu_q_lens[num_seqs]` are padding. `kv_dtype` and `first_page` as in `write_kv`. `sinks`
+    `[Hq]` float32: a learned logit per query head in every row's softmax denominator (GPT-OSS's
+    attention sinks; `reference.ragged_paged_attention_reference`). Tuning keywords go to the
+    Pallas backends.
     """
     backend = resolve_backend(backend, interpret=interpret)
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [{q.shape[1]}] (one per query head), got {sinks.shape}")
     page_indices = _shift_pages(page_indices, first_page)
     if backend in (XLA, CPU_NATIVE):
         if tuning:
@@ -237,10 +242,11 @@ def ragged_paged_attention(
         return attend(
             q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_dtype=kv_dtype,
+            sinks=sinks,
         )  # fmt: skip
     _check_own_dtype(kv_cache, kv_dtype)
     return _kernel_module(backend).ragged_paged_attention(
         q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
         interpret=interpret, **tuning,
     )  # fmt: skip

@@ -210,6 +210,7 @@ def ragged_paged_attention_reference(
     query_block: int | None = None,
     rows_per_group: int | None = None,
     kv_dtype: str | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of ragged query rows over their sequences' paged KV.
 
@@ -239,6 +240,9 @@ def ragged_paged_attention_reference(
       rows_per_group: query rows (blocks x block rows) processed together (static); by default
         32 for one-row blocks, 256 for larger ones (padding rows past the last group cost nothing).
       kv_dtype: the cached values' dtype (a name, static): needed for a uint8 (float8) cache.
+      sinks: if set, `[H]` float32 attention sinks (GPT-OSS): a learned logit per query head
+        that joins the softmax denominator and attends to nothing, so a row's weights over its
+        keys sum to less than one: `softmax([scores, sink])[:-1] @ v`.
 
     Returns:
       `[T, H, D]` in q's dtype.
@@ -275,6 +279,7 @@ def ragged_paged_attention_reference(
         soft_cap=soft_cap,
         chunk_pages=max(1, min(kv_chunk_pages, page_indices.shape[1])),
         kv_dtype=value_dtype(kv_cache.dtype, kv_dtype),
+        sinks=None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, -1),
     )
 
     def one_group(g, rows_out):
@@ -306,8 +311,10 @@ def _attend_blocks(
     soft_cap: float | None,
     chunk_pages: int,
     kv_dtype: jnp.dtype,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Online-softmax attention of query blocks `qb [N, B, K, G, D]` over their sequences' pages."""
+    """Online-softmax attention of query blocks `qb [N, B, K, G, D]` over their sequences' pages;
+    `sinks [K, G]` (optional) start each row's softmax as one more column of that logit."""
     num_blocks, block, num_kv_heads, group, head_dim = qb.shape
     chunk_len = chunk_pages * page_size
     pages_per_seq = page_indices.shape[1]
@@ -343,7 +350,11 @@ def _attend_blocks(
         return m_new, denom * alpha + jnp.sum(p, axis=3), acc * alpha[..., None] + pv
 
     shape = (num_kv_heads, num_blocks, block * group)
-    init = (jnp.full(shape, MASK_VALUE), jnp.zeros(shape), jnp.zeros((*shape, head_dim)))
+    if sinks is None:
+        init = (jnp.full(shape, MASK_VALUE), jnp.zeros(shape), jnp.zeros((*shape, head_dim)))
+    else:  # the sink column already seen: running max the sink, its exp(0) = 1 in the sum
+        m0 = jnp.broadcast_to(jnp.tile(sinks, (1, block))[:, None, :], shape)  # [K, N, B*G]
+        init = (m0, jnp.ones(shape), jnp.zeros((*shape, head_dim)))
     _, denom, acc = lax.fori_loop(0, (last + chunk_len) // chunk_len, chunk, init)
     out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)  # [K, N, B*G, D]
     out = out.reshape(num_kv_heads, num_blocks, block, group, head_dim).transpose(1, 2, 0, 3, 4)

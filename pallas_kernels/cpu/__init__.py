@@ -88,9 +88,11 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_dtype: str | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Same contract as `reference.ragged_paged_attention_reference` (float32 inside; bfloat16
-    queries are read and the output written as bfloat16, other dtypes pass through float32)."""
+    queries are read and the output written as bfloat16, other dtypes pass through float32;
+    `sinks [H]` float32, optional)."""
     if not is_loaded():
         raise NativeKernelError(
             "the native CPU kernels are not loaded in this process: call "
@@ -114,6 +116,7 @@ def ragged_paged_attention(
         page_indices.astype(jnp.int32),
         cu_q_lens.astype(jnp.int32),
         jnp.reshape(num_seqs, (1,)).astype(jnp.int32),
+        jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
         sm_scale=np.float32(sm_scale),
         sliding_window=np.int32(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),

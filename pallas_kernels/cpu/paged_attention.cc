@@ -12,6 +12,10 @@
 // Work items are (sequence, block of query rows, kv heads: all of them when there are enough
 // items, else one); the caller's thread and XLA's intra-op pool take items from a shared counter
 // until none is left.
+//
+// Attention sinks (GPT-OSS): a `[H]` float32 logit per query head that joins every row's softmax
+// denominator and attends to nothing; each row's online softmax starts from it (running max the
+// sink, sum exp(0) = 1). An empty `sinks` buffer means none.
 
 #include <algorithm>
 #include <atomic>
@@ -89,6 +93,7 @@ struct Problem {
   const int32_t* kv_lens;
   const int32_t* page_indices;
   const int32_t* cu_q_lens;
+  const float* sinks;  // [H], or nullptr: none
   void* out;  // same type as q
   bool bf16_rows;
 
@@ -354,6 +359,14 @@ struct Problem {
         for (int64_t i = 0; i < G * D; ++i) q_scaled[i] = QueryValue(q_row + h * G * D + i) * prm.sm_scale;
       }
     }
+    if (sinks != nullptr) {  // every row's softmax starts with its head's sink column
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < heads * G; ++g) {
+          w.m[r * heads * G + g] = sinks[item.first_head * G + g];
+          w.denom[r * heads * G + g] = 1.0f;
+        }
+      }
+    }
     const int64_t S16 = PaddedPageSize();
     const int32_t* table = page_indices + item.seq * s.pages_per_seq;
     for (int64_t slot = lo_block / S; slot <= last / S && slot < s.pages_per_seq; ++slot) {
@@ -415,7 +428,7 @@ struct Problem {
 ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                      ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                     ffi::Result<ffi::AnyBuffer> out, float sm_scale, int32_t sliding_window,
+                     ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, float sm_scale, int32_t sliding_window,
                      float soft_cap, int32_t cache_format) {
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
@@ -428,6 +441,10 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
       s.head_dim > kMaxHeadDim || s.page_size * s.head_dim != cd[2]) {
     return ffi::Error::InvalidArgument("q heads must be a multiple (at most 64x) of kv heads, head_dim at most 1024, and the cache rows page_size * head_dim");
   }
+  if (sinks.element_count() != 0 && sinks.element_count() != s.num_heads) {
+    return ffi::Error::InvalidArgument("sinks must be empty or hold one float32 a query head");
+  }
+  const float* sink_logits = sinks.element_count() != 0 ? sinks.typed_data() : nullptr;
   const bool bf16_rows = q.element_type() == ffi::DataType::BF16;
   if ((!bf16_rows && q.element_type() != ffi::DataType::F32) || out->element_type() != q.element_type()) {
     return ffi::Error::InvalidArgument("q and the output must both be float32 or both bfloat16");
@@ -463,8 +480,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   auto run = [&](auto tag, auto dim) {
     using T = decltype(tag);
     Problem<T, decltype(dim)::value> p{s,     prm,   q.untyped_data(), static_cast<const T*>(kv_cache.untyped_data()),
-                                       lens,  table, cu,               out->untyped_data(),
-                                       bf16_rows};
+                                       lens,  table, cu,               sink_logits,
+                                       out->untyped_data(), bf16_rows};
     vllm_xla::RunAll(p, work, pool, workers);
   };
   auto run_dims = [&](auto tag) {
@@ -490,6 +507,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaRaggedPagedAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")

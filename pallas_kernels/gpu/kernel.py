@@ -26,6 +26,8 @@ Design (flash-decoding over a ragged batch):
   unnormalised output and its running max and sum; the wrapper merges the N splits (the
   flash-decoding reduction) and scatters rows back to token order. Splits give a decode batch
   R * K * N programs instead of R * K.
+* Attention sinks (a logit per query head in the softmax denominator) join that merge as one
+  more split of no keys: running max the sink, sum exp(0) = 1, output 0. The kernel is the same.
 """
 
 from __future__ import annotations
@@ -139,6 +141,12 @@ def _validate(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_w
     check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window, soft_cap)
 
 
+def _row_sinks(sinks: jax.Array, num_kv_heads: int, group: int, num_rows_padded: int) -> jax.Array:
+    """`[K, M]` the sink of each kernel row (row r holds query head r % G of its kv head)."""
+    per_head = sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+    return jnp.take(per_head, jnp.arange(num_rows_padded) % group, axis=1)
+
+
 def _plan(cu_q_lens, kv_lens, num_seqs, num_tokens, block_q, num_work):
     """Work items `[W, META_WIDTH]`, and each token's flat output row (`[T]`) and validity."""
     num_slots = kv_lens.shape[0]
@@ -195,6 +203,7 @@ def ragged_paged_attention(
     num_kv_splits: int | None = None,
     num_warps: int = tuned_block_sizes.NUM_WARPS,
     num_stages: int = tuned_block_sizes.NUM_STAGES,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of ragged query rows over their sequences' paged KV (Pallas Triton).
 
@@ -213,6 +222,8 @@ def ragged_paged_attention(
       num_queries_per_block: most query rows of one sequence per work item (Tq).
       num_kv_splits: programs sharing one work item's KV range (flash-decoding splits).
       num_warps, num_stages: Triton launch parameters.
+      sinks: `[H]` float32 attention sinks, a logit per query head in every row's softmax
+        denominator (optional).
 
     Returns:
       `[T, H, D]` in q's dtype.
@@ -283,9 +294,16 @@ def ragged_paged_attention(
         name="ragged_paged_attention_gpu",
     )(meta, page_table, qw, kv_cache)
 
-    # Merge the KV splits: out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s.
-    weight = jnp.exp(m - jnp.max(m, axis=0))  # [N, W, K, M]
+    # Merge the KV splits: out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s, where a sink is
+    # one more split with m_s = sink, l_s = 1, acc_s = 0.
+    m_max = jnp.max(m, axis=0)  # [W, K, M]
+    if sinks is not None:
+        row_sinks = _row_sinks(sinks, num_kv_heads, group, num_rows_padded)  # [K, M]
+        m_max = jnp.maximum(m_max, row_sinks)
+    weight = jnp.exp(m - m_max)  # [N, W, K, M]
     total = jnp.sum(weight * l_sum, axis=0)
+    if sinks is not None:
+        total = total + jnp.exp(row_sinks - m_max)
     out = jnp.sum(weight[..., None] * o, axis=0) / jnp.where(total == 0.0, 1.0, total)[..., None]
     out = out[:, :, : block_q * group, :head_dim].reshape(num_work, num_kv_heads, block_q, group, head_dim)
     out = out.transpose(0, 2, 1, 3, 4).reshape(num_work * block_q, num_heads, head_dim)

@@ -25,6 +25,9 @@ Design:
   Rows of other sequences, future keys and keys outside the window get probability 0, so each
   row only ever accumulates its own sequence's visible keys; rows no sequence owns end with
   l = 0 and are written as zeros.
+* Attention sinks (a logit per query head in the softmax denominator; scalar prefetch) start
+  each row's softmax as a column already seen: m = sink, l = exp(0) = 1. Rows no sequence owns
+  then end with l = 1 and acc = 0: still zeros.
 """
 
 from __future__ import annotations
@@ -54,12 +57,26 @@ def _lanes_to(x: jax.Array, width: int) -> jax.Array:
     return x if width == LANES else jnp.concatenate([x] * (width // LANES), axis=1)
 
 
+def _start_from_sinks(sinks_ref, m_ref, l_ref, *, group: int, block_q: int) -> None:
+    """Every row's softmax state as if its head's sink column were already seen: m = sink, l = 1."""
+
+    def head(h, carry):
+        for g in range(group):  # rows g * Tq .. (g + 1) * Tq - 1 hold query head h * G + g
+            rows = pl.ds(g * block_q, block_q)
+            m_ref[h, rows, :] = jnp.full((block_q, LANES), sinks_ref[h * group + g], jnp.float32)
+            l_ref[h, rows, :] = jnp.ones((block_q, LANES), jnp.float32)
+        return carry
+
+    lax.fori_loop(0, m_ref.shape[0], head, 0)
+
+
 def _rpa_kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref,  # [R]
     page_table_ref,  # [R * P], the block table flattened
     cu_q_lens_ref,  # [R + 1]
     seq_range_ref,  # [2 * num_q_blocks]: first and last sequence of each query block
+    sinks_ref,  # [H] f32 attention sinks (zeros, unread, without them)
     # inputs
     q_ref,  # [K, G, Tq, Dp] VMEM block, pre-scaled by sm_scale
     kv_hbm_ref,  # [num_pages, 2K, S, Dp] in HBM
@@ -75,6 +92,7 @@ def _rpa_kernel(
     pages_per_seq: int,
     sliding_window: int | None,
     soft_cap: float | None,
+    has_sinks: bool,
 ):
     num_kv_heads, group, block_q, lanes = q_ref.shape
     _, pages_per_block, _, page_size, _ = kv_buf.shape
@@ -89,6 +107,8 @@ def _rpa_kernel(
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    if has_sinks:
+        _start_from_sinks(sinks_ref, m_ref, l_ref, group=group, block_q=block_q)
 
     def seq_bounds(s):
         """Rows [row_lo, row_hi) of s in this block; keys [kv_lo, kv_hi) they see; KV blocks."""
@@ -251,6 +271,7 @@ def ragged_paged_attention(
     num_kv_pages_per_block: int | None = None,
     num_queries_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of ragged query rows over their sequences' paged KV (Mosaic TPU).
 
@@ -268,6 +289,8 @@ def ragged_paged_attention(
       num_kv_pages_per_block: pages per DMA'd KV block (default: tuned_block_sizes).
       num_queries_per_block: query rows per grid step, a multiple of the dtype's sublane tile.
       vmem_limit_bytes: Mosaic scoped-VMEM limit (default: raised only when the estimate needs).
+      sinks: `[H]` float32 attention sinks, a logit per query head in every row's softmax
+        denominator (optional).
 
     Returns:
       `[T, H, D]` in q's dtype.
@@ -311,11 +334,15 @@ def ragged_paged_attention(
     q_spec = pl.BlockSpec((num_kv_heads, group, block_q, lanes), lambda i, *_: (0, 0, i, 0))
     out = pl.pallas_call(
         functools.partial(
-            _rpa_kernel, pages_per_seq=pages_per_seq, sliding_window=sliding_window, soft_cap=soft_cap
+            _rpa_kernel,
+            pages_per_seq=pages_per_seq,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            has_sinks=sinks is not None,
         ),
         out_shape=jax.ShapeDtypeStruct(qk.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=5,
             grid=(num_q_blocks,),
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=q_spec,
@@ -337,6 +364,7 @@ def ragged_paged_attention(
         page_indices.reshape(-1),
         cu_q_lens,
         _seq_ranges(cu_q_lens, num_seqs, num_q_blocks, block_q),
+        jnp.zeros((num_heads,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
         qk,
         kv_cache,
     )

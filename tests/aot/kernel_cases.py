@@ -8,7 +8,8 @@ A case is the static shapes of one call (no data: the compilers see only shapes)
   runner's page sizes: 16 tokens, 32 for float8): head dim 128 (Llama-3.1-8B, Qwen3-8B: 32
   query heads over 8 kv heads) and 256 (Gemma-2-9B: 16 over 8, sliding window 4096, soft cap
   50), 64-256 sequences, 2k-32k contexts, bfloat16 and float8_e4m3fn caches, decode buckets
-  (one row a sequence) and prefill/mixed buckets. The grid covers each dimension, not their
+  (one row a sequence) and prefill/mixed buckets; head dim 64 with attention sinks and a
+  128-token window (GPT-OSS: 64 query heads over 8 kv heads). The grid covers each dimension, not their
   product: a cache of 256 sequences x 32k tokens would not fit one v5e.
 Cases marked `expect_error` must be refused by the compiler: they prove a VMEM or shared-memory
 overflow fails its case (a compiler that stopped checking would pass them).
@@ -44,6 +45,7 @@ class CompileCase:
     kv_dtype: str | None = None  # the cache's values, when not `dtype`
     sliding_window: int | None = None
     soft_cap: float | None = None
+    sinks: bool = False  # attention sinks, `[H]` float32 (an argument of the step)
     tuning: tuple[tuple[str, int], ...] = ()  # kernel keywords; () = production defaults
     extra_pages: int = 0  # cache pages beyond R * P
     expect_error: str = ""  # a substring of the compiler's refusal, for cases that must fail
@@ -77,6 +79,7 @@ def from_interpret_case(case: Case, platform: str) -> CompileCase:
         kv_dtype=jnp.dtype(case.kv_dtype).name if case.kv_dtype else None,
         sliding_window=case.sliding_window,
         soft_cap=case.soft_cap,
+        sinks=case.sinks,
         tuning=tuning,
         extra_pages=5,
     )
@@ -95,6 +98,8 @@ REALISTIC = (
     CompileCase("decode_d256_r128_8k_window_cap", 128, 128, 8192, 16, 256, 8, 2, **GEMMA),
     CompileCase("mixed_d256_r64_t1024_8k_fp8_window_cap", 1024, 64, 8192, 32, 256, 8, 2,
                 kv_dtype=FP8, **GEMMA),
+    CompileCase("decode_d64_r128_8k_window_sinks", 128, 128, 8192, 16, 64, 8, 8,
+                sliding_window=128, sinks=True),
 )
 # fmt: on
 # Tunings the compilers must refuse: KV blocks too large for the scoped VMEM limit given (TPU),
@@ -162,7 +167,8 @@ def find_case(platform: str, name: str) -> CompileCase:
 
 
 def abstract_args(case: CompileCase, backend: str, sharding) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """(cache, q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs), abstract."""
+    """(cache, q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs[, sinks]),
+    abstract."""
     import pallas_kernels
 
     def sds(shape, dtype):
@@ -185,6 +191,7 @@ def abstract_args(case: CompileCase, backend: str, sharding) -> tuple[jax.ShapeD
         sds((r, case.pages_per_seq), jnp.int32),
         sds((r + 1,), jnp.int32),
         sds((1,), jnp.int32),
+        *([sds((k * case.group,), jnp.float32)] if case.sinks else []),
     )
 
 
@@ -194,12 +201,13 @@ def layer_step(case: CompileCase, backend: str):
 
     kv_dtype = case.cache_dtype
 
-    def step(cache, q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
+    def step(cache, q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, sinks=None):
         cache = pallas_kernels.write_kv(cache, k, v, slot_mapping, backend=backend, kv_dtype=kv_dtype)
         out = pallas_kernels.ragged_paged_attention(
             q, cache, kv_lens, page_indices, cu_q_lens, num_seqs,
             sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window,
-            soft_cap=case.soft_cap, backend=backend, kv_dtype=kv_dtype, **dict(case.tuning),
+            soft_cap=case.soft_cap, backend=backend, kv_dtype=kv_dtype, sinks=sinks,
+            **dict(case.tuning),
         )  # fmt: skip
         return out, cache
 

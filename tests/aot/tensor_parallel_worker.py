@@ -6,13 +6,16 @@ reads the compiled steps' collectives against what the rules table implies
 (`tpu_platform.plan.expected_collectives`) and prints one JSON line: each case's fit, its
 weight bytes (whole, per chip, replicated) and the collectives that should not be there.
 
-    python -m tests.aot.tensor_parallel_worker TARGET:MODEL:TP [TARGET:MODEL:TP ...]
+    python -m tests.aot.tensor_parallel_worker TARGET:MODEL:TP[:LAYERS] [...]
+
+LAYERS keeps the model's first layers only: its real shapes at a fraction of the compile time.
 
 Run through `tests.aot.toolchains.run_worker` (the compiler's toolchain on the path, JAX on CPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -24,9 +27,15 @@ from tpu_platform.plan_kv import fit_kv_cache
 
 
 def fit_case(case: str) -> dict:
-    target_name, model, tp = case.split(":")
+    target_name, model, tp, *layers = case.split(":")
+    config = model_config(model)
+    if layers:
+        kept = int(layers[0])
+        config = dataclasses.replace(
+            config, num_layers=kept, layer_sliding_windows=config.layer_sliding_windows[:kept]
+        )
     setup = StepSetup(
-        model_config(model), target_name, max_num_seqs=DECODE_TOKENS, max_model_len=MAX_MODEL_LEN,
+        config, target_name, max_num_seqs=DECODE_TOKENS, max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=PREFILL_TOKENS, tp_size=int(tp),
     )  # fmt: skip
     start = time.perf_counter()

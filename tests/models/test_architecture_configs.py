@@ -108,3 +108,40 @@ def test_gemma3_layer_windows_and_rope(tiny):
         rope_scaling={"rope_type": "linear", "factor": 2.0},
     )
     assert ModelConfig.from_hf_dict(legacy) == config
+
+
+def test_gpt_oss_config_alternates_windows_and_reads_the_swiglu(tiny):
+    _, config, model, _ = tiny("GptOssForCausalLM")
+    assert config.layer_sliding_windows == (6, None)
+    assert (config.swiglu_alpha, config.swiglu_limit) == (1.702, 2.0)
+    assert config.rope_scaling.rope_type == "yarn" and config.rope_scaling.truncate is False
+    layer = model.model.layers[0]
+    assert layer.self_attn.sinks[...].shape == (4,)
+    assert layer.mlp.experts.gate_up_proj[...].shape == (8, 64, 64)  # [E, D, 2F]
+
+
+def test_gpt_oss_mxfp4_checkpoint_is_refused_by_name(tiny):
+    path, _, _, _ = tiny("GptOssForCausalLM")
+    hf = _hf_config(path)
+    hf["quantization_config"] = {"quant_method": "mxfp4"}
+    with pytest.raises(ValueError, match=r"mxfp4 experts .* serve a bfloat16 checkpoint"):
+        ModelConfig.from_hf_dict(hf)
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+@pytest.mark.parametrize("scaling", [dict(factor=32.0), dict(factor=4.0, mscale=0.707, mscale_all_dim=1.0)])
+def test_yarn_frequencies_and_attention_factor_match_transformers(truncate, scaling):
+    import numpy as np
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from models.rope import Rope
+
+    params = {"rope_type": "yarn", "rope_theta": 150000.0, "original_max_position_embeddings": 4096}
+    params.update(scaling, truncate=truncate)
+    hf = transformers.GptOssConfig(head_dim=64, max_position_embeddings=131072, rope_parameters=params)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    config = ModelConfig.from_hf_dict({**hf.to_dict(), "architectures": ["GptOssForCausalLM"]})
+    rope = Rope(config.rope_theta, config.rope_scaling)
+    np.testing.assert_allclose(rope.inverse_frequencies(64), inv_freq.numpy(), rtol=1e-6)
+    assert rope.attention_factor == pytest.approx(attention_factor, rel=1e-12)

@@ -11,6 +11,9 @@ greedy generation through vLLM on our platform.
   attention and final soft-capping, sliding layers alternating with global ones, window 10 < prompt.
 - Gemma 3 (text): q/k (1 + w) norms, local layers with their own RoPE base, linear RoPE scaling
   on global layers, window 10 < prompt, final soft-capping.
+- GPT-OSS: attention sinks, biases on q/k/v/o, a sliding layer (window 6 < prompt) and a full
+  one, YaRN RoPE, 8 experts top 2 with a router bias, expert biases and a clamped SwiGLU whose
+  clamps bite.
 
 Architecture-specific checks (configs, weight layouts) are in test_architecture_configs.py.
 """

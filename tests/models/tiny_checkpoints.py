@@ -39,6 +39,7 @@ ARCHS = [
     "Qwen3MoeForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
 ]
 
 _COMMON = dict(
@@ -100,6 +101,25 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
             moe_intermediate_size=32,
             norm_topk_prob=False,
             mlp_only_layers=[1],
+        ),
+    ),
+    "GptOssForCausalLM": (
+        "GptOssConfig",
+        dict(
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=6,  # layer 0 slides, layer 1 is full (the default layer_types)
+            swiglu_limit=2.0,  # low enough that the clamps bite
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
         ),
     ),
     # Classifiers (a pooling engine's): the score head's labels.

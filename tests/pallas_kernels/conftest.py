@@ -6,7 +6,7 @@ SMALL_GRID (see pytest_generate_tests), so the TPU and GPU kernel tests run the 
 Every axis value of the issue's grid appears at least once: page size 16/32/128, head dim
 64/128, Hq/Hkv 1/3/4/8, decode-only, prefill-only and mixed batches, zero-length padding slots
 (num_seqs < R), lengths that are exact page multiples, contexts up to 2048, sliding window and
-soft cap on and off, float32 and bfloat16, and float8 caches (e4m3fn, e5m2) under bfloat16
+soft cap on and off, attention sinks, float32 and bfloat16, and float8 caches (e4m3fn, e5m2) under bfloat16
 queries.
 """
 
@@ -42,6 +42,7 @@ class Case:
     kv_dtype: type | None = None  # the cache's values, when not `dtype` (float8)
     sliding_window: int | None = None
     soft_cap: float | None = None
+    sinks: bool = False  # attention sinks (one random logit a query head)
     pad_tokens: int = 3  # padding query rows after the last sequence
     tpu_tuning: tuple[tuple[str, int], ...] = ()
     gpu_tuning: tuple[tuple[str, int], ...] = ()
@@ -73,6 +74,10 @@ GRID = (
          kv_dtype=jnp.float8_e4m3fn),
     Case("mixed_p32_d64_g3_e5m2_window", (9, 1, 20), (9, 77, 150), 4, 32, 64, 1, 3, jnp.bfloat16,
          kv_dtype=jnp.float8_e5m2, sliding_window=40),
+    # Attention sinks (GPT-OSS: head dim 64, 8 query heads a kv head, windowed and full layers).
+    Case("mixed_p16_d64_g8_bf16_sinks_window", (1, 12, 1), (40, 12, 130), 4, 16, 64, 1, 8,
+         jnp.bfloat16, sliding_window=16, sinks=True),
+    Case("decode_p32_d64_g4_sinks", (1, 1, 1), (3, 64, 200), 3, 32, 64, 2, 4, sinks=True),
 )
 
 # Tiny batches for TPU interpret mode (simulated DMAs and semaphores, slow): several query blocks,
@@ -83,6 +88,9 @@ SMALL_GRID = (
     Case("small_window_cap_bf16", (1, 20),   (70, 50),    2, 16, 64, 1, 3, jnp.bfloat16,
          sliding_window=24, soft_cap=2.0,
          tpu_tuning=(("num_queries_per_block", 16), ("num_kv_pages_per_block", 2))),
+    Case("small_sinks_window",    (1, 9),    (30, 9),     2, 16, 64, 1, 4,
+         sliding_window=8, sinks=True,
+         tpu_tuning=(("num_queries_per_block", 8), ("num_kv_pages_per_block", 2))),
 )
 # fmt: on
 
@@ -117,6 +125,7 @@ class Batch:
     cu_q_lens: jax.Array  # [R + 1]
     num_seqs: jax.Array  # [1]
     num_pages: int
+    sinks: jax.Array | None  # [H] float32, when the case has them
 
 
 def build_batch(case: Case) -> Batch:
@@ -156,6 +165,7 @@ def build_batch(case: Case) -> Batch:
         cu_q_lens=jnp.asarray(cu_q_lens),
         num_seqs=jnp.asarray([num_seqs], jnp.int32),
         num_pages=num_pages,
+        sinks=jnp.asarray(2 * rng.standard_normal(heads), jnp.float32) if case.sinks else None,
     )
 
 
@@ -164,7 +174,7 @@ def run_backend(case: Case, batch: Batch, backend: str, **kwargs) -> jax.Array:
 
     kv_dtype = jnp.dtype(case.kv_dtype or case.dtype)
 
-    def step(q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
+    def step(q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, sinks):
         cache = api.allocate_kv_cache(
             batch.num_pages, case.page_size, case.num_kv_heads, case.head_dim, kv_dtype, backend=backend
         )
@@ -184,6 +194,7 @@ def run_backend(case: Case, batch: Batch, backend: str, **kwargs) -> jax.Array:
             soft_cap=case.soft_cap,
             backend=backend,
             kv_dtype=kv_dtype.name,
+            sinks=sinks,
             **kwargs,
         )
 
@@ -196,6 +207,7 @@ def run_backend(case: Case, batch: Batch, backend: str, **kwargs) -> jax.Array:
         batch.page_indices,
         batch.cu_q_lens,
         batch.num_seqs,
+        batch.sinks,
     )
 
 
@@ -226,8 +238,9 @@ def compare_with_reference():
     return compare
 
 
-def numpy_causal_attention(q, k, v, q_lens, kv_lens):
-    """Dense oracle: q `[T, H, D]`, k/v per sequence `[L_i, K, D]`; query heads share kv heads in groups."""
+def numpy_causal_attention(q, k, v, q_lens, kv_lens, sinks=None):
+    """Dense oracle: q `[T, H, D]`, k/v per sequence `[L_i, K, D]`; query heads share kv heads in
+    groups. `sinks [H]`: one more softmax column per head, of that logit, dropped after the softmax."""
     out = []
     for qi, ki, vi, n, length in zip(np.split(q, np.cumsum(q_lens)[:-1]), k, v, q_lens, kv_lens, strict=True):
         group = q.shape[1] // ki.shape[1]
@@ -235,6 +248,10 @@ def numpy_causal_attention(q, k, v, q_lens, kv_lens):
         scores = np.einsum("thd,lhd->htl", qi, kh)
         positions = length - n + np.arange(n)
         scores = np.where(np.arange(length)[None, None, :] <= positions[None, :, None], scores, -np.inf)
+        if sinks is not None:  # the sink column, last
+            column = np.broadcast_to(np.asarray(sinks)[:, None, None], (*scores.shape[:2], 1))
+            scores = np.concatenate([scores, column], axis=-1)
         p = np.exp(scores - scores.max(-1, keepdims=True))
-        out.append(np.einsum("htl,lhd->thd", p / p.sum(-1, keepdims=True), vh))
+        p = p / p.sum(-1, keepdims=True)
+        out.append(np.einsum("htl,lhd->thd", p[..., :length], vh))
     return np.concatenate(out)

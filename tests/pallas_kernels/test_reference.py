@@ -119,6 +119,21 @@ def test_soft_cap(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_sinks(backend):
+    # Two query heads on one kv head, both q = [ln 3, 0]; k0 = [1, 0], k1 = [0, 1] -> scores
+    # [ln 3, 0], exp [3, 1]. Head 0's sink ln 4 adds exp 4 to the denominator only:
+    # softmax [3/8, 1/8 | 4/8]; v0 = [8, 0], v1 = [0, 8] -> [3, 1]. Head 1's sink -30 is ~nothing:
+    # [3/4, 1/4] -> [6, 2]. Row 1 is padding (num_seqs = 1): still exactly 0.
+    q = [[[math.log(3.0), 0.0], [math.log(3.0), 0.0]], [[5.0, 5.0], [5.0, 5.0]]]
+    k = [[[1.0, 0.0]], [[0.0, 1.0]]]
+    v = [[[8.0, 0.0]], [[0.0, 8.0]]]
+    sinks = jnp.array([math.log(4.0), -30.0], jnp.float32)
+    out = _attend(backend, q, k, v, q_lens=[1], kv_lens=[2], num_slots=2, sinks=sinks)
+    np.testing.assert_allclose(out[0], [[3, 1], [6, 2]], atol=1e-5)
+    assert np.all(out[1] == 0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_write_kv_negative_slot_writes_nothing(backend):
     # Writing tokens at slots [-1, 11, -8] must equal writing only the middle token at slot 11.
     k = jnp.arange(3 * 2 * 4, dtype=jnp.float32).reshape(3, 2, 4) + 1
@@ -191,11 +206,12 @@ def test_reference_ignores_cu_q_lens_entries_past_num_seqs():
     assert jnp.array_equal(padded_with_total, padded_with_zeros)
 
 
-@pytest.mark.parametrize(("q_lens", "query_block", "rows_per_group"), [
-    ([1] * 9, 1, 2),  # decode rows in five groups of two
-    ([5, 1, 12, 1, 3], 2, 4),  # prefill chunks and decode rows, blocks of two rows, groups of two blocks
+@pytest.mark.parametrize(("q_lens", "query_block", "rows_per_group", "with_sinks"), [
+    ([1] * 9, 1, 2, False),  # decode rows in five groups of two
+    ([5, 1, 12, 1, 3], 2, 4, False),  # prefill chunks and decode rows, 2-row blocks, groups of 2 blocks
+    ([5, 1, 12, 1, 3], 2, 4, True),  # the same with a sink column in every head's softmax
 ])  # fmt: skip
-def test_reference_groups_and_sorting_match_dense_attention(q_lens, query_block, rows_per_group):
+def test_reference_groups_and_sorting_match_dense_attention(q_lens, query_block, rows_per_group, with_sinks):
     rng = np.random.default_rng(3)
     page_size, num_kv_heads, heads, dim = 4, 2, 4, 8
     kv_lens = [int(n + rng.integers(0, 30)) for n in q_lens]  # mixed reach, so sorting matters
@@ -204,6 +220,7 @@ def test_reference_groups_and_sorting_match_dense_attention(q_lens, query_block,
     k = [rng.standard_normal((n, num_kv_heads, dim)).astype(np.float32) for n in kv_lens]
     v = [rng.standard_normal((n, num_kv_heads, dim)).astype(np.float32) for n in kv_lens]
     q = rng.standard_normal((sum(q_lens), heads, dim)).astype(np.float32)
+    sinks = (2 * rng.standard_normal(heads)).astype(np.float32) if with_sinks else None
     slots = np.concatenate(
         [
             page_indices[i][np.arange(n) // page_size] * page_size + np.arange(n) % page_size
@@ -218,5 +235,7 @@ def test_reference_groups_and_sorting_match_dense_attention(q_lens, query_block,
         jnp.asarray(q), cache, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices, jnp.int32),
         jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32), jnp.int32(len(q_lens)),
         sm_scale=1.0, query_block=query_block, rows_per_group=rows_per_group, kv_chunk_pages=1,
+        sinks=None if sinks is None else jnp.asarray(sinks),
     )  # fmt: skip
-    np.testing.assert_allclose(np.asarray(got), numpy_causal_attention(q, k, v, q_lens, kv_lens), atol=2e-5)
+    expected = numpy_causal_attention(q, k, v, q_lens, kv_lens, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got), expected, atol=2e-5)

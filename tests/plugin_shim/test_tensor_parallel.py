@@ -87,7 +87,8 @@ def _hf_reference(architecture: str, path: str, ps: list[list[int]]) -> tuple[li
 
 
 # model -> (architecture, checkpoint builder, engine runs, attention backend). Llama has 8 query
-# and 2 KV heads (TP 4 and 8 repeat KV heads), the tiny Qwen3 and Gemma 2 have 4 and 2.
+# and 2 KV heads (TP 4 and 8 repeat KV heads), the tiny Qwen3, Gemma 2 and GPT-OSS have 4 and 2
+# (GPT-OSS: attention sinks split with the query heads, on the native kernel).
 MODELS = {
     "llama": (
         "LlamaForCausalLM",
@@ -95,6 +96,12 @@ MODELS = {
             path, seed=4, hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2
         ),
         [_greedy_run(1), _greedy_run(2), _greedy_run(8), _features_run(4)],
+        "cpu_native",
+    ),
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        functools.partial(save_tiny, "GptOssForCausalLM"),
+        [_greedy_run(1), _greedy_run(2)],
         "cpu_native",
     ),
     **{
@@ -184,8 +191,10 @@ def test_every_parameter_is_placed_as_the_rules_table_says(served, name):
                 assert placed["device_bytes"] == [placed["bytes"]] * tp, path
         # The table's split rules are in use (the tiny vocabularies divide by 8).
         kinds = ["qkv_proj.kernel", "o_proj.kernel", "embed_tokens.embedding"]
-        kinds += ["experts.gate_proj.kernel", "experts.down_proj.kernel"] if name == "mixtral" else []
-        kinds += ["gate_up_proj.kernel", "down_proj.kernel"] if name != "mixtral" else []
+        kinds += {
+            "mixtral": ["experts.gate_proj.kernel", "experts.down_proj.kernel"],
+            "gpt_oss": ["experts.gate_up_proj", "experts.down_proj", "self_attn.sinks"],
+        }.get(name, ["gate_up_proj.kernel", "down_proj.kernel"])
         for kind in kinds:
             assert any(path.endswith(kind) and any(rule_spec(path)) for path in split), (name, tp, kind)
         for cache in result["caches"]:

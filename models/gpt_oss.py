@@ -1,0 +1,133 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GPT-OSS: pre-norm blocks whose attention (biases on q/k/v/o, YaRN RoPE) has attention sinks
+(a learned logit per query head in the softmax denominator) and alternates sliding-window and
+full layers (`layer_types`), and whose MLP is a top-k routed mixture of experts: a router with a
+bias, softmax over the chosen k logits, and experts with biases and a clamped SwiGLU,
+`(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g = min(gate, limit)`.
+
+Checkpoints hold the experts stacked as transformers does: `gate_up_proj [E, D, 2F]` with gate
+and up columns interleaved (`g0 u0 g1 u1 ..`), `down_proj [E, F, D]` (inputs first), and
+their biases. They are kept in that layout: split over a mesh on the last axis, each device
+holds whole gate/up pairs. The released mxfp4 expert weights are refused (a bfloat16
+checkpoint serves).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+from models.layers import ATTENTION_LINEARS, CausalLM, DecoderLayer, PagedAttention, decoder_hf_param_map
+from models.linear import Linear
+from models.metadata import AttentionMetadata
+from models.moe import experts_routed, experts_routed_on_mesh, route
+
+_LAYER = "model.layers.{i}"
+_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+# HF checkpoint name -> our parameter path ("{i}" is the layer index).
+HF_PARAM_MAP = {
+    **decoder_hf_param_map(linears=ATTENTION_LINEARS, norms=("input_layernorm", "post_attention_layernorm")),
+    f"{_LAYER}.self_attn.sinks": f"{_LAYER}.self_attn.sinks",
+    f"{_LAYER}.mlp.router.weight": f"{_LAYER}.mlp.router.kernel",
+    f"{_LAYER}.mlp.router.bias": f"{_LAYER}.mlp.router.bias",
+    **{f"{_LAYER}.mlp.experts.{name}": f"{_LAYER}.mlp.experts.{name}" for name in _EXPERTS},
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GptOssConfig(ModelConfig):
+    """`ModelConfig` with the experts' clamped SwiGLU: `swiglu_alpha` (sigmoid gain) and
+    `swiglu_limit` (clamp)."""
+
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> GptOssConfig:
+        quantization = hf.get("quantization_config") or {}
+        if quantization.get("quant_method") in ("mxfp4", "gpt_oss_mxfp4"):
+            raise ValueError(
+                "GPT-OSS checkpoints with mxfp4 experts (quantization_config quant_method 'mxfp4') "
+                "are not supported yet; serve a bfloat16 checkpoint of the model"
+            )
+        # `ModelConfig.from_hf_dict` builds `cls` with its own fields (a slots dataclass's
+        # classmethod cannot use zero-argument super()).
+        base = ModelConfig.from_hf_dict.__func__(cls, hf)
+        return dataclasses.replace(
+            base,
+            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+        )
+
+
+def clamped_swiglu(gate_up: jax.Array, *, alpha: float, limit: float) -> jax.Array:
+    """`[.., 2F]` interleaved gate/up products -> `[.., F]`: GPT-OSS's clamped SwiGLU."""
+    gate = jnp.minimum(gate_up[..., ::2], limit)
+    up = jnp.clip(gate_up[..., 1::2], -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(gate * alpha)
+
+
+class GptOssExperts(nnx.Module):
+    """The E experts in the checkpoint's layout: `gate_up_proj [E, D, 2F]` (gate and up columns
+    interleaved) with its bias `[E, 2F]`, `down_proj [E, F, D]` with its bias `[E, D]`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, dtype: jnp.dtype):
+        e, d, f = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nnx.Param(np.zeros((e, d, 2 * f), dtype))  # host zeros until loaded
+        self.gate_up_proj_bias = nnx.Param(np.zeros((e, 2 * f), dtype))
+        self.down_proj = nnx.Param(np.zeros((e, f, d), dtype))
+        self.down_proj_bias = nnx.Param(np.zeros((e, d), dtype))
+
+
+class GptOssMoE(nnx.Module):
+    """Router `[D, E]` with a bias, top-k experts weighted by a softmax over their k logits."""
+
+    def __init__(self, config: GptOssConfig, *, dtype: jnp.dtype):
+        d, e = config.hidden_size, config.num_experts
+        self.router = Linear(d, e, bias=True, dtype=dtype)
+        self.experts = GptOssExperts(e, d, config.moe_intermediate_size, dtype=dtype)
+        self.top_k = config.num_experts_per_tok
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+
+    def __call__(self, x: jax.Array, md: AttentionMetadata | None = None) -> jax.Array:
+        """`md`: the step's metadata; its mesh splits each expert's F (whole gate/up pairs a
+        device) when the TP size divides F, else XLA places the work."""
+        # Softmax over the top k logits is the full softmax's top k renormalized.
+        weights, experts = route(self.router(x), self.top_k, renormalize=True)  # [T, k]
+        ex = self.experts
+        gate_up, gate_up_bias, down = ex.gate_up_proj[...], ex.gate_up_proj_bias[...], ex.down_proj[...]
+        act = functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit)
+        if md is not None and md.mesh is not None and down.shape[1] % md.tp_size == 0:
+            y = experts_routed_on_mesh(
+                md.mesh, x, (gate_up, None, down), weights, experts, act, gate_bias=gate_up_bias
+            )
+        else:
+            y = experts_routed(x, gate_up, None, down, weights, experts, act, gate_bias=gate_up_bias)
+        # The down bias once per chosen expert, after any sum over devices.
+        bias = jnp.einsum("tk,tkd->td", weights, ex.down_proj_bias[...][experts].astype(jnp.float32))
+        return (y.astype(jnp.float32) + bias).astype(x.dtype)  # [T, D]
+
+
+class GptOssForCausalLM(CausalLM):
+    hf_param_map = HF_PARAM_MAP
+
+    def __init__(self, config: GptOssConfig, *, dtype: jnp.dtype):
+        layers = [
+            DecoderLayer(
+                config,
+                PagedAttention(
+                    config, dtype=dtype, sliding_window=config.layer_sliding_windows[i], sinks=True
+                ),
+                GptOssMoE(config, dtype=dtype),
+                dtype=dtype,
+            )
+            for i in range(config.num_layers)
+        ]
+        super().__init__(config, layers, dtype=dtype)
