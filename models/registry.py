@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
+from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from models.deepseek_config import DeepseekConfig
 from models.gemma2 import Gemma2ForCausalLM
 from models.gemma3 import Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
@@ -38,11 +40,18 @@ _MODEL_CLASSES: dict[str, type[nnx.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     # Served by a pooling engine only (`runner="pooling"`: vLLM resolves them to it).
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_MODEL_CLASSES))  # the built-in ones
+# Built-in architectures whose configs carry fields of their own.
+_CONFIG_CLASSES: dict[str, type[ModelConfig]] = {
+    "DeepseekV2ForCausalLM": DeepseekConfig,
+    "DeepseekV3ForCausalLM": DeepseekConfig,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +123,8 @@ def model_class(architecture: str) -> type[nnx.Module]:
 
 def config_class(architecture: str) -> type[ModelConfig]:
     """The `ModelConfig` class that parses `architecture`'s `config.json`."""
+    if architecture in _CONFIG_CLASSES:
+        return _CONFIG_CLASSES[architecture]
     entry = _REGISTERED.get(architecture)
     return ModelConfig if entry is None else _imported(entry.config_class)
 
