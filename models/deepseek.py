@@ -13,8 +13,8 @@ import jax.numpy as jnp
 
 from models.deepseek_config import DeepseekConfig
 from models.deepseek_moe import deepseek_mlp
-from models.layers import MLP_LINEARS, CausalLM, DecoderLayer, decoder_hf_param_map
 from models.latent_attention import LatentAttention
+from models.layers import MLP_LINEARS, CausalLM, DecoderLayer, decoder_hf_param_map
 
 _LAYER = "model.layers.{i}"
 _ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
@@ -50,7 +50,12 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def __init__(self, config: DeepseekConfig, *, dtype: jnp.dtype):
         layers = [
-            DecoderLayer(config, LatentAttention(config, dtype=dtype), deepseek_mlp(config, i, dtype=dtype), dtype=dtype)
+            DecoderLayer(
+                config,
+                LatentAttention(config, dtype=dtype),
+                deepseek_mlp(config, i, dtype=dtype),
+                dtype=dtype,
+            )
             for i in range(config.num_layers)
         ]
         super().__init__(config, layers, dtype=dtype)

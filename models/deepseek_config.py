@@ -55,12 +55,18 @@ class DeepseekConfig(ModelConfig):
 
     def is_moe_layer(self, layer: int) -> bool:
         """Routed experts from layer `first_k_dense_replace` on, every `moe_layer_freq`-th layer."""
-        return self.num_experts > 0 and layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+        return (
+            self.num_experts > 0 and layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+        )
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> DeepseekConfig:
         theta = _rope_theta(hf)
-        plain_rope = {**hf, "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+        plain_rope = {
+            **hf,
+            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        }
         base = super(DeepseekConfig, cls).from_hf_dict(plain_rope)
         v3 = hf["architectures"][0] == "DeepseekV3ForCausalLM"
         n_group = hf.get("n_group") or 1
@@ -92,8 +98,10 @@ def _yarn(hf: dict[str, Any]) -> YarnScaling | None:
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind == "default":
         return None
-    if kind not in ("yarn", "deepseek_yarn"):
-        raise ValueError(f"DeepSeek rope scaling type {kind!r} is not supported; supported: 'default', 'yarn'")
+    if kind != "yarn":
+        raise ValueError(
+            f"DeepSeek rope scaling type {kind!r} is not supported; supported: 'default', 'yarn'"
+        )
     original = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
     factor = params.get("factor") or hf["max_position_embeddings"] / original
     return YarnScaling(

@@ -93,7 +93,11 @@ class LatentAttention(nnx.Module):
         if md.mesh is None:
             o, kv_cache = self._attend(q, latent, k_rope, w_kv, kv_cache, md)
         else:  # each device: its own heads' queries and up-projections, the whole latent cache
-            heads, whole, cache = PartitionSpec(None, MODEL_AXIS), PartitionSpec(), latent_cache_partition_spec()
+            heads, whole, cache = (
+                PartitionSpec(None, MODEL_AXIS),
+                PartitionSpec(),
+                latent_cache_partition_spec(),
+            )
             o, kv_cache = jax.shard_map(
                 self._attend,
                 mesh=md.mesh,

@@ -116,6 +116,7 @@ class YarnScaling:
 
     def inverse_frequencies(self, head_dim: int, theta: float) -> np.ndarray:
         """`[head_dim / 2]` float32 inverse frequencies, as transformers' `yarn` computes them."""
+
         def correction_dim(rotations: float) -> float:
             context = self.original_max_position_embeddings
             return head_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))

@@ -302,8 +302,8 @@ SUPPORTED: tuple[Supported, ...] = (
     Supported(
         "Text generation",
         "runner='generate'",
-        "Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Mixtral, "
-        "Qwen3-MoE checkpoints (safetensors; GGUF through `vllm-xla model-dir`)",
+        "Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Mixtral, Qwen3-MoE, "
+        "DeepSeek-V2/V3 checkpoints (safetensors; GGUF through `vllm-xla model-dir`)",
     ),
     Supported(
         "Sampling options",
