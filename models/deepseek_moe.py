@@ -8,8 +8,8 @@
   them, keeps the `topk_group` groups whose two best biased scores sum highest, and takes the
   top k there; the weights are the unbiased scores of the chosen experts.
 
-Then the weights are normalized to sum to 1 (`norm_topk_prob`) and multiplied by
-`routed_scaling_factor`. The routed experts are `moe.SparseMoE`'s (the sort-by-expert grouped
+Then the weights are normalized to sum to 1 (`norm_topk_prob`), and the routed experts' sum is
+multiplied by `routed_scaling_factor`. The routed experts are `moe.SparseMoE`'s (the sort-by-expert grouped
 matmul, split on F under tensor parallelism); the shared experts are one dense gated MLP of
 `n_shared_experts * moe_intermediate_size`.
 """
@@ -36,9 +36,8 @@ def route_grouped(
     topk_group: int,
     correction_bias: jax.Array | None,
     renormalize: bool,
-    scaling: float,
 ) -> tuple[jax.Array, jax.Array]:
-    """DeepSeek's expert selection (module docstring).
+    """DeepSeek's expert selection (module docstring), before `routed_scaling_factor`.
 
     Args:
       router_logits: `[T, E]`.
@@ -62,9 +61,9 @@ def route_grouped(
         choice = jnp.where(kept, choice, 0.0 if correction_bias is None else -jnp.inf)
     _, experts = jax.lax.top_k(choice, top_k)  # [T, k]
     weights = jnp.take_along_axis(scores, experts, axis=1)
-    if renormalize:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return weights * scaling, experts.astype(jnp.int32)
+    if renormalize:  # scores are positive: no zero sums
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
 
 
 class DeepseekMoE(SparseMoE):
@@ -91,20 +90,24 @@ class DeepseekMoE(SparseMoE):
         )
 
     def select_experts(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The weights before `routed_scaling_factor`, which `__call__` applies to the routed sum."""
         logits = self.router(x)
         if self.scoring == "softmax" and self.n_group == 1:  # plain softmax top-k
-            weights, experts = route(logits, self.top_k, renormalize=self.renormalize)
-            return weights * self.scaling, experts
+            return route(logits, self.top_k, renormalize=self.renormalize)
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
         return route_grouped(
             logits, self.top_k, scoring=self.scoring, n_group=self.n_group, topk_group=self.topk_group,
-            correction_bias=bias, renormalize=self.renormalize, scaling=self.scaling,
+            correction_bias=bias, renormalize=self.renormalize,
         )  # fmt: skip
 
     def __call__(
         self, x: jax.Array, md: AttentionMetadata | None = None, *, dense: bool = False
     ) -> jax.Array:
+        # The scaling multiplies the routed sum, not each weight: the same product, and XLA's GPU
+        # compiler fails on the scaled weights fused into the routed matmul's row gather.
         routed = super().__call__(x, md, dense=dense)
+        if self.scaling != 1.0:
+            routed = routed * jnp.asarray(self.scaling, routed.dtype)
         return routed if self.shared_experts is None else routed + self.shared_experts(x, md)
 
 
