@@ -31,8 +31,15 @@ from tests.models.tiny_checkpoints import (
 )
 from tests.models.tiny_deepseek import _COMMON, VARIANTS, YARN, save_tiny_deepseek
 
+# The fast tier builds three variants (V3 with its rope dimensions as halves is the slow tier's).
+_FAST = ("v2_lite_greedy", "v2_group_limited", "v3_noaux_yarn")
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+
+@pytest.fixture(
+    scope="module",
+    params=[v if v in _FAST else pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS],
+    ids=list(VARIANTS),
+)
 def tiny(request, tmp_path_factory):
     """(variant, path, config, model, hf), built once per variant."""
     import torch
