@@ -94,6 +94,12 @@ class ModelConfig:
         windows = set(self.layer_sliding_windows)
         return windows.pop() if len(windows) == 1 else None
 
+    @property
+    def latent_cache_width(self) -> int:
+        """Values a token takes in a layer's latent KV cache (multi-head latent attention: one
+        shared row, `pallas_kernels.mla`); 0 for a model whose cache holds per-head K and V."""
+        return 0
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether `layer` uses routed experts rather than a dense MLP."""
         return (

@@ -182,12 +182,14 @@ def iter_parameters(
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     expected = {".".join(str(p) for p in key): var.get_value() for key, var in params.items()}
     tied = getattr(model.config, "tie_word_embeddings", False)
+    # A model may leave tensors it does not serve unread (DeepSeek's multi-token-prediction layers).
+    skipped = getattr(model, "skips_checkpoint_tensor", lambda name: False)
     filled: set[str] = set()
     stacks = _ExpertStacks() if stacks is None else stacks
     for hf, array in tensors:
         found = _our_name(hf, compiled)
         if found is None or found[0] not in expected:
-            if any(p.match(hf) for p in _IGNORED) or (tied and hf == "lm_head.weight"):
+            if any(p.match(hf) for p in _IGNORED) or (tied and hf == "lm_head.weight") or skipped(hf):
                 continue
             raise ValueError(
                 f"checkpoint tensor {hf!r} in {path!r} has no parameter in {type(model).__name__}"

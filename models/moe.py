@@ -230,6 +230,11 @@ class SparseMoE(nnx.Module):
             renormalize=renormalize, dtype=dtype, act=config.hidden_act,
         )  # fmt: skip
 
+    def select_experts(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Routing weights `[T, k]` (float32) and expert ids `[T, k]` for `x[T, D]`: the softmax
+        top-k of `route` (a subclass may route otherwise: `models.deepseek_moe`)."""
+        return route(self.router(x), self.top_k, renormalize=self.renormalize)
+
     def _stacks(self) -> tuple[StackedLinear, StackedLinear, StackedLinear]:
         ex = self.experts
         return ex.gate_proj, ex.up_proj, ex.down_proj
@@ -240,7 +245,7 @@ class SparseMoE(nnx.Module):
         """`md`: the step's metadata (its mesh splits the experts, `experts_routed_on_mesh`, when
         the rules table could split them: F divisible by the TP size, else they are whole).
         `dense=True` runs `experts_dense_reference` instead (tests; int8 weights dequantized)."""
-        weights, experts = route(self.router(x), self.top_k, renormalize=self.renormalize)  # [T, k]
+        weights, experts = self.select_experts(x)  # [T, k]
         stacks, act = self._stacks(), activation(self.act)
         int8 = stacks[0].kernel_scale is not None
         if dense:

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
+from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from models.deepseek_config import DeepseekConfig
 from models.gemma2 import Gemma2ForCausalLM
 from models.gemma3 import Gemma3ForCausalLM
 from models.gpt_oss import GptOssConfig, GptOssForCausalLM
@@ -40,13 +42,19 @@ _MODEL_CLASSES: dict[str, type[nnx.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     # Served by a pooling engine only (`runner="pooling"`: vLLM resolves them to it).
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_MODEL_CLASSES))  # the built-in ones
 # Built-in architectures whose `config.json` has fields of their own (else `ModelConfig`).
-_CONFIG_CLASSES: dict[str, type[ModelConfig]] = {"GptOssForCausalLM": GptOssConfig}
+_CONFIG_CLASSES: dict[str, type[ModelConfig]] = {
+    "GptOssForCausalLM": GptOssConfig,
+    "DeepseekV2ForCausalLM": DeepseekConfig,
+    "DeepseekV3ForCausalLM": DeepseekConfig,
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,3 +125,59 @@ def step_rope_table(
     rows = jnp.concatenate([cos, sin], axis=-1)
     rows = rows if scale == 1.0 else rows * jnp.float32(scale)
     return rows, jnp.arange(positions.shape[0], dtype=jnp.int32)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times (DeepSeek's form)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class YarnScaling:
+    """YaRN RoPE scaling as DeepSeek-V2/V3 configure it: frequencies interpolated by `factor`
+    outside a ramp between the `beta_fast` and `beta_slow` rotation counts of the
+    `original_max_position_embeddings` context, cosines and sines scaled by `rope_scale`, and
+    the softmax scale multiplied by `softmax_scale` (`mscale_all_dim` applied to every dimension
+    of the scores, not only the rotated ones)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+    def inverse_frequencies(self, head_dim: int, theta: float) -> np.ndarray:
+        """`[head_dim / 2]` float32 inverse frequencies, as transformers' `yarn` computes them."""
+
+        def correction_dim(rotations: float) -> float:
+            context = self.original_max_position_embeddings
+            return head_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # no zero-width ramp
+        positions = (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim).astype(np.float32)
+        pos_freqs = np.float32(theta) ** positions
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        extrapolation = (1 - ramp).astype(np.float32)
+        inv = (1.0 / (self.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+        return inv.astype(np.float32)
+
+    @property
+    def rope_scale(self) -> float:
+        """The factor on the cosines and sines (transformers' `attention_factor`)."""
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_scale(self) -> float:
+        """The factor on the softmax scale (DeepSeek's `mscale_all_dim` correction, squared)."""
+        if not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2

@@ -50,7 +50,8 @@ _ROW = PartitionSpec(MODEL_AXIS, None)
 _SPLIT = PartitionSpec(MODEL_AXIS)
 _REPLICATED = PartitionSpec()
 
-_COLUMN_LINEARS = r"(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj)"
+# `q_b_proj` and `kv_b_proj`: latent attention's per-head up-projections (`models.latent_attention`).
+_COLUMN_LINEARS = r"(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|q_b_proj|kv_b_proj)"
 
 # (pattern over a parameter's dotted path, its PartitionSpec); the first match wins.
 DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Paged KV cache and ragged paged attention for XLA devices (pure JAX, no vLLM)."""
+"""Paged KV cache, ragged paged attention and paged latent attention (MLA) for XLA devices
+(pure JAX, no vLLM)."""
 
 from pallas_kernels.api import (
     SLOT_LIMIT,
@@ -10,14 +11,26 @@ from pallas_kernels.api import (
     write_kv,
 )
 from pallas_kernels.backend import BACKENDS, resolve_backend
+from pallas_kernels.mla import (
+    allocate_latent_cache,
+    latent_cache_partition_spec,
+    latent_page_bytes,
+    mla_paged_attention,
+    write_latent,
+)
 
 __all__ = [
     "BACKENDS",
     "SLOT_LIMIT",
     "allocate_kv_cache",
+    "allocate_latent_cache",
     "kv_cache_partition_spec",
+    "latent_cache_partition_spec",
+    "latent_page_bytes",
+    "mla_paged_attention",
     "ragged_paged_attention",
     "resolve_backend",
     "rope_write_kv",
     "write_kv",
+    "write_latent",
 ]

@@ -12,7 +12,7 @@ import threading
 
 from tpu_platform.attention_backend import native_build_dir
 from tpu_platform.envs import XlaEnv, read_env
-from tpu_platform.kv_cache import kv_bytes_per_token, pages_for_sequences
+from tpu_platform.kv_cache import model_kv_bytes_per_token, pages_for_sequences
 from tpu_platform.metrics_file import metrics_path, remove_metrics
 from tpu_platform.runner_config import default_page_size
 
@@ -136,7 +136,7 @@ def one_shot_kv_pages(
         return None
     page_size = default_page_size("cpu", None)
     itemsize = 2 if dtype in ("bfloat16", "float16", "half") else 4  # "auto" on CPU: float32 at most
-    per_token = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, itemsize)
+    per_token = model_kv_bytes_per_token(config, itemsize)
     within_budget = int(env.cpu_kv_cache_gb * (1 << 30)) // (page_size * per_token)
     return min(pages_for_sequences(max_num_seqs, max_model_len, page_size), within_budget)
 

@@ -302,15 +302,16 @@ SUPPORTED: tuple[Supported, ...] = (
     Supported(
         "Text generation",
         "runner='generate'",
-        "Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Mixtral, "
-        "Qwen3-MoE checkpoints (safetensors; GGUF through `vllm-xla model-dir`)",
+        "Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Mixtral, Qwen3-MoE, GPT-OSS (bfloat16; mxfp4 "
+        "refused), DeepSeek-V2/V3 checkpoints (safetensors; GGUF through `vllm-xla model-dir`)",
     ),
     Supported(
         "Sampling options",
         "SamplingParams",
         "temperature, top-k/p, min-p, seed, penalties, "
         "logit_bias, allowed_token_ids, bad_words, min_tokens, stop, n; a request with an option "
-        "the runner cannot honour is refused by name",
+        "the runner cannot honour is refused by name, as is one with more than 4096 logit_bias / "
+        "min_tokens stop / bad-word entries (docs/troubleshooting.md)",
     ),
     Supported(
         "Tensor parallelism on one host",
@@ -324,7 +325,11 @@ SUPPORTED: tuple[Supported, ...] = (
         "one worker a host, one JAX mesh over every host's devices (docs/multihost.md); "
         "tensor_parallel_size must be a multiple of nnodes; async scheduling is off across hosts",
     ),
-    Supported("Logprobs", "logprobs, prompt_logprobs, max_logprobs, logprobs_mode", ""),
+    Supported(
+        "Logprobs",
+        "logprobs, prompt_logprobs, max_logprobs, logprobs_mode",
+        "every width up to max_logprobs served by programs built at warm-up",
+    ),
     Supported("Structured outputs", "structured_outputs", "vLLM's grammar bitmasks, applied in the step"),
     Supported("Logits processors", "logits_processors", "vLLM's logits-processor plugins"),
     Supported(

@@ -8,7 +8,13 @@ import time
 
 import torch
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
@@ -127,6 +133,8 @@ class XlaWorker(WorkerBase):
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         mc = self.runner.model_config
         dtype = spec_dtype(self.runner.kv_dtype.name)
+        if mc.latent_cache_width:
+            return self._latent_cache_specs(dtype)
         heads = self.runner.kv_heads_per_device  # pages and their bytes are per device
         common = dict(
             block_size=self.cache_config.block_size, num_kv_heads=heads, head_size=mc.head_dim, dtype=dtype
@@ -142,6 +150,21 @@ class XlaWorker(WorkerBase):
                 SlidingWindowSpec(sliding_window=window, **common) if window else FullAttentionSpec(**common)
             )
         return specs
+
+    def _latent_cache_specs(self, dtype: torch.dtype) -> dict[str, KVCacheSpec]:
+        """vLLM's MLA spec for every layer: one shared row of `kv_lora_rank + qk_rope_head_dim`
+        values a token (no V), whole on every device, as vLLM's own MLA layers describe it."""
+        mc = self.runner.model_config
+        spec = MLAAttentionSpec(
+            block_size=self.cache_config.block_size, num_kv_heads=1, head_size=mc.latent_cache_width,
+            dtype=dtype, cache_dtype_str=self.cache_config.cache_dtype,
+        )  # fmt: skip
+        if spec.page_size_bytes != self.runner.kv_page_bytes():
+            raise RuntimeError(
+                f"vLLM's MLA page of {spec.page_size_bytes} B differs from the latent cache's "
+                f"{self.runner.kv_page_bytes()} B"
+            )
+        return {layer_name(i): spec for i in range(mc.num_layers)}
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]  # nominal: the JAX side allocates its own per-layer arrays

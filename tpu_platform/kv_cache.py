@@ -7,8 +7,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from models.config import ModelConfig
 from models.sharding import MODEL_AXIS
-from pallas_kernels import SLOT_LIMIT, allocate_kv_cache, kv_cache_partition_spec
+from pallas_kernels import (
+    SLOT_LIMIT,
+    allocate_kv_cache,
+    allocate_latent_cache,
+    kv_cache_partition_spec,
+    latent_cache_partition_spec,
+)
 
 GIB = 1 << 30
 # What a KV cache may hold, by dtype name.
@@ -79,6 +86,14 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsi
     return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
 
+def model_kv_bytes_per_token(config: ModelConfig, itemsize: int) -> int:
+    """Bytes a token's cache entries take over all layers: per-head keys and values, or one
+    latent row a layer for multi-head latent attention (`ModelConfig.latent_cache_width`)."""
+    if config.latent_cache_width:
+        return config.num_layers * config.latent_cache_width * itemsize
+    return kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, itemsize)
+
+
 def caches_per_array(num_caches: int, num_pages: int, page_size: int) -> int:
     """How many caches of `num_pages` pages one array holds: all of them, unless their slots
     (page * page_size + offset, int32) would pass int32's range."""
@@ -95,6 +110,8 @@ def allocate_stacked_caches(
     dtype: jnp.dtype,
     backend: str,
     mesh: Mesh | None = None,
+    *,
+    latent_width: int = 0,
 ) -> list[jax.Array]:
     """Zeroed arrays in `backend`'s layout holding `num_caches` caches of `num_pages` pages,
     `caches_per_array` of them one after another along each array's page axis (cache c from
@@ -108,17 +125,25 @@ def allocate_stacked_caches(
 
     On a tensor-parallel `mesh`, `num_kv_heads` are all the heads and each array is made on the
     devices already split on them (`pallas_kernels.kv_cache_partition_spec`): each device
-    allocates only its own heads' pages; the pages are per device."""
+    allocates only its own heads' pages; the pages are per device.
+
+    `latent_width > 0` allocates latent caches instead (multi-head latent attention: one shared
+    row of that many values a token, `pallas_kernels.allocate_latent_cache`; the head arguments
+    are unused), whole on every device of a `mesh` (`pallas_kernels.latent_cache_partition_spec`)."""
     per_array = caches_per_array(num_caches, num_pages, page_size)
-    shape = (page_size, num_kv_heads, head_dim, dtype)
+
+    def one_array(pages: int) -> jax.Array:
+        if latent_width:
+            return allocate_latent_cache(pages, page_size, latent_width, dtype, backend=backend)
+        return allocate_kv_cache(pages, page_size, num_kv_heads, head_dim, dtype, backend=backend)
 
     def allocate() -> list[jax.Array]:
         return [
-            allocate_kv_cache(min(per_array, num_caches - first) * num_pages, *shape, backend=backend)
+            one_array(min(per_array, num_caches - first) * num_pages)
             for first in range(0, num_caches, per_array)
         ]
 
     if mesh is None:
         return allocate()
-    split = NamedSharding(mesh, kv_cache_partition_spec(backend, MODEL_AXIS))
-    return jax.jit(allocate, out_shardings=split)()
+    spec = latent_cache_partition_spec() if latent_width else kv_cache_partition_spec(backend, MODEL_AXIS)
+    return jax.jit(allocate, out_shardings=NamedSharding(mesh, spec))()

@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from models import ModelConfig, attach_rope_tables, build, prepare_for_serving
 from models.sharding import MODEL_AXIS, kv_heads_on_mesh, state_shardings, vocab_parallel
-from pallas_kernels import kv_cache_partition_spec
+from pallas_kernels import kv_cache_partition_spec, latent_cache_partition_spec
 from pallas_kernels.backend import resolve_backend
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.inputs import pack_inputs, padding_inputs
@@ -156,8 +156,15 @@ class StepSetup:
 
     @property
     def kv_heads(self) -> int:
-        """KV heads of the whole cache: the model's, repeated up to `tp_size` when fewer."""
+        """KV heads of the whole cache: the model's, repeated up to `tp_size` when fewer; 1 for a
+        latent cache (multi-head latent attention: one shared row a token, whole on every chip)."""
+        if self.config.latent_cache_width:
+            return 1
         return kv_heads_on_mesh(self.config.num_heads, self.config.num_kv_heads, self.tp_size)
+
+    @property
+    def kv_heads_per_chip(self) -> int:
+        return 1 if self.config.latent_cache_width else self.kv_heads // self.tp_size
 
     def mesh(self) -> Mesh | None:
         """The runner's mesh over the first `tp_size` compile-only chips (None at TP=1)."""
@@ -334,13 +341,18 @@ def _abstract_caches(setup: StepSetup, num_pages: int, mesh: Mesh | None) -> lis
     caches = jax.eval_shape(
         lambda: allocate_stacked_caches(
             layout.num_caches, num_pages, setup.tokens_per_page, setup.kv_heads, config.head_dim,
-            kv_cache_dtype(setup.cache_dtype), setup.backend, mesh,
+            kv_cache_dtype(setup.cache_dtype), setup.backend, mesh, latent_width=config.latent_cache_width,
         )
     )  # fmt: skip
     if mesh is None:
         return caches
     # `eval_shape` gives the shapes; the shardings are the ones `allocate_stacked_caches` makes.
-    split = NamedSharding(mesh, kv_cache_partition_spec(setup.backend, MODEL_AXIS))
+    spec = (
+        latent_cache_partition_spec()
+        if config.latent_cache_width
+        else kv_cache_partition_spec(setup.backend, MODEL_AXIS)
+    )
+    split = NamedSharding(mesh, spec)
     return [_abstract(cache, split) for cache in caches]
 
 
@@ -348,11 +360,10 @@ def kv_page_bytes(setup: StepSetup) -> int:
     """Bytes one page of every cache array takes on one chip (all caches of the model, the
     backend's layout; on a mesh the chip's share of the KV heads)."""
     layout, config = kv_layout(setup.config), setup.config
-    heads = setup.kv_heads // setup.tp_size
     caches = jax.eval_shape(
         lambda: allocate_stacked_caches(
-            layout.num_caches, 2, setup.tokens_per_page, heads, config.head_dim,
-            kv_cache_dtype(setup.cache_dtype), setup.backend,
+            layout.num_caches, 2, setup.tokens_per_page, setup.kv_heads_per_chip, config.head_dim,
+            kv_cache_dtype(setup.cache_dtype), setup.backend, latent_width=config.latent_cache_width,
         )
     )  # fmt: skip
     return sum(_bytes(c.shape, c.dtype) for c in caches) // 2
@@ -419,9 +430,15 @@ def expected_collectives(setup: StepSetup, num_tokens: int, num_seqs: int = 0) -
     split_vocab = vocab_parallel(config.vocab_size, setup.tp_size)
     model = setup.abstract_model()
     split = [leaf for leaf in model.placed(mesh, None) if leaf.sharding.spec]
+    # DeepSeek MoE: the shared experts' row-parallel down projection is summed beside the routed ones'.
+    shared_sums = (
+        sum(map(config.is_moe_layer, range(config.num_layers)))
+        if getattr(config, "n_shared_experts", 0)
+        else 0
+    )
     return ExpectedCollectives(
         activation_elements=t_pad * config.hidden_size,
-        all_reduces=2 * config.num_layers + split_vocab,
+        all_reduces=2 * config.num_layers + shared_sums + split_vocab,
         logits_elements=r_pad * config.vocab_size if split_vocab else 0,
         weight_floor_bytes=min((_bytes(leaf.shape, leaf.dtype) for leaf in split), default=0),
     )

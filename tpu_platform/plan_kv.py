@@ -138,7 +138,10 @@ def kv_bytes_read(setup: StepSetup, batch: int, context: int) -> int:
     layer reads its keys and values once, a sliding-window layer only its window; on a mesh each
     chip its own KV heads)."""
     config, itemsize = setup.config, _itemsize(setup.cache_dtype)
-    per_layer_token = 2 * (setup.kv_heads // setup.tp_size) * config.head_dim * itemsize
+    if config.latent_cache_width:  # one shared latent row a token, whole on every chip
+        per_layer_token = config.latent_cache_width * itemsize
+    else:
+        per_layer_token = 2 * (setup.kv_heads // setup.tp_size) * config.head_dim * itemsize
     tokens = sum(min(context, w) if w else context for w in config.layer_sliding_windows)
     return batch * tokens * per_layer_token
 

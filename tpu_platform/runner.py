@@ -19,7 +19,7 @@ from models import ModelConfig, PackedKernel, attach_rope_tables
 from models.lora import attach_lora
 from models.registry import architecture_fingerprint
 from models.sharding import kv_heads_on_mesh, parameter_sharding, place_state
-from pallas_kernels import allocate_kv_cache
+from pallas_kernels import allocate_kv_cache, latent_page_bytes
 from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
@@ -212,18 +212,24 @@ class Runner:
 
     @property
     def kv_heads(self) -> int:
-        """KV heads of the whole cache: the model's, repeated up to the TP size when fewer."""
+        """KV heads of the whole cache: the model's, repeated up to the TP size when fewer; 1 for
+        a latent cache (one shared row a token, whole on every device)."""
         mc = self.model_config
+        if mc.latent_cache_width:
+            return 1
         return kv_heads_on_mesh(mc.num_heads, mc.num_kv_heads, self.tp_size)
 
     @property
     def kv_heads_per_device(self) -> int:
-        return self.kv_heads // self.tp_size
+        return 1 if self.model_config.latent_cache_width else self.kv_heads // self.tp_size
 
     def kv_page_bytes(self) -> int:
         """Bytes one page of one layer takes on one device in the attention backend's own cache
-        layout (its share of the KV heads: pages are counted per device)."""
+        layout (its share of the KV heads: pages are counted per device; a latent cache's page
+        whole)."""
         mc = self.model_config
+        if mc.latent_cache_width:
+            return latent_page_bytes(self.config.page_size, mc.latent_cache_width, self.kv_dtype)
         heads = self.kv_heads_per_device
         two_pages = jax.eval_shape(
             lambda: allocate_kv_cache(
@@ -253,7 +259,9 @@ class Runner:
         num_caches = max(layer_caches) + 1 if layer_caches else mc.num_layers
         num_groups = max(layer_groups) + 1 if layer_groups else 1
         shape = (num_pages, self.config.page_size, self.kv_heads, mc.head_dim)
-        caches = allocate_stacked_caches(num_caches, *shape, self.kv_dtype, self.backend, self.mesh)
+        caches = allocate_stacked_caches(
+            num_caches, *shape, self.kv_dtype, self.backend, self.mesh, latent_width=mc.latent_cache_width
+        )
         per_array = caches_per_array(num_caches, num_pages, self.config.page_size)
         # Committed to the device like the step's outputs, so warm-up and serving share programs.
         self.kv_caches = jax.device_put(caches, self.device) if self.mesh is None else caches

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from models import AttentionMetadata, ModelConfig, load_model
-from pallas_kernels import allocate_kv_cache
+from pallas_kernels import allocate_kv_cache, allocate_latent_cache
 from tests.tiny_models import save_tokenizer
 
 PAGE = 16
@@ -170,6 +170,12 @@ def hf_logits(hf: Any, ids: list[int]) -> np.ndarray:
 
 
 def caches(config: ModelConfig, num_pages: int = 32) -> list[jax.Array]:
+    if config.latent_cache_width:  # multi-head latent attention: one shared row a token
+        width = config.latent_cache_width
+        return [
+            allocate_latent_cache(num_pages, PAGE, width, jnp.float32, backend="xla")
+            for _ in range(config.num_layers)
+        ]
     return [
         allocate_kv_cache(num_pages, PAGE, config.num_kv_heads, config.head_dim, jnp.float32, backend="xla")
         for _ in range(config.num_layers)

@@ -1,0 +1,71 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DeepSeek-V2 and V3 (also R1, Kimi K2, Moonlight): the pre-norm decoder block with multi-head
+latent attention (`latent_attention.py`) and DeepSeek MoE (`deepseek_moe.py`): dense MLPs in the
+first `first_k_dense_replace` layers, then routed experts beside shared ones every
+`moe_layer_freq`-th layer. The multi-token-prediction layers some checkpoints carry after the
+last layer (`num_nextn_predict_layers`) are not served: their tensors are skipped on load."""
+
+from __future__ import annotations
+
+import re
+
+import jax.numpy as jnp
+
+from models.deepseek_config import DeepseekConfig
+from models.deepseek_moe import deepseek_mlp
+from models.latent_attention import LatentAttention
+from models.layers import MLP_LINEARS, CausalLM, DecoderLayer, decoder_hf_param_map
+
+_LAYER = "model.layers.{i}"
+_ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+_SHARED = ("gate_proj", "up_proj", "down_proj")
+# HF checkpoint name -> our parameter path ("{i}" layer, "{e}" expert: fills slot e of a stacked kernel).
+HF_PARAM_MAP = {
+    **decoder_hf_param_map(
+        linears=(
+            *(f"self_attn.{name}" for name in _ATTENTION),
+            *MLP_LINEARS,
+            *(f"mlp.shared_experts.{name}" for name in _SHARED),
+        ),
+        norms=(
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attn.q_a_layernorm",
+            "self_attn.kv_a_layernorm",
+        ),
+    ),
+    f"{_LAYER}.self_attn.kv_b_proj.weight": f"{_LAYER}.self_attn.kv_b_proj.kernel",
+    f"{_LAYER}.mlp.gate.weight": f"{_LAYER}.mlp.router.kernel",
+    f"{_LAYER}.mlp.gate.e_score_correction_bias": f"{_LAYER}.mlp.e_score_correction_bias",
+    **{
+        f"{_LAYER}.mlp.experts.{{e}}.{proj}.weight": f"{_LAYER}.mlp.experts.{proj}.kernel"
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    },
+}
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    hf_param_map = HF_PARAM_MAP
+
+    def __init__(self, config: DeepseekConfig, *, dtype: jnp.dtype):
+        layers = [
+            DecoderLayer(
+                config,
+                LatentAttention(config, dtype=dtype),
+                deepseek_mlp(config, i, dtype=dtype),
+                dtype=dtype,
+            )
+            for i in range(config.num_layers)
+        ]
+        super().__init__(config, layers, dtype=dtype)
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` is deliberately not loaded: the multi-token-prediction
+        layers, numbered after the last decoder layer."""
+        match = _LAYER_INDEX.match(name)
+        return match is not None and int(match.group(1)) >= self.config.num_layers
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """The same model: V3's sigmoid routing, correction bias and low-rank queries are its config's."""

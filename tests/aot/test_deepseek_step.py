@@ -1,0 +1,68 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A DeepSeek-V3-shaped step at full width (128 heads, latent 512, rope 64, low-rank queries of
+1536, 256 routed experts of 2048 and one shared, hidden 7168) with four layers, one dense and
+three MoE, compiled at TP=8 by XLA's GPU compiler for 8x H100 (`tensor_parallel_worker`, as
+test_tensor_parallel_step.py does for Llama and Qwen3-MoE).
+
+It must fit each chip with the latent cache whole on every chip, page by page exactly
+`(kv_lora_rank + qk_rope_head_dim) x 2` bytes a token a layer, and exchange only what the rules
+table implies: per layer the row-parallel output projection's and MLP's sums of `[tokens,
+hidden]` (a MoE layer a third, its shared experts'), the embedding's sum and the logits gathered
+once; the replicated latent projections and cache need no exchange.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import pytest
+
+from tests.aot.model_step_worker import MAX_MODEL_LEN
+from tests.aot.toolchains import run_worker
+from tpu_platform.plan import known_models
+
+LAYERS, LATENT_WIDTH = 4, 512 + 64
+TARGETS = {"cuda": "h100x8"}
+
+pytestmark = pytest.mark.timeout(3600)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    assert "deepseek-v3" in known_models()
+    shipped = resources.files("tpu_platform").joinpath("model_configs", "deepseek-v3.json")
+    config = json.loads(shipped.read_text())
+    config.update(num_hidden_layers=LAYERS, first_k_dense_replace=1)
+    path = tmp_path_factory.mktemp("deepseek") / "config.json"
+    path.write_text(json.dumps(config))
+
+    def compile_for(platform: str) -> tuple[str, dict]:
+        (row,) = run_worker(platform, "tensor_parallel_worker", f"{TARGETS[platform]}:{path}:8", timeout=3500)
+        return platform, row
+
+    return dict(map(compile_for, TARGETS))
+
+
+@pytest.mark.parametrize("platform", sorted(TARGETS))
+def test_v3_shaped_step_compiles_and_fits_each_chip_with_the_latent_cache_whole(results, platform):
+    row = results[platform]
+    assert row["fits"], row["reason"]
+    assert row["tp_size"] == 8
+    assert row["kv_tokens"] >= MAX_MODEL_LEN
+    # bfloat16 latent rows, whole on every chip: 576 values a token a layer.
+    assert row["kv_bytes"] == row["kv_tokens"] * LAYERS * LATENT_WIDTH * 2
+    total = row["total_weight_bytes"]
+    # Replicated: norms, routers, correction biases and the latent projections (q_a, kv_a).
+    assert row["replicated_weight_bytes"] <= 0.01 * total
+    assert total / 8 <= row["weight_bytes"] <= total / 8 + row["replicated_weight_bytes"]
+    for step in ("decode", "prefill"):
+        program = row[step]
+        assert program["peak_bytes"] <= row["budget_bytes"] <= row["hbm_bytes"]
+        assert program["alias_bytes"] >= row["kv_bytes"]  # the donated latent cache updated in place
+
+
+@pytest.mark.parametrize("platform", sorted(TARGETS))
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_v3_shaped_step_exchanges_what_the_rules_table_implies(results, platform, step):
+    assert results[platform]["unexpected_collectives"][step] == []

@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tiny random DeepSeek-V2 / V3 checkpoints, one per variant of attention and routing
+(tests/models/test_deepseek.py lists what each exercises)."""
+
+from __future__ import annotations
+
+import os
+
+from tests.models.tiny_checkpoints import VOCAB
+from tests.tiny_models import save_tokenizer
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+# variant -> (architecture, transformers config class, overrides of _COMMON)
+VARIANTS = {
+    "v2_lite_greedy": (
+        "DeepseekV2ForCausalLM",
+        "DeepseekV2Config",
+        dict(q_lora_rank=None, topk_method="greedy"),
+    ),
+    "v2_group_limited": (
+        "DeepseekV2ForCausalLM",
+        "DeepseekV2Config",
+        dict(
+            q_lora_rank=24,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=1,
+            routed_scaling_factor=2.0,
+        ),
+    ),
+    "v3_noaux_yarn": (
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        dict(
+            q_lora_rank=24,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rope_parameters=YARN,
+        ),
+    ),
+    "v3_rope_halves": (
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        dict(q_lora_rank=24, n_group=1, topk_group=1, rope_interleave=False, first_k_dense_replace=0),
+    ),
+}
+
+
+def save_tiny_deepseek(variant: str, path: str, *, seed: int = 0) -> str:
+    """A random tiny DeepSeek checkpoint (fp32 safetensors, larger init than HF's so greedy text
+    varies; norms, biases and the router's correction bias moved off their 0/1 init)."""
+    import torch
+    import transformers
+
+    architecture, config_class, overrides = VARIANTS[variant]
+    os.makedirs(path, exist_ok=True)
+    save_tokenizer(path, vocab_size=VOCAB)
+    config = getattr(transformers, config_class)(**{**_COMMON, **overrides})
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+            else:
+                p.add_(torch.randn_like(p) * 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+# Values a token takes in a layer's latent cache: kv_lora_rank + qk_rope_head_dim.
+LATENT_WIDTH = _COMMON["kv_lora_rank"] + _COMMON["qk_rope_head_dim"]
