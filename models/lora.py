@@ -117,16 +117,18 @@ class LoraWeights(nnx.Module):
 def tiled_update(x: jax.Array, a: jax.Array, b: jax.Array, tokens: LoraTokens) -> jax.Array:
     """Each token's `(x @ A[slot]) @ B[slot]`, float32 `[T, out]` (zeros without an adapter).
 
+    Each tile takes its slot's weights: the temporaries are one slot's copy per tile (N of them,
+    at most T / B plus the slots in use) and the `[T, out]` products, never a copy per token.
+
     Args:
       x: `[T, in]`; a: `[S, in, P * R]`; b: `[S, P * R, out]`; tokens: `lora_tokens(slots, S)`.
     """
     n, rows = tokens.tile_slots.shape[0], tokens.rows
     x_rows = jnp.take(x.astype(a.dtype), tokens.tile_tokens, axis=0, mode="fill", fill_value=0)
     x_rows = x_rows.reshape(n, rows, x.shape[1])  # [N, B, in]
-    xa = jnp.einsum("nbi,nir->nbr", x_rows, a[tokens.tile_slots], preferred_element_type=jnp.float32).astype(
-        b.dtype
-    )  # [N, B, P * R]
-    update = jnp.einsum("nbr,nro->nbo", xa, b[tokens.tile_slots], preferred_element_type=jnp.float32)
+    a_tiles, b_tiles = a[tokens.tile_slots], b[tokens.tile_slots]  # [N, in, P * R], [N, P * R, out]
+    xa = jnp.einsum("nbi,nir->nbr", x_rows, a_tiles, preferred_element_type=jnp.float32)
+    update = jnp.einsum("nbr,nro->nbo", xa.astype(b.dtype), b_tiles, preferred_element_type=jnp.float32)
     update = update.reshape(n * rows, b.shape[2])[tokens.token_rows]  # [T, out]
     return jnp.where(tokens.has_adapter[:, None], update, jnp.zeros((), update.dtype))
 
