@@ -156,6 +156,7 @@ def main() -> None:
                 print(f"{config} failed:\n{done.stderr[-3000:]}")
                 continue
             results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+            print(f"{config}: {results[-1]}", flush=True)  # each as it ends: a long run shows progress
     base = next((r for r in results if r["config"] == "base"), None)
     header = ("config", "out tok/s", "vs base", "tok/cpu-s", "vs base", "late compiles")
     print("{:<16} {:>10} {:>8} {:>10} {:>8} {:>14}".format(*header))
