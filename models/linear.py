@@ -42,7 +42,7 @@ class Linear(nnx.Module):
         """`x @ kernel` in float32, without the bias; plus each token's LoRA update when the
         projection carries adapter slots (`models.lora`)."""
         y = matmul(x, self.kernel, self.kernel_scale)
-        return y if self.lora is None else y + self.lora.delta(x)
+        return y if self.lora is None else self.lora.add_update(y, x)
 
     @classmethod
     def concatenated(cls, parts: Sequence[Linear], blocks: int = 1) -> Linear:

@@ -12,7 +12,10 @@ blocks as the fused kernel is, `Linear.concatenated`). Smaller ranks are zero-pa
 scaling (`lora_alpha / r`) is folded into `b`, so loading an adapter only writes one slot of
 arrays whose shapes never change: the step is never compiled again.
 
-Which slot each token uses comes with the step (`set_lora_tokens`, inside the jitted step).
+Which slot each token uses comes with the step (`set_lora_tokens`, inside the jitted step): the
+tokens with an adapter are grouped by slot in tiles (`LoraTokens`), each tile multiplied by its
+own slot's `a` and `b` only, so a token costs its own adapter's rank, whatever the other slots
+hold; a step without adapters does no adapter math at all.
 Adapter files (PEFT: `adapter_config.json` + `adapter_model.safetensors`) are read with NumPy
 (`models.lora_files`).
 """
@@ -28,6 +31,7 @@ from flax import nnx
 
 from models.layers import GatedMLP, PagedAttention
 from models.linear import Linear
+from models.moe import num_tiles, tile_rows
 from models.sharding import interleave_blocks, repeat_kv_heads
 
 # The HF module names an adapter may target, by where they live in a decoder layer.
@@ -44,39 +48,101 @@ class LoraB(nnx.Variable):
     """`[S, P * R, out]`: every slot's (scaled) B matrices, block diagonal over the parts."""
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoraTokens:
+    """A step's tokens grouped by adapter slot, for every projection's update (`lora_tokens`).
+
+    The tokens with an adapter are sorted by slot and each slot's tokens padded to a multiple
+    of `rows` (B), so every B-row tile holds one slot's tokens: a tile is multiplied by its own
+    slot's weights only, and tokens without an adapter are in no tile."""
+
+    any_adapter: jax.Array  # [] bool: some token has an adapter (else no adapter math at all)
+    has_adapter: jax.Array  # [T] bool
+    tile_tokens: jax.Array  # [N * B] int32: the token in each tiled row; T for an empty row
+    tile_slots: jax.Array  # [N] int32: the slot of each tile's tokens
+    token_rows: jax.Array  # [T] int32: each token's row in the tiled layout (0 without an adapter)
+    rows: int = dataclasses.field(metadata=dict(static=True))  # B
+
+
+def lora_tokens(slots: jax.Array, num_slots: int) -> LoraTokens:
+    """The tiling of a step's `[T]` slots (0: no adapter) over adapter slots 1..num_slots - 1.
+
+    The tile count is static (`moe.num_tiles`: each slot in use wastes under one tile), the rows
+    per tile about half the mean tokens per slot (`moe.tile_rows`): a decode step of a few
+    tokens per adapter multiplies few rows, a prefill step wide tiles."""
+    t = slots.shape[0]
+    groups = num_slots - 1
+    rows = tile_rows(t, groups)
+    n = num_tiles(t, groups, rows)
+    has_adapter = slots > 0
+    counts = jnp.bincount(slots, length=num_slots)  # [S] tokens per slot
+    padded = (counts.at[0].set(0) + rows - 1) // rows * rows  # [S] tiled rows; none for slot 0
+    padded_end = jnp.cumsum(padded)  # [S] where each slot's tiles end
+    group_start = jnp.cumsum(counts) - counts  # [S] each slot's first sorted position
+    order = jnp.argsort(slots, stable=True).astype(jnp.int32)  # [T] token at each sorted position
+    sorted_slots = slots[order]  # [T]
+    rank = jnp.arange(t, dtype=jnp.int32) - group_start[sorted_slots]  # [T] position in its slot
+    dest = padded_end[sorted_slots] - padded[sorted_slots] + rank  # [T] row in the tiled layout
+    dest = jnp.where(sorted_slots > 0, dest, n * rows).astype(jnp.int32)  # no adapter: no row
+    tile_tokens = jnp.full((n * rows,), t, jnp.int32).at[dest].set(order, mode="drop")
+    tile_slots = jnp.searchsorted(padded_end, jnp.arange(n) * rows, side="right")  # [N]
+    tile_slots = jnp.minimum(tile_slots, groups).astype(jnp.int32)  # past the last: empty rows
+    token_rows = jnp.zeros(t, jnp.int32).at[order].set(jnp.where(sorted_slots > 0, dest, 0))
+    return LoraTokens(jnp.any(has_adapter), has_adapter, tile_tokens, tile_slots, token_rows, rows)
+
+
 class LoraWeights(nnx.Module):
-    """One projection's adapter slots, and (inside a step) its tokens' slots as a one-hot mask."""
+    """One projection's adapter slots, and (inside a step) its tokens grouped by slot."""
 
     def __init__(self, a: np.ndarray, b: np.ndarray):
         self.a = LoraA(a)
         self.b = LoraB(b)
-        self.mask: jax.Array | None = nnx.data(None)  # [T, S - 1]: `set_lora_tokens`
+        self.tokens: LoraTokens | None = nnx.data(None)  # `set_lora_tokens`
 
-    def delta(self, x: jax.Array) -> jax.Array:
-        """`(x @ A[slot]) @ B[slot]` per token, float32 `[T, out]` (zeros for slot 0 tokens).
+    def add_update(self, y: jax.Array, x: jax.Array) -> jax.Array:
+        """`y [T, out]` (float32) plus each token's own `(x @ A[slot]) @ B[slot]`; a step without
+        adapters skips the update, and a token without an adapter gets nothing from any slot.
 
-        Every adapter slot's product is taken for every token and masked to the token's own: with
-        a few slots of a small rank this costs a few extra columns of the projection, and unlike
-        a gather of per-token weights its shapes and cost do not depend on the batch's adapters.
-        Slot 0 (no adapter) is all zeros and skipped."""
-        if self.mask is None:
+        Tokens are multiplied in tiles of one slot each (`LoraTokens`): a token is computed
+        with its own adapter only, and a non-finite slot cannot reach another slot's tokens
+        or tokens without an adapter (selected out, never multiplied by zero)."""
+        tokens = self.tokens
+        if tokens is None:
             raise ValueError("LoRA weights used outside a step: call set_lora_tokens first")
-        a, b = self.a[...][1:], self.b[...][1:]
-        xa = jnp.einsum("ti,sir->tsr", x.astype(a.dtype), a, preferred_element_type=jnp.float32)
-        xa = (xa * self.mask[:, :, None]).astype(b.dtype)
-        return jnp.einsum("tsr,sro->to", xa, b, preferred_element_type=jnp.float32)
+        a, b = self.a[...], self.b[...]
+        return jax.lax.cond(tokens.any_adapter, lambda: y + tiled_update(x, a, b, tokens), lambda: y)
+
+
+def tiled_update(x: jax.Array, a: jax.Array, b: jax.Array, tokens: LoraTokens) -> jax.Array:
+    """Each token's `(x @ A[slot]) @ B[slot]`, float32 `[T, out]` (zeros without an adapter).
+
+    Each tile takes its slot's weights: the temporaries are one slot's copy per tile (N of them,
+    at most T / B plus the slots in use) and the `[T, out]` products, never a copy per token.
+
+    Args:
+      x: `[T, in]`; a: `[S, in, P * R]`; b: `[S, P * R, out]`; tokens: `lora_tokens(slots, S)`.
+    """
+    n, rows = tokens.tile_slots.shape[0], tokens.rows
+    x_rows = jnp.take(x.astype(a.dtype), tokens.tile_tokens, axis=0, mode="fill", fill_value=0)
+    x_rows = x_rows.reshape(n, rows, x.shape[1])  # [N, B, in]
+    a_tiles, b_tiles = a[tokens.tile_slots], b[tokens.tile_slots]  # [N, in, P * R], [N, P * R, out]
+    xa = jnp.einsum("nbi,nir->nbr", x_rows, a_tiles, preferred_element_type=jnp.float32)
+    update = jnp.einsum("nbr,nro->nbo", xa.astype(b.dtype), b_tiles, preferred_element_type=jnp.float32)
+    update = update.reshape(n * rows, b.shape[2])[tokens.token_rows]  # [T, out]
+    return jnp.where(tokens.has_adapter[:, None], update, jnp.zeros((), update.dtype))
 
 
 def set_lora_tokens(model: nnx.Module, slots: jax.Array) -> None:
-    """Gives every projection with adapter slots this step's `[T]` slot of each token (traced:
-    call it on the step's own merged model, inside the jitted step)."""
-    masks: dict[int, jax.Array] = {}
+    """Gives every projection with adapter slots this step's `[T]` slot of each token, grouped
+    (`lora_tokens`; traced: call it on the step's own merged model, inside the jitted step)."""
+    grouped: dict[int, LoraTokens] = {}
     for _, module in nnx.iter_modules(model):
         if isinstance(module, LoraWeights):
             count = module.a.shape[0]
-            if count not in masks:
-                masks[count] = (slots[:, None] == jnp.arange(1, count)[None, :]).astype(jnp.float32)
-            module.mask = masks[count]
+            if count not in grouped:
+                grouped[count] = lora_tokens(slots, count)
+            module.tokens = grouped[count]
 
 
 @dataclasses.dataclass(frozen=True)

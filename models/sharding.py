@@ -11,6 +11,9 @@ family. The mesh has one axis, `MODEL_AXIS` (vLLM's `tensor_parallel_size`):
   (`linear.Linear.concatenated(blocks=N)`), so attention and the activation need no exchange;
 - row-parallel (input features split): `o_proj` and `down_proj`; XLA sums the partial products
   (one all-reduce per block); their biases are replicated (added once, after the sum);
+- LoRA adapter slots follow their projection: a column-parallel one's `b` split on its
+  outputs, a row-parallel one's `a` on its inputs, each device updating its own slice; the
+  small rank-side factor is replicated;
 - an int8 kernel's scale (`kernel_scale`, a tied head's `head_scale`) follows its kernel: per
   output channel (`[out]`) split where the columns are, replicated for the row-parallel ones;
   grouped (`[in / G, out]`, `GROUPED_SCALE_RULES`) split on its last axis for the
@@ -68,6 +71,11 @@ DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (rf"\.{_COLUMN_LINEARS}\.(bias|kernel_scale)$", _SPLIT),
     (r"\.(o_proj|down_proj)\.kernel$", _ROW),  # [in, D]
     (r"\.(o_proj|down_proj)\.bias$", _REPLICATED),
+    # LoRA slots (`models.lora`): B split on its outputs like a column-parallel kernel, A on its
+    # inputs like a row-parallel one; the other factor, `[S, in, P * R]` or `[S, P * R, out]`
+    # of a small rank, whole
+    (rf"\.{_COLUMN_LINEARS}\.lora\.b$", PartitionSpec(None, None, MODEL_AXIS)),  # [S, P * R, out]
+    (r"\.(o_proj|down_proj)\.lora\.a$", PartitionSpec(None, MODEL_AXIS, None)),  # [S, in, P * R]
     (r"embed_tokens\.embedding$", _ROW),  # [V, D]
     (r"embed_tokens\.head_kernel$", _COLUMN),  # [D, V], a tied head's copy
     (r"embed_tokens\.head_scale$", _SPLIT),  # [V], its int8 scales

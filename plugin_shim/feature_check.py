@@ -100,8 +100,9 @@ REFUSED: tuple[Refusal, ...] = (
         "LoRA computation sharded over tensor-parallel devices",
         "True",
         lambda c: c.lora_config is not None and bool(c.lora_config.fully_sharded_loras),
-        "leave it off: under tensor parallelism each adapter's update follows its projection's split "
-        "(the slot arrays themselves are replicated)",
+        "leave it off: under tensor parallelism each adapter's update follows its projection's split, "
+        "and so do its slot arrays (B split on a column-parallel projection's outputs, A on a "
+        "row-parallel one's inputs)",
     ),
     Refusal(
         "lora_target_modules",

@@ -52,6 +52,14 @@ M = MODEL_AXIS
         ("model.layers.0.input_layernorm.weight", (64,), P()),
         ("model.layers.0.self_attn.rope_table.value", (512, 16), P()),
         ("model.embed_tokens.embedding", (385, 64), P()),  # a vocabulary 4 does not divide
+        # LoRA slots `a [S, in, P * R]`, `b [S, P * R, out]`: split like their projection
+        ("model.layers.0.self_attn.qkv_proj.lora.a", (3, 64, 24), P()),
+        ("model.layers.0.self_attn.qkv_proj.lora.b", (3, 24, 128), P(None, None, M)),
+        ("model.layers.1.mlp.gate_up_proj.lora.b", (3, 16, 256), P(None, None, M)),
+        ("model.layers.3.self_attn.o_proj.lora.a", (3, 64, 8), P(None, M, None)),
+        ("model.layers.3.self_attn.o_proj.lora.b", (3, 8, 64), P()),
+        ("model.layers.1.mlp.down_proj.lora.a", (3, 128, 8), P(None, M, None)),
+        ("model.layers.1.mlp.down_proj.lora.b", (3, 8, 64), P()),
         # int8 kernels' per-output-channel scales: split with their kernel's columns
         ("model.layers.0.self_attn.qkv_proj.kernel_scale", (128,), P(M)),
         ("model.layers.1.mlp.gate_up_proj.kernel_scale", (256,), P(M)),
