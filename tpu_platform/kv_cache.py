@@ -15,6 +15,7 @@ from pallas_kernels import (
     allocate_latent_cache,
     kv_cache_partition_spec,
     latent_cache_partition_spec,
+    latent_page_bytes,
 )
 
 GIB = 1 << 30
@@ -147,3 +148,18 @@ def allocate_stacked_caches(
         return allocate()
     spec = latent_cache_partition_spec() if latent_width else kv_cache_partition_spec(backend, MODEL_AXIS)
     return jax.jit(allocate, out_shardings=NamedSharding(mesh, spec))()
+
+
+def page_bytes_per_device(
+    model_config: ModelConfig, page_size: int, heads_per_device: int, dtype: jnp.dtype, backend: str
+) -> int:
+    """Bytes one page of one layer takes on one device in the attention backend's own cache
+    layout (its share of the KV heads: pages are counted per device; a latent cache's page
+    whole)."""
+    if model_config.latent_cache_width:
+        return latent_page_bytes(page_size, model_config.latent_cache_width, dtype)
+    head_dim = model_config.head_dim
+    two_pages = jax.eval_shape(
+        lambda: allocate_kv_cache(2, page_size, heads_per_device, head_dim, dtype, backend=backend)
+    )
+    return two_pages.size * two_pages.dtype.itemsize // 2

@@ -19,7 +19,6 @@ from models import ModelConfig, PackedKernel, attach_rope_tables
 from models.lora import attach_lora
 from models.registry import architecture_fingerprint
 from models.sharding import kv_heads_on_mesh, parameter_sharding, place_state
-from pallas_kernels import allocate_kv_cache, latent_page_bytes
 from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
@@ -32,6 +31,7 @@ from tpu_platform.kv_cache import (
     available_kv_bytes,
     caches_per_array,
     kv_cache_dtype,
+    page_bytes_per_device,
 )
 from tpu_platform.lora_slots import LoraSlots
 from tpu_platform.mesh import replicated, tensor_parallel_mesh
@@ -224,19 +224,10 @@ class Runner:
         return 1 if self.model_config.latent_cache_width else self.kv_heads // self.tp_size
 
     def kv_page_bytes(self) -> int:
-        """Bytes one page of one layer takes on one device in the attention backend's own cache
-        layout (its share of the KV heads: pages are counted per device; a latent cache's page
-        whole)."""
-        mc = self.model_config
-        if mc.latent_cache_width:
-            return latent_page_bytes(self.config.page_size, mc.latent_cache_width, self.kv_dtype)
-        heads = self.kv_heads_per_device
-        two_pages = jax.eval_shape(
-            lambda: allocate_kv_cache(
-                2, self.config.page_size, heads, mc.head_dim, self.kv_dtype, backend=self.backend
-            )
+        """Bytes one page of one layer takes on one device (`kv_cache.page_bytes_per_device`)."""
+        return page_bytes_per_device(
+            self.model_config, self.config.page_size, self.kv_heads_per_device, self.kv_dtype, self.backend
         )
-        return two_pages.size * two_pages.dtype.itemsize // 2
 
     def available_kv_bytes(
         self, memory_utilization: float, cpu_kv_cache_gb: float, explicit_bytes: int | None = None
