@@ -8,11 +8,13 @@ loaded ones (a request may race an unload and get a 404: counted apart, not as a
 
 Hostile phase, after the mixed traffic, each step with its expected outcome: a `logit_bias` of
 5000 entries (refused, 4xx), `prompt_logprobs` cycling 0..5 (served, with that many per
-position), an adapter holding a NaN (refused at load, 4xx), an adapter whose `target_modules` is a
-catastrophically backtracking regular expression (refused, 4xx, within the step's timeout).
+position), an adapter holding a NaN (refused at load with its reason: vLLM's server answers every failed
+load with a 500 carrying it), an adapter whose `target_modules` is a catastrophically
+backtracking regular expression (matched in linear time: served, or refused, within the step's
+timeout).
 Between steps a greedy probe of the base model must answer, with the text it gave first: no
-adapter or request may stop or poison the engine. The regex step comes last: where it is not
-refused it hangs the engine, and the probes after it say so.
+adapter or request may stop or poison the engine. The regex step comes last: a matcher that
+backtracks would hang the engine there, and the probes after it say so.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ RANK = 8
 LORA_SERVER_ARGS = ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2", "--max-lora-rank", str(RANK)]
 # Backtracks for ever on a module name it does not match (nested quantifiers over the same text).
 CATASTROPHIC_TARGETS = r"(\w+\.?)*\.x_proj$"
+# What our refusal of the NaN adapter says (models/lora_files.py), found in the server's answer.
+NAN_REFUSAL = "holds NaN or infinite values"
 PROBE = {"prompt": "The river runs to the sea and", "max_tokens": 12, "temperature": 0.0}
 
 
@@ -93,15 +97,21 @@ class LoraTraffic:
 
 async def _post(session, url: str, body: dict[str, Any], timeout: float | None = None) -> str:
     """The HTTP status of a POST, or the name of the error that stopped it."""
+    return (await _post_answer(session, url, body, timeout))[0]
+
+
+async def _post_answer(
+    session, url: str, body: dict[str, Any], timeout: float | None = None
+) -> tuple[str, str]:
+    """The HTTP status of a POST (or the name of the error that stopped it) and its body."""
     import aiohttp
 
     try:
         kwargs = {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}
         async with session.post(url, json=body, **kwargs) as response:
-            await response.read()
-            return str(response.status)
+            return str(response.status), (await response.read()).decode(errors="replace")
     except (TimeoutError, aiohttp.ClientError) as error:
-        return type(error).__name__
+        return type(error).__name__, ""
 
 
 async def _complete(session, base: str, body: dict[str, Any], timeout: float) -> tuple[str, dict | None]:
@@ -167,9 +177,14 @@ async def hostile_phase(
         status, payload = await _complete(session, base, body, timeout)
         return status, status == "200" and _prompt_logprobs_ok(payload, n)
 
-    def load(name: str):
+    def load(name: str, refusal: str | None):
+        """Loads adapter `name`. Where `refusal` is given the load must be refused with that text:
+        a 4xx, or the 500 that vLLM's server answers for every failed load but a missing adapter
+        (its `load_lora_adapter`), carrying our reason; the engine lives on (the probe checks).
+        Else the load may be served or refused, promptly."""
+
         async def run():
-            status = await _post(
+            status, answer = await _post_answer(
                 session,
                 f"{base}/v1/load_lora_adapter",
                 {"lora_name": f"hostile-{name}", "lora_path": adapters[name]},
@@ -180,7 +195,10 @@ async def hostile_phase(
                 await _post(
                     session, f"{base}/v1/unload_lora_adapter", {"lora_name": f"hostile-{name}"}, timeout
                 )
-            return status, status.startswith("4")
+            named = refusal is not None and refusal in answer
+            refused = status.startswith("4") or (status == "500" and named)
+            outcome = "refused" if refused else status
+            return outcome, refused if refusal is not None else (status == "200" or refused)
 
         return run
 
@@ -188,8 +206,9 @@ async def hostile_phase(
     for n in [n for _ in range(rounds) for n in range(6)]:
         await step(f"prompt_logprobs_{n}", "200", lambda n=n: prompt_logprobs(n))
     if adapters:  # a server with LoRA enabled
-        await step("nan_adapter", "4xx", load("nan"))
-        await step("regex_adapter", "4xx", load("regex"))
+        await step("nan_adapter", "refused", load("nan", NAN_REFUSAL))
+        # Matched in linear time: served, or refused by name, but never a stalled engine.
+        await step("regex_adapter", "200 or refused", load("regex", None))
     return {
         "steps": steps,
         "first_probe": first,

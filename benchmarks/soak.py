@@ -48,6 +48,7 @@ from typing import Any
 from _serve import HOST, free_port, start_server, stop_server, wait_healthy
 from _soak_hostile import (
     LORA_SERVER_ARGS,
+    NAN_REFUSAL,
     LoraTraffic,
     hostile_phase,
     probe,
@@ -394,6 +395,13 @@ def rss_growth(samples: list[dict], after_seconds: float) -> dict[str, dict[str,
     }
 
 
+def _unexpected_tracebacks(log: str) -> int:
+    """Tracebacks in the server's log but those vLLM's engine logs for an adapter load we refused
+    (its `add_lora` utility call re-raises our refusal: the hostile phase's NaN adapter)."""
+    blocks = log.split("Traceback (most recent call last)")[1:]
+    return sum(1 for block in blocks if NAN_REFUSAL not in block)
+
+
 def report(run: dict[str, Any], args, command: list[str], served_log: str) -> dict[str, Any]:
     """The figures and checks of a run; `served_log` is the server's log up to its shutdown."""
     tally: Tally = run.pop("tally")
@@ -422,7 +430,7 @@ def report(run: dict[str, Any], args, command: list[str], served_log: str) -> di
         "engine_alive_at_end": run["engine_alive_at_end"],
         "hostile_steps_as_expected": hostile["all_expected"],
         "base_output_unchanged_by_hostile_steps": hostile["base_output_unchanged"],
-        "no_tracebacks_while_serving": "Traceback" not in served_log,
+        "no_tracebacks_while_serving": _unexpected_tracebacks(served_log) == 0,
         "rss_growth_under_5pct": bool(growth) and all(g["growth_pct"] < 5 for g in growth.values()),
     }
     return {
@@ -440,6 +448,7 @@ def report(run: dict[str, Any], args, command: list[str], served_log: str) -> di
         "rss_growth_after_first_minute": growth,
         "compilations_after_warmup": compiles_after,
         "server_log_tracebacks": served_log.count("Traceback"),
+        "server_log_unexpected_tracebacks": _unexpected_tracebacks(served_log),
         "checks": checks,
         "passed": all(checks.values()),
         **run,
