@@ -8,7 +8,9 @@ offline `LoRARequest` never added, or an adapter evicted from the host cache who
 gone since). vLLM 0.32 gives a worker no way to fail one request (its runners end the engine),
 so such a request is ended by its own stop condition instead: it samples only its stop token
 (EOS, else its first stop id) on the base model, returns no text, and the error naming the
-request, the adapter and why is logged. The engine and every other request go on.
+request, the adapter and why is logged. A pooling request ends with an empty vector (the
+server's classify and score answers then fail that request alone). The engine and every other
+request go on.
 """
 
 from __future__ import annotations
@@ -62,9 +64,13 @@ def add(runner: Runner, request: LoRARequest) -> bool:
     )
 
 
-def admit_requested(runner: Runner, output: SchedulerOutput, update: BatchUpdate) -> BatchUpdate:
-    """Reads the adapters this step's new requests name (before the step takes slots); `update`
-    with each request whose adapter cannot be read ended by its stop token (see the module)."""
+def admit_requested(
+    runner: Runner, output: SchedulerOutput, update: BatchUpdate
+) -> tuple[BatchUpdate, frozenset[str]]:
+    """Reads the adapters this step's new requests name (before the step takes slots): `update`
+    with each request whose adapter cannot be read served on the base model and a generating one
+    ended by its stop token, and the ids of the pooling requests among them, which end without a
+    vector (see the module)."""
     slots = adapters(runner)
     named: dict[str, tuple[LoRARequest, SamplingParams | None]] = {}
     for request in output.scheduled_new_reqs:
@@ -74,21 +80,23 @@ def admit_requested(runner: Runner, output: SchedulerOutput, update: BatchUpdate
             named[request.req_id] = (lora, request.sampling_params)
     failed = slots.read_ahead([lora.lora_int_id for lora, _ in named.values()]) if named else {}
     if not failed:
-        return update
-    refused = {}
+        return update, frozenset()
+    refused, unanswered = {}, set()
     for request in update.new_requests:
         lora, params = named.get(request.req_id, (None, None))
         if lora is None or lora.lora_int_id not in failed:
             continue
-        if params is None:  # a pooling request has no stop condition to end it by
-            raise ValueError(f"request {request.req_id}: {failed[lora.lora_int_id]}")
         logger.error(
             "request %s is ended without output: %s (vLLM gives a worker no way to fail one request)",
             request.req_id, failed[lora.lora_int_id],
         )  # fmt: skip
-        refused[request.req_id] = dataclasses.replace(request, lora_id=0, sampling=_stop_at_once(params))
+        if params is None:  # a pooling request: no sampling, its vector is withheld
+            unanswered.add(request.req_id)
+            refused[request.req_id] = dataclasses.replace(request, lora_id=0)
+        else:
+            refused[request.req_id] = dataclasses.replace(request, lora_id=0, sampling=_stop_at_once(params))
     new = [refused.get(request.req_id, request) for request in update.new_requests]
-    return dataclasses.replace(update, new_requests=new)
+    return dataclasses.replace(update, new_requests=new), frozenset(unanswered)
 
 
 def _stop_at_once(params: SamplingParams) -> SamplingOptions:

@@ -10,6 +10,8 @@ with `tpu_platform.pooling`'s jitted pooling; anything else is refused by name.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import TYPE_CHECKING
 
 import torch
@@ -134,12 +136,18 @@ def pooling_options(params: PoolingParams) -> PoolingOptions:
     return PoolingOptions(dimensions=params.dimensions, activation=activation)
 
 
-def execute_pooling(runner: Runner, scheduler_output: SchedulerOutput, update) -> ModelRunnerOutput:
-    """One step of a pooling engine: the new requests' options, the forward, the pooled rows."""
+def execute_pooling(
+    runner: Runner, scheduler_output: SchedulerOutput, update, unanswered: frozenset[str] = frozenset()
+) -> ModelRunnerOutput:
+    """One step of a pooling engine: the new requests' options, the forward, the pooled rows
+    (`unanswered`: requests that end with an empty row, see `plugin_shim.lora`)."""
     for r in scheduler_output.scheduled_new_reqs:
         if r.pooling_params is None:
             raise ValueError(f"request {r.req_id!r} reached a pooling engine without pooling parameters")
-        runner.pooling_requests.add(r.req_id, pooling_options(r.pooling_params))
+        options = pooling_options(r.pooling_params)
+        if r.req_id in unanswered:
+            options = dataclasses.replace(options, answered=False)
+        runner.pooling_requests.add(r.req_id, options)
     runner.execute(update)
     if not scheduler_output.total_num_scheduled_tokens:
         return EMPTY_MODEL_RUNNER_OUTPUT

@@ -204,13 +204,13 @@ class XlaWorker(WorkerBase):
 
     def execute_model(self, scheduler_output):
         start = time.perf_counter()
-        update = translate.batch_update(scheduler_output)
+        update, unanswered = translate.batch_update(scheduler_output), frozenset()
         if self.runner.lora is not None:
-            update = lora.admit_requested(self.runner, scheduler_output, update)
+            update, unanswered = lora.admit_requested(self.runner, scheduler_output, update)
         self.runner.stats.host_seconds += time.perf_counter() - start
         if self.runner.config.pooling is not None:  # a pooling engine's step output: no sampling
             with hosts.naming_lost_hosts(self.num_hosts):
-                output = execute_pooling(self.runner, scheduler_output, update)
+                output = execute_pooling(self.runner, scheduler_output, update, unanswered)
             return output if self.replies else None
         with hosts.naming_lost_hosts(self.num_hosts):
             self.runner.execute(update)

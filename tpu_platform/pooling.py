@@ -53,10 +53,13 @@ class PoolingConfig:
 @dataclasses.dataclass(frozen=True)
 class PoolingOptions:
     """One request's options: `dimensions` kept (None: all), and whether its activation applies
-    (normalization for `embed`, the classifier's activation for `classify`)."""
+    (normalization for `embed`, the classifier's activation for `classify`). A request that must
+    end without a vector (its LoRA adapter could not be read at its step) has `answered` False:
+    its row is empty."""
 
     dimensions: int | None = None
     activation: bool = True
+    answered: bool = True
 
 
 # Rows of the `[4, R]` int32 array a pooling program takes (one transfer a step).
@@ -164,9 +167,10 @@ class PoolingRequests:
 def pooled_outputs(
     pooled: np.ndarray, emits: np.ndarray, options: Sequence[PoolingOptions]
 ) -> list[np.ndarray | None]:
-    """Each sequence's row (its `dimensions` columns), where the step reached its prompt's end;
-    None for a partial prefill chunk."""
+    """Each sequence's row (its `dimensions` columns; none for a request not `answered`), where
+    the step reached its prompt's end; None for a partial prefill chunk."""
     out: list[np.ndarray | None] = []
     for i, (done, o) in enumerate(zip(emits.tolist(), options, strict=True)):
-        out.append(pooled[i, : o.dimensions].copy() if done else None)
+        width = o.dimensions if o.answered else 0
+        out.append(pooled[i, :width].copy() if done else None)
     return out

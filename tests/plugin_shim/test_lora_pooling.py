@@ -56,3 +56,16 @@ def test_an_embedder_with_and_without_an_adapter_matches_transformers(setup):
         assert np.abs(want_adapted - want_base).max() > 1e-2  # the adapter changes the embedding
         np.testing.assert_allclose(b.outputs.embedding, want_base, atol=1e-4)
         np.testing.assert_allclose(a.outputs.embedding, want_adapted, atol=1e-4)
+
+
+def test_an_unreadable_adapter_ends_its_request_with_an_empty_vector_and_the_engine_goes_on(setup, tmp_path):
+    """vLLM gives a worker no way to fail one request: the request whose adapter cannot be read
+    ends with an empty vector; its step's other request and the next calls are served."""
+    llm, hf, _, _ = setup
+    missing = LoRARequest("missing", 2, str(tmp_path / "never-written"))
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
+    mixed = llm.embed(prompts, lora_request=[missing, None])
+    assert len(mixed[0].outputs.embedding) == 0
+    np.testing.assert_allclose(mixed[1].outputs.embedding, _embedding(hf, PROMPTS[1]), atol=1e-4)
+    after = llm.embed(prompts[:1])
+    np.testing.assert_allclose(after[0].outputs.embedding, _embedding(hf, PROMPTS[0]), atol=1e-4)

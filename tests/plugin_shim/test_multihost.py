@@ -29,7 +29,10 @@ from tests.tiny_models import save_tiny_llama
 pytestmark = pytest.mark.slow  # four vLLM processes and two JAX hosts
 
 NEW_TOKENS = 6
-TIMEOUT_S = 20  # --distributed-timeout-seconds: the join's and a silent host's bound
+# --distributed-timeout-seconds: the join's and a silent host's bound. The join starts when a
+# host's worker starts, and host 0's worker comes up behind its API server and engine processes:
+# on a loaded 2-core machine that is tens of seconds after the headless host's.
+TIMEOUT_S = 60
 # Chunked prefill (an 8-token step), 8 pages of 16 tokens for four long sequences (preemption).
 CROWDED_TOKENS = 12
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, seed=0)
