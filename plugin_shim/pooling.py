@@ -11,7 +11,6 @@ with `tpu_platform.pooling`'s jitted pooling; anything else is refused by name.
 from __future__ import annotations
 
 import dataclasses
-
 from typing import TYPE_CHECKING
 
 import torch
