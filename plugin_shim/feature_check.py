@@ -375,7 +375,8 @@ SUPPORTED: tuple[Supported, ...] = (
     Supported(
         "Scheduler options",
         "max_num_seqs, max_model_len, scheduling_policy, scheduler_cls",
-        "a scheduler_cls (a subclass of vLLM's v1 Scheduler) runs unchanged",
+        "a scheduler_cls (a subclass of vLLM's v1 Scheduler) runs unchanged; with LoRA on and none "
+        "set, vLLM's scheduler extended to fail one request whose adapter cannot be read",
     ),
     Supported(
         "Out-of-tree models",

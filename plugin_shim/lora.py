@@ -5,12 +5,13 @@ Adapters are read and checked when vLLM's `add_lora` asks (the server's /v1/load
 resolvers, `LLM.llm_engine.add_lora`): a bad one is refused there, by name, and only that call
 fails. A request may still name an adapter the worker cannot read when its step comes (an
 offline `LoRARequest` never added, or an adapter evicted from the host cache whose files have
-gone since). vLLM 0.32 gives a worker no way to fail one request (its runners end the engine),
-so such a request is ended by its own stop condition instead: it samples only its stop token
-(EOS, else its first stop id) on the base model, returns no text, and the error naming the
-request, the adapter and why is logged. A pooling request ends with an empty vector (the
-server's classify and score answers then fail that request alone). The engine and every other
-request go on.
+gone since). Such a request fails alone: the worker names it and why in the step's output, and
+vLLM's scheduler finishes it with an error (`plugin_shim.request_failures`; the server answers
+it with a 500). Its row is also ended by its own stop condition, which is all that ends it under
+a scheduler that cannot fail requests: it samples only its stop token (EOS, else its first stop
+id) on the base model and returns no text. A pooling request ends with an empty vector (the
+server's classify and score answers then fail that request alone). The error naming the
+request, the adapter and why is logged; the engine and every other request go on.
 """
 
 from __future__ import annotations
@@ -66,11 +67,10 @@ def add(runner: Runner, request: LoRARequest) -> bool:
 
 def admit_requested(
     runner: Runner, output: SchedulerOutput, update: BatchUpdate
-) -> tuple[BatchUpdate, frozenset[str]]:
+) -> tuple[BatchUpdate, dict[str, str]]:
     """Reads the adapters this step's new requests name (before the step takes slots): `update`
-    with each request whose adapter cannot be read served on the base model and a generating one
-    ended by its stop token, and the ids of the pooling requests among them, which end without a
-    vector (see the module)."""
+    with each request whose adapter cannot be read served on the base model (a generating one
+    ended by its stop token), and those requests' ids with why (see the module)."""
     slots = adapters(runner)
     named: dict[str, tuple[LoRARequest, SamplingParams | None]] = {}
     for request in output.scheduled_new_reqs:
@@ -80,23 +80,20 @@ def admit_requested(
             named[request.req_id] = (lora, request.sampling_params)
     failed = slots.read_ahead([lora.lora_int_id for lora, _ in named.values()]) if named else {}
     if not failed:
-        return update, frozenset()
-    refused, unanswered = {}, set()
+        return update, {}
+    refused, reasons = {}, {}
     for request in update.new_requests:
         lora, params = named.get(request.req_id, (None, None))
         if lora is None or lora.lora_int_id not in failed:
             continue
-        logger.error(
-            "request %s is ended without output: %s (vLLM gives a worker no way to fail one request)",
-            request.req_id, failed[lora.lora_int_id],
-        )  # fmt: skip
+        reasons[request.req_id] = failed[lora.lora_int_id]
+        logger.error("request %s is ended without output: %s", request.req_id, reasons[request.req_id])
         if params is None:  # a pooling request: no sampling, its vector is withheld
-            unanswered.add(request.req_id)
             refused[request.req_id] = dataclasses.replace(request, lora_id=0)
         else:
             refused[request.req_id] = dataclasses.replace(request, lora_id=0, sampling=_stop_at_once(params))
     new = [refused.get(request.req_id, request) for request in update.new_requests]
-    return dataclasses.replace(update, new_requests=new), frozenset(unanswered)
+    return dataclasses.replace(update, new_requests=new), reasons
 
 
 def _stop_at_once(params: SamplingParams) -> SamplingOptions:

@@ -118,6 +118,10 @@ class XlaPlatform(Platform):
             if not cache.user_specified_block_size:
                 cache.block_size = default_page_size(read_env().platform, kv_dtype)
         _async_scheduling_off_on_cpu(vllm_config.scheduler_config)
+        if vllm_config.lora_config is not None:  # an adapter unreadable at its step fails its request
+            from plugin_shim.request_failures import scheduler_fails_requests
+
+            scheduler_fails_requests(vllm_config.scheduler_config)
         _engine_start_method()
 
     @classmethod

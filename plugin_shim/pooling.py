@@ -11,6 +11,7 @@ with `tpu_platform.pooling`'s jitted pooling; anything else is refused by name.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -136,7 +137,7 @@ def pooling_options(params: PoolingParams) -> PoolingOptions:
 
 
 def execute_pooling(
-    runner: Runner, scheduler_output: SchedulerOutput, update, unanswered: frozenset[str] = frozenset()
+    runner: Runner, scheduler_output: SchedulerOutput, update, unanswered: Collection[str] = ()
 ) -> ModelRunnerOutput:
     """One step of a pooling engine: the new requests' options, the forward, the pooled rows
     (`unanswered`: requests that end with an empty row, see `plugin_shim.lora`)."""

@@ -25,6 +25,7 @@ from plugin_shim.logs import share_vllm_logging
 from plugin_shim.parallel import mesh_tensor_parallel_size
 from plugin_shim.platform import runner_load_format
 from plugin_shim.pooling import execute_pooling, pooling_config, supported_tasks
+from plugin_shim.request_failures import with_failures
 from tpu_platform.envs import read_env
 from tpu_platform.metrics_file import MetricsPublisher, metrics_path
 from tpu_platform.runner import InFlightStep, Runner, RunnerConfig
@@ -60,12 +61,13 @@ def layer_placement(config: KVCacheConfig, num_layers: int) -> tuple[tuple[int, 
 class _AsyncOutput(AsyncModelRunnerOutput):
     """A sampled step's output, resolved when vLLM asks for it (async scheduling)."""
 
-    def __init__(self, worker: XlaWorker, step: InFlightStep):
+    def __init__(self, worker: XlaWorker, step: InFlightStep, failures: dict[str, str]):
         self._worker = worker
         self._step = step
+        self._failures = failures
 
     def get_output(self):
-        return self._worker.step_output(self._step)
+        return self._worker.step_output(self._step, self._failures)
 
 
 class XlaWorker(WorkerBase):
@@ -78,6 +80,7 @@ class XlaWorker(WorkerBase):
         env = read_env()
         self.env = env
         self.metrics: MetricsPublisher | None = None  # set once warm-up is done
+        self.failures: dict[str, str] = {}  # the executed step's failed requests, until it is sampled
         self.device = torch.device("cpu")
         # Across hosts, before JAX starts a backend: JAX's hosts, then vLLM's (docs/multihost.md).
         hosts.join(self.vllm_config, self.rank, self.local_rank, self.distributed_init_method)
@@ -204,20 +207,21 @@ class XlaWorker(WorkerBase):
 
     def execute_model(self, scheduler_output):
         start = time.perf_counter()
-        update, unanswered = translate.batch_update(scheduler_output), frozenset()
+        update, failures = translate.batch_update(scheduler_output), {}
         if self.runner.lora is not None:
-            update, unanswered = lora.admit_requested(self.runner, scheduler_output, update)
+            update, failures = lora.admit_requested(self.runner, scheduler_output, update)
         self.runner.stats.host_seconds += time.perf_counter() - start
         if self.runner.config.pooling is not None:  # a pooling engine's step output: no sampling
             with hosts.naming_lost_hosts(self.num_hosts):
-                output = execute_pooling(self.runner, scheduler_output, update, unanswered)
+                output = execute_pooling(self.runner, scheduler_output, update, failures)
             return output if self.replies else None
         with hosts.naming_lost_hosts(self.num_hosts):
             self.runner.execute(update)
+        self.failures = failures  # reported with the step's sampled output
         if self.logits_bridge is not None:
             self.logits_bridge.update(scheduler_output, self.runner.table.row_of)
         if not scheduler_output.total_num_scheduled_tokens:
-            return EMPTY_MODEL_RUNNER_OUTPUT  # no sample_tokens call follows: this is the step's output
+            return with_failures(EMPTY_MODEL_RUNNER_OUTPUT, failures)  # no sample_tokens call follows
         return None
 
     def sample_tokens(self, grammar_output):
@@ -228,12 +232,14 @@ class XlaWorker(WorkerBase):
             step = self.runner.sample_async(
                 translate.grammar_bitmasks(grammar_output), logits_transform=bridge.apply if bridge else None
             )
+        failures, self.failures = self.failures, {}
         if self.vllm_config.scheduler_config.async_scheduling and bridge is None:
-            return _AsyncOutput(self, step)
-        return self.step_output(step)
+            return _AsyncOutput(self, step, failures)
+        return self.step_output(step, failures)
 
-    def step_output(self, step: InFlightStep):
-        """vLLM's `ModelRunnerOutput` for a sampled step, once its tokens are on the host."""
+    def step_output(self, step: InFlightStep, failures: dict[str, str]):
+        """vLLM's `ModelRunnerOutput` for a sampled step, once its tokens are on the host, naming
+        the step's failed requests (`plugin_shim.request_failures`)."""
         with hosts.naming_lost_hosts(self.num_hosts):
             result = self.runner.finish(step)
         if self.logits_bridge is not None:
@@ -243,7 +249,7 @@ class XlaWorker(WorkerBase):
         if not self.replies:  # another host's worker: its tokens are recorded, vLLM reads host 0's
             return None
         start = time.perf_counter()
-        output = translate.model_runner_output(result)
+        output = with_failures(translate.model_runner_output(result), failures)
         self.runner.stats.host_seconds += time.perf_counter() - start
         return output
 

@@ -3,8 +3,9 @@
 `max_cpu_loras` and `max_loras`, with adapters loaded, removed (also while their requests run) and
 reloaded in place between steps, for hundreds of steps: the engine never dies and every request's
 greedy tokens equal transformers' with its adapter merged. A request whose adapter cannot be read
-when its step comes (a bad offline path, files gone after an eviction) ends without output and
-the engine and the other requests go on; a poisoned adapter is refused by name at add_lora."""
+when its step comes (a bad offline path, files gone after an eviction) fails alone with
+`finish_reason` "error" (under a user's scheduler class: ends by its stop token, no text), and the
+engine and the other requests go on; a poisoned adapter is refused by name at add_lora."""
 
 import gc
 import json
@@ -145,7 +146,7 @@ def test_random_traffic_over_more_adapters_than_slots_and_cache(served):
     assert llm.collective_rpc("runner_stats")[0]["compiles_after_warmup"] == 0
 
 
-def test_a_request_whose_adapter_cannot_be_read_ends_without_output(served, tmp_path):
+def test_a_request_whose_adapter_cannot_be_read_fails_alone(served, tmp_path):
     llm, adapters = served
     prompts = [[1, 5, 9, 17], [1, 40, 41], [1, 7, 8, 9, 10]]
     bad = LoRARequest("nowhere", 77, str(tmp_path / "nowhere"))
@@ -159,7 +160,7 @@ def test_a_request_whose_adapter_cannot_be_read_ends_without_output(served, tmp_
     assert list(outputs[0].outputs[0].token_ids) == adapters.greedy("qv", prompts[0])
     assert list(outputs[2].outputs[0].token_ids) == adapters.greedy(None, prompts[2])
     refused = outputs[1].outputs[0]
-    assert list(refused.token_ids) == [2] and refused.text == "" and refused.finish_reason == "stop"
+    assert list(refused.token_ids) == [] and refused.text == "" and refused.finish_reason == "error"
     # An adapter evicted from the host cache (3 adapters) whose files are gone since.
     gone = adapters.requests["ko"]
     copy = str(tmp_path / "ko")
@@ -176,8 +177,32 @@ def test_a_request_whose_adapter_cannot_be_read_ends_without_output(served, tmp_
         lora_request=[gone, adapters.requests["mlp"]],
         use_tqdm=False,
     )
-    assert list(outputs[0].outputs[0].token_ids) == [2] and outputs[0].outputs[0].text == ""
+    assert list(outputs[0].outputs[0].token_ids) == [] and outputs[0].outputs[0].finish_reason == "error"
     assert list(outputs[1].outputs[0].token_ids) == adapters.greedy("mlp", prompts[1])
+
+
+def test_under_a_user_scheduler_class_the_request_ends_by_its_stop_token(served, tmp_path):
+    """A scheduler class of the user's own is kept: the request whose adapter cannot be read is
+    then ended by the worker's fallback, its stop token and no text, and the others are served."""
+    llm, adapters = served
+    own = LLM(
+        model=llm.llm_engine.model_config.model, dtype="float32", max_model_len=64, max_num_seqs=2,
+        max_num_batched_tokens=32, seed=0, enable_lora=True, max_loras=1, max_lora_rank=8,
+        scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler",
+    )  # fmt: skip
+    prompts = [[1, 5, 9, 17], [1, 40, 41]]
+    bad = LoRARequest("nowhere", 77, str(tmp_path / "nowhere"))
+    outputs = own.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), GREEDY],
+        lora_request=[bad, None],
+        use_tqdm=False,
+    )
+    refused = outputs[0].outputs[0]
+    assert list(refused.token_ids) == [2] and refused.text == "" and refused.finish_reason == "stop"
+    assert list(outputs[1].outputs[0].token_ids) == adapters.greedy(None, prompts[1])
+    del own
+    gc.collect()
 
 
 @pytest.mark.parametrize(
