@@ -7,6 +7,7 @@ that adapter merged, a broken adapter is refused naming it, and the server keeps
 
 import json
 import os
+import shutil
 import textwrap
 import urllib.error
 import urllib.request
@@ -174,3 +175,23 @@ def test_adapters_load_and_unload_at_run_time(setup, server):
         ),
         0,
     )
+
+
+def test_a_request_whose_adapter_is_gone_at_its_step_fails_alone(setup, server):
+    """An adapter evicted from the host cache whose files are gone since: its request fails with
+    a 500 naming no more than vLLM's server does, the server logs why, and it keeps serving."""
+    model_dir, dirs, texts, root, _ = setup
+    base, log_path = server
+    gone = root / "gone"
+    shutil.copytree(dirs["loaded"], gone)
+    _post_text(f"{base}/v1/load_lora_adapter", {"lora_name": "gone", "lora_path": str(gone)})
+    assert _complete(base, "gone") == texts["loaded"]
+    for name in ("fs-adapter", "mine-adapter"):  # the host cache holds two: "gone" is evicted
+        assert _complete(base, name) == texts[name]
+    shutil.rmtree(gone)
+    code, _ = _error(lambda: _complete(base, "gone"))
+    assert code == 500
+    assert _complete(base, model_dir) == texts[None]
+    assert _complete(base, "fs-adapter") == texts["fs-adapter"]
+    log = log_path.read_text()
+    assert "is ended without output" in log and str(gone) in log
