@@ -80,6 +80,13 @@ def _pooling_asked(config: VllmConfig) -> str:
     return f"runner={model.runner_type!r}, convert={model.convert_type!r}" + (f" ({why})" if why else "")
 
 
+def _dp_across_hosts(parallel) -> bool:
+    size = parallel.data_parallel_size
+    if size <= 1 or parallel.data_parallel_external_lb or parallel.data_parallel_hybrid_lb:
+        return False  # refused as replicas started one by one
+    return parallel.nnodes > 1 or parallel.data_parallel_size_local != size
+
+
 _NO_PARALLELISM = (
     "use --tensor-parallel-size to split the model over this host's devices (one process per "
     "host behind a load balancer scales out)"
@@ -174,11 +181,22 @@ REFUSED: tuple[Refusal, ...] = (
         _NO_PARALLELISM,
     ),
     Refusal(
-        "data_parallel_size",
-        "data parallelism",
-        "> 1",
-        lambda c: _parallel(c).data_parallel_size > 1,
-        _NO_PARALLELISM,
+        "data_parallel_size with nnodes / data_parallel_size_local",
+        "data parallelism across hosts",
+        "a replica on another host",
+        lambda c: _dp_across_hosts(_parallel(c)),
+        "run every replica on this host (--data-parallel-size N with N x --tensor-parallel-size "
+        "devices), and one such server a host behind a load balancer",
+    ),
+    Refusal(
+        "data_parallel_external_lb / data_parallel_hybrid_lb / data_parallel_rank",
+        "data-parallel replicas started one by one (external or hybrid load balancing)",
+        "True",
+        lambda c: (
+            _parallel(c).data_parallel_size > 1
+            and (bool(_parallel(c).data_parallel_external_lb) or bool(_parallel(c).data_parallel_hybrid_lb))
+        ),
+        "start the replicas together with --data-parallel-size N (vLLM's internal load balancer)",
     ),
     Refusal(
         "decode_context_parallel_size",
@@ -319,6 +337,12 @@ SUPPORTED: tuple[Supported, ...] = (
         "tensor_parallel_size",
         "one worker drives a JAX mesh of the host's devices (models/sharding.py); the Ray executor "
         "is refused",
+    ),
+    Supported(
+        "Data parallelism on one host",
+        "data_parallel_size, data_parallel_size_local, data_parallel_address, data_parallel_rpc_port",
+        "N replicas, each vLLM's engine process driving its own tensor_parallel_size devices "
+        "(plugin_shim/data_parallel.py); vLLM's front end spreads the requests",
     ),
     Supported(
         "Tensor parallelism across hosts",

@@ -48,14 +48,15 @@ def configure_parallel(vllm_config: VllmConfig) -> None:
         _async_scheduling_off_across_hosts(vllm_config)
         return
     backend = parallel.distributed_executor_backend
-    if parallel.tensor_parallel_size > 1:
-        if backend not in (None, "mp", "uni"):
-            raise ValueError(
-                f"distributed_executor_backend={backend!r} is not supported by vllm-xla: one process "
-                "drives every device of the host; leave --distributed-executor-backend unset"
-            )
-        # vLLM picks `mp` (one process a device) for world_size > 1; ours is one process.
-        parallel.distributed_executor_backend = "uni"
+    if backend not in (None, "mp", "uni"):
+        raise ValueError(
+            f"distributed_executor_backend={backend!r} is not supported by vllm-xla: one process "
+            "drives every device of the host; leave --distributed-executor-backend unset"
+        )
+    # vLLM picks `mp` (one process a device) for world_size > 1 and for data parallelism; ours
+    # is one worker in each engine process (a data-parallel replica's own). `mp` would also run
+    # an async-scheduled step's output on a thread of its own beside the next step.
+    parallel.distributed_executor_backend = "uni"
     _check_splits(vllm_config, parallel.tensor_parallel_size)
 
 

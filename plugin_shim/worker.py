@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from plugin_shim import hosts, lora, translate
+from plugin_shim import data_parallel, hosts, lora, translate
 from plugin_shim.cache_dtype import runner_kv_cache_dtype, spec_dtype
 from plugin_shim.logits_processors import LogitsProcessorBridge
 from plugin_shim.logs import share_vllm_logging
@@ -82,7 +82,11 @@ class XlaWorker(WorkerBase):
         self.metrics: MetricsPublisher | None = None  # set once warm-up is done
         self.failures: dict[str, str] = {}  # the executed step's failed requests, until it is sampled
         self.device = torch.device("cpu")
-        # Across hosts, before JAX starts a backend: JAX's hosts, then vLLM's (docs/multihost.md).
+        # Before JAX starts a backend: a data-parallel replica's own devices; across hosts, JAX's
+        # hosts, then vLLM's (docs/multihost.md).
+        replica = data_parallel.replica(self.vllm_config, mesh_tensor_parallel_size(self.vllm_config))
+        if replica is not None:
+            data_parallel.claim_devices(replica, env.platform)
         hosts.join(self.vllm_config, self.rank, self.local_rank, self.distributed_init_method)
         self.num_hosts = self.parallel_config.nnodes
         self.replies = hosts.replies(self.vllm_config, self.rank)  # else vLLM drops the outputs
@@ -199,7 +203,7 @@ class XlaWorker(WorkerBase):
             metrics_path(
                 self.env.cache_dir,
                 self.vllm_config.instance_id,
-                self.vllm_config.parallel_config.data_parallel_rank,
+                self.vllm_config.parallel_config.data_parallel_index,  # a dense replica's rank is 0
             )
         )
         self.metrics.publish(self.runner_stats(), force=True)
@@ -278,6 +282,10 @@ class XlaWorker(WorkerBase):
 
     def list_loras(self) -> set[int]:
         return lora.adapters(self.runner).ids()
+
+    def execute_dummy_batch(self) -> None:
+        """vLLM's step for an idle data-parallel replica of an MoE model, which keeps the replicas'
+        expert-parallel collectives in line: our step has none across replicas, so nothing."""
 
     def take_draft_token_ids(self):
         return None

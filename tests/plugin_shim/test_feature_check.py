@@ -29,7 +29,13 @@ CASES = {
     "cpu_offload_gb": ("llama", dict(cpu_offload_gb=1)),
     "offload_group_size": ("llama", dict(offload_group_size=2, offload_num_in_group=1)),
     "pipeline_parallel_size": ("llama", dict(pipeline_parallel_size=2)),
-    "data_parallel_size": ("llama", dict(data_parallel_size=2)),
+    "data_parallel_size with nnodes / data_parallel_size_local": (
+        "llama", dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="10.0.0.2"),
+    ),
+    # vLLM itself refuses external load balancing for a dense model.
+    "data_parallel_external_lb / data_parallel_hybrid_lb / data_parallel_rank": (
+        "mixtral", dict(data_parallel_size=2, data_parallel_external_lb=True, data_parallel_rank=0),
+    ),
     # vLLM wants tensor parallelism beyond the KV heads (2) for it: both are refused.
     "decode_context_parallel_size": ("llama", dict(decode_context_parallel_size=2, tensor_parallel_size=4)),
     "enable_expert_parallel": ("mixtral", dict(enable_expert_parallel=True)),

@@ -1,0 +1,94 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's data parallelism on this platform: `--data-parallel-size N` replicas of the model, each
+vLLM's own engine process with its own scheduler and one worker driving its own share of the
+host's devices (N x TP of them), the front end spreading requests over the replicas.
+
+vLLM runs the replicas of a dense model as independent engines (a DP rank of one each) and those
+of an MoE model in lock step (an idle rank runs a dummy step while another works, so that
+expert-parallel collectives line up). Our step has no collective across replicas (experts are
+split within a replica, by tensor parallelism), so a dummy step does nothing.
+
+Which devices a replica drives is fixed before its JAX starts a backend: GPUs by JAX's
+`jax_cuda_visible_devices`, TPU chips by the runtime's per-process variables (chip bounds, visible
+chips, a port of its own), simulated CPU devices by nothing (each process has its own). vLLM
+resets a dense replica's DP size to one, so the replicas on this host are counted at start
+(`DP_LOCAL_KEY`, in vLLM's `additional_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# Where the replicas on this host are counted at start (vLLM sets a dense replica's to one).
+DP_LOCAL_KEY = "xla_data_parallel_size_local"
+# A TPU process's chips, by their count: the bounds of the box they form on one host.
+_TPU_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
+_TPU_FIRST_PORT = 8476  # the TPU runtime's own default, one more for each replica of a host
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Replica:
+    """One DP replica of a host: its index among the host's, and the devices it drives."""
+
+    local_index: int
+    devices_per_replica: int
+
+    @property
+    def device_ids(self) -> list[int]:
+        first = self.local_index * self.devices_per_replica
+        return list(range(first, first + self.devices_per_replica))
+
+
+def record_local_replicas(vllm_config: VllmConfig) -> None:
+    """At start, before vLLM's engine processes exist: how many replicas this host runs."""
+    parallel = vllm_config.parallel_config
+    if parallel.data_parallel_size <= 1:
+        return
+    if not isinstance(vllm_config.additional_config, dict):
+        vllm_config.additional_config = {}
+    vllm_config.additional_config.setdefault(DP_LOCAL_KEY, parallel.data_parallel_size_local)
+
+
+def replica(vllm_config: VllmConfig, devices_per_replica: int) -> Replica | None:
+    """This engine process's replica, or None without data parallelism."""
+    extra = vllm_config.additional_config
+    local = int(extra.get(DP_LOCAL_KEY, 1)) if isinstance(extra, dict) else 1
+    if local <= 1:
+        return None
+    index = vllm_config.parallel_config.data_parallel_index
+    return Replica(local_index=index % local, devices_per_replica=devices_per_replica)
+
+
+def claim_devices(rep: Replica, platform: str | None) -> dict[str, str]:
+    """Makes this process see only `rep`'s devices (before any JAX backend starts); the TPU
+    runtime variables it set, for the log. On CPU (simulated devices) there is nothing to do."""
+    if platform == "cpu":
+        return {}
+    ids = ",".join(str(i) for i in rep.device_ids)
+    if platform in (None, "gpu", "cuda"):
+        import jax
+
+        jax.config.update("jax_cuda_visible_devices", ids)
+    if platform not in (None, "tpu"):
+        return {}
+    bounds = _TPU_CHIP_BOUNDS.get(rep.devices_per_replica)
+    if bounds is None:
+        raise ValueError(
+            f"a data-parallel replica of {rep.devices_per_replica} TPU chips is not a box of one "
+            f"host; use --tensor-parallel-size 1, 2, 4 or 8 with --data-parallel-size"
+        )
+    port = _TPU_FIRST_PORT + rep.local_index
+    runtime = {
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": bounds,
+        "TPU_PROCESS_BOUNDS": "1,1,1",
+        "TPU_VISIBLE_CHIPS": ids,
+        "TPU_PROCESS_PORT": str(port),
+        "TPU_PROCESS_ADDRESSES": f"localhost:{port}",
+    }
+    os.environ.update(runtime)
+    return runtime

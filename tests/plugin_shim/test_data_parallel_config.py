@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's data-parallel options on this platform: one worker in each replica's engine process,
+the replicas on this host counted at start, each replica's own devices claimed before JAX starts,
+(what is not built is refused by name: `test_feature_check.py`).
+
+The serving itself (two replicas through the OpenAI server) is `test_data_parallel.py`."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+
+from plugin_shim.data_parallel import DP_LOCAL_KEY, Replica, claim_devices, replica
+from tests.tiny_models import save_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return save_tiny_llama(str(tmp_path_factory.mktemp("dp") / "model"))
+
+
+def test_replicas_run_one_worker_in_their_engine_process_and_are_counted(model):
+    config = EngineArgs(
+        model=model, max_model_len=64, data_parallel_size=2, tensor_parallel_size=2
+    ).create_engine_config()
+    assert config.parallel_config.distributed_executor_backend == "uni"  # vLLM's own pick is mp
+    assert config.additional_config[DP_LOCAL_KEY] == 2
+    config.parallel_config.data_parallel_index = 1
+    config.parallel_config.reconfigure_for_independent_dp_rank()  # what vLLM does to a dense replica
+    assert replica(config, 2) == Replica(local_index=1, devices_per_replica=2)
+    assert replica(config, 2).device_ids == [2, 3]
+
+
+def test_one_replica_is_no_data_parallelism(model):
+    config = EngineArgs(
+        model=model, max_model_len=64, distributed_executor_backend="mp"
+    ).create_engine_config()
+    assert replica(config, 1) is None
+    assert config.parallel_config.distributed_executor_backend == "uni"
+
+
+def test_a_tpu_replica_sees_only_its_chips(monkeypatch):
+    for name in (
+        "TPU_CHIPS_PER_PROCESS_BOUNDS",
+        "TPU_PROCESS_BOUNDS",
+        "TPU_VISIBLE_CHIPS",
+        "TPU_PROCESS_PORT",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TPU_PROCESS_ADDRESSES", raising=False)
+    runtime = claim_devices(Replica(local_index=1, devices_per_replica=4), "tpu")
+    assert runtime["TPU_VISIBLE_CHIPS"] == os.environ["TPU_VISIBLE_CHIPS"] == "4,5,6,7"
+    assert runtime["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "2,2,1"
+    assert runtime["TPU_PROCESS_BOUNDS"] == "1,1,1"
+    assert runtime["TPU_PROCESS_PORT"] != "8476"  # replica 0 has the runtime's default
+    with pytest.raises(ValueError, match="a data-parallel replica of 3 TPU chips"):
+        claim_devices(Replica(local_index=0, devices_per_replica=3), "tpu")
+
+
+def test_a_gpu_replica_sees_only_its_gpus():
+    before = jax.config.values["jax_cuda_visible_devices"]
+    try:
+        assert claim_devices(Replica(local_index=2, devices_per_replica=2), "gpu") == {}
+        assert jax.config.values["jax_cuda_visible_devices"] == "4,5"
+    finally:
+        jax.config.update("jax_cuda_visible_devices", before)
+
+
+def test_a_cpu_replica_keeps_its_own_simulated_devices():
+    assert claim_devices(Replica(local_index=1, devices_per_replica=2), "cpu") == {}
