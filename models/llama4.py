@@ -82,9 +82,22 @@ class Llama4Config(ModelConfig):
     floor_scale: float = 8192.0
     attn_scale: float = 0.1
 
+    def __post_init__(self) -> None:
+        ModelConfig.__post_init__(self)  # a slots dataclass cannot use zero-argument super()
+        if not self.rope_layers:  # transformers' default: every fourth layer NoPE
+            object.__setattr__(self, "rope_layers", tuple((i + 1) % 4 != 0 for i in range(self.num_layers)))
+        if len(self.rope_layers) != self.num_layers:
+            raise ValueError(f"{len(self.rope_layers)} per-layer RoPE flags for {self.num_layers} layers")
+
     @property
     def layer_attention_chunks(self) -> tuple[int | None, ...]:
         return tuple(self.attention_chunk_size if rope else None for rope in self.rope_layers)
+
+    @property
+    def n_shared_experts(self) -> int:
+        """Shared experts beside the routed ones on each MoE layer (DeepSeek's field name: the
+        planner counts their row-parallel sums)."""
+        return 1 if self.num_experts else 0
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> Llama4Config:

@@ -316,7 +316,8 @@ SUPPORTED: tuple[Supported, ...] = (
         "Text generation",
         "runner='generate'",
         "Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Mixtral, Qwen3-MoE, GPT-OSS (bfloat16; mxfp4 "
-        "refused), DeepSeek-V2/V3 checkpoints (safetensors; GGUF through `vllm-xla model-dir`)",
+        "refused), DeepSeek-V2/V3, Llama 4 (text; a multimodal checkpoint with "
+        "--language-model-only) checkpoints (safetensors; GGUF through `vllm-xla model-dir`)",
     ),
     Supported(
         "Sampling options",
