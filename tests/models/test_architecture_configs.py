@@ -191,6 +191,7 @@ def _save_tiny_llama4_multimodal(path: str) -> str:
     return path
 
 
+@pytest.mark.slow  # a second Llama 4 checkpoint, with a vision tower, built and loaded
 def test_llama4_multimodal_checkpoint_serves_its_text_model(tmp_path):
     path = _save_tiny_llama4_multimodal(str(tmp_path))
     assert any(
