@@ -95,6 +95,12 @@ class ModelConfig:
         return windows.pop() if len(windows) == 1 else None
 
     @property
+    def layer_attention_chunks(self) -> tuple[int | None, ...]:
+        """Layer i's attention chunk size (chunked local attention: a query sees only the keys of
+        its own chunk of positions, Llama 4); None for a layer that attends to every earlier key."""
+        return (None,) * self.num_layers
+
+    @property
     def latent_cache_width(self) -> int:
         """Values a token takes in a layer's latent KV cache (multi-head latent attention: one
         shared row, `pallas_kernels.mla`); 0 for a model whose cache holds per-head K and V."""

@@ -169,6 +169,11 @@ def iter_parameters(
     """
     compiled = _compile_param_map(type(model).hf_param_map)
     tensors = iter_checkpoint(path)
+    # A model may rename or split checkpoint tensors before the map reads them (Llama 4's
+    # stacked experts, a multimodal checkpoint's text model).
+    rewrite = getattr(model, "checkpoint_tensors", None)
+    if rewrite is not None:
+        tensors = rewrite(tensors)
 
     def our_name(hf: str) -> str | None:
         return (_our_name(hf, compiled) or (None,))[0]

@@ -16,6 +16,7 @@ multiplied by its own expert's weights. The tile count is bounded statically by
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +57,12 @@ def experts_dense_reference(
     weights: jax.Array,
     experts: jax.Array,
     act: Callable[[jax.Array], jax.Array],
+    *,
+    weights_on_input: bool = False,
 ) -> jax.Array:
     """Every expert on every token, combined with the routing weights (zero when not chosen).
+    `weights_on_input`: each chosen expert gets its token scaled by the weight and its outputs
+    are summed (Llama 4), instead of its output scaled.
 
     Args:
       x: `[T, D]`; gate, up: `[E, D, F]`; down: `[E, F, D]`; weights, experts: `[T, k]`.
@@ -67,6 +72,12 @@ def experts_dense_reference(
     t = x.shape[0]
     combine = jnp.zeros((t, gate.shape[0]), jnp.float32)
     combine = combine.at[jnp.arange(t)[:, None], experts].add(weights)  # [T, E]
+    if weights_on_input:
+        xs = (x[:, None, :].astype(jnp.float32) * combine[:, :, None]).astype(x.dtype)  # [T, E, D]
+        h = act(jnp.einsum("ted,edf->tef", xs, gate)) * jnp.einsum("ted,edf->tef", xs, up)
+        chosen = (combine != 0).astype(jnp.float32)
+        y = jnp.einsum("tef,efd->ted", h, down)
+        return jnp.einsum("ted,te->td", y.astype(jnp.float32), chosen).astype(x.dtype)
     h = act(jnp.einsum("td,edf->tef", x, gate)) * jnp.einsum("td,edf->tef", x, up)  # [T, E, F]
     y = jnp.einsum("tef,efd->ted", h, down)  # [T, E, D]
     return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine).astype(x.dtype)
@@ -95,6 +106,7 @@ def experts_routed(
     rows: int | None = None,
     scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     gate_bias: jax.Array | None = None,
+    weights_on_input: bool = False,
 ) -> jax.Array:
     """The same result as `experts_dense_reference`, computing each token only for its k experts.
 
@@ -103,7 +115,8 @@ def experts_routed(
     each tile's int8 weights are converted to x's dtype in the dot, its scales applied after.
     `up=None`: `gate` is a fused gate-and-up kernel `[E, D, F']` and `act` maps its `[.., F']`
     products to the `[.., F]` hidden values (GPT-OSS's clamped SwiGLU). `gate_bias [E, F']`: added
-    to the gate (or fused) products before `act`.
+    to the gate (or fused) products before `act`. `weights_on_input`: as in
+    `experts_dense_reference` (each assignment's row scaled before its expert, outputs summed).
     """
     t, d = x.shape
     e, k = gate.shape[0], experts.shape[1]
@@ -124,6 +137,10 @@ def experts_routed(
     tile_expert = jnp.minimum(tile_expert, e - 1)  # tiles past the last group hold only empty rows
     token = jnp.append(jnp.arange(a, dtype=jnp.int32) // k, t)[src]  # [N*B]; t = the zero row
     x_rows = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[token].reshape(n, b, d)  # [N, B, D]
+    w = jnp.append(weights.reshape(a), 0.0)[src]  # [N*B]; 0 on empty rows
+    if weights_on_input:
+        x_rows = (x_rows.astype(jnp.float32) * w.reshape(n, b, 1)).astype(x.dtype)
+        w = (src < a).astype(jnp.float32)  # each assignment's output counts once
     scale_of = (None, None, None) if scales is None else scales
 
     def tile_dot(spec: str, rows_in: jax.Array, kernel: jax.Array, scale: jax.Array | None) -> jax.Array:
@@ -141,7 +158,6 @@ def experts_routed(
     if up is not None:
         h = h * tile_dot("nbd,ndf->nbf", x_rows, up, scale_of[1])  # [N, B, F]
     y = tile_dot("nbf,nfd->nbd", h, down, scale_of[2]).reshape(n * b, d)  # [N*B, D]
-    w = jnp.append(weights.reshape(a), 0.0)[src]  # [N*B]
     out = jnp.zeros((t + 1, d), jnp.float32).at[token].add(y.astype(jnp.float32) * w[:, None])
     return out[:t].astype(x.dtype)
 
@@ -155,6 +171,7 @@ def experts_routed_on_mesh(
     act: Callable[[jax.Array], jax.Array],
     scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     gate_bias: jax.Array | None = None,
+    weights_on_input: bool = False,
 ) -> jax.Array:
     """`experts_routed` with each expert split over `mesh`'s model axis (gate/up on F, down on F,
     as `models.sharding` places them): each device combines its partial outputs into `[T, D]`
@@ -169,8 +186,9 @@ def experts_routed_on_mesh(
 
     def local(x, stacks, weights, experts, gate_bias, *scales):
         partial = experts_routed(
-            x, *stacks, weights, experts, act, scales=scales or None, gate_bias=gate_bias
-        )
+            x, *stacks, weights, experts, act, scales=scales or None, gate_bias=gate_bias,
+            weights_on_input=weights_on_input,
+        )  # fmt: skip
         return jax.lax.psum(partial, MODEL_AXIS)
 
     extra, extra_specs = (scales, scale_specs) if scales is not None else ((), ())
@@ -202,7 +220,10 @@ class Experts(nnx.Module):
 
 
 class SparseMoE(nnx.Module):
-    """Router `[D, E]` + experts; `x[T, D] -> [T, D]` through the routed path."""
+    """Router `[D, E]` + experts; `x[T, D] -> [T, D]` through the routed path. A subclass whose
+    routing weights scale the experts' inputs (Llama 4) sets `weights_on_input`."""
+
+    weights_on_input: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -253,9 +274,14 @@ class SparseMoE(nnx.Module):
                 kernels = [dequantize(s.kernel[...], s.kernel_scale[...], x.dtype) for s in stacks]
             else:
                 kernels = [s.kernel[...] for s in stacks]
-            return experts_dense_reference(x, *kernels, weights, experts, act)
+            return experts_dense_reference(
+                x, *kernels, weights, experts, act, weights_on_input=self.weights_on_input
+            )
         scales = tuple(s.kernel_scale[...] for s in stacks) if int8 else None
         kernels = tuple(s.kernel[...] for s in stacks)
+        on_input = self.weights_on_input
         if md is not None and md.mesh is not None and kernels[0].shape[2] % md.tp_size == 0:
-            return experts_routed_on_mesh(md.mesh, x, kernels, weights, experts, act, scales)
-        return experts_routed(x, *kernels, weights, experts, act, scales=scales)
+            return experts_routed_on_mesh(
+                md.mesh, x, kernels, weights, experts, act, scales, weights_on_input=on_input
+            )
+        return experts_routed(x, *kernels, weights, experts, act, scales=scales, weights_on_input=on_input)

@@ -26,6 +26,7 @@ from models.gemma2 import Gemma2ForCausalLM
 from models.gemma3 import Gemma3ForCausalLM
 from models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from models.llama import LlamaForCausalLM
+from models.llama4 import Llama4Config, Llama4ForCausalLM
 from models.mixtral import MixtralForCausalLM
 from models.qwen2 import Qwen2ForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
@@ -44,6 +45,9 @@ _MODEL_CLASSES: dict[str, type[nnx.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
+    # The text model only: image inputs are refused at start (`plugin_shim.feature_check`).
+    "Llama4ForConditionalGeneration": Llama4ForCausalLM,
     # Served by a pooling engine only (`runner="pooling"`: vLLM resolves them to it).
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
@@ -54,6 +58,8 @@ _CONFIG_CLASSES: dict[str, type[ModelConfig]] = {
     "GptOssForCausalLM": GptOssConfig,
     "DeepseekV2ForCausalLM": DeepseekConfig,
     "DeepseekV3ForCausalLM": DeepseekConfig,
+    "Llama4ForCausalLM": Llama4Config,
+    "Llama4ForConditionalGeneration": Llama4Config,
 }
 
 

@@ -35,10 +35,12 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling |
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * np.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    if scaling.high_freq_factor == scaling.low_freq_factor:  # no band between (Llama 4 Scout's)
+        return scaled.astype(np.float32)
     smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
         scaling.high_freq_factor - scaling.low_freq_factor
     )
-    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
     medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
     blended = (1 - smooth) * inv / scaling.factor + smooth * inv
     return np.where(medium, blended, scaled).astype(np.float32)

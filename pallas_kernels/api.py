@@ -216,6 +216,7 @@ def ragged_paged_attention(
     kv_dtype: str | None = None,
     first_page: int = 0,
     sinks: jax.Array | None = None,
+    attention_chunk_size: int | None = None,
     **tuning: int,
 ) -> jax.Array:
     """Causal attention of ragged query rows `q[T, Hq, D]` over their sequences' paged KV.
@@ -224,12 +225,16 @@ def ragged_paged_attention(
     `kv_lens[i]` cached tokens (already written) in pages `page_indices[i]`. Rows past
     `cu_q_lens[num_seqs]` are padding. `kv_dtype` and `first_page` as in `write_kv`. `sinks`
     `[Hq]` float32: a learned logit per query head in every row's softmax denominator (GPT-OSS's
-    attention sinks; `reference.ragged_paged_attention_reference`). Tuning keywords go to the
-    Pallas backends.
+    attention sinks; `reference.ragged_paged_attention_reference`). `attention_chunk_size`:
+    chunked local attention (Llama 4), a query at position p sees only the keys of its own chunk
+    of that many positions, from `(p // attention_chunk_size) * attention_chunk_size`. Tuning
+    keywords go to the Pallas backends.
     """
     backend = resolve_backend(backend, interpret=interpret)
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"sinks must be [{q.shape[1]}] (one per query head), got {sinks.shape}")
+    if attention_chunk_size is not None and attention_chunk_size <= 0:
+        raise ValueError(f"attention_chunk_size must be positive, got {attention_chunk_size}")
     page_indices = _shift_pages(page_indices, first_page)
     if backend in (XLA, CPU_NATIVE):
         if tuning:
@@ -242,11 +247,11 @@ def ragged_paged_attention(
         return attend(
             q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_dtype=kv_dtype,
-            sinks=sinks,
+            sinks=sinks, attention_chunk_size=attention_chunk_size,
         )  # fmt: skip
     _check_own_dtype(kv_cache, kv_dtype)
     return _kernel_module(backend).ragged_paged_attention(
         q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-        interpret=interpret, **tuning,
+        attention_chunk_size=attention_chunk_size, interpret=interpret, **tuning,
     )  # fmt: skip

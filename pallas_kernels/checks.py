@@ -50,6 +50,12 @@ def check_metadata(
         raise ValueError(f"soft_cap must be positive, got {soft_cap}")
 
 
+def check_positive_option(name: str, value: int | None) -> None:
+    """A ValueError naming option `name` when it is given and not positive."""
+    if value is not None and value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+
+
 def check_positive(**dims: int) -> None:
     """A ValueError naming the first of `dims` that is not positive."""
     for name, value in dims.items():

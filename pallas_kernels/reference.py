@@ -189,6 +189,7 @@ def _gather_rows(
         "sm_scale",
         "sliding_window",
         "soft_cap",
+        "attention_chunk_size",
         "kv_chunk_pages",
         "query_block",
         "rows_per_group",
@@ -206,6 +207,7 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    attention_chunk_size: int | None = None,
     kv_chunk_pages: int = 4,
     query_block: int | None = None,
     rows_per_group: int | None = None,
@@ -235,6 +237,10 @@ def ragged_paged_attention_reference(
       sm_scale: softmax scale applied to q.k.
       sliding_window: if set, a query at position p sees keys at positions > p - sliding_window.
       soft_cap: if set, scores become `soft_cap * tanh(scores / soft_cap)`.
+      attention_chunk_size: if set, chunked local attention (Llama 4): positions fall in chunks
+        of this many tokens, and a query at position p sees keys of its own chunk only, at
+        positions >= (p // attention_chunk_size) * attention_chunk_size (with a sliding window
+        too, the later of the two bounds).
       kv_chunk_pages: pages per chunk of the online softmax.
       query_block: query rows per block (static).
       rows_per_group: query rows (blocks x block rows) processed together (static); by default
@@ -277,6 +283,7 @@ def ragged_paged_attention_reference(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        attention_chunk_size=attention_chunk_size,
         chunk_pages=max(1, min(kv_chunk_pages, page_indices.shape[1])),
         kv_dtype=value_dtype(kv_cache.dtype, kv_dtype),
         sinks=None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, -1),
@@ -309,6 +316,7 @@ def _attend_blocks(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    attention_chunk_size: int | None,
     chunk_pages: int,
     kv_dtype: jnp.dtype,
     sinks: jax.Array | None = None,
@@ -342,6 +350,8 @@ def _attend_blocks(
         visible = (key_pos <= position[:, :, None]) & valid[:, :, None]  # [N, B, Lc]
         if sliding_window is not None:
             visible &= key_pos > position[:, :, None] - sliding_window
+        if attention_chunk_size is not None:
+            visible &= key_pos >= (position[:, :, None] // attention_chunk_size) * attention_chunk_size
         visible = jnp.repeat(visible, group, axis=1)[None]  # [1, N, B*G, Lc]
         m_new = jnp.maximum(m, jnp.max(jnp.where(visible, scores, MASK_VALUE), axis=3))
         p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)  # [K, N, B*G, Lc]

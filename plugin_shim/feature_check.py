@@ -61,6 +61,16 @@ def _prefetch_offload(config: VllmConfig) -> bool:
     return offload is not None and offload.prefetch.offload_group_size > 0
 
 
+def _multimodal_inputs_open(config: VllmConfig) -> bool:
+    """Whether a multimodal model's engine would take inputs other than text: vLLM's own
+    `supports_multimodal_inputs`, false with `language_model_only` or every modality the model
+    supports limited to 0 a prompt."""
+    model = _model(config)
+    if not model.is_multimodal_model:
+        return False
+    return model.multimodal_config is None or bool(model.supports_multimodal_inputs)
+
+
 def _unsupported_pooling(config: VllmConfig) -> bool:
     from plugin_shim.pooling import unsupported_pooling  # it imports torch and vllm
 
@@ -247,10 +257,12 @@ REFUSED: tuple[Refusal, ...] = (
     ),
     Refusal(
         "multimodal inputs",
-        "a multimodal model (image, audio or video inputs)",
-        "any such model",
-        lambda c: bool(_model(c).is_multimodal_model),
-        "serve a text-only checkpoint",
+        "a multimodal model's image, audio or video inputs",
+        "a multimodal model with any modality allowed",
+        lambda c: _multimodal_inputs_open(c),
+        "serve a text-only checkpoint, or the text model of one vllm-xla serves "
+        "(Llama4ForConditionalGeneration) with --language-model-only (or every modality's "
+        "--limit-mm-per-prompt at 0)",
     ),
     Refusal(
         "hf_overrides",
@@ -322,7 +334,8 @@ SUPPORTED: tuple[Supported, ...] = (
         "Text generation",
         "runner='generate'",
         "Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Mixtral, Qwen3-MoE, GPT-OSS (bfloat16; mxfp4 "
-        "refused), DeepSeek-V2/V3 checkpoints (safetensors; GGUF through `vllm-xla model-dir`)",
+        "refused), DeepSeek-V2/V3, Llama 4 (text; a multimodal checkpoint with "
+        "--language-model-only) checkpoints (safetensors; GGUF through `vllm-xla model-dir`)",
     ),
     Supported(
         "Sampling options",

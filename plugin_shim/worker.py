@@ -9,6 +9,7 @@ import time
 import torch
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
@@ -151,11 +152,15 @@ class XlaWorker(WorkerBase):
         if actual != logical:  # e.g. head_dim padded to 128 for TPU tiling
             common["page_size_padded"] = actual
         specs: dict[str, KVCacheSpec] = {}
-        for i, window in enumerate(mc.layer_sliding_windows):
-            name = layer_name(i)
-            specs[name] = (
-                SlidingWindowSpec(sliding_window=window, **common) if window else FullAttentionSpec(**common)
-            )
+        layers = zip(mc.layer_sliding_windows, mc.layer_attention_chunks, strict=True)
+        for i, (window, chunk) in enumerate(layers):
+            if chunk:  # vLLM frees the pages of a layer's earlier chunks, as it does outside a window
+                spec = ChunkedLocalAttentionSpec(attention_chunk_size=chunk, **common)
+            elif window:
+                spec = SlidingWindowSpec(sliding_window=window, **common)
+            else:
+                spec = FullAttentionSpec(**common)
+            specs[layer_name(i)] = spec
         return specs
 
     def _latent_cache_specs(self, dtype: torch.dtype) -> dict[str, KVCacheSpec]:

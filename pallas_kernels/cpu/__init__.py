@@ -89,10 +89,11 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     kv_dtype: str | None = None,
     sinks: jax.Array | None = None,
+    attention_chunk_size: int | None = None,
 ) -> jax.Array:
     """Same contract as `reference.ragged_paged_attention_reference` (float32 inside; bfloat16
     queries are read and the output written as bfloat16, other dtypes pass through float32;
-    `sinks [H]` float32, optional)."""
+    `sinks [H]` float32, optional; `attention_chunk_size`: chunked local attention)."""
     if not is_loaded():
         raise NativeKernelError(
             "the native CPU kernels are not loaded in this process: call "
@@ -107,6 +108,8 @@ def ragged_paged_attention(
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+    if attention_chunk_size is not None and attention_chunk_size <= 0:
+        raise ValueError(f"attention_chunk_size must be positive, got {attention_chunk_size}")
     rows_dtype = q.dtype if q.dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)  # the kernel's two
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, rows_dtype))
     out = call(
@@ -120,6 +123,7 @@ def ragged_paged_attention(
         sm_scale=np.float32(sm_scale),
         sliding_window=np.int32(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
+        attention_chunk=np.int32(attention_chunk_size or 0),
         cache_format=np.int32(CACHE_FORMATS[values.name]),
     )
     return out.astype(q.dtype)

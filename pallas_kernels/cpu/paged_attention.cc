@@ -16,6 +16,10 @@
 // Attention sinks (GPT-OSS): a `[H]` float32 logit per query head that joins every row's softmax
 // denominator and attends to nothing; each row's online softmax starts from it (running max the
 // sink, sum exp(0) = 1). An empty `sinks` buffer means none.
+//
+// Chunked local attention (Llama 4, `attention_chunk` > 0): a row at position p sees only the
+// keys of its own chunk, from (p / attention_chunk) * attention_chunk: one more lower bound on the
+// visible positions beside the sliding window's.
 
 #include <algorithm>
 #include <atomic>
@@ -62,9 +66,17 @@ struct Shapes {
 
 struct Params {
   float sm_scale;
-  int32_t sliding_window;  // 0: none
-  float soft_cap;          // 0: none
+  int32_t sliding_window;   // 0: none
+  float soft_cap;           // 0: none
+  int32_t attention_chunk;  // 0: none
 };
+
+// The first position a row at `position` sees: its sliding window's and its chunk's bounds.
+inline int64_t FirstVisible(const Params& prm, int64_t position) {
+  int64_t lo = prm.sliding_window > 0 ? std::max<int64_t>(0, position - prm.sliding_window + 1) : 0;
+  if (prm.attention_chunk > 0) lo = std::max<int64_t>(lo, position / prm.attention_chunk * prm.attention_chunk);
+  return lo;
+}
 
 struct Item {
   int32_t seq, first_head, end_head, first_row, end_row;  // kv heads [first_head, end_head)
@@ -348,8 +360,7 @@ struct Problem {
     const int64_t last = kv_len - (seq_end - (item.end_row - 1));  // furthest position
     if (last < 0) return;  // inconsistent input: leave the zeros
     const int64_t first = std::max<int64_t>(0, kv_len - (seq_end - item.first_row));
-    const int64_t window = prm.sliding_window;
-    const int64_t lo_block = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+    const int64_t lo_block = FirstVisible(prm, first);
     // Softmax state of (row r, head h) at r * heads + h; q of (head h, row r) at h * rows + r.
     Scratch w(rows, heads, G, S, D);
     for (int64_t r = 0; r < rows; ++r) {
@@ -398,7 +409,7 @@ struct Problem {
         }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t position = kv_len - (seq_end - (item.first_row + r));
-          const int64_t lo = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+          const int64_t lo = FirstVisible(prm, position);
           const int64_t j0 = std::max<int64_t>(lo - slot * S, 0);
           const int64_t j1 = std::min<int64_t>(position - slot * S + 1, n);
           if (position < 0 || j1 <= j0) continue;
@@ -429,7 +440,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
                      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                      ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                      ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, float sm_scale, int32_t sliding_window,
-                     float soft_cap, int32_t cache_format) {
+                     float soft_cap, int32_t attention_chunk, int32_t cache_format) {
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
   const auto pd = page_indices.dimensions();
@@ -474,7 +485,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
     }
   }
   if (work->items.empty()) return ffi::Error::Success();
-  Params prm{sm_scale, sliding_window, soft_cap};
+  Params prm{sm_scale, sliding_window, soft_cap, attention_chunk};
   const int32_t* lens = kv_lens.typed_data();
   const int32_t* table = page_indices.typed_data();
   auto run = [&](auto tag, auto dim) {
@@ -512,4 +523,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaRaggedPagedAttention, Attention,
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("attention_chunk")
                                   .Attr<int32_t>("cache_format"));

@@ -21,8 +21,8 @@ Design (flash-decoding over a ragged batch):
   cdiv(100, Tq) items). W = min(T, cdiv(T, Tq) + R) is a static bound; unused items are empty.
   A work item's rows are gathered into `[K, M, Dp]` (row r = token r // G, head r % G).
 * grid = (W, K, N): a program attends one item's rows of one kv head over the N-th share of
-  the KV blocks those rows can see (causal and sliding-window bounds), gathering each block's
-  Pb pages by block-table lookup, with an online softmax in registers. It writes its
+  the KV blocks those rows can see (causal, sliding-window and attention-chunk bounds),
+  gathering each block's Pb pages by block-table lookup, with an online softmax in registers. It writes its
   unnormalised output and its running max and sum; the wrapper merges the N splits (the
   flash-decoding reduction) and scatters rows back to token order. Splits give a decode batch
   R * K * N programs instead of R * K.
@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.checks import check_lanes, check_metadata, compute_dtype
+from pallas_kernels.checks import check_lanes, check_metadata, check_positive_option, compute_dtype
 from pallas_kernels.gpu import tuned_block_sizes
 from pallas_kernels.gpu.layout import padded_head_dim
 
@@ -65,6 +65,7 @@ def _rpa_kernel(
     pages_per_seq: int,
     sliding_window: int | None,
     soft_cap: float | None,
+    attention_chunk_size: int | None = None,
 ):
     num_rows_padded, lanes = q_ref.shape
     _, _, num_pages, page_size, _ = kv_ref.shape
@@ -77,6 +78,8 @@ def _rpa_kernel(
     kv_lo = jnp.int32(0)
     if sliding_window is not None:
         kv_lo = jnp.clip(first_pos - sliding_window + 1, 0, kv_hi)
+    if attention_chunk_size is not None:  # the first row's chunk starts the visible keys
+        kv_lo = jnp.clip(jnp.maximum(kv_lo, _chunk_start(first_pos, attention_chunk_size)), 0, kv_hi)
     blk_lo = kv_lo // block_kv
     blk_hi = pl.cdiv(kv_hi, block_kv)
     blocks_per_split = pl.cdiv(blk_hi - blk_lo, num_kv_splits)
@@ -103,6 +106,8 @@ def _rpa_kernel(
         visible = row_ok[:, None] & (key_pos[None, :] <= query_pos[:, None])  # [M, Tk]
         if sliding_window is not None:
             visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
+        if attention_chunk_size is not None:
+            visible &= key_pos[None, :] >= _chunk_start(query_pos, attention_chunk_size)[:, None]
         scores = jnp.where(visible, scores, MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
         alpha = jnp.exp(m_prev - m_next)
@@ -122,6 +127,12 @@ def _rpa_kernel(
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l_sum
+
+
+def _chunk_start(position: jax.Array, chunk: int) -> jax.Array:
+    """The first position of the attention chunk holding each `position` (clamped to 0 first)."""
+    position = jnp.maximum(position, 0)
+    return position // chunk * chunk
 
 
 def _validate(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window, soft_cap):
@@ -178,6 +189,7 @@ def _plan(cu_q_lens, kv_lens, num_seqs, num_tokens, block_q, num_work):
         "sm_scale",
         "sliding_window",
         "soft_cap",
+        "attention_chunk_size",
         "interpret",
         "num_kv_pages_per_block",
         "num_queries_per_block",
@@ -204,6 +216,7 @@ def ragged_paged_attention(
     num_warps: int = tuned_block_sizes.NUM_WARPS,
     num_stages: int = tuned_block_sizes.NUM_STAGES,
     sinks: jax.Array | None = None,
+    attention_chunk_size: int | None = None,
 ) -> jax.Array:
     """Causal attention of ragged query rows over their sequences' paged KV (Pallas Triton).
 
@@ -224,11 +237,14 @@ def ragged_paged_attention(
       num_warps, num_stages: Triton launch parameters.
       sinks: `[H]` float32 attention sinks, a logit per query head in every row's softmax
         denominator (optional).
+      attention_chunk_size: chunked local attention, a query at position p sees keys at
+        positions >= (p // attention_chunk_size) * attention_chunk_size (optional).
 
     Returns:
       `[T, H, D]` in q's dtype.
     """
     _validate(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window, soft_cap)
+    check_positive_option("attention_chunk_size", attention_chunk_size)
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, lanes = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -271,6 +287,7 @@ def ragged_paged_attention(
             pages_per_seq=pages_per_seq,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
+            attention_chunk_size=attention_chunk_size,
         ),
         grid=(num_work, num_kv_heads, splits),
         in_specs=[

@@ -14,7 +14,7 @@ Design:
   pads every row to a tile), cu_q_lens, and the first/last sequence owning rows of each query
   block (computed in the wrapper with jnp).
 * In a step, for each sequence s with rows in the block and each KV block j those rows can see
-  (causal and sliding-window bounds), the pages of j are DMA'd from HBM (`memory_space=ANY`)
+  (causal, sliding-window and attention-chunk bounds), the pages of j are DMA'd from HBM (`memory_space=ANY`)
   into one of two VMEM buffers. The next block (possibly the next sequence's first) is started
   before the current one is waited on: double buffering across the whole step. Pages past the
   rows' last visible key are not fetched; their stale buffer rows are masked (V zeroed, since
@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.checks import check_lanes, check_metadata, compute_dtype
+from pallas_kernels.checks import check_lanes, check_metadata, check_positive_option, compute_dtype
 from pallas_kernels.tpu import tuned_block_sizes
 from pallas_kernels.tpu.layout import LANES, padded_head_dim, sublane_tile
 
@@ -93,6 +93,7 @@ def _rpa_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     has_sinks: bool,
+    attention_chunk_size: int | None = None,
 ):
     num_kv_heads, group, block_q, lanes = q_ref.shape
     _, pages_per_block, _, page_size, _ = kv_buf.shape
@@ -119,8 +120,9 @@ def _rpa_kernel(
         offset = kv_lens_ref[s] - q_end  # key position of a row = token index + offset
         kv_hi = jnp.where(has_rows, jnp.clip(row_hi + offset, 0, pages_per_seq * page_size), 0)
         kv_lo = jnp.int32(0)
-        if sliding_window is not None:
-            kv_lo = jnp.where(has_rows, jnp.clip(row_lo + offset - sliding_window + 1, 0, kv_hi), 0)
+        first_key = _first_visible_key(row_lo + offset, sliding_window, attention_chunk_size)
+        if first_key is not None:  # the first row's bound holds for the later rows too
+            kv_lo = jnp.where(has_rows, jnp.clip(first_key, 0, kv_hi), 0)
         blk_lo = lax.div(kv_lo, jnp.int32(block_kv))
         num_blocks = jnp.maximum(_cdiv(kv_hi, block_kv) - blk_lo, 1)  # >= 1 keeps the loop simple
         return row_lo, row_hi, offset, kv_lo, kv_hi, blk_lo, num_blocks
@@ -149,8 +151,9 @@ def _rpa_kernel(
         token = block_start + lax.rem(lax.broadcasted_iota(jnp.int32, (num_rows, block_kv), 0), block_q)
         query_pos = token + offset
         visible = (token >= row_lo) & (token < row_hi) & (key_pos <= query_pos)
-        if sliding_window is not None:
-            visible &= key_pos > query_pos - sliding_window
+        first_key = _first_visible_key(query_pos, sliding_window, attention_chunk_size)
+        if first_key is not None:
+            visible &= key_pos >= first_key
         value_pos = blk * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, lanes), 0)
         fetched = (value_pos >= kv_lo) & (value_pos < kv_hi)  # other rows may be stale or NaN
 
@@ -215,6 +218,22 @@ def _rpa_kernel(
     lax.fori_loop(0, num_kv_heads, finish_head, 0)
 
 
+def _first_visible_key(
+    position: jax.Array, sliding_window: int | None, attention_chunk_size: int | None
+) -> jax.Array | None:
+    """The first key position a query at `position` sees: past its sliding window, and in its
+    own attention chunk (`position - position % chunk`, of a position clamped to 0); None when
+    every earlier key is visible."""
+    first = None
+    if sliding_window is not None:
+        first = position - (sliding_window - 1)
+    if attention_chunk_size is not None:
+        clamped = jnp.maximum(position, 0)
+        chunk_start = clamped - lax.rem(clamped, jnp.int32(attention_chunk_size))
+        first = chunk_start if first is None else jnp.maximum(first, chunk_start)
+    return first
+
+
 def _validate(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window, soft_cap):
     if q.ndim != 3 or kv_cache.ndim != 4:
         raise ValueError(
@@ -250,6 +269,7 @@ def _seq_ranges(cu_q_lens, num_seqs, num_q_blocks, block_q):
         "sm_scale",
         "sliding_window",
         "soft_cap",
+        "attention_chunk_size",
         "interpret",
         "num_kv_pages_per_block",
         "num_queries_per_block",
@@ -272,6 +292,7 @@ def ragged_paged_attention(
     num_queries_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
     sinks: jax.Array | None = None,
+    attention_chunk_size: int | None = None,
 ) -> jax.Array:
     """Causal attention of ragged query rows over their sequences' paged KV (Mosaic TPU).
 
@@ -291,11 +312,14 @@ def ragged_paged_attention(
       vmem_limit_bytes: Mosaic scoped-VMEM limit (default: raised only when the estimate needs).
       sinks: `[H]` float32 attention sinks, a logit per query head in every row's softmax
         denominator (optional).
+      attention_chunk_size: chunked local attention, a query at position p sees keys at
+        positions >= (p // attention_chunk_size) * attention_chunk_size (optional).
 
     Returns:
       `[T, H, D]` in q's dtype.
     """
     _validate(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window, soft_cap)
+    check_positive_option("attention_chunk_size", attention_chunk_size)
     num_tokens, num_heads, head_dim = q.shape
     _, num_rows, page_size, lanes = kv_cache.shape
     num_kv_heads = num_rows // 2
@@ -339,6 +363,7 @@ def ragged_paged_attention(
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             has_sinks=sinks is not None,
+            attention_chunk_size=attention_chunk_size,
         ),
         out_shape=jax.ShapeDtypeStruct(qk.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -9,8 +9,9 @@ A case is the static shapes of one call (no data: the compilers see only shapes)
   query heads over 8 kv heads) and 256 (Gemma-2-9B: 16 over 8, sliding window 4096, soft cap
   50), 64-256 sequences, 2k-32k contexts, bfloat16 and float8_e4m3fn caches, decode buckets
   (one row a sequence) and prefill/mixed buckets; head dim 64 with attention sinks and a
-  128-token window (GPT-OSS: 64 query heads over 8 kv heads). The grid covers each dimension, not their
-  product: a cache of 256 sequences x 32k tokens would not fit one v5e.
+  128-token window (GPT-OSS: 64 query heads over 8 kv heads); chunked attention over 16k
+  contexts (Llama 4 Scout: 40 query heads over 8 kv heads, chunks of 8192). The grid covers
+  each dimension, not their product: a cache of 256 sequences x 32k tokens would not fit one v5e.
 Cases marked `expect_error` must be refused by the compiler: they prove a VMEM or shared-memory
 overflow fails its case (a compiler that stopped checking would pass them).
 """
@@ -46,6 +47,7 @@ class CompileCase:
     sliding_window: int | None = None
     soft_cap: float | None = None
     sinks: bool = False  # attention sinks, `[H]` float32 (an argument of the step)
+    attention_chunk_size: int | None = None  # chunked local attention
     tuning: tuple[tuple[str, int], ...] = ()  # kernel keywords; () = production defaults
     extra_pages: int = 0  # cache pages beyond R * P
     expect_error: str = ""  # a substring of the compiler's refusal, for cases that must fail
@@ -80,6 +82,7 @@ def from_interpret_case(case: Case, platform: str) -> CompileCase:
         sliding_window=case.sliding_window,
         soft_cap=case.soft_cap,
         sinks=case.sinks,
+        attention_chunk_size=case.attention_chunk_size,
         tuning=tuning,
         extra_pages=5,
     )
@@ -100,6 +103,9 @@ REALISTIC = (
                 kv_dtype=FP8, **GEMMA),
     CompileCase("decode_d64_r128_8k_window_sinks", 128, 128, 8192, 16, 64, 8, 8,
                 sliding_window=128, sinks=True),
+    # Llama 4 Scout's chunked layers: 40 query heads over 8 kv heads, chunks of 8192 positions.
+    CompileCase("mixed_d128_r64_t512_16k_chunk", 512, 64, 16384, 16, 128, 8, 5,
+                attention_chunk_size=8192),
 )
 # fmt: on
 # Tunings the compilers must refuse: KV blocks too large for the scoped VMEM limit given (TPU),
@@ -207,7 +213,7 @@ def layer_step(case: CompileCase, backend: str):
             q, cache, kv_lens, page_indices, cu_q_lens, num_seqs,
             sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window,
             soft_cap=case.soft_cap, backend=backend, kv_dtype=kv_dtype, sinks=sinks,
-            **dict(case.tuning),
+            attention_chunk_size=case.attention_chunk_size, **dict(case.tuning),
         )  # fmt: skip
         return out, cache
 

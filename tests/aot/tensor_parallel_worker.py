@@ -31,9 +31,13 @@ def fit_case(case: str) -> dict:
     config = model_config(model)
     if layers:
         kept = int(layers[0])
-        config = dataclasses.replace(
-            config, num_layers=kept, layer_sliding_windows=config.layer_sliding_windows[:kept]
-        )
+        # Every per-layer field is cut to the kept layers (Llama 4's RoPE flags beside the windows).
+        per_layer = {
+            name: getattr(config, name)[:kept]
+            for name in ("layer_sliding_windows", "rope_layers")
+            if hasattr(config, name)
+        }
+        config = dataclasses.replace(config, num_layers=kept, **per_layer)
     setup = StepSetup(
         config, target_name, max_num_seqs=DECODE_TOKENS, max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=PREFILL_TOKENS, tp_size=int(tp),

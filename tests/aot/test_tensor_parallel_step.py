@@ -13,7 +13,8 @@ a whole weight or exchange anything the rules table does not imply, or a model t
 fit its chips fails here. GPT-OSS-120B runs with its first 4 layers (`MODEL:TP:LAYERS`): its
 real shapes (128 experts, attention sinks, a sliding and a full layer in turn) in a fraction of
 the compile time. Not on v6e-8 yet: there its sharded steps' memory grows faster than the KV
-cache, so no cache size fits (docs/kernels.md).
+cache, so no cache size fits (docs/kernels.md). Llama-4-Scout runs with its first 4 layers too:
+three chunked-attention layers and a NoPE one, each a mixture of 16 experts and a shared one.
 """
 
 from __future__ import annotations
@@ -30,8 +31,14 @@ CASES = {
         "v5e-4:llama-3.1-8b:4",
         "v6e-4:llama-3.1-8b:4",
         "v6e-8:llama-3.1-70b:8",
+        "v6e-8:llama-4-scout:8:4",
     ],
-    "cuda": ["h100x8:llama-3.1-70b:8", "h100x8:qwen3-30b-a3b:8", "h100x8:gpt-oss-120b:8:4"],
+    "cuda": [
+        "h100x8:llama-3.1-70b:8",
+        "h100x8:qwen3-30b-a3b:8",
+        "h100x8:gpt-oss-120b:8:4",
+        "h100x8:llama-4-scout:8:4",
+    ],
 }
 # Published parameter counts (model cards): the abstract weights must be these, in bfloat16.
 # GPT-OSS-120B's 116.83e9 are 36 layers of 3.2131e9 and 1.1583e9 of embedding and head.
@@ -40,6 +47,10 @@ PARAMETERS = {
     "llama-3.1-70b": 70.55e9,
     "qwen3-30b-a3b": 30.5e9,
     "gpt-oss-120b:4": 116.83e9 - 32 * 3.2131e9,
+    # Llama-4-Scout's text model, 107.77e9 of its 109e9 (the rest is the vision encoder): 48
+    # layers of 2.2021e9 (16 experts and a shared one of 3 x 5120 x 8192 each, attention 62.9e6)
+    # and 2.069e9 of embedding and head.
+    "llama-4-scout:4": 107.77e9 - 44 * 2.2021e9,
 }
 BACKEND = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}
 
@@ -89,9 +100,12 @@ def test_sharded_step_exchanges_what_the_rules_table_implies(results, case, step
     assert results[case]["unexpected_collectives"][step] == []
 
 
-@pytest.mark.parametrize("case", [c for c in CASES["tpu"] + CASES["cuda"] if "gpt-oss" in c])
+@pytest.mark.parametrize(
+    "case", [c for c in CASES["tpu"] + CASES["cuda"] if "gpt-oss" in c or "llama-4" in c]
+)
 @pytest.mark.parametrize("step", ["decode", "prefill"])
-def test_gpt_oss_step_holds_no_cache_sized_temporaries(results, case, step):
-    # Sinks, the fused experts and the sliding layers add no copy of the cache to the step.
+def test_moe_step_holds_no_cache_sized_temporaries(results, case, step):
+    # GPT-OSS's sinks, fused experts and sliding layers, Llama 4's chunked layers and shared
+    # expert add no copy of the cache to the step.
     row = results[case]
     assert row[step]["temp_bytes"] < row["kv_bytes"] // 8, (row[step]["temp_bytes"], row["kv_bytes"])

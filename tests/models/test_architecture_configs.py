@@ -145,3 +145,59 @@ def test_yarn_frequencies_and_attention_factor_match_transformers(truncate, scal
     rope = Rope(config.rope_theta, config.rope_scaling)
     np.testing.assert_allclose(rope.inverse_frequencies(64), inv_freq.numpy(), rtol=1e-6)
     assert rope.attention_factor == pytest.approx(attention_factor, rel=1e-12)
+
+
+def test_llama4_config_reads_its_layer_kinds_and_sizes(tiny):
+    _, config, model, _ = tiny("Llama4ForCausalLM")
+    # no_rope_layers [1, 1, 1, 0]: three RoPE layers chunked by 8, a global NoPE layer.
+    assert config.rope_layers == (True, True, True, False)
+    assert config.layer_attention_chunks == (8, 8, 8, None)
+    # interleave_moe_layer_step 2: layers 1 and 3 MoE (experts of 32), 0 and 2 dense (MLP of 64).
+    assert [config.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert (config.intermediate_size, config.moe_intermediate_size) == (64, 32)
+    moe = model.model.layers[1].mlp
+    assert moe.experts.gate_proj.kernel[...].shape == (4, 64, 32)  # [E, D, F] from gate_up_proj
+    assert moe.experts.down_proj.kernel[...].shape == (4, 32, 64)
+    assert isinstance(model.model.layers[2].mlp, GatedMLP)
+
+
+def _save_tiny_llama4_multimodal(path: str) -> str:
+    """A random tiny `Llama4ForConditionalGeneration`: the tiny Llama 4 text model beside a
+    one-layer vision tower and projector."""
+    import torch
+    import transformers
+
+    from tests.models.tiny_checkpoints import _COMMON, TINY, VOCAB
+    from tests.tiny_models import save_tokenizer
+
+    save_tokenizer(path, vocab_size=VOCAB)
+    vision = dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        vision_output_dim=64, projector_input_dim=64, projector_output_dim=64, image_size=28, patch_size=14,
+    )  # fmt: skip
+    config = transformers.Llama4Config(
+        text_config={**_COMMON, **TINY["Llama4ForCausalLM"][1]}, vision_config=vision
+    )
+    config.architectures = ["Llama4ForConditionalGeneration"]
+    torch.manual_seed(1)
+    model = transformers.Llama4ForConditionalGeneration(config)  # float32 (its default)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+            else:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.mark.slow  # a second Llama 4 checkpoint, with a vision tower, built and loaded
+def test_llama4_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    path = _save_tiny_llama4_multimodal(str(tmp_path))
+    assert any(
+        name.startswith("vision_model.") for name in load_file(os.path.join(path, "model.safetensors"))
+    )
+    config, model, hf = load_pair("Llama4ForConditionalGeneration", path)
+    assert config.architecture == "Llama4ForConditionalGeneration"
+    assert config.layer_attention_chunks == (8, 8, 8, None)
+    assert_prefill_matches(model, config, hf, 37)  # text-only inputs: transformers' logits

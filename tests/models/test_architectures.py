@@ -14,6 +14,10 @@ greedy generation through vLLM on our platform.
 - GPT-OSS: attention sinks, biases on q/k/v/o, a sliding layer (window 6 < prompt) and a full
   one, YaRN RoPE, 8 experts top 2 with a router bias, expert biases and a clamped SwiGLU whose
   clamps bite.
+- Llama 4: RoPE layers rotating pairs, with L2 qk-norm and chunked attention (chunks of 8 <
+  prompt), a global NoPE layer with temperature-tuned queries, dense layers interleaved with MoE
+  ones (4 experts, top 1, sigmoid scores on the experts' inputs, a shared expert), llama3 RoPE;
+  chunked and global layers are two KV-cache groups, vLLM freeing the pages of past chunks.
 
 Architecture-specific checks (configs, weight layouts) are in test_architecture_configs.py.
 """
@@ -82,3 +86,5 @@ def test_vllm_greedy_matches_transformers(tiny, request):
         assert stats["kv_groups"] == 2
     elif arch == "Gemma3ForCausalLM":
         assert stats["kv_groups"] >= 2
+    elif arch == "Llama4ForCausalLM":  # chunked-attention layers (three groups of one) and a global one
+        assert stats["kv_groups"] == 4

@@ -40,6 +40,26 @@ def test_routed_matches_dense(tokens, top_k, num_experts, renormalize):
     np.testing.assert_allclose(_routed(*args), _dense(*args), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens,top_k,num_experts", [(1, 1, 16), (17, 1, 4), (40, 2, 8)])
+def test_weights_on_the_experts_inputs_match_numpy(tokens, top_k, num_experts):
+    # Llama 4: each chosen expert runs on its token scaled by the routing weight, outputs summed.
+    rng = np.random.default_rng(tokens)
+    x = rng.normal(size=(tokens, D)).astype(np.float32)
+    weights, experts = route(jnp.asarray(rng.normal(size=(tokens, num_experts))), top_k, renormalize=False)
+    gate, up, down = (np.asarray(w) for w in _experts(num_experts, seed=3))
+    expected = np.zeros_like(x)
+    for t in range(tokens):
+        for w, e in zip(np.asarray(weights[t]), np.asarray(experts[t]), strict=True):
+            xs = w * x[t]
+            h = xs @ gate[e]
+            expected[t] += (h / (1 + np.exp(-h)) * (xs @ up[e])) @ down[e]
+    args = (jnp.asarray(x), *_experts(num_experts, seed=3), weights, experts, jax.nn.silu)
+    routed = jax.jit(experts_routed, static_argnums=6, static_argnames=("rows", "weights_on_input"))
+    dense = jax.jit(experts_dense_reference, static_argnums=6, static_argnames="weights_on_input")
+    np.testing.assert_allclose(routed(*args, weights_on_input=True), expected, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(dense(*args, weights_on_input=True), expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("rows", [1, 8, 128])
 def test_routed_matches_dense_when_one_expert_takes_every_token(rows):
     # Every token's first choice is expert 3: it gets 45 of the 80 rows, the others 4-6 each.

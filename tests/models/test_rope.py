@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""RoPE: the per-position tables against hand-worked values, and gathered rotations against
-computed ones."""
+"""RoPE: the per-position tables against hand-worked values, gathered rotations against
+computed ones, and llama3 scaling against transformers."""
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from models.rope import Rope, RopeTable, apply_rope, rope_cos_sin, rope_table
+from models.config import ModelConfig
+from models.rope import Rope, RopeTable, apply_rope, rope_cos_sin, rope_inverse_frequencies, rope_table
 
 
 def test_table_rows_hold_the_cosines_then_the_sines_of_each_position():
@@ -34,3 +36,19 @@ def test_rotation_turns_each_pair_by_its_angle():
     a = np.array([[np.pi / 2], [np.pi]], np.float32)
     out = apply_rope(x, jnp.cos(a), jnp.sin(a))
     np.testing.assert_allclose(out, [[[0.0, 1.0]], [[0.0, -2.0]]], atol=1e-6)
+
+
+@pytest.mark.parametrize("high_freq_factor", [4.0, 1.0])  # 1.0: no band between (Llama 4 Scout)
+def test_llama3_frequencies_match_transformers(high_freq_factor):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+        "high_freq_factor": high_freq_factor, "original_max_position_embeddings": 8192,
+    }  # fmt: skip
+    hf = transformers.LlamaConfig(hidden_size=1024, num_attention_heads=8, rope_parameters=params)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    config = ModelConfig.from_hf_dict({**hf.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    got = rope_inverse_frequencies(128, config.rope_theta, config.rope_scaling)
+    np.testing.assert_allclose(got, expected.numpy(), rtol=1e-6)

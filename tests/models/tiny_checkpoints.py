@@ -40,6 +40,7 @@ ARCHS = [
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "GptOssForCausalLM",
+    "Llama4ForCausalLM",
 ]
 
 _COMMON = dict(
@@ -118,6 +119,28 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
                 "beta_fast": 32.0,
                 "beta_slow": 1.0,
                 "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "Llama4ForCausalLM": (
+        "Llama4TextConfig",
+        dict(
+            num_hidden_layers=4,  # layers 0-2 RoPE and chunked, layer 3 NoPE and global
+            intermediate_size=32,  # the experts' and the shared expert's
+            intermediate_size_mlp=64,  # the dense layers'
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,  # layers 1 and 3 MoE, 0 and 2 dense
+            attention_chunk_size=8,  # shorter than the prompts
+            floor_scale=4,  # the NoPE layer's query temperature grows within the prompts
+            attn_scale=0.5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64,
             },
         ),

@@ -6,8 +6,8 @@ SMALL_GRID (see pytest_generate_tests), so the TPU and GPU kernel tests run the 
 Every axis value of the issue's grid appears at least once: page size 16/32/128, head dim
 64/128, Hq/Hkv 1/3/4/8, decode-only, prefill-only and mixed batches, zero-length padding slots
 (num_seqs < R), lengths that are exact page multiples, contexts up to 2048, sliding window and
-soft cap on and off, attention sinks, float32 and bfloat16, and float8 caches (e4m3fn, e5m2) under bfloat16
-queries.
+soft cap on and off, attention sinks, chunked local attention, float32 and bfloat16, and float8
+caches (e4m3fn, e5m2) under bfloat16 queries.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class Case:
     sliding_window: int | None = None
     soft_cap: float | None = None
     sinks: bool = False  # attention sinks (one random logit a query head)
+    attention_chunk_size: int | None = None  # chunked local attention (Llama 4)
     pad_tokens: int = 3  # padding query rows after the last sequence
     tpu_tuning: tuple[tuple[str, int], ...] = ()
     gpu_tuning: tuple[tuple[str, int], ...] = ()
@@ -78,15 +79,22 @@ GRID = (
     Case("mixed_p16_d64_g8_bf16_sinks_window", (1, 12, 1), (40, 12, 130), 4, 16, 64, 1, 8,
          jnp.bfloat16, sliding_window=16, sinks=True),
     Case("decode_p32_d64_g4_sinks", (1, 1, 1), (3, 64, 200), 3, 32, 64, 2, 4, sinks=True),
+    # Chunked local attention (Llama 4): chunks of 48 and 64 positions, rows at chunk edges, a
+    # prefill chunk crossing chunk boundaries, and a chunk beside a sliding window.
+    Case("mixed_p16_d128_g4_bf16_chunk", (1, 40, 1), (64, 100, 300), 4, 16, 128, 2, 4, jnp.bfloat16,
+         attention_chunk_size=48),
+    Case("decode_p32_d64_g2_chunk_window", (1, 1, 1), (65, 129, 500), 3, 32, 64, 1, 2,
+         sliding_window=40, attention_chunk_size=64),
 )
 
 # Tiny batches for TPU interpret mode (simulated DMAs and semaphores, slow): several query blocks,
-# a query block spanning sequences, prefetch across sequences, a window that skips first pages.
+# a query block spanning sequences, prefetch across sequences, a window that skips first pages
+# (and attention chunks of 32, whose bound is the later one for most rows).
 SMALL_GRID = (
     Case("small_mixed",           (1, 9, 1), (40, 9, 64), 4, 16, 128, 2, 2,
          tpu_tuning=(("num_queries_per_block", 8), ("num_kv_pages_per_block", 2))),
-    Case("small_window_cap_bf16", (1, 20),   (70, 50),    2, 16, 64, 1, 3, jnp.bfloat16,
-         sliding_window=24, soft_cap=2.0,
+    Case("small_window_chunk_cap_bf16", (1, 20), (70, 50), 2, 16, 64, 1, 3, jnp.bfloat16,
+         sliding_window=24, soft_cap=2.0, attention_chunk_size=32,
          tpu_tuning=(("num_queries_per_block", 16), ("num_kv_pages_per_block", 2))),
     Case("small_sinks_window",    (1, 9),    (30, 9),     2, 16, 64, 1, 4,
          sliding_window=8, sinks=True,
@@ -195,6 +203,7 @@ def run_backend(case: Case, batch: Batch, backend: str, **kwargs) -> jax.Array:
             backend=backend,
             kv_dtype=kv_dtype.name,
             sinks=sinks,
+            attention_chunk_size=case.attention_chunk_size,
             **kwargs,
         )
 
@@ -238,9 +247,10 @@ def compare_with_reference():
     return compare
 
 
-def numpy_causal_attention(q, k, v, q_lens, kv_lens, sinks=None):
+def numpy_causal_attention(q, k, v, q_lens, kv_lens, sinks=None, attention_chunk_size=None):
     """Dense oracle: q `[T, H, D]`, k/v per sequence `[L_i, K, D]`; query heads share kv heads in
-    groups. `sinks [H]`: one more softmax column per head, of that logit, dropped after the softmax."""
+    groups. `sinks [H]`: one more softmax column per head, of that logit, dropped after the softmax.
+    `attention_chunk_size`: a query sees only keys of its own chunk of positions."""
     out = []
     for qi, ki, vi, n, length in zip(np.split(q, np.cumsum(q_lens)[:-1]), k, v, q_lens, kv_lens, strict=True):
         group = q.shape[1] // ki.shape[1]
@@ -248,6 +258,9 @@ def numpy_causal_attention(q, k, v, q_lens, kv_lens, sinks=None):
         scores = np.einsum("thd,lhd->htl", qi, kh)
         positions = length - n + np.arange(n)
         scores = np.where(np.arange(length)[None, None, :] <= positions[None, :, None], scores, -np.inf)
+        if attention_chunk_size is not None:
+            chunk_start = positions // attention_chunk_size * attention_chunk_size
+            scores = np.where(np.arange(length)[None, None, :] >= chunk_start[None, :, None], scores, -np.inf)
         if sinks is not None:  # the sink column, last
             column = np.broadcast_to(np.asarray(sinks)[:, None, None], (*scores.shape[:2], 1))
             scores = np.concatenate([scores, column], axis=-1)

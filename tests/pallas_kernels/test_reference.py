@@ -104,6 +104,34 @@ def test_sliding_window(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_attention(backend):
+    # Chunks of 2 positions: a row at position p sees keys p // 2 * 2 .. p only.
+    # Sequence 0, positions 0..3: k = [1,0], [0,1], [1,0], [0,1]; v = [4,0], [0,8], [8,0], [0,4].
+    #   Row 0 (chunk 0..1) sees key 0                     -> [4, 0].
+    #   Row 1: q = [ln 3, 0], scores [ln 3, 0]            -> 3/4 [4,0] + 1/4 [0,8] = [3, 2].
+    #   Row 2 (chunk 2..3) sees key 2 only, not 0 and 1   -> [8, 0].
+    #   Row 3: q = [0, ln 3], scores [0, ln 3] on keys 2, 3 -> 1/4 [8,0] + 3/4 [0,4] = [2, 3].
+    # Sequence 1 decodes position 2 (keys 0..2 cached, all k = [1, 0]): its chunk holds key 2
+    # only                                                -> v2 = [6, 6] (not a mix with v0, v1).
+    ln3 = math.log(3.0)
+    q = [[[5.0, 5.0]], [[ln3, 0.0]], [[5.0, 5.0]], [[0.0, ln3]], [[5.0, 5.0]]]
+    k = [[[1.0, 0.0]], [[0.0, 1.0]], [[1.0, 0.0]], [[0.0, 1.0]]] + [[[1.0, 0.0]]] * 3
+    v = [[[4.0, 0.0]], [[0.0, 8.0]], [[8.0, 0.0]], [[0.0, 4.0]], [[1.0, 1.0]], [[2.0, 2.0]], [[6.0, 6.0]]]
+    out = _attend(backend, q, k, v, q_lens=[4, 1], kv_lens=[4, 3], attention_chunk_size=2)
+    np.testing.assert_allclose(out[:, 0], [[4, 0], [3, 2], [8, 0], [2, 3], [6, 6]], atol=1e-5)
+
+
+def test_chunked_attention_rejects_a_chunk_that_is_not_positive():
+    q = jnp.zeros((1, 1, 2))
+    cache = reference.allocate_kv_cache_reference(2, PAGE_SIZE, 1, 2, jnp.float32)
+    with pytest.raises(ValueError, match="attention_chunk_size must be positive"):
+        api.ragged_paged_attention(
+            q, cache, jnp.array([1]), jnp.array([[1]]), jnp.array([0, 1]), jnp.array([1]),
+            sm_scale=1.0, backend="xla", attention_chunk_size=0,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_soft_cap(backend):
     # q = [100, 0]; k0 = [1, 0], k1 = [0, 0] -> scores [100, 0].
     # cap 1: [tanh(100), tanh(0)] = [1, 0] -> softmax [e / (e + 1), 1 / (e + 1)] = [0.7311, 0.2689];
@@ -206,12 +234,14 @@ def test_reference_ignores_cu_q_lens_entries_past_num_seqs():
     assert jnp.array_equal(padded_with_total, padded_with_zeros)
 
 
-@pytest.mark.parametrize(("q_lens", "query_block", "rows_per_group", "with_sinks"), [
-    ([1] * 9, 1, 2, False),  # decode rows in five groups of two
-    ([5, 1, 12, 1, 3], 2, 4, False),  # prefill chunks and decode rows, 2-row blocks, groups of 2 blocks
-    ([5, 1, 12, 1, 3], 2, 4, True),  # the same with a sink column in every head's softmax
+@pytest.mark.parametrize(("q_lens", "query_block", "rows_per_group", "variant"), [
+    ([1] * 9, 1, 2, None),  # decode rows in five groups of two
+    ([5, 1, 12, 1, 3], 2, 4, None),  # prefill chunks and decode rows, 2-row blocks, groups of 2 blocks
+    ([5, 1, 12, 1, 3], 2, 4, "sinks"),  # the same with a sink column in every head's softmax
+    ([5, 1, 12, 1, 3], 2, 4, "chunks"),  # the same with chunked local attention, chunks of 8
 ])  # fmt: skip
-def test_reference_groups_and_sorting_match_dense_attention(q_lens, query_block, rows_per_group, with_sinks):
+def test_reference_groups_and_sorting_match_dense_attention(q_lens, query_block, rows_per_group, variant):
+    with_sinks, chunk = variant == "sinks", 8 if variant == "chunks" else None
     rng = np.random.default_rng(3)
     page_size, num_kv_heads, heads, dim = 4, 2, 4, 8
     kv_lens = [int(n + rng.integers(0, 30)) for n in q_lens]  # mixed reach, so sorting matters
@@ -235,7 +265,7 @@ def test_reference_groups_and_sorting_match_dense_attention(q_lens, query_block,
         jnp.asarray(q), cache, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices, jnp.int32),
         jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32), jnp.int32(len(q_lens)),
         sm_scale=1.0, query_block=query_block, rows_per_group=rows_per_group, kv_chunk_pages=1,
-        sinks=None if sinks is None else jnp.asarray(sinks),
+        sinks=None if sinks is None else jnp.asarray(sinks), attention_chunk_size=chunk,
     )  # fmt: skip
-    expected = numpy_causal_attention(q, k, v, q_lens, kv_lens, sinks=sinks)
+    expected = numpy_causal_attention(q, k, v, q_lens, kv_lens, sinks=sinks, attention_chunk_size=chunk)
     np.testing.assert_allclose(np.asarray(got), expected, atol=2e-5)

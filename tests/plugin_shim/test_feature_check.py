@@ -5,6 +5,7 @@ configuration path, by name; what works stays accepted; docs/features.md is the 
 import json
 import pathlib
 import shutil
+import types
 
 import pytest
 from vllm.engine.arg_utils import EngineArgs
@@ -124,6 +125,17 @@ def test_refused_at_engine_config_with_the_option_named(request, models, refusal
     # Only what was asked for (decode context parallelism comes with tensor parallelism, which
     # is supported).
     assert str(raised.value).count("not supported by vllm-xla") == 1
+
+
+@pytest.mark.parametrize(("open_inputs", "refused"), [(True, True), (False, False)])
+def test_a_multimodal_model_is_served_text_only_when_vllm_takes_no_other_inputs(open_inputs, refused):
+    # vLLM's `supports_multimodal_inputs` is false with --language-model-only or every modality's
+    # limit at 0 (a real multimodal architecture's classes need torchvision, absent here).
+    model = types.SimpleNamespace(
+        is_multimodal_model=True, multimodal_config=object(), supports_multimodal_inputs=open_inputs
+    )
+    (refusal,) = [r for r in feature_check.REFUSED if r.option == "multimodal inputs"]
+    assert refusal.detect(types.SimpleNamespace(model_config=model)) is refused
 
 
 @pytest.mark.parametrize(("option", "variant", "kwargs"), MORE_CASES)

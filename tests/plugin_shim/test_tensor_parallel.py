@@ -104,6 +104,14 @@ MODELS = {
         [_greedy_run(1), _greedy_run(2)],
         "cpu_native",
     ),
+    # Llama 4: chunked attention (chunks of 8 < the 13-token prompt) on the native kernel, a
+    # shared expert beside the routed ones split on their intermediate size.
+    "llama4": (
+        "Llama4ForCausalLM",
+        functools.partial(save_tiny, "Llama4ForCausalLM"),
+        [_greedy_run(1), _greedy_run(2)],
+        "cpu_native",
+    ),
     **{
         name: (
             architecture,
@@ -194,6 +202,11 @@ def test_every_parameter_is_placed_as_the_rules_table_says(served, name):
         kinds += {
             "mixtral": ["experts.gate_proj.kernel", "experts.down_proj.kernel"],
             "gpt_oss": ["experts.gate_up_proj", "experts.down_proj", "self_attn.sinks"],
+            "llama4": [
+                "experts.gate_proj.kernel",
+                "experts.down_proj.kernel",
+                "shared_expert.gate_up_proj.kernel",
+            ],
         }.get(name, ["gate_up_proj.kernel", "down_proj.kernel"])
         for kind in kinds:
             assert any(path.endswith(kind) and any(rule_spec(path)) for path in split), (name, tp, kind)
