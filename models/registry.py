@@ -24,6 +24,7 @@ from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from models.deepseek_config import DeepseekConfig
 from models.gemma2 import Gemma2ForCausalLM
 from models.gemma3 import Gemma3ForCausalLM
+from models.glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 from models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from models.llama import LlamaForCausalLM
 from models.mixtral import MixtralForCausalLM
@@ -44,6 +45,7 @@ _MODEL_CLASSES: dict[str, type[nnx.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     # Served by a pooling engine only (`runner="pooling"`: vLLM resolves them to it).
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
@@ -54,6 +56,7 @@ _CONFIG_CLASSES: dict[str, type[ModelConfig]] = {
     "GptOssForCausalLM": GptOssConfig,
     "DeepseekV2ForCausalLM": DeepseekConfig,
     "DeepseekV3ForCausalLM": DeepseekConfig,
+    "Glm4MoeForCausalLM": Glm4MoeConfig,
 }
 
 
