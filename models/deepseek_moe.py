@@ -162,8 +162,10 @@ class DeepseekMoE(SparseMoE):
         )
 
     def select_experts(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The weights before `routed_scaling_factor`, which `__call__` applies to the routed sum."""
-        logits = self.router(x)
+        """The weights before `routed_scaling_factor`, which `__call__` applies to the routed sum.
+        The router's logits stay float32 products (as transformers and vLLM compute them): rounded
+        to bfloat16, their sigmoid scores would lose the small differences that decide the experts."""
+        logits = self.router.product(x)
         if self.scoring == "softmax" and self.n_group == 1:  # plain softmax top-k
             return route(logits, self.top_k, renormalize=self.renormalize)
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]

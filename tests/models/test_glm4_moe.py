@@ -122,3 +122,41 @@ def test_multi_token_prediction_layer_is_skipped_on_load(tmp_path):
     assert config.num_layers == len(model.model.layers) == 3
     kernel = np.asarray(model.model.layers[2].self_attn.o_proj.kernel[...])
     np.testing.assert_array_equal(kernel, tensors["model.layers.2.self_attn.o_proj.weight"].numpy().T)
+
+
+def test_bfloat16_router_chooses_and_weighs_as_transformers_float32_router():
+    # Served in bfloat16, the router's logits stay float32 products, as transformers (and vLLM)
+    # compute them: rounded to bfloat16, the weights move by ~1e-3 and near ties change experts.
+    import jax.numpy as jnp
+    import torch
+    import transformers
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    from models.deepseek_moe import DeepseekMoE
+    from tests.models.tiny_glm4_moe import _COMMON
+
+    fields = {**_COMMON, **VARIANTS["qk_norm"], "routed_scaling_factor": 1.0}
+    config = ModelConfig.from_hf_dict({**fields, "architectures": ["Glm4MoeForCausalLM"]})
+    moe = DeepseekMoE(config, dtype=jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    kernel = jnp.asarray(rng.normal(0, 0.3, (64, 8)), jnp.bfloat16)  # [D, E]
+    bias = rng.normal(0, 0.2, 8).astype(np.float32)
+    x = jnp.asarray(rng.normal(size=(64, 64)), jnp.bfloat16)
+    moe.router.kernel.set_value(kernel)
+    moe.e_score_correction_bias.set_value(jnp.asarray(bias))
+    weights, experts = moe.select_experts(x)
+
+    hf = Glm4MoeTopkRouter(transformers.Glm4MoeConfig(**fields))
+    with torch.no_grad():
+        hf.weight.copy_(torch.tensor(np.asarray(kernel, np.float32).T))
+        hf.e_score_correction_bias.copy_(torch.tensor(bias))
+        _, hf_weights, hf_experts = hf(torch.tensor(np.asarray(x, np.float32)))
+    order, hf_order = np.argsort(np.asarray(experts), axis=1), np.argsort(hf_experts.numpy(), axis=1)
+    np.testing.assert_array_equal(
+        np.take_along_axis(np.asarray(experts), order, 1), np.take_along_axis(hf_experts.numpy(), hf_order, 1)
+    )
+    np.testing.assert_allclose(
+        np.take_along_axis(np.asarray(weights), order, 1),
+        np.take_along_axis(hf_weights.numpy(), hf_order, 1),
+        rtol=1e-5,
+    )
