@@ -27,6 +27,7 @@ from models import ModelConfig, attach_rope_tables, load_model
 from models.glm4_moe import Glm4MoeConfig
 from tests.models.tiny_checkpoints import assert_prefill_matches, assert_ragged_matches
 from tests.models.tiny_glm4_moe import VARIANTS, save_tiny_glm4_moe
+from tpu_platform.plan import abstract_model
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -90,6 +91,9 @@ def test_glm_4_5_air_config_parses_as_published():
     assert not config.use_qk_norm
     assert (config.num_experts, config.num_experts_per_tok, config.n_shared_experts) == (128, 8, 1)
     assert [config.is_moe_layer(i) for i in (0, 1, 45)] == [False, True, True]
+    # Model card: 106B parameters (its multi-token-prediction layer aside): 106.85B exactly.
+    weights = abstract_model(config, "bfloat16", 2048).weight_bytes
+    assert abs(weights / 2e9 - 106.85) < 0.01, weights
 
 
 @pytest.mark.parametrize(
