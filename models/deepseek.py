@@ -12,21 +12,16 @@ import re
 import jax.numpy as jnp
 
 from models.deepseek_config import DeepseekConfig
-from models.deepseek_moe import deepseek_mlp
+from models.deepseek_moe import ROUTED_HF_PARAM_MAP, SHARED_EXPERT_LINEARS, deepseek_mlp
 from models.latent_attention import LatentAttention
 from models.layers import MLP_LINEARS, CausalLM, DecoderLayer, decoder_hf_param_map
 
 _LAYER = "model.layers.{i}"
 _ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
-_SHARED = ("gate_proj", "up_proj", "down_proj")
 # HF checkpoint name -> our parameter path ("{i}" layer, "{e}" expert: fills slot e of a stacked kernel).
 HF_PARAM_MAP = {
     **decoder_hf_param_map(
-        linears=(
-            *(f"self_attn.{name}" for name in _ATTENTION),
-            *MLP_LINEARS,
-            *(f"mlp.shared_experts.{name}" for name in _SHARED),
-        ),
+        linears=(*(f"self_attn.{name}" for name in _ATTENTION), *MLP_LINEARS, *SHARED_EXPERT_LINEARS),
         norms=(
             "input_layernorm",
             "post_attention_layernorm",
@@ -35,14 +30,16 @@ HF_PARAM_MAP = {
         ),
     ),
     f"{_LAYER}.self_attn.kv_b_proj.weight": f"{_LAYER}.self_attn.kv_b_proj.kernel",
-    f"{_LAYER}.mlp.gate.weight": f"{_LAYER}.mlp.router.kernel",
-    f"{_LAYER}.mlp.gate.e_score_correction_bias": f"{_LAYER}.mlp.e_score_correction_bias",
-    **{
-        f"{_LAYER}.mlp.experts.{{e}}.{proj}.weight": f"{_LAYER}.mlp.experts.{proj}.kernel"
-        for proj in ("gate_proj", "up_proj", "down_proj")
-    },
+    **ROUTED_HF_PARAM_MAP,
 }
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def after_last_layer(name: str, num_layers: int) -> bool:
+    """Whether checkpoint tensor `name` belongs to a layer numbered after the last decoder layer:
+    the multi-token-prediction layers DeepSeek-V3 and GLM-4.5 checkpoints carry."""
+    match = _LAYER_INDEX.match(name)
+    return match is not None and int(match.group(1)) >= num_layers
 
 
 class DeepseekV2ForCausalLM(CausalLM):
@@ -63,8 +60,7 @@ class DeepseekV2ForCausalLM(CausalLM):
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """Whether checkpoint tensor `name` is deliberately not loaded: the multi-token-prediction
         layers, numbered after the last decoder layer."""
-        match = _LAYER_INDEX.match(name)
-        return match is not None and int(match.group(1)) >= self.config.num_layers
+        return after_last_layer(name, self.config.num_layers)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""DeepSeek MoE: routed experts beside always-on shared experts, and DeepSeek's expert selection.
+"""DeepSeek MoE: routed experts beside always-on shared experts, and DeepSeek's expert selection
+(DeepSeek-V2/V3; GLM-4.5's MoE is V3's, configured by the same fields: `DeepseekMoeConfig`).
 
 - V2 (`scoring_func="softmax"`): softmax over the experts, the top k of all of them (`greedy`:
   `moe.route` itself) or of the `topk_group` groups whose best expert scores highest
@@ -16,15 +17,86 @@ matmul, split on F under tensor parallelism); the shared experts are one dense g
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.deepseek_config import DeepseekConfig
+from models.config import ModelConfig
 from models.layers import GatedMLP
 from models.linear import zeros_param
 from models.metadata import AttentionMetadata
 from models.moe import SparseMoE, route
+
+_LAYER = "model.layers.{i}"
+# The shared experts' projections under `model.layers.{i}.` (HF's names, which ours mirror).
+SHARED_EXPERT_LINEARS = tuple(f"mlp.shared_experts.{name}" for name in ("gate_proj", "up_proj", "down_proj"))
+# HF checkpoint name -> our parameter path of the router and the routed experts ("{i}" layer,
+# "{e}" expert: fills slot e of a stacked kernel).
+ROUTED_HF_PARAM_MAP = {
+    f"{_LAYER}.mlp.gate.weight": f"{_LAYER}.mlp.router.kernel",
+    f"{_LAYER}.mlp.gate.e_score_correction_bias": f"{_LAYER}.mlp.e_score_correction_bias",
+    **{
+        f"{_LAYER}.mlp.experts.{{e}}.{proj}.weight": f"{_LAYER}.mlp.experts.{proj}.kernel"
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    },
+}
+
+# Expert selection: V2's softmax top-k, whole or from the best groups (`group_limited_greedy`);
+# V3's sigmoid scores with a correction bias and group top-k (`noaux_tc`).
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeepseekMoeConfig(ModelConfig):
+    """`ModelConfig` with DeepSeek MoE's fields: shared experts, expert selection (module
+    docstring), and which layers route (`is_moe_layer`)."""
+
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+
+    def __post_init__(self) -> None:
+        ModelConfig.__post_init__(self)
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method {self.topk_method!r} is not supported; supported: {TOPK_METHODS}")
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring_func {self.scoring_func!r} is not supported: 'softmax' or 'sigmoid'")
+        if self.num_experts and (self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group):
+            raise ValueError(
+                f"{self.num_experts} experts in n_group={self.n_group} groups with topk_group="
+                f"{self.topk_group}: the groups must divide the experts and 1 <= topk_group <= n_group"
+            )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Routed experts from layer `first_k_dense_replace` on, every `moe_layer_freq`-th layer."""
+        return (
+            self.num_experts > 0 and layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+        )
+
+
+def moe_fields_from_hf(hf: dict[str, Any], *, topk_method: str, scoring_func: str) -> dict[str, Any]:
+    """`DeepseekMoeConfig`'s fields (and the routed expert count) read from a `config.json`;
+    `topk_method` and `scoring_func` where it does not name them."""
+    n_group = hf.get("n_group") or 1
+    return dict(
+        num_experts=hf.get("n_routed_experts") or 0,
+        n_shared_experts=hf.get("n_shared_experts") or 0,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+        topk_method=hf.get("topk_method") or topk_method,
+        scoring_func=hf.get("scoring_func") or scoring_func,
+        n_group=n_group,
+        topk_group=hf.get("topk_group") or n_group,
+        first_k_dense_replace=hf.get("first_k_dense_replace") or 0,
+        moe_layer_freq=hf.get("moe_layer_freq") or 1,
+    )
 
 
 def route_grouped(
@@ -69,7 +141,7 @@ def route_grouped(
 class DeepseekMoE(SparseMoE):
     """`SparseMoE` routed by `route_grouped`, plus the shared experts' dense MLP."""
 
-    def __init__(self, config: DeepseekConfig, *, dtype: jnp.dtype):
+    def __init__(self, config: DeepseekMoeConfig, *, dtype: jnp.dtype):
         super().__init__(
             config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
             renormalize=config.norm_topk_prob, dtype=dtype, act=config.hidden_act,
@@ -90,8 +162,10 @@ class DeepseekMoE(SparseMoE):
         )
 
     def select_experts(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The weights before `routed_scaling_factor`, which `__call__` applies to the routed sum."""
-        logits = self.router(x)
+        """The weights before `routed_scaling_factor`, which `__call__` applies to the routed sum.
+        The router's logits stay float32 products (as transformers and vLLM compute them): rounded
+        to bfloat16, their sigmoid scores would lose the small differences that decide the experts."""
+        logits = self.router.product(x)
         if self.scoring == "softmax" and self.n_group == 1:  # plain softmax top-k
             return route(logits, self.top_k, renormalize=self.renormalize)
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
@@ -111,7 +185,7 @@ class DeepseekMoE(SparseMoE):
         return routed if self.shared_experts is None else routed + self.shared_experts(x, md)
 
 
-def deepseek_mlp(config: DeepseekConfig, layer: int, *, dtype: jnp.dtype) -> nnx.Module:
+def deepseek_mlp(config: DeepseekMoeConfig, layer: int, *, dtype: jnp.dtype) -> nnx.Module:
     """Layer `layer`'s MLP: DeepSeek MoE where `config.is_moe_layer`, else the dense MLP."""
     if config.is_moe_layer(layer):
         return DeepseekMoE(config, dtype=dtype)

@@ -105,7 +105,8 @@ class PagedAttention(nnx.Module):
     Options cover every supported architecture: q/k/v and output biases (default
     `config.attention_bias`), RMSNorm of each q/k head before RoPE (Qwen3, Gemma 3; `(1 + w)` with
     `norm_unit_offset`), the softmax scale (default `H ** -0.5`), tanh soft-capping of the scores,
-    a sliding window, the layer's RoPE (default `config.rope_theta` / `config.rope_scaling`) and
+    a sliding window, the layer's RoPE (default `config.rope_theta` / `config.rope_scaling`), the
+    dimensions it rotates (`rotary_dim`, default all H: GLM-4.5 rotates the first half) and
     attention sinks (GPT-OSS: a learned logit per query head in the softmax denominator, `[N]`).
     """
 
@@ -122,6 +123,7 @@ class PagedAttention(nnx.Module):
         sm_scale: float | None = None,
         soft_cap: float | None = None,
         rope: Rope | None = None,
+        rotary_dim: int | None = None,
         sinks: bool = False,
     ):
         d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
@@ -137,6 +139,7 @@ class PagedAttention(nnx.Module):
         self.k_norm = RMSNorm(h, eps=eps, dtype=dtype, unit_offset=norm_unit_offset) if qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
         self.rope = rope or Rope(config.rope_theta, config.rope_scaling)
+        self.rotary_dim = h if rotary_dim is None else rotary_dim
         self.rope_table: RopeTable | None = nnx.data(None)  # set by `attach_rope_tables`
         self.sliding_window = sliding_window
         self.sm_scale = h**-0.5 if sm_scale is None else sm_scale
@@ -146,11 +149,9 @@ class PagedAttention(nnx.Module):
     def __call__(
         self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
     ) -> tuple[jax.Array, jax.Array]:
-        h = self.head_dim
         qkv = self._project_qkv(x)  # [T, (N + 2K) * H]
-        table, rows = step_rope_table(
-            positions, self.rope.inverse_frequencies(h), self.rope_table, self.rope.attention_factor
-        )
+        inv_freq = self.rope.inverse_frequencies(self.rotary_dim)
+        table, rows = step_rope_table(positions, inv_freq, self.rope_table, self.rope.attention_factor)
         sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)  # [N]
         if md.mesh is None:
             o, kv_cache = self._attend(qkv, rows, table, kv_cache, md, sinks, dtype=x.dtype)
@@ -184,14 +185,16 @@ class PagedAttention(nnx.Module):
         n, k = self.num_heads // devices, self.num_kv_heads // devices
         heads = dict(num_heads=n, num_kv_heads=k)
         cache_args = dict(backend=md.backend, kv_dtype=md.kv_dtype, first_page=md.first_page)
-        if self.q_norm is None:
+        if self.q_norm is None and self.rotary_dim == h:
             q, kv_cache = rope_write_kv(
                 qkv, rows, table, kv_cache, md.slot_mapping, dtype=dtype, **heads, **cache_args
             )
-        else:  # RMSNorm of each q and k head before the rotation
+        else:  # RMSNorm of each q and k head before the rotation, or a partial rotation
             q, key, v = split_heads(qkv, head_dim=h, dtype=dtype, **heads)
+            if self.q_norm is not None:
+                q, key = self.q_norm(q), self.k_norm(key)
             cos, sin = table_rows(table, rows)
-            q, key = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(key), cos, sin)
+            q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
             kv_cache = write_kv(kv_cache, key, v, md.slot_mapping, **cache_args)
         o = ragged_paged_attention(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
@@ -447,9 +450,9 @@ def attach_rope_tables(model: nnx.Module, num_positions: int) -> int:
     tables: dict[tuple[Rope, int], RopeTable] = {}
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, PagedAttention):
-            key = (module.rope, module.head_dim)
+            key = (module.rope, module.rotary_dim)
             if key not in tables:
-                tables[key] = RopeTable(rope_table(module.rope, module.head_dim, num_positions))
+                tables[key] = RopeTable(rope_table(module.rope, module.rotary_dim, num_positions))
             module.rope_table = tables[key]
     return len(tables)
 

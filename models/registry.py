@@ -24,6 +24,7 @@ from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from models.deepseek_config import DeepseekConfig
 from models.gemma2 import Gemma2ForCausalLM
 from models.gemma3 import Gemma3ForCausalLM
+from models.glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 from models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from models.llama import LlamaForCausalLM
 from models.llama4 import Llama4Config, Llama4ForCausalLM
@@ -48,6 +49,7 @@ _MODEL_CLASSES: dict[str, type[nnx.Module]] = {
     "Llama4ForCausalLM": Llama4ForCausalLM,
     # The text model only: image inputs are refused at start (`plugin_shim.feature_check`).
     "Llama4ForConditionalGeneration": Llama4ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     # Served by a pooling engine only (`runner="pooling"`: vLLM resolves them to it).
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
@@ -60,6 +62,7 @@ _CONFIG_CLASSES: dict[str, type[ModelConfig]] = {
     "DeepseekV3ForCausalLM": DeepseekConfig,
     "Llama4ForCausalLM": Llama4Config,
     "Llama4ForConditionalGeneration": Llama4Config,
+    "Glm4MoeForCausalLM": Glm4MoeConfig,
 }
 
 

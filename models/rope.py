@@ -110,9 +110,13 @@ def rope_cos_sin(
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates `x[T, heads, H]` by the angles whose `cos`, `sin` (`[T, H/2]`) are given
-    (rotate-half convention, as HF), in float32; the result keeps `x`'s dtype."""
-    return rotate_half(x, cos, sin)
+    """Rotates `x[T, heads, H]` by the angles whose `cos`, `sin` (`[T, R/2]`) are given
+    (rotate-half convention, as HF), in float32; the result keeps `x`'s dtype. With `R < H`
+    (partial rotary, GLM-4.5) the first R dimensions rotate and the others pass unchanged."""
+    rotary = 2 * cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return rotate_half(x, cos, sin)
+    return jnp.concatenate([rotate_half(x[..., :rotary], cos, sin), x[..., rotary:]], axis=-1)
 
 
 def step_rope_table(

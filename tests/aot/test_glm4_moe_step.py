@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A GLM-4.5-Air-shaped step at full width (96 query and 8 KV heads of 128 with q/k/v biases,
+RoPE on 64 of each head's 128 dimensions, 128 routed experts of 1408 and one shared, hidden
+4096, vocabulary 151552) with its first four layers, one dense and three MoE, compiled at TP=4
+by XLA's GPU compiler for 4 of 8x H100 (`tensor_parallel_worker`, as
+test_tensor_parallel_step.py does for Llama and Qwen3-MoE). Not on v6e-4 yet: as GPT-OSS's on
+v6e-8, its sharded steps' memory grows faster than the KV cache there, so no cache size fits.
+
+Each chip holds a quarter of every split weight and its two KV heads' cache, and the step
+exchanges only what the rules table implies: per layer the row-parallel output projection's and
+MLP's sums of `[tokens, hidden]` (a MoE layer a third, its shared expert's), the embedding's sum
+and the logits gathered once; it holds no cache-sized temporary (the partial rotation runs
+outside the fused RoPE-and-write path, on the step's own tokens).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.aot.model_step_worker import MAX_MODEL_LEN
+from tests.aot.toolchains import run_worker
+
+LAYERS, TP = 4, 4
+CASES = {"cuda": f"h100x8:glm-4.5-air:{TP}:{LAYERS}"}
+BACKEND = {"cuda": "pallas_gpu"}
+
+pytestmark = pytest.mark.timeout(3600)
+
+
+def _parameters(layers: int) -> int:
+    """GLM-4.5-Air's parameters in its first `layers` layers (the first dense), with the
+    embedding, the head and the final norm, from its published shapes."""
+    d, v, heads, kv_heads, h = 4096, 151552, 96, 8, 128
+    attention = d * heads * h + heads * h + 2 * (d * kv_heads * h + kv_heads * h) + heads * h * d
+    norms = 2 * d
+    dense = 3 * d * 10944
+    moe = 128 * 3 * d * 1408 + 3 * d * 1408 + 128 * d + 128  # routed, shared, router, bias
+    return 2 * v * d + d + layers * (attention + norms) + dense + (layers - 1) * moe
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    return {p: run_worker(p, "tensor_parallel_worker", case, timeout=3500)[0] for p, case in CASES.items()}
+
+
+@pytest.mark.parametrize("platform", sorted(CASES))
+def test_air_shaped_step_compiles_and_fits_each_chip(results, platform):
+    row = results[platform]
+    assert row["fits"], row["reason"]
+    assert (row["tp_size"], row["backend"]) == (TP, BACKEND[platform])
+    assert row["kv_tokens"] >= MAX_MODEL_LEN
+    total = row["total_weight_bytes"]
+    assert total == pytest.approx(2 * _parameters(LAYERS), rel=1e-4)  # bfloat16
+    # Replicated: norms, routers and their correction biases.
+    assert row["replicated_weight_bytes"] <= 0.005 * total
+    assert total / TP <= row["weight_bytes"] <= total / TP + row["replicated_weight_bytes"]
+    for step in ("decode", "prefill"):
+        program = row[step]
+        assert program["peak_bytes"] <= row["budget_bytes"] <= row["hbm_bytes"]
+        assert program["alias_bytes"] >= row["kv_bytes"]  # the donated caches updated in place
+        assert program["temp_bytes"] < row["kv_bytes"] // 8, (step, program["temp_bytes"], row["kv_bytes"])
+
+
+@pytest.mark.parametrize("platform", sorted(CASES))
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_air_shaped_step_exchanges_what_the_rules_table_implies(results, platform, step):
+    assert results[platform]["unexpected_collectives"][step] == []
