@@ -9,8 +9,8 @@ A case is the static shapes of one call (no data: the compilers see only shapes)
   query heads over 8 kv heads) and 256 (Gemma-2-9B: 16 over 8, sliding window 4096, soft cap
   50), 64-256 sequences, 2k-32k contexts, bfloat16 and float8_e4m3fn caches, decode buckets
   (one row a sequence) and prefill/mixed buckets; head dim 64 with attention sinks and a
-  128-token window (GPT-OSS: 64 query heads over 8 kv heads). The grid covers each dimension, not their
-  product: a cache of 256 sequences x 32k tokens would not fit one v5e.
+  128-token window (GPT-OSS: 64 query heads over 8 kv heads); head dim 512 (Gemma 4). The grid
+  covers each dimension, not their product: a cache of 256 sequences x 32k tokens would not fit one v5e.
 Cases marked `expect_error` must be refused by the compiler: they prove a VMEM or shared-memory
 overflow fails its case (a compiler that stopped checking would pass them).
 """
@@ -100,6 +100,10 @@ REALISTIC = (
                 kv_dtype=FP8, **GEMMA),
     CompileCase("decode_d64_r128_8k_window_sinks", 128, 128, 8192, 16, 64, 8, 8,
                 sliding_window=128, sinks=True),
+    # Head dim 512 (Gemma 4: its full layers' width, which every layer's cache takes; 1024-token
+    # windows on the sliding ones).
+    CompileCase("decode_d512_r32_4k_window", 32, 32, 4096, 16, 512, 8, 2, sliding_window=1024),
+    CompileCase("mixed_d512_r16_t512_4k", 512, 16, 4096, 16, 512, 8, 2),
 )
 # fmt: on
 # Tunings the compilers must refuse: KV blocks too large for the scoped VMEM limit given (TPU),
