@@ -240,6 +240,7 @@ class Gemma4Model(nnx.Module):
 
 class Gemma4ForCausalLM(CausalLM):
     hf_param_map = HF_PARAM_MAP
+    lora_refused = "LoRA adapters are not supported on Gemma 4 by vllm-xla yet; serve it without enable_lora"
 
     def __init__(self, config: Gemma4Config, *, dtype: jnp.dtype):
         self.config = config

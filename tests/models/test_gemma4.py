@@ -83,3 +83,12 @@ def test_variants_not_built_are_refused_by_name(hf_config, change, named):
 def test_multimodal_checkpoint_is_refused_by_name():
     with pytest.raises(ValueError, match="Gemma4ForConditionalGeneration"):
         model_class("Gemma4ForConditionalGeneration")
+
+
+def test_lora_is_refused_at_start_by_name(hf_config):
+    from models import build
+    from models.lora import attach_lora
+
+    model = build(ModelConfig.from_hf_dict(hf_config))
+    with pytest.raises(ValueError, match="LoRA adapters are not supported on Gemma 4"):
+        attach_lora(model, max_loras=1, max_rank=4, dtype=np.float32)
