@@ -14,6 +14,9 @@ greedy generation through vLLM on our platform.
 - GPT-OSS: attention sinks, biases on q/k/v/o, a sliding layer (window 6 < prompt) and a full
   one, YaRN RoPE, 8 experts top 2 with a router bias, expert biases and a clamped SwiGLU whose
   clamps bite.
+- Gemma 4 (text): sliding layers (window 10 < prompt, 2 KV heads of 16) and full ones (1 KV head
+  of 32, keys as values, proportional RoPE), per-layer inputs, layer scalars, two KV-shared
+  layers reading the first two layers' caches, double-wide MLPs there, final soft-capping.
 
 Architecture-specific checks (configs, weight layouts) are in test_architecture_configs.py.
 """
@@ -82,3 +85,5 @@ def test_vllm_greedy_matches_transformers(tiny, request):
         assert stats["kv_groups"] == 2
     elif arch == "Gemma3ForCausalLM":
         assert stats["kv_groups"] >= 2
+    elif arch == "Gemma4ForCausalLM":  # the KV-shared layers report no cache: one layer a group
+        assert stats["kv_groups"] == 2
