@@ -92,3 +92,29 @@ def test_lora_is_refused_at_start_by_name(hf_config):
     model = build(ModelConfig.from_hf_dict(hf_config))
     with pytest.raises(ValueError, match="LoRA adapters are not supported on Gemma 4"):
         attach_lora(model, max_loras=1, max_rank=4, dtype=np.float32)
+
+
+def test_shipped_planner_config_has_gemma_4_e2b_s_layers_and_parameters():
+    """tpu_platform/model_configs/gemma-4-e2b.json: 35 layers (every fifth full), the last 20
+    reading layers 13 (sliding) and 14 (full), and the parameters its shapes add up to."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models import build
+    from tpu_platform.plan import model_config
+
+    config = model_config("gemma-4-e2b")
+    assert sum(config.is_full(i) for i in range(35)) == 7 and config.is_full(34)
+    assert {config.kv_source(i) for i in range(15, 35)} == {13, 14}
+    assert (config.head_dim, config.num_kv_heads) == (512, 1)
+    d, v, p, layers, f = 1536, 262_144, 256, 35, 6144
+    expected = v * d + v * layers * p + d * layers * p + p + d  # embeddings, per-layer inputs, norm
+    for i in range(layers):
+        h = config.layer_head_dims[i]
+        attention = 2 * d * 8 * h + h + (2 * d * h + h if i < 15 else 0)  # q, o, q_norm; k, v, k_norm
+        mlp = 3 * d * f * (2 if i >= 15 else 1)  # double-wide on the KV-shared layers
+        expected += attention + mlp + 5 * d + 2 * d * p + 1  # norms, per-layer gate/projection, scalar
+    model = nnx.eval_shape(lambda: build(config, jnp.bfloat16))
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert sum(x.size for x in params) == expected  # about 5.03e9
