@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every private internal of JAX and prometheus_client this package uses, each beside its public
+"""Every private internal of JAX, prometheus_client and vLLM this package uses, each beside its public
 fallback; a missing one is warned about once per process (see `tpu_platform.internals`)."""
 
 from __future__ import annotations
