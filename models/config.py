@@ -106,6 +106,11 @@ class ModelConfig:
         shared row, `pallas_kernels.mla`); 0 for a model whose cache holds per-head K and V."""
         return 0
 
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV cache `layer` reads: itself, unless the model shares caches
+        across layers (Gemma 4's KV-shared layers, which have no cache of their own)."""
+        return layer
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether `layer` uses routed experts rather than a dense MLP."""
         return (

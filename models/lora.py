@@ -171,6 +171,9 @@ class LoraSite:
 def lora_sites(model: nnx.Module) -> dict[str, LoraSite]:
     """Every projection of `model` (after `fuse_projections`) that can carry an adapter, by the
     path of its Linear (e.g. "model.layers.0.self_attn.qkv_proj")."""
+    refused = getattr(type(model), "lora_refused", None)  # a model whose projections take none
+    if refused:
+        raise ValueError(refused)
     sites: dict[str, LoraSite] = {}
     config = getattr(model, "config", None)
     for path, module in nnx.iter_modules(model):

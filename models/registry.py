@@ -24,6 +24,8 @@ from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from models.deepseek_config import DeepseekConfig
 from models.gemma2 import Gemma2ForCausalLM
 from models.gemma3 import Gemma3ForCausalLM
+from models.gemma4 import Gemma4ForCausalLM
+from models.gemma4_config import Gemma4Config
 from models.glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 from models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from models.llama import LlamaForCausalLM
@@ -41,6 +43,7 @@ _MODEL_CLASSES: dict[str, type[nnx.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
@@ -58,6 +61,7 @@ SUPPORTED_ARCHITECTURES = tuple(sorted(_MODEL_CLASSES))  # the built-in ones
 # Built-in architectures whose `config.json` has fields of their own (else `ModelConfig`).
 _CONFIG_CLASSES: dict[str, type[ModelConfig]] = {
     "GptOssForCausalLM": GptOssConfig,
+    "Gemma4ForCausalLM": Gemma4Config,
     "DeepseekV2ForCausalLM": DeepseekConfig,
     "DeepseekV3ForCausalLM": DeepseekConfig,
     "Llama4ForCausalLM": Llama4Config,

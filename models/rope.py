@@ -85,6 +85,28 @@ class Rope:
         return 1.0 if self.scaling is None else self.scaling.attention_factor
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProportionalRope:
+    """Gemma 4's "proportional" RoPE: only the first `int(fraction * H // 2)` frequency pairs
+    rotate, at `theta ** (-2i / H)` (H the layer's whole head dim), divided by `factor`; the
+    other pairs get frequency zero (cosine 1, sine 0), which leaves those dimensions as they are."""
+
+    theta: float
+    fraction: float = 1.0
+    factor: float = 1.0
+
+    def inverse_frequencies(self, head_dim: int) -> np.ndarray:
+        rotated = int(self.fraction * head_dim // 2)
+        exponents = np.arange(0, 2 * rotated, 2, dtype=np.float32) / np.float32(head_dim)
+        inv = np.zeros(head_dim // 2, np.float32)
+        inv[:rotated] = 1.0 / (np.float32(self.theta) ** exponents)
+        return (inv / np.float32(self.factor)).astype(np.float32)
+
+    @property
+    def attention_factor(self) -> float:
+        return 1.0
+
+
 class RopeTable(nnx.Variable):
     """`[positions, H]` float32: each position's cosines (`[:, :H/2]`), then its sines."""
 

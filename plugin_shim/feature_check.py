@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from plugin_shim.internals import model_default_attention_backend
 from tpu_platform.runner_config import QUANTIZATION_METHODS
 
 if TYPE_CHECKING:
@@ -49,6 +50,15 @@ def _model(config: VllmConfig) -> Any:
 
 def _parallel(config: VllmConfig) -> Any:
     return config.parallel_config
+
+
+def _asked_attention_backend(config: VllmConfig) -> Any:
+    """The attention backend the user asked for: the config's, unless it is the one vLLM's own
+    config step for the model sets by itself (`internals.model_default_attention_backend`)."""
+    backend = config.attention_config.backend
+    if backend is None or backend == model_default_attention_backend(config):
+        return None
+    return backend
 
 
 def _uva_offload_gb(config: VllmConfig) -> float:
@@ -303,8 +313,9 @@ REFUSED: tuple[Refusal, ...] = (
         "attention_backend",
         "vLLM's torch attention backends",
         "any value",
-        lambda c: c.attention_config.backend is not None,
-        "choose the JAX attention kernel with VLLM_XLA_ATTENTION_BACKEND",
+        lambda c: _asked_attention_backend(c) is not None,
+        "choose the JAX attention kernel with VLLM_XLA_ATTENTION_BACKEND (one vLLM itself sets "
+        "for a model, e.g. Gemma 4's, is not the user's and is left unused)",
     ),
     Refusal(
         "watermark_config",
@@ -333,9 +344,10 @@ SUPPORTED: tuple[Supported, ...] = (
     Supported(
         "Text generation",
         "runner='generate'",
-        "Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Mixtral, Qwen3-MoE, GPT-OSS (bfloat16; mxfp4 "
-        "refused), DeepSeek-V2/V3, Llama 4 (text; a multimodal checkpoint with "
-        "--language-model-only) checkpoints (safetensors; GGUF through `vllm-xla model-dir`)",
+        "Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Gemma 4 (text, dense), Mixtral, Qwen3-MoE, "
+        "GPT-OSS (bfloat16; mxfp4 refused), DeepSeek-V2/V3, Llama 4 (text; a multimodal checkpoint "
+        "with --language-model-only), GLM-4.5/4.6 checkpoints (safetensors; GGUF through "
+        "`vllm-xla model-dir`)",
     ),
     Supported(
         "Sampling options",

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every private internal of JAX and prometheus_client this package uses, each beside its public
+"""Every private internal of JAX, prometheus_client and vLLM this package uses, each beside its public
 fallback; a missing one is warned about once per process (see `tpu_platform.internals`)."""
 
 from __future__ import annotations
@@ -31,3 +31,40 @@ def registered_collector(registry, name: str):
         warn_fallback("prometheus_client CollectorRegistry._names_to_collectors", "the gauges made here")
         return None
     return names.get(name)
+
+
+class _AttentionProbe:
+    """A view of a `VllmConfig` with its own attention config; every other attribute is the
+    config's own (read by the hook, as in vLLM's own run of it)."""
+
+    def __init__(self, config, attention_config):
+        self._config = config
+        self.attention_config = attention_config
+
+    def __getattr__(self, name: str):
+        return getattr(self._config, name)
+
+
+def model_default_attention_backend(config):
+    """The attention backend vLLM's own config step for the model's architecture sets when the
+    user names none (its `MODELS_CONFIG_MAP` hook, e.g. Gemma 4's TRITON_ATTN for heterogeneous
+    head dims), run on a view of `config` whose attention config names none; None when the hook
+    sets none. vLLM keeps the hooks in `vllm.model_executor.models.config.MODELS_CONFIG_MAP`,
+    outside its public API; without it, None (any backend then counts as asked for)."""
+    import copy
+    import importlib
+
+    hooks = getattr(importlib.import_module("vllm.model_executor.models.config"), "MODELS_CONFIG_MAP", None)
+    if not isinstance(hooks, dict):
+        warn_fallback(
+            "vllm.model_executor.models.config.MODELS_CONFIG_MAP", "'every attention backend is the user's'"
+        )
+        return None
+    hook = hooks.get(getattr(config.model_config, "architecture", None))
+    if hook is None or config.attention_config is None:
+        return None
+    attention = copy.deepcopy(config.attention_config)
+    attention.backend = None
+    probe = _AttentionProbe(config, attention)
+    hook.verify_and_update_config(probe)
+    return probe.attention_config.backend

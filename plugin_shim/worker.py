@@ -40,21 +40,26 @@ def layer_name(index: int) -> str:
     return f"model.layers.{index}.self_attn.attn"
 
 
-def layer_placement(config: KVCacheConfig, num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def layer_placement(
+    config: KVCacheConfig, num_layers: int, kv_sources: tuple[int, ...] = ()
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Each layer's KV-cache group, and the cache array it uses.
 
     The engine hands every page to one group at a time, so the k-th layer of each group can share
-    one array (this is how the engine sized the cache). One group: one array per layer.
+    one array (this is how the engine sized the cache). One group: one array per layer. A layer
+    reading another layer's cache (`kv_sources[i] != i`: no spec of its own was reported) takes
+    its source's group and array.
     """
     group_of, position_of = {}, {}
     for g, group in enumerate(config.kv_cache_groups):
         for k, name in enumerate(group.layer_names):
             group_of[name], position_of[name] = g, k
-    names = [layer_name(i) for i in range(num_layers)]
+    sources = kv_sources or tuple(range(num_layers))
+    names = [layer_name(sources[i]) for i in range(num_layers)]
     missing = [n for n in names if n not in group_of]
     if missing:
         raise ValueError(f"the engine's KV-cache config has no group for layers {missing[:3]}")
-    if len(config.kv_cache_groups) == 1:
+    if len(config.kv_cache_groups) == 1 and sources == tuple(range(num_layers)):
         return (), ()
     return tuple(group_of[n] for n in names), tuple(position_of[n] for n in names)
 
@@ -154,6 +159,8 @@ class XlaWorker(WorkerBase):
         specs: dict[str, KVCacheSpec] = {}
         layers = zip(mc.layer_sliding_windows, mc.layer_attention_chunks, strict=True)
         for i, (window, chunk) in enumerate(layers):
+            if mc.kv_source(i) != i:  # reads another layer's cache: no pages of its own
+                continue
             if chunk:  # vLLM frees the pages of a layer's earlier chunks, as it does outside a window
                 spec = ChunkedLocalAttentionSpec(attention_chunk_size=chunk, **common)
             elif window:
@@ -198,7 +205,9 @@ class XlaWorker(WorkerBase):
         return available
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        layer_groups, layer_caches = layer_placement(kv_cache_config, self.runner.model_config.num_layers)
+        mc = self.runner.model_config
+        sources = tuple(mc.kv_source(i) for i in range(mc.num_layers))
+        layer_groups, layer_caches = layer_placement(kv_cache_config, mc.num_layers, sources)
         self.runner.initialize_kv_cache(kv_cache_config.num_blocks, layer_groups, layer_caches)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:

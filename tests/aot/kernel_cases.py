@@ -10,8 +10,9 @@ A case is the static shapes of one call (no data: the compilers see only shapes)
   50), 64-256 sequences, 2k-32k contexts, bfloat16 and float8_e4m3fn caches, decode buckets
   (one row a sequence) and prefill/mixed buckets; head dim 64 with attention sinks and a
   128-token window (GPT-OSS: 64 query heads over 8 kv heads); chunked attention over 16k
-  contexts (Llama 4 Scout: 40 query heads over 8 kv heads, chunks of 8192). The grid covers
-  each dimension, not their product: a cache of 256 sequences x 32k tokens would not fit one v5e.
+  contexts (Llama 4 Scout: 40 query heads over 8 kv heads, chunks of 8192); head dim 512 (Gemma
+  4). The grid covers each dimension, not their product: a cache of 256 sequences x 32k tokens
+  would not fit one v5e.
 Cases marked `expect_error` must be refused by the compiler: they prove a VMEM or shared-memory
 overflow fails its case (a compiler that stopped checking would pass them).
 """
@@ -106,6 +107,10 @@ REALISTIC = (
     # Llama 4 Scout's chunked layers: 40 query heads over 8 kv heads, chunks of 8192 positions.
     CompileCase("mixed_d128_r64_t512_16k_chunk", 512, 64, 16384, 16, 128, 8, 5,
                 attention_chunk_size=8192),
+    # Head dim 512 (Gemma 4: its full layers' width, which every layer's cache takes; 1024-token
+    # windows on the sliding ones).
+    CompileCase("decode_d512_r32_4k_window", 32, 32, 4096, 16, 512, 8, 2, sliding_window=1024),
+    CompileCase("mixed_d512_r16_t512_4k", 512, 16, 4096, 16, 512, 8, 2),
 )
 # fmt: on
 # Tunings the compilers must refuse: KV blocks too large for the scoped VMEM limit given (TPU),

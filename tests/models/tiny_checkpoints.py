@@ -41,6 +41,7 @@ ARCHS = [
     "Gemma3ForCausalLM",
     "GptOssForCausalLM",
     "Llama4ForCausalLM",
+    "Gemma4ForCausalLM",
 ]
 
 _COMMON = dict(
@@ -145,6 +146,33 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
             },
         ),
     ),
+    "Gemma4ForCausalLM": (
+        "Gemma4TextConfig",
+        dict(
+            # sliding layers: 2 KV heads of 16; full ones: 1 KV head of 32 (keys as values);
+            # layers 2 and 3 read the caches of layers 0 and 1
+            num_hidden_layers=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB,
+            sliding_window=10,
+            final_logit_softcapping=5.0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.5,
+                    "rope_theta": 20000.0,
+                },
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
     # Classifiers (a pooling engine's): the score head's labels.
     "LlamaForSequenceClassification": ("LlamaConfig", dict(num_labels=3)),
     "Qwen3ForSequenceClassification": ("Qwen3Config", dict(num_labels=1, tie_word_embeddings=True)),
@@ -169,6 +197,9 @@ def save_tiny(architecture: str, path: str, *, seed: int = 0, **overrides: Any) 
                 p.normal_(0.0, 0.3)
             else:  # norms and biases: away from their 0/1 init so a wrong mapping shows
                 p.add_(torch.randn_like(p) * 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, saved as a buffer
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -69,6 +69,8 @@ GRID = (
          tpu_tuning=(("num_queries_per_block", 8), ("num_kv_pages_per_block", 3)),
          gpu_tuning=(("num_queries_per_block", 3), ("num_kv_pages_per_block", 2), ("num_kv_splits", 5))),
     Case("decode_p16_d256_g2", (1, 1), (40, 300), 3, 16, 256, 1, 2),  # Dp = 256: two lane tiles
+    # Head dim 512 (Gemma 4's full layers: Dp = 512, four lane tiles), decodes and a chunk, bf16.
+    Case("mixed_p16_d512_g4_bf16", (1, 7, 1), (30, 7, 90), 4, 16, 512, 1, 4, jnp.bfloat16),
     Case("empty_batch", (), (), 2, 16, 64, 1, 1),
     # Float8 caches (32-token pages: the TPU's 8-bit tile), read as bfloat16 by the Pallas kernels.
     Case("decode_p32_d128_g4_fp8", (1, 1, 1, 1), (5, 40, 300, 1000), 5, 32, 128, 2, 4, jnp.bfloat16,

@@ -226,3 +226,44 @@ def test_docs_table_is_the_list():
     )
     for refusal in feature_check.REFUSED:
         assert f"| `{refusal.option}` |" in _DOC.read_text()
+
+
+@pytest.fixture(scope="module")
+def gemma4(models, tmp_path_factory) -> str:
+    """A config-only tiny Gemma 4 (sliding and full layers of different head dims), for which
+    vLLM's own config step sets an attention backend."""
+    import transformers
+
+    from tests.models.tiny_checkpoints import _COMMON, TINY
+
+    path = tmp_path_factory.mktemp("gemma4")
+    shutil.copytree(models["llama"], path, ignore=shutil.ignore_patterns("*.safetensors", "config.json"),
+                    dirs_exist_ok=True)  # fmt: skip
+    config = transformers.Gemma4TextConfig(**{**_COMMON, **TINY["Gemma4ForCausalLM"][1]})
+    config.architectures = ["Gemma4ForCausalLM"]
+    config.save_pretrained(path)
+    return str(path)
+
+
+def test_the_attention_backend_vllm_sets_for_the_model_is_accepted(gemma4):
+    config = EngineArgs(model=gemma4, max_model_len=128).create_engine_config()
+    assert config.attention_config.backend is not None  # vLLM's Gemma 4 step set it
+    assert feature_check.refusals(config) == []
+
+
+def test_an_attention_backend_the_user_asks_for_is_refused_on_that_model_too(gemma4):
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineArgs(model=gemma4, max_model_len=128, attention_backend="FLASH_ATTN").create_engine_config()
+
+
+def test_without_vllm_s_model_hooks_every_backend_counts_as_asked(gemma4, monkeypatch, caplog):
+    import vllm.model_executor.models.config as hooks
+
+    from tpu_platform import internals
+
+    config = EngineArgs(model=gemma4, max_model_len=128).create_engine_config()
+    internals.warn_fallback.cache_clear()
+    monkeypatch.delattr(hooks, "MODELS_CONFIG_MAP")
+    assert [r.option for r in feature_check.refusals(config)] == ["attention_backend"]
+    assert "MODELS_CONFIG_MAP" in caplog.text
+    internals.warn_fallback.cache_clear()

@@ -112,6 +112,14 @@ MODELS = {
         [_greedy_run(1), _greedy_run(2)],
         "cpu_native",
     ),
+    # Gemma 4: per-kind head dims and KV heads (the full layers' one KV head repeated on 2
+    # devices), KV-shared layers, per-layer inputs; its own q/k/v projections, not fused.
+    "gemma4": (
+        "Gemma4ForCausalLM",
+        functools.partial(save_tiny, "Gemma4ForCausalLM"),
+        [_greedy_run(2)],
+        "xla",
+    ),
     **{
         name: (
             architecture,
@@ -198,7 +206,8 @@ def test_every_parameter_is_placed_as_the_rules_table_says(served, name):
             else:
                 assert placed["device_bytes"] == [placed["bytes"]] * tp, path
         # The table's split rules are in use (the tiny vocabularies divide by 8).
-        kinds = ["qkv_proj.kernel", "o_proj.kernel", "embed_tokens.embedding"]
+        attention = "q_proj.kernel" if name == "gemma4" else "qkv_proj.kernel"
+        kinds = [attention, "o_proj.kernel", "embed_tokens.embedding"]
         kinds += {
             "mixtral": ["experts.gate_proj.kernel", "experts.down_proj.kernel"],
             "gpt_oss": ["experts.gate_up_proj", "experts.down_proj", "self_attn.sinks"],
