@@ -130,7 +130,7 @@ def parameter_spec(path: str, shape: tuple[int, ...], tp_size: int) -> Partition
     if spec == _ROW and is_grouped_scale(path, len(shape)) and shape[0] % tp_size:
         raise ValueError(
             f"tensor_parallel_size={tp_size} cannot split {path}: its kernel's inputs are in "
-            f"{shape[0]} groups sharing an int8 scale, which do not divide by {tp_size}, so a "
+            f"{shape[0]} groups sharing a weight scale (int8 or fp8), which do not divide by {tp_size}, so a "
             f"device's share would end inside a group; use a tensor_parallel_size dividing {shape[0]}"
         )
     for axis, name in enumerate(spec):
