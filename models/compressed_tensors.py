@@ -290,23 +290,27 @@ def int8_kernels_for(
         if module.kernel_scale is None:
             shape = module.kernel.get_value().shape
             module.kernel = nnx.Param(np.zeros(shape, dtype))
-            scale_shape = _scale_shape(weight, shape, group_size, path)
+            scale_shape = _scale_shape(weight, shape, group_size, path, experts_grouped=dtype == FP8_DTYPE)
             module.kernel_scale = nnx.Param(np.zeros(scale_shape, SCALE_DTYPE))
     return param_map
 
 
-def _scale_shape(weight: str, shape: tuple[int, ...], group_size: int | None, path: str) -> tuple[int, ...]:
-    """The scale of an int8 kernel of `shape` (`[in, out]`, or an expert stack's `[E, in, out]`)."""
+def _scale_shape(
+    weight: str, shape: tuple[int, ...], group_size: int | None, path: str, *, experts_grouped: bool = False
+) -> tuple[int, ...]:
+    """The scale of an int8 or fp8 kernel of `shape` (`[in, out]`, or an expert stack's `[E, in,
+    out]`, grouped only with `experts_grouped`: a block fp8 checkpoint's experts)."""
     if group_size is None:
         return shape[:-2] + shape[-1:]
-    if len(shape) != 2:
+    if len(shape) != 2 and not experts_grouped:
         raise ValueError(
             f"checkpoint tensor {weight!r} in {path!r} is an expert's with grouped int8 scales; "
             "vllm-xla keeps one int8 scale per channel for MoE experts: use a checkpoint quantized "
             "per channel"
         )
-    if shape[0] % group_size:
+    *experts, inputs, outputs = shape
+    if inputs % group_size:
         raise ValueError(
-            f"checkpoint tensor {weight!r} in {path!r} has {shape[0]} inputs, not groups of {group_size}"
+            f"checkpoint tensor {weight!r} in {path!r} has {inputs} inputs, not groups of {group_size}"
         )
-    return (shape[0] // group_size, shape[1])
+    return (*experts, inputs // group_size, outputs)

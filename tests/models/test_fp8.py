@@ -82,26 +82,33 @@ def _writer(kind: str):
         ("LlamaForCausalLM", "FP8_BLOCK"),  # compressed-tensors' 128x128 blocks
         ("LlamaForCausalLM", "block"),  # quant_method fp8, weight_block_size [128, 128]
         ("Qwen3ForCausalLM", "block_static"),  # a tied head (float), q/k norms
+        ("Qwen3MoeForCausalLM", "block"),  # expert stacks with block scales `[E, in / 128, out]`
     ],
 )
 def test_fp8_checkpoint_loads_as_it_is(arch, kind, tmp_path):
     if arch == "LlamaForCausalLM":
         source = save_tiny_llama(str(tmp_path / "source"), **_WIDTHS)
-    else:
-        source = save_tiny(arch, str(tmp_path / "source"), head_dim=32, **_WIDTHS)  # o_proj: 128 inputs
+    else:  # o_proj: 128 inputs; experts 128 wide
+        source = save_tiny(arch, str(tmp_path / "source"), head_dim=32, moe_intermediate_size=128, **_WIDTHS)
     out = _writer(kind)(source, str(tmp_path / "fp8"))
     reference_dir = write_float(source, str(tmp_path / "float"), dequantized_weights(out))
     config, model = load_model(out)
     _, reference = load_model(reference_dir)
     layer = model.model.layers[0]
-    qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj
+    qkv, down = layer.self_attn.qkv_proj, getattr(layer.mlp, "down_proj", None)
     assert qkv.kernel[...].dtype == fp8.FP8_DTYPE and qkv.kernel_scale[...].dtype == np.float32
     blocks = kind.lower().startswith(("block", "fp8_block"))
-    assert down.kernel_scale[...].shape == ((2, 128) if blocks else (128,))
+    if arch != "Qwen3MoeForCausalLM":  # its layer 0 is MoE
+        assert down.kernel_scale[...].shape == ((2, 128) if blocks else (128,))
     with safe_open(f"{out}/model.safetensors", framework="pt") as f:  # its own values, unchanged
         stored = f.get_tensor("model.layers.0.self_attn.q_proj.weight").view(dtype=__import__("torch").uint8)
     q_columns = np.asarray(qkv.kernel[...])[:, : stored.shape[0]].view(np.uint8)
     np.testing.assert_array_equal(q_columns, stored.numpy().T)
+    if arch == "Qwen3MoeForCausalLM":
+        experts = layer.mlp.experts
+        assert experts.gate_proj.kernel[...].dtype == fp8.FP8_DTYPE
+        assert experts.down_proj.kernel_scale[...].shape == (8, 1, 128)  # [E, in / 128, out]
+        assert layer.mlp.router.kernel_scale is None
     head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
     assert getattr(head, "kernel_scale", None) is None and getattr(head, "head_scale", None) is None
     (ids,) = prompts([40], seed=4)
@@ -207,3 +214,55 @@ def test_other_compressed_float_schemes_are_refused_by_name(tmp_path, change, me
     _edit_config(out, lambda q: q["config_groups"]["group_0"]["weights"].update(change))
     with pytest.raises(ValueError, match=message):
         load_model(str(out))
+
+
+def test_routed_experts_with_block_scales_compute_the_dequantized_experts():
+    """The routed grouped matmul on fp8 expert stacks with a scale per 128 inputs of each column
+    equals the dense reference on the dequantized stacks."""
+    import jax.numpy as jnp
+
+    from models.moe import experts_dense_reference, experts_routed
+
+    rng = np.random.default_rng(2)
+    e, d, f, t, k = 4, 256, 128, 5, 2
+    stacks = [rng.normal(size=shape).astype(np.float32) for shape in ((e, d, f), (e, d, f), (e, f, d))]
+    quantized = [fp8.quantize_grouped(w, 128) for w in stacks]
+    assert [s.shape for _, s in quantized] == [(e, 2, f), (e, 2, f), (e, 1, d)]
+    x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
+    experts = jnp.asarray([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2]], jnp.int32)
+    got = experts_routed(
+        x, *(jnp.asarray(q) for q, _ in quantized), weights, experts, jax_silu,
+        scales=tuple(jnp.asarray(s) for _, s in quantized),
+    )  # fmt: skip
+    dequantized = [jnp.asarray(fp8.dequantize(q, s)) for q, s in quantized]
+    expected = experts_dense_reference(x, *dequantized, weights, experts, jax_silu)
+    scale = np.abs(np.asarray(expected)).max()  # float32 sums of other orders: relative to it
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=0, atol=1e-6 * scale)
+
+
+def jax_silu(v):
+    import jax
+
+    return jax.nn.silu(v)
+
+
+def test_block_expert_scales_split_like_their_kernels_and_a_cut_block_is_refused():
+    from jax.sharding import PartitionSpec
+
+    from models.sharding import MODEL_AXIS, parameter_spec
+
+    experts = "model.layers.0.mlp.experts"
+    assert parameter_spec(f"{experts}.gate_proj.kernel_scale", (8, 1, 256), 2) == PartitionSpec(
+        None, None, MODEL_AXIS
+    )
+    assert parameter_spec(f"{experts}.down_proj.kernel_scale", (8, 2, 128), 2) == PartitionSpec(
+        None, MODEL_AXIS, None
+    )
+    assert parameter_spec(f"{experts}.down_proj.kernel_scale", (8, 128), 2) == PartitionSpec()  # per channel
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2 cannot split .*down_proj\.kernel_scale: .* 1 groups"
+    ):
+        parameter_spec(f"{experts}.down_proj.kernel_scale", (8, 1, 128), 2)
+    with pytest.raises(ValueError, match=r"cannot split model\.layers\.0\.self_attn\.o_proj\.kernel_scale"):
+        parameter_spec("model.layers.0.self_attn.o_proj.kernel_scale", (1, 128), 2)
