@@ -18,7 +18,8 @@ and before packing for the native CPU dense kernel, which then packs the int8 ke
 int8 path (`pallas_kernels.cpu.native_dense_int8`).
 Also runs under `nnx.eval_shape`, giving the quantized layout's shapes and dtypes.
 
-`quantize_fp8(model)` is the same pass with float8_e4m3fn values (`models.fp8`), except that
+`quantize_fp8(model)` is the same pass with float8_e4m3fn values (`models.fp8`), grouped scales
+for the MoE experts too (a block checkpoint's experts hold them: `models.moe`), except that
 the LM head (an untied `lm_head`, a tied head's copy) stays in the model's dtype, as vLLM's fp8
 methods keep it and as fp8 checkpoints ship it: 3 significant bits on the layer whose every
 output is a logit would move tokens, and the head is one layer of many. A kernel that is fp8
@@ -61,16 +62,18 @@ def quantize_int8(model: nnx.Module, group_size: int | None = None) -> int:
 
 def quantize_fp8(model: nnx.Module, group_size: int | None = None) -> int:
     """Quantizes `model`'s float dense kernels but the head's to fp8 in place; returns how many."""
-    return _quantize(model, fp8.quantize, group_size, head=False)
+    return _quantize(model, fp8.quantize, group_size, head=False, grouped_experts=True)
 
 
-def _quantize(model: nnx.Module, quantize, group_size: int | None, *, head: bool) -> int:
+def _quantize(
+    model: nnx.Module, quantize, group_size: int | None, *, head: bool, grouped_experts: bool = False
+) -> int:
     routers = {id(m.router) for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoE)}
     quantized = 0
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, (Linear, StackedLinear)) and id(module) not in routers:
             if module.kernel_scale is None and not isinstance(module.kernel, PackedKernel):
-                size = group_size if isinstance(module, Linear) else None
+                size = group_size if isinstance(module, Linear) or grouped_experts else None
                 if not head and module is getattr(model, "lm_head", None):
                     continue
                 q, scale = _quantized(quantize, module.kernel[...], size)

@@ -94,6 +94,12 @@ def _other_quantization(config: VllmConfig) -> bool:
     return method is not None and method not in SUPPORTED_QUANTIZATION
 
 
+def _online_patterns(config: VllmConfig) -> bool:
+    """Whether vLLM's online-quantization options name layers to skip or to quantize otherwise."""
+    args = _model(config).quantization_config
+    return bool(getattr(args, "ignore", None) or getattr(args, "targets", None))
+
+
 REFUSED: tuple[Refusal, ...] = (
     Refusal(
         "fully_sharded_loras",
@@ -147,6 +153,14 @@ REFUSED: tuple[Refusal, ...] = (
         "weight_block_size blocks) load as they are; otherwise "
         "serve an unquantized checkpoint (a GGUF file converts "
         "with `vllm-xla model-dir --gguf FILE`)",
+    ),
+    Refusal(
+        "quantization_config",
+        "per-layer online quantization",
+        "ignore or targets patterns",
+        _online_patterns,
+        "leave them out: quantization at load covers every projection and the MoE experts, "
+        "never the LM head, embedding or router",
     ),
     Refusal(
         "speculative_config",

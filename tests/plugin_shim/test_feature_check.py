@@ -22,6 +22,10 @@ CASES = {
     "enable_moe_shared_loras": ("mixtral", dict(enable_lora=True, enable_moe_shared_loras=True)),
     "enable_prompt_embeds": ("llama", dict(enable_prompt_embeds=True)),
     "quantization": ("llama", dict(quantization="fp8_per_tensor")),
+    "quantization_config": (
+        "llama",
+        dict(quantization="fp8_per_channel", dtype="bfloat16", quantization_config={"ignore": ["lm_head"]}),
+    ),
     "speculative_config": (
         "llama",
         dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
