@@ -81,8 +81,10 @@ def _writer(kind: str):
         ("LlamaForCausalLM", "FP8"),  # per tensor, static activation scales (dropped)
         ("LlamaForCausalLM", "FP8_BLOCK"),  # compressed-tensors' 128x128 blocks
         ("LlamaForCausalLM", "block"),  # quant_method fp8, weight_block_size [128, 128]
-        ("Qwen3ForCausalLM", "block_static"),  # a tied head (float), q/k norms
-        ("Qwen3MoeForCausalLM", "block"),  # expert stacks with block scales `[E, in / 128, out]`
+        # each compiles programs of its own: the slow tier
+        pytest.param("Qwen3ForCausalLM", "block_static", marks=pytest.mark.slow),  # a tied head, q/k norms
+        # expert stacks with block scales `[E, in / 128, out]`
+        pytest.param("Qwen3MoeForCausalLM", "block", marks=pytest.mark.slow),
     ],
 )
 def test_fp8_checkpoint_loads_as_it_is(arch, kind, tmp_path):
