@@ -32,8 +32,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models import ModelConfig, PackedKernel, build, pack_for_native_dense
 from models.linear import packed_for_native_dense
-from models.loader import int8_group_size
-from models.quantization import quantize_fp8, quantize_int8
+from models.loader import checkpoint_values, int8_group_size
+from models.quantization import FP8_METHODS, quantize_fp8, quantize_int8
 from models.sharding import fused_layout, fused_parts
 from models.weight_stream import HostBytes, served_abstract, stream_model
 
@@ -132,11 +132,14 @@ class Preparation:
         return packed_for_native_dense(value, float32=self.packing == "native+f32")
 
 
-def int8_quantization(path: str, values: str = "int8") -> str:
-    """The `Preparation.quantization` serving the model at `path` with `values` ("int8" or "fp8")
-    weights: its own quantized weights' layout where it holds them as they are
-    (`models.loader.int8_group_size`: a GGUF's Q8_0 blocks, a compressed-tensors `group`
-    checkpoint, a block-fp8 checkpoint), else per channel."""
+def int8_quantization(path: str, method: str | None = None) -> str:
+    """The `Preparation.quantization` serving the model at `path` with vLLM's `quantization`
+    `method`: the values its checkpoint holds quantized (`models.loader.checkpoint_values`), else
+    fp8 for an fp8 method (`models.quantization.FP8_METHODS`) and int8 for the others; in its own
+    quantized weights' layout where it holds them as they are (`models.loader.int8_group_size`: a
+    GGUF's Q8_0 blocks, a compressed-tensors `group` checkpoint, a block-fp8 checkpoint), else
+    per channel."""
+    values = checkpoint_values(path) or ("fp8" if method in FP8_METHODS else "int8")
     size = int8_group_size(path)
     return values if size is None else f"{values}-g{size}"
 

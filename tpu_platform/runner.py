@@ -16,9 +16,7 @@ import numpy as np
 from flax import nnx
 
 from models import ModelConfig, PackedKernel, attach_rope_tables
-from models.loader import checkpoint_values
 from models.lora import attach_lora
-from models.quantization import FP8_METHODS
 from models.registry import architecture_fingerprint
 from models.sharding import kv_heads_on_mesh, parameter_sharding, place_state
 from tpu_platform.attention_backend import native_dense_isa, select_backend
@@ -185,8 +183,7 @@ class Runner:
         # int8 in the source's own layout (a converted directory keeps the one it was converted in)
         int8 = "none"
         if self.config.quantization is not None:
-            online = "fp8" if self.config.quantization in FP8_METHODS else "int8"
-            int8 = "int8" if converted else int8_quantization(path, checkpoint_values(path) or online)
+            int8 = "int8" if converted else int8_quantization(path, self.config.quantization)
         preparation = Preparation.for_dense_isa(self.dtype.name, self.dense_isa, self.tp_size, int8)
         if converted is not None:
             self.model_config = ModelConfig.from_pretrained(path)
