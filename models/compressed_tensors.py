@@ -15,6 +15,13 @@ checkpoint's activations are not quantized here: its weights serve as W8A16.
 The layers the checkpoint holds a `weight_scale` for get int8 kernels before loading
 (`int8_layout`), so their int8 values and scales are copied in unchanged; the others load in the
 model's dtype (`models.quantization.quantize_int8` quantizes them at load when asked).
+
+FP8 checkpoints (`float-quantized`, or `naive-quantized` with float weights: 8-bit symmetric
+`type: "float"` weights, float8_e4m3fn `weight` and a float32 `weight_scale` per tensor, per
+channel or per `block_structure` block) load alike as fp8 kernels (`models.fp8`): block scales
+are held per group of the block's inputs of each channel (`models.fp8.block_scales`). Their
+activation schemes, static (`input_scale` tensors, dropped) or dynamic, are served with
+activations in the model's dtype. A checkpoint's groups are all int or all float.
 """
 
 from __future__ import annotations
@@ -27,27 +34,44 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from flax import nnx
 
+from models.fp8 import FP8_DTYPE, block_scales
 from models.int8 import SCALE_DTYPE
 
 METHOD = "compressed-tensors"
-_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 _STRATEGIES = ("channel", "tensor", "group")
+_FLOAT_STRATEGIES = ("channel", "tensor", "block")
+_INT8 = np.dtype(np.int8)
 
 
 @dataclasses.dataclass(frozen=True)
 class Int8Checkpoint:
-    """A compressed-tensors int8 checkpoint's reading: its HF-name table (ours plus one scale
-    name per linear weight) and the HF weight names that hold int8 values."""
+    """A quantized checkpoint's reading: its HF-name table (ours plus one scale name per linear
+    weight), the HF weight names that hold int8 (or fp8) values, and for block scales the block
+    `(outputs, inputs)` and each such weight's HF shape `[out, in]`."""
 
     param_map: dict[str, str]
     int8_weights: frozenset[str]
+    block: tuple[int, int] | None = None
+    weight_shapes: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def tensors(self, tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
-        """The checkpoint's tensors as plain `weight` (int8 `[out, in]`) and `weight_scale`:
-        `weight_packed` unpacked (trimmed to `weight_shape` when that comes), `weight_shape` consumed."""
+        """The checkpoint's tensors as plain `weight` (int8 or fp8 `[out, in]`) and `weight_scale`:
+        `weight_packed` unpacked (trimmed to `weight_shape` when that comes), `weight_shape`
+        consumed, block scales (`weight_scale`, or `weight_scale_inv` as `quant_method: fp8`
+        names them) per group of inputs of each row, activation scales (`input_scale`) dropped."""
         packed: dict[str, np.ndarray] = {}
         for name, array in tensors:
-            if name.endswith(".weight_packed"):
+            if name.endswith(".input_scale"):
+                continue
+            if name.endswith(".weight_scale_inv"):
+                name = name.removesuffix("_inv")
+            if self.block is not None and name.endswith(".weight_scale"):
+                weight = name.removesuffix("_scale")
+                if weight in self.weight_shapes:
+                    array = block_scales(array, self.weight_shapes[weight], self.block, weight)
+                yield name, array
+            elif name.endswith(".weight_packed"):
                 packed[name.removesuffix("_packed")] = unpack_int32(array)
             elif name.endswith(".weight_shape"):
                 weight = name.removesuffix("_shape")
@@ -75,10 +99,20 @@ def quantization_config(path: str) -> dict | None:
 
 def check_config(config: dict) -> None:
     """ValueError unless every config group holds 8-bit symmetric int weights per channel, per
-    tensor or per group of inputs (one `group_size` for all), activations dynamic or none."""
+    tensor or per group of inputs (one `group_size` for all), activations dynamic or none; or
+    every one 8-bit symmetric float weights per channel, per tensor or per block (one block
+    for all), activations static, dynamic or none."""
     fmt = config.get("format")
     if fmt not in _FORMATS:
         raise ValueError(f"compressed-tensors format {fmt!r} is not supported; supported: {_FORMATS}")
+    if values_dtype(config) == FP8_DTYPE:
+        _check_float_groups(config)
+        return
+    if fmt == "float-quantized":
+        raise ValueError(
+            "compressed-tensors format 'float-quantized' holds float (fp8) weights, but its "
+            "config_groups give them type 'int': the config does not describe the tensors"
+        )
     for name, group in (config.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
         found = {k: weights.get(k) for k in ("num_bits", "type", "symmetric", "strategy")}
@@ -100,6 +134,67 @@ def check_config(config: dict) -> None:
     group_size(config)  # one layout for every group
 
 
+def values_dtype(config: dict) -> np.dtype:
+    """The dtype of a compressed-tensors checkpoint's quantized weights: float8_e4m3fn when its
+    groups' weights are floats, int8 when ints; a ValueError when they mix."""
+    types = {
+        (group.get("weights") or {}).get("type", "int")
+        for group in (config.get("config_groups") or {}).values()
+    }
+    if len(types) > 1:
+        raise ValueError(
+            f"compressed-tensors groups mix weight types {sorted(map(str, types))}; vllm-xla loads "
+            "one quantized type a model (int or float)"
+        )
+    return FP8_DTYPE if types == {"float"} else _INT8
+
+
+def _check_float_groups(config: dict) -> None:
+    if config.get("format") not in ("float-quantized", "naive-quantized"):
+        raise ValueError(
+            f"compressed-tensors format {config.get('format')!r} holds no float weights; FP8 "
+            "checkpoints are 'float-quantized' (or 'naive-quantized')"
+        )
+    for name, group in (config.get("config_groups") or {}).items():
+        weights = group.get("weights") or {}
+        found = {k: weights.get(k) for k in ("num_bits", "type", "symmetric", "strategy")}
+        if found != {"num_bits": 8, "type": "float", "symmetric": True, "strategy": found["strategy"]} or (
+            found["strategy"] not in _FLOAT_STRATEGIES
+        ):
+            raise ValueError(
+                f"compressed-tensors group {name!r} has weights {found}; vllm-xla loads 8-bit "
+                f"symmetric float (fp8) weights with strategy {' or '.join(_FLOAT_STRATEGIES)} only"
+            )
+        block = weights.get("block_structure")
+        if found["strategy"] == "block" and not (
+            isinstance(block, list) and len(block) == 2 and all(isinstance(v, int) and v > 0 for v in block)
+        ):
+            raise ValueError(
+                f"compressed-tensors group {name!r} has strategy 'block' with block_structure "
+                f"{block!r}; it needs [outputs, inputs] of a block"
+            )
+    block_of(config)  # one layout for every group
+
+
+def block_of(config: dict | None) -> tuple[int, int] | None:
+    """The `[outputs, inputs]` block of a compressed-tensors FP8 checkpoint's block scales, None
+    when per channel or tensor (or not such a checkpoint). A ValueError when groups mix."""
+    if not config or config.get("quant_method") != METHOD:
+        return None
+    blocks = {
+        tuple((group.get("weights") or {}).get("block_structure") or ())
+        if (group.get("weights") or {}).get("strategy") == "block"
+        else None
+        for group in (config.get("config_groups") or {}).values()
+    }
+    if len(blocks) > 1:
+        raise ValueError(
+            f"compressed-tensors groups mix fp8 scale layouts (blocks {sorted(blocks, key=str)}); "
+            "vllm-xla loads one layout a model"
+        )
+    return next(iter(blocks), None)
+
+
 def _check_group(name: str, weights: dict) -> None:
     size, order = weights.get("group_size"), weights.get("actorder")
     if not isinstance(size, int) or size < 1:
@@ -117,6 +212,9 @@ def group_size(config: dict | None) -> int | None:
     its groups mix layouts or group sizes."""
     if not config or config.get("quant_method") != METHOD:
         return None
+    if values_dtype(config) == FP8_DTYPE:
+        block = block_of(config)
+        return None if block is None else block[1]
     sizes = {
         (group.get("weights") or {}).get("group_size")
         if (group.get("weights") or {}).get("strategy") == "group"
@@ -145,8 +243,26 @@ def int8_layout(
         return None
     check_config(config)
     scaled = {n.removesuffix("_scale") for n in names() if n.endswith(".weight_scale")}
-    param_map = int8_kernels_for(model, scaled, our_name, path, group_size(config))
-    return Int8Checkpoint(param_map, frozenset(scaled))
+    dtype = values_dtype(config)
+    param_map = int8_kernels_for(model, scaled, our_name, path, group_size(config), dtype)
+    block = block_of(config) if dtype == FP8_DTYPE else None
+    shapes = weight_shapes(model, scaled, our_name) if block is not None else {}
+    return Int8Checkpoint(param_map, frozenset(scaled), block, shapes)
+
+
+def weight_shapes(
+    model: nnx.Module, weights: set[str], our_name: Callable[[str], str | None]
+) -> dict[str, tuple[int, int]]:
+    """The HF shape `[out, in]` of each of `weights` (HF linear weight names), from the model's
+    kernels (`[in, out]`, or an expert stack's `[E, in, out]`)."""
+    modules = {".".join(str(p) for p in path_): m for path_, m in nnx.iter_modules(model)}
+    shapes = {}
+    for weight in weights:
+        module = modules.get((our_name(weight) or "").removesuffix(".kernel"))
+        if module is not None:
+            *_, inputs, outputs = module.kernel.get_value().shape
+            shapes[weight] = (outputs, inputs)
+    return shapes
 
 
 def int8_kernels_for(
@@ -155,6 +271,7 @@ def int8_kernels_for(
     our_name: Callable[[str], str | None],
     path: str,
     group_size: int | None = None,
+    dtype: np.dtype = _INT8,
 ) -> dict[str, str]:
     """Gives the layers of the HF linear `weights` (names ending `.weight`) that a checkpoint holds
     as int8 with a `<weight>_scale` int8 zeros and a scale (in place, before loading): per
@@ -172,24 +289,28 @@ def int8_kernels_for(
         module = modules[ours.removesuffix(".kernel")]
         if module.kernel_scale is None:
             shape = module.kernel.get_value().shape
-            module.kernel = nnx.Param(np.zeros(shape, np.int8))
-            scale_shape = _scale_shape(weight, shape, group_size, path)
+            module.kernel = nnx.Param(np.zeros(shape, dtype))
+            scale_shape = _scale_shape(weight, shape, group_size, path, experts_grouped=dtype == FP8_DTYPE)
             module.kernel_scale = nnx.Param(np.zeros(scale_shape, SCALE_DTYPE))
     return param_map
 
 
-def _scale_shape(weight: str, shape: tuple[int, ...], group_size: int | None, path: str) -> tuple[int, ...]:
-    """The scale of an int8 kernel of `shape` (`[in, out]`, or an expert stack's `[E, in, out]`)."""
+def _scale_shape(
+    weight: str, shape: tuple[int, ...], group_size: int | None, path: str, *, experts_grouped: bool = False
+) -> tuple[int, ...]:
+    """The scale of an int8 or fp8 kernel of `shape` (`[in, out]`, or an expert stack's `[E, in,
+    out]`, grouped only with `experts_grouped`: a block fp8 checkpoint's experts)."""
     if group_size is None:
         return shape[:-2] + shape[-1:]
-    if len(shape) != 2:
+    if len(shape) != 2 and not experts_grouped:
         raise ValueError(
             f"checkpoint tensor {weight!r} in {path!r} is an expert's with grouped int8 scales; "
             "vllm-xla keeps one int8 scale per channel for MoE experts: use a checkpoint quantized "
             "per channel"
         )
-    if shape[0] % group_size:
+    *experts, inputs, outputs = shape
+    if inputs % group_size:
         raise ValueError(
-            f"checkpoint tensor {weight!r} in {path!r} has {shape[0]} inputs, not groups of {group_size}"
+            f"checkpoint tensor {weight!r} in {path!r} has {inputs} inputs, not groups of {group_size}"
         )
-    return (shape[0] // group_size, shape[1])
+    return (*experts, inputs // group_size, outputs)

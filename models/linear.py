@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.int8 import group_size, int8_dot, quantize
+from models import fp8, int8
+from models.int8 import group_size, int8_dot
 from models.sharding import interleave_blocks
 from pallas_kernels import cpu
 
@@ -23,9 +24,9 @@ def zeros_param(shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
 
 
 class Linear(nnx.Module):
-    """`y = x @ kernel (+ bias)` with the kernel stored `[in, out]`; an int8 kernel has its scale
-    in `kernel_scale`: `[out]` per output channel or `[in / G, out]` per group of `G` inputs
-    (`models.int8`, `models.quantization`)."""
+    """`y = x @ kernel (+ bias)` with the kernel stored `[in, out]`; an int8 or fp8 kernel has its
+    scale in `kernel_scale`: `[out]` per output channel or `[in / G, out]` per group of `G`
+    inputs (`models.int8`, `models.fp8`, `models.quantization`)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype):
         self.in_features, self.out_features = in_features, out_features
@@ -79,6 +80,12 @@ def _int8_kernels(parts: Sequence[Linear]) -> list[tuple]:
             f"(inputs per scale: {sorted(sizes, key=str)}); a fused projection needs one"
         )
     (size,) = sizes
+    values = {np.dtype(p.kernel.get_value().dtype) for p in parts if p.kernel_scale is not None}
+    if len(values) > 1:
+        raise ValueError(
+            f"the projections fused into one hold weights of different types {sorted(map(str, values))}"
+        )
+    quantize = fp8.quantize if fp8.is_fp8(values.pop()) else int8.quantize
     return [
         (p.kernel[...], p.kernel_scale[...]) if p.kernel_scale is not None else quantize(p.kernel[...], size)
         for p in parts

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import compressed_tensors, gguf_reader
+from models import compressed_tensors, fp8_checkpoint, gguf_reader
 from models.config import ModelConfig
+from models.fp8 import FP8_DTYPE, is_fp8
 from models.int8 import checkpoint_scale
 from models.layers import fuse_projections, repeat_kv_heads_for_mesh
 from models.registry import build
@@ -66,7 +67,27 @@ def iter_checkpoint(path: str, *, int8_q8_0: bool = False) -> Iterator[tuple[str
 
         with safe_open(file, framework="numpy") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if f.get_slice(name).get_dtype() == _FP8_SAFETENSORS_DTYPE:
+                    yield name, _fp8_tensor(file, name)
+                else:
+                    yield name, f.get_tensor(name)
+
+
+# safetensors' name of float8_e4m3fn, which its NumPy reader cannot give (NumPy has no such type).
+_FP8_SAFETENSORS_DTYPE = "F8_E4M3"
+
+
+def _fp8_tensor(file: str, name: str) -> np.ndarray:
+    """The float8_e4m3fn tensor `name` of the safetensors `file`, read from its bytes (the
+    format's header: an 8-byte little-endian length, then JSON giving each tensor's shape and
+    byte range after the header)."""
+    with open(file, "rb") as f:
+        (length,) = np.frombuffer(f.read(8), "<u8")
+        entry = json.loads(f.read(int(length)))[name]
+        start, end = entry["data_offsets"]
+        f.seek(8 + int(length) + start)
+        raw = np.frombuffer(f.read(end - start), np.uint8)
+    return raw.view(FP8_DTYPE).reshape(entry["shape"])
 
 
 def _compile_param_map(hf_param_map: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
@@ -138,7 +159,21 @@ def int8_group_size(path: str) -> int | None:
         q8_0 = set()
     if q8_0:
         return gguf_reader.Q8_0_BLOCK
-    return compressed_tensors.group_size(compressed_tensors.quantization_config(path))
+    config = compressed_tensors.quantization_config(path)
+    block = fp8_checkpoint.block_of(config)
+    return block[1] if block is not None else compressed_tensors.group_size(config)
+
+
+def checkpoint_values(path: str) -> str | None:
+    """The values of the quantized weights the checkpoint at `path` holds as they are: "fp8" (a
+    compressed-tensors FP8 or a `quant_method: fp8` checkpoint), "int8" (a compressed-tensors
+    int8 one), None for any other (its weights are quantized at load when asked)."""
+    config = compressed_tensors.quantization_config(path) or {}
+    if config.get("quant_method") == fp8_checkpoint.METHOD:
+        return "fp8"
+    if config.get("quant_method") == compressed_tensors.METHOD:
+        return "fp8" if compressed_tensors.values_dtype(config) == FP8_DTYPE else "int8"
+    return None
 
 
 def gguf_q8_0_weights(path: str) -> set[str]:
@@ -163,9 +198,10 @@ def iter_parameters(
     parameter or expert, or a shape mismatch is an error naming the tensor.
 
     A compressed-tensors int8 checkpoint's quantized layers load as int8 kernels with their
-    scales, unchanged (`models.compressed_tensors`). `int8` (the model is served with int8
-    weights): a GGUF's Q8_0 linear weights load as int8 kernels and scales too, as they are: one
-    scale per block of 32 inputs of each column (`gguf_reader`).
+    scales, unchanged (`models.compressed_tensors`); an fp8 one's (compressed-tensors FP8 or
+    `quant_method: fp8`: `models.fp8_checkpoint`) as fp8 kernels with theirs. `int8` (the
+    model is served with int8 weights): a GGUF's Q8_0 linear weights load as int8 kernels and
+    scales too, as they are: one scale per block of 32 inputs of each column (`gguf_reader`).
     """
     compiled = _compile_param_map(type(model).hf_param_map)
     tensors = iter_checkpoint(path)
@@ -178,7 +214,10 @@ def iter_parameters(
     def our_name(hf: str) -> str | None:
         return (_our_name(hf, compiled) or (None,))[0]
 
-    layout = compressed_tensors.int8_layout(model, path, lambda: checkpoint_names(path), our_name)
+    names = lambda: checkpoint_names(path)  # noqa: E731
+    layout = compressed_tensors.int8_layout(model, path, names, our_name) or fp8_checkpoint.fp8_layout(
+        model, path, names, our_name
+    )
     if layout is not None:
         compiled, tensors = _compile_param_map(layout.param_map), layout.tensors(tensors)
     elif int8 and (q8_0 := gguf_q8_0_weights(path)):
@@ -202,6 +241,12 @@ def iter_parameters(
         ours, expert = found
         value = np.asarray(array)
         current = expected[ours]
+        if is_fp8(value.dtype) and not is_fp8(current.dtype):
+            raise ValueError(
+                f"checkpoint tensor {hf!r} in {path!r} holds fp8 values without a scale of its "
+                "own (no weight_scale or weight_scale_inv beside it, or a quantization_config "
+                "that does not say fp8): vllm-xla cannot tell what they stand for"
+            )
         if ours.endswith("kernel"):
             value = value.T
         elif ours.endswith("kernel_scale"):  # -> `[out]` per channel, `[in / G, out]` grouped

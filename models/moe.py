@@ -146,6 +146,8 @@ def experts_routed(
     def tile_dot(spec: str, rows_in: jax.Array, kernel: jax.Array, scale: jax.Array | None) -> jax.Array:
         if scale is None:
             return jnp.einsum(spec, rows_in, kernel[tile_expert])
+        if scale.ndim == 3:  # `[E, in / G, out]`: a scale per group of inputs of each column
+            return _grouped_tile_dot(rows_in, kernel[tile_expert], scale[tile_expert]).astype(x.dtype)
         product = jnp.einsum(
             spec, rows_in, kernel[tile_expert].astype(x.dtype), preferred_element_type=jnp.float32
         )
@@ -160,6 +162,20 @@ def experts_routed(
     y = tile_dot("nbf,nfd->nbd", h, down, scale_of[2]).reshape(n * b, d)  # [N*B, D]
     out = jnp.zeros((t + 1, d), jnp.float32).at[token].add(y.astype(jnp.float32) * w[:, None])
     return out[:t].astype(x.dtype)
+
+
+def _grouped_tile_dot(rows: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
+    """`rows [N, B, in] @ (kernel * scale) [N, in, out]` in float32 for a kernel of 8-bit values
+    with a scale per group of inputs of each column (`scale [N, in / G, out]`, block fp8
+    experts): a partial product per group, each times its scales, summed over the groups; the
+    values are converted to the rows' dtype inside the dot, and no dequantized weight is made."""
+    n, b, inputs = rows.shape
+    groups = scale.shape[1]
+    size = inputs // groups
+    xg = rows.reshape(n, b, groups, size)
+    kg = kernel.reshape(n, groups, size, kernel.shape[-1]).astype(rows.dtype)
+    partial = jnp.einsum("nbgi,ngif->nbgf", xg, kg, preferred_element_type=jnp.float32)
+    return jnp.einsum("nbgf,ngf->nbf", partial, scale.astype(jnp.float32))
 
 
 def experts_routed_on_mesh(
@@ -181,8 +197,11 @@ def experts_routed_on_mesh(
     split like gate's, so each device's `act` must see whole units of its own."""
     whole, split_f = PartitionSpec(), PartitionSpec(None, None, MODEL_AXIS)
     stack_specs = (split_f, split_f, PartitionSpec(None, MODEL_AXIS, None))
-    # Per-channel scales: gate/up `[E, F]` split like their columns, down's `[E, D]` whole.
+    # Per-channel scales: gate/up `[E, F]` split like their columns, down's `[E, D]` whole;
+    # grouped ones (`[E, in / G, out]`) like their kernels: gate/up on F, down on its F groups.
     scale_specs = (PartitionSpec(None, MODEL_AXIS), PartitionSpec(None, MODEL_AXIS), whole)
+    if scales is not None and scales[0].ndim == 3:
+        scale_specs = stack_specs
 
     def local(x, stacks, weights, experts, gate_bias, *scales):
         partial = experts_routed(
@@ -203,7 +222,8 @@ def experts_routed_on_mesh(
 
 class StackedLinear(nnx.Module):
     """One `[in, out]` kernel per expert, stacked `[E, in, out]` (filled expert by expert on load);
-    int8 kernels have their per-channel scales `[E, out]` in `kernel_scale` (`models.int8`)."""
+    int8 and fp8 kernels have their per-channel scales `[E, out]` in `kernel_scale`
+    (`models.int8`), or a block fp8 checkpoint's `[E, in / G, out]` (`models.fp8`)."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, dtype: jnp.dtype):
         self.kernel = nnx.Param(np.zeros((num_experts, in_features, out_features), dtype))  # until loaded

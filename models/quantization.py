@@ -17,13 +17,20 @@ column, commutes with fusing columns and repeating KV heads: each column keeps i
 and before packing for the native CPU dense kernel, which then packs the int8 kernels for its
 int8 path (`pallas_kernels.cpu.native_dense_int8`).
 Also runs under `nnx.eval_shape`, giving the quantized layout's shapes and dtypes.
+
+`quantize_fp8(model)` is the same pass with float8_e4m3fn values (`models.fp8`), grouped scales
+for the MoE experts too (a block checkpoint's experts hold them: `models.moe`), except that
+the LM head (an untied `lm_head`, a tied head's copy) stays in the model's dtype, as vLLM's fp8
+methods keep it and as fp8 checkpoints ship it: 3 significant bits on the layer whose every
+output is a logit would move tokens, and the head is one layer of many. A kernel that is fp8
+already (a checkpoint's: `models.compressed_tensors`, `models.fp8_checkpoint`) is left as it is.
 """
 
 from __future__ import annotations
 
 from flax import nnx
 
-from models.int8 import quantize, quantize_per_channel
+from models import fp8, int8
 from models.layers import Embedding, HeadCopy
 from models.linear import Linear, PackedKernel
 from models.moe import SparseMoE, StackedLinear
@@ -37,26 +44,55 @@ INT8_METHODS = {
 }
 
 
+# The values of vLLM's `quantization` option that serve fp8 weights, and what each means here.
+FP8_METHODS = {
+    "fp8": (
+        "an fp8 checkpoint (quant_method fp8, per tensor, per channel or in 128x128 blocks) as it "
+        "is, or a float checkpoint's weights quantized to fp8 at load, per output channel"
+    ),
+    "fp8_per_channel": "a float checkpoint's weights quantized to fp8 at load, per output channel",
+}
+
+
 def quantize_int8(model: nnx.Module, group_size: int | None = None) -> int:
-    """Quantizes `model`'s float dense kernels in place (see the module docstring); returns how many."""
+    """Quantizes `model`'s float dense kernels to int8 in place (see the module docstring);
+    returns how many."""
+    return _quantize(model, int8.quantize, group_size, head=True)
+
+
+def quantize_fp8(model: nnx.Module, group_size: int | None = None) -> int:
+    """Quantizes `model`'s float dense kernels but the head's to fp8 in place; returns how many."""
+    return _quantize(model, fp8.quantize, group_size, head=False, grouped_experts=True)
+
+
+def _quantize(
+    model: nnx.Module, quantize, group_size: int | None, *, head: bool, grouped_experts: bool = False
+) -> int:
     routers = {id(m.router) for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoE)}
     quantized = 0
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, (Linear, StackedLinear)) and id(module) not in routers:
             if module.kernel_scale is None and not isinstance(module.kernel, PackedKernel):
-                size = group_size if isinstance(module, Linear) else None
-                q, scale = _quantized(module.kernel[...], size)
+                size = group_size if isinstance(module, Linear) or grouped_experts else None
+                if not head and module is getattr(model, "lm_head", None):
+                    continue
+                q, scale = _quantized(quantize, module.kernel[...], size)
                 module.kernel, module.kernel_scale = nnx.Param(q), nnx.Param(scale)
                 quantized += 1
-        elif isinstance(module, Embedding) and module.head_kernel is not None and module.head_scale is None:
-            q, scale = _quantized(module.head_kernel[...], group_size)
+        elif (
+            head
+            and isinstance(module, Embedding)
+            and module.head_kernel is not None
+            and module.head_scale is None
+        ):
+            q, scale = _quantized(quantize, module.head_kernel[...], group_size)
             module.head_kernel, module.head_scale = HeadCopy(q), HeadCopy(scale)
             quantized += 1
     return quantized
 
 
-def _quantized(kernel, group_size: int | None) -> tuple:
+def _quantized(quantize, kernel, group_size: int | None) -> tuple:
     """`kernel [in, out]` quantized in groups of `group_size` inputs where they split so, else per channel."""
     if group_size is not None and kernel.shape[-2] % group_size == 0:
         return quantize(kernel, group_size)
-    return quantize_per_channel(kernel)
+    return quantize(kernel)

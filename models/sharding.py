@@ -86,12 +86,16 @@ DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (
 # int8 scales of one per group of inputs and output (`[in / G, out]`, `models.int8`): a
 # 2-D `kernel_scale` or `head_scale` outside the experts (theirs are per channel, `[E, out]`).
 GROUPED_SCALE_RULES: tuple[tuple[str, PartitionSpec], ...] = (
+    # a block fp8 checkpoint's experts (`[E, in / G, out]`, `models.fp8`): split like their kernels
+    (r"\.experts\.(gate_proj|up_proj)\.kernel_scale$", PartitionSpec(None, None, MODEL_AXIS)),
+    (r"\.experts\.down_proj\.kernel_scale$", PartitionSpec(None, MODEL_AXIS, None)),
     (rf"\.{_COLUMN_LINEARS}\.kernel_scale$", _COLUMN),
     (r"\.(o_proj|down_proj)\.kernel_scale$", _ROW),
     (r"embed_tokens\.head_scale$", _COLUMN),
     (r"lm_head\.kernel_scale$", _COLUMN),
     (r".*", _REPLICATED),
 )
+_GROUPED_ROW = PartitionSpec(None, MODEL_AXIS, None)  # an expert stack's grouped row-parallel scale
 _COMPILED_RULES = tuple((re.compile(pattern), spec) for pattern, spec in DECODER_RULES)
 _COMPILED_GROUPED = tuple((re.compile(pattern), spec) for pattern, spec in GROUPED_SCALE_RULES)
 _SCALE = re.compile(r"(kernel_scale|head_scale)$")
@@ -99,8 +103,11 @@ _EXPERTS = re.compile(r"\.experts\.")
 
 
 def is_grouped_scale(path: str, ndim: int) -> bool:
-    """Whether the parameter at dotted `path` with `ndim` axes is an int8 scale per group of inputs."""
-    return ndim == 2 and _SCALE.search(path) is not None and _EXPERTS.search(path) is None
+    """Whether the parameter at dotted `path` with `ndim` axes is a weight scale per group of
+    inputs (`[in / G, out]`, an expert stack's `[E, in / G, out]`)."""
+    if _SCALE.search(path) is None:
+        return False
+    return ndim == (3 if _EXPERTS.search(path) else 2)
 
 
 def rule_spec(path: str, ndim: int | None = None) -> PartitionSpec:
@@ -127,11 +134,12 @@ def parameter_spec(path: str, shape: tuple[int, ...], tp_size: int) -> Partition
     spec = rule_spec(path, len(shape))
     if tp_size == 1 or not spec:
         return _REPLICATED
-    if spec == _ROW and is_grouped_scale(path, len(shape)) and shape[0] % tp_size:
+    if spec in (_ROW, _GROUPED_ROW) and is_grouped_scale(path, len(shape)) and shape[-2] % tp_size:
         raise ValueError(
             f"tensor_parallel_size={tp_size} cannot split {path}: its kernel's inputs are in "
-            f"{shape[0]} groups sharing an int8 scale, which do not divide by {tp_size}, so a "
-            f"device's share would end inside a group; use a tensor_parallel_size dividing {shape[0]}"
+            f"{shape[-2]} groups sharing a weight scale (int8 or fp8), which do not divide by "
+            f"{tp_size}, so a device's share would end inside a group; use a "
+            f"tensor_parallel_size dividing {shape[-2]}"
         )
     for axis, name in enumerate(spec):
         if name is not None and (axis >= len(shape) or shape[axis] % tp_size):

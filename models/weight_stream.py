@@ -20,7 +20,8 @@ scale travels beside it as one more tensor: a fused projection's scales wait for
 and are re-blocked exactly like the kernels' columns (`models.sharding.fuse_parts`), then placed
 split like those columns. A pre-quantized checkpoint's int8 kernels and scales
 (`models.compressed_tensors`, a GGUF's Q8_0 weights: `models.gguf_reader`) take the same way
-without quantizing here; a scale whose layout is not the served one is refused by name.
+without quantizing here; a scale whose layout is not the served one is refused by name. fp8
+weights (`models.fp8`) alike: a float kernel the served model holds as fp8 is quantized to fp8.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from models import fp8, int8
 from models.config import ModelConfig
-from models.int8 import group_size, quantize
+from models.int8 import group_size
 from models.linear import PackedKernel
 from models.loader import _ExpertStacks, iter_parameters, prepare_for_serving
 from models.registry import build
@@ -161,8 +163,8 @@ def _stream(
             host_bytes.observe(waiting_bytes() + value.nbytes)
         if ours.endswith("_scale") and tuple(value.shape) != tuple(served[ours].get_value().shape):
             raise ValueError(
-                f"the checkpoint's int8 scale {ours} has shape {tuple(value.shape)}, the served "
-                f"model {tuple(served[ours].get_value().shape)}: its int8 layout (per channel or "
+                f"the checkpoint's weight scale {ours} has shape {tuple(value.shape)}, the served "
+                f"model {tuple(served[ours].get_value().shape)}: its layout (per channel or "
                 "grouped, and the group size) is not the one this model was prepared for"
             )
         placed[ours] = place(ours, value, served[ours])
@@ -184,17 +186,18 @@ def _scale_name(kernel: str) -> str:
 
 def _quantized_kernels(
     served: dict[str, nnx.Variable], part_of: dict[str, tuple[str, int]]
-) -> dict[str, int | None]:
-    """The loaded kernels the served model holds as int8 with a scale (a fused kernel's parts
-    under their own names), each with its inputs per scale (`models.int8.group_size`: None per
-    channel)."""
-    int8 = {}
+) -> dict[str, tuple[int | None, np.dtype]]:
+    """The loaded kernels the served model holds as int8 or fp8 with a scale (a fused kernel's
+    parts under their own names), each with its inputs per scale (`models.int8.group_size`: None
+    per channel) and its values' dtype."""
+    found = {}
     for name in served:
         if name.endswith(("kernel", "head_kernel")) and _scale_name(name) in served:
-            shapes = (served[name].get_value().shape, served[_scale_name(name)].get_value().shape)
+            kernel = served[name].get_value()
+            shapes = (kernel.shape, served[_scale_name(name)].get_value().shape)
             packed = isinstance(served[name], PackedKernel)
-            int8[name] = _packed_group(shapes) if packed else group_size(*shapes)
-    return int8 | {part: int8[name] for part, (name, _) in part_of.items() if name in int8}
+            found[name] = (_packed_group(shapes) if packed else group_size(*shapes), np.dtype(kernel.dtype))
+    return found | {part: found[name] for part, (name, _) in part_of.items() if name in found}
 
 
 def _packed_group(shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> int | None:
@@ -207,16 +210,21 @@ def _with_scales(
     params: Iterable[tuple[str, np.ndarray]], quantized: dict[str, int | None]
 ) -> Iterator[tuple[str, np.ndarray]]:
     """`params` (`(dotted path, host value)`) with each float kernel that the served model holds
-    as int8 quantized on the host (in its groups where grouped), followed by its scale as a
-    parameter of its own; a kernel that is int8 already (a pre-quantized checkpoint's, whose
-    scale comes from the checkpoint) and every other parameter pass as they are."""
+    as int8 or fp8 quantized on the host (in its groups where grouped), followed by its scale as
+    a parameter of its own; a kernel that is quantized already (a pre-quantized checkpoint's,
+    whose scale comes from the checkpoint) and every other parameter pass as they are."""
     for ours, value in params:
-        if ours in quantized and jnp.issubdtype(value.dtype, jnp.floating):
-            q, scale = quantize(value, quantized[ours])
+        if ours in quantized and _unquantized(value.dtype):
+            size, dtype = quantized[ours]
+            q, scale = (fp8 if fp8.is_fp8(dtype) else int8).quantize(value, size)
             yield ours, q
             yield _scale_name(ours), scale
         else:
             yield ours, value
+
+
+def _unquantized(dtype: np.dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and not fp8.is_fp8(dtype)
 
 
 def _check_sources(

@@ -166,11 +166,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from models.compressed_tensors import METHOD, quantization_config
+    from models.loader import checkpoint_values
     from tpu_platform.converted import convert
     from tpu_platform.prepared_weights import Preparation, int8_quantization
 
     # A compressed-tensors int8 source is int8 as it is (vLLM serves it so): kept, never dequantized.
     source_method = (quantization_config(args.model) or {}).get("quant_method")
+    if checkpoint_values(args.model) == "fp8":
+        raise SystemExit(
+            "vllm-xla convert: the source holds fp8 weights, which a converted directory does not "
+            "keep; serve the checkpoint itself (its fp8 weights load as they are)"
+        )
     int8 = args.quantization != "none" or source_method == METHOD
     try:
         preparation = Preparation(

@@ -112,13 +112,19 @@ _NO_PARALLELISM = (
     "host behind a load balancer scales out)"
 )
 
-# vLLM `quantization` values served (int8 weights, `models.quantization`); anything else is refused.
+# vLLM `quantization` values served (int8 or fp8 weights, `models.quantization`); anything else is refused.
 SUPPORTED_QUANTIZATION: tuple[str, ...] = QUANTIZATION_METHODS
 
 
 def _other_quantization(config: VllmConfig) -> bool:
     method = _model(config).quantization
     return method is not None and method not in SUPPORTED_QUANTIZATION
+
+
+def _online_patterns(config: VllmConfig) -> bool:
+    """Whether vLLM's online-quantization options name layers to skip or to quantize otherwise."""
+    args = _model(config).quantization_config
+    return bool(getattr(args, "ignore", None) or getattr(args, "targets", None))
 
 
 REFUSED: tuple[Refusal, ...] = (
@@ -166,10 +172,22 @@ REFUSED: tuple[Refusal, ...] = (
         f"anything but {', '.join(SUPPORTED_QUANTIZATION)}",
         _other_quantization,
         "quantization='int8_per_channel_weight_only' quantizes a float checkpoint's weights to int8 "
-        "at load (a GGUF's Q8_0 weights load as they are); a compressed-tensors int8 checkpoint "
-        "(8-bit symmetric weights, per channel, per tensor or per group) loads as it is; otherwise "
+        "at load (a GGUF's Q8_0 weights load as they are), quantization='fp8' or 'fp8_per_channel' "
+        "to fp8 with a scale per output channel (for 'fp8_per_tensor' and 'fp8_per_block' use "
+        "'fp8_per_channel': at least as precise); a compressed-tensors int8 checkpoint (8-bit "
+        "symmetric weights, per channel, per tensor or per group), a compressed-tensors FP8 one "
+        "(per channel, per tensor or per block) and a quant_method 'fp8' one (per tensor or in "
+        "weight_block_size blocks) load as they are; otherwise "
         "serve an unquantized checkpoint (a GGUF file converts "
         "with `vllm-xla model-dir --gguf FILE`)",
+    ),
+    Refusal(
+        "quantization_config",
+        "per-layer online quantization",
+        "ignore or targets patterns",
+        _online_patterns,
+        "leave them out: quantization at load covers every projection and the MoE experts, "
+        "never the LM head, embedding or router",
     ),
     Refusal(
         "speculative_config",
@@ -407,6 +425,16 @@ SUPPORTED: tuple[Supported, ...] = (
         "the MoE experts and the LM head (the embedding table and MoE router stay in the model "
         "dtype); quantized at load from a float checkpoint, or a compressed-tensors int8 "
         "checkpoint's weights as they are (a W8A8 one's activations stay in the model dtype)",
+    ),
+    Supported(
+        "fp8 weights (W8A16)",
+        "quantization='fp8', quantization='fp8_per_channel', quantization='compressed-tensors' "
+        "(FP8 checkpoints), a quant_method 'fp8' checkpoint",
+        "float8_e4m3fn weights with float32 scales, activations in the model dtype: every linear "
+        "layer and the MoE experts; the LM head, embedding and MoE router stay in the model dtype; "
+        "quantized at load from a float checkpoint (per output channel), or a checkpoint's fp8 "
+        "weights as they are: per tensor, per channel or in 128x128 blocks (DeepSeek-V3, "
+        "Qwen3-FP8); a W8A8 checkpoint's activations (static or dynamic) stay in the model dtype",
     ),
     Supported(
         "LoRA adapters",

@@ -69,8 +69,9 @@ from tpu_platform.targets import CompileTarget, compile_only_devices, target
 # work a step without penalties, logprobs or grammar does).
 SAMPLING_FLAGS = SamplerFlags(filters=True)
 # The weights' quantizations the planner knows: the runner's bfloat16/float weights, int8 with one
-# scale per output channel, or int8 with one per 32 inputs (a GGUF's Q8_0 blocks, kept as they are).
-QUANTIZATIONS = ("none", "int8", "int8-g32")
+# scale per output channel, or int8 with one per 32 inputs (a GGUF's Q8_0 blocks, kept as they are);
+# fp8 per output channel, or with one scale per 128 inputs (a block fp8 checkpoint's, as served).
+QUANTIZATIONS = ("none", "int8", "int8-g32", "fp8", "fp8-g128")
 
 
 def known_models() -> list[str]:
@@ -119,7 +120,8 @@ class StepSetup:
             raise ValueError(
                 f"quantization {self.quantization!r} is not one the planner knows; use one of "
                 f"{', '.join(QUANTIZATIONS)} (int8: the weights as --quantization "
-                "int8_per_channel_weight_only serves them; int8-g32: a Q8_0 GGUF's, so served)"
+                "int8_per_channel_weight_only serves them; int8-g32: a Q8_0 GGUF's, so served; fp8: "
+                "--quantization fp8; fp8-g128: a 128x128 block fp8 checkpoint's)"
             )
         if not 1 <= self.tp_size <= chips:
             raise ValueError(

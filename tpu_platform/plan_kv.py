@@ -156,7 +156,10 @@ def weight_bytes_read(setup: StepSetup, batch: int) -> int:
         return total
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
     hidden, inner = config.hidden_size, config.moe_intermediate_size
-    if setup.quantization == "int8":  # int8 kernels and a float32 scale per output channel
+    values, _, group = setup.quantization.partition("-g")
+    if values == "fp8" and group:  # fp8 kernels, a float32 scale per group of inputs and output
+        expert = (3 * hidden * inner + 4 * 3 * hidden * inner // int(group)) // setup.tp_size
+    elif values in ("int8", "fp8"):  # 8-bit kernels and a float32 scale per output channel
         expert = (3 * hidden * inner + 4 * (2 * inner + hidden)) // setup.tp_size
     else:
         expert = 3 * hidden * inner * _itemsize(setup.dtype) // setup.tp_size

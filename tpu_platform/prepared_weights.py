@@ -32,8 +32,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models import ModelConfig, PackedKernel, build, pack_for_native_dense
 from models.linear import packed_for_native_dense
-from models.loader import int8_group_size
-from models.quantization import quantize_int8
+from models.loader import checkpoint_values, int8_group_size
+from models.quantization import FP8_METHODS, quantize_fp8, quantize_int8
 from models.sharding import fused_layout, fused_parts
 from models.weight_stream import HostBytes, served_abstract, stream_model
 
@@ -47,8 +47,8 @@ LAYOUT_VERSION = 1
 ShardingFor = jax.sharding.Sharding | Callable[[tuple[str, ...], jax.ShapeDtypeStruct], jax.sharding.Sharding]
 
 _PACKINGS = ("none", "native", "native+f32")
-_QUANTIZATIONS = ("none", "int8")  # and "int8-g<G>": int8 with one scale per G inputs
-_GROUPED_INT8 = re.compile(r"int8-g([1-9][0-9]*)")
+_QUANTIZATIONS = ("none", "int8", "fp8")  # and "int8-g<G>", "fp8-g<G>": one scale per G inputs
+_GROUPED = re.compile(r"(int8|fp8)-g([1-9][0-9]*)")
 
 
 class UnusableCheckpoint(Exception):
@@ -68,6 +68,8 @@ class Preparation:
     (the dense projections' and the head's scales per group of G inputs of each column, as a
     GGUF's Q8_0 weights (G = 32) or a compressed-tensors `group` checkpoint hold them:
     `int8_quantization`). The two int8 layouts are distinct preparations (names, cache entries).
+    "fp8" and "fp8-g<G>" alike with float8_e4m3fn values (`models.fp8`; the head stays in the
+    model's dtype: `models.quantization.quantize_fp8`).
     """
 
     dtype: str
@@ -78,20 +80,26 @@ class Preparation:
     def __post_init__(self) -> None:
         if self.packing not in _PACKINGS:
             raise ValueError(f"packing {self.packing!r} is not one of {_PACKINGS}")
-        if self.quantization not in _QUANTIZATIONS and not _GROUPED_INT8.fullmatch(self.quantization):
+        if self.quantization not in _QUANTIZATIONS and not _GROUPED.fullmatch(self.quantization):
             raise ValueError(
-                f"quantization {self.quantization!r} is not one of {_QUANTIZATIONS} or int8-g<group size>"
+                f"quantization {self.quantization!r} is not one of {_QUANTIZATIONS}, int8-g<group "
+                "size> or fp8-g<group size>"
             )
 
     @property
     def int8(self) -> bool:
+        """Whether the dense kernels are quantized (int8 or fp8 values with scales)."""
         return self.quantization != "none"
 
     @property
+    def fp8(self) -> bool:
+        return self.quantization.startswith("fp8")
+
+    @property
     def int8_group_size(self) -> int | None:
-        """The inputs sharing an int8 scale: None per channel (or no int8)."""
-        grouped = _GROUPED_INT8.fullmatch(self.quantization)
-        return int(grouped.group(1)) if grouped else None
+        """The inputs sharing a weight scale: None per channel (or not quantized)."""
+        grouped = _GROUPED.fullmatch(self.quantization)
+        return int(grouped.group(2)) if grouped else None
 
     @classmethod
     def for_dense_isa(
@@ -110,10 +118,8 @@ class Preparation:
     def apply(self, model: nnx.Module) -> int:
         """Quantizes and packs `model`'s kernels as this preparation does (after
         `prepare_for_serving`); returns how many kernels were packed."""
-        if self.int8:
-            quantize_int8(
-                model, self.int8_group_size
-            )  # before packing: the int8 kernels pack for the native int8 kernel
+        if self.int8:  # before packing: the int8 kernels pack for the native int8 kernel
+            (quantize_fp8 if self.fp8 else quantize_int8)(model, self.int8_group_size)
         if self.packing == "none":
             return 0
         return pack_for_native_dense(model, float32=self.packing == "native+f32")
@@ -126,12 +132,16 @@ class Preparation:
         return packed_for_native_dense(value, float32=self.packing == "native+f32")
 
 
-def int8_quantization(path: str) -> str:
-    """The `Preparation.quantization` serving the model at `path` with int8 weights: its own int8
-    weights' layout where it holds them as they are (`models.loader.int8_group_size`: a GGUF's
-    Q8_0 blocks, a compressed-tensors `group` checkpoint), else per channel."""
+def int8_quantization(path: str, method: str | None = None) -> str:
+    """The `Preparation.quantization` serving the model at `path` with vLLM's `quantization`
+    `method`: the values its checkpoint holds quantized (`models.loader.checkpoint_values`), else
+    fp8 for an fp8 method (`models.quantization.FP8_METHODS`) and int8 for the others; in its own
+    quantized weights' layout where it holds them as they are (`models.loader.int8_group_size`: a
+    GGUF's Q8_0 blocks, a compressed-tensors `group` checkpoint, a block-fp8 checkpoint), else
+    per channel."""
+    values = checkpoint_values(path) or ("fp8" if method in FP8_METHODS else "int8")
     size = int8_group_size(path)
-    return "int8" if size is None else f"int8-g{size}"
+    return values if size is None else f"{values}-g{size}"
 
 
 def abstract_prepared(config: ModelConfig, preparation: Preparation) -> tuple[nnx.GraphDef, nnx.State]:

@@ -183,7 +183,7 @@ class Runner:
         # int8 in the source's own layout (a converted directory keeps the one it was converted in)
         int8 = "none"
         if self.config.quantization is not None:
-            int8 = "int8" if converted else int8_quantization(path)
+            int8 = "int8" if converted else int8_quantization(path, self.config.quantization)
         preparation = Preparation.for_dense_isa(self.dtype.name, self.dense_isa, self.tp_size, int8)
         if converted is not None:
             self.model_config = ModelConfig.from_pretrained(path)

@@ -2,12 +2,13 @@
 """Compile worker: the runner's decode step (64 sequences, one token each) or a prefill step
 (one sequence's 512-token chunk) with bfloat16 and with int8 weights (the served layout: fused
 projections, `Preparation(quantization="int8")`, as the planner's `StepSetup(quantization=...)`
-builds it; `int8-g32`: scales per group of 32 inputs, a GGUF's Q8_0 layout) for one chip of a
-compile-only target, weights abstract. Prints one JSON line: per case, the weights' bytes, the
+builds it; `int8-g32`: scales per group of 32 inputs, a GGUF's Q8_0 layout; `fp8` and
+`fp8-g128`: fp8 weights per channel or per 128 inputs) for one chip of a compile-only target,
+weights abstract. Prints one JSON line: per case, the weights' bytes, the
 compiled program's memory analysis and the optimized-HLO buffers at least as large as the
-largest int8 kernel (a bfloat16 copy of a weight would show there).
+largest int8 or fp8 kernel (a bfloat16 copy of a weight would show there).
 
-    python -m tests.aot.int8_step_worker TARGET:MODEL:{bfloat16,int8,int8-g32}[:prefill] ...
+    python -m tests.aot.int8_step_worker TARGET:MODEL:{bfloat16,int8,int8-g32,fp8,fp8-g128}[:prefill] ...
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 import numpy as np
 
+from models import fp8
 from tests.aot.step_compile import large_buffers
 from tpu_platform.plan import StepSetup, forward_program, model_config, program_facts
 
@@ -39,12 +41,14 @@ def compile_case(case: str) -> dict:
     facts = program_facts(compiled, time.perf_counter() - start)
     leaves = setup.abstract_model().leaves
     int8_kernels = [leaf for leaf in leaves if leaf.dtype == np.int8]
-    largest = max((leaf.size for leaf in int8_kernels), default=0)
+    fp8_kernels = [leaf for leaf in leaves if fp8.is_fp8(leaf.dtype)]
+    largest = max((leaf.size for leaf in int8_kernels + fp8_kernels), default=0)
     return {
         "case": case,
         "tokens": setup.buckets.shape_for(tokens, seqs)[0],
         "weight_bytes": int(sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)),
         "int8_leaves": len(int8_kernels),
+        "fp8_leaves": len(fp8_kernels),
         "large_buffers": large_buffers(compiled.as_text(), largest) if largest else [],
         **facts.as_dict(),
     }

@@ -32,9 +32,11 @@ def text_ids(path: str, limit: int = 256) -> list[int]:
     return AutoTokenizer.from_pretrained(path)(TEXT)["input_ids"][:limit]
 
 
-def save_trained_tiny(architecture: str, path: str, *, steps: int = 30, seed: int = 0) -> str:
+def save_trained_tiny(
+    architecture: str, path: str, *, steps: int = 30, seed: int = 0, **overrides: object
+) -> str:
     """A tiny `architecture` (Llama, or one of `TINY`) trained on the fixed text, saved as fp32
-    safetensors with its tokenizer; returns `path`."""
+    safetensors with its tokenizer; returns `path`. `overrides`: config fields (widths, say)."""
     import torch
     import transformers
 
@@ -42,8 +44,8 @@ def save_trained_tiny(architecture: str, path: str, *, steps: int = 30, seed: in
         return path
     os.makedirs(path, exist_ok=True)
     save_tokenizer(path, vocab_size=_COMMON["vocab_size"])
-    config_class, overrides = TINY.get(architecture, ("LlamaConfig", {}))
-    config = getattr(transformers, config_class)(**{**_COMMON, **overrides})
+    config_class, arch_overrides = TINY.get(architecture, ("LlamaConfig", {}))
+    config = getattr(transformers, config_class)(**{**_COMMON, **arch_overrides, **overrides})
     config.architectures = [architecture]
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).to(torch.float32)

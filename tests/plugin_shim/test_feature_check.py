@@ -22,7 +22,11 @@ CASES = {
     "enable_mixed_moe_lora_format": ("mixtral", dict(enable_lora=True, enable_mixed_moe_lora_format=True)),
     "enable_moe_shared_loras": ("mixtral", dict(enable_lora=True, enable_moe_shared_loras=True)),
     "enable_prompt_embeds": ("llama", dict(enable_prompt_embeds=True)),
-    "quantization": ("llama", dict(quantization="fp8")),
+    "quantization": ("llama", dict(quantization="fp8_per_tensor")),
+    "quantization_config": (
+        "llama",
+        dict(quantization="fp8_per_channel", dtype="bfloat16", quantization_config={"ignore": ["lm_head"]}),
+    ),
     "speculative_config": (
         "llama",
         dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
@@ -61,8 +65,8 @@ CASES = {
 }  # fmt: skip
 # More ways of asking for a refused feature.
 MORE_CASES = [
-    ("quantization", "fp8_checkpoint", {}),  # a checkpoint's quantization_config
-    ("quantization", "llama", dict(quantization="fp8", dtype="bfloat16")),
+    ("quantization", "awq_checkpoint", {}),  # a checkpoint's quantization_config
+    ("quantization", "llama", dict(quantization="fp8_per_block", dtype="bfloat16")),
     ("speculative_config", "llama", dict(spec_method="ngram", spec_tokens=2)),
     ("runner / convert", "llama", dict(runner="pooling", convert="classify")),
     ("runner / convert", "classifier", dict(runner="generate")),  # no LM head to generate with
@@ -83,6 +87,10 @@ def models(tmp_path_factory) -> dict[str, str]:
         ),
         "fp8_checkpoint": dict(
             config, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"}
+        ),
+        "awq_checkpoint": dict(
+            config,
+            quantization_config={"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True},
         ),
         "classifier": dict(config, architectures=["LlamaForSequenceClassification"], num_labels=3),
     }  # fmt: skip
@@ -197,6 +205,8 @@ def test_several_refused_features_are_named_together(models):
         dict(async_scheduling=True, max_num_seqs=4, seed=3, max_logprobs=5, enforce_eager=True),
         dict(runner="generate", convert="none", model_impl="auto", tensor_parallel_size=1),
         dict(quantization="int8_per_channel_weight_only", dtype="bfloat16"),
+        dict(quantization="fp8", dtype="bfloat16"),
+        dict(quantization="fp8_per_channel", dtype="bfloat16"),
         dict(enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=4, lora_dtype="bfloat16"),
     ],
     ids=[
@@ -207,6 +217,8 @@ def test_several_refused_features_are_named_together(models):
         "scheduling",
         "explicit_defaults",
         "int8",
+        "fp8",
+        "fp8_per_channel",
         "lora",
     ],
 )
@@ -267,3 +279,10 @@ def test_without_vllm_s_model_hooks_every_backend_counts_as_asked(gemma4, monkey
     assert [r.option for r in feature_check.refusals(config)] == ["attention_backend"]
     assert "MODELS_CONFIG_MAP" in caplog.text
     internals.warn_fallback.cache_clear()
+
+
+def test_an_fp8_checkpoint_is_accepted(models):
+    """A checkpoint's `quant_method: fp8` config: vLLM's method "fp8", served as fp8 weights."""
+    config = _config(models, "fp8_checkpoint", dict(dtype="bfloat16"))
+    assert config.model_config.quantization == "fp8"
+    assert feature_check.refusals(config) == []

@@ -212,9 +212,33 @@ def test_int8_weights_are_the_runners_int8_preparation():
 
 def test_unknown_quantization_is_refused_by_name():
     with pytest.raises(
-        ValueError, match=r"quantization 'fp8' is not one the planner knows; use one of none, int8"
+        ValueError, match=r"quantization 'int4' is not one the planner knows; use one of none, int8"
     ):
-        StepSetup(model_config("llama-3.1-8b"), "v5e-1", quantization="fp8")
+        StepSetup(model_config("llama-3.1-8b"), "v5e-1", quantization="int4")
+
+
+def test_fp8_weights_are_fp8_bytes_and_scales_with_a_bfloat16_head():
+    """Llama 3.1 8B in fp8: each projection one byte a weight plus a float32 scale per output
+    channel, or per 128 inputs of each (block checkpoints); the untied head, the embedding and
+    the norms stay bfloat16."""
+    config = model_config("llama-3.1-8b")
+    hidden, inner, layers = config.hidden_size, config.intermediate_size, config.num_layers
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    attention_out = config.num_heads * config.head_dim
+    kernels = layers * (hidden * qkv + attention_out * hidden + 3 * hidden * inner)
+    bf16 = abstract_model(config, "bfloat16", 2048).weight_bytes
+    channel = StepSetup(config, "v6e-1", max_model_len=2048, quantization="fp8").abstract_model()
+    scales = layers * (qkv + hidden + 2 * inner + hidden)
+    assert bf16 - channel.weight_bytes == 2 * kernels - (kernels + 4 * scales)
+    blocks = StepSetup(config, "v6e-1", max_model_len=2048, quantization="fp8-g128").abstract_model()
+    assert blocks.weight_bytes - channel.weight_bytes == 4 * (kernels // 128 - scales)
+
+
+def test_moe_fp8_block_decode_reads_fp8_experts_and_their_group_scales():
+    fp8 = StepSetup(model_config("qwen3-30b-a3b"), "h100x1", quantization="fp8-g128")
+    total = fp8.abstract_model().weight_bytes
+    expert = 3 * 2048 * 768 + 4 * 3 * 2048 * 768 // 128  # fp8 kernels, a scale per 128 inputs
+    assert weight_bytes_read(fp8, 1) == pytest.approx(total - 48 * 120 * expert, rel=1e-9)
 
 
 def test_moe_int8_decode_reads_int8_experts():
