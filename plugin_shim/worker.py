@@ -22,6 +22,7 @@ from plugin_shim.pooling import execute_pooling, pooling_config, supported_tasks
 from tpu_platform.envs import read_env
 from tpu_platform.metrics_file import MetricsPublisher, metrics_path
 from tpu_platform.runner import InFlightStep, Runner, RunnerConfig
+from tpu_platform.step_program import KVLayout
 
 logger = init_logger("vllm.xla.worker")
 
@@ -32,23 +33,19 @@ def layer_name(index: int) -> str:
     return f"model.layers.{index}.self_attn.attn"
 
 
-def layer_placement(config: KVCacheConfig, num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Each layer's KV-cache group, and the cache array it uses.
+def kv_layout(config: KVCacheConfig, num_layers: int) -> KVLayout:
+    """How the engine's KV-cache groups share caches between the model's layers.
 
     The engine hands every page to one group at a time, so the k-th layer of each group can share
     one array (this is how the engine sized the cache). One group: one array per layer.
     """
-    group_of, position_of = {}, {}
-    for g, group in enumerate(config.kv_cache_groups):
-        for k, name in enumerate(group.layer_names):
-            group_of[name], position_of[name] = g, k
-    names = [layer_name(i) for i in range(num_layers)]
-    missing = [n for n in names if n not in group_of]
+    index_of = {layer_name(i): i for i in range(num_layers)}
+    groups = [[index_of.get(name, -1) for name in group.layer_names] for group in config.kv_cache_groups]
+    listed = {layer for group in groups for layer in group}
+    missing = [name for name, i in index_of.items() if i not in listed]
     if missing:
         raise ValueError(f"the engine's KV-cache config has no group for layers {missing[:3]}")
-    if len(config.kv_cache_groups) == 1:
-        return (), ()
-    return tuple(group_of[n] for n in names), tuple(position_of[n] for n in names)
+    return KVLayout.from_groups(groups, num_layers)
 
 
 class _AsyncOutput(AsyncModelRunnerOutput):
@@ -163,8 +160,8 @@ class XlaWorker(WorkerBase):
         return available
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        layer_groups, layer_caches = layer_placement(kv_cache_config, self.runner.model_config.num_layers)
-        self.runner.initialize_kv_cache(kv_cache_config.num_blocks, layer_groups, layer_caches)
+        layout = kv_layout(kv_cache_config, self.runner.model_config.num_layers)
+        self.runner.initialize_kv_cache(kv_cache_config.num_blocks, layout)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         start = time.perf_counter()
