@@ -48,6 +48,17 @@ def kv_layout(config: KVCacheConfig, num_layers: int) -> KVLayout:
     return KVLayout.from_groups(groups, num_layers)
 
 
+def layer_kv_specs(windows: tuple[int | None, ...], **common) -> dict[str, KVCacheSpec]:
+    """Each layer's KV-cache spec for the engine: sliding-window layers (`windows[i]`, None for
+    full attention) and full ones, all with the `common` page facts."""
+    return {
+        layer_name(i): (
+            SlidingWindowSpec(sliding_window=window, **common) if window else FullAttentionSpec(**common)
+        )
+        for i, window in enumerate(windows)
+    }
+
+
 class _AsyncOutput(AsyncModelRunnerOutput):
     """A sampled step's output, resolved when vLLM asks for it (async scheduling)."""
 
@@ -132,13 +143,7 @@ class XlaWorker(WorkerBase):
         actual = self.runner.kv_page_bytes()
         if actual != logical:  # e.g. head_dim padded to 128 for TPU tiling
             common["page_size_padded"] = actual
-        specs: dict[str, KVCacheSpec] = {}
-        for i, window in enumerate(mc.layer_sliding_windows):
-            name = layer_name(i)
-            specs[name] = (
-                SlidingWindowSpec(sliding_window=window, **common) if window else FullAttentionSpec(**common)
-            )
-        return specs
+        return layer_kv_specs(mc.layer_sliding_windows, **common)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]  # nominal: the JAX side allocates its own per-layer arrays

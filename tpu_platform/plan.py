@@ -50,6 +50,7 @@ from models.sharding import MODEL_AXIS, kv_heads_on_mesh, state_shardings, vocab
 from pallas_kernels import kv_cache_partition_spec
 from pallas_kernels.backend import resolve_backend
 from tpu_platform.buckets import StepBuckets
+from tpu_platform.hosts import per_host_devices
 from tpu_platform.kv_cache import allocate_stacked_caches, kv_cache_dtype
 from tpu_platform.lora_slots import LoraConfig
 from tpu_platform.mesh import check_model_fits_mesh, replicated, tensor_parallel_mesh
@@ -98,6 +99,21 @@ def model_config(name_or_path: str) -> ModelConfig:
         return ModelConfig.from_hf_dict(json.load(f))
 
 
+def first_layers(config: ModelConfig, num_layers: int) -> ModelConfig:
+    """`config` cut to its first `num_layers` layers, each as wide as in the whole model (0: all of
+    them): the short programs `plan_depth` compiles to extrapolate the whole model's memory."""
+    if not num_layers or num_layers == config.num_layers:
+        return config
+    if not 0 < num_layers < config.num_layers:
+        raise ValueError(f"cannot cut {config.num_layers} layers to {num_layers}")
+    return dataclasses.replace(
+        config,
+        num_layers=num_layers,
+        layer_sliding_windows=config.layer_sliding_windows[:num_layers],
+        mlp_only_layers=tuple(i for i in config.mlp_only_layers if i < num_layers),
+    )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepSetup:
     """What the runner would be started with: model, target, dtypes, its limits, the tensor
@@ -115,6 +131,7 @@ class StepSetup:
     tp_size: int = 1  # vLLM's tensor_parallel_size: chips of the target the model is split over
     quantization: str = "none"  # one of QUANTIZATIONS
     lora: LoraConfig | None = None  # vLLM's LoRA limits: the adapter slots the runner attaches
+    attention_backend: str = "auto"  # as the runner's: "auto" picks by the target's device kind
 
     def __post_init__(self) -> None:
         chips = target(self.target).num_chips  # an unknown name fails here, listing the known ones
@@ -156,7 +173,7 @@ class StepSetup:
     @property
     def backend(self) -> str:
         """The attention backend the runner picks on the target's device kind."""
-        return resolve_backend("auto", platform=self.compile_target.platform)
+        return resolve_backend(self.attention_backend, platform=self.compile_target.platform)
 
     @property
     def kv_heads(self) -> int:
@@ -164,8 +181,14 @@ class StepSetup:
         return kv_heads_on_mesh(self.config.num_heads, self.config.num_kv_heads, self.tp_size)
 
     def mesh(self) -> Mesh | None:
-        """The runner's mesh over the first `tp_size` compile-only chips (None at TP=1)."""
-        return tensor_parallel_mesh(self.tp_size, compile_only_devices(self.target))
+        """The runner's mesh over the first `tp_size` compile-only chips (None at TP=1); on a
+        multi-host target, as the joined hosts build it (`hosts.per_host_devices`: a compile-only
+        pod topology's devices carry their hosts)."""
+        devices = compile_only_devices(self.target)
+        num_hosts = len({device.process_index for device in devices})
+        if num_hosts > 1:
+            return Mesh(np.array(per_host_devices(self.tp_size, num_hosts, devices)), (MODEL_AXIS,))
+        return tensor_parallel_mesh(self.tp_size, devices)
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -351,11 +374,15 @@ def kv_page_bytes(setup: StepSetup) -> int:
     return sum(_bytes(c.shape, c.dtype) for c in caches) // 2
 
 
-def step_program(setup: StepSetup, num_pages: int) -> StepProgram:
+def step_program(setup: StepSetup, num_pages: int, device: jax.Device | None = None) -> StepProgram:
     """The runner's step program (`step_program.build_step_program`, as `Runner.initialize_kv_cache`
     builds it) over abstract weights and a KV cache of `num_pages` pages (per chip), on one chip
-    of `setup.target` or on the runner's mesh of `setup.tp_size` chips."""
-    device, mesh = compile_only_devices(setup.target)[0], setup.mesh()
+    of `setup.target` or on the runner's mesh of `setup.tp_size` chips. `device`: a local device
+    to build it for instead, at TP=1 (to set it beside a runner's own program)."""
+    if device is not None and setup.tp_size > 1:
+        raise ValueError("a step program for a local device is a one-device one: use tp_size=1")
+    mesh = None if device is not None else setup.mesh()
+    device = device or compile_only_devices(setup.target)[0]
     model = setup.abstract_model()
     caches = _abstract_caches(setup, num_pages, mesh)
     if mesh is None:

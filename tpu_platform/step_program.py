@@ -90,15 +90,16 @@ class StepProgram:
     (logits, greedy, hidden, kv_caches)`, jitted, with the caches donated.
 
     `state` and `caches` are its first two arguments as `ShapeDtypeStruct`s with the shardings
-    they have (or will have) where it runs; the step's packed inputs and fed tokens go to
-    `inputs_sharding`. `context` is everything the program closes over, for naming its cached
+    they have (or will have) where it runs. The step's packed inputs come replicated on a mesh
+    (`inputs_sharding`), else as host arrays (None: committed to no device, as the runner passes
+    them). `context` is everything the program closes over, for naming its cached
     executables."""
 
     forward: Callable
     device: jax.Device  # the (first) device it runs on: the one the Pallas kernels lower for
     state: tuple[jax.ShapeDtypeStruct, ...]
     caches: tuple[jax.ShapeDtypeStruct, ...]
-    inputs_sharding: jax.sharding.Sharding
+    inputs_sharding: jax.sharding.Sharding | None
     feed_width: int
     layout: KVLayout
     num_pages: int
@@ -109,11 +110,14 @@ class StepProgram:
         `dims`: the state, the caches, the packed inputs of a step that holds no sequence, the fed
         tokens."""
         packed, dims = pack_inputs(padding_inputs(*shape, self.layout.num_groups))
-        inputs = [
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.inputs_sharding)
-            for x in (packed, np.zeros(self.feed_width, np.int32))
-        ]
-        return (list(self.state), list(self.caches), *inputs), dims
+        packed = jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self.inputs_sharding)
+        # The feed (the previous step's tokens) is a device array where the inputs are.
+        fed = jax.ShapeDtypeStruct((self.feed_width,), np.int32, sharding=self.feed_sharding)
+        return (list(self.state), list(self.caches), packed, fed), dims
+
+    @property
+    def feed_sharding(self) -> jax.sharding.Sharding:
+        return self.inputs_sharding or SingleDeviceSharding(self.device)
 
     def lower(self, shape: tuple[int, int, int]) -> jax.stages.Lowered:
         """The program lowered for a step padded to `shape`, for its devices."""
@@ -159,7 +163,7 @@ def build_step_program(
         (model_config, backend, layout.layer_groups, layout.layer_caches, kv_dtype, num_pages, per_array,
          structure_text(graphdef), tp_size, architecture_fingerprint(model_config.architecture))
     )  # fmt: skip
-    whole = SingleDeviceSharding(device) if mesh is None else replicated(mesh)
+    whole = None if mesh is None else replicated(mesh)
     return StepProgram(forward, device, state, abstract_caches, whole, feed_width, layout, num_pages, context)
 
 

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from tests.aot.step_compile import large_buffers
-from tpu_platform.plan import StepSetup, forward_program, model_config, program_facts
+from tpu_platform.plan import StepSetup, model_config, program_facts, step_program, step_shape
 
 DECODE_TOKENS = 64
 PREFILL_TOKENS = 512
@@ -33,9 +33,9 @@ def compile_case(case: str) -> dict:
         quantization="none" if variant == "bfloat16" else variant,
     )  # fmt: skip
     tokens, seqs = (PREFILL_TOKENS, 1) if phase == ["prefill"] else (DECODE_TOKENS, DECODE_TOKENS)
-    program = forward_program(setup, NUM_PAGES, tokens, seqs)
+    program = step_program(setup, NUM_PAGES)
     start = time.perf_counter()
-    compiled = program.compile()
+    compiled = program.compile(step_shape(setup, tokens, seqs))
     facts = program_facts(compiled, time.perf_counter() - start)
     leaves = setup.abstract_model().leaves
     int8_kernels = [leaf for leaf in leaves if leaf.dtype == np.int8]
