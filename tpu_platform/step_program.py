@@ -69,18 +69,19 @@ class KVLayout:
 
     @classmethod
     def for_model(cls, config: ModelConfig) -> KVLayout:
-        """The layout vLLM's engine gives `config`'s layers: one group when every layer has the
-        same attention window; else groups of equal size, one or more per window, in layer order
-        (its hybrid KV-cache manager's grouping)."""
+        """The layout vLLM's engine gives `config`'s layers (its hybrid KV-cache manager's
+        grouping, `kv_cache_utils._get_kv_cache_groups_uniform_page_size`): one group when every
+        layer has the same attention window; else the layers of each window, in order of first
+        appearance, split into groups of the smallest kind's count (the largest's when no kind
+        has half as many again), each group taking every n-th layer of its kind."""
         windows = config.layer_sliding_windows
-        kinds = list(dict.fromkeys(windows))
-        layers_of = [[i for i, w in enumerate(windows) if w == kind] for kind in kinds]
-        group_size = min(len(layers) for layers in layers_of)
-        groups = [
-            layers[start : start + group_size]
-            for layers in layers_of
-            for start in range(0, len(layers), group_size)
-        ]
+        kinds = [[i for i, w in enumerate(windows) if w == kind] for kind in dict.fromkeys(windows)]
+        smallest, largest = min(map(len, kinds)), max(map(len, kinds))
+        group_size = largest if largest < 1.5 * smallest else smallest
+        groups = []
+        for layers in kinds:
+            num_groups = -(-len(layers) // group_size)
+            groups += [layers[i::num_groups] for i in range(num_groups)]
         return cls.from_groups(groups, config.num_layers)
 
 

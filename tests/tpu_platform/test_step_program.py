@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 import pytest
 
 from tests.tiny_models import save_tiny_llama
@@ -100,14 +99,20 @@ def test_kv_layout_from_groups():
         KVLayout.from_groups([[0, 1]], 3)
 
 
-def test_kv_layout_for_a_model_splits_the_larger_kind_into_groups_of_the_smaller():
-    # Gemma-3-like 5:1 pattern over 12 layers: 10 sliding, 2 full -> groups of 2 layers.
+def test_kv_layout_for_a_model_groups_every_nth_layer_of_a_kind():
+    # Gemma-3-like 5:1 pattern over 12 layers: sliding 0-4 and 6-10, full 5 and 11 -> groups of
+    # 2 layers, the sliding ones in 5 groups of every 5th sliding layer: (0, 6), (1, 7), ...
     windows = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(12))
     gemma3 = dataclasses.replace(first_layers(model_config("gemma-2-9b"), 12), layer_sliding_windows=windows)
     layout = KVLayout.for_model(gemma3)
     assert (layout.num_groups, layout.num_caches) == (6, 2)
-    assert layout.layer_groups[:6] == (0, 0, 1, 1, 2, 5)
-    assert np.bincount(layout.layer_groups).tolist() == [2] * 6
+    assert layout.layer_groups == (0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5)
+    assert layout.layer_caches == (0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1)
+    # 12 sliding and 13 full layers: one group of each kind, 13 wide (no 12 groups of one).
+    windows = (512,) * 12 + (None,) * 13
+    assert KVLayout.for_model(dataclasses.replace(gemma3, num_layers=25, layer_sliding_windows=windows)) == (
+        KVLayout((0,) * 12 + (1,) * 13, tuple(range(12)) + tuple(range(13)), 13, 2)
+    )
 
 
 def test_a_model_cut_to_its_first_layers_keeps_their_widths_and_windows():
