@@ -3,12 +3,15 @@
 models split over the chips of a target.
 
 For each case a worker (`tensor_parallel_worker`, one subprocess per platform, both at once)
-sizes the KV cache per chip on the runner's mesh (`tpu_platform.plan_kv.fit_kv_cache` with
-`StepSetup.tp_size`): the weights abstract and placed by the rules table (`models.sharding`),
-the caches split on KV heads (replicated in groups where the model has fewer KV heads than
-chips), attention per chip under `shard_map` (Mosaic on TPU, Triton on GPU). It compiles the
-prefill step (a 2k-token chunk) and the decode step (64 sequences) and the sampler, and reads
-the compiled programs' collectives. A compile error, a sharding that makes the compiler gather
+sizes the KV cache per chip on the runner's mesh (`StepSetup.tp_size`): in `make test` from the
+model's first 2 and 4 layers at full width, the memory extrapolated to every layer
+(`tpu_platform.plan_depth`; the collectives a layer makes show in each short program), in
+`make test-full` (`-m full`) with every layer compiled (`tpu_platform.plan_kv.fit_kv_cache`):
+the weights abstract and placed by the rules table (`models.sharding`), the caches split on KV
+heads (replicated in groups where the model has fewer KV heads than chips), attention per chip
+under `shard_map` (Mosaic on TPU, Triton on GPU). It compiles the prefill step (a 2k-token
+chunk) and the decode step (64 sequences) and the sampler, and reads the compiled programs'
+collectives. A compile error, a sharding that makes the compiler gather
 a whole weight or exchange anything the rules table does not imply, or a model that does not
 fit its chips fails here.
 """
@@ -34,16 +37,25 @@ BACKEND = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}
 pytestmark = pytest.mark.timeout(3600)
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, dict]:
+def _run(mode: str) -> dict[str, dict]:
     with ThreadPoolExecutor(2) as pool:
-        answers = pool.map(lambda p: run_worker(p, "tensor_parallel_worker", *CASES[p], timeout=3500), CASES)
+        answers = pool.map(
+            lambda p: run_worker(p, "tensor_parallel_worker", mode, *CASES[p], timeout=3500), CASES
+        )
         return {row["case"]: row for answer in answers for row in answer}
 
 
-@pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
-def test_sharded_step_compiles_and_fits_each_chip(results, case):
-    row = results[case]
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    return _run("depth")
+
+
+@pytest.fixture(scope="module")
+def full_results() -> dict[str, dict]:
+    return _run("full")
+
+
+def _check_weights(row: dict, case: str) -> None:
     assert row["fits"], row["reason"]
     assert row["backend"] == BACKEND["cuda" if case.startswith("h100") else "tpu"]
     model, tp = case.split(":")[1], row["tp_size"]
@@ -54,6 +66,30 @@ def test_sharded_step_compiles_and_fits_each_chip(results, case):
     assert row["replicated_weight_bytes"] <= 0.005 * total
     assert total / tp <= row["weight_bytes"] <= total / tp + row["replicated_weight_bytes"]
     assert row["kv_tokens"] >= MAX_MODEL_LEN  # at least one whole sequence per chip's cache
+
+
+@pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
+def test_sharded_step_at_two_depths_fits_each_chip(results, case):
+    row = results[case]
+    _check_weights(row, case)
+    for step in ("decode", "prefill"):
+        for program in row["short"][step]:  # the chip's shards in, the donated cache in place
+            assert program["alias_bytes"] > 0 and program["peak_bytes"] <= row["budget_bytes"]
+        assert row["predicted_peak_bytes"][step] <= row["steps_budget_bytes"] <= row["budget_bytes"]
+
+
+@pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_sharded_step_at_two_depths_exchanges_what_the_rules_table_implies(results, case, step):
+    # As below, for each short program's own number of layers.
+    assert results[case]["unexpected_collectives"][step] == []
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
+def test_sharded_step_compiles_and_fits_each_chip(full_results, case):
+    row = full_results[case]
+    _check_weights(row, case)
     for step in ("decode", "prefill"):
         program = row[step]
         # The compiler's own per-chip view: the arguments are the chip's weight shards and its
@@ -68,9 +104,10 @@ def test_sharded_step_compiles_and_fits_each_chip(results, case):
     assert row["budget_bytes"] - peak <= 0.05 * row["budget_bytes"]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
 @pytest.mark.parametrize("step", ["decode", "prefill"])
-def test_sharded_step_exchanges_what_the_rules_table_implies(results, case, step):
+def test_sharded_step_exchanges_what_the_rules_table_implies(full_results, case, step):
     # Per layer the two row-parallel sums of [tokens, hidden], the embedding's sum and the
     # [rows, vocab] logits gathered once; no weight gathered whole, nothing else.
-    assert results[case]["unexpected_collectives"][step] == []
+    assert full_results[case]["unexpected_collectives"][step] == []
