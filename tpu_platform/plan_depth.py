@@ -2,11 +2,10 @@
 """Sizing the KV cache from short programs: the step of a model's first few layers, each at its
 full width, compiled for the target, its memory extrapolated to every layer.
 
-Compiling a multi-billion-parameter step for a TPU or GPU takes minutes, nearly all of it spent
-on the layers, each its own code. The faults the compile-only checks look for (a copy of the
-whole cache, a collective the rules table does not imply, a weight-sized temporary) are made per
-layer, so a program of two layers shows them as one of forty does. What grows with the depth is
-known:
+The faults the compile-only checks look for (a copy of the whole cache, a collective the rules
+table does not imply, a weight-sized temporary) are made per layer, so a program of two layers
+shows them as one of forty does, in less memory and, on GPU, in less compile time. What grows
+with the depth is known:
 
 - the weights and the KV cache per layer are arithmetic on the abstract model of every layer
   (`plan.abstract_model`, `plan.kv_page_bytes`: no compile);
