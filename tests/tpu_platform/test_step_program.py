@@ -7,8 +7,9 @@ planner builds its step program for the same model from abstract weights
 the local CPU. Both come from `step_program.build_step_program`: the programs must lower to the
 same text, with the runner's own placed weights and caches as with the planner's abstract ones,
 and name the same cached executables. With LoRA enabled the two programs take the adapter slots
-(more arguments than without), still equal. The KV layouts and a layout built from groups are
-checked by hand-worked cases."""
+(more arguments than without), still equal. So do a tiny DeepSeek-V3 (its latent cache) and a
+tiny GPT-OSS (attention sinks, a sliding and a full layer in two KV-cache groups). The KV
+layouts and a layout built from groups are checked by hand-worked cases."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import dataclasses
 import jax
 import pytest
 
+from tests.models.tiny_checkpoints import save_tiny
+from tests.models.tiny_deepseek import save_tiny_deepseek
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.inputs import pack_inputs, padding_inputs
 from tpu_platform.lora_slots import LoraConfig
@@ -34,7 +37,7 @@ def model_dir(tmp_path_factory) -> str:
     return save_tiny_llama(str(tmp_path_factory.mktemp("tiny")), seed=5)
 
 
-def _runner(model_dir: str, lora: LoraConfig | None) -> Runner:
+def _runner(model_dir: str, lora: LoraConfig | None, layout: KVLayout | None = None) -> Runner:
     config = RunnerConfig(
         model_path=model_dir,
         dtype="bfloat16",
@@ -45,7 +48,7 @@ def _runner(model_dir: str, lora: LoraConfig | None) -> Runner:
     )
     runner = Runner(config)
     runner.load_model()
-    runner.initialize_kv_cache(NUM_PAGES)
+    runner.initialize_kv_cache(NUM_PAGES, layout)
     return runner
 
 
@@ -77,6 +80,26 @@ def test_the_runner_serves_the_program_the_planner_compiles(model_dir, lora):
         shape = step_shape(setup, tokens, seqs)
         assert shape == runner.buckets.shape_for(tokens, seqs)
         assert planned.lower(shape).as_text() == _served_text(runner, shape)
+
+
+@pytest.mark.parametrize("kind", ["deepseek", "gpt-oss"])
+def test_latent_and_sliding_models_serve_the_program_the_planner_compiles(tmp_path, kind):
+    if kind == "deepseek":
+        model_dir = save_tiny_deepseek("v3_noaux_yarn", str(tmp_path), seed=3)
+    else:
+        model_dir = save_tiny("GptOssForCausalLM", str(tmp_path), seed=3)
+    config = model_config(model_dir)
+    layout = KVLayout.for_model(config)  # what the worker builds from vLLM's groups
+    assert (layout.num_groups, bool(config.latent_cache_width)) == (
+        (1, True) if kind == "deepseek" else (2, False)
+    )
+    runner = _runner(model_dir, None, layout)
+    setup, planned = _planned(runner, None)
+    assert planned.layout == runner.step_program.layout
+    assert [(c.shape, c.dtype) for c in planned.caches] == [(c.shape, c.dtype) for c in runner.kv_caches]
+    assert planned.context == runner.step_program.context
+    shape = step_shape(setup, 4, 4)
+    assert planned.lower(shape).as_text() == _served_text(runner, shape)
 
 
 def test_lora_adds_the_adapter_slots_to_the_program(model_dir):
