@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """SamplingOptions: normalization and clear validation errors; flags and warm-up sets."""
 
-
 import numpy as np
 import pytest
 
