@@ -54,8 +54,8 @@ class DepthFit:
     num_pages: int  # 0 when nothing fits
     short: dict[str, tuple[ProgramFacts, ...]]  # per step, the compiled programs at `depths`
     sampler: ProgramFacts | None
-    short_kv_bytes: tuple[int, ...] = ()  # the cache each short program holds, per depth
     reason: str = ""
+    short_kv_bytes: tuple[int, ...] = ()  # the cache each short program holds, per depth
 
     @property
     def fits(self) -> bool:
