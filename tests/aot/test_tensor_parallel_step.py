@@ -124,11 +124,12 @@ def test_sharded_step_exchanges_what_the_rules_table_implies(full_results, case,
     assert full_results[case]["unexpected_collectives"][step] == []
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("case", [c for c in CASES["tpu"] + CASES["cuda"] if "gpt-oss" in c])
 @pytest.mark.parametrize("step", ["decode", "prefill"])
-def test_gpt_oss_step_holds_no_cache_sized_temporaries(results, case, step):
-    # Sinks, the fused experts and the sliding layers add no copy of the cache to the step: at
-    # each short depth its temporaries stay far below the cache that program holds.
-    row = results[case]
-    for program, kv_bytes in zip(row["short"][step], row["short_kv_bytes"], strict=True):
-        assert program["temp_bytes"] < kv_bytes // 8, (program["temp_bytes"], kv_bytes)
+def test_gpt_oss_step_holds_no_cache_sized_temporaries(full_results, case, step):
+    # Sinks, the fused experts and the sliding layers add no copy of the cache to the step. Only
+    # with every layer: a short program's cache is a few layers' share, smaller than the
+    # prefill's own activations.
+    row = full_results[case]
+    assert row[step]["temp_bytes"] < row["kv_bytes"] // 8, (row[step]["temp_bytes"], row["kv_bytes"])
