@@ -1,5 +1,6 @@
-# Entry points for a fresh machine: `make run`, `make test` (the full suite CI runs) and `make
-# test-fast` (quick iteration: without the `slow` tier). All create .venv first.
+# Entry points for a fresh machine: `make run`, `make test` (the suite CI runs), `make test-fast`
+# (quick iteration: without the `slow` tier) and `make test-full` (the compiles of every layer of
+# real-size models that `make test` checks from few-layer compiles). All create .venv first.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -16,7 +17,7 @@ PROMPT ?= The capital of France is
 PYTEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: run test test-fast lint venv aot-toolchains clean
+.PHONY: run test test-fast test-full lint venv aot-toolchains clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,12 +51,17 @@ run: venv
 
 test: venv aot-toolchains
 	$(PY) -m ruff check .
-	$(PYTEST) tests -q
+	$(PYTEST) tests -q -m "not full"
 
 # The fast tier: everything but the tests marked `slow` (end-to-end engine and server runs, compile
 # tests for real targets, the long interpret-mode checks, the costlier grids' extra points).
 test-fast: venv
-	$(PYTEST) tests -q -m "not slow"
+	$(PYTEST) tests -q -m "not slow and not full"
+
+# What `make test` leaves out: every layer of the real-size models compiled for TPU and GPU
+# (`full` marker, docs/testing.md). `make test` and `make test-full` together run every test.
+test-full: venv aot-toolchains
+	$(PYTEST) tests -q -m full
 
 lint: venv
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

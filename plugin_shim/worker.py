@@ -30,6 +30,7 @@ from plugin_shim.request_failures import with_failures
 from tpu_platform.envs import read_env
 from tpu_platform.metrics_file import MetricsPublisher, metrics_path
 from tpu_platform.runner import InFlightStep, Runner, RunnerConfig
+from tpu_platform.step_program import KVLayout
 
 logger = init_logger("vllm.xla.worker")
 
@@ -40,28 +41,54 @@ def layer_name(index: int) -> str:
     return f"model.layers.{index}.self_attn.attn"
 
 
-def layer_placement(
-    config: KVCacheConfig, num_layers: int, kv_sources: tuple[int, ...] = ()
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Each layer's KV-cache group, and the cache array it uses.
+def kv_layout(config: KVCacheConfig, num_layers: int, sources: tuple[int, ...] = ()) -> KVLayout:
+    """How the engine's KV-cache groups share caches between the model's layers (`sources[i]`:
+    the layer whose cache layer i reads, for KV-shared layers, which are in no group).
 
     The engine hands every page to one group at a time, so the k-th layer of each group can share
     one array (this is how the engine sized the cache). One group: one array per layer. A layer
     reading another layer's cache (`kv_sources[i] != i`: no spec of its own was reported) takes
     its source's group and array.
     """
-    group_of, position_of = {}, {}
-    for g, group in enumerate(config.kv_cache_groups):
-        for k, name in enumerate(group.layer_names):
-            group_of[name], position_of[name] = g, k
-    sources = kv_sources or tuple(range(num_layers))
-    names = [layer_name(sources[i]) for i in range(num_layers)]
-    missing = [n for n in names if n not in group_of]
+    index_of = {layer_name(i): i for i in range(num_layers)}
+    groups = [[index_of.get(name, -1) for name in group.layer_names] for group in config.kv_cache_groups]
+    listed = {layer for group in groups for layer in group}
+    owners = [i for i in range(num_layers) if not sources or sources[i] == i]
+    missing = [layer_name(i) for i in owners if i not in listed]
     if missing:
         raise ValueError(f"the engine's KV-cache config has no group for layers {missing[:3]}")
-    if len(config.kv_cache_groups) == 1 and sources == tuple(range(num_layers)):
-        return (), ()
-    return tuple(group_of[n] for n in names), tuple(position_of[n] for n in names)
+    return KVLayout.from_groups(groups, num_layers, sources)
+
+
+def layer_kv_specs(
+    windows: tuple[int | None, ...],
+    chunks: tuple[int | None, ...] = (),
+    sources: tuple[int, ...] = (),
+    **common,
+) -> dict[str, KVCacheSpec]:
+    """Each layer's KV-cache spec for the engine: chunked local attention (`chunks[i]`), a
+    sliding window (`windows[i]`) or full attention, all with the `common` page facts; a layer
+    reading another layer's cache (`sources[i] != i`) has no pages of its own and no spec."""
+    specs: dict[str, KVCacheSpec] = {}
+    for i, window in enumerate(windows):
+        if sources and sources[i] != i:
+            continue
+        chunk = chunks[i] if chunks else None
+        if chunk:  # vLLM frees the pages of a layer's earlier chunks, as it does outside a window
+            specs[layer_name(i)] = ChunkedLocalAttentionSpec(attention_chunk_size=chunk, **common)
+        elif window:
+            specs[layer_name(i)] = SlidingWindowSpec(sliding_window=window, **common)
+        else:
+            specs[layer_name(i)] = FullAttentionSpec(**common)
+    return specs
+
+
+def latent_kv_specs(num_layers: int, **common) -> dict[str, KVCacheSpec]:
+    """vLLM's MLA spec for every layer: one shared row of `head_size` (`kv_lora_rank +
+    qk_rope_head_dim`) values a token (no V), whole on every device, as vLLM's own MLA layers
+    describe it; `common`: the page facts."""
+    spec = MLAAttentionSpec(num_kv_heads=1, **common)
+    return {layer_name(i): spec for i in range(num_layers)}
 
 
 class _AsyncOutput(AsyncModelRunnerOutput):
@@ -156,34 +183,22 @@ class XlaWorker(WorkerBase):
         actual = self.runner.kv_page_bytes()
         if actual != logical:  # e.g. head_dim padded to 128 for TPU tiling
             common["page_size_padded"] = actual
-        specs: dict[str, KVCacheSpec] = {}
-        layers = zip(mc.layer_sliding_windows, mc.layer_attention_chunks, strict=True)
-        for i, (window, chunk) in enumerate(layers):
-            if mc.kv_source(i) != i:  # reads another layer's cache: no pages of its own
-                continue
-            if chunk:  # vLLM frees the pages of a layer's earlier chunks, as it does outside a window
-                spec = ChunkedLocalAttentionSpec(attention_chunk_size=chunk, **common)
-            elif window:
-                spec = SlidingWindowSpec(sliding_window=window, **common)
-            else:
-                spec = FullAttentionSpec(**common)
-            specs[layer_name(i)] = spec
-        return specs
+        sources = tuple(mc.kv_source(i) for i in range(mc.num_layers))
+        return layer_kv_specs(mc.layer_sliding_windows, mc.layer_attention_chunks, sources, **common)
 
     def _latent_cache_specs(self, dtype: torch.dtype) -> dict[str, KVCacheSpec]:
-        """vLLM's MLA spec for every layer: one shared row of `kv_lora_rank + qk_rope_head_dim`
-        values a token (no V), whole on every device, as vLLM's own MLA layers describe it."""
         mc = self.runner.model_config
-        spec = MLAAttentionSpec(
-            block_size=self.cache_config.block_size, num_kv_heads=1, head_size=mc.latent_cache_width,
+        specs = latent_kv_specs(
+            mc.num_layers, block_size=self.cache_config.block_size, head_size=mc.latent_cache_width,
             dtype=dtype, cache_dtype_str=self.cache_config.cache_dtype,
         )  # fmt: skip
-        if spec.page_size_bytes != self.runner.kv_page_bytes():
+        page_bytes = specs[layer_name(0)].page_size_bytes
+        if page_bytes != self.runner.kv_page_bytes():
             raise RuntimeError(
-                f"vLLM's MLA page of {spec.page_size_bytes} B differs from the latent cache's "
+                f"vLLM's MLA page of {page_bytes} B differs from the latent cache's "
                 f"{self.runner.kv_page_bytes()} B"
             )
-        return {layer_name(i): spec for i in range(mc.num_layers)}
+        return specs
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]  # nominal: the JAX side allocates its own per-layer arrays
@@ -207,8 +222,8 @@ class XlaWorker(WorkerBase):
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         mc = self.runner.model_config
         sources = tuple(mc.kv_source(i) for i in range(mc.num_layers))
-        layer_groups, layer_caches = layer_placement(kv_cache_config, mc.num_layers, sources)
-        self.runner.initialize_kv_cache(kv_cache_config.num_blocks, layer_groups, layer_caches)
+        layout = kv_layout(kv_cache_config, mc.num_layers, sources)
+        self.runner.initialize_kv_cache(kv_cache_config.num_blocks, layout)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         start = time.perf_counter()

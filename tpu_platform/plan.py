@@ -2,13 +2,13 @@
 """The runner's step programs compiled for a named target with abstract weights.
 
 `StepSetup` names a model configuration, a compile target (`tpu_platform.targets`), the dtypes
-and the runner's limits. `compile_forward` builds the runner's forward program
-(`step.make_forward` with the attention backend the runner picks on that device, inputs padded
-by `inputs.padding_inputs` and packed by `inputs.pack_inputs`, caches from
-`kv_cache.allocate_stacked_caches`) from `ShapeDtypeStruct` weights and caches, so nothing is
-allocated (`forward_program`), and compiles it with the target's real compiler; `compile_sampler`
-does the same for the sampling program. Both return `ProgramFacts`: XLA's memory and cost
-analyses of the compiled program, the compile time and the collectives of its optimized HLO.
+and the runner's limits. `step_program` builds the runner's step program (the one builder the
+runner uses too, `tpu_platform.step_program`, with the attention backend the runner picks on that
+device and caches from `kv_cache.allocate_stacked_caches`) from `ShapeDtypeStruct` weights and
+caches, so nothing is allocated; `compile_forward` compiles it with the target's real
+compiler; `compile_sampler` does the same for the sampling program. Both return
+`ProgramFacts`: XLA's memory and cost analyses of the compiled program, the compile time and
+the collectives of its optimized HLO.
 `plan_kv.fit_kv_cache` sizes the KV cache from them.
 
 With `StepSetup.quantization = "int8"` the weights are the runner's int8 ones
@@ -34,6 +34,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -44,12 +45,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from models import ModelConfig, attach_rope_tables, build, prepare_for_serving
+from models.lora import attach_lora
 from models.sharding import MODEL_AXIS, kv_heads_on_mesh, state_shardings, vocab_parallel
 from pallas_kernels import kv_cache_partition_spec, latent_cache_partition_spec
 from pallas_kernels.backend import resolve_backend
 from tpu_platform.buckets import StepBuckets
-from tpu_platform.inputs import pack_inputs, padding_inputs
-from tpu_platform.kv_cache import allocate_stacked_caches, caches_per_array, kv_cache_dtype
+from tpu_platform.hosts import per_host_devices
+from tpu_platform.kv_cache import allocate_stacked_caches, kv_cache_dtype
+from tpu_platform.lora_slots import LoraConfig
 from tpu_platform.mesh import check_model_fits_mesh, replicated, tensor_parallel_mesh
 from tpu_platform.plan_hlo import (
     Collective,
@@ -62,7 +65,8 @@ from tpu_platform.plan_hlo import (
 from tpu_platform.prepared_weights import Preparation
 from tpu_platform.runner_config import default_page_size
 from tpu_platform.sampling import SamplerFlags, dummy_tensors
-from tpu_platform.step import make_forward, make_sampler
+from tpu_platform.step import make_sampler
+from tpu_platform.step_program import KVLayout, StepProgram, build_step_program
 from tpu_platform.targets import CompileTarget, compile_only_devices, target
 
 # The sampler program the planner compiles: random sampling with top-k/top-p filters (the most
@@ -96,6 +100,30 @@ def model_config(name_or_path: str) -> ModelConfig:
         return ModelConfig.from_hf_dict(json.load(f))
 
 
+def first_layers(config: ModelConfig, num_layers: int) -> ModelConfig:
+    """`config` cut to its first `num_layers` layers, each as wide as in the whole model (0: all of
+    them): the short programs `plan_depth` compiles to extrapolate the whole model's memory."""
+    if not num_layers or num_layers == config.num_layers:
+        return config
+    if not 0 < num_layers < config.num_layers:
+        raise ValueError(f"cannot cut {config.num_layers} layers to {num_layers}")
+    # Every per-layer field is cut to the kept layers (windows, Llama 4's RoPE flags, Gemma 4's
+    # head dims); a list of layer indices keeps those below the cut.
+    per_layer = {
+        field.name: getattr(config, field.name)[:num_layers]
+        for field in dataclasses.fields(config)
+        if (field.name.startswith("layer_") or field.name == "rope_layers")
+        and isinstance(getattr(config, field.name), tuple)
+        and len(getattr(config, field.name)) == config.num_layers
+    }
+    return dataclasses.replace(
+        config,
+        num_layers=num_layers,
+        mlp_only_layers=tuple(i for i in config.mlp_only_layers if i < num_layers),
+        **per_layer,
+    )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepSetup:
     """What the runner would be started with: model, target, dtypes, its limits, the tensor
@@ -112,6 +140,8 @@ class StepSetup:
     page_size: int = 0  # 0: the runner's default for the target's device kind and cache dtype
     tp_size: int = 1  # vLLM's tensor_parallel_size: chips of the target the model is split over
     quantization: str = "none"  # one of QUANTIZATIONS
+    lora: LoraConfig | None = None  # vLLM's LoRA limits: the adapter slots the runner attaches
+    attention_backend: str = "auto"  # as the runner's: "auto" picks by the target's device kind
 
     def __post_init__(self) -> None:
         chips = target(self.target).num_chips  # an unknown name fails here, listing the known ones
@@ -154,7 +184,7 @@ class StepSetup:
     @property
     def backend(self) -> str:
         """The attention backend the runner picks on the target's device kind."""
-        return resolve_backend("auto", platform=self.compile_target.platform)
+        return resolve_backend(self.attention_backend, platform=self.compile_target.platform)
 
     @property
     def kv_heads(self) -> int:
@@ -169,41 +199,25 @@ class StepSetup:
         return 1 if self.config.latent_cache_width else self.kv_heads // self.tp_size
 
     def mesh(self) -> Mesh | None:
-        """The runner's mesh over the first `tp_size` compile-only chips (None at TP=1)."""
-        return tensor_parallel_mesh(self.tp_size, compile_only_devices(self.target))
+        """The runner's mesh over the first `tp_size` compile-only chips (None at TP=1); on a
+        multi-host target, as the joined hosts build it (`hosts.per_host_devices`: a compile-only
+        pod topology's devices carry their hosts)."""
+        devices = compile_only_devices(self.target)
+        num_hosts = len({device.process_index for device in devices})
+        if num_hosts > 1:
+            return Mesh(np.array(per_host_devices(self.tp_size, num_hosts, devices)), (MODEL_AXIS,))
+        return tensor_parallel_mesh(self.tp_size, devices)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """How the engine would share KV caches between the model's layers."""
+        return KVLayout.for_model(self.config)
 
     def abstract_model(self) -> AbstractModel:
         """The model as the runner would serve it with this setup, weights abstract."""
-        return abstract_model(self.config, self.dtype, self.max_model_len, self.tp_size, self.quantization)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class KVLayout:
-    """How the layers share KV-cache groups and cache arrays, as vLLM's engine groups them: one
-    group and one cache per layer when every layer has the same attention window; else groups of
-    equal size, one or more per window, and the k-th layer of every group on cache k."""
-
-    layer_groups: tuple[int, ...]
-    layer_caches: tuple[int, ...]
-    num_caches: int
-    num_groups: int
-
-
-def kv_layout(config: ModelConfig) -> KVLayout:
-    windows = config.layer_sliding_windows
-    kinds = list(dict.fromkeys(windows))
-    if len(kinds) == 1:
-        return KVLayout((), (), config.num_layers, 1)
-    layers_of = [[i for i, w in enumerate(windows) if w == kind] for kind in kinds]
-    group_size = min(len(layers) for layers in layers_of)
-    groups, caches = [0] * config.num_layers, [0] * config.num_layers
-    num_groups = 0
-    for layers in layers_of:
-        for start in range(0, len(layers), group_size):
-            for k, layer in enumerate(layers[start : start + group_size]):
-                groups[layer], caches[layer] = num_groups, k
-            num_groups += 1
-    return KVLayout(tuple(groups), tuple(caches), group_size, num_groups)
+        return abstract_model(
+            self.config, self.dtype, self.max_model_len, self.tp_size, self.quantization, self.lora
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -291,13 +305,19 @@ class AbstractModel:
 
 @functools.cache
 def abstract_model(
-    config: ModelConfig, dtype: str, max_model_len: int, tp_size: int = 1, quantization: str = "none"
+    config: ModelConfig,
+    dtype: str,
+    max_model_len: int,
+    tp_size: int = 1,
+    quantization: str = "none",
+    lora: LoraConfig | None = None,
 ) -> AbstractModel:
     """The model the runner would load, weights abstract: built under `nnx.eval_shape` and
     prepared as `models.load_model` prepares it for `tp_size` devices (KV heads repeated up to
     the TP size when fewer, the tied head's copy, fused projections in one block a device), then
     quantized as the runner's `Preparation` does ("int8": int8 kernels and their scales), with
-    the RoPE tables the runner attaches for `max_model_len` positions."""
+    the RoPE tables the runner attaches for `max_model_len` positions and, with `lora`, the
+    adapter slots `Runner.load_model` attaches."""
     preparation = Preparation(jnp.dtype(dtype).name, tp_size=tp_size, quantization=quantization)
 
     def prepared(model: nnx.Module) -> nnx.Module:
@@ -309,6 +329,11 @@ def abstract_model(
     # zeros, which the fused projections' concatenation would then really fill.
     model = nnx.eval_shape(prepared, nnx.eval_shape(lambda: build(config, jnp.dtype(dtype))))
     attach_rope_tables(model, max_model_len)
+    if lora is not None:
+        lora_dtype = jnp.dtype(lora.dtype or dtype)
+        attach_lora(
+            model, max_loras=lora.max_loras, max_rank=lora.max_lora_rank, dtype=lora_dtype, blocks=tp_size
+        )
     graphdef, state = nnx.split(model)
     leaves, state_def = jax.tree.flatten(state)
     return AbstractModel(graphdef, state_def, tuple(_abstract(leaf) for leaf in leaves), state)
@@ -339,7 +364,7 @@ def _everywhere(mesh: Mesh | None, device: jax.Device, tree: Any) -> Any:
 def _abstract_caches(setup: StepSetup, num_pages: int, mesh: Mesh | None) -> list[jax.ShapeDtypeStruct]:
     """The runner's stacked caches (`allocate_stacked_caches`), abstract: on a mesh of all KV
     heads (`StepSetup.kv_heads`), split on them as the runner allocates them."""
-    layout, config = kv_layout(setup.config), setup.config
+    layout, config = setup.kv_layout, setup.config
     caches = jax.eval_shape(
         lambda: allocate_stacked_caches(
             layout.num_caches, num_pages, setup.tokens_per_page, setup.kv_heads, config.head_dim,
@@ -361,7 +386,7 @@ def _abstract_caches(setup: StepSetup, num_pages: int, mesh: Mesh | None) -> lis
 def kv_page_bytes(setup: StepSetup) -> int:
     """Bytes one page of every cache array takes on one chip (all caches of the model, the
     backend's layout; on a mesh the chip's share of the KV heads)."""
-    layout, config = kv_layout(setup.config), setup.config
+    layout, config = setup.kv_layout, setup.config
     caches = jax.eval_shape(
         lambda: allocate_stacked_caches(
             layout.num_caches, 2, setup.tokens_per_page, setup.kv_heads_per_chip, config.head_dim,
@@ -371,51 +396,39 @@ def kv_page_bytes(setup: StepSetup) -> int:
     return sum(_bytes(c.shape, c.dtype) for c in caches) // 2
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ForwardProgram:
-    """The runner's forward for one step shape, ready to compile: the jitted function, the chip
-    it compiles for and its abstract arguments (weights, caches, packed inputs, fed tokens)."""
-
-    forward: Any
-    device: jax.Device
-    args: tuple[Any, ...]
-    dims: Any  # the packed inputs' static dimensions
-
-    def compile(self) -> jax.stages.Compiled:
-        return compile_with_text(self.forward, self.device, *self.args, dims=self.dims)
-
-
-def forward_program(setup: StepSetup, num_pages: int, num_tokens: int, num_seqs: int = 0) -> ForwardProgram:
-    """The runner's forward for a step of `num_tokens` tokens over `num_seqs` sequences (0: as
-    many as the bucket allows, one token each for a decode step) padded to the runner's bucket,
-    with a KV cache of `num_pages` pages (per chip), on one chip of `setup.target` or on the
-    runner's mesh of `setup.tp_size` chips."""
-    layout = kv_layout(setup.config)
-    device, mesh = compile_only_devices(setup.target)[0], setup.mesh()
-    buckets = setup.buckets
-    t_pad, r_pad, p_pad = buckets.shape_for(num_tokens, num_seqs or buckets.seqs_for(num_tokens))
+def step_program(setup: StepSetup, num_pages: int, device: jax.Device | None = None) -> StepProgram:
+    """The runner's step program (`step_program.build_step_program`, as `Runner.initialize_kv_cache`
+    builds it) over abstract weights and a KV cache of `num_pages` pages (per chip), on one chip
+    of `setup.target` or on the runner's mesh of `setup.tp_size` chips. `device`: a local device
+    to build it for instead, at TP=1 (to set it beside a runner's own program)."""
+    if device is not None and setup.tp_size > 1:
+        raise ValueError("a step program for a local device is a one-device one: use tp_size=1")
+    mesh = None if device is not None else setup.mesh()
+    device = device or compile_only_devices(setup.target)[0]
     model = setup.abstract_model()
-    kv_dtype = kv_cache_dtype(setup.cache_dtype)
     caches = _abstract_caches(setup, num_pages, mesh)
-    per_array = caches_per_array(layout.num_caches, num_pages, setup.tokens_per_page)
-    forward = make_forward(
-        model.graphdef, model.state_def, setup.backend, layout.layer_groups, layout.layer_caches,
-        kv_dtype.name, cache_pages=num_pages, caches_per_array=per_array, mesh=mesh,
-        cache_shardings=None if mesh is None else [cache.sharding for cache in caches],
-    )  # fmt: skip
-    packed, dims = pack_inputs(padding_inputs(t_pad, r_pad, p_pad, layout.num_groups))
-    fed_tokens = np.zeros(setup.max_num_seqs, np.int32)  # the runner's feed: max_num_seqs wide
     if mesh is None:
         caches = _on(device, caches)
-    inputs = _everywhere(mesh, device, (packed, fed_tokens))
-    return ForwardProgram(forward, device, (model.placed(mesh, device), caches, *inputs), dims)
+    return build_step_program(
+        setup.config, model.graphdef, model.state_def, model.placed(mesh, device), caches,
+        backend=setup.backend, layout=setup.kv_layout, kv_dtype=kv_cache_dtype(setup.cache_dtype).name,
+        num_pages=num_pages, page_size=setup.tokens_per_page, feed_width=setup.buckets.max_seqs,
+        device=device, mesh=mesh,
+    )  # fmt: skip
+
+
+def step_shape(setup: StepSetup, num_tokens: int, num_seqs: int = 0) -> tuple[int, int, int]:
+    """The runner's padded (T, R, P) for a step of `num_tokens` tokens over `num_seqs` sequences
+    (0: as many as the bucket allows, one token each for a decode step)."""
+    buckets = setup.buckets
+    return buckets.shape_for(num_tokens, num_seqs or buckets.seqs_for(num_tokens))
 
 
 def compile_forward(setup: StepSetup, num_pages: int, num_tokens: int, num_seqs: int = 0) -> ProgramFacts:
-    """Compiles `forward_program(setup, num_pages, num_tokens, num_seqs)` with the target's
-    compiler: its memory, cost and HLO facts."""
-    program = forward_program(setup, num_pages, num_tokens, num_seqs)
-    return _compile(program.forward, program.device, *program.args, dims=program.dims)
+    """Compiles the runner's step program (`step_program`) for a step of `num_tokens` tokens over
+    `num_seqs` sequences (`step_shape`) with the target's compiler: its memory, cost and HLO facts."""
+    program = step_program(setup, num_pages)
+    return _compile(program, step_shape(setup, num_tokens, num_seqs))
 
 
 def expected_collectives(setup: StepSetup, num_tokens: int, num_seqs: int = 0) -> ExpectedCollectives:
@@ -424,8 +437,8 @@ def expected_collectives(setup: StepSetup, num_tokens: int, num_seqs: int = 0) -
     hidden]` activations (the row-parallel o and down projections; a mixture of experts' down
     projection is split alike), one more for the vocab-parallel embedding, the `[rows, vocab]`
     logits gathered once, and no weight gathered whole."""
-    config, buckets = setup.config, setup.buckets
-    t_pad, r_pad, _ = buckets.shape_for(num_tokens, num_seqs or buckets.seqs_for(num_tokens))
+    config = setup.config
+    t_pad, r_pad, _ = step_shape(setup, num_tokens, num_seqs)
     mesh = setup.mesh()
     if mesh is None:  # one chip: nothing to exchange
         return ExpectedCollectives(t_pad * config.hidden_size, 0, 0, 0)
@@ -453,7 +466,9 @@ def compile_sampler(setup: StepSetup, rows: int, flags: SamplerFlags = SAMPLING_
     vocab = setup.config.vocab_size
     logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
     args = _everywhere(mesh, device, (logits, dummy_tensors(flags, rows, vocab)))
-    return _compile(make_sampler(setup.max_num_seqs, mesh), device, *args, flags=flags)
+    return _measured(
+        lambda: compile_with_text(make_sampler(setup.max_num_seqs, mesh), device, *args, flags=flags)
+    )
 
 
 def compile_with_text(jitted: Any, device: jax.Device, *args: Any, **static: Any) -> jax.stages.Compiled:
@@ -475,10 +490,16 @@ class ProgramTooLarge(Exception):
 _OUT_OF_MEMORY = re.compile(r"Ran out of memory.*?required[^(]*\(([\d.]+)([KMGT]?)\)", re.S)
 
 
-def _compile(jitted: Any, device: jax.Device, *args: Any, **static: Any) -> ProgramFacts:
+def _compile(program: StepProgram, shape: tuple[int, int, int]) -> ProgramFacts:
+    return _measured(lambda: program.compile(shape))
+
+
+def _measured(compile_program: Callable[[], jax.stages.Compiled]) -> ProgramFacts:
+    """The facts of the program `compile_program` compiles, or `ProgramTooLarge` when the target's
+    compiler refuses it for the chip's memory."""
     start = time.perf_counter()
     try:
-        compiled = compile_with_text(jitted, device, *args, **static)
+        compiled = compile_program()
     except jax.errors.JaxRuntimeError as error:
         found = _OUT_OF_MEMORY.search(str(error))
         if found is None:

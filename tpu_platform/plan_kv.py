@@ -26,7 +26,6 @@ from tpu_platform.plan import (
     StepSetup,
     compile_forward,
     compile_sampler,
-    kv_layout,
     kv_page_bytes,
 )
 
@@ -66,7 +65,7 @@ class KVFit:
     def kv_tokens(self) -> int:
         """Tokens the cache holds for one sequence's worth of layers (with several KV-cache groups
         a token takes a page slot in each)."""
-        return self.num_pages * self.setup.tokens_per_page // kv_layout(self.setup.config).num_groups
+        return self.num_pages * self.setup.tokens_per_page // self.setup.kv_layout.num_groups
 
     @property
     def peak_bytes(self) -> int:

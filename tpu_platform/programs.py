@@ -50,7 +50,6 @@ import jax
 import jaxlib
 from flax import nnx
 from jax.experimental import serialize_executable
-from tqdm import tqdm
 
 from tpu_platform import internals
 from tpu_platform.private_files import (
@@ -313,7 +312,9 @@ class Programs:
         built = 0
         with (
             ThreadPoolExecutor(workers, thread_name_prefix="vllm-xla-build") as pool,
-            tqdm(total=len(specs), desc="vllm-xla warm-up", unit="program", disable=len(specs) < 2) as bar,
+            _progress_bar(
+                total=len(specs), desc="vllm-xla warm-up", unit="program", disable=len(specs) < 2
+            ) as bar,
         ):
             for new in pool.map(self.build, specs):
                 built += new
@@ -413,3 +414,11 @@ def _compile(spec: ProgramSpec, salt: str | None = None) -> tuple[jax.stages.Com
     finally:
         jax.monitoring.unregister_event_listener(on_event)
     return compiled, bool(fresh)
+
+
+def _progress_bar(**kwargs: Any) -> Any:
+    # Imported here: the step program's module imports this one, and a host that runs JAX alone
+    # (the accelerator check script) may have no tqdm.
+    from tqdm import tqdm
+
+    return tqdm(**kwargs)

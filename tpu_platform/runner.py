@@ -17,7 +17,6 @@ from flax import nnx
 
 from models import ModelConfig, PackedKernel, attach_rope_tables
 from models.lora import attach_lora
-from models.registry import architecture_fingerprint
 from models.sharding import kv_heads_on_mesh, parameter_sharding, place_state
 from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
@@ -29,7 +28,6 @@ from tpu_platform.inputs import StepBuffers, exercise_inputs, pack_inputs, paddi
 from tpu_platform.kv_cache import (
     allocate_stacked_caches,
     available_kv_bytes,
-    caches_per_array,
     kv_cache_dtype,
     page_bytes_per_device,
 )
@@ -38,13 +36,7 @@ from tpu_platform.mesh import replicated, tensor_parallel_mesh
 from tpu_platform.pooled_step import PoolingPrograms
 from tpu_platform.pooling import PoolingRequests, pooled_outputs
 from tpu_platform.prepared_weights import Preparation, ShardingFor, int8_quantization, load_prepared
-from tpu_platform.programs import (
-    ExecutableCache,
-    Programs,
-    ProgramSpec,
-    enable_persistent_cache,
-    structure_text,
-)
+from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
 from tpu_platform.prompt_logprobs import PromptLogprobs, PromptLogprobsProgram
 from tpu_platform.request_table import RequestTable
 from tpu_platform.runner_config import RunnerConfig, RunnerStats
@@ -55,7 +47,8 @@ from tpu_platform.sampling.uniform import (
     warm_logprobs_width,
     with_all_extras,
 )
-from tpu_platform.step import make_forward, make_sampler
+from tpu_platform.step import make_sampler
+from tpu_platform.step_program import KVLayout, build_step_program
 from tpu_platform.step_record import DispatchedStep, InFlightStep, record_step
 from tpu_platform.weights_cache import WeightsCache
 
@@ -240,39 +233,35 @@ class Runner:
         )
 
     @collector_paused()
-    def initialize_kv_cache(
-        self, num_pages: int, layer_groups: tuple[int, ...] = (), layer_caches: tuple[int, ...] = ()
-    ) -> None:
+    def initialize_kv_cache(self, num_pages: int, layout: KVLayout | None = None) -> None:
         """Allocates the caches, stacked in one array (a few past int32's slot numbers:
-        `allocate_stacked_caches`): one cache per layer, or per `layer_caches` index when layers
-        of different KV-cache groups (`layer_groups`) share caches."""
+        `allocate_stacked_caches`) as `layout` shares them between the layers (default: one
+        group, one cache per layer), and builds the step program over them."""
         mc = self.model_config
-        num_caches = max(layer_caches) + 1 if layer_caches else mc.num_layers
-        num_groups = max(layer_groups) + 1 if layer_groups else 1
+        layout = layout or KVLayout.from_groups([range(mc.num_layers)], mc.num_layers)
         shape = (num_pages, self.config.page_size, self.kv_heads, mc.head_dim)
         caches = allocate_stacked_caches(
-            num_caches, *shape, self.kv_dtype, self.backend, self.mesh, latent_width=mc.latent_cache_width
+            layout.num_caches,
+            *shape,
+            self.kv_dtype,
+            self.backend,
+            self.mesh,
+            latent_width=mc.latent_cache_width,
         )
-        per_array = caches_per_array(num_caches, num_pages, self.config.page_size)
         # Committed to the device like the step's outputs, so warm-up and serving share programs.
         self.kv_caches = jax.device_put(caches, self.device) if self.mesh is None else caches
         self.num_pages = num_pages
-        self.num_groups = num_groups
+        self.num_groups = layout.num_groups
         self.table = RequestTable(
-            self.config.max_num_seqs, self.config.max_model_len, self.buckets.max_pages, num_groups
+            self.config.max_num_seqs, self.config.max_model_len, self.buckets.max_pages, layout.num_groups
         )
-        self._forward = make_forward(
-            self._graphdef, self._state_def, self.backend, layer_groups, layer_caches, self.kv_dtype.name,
-            cache_pages=num_pages, caches_per_array=per_array, mesh=self.mesh,
-            cache_shardings=[cache.sharding for cache in self.kv_caches] if self.mesh else None,
+        self.step_program = build_step_program(
+            self.model_config, self._graphdef, self._state_def, self._state_leaves, self.kv_caches,
+            backend=self.backend, layout=layout, kv_dtype=self.kv_dtype.name, num_pages=num_pages,
+            page_size=self.config.page_size, feed_width=self.buckets.max_seqs, device=self.device,
+            mesh=self.mesh,
         )  # fmt: skip
-        # Everything the forward closes over, for naming its cached executables (a plugin
-        # model's code too: our own is in every entry's name already).
-        self._forward_context = repr(
-            (self.model_config, self.backend, layer_groups, layer_caches, self.kv_dtype.name, num_pages,
-             per_array, structure_text(self._graphdef), self.tp_size,
-             architecture_fingerprint(self.model_config.architecture))
-        )  # fmt: skip
+        self._forward = self.step_program.forward
 
     @collector_paused()
     def warm_up(self, shapes: list[tuple[int, int, int]] | None = None) -> int:
@@ -351,7 +340,7 @@ class Runner:
             jitted=self._forward,
             args=(self._state_leaves, self.kv_caches, packed, self._no_feed),
             static={"dims": dims},
-            context=self._forward_context,
+            context=self.step_program.context,
         )
 
     def _sampler_spec(self, logits, tensors, flags) -> ProgramSpec:

@@ -8,11 +8,17 @@ weights abstract. Prints one JSON line: per case, the weights' bytes, the
 compiled program's memory analysis and the optimized-HLO buffers at least as large as the
 largest int8 or fp8 kernel (a bfloat16 copy of a weight would show there).
 
-    python -m tests.aot.int8_step_worker TARGET:MODEL:{bfloat16,int8,int8-g32,fp8,fp8-g128}[:prefill] ...
+    python -m tests.aot.int8_step_worker NUM_LAYERS \
+        TARGET:MODEL:{bfloat16,int8,int8-g32,fp8,fp8-g128}[:prefill] ...
+
+NUM_LAYERS > 0 compiles the model's first layers at full width (`plan.first_layers`: a bfloat16
+copy of a weight would be made in each layer); the weights' bytes are reported for the whole
+model (`weight_bytes`) and for the compiled one (`compiled_weight_bytes`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -21,23 +27,28 @@ import numpy as np
 
 from models import fp8
 from tests.aot.step_compile import large_buffers
-from tpu_platform.plan import StepSetup, forward_program, model_config, program_facts
+from tpu_platform.plan import StepSetup, first_layers, model_config, program_facts, step_program, step_shape
 
 DECODE_TOKENS = 64
 PREFILL_TOKENS = 512
 NUM_PAGES = 256
 
 
-def compile_case(case: str) -> dict:
+def _bytes(leaves) -> int:
+    return int(sum(leaf.size * leaf.dtype.itemsize for leaf in leaves))
+
+
+def compile_case(case: str, num_layers: int) -> dict:
     target_name, model, variant, *phase = case.split(":")
-    setup = StepSetup(
+    whole = StepSetup(
         model_config(model), target_name, max_num_seqs=DECODE_TOKENS, max_model_len=2048,
         quantization="none" if variant == "bfloat16" else variant,
     )  # fmt: skip
+    setup = dataclasses.replace(whole, config=first_layers(whole.config, num_layers))
     tokens, seqs = (PREFILL_TOKENS, 1) if phase == ["prefill"] else (DECODE_TOKENS, DECODE_TOKENS)
-    program = forward_program(setup, NUM_PAGES, tokens, seqs)
+    program = step_program(setup, NUM_PAGES)
     start = time.perf_counter()
-    compiled = program.compile()
+    compiled = program.compile(step_shape(setup, tokens, seqs))
     facts = program_facts(compiled, time.perf_counter() - start)
     leaves = setup.abstract_model().leaves
     int8_kernels = [leaf for leaf in leaves if leaf.dtype == np.int8]
@@ -46,7 +57,9 @@ def compile_case(case: str) -> dict:
     return {
         "case": case,
         "tokens": setup.buckets.shape_for(tokens, seqs)[0],
-        "weight_bytes": int(sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)),
+        "num_layers": setup.config.num_layers,
+        "weight_bytes": _bytes(whole.abstract_model().leaves),
+        "compiled_weight_bytes": _bytes(leaves),
         "int8_leaves": len(int8_kernels),
         "fp8_leaves": len(fp8_kernels),
         "large_buffers": large_buffers(compiled.as_text(), largest) if largest else [],
@@ -54,8 +67,9 @@ def compile_case(case: str) -> dict:
     }
 
 
-def main(cases: list[str]) -> None:
-    print(json.dumps([compile_case(case) for case in cases]))
+def main(argv: list[str]) -> None:
+    num_layers, *cases = argv
+    print(json.dumps([compile_case(case, int(num_layers)) for case in cases]))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """Compile worker: sizes the KV cache of real-size models on one chip of a target with the real
-compiler (`tpu_platform.plan_kv.fit_kv_cache`: the runner's prefill and decode programs and its
-sampler, weights abstract) and prints one JSON line: each case's fit and compiled programs.
+compiler and prints one JSON line: each case's fit and compiled programs.
 
-    python -m tests.aot.model_step_worker TARGET:MODEL[:int8] [TARGET:MODEL[:int8] ...]
+    python -m tests.aot.model_step_worker MODE TARGET:MODEL[:int8] [TARGET:MODEL[:int8] ...]
 
+MODE `full`: every layer compiled (`tpu_platform.plan_kv.fit_kv_cache`: the runner's prefill and
+decode programs and its sampler). MODE `depth`: the model's first 2 and 4 layers compiled and the
+memory extrapolated (`tpu_platform.plan_depth.fit_by_depth`); `depth+full` also compiles the
+prefill and decode steps of every layer with the cache the extrapolation sized, to check it.
 A case ending in `:int8` plans the model with int8 weights (`StepSetup(quantization="int8")`).
+Weights are abstract: nothing is allocated.
 
 Run through `tests.aot.toolchains.run_worker` (the compiler's toolchain on the path, JAX on CPU).
 """
@@ -16,30 +20,48 @@ import json
 import sys
 import time
 
-from tpu_platform.plan import StepSetup, model_config
+from tpu_platform.plan import StepSetup, compile_forward, model_config
+from tpu_platform.plan_depth import fit_by_depth
 from tpu_platform.plan_kv import fit_kv_cache
 
 DECODE_TOKENS = 64  # a decode batch of 64 sequences, one token each
 PREFILL_TOKENS = 2048  # one 2k-token prefill chunk
 MAX_MODEL_LEN = 2048
+MODES = ("full", "depth", "depth+full")
 
 
-def fit_case(case: str) -> dict:
+def setup_for(case: str, tp_size: int = 1) -> StepSetup:
     target_name, model, *quantization = case.split(":")
-    setup = StepSetup(
+    return StepSetup(
         model_config(model), target_name, max_num_seqs=DECODE_TOKENS, max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=PREFILL_TOKENS, quantization=quantization[0] if quantization else "none",
+        tp_size=tp_size,
     )  # fmt: skip
+
+
+def fit_case(mode: str, case: str) -> dict:
+    setup = setup_for(case)
     start = time.perf_counter()
-    fit = fit_kv_cache(setup, DECODE_TOKENS, PREFILL_TOKENS)
-    return {
-        "case": case, "hbm_bytes": setup.compile_target.hbm_bytes, "backend": setup.backend,
-        "seconds": time.perf_counter() - start, **fit.as_dict(),
+    if mode == "full":
+        fit = fit_kv_cache(setup, DECODE_TOKENS, PREFILL_TOKENS)
+    else:
+        fit = fit_by_depth(setup, DECODE_TOKENS, PREFILL_TOKENS)
+    row = {
+        "case": case, "mode": mode, "hbm_bytes": setup.compile_target.hbm_bytes, "backend": setup.backend,
+        "num_layers": setup.config.num_layers, **fit.as_dict(),
     }  # fmt: skip
+    if mode == "depth+full" and fit.fits:  # the extrapolated cache, every layer compiled
+        for step, tokens in (("decode", DECODE_TOKENS), ("prefill", PREFILL_TOKENS)):
+            row[f"full_{step}"] = compile_forward(setup, fit.num_pages, tokens).as_dict()
+    row["seconds"] = time.perf_counter() - start
+    return row
 
 
-def main(cases: list[str]) -> None:
-    print(json.dumps([fit_case(case) for case in cases]))
+def main(argv: list[str]) -> None:
+    mode, *cases = argv
+    if mode not in MODES:
+        raise SystemExit(f"MODE must be one of {MODES}, not {mode!r}")
+    print(json.dumps([fit_case(mode, case) for case in cases]))
 
 
 if __name__ == "__main__":

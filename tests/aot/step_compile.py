@@ -1,16 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker: compiles the runner's forward for a compile-only target and reports what it holds.
+"""Worker: compiles the runner's step program for a compile-only target and reports what it holds.
 
 `python -m tests.aot.step_compile TARGET BACKEND MODEL TOKENS:CACHE_MIB ...` (run by
 `toolchains.run_worker`) prints one JSON line, a list with per bucket and cache size (MiB, all
-layers' caches stacked in one array) the compiled program's memory analysis, XLA's
+layers' caches stacked as the runner stacks them) the compiled program's memory analysis, XLA's
 bytes accessed, the compile time, the cache arrays' bytes, and every optimized-HLO instruction
 that makes a new array at least as large as the smallest cache array (a copy, convert, transpose
 or fusion output of a cache-sized buffer: `large_buffers`), with its opcode and shape.
 
-MODEL is `small` (a 2-layer Llama) or `llama8b` (Llama-3.1-8B's shape), with `+per_layer` for
-one cache array per layer instead of all layers' in one.
-Weights are abstract (`nnx.eval_shape`): nothing is allocated, only compiled.
+MODEL is `small` (a 2-layer Llama) or a known model of the planner (`plan.known_models`). The
+program is the planner's `step_program`, which is the runner's own builder; weights are abstract:
+nothing is allocated, only compiled.
 """
 
 from __future__ import annotations
@@ -20,30 +20,16 @@ import re
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import SingleDeviceSharding
 
-import pallas_kernels.backend
-from models import ModelConfig, build
-from tpu_platform.inputs import pack_inputs, padding_inputs
-from tpu_platform.kv_cache import allocate_stacked_caches
-from tpu_platform.step import make_forward
-from tpu_platform.targets import compile_only_devices, target
+from models import ModelConfig
+from tpu_platform.plan import StepSetup, kv_page_bytes, model_config, step_program, step_shape
 
 MIB = 1 << 20
-MODELS = {
-    "small": ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=512, hidden_size=256, intermediate_size=512,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
-    ),
-    "llama8b": ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-    ),
-}  # fmt: skip
+SMALL = ModelConfig(
+    architecture="LlamaForCausalLM", vocab_size=512, hidden_size=256, intermediate_size=512,
+    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
+)  # fmt: skip
 PAGE_SIZE = 16
 MAX_SEQS = 8
 PAGES_PER_SEQ = 32
@@ -107,45 +93,29 @@ def large_buffers(hlo_text: str, min_bytes: int) -> list[str]:
 
 
 def compile_step(target_name: str, backend: str, num_tokens: int, cache_mib: int, model: str) -> dict:
-    model, _, arrays = model.partition("+")  # "small+per_layer": one cache array per layer
-    config = MODELS[model]
-    platform = target(target_name).platform
-    device = compile_only_devices(target_name)[0]
-    # Backend selection checks the device kind; here the device is the compile target.
-    pallas_kernels.backend.default_platform = lambda: platform
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: build(config, jnp.bfloat16)))
-    leaves, state_def = jax.tree.flatten(state)
-    shape = (PAGE_SIZE, config.num_kv_heads, config.head_dim, "bfloat16", backend)
-    page = jax.eval_shape(lambda: allocate_stacked_caches(1, 1, *shape))[0]
-    num_pages = cache_mib * MIB // (page.size * page.dtype.itemsize * config.num_layers)
-    if arrays == "per_layer":
-        caches = jax.eval_shape(lambda: allocate_stacked_caches(1, num_pages, *shape) * config.num_layers)
-    else:
-        caches = jax.eval_shape(lambda: allocate_stacked_caches(config.num_layers, num_pages, *shape))
-    num_seqs = min(num_tokens, MAX_SEQS)
-    packed, dims = pack_inputs(padding_inputs(num_tokens, num_seqs, PAGES_PER_SEQ))
-    fed_tokens = np.zeros(MAX_SEQS, np.int32)
-    sharding = SingleDeviceSharding(device)
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        (leaves, caches, packed, fed_tokens),
-    )
-    stacked_pages = 0 if arrays == "per_layer" else num_pages
-    forward = make_forward(graphdef, state_def, backend, kv_dtype="bfloat16", cache_pages=stacked_pages)
+    config = SMALL if model == "small" else model_config(model)
+    setup = StepSetup(
+        config, target_name, max_num_seqs=MAX_SEQS, max_model_len=PAGES_PER_SEQ * PAGE_SIZE,
+        max_num_batched_tokens=max(num_tokens, MAX_SEQS), page_size=PAGE_SIZE,
+    )  # fmt: skip
+    if setup.backend != backend:
+        raise ValueError(f"{target_name} serves with {setup.backend}, not {backend}")
+    num_pages = cache_mib * MIB // kv_page_bytes(setup)
+    program = step_program(setup, num_pages)
     start = time.perf_counter()
-    compiled = forward.trace(*abstract, dims=dims).lower().compile()
+    compiled = program.compile(step_shape(setup, num_tokens, min(num_tokens, MAX_SEQS)))
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list) else cost) or {}
-    cache_bytes = [int(np.prod(c.shape)) * c.dtype.itemsize for c in caches]
+    cache_bytes = [int(np.prod(c.shape)) * c.dtype.itemsize for c in program.caches]
     text = compiled.as_text()
     return {
         "target": target_name,
         "backend": backend,
-        "model": model + ("+" + arrays if arrays else ""),
+        "model": model,
         "num_tokens": num_tokens,
-        "cache_arrays": len(caches),
+        "cache_arrays": len(program.caches),
         "cache_bytes": sum(cache_bytes),
         "min_cache_array_bytes": min(cache_bytes),
         "temp_bytes": int(memory.temp_size_in_bytes),

@@ -2,7 +2,8 @@
 """A DeepSeek-V3-shaped step at full width (128 heads, latent 512, rope 64, low-rank queries of
 1536, 256 routed experts of 2048 and one shared, hidden 7168) with four layers, one dense and
 three MoE, compiled at TP=8 by XLA's GPU compiler for 8x H100 (`tensor_parallel_worker`, as
-test_tensor_parallel_step.py does for Llama and Qwen3-MoE).
+test_tensor_parallel_step.py does for Llama and Qwen3-MoE): the runner's step program
+(`tpu_platform.step_program`), every one of the four layers compiled.
 
 It must fit each chip with the latent cache whole on every chip, page by page exactly
 `(kv_lora_rank + qk_rope_head_dim) x 2` bytes a token a layer, and exchange only what the rules
@@ -38,7 +39,9 @@ def results(tmp_path_factory) -> dict[str, dict]:
     path.write_text(json.dumps(config))
 
     def compile_for(platform: str) -> tuple[str, dict]:
-        (row,) = run_worker(platform, "tensor_parallel_worker", f"{TARGETS[platform]}:{path}:8", timeout=3500)
+        (row,) = run_worker(
+            platform, "tensor_parallel_worker", "full", f"{TARGETS[platform]}:{path}:8", timeout=3500
+        )
         return platform, row
 
     return dict(map(compile_for, TARGETS))

@@ -7,7 +7,11 @@ appears in the optimized program (the int8 -> bfloat16 convert is fused into the
 copy of the weights), for the many-token dots of a prefill as for decode's. With scales per
 group of 32 inputs (a GGUF's Q8_0 layout) the weights' bytes are int8 plus a float32 scale per 32
 weights, and the per-group partial products are fused into their dots alike (no weight-sized
-buffer)."""
+buffer).
+
+The programs hold the models' first 4 layers at full width (the weights' bytes are checked for
+the whole models, the compiled programs' bytes for the layers they hold); `make test-full`
+(`-m full`) compiles every layer of the decode cases."""
 
 from __future__ import annotations
 
@@ -18,26 +22,30 @@ from tests.aot.toolchains import run_worker
 CASES = {"v5e-1": "llama-3.2-3b", "v6e-1": "llama-3.1-8b"}
 PREFILL_CASES = {"v5e-1": "llama-3.2-3b"}
 GROUPED_CASE = "v5e-1:llama-3.2-3b"
+LAYERS = 4  # compiled layers (0: all)
 
 pytestmark = pytest.mark.timeout(3600)  # compiles of a multi-billion-parameter step
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, dict]:
-    cases = [f"{t}:{m}:{v}" for t, m in CASES.items() for v in ("bfloat16", "int8")]
-    return {row["case"]: row for row in run_worker("tpu", "int8_step_worker", *cases, timeout=3500)}
+def _run(num_layers: int, cases: list[str]) -> dict[str, dict]:
+    rows = run_worker("tpu", "int8_step_worker", str(num_layers), *cases, timeout=3500)
+    return {row["case"]: row for row in rows}
+
+
+@pytest.fixture(scope="module", params=[LAYERS, pytest.param(0, marks=pytest.mark.full, id="every-layer")])
+def results(request) -> dict[str, dict]:
+    return _run(request.param, [f"{t}:{m}:{v}" for t, m in CASES.items() for v in ("bfloat16", "int8")])
 
 
 @pytest.fixture(scope="module")
 def prefill_results() -> dict[str, dict]:
     cases = [f"{t}:{m}:{v}:prefill" for t, m in PREFILL_CASES.items() for v in ("bfloat16", "int8")]
-    return {row["case"]: row for row in run_worker("tpu", "int8_step_worker", *cases, timeout=3500)}
+    return _run(LAYERS, cases)
 
 
 @pytest.fixture(scope="module")
 def grouped_results() -> dict[str, dict]:
-    cases = [f"{GROUPED_CASE}:{v}" for v in ("bfloat16", "int8-g32")]
-    return {row["case"]: row for row in run_worker("tpu", "int8_step_worker", *cases, timeout=3500)}
+    return _run(LAYERS, [f"{GROUPED_CASE}:{v}" for v in ("bfloat16", "int8-g32")])
 
 
 def test_grouped_int8_step_compiles_without_a_weight_sized_buffer(grouped_results):
@@ -46,7 +54,7 @@ def test_grouped_int8_step_compiles_without_a_weight_sized_buffer(grouped_result
     assert grouped["int8_leaves"] > 0 and bf16["int8_leaves"] == 0
     # 1 + 4/32 bytes a weight against 2 (the bfloat16 embedding table unchanged)
     assert grouped["weight_bytes"] < 0.65 * bf16["weight_bytes"]
-    saved = bf16["weight_bytes"] - grouped["weight_bytes"]
+    saved = bf16["compiled_weight_bytes"] - grouped["compiled_weight_bytes"]
     assert bf16["argument_bytes"] - grouped["argument_bytes"] >= 0.99 * saved
     assert grouped["large_buffers"] == []
 
@@ -70,7 +78,8 @@ def test_int8_prefill_compiles_with_weight_bytes_halved(prefill_results, target)
 def _assert_weight_bytes_halved(bf16: dict, int8: dict) -> None:
     assert int8["int8_leaves"] > 0 and bf16["int8_leaves"] == 0
     assert int8["weight_bytes"] < 0.6 * bf16["weight_bytes"]
-    saved = bf16["weight_bytes"] - int8["weight_bytes"]
+    saved = bf16["compiled_weight_bytes"] - int8["compiled_weight_bytes"]
     assert bf16["argument_bytes"] - int8["argument_bytes"] >= 0.99 * saved  # memory_analysis agrees
-    assert int8["peak_bytes"] < 0.65 * bf16["peak_bytes"]
+    # The peak drops by (nearly) what the weights save: no temporary takes it back.
+    assert bf16["peak_bytes"] - int8["peak_bytes"] >= 0.9 * saved
     assert int8["large_buffers"] == []

@@ -2,10 +2,14 @@
 """The runner's whole step compiled by the real TPU and GPU compilers for real-size models.
 
 For each case a worker (`model_step_worker`, one subprocess per platform, both at once) sizes
-the KV cache of the model on one chip (`tpu_platform.plan_kv.fit_kv_cache`): it compiles the
-prefill step (a 2k-token chunk) with a small cache, sizes the cache to what the chip's memory
-has left, and compiles the prefill and decode (64 sequences) steps and the sampler (top-k/top-p)
-again. A Mosaic or Triton compile error, or a program that no longer fits its chip, fails here.
+the KV cache of the model on one chip. In `make test` the step is compiled with the model's
+first 2 and 4 layers at full width and its memory extrapolated to every layer
+(`tpu_platform.plan_depth.fit_by_depth`: weights and KV per layer are exact arithmetic, what the
+steps need beyond them is extrapolated from the two depths); one model a target family
+(Llama-3.1-8B on v6e-1 and on an H100) is then compiled with every layer at the cache size the
+extrapolation gave, and must fit as predicted. `make test-full` (`-m full`) sizes every case
+with every layer compiled (`tpu_platform.plan_kv.fit_kv_cache`, the planner's own answer).
+A Mosaic or Triton compile error, or a program that no longer fits its chip, fails here.
 Weights are abstract (`ShapeDtypeStruct`): nothing is allocated.
 
 A small model is also planned with int8 weights beside its bfloat16 twin on a v5e chip: the
@@ -31,6 +35,8 @@ FITS = {
     "cuda": ["h100x1:llama-3.1-8b", "h100x1:qwen3-8b", "h100x1:gemma-2-9b", "h100x1:qwen3-30b-a3b"],
 }
 TOO_LARGE = {"tpu": ["v5e-1:llama-3.1-8b", "v6e-1:qwen3-30b-a3b"], "cuda": []}
+# Compiled with every layer as well, at the extrapolated cache size: one model a target family.
+WHOLE_DEPTH = ["v6e-1:llama-3.1-8b", "h100x1:llama-3.1-8b"]
 # Published parameter counts (model cards): the abstract weights must be these, in bfloat16.
 PARAMETERS = {
     "llama-3.2-3b": 3.21e9, "llama-3.1-8b": 8.03e9, "qwen3-8b": 8.19e9, "gemma-2-9b": 9.24e9,
@@ -39,23 +45,40 @@ PARAMETERS = {
 BACKEND = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}
 # Planned with bfloat16 and with int8 weights (a model no other case plans: no compile repeated).
 QUANTIZED = "v5e-1:qwen3-4b"
+# How far the whole model's compiled peak may be from the extrapolation's, of the chip's budget.
+EXTRAPOLATION_TOLERANCE = 0.03
 
 
 # Every case is a few compiles of a multi-billion-parameter program: minutes on a busy machine.
 pytestmark = pytest.mark.timeout(3600)
 
 
+def _run(mode_of, cases: dict[str, list[str]]) -> dict[str, dict]:
+    def one(platform: str) -> list[dict]:
+        rows = []
+        for mode in dict.fromkeys(mode_of(case) for case in cases[platform]):
+            chosen = [case for case in cases[platform] if mode_of(case) == mode]
+            rows += run_worker(platform, "model_step_worker", mode, *chosen, timeout=3500)
+        return rows
+
+    with ThreadPoolExecutor(2) as pool:
+        return {row["case"]: row for rows in pool.map(one, cases) for row in rows}
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    with ThreadPoolExecutor(2) as pool:
-        cases = {p: FITS[p] + TOO_LARGE[p] for p in FITS}
-        answers = pool.map(lambda p: run_worker(p, "model_step_worker", *cases[p], timeout=3500), cases)
-        return {row["case"]: row for answer in answers for row in answer}
+    cases = {p: FITS[p] + TOO_LARGE[p] for p in FITS}
+    return _run(lambda case: "depth+full" if case in WHOLE_DEPTH else "depth", cases)
+
+
+@pytest.fixture(scope="module")
+def full_results() -> dict[str, dict]:
+    return _run(lambda case: "full", {p: FITS[p] + TOO_LARGE[p] for p in FITS})
 
 
 @pytest.fixture(scope="module")
 def quantized_results() -> dict[str, dict]:
-    answer = run_worker("tpu", "model_step_worker", QUANTIZED, f"{QUANTIZED}:int8", timeout=3500)
+    answer = run_worker("tpu", "model_step_worker", "depth", QUANTIZED, f"{QUANTIZED}:int8", timeout=3500)
     return {row["case"]: row for row in answer}
 
 
@@ -63,10 +86,7 @@ def _platform(case: str) -> str:
     return "cuda" if case.startswith("h100") else "tpu"
 
 
-@pytest.mark.parametrize("case", FITS["tpu"] + FITS["cuda"])
-def test_step_compiles_and_fits_one_chip(results, case):
-    row = results[case]
-    assert row["fits"], row["reason"]
+def _check_weights(row: dict, case: str) -> None:
     assert row["backend"] == BACKEND[_platform(case)]
     model = case.split(":")[1]
     # A tied head is served from its own `[hidden, vocab]` copy (`models.prepare_for_serving`).
@@ -74,15 +94,54 @@ def test_step_compiles_and_fits_one_chip(results, case):
     head_copy = config.hidden_size * config.vocab_size if config.tie_word_embeddings else 0
     assert row["weight_bytes"] == pytest.approx(2 * (PARAMETERS[model] + head_copy), rel=0.01)
     assert row["kv_tokens"] >= MAX_MODEL_LEN  # at least one whole sequence
+
+
+def _check_program(program: dict, weight_bytes: int, kv_bytes: int) -> None:
+    # The compiled program takes the weights and the cache, and updates the donated cache in place.
+    assert program["argument_bytes"] >= weight_bytes + kv_bytes
+    assert program["alias_bytes"] >= kv_bytes
+
+
+@pytest.mark.parametrize("case", FITS["tpu"] + FITS["cuda"])
+def test_step_compiles_at_two_depths_and_fits_one_chip(results, case):
+    row = results[case]
+    assert row["fits"], row["reason"]
+    _check_weights(row, case)
+    assert row["depths"] == [2, 4]
+    for step in ("decode", "prefill"):
+        for program in row["short"][step]:
+            assert program["alias_bytes"] > 0 and program["peak_bytes"] <= row["budget_bytes"]
+        # The whole model's step, extrapolated, fits the budget the sampler leaves...
+        assert row["predicted_peak_bytes"][step] <= row["steps_budget_bytes"] <= row["budget_bytes"]
+    # ... and the cache takes what the weights and the steps leave of it.
+    peak = max(row["predicted_peak_bytes"].values())
+    assert row["steps_budget_bytes"] - peak <= row["page_bytes"]
+    assert row["sampler"]["argument_bytes"] >= 64 * 4 * 128_000  # the sampler's [64, V] float32 logits
+
+
+@pytest.mark.parametrize("case", WHOLE_DEPTH)
+def test_every_layer_compiled_fits_as_extrapolated(results, case):
+    row = results[case]
+    for step in ("decode", "prefill"):
+        program = row[f"full_{step}"]
+        _check_program(program, row["weight_bytes"], row["kv_bytes"])
+        assert program["peak_bytes"] <= row["budget_bytes"]
+        off = abs(program["peak_bytes"] - row["predicted_peak_bytes"][step])
+        assert off <= EXTRAPOLATION_TOLERANCE * row["budget_bytes"], (step, program, row["overhead_bytes"])
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", FITS["tpu"] + FITS["cuda"])
+def test_step_compiled_with_every_layer_fits_one_chip(full_results, case):
+    row = full_results[case]
+    assert row["fits"], row["reason"]
+    _check_weights(row, case)
     for step in ("decode", "prefill"):
         program = row[step]
-        # The compiled program takes the real-size weights and the sized cache...
-        assert program["argument_bytes"] >= row["weight_bytes"] + row["kv_bytes"]
+        _check_program(program, row["weight_bytes"], row["kv_bytes"])
         # ... and all it needs at once fits the chip, within the planner's budget.
         assert program["peak_bytes"] <= row["budget_bytes"] <= row["hbm_bytes"]
-        assert program["alias_bytes"] >= row["kv_bytes"]  # the donated caches are updated in place
-    vocab_logits = row["sampler"]["argument_bytes"]
-    assert vocab_logits >= 64 * 4 * 128_000  # the sampler's [64, V] float32 logits
+    assert row["sampler"]["argument_bytes"] >= 64 * 4 * 128_000  # the sampler's [64, V] float32 logits
     # The cache takes what the weights and the programs leave of the budget.
     peak = max(row["decode"]["peak_bytes"], row["prefill"]["peak_bytes"])
     assert row["budget_bytes"] - peak <= 0.05 * row["budget_bytes"]
@@ -91,7 +150,7 @@ def test_step_compiles_and_fits_one_chip(results, case):
 @pytest.mark.parametrize("case", TOO_LARGE["tpu"] + TOO_LARGE["cuda"])
 def test_planner_says_what_does_not_fit(results, case):
     row = results[case]
-    assert not row["fits"] and row["compiles"] == 0
+    assert not row["fits"] and row["short"] == {}
     over = row["weight_bytes"] - row["budget_bytes"]
     assert over > 0 and f"{over} B over" in row["reason"]
 
@@ -102,8 +161,9 @@ def test_int8_weights_halve_and_leave_the_cache_the_room(quantized_results):
     # int8 kernels and their float32 scales; the embedding table stays bfloat16.
     assert 0.45 * bf16["weight_bytes"] < int8["weight_bytes"] < 0.6 * bf16["weight_bytes"]
     for row in (bf16, int8):  # the compiled programs take the int8 weights beside the cache
-        assert row["decode"]["argument_bytes"] >= row["weight_bytes"] + row["kv_bytes"]
-        assert row["decode"]["peak_bytes"] <= row["budget_bytes"]
+        for program in row["short"]["decode"]:
+            assert program["alias_bytes"] > 0
+        assert row["predicted_peak_bytes"]["decode"] <= row["budget_bytes"]
     # The bytes the weights free go to the cache (less what the steps' own buffers change).
     saved = bf16["weight_bytes"] - int8["weight_bytes"]
     assert int8["kv_tokens"] > bf16["kv_tokens"]

@@ -3,18 +3,22 @@
 models split over the chips of a target.
 
 For each case a worker (`tensor_parallel_worker`, one subprocess per platform, both at once)
-sizes the KV cache per chip on the runner's mesh (`tpu_platform.plan_kv.fit_kv_cache` with
-`StepSetup.tp_size`): the weights abstract and placed by the rules table (`models.sharding`),
-the caches split on KV heads (replicated in groups where the model has fewer KV heads than
-chips), attention per chip under `shard_map` (Mosaic on TPU, Triton on GPU). It compiles the
-prefill step (a 2k-token chunk) and the decode step (64 sequences) and the sampler, and reads
-the compiled programs' collectives. A compile error, a sharding that makes the compiler gather
+sizes the KV cache per chip on the runner's mesh (`StepSetup.tp_size`): in `make test` from the
+model's first 2 and 4 layers at full width, the memory extrapolated to every layer
+(`tpu_platform.plan_depth`; the collectives a layer makes show in each short program), in
+`make test-full` (`-m full`) with every layer compiled (`tpu_platform.plan_kv.fit_kv_cache`):
+the weights abstract and placed by the rules table (`models.sharding`), the caches split on KV
+heads (replicated in groups where the model has fewer KV heads than chips), attention per chip
+under `shard_map` (Mosaic on TPU, Triton on GPU). It compiles the prefill step (a 2k-token
+chunk) and the decode step (64 sequences) and the sampler, and reads the compiled programs'
+collectives. A compile error, a sharding that makes the compiler gather
 a whole weight or exchange anything the rules table does not imply, or a model that does not
-fit its chips fails here. GPT-OSS-120B runs with its first 4 layers (`MODEL:TP:LAYERS`): its
-real shapes (128 experts, attention sinks, a sliding and a full layer in turn) in a fraction of
-the compile time. Not on v6e-8 yet: there its sharded steps' memory grows faster than the KV
-cache, so no cache size fits (docs/kernels.md). Llama-4-Scout runs with its first 4 layers too:
-three chunked-attention layers and a NoPE one, each a mixture of 16 experts and a shared one.
+fit its chips fails here. GPT-OSS-120B's short programs hold its real shapes (128 experts,
+attention sinks, a sliding and a full layer in turn). Not on v6e-8 yet: there its sharded
+steps' memory grows faster than the KV cache, so no cache size fits (docs/kernels.md).
+Llama-4-Scout's short programs hold three chunked-attention layers and a NoPE one, each a
+mixture of 16 experts and a shared one (on 8x H100; its chunked kernels compile for v6e in
+test_compile_kernels_tpu.py).
 """
 
 from __future__ import annotations
@@ -31,46 +35,52 @@ CASES = {
         "v5e-4:llama-3.1-8b:4",
         "v6e-4:llama-3.1-8b:4",
         "v6e-8:llama-3.1-70b:8",
-        "v6e-8:llama-4-scout:8:4",
     ],
     "cuda": [
         "h100x8:llama-3.1-70b:8",
         "h100x8:qwen3-30b-a3b:8",
-        "h100x8:gpt-oss-120b:8:4",
-        "h100x8:llama-4-scout:8:4",
+        "h100x8:gpt-oss-120b:8",
+        "h100x8:llama-4-scout:8",
     ],
 }
 # Published parameter counts (model cards): the abstract weights must be these, in bfloat16.
-# GPT-OSS-120B's 116.83e9 are 36 layers of 3.2131e9 and 1.1583e9 of embedding and head.
 PARAMETERS = {
     "llama-3.1-8b": 8.03e9,
     "llama-3.1-70b": 70.55e9,
     "qwen3-30b-a3b": 30.5e9,
-    "gpt-oss-120b:4": 116.83e9 - 32 * 3.2131e9,
-    # Llama-4-Scout's text model, 107.77e9 of its 109e9 (the rest is the vision encoder): 48
-    # layers of 2.2021e9 (16 experts and a shared one of 3 x 5120 x 8192 each, attention 62.9e6)
-    # and 2.069e9 of embedding and head.
-    "llama-4-scout:4": 107.77e9 - 44 * 2.2021e9,
+    "gpt-oss-120b": 116.83e9,
+    # Llama-4-Scout's text model, 107.77e9 of its 109e9 (the rest is the vision encoder).
+    "llama-4-scout": 107.77e9,
 }
 BACKEND = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}
+MOE_SHAPES = ("gpt-oss", "llama-4")  # sinks, sliding, chunked layers and shared experts
 
 # Every case is a few compiles of a multi-billion-parameter sharded program: minutes.
 pytestmark = pytest.mark.timeout(3600)
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, dict]:
+def _run(mode: str) -> dict[str, dict]:
     with ThreadPoolExecutor(2) as pool:
-        answers = pool.map(lambda p: run_worker(p, "tensor_parallel_worker", *CASES[p], timeout=3500), CASES)
+        answers = pool.map(
+            lambda p: run_worker(p, "tensor_parallel_worker", mode, *CASES[p], timeout=3500), CASES
+        )
         return {row["case"]: row for answer in answers for row in answer}
 
 
-@pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
-def test_sharded_step_compiles_and_fits_each_chip(results, case):
-    row = results[case]
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    return _run("depth")
+
+
+@pytest.fixture(scope="module")
+def full_results() -> dict[str, dict]:
+    return _run("full")
+
+
+def _check_weights(row: dict, case: str) -> None:
     assert row["fits"], row["reason"]
     assert row["backend"] == BACKEND["cuda" if case.startswith("h100") else "tpu"]
-    model, tp = ":".join(case.split(":")[1::2]), row["tp_size"]  # name[:layers]
+    model, tp = case.split(":")[1], row["tp_size"]
     total = row["total_weight_bytes"]
     assert total == pytest.approx(2 * PARAMETERS[model], rel=0.01)
     # Each chip holds 1/N of every split weight and all of the few replicated ones (norms, the
@@ -78,6 +88,30 @@ def test_sharded_step_compiles_and_fits_each_chip(results, case):
     assert row["replicated_weight_bytes"] <= 0.005 * total
     assert total / tp <= row["weight_bytes"] <= total / tp + row["replicated_weight_bytes"]
     assert row["kv_tokens"] >= MAX_MODEL_LEN  # at least one whole sequence per chip's cache
+
+
+@pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
+def test_sharded_step_at_two_depths_fits_each_chip(results, case):
+    row = results[case]
+    _check_weights(row, case)
+    for step in ("decode", "prefill"):
+        for program in row["short"][step]:  # the chip's shards in, the donated cache in place
+            assert program["alias_bytes"] > 0 and program["peak_bytes"] <= row["budget_bytes"]
+        assert row["predicted_peak_bytes"][step] <= row["steps_budget_bytes"] <= row["budget_bytes"]
+
+
+@pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_sharded_step_at_two_depths_exchanges_what_the_rules_table_implies(results, case, step):
+    # As below, for each short program's own number of layers.
+    assert results[case]["unexpected_collectives"][step] == []
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
+def test_sharded_step_compiles_and_fits_each_chip(full_results, case):
+    row = full_results[case]
+    _check_weights(row, case)
     for step in ("decode", "prefill"):
         program = row[step]
         # The compiler's own per-chip view: the arguments are the chip's weight shards and its
@@ -92,20 +126,21 @@ def test_sharded_step_compiles_and_fits_each_chip(results, case):
     assert row["budget_bytes"] - peak <= 0.05 * row["budget_bytes"]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
 @pytest.mark.parametrize("step", ["decode", "prefill"])
-def test_sharded_step_exchanges_what_the_rules_table_implies(results, case, step):
+def test_sharded_step_exchanges_what_the_rules_table_implies(full_results, case, step):
     # Per layer the two row-parallel sums of [tokens, hidden], the embedding's sum and the
     # [rows, vocab] logits gathered once; no weight gathered whole, nothing else.
-    assert results[case]["unexpected_collectives"][step] == []
+    assert full_results[case]["unexpected_collectives"][step] == []
 
 
-@pytest.mark.parametrize(
-    "case", [c for c in CASES["tpu"] + CASES["cuda"] if "gpt-oss" in c or "llama-4" in c]
-)
+@pytest.mark.full
+@pytest.mark.parametrize("case", [c for c in CASES["tpu"] + CASES["cuda"] if any(m in c for m in MOE_SHAPES)])
 @pytest.mark.parametrize("step", ["decode", "prefill"])
-def test_moe_step_holds_no_cache_sized_temporaries(results, case, step):
+def test_moe_step_holds_no_cache_sized_temporaries(full_results, case, step):
     # GPT-OSS's sinks, fused experts and sliding layers, Llama 4's chunked layers and shared
-    # expert add no copy of the cache to the step.
-    row = results[case]
+    # expert add no copy of the cache to the step. Only with every layer: a short program's cache
+    # is a few layers' share, smaller than the prefill's own activations.
+    row = full_results[case]
     assert row[step]["temp_bytes"] < row["kv_bytes"] // 8, (row[step]["temp_bytes"], row["kv_bytes"])

@@ -191,7 +191,7 @@ def test_a_tied_head_is_quantized_in_the_same_groups(tmp_path):
 
 
 def test_a_per_channel_preparation_of_q8_0_weights_is_refused_by_name(gguf_dir):
-    with pytest.raises(ValueError, match="its layout \(per channel or grouped"):
+    with pytest.raises(ValueError, match=r"its layout \(per channel or grouped"):
         load_prepared(gguf_dir, Preparation("float32", quantization="int8"), _ON_DEVICE)
 
 

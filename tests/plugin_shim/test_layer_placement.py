@@ -5,7 +5,8 @@ import types
 
 import pytest
 
-from plugin_shim.worker import layer_name, layer_placement
+from plugin_shim.worker import kv_layout, layer_name
+from tpu_platform.step_program import KVLayout
 
 
 def _config(*groups: list[int]):
@@ -15,21 +16,21 @@ def _config(*groups: list[int]):
 
 
 def test_one_group_is_one_cache_a_layer():
-    assert layer_placement(_config([0, 1, 2]), 3) == ((), ())
+    assert kv_layout(_config([0, 1, 2]), 3) == KVLayout((), (), 3, 1)
 
 
 def test_layers_of_different_groups_share_arrays_by_position():
     # Sliding layers 0, 2 and full layers 1, 3 (Gemma 2/3's alternation).
-    assert layer_placement(_config([0, 2], [1, 3]), 4) == ((0, 1, 0, 1), (0, 0, 1, 1))
+    assert kv_layout(_config([0, 2], [1, 3]), 4) == KVLayout((0, 1, 0, 1), (0, 0, 1, 1), 2, 2)
 
 
 def test_kv_shared_layers_take_their_source_s_group_and_cache():
     # Gemma 4: layers 2 and 3 reported no spec and read layers 0 and 1's caches.
-    assert layer_placement(_config([0], [1]), 4, (0, 1, 0, 1)) == ((0, 1, 0, 1), (0, 0, 0, 0))
+    assert kv_layout(_config([0], [1]), 4, (0, 1, 0, 1)) == KVLayout((0, 1, 0, 1), (0, 0, 0, 0), 1, 2)
     # One group: still explicit, so the runner allocates only the sources' caches.
-    assert layer_placement(_config([0, 1]), 3, (0, 1, 1)) == ((0, 0, 0), (0, 1, 1))
+    assert kv_layout(_config([0, 1]), 3, (0, 1, 1)) == KVLayout((0, 0, 0), (0, 1, 1), 2, 1)
 
 
 def test_a_layer_without_a_group_is_named():
     with pytest.raises(ValueError, match="no group for layers"):
-        layer_placement(_config([0]), 2)
+        kv_layout(_config([0]), 2)

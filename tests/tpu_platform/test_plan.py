@@ -8,7 +8,7 @@ from collections import Counter
 import jax
 import pytest
 
-from tpu_platform.plan import StepSetup, abstract_model, known_models, kv_layout, model_config
+from tpu_platform.plan import StepSetup, abstract_model, known_models, model_config
 from tpu_platform.plan_hlo import (
     ExpectedCollectives,
     hlo_collectives,
@@ -19,6 +19,7 @@ from tpu_platform.plan_hlo import (
 )
 from tpu_platform.plan_kv import decode_roofline, kv_bytes_read, weight_bytes_read
 from tpu_platform.prepared_weights import Preparation, abstract_prepared
+from tpu_platform.step_program import KVLayout
 
 HLO = """HloModule m
 
@@ -127,11 +128,11 @@ def test_unexpected_collectives_names_what_the_rules_do_not_imply():
 
 def test_kv_layout_groups_sliding_and_full_layers_as_the_engine_does():
     gemma = model_config("gemma-2-9b")  # 42 layers, even ones sliding
-    layout = kv_layout(gemma)
+    layout = KVLayout.for_model(gemma)
     assert (layout.num_groups, layout.num_caches) == (2, 21)
     assert layout.layer_groups[:4] == (0, 1, 0, 1)
     assert layout.layer_caches[:4] == (0, 0, 1, 1) and layout.layer_caches[-1] == 20
-    llama = kv_layout(model_config("llama-3.1-8b"))
+    llama = KVLayout.for_model(model_config("llama-3.1-8b"))
     assert (llama.layer_groups, llama.num_caches, llama.num_groups) == ((), 32, 1)
 
 

@@ -199,7 +199,7 @@ def test_the_runner_loads_the_same_weights_and_names_the_same_programs(tiny_dir,
     assert "from the weights cache" in caplog.text
     for got in (stored, cached):
         assert got._graphdef == reference._graphdef
-        assert got._forward_context == reference._forward_context  # the same cached executables
+        assert got.step_program.context == reference.step_program.context  # the same cached executables
         assert str(got._state_def) == str(reference._state_def)
         for a, b in zip(got._state_leaves, reference._state_leaves, strict=True):
             assert (a.dtype, a.shape) == (b.dtype, b.shape)

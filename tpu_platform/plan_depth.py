@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sizing the KV cache from short programs: the step of a model's first few layers, each at its
+full width, compiled for the target, its memory extrapolated to every layer.
+
+The faults the compile-only checks look for (a copy of the whole cache, a collective the rules
+table does not imply, a weight-sized temporary) are made per layer, so a program of two layers
+shows them as one of forty does, in less memory and, on GPU, in less compile time. What grows
+with the depth is known:
+
+- the weights and the KV cache per layer are arithmetic on the abstract model of every layer
+  (`plan.abstract_model`, `plan.kv_page_bytes`: no compile);
+- what a step needs beyond them (temporaries, outputs not aliasing the donated caches, code, the
+  step's inputs) is read from the compiled step at two depths and extrapolated linearly to the
+  model's depth; a slope below zero (XLA reusing buffers across layers) counts as zero.
+
+`fit_by_depth` compiles the sampler once and the prefill and decode steps at both depths with the
+whole model's page count estimate, then sizes the cache as `plan_kv.fit_kv_cache` does from the
+extrapolated figures. `plan_kv.fit_kv_cache` (every layer compiled) remains the planner's answer
+and what `make test-full` runs; `tests/aot/test_model_step.py` checks that the two agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tpu_platform.plan import (
+    SAMPLING_FLAGS,
+    ProgramFacts,
+    StepSetup,
+    compile_forward,
+    compile_sampler,
+    first_layers,
+    kv_page_bytes,
+)
+from tpu_platform.plan_kv import MEMORY_UTILIZATION
+
+# The two depths compiled: small, and for models whose layers alternate (sliding and full
+# attention, dense and sparse MLPs) each a whole number of the pattern.
+DEPTHS = (2, 4)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DepthFit:
+    """The largest KV cache the extrapolated programs leave room for on one chip, or why none."""
+
+    setup: StepSetup  # the whole model's
+    depths: tuple[int, int]
+    weight_bytes: int  # the whole model's, per chip
+    budget_bytes: int
+    page_bytes: int  # one page of every layer's cache, per chip
+    steps_budget_bytes: int  # the budget less what the sampler needs beside the weights and cache
+    overhead_bytes: dict[str, int]  # per step: its bytes beyond the weights and cache, extrapolated
+    num_pages: int  # 0 when nothing fits
+    short: dict[str, tuple[ProgramFacts, ...]]  # per step, the compiled programs at `depths`
+    sampler: ProgramFacts | None
+    reason: str = ""
+    short_kv_bytes: tuple[int, ...] = ()  # the cache each short program holds, per depth
+
+    @property
+    def fits(self) -> bool:
+        return self.num_pages > 0
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_pages * self.setup.tokens_per_page // self.setup.kv_layout.num_groups
+
+    def predicted_peak_bytes(self, step: str, num_pages: int | None = None) -> int:
+        """The whole model's `step` program's peak bytes with `num_pages` pages (default: the
+        fitted cache), extrapolated."""
+        pages = self.num_pages if num_pages is None else num_pages
+        return self.weight_bytes + pages * self.page_bytes + self.overhead_bytes[step]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "fits": self.fits, "reason": self.reason, "depths": list(self.depths),
+            "weight_bytes": self.weight_bytes, "budget_bytes": self.budget_bytes,
+            "steps_budget_bytes": self.steps_budget_bytes, "page_bytes": self.page_bytes,
+            "num_pages": self.num_pages, "kv_bytes": self.kv_bytes, "kv_tokens": self.kv_tokens,
+            "overhead_bytes": self.overhead_bytes,
+            "predicted_peak_bytes": {step: self.predicted_peak_bytes(step) for step in self.overhead_bytes},
+            "short": {step: [facts.as_dict() for facts in programs] for step, programs in self.short.items()},
+            "sampler": None if self.sampler is None else self.sampler.as_dict(),
+            "short_kv_bytes": list(self.short_kv_bytes),
+        }  # fmt: skip
+
+
+def at_depth(setup: StepSetup, num_layers: int) -> StepSetup:
+    """`setup` with the model cut to its first `num_layers` layers."""
+    return dataclasses.replace(setup, config=first_layers(setup.config, num_layers))
+
+
+def fit_by_depth(
+    setup: StepSetup,
+    decode_tokens: int,
+    prefill_tokens: int,
+    depths: tuple[int, int] = DEPTHS,
+    memory_utilization: float = MEMORY_UTILIZATION,
+) -> DepthFit:
+    """Sizes the whole model's KV cache from its steps compiled at two short `depths` (see the
+    module docstring)."""
+    weights = setup.abstract_model().chip_weight_bytes(setup.mesh())
+    budget = int(setup.compile_target.hbm_bytes * memory_utilization)
+    page = kv_page_bytes(setup)
+    if weights >= budget:
+        reason = f"weights need {weights} B, {weights - budget} B over the {budget} B budget"
+        return DepthFit(setup, depths, weights, budget, page, budget, {}, 0, {}, None, reason)
+    sampler = compile_sampler(setup, setup.buckets.seqs_for(decode_tokens), SAMPLING_FLAGS)
+    steps_budget = budget - (sampler.peak_bytes - sampler.argument_bytes)
+    # Each short program's cache has as many pages a layer as the whole model's would without
+    # its steps' own bytes: the real per-layer cache, so that what grows with it shows.
+    probe_pages = max(1, (steps_budget - weights) // page)
+    short, overhead = {}, {}
+    short_kv = tuple(probe_pages * kv_page_bytes(at_depth(setup, depth)) for depth in depths)
+    for step, tokens in (("decode", decode_tokens), ("prefill", prefill_tokens)):
+        programs, beyond = [], []
+        for depth, cut_kv in zip(depths, short_kv, strict=True):
+            cut = at_depth(setup, depth)
+            facts = compile_forward(cut, probe_pages, tokens)
+            cut_weights = cut.abstract_model().chip_weight_bytes(cut.mesh())
+            programs.append(facts)
+            beyond.append(facts.peak_bytes - cut_weights - cut_kv)
+        short[step] = tuple(programs)
+        slope = max(0.0, (beyond[1] - beyond[0]) / (depths[1] - depths[0]))
+        overhead[step] = int(beyond[0] + slope * (setup.config.num_layers - depths[0]))
+    pages = max(0, (steps_budget - weights - max(overhead.values())) // page)
+    reason = "" if pages else f"no KV cache fits beside the steps' {max(overhead.values())} B"
+    return DepthFit(
+        setup, depths, weights, budget, page, steps_budget, overhead, pages, short, sampler, reason, short_kv
+    )

@@ -1,0 +1,188 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The step program, built once: the runner serves it, the planner and the compile-only proofs
+compile it.
+
+`build_step_program` makes the runner's jitted forward (`step.make_forward`) for a model (its
+graph definition and state leaves), its KV caches and their `KVLayout`, and records beside it the
+abstract arguments it takes (`ShapeDtypeStruct`s with their shardings) and the context that names
+its cached executables. The runner builds it from its loaded weights and allocated caches; the
+planner (`tpu_platform.plan`) from abstract weights and caches on compile-only devices. Whatever
+the runner's program takes (LoRA slots, a new input) is therefore what the compile tests compile.
+
+`KVLayout` says how the layers share KV-cache groups and cache arrays: `plugin_shim` builds it
+from vLLM's `KVCacheConfig`, the planner derives it from the model (`KVLayout.for_model`), and a
+test checks that the two agree for every served architecture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from models import ModelConfig
+from models.registry import architecture_fingerprint
+from tpu_platform.inputs import pack_inputs, padding_inputs
+from tpu_platform.kv_cache import caches_per_array
+from tpu_platform.mesh import replicated
+from tpu_platform.programs import structure_text
+from tpu_platform.step import make_forward
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVLayout:
+    """How the layers share KV-cache groups and cache arrays.
+
+    One group: `layer_groups` and `layer_caches` are empty and each layer has a cache of its own.
+    Several (sliding-window and full layers mixed): layer i is in group `layer_groups[i]` and uses
+    cache `layer_caches[i]`; the engine hands each page to one group at a time, so the k-th layer
+    of every group shares cache k."""
+
+    layer_groups: tuple[int, ...]
+    layer_caches: tuple[int, ...]
+    num_caches: int
+    num_groups: int
+
+    @classmethod
+    def from_groups(
+        cls, groups: Sequence[Sequence[int]], num_layers: int, sources: Sequence[int] = ()
+    ) -> KVLayout:
+        """The layout of `groups` (each group's layer indices, in the group's order, as vLLM's
+        `KVCacheConfig.kv_cache_groups` lists them). `sources[i]` is the layer whose cache layer i
+        reads (default: its own); every layer that reads its own must be in exactly one group,
+        and a layer reading another's (KV sharing) in none: it takes its source's group and cache."""
+        sources = tuple(sources) or tuple(range(num_layers))
+        owners = [i for i in range(num_layers) if sources[i] == i]
+        listed = sorted(layer for group in groups for layer in group)
+        if listed != owners:
+            missing = sorted(set(owners) - set(listed))
+            raise ValueError(
+                f"the KV-cache groups must hold each of the {len(owners)} layers with a cache of its "
+                f"own once; missing {missing[:3]}, listed {len(listed)} times in all"
+            )
+        if len(groups) == 1 and len(owners) == num_layers:
+            return cls((), (), num_layers, 1)
+        layer_groups, layer_caches = [0] * num_layers, [0] * num_layers
+        for g, group in enumerate(groups):
+            for k, layer in enumerate(group):
+                layer_groups[layer], layer_caches[layer] = g, k
+        for i, source in enumerate(sources):
+            layer_groups[i], layer_caches[i] = layer_groups[source], layer_caches[source]
+        return cls(tuple(layer_groups), tuple(layer_caches), max(map(len, groups)), len(groups))
+
+    @classmethod
+    def for_model(cls, config: ModelConfig) -> KVLayout:
+        """The layout vLLM's engine gives `config`'s layers (its hybrid KV-cache manager's
+        grouping, `kv_cache_utils._get_kv_cache_groups_uniform_page_size`): one group when every
+        layer has the same kind of attention (window, chunk); else the layers of each kind, in
+        order of first appearance, split into groups of the smallest kind's count (the largest's
+        when no kind has half as many again), each group taking every n-th layer of its kind.
+        Layers that read another layer's cache (KV sharing) are in no group."""
+        sources = tuple(config.kv_source(i) for i in range(config.num_layers))
+        kind_of = {
+            i: (window, chunk)
+            for i, (window, chunk) in enumerate(
+                zip(config.layer_sliding_windows, config.layer_attention_chunks, strict=True)
+            )
+            if sources[i] == i
+        }
+        kinds = [[i for i, k in kind_of.items() if k == kind] for kind in dict.fromkeys(kind_of.values())]
+        smallest, largest = min(map(len, kinds)), max(map(len, kinds))
+        group_size = largest if largest < 1.5 * smallest else smallest
+        groups = []
+        for layers in kinds:
+            num_groups = -(-len(layers) // group_size)
+            groups += [layers[i::num_groups] for i in range(num_groups)]
+        return cls.from_groups(groups, config.num_layers, sources)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+    """The runner's forward: `forward(state_leaves, kv_caches, packed, fed_tokens, dims=...) ->
+    (logits, greedy, hidden, kv_caches)`, jitted, with the caches donated.
+
+    `state` and `caches` are its first two arguments as `ShapeDtypeStruct`s with the shardings
+    they have (or will have) where it runs. The step's packed inputs come replicated on a mesh
+    (`inputs_sharding`), else as host arrays (None: committed to no device, as the runner passes
+    them). `context` is everything the program closes over, for naming its cached
+    executables."""
+
+    forward: Callable
+    device: jax.Device  # the (first) device it runs on: the one the Pallas kernels lower for
+    state: tuple[jax.ShapeDtypeStruct, ...]
+    caches: tuple[jax.ShapeDtypeStruct, ...]
+    inputs_sharding: jax.sharding.Sharding | None
+    feed_width: int
+    layout: KVLayout
+    num_pages: int
+    context: str
+
+    def abstract_args(self, shape: tuple[int, int, int]) -> tuple[tuple[Any, ...], tuple[int, int, int, int]]:
+        """The program's abstract arguments for a step padded to `shape` (T, R, P), and its static
+        `dims`: the state, the caches, the packed inputs of a step that holds no sequence, the fed
+        tokens."""
+        packed, dims = pack_inputs(padding_inputs(*shape, self.layout.num_groups))
+        packed = jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self.inputs_sharding)
+        # The feed (the previous step's tokens) is a device array where the inputs are.
+        fed = jax.ShapeDtypeStruct((self.feed_width,), np.int32, sharding=self.feed_sharding)
+        return (list(self.state), list(self.caches), packed, fed), dims
+
+    @property
+    def feed_sharding(self) -> jax.sharding.Sharding:
+        return self.inputs_sharding or SingleDeviceSharding(self.device)
+
+    def lower(self, shape: tuple[int, int, int]) -> jax.stages.Lowered:
+        """The program lowered for a step padded to `shape`, for its devices."""
+        args, dims = self.abstract_args(shape)
+        with jax.default_device(self.device):  # the Pallas backends lower for the device's platform
+            return self.forward.trace(*args, dims=dims).lower()
+
+    def compile(self, shape: tuple[int, int, int]) -> jax.stages.Compiled:
+        return self.lower(shape).compile()
+
+
+def build_step_program(
+    model_config: ModelConfig,
+    graphdef: nnx.GraphDef,
+    state_def: jax.tree_util.PyTreeDef,
+    state_leaves: Sequence[Any],
+    caches: Sequence[Any],
+    *,
+    backend: str,
+    layout: KVLayout,
+    kv_dtype: str,
+    num_pages: int,
+    page_size: int,
+    feed_width: int,
+    device: jax.Device,
+    mesh: Mesh | None = None,
+) -> StepProgram:
+    """The step program of the model (`graphdef`, `state_def`) over `state_leaves` and `caches`,
+    each a `jax.Array` or a `ShapeDtypeStruct` with its sharding (the runner's placed weights and
+    allocated caches, or the planner's abstract ones), each cache `num_pages` pages of
+    `page_size` tokens (`kv_cache.allocate_stacked_caches`); `device`: where everything lives without a
+    `mesh`; on a tensor-parallel `mesh` the caches leave the program split as they came."""
+    state = tuple(_abstract(leaf) for leaf in state_leaves)
+    abstract_caches = tuple(_abstract(cache) for cache in caches)
+    per_array = caches_per_array(layout.num_caches, num_pages, page_size)
+    forward = make_forward(
+        graphdef, state_def, backend, layout.layer_groups, layout.layer_caches, kv_dtype,
+        cache_pages=num_pages, caches_per_array=per_array, mesh=mesh,
+        cache_shardings=None if mesh is None else [cache.sharding for cache in abstract_caches],
+    )  # fmt: skip
+    tp_size = 1 if mesh is None else mesh.size
+    context = repr(
+        (model_config, backend, layout.layer_groups, layout.layer_caches, kv_dtype, num_pages, per_array,
+         structure_text(graphdef), tp_size, architecture_fingerprint(model_config.architecture))
+    )  # fmt: skip
+    whole = None if mesh is None else replicated(mesh)
+    return StepProgram(forward, device, state, abstract_caches, whole, feed_width, layout, num_pages, context)
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
