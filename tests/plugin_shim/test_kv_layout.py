@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from models import ModelConfig
 from models.registry import SUPPORTED_ARCHITECTURES
 from plugin_shim.worker import kv_layout, latent_kv_specs, layer_kv_specs
-from tests.models import tiny_deepseek
+from tests.models import tiny_deepseek, tiny_glm4_moe
 from tests.models.tiny_checkpoints import _COMMON, TINY
 from tpu_platform.plan import known_models, model_config
 from tpu_platform.step_program import KVLayout
@@ -36,6 +36,12 @@ _DEEPSEEK_ARCHITECTURES = {architecture for architecture, _, _ in tiny_deepseek.
 def _tiny_config(architecture: str) -> ModelConfig:
     overrides = TINY[architecture][1] if architecture in TINY else {}
     return ModelConfig.from_hf_dict({**_COMMON, **overrides, "architectures": [architecture]})
+
+
+def _tiny_glm4_moe() -> ModelConfig:
+    overrides = tiny_glm4_moe.VARIANTS["qk_norm"]
+    architecture = "Glm4MoeForCausalLM"
+    return ModelConfig.from_hf_dict({**tiny_glm4_moe._COMMON, **overrides, "architectures": [architecture]})
 
 
 def _tiny_deepseek(variant: str) -> ModelConfig:
@@ -60,17 +66,31 @@ def _vllm_groups(config: ModelConfig) -> KVCacheConfig:
         )  # fmt: skip
     else:
         specs = layer_kv_specs(
-            config.layer_sliding_windows, block_size=16, num_kv_heads=config.num_kv_heads,
-            head_size=config.head_dim, dtype=torch.bfloat16,
+            config.layer_sliding_windows, config.layer_attention_chunks, _sources(config), block_size=16,
+            num_kv_heads=config.num_kv_heads, head_size=config.head_dim, dtype=torch.bfloat16,
         )  # fmt: skip
     return KVCacheConfig(
         num_blocks=64, kv_cache_tensors=[], kv_cache_groups=get_kv_cache_groups(vllm_config, specs)
     )
 
 
+def _sources(config: ModelConfig) -> tuple[int, ...]:
+    """The layer whose cache each layer reads (Gemma 4's KV-shared layers read an earlier one's)."""
+    return tuple(config.kv_source(i) for i in range(config.num_layers))
+
+
 _DEEPSEEK = {variant: _tiny_deepseek(variant) for variant in tiny_deepseek.VARIANTS}
+_OWN_TINY = {
+    "Glm4MoeForCausalLM": _tiny_glm4_moe,
+    # Served as its text model: the text model's layers.
+    "Llama4ForConditionalGeneration": lambda: _tiny_config("Llama4ForCausalLM"),
+}
 CONFIGS = {
-    **{arch: _tiny_config(arch) for arch in SUPPORTED_ARCHITECTURES if arch not in _DEEPSEEK_ARCHITECTURES},
+    **{
+        arch: _OWN_TINY[arch]() if arch in _OWN_TINY else _tiny_config(arch)
+        for arch in SUPPORTED_ARCHITECTURES
+        if arch not in _DEEPSEEK_ARCHITECTURES
+    },
     **{f"tiny deepseek {variant}": config for variant, config in _DEEPSEEK.items()},
     **{name: model_config(name) for name in known_models()},
     "gemma-3 (26 layers)": _gemma3_26_layers(),
@@ -82,7 +102,7 @@ CONFIGS = {
 
 
 def test_every_served_architecture_has_a_configuration_here():
-    assert set(SUPPORTED_ARCHITECTURES) <= set(TINY) | _LIKE_LLAMA | _DEEPSEEK_ARCHITECTURES
+    assert set(SUPPORTED_ARCHITECTURES) <= set(TINY) | _LIKE_LLAMA | _DEEPSEEK_ARCHITECTURES | set(_OWN_TINY)
     # The planner's real configurations of the newest kinds of cache are among them too.
     assert {"deepseek-v2-lite", "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b"} <= set(CONFIGS)
 
@@ -90,7 +110,7 @@ def test_every_served_architecture_has_a_configuration_here():
 @pytest.mark.parametrize("name", CONFIGS)
 def test_the_engine_groups_the_layers_as_the_planner_does(name):
     config = CONFIGS[name]
-    from_vllm = kv_layout(_vllm_groups(config), config.num_layers)
+    from_vllm = kv_layout(_vllm_groups(config), config.num_layers, _sources(config))
     assert from_vllm == KVLayout.for_model(config)
 
 
