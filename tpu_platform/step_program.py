@@ -62,8 +62,9 @@ class KVLayout:
         if listed != owners:
             missing = sorted(set(owners) - set(listed))
             raise ValueError(
-                f"the KV-cache groups must hold each of the {len(owners)} layers with a cache of its "
-                f"own once; missing {missing[:3]}, listed {len(listed)} times in all"
+                f"the KV-cache groups must hold each of the {len(owners)} layers once; missing "
+                f"{missing[:3]}, listed {len(listed)} times in all (a layer reading another's cache "
+                "is in none)"
             )
         if len(groups) == 1 and len(owners) == num_layers:
             return cls((), (), num_layers, 1)
