@@ -236,7 +236,22 @@ def split_dimensions(config: ModelConfig) -> tuple[tuple[str, int], ...]:
         dimensions.append(("intermediate_size", config.intermediate_size))
     if config.num_experts:
         dimensions.append(("experts' intermediate size", config.moe_intermediate_size))
+    dimensions.extend(_per_layer_kv_widths(config))
     return tuple(dimensions)
+
+
+def _per_layer_kv_widths(config: ModelConfig) -> list[tuple[str, int]]:
+    """A model whose layers differ in KV heads or head dim (Gemma 4) widens its k and v heads
+    after projecting them rather than repeating them in the kernel, so each distinct k/v
+    projection width (KV heads x head dim) is split as it is."""
+    kv_heads, head_dims = getattr(config, "layer_kv_heads", None), getattr(config, "layer_head_dims", None)
+    if not kv_heads or not head_dims:
+        return []
+    projecting = getattr(config, "first_kv_shared_layer", len(kv_heads))  # later layers reuse a cache
+    widths: dict[int, int] = {}
+    for layer, (k, h) in enumerate(zip(kv_heads[:projecting], head_dims[:projecting], strict=True)):
+        widths.setdefault(k * h, layer)
+    return [(f"layer {layer}'s k/v projection width", width) for width, layer in widths.items()]
 
 
 def check_model_splits(config: ModelConfig, tp_size: int) -> None:

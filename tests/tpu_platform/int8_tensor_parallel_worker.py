@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import models.quantization
-import models.weight_stream
+import models.fp8
+import models.int8
 from models import ModelConfig, load_model
 from models.quantization import quantize_int8
 from models.weight_stream import HostBytes
@@ -50,11 +50,7 @@ def float_bytes(model_dir: str) -> int:
 
 def counting_quantizations(counter: list[int]) -> None:
     """Counts the kernels quantized with concrete values (not `nnx.eval_shape`'s abstract ones)."""
-    for module, name in [
-        (models.quantization, "quantize_per_channel"),
-        (models.quantization, "quantize"),
-        (models.weight_stream, "quantize"),
-    ]:
+    for module, name in [(models.int8, "quantize"), (models.fp8, "quantize")]:
         original = getattr(module, name)
 
         def counted(kernel, *args, original=original):

@@ -153,5 +153,5 @@ def test_runner_serves_int8_from_the_weights_cache(tiny_dir, tmp_path):
     assert len(first_leaves) == len(second_leaves)
     for a, b in zip(first_leaves, second_leaves, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(ValueError, match="quantization 'fp8' is not supported; supported"):
-        RunnerConfig(model_path=tiny_dir, quantization="fp8")
+    with pytest.raises(ValueError, match="quantization 'bitsandbytes' is not supported; supported"):
+        RunnerConfig(model_path=tiny_dir, quantization="bitsandbytes")
