@@ -51,7 +51,7 @@ run: venv
 
 test: venv aot-toolchains
 	$(PY) -m ruff check .
-	$(PYTEST) tests -q -m "not full"
+	$(PYTEST) tests -q -m "not full" --durations=40
 
 # The fast tier: everything but the tests marked `slow` (end-to-end engine and server runs, compile
 # tests for real targets, the long interpret-mode checks, the costlier grids' extra points).

@@ -34,11 +34,11 @@ device or sharding (`models.weight_stream`).
 """
 
 from models.config import ModelConfig
-from models.layers import attach_rope_tables, pack_for_native_dense
 from models.linear import PackedKernel
 from models.loader import load_model, load_weights, prepare_for_serving
 from models.metadata import AttentionMetadata
 from models.registry import SUPPORTED_ARCHITECTURES, build, register_architecture, supported_architectures
+from models.serving_passes import attach_rope_tables, pack_for_native_dense
 from models.weight_stream import stream_model
 
 __all__ = [

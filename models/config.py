@@ -9,6 +9,8 @@ import math
 import os
 from typing import Any
 
+from models.architectures import config_class
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RopeScaling:
@@ -122,14 +124,12 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         """Builds the config from a parsed HF `config.json` dict; on `ModelConfig` itself, with
-        the config class registered for its architecture (`models.registry`), which may read
+        the config class registered for its architecture (`models.architectures`), which may read
         more fields of it."""
         architectures = hf.get("architectures") or []
         if not architectures:
             raise ValueError("config.json has no 'architectures' entry; cannot choose a model class")
         if cls is ModelConfig:
-            from models.registry import config_class  # it imports this module
-
             registered = config_class(architectures[0])
             if registered is not ModelConfig:
                 return registered.from_hf_dict(hf)

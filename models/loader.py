@@ -18,8 +18,8 @@ from models import compressed_tensors, fp8_checkpoint, gguf_reader
 from models.config import ModelConfig
 from models.fp8 import FP8_DTYPE, is_fp8
 from models.int8 import checkpoint_scale
-from models.layers import fuse_projections, repeat_kv_heads_for_mesh
 from models.registry import build
+from models.serving_passes import fuse_projections, repeat_kv_heads_for_mesh
 from models.sharding import kv_heads_on_mesh
 
 # Checkpoint tensors that carry no parameter of ours (recomputed or duplicated).

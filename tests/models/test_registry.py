@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from models import ModelConfig, registry
+from models import ModelConfig, architectures, registry
 from models.llama import LlamaForCausalLM
 
 HF = {
@@ -31,7 +31,7 @@ class TinyPlugin(LlamaForCausalLM):
 
 @pytest.fixture(autouse=True)
 def fresh_registry(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTERED", {})
+    monkeypatch.setattr(architectures, "_REGISTERED", {})
 
 
 def test_a_registered_architecture_is_parsed_built_and_listed():

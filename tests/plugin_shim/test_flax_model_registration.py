@@ -11,7 +11,7 @@ import pytest
 from vllm import ModelRegistry
 from vllm.engine.arg_utils import EngineArgs
 
-from models import registry, supported_architectures
+from models import architectures, registry, supported_architectures
 from models.llama import LlamaForCausalLM
 from plugin_shim import register_flax_model
 from tests.tiny_models import save_tiny_llama
@@ -23,7 +23,7 @@ class RegisteredLlama(LlamaForCausalLM):
 
 @pytest.fixture(autouse=True)
 def fresh_registries(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTERED", {})
+    monkeypatch.setattr(architectures, "_REGISTERED", {})
     monkeypatch.setattr(ModelRegistry, "models", dict(ModelRegistry.models))
 
 

@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Whole-model passes run once a model is built and loaded, before it serves: fusing projections
+and repeating KV heads for a mesh (`loader.prepare_for_serving`), attaching RoPE tables (the
+runner), packing kernels for the native CPU dense kernel (prepared weights). Each walks the model's
+modules and rewrites the ones it applies to; the building blocks themselves are `models.layers`.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from models.int8 import group_size
+from models.layers import Embedding, GatedMLP, PagedAttention
+from models.linear import Linear, PackedKernel, native_dense_takes_groups, packed_for_native_dense
+from models.rope import Rope, RopeTable, rope_table
+
+
+def fuse_projections(model: nnx.Module, blocks: int = 1) -> None:
+    """Fuses q/k/v and gate/up projections everywhere in `model`: fewer, wider matmuls (a single
+    stream's matvecs run faster on XLA:CPU) and fewer arrays for every step to pass. `blocks`:
+    the tensor-parallel size, whose devices each get one block of every fused kernel."""
+    for _, module in list(nnx.iter_modules(model)):
+        if isinstance(module, (PagedAttention, GatedMLP)):
+            module.fuse_projections(blocks)
+
+
+def repeat_kv_heads_for_mesh(model: nnx.Module, num_kv_heads: int) -> None:
+    """Repeats every attention layer's KV heads up to `num_kv_heads` (`sharding.kv_heads_on_mesh`)."""
+    for _, module in list(nnx.iter_modules(model)):
+        if isinstance(module, PagedAttention):
+            module.repeat_kv_heads(num_kv_heads // module.num_kv_heads)
+
+
+def attach_rope_tables(model: nnx.Module, num_positions: int) -> int:
+    """Gives every attention layer a table of its RoPE's cosines and sines for positions below
+    `num_positions` (the runner's `max_model_len`), one table shared by the layers of one RoPE;
+    returns how many tables. Steps then gather their rotations instead of computing them
+    (`models.rope`)."""
+    tables: dict[tuple[Rope, int], RopeTable] = {}
+    for _, module in list(nnx.iter_modules(model)):
+        if isinstance(module, PagedAttention):
+            key = (module.rope, module.rotary_dim)
+            if key not in tables:
+                tables[key] = RopeTable(rope_table(module.rope, module.rotary_dim, num_positions))
+            module.rope_table = tables[key]
+    return len(tables)
+
+
+def pack_for_native_dense(model: nnx.Module, *, float32: bool = False) -> int:
+    """Packs every Linear kernel (and a tied head's copy) that the native CPU dense kernel can take
+    (`pallas_kernels.cpu.native_dense`): the bfloat16 and int8 ones, and with `float32` the float32 ones;
+    returns how many. Run after loading, on a CPU where `pallas_kernels.cpu.dense_isa` is not None
+    (for `float32`, where it is "avx2": CPUs with AVX-512 or AMX run XLA's float32 dots faster).
+    An int8 kernel with grouped scales is packed only where the native kernel takes them
+    (`linear.native_dense_takes_groups`); else it stays on XLA's dot."""
+    packed = 0
+    for _, module in list(nnx.iter_modules(model)):
+        if isinstance(module, Linear):
+            name, scale = "kernel", module.kernel_scale
+        elif isinstance(module, Embedding) and module.head_kernel is not None:
+            name, scale = "head_kernel", module.head_scale
+        else:
+            continue
+        kernel = getattr(module, name)
+        if isinstance(kernel, PackedKernel):
+            continue
+        grouped = scale is not None and group_size(kernel.get_value().shape, scale.get_value().shape)
+        if grouped and not native_dense_takes_groups(grouped):
+            continue
+        value = packed_for_native_dense(kernel[...], float32=float32)
+        if value is not None:
+            setattr(module, name, PackedKernel(value))
+            packed += 1
+    return packed
