@@ -8,12 +8,12 @@ no vLLM, no torch. Two parts, one JSON document out:
    the `xla` reference everywhere) on a decode batch (64 sequences over 1-3k tokens) and a
    prefill batch (8 chunks of 512 tokens), Llama-3.1-8B's heads, bfloat16, against the reference
    computed in float32: the largest absolute error, and the median time.
-2. The step program: the runner's one-chip forward (`tpu_platform.plan.step_program`, the one
+2. The step program: the runner's one-chip forward (`tpu_platform.planner.plan.step_program`, the one
    builder the runner uses) of a Llama-3.1-8B-shaped model with random weights, for decode
    batches of 1, 16 and 64 sequences at `--context` tokens each and one 512-token prefill, timed
    warm (median of `--iters`), beside the planner's figures for the chip: the decode roofline
-   (`plan_kv.decode_roofline`: weights and KV read once at peak bandwidth) and XLA's cost model
-   of the compiled program (`plan_kv.xla_decode_estimate`).
+   (`planner.kv.decode_roofline`: weights and KV read once at peak bandwidth) and XLA's cost model
+   of the compiled program (`planner.kv.xla_decode_estimate`).
 
     PYTHONPATH=. python benchmarks/device_check.py [--out device_check.json] [--iters 10]
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/device_check.py --quick   # a CPU smoke run
@@ -41,8 +41,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from models import ModelConfig
 from pallas_kernels import api
 from tpu_platform.inputs import StepInputs, pack_inputs
-from tpu_platform.plan import StepSetup, model_config, program_facts, step_program, step_shape
-from tpu_platform.plan_kv import decode_roofline, xla_decode_estimate
+from tpu_platform.planner.kv import decode_roofline, xla_decode_estimate
+from tpu_platform.planner.plan import StepSetup, model_config, program_facts, step_program, step_shape
 
 # The planner's target whose chip facts (memory, bandwidth) describe a device kind.
 TARGET_FOR_KIND = {

@@ -4,15 +4,15 @@ step programs. COMPILER ESTIMATES AND ROOFLINES, NOT MEASUREMENTS: nothing here 
 
 For each model and target it compiles the runner's decode step (`--batch` sequences, one token
 each), its prefill step (one `--prefill`-token chunk) and its sampler with the target's real
-compiler (`tpu_platform.plan`, weights abstract), sizes the KV cache to what is left of the
-chip's memory (`tpu_platform.plan_kv.fit_kv_cache`) and prints per-chip weight, KV and
+compiler (`tpu_platform.planner.plan`, weights abstract), sizes the KV cache to what is left of the
+chip's memory (`tpu_platform.planner.kv.fit_kv_cache`) and prints per-chip weight, KV and
 temporary bytes, the largest KV cache (tokens) that fits, and three decode-step times with the
 tokens/s they imply:
   - roofline: weights + the batch's KV (`--context` tokens each) read once at peak bandwidth;
   - XLA: the cost model's `optimal_seconds` where usable (XLA's TPU model gives a negative
     figure for programs with Mosaic calls, and a GPU compiled without a device gives none), else
     its `bytes accessed` at peak bandwidth;
-  - HLO: the bytes the optimized program's instructions move (`tpu_platform.plan_hlo`) at peak
+  - HLO: the bytes the optimized program's instructions move (`tpu_platform.planner.hlo`) at peak
     bandwidth, with the operation kinds that move most. An upper bound: an in-place cache write
     (scatter) and an attention kernel are charged the whole cache they take as an operand.
 
@@ -32,7 +32,7 @@ does (the rules table of `models.sharding`, the KV cache split on its heads): ev
 per chip, and a row also counts the collectives (and the bytes they give) of the decode step.
 A model too large for its chips is reported as not fitting, by how much.
 
-`--model` takes a known name (`tpu_platform/model_configs/`), an HF `config.json` or a model
+`--model` takes a known name (`tpu_platform/planner/model_configs/`), an HF `config.json` or a model
 directory. The toolchains come from `make aot-toolchains` (`.aot/`, or `VLLM_XLA_AOT_DIR`): the
 planner runs each platform's compiles in a subprocess that has that toolchain on its path.
 """
@@ -49,8 +49,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tpu_platform.plan import QUANTIZATIONS  # noqa: E402
-from tpu_platform.targets import TARGETS  # noqa: E402
+from tpu_platform.planner.plan import QUANTIZATIONS  # noqa: E402
+from tpu_platform.planner.targets import TARGETS  # noqa: E402
 
 GIB = 1 << 30
 NOTE = "compiler estimates and rooflines from compile-only targets, not measurements"
@@ -60,8 +60,8 @@ _TOOLCHAIN_MARKERS = {"tpu": "libtpu", "cuda": "jax_plugins"}
 def plan_one(model: str, target: str, tp_size: int, quantization: str, args: argparse.Namespace) -> dict:
     """Compiles and sizes `model` split over `tp_size` chips of `target` with its weights
     quantized so (in a process with its toolchain); every byte and time is per chip."""
-    from tpu_platform.plan import StepSetup, model_config
-    from tpu_platform.plan_kv import decode_roofline, fit_kv_cache, xla_decode_estimate
+    from tpu_platform.planner.kv import decode_roofline, fit_kv_cache, xla_decode_estimate
+    from tpu_platform.planner.plan import StepSetup, model_config
 
     setup = StepSetup(
         model_config(model), target, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.batch,

@@ -18,7 +18,7 @@ _PLATFORMS_FOR_BACKEND = {XLA: None, PALLAS_TPU: ("tpu",), PALLAS_GPU: ("gpu", "
 def default_platform() -> str:
     """The platform of JAX's default device: 'tpu', 'gpu' or 'cpu'. A device (or platform name)
     set with `jax.default_device` comes first: programs traced under it are built for that
-    device, which may be a compile-only TPU or GPU of `tpu_platform.targets`."""
+    device, which may be a compile-only TPU or GPU of `tpu_platform.planner.targets`."""
     chosen = jax.config.jax_default_device
     if chosen is not None:
         return chosen if isinstance(chosen, str) else chosen.platform

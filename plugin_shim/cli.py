@@ -167,8 +167,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     from models.compressed_tensors import METHOD, quantization_config
     from models.loader import checkpoint_values
-    from tpu_platform.converted import convert
-    from tpu_platform.prepared_weights import Preparation, int8_quantization
+    from tpu_platform.weights.converted import convert
+    from tpu_platform.weights.prepared import Preparation, int8_quantization
 
     # A compressed-tensors int8 source is int8 as it is (vLLM serves it so): kept, never dequantized.
     source_method = (quantization_config(args.model) or {}).get("quant_method")

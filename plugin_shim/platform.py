@@ -222,7 +222,7 @@ def jax_runs_here() -> bool:
 
 
 # vLLM's load formats we honour: a checkpoint's safetensors (or GGUF, in a model directory), and
-# "npcache", which also keeps the prepared weights in our cache directory (`weights_cache`).
+# "npcache", which also keeps the prepared weights in our cache directory (`weights.cache`).
 LOAD_FORMATS = ("auto", "safetensors", "npcache")
 
 

@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = ("plugin_shim", "tpu_platform", "models", "pallas_kernels")  # each imports only those after it
 ONLY_IN_PLUGIN_SHIM = ("vllm", "torch")
 # The offline planner: compile-only targets and what they compile; never on the serving path.
-PLANNER = ("tpu_platform.plan", "tpu_platform.targets")
+PLANNER = ("tpu_platform.planner",)
 
 
 def _module_name(path: pathlib.Path) -> str:

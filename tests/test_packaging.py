@@ -43,7 +43,8 @@ def test_build_makes_an_sdist_and_a_wheel_that_carries_the_kernel_sources(dist):
     names = set(zipfile.ZipFile(wheel).namelist())
     data = [
         *(REPO / "pallas_kernels" / "cpu").glob("*.[ch]*"),
-        *(REPO / "tpu_platform" / "device_facts").iterdir(),
+        *(REPO / "tpu_platform" / "planner" / "device_facts").iterdir(),
+        *(REPO / "tpu_platform" / "planner" / "model_configs").iterdir(),
     ]
     sources = {str(p.relative_to(REPO)) for p in data}
     assert sources <= names and any(n.endswith(".cc") for n in sources)

@@ -22,7 +22,6 @@ from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.collector import collector_paused
-from tpu_platform.converted import converted_weights, restore_converted
 from tpu_platform.dispatch import FlatCall
 from tpu_platform.inputs import StepBuffers, exercise_inputs, pack_inputs, padding_inputs, prepare_step
 from tpu_platform.kv_cache import (
@@ -35,7 +34,6 @@ from tpu_platform.lora_slots import LoraSlots
 from tpu_platform.mesh import replicated, tensor_parallel_mesh
 from tpu_platform.pooled_step import PoolingPrograms
 from tpu_platform.pooling import PoolingRequests, pooled_outputs
-from tpu_platform.prepared_weights import Preparation, ShardingFor, int8_quantization, load_prepared
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
 from tpu_platform.prompt_logprobs import PromptLogprobs, PromptLogprobsProgram
 from tpu_platform.request_table import RequestTable
@@ -50,7 +48,9 @@ from tpu_platform.sampling.uniform import (
 from tpu_platform.step import make_sampler
 from tpu_platform.step_program import KVLayout, build_step_program
 from tpu_platform.step_record import DispatchedStep, InFlightStep, record_step
-from tpu_platform.weights_cache import WeightsCache
+from tpu_platform.weights.cache import WeightsCache
+from tpu_platform.weights.converted import converted_weights, restore_converted
+from tpu_platform.weights.prepared import Preparation, ShardingFor, int8_quantization, load_prepared
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
@@ -67,7 +67,7 @@ class Runner:
         self.tp_size = config.tensor_parallel_size
         self._whole = self.device if self.mesh is None else replicated(self.mesh)
         # Where each weight lives: a sharding, or a function of a weight's path and abstract
-        # value giving one (`prepared_weights.ShardingFor`); restored checkpoints go straight there.
+        # value giving one (`weights.prepared.ShardingFor`); restored checkpoints go straight there.
         self.weight_shardings: ShardingFor = (
             jax.sharding.SingleDeviceSharding(self.device)
             if self.mesh is None
@@ -169,7 +169,7 @@ class Runner:
         """The model with its final weights, and where they came from: restored onto the weight
         shardings from a converted model directory, or from the weights cache
         (`load_format="npcache"`) when it holds them; else streamed from the checkpoint, tensor
-        by tensor, onto the weight shardings (`prepared_weights.load_prepared`) and, with
+        by tensor, onto the weight shardings (`weights.prepared.load_prepared`) and, with
         npcache, stored there."""
         path = self.config.model_path
         converted = converted_weights(path)

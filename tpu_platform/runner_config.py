@@ -51,7 +51,7 @@ class RunnerConfig:
     attention_backend: str = "auto"
     native_dense: bool = True  # dense layers natively on cpu_native (bfloat16; float32 on AVX2 CPUs)
     cache_dir: str | None = None
-    # vLLM's `load_format`: "npcache" keeps the prepared weights in `cache_dir` (`weights_cache`).
+    # vLLM's `load_format`: "npcache" keeps the prepared weights in `cache_dir` (`weights.cache`).
     load_format: str = "auto"
     strict_compile: bool = False
     seed: int = 0

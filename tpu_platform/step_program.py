@@ -6,7 +6,7 @@ compile it.
 graph definition and state leaves), its KV caches and their `KVLayout`, and records beside it the
 abstract arguments it takes (`ShapeDtypeStruct`s with their shardings) and the context that names
 its cached executables. The runner builds it from its loaded weights and allocated caches; the
-planner (`tpu_platform.plan`) from abstract weights and caches on compile-only devices. Whatever
+planner (`tpu_platform.planner.plan`) from abstract weights and caches on compile-only devices. Whatever
 the runner's program takes (LoRA slots, a new input) is therefore what the compile tests compile.
 
 `KVLayout` says how the layers share KV-cache groups and cache arrays: `plugin_shim` builds it

@@ -19,7 +19,7 @@ from jax.sharding import SingleDeviceSharding
 
 import pallas_kernels.backend
 from tests.aot.kernel_cases import BACKEND, CompileCase, abstract_args, find_case, layer_step, plan
-from tpu_platform.targets import compile_only_devices
+from tpu_platform.planner.targets import compile_only_devices
 
 # The kernels' custom calls in a compiled program: Mosaic's, and XLA:GPU's Triton fusion.
 KERNEL_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.int8 import int8_dot
-from tpu_platform.targets import compile_only_mesh
+from tpu_platform.planner.targets import compile_only_mesh
 
 TOKENS, INPUTS, OUTPUTS, GROUP = 64, 4096, 2048, 32
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from models.int8 import int8_dot
-from tpu_platform.targets import compile_only_devices
+from tpu_platform.planner.targets import compile_only_devices
 
 INPUTS, OUTPUTS, GROUP = 3072, 8192, 32
 

@@ -27,7 +27,14 @@ import numpy as np
 
 from models import fp8
 from tests.aot.step_compile import large_buffers
-from tpu_platform.plan import StepSetup, first_layers, model_config, program_facts, step_program, step_shape
+from tpu_platform.planner.plan import (
+    StepSetup,
+    first_layers,
+    model_config,
+    program_facts,
+    step_program,
+    step_shape,
+)
 
 DECODE_TOKENS = 64
 PREFILL_TOKENS = 512

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from tests.aot.kernel_cases import CompileCase
-from tpu_platform.targets import target as compile_target
+from tpu_platform.planner.targets import target as compile_target
 
 LARGE_CACHE_BYTES = 256 << 20
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from pallas_kernels import tpu
-from tpu_platform.targets import compile_only_devices
+from tpu_platform.planner.targets import compile_only_devices
 
 # (tokens, pages, page size, kv heads, head dim, cache dtype): decode and prefill buckets, every
 # dtype's tile (page sizes 16/32/128), head dims 64/128/256, 1 to 8 kv heads.

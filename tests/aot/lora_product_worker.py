@@ -24,7 +24,7 @@ from flax import nnx
 from models.linear import Linear
 from models.lora import LoraWeights, set_lora_tokens
 from models.sharding import key_path_name, parameter_sharding
-from tpu_platform.targets import compile_only_devices, compile_only_mesh
+from tpu_platform.planner.targets import compile_only_devices, compile_only_mesh
 
 INPUTS, OUTPUTS, MAX_LORAS, PARTS, RANK = 4096, 2 * 14336, 4, 2, 16
 # a collective in optimized HLO: its result shape (e.g. `bf16[11,8,32]`) and its op

@@ -4,9 +4,9 @@ compiler and prints one JSON line: each case's fit and compiled programs.
 
     python -m tests.aot.model_step_worker MODE TARGET:MODEL[:int8] [TARGET:MODEL[:int8] ...]
 
-MODE `full`: every layer compiled (`tpu_platform.plan_kv.fit_kv_cache`: the runner's prefill and
+MODE `full`: every layer compiled (`tpu_platform.planner.kv.fit_kv_cache`: the runner's prefill and
 decode programs and its sampler). MODE `depth`: the model's first 2 and 4 layers compiled and the
-memory extrapolated (`tpu_platform.plan_depth.fit_by_depth`); `depth+full` also compiles the
+memory extrapolated (`tpu_platform.planner.depth.fit_by_depth`); `depth+full` also compiles the
 prefill and decode steps of every layer with the cache the extrapolation sized, to check it.
 A case ending in `:int8` plans the model with int8 weights (`StepSetup(quantization="int8")`).
 Weights are abstract: nothing is allocated.
@@ -20,9 +20,9 @@ import json
 import sys
 import time
 
-from tpu_platform.plan import StepSetup, compile_forward, model_config
-from tpu_platform.plan_depth import fit_by_depth
-from tpu_platform.plan_kv import fit_kv_cache
+from tpu_platform.planner.depth import fit_by_depth
+from tpu_platform.planner.kv import fit_kv_cache
+from tpu_platform.planner.plan import StepSetup, compile_forward, model_config
 
 DECODE_TOKENS = 64  # a decode batch of 64 sequences, one token each
 PREFILL_TOKENS = 2048  # one 2k-token prefill chunk

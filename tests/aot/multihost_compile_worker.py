@@ -18,7 +18,7 @@ import re
 import sys
 import time
 
-from tpu_platform.plan import StepSetup, first_layers, model_config, step_program, step_shape
+from tpu_platform.planner.plan import StepSetup, first_layers, model_config, step_program, step_shape
 
 MAX_MODEL_LEN = 2048
 MAX_NUM_SEQS = 64  # a decode step of 64 sequences, one token each

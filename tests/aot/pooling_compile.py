@@ -18,8 +18,8 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from models import ModelConfig, build
+from tpu_platform.planner.targets import compile_only_devices
 from tpu_platform.pooling import PoolingConfig, make_pooler
-from tpu_platform.targets import compile_only_devices
 
 EMBEDDER = ModelConfig(
     architecture="LlamaForCausalLM", vocab_size=512, hidden_size=256, intermediate_size=512,

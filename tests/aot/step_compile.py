@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from models import ModelConfig
-from tpu_platform.plan import StepSetup, kv_page_bytes, model_config, step_program, step_shape
+from tpu_platform.planner.plan import StepSetup, kv_page_bytes, model_config, step_program, step_shape
 
 MIB = 1 << 20
 SMALL = ModelConfig(

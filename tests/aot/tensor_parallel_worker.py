@@ -2,14 +2,14 @@
 """Compile worker: sizes the KV cache of real-size models split over the chips of a target with
 the real compiler on the runner's mesh (the sharded prefill and decode programs and the sampler,
 weights abstract and placed by the rules table), reads the compiled steps' collectives against
-what the rules table implies (`tpu_platform.plan.expected_collectives`) and prints one JSON
+what the rules table implies (`tpu_platform.planner.plan.expected_collectives`) and prints one JSON
 line: each case's fit, its weight bytes (whole, per chip, replicated) and the collectives that
 should not be there.
 
     python -m tests.aot.tensor_parallel_worker MODE TARGET:MODEL:TP [TARGET:MODEL:TP ...]
 
-MODE `full`: every layer compiled (`tpu_platform.plan_kv.fit_kv_cache`); `depth`: the model's
-first 2 and 4 layers (`tpu_platform.plan_depth.fit_by_depth`: the memory extrapolated, the
+MODE `full`: every layer compiled (`tpu_platform.planner.kv.fit_kv_cache`); `depth`: the model's
+first 2 and 4 layers (`tpu_platform.planner.depth.fit_by_depth`: the memory extrapolated, the
 collectives of each short program checked against what its own depth implies).
 
 Run through `tests.aot.toolchains.run_worker` (the compiler's toolchain on the path, JAX on CPU).
@@ -22,10 +22,10 @@ import sys
 import time
 
 from tests.aot.model_step_worker import DECODE_TOKENS, PREFILL_TOKENS, setup_for
-from tpu_platform.plan import expected_collectives
-from tpu_platform.plan_depth import at_depth, fit_by_depth
-from tpu_platform.plan_hlo import unexpected_collectives
-from tpu_platform.plan_kv import fit_kv_cache
+from tpu_platform.planner.depth import at_depth, fit_by_depth
+from tpu_platform.planner.hlo import unexpected_collectives
+from tpu_platform.planner.kv import fit_kv_cache
+from tpu_platform.planner.plan import expected_collectives
 
 STEPS = (("decode", DECODE_TOKENS), ("prefill", PREFILL_TOKENS))
 

@@ -3,7 +3,7 @@
 
 One worker process (`tests.aot.compile_kernels cuda`) compiles a layer step, KV write then
 ragged attention, for every case of kernel_cases on H100, A100 and L4 compile-only devices:
-Triton lowers the kernel to PTX against the GPU's facts (`tpu_platform/device_facts/`), so a
+Triton lowers the kernel to PTX against the GPU's facts (`tpu_platform/planner/device_facts/`), so a
 tile that needs more shared memory than the GPU has, or an operation its compute capability
 lacks, fails here. Each case then asserts on its own result (kernel_checks).
 """

@@ -21,7 +21,7 @@ import pytest
 
 from tests.aot.model_step_worker import MAX_MODEL_LEN
 from tests.aot.toolchains import run_worker
-from tpu_platform.plan import known_models
+from tpu_platform.planner.plan import known_models
 
 LAYERS, LATENT_WIDTH = 4, 512 + 64
 TARGETS = {"cuda": "h100x8"}
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(3600)
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     assert "deepseek-v3" in known_models()
-    shipped = resources.files("tpu_platform").joinpath("model_configs", "deepseek-v3.json")
+    shipped = resources.files("tpu_platform.planner").joinpath("model_configs", "deepseek-v3.json")
     config = json.loads(shipped.read_text())
     config.update(num_hidden_layers=LAYERS, first_k_dense_replace=1)
     path = tmp_path_factory.mktemp("deepseek") / "config.json"

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Each GPU target's memory facts agree with the device-facts file its compiler reads.
 
-The planner and the compile tests take a chip's memory and bandwidth from `tpu_platform.targets`;
+The planner and the compile tests take a chip's memory and bandwidth from `tpu_platform.planner.targets`;
 XLA's GPU compiler takes them from the `GpuTargetConfigProto` text in `device_facts/`. Read
 without the CUDA plugin: the fields are plain `name: value` lines.
 """
@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tpu_platform.targets import TARGETS, device_facts
+from tpu_platform.planner.targets import TARGETS, device_facts
 
 GPU_TARGETS = [t for t in TARGETS.values() if t.platform == "cuda"]
 

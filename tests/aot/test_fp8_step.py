@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.aot.toolchains import run_worker
-from tpu_platform.plan import abstract_model, model_config
+from tpu_platform.planner.plan import abstract_model, model_config
 
 pytestmark = pytest.mark.timeout(3600)  # compiles of a multi-billion-parameter step
 

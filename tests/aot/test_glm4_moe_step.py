@@ -44,7 +44,7 @@ def _parameters(layers: int) -> int:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     """The shipped GLM-4.5-Air config cut to its first layers, every one of them compiled."""
-    shipped = resources.files("tpu_platform").joinpath("model_configs", "glm-4.5-air.json")
+    shipped = resources.files("tpu_platform.planner").joinpath("model_configs", "glm-4.5-air.json")
     config = json.loads(shipped.read_text())
     config.update(num_hidden_layers=LAYERS)
     path = tmp_path_factory.mktemp("glm") / "config.json"

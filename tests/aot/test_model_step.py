@@ -4,11 +4,11 @@
 For each case a worker (`model_step_worker`, one subprocess per platform, both at once) sizes
 the KV cache of the model on one chip. In `make test` the step is compiled with the model's
 first 2 and 4 layers at full width and its memory extrapolated to every layer
-(`tpu_platform.plan_depth.fit_by_depth`: weights and KV per layer are exact arithmetic, what the
+(`tpu_platform.planner.depth.fit_by_depth`: weights and KV per layer are exact arithmetic, what the
 steps need beyond them is extrapolated from the two depths); one model a target family
 (Llama-3.1-8B on v6e-1 and on an H100) is then compiled with every layer at the cache size the
 extrapolation gave, and must fit as predicted. `make test-full` (`-m full`) sizes every case
-with every layer compiled (`tpu_platform.plan_kv.fit_kv_cache`, the planner's own answer).
+with every layer compiled (`tpu_platform.planner.kv.fit_kv_cache`, the planner's own answer).
 A Mosaic or Triton compile error, or a program that no longer fits its chip, fails here.
 Weights are abstract (`ShapeDtypeStruct`): nothing is allocated.
 
@@ -28,7 +28,7 @@ import pytest
 
 from tests.aot.model_step_worker import MAX_MODEL_LEN
 from tests.aot.toolchains import run_worker
-from tpu_platform.plan import model_config
+from tpu_platform.planner.plan import model_config
 
 FITS = {
     "tpu": ["v5e-1:llama-3.2-3b", "v6e-1:llama-3.1-8b", "v6e-1:qwen3-8b", "v6e-1:gemma-2-9b"],

@@ -5,8 +5,8 @@ models split over the chips of a target.
 For each case a worker (`tensor_parallel_worker`, one subprocess per platform, both at once)
 sizes the KV cache per chip on the runner's mesh (`StepSetup.tp_size`): in `make test` from the
 model's first 2 and 4 layers at full width, the memory extrapolated to every layer
-(`tpu_platform.plan_depth`; the collectives a layer makes show in each short program), in
-`make test-full` (`-m full`) with every layer compiled (`tpu_platform.plan_kv.fit_kv_cache`):
+(`tpu_platform.planner.depth`; the collectives a layer makes show in each short program), in
+`make test-full` (`-m full`) with every layer compiled (`tpu_platform.planner.kv.fit_kv_cache`):
 the weights abstract and placed by the rules table (`models.sharding`), the caches split on KV
 heads (replicated in groups where the model has fewer KV heads than chips), attention per chip
 under `shard_map` (Mosaic on TPU, Triton on GPU). It compiles the prefill step (a 2k-token

@@ -3,7 +3,7 @@
 
 The toolchains (`make aot-toolchains`: libtpu, JAX's CUDA plugin) live in `.aot/<platform>`,
 outside the venv, so this test process and every other one behave as on a machine without
-them. A worker module here compiles what it is asked for with `tpu_platform.targets` and prints
+them. A worker module here compiles what it is asked for with `tpu_platform.planner.targets` and prints
 one JSON document as its last line of output; `run_worker` returns it.
 """
 

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from models.int8 import quantize_per_channel
 from models.moe import experts_routed, experts_routed_on_mesh, route
-from tpu_platform.plan_hlo import hlo_collectives
+from tpu_platform.planner.hlo import hlo_collectives
 
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 7, 16, 32, 8, 2
 

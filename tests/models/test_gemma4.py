@@ -95,14 +95,14 @@ def test_lora_is_refused_at_start_by_name(hf_config):
 
 
 def test_shipped_planner_config_has_gemma_4_e2b_s_layers_and_parameters():
-    """tpu_platform/model_configs/gemma-4-e2b.json: 35 layers (every fifth full), the last 20
+    """tpu_platform/planner/model_configs/gemma-4-e2b.json: 35 layers (every fifth full), the last 20
     reading layers 13 (sliding) and 14 (full), and the parameters its shapes add up to."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from models import build
-    from tpu_platform.plan import model_config
+    from tpu_platform.planner.plan import model_config
 
     config = model_config("gemma-4-e2b")
     assert sum(config.is_full(i) for i in range(35)) == 7 and config.is_full(34)

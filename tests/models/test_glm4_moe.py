@@ -27,7 +27,7 @@ from models import ModelConfig, attach_rope_tables, load_model
 from models.glm4_moe import Glm4MoeConfig
 from tests.models.tiny_checkpoints import assert_prefill_matches, assert_ragged_matches
 from tests.models.tiny_glm4_moe import VARIANTS, save_tiny_glm4_moe
-from tpu_platform.plan import abstract_model
+from tpu_platform.planner.plan import abstract_model
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -83,7 +83,7 @@ def test_config_reads_attention_and_routing(tiny):
 
 
 def test_glm_4_5_air_config_parses_as_published():
-    text = resources.files("tpu_platform").joinpath("model_configs", "glm-4.5-air.json").read_text()
+    text = resources.files("tpu_platform.planner").joinpath("model_configs", "glm-4.5-air.json").read_text()
     config = ModelConfig.from_hf_dict(json.loads(text))
     assert isinstance(config, Glm4MoeConfig)
     assert (config.head_dim, config.rotary_dim, config.rope_theta) == (128, 64, 1e6)

@@ -9,7 +9,7 @@ from vllm import LLM, SamplingParams
 
 from plugin_shim.cli import main
 from tests.tiny_models import save_tiny_llama
-from tpu_platform.converted import PREPARED_DIR
+from tpu_platform.weights.converted import PREPARED_DIR
 
 pytestmark = pytest.mark.slow  # converts and serves through vllm.LLM
 

@@ -25,7 +25,7 @@ from models.registry import SUPPORTED_ARCHITECTURES
 from plugin_shim.worker import kv_layout, latent_kv_specs, layer_kv_specs
 from tests.models import tiny_deepseek, tiny_glm4_moe
 from tests.models.tiny_checkpoints import _COMMON, TINY
-from tpu_platform.plan import known_models, model_config
+from tpu_platform.planner.plan import known_models, model_config
 from tpu_platform.step_program import KVLayout
 
 # Architectures whose layers' windows the tiny Llama's configuration gives (all full attention).

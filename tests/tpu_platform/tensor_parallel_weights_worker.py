@@ -24,11 +24,11 @@ from models import AttentionMetadata, ModelConfig
 from models.sharding import kv_heads_on_mesh
 from models.weight_stream import HostBytes
 from pallas_kernels import allocate_kv_cache
-from tpu_platform.converted import PREPARED_DIR, converted_weights, restore_converted
 from tpu_platform.kv_cache import allocate_stacked_caches, caches_per_array
 from tpu_platform.mesh import tensor_parallel_mesh
-from tpu_platform.prepared_weights import Preparation, load_prepared, metadata_for, save_prepared
 from tpu_platform.runner import _weight_sharding
+from tpu_platform.weights.converted import PREPARED_DIR, converted_weights, restore_converted
+from tpu_platform.weights.prepared import Preparation, load_prepared, metadata_for, save_prepared
 
 DTYPE = "float32"
 PAGE = 16

@@ -13,11 +13,11 @@ import models.int8
 from models import PackedKernel, load_model
 from models.linear import native_dense_takes_groups
 from tests.tiny_models import save_tiny_llama
-from tpu_platform.converted import _stored_preparation
-from tpu_platform.prepared_weights import Preparation, abstract_prepared, load_prepared, structure_digest
 from tpu_platform.runner import Runner
 from tpu_platform.runner_config import RunnerConfig
-from tpu_platform.weights_cache import WeightsCache
+from tpu_platform.weights.cache import WeightsCache
+from tpu_platform.weights.converted import _stored_preparation
+from tpu_platform.weights.prepared import Preparation, abstract_prepared, load_prepared, structure_digest
 
 _ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 INT8 = Preparation("bfloat16", quantization="int8")
@@ -91,7 +91,7 @@ def test_a_streamed_int8_load_is_the_whole_model_prepared_on_the_host(tiny_dir, 
 
 
 def test_a_float_conversion_serves_int8_when_asked_and_an_int8_one_not_as_float(tiny_dir, tmp_path):
-    from tpu_platform.converted import convert, restore_converted
+    from tpu_platform.weights.converted import convert, restore_converted
 
     checkpoint = convert(tiny_dir, str(tmp_path / "float"), Preparation("bfloat16"))
     config, _ = load_model(tiny_dir, jnp.bfloat16, on_host=True)

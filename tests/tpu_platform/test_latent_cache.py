@@ -9,8 +9,8 @@ import jax.numpy as jnp
 
 from models.deepseek_config import DeepseekConfig
 from tpu_platform.kv_cache import allocate_stacked_caches, model_kv_bytes_per_token
-from tpu_platform.plan import StepSetup, abstract_model, kv_page_bytes, model_config
-from tpu_platform.plan_kv import kv_bytes_read
+from tpu_platform.planner.kv import kv_bytes_read
+from tpu_platform.planner.plan import StepSetup, abstract_model, kv_page_bytes, model_config
 
 
 def test_latent_caches_stack_one_row_a_token():

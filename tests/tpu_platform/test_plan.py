@@ -8,8 +8,7 @@ from collections import Counter
 import jax
 import pytest
 
-from tpu_platform.plan import StepSetup, abstract_model, known_models, model_config
-from tpu_platform.plan_hlo import (
+from tpu_platform.planner.hlo import (
     ExpectedCollectives,
     hlo_collectives,
     hlo_traffic,
@@ -17,9 +16,10 @@ from tpu_platform.plan_hlo import (
     summarize_collectives,
     unexpected_collectives,
 )
-from tpu_platform.plan_kv import decode_roofline, kv_bytes_read, weight_bytes_read
-from tpu_platform.prepared_weights import Preparation, abstract_prepared
+from tpu_platform.planner.kv import decode_roofline, kv_bytes_read, weight_bytes_read
+from tpu_platform.planner.plan import StepSetup, abstract_model, known_models, model_config
 from tpu_platform.step_program import KVLayout
+from tpu_platform.weights.prepared import Preparation, abstract_prepared
 
 HLO = """HloModule m
 

@@ -22,10 +22,10 @@ from pallas_kernels.cpu import build
 from pallas_kernels.cpu.build import NativeKernelError, build_library
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.attention_backend import native_build_dir
-from tpu_platform.prepared_weights import Preparation
 from tpu_platform.private_files import UnsafeCacheError, check_private
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
-from tpu_platform.weights_cache import WeightsCache
+from tpu_platform.weights.cache import WeightsCache
+from tpu_platform.weights.prepared import Preparation
 
 _SCALE = 1.0 + random.random()  # programs no JAX cache has seen
 _AS_ROOT = pytest.mark.skipif(os.getuid() != 0, reason="giving a file away needs root")

@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tpu_platform.disk_cache import source_fingerprint
 from tpu_platform.programs import (
     ExecutableCache,
     Programs,
     ProgramSpec,
     enable_persistent_cache,
-    source_fingerprint,
 )
 
 

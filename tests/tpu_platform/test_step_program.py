@@ -3,7 +3,7 @@
 
 A runner is started on a tiny Llama (CPU, the `xla` attention backend, XLA's dots) and the
 planner builds its step program for the same model from abstract weights
-(`tpu_platform.plan.step_program`, which `tests/aot/` compiles for TPU and GPU targets), here for
+(`tpu_platform.planner.plan.step_program`, which `tests/aot/` compiles for TPU and GPU targets), here for
 the local CPU. Both come from `step_program.build_step_program`: the programs must lower to the
 same text, with the runner's own placed weights and caches as with the planner's abstract ones,
 and name the same cached executables. With LoRA enabled the two programs take the adapter slots
@@ -23,7 +23,7 @@ from tests.models.tiny_deepseek import save_tiny_deepseek
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.inputs import pack_inputs, padding_inputs
 from tpu_platform.lora_slots import LoraConfig
-from tpu_platform.plan import StepSetup, first_layers, model_config, step_program, step_shape
+from tpu_platform.planner.plan import StepSetup, first_layers, model_config, step_program, step_shape
 from tpu_platform.runner import Runner, RunnerConfig
 from tpu_platform.step_program import KVLayout
 

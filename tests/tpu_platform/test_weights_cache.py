@@ -16,11 +16,11 @@ from flax import nnx
 from models import load_model
 from pallas_kernels import cpu
 from tests.tiny_models import save_tiny_llama
-from tpu_platform.prepared_weights import Preparation, metadata_for, save_prepared
 from tpu_platform.programs import structure_text
 from tpu_platform.runner import Runner
 from tpu_platform.runner_config import RunnerConfig
-from tpu_platform.weights_cache import WeightsCache
+from tpu_platform.weights.cache import WeightsCache
+from tpu_platform.weights.prepared import Preparation, metadata_for, save_prepared
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ _ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 def _load_logging_warnings(cache, config, caplog):
     """`cache.load(...)` with the weights cache's warnings captured in `caplog` (its logger does
     not propagate to the root one)."""
-    log = logging.getLogger("vllm_xla.tpu_platform.weights_cache")
+    log = logging.getLogger("vllm_xla.tpu_platform.weights.cache")
     log.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.WARNING, logger=log.name):
@@ -217,7 +217,7 @@ def test_a_store_that_finds_its_entry_already_stored_keeps_it(tiny_dir, tmp_path
     first, second = (WeightsCache.for_model(str(tmp_path), tiny_dir, preparation) for _ in range(2))
     first.store(config, model)
     stored = sorted(p.stat().st_ino for p in tmp_path.iterdir())
-    log = logging.getLogger("vllm_xla.tpu_platform.weights_cache")
+    log = logging.getLogger("vllm_xla.tpu_platform.weights.cache")
     log.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.WARNING, logger=log.name):

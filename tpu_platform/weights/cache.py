@@ -4,7 +4,7 @@
 Loading a checkpoint parses it, casts every tensor to the model's dtype, fuses projections and
 packs kernels for the native CPU dense kernel, most of a warm `generate`'s own start-up for the
 embedded model. The weights cache keeps the result as an Orbax checkpoint of the prepared state
-(`prepared_weights`: arrays and a small JSON metadata, no pickle), and a later start restores it
+(`prepared`: arrays and a small JSON metadata, no pickle), and a later start restores it
 straight onto the target shardings.
 
 An entry is named by the model directory and the preparation (dtype, packing), and keyed by what
@@ -33,7 +33,9 @@ from flax import nnx
 
 from models import ModelConfig
 from models.loader import checkpoint_files
-from tpu_platform.prepared_weights import (
+from tpu_platform.disk_cache import UNUSED_ENTRY_SECONDS, mark_used, remove_unused, source_fingerprint
+from tpu_platform.private_files import make_private_dir, make_tree_private, unsafe_tree_reason
+from tpu_platform.weights.prepared import (
     Preparation,
     ShardingFor,
     UnusableCheckpoint,
@@ -41,8 +43,6 @@ from tpu_platform.prepared_weights import (
     restore_prepared,
     save_prepared,
 )
-from tpu_platform.private_files import make_private_dir, make_tree_private, unsafe_tree_reason
-from tpu_platform.programs import UNUSED_ENTRY_SECONDS, mark_used, remove_unused, source_fingerprint
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The runner's step programs compiled for a named target with abstract weights.
 
-`StepSetup` names a model configuration, a compile target (`tpu_platform.targets`), the dtypes
+`StepSetup` names a model configuration, a compile target (`tpu_platform.planner.targets`), the dtypes
 and the runner's limits. `step_program` builds the runner's step program (the one builder the
 runner uses too, `tpu_platform.step_program`, with the attention backend the runner picks on that
 device and caches from `kv_cache.allocate_stacked_caches`) from `ShapeDtypeStruct` weights and
@@ -9,11 +9,11 @@ caches, so nothing is allocated; `compile_forward` compiles it with the target's
 compiler; `compile_sampler` does the same for the sampling program. Both return
 `ProgramFacts`: XLA's memory and cost analyses of the compiled program, the compile time and
 the collectives of its optimized HLO.
-`plan_kv.fit_kv_cache` sizes the KV cache from them.
+`kv.fit_kv_cache` sizes the KV cache from them.
 
 With `StepSetup.quantization = "int8"` the weights are the runner's int8 ones
 (`--quantization int8_per_channel_weight_only`: every dense kernel int8 with one float32 scale
-per output channel, `models.quantization`), prepared as `tpu_platform.prepared_weights` does.
+per output channel, `models.quantization`), prepared as `tpu_platform.weights.prepared` does.
 
 With `StepSetup.tp_size = N` the programs are the runner's tensor-parallel ones on its mesh of N
 compile-only chips (`tpu_platform.mesh`): the weights placed by the rules table
@@ -22,7 +22,7 @@ compile-only chips (`tpu_platform.mesh`): the weights placed by the rules table
 and `expected_collectives` says what the compiled step should exchange between the chips.
 
 Compiling for a TPU or GPU target needs its toolchain importable (`make aot-toolchains`) and
-`JAX_PLATFORMS=cpu`: see `tpu_platform.targets`.
+`JAX_PLATFORMS=cpu`: see `tpu_platform.planner.targets`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from tpu_platform.hosts import per_host_devices
 from tpu_platform.kv_cache import allocate_stacked_caches, kv_cache_dtype
 from tpu_platform.lora_slots import LoraConfig
 from tpu_platform.mesh import check_model_fits_mesh, replicated, tensor_parallel_mesh
-from tpu_platform.plan_hlo import (
+from tpu_platform.planner.hlo import (
     Collective,
     ExpectedCollectives,
     Traffic,
@@ -62,12 +62,12 @@ from tpu_platform.plan_hlo import (
     hlo_traffic,
     summarize_collectives,
 )
-from tpu_platform.prepared_weights import Preparation
+from tpu_platform.planner.targets import CompileTarget, compile_only_devices, target
 from tpu_platform.runner_config import default_page_size
 from tpu_platform.sampling import SamplerFlags, dummy_tensors
 from tpu_platform.step import make_sampler
 from tpu_platform.step_program import KVLayout, StepProgram, build_step_program
-from tpu_platform.targets import CompileTarget, compile_only_devices, target
+from tpu_platform.weights.prepared import Preparation
 
 # The sampler program the planner compiles: random sampling with top-k/top-p filters (the most
 # work a step without penalties, logprobs or grammar does).
@@ -79,8 +79,8 @@ QUANTIZATIONS = ("none", "int8", "int8-g32", "fp8", "fp8-g128")
 
 
 def known_models() -> list[str]:
-    """Names of the real model configurations shipped in `tpu_platform/model_configs/`."""
-    folder = resources.files("tpu_platform").joinpath("model_configs")
+    """Names of the real model configurations shipped in `tpu_platform/planner/model_configs/`."""
+    folder = resources.files("tpu_platform.planner").joinpath("model_configs")
     return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
 
 
@@ -88,7 +88,8 @@ def model_config(name_or_path: str) -> ModelConfig:
     """The configuration of a known model name (`known_models`), an HF `config.json` file or a
     model directory holding one."""
     if name_or_path in known_models():
-        text = resources.files("tpu_platform").joinpath("model_configs", f"{name_or_path}.json").read_text()
+        shipped = resources.files("tpu_platform.planner").joinpath("model_configs", f"{name_or_path}.json")
+        text = shipped.read_text()
         return ModelConfig.from_hf_dict(json.loads(text))
     path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
     if not os.path.isfile(path):
@@ -102,7 +103,7 @@ def model_config(name_or_path: str) -> ModelConfig:
 
 def first_layers(config: ModelConfig, num_layers: int) -> ModelConfig:
     """`config` cut to its first `num_layers` layers, each as wide as in the whole model (0: all of
-    them): the short programs `plan_depth` compiles to extrapolate the whole model's memory."""
+    them): the short programs `depth` compiles to extrapolate the whole model's memory."""
     if not num_layers or num_layers == config.num_layers:
         return config
     if not 0 < num_layers < config.num_layers:
@@ -131,7 +132,7 @@ class StepSetup:
     and the weights' quantization ("int8": vLLM's `--quantization int8_per_channel_weight_only`)."""
 
     config: ModelConfig
-    target: str  # a name of `tpu_platform.targets.TARGETS`
+    target: str  # a name of `tpu_platform.planner.targets.TARGETS`
     dtype: str = "bfloat16"
     kv_dtype: str | None = None  # None: the model's dtype
     max_num_seqs: int = 64
@@ -234,7 +235,7 @@ class ProgramFacts:
     bytes_accessed: float
     optimal_seconds: float | None  # XLA's own time estimate; negative on TPU with Mosaic calls
     compile_seconds: float
-    traffic: Traffic  # bytes the optimized HLO's instructions move (`plan_hlo`)
+    traffic: Traffic  # bytes the optimized HLO's instructions move (`hlo`)
     collectives: tuple[Collective, ...] = ()  # the cross-chip exchanges of a sharded program
 
     @property

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from models import ModelConfig
-from tpu_platform.prepared_weights import (
+from tpu_platform.weights.prepared import (
     Preparation,
     ShardingFor,
     UnusableCheckpoint,

@@ -83,8 +83,8 @@ def target(name: str) -> CompileTarget:
 
 
 def device_facts(filename: str) -> str:
-    """The text of a GPU device-facts file shipped in `tpu_platform/device_facts/`."""
-    return resources.files("tpu_platform").joinpath("device_facts", filename).read_text()
+    """The text of a GPU device-facts file shipped in `tpu_platform/planner/device_facts/`."""
+    return resources.files("tpu_platform.planner").joinpath("device_facts", filename).read_text()
 
 
 @functools.cache

@@ -14,8 +14,8 @@ with the depth is known:
   model's depth; a slope below zero (XLA reusing buffers across layers) counts as zero.
 
 `fit_by_depth` compiles the sampler once and the prefill and decode steps at both depths with the
-whole model's page count estimate, then sizes the cache as `plan_kv.fit_kv_cache` does from the
-extrapolated figures. `plan_kv.fit_kv_cache` (every layer compiled) remains the planner's answer
+whole model's page count estimate, then sizes the cache as `kv.fit_kv_cache` does from the
+extrapolated figures. `kv.fit_kv_cache` (every layer compiled) remains the planner's answer
 and what `make test-full` runs; `tests/aot/test_model_step.py` checks that the two agree.
 """
 
@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tpu_platform.plan import (
+from tpu_platform.planner.kv import MEMORY_UTILIZATION
+from tpu_platform.planner.plan import (
     SAMPLING_FLAGS,
     ProgramFacts,
     StepSetup,
@@ -33,7 +34,6 @@ from tpu_platform.plan import (
     first_layers,
     kv_page_bytes,
 )
-from tpu_platform.plan_kv import MEMORY_UTILIZATION
 
 # The two depths compiled: small, and for models whose layers alternate (sliding and full
 # attention, dense and sparse MLPs) each a whole number of the pattern.

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sizing the KV cache from compiled programs, and the decode step's memory-bandwidth roofline.
 
-`fit_kv_cache` compiles the runner's prefill and decode programs (`tpu_platform.plan`) for one
+`fit_kv_cache` compiles the runner's prefill and decode programs (`tpu_platform.planner.plan`) for one
 chip of a target (or its tensor-parallel mesh: then every byte is per chip): once with a small
 cache to learn what the weights, inputs and temporaries take, then with the cache sized to what
 is left of the chip's memory budget, and again (from the two compiles' slope) if the
@@ -19,7 +19,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from tpu_platform.plan import (
+from tpu_platform.planner.plan import (
     SAMPLING_FLAGS,
     ProgramFacts,
     ProgramTooLarge,
