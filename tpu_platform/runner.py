@@ -48,9 +48,8 @@ from tpu_platform.sampling.uniform import (
 from tpu_platform.step import make_sampler
 from tpu_platform.step_program import KVLayout, build_step_program
 from tpu_platform.step_record import DispatchedStep, InFlightStep, record_step
-from tpu_platform.weights.cache import WeightsCache
-from tpu_platform.weights.converted import converted_weights, restore_converted
-from tpu_platform.weights.prepared import Preparation, ShardingFor, int8_quantization, load_prepared
+from tpu_platform.weights.prepared import ShardingFor
+from tpu_platform.weights.source import load_served_weights
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
@@ -108,7 +107,10 @@ class Runner:
     @collector_paused()  # start-up's objects outlive it: no full collections while made
     def load_model(self) -> ModelConfig:
         start = time.perf_counter()
-        model, source = self._prepared_model()
+        memo = self.programs.cache.directory if self.programs.cache else None  # the code digests' memo
+        self.model_config, model, source = load_served_weights(
+            self.config, self.dtype, self.dense_isa, self.weight_shardings, memo
+        )
         packed = len(jax.tree.leaves(nnx.state(model, PackedKernel)))
         attach_rope_tables(model, self.config.max_model_len)
         lora = self.config.lora
@@ -164,44 +166,6 @@ class Runner:
             source, self.backend, packed, self.dense_isa or "XLA",
         )  # fmt: skip
         return self.model_config
-
-    def _prepared_model(self) -> tuple[nnx.Module, str]:
-        """The model with its final weights, and where they came from: restored onto the weight
-        shardings from a converted model directory, or from the weights cache
-        (`load_format="npcache"`) when it holds them; else streamed from the checkpoint, tensor
-        by tensor, onto the weight shardings (`weights.prepared.load_prepared`) and, with
-        npcache, stored there."""
-        path = self.config.model_path
-        converted = converted_weights(path)
-        # int8 in the source's own layout (a converted directory keeps the one it was converted in)
-        int8 = "none"
-        if self.config.quantization is not None:
-            int8 = "int8" if converted else int8_quantization(path, self.config.quantization)
-        preparation = Preparation.for_dense_isa(self.dtype.name, self.dense_isa, self.tp_size, int8)
-        if converted is not None:
-            self.model_config = ModelConfig.from_pretrained(path)
-            model = restore_converted(converted, self.model_config, preparation, self.weight_shardings)
-            return model, "the converted checkpoint"
-        cache = self._weights_cache(preparation)
-        if cache is not None:
-            self.model_config = ModelConfig.from_pretrained(path)
-            model = cache.load(self.model_config, self.weight_shardings)
-            if model is not None:
-                return model, "the weights cache"
-        # Packed for the native dense kernel where it runs (float32 kernels too where its best path
-        # is AVX2: faster than XLA's dots).
-        self.model_config, model = load_prepared(path, preparation, self.weight_shardings)
-        if cache is not None:
-            cache.store(self.model_config, model)
-        return model, "the checkpoint"
-
-    def _weights_cache(self, preparation: Preparation) -> WeightsCache | None:
-        if self.config.load_format != "npcache" or not self.config.cache_dir:
-            return None
-        memo = self.programs.cache.directory if self.programs.cache else None  # the code digests' memo
-        return WeightsCache.for_model(
-            os.path.join(self.config.cache_dir, "weights"), self.config.model_path, preparation, memo
-        )
 
     @property
     def kv_heads(self) -> int:

@@ -3,5 +3,6 @@
 
 `prepared` turns a checkpoint into the served parameters (quantized, fused, sharded, packed for
 the native CPU kernel); `cache` keeps them on disk between starts (the weights cache);
-`converted` writes and reads a converted model directory (`vllm-xla convert`).
+`converted` writes and reads a converted model directory (`vllm-xla convert`); `source` picks,
+at start, which of them (or the checkpoint) a runner's weights come from.
 """

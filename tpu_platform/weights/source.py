@@ -1,0 +1,61 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where a runner's weights come from, fastest first: a converted model directory (restored onto
+the weight shardings), the weights cache (`load_format="npcache"`) when it holds them, else the
+checkpoint, streamed tensor by tensor onto the weight shardings (`prepared.load_prepared`) and,
+with npcache, stored in the cache for the next start."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+from flax import nnx
+
+from models import ModelConfig
+from tpu_platform.runner_config import RunnerConfig
+from tpu_platform.weights.cache import WeightsCache
+from tpu_platform.weights.converted import converted_weights, restore_converted
+from tpu_platform.weights.prepared import Preparation, ShardingFor, int8_quantization, load_prepared
+
+
+def load_served_weights(
+    config: RunnerConfig,
+    dtype: jnp.dtype,
+    dense_isa: str | None,
+    shardings: ShardingFor,
+    memo_dir: str | None = None,
+) -> tuple[ModelConfig, nnx.Module, str]:
+    """The model of `config.model_path` with its served weights, its config, and the name of the
+    source they came from. `dense_isa`: the native dense kernel's instruction set (kernels are
+    packed for it), or None; `memo_dir`: where the code digests are memoized (the executable
+    cache's directory)."""
+    path = config.model_path
+    converted = converted_weights(path)
+    # quantized in the source's own layout (a converted directory keeps the one it was converted in)
+    quantized = "none"
+    if config.quantization is not None:
+        quantized = "int8" if converted else int8_quantization(path, config.quantization)
+    preparation = Preparation.for_dense_isa(dtype.name, dense_isa, config.tensor_parallel_size, quantized)
+    if converted is not None:
+        model_config = ModelConfig.from_pretrained(path)
+        model = restore_converted(converted, model_config, preparation, shardings)
+        return model_config, model, "the converted checkpoint"
+    cache = _weights_cache(config, preparation, memo_dir)
+    if cache is not None:
+        model_config = ModelConfig.from_pretrained(path)
+        model = cache.load(model_config, shardings)
+        if model is not None:
+            return model_config, model, "the weights cache"
+    model_config, model = load_prepared(path, preparation, shardings)
+    if cache is not None:
+        cache.store(model_config, model)
+    return model_config, model, "the checkpoint"
+
+
+def _weights_cache(
+    config: RunnerConfig, preparation: Preparation, memo_dir: str | None
+) -> WeightsCache | None:
+    if config.load_format != "npcache" or not config.cache_dir:
+        return None
+    directory = os.path.join(config.cache_dir, "weights")
+    return WeightsCache.for_model(directory, config.model_path, preparation, memo_dir)
