@@ -26,6 +26,7 @@ def tiny_dir(tmp_path_factory):
     return save_tiny_llama(str(tmp_path_factory.mktemp("prepared_llama")), seed=5)
 
 
+@pytest.mark.slow  # 8 simulated devices in a subprocess
 def test_a_checkpoint_saved_two_way_restores_one_way_and_four_way_bit_for_bit(tiny_dir, tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     worker = [sys.executable, "-m", "tests.tpu_platform.reshard_worker", tiny_dir, str(tmp_path / "ckpt")]
