@@ -59,7 +59,6 @@ _MODEL_CLASSES: dict[str, type[nnx.Module]] = {
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
 }
-SUPPORTED_ARCHITECTURES = tuple(sorted(_MODEL_CLASSES))  # the built-in ones
 # Built-in architectures whose Flax model runs (`build`, `models.loader.load_model`) but which the
 # engine does not serve yet, with the reason its start is refused.
 _NOT_SERVED: dict[str, str] = {
@@ -69,6 +68,7 @@ _NOT_SERVED: dict[str, str] = {
         "runs outside the engine (models.load_model)"
     ),
 }
+SUPPORTED_ARCHITECTURES = tuple(sorted(set(_MODEL_CLASSES) - set(_NOT_SERVED)))  # the built-in served ones
 # Built-in architectures whose `config.json` has fields of their own (else `ModelConfig`).
 _CONFIG_CLASSES: dict[str, type[ModelConfig]] = {
     "GptOssForCausalLM": GptOssConfig,
@@ -130,7 +130,7 @@ def register_architecture(
 
 def supported_architectures() -> tuple[str, ...]:
     """Every architecture this process serves: the built-in ones and the registered ones."""
-    return tuple(sorted({*_MODEL_CLASSES, *_REGISTERED}))
+    return tuple(sorted({*SUPPORTED_ARCHITECTURES, *_REGISTERED}))
 
 
 def _imported(value: type | str) -> type:

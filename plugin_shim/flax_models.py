@@ -81,8 +81,10 @@ def refuse_unsupported_architecture(vllm_config: VllmConfig) -> None:
     if model is None:
         return
     architectures = getattr(model.hf_config, "architectures", None) or model.architectures
-    if architectures and architectures[0] not in supported_architectures():
-        raise ValueError(unsupported_message(architectures[0]))
-    refusal = serving_refusal(architectures[0]) if architectures else None
+    if not architectures:
+        return
+    refusal = serving_refusal(architectures[0])
     if refusal is not None:
         raise ValueError(refusal)
+    if architectures[0] not in supported_architectures():
+        raise ValueError(unsupported_message(architectures[0]))
