@@ -50,7 +50,8 @@ class DepthwiseConv(nnx.Module):
 
 
 class GatedDeltaNet(nnx.Module):
-    """Qwen3-Next's linear-attention token mixer (module docstring): `x [T, D] -> [T, D]`."""
+    """Qwen3-Next's linear-attention token mixer (module docstring): `x [T, D] -> [T, D]`.
+    `SplitProjectionGatedDeltaNet` is Qwen3.5's, whose projections come apart."""
 
     def __init__(
         self,
@@ -131,3 +132,21 @@ class GatedDeltaNet(nnx.Module):
         o, state = gated_delta_rule(q, k, v, g, beta, state, *batch, backend=md.backend)
         o = self.norm(o.astype(x.dtype), z)  # [T, Hv, Dv]
         return self.out_proj(o.reshape(t, -1)), (conv_state, state)
+
+
+class SplitProjectionGatedDeltaNet(GatedDeltaNet):
+    """Qwen3.5's Gated DeltaNet: the same layer with four projections, `in_proj_qkv` (already in
+    the conv's `[q | k | v]` order), `in_proj_z`, `in_proj_b` and `in_proj_a`."""
+
+    def __init__(self, hidden_size: int, *, dtype: jnp.dtype, **shapes: int | float):
+        super().__init__(hidden_size, dtype=dtype, **shapes)
+        del self.in_proj_qkvz, self.in_proj_ba
+        heads = self.num_value_heads
+        self.in_proj_qkv = Linear(hidden_size, self.conv_dim, bias=False, dtype=dtype)
+        self.in_proj_z = Linear(hidden_size, heads * self.value_dim, bias=False, dtype=dtype)
+        self.in_proj_b = Linear(hidden_size, heads, bias=False, dtype=dtype)
+        self.in_proj_a = Linear(hidden_size, heads, bias=False, dtype=dtype)
+
+    def _split_projections(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        z = self.in_proj_z(x).reshape(x.shape[0], self.num_value_heads, self.value_dim)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)

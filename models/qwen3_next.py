@@ -1,7 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Qwen3-Next (`Qwen3NextForCausalLM`): a hybrid of Gated DeltaNet layers (linear attention with a
-per-request state, `models.gated_deltanet`) and gated full-attention layers, as `layer_types`
-names them (three of every four linear by default: `full_attention_interval`).
+"""Qwen3-Next (`Qwen3NextForCausalLM`) and Qwen3.5's text models (`Qwen3_5ForCausalLM`, dense;
+`Qwen3_5MoeForCausalLM`): hybrids of Gated DeltaNet layers (linear attention with a per-request
+state, `models.gated_deltanet`) and gated full-attention layers, as `layer_types` names them
+(three of every four linear by default: `full_attention_interval`). Qwen3.5's Gated DeltaNet has
+four input projections where Qwen3-Next's has two; its RoPE is multimodal (`mrope_section`),
+which for text (one position for every section) is plain RoPE; its MoE routes in every layer and
+always renormalizes the top-k weights.
 
 - Gated attention: q_proj gives each head's query and an output gate side by side (`[q_h,
   gate_h]`); the heads' output is multiplied by `sigmoid(gate)` before o_proj. RMSNorm `(1 + w)`
@@ -26,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.gated_deltanet import GatedDeltaNet
+from models.gated_deltanet import GatedDeltaNet, SplitProjectionGatedDeltaNet
 from models.layers import (
     ATTENTION_LINEARS,
     MLP_LINEARS,
@@ -42,7 +46,8 @@ from models.moe import SparseMoE
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 _LAYER = "model.layers.{i}"
-_GDN = ("in_proj_qkvz", "in_proj_ba", "out_proj")
+# Qwen3-Next's two input projections, Qwen3.5's four, and the output projection.
+_GDN = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 HF_PARAM_MAP = {
     **decoder_hf_param_map(
         linears=(
@@ -84,6 +89,8 @@ class Qwen3NextConfig(ModelConfig):
     linear_conv_kernel_dim: int = 4
     shared_expert_intermediate_size: int = 0
     partial_rotary_factor: float = 1.0
+    # Qwen3.5's Gated DeltaNet: four input projections instead of two.
+    split_linear_projections: bool = False
 
     def __post_init__(self) -> None:
         ModelConfig.__post_init__(self)
@@ -113,6 +120,10 @@ class Qwen3NextConfig(ModelConfig):
     def from_hf_dict(cls, hf: dict[str, Any]) -> Qwen3NextConfig:
         # `ModelConfig.from_hf_dict` builds `cls` with its own fields (a slots dataclass's
         # classmethod cannot use zero-argument super()).
+        moe_only = hf.get("architectures", [""])[0] == "Qwen3_5MoeForCausalLM"
+        if moe_only:  # every layer routes, weights always normalized; no dense MLP size given
+            hf = {**hf, "mlp_only_layers": [], "decoder_sparse_step": 1, "norm_topk_prob": True}
+            hf.setdefault("intermediate_size", hf["moe_intermediate_size"])
         base = ModelConfig.from_hf_dict.__func__(cls, hf)
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         factor = hf.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
@@ -126,6 +137,7 @@ class Qwen3NextConfig(ModelConfig):
             linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4),
             shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
             partial_rotary_factor=float(factor),
+            split_linear_projections=base.architecture.startswith("Qwen3_5"),
         )
 
 
@@ -195,7 +207,8 @@ class Qwen3NextDecoderLayer(nnx.Module):
 
         self.input_layernorm = norm()
         if config.is_linear_attention(layer):
-            self.linear_attn = GatedDeltaNet(
+            linear = SplitProjectionGatedDeltaNet if config.split_linear_projections else GatedDeltaNet
+            self.linear_attn = linear(
                 config.hidden_size, num_key_heads=config.linear_num_key_heads,
                 num_value_heads=config.linear_num_value_heads, key_dim=config.linear_key_head_dim,
                 value_dim=config.linear_value_head_dim, conv_width=config.linear_conv_kernel_dim,

@@ -55,18 +55,23 @@ _MODEL_CLASSES: dict[str, type[nnx.Module]] = {
     "Llama4ForConditionalGeneration": Llama4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
     # Served by a pooling engine only (`runner="pooling"`: vLLM resolves them to it).
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
 }
 # Built-in architectures whose Flax model runs (`build`, `models.loader.load_model`) but which the
 # engine does not serve yet, with the reason its start is refused.
+_HYBRID_NOT_SERVED = (
+    "its Gated DeltaNet layers keep a state per request (conv inputs and a recurrent state), "
+    "which the vllm-xla worker does not allocate beside the KV pages yet; the Flax model "
+    "runs outside the engine (models.load_model)"
+)
 _NOT_SERVED: dict[str, str] = {
-    "Qwen3NextForCausalLM": (
-        "its Gated DeltaNet layers keep a state per request (conv inputs and a recurrent state), "
-        "which the vllm-xla worker does not allocate beside the KV pages yet; the Flax model "
-        "runs outside the engine (models.load_model)"
-    ),
+    "Qwen3NextForCausalLM": _HYBRID_NOT_SERVED,
+    "Qwen3_5ForCausalLM": _HYBRID_NOT_SERVED,
+    "Qwen3_5MoeForCausalLM": _HYBRID_NOT_SERVED,
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(set(_MODEL_CLASSES) - set(_NOT_SERVED)))  # the built-in served ones
 # Built-in architectures whose `config.json` has fields of their own (else `ModelConfig`).
@@ -79,6 +84,8 @@ _CONFIG_CLASSES: dict[str, type[ModelConfig]] = {
     "Llama4ForConditionalGeneration": Llama4Config,
     "Glm4MoeForCausalLM": Glm4MoeConfig,
     "Qwen3NextForCausalLM": Qwen3NextConfig,
+    "Qwen3_5ForCausalLM": Qwen3NextConfig,
+    "Qwen3_5MoeForCausalLM": Qwen3NextConfig,
 }
 
 

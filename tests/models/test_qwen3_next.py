@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A tiny random Qwen3-Next (tests/models/tiny_qwen3_next.py) against transformers fp32, our model
-driven directly (one jitted step per call): logits at every position of a prompt longer than one
-64-token chunk of the gated delta rule; the same prompt in two steps, the Gated DeltaNet states
-and the KV cache carried between them; a ragged batch of prefills, then a mixed step of decodes
-and a 2-token chunk. A linear-attention layer's state slot is its sequence's first block (here
-the sequence's first KV page). Plus the config's parsing and the MTP weights skipped on load."""
+"""Tiny random Qwen3-Next, Qwen3.5 and Qwen3.5-MoE text models (tests/models/tiny_qwen3_next.py)
+against transformers fp32, our model driven directly (one jitted step per call): logits at every
+position of a prompt longer than one 64-token chunk of the gated delta rule; the same prompt in
+two steps, the Gated DeltaNet states and the KV cache carried between them; a ragged batch of
+prefills, then a mixed step of decodes and a 2-token chunk. A linear-attention layer's state
+slot is its sequence's first block (here the sequence's first KV page). Plus the configs'
+parsing and the MTP weights skipped on load."""
 
 from __future__ import annotations
 
@@ -26,15 +27,24 @@ from tests.models.tiny_qwen3_next import FIELDS, save_tiny_qwen3_next
 ATOL = 1e-3
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(path, config, model, hf), built once."""
+# The fast tier runs Qwen3-Next; Qwen3.5's differences (its projections, its MoE) run in the slow one.
+_ARCHITECTURES = [
+    "Qwen3NextForCausalLM",
+    pytest.param("Qwen3_5ForCausalLM", marks=pytest.mark.slow),
+    pytest.param("Qwen3_5MoeForCausalLM", marks=pytest.mark.slow),
+]
+
+
+@pytest.fixture(scope="module", params=_ARCHITECTURES)
+def tiny(request, tmp_path_factory):
+    """(path, config, model, hf), built once per architecture."""
     import torch
     import transformers
 
-    path = save_tiny_qwen3_next(str(tmp_path_factory.mktemp("qwen3_next")))
+    architecture = request.param
+    path = save_tiny_qwen3_next(str(tmp_path_factory.mktemp(architecture)), architecture=architecture)
     config, model = load_model(path)
-    hf = transformers.Qwen3NextForCausalLM.from_pretrained(
+    hf = getattr(transformers, architecture).from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     )
     return path, config, model, hf.eval()
@@ -95,7 +105,13 @@ def test_config_reads_the_hybrid_layout(tiny):
     assert isinstance(config, Qwen3NextConfig)
     assert config.layer_types == ("linear_attention",) * 3 + ("full_attention",)
     assert (config.rotary_dim, config.linear_num_key_heads, config.linear_num_value_heads) == (4, 2, 4)
-    assert [config.is_moe_layer(i) for i in range(4)] == [True, False, True, True]
+    routed = {
+        "Qwen3NextForCausalLM": [True, False, True, True],
+        "Qwen3_5ForCausalLM": [False] * 4,
+        "Qwen3_5MoeForCausalLM": [True] * 4,  # no dense layers, whatever mlp_only_layers says
+    }[config.architecture]
+    assert [config.is_moe_layer(i) for i in range(4)] == routed
+    assert config.split_linear_projections == config.architecture.startswith("Qwen3_5")
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     assert ModelConfig.from_hf_dict(hf) == config

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A tiny random Qwen3-Next (`Qwen3NextForCausalLM`) checkpoint: three Gated DeltaNet layers and
-one gated full-attention layer (transformers' default pattern), grouped key heads (2 key heads
-for 4 value heads), a quarter of each attention head rotated, routed experts with a shared
-expert in every layer but one dense layer (`mlp_only_layers`)."""
+"""Tiny random Qwen3-Next (`Qwen3NextForCausalLM`) and Qwen3.5 (`Qwen3_5ForCausalLM`,
+`Qwen3_5MoeForCausalLM`) checkpoints: three Gated DeltaNet layers and one gated full-attention
+layer (transformers' default pattern), grouped key heads (2 key heads for 4 value heads), a
+quarter of each attention head rotated; Qwen3-Next routes to experts beside a shared expert in
+every layer but one dense one (`mlp_only_layers`), Qwen3.5-MoE in every layer, Qwen3.5 never."""
 
 from __future__ import annotations
 
@@ -38,7 +39,27 @@ FIELDS = dict(
 )
 
 
-def save_tiny_qwen3_next(path: str, *, seed: int = 0) -> str:
+_MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+# architecture -> (transformers config class, its fields)
+ARCHITECTURES = {
+    "Qwen3NextForCausalLM": ("Qwen3NextConfig", FIELDS),
+    "Qwen3_5ForCausalLM": (
+        "Qwen3_5TextConfig",
+        {k: v for k, v in FIELDS.items() if k not in (*_MOE_FIELDS, "mlp_only_layers")},
+    ),
+    "Qwen3_5MoeForCausalLM": (
+        "Qwen3_5MoeTextConfig",
+        {k: v for k, v in FIELDS.items() if k not in ("intermediate_size", "mlp_only_layers")},
+    ),
+}
+
+
+def save_tiny_qwen3_next(path: str, *, seed: int = 0, architecture: str = "Qwen3NextForCausalLM") -> str:
     """The checkpoint (fp32 safetensors) and a tokenizer; weights re-drawn larger than HF's init so
     greedy text varies, norms and per-head scalars moved off their init so a wrong mapping shows."""
     import torch
@@ -46,10 +67,11 @@ def save_tiny_qwen3_next(path: str, *, seed: int = 0) -> str:
 
     os.makedirs(path, exist_ok=True)
     save_tokenizer(path, vocab_size=VOCAB)
-    config = transformers.Qwen3NextConfig(**FIELDS)
-    config.architectures = ["Qwen3NextForCausalLM"]
+    config_class, fields = ARCHITECTURES[architecture]
+    config = getattr(transformers, config_class)(**fields)
+    config.architectures = [architecture]
     torch.manual_seed(seed)
-    model = transformers.Qwen3NextForCausalLM(config).to(torch.float32)
+    model = getattr(transformers, architecture)(config).to(torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):  # decays between exp(-0.5) and exp(-4) a token at a = 0
