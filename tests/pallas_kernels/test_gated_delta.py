@@ -3,12 +3,14 @@
 the comments; the chunkwise ragged form against a NumPy token-by-token loop over a grid of
 ragged batches whose lengths cross chunk boundaries (decodes, prefill chunks, padding
 sequences, carried and fresh states, grouped key heads); a prompt run in two steps equal to one;
-the causal conv1d with its carried inputs against NumPy; the bad-shape errors."""
+the causal conv1d with its carried inputs against NumPy; bfloat16 inputs; no pool-sized
+temporaries in the compiled ops; the bad-shape errors."""
 
 from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -220,3 +222,52 @@ def test_bad_shapes_are_named():
         allocate_state_pools(
             1, conv_width=1, conv_dim=2, num_heads=1, key_dim=1, value_dim=1, dtype=jnp.float32
         )
+
+
+def _compiled_memory(num_slots: int, num_tokens: int):
+    """XLA's memory analysis of the rule and the conv, each compiled with its pool donated."""
+    seqs, key_heads, heads, dim, channels = 4, 2, 4, 32, 96
+    shapes = {
+        "q": (num_tokens, key_heads, dim), "k": (num_tokens, key_heads, dim), "v": (num_tokens, heads, dim),
+        "g": (num_tokens, heads), "beta": (num_tokens, heads), "state": (num_slots, heads, dim, dim),
+    }  # fmt: skip
+    batch_shapes = (((seqs,), jnp.int32), ((seqs,), bool), ((seqs + 1,), jnp.int32), ((1,), jnp.int32))
+    batch = [jax.ShapeDtypeStruct(s, d) for s, d in batch_shapes]
+    rule = jax.jit(lambda *a: gated_delta_rule(*a, backend="xla"), donate_argnums=5)
+    rule_args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes.values()] + batch
+    conv = jax.jit(lambda *a: causal_conv1d(*a, backend="xla"), donate_argnums=2)
+    conv_args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in
+                 ((num_tokens, channels), (4, channels), (num_slots, 3, channels))] + batch  # fmt: skip
+    return [f.lower(*args).compile().memory_analysis() for f, args in ((rule, rule_args), (conv, conv_args))]
+
+
+# A decode step and (slow tier) a prefill step of 4 sequences.
+@pytest.mark.parametrize("num_tokens", [4, pytest.param(128, marks=pytest.mark.slow)])
+def test_no_pool_sized_temporaries(num_tokens):
+    # The pools are updated in place (their donated arrays are the outputs) and the programs'
+    # scratch memory does not grow with the pool: only the step's own sequences' states are read.
+    small, large = _compiled_memory(8, num_tokens), _compiled_memory(256, num_tokens)
+    for few, many in zip(small, large, strict=True):
+        assert few.temp_size_in_bytes == many.temp_size_in_bytes
+        assert many.alias_size_in_bytes > 30 * few.alias_size_in_bytes  # the pool is aliased, not copied
+
+
+def test_bfloat16_inputs_and_pools():
+    # The rule computes in float32 from bfloat16 inputs, keeps the float32 state pool, returns
+    # bfloat16; the conv keeps a bfloat16 pool of the inputs as given.
+    rng = np.random.default_rng(5)
+    x = _inputs(rng, 40, 2, 4, 16, 8)
+    rounded = {n: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)) for n, a in x.items()}
+    pool = np.zeros((2, 4, 16, 8), np.float32)
+    o, new_pool = _run(**{n: jnp.asarray(a, jnp.bfloat16) for n, a in x.items()}, pool=pool, indices=[1],
+                       has_state=[False], q_lens=[40], num_seqs=1, chunk_size=16)  # fmt: skip
+    want, final = numpy_gated_delta(*(rounded[n] for n in ("q", "k", "v", "g", "beta")), pool[1])
+    assert o.dtype == jnp.bfloat16 and new_pool.dtype == np.float32
+    np.testing.assert_allclose(o.astype(np.float32), want, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(new_pool[1], final, atol=1e-4, rtol=1e-4)
+    channels = rng.standard_normal((6, 5)).astype(np.float32)
+    bf16_pool = np.zeros((1, 2, 5), jnp.bfloat16)
+    y, conv_pool = _conv(jnp.asarray(channels, jnp.bfloat16), np.ones((3, 5), np.float32), bf16_pool,
+                         [0], [False], [6], 1, activation=False)  # fmt: skip
+    assert y.dtype == jnp.bfloat16 and conv_pool.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(conv_pool[0], np.asarray(jnp.asarray(channels[-2:], jnp.bfloat16)))
