@@ -206,7 +206,8 @@ class Qwen3NextDecoderLayer(nnx.Module):
             return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, unit_offset=True)
 
         self.input_layernorm = norm()
-        if config.is_linear_attention(layer):
+        self.linear = config.is_linear_attention(layer)
+        if self.linear:
             linear = SplitProjectionGatedDeltaNet if config.split_linear_projections else GatedDeltaNet
             self.linear_attn = linear(
                 config.hidden_size, num_key_heads=config.linear_num_key_heads,
@@ -225,7 +226,7 @@ class Qwen3NextDecoderLayer(nnx.Module):
     def __call__(
         self, x: jax.Array, positions: jax.Array, cache: Any, md: AttentionMetadata
     ) -> tuple[jax.Array, Any]:
-        mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+        mixer = self.linear_attn if self.linear else self.self_attn
         mixed, cache = mixer(self.input_layernorm(x), positions, cache, md)
         x = x + mixed
         return x + self.mlp(self.post_attention_layernorm(x), md), cache
