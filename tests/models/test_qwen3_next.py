@@ -63,7 +63,6 @@ def _caches(config, model, num_pages):
     ]
 
 
-@pytest.mark.slow  # the fast tier's two-step test prefills past a chunk too
 def test_prefill_longer_than_a_chunk_matches_transformers(tiny):
     _, config, model, hf = tiny
     (ids,) = prompts([70], seed=70)
@@ -71,6 +70,7 @@ def test_prefill_longer_than_a_chunk_matches_transformers(tiny):
     np.testing.assert_allclose(logits, hf_logits(hf, ids), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.slow  # two programs; the fast tier's one prefill crosses a chunk already
 def test_prompt_in_two_steps_carries_the_states(tiny):
     _, config, model, hf = tiny
     # 66 tokens cross the rule's 64-token chunk; 4 more continue from the carried states.
