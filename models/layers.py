@@ -162,7 +162,12 @@ class PagedAttention(nnx.Module):
                 out_specs=(heads, cache),
                 check_vma=False,
             )(qkv, rows, table, kv_cache, dataclasses.replace(md, mesh=None), sinks)
-        return self.o_proj(o), kv_cache  # [T, D]
+        return self.o_proj(self.gate_output(o, x)), kv_cache  # [T, D]
+
+    def gate_output(self, o: jax.Array, x: jax.Array) -> jax.Array:
+        """The heads' output `o [T, N * H]` as `o_proj` takes it: as is (a gated attention,
+        Qwen3-Next's, scales it by a gate computed from the layer's input `x`)."""
+        return o
 
     def _attend(
         self,

@@ -22,6 +22,7 @@ from models.architectures import (
     model_class,
     register_architecture,
     registered,
+    serving_refusal,
     supported_architectures,
     unsupported_message,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "config_class",
     "model_class",
     "register_architecture",
+    "serving_refusal",
     "supported_architectures",
     "unsupported_message",
 ]

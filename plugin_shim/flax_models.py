@@ -15,7 +15,12 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig
-from models.registry import register_architecture, supported_architectures, unsupported_message
+from models.registry import (
+    register_architecture,
+    serving_refusal,
+    supported_architectures,
+    unsupported_message,
+)
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -69,10 +74,17 @@ def register_flax_model(
 def refuse_unsupported_architecture(vllm_config: VllmConfig) -> None:
     """Raises a ValueError listing what is served when the checkpoint's architecture (its
     `config.json`'s `architectures[0]`, which the worker builds) is neither built in nor
-    registered by a plugin; vLLM may know it, but its torch model does not run here."""
+    registered by a plugin; vLLM may know it, but its torch model does not run here. A built-in
+    architecture the engine does not serve yet is refused with the reason
+    (`models.registry.serving_refusal`)."""
     model = vllm_config.model_config
     if model is None:
         return
     architectures = getattr(model.hf_config, "architectures", None) or model.architectures
-    if architectures and architectures[0] not in supported_architectures():
+    if not architectures:
+        return
+    refusal = serving_refusal(architectures[0])
+    if refusal is not None:
+        raise ValueError(refusal)
+    if architectures[0] not in supported_architectures():
         raise ValueError(unsupported_message(architectures[0]))

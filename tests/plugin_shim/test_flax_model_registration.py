@@ -73,3 +73,14 @@ def test_an_architecture_vllm_knows_but_nothing_here_serves_is_refused_at_config
     text = str(raised.value)
     assert "model architecture 'InternLM3ForCausalLM' is not supported by vllm-xla" in text
     assert ", ".join(supported_architectures()) in text
+
+
+def test_an_architecture_whose_flax_model_is_not_served_yet_is_refused_with_the_reason(tmp_path):
+    # Qwen3-Next's Flax model runs (tests/models/test_qwen3_next.py); the engine does not serve it.
+    from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
+
+    model = save_tiny_qwen3_next(str(tmp_path / "qwen3_next"))
+    with pytest.raises(
+        ValueError, match=r"does not serve Qwen3NextForCausalLM yet: its Gated DeltaNet layers"
+    ):
+        _config(model)

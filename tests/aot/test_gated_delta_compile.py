@@ -1,0 +1,32 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Gated DeltaNet ops compile with the real GPU and TPU compilers at Qwen3-Next-80B-A3B's
+per-layer shape (`tests.aot.gated_delta_compile`), update both state pools in place, and need no
+temp memory that grows with the pools: a step's scratch is its own sequences' states and chunks.
+
+The TPU compiler takes minutes on each of these programs (XLA's form of the chunked rule), so
+the TPU runs only the decode step."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.aot.toolchains import run_worker
+
+# A step's sequences' states in and out (128 x 2 MiB each way for the decode step) and the
+# prefill's chunks; well under what one layer's weights take.
+TEMP_LIMIT = 600 << 20
+
+
+@pytest.mark.parametrize(("platform", "target", "rows"), [("cuda", "h100x1", ()), ("tpu", "v6e-1", ("128",))])
+def test_gated_delta_ops_compile_in_place_without_pool_sized_temporaries(platform, target, rows):
+    cases = run_worker(platform, "gated_delta_compile", target, *rows, timeout=1800)
+    for case in cases:
+        assert "error" not in case, f"{target} {case['case']}: {case.get('error')}"
+        assert case["in_place"], f"{target} {case['case']}: the pools are not aliased in -> out"
+        assert case["temp_bytes"] < TEMP_LIMIT, case
+    # Per step shape, the pools' sizes; temp memory may move by bytes (TPU's scatters add ~1 KiB a
+    # slot: under a thousandth of a slot's 2 MiB), never by slots' worth.
+    for small, large in zip(cases[::2], cases[1::2], strict=True):
+        assert small["rows"] == large["rows"]
+        growth = large["temp_bytes"] - small["temp_bytes"]
+        assert growth < (large["pool_bytes"] - small["pool_bytes"]) / 1000, (small, large)
