@@ -101,12 +101,16 @@ def layer_report(model_dir: str) -> dict:
     config = ModelConfig.from_pretrained(model_dir)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(len(PROMPT), config.hidden_size)), jnp.float32)
     want = np.asarray(jax.jit(lambda layer, x: layer(x))(first_moe_layer(load(model_dir, 1)), x))
-    report = {"scale": float(np.abs(want).max())}
+    report = {"scale": float(np.abs(want).max()), "tokens_by_hidden": len(PROMPT) * config.hidden_size}
     for ep in (2, 4):
         model = load(model_dir, ep)
         _, md = _metadata(0, len(PROMPT), {"mesh": tensor_parallel_mesh(ep)})
-        got = jax.jit(lambda layer, x, md: layer(x, md))(first_moe_layer(model), x, md)
+        layer = first_moe_layer(model)
+        program = jax.jit(lambda layer, x, md: layer(x, md))
+        got = program(layer, x, md)
         report[f"max_diff_{ep}"] = float(np.abs(np.asarray(got) - want).max())
+        hlo = program.lower(layer, x, md).compile().as_text()
+        report[f"collectives_{ep}"] = [(c.kind, sum(c.result_elements)) for c in hlo_collectives(hlo)]
         report[f"experts_{ep}"] = expert_shapes(model)
     return report
 

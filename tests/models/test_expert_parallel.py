@@ -91,3 +91,6 @@ def test_weights_moved_when_the_layers_compute_otherwise(report):
 def test_deepseek_moe_layer_by_expert_index(layer_report, ep):
     assert layer_report[f"max_diff_{ep}"] < 1e-4 * max(1.0, layer_report["scale"])
     _experts_split_by_index(layer_report[f"experts_{ep}"], ep)
+    # routed and shared experts' partial sums, each `[T, D]` (or both in one): no weight moved
+    sizes = {elements for _, elements in layer_report[f"collectives_{ep}"]}
+    assert sizes and sizes <= {layer_report["tokens_by_hidden"], 2 * layer_report["tokens_by_hidden"]}
