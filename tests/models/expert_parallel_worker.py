@@ -5,7 +5,8 @@ directory: its weights streamed onto meshes of 2 and 4 devices with the experts 
 `--enable-expert-parallel`), its MoE layers told so (`models.moe.use_expert_parallel`), against
 the same model on one device: prefill logits, greedy tokens, each expert array's per-device shape,
 and the collectives of the compiled prefill (also with the MoE layers not told, as a check
-that the count sees moved weights). `--layer` compares the first MoE layer alone
+that the count sees moved weights). `--quantized` also compares int8 (per channel and grouped) and fp8 weights at 4
+devices; `--layer` compares the first MoE layer alone
 (DeepSeek's latent attention has a cache of its own). Prints `REPORT {json}`."""
 
 from __future__ import annotations
@@ -39,15 +40,15 @@ PROMPT = [1, 5, 9, 17, 33, 65, 100, 7, 3, 250, 12]
 NEW_TOKENS = 6
 
 
-def load(model_dir: str, ep: int, *, flagged: bool = True) -> nnx.Module:
+def load(model_dir: str, ep: int, *, flagged: bool = True, quantization: str = "none") -> nnx.Module:
     """The model streamed onto `ep` devices with its experts by index (one device for 1);
     `flagged=False`: its MoE layers not told so (they then compute as if split inside each
-    expert, and XLA has to move the weights to match)."""
+    expert, and XLA has to move the weights to match); `quantization` as `Preparation`'s."""
     if ep == 1:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     else:
         sharding = functools.partial(_weight_sharding, tensor_parallel_mesh(ep), expert_parallel=True)
-    _, model = load_prepared(model_dir, Preparation(DTYPE, tp_size=ep), sharding)
+    _, model = load_prepared(model_dir, Preparation(DTYPE, tp_size=ep, quantization=quantization), sharding)
     if ep > 1 and flagged:
         assert use_expert_parallel(model) > 0
     return model
@@ -72,7 +73,7 @@ def collectives(model: nnx.Module, config: ModelConfig, ep: int) -> list[tuple[s
     return [(c.kind, sum(c.result_elements)) for c in hlo_collectives(lowered.compile().as_text())]
 
 
-def model_report(model_dir: str) -> dict:
+def model_report(model_dir: str, int8: bool = False) -> dict:
     config = ModelConfig.from_pretrained(model_dir)
     reference = load(model_dir, 1)
     want = prefill_logits(reference, config, 1, PROMPT)
@@ -89,6 +90,11 @@ def model_report(model_dir: str) -> dict:
         report[f"experts_{ep}"] = expert_shapes(model)
         report[f"collectives_{ep}"] = collectives(model, config, ep)
     report["collectives_unflagged"] = collectives(load(model_dir, 2, flagged=False), config, 2)
+    if int8:  # int8 and fp8 expert stacks with their scales (per channel or group) split alike
+        for quantization in ("int8", "fp8", "int8-g16"):
+            want = prefill_logits(load(model_dir, 1, quantization=quantization), config, 1, PROMPT)
+            got = prefill_logits(load(model_dir, 4, quantization=quantization), config, 4, PROMPT)
+            report[f"{quantization}_max_diff_4"] = float(np.abs(got - want).max())
     return report
 
 
@@ -117,7 +123,7 @@ def layer_report(model_dir: str) -> dict:
 
 def main(model_dir: str, mode: str) -> None:
     assert len(jax.devices()) == 4, jax.devices()
-    report = layer_report(model_dir) if mode == "--layer" else model_report(model_dir)
+    report = layer_report(model_dir) if mode == "--layer" else model_report(model_dir, mode == "--quantized")
     print("REPORT " + json.dumps(report))
 
 

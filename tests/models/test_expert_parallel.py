@@ -4,7 +4,8 @@
 greedy tokens are the one-device model's (itself checked against transformers in
 `test_architectures.py`), for every MoE architecture we serve: Mixtral, Qwen3-MoE, GPT-OSS
 (biases, clamped SwiGLU), Llama 4 (shared expert, weights on the inputs), GLM-4.5 (V3 routing,
-shared experts) as whole models; DeepSeek-V3's MoE layer alone. The compiled prefill gathers no
+shared experts) as whole models; DeepSeek-V3's MoE layer alone; Qwen3-MoE's int8 (per channel
+and grouped) and fp8 experts too. The compiled prefill gathers no
 expert weights: each device computes its own experts where they are."""
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def _run(model_dir: str, mode: str) -> dict:
 @pytest.fixture(scope="module", params=sorted(_MODELS))
 def report(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(f"ep_{request.param}") / "model")
-    return _run(_MODELS[request.param](path), "--model")
+    mode = "--quantized" if request.param == "qwen3_moe" else "--model"
+    return _run(_MODELS[request.param](path), mode)
 
 
 @pytest.fixture(scope="module", params=sorted(_LAYERS))
@@ -85,6 +87,12 @@ def test_no_expert_weights_moved(report, ep):
 def test_weights_moved_when_the_layers_compute_otherwise(report):
     # the check above can fail: experts placed by index but computed split inside each expert
     assert _moves_weights(report["collectives_unflagged"], report["expert_elements"])
+
+
+@pytest.mark.parametrize("report", ["qwen3_moe"], indirect=True)
+@pytest.mark.parametrize("quantization", ["int8", "int8-g16", "fp8"])
+def test_quantized_experts_by_index_equal_one_device(report, quantization):
+    assert report[f"{quantization}_max_diff_4"] < 1e-4 * max(1.0, report["scale"])
 
 
 @pytest.mark.parametrize("ep", [2, 4])
