@@ -30,6 +30,7 @@ _MODELS = {
     "llama4": lambda path: save_tiny("Llama4ForCausalLM", path, seed=4),
     "glm4_moe": lambda path: save_tiny_glm4_moe("qk_norm", path, seed=5),
 }
+_MORE = "qwen3_moe"  # also quantized experts, and the layers computing otherwise (`--more`)
 _LAYERS = {"deepseek_v3": lambda path: save_tiny_deepseek("v3_noaux_yarn", path, seed=6)}
 
 
@@ -44,7 +45,7 @@ def _run(model_dir: str, mode: str) -> dict:
 @pytest.fixture(scope="module", params=sorted(_MODELS))
 def report(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(f"ep_{request.param}") / "model")
-    mode = "--quantized" if request.param == "qwen3_moe" else "--model"
+    mode = "--more" if request.param == _MORE else "--model"
     return _run(_MODELS[request.param](path), mode)
 
 
@@ -84,12 +85,13 @@ def test_no_expert_weights_moved(report, ep):
     assert any(kind == "all-reduce" for kind, _ in report[f"collectives_{ep}"])
 
 
+@pytest.mark.parametrize("report", [_MORE], indirect=True)
 def test_weights_moved_when_the_layers_compute_otherwise(report):
     # the check above can fail: experts placed by index but computed split inside each expert
     assert _moves_weights(report["collectives_unflagged"], report["expert_elements"])
 
 
-@pytest.mark.parametrize("report", ["qwen3_moe"], indirect=True)
+@pytest.mark.parametrize("report", [_MORE], indirect=True)
 @pytest.mark.parametrize("quantization", ["int8", "int8-g16", "fp8"])
 def test_quantized_experts_by_index_equal_one_device(report, quantization):
     assert report[f"{quantization}_max_diff_4"] < 1e-4 * max(1.0, report["scale"])
