@@ -30,6 +30,8 @@ them (`int8`: every dense kernel int8 with a float32 scale per output channel, a
 `--tp N [N ...]` splits the model over N chips of the target as the runner's tensor parallelism
 does (the rules table of `models.sharding`, the KV cache split on its heads): every figure is then
 per chip, and a row also counts the collectives (and the bytes they give) of the decode step.
+`--ep` plans a mixture of experts under `--enable-expert-parallel`: at each TP size > 1 the
+experts split by index over the chips (whole experts a chip), the rest tensor-parallel.
 A model too large for its chips is reported as not fitting, by how much.
 
 `--model` takes a known name (`tpu_platform/planner/model_configs/`), an HF `config.json` or a model
@@ -66,12 +68,12 @@ def plan_one(model: str, target: str, tp_size: int, quantization: str, args: arg
     setup = StepSetup(
         model_config(model), target, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.batch,
         max_model_len=args.context, max_num_batched_tokens=args.prefill, tp_size=tp_size,
-        quantization=quantization,
+        quantization=quantization, expert_parallel=args.ep,
     )  # fmt: skip
     fit = fit_kv_cache(setup, args.batch, args.prefill, args.memory_utilization)
     bandwidth = setup.compile_target.hbm_bytes_per_second
     row = {
-        "model": model, "target": target, "tp_size": tp_size, "dtype": args.dtype,
+        "model": model, "target": target, "tp_size": tp_size, "expert_parallel": args.ep, "dtype": args.dtype,
         "quantization": quantization, "kv_dtype": setup.cache_dtype, "batch": args.batch,
         "context": args.context, "prefill": args.prefill,
         "backend": setup.backend, "hbm_bytes": setup.compile_target.hbm_bytes,
@@ -125,7 +127,8 @@ def _weights(row: dict) -> str:
 
 def _report(row: dict) -> str:
     tp = row.get("tp_size", 1)
-    split = f", split over {tp} chips, figures per chip" if tp > 1 else ""
+    experts = ", experts by index" if row.get("expert_parallel") else ""
+    split = f", split over {tp} chips{experts}, figures per chip" if tp > 1 else ""
     activations = f" x {row['dtype']} activations" if _weights(row) != row["dtype"] else ""
     head = (
         f"{row['model']} on {row['target']} ({_weights(row)} weights{activations}, KV {row['kv_dtype']}, "
@@ -234,6 +237,9 @@ def main() -> None:
     parser.add_argument("--target", nargs="+", default=["v5e-1", "v6e-1", "h100x1"], choices=sorted(TARGETS))
     parser.add_argument(
         "--tp", nargs="+", type=int, default=[1], help="tensor-parallel sizes (chips of the target)"
+    )
+    parser.add_argument(
+        "--ep", action="store_true", help="split the experts by index (--enable-expert-parallel)"
     )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument(

@@ -27,7 +27,7 @@ from models.config import ModelConfig
 from models.layers import ATTENTION_LINEARS, CausalLM, DecoderLayer, PagedAttention, decoder_hf_param_map
 from models.linear import Linear
 from models.metadata import AttentionMetadata
-from models.moe import experts_routed, experts_routed_on_mesh, route
+from models.moe import experts_by_index_on_mesh, experts_routed, experts_routed_on_mesh, route
 
 _LAYER = "model.layers.{i}"
 _EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -89,6 +89,9 @@ class GptOssExperts(nnx.Module):
 class GptOssMoE(nnx.Module):
     """Router `[D, E]` with a bias, top-k experts weighted by a softmax over their k logits."""
 
+    # Experts split by index over the step's mesh (`moe.use_expert_parallel`), else inside each expert.
+    expert_parallel: bool = False
+
     def __init__(self, config: GptOssConfig, *, dtype: jnp.dtype):
         d, e = config.hidden_size, config.num_experts
         self.router = Linear(d, e, bias=True, dtype=dtype)
@@ -97,13 +100,19 @@ class GptOssMoE(nnx.Module):
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
 
     def __call__(self, x: jax.Array, md: AttentionMetadata | None = None) -> jax.Array:
-        """`md`: the step's metadata; its mesh splits each expert's F (whole gate/up pairs a
-        device) when the TP size divides F, else XLA places the work."""
+        """`md`: the step's metadata; its mesh splits the experts by index under expert
+        parallelism, else each expert's F (whole gate/up pairs a device) when the TP size
+        divides F, else XLA places the work."""
         # Softmax over the top k logits is the full softmax's top k renormalized.
         weights, experts = route(self.router(x), self.top_k, renormalize=True)  # [T, k]
         ex = self.experts
         gate_up, gate_up_bias, down = ex.gate_up_proj[...], ex.gate_up_proj_bias[...], ex.down_proj[...]
         act = functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit)
+        if md is not None and md.mesh is not None and self.expert_parallel:
+            return experts_by_index_on_mesh(
+                md.mesh, x, (gate_up, None, down), weights, experts, act, gate_bias=gate_up_bias,
+                down_bias=ex.down_proj_bias[...],
+            )  # fmt: skip
         if md is not None and md.mesh is not None and down.shape[1] % md.tp_size == 0:
             y = experts_routed_on_mesh(
                 md.mesh, x, (gate_up, None, down), weights, experts, act, gate_bias=gate_up_bias

@@ -220,6 +220,53 @@ def experts_routed_on_mesh(
     )(x, stacks, weights, experts, gate_bias, *extra)
 
 
+def experts_by_index_on_mesh(
+    mesh: Mesh,
+    x: jax.Array,
+    stacks: tuple[jax.Array, jax.Array | None, jax.Array],
+    weights: jax.Array,
+    experts: jax.Array,
+    act: Callable[[jax.Array], jax.Array],
+    scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    gate_bias: jax.Array | None = None,
+    weights_on_input: bool = False,
+    down_bias: jax.Array | None = None,
+) -> jax.Array:
+    """`experts_routed` under expert parallelism: every expert array split on its expert axis
+    over `mesh`'s model axis (`models.sharding.EXPERT_PARALLEL_RULE`), device i holding experts
+    `i * E / N ..` whole. The tokens and their routing are on every device (attention's sum left
+    them replicated), so each device runs its own experts on the assignments routed to them, the
+    others' weights zeroed (they go to its first expert and add nothing), and one sum over the
+    devices combines them: the same `[T, D]` all-reduce as the split experts', and no token or
+    weight exchanged before it. `down_bias [E, D]` (GPT-OSS): added once per chosen expert, by
+    the device holding it. Other arguments as in `experts_routed_on_mesh`."""
+    split, whole = PartitionSpec(MODEL_AXIS), PartitionSpec()
+
+    def local(x, stacks, weights, experts, gate_bias, down_bias, *scales):
+        count = stacks[0].shape[0]
+        ids = experts - jax.lax.axis_index(MODEL_AXIS) * count
+        mine = (ids >= 0) & (ids < count)
+        weights = jnp.where(mine, weights, 0.0)
+        ids = jnp.where(mine, ids, 0)
+        partial = experts_routed(
+            x, *stacks, weights, ids, act, scales=scales or None, gate_bias=gate_bias,
+            weights_on_input=weights_on_input,
+        )  # fmt: skip
+        if down_bias is not None:
+            bias = jnp.einsum("tk,tkd->td", weights, down_bias[ids].astype(jnp.float32))
+            partial = (partial.astype(jnp.float32) + bias).astype(x.dtype)
+        return jax.lax.psum(partial, MODEL_AXIS)
+
+    extra = scales if scales is not None else ()
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(whole, split, whole, whole, split, split, *(split for _ in extra)),
+        out_specs=whole,
+        check_vma=False,
+    )(x, stacks, weights, experts, gate_bias, down_bias, *extra)
+
+
 class StackedLinear(nnx.Module):
     """One `[in, out]` kernel per expert, stacked `[E, in, out]` (filled expert by expert on load);
     int8 and fp8 kernels have their per-channel scales `[E, out]` in `kernel_scale`
@@ -244,6 +291,8 @@ class SparseMoE(nnx.Module):
     routing weights scale the experts' inputs (Llama 4) sets `weights_on_input`."""
 
     weights_on_input: ClassVar[bool] = False
+    # Experts split by index over the step's mesh (`use_expert_parallel`), else inside each expert.
+    expert_parallel: bool = False
 
     def __init__(
         self,
@@ -283,8 +332,9 @@ class SparseMoE(nnx.Module):
     def __call__(
         self, x: jax.Array, md: AttentionMetadata | None = None, *, dense: bool = False
     ) -> jax.Array:
-        """`md`: the step's metadata (its mesh splits the experts, `experts_routed_on_mesh`, when
-        the rules table could split them: F divisible by the TP size, else they are whole).
+        """`md`: the step's metadata (its mesh splits the experts: by index under
+        `expert_parallel`, `experts_by_index_on_mesh`; else inside each, `experts_routed_on_mesh`,
+        when the rules table could split them: F divisible by the TP size, else they are whole).
         `dense=True` runs `experts_dense_reference` instead (tests; int8 weights dequantized)."""
         weights, experts = self.select_experts(x)  # [T, k]
         stacks, act = self._stacks(), activation(self.act)
@@ -300,8 +350,22 @@ class SparseMoE(nnx.Module):
         scales = tuple(s.kernel_scale[...] for s in stacks) if int8 else None
         kernels = tuple(s.kernel[...] for s in stacks)
         on_input = self.weights_on_input
+        if md is not None and md.mesh is not None and self.expert_parallel:
+            return experts_by_index_on_mesh(
+                md.mesh, x, kernels, weights, experts, act, scales, weights_on_input=on_input
+            )
         if md is not None and md.mesh is not None and kernels[0].shape[2] % md.tp_size == 0:
             return experts_routed_on_mesh(
                 md.mesh, x, kernels, weights, experts, act, scales, weights_on_input=on_input
             )
         return experts_routed(x, *kernels, weights, experts, act, scales=scales, weights_on_input=on_input)
+
+
+def use_expert_parallel(model: nnx.Module) -> int:
+    """Has every mixture of experts in `model` (a module with an `expert_parallel` flag: `SparseMoE`
+    and its subclasses, GPT-OSS's) run its experts split by index over the step's mesh, as
+    `models.sharding` places them with `expert_parallel=True`. Returns how many it set."""
+    layers = [module for _, module in nnx.iter_graph(model) if hasattr(type(module), "expert_parallel")]
+    for module in layers:
+        module.expert_parallel = True
+    return len(layers)

@@ -28,6 +28,13 @@ family. The mesh has one axis, `MODEL_AXIS` (vLLM's `tensor_parallel_size`):
   balances the work whatever the router picks; the router is replicated;
 - everything else (norms, router, RoPE tables) is replicated.
 
+Expert parallelism (`expert_parallel=True`, vLLM's `--enable-expert-parallel`) replaces the
+experts' rules with one: every array under `.experts.` (kernels, scales, GPT-OSS's biases) is
+split on its expert axis, so each of the N devices holds E / N whole experts (device i experts
+`i * E / N` to `(i + 1) * E / N - 1`); the router and DeepSeek's and Llama 4's shared experts
+keep the rules above. E must divide by N (`check_model_splits` refuses it by name); the experts'
+intermediate size then need not.
+
 A vocabulary the mesh does not divide is not split (a tiny test model's, say): `parameter_spec`
 replicates it, and `vocab_parallel` tells the embedding so. Every other dimension a rule splits
 (heads, KV heads up to replication, the MLP's and the experts' intermediate sizes) must divide:
@@ -96,10 +103,12 @@ GROUPED_SCALE_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r".*", _REPLICATED),
 )
 _GROUPED_ROW = PartitionSpec(None, MODEL_AXIS, None)  # an expert stack's grouped row-parallel scale
+# Under expert parallelism: every expert array split on its expert axis (`[E, ...]`).
+EXPERT_PARALLEL_RULE = (r"\.experts\.", _SPLIT)
 _COMPILED_RULES = tuple((re.compile(pattern), spec) for pattern, spec in DECODER_RULES)
 _COMPILED_GROUPED = tuple((re.compile(pattern), spec) for pattern, spec in GROUPED_SCALE_RULES)
 _SCALE = re.compile(r"(kernel_scale|head_scale)$")
-_EXPERTS = re.compile(r"\.experts\.")
+_EXPERTS = re.compile(EXPERT_PARALLEL_RULE[0])
 
 
 def is_grouped_scale(path: str, ndim: int) -> bool:
@@ -120,9 +129,13 @@ def rule_spec(path: str, ndim: int | None = None) -> PartitionSpec:
     return _REPLICATED  # unreachable: the last rule matches everything
 
 
-def parameter_spec(path: str, shape: tuple[int, ...], tp_size: int) -> PartitionSpec:
+def parameter_spec(
+    path: str, shape: tuple[int, ...], tp_size: int, *, expert_parallel: bool = False
+) -> PartitionSpec:
     """The PartitionSpec of the parameter at dotted `path` (e.g. `model.layers.0.self_attn.
-    qkv_proj.kernel`) of `shape` on a mesh of `tp_size` devices along `MODEL_AXIS`.
+    qkv_proj.kernel`) of `shape` on a mesh of `tp_size` devices along `MODEL_AXIS`;
+    `expert_parallel`: the experts' arrays by expert index instead (`EXPERT_PARALLEL_RULE`), a
+    ValueError when `tp_size` does not divide their expert count.
 
     The rule's split dimensions, unless `tp_size` is 1 or does not divide one of them: then the
     parameter is replicated (one device holds it whole). This is the one lookup for placing,
@@ -131,6 +144,9 @@ def parameter_spec(path: str, shape: tuple[int, ...], tp_size: int) -> Partition
     A row-parallel kernel's grouped int8 scale (`[in / G, out]`) whose groups `tp_size` does not
     divide is a ValueError: a device's share of the inputs would end inside a group.
     """
+    if tp_size > 1 and expert_parallel and _EXPERTS.search(path):
+        check_expert_parallel(shape[0], tp_size)
+        return _SPLIT
     spec = rule_spec(path, len(shape))
     if tp_size == 1 or not spec:
         return _REPLICATED
@@ -147,16 +163,33 @@ def parameter_spec(path: str, shape: tuple[int, ...], tp_size: int) -> Partition
     return spec
 
 
-def parameter_sharding(path: str, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+def check_expert_parallel(num_experts: int, ep_size: int) -> None:
+    """A ValueError naming the fix when `num_experts` do not split into `ep_size` equal shares."""
+    if num_experts % ep_size:
+        sizes = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
+        raise ValueError(
+            f"--enable-expert-parallel with tensor_parallel_size={ep_size} cannot split this "
+            f"model's {num_experts} experts by index: {num_experts} does not divide by {ep_size}; "
+            f"use --tensor-parallel-size one of {sizes}, or leave expert parallelism off"
+        )
+
+
+def parameter_sharding(
+    path: str, shape: tuple[int, ...], mesh: Mesh, *, expert_parallel: bool = False
+) -> NamedSharding:
     """`parameter_spec` on `mesh` (its `MODEL_AXIS` size is the TP size)."""
-    return NamedSharding(mesh, parameter_spec(path, shape, mesh.shape[MODEL_AXIS]))
+    spec = parameter_spec(path, shape, mesh.shape[MODEL_AXIS], expert_parallel=expert_parallel)
+    return NamedSharding(mesh, spec)
 
 
-def state_shardings(state: nnx.State, mesh: Mesh):
+def state_shardings(state: nnx.State, mesh: Mesh, *, expert_parallel: bool = False):
     """A `NamedSharding` for every leaf of a model's `state` (same tree), for placing or
     restoring it onto `mesh`."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: parameter_sharding(key_path_name(path), np.shape(leaf), mesh), state
+        lambda path, leaf: parameter_sharding(
+            key_path_name(path), np.shape(leaf), mesh, expert_parallel=expert_parallel
+        ),
+        state,
     )
 
 
@@ -174,12 +207,13 @@ def key_path_name(path: tuple) -> str:
     return ".".join(parts)
 
 
-def place_state(state: nnx.State, mesh: Mesh) -> nnx.State:
+def place_state(state: nnx.State, mesh: Mesh, *, expert_parallel: bool = False) -> nnx.State:
     """`state` (host or device arrays) on `mesh`, leaf by leaf straight to its sharding: a device
-    receives only its own slice of a split weight."""
+    receives only its own slice of a split weight (its own experts under `expert_parallel`)."""
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: jax.device_put(
-            leaf, parameter_sharding(key_path_name(path), np.shape(leaf), mesh)
+            leaf,
+            parameter_sharding(key_path_name(path), np.shape(leaf), mesh, expert_parallel=expert_parallel),
         ),
         state,
     )
@@ -225,16 +259,17 @@ def check_tensor_parallel(
     )
 
 
-def split_dimensions(config: ModelConfig) -> tuple[tuple[str, int], ...]:
+def split_dimensions(config: ModelConfig, *, expert_parallel: bool = False) -> tuple[tuple[str, int], ...]:
     """The model's dimensions besides its heads that the rules table splits over the devices and
     that must divide by the TP size: the MLP's intermediate size (gate/up columns, down rows, the
     fused gate/up built in per-device blocks) where a layer has a dense MLP, and the experts'
     (`moe_intermediate_size`; Mixtral's `intermediate_size`). The vocabulary is not among them: a
-    vocabulary the mesh does not divide is replicated (`vocab_parallel`), never cut."""
+    vocabulary the mesh does not divide is replicated (`vocab_parallel`), never cut.
+    `expert_parallel`: the experts are whole (split by index), their size is not among them."""
     dimensions = []
     if any(not config.is_moe_layer(layer) for layer in range(config.num_layers)):
         dimensions.append(("intermediate_size", config.intermediate_size))
-    if config.num_experts:
+    if config.num_experts and not expert_parallel:
         dimensions.append(("experts' intermediate size", config.moe_intermediate_size))
     dimensions.extend(_per_layer_kv_widths(config))
     return tuple(dimensions)
@@ -254,11 +289,15 @@ def _per_layer_kv_widths(config: ModelConfig) -> list[tuple[str, int]]:
     return [(f"layer {layer}'s k/v projection width", width) for width, layer in widths.items()]
 
 
-def check_model_splits(config: ModelConfig, tp_size: int) -> None:
+def check_model_splits(config: ModelConfig, tp_size: int, *, expert_parallel: bool = False) -> None:
     """Raises a ValueError naming the dimension, its size and the TP sizes that work when a
     dimension the rules table splits (heads, KV heads, `split_dimensions`) does not split
-    `tp_size` ways; at start, before any weight is read."""
-    check_tensor_parallel(config.num_heads, config.num_kv_heads, tp_size, split_dimensions(config))
+    `tp_size` ways, or, under `expert_parallel`, the experts do not; at start, before any
+    weight is read."""
+    dimensions = split_dimensions(config, expert_parallel=expert_parallel)
+    check_tensor_parallel(config.num_heads, config.num_kv_heads, tp_size, dimensions)
+    if expert_parallel and config.num_experts:
+        check_expert_parallel(config.num_experts, tp_size)
 
 
 def _heads_fit(num_heads: int, num_kv_heads: int, tp_size: int) -> bool:

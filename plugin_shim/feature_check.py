@@ -244,12 +244,22 @@ REFUSED: tuple[Refusal, ...] = (
         _NO_PARALLELISM,
     ),
     Refusal(
-        "enable_expert_parallel",
-        "expert parallelism (MoE)",
-        "True",
-        lambda c: bool(_parallel(c).enable_expert_parallel),
-        "leave it off: under --tensor-parallel-size each expert is split over the devices "
-        "(its intermediate dimension), with no all-to-all",
+        "enable_expert_parallel with data_parallel_size or nnodes",
+        "expert parallelism over data-parallel replicas or across hosts",
+        "True with data_parallel_size > 1 or nnodes > 1",
+        lambda c: (
+            bool(_parallel(c).enable_expert_parallel)
+            and (_parallel(c).data_parallel_size > 1 or _parallel(c).nnodes > 1)
+        ),
+        "split the experts over one host's devices (--enable-expert-parallel with "
+        "--tensor-parallel-size N on one host); data-parallel replicas each hold all the experts",
+    ),
+    Refusal(
+        "enable_eplb / expert_placement_strategy",
+        "expert load balancing (redundant experts) or round-robin expert placement",
+        "enable_eplb=True; expert_placement_strategy='round_robin'",
+        lambda c: bool(_parallel(c).enable_eplb) or _parallel(c).expert_placement_strategy != "linear",
+        "leave them off and linear: device i holds experts i * E / N to (i + 1) * E / N - 1, once",
     ),
     Refusal(
         "runner / convert",
@@ -380,6 +390,13 @@ SUPPORTED: tuple[Supported, ...] = (
         "tensor_parallel_size",
         "one worker drives a JAX mesh of the host's devices (models/sharding.py); the Ray executor "
         "is refused",
+    ),
+    Supported(
+        "Expert parallelism on one host",
+        "enable_expert_parallel with tensor_parallel_size",
+        "each device holds E / N whole experts and runs them on the tokens routed to them, one "
+        "sum over the devices a layer (models/moe.py); attention stays tensor-parallel; an "
+        "expert count the TP size does not divide is refused",
     ),
     Supported(
         "Data parallelism on one host",

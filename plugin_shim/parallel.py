@@ -77,7 +77,8 @@ def _check_splits(vllm_config: VllmConfig, tp_size: int) -> None:
         if heads:
             check_tensor_parallel(heads, getattr(hf, "num_key_value_heads", None) or heads, tp_size)
         return
-    check_model_fits_mesh(config, tp_size)
+    expert_parallel = bool(vllm_config.parallel_config.enable_expert_parallel)
+    check_model_fits_mesh(config, tp_size, expert_parallel=expert_parallel)
 
 
 def _one_worker_per_host(vllm_config: VllmConfig) -> None:

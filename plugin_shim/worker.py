@@ -148,6 +148,7 @@ class XlaWorker(WorkerBase):
                 logprobs_mode=str(mc.logprobs_mode),
                 logits_processors=self.logits_bridge is not None,
                 tensor_parallel_size=mesh_tensor_parallel_size(self.vllm_config),
+                expert_parallel=bool(self.vllm_config.parallel_config.enable_expert_parallel),
                 quantization=mc.quantization,
                 pooling=pooling_config(self.vllm_config),
                 lora=lora.runner_lora_config(self.vllm_config),

@@ -55,8 +55,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def check_model_fits_mesh(config: ModelConfig, tp_size: int) -> None:
+def check_model_fits_mesh(config: ModelConfig, tp_size: int, *, expert_parallel: bool = False) -> None:
     """A ValueError naming the dimension and the sizes that work when the model's heads or another
     dimension the rules table splits (`models.sharding.check_model_splits`) do not split `tp_size`
-    ways."""
-    check_model_splits(config, tp_size)
+    ways (under `expert_parallel`, the experts themselves)."""
+    check_model_splits(config, tp_size, expert_parallel=expert_parallel)

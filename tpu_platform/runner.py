@@ -17,6 +17,7 @@ from flax import nnx
 
 from models import ModelConfig, PackedKernel, attach_rope_tables
 from models.lora import attach_lora
+from models.moe import use_expert_parallel
 from models.sharding import kv_heads_on_mesh, parameter_sharding, place_state
 from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
@@ -70,7 +71,7 @@ class Runner:
         self.weight_shardings: ShardingFor = (
             jax.sharding.SingleDeviceSharding(self.device)
             if self.mesh is None
-            else functools.partial(_weight_sharding, self.mesh)
+            else functools.partial(_weight_sharding, self.mesh, expert_parallel=config.expert_parallel)
         )
         self.backend = select_backend(config.attention_backend, self.device.platform, config.cache_dir)
         # The native dense kernel's instruction set here ("amx", "avx512_bf16", "avx2"), or None:
@@ -113,6 +114,8 @@ class Runner:
         )
         packed = len(jax.tree.leaves(nnx.state(model, PackedKernel)))
         attach_rope_tables(model, self.config.max_model_len)
+        if self.config.expert_parallel and self.mesh is not None:
+            use_expert_parallel(model)  # the experts placed by index: `_weight_sharding`
         lora = self.config.lora
         sites = None
         if lora is not None:  # zeroed adapter slots: `models.lora`
@@ -127,7 +130,7 @@ class Runner:
         if self.mesh is None:
             self.state = jax.device_put(state, self.device)
         else:  # leaf by leaf to its sharding (`models.sharding`)
-            self.state = place_state(state, self.mesh)
+            self.state = place_state(state, self.mesh, expert_parallel=self.config.expert_parallel)
         self._state_leaves, self._state_def = jax.tree.flatten(self.state)
         self.lora: LoraSlots | None = None
         if sites is not None:
@@ -544,6 +547,6 @@ _FIRST_RUN_TOKENS = 64
 __all__ = ["InFlightStep", "Runner", "RunnerConfig", "RunnerStats", "StepLogprobs", "StepResult"]
 
 
-def _weight_sharding(mesh: jax.sharding.Mesh, path: tuple[str, ...], abstract: jax.ShapeDtypeStruct):
+def _weight_sharding(mesh: jax.sharding.Mesh, path: tuple[str, ...], abstract, *, expert_parallel=False):
     """A restored weight's sharding on the tensor-parallel `mesh` (`models.sharding` rules)."""
-    return parameter_sharding(".".join(path), abstract.shape, mesh)
+    return parameter_sharding(".".join(path), abstract.shape, mesh, expert_parallel=expert_parallel)

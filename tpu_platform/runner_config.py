@@ -62,6 +62,9 @@ class RunnerConfig:
     logits_processors: bool = False
     # vLLM's `tensor_parallel_size`: local devices the model is split over (`tpu_platform.mesh`).
     tensor_parallel_size: int = 1
+    # vLLM's `enable_expert_parallel`: the experts split by index over those devices, each whole
+    # (`models.sharding`), instead of inside each expert.
+    expert_parallel: bool = False
     # vLLM's `quantization`: None, or a method serving int8 or fp8 weights (`QUANTIZATION_METHODS`).
     quantization: str | None = None
     # A pooling engine's pooling (`tpu_platform.pooling`); None: a generating one.

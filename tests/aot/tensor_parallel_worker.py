@@ -6,7 +6,10 @@ what the rules table implies (`tpu_platform.planner.plan.expected_collectives`) 
 line: each case's fit, its weight bytes (whole, per chip, replicated) and the collectives that
 should not be there.
 
-    python -m tests.aot.tensor_parallel_worker MODE TARGET:MODEL:TP [TARGET:MODEL:TP ...]
+    python -m tests.aot.tensor_parallel_worker MODE TARGET:MODEL:TP[:ep] [TARGET:MODEL:TP[:ep] ...]
+
+`:ep`: under expert parallelism (the experts split by index); each case then also reports the
+experts' bytes, whole and per chip, and each short program's collective bytes.
 
 MODE `full`: every layer compiled (`tpu_platform.planner.kv.fit_kv_cache`); `depth`: the model's
 first 2 and 4 layers (`tpu_platform.planner.depth.fit_by_depth`: the memory extrapolated, the
@@ -17,10 +20,15 @@ Run through `tests.aot.toolchains.run_worker` (the compiler's toolchain on the p
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import sys
 import time
 
+import jax
+
+from models.sharding import key_path_name
 from tests.aot.model_step_worker import DECODE_TOKENS, PREFILL_TOKENS, setup_for
 from tpu_platform.planner.depth import at_depth, fit_by_depth
 from tpu_platform.planner.hlo import unexpected_collectives
@@ -31,8 +39,10 @@ STEPS = (("decode", DECODE_TOKENS), ("prefill", PREFILL_TOKENS))
 
 
 def fit_case(mode: str, case: str) -> dict:
-    target_name, model, tp = case.split(":")
+    target_name, model, tp, *mode_flags = case.split(":")
     setup = setup_for(f"{target_name}:{model}", tp_size=int(tp))
+    if "ep" in mode_flags:
+        setup = dataclasses.replace(setup, expert_parallel=True)
     start = time.perf_counter()
     problems = {}
     if mode == "full":
@@ -60,8 +70,21 @@ def fit_case(mode: str, case: str) -> dict:
         "case": case, "mode": mode, "tp_size": setup.tp_size, "hbm_bytes": setup.compile_target.hbm_bytes,
         "backend": setup.backend, "seconds": time.perf_counter() - start,
         "total_weight_bytes": abstract.weight_bytes, "replicated_weight_bytes": replicated,
-        "unexpected_collectives": problems, **fit.as_dict(),
+        "unexpected_collectives": problems, **_experts(setup, abstract, placed), **fit.as_dict(),
     }  # fmt: skip
+
+
+def _experts(setup, abstract, placed) -> dict:
+    """The experts' bytes, whole and on one chip (`.experts.` arrays: the rules table's paths)."""
+    paths = [key_path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(abstract.state)[0]]
+    experts = [leaf for path, leaf in zip(paths, placed, strict=True) if ".experts." in path]
+    return {
+        "expert_parallel": setup.expert_parallel,
+        "expert_bytes": sum(leaf.size * leaf.dtype.itemsize for leaf in experts),
+        "chip_expert_bytes": sum(
+            math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in experts
+        ),
+    }
 
 
 def main(argv: list[str]) -> None:

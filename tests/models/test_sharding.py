@@ -293,3 +293,45 @@ def test_an_intermediate_size_that_does_not_divide_is_named():
         ValueError, match=r"its experts' intermediate size \(18\) does not divide by 4; .* \[1, 2\]$"
     ):
         check_model_splits(mixtral, 4)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "model.layers.0.mlp.experts.gate_proj.kernel",  # [E, D, F]
+        "model.layers.0.mlp.experts.down_proj.kernel",  # [E, F, D]
+        "model.layers.0.mlp.experts.up_proj.kernel_scale",  # [E, F] per channel
+        "model.layers.0.mlp.experts.gate_up_proj_bias",  # GPT-OSS [E, 2F]
+    ],
+)
+def test_expert_parallel_splits_every_expert_array_on_its_expert_axis(path):
+    shape = (8, 12, 6)[: 2 if path.endswith(("scale", "bias")) else 3]
+    assert parameter_spec(path, shape, 4) != P(MODEL_AXIS)  # split inside each expert, or whole
+    assert parameter_spec(path, shape, 4, expert_parallel=True) == P(MODEL_AXIS)
+    assert parameter_spec(path, shape, 1, expert_parallel=True) == P()
+
+
+@pytest.mark.parametrize(
+    ("path", "shape", "expected"),
+    [
+        ("model.layers.0.mlp.router.kernel", (64, 8), P()),
+        ("model.layers.0.mlp.shared_experts.gate_proj.kernel", (64, 32), P(None, MODEL_AXIS)),
+        ("model.layers.0.mlp.shared_expert.down_proj.kernel", (32, 64), P(MODEL_AXIS, None)),
+        ("model.layers.0.self_attn.qkv_proj.kernel", (64, 128), P(None, MODEL_AXIS)),
+    ],
+)
+def test_expert_parallel_leaves_router_shared_experts_and_attention_to_the_table(path, shape, expected):
+    assert parameter_spec(path, shape, 4, expert_parallel=True) == expected
+
+
+def test_expert_parallel_refuses_an_expert_count_that_does_not_split_and_frees_their_size():
+    with pytest.raises(ValueError, match=r"cannot split this model's 8 experts by index: .* \[1, 2, 4, 8\]"):
+        parameter_spec("model.layers.0.mlp.experts.gate_proj.kernel", (8, 12, 6), 3, expert_parallel=True)
+    moe = _tiny_config("Qwen3MoeForCausalLM", moe_intermediate_size=18)  # 8 experts of 18
+    check_model_splits(moe, 4, expert_parallel=True)  # whole experts: their size need not divide
+    with pytest.raises(ValueError, match="its experts' intermediate size"):
+        check_model_splits(moe, 4)
+    with pytest.raises(ValueError, match="cannot split this model's 8 experts by index"):
+        check_model_splits(
+            _tiny_config("Qwen3MoeForCausalLM", num_attention_heads=16), 16, expert_parallel=True
+        )

@@ -43,7 +43,12 @@ CASES = {
     ),
     # vLLM wants tensor parallelism beyond the KV heads (2) for it: both are refused.
     "decode_context_parallel_size": ("llama", dict(decode_context_parallel_size=2, tensor_parallel_size=4)),
-    "enable_expert_parallel": ("mixtral", dict(enable_expert_parallel=True)),
+    "enable_expert_parallel with data_parallel_size or nnodes": (
+        "mixtral", dict(enable_expert_parallel=True, data_parallel_size=2),
+    ),
+    "enable_eplb / expert_placement_strategy": (
+        "mixtral", dict(enable_expert_parallel=True, expert_placement_strategy="round_robin"),
+    ),
     "runner / convert": ("llama", dict(convert="classify")),  # a causal LM has no score head
     "kv_offloading_size": ("llama", dict(kv_offloading_size=1.0)),
     "kv_transfer_config": (
@@ -84,6 +89,10 @@ def models(tmp_path_factory) -> dict[str, str]:
         "mixtral": dict(
             config, architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
             num_experts_per_tok=2,
+        ),
+        "mixtral_8_heads": dict(
+            config, architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+            num_experts_per_tok=2, num_attention_heads=8, num_key_value_heads=8,
         ),
         "fp8_checkpoint": dict(
             config, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"}
@@ -230,6 +239,19 @@ def test_what_works_stays_accepted(models, kwargs):
 
 def test_moe_model_is_accepted(models):
     assert feature_check.refusals(_config(models, "mixtral", {})) == []
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_expert_parallelism_on_one_host_is_accepted(models, tp):
+    config = _config(models, "mixtral", dict(enable_expert_parallel=True, tensor_parallel_size=tp))
+    assert feature_check.refusals(config) == []
+    assert config.parallel_config.enable_expert_parallel
+
+
+def test_expert_parallelism_refuses_experts_that_do_not_split(models):
+    # the tiny Mixtral's 4 experts over 8 devices (8 heads of its width: they split 8 ways)
+    with pytest.raises(ValueError, match="cannot split this model's 4 experts by index"):
+        _config(models, "mixtral_8_heads", dict(enable_expert_parallel=True, tensor_parallel_size=8))
 
 
 def test_docs_table_is_the_list():

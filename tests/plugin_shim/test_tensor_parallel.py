@@ -6,7 +6,8 @@ when JAX starts, and this process keeps one device). Greedy tokens at every TP s
 transformers' fp32 greedy continuation and the TP=1 engine's; logprobs agree within 1e-3. Every
 parameter's actual sharding is the rules table's, and each device holds 1/N of a split weight
 and of the KV cache. One TP=4 engine serves, under VLLM_XLA_STRICT_COMPILE=1, a mixed workload
-with chunked prefill, prefix-cache hits and preemption before its greedy check.
+with chunked prefill, prefix-cache hits and preemption before its greedy check. Qwen3-MoE runs
+with `enable_expert_parallel=True` at 2 and 4 devices: its experts placed by index, whole.
 """
 
 from __future__ import annotations
@@ -120,6 +121,14 @@ MODELS = {
         [_greedy_run(2)],
         "xla",
     ),
+    # Qwen3-MoE under expert parallelism: 8 experts, 4 or 2 whole ones a device; its dense layer
+    # and attention tensor-parallel.
+    "qwen3_moe_ep": (
+        "Qwen3MoeForCausalLM",
+        functools.partial(save_tiny, "Qwen3MoeForCausalLM"),
+        [_greedy_run(2, enable_expert_parallel=True), _greedy_run(4, enable_expert_parallel=True)],
+        "xla",
+    ),
     **{
         name: (
             architecture,
@@ -197,7 +206,8 @@ def test_every_parameter_is_placed_as_the_rules_table_says(served, name):
             continue
         split = set()
         for path, placed in result["params"].items():
-            expected = parameter_spec(path, tuple(placed["shape"]), tp)
+            expert_parallel = run["llm"].get("enable_expert_parallel", False)
+            expected = parameter_spec(path, tuple(placed["shape"]), tp, expert_parallel=expert_parallel)
             assert _normalized(placed["spec"]) == _normalized(list(expected)), path
             assert placed["devices"] == tp, path
             if any(expected):
@@ -210,6 +220,7 @@ def test_every_parameter_is_placed_as_the_rules_table_says(served, name):
         kinds = [attention, "o_proj.kernel", "embed_tokens.embedding"]
         kinds += {
             "mixtral": ["experts.gate_proj.kernel", "experts.down_proj.kernel"],
+            "qwen3_moe_ep": ["experts.gate_proj.kernel", "experts.down_proj.kernel", "gate_up_proj.kernel"],
             "gpt_oss": ["experts.gate_up_proj", "experts.down_proj", "self_attn.sinks"],
             "llama4": [
                 "experts.gate_proj.kernel",

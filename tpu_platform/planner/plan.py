@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from models import ModelConfig, attach_rope_tables, build, prepare_for_serving
 from models.lora import attach_lora
+from models.moe import use_expert_parallel
 from models.sharding import MODEL_AXIS, kv_heads_on_mesh, state_shardings, vocab_parallel
 from pallas_kernels import kv_cache_partition_spec, latent_cache_partition_spec
 from pallas_kernels.backend import resolve_backend
@@ -143,6 +144,7 @@ class StepSetup:
     quantization: str = "none"  # one of QUANTIZATIONS
     lora: LoraConfig | None = None  # vLLM's LoRA limits: the adapter slots the runner attaches
     attention_backend: str = "auto"  # as the runner's: "auto" picks by the target's device kind
+    expert_parallel: bool = False  # vLLM's enable_expert_parallel: experts split by index
 
     def __post_init__(self) -> None:
         chips = target(self.target).num_chips  # an unknown name fails here, listing the known ones
@@ -159,7 +161,7 @@ class StepSetup:
                 f"tp_size={self.tp_size} does not fit target {self.target!r} of {chips} chip(s); "
                 f"use a tp_size from 1 to {chips} or a larger target"
             )
-        check_model_fits_mesh(self.config, self.tp_size)
+        check_model_fits_mesh(self.config, self.tp_size, expert_parallel=self.expert_parallel)
 
     @property
     def compile_target(self) -> CompileTarget:
@@ -217,8 +219,9 @@ class StepSetup:
     def abstract_model(self) -> AbstractModel:
         """The model as the runner would serve it with this setup, weights abstract."""
         return abstract_model(
-            self.config, self.dtype, self.max_model_len, self.tp_size, self.quantization, self.lora
-        )
+            self.config, self.dtype, self.max_model_len, self.tp_size, self.quantization, self.lora,
+            self.expert_parallel,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -281,6 +284,7 @@ class AbstractModel:
     state_def: jax.tree_util.PyTreeDef
     leaves: tuple[jax.ShapeDtypeStruct, ...]
     state: nnx.State  # the abstract state itself, for the rules table's shardings
+    expert_parallel: bool = False  # the experts placed by index (`models.sharding`)
 
     @property
     def weight_bytes(self) -> int:
@@ -292,7 +296,7 @@ class AbstractModel:
         `models.sharding`'s rules table (`state_shardings`, as `place_state` puts them)."""
         if mesh is None:
             return _on(device, list(self.leaves))
-        shardings = jax.tree.leaves(state_shardings(self.state, mesh))
+        shardings = jax.tree.leaves(state_shardings(self.state, mesh, expert_parallel=self.expert_parallel))
         return [_abstract(leaf, sharding) for leaf, sharding in zip(self.leaves, shardings, strict=True)]
 
     def chip_weight_bytes(self, mesh: Mesh | None) -> int:
@@ -312,13 +316,15 @@ def abstract_model(
     tp_size: int = 1,
     quantization: str = "none",
     lora: LoraConfig | None = None,
+    expert_parallel: bool = False,
 ) -> AbstractModel:
     """The model the runner would load, weights abstract: built under `nnx.eval_shape` and
     prepared as `models.load_model` prepares it for `tp_size` devices (KV heads repeated up to
     the TP size when fewer, the tied head's copy, fused projections in one block a device), then
     quantized as the runner's `Preparation` does ("int8": int8 kernels and their scales), with
     the RoPE tables the runner attaches for `max_model_len` positions and, with `lora`, the
-    adapter slots `Runner.load_model` attaches."""
+    adapter slots `Runner.load_model` attaches; `expert_parallel`: its MoE layers flagged and
+    their experts placed by index, as the runner does under `--enable-expert-parallel`."""
     preparation = Preparation(jnp.dtype(dtype).name, tp_size=tp_size, quantization=quantization)
 
     def prepared(model: nnx.Module) -> nnx.Module:
@@ -330,6 +336,9 @@ def abstract_model(
     # zeros, which the fused projections' concatenation would then really fill.
     model = nnx.eval_shape(prepared, nnx.eval_shape(lambda: build(config, jnp.dtype(dtype))))
     attach_rope_tables(model, max_model_len)
+    expert_parallel = expert_parallel and tp_size > 1
+    if expert_parallel:
+        use_expert_parallel(model)
     if lora is not None:
         lora_dtype = jnp.dtype(lora.dtype or dtype)
         attach_lora(
@@ -337,7 +346,9 @@ def abstract_model(
         )
     graphdef, state = nnx.split(model)
     leaves, state_def = jax.tree.flatten(state)
-    return AbstractModel(graphdef, state_def, tuple(_abstract(leaf) for leaf in leaves), state)
+    return AbstractModel(
+        graphdef, state_def, tuple(_abstract(leaf) for leaf in leaves), state, expert_parallel
+    )
 
 
 def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
