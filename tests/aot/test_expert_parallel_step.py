@@ -3,7 +3,7 @@
 Qwen3-30B-A3B (128 experts of 768) split over 8 chips: v6e-8 and 8x H100.
 
 The worker (`tensor_parallel_worker`, `:ep` cases) sizes the KV cache from the model's first 2
-and 4 layers at full width (`tpu_platform.plan_depth`), the weights abstract and placed by the
+and 4 layers at full width (`tpu_platform.planner.depth`), the weights abstract and placed by the
 rules table with the experts by index (`models.sharding`'s `expert_parallel=True`), the MoE
 layers flagged as the runner flags them. Each chip holds 16 whole experts a layer (1/8 of the
 experts' bytes), and the compiled steps exchange only what tensor parallelism does: the

@@ -31,9 +31,9 @@ from tests.tpu_platform.tensor_parallel_weights_worker import (
     prefill_logits,
 )
 from tpu_platform.mesh import tensor_parallel_mesh
-from tpu_platform.plan_hlo import hlo_collectives
-from tpu_platform.prepared_weights import Preparation, load_prepared
+from tpu_platform.planner.hlo import hlo_collectives
 from tpu_platform.runner import _weight_sharding
+from tpu_platform.weights.prepared import Preparation, load_prepared
 
 DTYPE = "float32"
 PROMPT = [1, 5, 9, 17, 33, 65, 100, 7, 3, 250, 12]
