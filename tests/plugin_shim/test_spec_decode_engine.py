@@ -49,7 +49,7 @@ def llm(tiny_dir):
     mp.setenv("VLLM_XLA_STRICT_COMPILE", "1")
     engine = LLM(
         model=tiny_dir, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, block_size=16,
-        num_gpu_blocks_override=10, seed=0, speculative_config=SPECULATIVE,
+        num_gpu_blocks_override=10, seed=0, speculative_config=SPECULATIVE, disable_log_stats=False,
     )  # fmt: skip
     yield engine
     del engine
@@ -88,6 +88,31 @@ def test_greedy_with_ngram_drafts_equals_greedy_decoding(llm, hf):
     assert after["partial_prefill_steps"] > before["partial_prefill_steps"]
     assert after["preempted_requests"] > before["preempted_requests"]
     assert after["compiles_after_warmup"] == 0
+
+
+def _spec_counters(llm):
+    """vLLM's draft tokens, accepted tokens, and accepted tokens by draft position."""
+    metrics = {m.name: m for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")}
+    by_position = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    return (
+        metrics["vllm:spec_decode_num_draft_tokens"].value if metrics else 0,
+        metrics["vllm:spec_decode_num_accepted_tokens"].value if metrics else 0,
+        sum(by_position.values) if by_position is not None else 0,
+    )
+
+
+def test_vllms_spec_decode_metrics_count_the_drafts_verified_and_kept(llm):
+    before, vllm_before = _stats(llm), _spec_counters(llm)
+    prompts = _prompts(seed=3, count=2)
+    _generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    after, vllm_after = _stats(llm), _spec_counters(llm)
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    assert accepted > 0
+    # vLLM's scheduler counts from the tokens each step returned: the same acceptance; its draft
+    # count also holds drafts a step did not verify (none here) and the placeholders it pads with.
+    assert vllm_after[1] - vllm_before[1] == accepted
+    assert vllm_after[2] - vllm_before[2] == accepted
+    assert vllm_after[0] - vllm_before[0] >= after["draft_tokens"] - before["draft_tokens"]
 
 
 def test_requests_that_cannot_be_drafted_are_served_beside_drafted_ones(llm, hf):
