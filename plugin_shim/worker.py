@@ -281,7 +281,9 @@ class XlaWorker(WorkerBase):
         if self.logits_bridge is not None:
             self.logits_bridge.record(result)
         speculation = self.runner.speculation
-        if speculation is not None:  # the next step's drafts, from the tokens just recorded
+        # The next step's drafts, from the tokens just recorded (none under a logits processor,
+        # which leaves every step to the sampler: drafts would only be rejected).
+        if speculation is not None and self.logits_bridge is None:
             drafts = speculation.propose(self.runner.table, result.req_ids, result.sampled_token_ids)
             self.drafts = DraftTokenIds(result.req_ids, drafts)
         if self.metrics is not None and self.metrics.due():  # the counters' snapshot is not free
