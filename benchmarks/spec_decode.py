@@ -61,7 +61,8 @@ def prompts(tokenizer, count: int) -> list[list[int]]:
     for i in range(count):
         ask, text = asks[i % len(asks)]
         messages = [{"role": "user", "content": ask.format(text)}]
-        out.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        out.append(tokenizer.encode(text, add_special_tokens=False))
     return out
 
 

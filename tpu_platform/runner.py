@@ -338,7 +338,7 @@ class Runner:
                 tensors = self.sampling.dummy_tensors(flags, r_pad, **self._extra_widths)
                 specs.append(self._sampler_spec(logits, tensors, flags))
         if self.speculation is not None:
-            specs += self.speculation.warm_up_specs(self._whole_state(), shapes, self.sampling, self.dtype)
+            specs += self.speculation.warm_up_specs(self._whole_state(), self.sampling, self.dtype)
         return specs + self._prompt_logprobs.warm_up_specs(self._whole_state())
 
     def _forward_spec(self, packed: np.ndarray | jax.Array, dims: tuple[int, int, int, int]) -> ProgramSpec:

@@ -5,6 +5,9 @@ and preemption, with drafts both kept and rejected; random sampling is reproduci
 nothing compiles after warm-up."""
 
 import gc
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from tests.greedy_reference import hf_greedy
+from tests.plugin_shim.tensor_parallel_engine import environment
 from tests.tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.slow  # builds vllm.LLM
@@ -145,3 +149,24 @@ def test_seeded_sampling_with_drafts_is_reproducible_alone_or_in_a_batch(llm):
     after = _stats(llm)
     assert after["accepted_tokens"] > before["accepted_tokens"]
     assert after["compiles_after_warmup"] == 0
+
+
+def test_tensor_parallel_engine_verifies_drafts_to_the_same_greedy_tokens(tiny_dir, hf, tmp_path):
+    # Two simulated devices, in a process of their own: the verification program's LM head is
+    # split over the vocabulary like the forward's.
+    prompts = _prompts(seed=4, count=3)
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    job.write_text(
+        json.dumps(
+            {"model": tiny_dir, "prompts": prompts, "new_tokens": 24, "speculative_config": SPECULATIVE}
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.plugin_shim.spec_decode_tp_engine", str(job), str(out)],
+        env={**environment(), "VLLM_XLA_STRICT_COMPILE": "1"}, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-6000:]
+    result = json.loads(out.read_text())
+    assert result["tokens"] == [hf_greedy(hf, p, 24) for p in prompts]
+    assert result["stats"]["accepted_tokens"] > 0
+    assert result["stats"]["compiles_after_warmup"] == 0

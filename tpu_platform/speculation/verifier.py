@@ -24,6 +24,7 @@ from flax import nnx
 from models import ModelConfig
 from models.registry import architecture_fingerprint
 from tpu_platform.batch_update import BatchUpdate
+from tpu_platform.buckets import token_buckets
 from tpu_platform.programs import Programs, ProgramSpec, structure_text
 from tpu_platform.request_table import RequestTable
 from tpu_platform.runner_config import RunnerConfig
@@ -120,6 +121,10 @@ class SpeculativeDecoding:
         self._sharding = sharding
         self._context = context
         self._draftable: dict[str, bool] = {}
+        # Request rows of the programs: the forward's buckets up to `max_num_seqs`, by requests
+        # rather than tokens (the LM head runs on 1 + k rows a request: a lone drafted request
+        # would otherwise take the row bucket of its 1 + k tokens).
+        self.row_buckets = token_buckets(feed_width, feed_width)
 
     @classmethod
     def for_runner(
@@ -204,8 +209,9 @@ class SpeculativeDecoding:
             self.stats.unverified_steps += 1
             return None
         plan, step_drafts, tensors = pending.plan, pending.drafts, pending.tensors
-        r_pad, k = plan.shape[1], self.config.num_tokens
-        num = step_drafts.num_drafts
+        k, num = self.config.num_tokens, step_drafts.num_drafts
+        r_pad = next(r for r in self.row_buckets if r >= num.size)
+        tensors = jax.tree.map(lambda x: x[:r_pad], tensors)  # prepared for the forward's rows
         n = num.size
         known = plan.inputs().cu_q_lens[1 : n + 1] - 1 - num  # each request's last known token
         index = np.zeros((r_pad, k + 1), np.intp)
@@ -222,19 +228,11 @@ class SpeculativeDecoding:
         self.stats.verified_steps += 1
         return Verification(SamplerOutput(first), tokens, counts, step_drafts, self.stats)
 
-    def warm_up_specs(
-        self,
-        state: nnx.State,
-        shapes: Sequence[tuple[int, int, int]],
-        sampling: SamplingBatch,
-        dtype: np.dtype,
-    ) -> list[ProgramSpec]:
-        """The verification programs of the row bucket of every step shape (T, R, P) that can hold
-        drafts (two tokens or more), for each flag set."""
-        row_buckets = sorted({r_pad for t_pad, r_pad, _ in shapes if t_pad > 1})
+    def warm_up_specs(self, state: nnx.State, sampling: SamplingBatch, dtype: np.dtype) -> list[ProgramSpec]:
+        """The verification programs of every row bucket and flag set."""
         return [
             self._spec(state, r_pad, flags, dtype, sampling.dummy_tensors(flags, r_pad))
-            for r_pad in row_buckets
+            for r_pad in self.row_buckets
             for flags in VERIFY_FLAGS
         ]
 
