@@ -22,19 +22,45 @@ def _vllm_ngram(tokens, k, min_n, max_n, max_model_len):
     ).tolist()
 
 
-@pytest.mark.parametrize(
-    ("k", "min_n", "max_n", "vocab"), [(3, 1, 3, 4), (5, 2, 4, 3), (2, 3, 3, 2), (4, 1, 1, 6)]
-)
-def test_ngram_proposals_match_vllms_proposer(k, min_n, max_n, vocab):
+def _brute_force_ngram(tokens, k, min_n, max_n, max_model_len):
+    """vLLM's rule spelled out: the longest n in [min_n, max_n] whose suffix occurs ending before
+    the last token, its earliest occurrence, and what follows it (room permitting)."""
+    tokens, total = list(tokens), len(tokens)
+    for n in range(min(max_n, total), min_n - 1, -1):
+        for end in range(n - 1, total - 1):
+            if tokens[end - n + 1 : end + 1] == tokens[total - n :]:
+                room = min(k, max_model_len - total)
+                return tokens[end + 1 : end + 1 + room] if room > 0 else []
+    return []
+
+
+CASES = [(3, 1, 3, 4), (5, 2, 4, 3), (2, 3, 3, 2), (4, 1, 1, 6)]
+
+
+def _random_histories(k, vocab):
     # Small vocabularies repeat a lot: long matches, ties between occurrences, overlapping ones.
     rng = np.random.default_rng(k * 100 + vocab)
-    lengths = rng.integers(1, 40, 64)
-    tokens = rng.integers(0, vocab, (64, 48)).astype(np.int32)
+    return rng.integers(0, vocab, (64, 48)).astype(np.int32), rng.integers(1, 40, 64)
+
+
+@pytest.mark.parametrize(("k", "min_n", "max_n", "vocab"), CASES)
+def test_ngram_proposals_follow_vllms_rule(k, min_n, max_n, vocab):
+    tokens, lengths = _random_histories(k, vocab)
     max_model_len = 44  # some histories leave less room than k
     got = propose_ngram(tokens, lengths, k=k, min_n=min_n, max_n=max_n, max_model_len=max_model_len)
-    expected = [_vllm_ngram(tokens[b, : lengths[b]], k, min_n, max_n, max_model_len) for b in range(64)]
+    expected = [
+        _brute_force_ngram(tokens[b, : lengths[b]], k, min_n, max_n, max_model_len) for b in range(64)
+    ]
     assert got == expected
     assert sum(map(len, got)) > 0
+
+
+@pytest.mark.slow  # imports vLLM and compiles its numba proposer
+@pytest.mark.parametrize(("k", "min_n", "max_n", "vocab"), CASES)
+def test_ngram_proposals_match_vllms_proposer(k, min_n, max_n, vocab):
+    tokens, lengths = _random_histories(k, vocab)
+    got = propose_ngram(tokens, lengths, k=k, min_n=min_n, max_n=max_n, max_model_len=44)
+    assert got == [_vllm_ngram(tokens[b, : lengths[b]], k, min_n, max_n, 44) for b in range(64)]
 
 
 def test_ngram_proposes_what_followed_the_longest_earliest_match():
