@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from plugin_shim import speculative
 from plugin_shim.internals import model_default_attention_backend
 from tpu_platform.runner_config import QUANTIZATION_METHODS
 
@@ -191,10 +192,11 @@ REFUSED: tuple[Refusal, ...] = (
     ),
     Refusal(
         "speculative_config",
-        "speculative decoding",
-        "any method",
-        lambda c: c.speculative_config is not None,
-        "leave speculative_config unset (and spec_method / spec_model)",
+        "speculative decoding beyond n-gram drafts",
+        speculative.REFUSED_VALUES,
+        lambda c: speculative.unsupported_speculation(c) is not None,
+        speculative.INSTEAD,
+        speculative.unsupported_speculation,
     ),
     Refusal(
         "cpu_offload_gb",
@@ -416,6 +418,14 @@ SUPPORTED: tuple[Supported, ...] = (
         "every width up to max_logprobs served by programs built at warm-up",
     ),
     Supported("Structured outputs", "structured_outputs", "vLLM's grammar bitmasks, applied in the step"),
+    Supported(
+        "Speculative decoding: n-gram (prompt lookup)",
+        "speculative_config method='ngram', num_speculative_tokens, prompt_lookup_min/max",
+        "drafts verified in the same ragged step; greedy output equal to no speculation, random "
+        "sampling by vLLM's rejection rule (temperature, top-k/p, min-p, seeds); requests with "
+        "logprobs, penalties, bad words, min_tokens, logit_bias, allowed ids or a grammar get no "
+        "drafts (docs/configuration.md)",
+    ),
     Supported("Logits processors", "logits_processors", "vLLM's logits-processor plugins"),
     Supported(
         "Prefix caching, chunked prefill, preemption",

@@ -61,6 +61,11 @@ GAUGES = {
         "scheduling: the tokens go from step to step on the device), since the last report",
         lambda s, d: _per_step(d, "overlapped_steps"),
     ),
+    "vllm_xla:spec_decode_acceptance_rate": (
+        "Share of the draft tokens verified that were kept (speculative decoding), since the last "
+        "report; 0 without drafts",
+        lambda s, d: d.get("accepted_tokens", 0.0) / d["draft_tokens"] if d.get("draft_tokens") else 0.0,
+    ),
 }
 
 

@@ -98,6 +98,7 @@ def batch_update(so: SchedulerOutput) -> BatchUpdate:
         finished_req_ids=so.finished_req_ids,
         num_scheduled_tokens=so.num_scheduled_tokens,
         preempted_req_ids=so.preempted_req_ids or frozenset(),
+        spec_tokens=so.scheduled_spec_decode_tokens,
     )
 
 

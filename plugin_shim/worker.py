@@ -16,7 +16,7 @@ from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, DraftTokenIds
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from plugin_shim import data_parallel, hosts, lora, translate
@@ -27,6 +27,7 @@ from plugin_shim.parallel import mesh_tensor_parallel_size
 from plugin_shim.platform import runner_load_format
 from plugin_shim.pooling import execute_pooling, pooling_config, supported_tasks
 from plugin_shim.request_failures import with_failures
+from plugin_shim.speculative import runner_speculation
 from tpu_platform.envs import read_env
 from tpu_platform.metrics_file import MetricsPublisher, metrics_path
 from tpu_platform.runner import InFlightStep, Runner, RunnerConfig
@@ -114,6 +115,7 @@ class XlaWorker(WorkerBase):
         self.env = env
         self.metrics: MetricsPublisher | None = None  # set once warm-up is done
         self.failures: dict[str, str] = {}  # the executed step's failed requests, until it is sampled
+        self.drafts: DraftTokenIds | None = None  # the last step's n-gram drafts, until vLLM takes them
         self.device = torch.device("cpu")
         # Before JAX starts a backend: a data-parallel replica's own devices; across hosts, JAX's
         # hosts, then vLLM's (docs/multihost.md).
@@ -152,6 +154,7 @@ class XlaWorker(WorkerBase):
                 quantization=mc.quantization,
                 pooling=pooling_config(self.vllm_config),
                 lora=lora.runner_lora_config(self.vllm_config),
+                speculation=runner_speculation(self.vllm_config),
             )
         )
         mesh = self.runner.mesh
@@ -278,6 +281,12 @@ class XlaWorker(WorkerBase):
             result = self.runner.finish(step)
         if self.logits_bridge is not None:
             self.logits_bridge.record(result)
+        speculation = self.runner.speculation
+        # The next step's drafts, from the tokens just recorded (none under a logits processor,
+        # which leaves every step to the sampler: drafts would only be rejected).
+        if speculation is not None and self.logits_bridge is None:
+            drafts = speculation.propose(self.runner.table, result.req_ids, result.sampled_token_ids)
+            self.drafts = DraftTokenIds(result.req_ids, drafts)
         if self.metrics is not None and self.metrics.due():  # the counters' snapshot is not free
             self.metrics.publish(self.runner_stats())
         if not self.replies:  # another host's worker: its tokens are recorded, vLLM reads host 0's
@@ -297,6 +306,7 @@ class XlaWorker(WorkerBase):
             "compile_seconds": programs.seconds,
             "compiles_after_warmup": programs.compiles_after_warmup,
             "kv_groups": self.runner.num_groups,
+            **(dataclasses.asdict(self.runner.speculation.stats) if self.runner.speculation else {}),
         }
 
     # vLLM's LoRA calls (`LLM.llm_engine.add_lora`, the server's /v1/load_lora_adapter, resolvers)
@@ -317,8 +327,9 @@ class XlaWorker(WorkerBase):
         """vLLM's step for an idle data-parallel replica of an MoE model, which keeps the replicas'
         expert-parallel collectives in line: our step has none across replicas, so nothing."""
 
-    def take_draft_token_ids(self):
-        return None
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        drafts, self.drafts = self.drafts, None
+        return drafts
 
     def check_health(self) -> None:
         return None

@@ -75,6 +75,9 @@ class BatchUpdate:
     preempted_req_ids: Set[str] = frozenset()
     # Structured output: request id -> packed int32 bitmask row over the vocab (set bit = allowed).
     grammar_bitmasks: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # Speculative decoding: request id -> its draft tokens, the last of its scheduled tokens
+    # (-1: a placeholder the scheduler pads with, never accepted).
+    spec_tokens: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

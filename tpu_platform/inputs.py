@@ -103,9 +103,13 @@ def prepare_step(
     buckets: StepBuckets,
     page_size: int,
     buffers: StepBuffers | None = None,
+    num_drafts: np.ndarray | None = None,
 ) -> StepPlan:
     """Builds the padded inputs for sequences `rows` scheduled for `num_scheduled` tokens each,
     in one packed buffer (`plan.packed`, laid out as `pack_inputs` does; `plan.inputs()` views it).
+
+    `num_drafts[i]` of sequence i's scheduled tokens are drafts (speculative decoding): its
+    logits row is then its last token before them, what it samples without speculation.
     """
     num_seqs = rows.size
     total = sum(num_scheduled.tolist())  # (NumPy's reduction is far slower on a cold cache)
@@ -121,7 +125,7 @@ def prepare_step(
         plan = _prepare(packed, table, rows, num_scheduled, total, dims, page_size)
         buffers.keep_decode_template(dims, num_seqs, plan.packed)
         return plan
-    return _prepare(packed, table, rows, num_scheduled, total, dims, page_size)
+    return _prepare(packed, table, rows, num_scheduled, total, dims, page_size, num_drafts)
 
 
 def _decode_from(
@@ -161,6 +165,7 @@ def _prepare(
     total: int,
     dims: tuple[int, int, int, int],
     page_size: int,
+    num_drafts: np.ndarray | None = None,
 ) -> StepPlan:
     num_seqs = rows.size
     start = table.num_computed[rows]
@@ -184,7 +189,8 @@ def _prepare(
     _fill(inputs.kv_lens, kv_lens, 0)
     _page_rows(inputs.page_indices, table.block_table, rows)
     inputs.num_seqs[0] = num_seqs
-    _fill(inputs.logits_indices, cu_q[1 : num_seqs + 1] - 1, 0)
+    last = cu_q[1 : num_seqs + 1] - 1
+    _fill(inputs.logits_indices, last if num_drafts is None else last - num_drafts, 0)
     emits = kv_lens >= table.num_tokens[rows]
     appends = table.plan_appends(rows, emits)
     fed = bool(inputs.feed.max() >= 0)

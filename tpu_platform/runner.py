@@ -46,6 +46,7 @@ from tpu_platform.sampling.uniform import (
     warm_logprobs_width,
     with_all_extras,
 )
+from tpu_platform.speculation.verifier import SpeculativeDecoding
 from tpu_platform.step import make_sampler
 from tpu_platform.step_program import KVLayout, build_step_program
 from tpu_platform.step_record import DispatchedStep, InFlightStep, record_step
@@ -136,10 +137,14 @@ class Runner:
         if sites is not None:
             self.lora = LoraSlots(lora, sites, self.state, self._state_leaves)
         self._graphdef = graphdef
+        whole = None if self.mesh is None else self._whole
         self._prompt_logprobs = PromptLogprobsProgram.for_model(
-            graphdef, self.model_config, self.config, self.dtype, None if self.mesh is None else self._whole
+            graphdef, self.model_config, self.config, self.dtype, whole
         )
         self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)
+        self.speculation = SpeculativeDecoding.for_runner(
+            graphdef, self.model_config, self.config, whole, self.programs
+        )
         self._sample = make_sampler(self.buckets.max_seqs, self.mesh)
         self._pooling = None  # a pooling runner's programs
         if self.config.pooling is not None:
@@ -299,6 +304,8 @@ class Runner:
                     continue  # the forward's argmax serves these steps
                 tensors = self.sampling.dummy_tensors(flags, r_pad, **self._extra_widths)
                 specs.append(self._sampler_spec(logits, tensors, flags))
+        if self.speculation is not None:
+            specs += self.speculation.warm_up_specs(self._whole_state(), self.sampling, self.dtype)
         return specs + self._prompt_logprobs.warm_up_specs(self._whole_state())
 
     def _forward_spec(self, packed: np.ndarray | jax.Array, dims: tuple[int, int, int, int]) -> ProgramSpec:
@@ -374,8 +381,9 @@ class Runner:
             padded_rows = self.buckets.shape_for(sum(num_scheduled.tolist()), rows.size)[1]
             if self.sampling.reads_history(rows, padded_rows):  # `prepare` then reuses its answer
                 self._finish_through(self._in_flight[-1])
-        page_size = self.config.page_size
-        plan = prepare_step(self.table, rows, num_scheduled, self.buckets, page_size, self._buffers)
+        drafts = self.speculation and self.speculation.write_drafts(self.table, rows, num_scheduled, update)
+        page_size, drafted = self.config.page_size, None if drafts is None else drafts.num_drafts
+        plan = prepare_step(self.table, rows, num_scheduled, self.buckets, page_size, self._buffers, drafted)
         tensors, flags = self._widened(
             *self.sampling.prepare(
                 rows=rows,
@@ -407,7 +415,7 @@ class Runner:
                 compute, hidden, self.table, req_ids, rows, plan.inputs().cu_q_lens
             )
         self._pending = DispatchedStep(
-            plan, req_ids, logits, greedy, prompt, tensors, flags, dispatched_at, hidden=hidden
+            plan, req_ids, logits, greedy, prompt, tensors, flags, dispatched_at, hidden=hidden, drafts=drafts
         )
 
     def pool(self) -> tuple[list[str], list[np.ndarray | None]]:
@@ -454,7 +462,11 @@ class Runner:
             self.stats.host_seconds += time.perf_counter() - start
             logits = logits_transform(logits, plan.rows, flags.all_greedy)
             start = time.perf_counter()
-        if logits_transform is None and flags.argmax_only:
+        other = bool(grammar_bitmasks) or logits_transform is not None  # the sampler then rejects drafts
+        verification = pending.drafts and self.speculation.try_verify(self._whole_state(), pending, other)
+        if verification is not None:
+            out = verification.output
+        elif logits_transform is None and flags.argmax_only:
             out = SamplerOutput(sampled_token_ids=pending.greedy)  # the forward's argmax: no sampler run
         else:
             self.stats.sampler_steps += 1
@@ -467,6 +479,7 @@ class Runner:
             )
             self.stats.dispatch_seconds += time.perf_counter() - dispatch_start
         step = InFlightStep(plan, pending.req_ids, out, pending.prompt_logprobs, pending.dispatched_at)
+        step.verification = verification
         self._in_flight.append(step)
         self.stats.host_seconds += time.perf_counter() - start
         return step
@@ -518,6 +531,8 @@ class Runner:
 
     def _apply(self, update: BatchUpdate) -> None:
         self.stats.preempted_requests += len(update.preempted_req_ids)
+        if self.speculation is not None:
+            self.speculation.apply(update)
         for req_id in update.finished_req_ids:
             row = self._remove_request(req_id)
             self.prompt_logprobs.remove(req_id)

@@ -10,6 +10,7 @@ from tpu_platform.lora_slots import LoraConfig
 
 if TYPE_CHECKING:
     from tpu_platform.pooling import PoolingConfig
+    from tpu_platform.speculation import SpeculationConfig
 
 # vLLM `quantization` values the runner serves, as int8 or fp8 weights (`models.quantization`).
 QUANTIZATION_METHODS = ("int8_per_channel_weight_only", "compressed-tensors", "fp8", "fp8_per_channel")
@@ -71,6 +72,8 @@ class RunnerConfig:
     pooling: PoolingConfig | None = None
     # vLLM's LoRA limits when `enable_lora` (`tpu_platform.lora_slots`); None: no adapters.
     lora: LoraConfig | None = None
+    # vLLM's `speculative_config` (`tpu_platform.speculation`); None: no speculative decoding.
+    speculation: SpeculationConfig | None = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

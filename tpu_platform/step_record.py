@@ -5,6 +5,7 @@ step whose tokens may still be on the device, and their recording into the reque
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -13,6 +14,9 @@ from tpu_platform.batch_update import StepLogprobs, StepResult
 from tpu_platform.inputs import StepPlan
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingTensors
+
+if TYPE_CHECKING:
+    from tpu_platform.speculation.verifier import StepDrafts, Verification
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -29,6 +33,7 @@ class DispatchedStep:
     flags: SamplerFlags
     dispatched_at: float
     hidden: jax.Array | None = None  # `[T, D]` hidden states of every token (a pooling runner's)
+    drafts: StepDrafts | None = None  # the step's draft tokens (speculative decoding)
 
 
 @dataclasses.dataclass(slots=True)
@@ -41,6 +46,7 @@ class InFlightStep:
     prompt_logprobs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None
     dispatched_at: float
     result: StepResult | None = None  # once finished
+    verification: Verification | None = None  # a step whose drafts a program verified
 
 
 def record_step(table: RequestTable, step: InFlightStep) -> StepResult:
@@ -50,7 +56,9 @@ def record_step(table: RequestTable, step: InFlightStep) -> StepResult:
     n = len(req_ids)
     tokens = np.asarray(out.sampled_token_ids)[:n]
     table.fill(plan.appends, tokens)
-    if plan.all_emit:
+    if step.verification is not None:  # each row's first token, then the drafts kept after it
+        sampled = step.verification.record(table, plan.rows, plan.emits_token)
+    elif plan.all_emit:
         sampled = [[t] for t in tokens.tolist()]
     else:
         emits = plan.emits_token.tolist()

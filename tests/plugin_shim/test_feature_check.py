@@ -29,7 +29,7 @@ CASES = {
     ),
     "speculative_config": (
         "llama",
-        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
+        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 9, "prompt_lookup_max": 3}),
     ),
     "cpu_offload_gb": ("llama", dict(cpu_offload_gb=1)),
     "offload_group_size": ("llama", dict(offload_group_size=2, offload_num_in_group=1)),
@@ -72,7 +72,7 @@ CASES = {
 MORE_CASES = [
     ("quantization", "awq_checkpoint", {}),  # a checkpoint's quantization_config
     ("quantization", "llama", dict(quantization="fp8_per_block", dtype="bfloat16")),
-    ("speculative_config", "llama", dict(spec_method="ngram", spec_tokens=2)),
+    ("speculative_config", "llama", dict(spec_method="ngram_gpu", spec_tokens=2)),
     ("runner / convert", "llama", dict(runner="pooling", convert="classify")),
     ("runner / convert", "classifier", dict(runner="generate")),  # no LM head to generate with
 ]

@@ -208,3 +208,25 @@ def _log_lines(name: str):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def test_logger_exports_the_draft_acceptance_rate_between_reports(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_XLA_CACHE_DIR", str(tmp_path))
+    config = types.SimpleNamespace(
+        instance_id="spec-instance", model_config=types.SimpleNamespace(served_model_name="tiny")
+    )
+    stat_logger = XlaStatLogger(config, engine_index=8)
+    publisher = MetricsPublisher(metrics_path(read_env().cache_dir, "spec-instance", 8))
+    publisher.publish(_snapshot(steps=10, host=0.01, step=1.0, overlapped=0), force=True)
+    stat_logger.record(None, None)
+    assert _value("vllm_xla:spec_decode_acceptance_rate", "8") == 0.0  # no speculation: no drafts
+    spec = dict(draft_tokens=40, accepted_tokens=30)
+    publisher.publish({**_snapshot(steps=20, host=0.02, step=2.0, overlapped=0), **spec}, force=True)
+    stat_logger._read_at = float("-inf")
+    stat_logger.record(None, None)
+    assert _value("vllm_xla:spec_decode_acceptance_rate", "8") == 0.75
+    spec = dict(draft_tokens=60, accepted_tokens=35)
+    publisher.publish({**_snapshot(steps=30, host=0.03, step=3.0, overlapped=0), **spec}, force=True)
+    stat_logger._read_at = float("-inf")
+    stat_logger.record(None, None)
+    assert _value("vllm_xla:spec_decode_acceptance_rate", "8") == 0.25  # (35 - 30) / (60 - 40)

@@ -1,0 +1,209 @@
+# SPDX-License-Identifier: Apache-2.0
+"""n-gram speculative decoding against none, in one run, on an input-grounded workload: the
+embedded SmolLM2-135M-Instruct asked to repeat, rewrite or edit a text it is given (outputs that
+copy spans of the prompt, where prompt lookup finds its drafts).
+
+    .venv/bin/python benchmarks/spec_decode.py [--out benchmarks/results/spec_decode.json]
+        [--tokens 128] [--k 4] [--min-n 2] [--max-n 4] [--batch 16]
+
+Each configuration (no speculation; n-gram with k drafts) runs in its own subprocess (this script
+with `--worker`): vLLM's `LLM` in-process, greedy chat prompts (`ignore_eos` off: each stops at its
+end of turn or `--tokens`). Workloads: `single`, the prompts one after another (one stream), and
+`batch`, `--batch` of them in one `generate` call. Reported: output tokens/s and its ratio to no
+speculation; the draft acceptance rate (accepted / drafted tokens) and the mean acceptance length
+(1 + accepted tokens per drafting step of a request, vLLM's definition) from vLLM's spec-decode
+metrics; whether the greedy outputs equal those without speculation; compiles after warm-up. The
+machine's noise applies: compare ratios from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+CONFIGS = ("off", "ngram")
+
+_TEXTS = [
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, "
+    "polished the great lens and wrote the weather in a leather book: wind from the north-west, "
+    "sea moderate, two fishing boats returning before dark.",
+    "To reset the router, unplug it from the wall, wait thirty seconds, and plug it back in. When "
+    "the front light turns green, open the settings page, choose the network tab and enter the new "
+    "password twice before saving.",
+    "Our quarterly meeting is moved to Thursday at ten o'clock in the large conference room on the "
+    "third floor. Please bring the budget summary, the hiring plan and your questions for the "
+    "product team.",
+    "def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n        subtotal "
+    "+= item.price * item.quantity\n    tax = subtotal * tax_rate\n    return subtotal + tax\n",
+]
+_ASKS = [
+    "Repeat the following text exactly, word for word:\n\n{}",
+    "Copy this text and fix any typos, changing nothing else:\n\n{}",
+    "Rewrite the following text in the same words, as one paragraph:\n\n{}",
+    "Here is some text. Write it out again, unchanged:\n\n{}",
+]
+_CODE_ASK = "Rename the variable `subtotal` to `net` in this function and show the whole function:\n\n{}"
+
+
+def prompts(tokenizer, count: int) -> list[list[int]]:
+    """`count` chat prompts (token ids) asking to repeat, rewrite or edit a given text."""
+    asks = [(a, t) for t in _TEXTS[:3] for a in _ASKS] + [(_CODE_ASK, _TEXTS[3]), (_ASKS[0], _TEXTS[3])]
+    out = []
+    for i in range(count):
+        ask, text = asks[i % len(asks)]
+        messages = [{"role": "user", "content": ask.format(text)}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        out.append(tokenizer.encode(text, add_special_tokens=False))
+    return out
+
+
+def _spec_metrics(llm) -> dict[str, float]:
+    values = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
+            values[m.name.removeprefix("vllm:spec_decode_num_")] = m.value
+    return values
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
+def _acceptance(spec: dict[str, float]) -> dict[str, float | None]:
+    drafts, drafted, accepted = (
+        spec.get("drafts", 0),
+        spec.get("draft_tokens", 0),
+        spec.get("accepted_tokens", 0),
+    )
+    return {
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def worker(args: argparse.Namespace) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = dict(
+        max_model_len=1024,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=1024,
+        seed=0,
+        disable_log_stats=False,
+    )
+    if args.worker == "ngram":
+        engine["speculative_config"] = {
+            "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.min_n,
+            "prompt_lookup_max": args.max_n,
+        }  # fmt: skip
+    start = time.perf_counter()
+    llm = LLM(model=args.model, **engine)
+    startup = time.perf_counter() - start
+    ids = prompts(llm.get_tokenizer(), args.batch)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens)
+    # Every prompt once first: each step shape's program has run before the timing (the first run
+    # of a large program sets up its kernels).
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in ids], SamplingParams(max_tokens=8), use_tqdm=False
+    )
+    results, outputs = {"config": args.worker, "startup_s": startup}, {}
+    for workload in ("single", "batch"):
+        before = _spec_metrics(llm)
+        start = time.perf_counter()
+        if workload == "single":
+            done = [
+                llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0]
+                for p in ids[: args.single]
+            ]
+        else:
+            done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        generated = sum(len(o.outputs[0].token_ids) for o in done)
+        outputs[workload] = [list(o.outputs[0].token_ids) for o in done]
+        results[workload] = {
+            "requests": len(done), "output_tokens": generated, "wall_s": wall,
+            "output_tokens_per_s": generated / wall,
+            **_acceptance(_delta(_spec_metrics(llm), before)),
+        }  # fmt: skip
+    stats = llm.collective_rpc("runner_stats")[0]
+    results["compiles_after_warmup"] = stats["compiles_after_warmup"]
+    results["outputs"] = outputs
+    results["sample_text"] = llm.get_tokenizer().decode(outputs["batch"][0])
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=str(HERE / "results" / "spec_decode.json"))
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--min-n", type=int, default=2)
+    parser.add_argument("--max-n", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--single", type=int, default=4, help="prompts run one after another")
+    parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return
+    from _peers import gguf_model_dir
+
+    os.environ.setdefault("VLLM_XLA_PLATFORM", "cpu")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    model = gguf_model_dir()
+    results = []
+    for config in CONFIGS:
+        command = [sys.executable, __file__, "--worker", config, "--model", model]
+        for name in ("tokens", "k", "min_n", "max_n", "batch", "single"):
+            command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+        done = subprocess.run(command, capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode or not lines:
+            print(f"{config} failed:\n{done.stderr[-3000:]}")
+            continue
+        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+        print(f"{config}: done", flush=True)
+    by_config = {r["config"]: r for r in results}
+    off, ngram = by_config.get("off"), by_config.get("ngram")
+    summary = {}
+    print(f"{'config':<8} {'workload':<8} {'out tok/s':>10} {'vs off':>7} {'accept':>7} {'mean len':>9}")
+    for r in results:
+        for workload in ("single", "batch"):
+            w = r[workload]
+            ratio = w["output_tokens_per_s"] / off[workload]["output_tokens_per_s"] if off else float("nan")
+            nan = float("nan")
+            rate, length = w["acceptance_rate"] or nan, w["mean_acceptance_length"] or nan
+            print(
+                f"{r['config']:<8} {workload:<8} {w['output_tokens_per_s']:>10.1f} {ratio:>7.2f} "
+                f"{rate:>7.2f} {length:>9.2f}"
+            )
+            summary[f"{r['config']}_{workload}_speedup"] = ratio
+    if off and ngram:
+        for workload in ("single", "batch"):
+            summary[f"{workload}_outputs_identical"] = off["outputs"][workload] == ngram["outputs"][workload]
+        print(f"greedy outputs identical: {summary}")
+    for r in results:
+        r.pop("outputs", None)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "summary": summary, "results": results}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+# SPDX-License-Identifier: Apache-2.0
+"""n-gram speculative decoding through vLLM's real engine: greedy output equals transformers'
+greedy decoding token for token (so equals decoding without speculation), under chunked prefill
+and preemption, with drafts both kept and rejected; random sampling is reproducible from a seed;
+nothing compiles after warm-up."""
+
+import gc
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+from tests.greedy_reference import hf_greedy
+from tests.plugin_shim.tensor_parallel_engine import environment
+from tests.tiny_models import save_tiny_llama
+
+pytestmark = pytest.mark.slow  # builds vllm.LLM
+
+NEW_TOKENS = 40
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny Llama whose attention and MLP outputs are scaled down: its greedy text falls into
+    loops an n-gram can predict, while every layer still changes the logits (some drafts fail)."""
+    path = save_tiny_llama(str(tmp_path_factory.mktemp("spec_llama")), seed=2)
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.02)
+            layer.mlp.down_proj.weight.mul_(0.02)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_dir):
+    return LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    # A 16-token step budget chunks every prompt; 10 pages of 16 tokens cannot hold four
+    # sequences of 80 tokens at once, so the scheduler preempts and recomputes.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_XLA_STRICT_COMPILE", "1")
+    engine = LLM(
+        model=tiny_dir, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, block_size=16,
+        num_gpu_blocks_override=10, seed=0, speculative_config=SPECULATIVE, disable_log_stats=False,
+    )  # fmt: skip
+    yield engine
+    del engine
+    gc.collect()
+    mp.undo()
+
+
+def _prompts(seed, count=4):
+    """Prompts that repeat a span: drafts exist from the first output token."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(count):
+        span = rng.integers(3, 384, int(rng.integers(5, 12))).tolist()
+        prompts.append([1, *span, *span, *span[:3]])
+    return prompts
+
+
+def _generate(llm, prompts, params):
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _stats(llm):
+    return llm.collective_rpc("runner_stats")[0]
+
+
+def test_greedy_with_ngram_drafts_equals_greedy_decoding(llm, hf):
+    before = _stats(llm)
+    prompts = _prompts(seed=0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert _generate(llm, prompts, greedy) == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    after = _stats(llm)
+    drafted = after["draft_tokens"] - before["draft_tokens"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    assert 0 < accepted < drafted  # drafts kept and drafts rejected
+    assert after["partial_prefill_steps"] > before["partial_prefill_steps"]
+    assert after["preempted_requests"] > before["preempted_requests"]
+    assert after["compiles_after_warmup"] == 0
+
+
+def _spec_counters(llm):
+    """vLLM's draft tokens, accepted tokens, and accepted tokens by draft position."""
+    metrics = {m.name: m for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")}
+    by_position = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    return (
+        metrics["vllm:spec_decode_num_draft_tokens"].value if metrics else 0,
+        metrics["vllm:spec_decode_num_accepted_tokens"].value if metrics else 0,
+        sum(by_position.values) if by_position is not None else 0,
+    )
+
+
+def test_vllms_spec_decode_metrics_count_the_drafts_verified_and_kept(llm):
+    before, vllm_before = _stats(llm), _spec_counters(llm)
+    prompts = _prompts(seed=3, count=2)
+    _generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    after, vllm_after = _stats(llm), _spec_counters(llm)
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    assert accepted > 0
+    # vLLM's scheduler counts from the tokens each step returned: the same acceptance; its draft
+    # count also holds drafts a step did not verify (none here) and the placeholders it pads with.
+    assert vllm_after[1] - vllm_before[1] == accepted
+    assert vllm_after[2] - vllm_before[2] == accepted
+    assert vllm_after[0] - vllm_before[0] >= after["draft_tokens"] - before["draft_tokens"]
+
+
+def test_requests_that_cannot_be_drafted_are_served_beside_drafted_ones(llm, hf):
+    # Logprobs and a penalty are not applied at drafted positions: those requests get no drafts,
+    # and a step holding them is sampled as without speculation (its drafts all rejected).
+    prompts = _prompts(seed=1, count=3)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+    ]
+    before = _stats(llm)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert len(outputs[1].outputs[0].logprobs) == NEW_TOKENS
+    assert _stats(llm)["unverified_steps"] > before["unverified_steps"]
+    assert _stats(llm)["compiles_after_warmup"] == 0
+
+
+def test_seeded_sampling_with_drafts_is_reproducible_alone_or_in_a_batch(llm):
+    prompts = _prompts(seed=2)
+    params = SamplingParams(
+        temperature=0.8, top_k=40, top_p=0.95, seed=11, max_tokens=NEW_TOKENS, ignore_eos=True
+    )
+    before = _stats(llm)
+    batch = _generate(llm, prompts, params)
+    alone = _generate(llm, prompts[1:2], params)
+    assert alone[0] == batch[1]
+    assert all(len(tokens) == NEW_TOKENS for tokens in batch)
+    after = _stats(llm)
+    assert after["accepted_tokens"] > before["accepted_tokens"]
+    assert after["compiles_after_warmup"] == 0
+
+
+def test_tensor_parallel_engine_verifies_drafts_to_the_same_greedy_tokens(tiny_dir, hf, tmp_path):
+    # Two simulated devices, in a process of their own: the verification program's LM head is
+    # split over the vocabulary like the forward's.
+    prompts = _prompts(seed=4, count=3)
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    job.write_text(
+        json.dumps(
+            {"model": tiny_dir, "prompts": prompts, "new_tokens": 24, "speculative_config": SPECULATIVE}
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.plugin_shim.spec_decode_tp_engine", str(job), str(out)],
+        env={**environment(), "VLLM_XLA_STRICT_COMPILE": "1"}, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-6000:]
+    result = json.loads(out.read_text())
+    assert result["tokens"] == [hf_greedy(hf, p, 24) for p in prompts]
+    assert result["stats"]["accepted_tokens"] > 0
+    assert result["stats"]["compiles_after_warmup"] == 0

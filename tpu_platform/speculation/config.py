@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The speculative-decoding configuration the runner serves, and which requests may be drafted."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tpu_platform.sampling import SamplingOptions
+
+# Methods built; vLLM's others (draft_model, eagle, eagle3, mtp, ...) are refused at start.
+METHODS = ("ngram",)
+# Drafts per request per step: the verification's logits are `[max_num_seqs * (1 + k), V]`.
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpeculationConfig:
+    """vLLM's `speculative_config`: `method`, `num_speculative_tokens` (k) and the n-gram
+    proposer's `prompt_lookup_min`/`prompt_lookup_max` (the shortest and longest suffix matched)."""
+
+    num_tokens: int
+    min_n: int = 1
+    max_n: int = 4
+    method: str = "ngram"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative method {self.method!r} is not supported by vllm-xla; use one of {METHODS}"
+            )
+        if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_tokens} is out of range; use 1 to {MAX_SPECULATIVE_TOKENS}"
+            )
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(
+                f"prompt_lookup_min={self.min_n} and prompt_lookup_max={self.max_n} must satisfy "
+                "1 <= prompt_lookup_min <= prompt_lookup_max"
+            )
+
+
+def draftable(options: SamplingOptions) -> bool:
+    """Whether a request's tokens may be drafted: its sampling options must mean the same at every
+    drafted position. Options that read the token history (penalties, bad words, min_tokens),
+    per-token outputs (logprobs), grammars and token masks are not applied at drafted positions
+    yet, so such a request gets no drafts and is sampled as without speculation."""
+    return not (
+        options.has_penalties
+        or options.logit_bias
+        or options.allowed_token_ids is not None
+        or options.bad_words_token_ids
+        or options.min_tokens > 0
+        or options.logprobs is not None
+        or options.structured_output
+    )

@@ -1,0 +1,258 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The runner's speculative decoding: which requests get drafts, the drafts of a step, their
+verification program and the recording of the tokens it keeps.
+
+A step with drafts runs the forward as any other; its logits row for a drafted request is the
+request's last known token (what it would sample without speculation), so the ordinary sampler can
+still serve the step (every draft then counts as rejected). When every request of the step can be
+verified (no per-token logprobs, grammar, logits processor or history-reading option among them),
+the verification program takes the hidden states of each request's 1 + k rows instead: LM head,
+the sampler's temperature and filters at every position, and `rejection.verify_drafts`. Its
+shape is fixed per row bucket: the rows are gathered from the step's hidden states on the host
+(gathering on the device would be one program per token bucket).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from models import ModelConfig
+from models.registry import architecture_fingerprint
+from tpu_platform.batch_update import BatchUpdate
+from tpu_platform.buckets import token_buckets
+from tpu_platform.programs import Programs, ProgramSpec, structure_text
+from tpu_platform.request_table import RequestTable
+from tpu_platform.runner_config import RunnerConfig
+from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, SamplingTensors
+from tpu_platform.sampling.uniform import has_extras
+from tpu_platform.speculation.config import SpeculationConfig, draftable
+from tpu_platform.speculation.ngram import propose_ngram
+from tpu_platform.speculation.rejection import verify_drafts
+from tpu_platform.step import pad_tokens
+from tpu_platform.step_record import DispatchedStep
+
+# The sampler flags a verification program is built for: greedy, random, random with filters.
+VERIFY_FLAGS = (SamplerFlags(all_greedy=True), SamplerFlags(), SamplerFlags(filters=True))
+
+
+@dataclasses.dataclass(slots=True)
+class SpeculationStats:
+    """Running totals: drafts verified, drafts accepted, steps verified and steps whose drafts
+    the ordinary sampler served (all rejected)."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verified_steps: int = 0
+    unverified_steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepDrafts:
+    """A step's drafts in batch order: `drafts[i, :num_drafts[i]]` for request i (-1 padded)."""
+
+    drafts: np.ndarray  # int32[n, K]
+    num_drafts: np.ndarray  # int32[n]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Verification:
+    """A verified step's output on the device, recorded by `record` once the step is finished."""
+
+    output: SamplerOutput  # each row's first token, padded to the feed width
+    tokens: jax.Array  # int32[R, K + 1]
+    counts: jax.Array  # int32[R]
+    step_drafts: StepDrafts
+    stats: SpeculationStats
+
+    def record(self, table: RequestTable, rows: np.ndarray, emits: np.ndarray) -> list[list[int]]:
+        """Writes each row's kept tokens after its first (which the step reserved) into the
+        history and returns every row's output tokens (`[]` where the row emits nothing)."""
+        n = rows.size
+        tokens, counts = np.asarray(self.tokens)[:n], np.asarray(self.counts)[:n]
+        self.stats.draft_tokens += int(self.step_drafts.num_drafts.sum())
+        self.stats.accepted_tokens += int((counts - 1).sum())
+        for i in np.flatnonzero(counts > 1):
+            for token in tokens[i, 1 : counts[i]].tolist():
+                table.append_token(int(rows[i]), token)
+        return [tokens[i, : counts[i]].tolist() if emits[i] else [] for i in range(n)]
+
+
+def make_verify(graphdef: nnx.GraphDef):
+    """`fn(state, hidden[R * (K + 1), D], drafts[R, K], num_drafts[R], tensors, flags=, feed_width=)
+    -> (first tokens [feed_width], tokens [R, K + 1], counts [R])`, jitted."""
+
+    def run(state, hidden, drafts, num_drafts, tensors, flags: SamplerFlags, feed_width: int):
+        model = nnx.merge(graphdef, state)
+        rows, k = drafts.shape
+        logits = model.compute_logits(hidden).reshape(rows, k + 1, -1)
+        tokens, counts = verify_drafts(logits, drafts, num_drafts, tensors, flags=flags)
+        return pad_tokens(tokens[:, 0], feed_width), tokens, counts
+
+    return jax.jit(run, static_argnames=("flags", "feed_width"))
+
+
+class SpeculativeDecoding:
+    """Drafts in and out of the runner (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: SpeculationConfig,
+        graphdef: nnx.GraphDef,
+        programs: Programs,
+        *,
+        hidden_size: int,
+        max_model_len: int,
+        feed_width: int,
+        sharding: jax.sharding.Sharding | None,
+        context: str,
+    ):
+        self.config = config
+        self.programs = programs
+        self.stats = SpeculationStats()
+        self._jitted = make_verify(graphdef)
+        self._hidden_size = hidden_size
+        self._max_model_len = max_model_len
+        self._feed_width = feed_width
+        self._sharding = sharding
+        self._context = context
+        self._draftable: dict[str, bool] = {}
+        # Request rows of the programs: the forward's buckets up to `max_num_seqs`, by requests
+        # rather than tokens (the LM head runs on 1 + k rows a request: a lone drafted request
+        # would otherwise take the row bucket of its 1 + k tokens).
+        self.row_buckets = token_buckets(feed_width, feed_width)
+
+    @classmethod
+    def for_runner(
+        cls,
+        graphdef: nnx.GraphDef,
+        model_config: ModelConfig,
+        config: RunnerConfig,
+        sharding: jax.sharding.Sharding | None,
+        programs: Programs,
+    ) -> SpeculativeDecoding | None:
+        """A runner's speculative decoding (None when its config has none); `sharding`: where whole
+        arrays go on its mesh."""
+        if config.speculation is None:
+            return None
+        fingerprint = architecture_fingerprint(model_config.architecture)
+        context = repr((model_config, structure_text(graphdef), config.tensor_parallel_size, fingerprint))
+        return cls(
+            config.speculation, graphdef, programs, hidden_size=model_config.hidden_size,
+            max_model_len=config.max_model_len, feed_width=config.max_num_seqs, sharding=sharding,
+            context=context,
+        )  # fmt: skip
+
+    def apply(self, update: BatchUpdate) -> None:
+        """Tracks which of the live requests may be drafted (`config.draftable`)."""
+        for req_id in update.finished_req_ids:
+            self._draftable.pop(req_id, None)
+        for request in update.new_requests:
+            self._draftable[request.req_id] = draftable(request.sampling)
+
+    def propose(
+        self, table: RequestTable, req_ids: Sequence[str], sampled: Sequence[list[int]]
+    ) -> list[list[int]]:
+        """The n-gram drafts of each request of a finished step (none for a request that emitted
+        nothing or may not be drafted)."""
+        wanted = [i for i, r in enumerate(req_ids) if sampled[i] and self._draftable.get(r, False)]
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        if not wanted:
+            return drafts
+        rows = np.fromiter((table.row_of[req_ids[i]] for i in wanted), np.intp, len(wanted))
+        c = self.config
+        proposed = propose_ngram(
+            table.token_ids[rows], table.num_tokens[rows], k=c.num_tokens, min_n=c.min_n, max_n=c.max_n,
+            max_model_len=self._max_model_len,
+        )  # fmt: skip
+        for i, tokens in zip(wanted, proposed, strict=True):
+            drafts[i] = tokens
+        return drafts
+
+    def write_drafts(
+        self,
+        table: RequestTable,
+        rows: np.ndarray,
+        num_scheduled: np.ndarray,
+        update: BatchUpdate,
+    ) -> StepDrafts | None:
+        """Puts each request's scheduled drafts (its last scheduled tokens) into its history as the
+        step's input tokens (placeholders, -1, as token 0) and returns them; None without drafts."""
+        spec_tokens = update.spec_tokens
+        if not spec_tokens:
+            return None
+        k, n = self.config.num_tokens, rows.size
+        drafts, num_drafts = np.full((n, k), -1, np.int32), np.zeros(n, np.int32)
+        for i, req_id in enumerate(update.num_scheduled_tokens):
+            ids = spec_tokens.get(req_id)
+            if not ids:
+                continue
+            if len(ids) > k:
+                raise ValueError(f"request {req_id} has {len(ids)} drafts, more than k={k}")
+            row, count = int(rows[i]), len(ids)
+            end = int(table.num_computed[row]) + int(num_scheduled[i])
+            drafts[i, :count], num_drafts[i] = ids, count
+            table.token_ids[row, end - count : end] = np.maximum(drafts[i, :count], 0)
+        return StepDrafts(drafts, num_drafts) if num_drafts.any() else None
+
+    def try_verify(self, state: nnx.State, pending: DispatchedStep, other: bool) -> Verification | None:
+        """Dispatches the verification of a step's drafts; None when the program cannot serve the
+        step (some row wants logprobs or a history-reading option, or `other`: a grammar or a
+        logits processor rewrites the logits): the sampler then serves it and every draft counts
+        as rejected."""
+        flags = pending.flags
+        if has_extras(flags) or flags.num_logprobs is not None or other:
+            self.stats.unverified_steps += 1
+            return None
+        plan, step_drafts, tensors = pending.plan, pending.drafts, pending.tensors
+        k, num = self.config.num_tokens, step_drafts.num_drafts
+        r_pad = next(r for r in self.row_buckets if r >= num.size)
+        tensors = jax.tree.map(lambda x: x[:r_pad], tensors)  # prepared for the forward's rows
+        n = num.size
+        known = plan.inputs().cu_q_lens[1 : n + 1] - 1 - num  # each request's last known token
+        index = np.zeros((r_pad, k + 1), np.intp)
+        index[:n] = known[:, None] + np.minimum(np.arange(k + 1)[None, :], num[:, None])
+        hidden_rows = np.asarray(pending.hidden)[index.reshape(-1)]
+        drafts = np.full((r_pad, k), -1, np.int32)
+        drafts[:n] = step_drafts.drafts
+        num_drafts = np.zeros(r_pad, np.int32)
+        num_drafts[:n] = num
+        vflags = SamplerFlags(all_greedy=flags.all_greedy, filters=flags.filters)
+        key = self._key(r_pad, vflags, hidden_rows.dtype)
+        spec = lambda: self._spec(state, r_pad, vflags, hidden_rows.dtype, tensors)  # noqa: E731
+        first, tokens, counts = self.programs.call(key, spec, state, hidden_rows, drafts, num_drafts, tensors)
+        self.stats.verified_steps += 1
+        return Verification(SamplerOutput(first), tokens, counts, step_drafts, self.stats)
+
+    def warm_up_specs(self, state: nnx.State, sampling: SamplingBatch, dtype: np.dtype) -> list[ProgramSpec]:
+        """The verification programs of every row bucket and flag set."""
+        return [
+            self._spec(state, r_pad, flags, dtype, sampling.dummy_tensors(flags, r_pad))
+            for r_pad in self.row_buckets
+            for flags in VERIFY_FLAGS
+        ]
+
+    def _key(self, r_pad: int, flags: SamplerFlags, dtype: np.dtype) -> tuple:
+        return ("verify", r_pad, self.config.num_tokens, flags, np.dtype(dtype).name)
+
+    def _spec(
+        self, state: nnx.State, r_pad: int, flags: SamplerFlags, dtype: np.dtype, tensors: SamplingTensors
+    ) -> ProgramSpec:
+        k, whole = self.config.num_tokens, self._sharding
+        return ProgramSpec(
+            key=self._key(r_pad, flags, dtype),
+            jitted=self._jitted,
+            args=(
+                state,
+                jax.ShapeDtypeStruct((r_pad * (k + 1), self._hidden_size), dtype, sharding=whole),
+                jax.ShapeDtypeStruct((r_pad, k), np.int32, sharding=whole),
+                jax.ShapeDtypeStruct((r_pad,), np.int32, sharding=whole),
+                tensors,
+            ),
+            static={"flags": flags, "feed_width": self._feed_width},
+            context=self._context,
+        )
