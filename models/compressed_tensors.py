@@ -34,7 +34,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from flax import nnx
 
+from models import int4
 from models.fp8 import FP8_DTYPE, block_scales
+from models.int4 import INT4_DTYPE
 from models.int8 import SCALE_DTYPE
 
 METHOD = "compressed-tensors"
@@ -54,6 +56,7 @@ class Int8Checkpoint:
     int8_weights: frozenset[str]
     block: tuple[int, int] | None = None
     weight_shapes: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    bits: int = 8  # of the packed values (`weight_packed`): 8, or 4 (`models.int4`)
 
     def tensors(self, tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
         """The checkpoint's tensors as plain `weight` (int8 or fp8 `[out, in]`) and `weight_scale`:
@@ -72,7 +75,7 @@ class Int8Checkpoint:
                     array = block_scales(array, self.weight_shapes[weight], self.block, weight)
                 yield name, array
             elif name.endswith(".weight_packed"):
-                packed[name.removesuffix("_packed")] = unpack_int32(array)
+                packed[name.removesuffix("_packed")] = self._unpacked(array)
             elif name.endswith(".weight_shape"):
                 weight = name.removesuffix("_shape")
                 rows, cols = (int(v) for v in np.asarray(array).reshape(-1))
@@ -80,6 +83,9 @@ class Int8Checkpoint:
             else:
                 yield name, array
         yield from packed.items()
+
+    def _unpacked(self, packed: np.ndarray) -> np.ndarray:
+        return int4.unpack_int32(packed) if self.bits == 4 else unpack_int32(packed)
 
 
 def unpack_int32(packed: np.ndarray) -> np.ndarray:
@@ -116,12 +122,18 @@ def check_config(config: dict) -> None:
     for name, group in (config.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
         found = {k: weights.get(k) for k in ("num_bits", "type", "symmetric", "strategy")}
-        if found != {"num_bits": 8, "type": "int", "symmetric": True, "strategy": found["strategy"]} or (
+        bits = found["num_bits"] if found["num_bits"] in (4, 8) else 8
+        if found != {"num_bits": bits, "type": "int", "symmetric": True, "strategy": found["strategy"]} or (
             found["strategy"] not in _STRATEGIES
         ):
             raise ValueError(
-                f"compressed-tensors group {name!r} has weights {found}; vllm-xla loads 8-bit "
-                f"symmetric int weights with strategy {' or '.join(_STRATEGIES)} only"
+                f"compressed-tensors group {name!r} has weights {found}; vllm-xla loads 8-bit or "
+                f"4-bit symmetric int weights with strategy {' or '.join(_STRATEGIES)} only"
+            )
+        if bits == 4 and fmt != "pack-quantized":
+            raise ValueError(
+                f"compressed-tensors group {name!r} has 4-bit weights in format {fmt!r}; 4-bit "
+                "weights come 'pack-quantized' (eight to an int32)"
             )
         if found["strategy"] == "group":
             _check_group(name, weights)
@@ -136,17 +148,19 @@ def check_config(config: dict) -> None:
 
 def values_dtype(config: dict) -> np.dtype:
     """The dtype of a compressed-tensors checkpoint's quantized weights: float8_e4m3fn when its
-    groups' weights are floats, int8 when ints; a ValueError when they mix."""
+    groups' weights are floats, int8 when 8-bit ints, int4 when 4-bit ints; a ValueError when
+    they mix."""
     types = {
-        (group.get("weights") or {}).get("type", "int")
+        ((group.get("weights") or {}).get("type", "int"), (group.get("weights") or {}).get("num_bits", 8))
         for group in (config.get("config_groups") or {}).values()
     }
     if len(types) > 1:
         raise ValueError(
-            f"compressed-tensors groups mix weight types {sorted(map(str, types))}; vllm-xla loads "
-            "one quantized type a model (int or float)"
+            f"compressed-tensors groups mix weight types {sorted(map(str, types))} (type, bits); "
+            "vllm-xla loads one quantized type a model"
         )
-    return FP8_DTYPE if types == {"float"} else _INT8
+    kind, bits = types.pop() if types else ("int", 8)
+    return FP8_DTYPE if kind == "float" else INT4_DTYPE if bits == 4 else _INT8
 
 
 def _check_float_groups(config: dict) -> None:
@@ -247,7 +261,7 @@ def int8_layout(
     param_map = int8_kernels_for(model, scaled, our_name, path, group_size(config), dtype)
     block = block_of(config) if dtype == FP8_DTYPE else None
     shapes = weight_shapes(model, scaled, our_name) if block is not None else {}
-    return Int8Checkpoint(param_map, frozenset(scaled), block, shapes)
+    return Int8Checkpoint(param_map, frozenset(scaled), block, shapes, bits=4 if dtype == INT4_DTYPE else 8)
 
 
 def weight_shapes(
@@ -290,7 +304,8 @@ def int8_kernels_for(
         if module.kernel_scale is None:
             shape = module.kernel.get_value().shape
             module.kernel = nnx.Param(np.zeros(shape, dtype))
-            scale_shape = _scale_shape(weight, shape, group_size, path, experts_grouped=dtype == FP8_DTYPE)
+            grouped = dtype in (FP8_DTYPE, INT4_DTYPE)
+            scale_shape = _scale_shape(weight, shape, group_size, path, experts_grouped=grouped)
             module.kernel_scale = nnx.Param(np.zeros(scale_shape, SCALE_DTYPE))
     return param_map
 
