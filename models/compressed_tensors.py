@@ -258,7 +258,10 @@ def int8_layout(
     check_config(config)
     scaled = {n.removesuffix("_scale") for n in names() if n.endswith(".weight_scale")}
     dtype = values_dtype(config)
-    param_map = int8_kernels_for(model, scaled, our_name, path, group_size(config), dtype)
+    held = int4.held_dtype() if dtype == INT4_DTYPE else dtype
+    param_map = int8_kernels_for(
+        model, scaled, our_name, path, group_size(config), held, experts_grouped=dtype == INT4_DTYPE
+    )
     block = block_of(config) if dtype == FP8_DTYPE else None
     shapes = weight_shapes(model, scaled, our_name) if block is not None else {}
     return Int8Checkpoint(param_map, frozenset(scaled), block, shapes, bits=4 if dtype == INT4_DTYPE else 8)
@@ -286,11 +289,14 @@ def int8_kernels_for(
     path: str,
     group_size: int | None = None,
     dtype: np.dtype = _INT8,
+    *,
+    experts_grouped: bool = False,
 ) -> dict[str, str]:
     """Gives the layers of the HF linear `weights` (names ending `.weight`) that a checkpoint holds
     as int8 with a `<weight>_scale` int8 zeros and a scale (in place, before loading): per
-    channel, or with `group_size` one per group of that many inputs (dense projections only);
-    returns the model's HF-name table with one scale name per linear weight."""
+    channel, or with `group_size` one per group of that many inputs (dense projections only,
+    unless fp8 or `experts_grouped`: a 4-bit checkpoint's experts); returns the model's HF-name
+    table with one scale name per linear weight."""
     param_map = dict(type(model).hf_param_map)
     for hf, ours in type(model).hf_param_map.items():
         if hf.endswith(".weight") and ours.endswith(".kernel"):
@@ -304,7 +310,7 @@ def int8_kernels_for(
         if module.kernel_scale is None:
             shape = module.kernel.get_value().shape
             module.kernel = nnx.Param(np.zeros(shape, dtype))
-            grouped = dtype in (FP8_DTYPE, INT4_DTYPE)
+            grouped = experts_grouped or dtype == FP8_DTYPE
             scale_shape = _scale_shape(weight, shape, group_size, path, experts_grouped=grouped)
             module.kernel_scale = nnx.Param(np.zeros(scale_shape, SCALE_DTYPE))
     return param_map

@@ -8,9 +8,14 @@ product is int8's (`models.int8.int8_dot`): every int4 value is exact in bfloat1
 to the activations' dtype sits inside the program next to the dot, and the scale multiplies the
 float32 product (per group when grouped). XLA's TPU and GPU backends store `s4` arrays two
 values a byte and fuse the int4 -> bfloat16 convert into the dot's operand, so a layer's
-weights cross memory as 4 bits with no weight-sized bfloat16 temporary; XLA:CPU dequantizes a
-grouped kernel for its one dot (as it does int8's). On the host NumPy keeps `ml_dtypes.int4`
-one value a byte; the device's buffers are half that (the planner counts half a byte a weight).
+weights cross memory as 4 bits with no weight-sized bfloat16 temporary. On the host NumPy keeps
+`ml_dtypes.int4` one value a byte; the device's buffers are half that (the planner counts half
+a byte a weight).
+
+On XLA:CPU the values are held as int8 instead (`held_dtype`): its buffers keep int4 one value
+a byte anyway, and its ahead-of-time compiled programs refuse committed int4 arguments (their
+layout differs from the one the executable declares). As int8 they are exactly the same
+weights (`w = q * s`), run by the native CPU int8 dense kernel where it takes them.
 
 Checkpoints pack the values eight to an int32 (compressed-tensors' `pack-quantized`, GPTQ,
 AWQ), each offset by 8 into [0, 15] (`unpack_int32`), so a symmetric checkpoint's values are
@@ -21,6 +26,7 @@ The functions take NumPy arrays (at load) or JAX arrays and tracers alike.
 
 from __future__ import annotations
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -35,6 +41,18 @@ VALUES_PER_WORD = 8  # int4 values in an int32
 def is_int4(dtype) -> bool:
     """Whether `dtype` is the 4-bit weights' dtype (`ml_dtypes.int4`, `jnp.int4`)."""
     return np.dtype(dtype) == INT4_DTYPE
+
+
+def held_dtype() -> np.dtype:
+    """The dtype 4-bit values are held in on JAX's default backend: int4 (two a byte) on TPU and
+    GPU, int8 on CPU (see the module docstring)."""
+    return np.dtype(np.int8) if jax.default_backend() == "cpu" else INT4_DTYPE
+
+
+def quantize_held(kernel, group_size: int | None = None) -> tuple:
+    """`quantize`, its values in `held_dtype` (the served model's)."""
+    q, scale = quantize(kernel, group_size)
+    return q.astype(held_dtype()), scale
 
 
 def quantize_grouped(kernel, group_size: int) -> tuple:

@@ -50,12 +50,13 @@ def test_compressed_w4a16_loads_as_it_is(mistral, group_size, tmp_path):
     _, reference = load_model(write_decompressed(out, str(tmp_path / "float")))
     layer = model.model.layers[0]
     qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj
-    assert int4.is_int4(qkv.kernel[...].dtype) and int4.is_int4(down.kernel[...].dtype)
+    # int4 values, held as int8 on CPU (`int4.held_dtype`)
+    assert qkv.kernel[...].dtype == down.kernel[...].dtype == int4.held_dtype() == np.int8
     # The checkpoint's own 4-bit values, unchanged (the fused kernel's q columns come first).
     with safe_open(f"{out}/model.safetensors", framework="numpy") as f:
         packed = f.get_tensor("model.layers.0.self_attn.q_proj.weight_packed")
     q = int4.unpack_int32(packed)
-    np.testing.assert_array_equal(np.asarray(qkv.kernel[...])[:, : q.shape[0]], q.T)
+    np.testing.assert_array_equal(np.asarray(qkv.kernel[...])[:, : q.shape[0]], q.T.astype(np.int8))
     scales = (qkv.in_features // group_size,) if group_size else ()
     assert qkv.kernel_scale[...].shape == (*scales, qkv.out_features)
     assert model.lm_head.kernel[...].dtype == np.float32  # ignored by the checkpoint: as it was
