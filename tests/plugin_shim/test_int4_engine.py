@@ -2,7 +2,8 @@
 """4-bit weights end to end through `vllm.LLM`: a compressed-tensors W4A16 checkpoint written by
 the compressed-tensors package (one scale per 128 inputs of each channel), its method read from
 config.json, generates greedily what transformers (float32) does on the package's own
-decompressed weights, its projections held as int4 on the device. The engine's activations are
+decompressed weights, and a 4-bit GPTQ one (`gptq_checkpoints`) what it does on its dequantized
+weights, its projections held as int4 on the device. The engine's activations are
 bfloat16, so a generated token must be transformers' argmax after the same tokens or within
 `TIE` of it (`test_fp8_engine`). On 2 simulated devices it generates what it does on one, each
 device holding half of each split kernel and whole groups of its scales."""
@@ -20,6 +21,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from models import int4
+from tests.models.fp8_checkpoints import write_float
+from tests.models.gptq_checkpoints import write_gptq
 from tests.models.int4_checkpoints import write_compressed_w4a16, write_decompressed
 from tests.models.trained_tiny import save_trained_tiny, text_ids
 from tests.plugin_shim.tensor_parallel_engine import environment
@@ -34,11 +37,15 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(root):
+def source(root):
     """A tiny Llama trained on the fixed text (hidden 128, 8 heads of 32, intermediate 256: whole
-    128-input groups, two where a projection's inputs split over 2 devices), as W4A16."""
+    128-input groups, two where a projection's inputs split over 2 devices)."""
     widths = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, head_dim=32)
-    source = save_trained_tiny("LlamaForCausalLM", str(root / "float"), **widths)
+    return save_trained_tiny("LlamaForCausalLM", str(root / "float"), **widths)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(source, root):
     return write_compressed_w4a16(source, str(root / "w4a16"), group_size=128)
 
 
@@ -56,9 +63,9 @@ def _int4_kernels(worker) -> int:
     return sum(int(a.min()) >= -8 and int(a.max()) <= 7 for a in held)
 
 
-def test_w4a16_generates_what_the_decompressed_model_does(checkpoint, prompts, root):
-    reference = _transformers(write_decompressed(checkpoint, str(root / "reference")))
-    llm = LLM(model=checkpoint, **_ENGINE)  # method from config.json: compressed-tensors
+def _generate(path: str, prompts) -> tuple[list[list[int]], int]:
+    """Greedy tokens of an engine (its method from config.json), and how many 4-bit kernels it holds."""
+    llm = LLM(model=path, **_ENGINE)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -66,8 +73,22 @@ def test_w4a16_generates_what_the_decompressed_model_does(checkpoint, prompts, r
     finally:
         del llm
         gc.collect()
+    return [list(o.outputs[0].token_ids) for o in out], kernels
+
+
+def test_w4a16_generates_what_the_decompressed_model_does(checkpoint, prompts, root):
+    reference = _transformers(write_decompressed(checkpoint, str(root / "reference")))
+    generated, kernels = _generate(checkpoint, prompts)  # compressed-tensors
     assert kernels == 2 * 4  # qkv, o, gate_up, down of each layer; the head stays bfloat16
-    _assert_greedy_of(reference, prompts, [list(o.outputs[0].token_ids) for o in out])
+    _assert_greedy_of(reference, prompts, generated)
+
+
+def test_gptq_generates_what_the_dequantized_model_does(source, prompts, root):
+    path, dequantized = write_gptq(source, str(root / "gptq"), group_size=128)
+    reference = _transformers(write_float(source, str(root / "gptq_reference"), dequantized))
+    generated, kernels = _generate(path, prompts)  # gptq
+    assert kernels == 2 * 4
+    _assert_greedy_of(reference, prompts, generated)
 
 
 def test_w4a16_on_two_devices_equals_one(checkpoint, prompts, tmp_path):
