@@ -43,16 +43,20 @@ def is_int4(dtype) -> bool:
     return np.dtype(dtype) == INT4_DTYPE
 
 
-def held_dtype() -> np.dtype:
-    """The dtype 4-bit values are held in on JAX's default backend: int4 (two a byte) on TPU and
-    GPU, int8 on CPU (see the module docstring)."""
-    return np.dtype(np.int8) if jax.default_backend() == "cpu" else INT4_DTYPE
+def held_dtype(backend: str | None = None) -> np.dtype:
+    """The dtype 4-bit values are held in on `backend` ("cpu", "tpu", "cuda"...; None: JAX's
+    default backend): int4 (two a byte) on TPU and GPU, int8 on CPU (see the module docstring)."""
+    return np.dtype(np.int8) if (backend or jax.default_backend()) == "cpu" else INT4_DTYPE
 
 
-def quantize_held(kernel, group_size: int | None = None) -> tuple:
-    """`quantize`, its values in `held_dtype` (the served model's)."""
-    q, scale = quantize(kernel, group_size)
-    return q.astype(held_dtype()), scale
+def quantizer_held(backend: str | None = None):
+    """`quantize` with its values in `held_dtype(backend)` (the served model's)."""
+
+    def quantize_held(kernel, group_size: int | None = None) -> tuple:
+        q, scale = quantize(kernel, group_size)
+        return q.astype(held_dtype(backend)), scale
+
+    return quantize_held
 
 
 def quantize_grouped(kernel, group_size: int) -> tuple:

@@ -19,7 +19,7 @@ int8 path (`pallas_kernels.cpu.native_dense_int8`).
 Also runs under `nnx.eval_shape`, giving the quantized layout's shapes and dtypes.
 
 `quantize_int4(model)` is `quantize_fp8`'s pass with int4 values (`models.int4`, held as
-`int4.held_dtype()`: int8 on CPU): the layout a 4-bit checkpoint's model is served in (its
+`int4.held_dtype`: int8 on CPU): the layout a 4-bit checkpoint's model is served in (its
 kernels load as they are), the head kept in the model's dtype as 4-bit checkpoints ship it.
 
 `quantize_fp8(model)` is the same pass with float8_e4m3fn values (`models.fp8`), grouped scales
@@ -69,11 +69,11 @@ def quantize_fp8(model: nnx.Module, group_size: int | None = None) -> int:
     return _quantize(model, fp8.quantize, group_size, head=False, grouped_experts=True)
 
 
-def quantize_int4(model: nnx.Module, group_size: int | None = None) -> int:
-    """`quantize_fp8`'s pass with int4 values (`models.int4`): what a 4-bit checkpoint's model is
-    prepared as (its layers arrive int4; any float one left, the head aside, is quantized at load
-    like them); returns how many kernels."""
-    return _quantize(model, int4.quantize_held, group_size, head=False, grouped_experts=True)
+def quantize_int4(model: nnx.Module, group_size: int | None = None, backend: str | None = None) -> int:
+    """`quantize_fp8`'s pass with int4 values (`models.int4`) held as `int4.held_dtype(backend)`:
+    what a 4-bit checkpoint's model is prepared as (its layers arrive int4; any float one left,
+    the head aside, is quantized at load like them); returns how many kernels."""
+    return _quantize(model, int4.quantizer_held(backend), group_size, head=False, grouped_experts=True)
 
 
 def _quantize(

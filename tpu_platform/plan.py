@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from models import ModelConfig, attach_rope_tables, build, prepare_for_serving
+from models import ModelConfig, attach_rope_tables, build, int4, prepare_for_serving
 from models.lora import attach_lora
 from models.sharding import MODEL_AXIS, kv_heads_on_mesh, state_shardings, vocab_parallel
 from pallas_kernels import kv_cache_partition_spec, latent_cache_partition_spec
@@ -75,7 +75,9 @@ SAMPLING_FLAGS = SamplerFlags(filters=True)
 # The weights' quantizations the planner knows: the runner's bfloat16/float weights, int8 with one
 # scale per output channel, or int8 with one per 32 inputs (a GGUF's Q8_0 blocks, kept as they are);
 # fp8 per output channel, or with one scale per 128 inputs (a block fp8 checkpoint's, as served).
-QUANTIZATIONS = ("none", "int8", "int8-g32", "fp8", "fp8-g128")
+# int4 per output channel or per 128 inputs: a 4-bit checkpoint's (compressed-tensors W4A16, GPTQ),
+# as served on the target (two values a byte on TPU and GPU).
+QUANTIZATIONS = ("none", "int8", "int8-g32", "fp8", "fp8-g128", "int4", "int4-g128")
 
 
 def known_models() -> list[str]:
@@ -151,7 +153,8 @@ class StepSetup:
                 f"quantization {self.quantization!r} is not one the planner knows; use one of "
                 f"{', '.join(QUANTIZATIONS)} (int8: the weights as --quantization "
                 "int8_per_channel_weight_only serves them; int8-g32: a Q8_0 GGUF's, so served; fp8: "
-                "--quantization fp8; fp8-g128: a 128x128 block fp8 checkpoint's)"
+                "--quantization fp8; fp8-g128: a 128x128 block fp8 checkpoint's; int4, int4-g128: a "
+                "4-bit checkpoint's, per channel or per 128 inputs)"
             )
         if not 1 <= self.tp_size <= chips:
             raise ValueError(
@@ -216,8 +219,9 @@ class StepSetup:
     def abstract_model(self) -> AbstractModel:
         """The model as the runner would serve it with this setup, weights abstract."""
         return abstract_model(
-            self.config, self.dtype, self.max_model_len, self.tp_size, self.quantization, self.lora
-        )
+            self.config, self.dtype, self.max_model_len, self.tp_size, self.quantization, self.lora,
+            target(self.target).platform,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -311,14 +315,18 @@ def abstract_model(
     tp_size: int = 1,
     quantization: str = "none",
     lora: LoraConfig | None = None,
+    backend: str | None = None,
 ) -> AbstractModel:
     """The model the runner would load, weights abstract: built under `nnx.eval_shape` and
     prepared as `models.load_model` prepares it for `tp_size` devices (KV heads repeated up to
     the TP size when fewer, the tied head's copy, fused projections in one block a device), then
     quantized as the runner's `Preparation` does ("int8": int8 kernels and their scales), with
     the RoPE tables the runner attaches for `max_model_len` positions and, with `lora`, the
-    adapter slots `Runner.load_model` attaches."""
-    preparation = Preparation(jnp.dtype(dtype).name, tp_size=tp_size, quantization=quantization)
+    adapter slots `Runner.load_model` attaches. `backend`: the platform served ("tpu", "cuda";
+    None: JAX's default backend), which holds int4 values as int4 or int8 (`models.int4`)."""
+    preparation = Preparation(
+        jnp.dtype(dtype).name, tp_size=tp_size, quantization=quantization, backend=backend
+    )
 
     def prepared(model: nnx.Module) -> nnx.Module:
         prepare_for_serving(model, config, tp_size)
@@ -340,6 +348,9 @@ def abstract_model(
 
 
 def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
+    """An array's device bytes: int4 two values a byte (as TPU and GPU store it)."""
+    if int4.is_int4(dtype):
+        return -(-math.prod(shape) // 2)
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 

@@ -70,13 +70,16 @@ class Preparation:
     `int8_quantization`). The two int8 layouts are distinct preparations (names, cache entries).
     "fp8" and "fp8-g<G>" alike with float8_e4m3fn values (`models.fp8`; the head stays in the
     model's dtype: `models.quantization.quantize_fp8`). "int4" and "int4-g<G>" alike with int4
-    values (`models.int4`: a 4-bit checkpoint's, `models.quantization.quantize_int4`).
+    values (`models.int4`: a 4-bit checkpoint's, `models.quantization.quantize_int4`), held as
+    int4 on TPU and GPU and as int8 on CPU: `backend` names the platform (None: JAX's default
+    backend; the planner's compile-only targets name theirs).
     """
 
     dtype: str
     packing: str = "none"
     tp_size: int = 1
     quantization: str = "none"
+    backend: str | None = None  # the platform int4 values are held for (`int4.held_dtype`)
 
     def __post_init__(self) -> None:
         if self.packing not in _PACKINGS:
@@ -124,8 +127,10 @@ class Preparation:
         """Quantizes and packs `model`'s kernels as this preparation does (after
         `prepare_for_serving`); returns how many kernels were packed."""
         if self.int8:  # before packing: the int8 kernels pack for the native int8 kernel
-            quantize = quantize_fp8 if self.fp8 else quantize_int4 if self.int4 else quantize_int8
-            quantize(model, self.int8_group_size)
+            if self.int4:
+                quantize_int4(model, self.int8_group_size, self.backend)
+            else:
+                (quantize_fp8 if self.fp8 else quantize_int8)(model, self.int8_group_size)
         if self.packing == "none":
             return 0
         return pack_for_native_dense(model, float32=self.packing == "native+f32")
