@@ -104,3 +104,40 @@ def edit_config(path: str, edit) -> None:
     edit(config)
     with open(file, "w") as f:
         json.dump(config, f)
+
+
+def write_packed_w4a16(source: str, out: str, *, group_size: int) -> tuple[str, dict[str, np.ndarray]]:
+    """`source` as a compressed-tensors W4A16 checkpoint whose every projection (a MoE model's
+    experts, one tensor each, too) is quantized here (symmetric, `max|w| / 7.5` a group) and
+    packed by the package's own `pack_to_int32`: the package's compressor quantizes Linear
+    modules only, and transformers holds a MoE model's experts fused. Returns the path and the
+    dequantized weights by HF name."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.numpy import load_file, save_file
+
+    tensors, dequantized = {}, {}
+    for name, w in load_file(os.path.join(source, "model.safetensors")).items():
+        if not name.endswith("_proj.weight"):
+            tensors[name] = dequantized[name] = w
+            continue
+        blocks = w.reshape(w.shape[0], -1, group_size).astype(np.float32)  # HF [out, in / G, G]
+        scale = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(7.5)
+        q = np.clip(np.round(blocks / scale), -8, 7).astype(np.int8)
+        dequantized[name] = (q * scale).reshape(w.shape)
+        base = name.removesuffix("weight")
+        packed = pack_to_int32(torch.from_numpy(q.reshape(w.shape)), 4).numpy()
+        tensors[f"{base}weight_packed"] = np.ascontiguousarray(packed)
+        tensors[f"{base}weight_scale"] = np.ascontiguousarray(scale[..., 0])
+        tensors[f"{base}weight_shape"] = np.asarray(w.shape, np.int64)
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    weights = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": IGNORED,
+    }
+    edit_config(out, lambda c: c.update(quantization_config=config))
+    return out, dequantized

@@ -9,7 +9,13 @@ import pytest
 from safetensors import safe_open
 
 from models import int4, load_model
-from tests.models.int4_checkpoints import edit_config, write_compressed_w4a16, write_decompressed
+from tests.models.fp8_checkpoints import write_float
+from tests.models.int4_checkpoints import (
+    edit_config,
+    write_compressed_w4a16,
+    write_decompressed,
+    write_packed_w4a16,
+)
 from tests.models.tiny_checkpoints import caches, prompts, run_step, save_tiny
 
 
@@ -96,3 +102,21 @@ def test_a_4_bit_weight_of_the_wrong_shape_is_refused_by_name(mistral, tmp_path)
     save_file(tensors, f"{out}/model.safetensors")
     with pytest.raises(ValueError, match="up_proj"):
         load_model(out)
+
+
+def test_moe_experts_load_as_int4_with_group_scales(tmp_path):
+    """Qwen3-MoE W4A16: each expert's 4-bit values and group scales stacked `[E, in / G, out]`,
+    the routed experts computing what the float model of the dequantized weights does."""
+    source = save_tiny("Qwen3MoeForCausalLM", str(tmp_path / "source"))
+    path, dequantized = write_packed_w4a16(source, str(tmp_path / "w4a16"), group_size=16)
+    write_float(source, str(tmp_path / "float"), dequantized)
+    config, model = load_model(path)
+    _, reference = load_model(str(tmp_path / "float"))
+    experts = model.model.layers[0].mlp.experts
+    assert experts.down_proj.kernel[...].dtype == int4.held_dtype()
+    assert experts.down_proj.kernel_scale[...].shape == (8, 32 // 16, 64)
+    assert model.model.layers[0].mlp.router.kernel_scale is None
+    (ids,) = prompts([40], seed=4)
+    got, _ = run_step(model, caches(config), [ids], [0], [[1, 2, 3]])
+    expected, _ = run_step(reference, caches(config), [ids], [0], [[1, 2, 3]])
+    np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
