@@ -16,6 +16,11 @@ The layers the checkpoint holds a `weight_scale` for get int8 kernels before loa
 (`int8_layout`), so their int8 values and scales are copied in unchanged; the others load in the
 model's dtype (`models.quantization.quantize_int8` quantizes them at load when asked).
 
+4-bit checkpoints (W4A16: `pack-quantized` with `num_bits: 4`, symmetric `int` weights per
+channel or per group: eight values an int32 word, each offset by 8; `weight_shape`;
+`weight_scale`) load alike as int4 values (`models.int4`, held as int8 on CPU), their MoE
+experts' group scales kept (`[E, in / G, out]`). Zero points (`symmetric: false`) are refused.
+
 FP8 checkpoints (`float-quantized`, or `naive-quantized` with float weights: 8-bit symmetric
 `type: "float"` weights, float8_e4m3fn `weight` and a float32 `weight_scale` per tensor, per
 channel or per `block_structure` block) load alike as fp8 kernels (`models.fp8`): block scales

@@ -17,8 +17,8 @@ a byte anyway, and its ahead-of-time compiled programs refuse committed int4 arg
 layout differs from the one the executable declares). As int8 they are exactly the same
 weights (`w = q * s`), run by the native CPU int8 dense kernel where it takes them.
 
-Checkpoints pack the values eight to an int32 (compressed-tensors' `pack-quantized`, GPTQ,
-AWQ), each offset by 8 into [0, 15] (`unpack_int32`), so a symmetric checkpoint's values are
+Checkpoints pack the values eight to an int32 (compressed-tensors' `pack-quantized`, GPTQ),
+each offset by 8 into [0, 15] (`unpack_int32`), so a symmetric checkpoint's values are
 int4 as they stand: the loaders unpack them on the host as each tensor is read.
 
 The functions take NumPy arrays (at load) or JAX arrays and tracers alike.
@@ -98,16 +98,12 @@ def unpack_int32(packed: np.ndarray, axis: int = -1, length: int | None = None) 
     return values
 
 
-_IN_ORDER = tuple(range(VALUES_PER_WORD))
-
-
-def unpack_unsigned(packed: np.ndarray, axis: int = -1, order: tuple[int, ...] = _IN_ORDER) -> np.ndarray:
-    """int32 words -> their eight 4-bit fields as uint8 in [0, 15], along `axis` (eight times as
-    long); `order[i]` is the field (0: the lowest bits) holding the word's i-th value (AWQ
-    interleaves them)."""
+def unpack_unsigned(packed: np.ndarray, axis: int = -1) -> np.ndarray:
+    """int32 words -> their eight 4-bit fields as uint8 in [0, 15], the first lowest, along
+    `axis` (eight times as long)."""
     words = np.ascontiguousarray(packed).view(np.uint32)
     axis = axis % words.ndim
-    shifts = np.asarray(order, np.uint32) * 4
+    shifts = np.arange(VALUES_PER_WORD, dtype=np.uint32) * 4
     fields = (words[..., None] >> shifts) & 0xF  # [..., 8] after the packed axis's words
     fields = np.moveaxis(fields, -1, axis + 1)
     shape = list(words.shape)

@@ -120,3 +120,21 @@ def test_moe_experts_load_as_int4_with_group_scales(tmp_path):
     got, _ = run_step(model, caches(config), [ids], [0], [[1, 2, 3]])
     expected, _ = run_step(reference, caches(config), [ids], [0], [[1, 2, 3]])
     np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
+
+
+def test_a_tensor_parallel_size_cutting_4_bit_groups_is_refused_by_name(mistral, tmp_path):
+    """down_proj's 128 inputs in 4 groups of 32: 2 or 4 devices hold whole groups, 8 would cut
+    them (refused, naming the parameter and the sizes that work); scales per channel never cut."""
+    from jax.sharding import PartitionSpec
+
+    from models.sharding import MODEL_AXIS, parameter_spec
+
+    _, model = load_model(write_compressed_w4a16(mistral, str(tmp_path / "w4a16"), group_size=32))
+    name = "model.layers.0.mlp.down_proj.kernel_scale"
+    shape = model.model.layers[0].mlp.down_proj.kernel_scale[...].shape
+    assert shape == (4, 64) and parameter_spec(name, shape, 4) == PartitionSpec(MODEL_AXIS, None)
+    with pytest.raises(
+        ValueError, match=r"cannot split model\.layers\.0\.mlp\.down_proj\.kernel_scale.*dividing 4"
+    ):
+        parameter_spec(name, shape, 8)
+    assert parameter_spec(name, (64,), 8) == PartitionSpec()  # per channel: replicated rows' scales
