@@ -16,6 +16,11 @@ The layers the checkpoint holds a `weight_scale` for get int8 kernels before loa
 (`int8_layout`), so their int8 values and scales are copied in unchanged; the others load in the
 model's dtype (`models.quantization.quantize_int8` quantizes them at load when asked).
 
+4-bit checkpoints (W4A16: `pack-quantized` with `num_bits: 4`, symmetric `int` weights per
+channel or per group: eight values an int32 word, each offset by 8; `weight_shape`;
+`weight_scale`) load alike as int4 values (`models.int4`, held as int8 on CPU), their MoE
+experts' group scales kept (`[E, in / G, out]`). Zero points (`symmetric: false`) are refused.
+
 FP8 checkpoints (`float-quantized`, or `naive-quantized` with float weights: 8-bit symmetric
 `type: "float"` weights, float8_e4m3fn `weight` and a float32 `weight_scale` per tensor, per
 channel or per `block_structure` block) load alike as fp8 kernels (`models.fp8`): block scales
@@ -34,7 +39,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from flax import nnx
 
+from models import int4
 from models.fp8 import FP8_DTYPE, block_scales
+from models.int4 import INT4_DTYPE
 from models.int8 import SCALE_DTYPE
 
 METHOD = "compressed-tensors"
@@ -54,6 +61,7 @@ class Int8Checkpoint:
     int8_weights: frozenset[str]
     block: tuple[int, int] | None = None
     weight_shapes: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    bits: int = 8  # of the packed values (`weight_packed`): 8, or 4 (`models.int4`)
 
     def tensors(self, tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
         """The checkpoint's tensors as plain `weight` (int8 or fp8 `[out, in]`) and `weight_scale`:
@@ -72,7 +80,7 @@ class Int8Checkpoint:
                     array = block_scales(array, self.weight_shapes[weight], self.block, weight)
                 yield name, array
             elif name.endswith(".weight_packed"):
-                packed[name.removesuffix("_packed")] = unpack_int32(array)
+                packed[name.removesuffix("_packed")] = self._unpacked(array)
             elif name.endswith(".weight_shape"):
                 weight = name.removesuffix("_shape")
                 rows, cols = (int(v) for v in np.asarray(array).reshape(-1))
@@ -80,6 +88,9 @@ class Int8Checkpoint:
             else:
                 yield name, array
         yield from packed.items()
+
+    def _unpacked(self, packed: np.ndarray) -> np.ndarray:
+        return int4.unpack_int32(packed) if self.bits == 4 else unpack_int32(packed)
 
 
 def unpack_int32(packed: np.ndarray) -> np.ndarray:
@@ -116,12 +127,18 @@ def check_config(config: dict) -> None:
     for name, group in (config.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
         found = {k: weights.get(k) for k in ("num_bits", "type", "symmetric", "strategy")}
-        if found != {"num_bits": 8, "type": "int", "symmetric": True, "strategy": found["strategy"]} or (
+        bits = found["num_bits"] if found["num_bits"] in (4, 8) else 8
+        if found != {"num_bits": bits, "type": "int", "symmetric": True, "strategy": found["strategy"]} or (
             found["strategy"] not in _STRATEGIES
         ):
             raise ValueError(
-                f"compressed-tensors group {name!r} has weights {found}; vllm-xla loads 8-bit "
-                f"symmetric int weights with strategy {' or '.join(_STRATEGIES)} only"
+                f"compressed-tensors group {name!r} has weights {found}; vllm-xla loads 8-bit or "
+                f"4-bit symmetric int weights with strategy {' or '.join(_STRATEGIES)} only"
+            )
+        if bits == 4 and fmt != "pack-quantized":
+            raise ValueError(
+                f"compressed-tensors group {name!r} has 4-bit weights in format {fmt!r}; 4-bit "
+                "weights come 'pack-quantized' (eight to an int32)"
             )
         if found["strategy"] == "group":
             _check_group(name, weights)
@@ -136,17 +153,19 @@ def check_config(config: dict) -> None:
 
 def values_dtype(config: dict) -> np.dtype:
     """The dtype of a compressed-tensors checkpoint's quantized weights: float8_e4m3fn when its
-    groups' weights are floats, int8 when ints; a ValueError when they mix."""
+    groups' weights are floats, int8 when 8-bit ints, int4 when 4-bit ints; a ValueError when
+    they mix."""
     types = {
-        (group.get("weights") or {}).get("type", "int")
+        ((group.get("weights") or {}).get("type", "int"), (group.get("weights") or {}).get("num_bits", 8))
         for group in (config.get("config_groups") or {}).values()
     }
     if len(types) > 1:
         raise ValueError(
-            f"compressed-tensors groups mix weight types {sorted(map(str, types))}; vllm-xla loads "
-            "one quantized type a model (int or float)"
+            f"compressed-tensors groups mix weight types {sorted(map(str, types))} (type, bits); "
+            "vllm-xla loads one quantized type a model"
         )
-    return FP8_DTYPE if types == {"float"} else _INT8
+    kind, bits = types.pop() if types else ("int", 8)
+    return FP8_DTYPE if kind == "float" else INT4_DTYPE if bits == 4 else _INT8
 
 
 def _check_float_groups(config: dict) -> None:
@@ -244,10 +263,13 @@ def int8_layout(
     check_config(config)
     scaled = {n.removesuffix("_scale") for n in names() if n.endswith(".weight_scale")}
     dtype = values_dtype(config)
-    param_map = int8_kernels_for(model, scaled, our_name, path, group_size(config), dtype)
+    held = int4.held_dtype() if dtype == INT4_DTYPE else dtype
+    param_map = int8_kernels_for(
+        model, scaled, our_name, path, group_size(config), held, experts_grouped=dtype == INT4_DTYPE
+    )
     block = block_of(config) if dtype == FP8_DTYPE else None
     shapes = weight_shapes(model, scaled, our_name) if block is not None else {}
-    return Int8Checkpoint(param_map, frozenset(scaled), block, shapes)
+    return Int8Checkpoint(param_map, frozenset(scaled), block, shapes, bits=4 if dtype == INT4_DTYPE else 8)
 
 
 def weight_shapes(
@@ -272,11 +294,14 @@ def int8_kernels_for(
     path: str,
     group_size: int | None = None,
     dtype: np.dtype = _INT8,
+    *,
+    experts_grouped: bool = False,
 ) -> dict[str, str]:
     """Gives the layers of the HF linear `weights` (names ending `.weight`) that a checkpoint holds
     as int8 with a `<weight>_scale` int8 zeros and a scale (in place, before loading): per
-    channel, or with `group_size` one per group of that many inputs (dense projections only);
-    returns the model's HF-name table with one scale name per linear weight."""
+    channel, or with `group_size` one per group of that many inputs (dense projections only,
+    unless fp8 or `experts_grouped`: a 4-bit checkpoint's experts); returns the model's HF-name
+    table with one scale name per linear weight."""
     param_map = dict(type(model).hf_param_map)
     for hf, ours in type(model).hf_param_map.items():
         if hf.endswith(".weight") and ours.endswith(".kernel"):
@@ -290,7 +315,8 @@ def int8_kernels_for(
         if module.kernel_scale is None:
             shape = module.kernel.get_value().shape
             module.kernel = nnx.Param(np.zeros(shape, dtype))
-            scale_shape = _scale_shape(weight, shape, group_size, path, experts_grouped=dtype == FP8_DTYPE)
+            grouped = experts_grouped or dtype == FP8_DTYPE
+            scale_shape = _scale_shape(weight, shape, group_size, path, experts_grouped=grouped)
             module.kernel_scale = nnx.Param(np.zeros(scale_shape, SCALE_DTYPE))
     return param_map
 

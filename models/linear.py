@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import fp8, int8
+from models import fp8, int4, int8
 from models.int8 import group_size, int8_dot
 from models.sharding import interleave_blocks
 from pallas_kernels import cpu
@@ -85,11 +85,16 @@ def _int8_kernels(parts: Sequence[Linear]) -> list[tuple]:
         raise ValueError(
             f"the projections fused into one hold weights of different types {sorted(map(str, values))}"
         )
-    quantize = fp8.quantize if fp8.is_fp8(values.pop()) else int8.quantize
+    quantize = quantizer_for(values.pop())
     return [
         (p.kernel[...], p.kernel_scale[...]) if p.kernel_scale is not None else quantize(p.kernel[...], size)
         for p in parts
     ]
+
+
+def quantizer_for(dtype) -> object:
+    """The quantizer (`quantize(kernel, group_size)`) giving values of `dtype`: fp8, int4 or int8."""
+    return fp8.quantize if fp8.is_fp8(dtype) else int4.quantize if int4.is_int4(dtype) else int8.quantize
 
 
 class PackedKernel(nnx.Variable):

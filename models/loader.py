@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import compressed_tensors, fp8_checkpoint, gguf_reader
+from models import compressed_tensors, fp8_checkpoint, gguf_reader, gptq_checkpoint
 from models.config import ModelConfig
 from models.fp8 import FP8_DTYPE, is_fp8
+from models.int4 import INT4_DTYPE
 from models.int8 import checkpoint_scale
 from models.registry import build
 from models.serving_passes import fuse_projections, repeat_kv_heads_for_mesh
@@ -161,18 +162,24 @@ def int8_group_size(path: str) -> int | None:
         return gguf_reader.Q8_0_BLOCK
     config = compressed_tensors.quantization_config(path)
     block = fp8_checkpoint.block_of(config)
-    return block[1] if block is not None else compressed_tensors.group_size(config)
+    if block is not None:
+        return block[1]
+    return compressed_tensors.group_size(config) or gptq_checkpoint.group_size(config)
 
 
 def checkpoint_values(path: str) -> str | None:
     """The values of the quantized weights the checkpoint at `path` holds as they are: "fp8" (a
     compressed-tensors FP8 or a `quant_method: fp8` checkpoint), "int8" (a compressed-tensors
-    int8 one), None for any other (its weights are quantized at load when asked)."""
+    int8 one), "int4" (a compressed-tensors 4-bit one, a GPTQ one), None for any other (its weights are
+    quantized at load when asked)."""
     config = compressed_tensors.quantization_config(path) or {}
     if config.get("quant_method") == fp8_checkpoint.METHOD:
         return "fp8"
+    if config.get("quant_method") == gptq_checkpoint.METHOD:
+        return "int4"
     if config.get("quant_method") == compressed_tensors.METHOD:
-        return "fp8" if compressed_tensors.values_dtype(config) == FP8_DTYPE else "int8"
+        values = compressed_tensors.values_dtype(config)
+        return "fp8" if values == FP8_DTYPE else "int4" if values == INT4_DTYPE else "int8"
     return None
 
 
@@ -215,8 +222,10 @@ def iter_parameters(
         return (_our_name(hf, compiled) or (None,))[0]
 
     names = lambda: checkpoint_names(path)  # noqa: E731
-    layout = compressed_tensors.int8_layout(model, path, names, our_name) or fp8_checkpoint.fp8_layout(
-        model, path, names, our_name
+    layout = (
+        compressed_tensors.int8_layout(model, path, names, our_name)
+        or fp8_checkpoint.fp8_layout(model, path, names, our_name)
+        or gptq_checkpoint.gptq_layout(model, path, names, our_name)
     )
     if layout is not None:
         compiled, tensors = _compile_param_map(layout.param_map), layout.tensors(tensors)
@@ -250,7 +259,10 @@ def iter_parameters(
         if ours.endswith("kernel"):
             value = value.T
         elif ours.endswith("kernel_scale"):  # -> `[out]` per channel, `[in / G, out]` grouped
-            value = checkpoint_scale(value, current.shape if expert is None else current.shape[1:])
+            try:
+                value = checkpoint_scale(value, current.shape if expert is None else current.shape[1:])
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {hf!r} in {path!r}: {e}") from None
         if expert is not None:
             value = stacks.put(ours, expert, value, current.shape, current.dtype, hf)
             if value is None:

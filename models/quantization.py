@@ -18,6 +18,10 @@ and before packing for the native CPU dense kernel, which then packs the int8 ke
 int8 path (`pallas_kernels.cpu.native_dense_int8`).
 Also runs under `nnx.eval_shape`, giving the quantized layout's shapes and dtypes.
 
+`quantize_int4(model)` is `quantize_fp8`'s pass with int4 values (`models.int4`, held as
+`int4.held_dtype`: int8 on CPU): the layout a 4-bit checkpoint's model is served in (its
+kernels load as they are), the head kept in the model's dtype as 4-bit checkpoints ship it.
+
 `quantize_fp8(model)` is the same pass with float8_e4m3fn values (`models.fp8`), grouped scales
 for the MoE experts too (a block checkpoint's experts hold them: `models.moe`), except that
 the LM head (an untied `lm_head`, a tied head's copy) stays in the model's dtype, as vLLM's fp8
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from models import fp8, int8
+from models import fp8, int4, int8
 from models.layers import Embedding, HeadCopy
 from models.linear import Linear, PackedKernel
 from models.moe import SparseMoE, StackedLinear
@@ -63,6 +67,13 @@ def quantize_int8(model: nnx.Module, group_size: int | None = None) -> int:
 def quantize_fp8(model: nnx.Module, group_size: int | None = None) -> int:
     """Quantizes `model`'s float dense kernels but the head's to fp8 in place; returns how many."""
     return _quantize(model, fp8.quantize, group_size, head=False, grouped_experts=True)
+
+
+def quantize_int4(model: nnx.Module, group_size: int | None = None, backend: str | None = None) -> int:
+    """`quantize_fp8`'s pass with int4 values (`models.int4`) held as `int4.held_dtype(backend)`:
+    what a 4-bit checkpoint's model is prepared as (its layers arrive int4; any float one left,
+    the head aside, is quantized at load like them); returns how many kernels."""
+    return _quantize(model, int4.quantizer_held(backend), group_size, head=False, grouped_experts=True)
 
 
 def _quantize(

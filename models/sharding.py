@@ -153,7 +153,7 @@ def parameter_spec(
     if spec in (_ROW, _GROUPED_ROW) and is_grouped_scale(path, len(shape)) and shape[-2] % tp_size:
         raise ValueError(
             f"tensor_parallel_size={tp_size} cannot split {path}: its kernel's inputs are in "
-            f"{shape[-2]} groups sharing a weight scale (int8 or fp8), which do not divide by "
+            f"{shape[-2]} groups sharing a weight scale (int8, fp8 or int4), which do not divide by "
             f"{tp_size}, so a device's share would end inside a group; use a "
             f"tensor_parallel_size dividing {shape[-2]}"
         )

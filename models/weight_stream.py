@@ -21,7 +21,8 @@ and are re-blocked exactly like the kernels' columns (`models.sharding.fuse_part
 split like those columns. A pre-quantized checkpoint's int8 kernels and scales
 (`models.compressed_tensors`, a GGUF's Q8_0 weights: `models.gguf_reader`) take the same way
 without quantizing here; a scale whose layout is not the served one is refused by name. fp8
-weights (`models.fp8`) alike: a float kernel the served model holds as fp8 is quantized to fp8.
+weights (`models.fp8`) alike: a float kernel the served model holds as fp8 is quantized to fp8,
+one it holds as int4 (a 4-bit checkpoint's model, `models.int4`) to int4.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from models import fp8, int8
+from models import fp8
 from models.config import ModelConfig
 from models.int8 import group_size
-from models.linear import PackedKernel
+from models.linear import PackedKernel, quantizer_for
 from models.loader import _ExpertStacks, iter_parameters, prepare_for_serving
 from models.registry import build
 from models.sharding import MODEL_AXIS, fuse_parts, fused_parts, parameter_sharding
@@ -216,7 +217,7 @@ def _with_scales(
     for ours, value in params:
         if ours in quantized and _unquantized(value.dtype):
             size, dtype = quantized[ours]
-            q, scale = (fp8 if fp8.is_fp8(dtype) else int8).quantize(value, size)
+            q, scale = quantizer_for(dtype)(value, size)
             yield ours, q
             yield _scale_name(ours), scale
         else:
@@ -224,7 +225,7 @@ def _with_scales(
 
 
 def _unquantized(dtype: np.dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating) and not fp8.is_fp8(dtype)
+    return jnp.issubdtype(dtype, jnp.floating) and not fp8.is_fp8(dtype)  # int4 is not floating
 
 
 def _check_sources(

@@ -172,10 +172,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     # A compressed-tensors int8 source is int8 as it is (vLLM serves it so): kept, never dequantized.
     source_method = (quantization_config(args.model) or {}).get("quant_method")
-    if checkpoint_values(args.model) == "fp8":
+    if checkpoint_values(args.model) in ("fp8", "int4"):
         raise SystemExit(
-            "vllm-xla convert: the source holds fp8 weights, which a converted directory does not "
-            "keep; serve the checkpoint itself (its fp8 weights load as they are)"
+            f"vllm-xla convert: the source holds {checkpoint_values(args.model)} weights, which a "
+            "converted directory does not keep; serve the checkpoint itself (its quantized weights "
+            "load as they are)"
         )
     int8 = args.quantization != "none" or source_method == METHOD
     try:

@@ -113,7 +113,8 @@ _NO_PARALLELISM = (
     "host behind a load balancer scales out)"
 )
 
-# vLLM `quantization` values served (int8 or fp8 weights, `models.quantization`); anything else is refused.
+# vLLM `quantization` values served (int8, fp8 or int4 weights, `models.quantization`); anything else
+# is refused.
 SUPPORTED_QUANTIZATION: tuple[str, ...] = QUANTIZATION_METHODS
 
 
@@ -177,8 +178,10 @@ REFUSED: tuple[Refusal, ...] = (
         "to fp8 with a scale per output channel (for 'fp8_per_tensor' and 'fp8_per_block' use "
         "'fp8_per_channel': at least as precise); a compressed-tensors int8 checkpoint (8-bit "
         "symmetric weights, per channel, per tensor or per group), a compressed-tensors FP8 one "
-        "(per channel, per tensor or per block) and a quant_method 'fp8' one (per tensor or in "
-        "weight_block_size blocks) load as they are; otherwise "
+        "(per channel, per tensor or per block), a quant_method 'fp8' one (per tensor or in "
+        "weight_block_size blocks), a compressed-tensors W4A16 one (4-bit symmetric, "
+        "pack-quantized, per channel or per group) and a 4-bit GPTQ one (sym, desc_act false) "
+        "load as they are; otherwise "
         "serve an unquantized checkpoint (a GGUF file converts "
         "with `vllm-xla model-dir --gguf FILE`)",
     ),
@@ -462,6 +465,16 @@ SUPPORTED: tuple[Supported, ...] = (
         "quantized at load from a float checkpoint (per output channel), or a checkpoint's fp8 "
         "weights as they are: per tensor, per channel or in 128x128 blocks (DeepSeek-V3, "
         "Qwen3-FP8); a W8A8 checkpoint's activations (static or dynamic) stay in the model dtype",
+    ),
+    Supported(
+        "4-bit weights (W4A16)",
+        "quantization='compressed-tensors' (W4A16 checkpoints), quantization='gptq' (a quant_method "
+        "'gptq' checkpoint)",
+        "a checkpoint's symmetric 4-bit weights as they are, with float32 scales per output channel "
+        "or per group of inputs, activations in the model dtype: compressed-tensors pack-quantized "
+        "W4A16 and GPTQ (bits 4, sym, desc_act false); int4 two a byte on TPU and GPU (int8 on "
+        "CPU); the LM head, embedding and MoE router stay in the model dtype. Refused by name: "
+        "zero points (asymmetric), act-order, other bit widths; AWQ is not served",
     ),
     Supported(
         "LoRA adapters",

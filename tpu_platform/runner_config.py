@@ -12,8 +12,17 @@ if TYPE_CHECKING:
     from tpu_platform.pooling import PoolingConfig
     from tpu_platform.speculation import SpeculationConfig
 
-# vLLM `quantization` values the runner serves, as int8 or fp8 weights (`models.quantization`).
-QUANTIZATION_METHODS = ("int8_per_channel_weight_only", "compressed-tensors", "fp8", "fp8_per_channel")
+# vLLM `quantization` values the runner serves, as int8, fp8 or int4 weights (`models.quantization`).
+QUANTIZATION_METHODS = (
+    "int8_per_channel_weight_only",
+    "compressed-tensors",
+    "fp8",
+    "fp8_per_channel",
+    # 4-bit GPTQ checkpoints (`models.gptq_checkpoint`), under each name vLLM gives the method
+    "gptq",
+    "auto_gptq",
+    "gptq_marlin",
+)
 
 # Tokens a KV page holds when vLLM's `block_size` is not given (`default_page_size`).
 ACCELERATOR_PAGE_SIZE = 16

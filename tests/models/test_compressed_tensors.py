@@ -149,7 +149,7 @@ def test_grouped_expert_scales_are_refused_by_name(tmp_path):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (dict(num_bits=4), "group 'group_0' has weights"),
+        (dict(num_bits=2), "group 'group_0' has weights"),  # 8 and 4 bits are served
         (dict(symmetric=False), "group 'group_0' has weights"),
         (dict(strategy="block"), "group 'group_0' has weights"),
         (dict(strategy="group"), "'group' without a group_size"),

@@ -42,7 +42,8 @@ def test_preparation_names_its_quantization():
     stored = (INT8, INT8_G32, Preparation("bfloat16", "native+f32", 4, "int8-g16"), Preparation("float32"))
     for preparation in stored:
         assert _stored_preparation({"preparation": preparation.name}) == preparation
-    for wrong in ("int4", "int8-g0", "int8-g"):
+    assert Preparation("bfloat16", quantization="int4-g128").int8_group_size == 128
+    for wrong in ("int2", "int8-g0", "int8-g"):
         with pytest.raises(ValueError, match=f"quantization '{wrong}' is not one of"):
             Preparation("bfloat16", quantization=wrong)
 

@@ -213,9 +213,9 @@ def test_int8_weights_are_the_runners_int8_preparation():
 
 def test_unknown_quantization_is_refused_by_name():
     with pytest.raises(
-        ValueError, match=r"quantization 'int4' is not one the planner knows; use one of none, int8"
+        ValueError, match=r"quantization 'int2' is not one the planner knows; use one of none, int8"
     ):
-        StepSetup(model_config("llama-3.1-8b"), "v5e-1", quantization="int4")
+        StepSetup(model_config("llama-3.1-8b"), "v5e-1", quantization="int2")
 
 
 def test_fp8_weights_are_fp8_bytes_and_scales_with_a_bfloat16_head():

@@ -156,10 +156,11 @@ def weight_bytes_read(setup: StepSetup, batch: int) -> int:
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
     hidden, inner = config.hidden_size, config.moe_intermediate_size
     values, _, group = setup.quantization.partition("-g")
-    if values == "fp8" and group:  # fp8 kernels, a float32 scale per group of inputs and output
-        expert = (3 * hidden * inner + 4 * 3 * hidden * inner // int(group)) // setup.tp_size
-    elif values in ("int8", "fp8"):  # 8-bit kernels and a float32 scale per output channel
-        expert = (3 * hidden * inner + 4 * (2 * inner + hidden)) // setup.tp_size
+    weight = 3 * hidden * inner // 2 if values == "int4" else 3 * hidden * inner  # int4: 2 a byte
+    if values in ("fp8", "int4") and group:  # a float32 scale per group of inputs and output
+        expert = (weight + 4 * 3 * hidden * inner // int(group)) // setup.tp_size
+    elif values in ("int8", "fp8", "int4"):  # 8- or 4-bit kernels, a float32 scale per channel
+        expert = (weight + 4 * (2 * inner + hidden)) // setup.tp_size
     else:
         expert = 3 * hidden * inner * _itemsize(setup.dtype) // setup.tp_size
     all_experts = moe_layers * config.num_experts * expert

@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from models import ModelConfig, attach_rope_tables, build, prepare_for_serving
+from models import ModelConfig, attach_rope_tables, build, int4, prepare_for_serving
 from models.lora import attach_lora
 from models.moe import use_expert_parallel
 from models.sharding import MODEL_AXIS, kv_heads_on_mesh, state_shardings, vocab_parallel
@@ -76,7 +76,9 @@ SAMPLING_FLAGS = SamplerFlags(filters=True)
 # The weights' quantizations the planner knows: the runner's bfloat16/float weights, int8 with one
 # scale per output channel, or int8 with one per 32 inputs (a GGUF's Q8_0 blocks, kept as they are);
 # fp8 per output channel, or with one scale per 128 inputs (a block fp8 checkpoint's, as served).
-QUANTIZATIONS = ("none", "int8", "int8-g32", "fp8", "fp8-g128")
+# int4 per output channel or per 128 inputs: a 4-bit checkpoint's (compressed-tensors W4A16, GPTQ),
+# as served on the target (two values a byte on TPU and GPU).
+QUANTIZATIONS = ("none", "int8", "int8-g32", "fp8", "fp8-g128", "int4", "int4-g128")
 
 
 def known_models() -> list[str]:
@@ -154,7 +156,8 @@ class StepSetup:
                 f"quantization {self.quantization!r} is not one the planner knows; use one of "
                 f"{', '.join(QUANTIZATIONS)} (int8: the weights as --quantization "
                 "int8_per_channel_weight_only serves them; int8-g32: a Q8_0 GGUF's, so served; fp8: "
-                "--quantization fp8; fp8-g128: a 128x128 block fp8 checkpoint's)"
+                "--quantization fp8; fp8-g128: a 128x128 block fp8 checkpoint's; int4, int4-g128: a "
+                "4-bit checkpoint's, per channel or per 128 inputs)"
             )
         if not 1 <= self.tp_size <= chips:
             raise ValueError(
@@ -220,7 +223,7 @@ class StepSetup:
         """The model as the runner would serve it with this setup, weights abstract."""
         return abstract_model(
             self.config, self.dtype, self.max_model_len, self.tp_size, self.quantization, self.lora,
-            self.expert_parallel,
+            expert_parallel=self.expert_parallel, backend=target(self.target).platform,
         )  # fmt: skip
 
 
@@ -317,6 +320,7 @@ def abstract_model(
     quantization: str = "none",
     lora: LoraConfig | None = None,
     expert_parallel: bool = False,
+    backend: str | None = None,
 ) -> AbstractModel:
     """The model the runner would load, weights abstract: built under `nnx.eval_shape` and
     prepared as `models.load_model` prepares it for `tp_size` devices (KV heads repeated up to
@@ -324,8 +328,12 @@ def abstract_model(
     quantized as the runner's `Preparation` does ("int8": int8 kernels and their scales), with
     the RoPE tables the runner attaches for `max_model_len` positions and, with `lora`, the
     adapter slots `Runner.load_model` attaches; `expert_parallel`: its MoE layers flagged and
-    their experts placed by index, as the runner does under `--enable-expert-parallel`."""
-    preparation = Preparation(jnp.dtype(dtype).name, tp_size=tp_size, quantization=quantization)
+    their experts placed by index, as the runner does under `--enable-expert-parallel`.
+    `backend`: the platform served ("tpu", "cuda"; None: JAX's default backend), which holds
+    int4 values as int4 or int8 (`models.int4`)."""
+    preparation = Preparation(
+        jnp.dtype(dtype).name, tp_size=tp_size, quantization=quantization, backend=backend
+    )
 
     def prepared(model: nnx.Module) -> nnx.Module:
         prepare_for_serving(model, config, tp_size)
@@ -352,6 +360,9 @@ def abstract_model(
 
 
 def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
+    """An array's device bytes: int4 two values a byte (as TPU and GPU store it)."""
+    if int4.is_int4(dtype):
+        return -(-math.prod(shape) // 2)
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 

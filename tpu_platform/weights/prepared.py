@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models import ModelConfig, PackedKernel, build, pack_for_native_dense
 from models.linear import packed_for_native_dense
 from models.loader import checkpoint_values, int8_group_size
-from models.quantization import FP8_METHODS, quantize_fp8, quantize_int8
+from models.quantization import FP8_METHODS, quantize_fp8, quantize_int4, quantize_int8
 from models.sharding import fused_layout, fused_parts
 from models.weight_stream import HostBytes, served_abstract, stream_model
 
@@ -47,8 +47,8 @@ LAYOUT_VERSION = 1
 ShardingFor = jax.sharding.Sharding | Callable[[tuple[str, ...], jax.ShapeDtypeStruct], jax.sharding.Sharding]
 
 _PACKINGS = ("none", "native", "native+f32")
-_QUANTIZATIONS = ("none", "int8", "fp8")  # and "int8-g<G>", "fp8-g<G>": one scale per G inputs
-_GROUPED = re.compile(r"(int8|fp8)-g([1-9][0-9]*)")
+_QUANTIZATIONS = ("none", "int8", "fp8", "int4")  # and "int8-g<G>" ...: one scale per G inputs
+_GROUPED = re.compile(r"(int8|fp8|int4)-g([1-9][0-9]*)")
 
 
 class UnusableCheckpoint(Exception):
@@ -69,13 +69,17 @@ class Preparation:
     GGUF's Q8_0 weights (G = 32) or a compressed-tensors `group` checkpoint hold them:
     `int8_quantization`). The two int8 layouts are distinct preparations (names, cache entries).
     "fp8" and "fp8-g<G>" alike with float8_e4m3fn values (`models.fp8`; the head stays in the
-    model's dtype: `models.quantization.quantize_fp8`).
+    model's dtype: `models.quantization.quantize_fp8`). "int4" and "int4-g<G>" alike with int4
+    values (`models.int4`: a 4-bit checkpoint's, `models.quantization.quantize_int4`), held as
+    int4 on TPU and GPU and as int8 on CPU: `backend` names the platform (None: JAX's default
+    backend; the planner's compile-only targets name theirs).
     """
 
     dtype: str
     packing: str = "none"
     tp_size: int = 1
     quantization: str = "none"
+    backend: str | None = None  # the platform int4 values are held for (`int4.held_dtype`)
 
     def __post_init__(self) -> None:
         if self.packing not in _PACKINGS:
@@ -83,7 +87,7 @@ class Preparation:
         if self.quantization not in _QUANTIZATIONS and not _GROUPED.fullmatch(self.quantization):
             raise ValueError(
                 f"quantization {self.quantization!r} is not one of {_QUANTIZATIONS}, int8-g<group "
-                "size> or fp8-g<group size>"
+                "size>, fp8-g<group size> or int4-g<group size>"
             )
 
     @property
@@ -94,6 +98,10 @@ class Preparation:
     @property
     def fp8(self) -> bool:
         return self.quantization.startswith("fp8")
+
+    @property
+    def int4(self) -> bool:
+        return self.quantization.startswith("int4")
 
     @property
     def int8_group_size(self) -> int | None:
@@ -119,7 +127,10 @@ class Preparation:
         """Quantizes and packs `model`'s kernels as this preparation does (after
         `prepare_for_serving`); returns how many kernels were packed."""
         if self.int8:  # before packing: the int8 kernels pack for the native int8 kernel
-            (quantize_fp8 if self.fp8 else quantize_int8)(model, self.int8_group_size)
+            if self.int4:
+                quantize_int4(model, self.int8_group_size, self.backend)
+            else:
+                (quantize_fp8 if self.fp8 else quantize_int8)(model, self.int8_group_size)
         if self.packing == "none":
             return 0
         return pack_for_native_dense(model, float32=self.packing == "native+f32")

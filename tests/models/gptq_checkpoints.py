@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: Apache-2.0
+"""4-bit GPTQ checkpoints of tiny float ones, packed here in NumPy in the layout vLLM's
+`auto_gptq` method reads (`vllm/model_executor/layers/quantization/auto_gptq.py`):
+
+- `qweight` int32 `[in / 8, out]`: the quantized values `q = round(w / s) + 8` in [0, 15]
+  (`uint4b8`), eight consecutive inputs a word, the first in the lowest 4 bits;
+- `scales` float16 `[in / G, out]`: `max|w| / 7.5` over each group of G inputs of a column (the
+  largest magnitude lands on -8 or 7, as a symmetric min-max quantizer puts it);
+- `qzeros` int32 `[in / G, out / 8]`: every zero point 8, stored as 7 (the original GPTQ format
+  stores zero points minus one), eight columns a word;
+- `g_idx` int32 `[in]`: `i // G`, consecutive groups (desc_act false).
+
+`write_gptq` returns the path and the dequantized float32 weights by HF name (`(q - 8) * s`,
+the reference transformers runs)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import numpy as np
+
+from tests.models.int4_checkpoints import edit_config
+
+_QUANTIZED = re.compile(r"_proj\.weight$")  # the projections; not lm_head, not a MoE router
+
+
+def pack_columns_of_eight(values: np.ndarray, axis: int) -> np.ndarray:
+    """Values in [0, 15] -> int32 words of eight consecutive ones along `axis`, the first lowest."""
+    moved = np.moveaxis(values.astype(np.uint32), axis, -1)
+    fields = moved.reshape(*moved.shape[:-1], -1, 8) << (np.arange(8, dtype=np.uint32) * 4)
+    words = np.bitwise_or.reduce(fields, axis=-1).view(np.int32)
+    return np.ascontiguousarray(np.moveaxis(words, -1, axis))
+
+
+def quantize_gptq(w: np.ndarray, group_size: int | None) -> dict[str, np.ndarray]:
+    """An HF `[out, in]` float weight as GPTQ's four tensors plus its dequantized value."""
+    out_features, in_features = w.shape
+    size = group_size or in_features
+    blocks = w.T.reshape(in_features // size, size, out_features).astype(np.float32)  # [groups, G, out]
+    scale = (np.abs(blocks).max(axis=1) / 7.5).astype(np.float16)  # [groups, out]
+    s = np.maximum(scale.astype(np.float32), np.float32(1e-8))[:, None, :]
+    q = np.clip(np.round(blocks / s), -8, 7).astype(np.int32) + 8  # [groups, G, out]
+    dequantized = ((q - 8) * scale.astype(np.float32)[:, None, :]).reshape(in_features, out_features).T
+    zeros = np.full((in_features // size, out_features), 7, np.int32)
+    return {
+        "qweight": pack_columns_of_eight(q.reshape(in_features, out_features), axis=0),
+        "scales": scale,
+        "qzeros": pack_columns_of_eight(zeros, axis=1),
+        "g_idx": (np.arange(in_features) // size).astype(np.int32),
+        "dequantized": dequantized.astype(np.float32),
+    }
+
+
+def write_gptq(source: str, out: str, *, group_size: int | None) -> tuple[str, dict[str, np.ndarray]]:
+    """`source` (a float transformers checkpoint, one safetensors file) as a 4-bit GPTQ checkpoint
+    at `out` (`group_size` None: `-1`, per channel); returns it and the dequantized weights."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors, dequantized = {}, {}
+    for name, w in load_file(os.path.join(source, "model.safetensors")).items():
+        if not _QUANTIZED.search(name):
+            tensors[name] = dequantized[name] = w
+            continue
+        packed = quantize_gptq(w, group_size)
+        dequantized[name] = packed.pop("dequantized")
+        base = name.removesuffix(".weight")
+        tensors |= {f"{base}.{k}": np.ascontiguousarray(v) for k, v in packed.items()}  # memory order
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    config = {"quant_method": "gptq", "bits": 4, "group_size": group_size or -1, "desc_act": False}
+    edit_config(out, lambda c: c.update(quantization_config={**config, "sym": True}))
+    return out, dequantized

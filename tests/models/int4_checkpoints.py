@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""4-bit checkpoints of tiny float ones, for the tests: compressed-tensors W4A16 written by the
+compressed-tensors package itself (its scheme applied to the transformers model, the scales a
+min-max observer would find, its `ModelCompressor` packing and saving: no calibration data), and
+read back by the package's own decompressor as float32 weights by HF name (the reference that
+transformers then runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+
+# What recipes quantize: the projections (experts' too); not lm_head, not a MoE router.
+IGNORED = ["lm_head", "re:.*mlp.gate$"]
+
+
+def write_compressed_w4a16(source: str, out: str, *, group_size: int | None, symmetric: bool = True) -> str:
+    """`source` (a float transformers checkpoint) as a compressed-tensors `pack-quantized` 4-bit
+    checkpoint at `out`: one scale per `group_size` inputs of each output channel (None: per
+    channel), symmetric (or with zero points)."""
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    strategy = "channel" if group_size is None else "group"
+    weights = QuantizationArgs(
+        num_bits=4, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size
+    )
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=IGNORED)
+    apply_quantization_config(model, config)
+    with torch.no_grad():
+        for _, module in model.named_modules():
+            if hasattr(module, "weight_scale"):
+                w = module.weight
+                blocks = w.reshape(w.shape[0], -1, group_size or w.shape[1])
+                scale, zero = calculate_qparams(blocks.amin(dim=-1), blocks.amax(dim=-1), weights)
+                module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+                if hasattr(module, "weight_zero_point"):
+                    module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    copy_tokenizer(source, out)
+    return out
+
+
+def copy_tokenizer(source: str, out: str) -> None:
+    for name in os.listdir(source):
+        if name.startswith(("tokenizer", "special_tokens")) and not os.path.exists(os.path.join(out, name)):
+            shutil.copy(os.path.join(source, name), out)
+
+
+def write_decompressed(path: str, out: str) -> str:
+    """The compressed-tensors checkpoint at `path` as the package itself decompresses it
+    (transformers loading it dequantized), saved at `out` as a float32 checkpoint: the reference."""
+    import torch
+    from safetensors.numpy import save_file
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
+    )
+    model.save_pretrained(out)
+    tensors = _read(out)
+    weights = {n: t for n, t in tensors.items() if not n.endswith(_QUANTIZATION_PARAMS)}
+    save_file(weights, f"{out}/model.safetensors")
+    edit_config(out, lambda c: c.pop("quantization_config", None))
+    copy_tokenizer(path, out)
+    return out
+
+
+def _read(path: str) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    tensors = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), framework="numpy") as f:
+                tensors |= {k: f.get_tensor(k) for k in f.keys()}
+            os.remove(os.path.join(path, name))
+    return tensors
+
+
+_QUANTIZATION_PARAMS = ("_scale", "_shape", "_zero_point", "_packed", "_g_idx")
+
+
+def edit_config(path: str, edit) -> None:
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        config = json.load(f)
+    edit(config)
+    with open(file, "w") as f:
+        json.dump(config, f)
+
+
+def write_packed_w4a16(source: str, out: str, *, group_size: int) -> tuple[str, dict[str, np.ndarray]]:
+    """`source` as a compressed-tensors W4A16 checkpoint whose every projection (a MoE model's
+    experts, one tensor each, too) is quantized here (symmetric, `max|w| / 7.5` a group) and
+    packed by the package's own `pack_to_int32`: the package's compressor quantizes Linear
+    modules only, and transformers holds a MoE model's experts fused. Returns the path and the
+    dequantized weights by HF name."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.numpy import load_file, save_file
+
+    tensors, dequantized = {}, {}
+    for name, w in load_file(os.path.join(source, "model.safetensors")).items():
+        if not name.endswith("_proj.weight"):
+            tensors[name] = dequantized[name] = w
+            continue
+        blocks = w.reshape(w.shape[0], -1, group_size).astype(np.float32)  # HF [out, in / G, G]
+        scale = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(7.5)
+        q = np.clip(np.round(blocks / scale), -8, 7).astype(np.int8)
+        dequantized[name] = (q * scale).reshape(w.shape)
+        base = name.removesuffix("weight")
+        packed = pack_to_int32(torch.from_numpy(q.reshape(w.shape)), 4).numpy()
+        tensors[f"{base}weight_packed"] = np.ascontiguousarray(packed)
+        tensors[f"{base}weight_scale"] = np.ascontiguousarray(scale[..., 0])
+        tensors[f"{base}weight_shape"] = np.asarray(w.shape, np.int64)
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    weights = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": IGNORED,
+    }
+    edit_config(out, lambda c: c.update(quantization_config=config))
+    return out, dequantized

@@ -1,0 +1,114 @@
+# SPDX-License-Identifier: Apache-2.0
+"""4-bit weights end to end through `vllm.LLM`: a compressed-tensors W4A16 checkpoint written by
+the compressed-tensors package (one scale per 128 inputs of each channel), its method read from
+config.json, generates greedily what transformers (float32) does on the package's own
+decompressed weights, and a 4-bit GPTQ one (`gptq_checkpoints`) what it does on its dequantized
+weights, its projections held as int4 on the device. The engine's activations are
+bfloat16, so a generated token must be transformers' argmax after the same tokens or within
+`TIE` of it (`test_fp8_engine`). On 2 simulated devices it generates what it does on one, each
+device holding half of each split kernel and whole groups of its scales."""
+
+import gc
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+from models import int4
+from tests.models.fp8_checkpoints import write_float
+from tests.models.gptq_checkpoints import write_gptq
+from tests.models.int4_checkpoints import write_compressed_w4a16, write_decompressed
+from tests.models.trained_tiny import save_trained_tiny, text_ids
+from tests.plugin_shim.tensor_parallel_engine import environment
+from tests.plugin_shim.test_fp8_engine import _ENGINE, NEW_TOKENS, _assert_greedy_of, _transformers
+
+pytestmark = pytest.mark.slow  # engines
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("int4_engine")
+
+
+@pytest.fixture(scope="module")
+def source(root):
+    """A tiny Llama trained on the fixed text (hidden 128, 8 heads of 32, intermediate 256: whole
+    128-input groups, two where a projection's inputs split over 2 devices)."""
+    widths = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, head_dim=32)
+    return save_trained_tiny("LlamaForCausalLM", str(root / "float"), **widths)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(source, root):
+    return write_compressed_w4a16(source, str(root / "w4a16"), group_size=128)
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoint):
+    ids = text_ids(checkpoint)
+    return [ids[:12], ids[40:61], ids[100:107]]
+
+
+def _int4_kernels(worker) -> int:
+    """How many of the engine's kernels hold 4-bit values: int8 ones on CPU (`int4.held_dtype`),
+    each value in [-8, 7]."""
+    leaves = jax.tree.leaves(worker.runner.state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    held = [np.asarray(v[...]) for v in leaves if v[...].dtype == int4.held_dtype()]
+    return sum(int(a.min()) >= -8 and int(a.max()) <= 7 for a in held)
+
+
+def _generate(path: str, prompts) -> tuple[list[list[int]], int]:
+    """Greedy tokens of an engine (its method from config.json), and how many 4-bit kernels it holds."""
+    llm = LLM(model=path, **_ENGINE)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        kernels = llm.collective_rpc(_int4_kernels)[0]
+    finally:
+        del llm
+        gc.collect()
+    return [list(o.outputs[0].token_ids) for o in out], kernels
+
+
+def test_w4a16_generates_what_the_decompressed_model_does(checkpoint, prompts, root):
+    reference = _transformers(write_decompressed(checkpoint, str(root / "reference")))
+    generated, kernels = _generate(checkpoint, prompts)  # compressed-tensors
+    assert kernels == 2 * 4  # qkv, o, gate_up, down of each layer; the head stays bfloat16
+    _assert_greedy_of(reference, prompts, generated)
+
+
+def test_gptq_generates_what_the_dequantized_model_does(source, prompts, root):
+    path, dequantized = write_gptq(source, str(root / "gptq"), group_size=128)
+    reference = _transformers(write_float(source, str(root / "gptq_reference"), dequantized))
+    generated, kernels = _generate(path, prompts)  # gptq
+    assert kernels == 2 * 4
+    _assert_greedy_of(reference, prompts, generated)
+
+
+def test_w4a16_on_two_devices_equals_one(checkpoint, prompts, tmp_path):
+    """Tensor parallelism over 2 simulated devices (a subprocess: the device count is fixed when
+    JAX starts): the int4 kernels and their group scales split with their columns (o_proj's and
+    down_proj's by rows: one whole 128-input group on each device); same tokens and logprobs."""
+    llm = dict(_ENGINE, max_num_batched_tokens=16)
+    runs = [{"tp": tp, "prompts": prompts[:2], "new_tokens": 6, "llm": llm} for tp in (1, 2)]
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    job.write_text(json.dumps({"model": checkpoint, "runs": runs}))
+    env = {**environment(), "VLLM_XLA_ATTENTION_BACKEND": "xla"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.plugin_shim.tensor_parallel_engine", str(job), str(out)],
+        env=env, capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    one, two = json.loads(out.read_text())
+    assert two["tokens"] == one["tokens"]
+    np.testing.assert_allclose(np.array(two["logprobs"]), np.array(one["logprobs"]), atol=1e-2)
+    down = two["params"]["model.layers.0.mlp.down_proj.kernel"]
+    assert down["shape"] == [256, 128] and down["device_bytes"] == [down["bytes"] // 2] * 2  # half each
+    scale = two["params"]["model.layers.0.mlp.down_proj.kernel_scale"]
+    assert scale["shape"] == [2, 128] and scale["device_bytes"] == [128 * 4] * 2  # a group each
