@@ -21,7 +21,7 @@ import torch
 from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, build_logitsprocs
 from vllm.v1.sample.logits_processor.interface import BatchUpdate, LogitsProcessor
 
-from tpu_platform.batch_update import StepResult
+from tpu_platform.step_update import StepResult
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
-from tpu_platform.batch_update import BatchUpdate
 from tpu_platform.lora_slots import LoraConfig, LoraSlots
 from tpu_platform.sampling import SamplingOptions
+from tpu_platform.step_update import StepUpdate
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,8 +66,8 @@ def add(runner: Runner, request: LoRARequest) -> bool:
 
 
 def admit_requested(
-    runner: Runner, output: SchedulerOutput, update: BatchUpdate
-) -> tuple[BatchUpdate, dict[str, str]]:
+    runner: Runner, output: SchedulerOutput, update: StepUpdate
+) -> tuple[StepUpdate, dict[str, str]]:
     """Reads the adapters this step's new requests name (before the step takes slots): `update`
     with each request whose adapter cannot be read served on the base model (a generating one
     ended by its stop token), and those requests' ids with why (see the module)."""
@@ -89,7 +89,8 @@ def admit_requested(
         reasons[request.req_id] = failed[lora.lora_int_id]
         logger.error("request %s is ended without output: %s", request.req_id, reasons[request.req_id])
         if params is None:  # a pooling request: no sampling, its vector is withheld
-            refused[request.req_id] = dataclasses.replace(request, lora_id=0)
+            withheld = dataclasses.replace(request.pooling, answered=False)
+            refused[request.req_id] = dataclasses.replace(request, lora_id=0, pooling=withheld)
         else:
             refused[request.req_id] = dataclasses.replace(request, lora_id=0, sampling=_stop_at_once(params))
     new = [refused.get(request.req_id, request) for request in update.new_requests]

@@ -10,8 +10,6 @@ with `tpu_platform.pooling`'s jitted pooling; anything else is refused by name.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +23,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
     from tpu_platform.runner import Runner
+    from tpu_platform.step_update import StepUpdate
 
 # PoolingParams fields the worker cannot honour, with the values that mean "not used".
 _UNSUPPORTED = {
@@ -137,17 +136,15 @@ def pooling_options(params: PoolingParams) -> PoolingOptions:
 
 
 def execute_pooling(
-    runner: Runner, scheduler_output: SchedulerOutput, update, unanswered: Collection[str] = ()
+    runner: Runner, scheduler_output: SchedulerOutput, update: StepUpdate
 ) -> ModelRunnerOutput:
-    """One step of a pooling engine: the new requests' options, the forward, the pooled rows
-    (`unanswered`: requests that end with an empty row, see `plugin_shim.lora`)."""
-    for r in scheduler_output.scheduled_new_reqs:
-        if r.pooling_params is None:
-            raise ValueError(f"request {r.req_id!r} reached a pooling engine without pooling parameters")
-        options = pooling_options(r.pooling_params)
-        if r.req_id in unanswered:
-            options = dataclasses.replace(options, answered=False)
-        runner.pooling_requests.add(r.req_id, options)
+    """One step of a pooling engine: the forward (each new request brings its pooling options
+    in `update`), then the pooled rows."""
+    for request in update.new_requests:
+        if request.pooling is None:
+            raise ValueError(
+                f"request {request.req_id!r} reached a pooling engine without pooling parameters"
+            )
     runner.execute(update)
     if not scheduler_output.total_num_scheduled_tokens:
         return EMPTY_MODEL_RUNNER_OUTPUT

@@ -9,8 +9,9 @@ import numpy as np
 import torch
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, LogprobsTensors, ModelRunnerOutput
 
-from tpu_platform.batch_update import BatchUpdate, CachedRequests, NewRequest, StepResult
+from plugin_shim.pooling import pooling_options
 from tpu_platform.sampling import SamplingOptions
+from tpu_platform.step_update import CachedRequests, NewRequest, StepResult, StepUpdate
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
@@ -68,7 +69,7 @@ def refuse_oversized_sampling(params: SamplingParams) -> None:
 POOLING_SAMPLING = SamplingOptions(temperature=0.0)
 
 
-def batch_update(so: SchedulerOutput) -> BatchUpdate:
+def step_update(so: SchedulerOutput) -> StepUpdate:
     """The runner's view of one `SchedulerOutput` (single KV-cache group).
 
     Continuing requests pass through as vLLM's own columns (no object per request): block id
@@ -82,11 +83,12 @@ def batch_update(so: SchedulerOutput) -> BatchUpdate:
             num_computed_tokens=r.num_computed_tokens,
             sampling=POOLING_SAMPLING if r.sampling_params is None else sampling_options(r.sampling_params),
             lora_id=r.lora_request.lora_int_id if r.lora_request is not None else 0,
+            pooling=None if r.pooling_params is None else pooling_options(r.pooling_params),
         )
         for r in so.scheduled_new_reqs
     ]
     c = so.scheduled_cached_reqs
-    return BatchUpdate(
+    return StepUpdate(
         new_requests=new,
         cached=CachedRequests(
             req_ids=c.req_ids,

@@ -244,13 +244,13 @@ class XlaWorker(WorkerBase):
 
     def execute_model(self, scheduler_output):
         start = time.perf_counter()
-        update, failures = translate.batch_update(scheduler_output), {}
+        update, failures = translate.step_update(scheduler_output), {}
         if self.runner.lora is not None:
             update, failures = lora.admit_requested(self.runner, scheduler_output, update)
         self.runner.stats.host_seconds += time.perf_counter() - start
         if self.runner.config.pooling is not None:  # a pooling engine's step output: no sampling
             with hosts.naming_lost_hosts(self.num_hosts):
-                output = execute_pooling(self.runner, scheduler_output, update, failures)
+                output = execute_pooling(self.runner, scheduler_output, update)
             return output if self.replies else None
         with hosts.naming_lost_hosts(self.num_hosts):
             self.runner.execute(update)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tpu_platform.batch_update import CachedRequest, CachedRequests, NewRequest
+from tpu_platform.step_update import CachedRequest, CachedRequests, NewRequest
 
 # The per-row counters, columns of one int32 array (`RequestTable.progress`) so that a step
 # gathers all of its rows' counters at once; each is also an attribute (a column view).

@@ -20,7 +20,6 @@ from models.lora import attach_lora
 from models.moe import use_expert_parallel
 from models.sharding import kv_heads_on_mesh, parameter_sharding, place_state
 from tpu_platform.attention_backend import native_dense_isa, select_backend
-from tpu_platform.batch_update import BatchUpdate, StepLogprobs, StepResult
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.collector import collector_paused
 from tpu_platform.dispatch import FlatCall
@@ -50,6 +49,7 @@ from tpu_platform.speculation.verifier import SpeculativeDecoding
 from tpu_platform.step import make_sampler
 from tpu_platform.step_program import KVLayout, build_step_program
 from tpu_platform.step_record import DispatchedStep, InFlightStep, record_step
+from tpu_platform.step_update import StepLogprobs, StepResult, StepUpdate
 from tpu_platform.weights.prepared import ShardingFor
 from tpu_platform.weights.source import load_served_weights
 
@@ -355,7 +355,7 @@ class Runner:
 
     # -- one engine step ------------------------------------------------------------------------
 
-    def execute(self, update: BatchUpdate) -> None:
+    def execute(self, update: StepUpdate) -> None:
         """Applies the update and dispatches the forward pass (without waiting for it).
 
         Everything the step needs on the host, the sampler's inputs included, is built before the
@@ -529,7 +529,7 @@ class Runner:
             self.table.lora_id[row] = 0
         return row
 
-    def _apply(self, update: BatchUpdate) -> None:
+    def _apply(self, update: StepUpdate) -> None:
         self.stats.preempted_requests += len(update.preempted_req_ids)
         if self.speculation is not None:
             self.speculation.apply(update)
@@ -548,6 +548,8 @@ class Runner:
                 self.table.lora_id[row] = self._lora_handle(request.lora_id)
                 self.lora.acquire(self.table.lora_id[row])  # cached while the request lives
             self.sampling.add_request(row, request.sampling)
+            if request.pooling is not None:
+                self.pooling_requests.add(request.req_id, request.pooling)
             self.prompt_logprobs.add(request.req_id, request.sampling.prompt_logprobs)
         if update.cached.req_ids:
             self.stats.resumed_requests += len(update.cached.resumed_req_ids)

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from tpu_platform.batch_update import StepLogprobs, StepResult
 from tpu_platform.inputs import StepPlan
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingTensors
+from tpu_platform.step_update import StepLogprobs, StepResult
 
 if TYPE_CHECKING:
     from tpu_platform.speculation.verifier import StepDrafts, Verification

@@ -7,12 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from tpu_platform.batch_update import CachedRequest, CachedRequests, NewRequest
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.dispatch import FlatCall
 from tpu_platform.inputs import StepBuffers, pack_inputs, prepare_step
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplingBatch, SamplingOptions
+from tpu_platform.step_update import CachedRequest, CachedRequests, NewRequest
 
 PAGE = 4
 

@@ -4,11 +4,11 @@
 import numpy as np
 import pytest
 
-from tpu_platform.batch_update import CachedRequest, NewRequest
 from tpu_platform.buckets import StepBuckets, round_up, token_buckets
 from tpu_platform.inputs import exercise_inputs, pack_inputs, padding_inputs, prepare_step, unpack_inputs
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplingOptions
+from tpu_platform.step_update import CachedRequest, NewRequest
 
 PAGE = 4
 

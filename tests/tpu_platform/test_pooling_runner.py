@@ -9,10 +9,10 @@ from transformers import LlamaForCausalLM
 
 from tests.models.tiny_checkpoints import prompts
 from tests.tiny_models import save_tiny_llama
-from tpu_platform.batch_update import BatchUpdate, CachedRequest, CachedRequests, NewRequest
 from tpu_platform.pooling import PoolingConfig, PoolingOptions
 from tpu_platform.runner import Runner, RunnerConfig
 from tpu_platform.sampling import SamplingOptions
+from tpu_platform.step_update import CachedRequest, CachedRequests, NewRequest, StepUpdate
 
 ATOL = 1e-4
 GREEDY = SamplingOptions(temperature=0.0)
@@ -47,13 +47,11 @@ def _hidden(path: str, ids: list[int]) -> np.ndarray:
 def test_last_token_over_two_steps_and_a_truncated_row(tiny_dir):
     runner = _runner(tiny_dir, "LAST")
     short, long = prompts([5, 40], seed=3)
-    runner.pooling_requests.add("short", PoolingOptions(dimensions=8))
-    runner.pooling_requests.add("long", PoolingOptions(activation=False))
     runner.execute(
-        BatchUpdate(
+        StepUpdate(
             new_requests=[
-                NewRequest("short", short, [[0]], 0, GREEDY),
-                NewRequest("long", long, [[1, 2, 3]], 0, GREEDY),
+                NewRequest("short", short, [[0]], 0, GREEDY, pooling=PoolingOptions(dimensions=8)),
+                NewRequest("long", long, [[1, 2, 3]], 0, GREEDY, pooling=PoolingOptions(activation=False)),
             ],
             cached=CachedRequests.of([]),
             finished_req_ids=set(),
@@ -65,7 +63,7 @@ def test_last_token_over_two_steps_and_a_truncated_row(tiny_dir):
     last = _hidden(tiny_dir, short)[-1][:8]
     np.testing.assert_allclose(rows[0], last / np.linalg.norm(last), atol=ATOL)
     runner.execute(
-        BatchUpdate(
+        StepUpdate(
             new_requests=[],
             cached=CachedRequests.of([CachedRequest("long", None, False, 27, 0)]),
             finished_req_ids={"short"},
@@ -81,12 +79,11 @@ def test_last_token_over_two_steps_and_a_truncated_row(tiny_dir):
 def test_mean_of_each_prompt_in_one_step(tiny_dir):
     runner = _runner(tiny_dir, "MEAN")
     batch = prompts([9, 20], seed=4)
-    for i in range(2):
-        runner.pooling_requests.add(f"r{i}", PoolingOptions())
     runner.execute(
-        BatchUpdate(
+        StepUpdate(
             new_requests=[
-                NewRequest(f"r{i}", ids, [[2 * i, 2 * i + 1]], 0, GREEDY) for i, ids in enumerate(batch)
+                NewRequest(f"r{i}", ids, [[2 * i, 2 * i + 1]], 0, GREEDY, pooling=PoolingOptions())
+                for i, ids in enumerate(batch)
             ],
             cached=CachedRequests.of([]),
             finished_req_ids=set(),

@@ -23,7 +23,6 @@ from flax import nnx
 
 from models import ModelConfig
 from models.registry import architecture_fingerprint
-from tpu_platform.batch_update import BatchUpdate
 from tpu_platform.buckets import token_buckets
 from tpu_platform.programs import Programs, ProgramSpec, structure_text
 from tpu_platform.request_table import RequestTable
@@ -35,6 +34,7 @@ from tpu_platform.speculation.ngram import propose_ngram
 from tpu_platform.speculation.rejection import verify_drafts
 from tpu_platform.step import pad_tokens
 from tpu_platform.step_record import DispatchedStep
+from tpu_platform.step_update import StepUpdate
 
 # The sampler flags a verification program is built for: greedy, random, random with filters.
 VERIFY_FLAGS = (SamplerFlags(all_greedy=True), SamplerFlags(), SamplerFlags(filters=True))
@@ -147,7 +147,7 @@ class SpeculativeDecoding:
             context=context,
         )  # fmt: skip
 
-    def apply(self, update: BatchUpdate) -> None:
+    def apply(self, update: StepUpdate) -> None:
         """Tracks which of the live requests may be drafted (`config.draftable`)."""
         for req_id in update.finished_req_ids:
             self._draftable.pop(req_id, None)
@@ -178,7 +178,7 @@ class SpeculativeDecoding:
         table: RequestTable,
         rows: np.ndarray,
         num_scheduled: np.ndarray,
-        update: BatchUpdate,
+        update: StepUpdate,
     ) -> StepDrafts | None:
         """Puts each request's scheduled drafts (its last scheduled tokens) into its history as the
         step's input tokens (placeholders, -1, as token 0) and returns them; None without drafts."""

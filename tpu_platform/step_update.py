@@ -1,5 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The runner's own per-step input and output types (plain data, no vLLM)."""
+"""The runner's own per-step input and output types (plain data, no vLLM).
+
+`StepUpdate` is the one door through which per-request data reaches the runner: new requests
+with their prompt, pages, sampling or pooling options and LoRA adapter; continuing, finished and
+preempted requests; draft tokens. The runner adds and removes everything a request holds in one
+place (`Runner._apply`)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from collections.abc import Mapping, Sequence, Set
 
 import numpy as np
 
+from tpu_platform.pooling import PoolingOptions
 from tpu_platform.sampling import SamplingOptions
 
 
@@ -21,6 +27,7 @@ class NewRequest:
     num_computed_tokens: int
     sampling: SamplingOptions
     lora_id: int = 0  # its LoRA adapter (`tpu_platform.lora_slots`), 0 for the base model
+    pooling: PoolingOptions | None = None  # a pooling request's options (None: a generating one)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,7 +71,7 @@ class CachedRequests:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class BatchUpdate:
+class StepUpdate:
     """One engine step: state changes, then `num_scheduled_tokens` in batch order."""
 
     new_requests: Sequence[NewRequest]
@@ -73,8 +80,6 @@ class BatchUpdate:
     num_scheduled_tokens: Mapping[str, int]
     # Requests the scheduler preempted since the last step (they come back as `resumed`).
     preempted_req_ids: Set[str] = frozenset()
-    # Structured output: request id -> packed int32 bitmask row over the vocab (set bit = allowed).
-    grammar_bitmasks: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     # Speculative decoding: request id -> its draft tokens, the last of its scheduled tokens
     # (-1: a placeholder the scheduler pads with, never accepted).
     spec_tokens: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
