@@ -89,14 +89,17 @@ def write_latent(
     backend: str = "auto",
     kv_dtype: str | None = None,
     first_page: int = 0,
+    interpret: bool = False,
 ) -> jax.Array:
     """Writes each token's row `[latent | k_rope]` (`[T, L]`, `[T, R]`, RoPE already applied to
     `k_rope`) at `slot_mapping[T]` (page * page_size + offset); negative slots are padding and
     write nothing. Donate `cache` to update it in place. `kv_dtype`: the cached values' dtype
     (needed for a float8 cache of the reference's layout); `first_page`: where this layer's pages
-    start in the array."""
+    start in the array. `interpret` runs the `pallas_tpu` backend's write kernels on CPU (tests);
+    the other backends write with XLA."""
     _check_first_page(first_page)
-    kernels = _kernel_module(resolve_backend(backend, interpret=True))
+    backend = resolve_backend(backend, interpret=True)
+    kernels = _kernel_module(backend)
     if kernels is None:
         page_size = cache.shape[1] // (latent.shape[1] + k_rope.shape[1])
     else:
@@ -106,6 +109,8 @@ def write_latent(
         slot_mapping = jnp.where(slot_mapping >= 0, slot_mapping + first_page * page_size, slot_mapping)
     if kernels is None:
         return write_latent_reference(cache, latent, k_rope, slot_mapping, kv_dtype=kv_dtype)
+    if backend == PALLAS_TPU:
+        return kernels.write_latent(cache, latent, k_rope, slot_mapping, interpret=interpret)
     return kernels.write_latent(cache, latent, k_rope, slot_mapping)
 
 

@@ -44,6 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.checks import check_metadata, check_positive, compute_dtype
 from pallas_kernels.reference import saturating_cast
 from pallas_kernels.tpu.kernel import cdiv, query_block_seq_ranges
+from pallas_kernels.tpu.kv_write import write_rows
 from pallas_kernels.tpu.layout import LANES, padded_head_dim, sublane_tile
 
 MASK_VALUE = -1e30  # finite: exp(MASK_VALUE - MASK_VALUE) must not be NaN
@@ -58,24 +59,40 @@ def allocate_latent_cache(num_pages: int, page_size: int, width: int, dtype: jnp
     return jnp.zeros((num_pages, page_size, padded_head_dim(width)), dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("interpret",))
 def write_latent(
-    cache: jax.Array, latent: jax.Array, k_rope: jax.Array, slot_mapping: jax.Array
+    cache: jax.Array,
+    latent: jax.Array,
+    k_rope: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
     """Writes the rows `[latent | k_rope | 0]` (`[T, L]`, `[T, R]`) at `slot_mapping[T]` (page * S
-    + offset) of `[num_pages, S, Cp]`; negative slots write nothing. One XLA scatter of whole
-    rows (the minor dim), in place when the caller's jit donates `cache`."""
+    + offset) of `[num_pages, S, Cp]`; negative slots write nothing, slots must be distinct.
+
+    By DMA'd tiles, as the KV write (kv_write.py, whose engine this is): an XLA scatter gets a
+    layout of its own for the cache (for 8-bit values it differs from the kernel's), and the
+    compiled step would then convert the whole cache around every write. The cache is updated
+    in place when the caller's jit donates it. `interpret` as in `mla_paged_attention`.
+    """
     width = latent.shape[1] + k_rope.shape[1]
     if cache.ndim != 3 or cache.shape[2] != padded_head_dim(width):
         raise ValueError(
             f"latent cache {cache.shape} does not hold rows of {width} values: expected "
             f"[num_pages, S, {padded_head_dim(width)}]"
         )
+    if slot_mapping.shape != (latent.shape[0],) or k_rope.shape[0] != latent.shape[0]:
+        raise ValueError(
+            f"want latent [T, L], k_rope [T, R], slot_mapping [T]; got {latent.shape}, "
+            f"{k_rope.shape}, {slot_mapping.shape}"
+        )
     num_pages, page_size, lanes = cache.shape
     rows = jnp.concatenate([latent, k_rope], axis=1)
     rows = saturating_cast(jnp.pad(rows, ((0, 0), (0, lanes - width))), cache.dtype)  # [T, Cp]
-    slot_mapping = slot_mapping.astype(jnp.int32)
-    page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range: dropped
-    return cache.at[page, slot_mapping % page_size].set(rows, mode="drop", unique_indices=True)
+    slabs = cache.reshape(num_pages, 1, page_size, lanes)  # one slab a page (a bitcast)
+    slabs = write_rows(slabs, rows[:, None, :], slot_mapping, interpret=interpret)
+    return slabs.reshape(cache.shape)
 
 
 def _mla_kernel(

@@ -139,7 +139,8 @@ def run_backend(case: MlaCase, batch: MlaBatch, backend: str, **kwargs) -> jax.A
         pages = batch.num_pages + case.first_page
         cache = allocate_latent_cache(pages, case.page_size, width, kv_dtype, backend=backend)
         common = dict(backend=backend, kv_dtype=kv_dtype.name, first_page=case.first_page)
-        cache = write_latent(cache, latent, k_rope, slot_mapping, **common)
+        interpret = kwargs.get("interpret", False)
+        cache = write_latent(cache, latent, k_rope, slot_mapping, **common, interpret=interpret)
         return mla_paged_attention(
             q, cache, kv_lens, page_indices, cu_q_lens, num_seqs,
             sm_scale=width**-0.5, latent_dim=case.latent_dim, **common, **kwargs,

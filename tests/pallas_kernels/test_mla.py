@@ -31,7 +31,7 @@ def _step(q, latent, k_rope, slots, kv_lens, page_indices, cu_q_lens, num_seqs, 
     cache = allocate_latent_cache(num_pages + first_page, page_size, width, dtype, backend=backend)
     cache = write_latent(
         cache, jnp.asarray(latent), jnp.asarray(k_rope), jnp.asarray(slots, jnp.int32),
-        backend=backend, kv_dtype=kv_dtype, first_page=first_page,
+        backend=backend, kv_dtype=kv_dtype, first_page=first_page, interpret=interpret,
     )  # fmt: skip
     out = mla_paged_attention(
         jnp.asarray(q), cache, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices, jnp.int32),

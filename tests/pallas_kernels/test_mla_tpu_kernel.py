@@ -10,6 +10,7 @@ pages never fetched; with `detect_races=True`, buffer races.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # race results are private
 from jax.experimental.pallas import tpu as pltpu
@@ -78,3 +79,22 @@ def test_bad_shapes_raise(args, kwargs, message):
     kwargs = {"latent_dim": 32, **kwargs}
     with pytest.raises(ValueError, match=message):
         mla_kernel.mla_paged_attention(*args, sm_scale=1.0, interpret=True, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
+def test_write_puts_rows_in_their_slots_and_keeps_the_rest(dtype):
+    # Rows of 20 + 8 values (padded to 128 lanes) into pages of 32: two tokens share a tile,
+    # one crosses into another page, one is padding; every other row keeps its old value.
+    rng = np.random.default_rng(1)
+    cache = jnp.asarray(rng.standard_normal((4, 32, 128)), dtype)
+    latent = jnp.asarray(rng.standard_normal((4, 20)), jnp.float32)
+    k_rope = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    slots = np.array([33, 34, -1, 100], np.int32)
+    got = mla_kernel.write_latent(cache, latent, k_rope, jnp.asarray(slots), interpret=True)
+    want = np.array(cache.astype(jnp.float32)).reshape(-1, 128)
+    rows = np.zeros((4, 128), np.float32)
+    rows[:, :28] = np.asarray(jnp.concatenate([latent, k_rope], axis=1).astype(dtype).astype(jnp.float32))
+    for i, slot in enumerate(slots):
+        if slot >= 0:
+            want[slot] = rows[i]
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)).reshape(-1, 128), want)
