@@ -30,3 +30,16 @@ def tpu_results() -> dict:
 @pytest.mark.parametrize(("target", "case"), TPU_PLAN, ids=[f"{t}-{c.name}" for t, c in TPU_PLAN])
 def test_tpu_compiles_and_fits(tpu_results, target, case):
     check_compiled(tpu_results, target, case)
+
+
+GPU_PLAN = plan("cuda")
+
+
+@pytest.fixture(scope="module")
+def gpu_results() -> dict:
+    return run_worker("cuda", "mla_compile", "cuda")
+
+
+@pytest.mark.parametrize(("target", "case"), GPU_PLAN, ids=[f"{t}-{c.name}" for t, c in GPU_PLAN])
+def test_gpu_compiles_and_fits(gpu_results, target, case):
+    check_compiled(gpu_results, target, case)

@@ -51,7 +51,7 @@ class MlaCase:
 # fmt: off
 GRID = (
     # name, q_lens, kv_lens, R, S, H, ...
-    MlaCase("decode_p16_h8", (1, 1, 1, 1), (1, 17, 40, 130), 5, 16, 8),
+    MlaCase("decode_p16_h8", (1, 1, 1, 1), (1, 17, 40, 130), 8, 16, 8),  # T = 7 <= R: a decode bucket
     MlaCase("prefill_p16_h4", (7, 20), (7, 20), 2, 16, 4, pad_tokens=0),
     MlaCase("mixed_p16_h4_padding_slots", (1, 9, 5), (37, 20, 5), 5, 16, 4),
     MlaCase("page_boundaries_p8_h2", (16, 1, 8), (16, 32, 24), 3, 8, 2,

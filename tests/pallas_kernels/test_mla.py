@@ -42,7 +42,7 @@ def _step(q, latent, k_rope, slots, kv_lens, page_indices, cu_q_lens, num_seqs, 
     return np.asarray(out), cache
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "pallas_gpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_hand_worked_prefill_of_two_tokens(backend):
     # Latent width L = 2, rope width R = 1, one head, sm_scale 1, page size 8, page 1.
     # Rows: token 0 = [c 1, 0 | k_rope 0], token 1 = [c 0, 1 | k_rope 1].

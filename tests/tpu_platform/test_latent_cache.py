@@ -33,6 +33,12 @@ def test_deepseek_v3_token_costs_576_values_a_layer_whole_on_every_chip():
     assert kv_bytes_read(setup, 4, 1000) == 4 * 1000 * 61 * 576 * 2
 
 
+def test_deepseek_v3_latent_page_is_576_values_a_token_on_gpu():
+    # The Triton kernel's layout stores latent 512 and rope 64 as they are (powers of two).
+    setup = StepSetup(model_config("deepseek-v3"), "h100x8", tp_size=8, page_size=16)
+    assert kv_page_bytes(setup) == 61 * 16 * 576 * 2
+
+
 def test_shipped_deepseek_configs_have_their_published_parameter_counts():
     # Model cards: DeepSeek-V2-Lite 15.7B, DeepSeek-V3 671B (without its 14B MTP module).
     for name, billions in (("deepseek-v2-lite", 15.7), ("deepseek-v3", 671.0)):
