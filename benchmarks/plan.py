@@ -121,8 +121,10 @@ def _gib(n: float | None) -> str:
 
 
 def _weights(row: dict) -> str:
-    """The weights' format: the model's dtype, or int8 (reports older than quantization: none)."""
-    return "int8" if row.get("quantization", "none") == "int8" else row["dtype"]
+    """The weights' format: the model's dtype, or the quantization planned (int8, int8-g32, fp8,
+    fp8-g128; reports older than quantization: none)."""
+    quantization = row.get("quantization", "none")
+    return row["dtype"] if quantization == "none" else quantization
 
 
 def _report(row: dict) -> str:

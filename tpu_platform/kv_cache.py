@@ -157,7 +157,7 @@ def page_bytes_per_device(
     layout (its share of the KV heads: pages are counted per device; a latent cache's page
     whole)."""
     if model_config.latent_cache_width:
-        return latent_page_bytes(page_size, model_config.latent_cache_width, dtype)
+        return latent_page_bytes(page_size, model_config.latent_cache_width, dtype, backend=backend)
     head_dim = model_config.head_dim
     two_pages = jax.eval_shape(
         lambda: allocate_kv_cache(2, page_size, heads_per_device, head_dim, dtype, backend=backend)

@@ -158,7 +158,7 @@ def _row_sinks(sinks: jax.Array, num_kv_heads: int, group: int, num_rows_padded:
     return jnp.take(per_head, jnp.arange(num_rows_padded) % group, axis=1)
 
 
-def _plan(cu_q_lens, kv_lens, num_seqs, num_tokens, block_q, num_work):
+def plan_work_items(cu_q_lens, kv_lens, num_seqs, num_tokens, block_q, num_work):
     """Work items `[W, META_WIDTH]`, and each token's flat output row (`[T]`) and validity."""
     num_slots = kv_lens.shape[0]
     live = jnp.arange(num_slots) < num_seqs
@@ -267,7 +267,9 @@ def ragged_paged_attention(
     num_work = min(num_tokens, pl.cdiv(num_tokens, block_q) + num_slots)
     num_seqs = jnp.reshape(num_seqs, ()).astype(jnp.int32)
 
-    meta, row_start, out_row, valid = _plan(cu_q_lens, kv_lens, num_seqs, num_tokens, block_q, num_work)
+    meta, row_start, out_row, valid = plan_work_items(
+        cu_q_lens, kv_lens, num_seqs, num_tokens, block_q, num_work
+    )
     rows = jnp.clip(row_start[:, None] + jnp.arange(block_q), 0, num_tokens - 1)  # [W, Tq]
     qw = (q.astype(jnp.float32) * sm_scale).astype(compute_dtype(kv_cache.dtype))[rows]  # [W, Tq, H, D]
     qw = qw.reshape(num_work, block_q, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)

@@ -47,7 +47,7 @@ from pallas_kernels.tpu.layout import LANES, padded_head_dim, sublane_tile
 MASK_VALUE = -1e30  # finite: exp(MASK_VALUE - MASK_VALUE) must not be NaN
 
 
-def _cdiv(a: jax.Array, b: int) -> jax.Array:
+def cdiv(a: jax.Array, b: int) -> jax.Array:
     """Ceil division of a non-negative int32 scalar (lax.div: `//` lowers through `sign`)."""
     return lax.div(a + (b - 1), jnp.int32(b))
 
@@ -124,13 +124,13 @@ def _rpa_kernel(
         if first_key is not None:  # the first row's bound holds for the later rows too
             kv_lo = jnp.where(has_rows, jnp.clip(first_key, 0, kv_hi), 0)
         blk_lo = lax.div(kv_lo, jnp.int32(block_kv))
-        num_blocks = jnp.maximum(_cdiv(kv_hi, block_kv) - blk_lo, 1)  # >= 1 keeps the loop simple
+        num_blocks = jnp.maximum(cdiv(kv_hi, block_kv) - blk_lo, 1)  # >= 1 keeps the loop simple
         return row_lo, row_hi, offset, kv_lo, kv_hi, blk_lo, num_blocks
 
     def for_each_page_copy(s, blk, slot, kv_lo, kv_hi, action):
         """Applies `action` ("start"/"wait") to the DMAs of block `blk` of sequence s into `slot`."""
         page_lo = lax.div(kv_lo, jnp.int32(page_size))
-        page_hi = _cdiv(kv_hi, page_size)
+        page_hi = cdiv(kv_hi, page_size)
 
         def page_body(i, carry):
             page_in_seq = blk * pages_per_block + i
@@ -250,7 +250,7 @@ def _validate(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_w
     check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window, soft_cap)
 
 
-def _seq_ranges(cu_q_lens, num_seqs, num_q_blocks, block_q):
+def query_block_seq_ranges(cu_q_lens, num_seqs, num_q_blocks, block_q):
     """`[2 * num_q_blocks]`: first and last sequence owning rows of each query block (-1 if none)."""
     num_slots = cu_q_lens.shape[0] - 1
     ends = jnp.where(jnp.arange(num_slots) < num_seqs, cu_q_lens[1:], jnp.iinfo(jnp.int32).max)
@@ -388,7 +388,7 @@ def ragged_paged_attention(
         kv_lens,
         page_indices.reshape(-1),
         cu_q_lens,
-        _seq_ranges(cu_q_lens, num_seqs, num_q_blocks, block_q),
+        query_block_seq_ranges(cu_q_lens, num_seqs, num_q_blocks, block_q),
         jnp.zeros((num_heads,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
         qk,
         kv_cache,

@@ -184,20 +184,29 @@ def write_kv(
     `interpret`: False on TPU; True or `pltpu.InterpretParams(...)` to run on CPU (tests).
     """
     _check_shapes(kv_cache, k, v, slot_mapping)
-    _, num_rows, page_size, lanes = kv_cache.shape
-    tile_rows = sublane_tile(kv_cache.dtype)
+    return write_rows(kv_cache, _rows(kv_cache, k, v), slot_mapping, interpret=interpret)
+
+
+def write_rows(
+    cache: jax.Array, rows: jax.Array, slot_mapping: jax.Array, *, interpret: bool | pltpu.InterpretParams
+) -> jax.Array:
+    """Writes `rows [T, N, lanes]` (the cache's dtype) at `slot_mapping[T]` of a cache `[num_pages,
+    N, S, lanes]` (row n of a token into slab n of its page), by tiles as the module docstring
+    says; negative slots write nothing. The KV write's engine, and the latent cache's
+    (`mla_kernel.py`, N = 1)."""
+    _, num_rows, page_size, lanes = cache.shape
+    tile_rows = sublane_tile(cache.dtype)
     if page_size % tile_rows:
-        raise ValueError(f"page size {page_size} must be a multiple of {tile_rows} for {kv_cache.dtype}")
+        raise ValueError(f"page size {page_size} must be a multiple of {tile_rows} for {cache.dtype}")
     geometry = dict(tiles_per_page=page_size // tile_rows, tile_rows=tile_rows)
-    rows = _rows(kv_cache, k, v)
-    tile_bytes = num_rows * tile_rows * lanes * kv_cache.dtype.itemsize
+    tile_bytes = num_rows * tile_rows * lanes * cache.dtype.itemsize
     chunk = min(MAX_CHUNK_TOKENS, max(1, CHUNK_BYTES // tile_bytes))
     # Chunk by chunk: each chunk's read follows the previous chunk's write (it reads its output),
     # so a tile two chunks share gets both chunks' rows.
-    for start in range(0, k.shape[0], chunk):
+    for start in range(0, rows.shape[0], chunk):
         chunk_slots = slot_mapping[start : start + chunk]
-        kv_cache = _write_chunk(kv_cache, rows[start : start + chunk], chunk_slots, geometry, interpret)
-    return kv_cache
+        cache = _write_chunk(cache, rows[start : start + chunk], chunk_slots, geometry, interpret)
+    return cache
 
 
 def _write_chunk(kv_cache, rows, slot_mapping, geometry, interpret):

@@ -25,25 +25,26 @@ from tests.pallas_kernels.conftest import numpy_causal_attention
 
 def _step(q, latent, k_rope, slots, kv_lens, page_indices, cu_q_lens, num_seqs, *, num_pages, page_size,
           sm_scale, dtype=jnp.float32, backend="xla", first_page=0):  # fmt: skip
+    interpret = backend in ("pallas_tpu", "pallas_gpu")  # the Pallas kernels run on CPU interpreted
     width = latent.shape[1] + k_rope.shape[1]
     kv_dtype = jnp.dtype(dtype).name
     cache = allocate_latent_cache(num_pages + first_page, page_size, width, dtype, backend=backend)
     cache = write_latent(
         cache, jnp.asarray(latent), jnp.asarray(k_rope), jnp.asarray(slots, jnp.int32),
-        backend=backend, kv_dtype=kv_dtype, first_page=first_page,
+        backend=backend, kv_dtype=kv_dtype, first_page=first_page, interpret=interpret,
     )  # fmt: skip
     out = mla_paged_attention(
         jnp.asarray(q), cache, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices, jnp.int32),
         jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray([num_seqs], jnp.int32),
         sm_scale=sm_scale, latent_dim=latent.shape[1], backend=backend, kv_dtype=kv_dtype,
-        first_page=first_page,
+        first_page=first_page, interpret=interpret,
     )  # fmt: skip
     return np.asarray(out), cache
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hand_worked_prefill_of_two_tokens(backend):
-    # Latent width L = 2, rope width R = 1, one head, sm_scale 1, page size 4, page 1.
+    # Latent width L = 2, rope width R = 1, one head, sm_scale 1, page size 8, page 1.
     # Rows: token 0 = [c 1, 0 | k_rope 0], token 1 = [c 0, 1 | k_rope 1].
     # Query 0 = [ln 3, 0 | 0] at position 0 sees token 0 only: output c_0 = [1, 0].
     # Query 1 = [ln 3, 0 | 1] at position 1: scores ln 3 (token 0) and 1 (token 1), so
@@ -51,7 +52,7 @@ def test_hand_worked_prefill_of_two_tokens(backend):
     latent = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
     k_rope = np.array([[0.0], [1.0]], np.float32)
     q = np.array([[[math.log(3), 0.0, 0.0]], [[math.log(3), 0.0, 1.0]]], np.float32)
-    out, _ = _step(q, latent, k_rope, [4, 5], [2], [[1]], [0, 2], 1, num_pages=2, page_size=4, sm_scale=1.0,
+    out, _ = _step(q, latent, k_rope, [8, 9], [2], [[1]], [0, 2], 1, num_pages=2, page_size=8, sm_scale=1.0,
                    backend=backend)  # fmt: skip
     e = math.e
     np.testing.assert_allclose(out[:, 0], [[1.0, 0.0], [3 / (3 + e), e / (3 + e)]], rtol=1e-6)

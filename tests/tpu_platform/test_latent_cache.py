@@ -28,8 +28,15 @@ def test_deepseek_v3_token_costs_576_values_a_layer_whole_on_every_chip():
     assert model_kv_bytes_per_token(config, 2) == 61 * 576 * 2
     setup = StepSetup(config, "v6e-8", tp_size=8, page_size=16)
     assert setup.kv_heads == 1 and setup.kv_heads_per_chip == 1
-    assert kv_page_bytes(setup) == 61 * 16 * 576 * 2  # every layer's page, on each chip
+    # Every layer's page, on each chip, in the TPU kernel's layout: rows padded to 640 lanes.
+    assert kv_page_bytes(setup) == 61 * 16 * 640 * 2
     assert kv_bytes_read(setup, 4, 1000) == 4 * 1000 * 61 * 576 * 2
+
+
+def test_deepseek_v3_latent_page_is_576_values_a_token_on_gpu():
+    # The Triton kernel's layout stores latent 512 and rope 64 as they are (powers of two).
+    setup = StepSetup(model_config("deepseek-v3"), "h100x8", tp_size=8, page_size=16)
+    assert kv_page_bytes(setup) == 61 * 16 * 576 * 2
 
 
 def test_shipped_deepseek_configs_have_their_published_parameter_counts():
