@@ -66,6 +66,9 @@ DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"\.experts\.gate_up_proj$", PartitionSpec(None, None, MODEL_AXIS)),  # [E, D, 2F]
     (r"\.experts\.gate_up_proj_bias$", PartitionSpec(None, MODEL_AXIS)),  # [E, 2F]
     (r"\.experts\.down_proj$", PartitionSpec(None, MODEL_AXIS, None)),  # [E, F, D]
+    # its mxfp4 experts (`models.mxfp4`), `[out, in]`: gate/up on their outputs, down on its input blocks
+    (r"\.experts\.gate_up_proj_(blocks|scales)$", PartitionSpec(None, MODEL_AXIS)),  # [E, 2F, D / 32, ..]
+    (r"\.experts\.down_proj_(blocks|scales)$", PartitionSpec(None, None, MODEL_AXIS)),  # [E, D, F / 32, ..]
     (r"\.self_attn\.sinks$", _SPLIT),  # [N], with the query heads
     (rf"\.{_COLUMN_LINEARS}\.kernel$", _COLUMN),  # [D, out]
     (rf"\.{_COLUMN_LINEARS}\.(bias|kernel_scale)$", _SPLIT),
@@ -236,6 +239,9 @@ def split_dimensions(config: ModelConfig) -> tuple[tuple[str, int], ...]:
         dimensions.append(("intermediate_size", config.intermediate_size))
     if config.num_experts:
         dimensions.append(("experts' intermediate size", config.moe_intermediate_size))
+    if getattr(config, "mxfp4", False):  # a device holds whole 32-value blocks of down's inputs
+        blocks = config.moe_intermediate_size // 32
+        dimensions.append(("experts' intermediate size in mxfp4 blocks of 32", blocks))
     dimensions.extend(_per_layer_kv_widths(config))
     return tuple(dimensions)
 
