@@ -11,7 +11,8 @@ their biases. They are kept in that layout: split over a mesh on the last axis, 
 holds whole gate/up pairs. The released checkpoints' mxfp4 experts (`quantization_config`
 `quant_method: mxfp4`: `*_blocks` and `*_scales` in the `[out, in]` order, `models.mxfp4`) are
 kept in mxfp4 and dequantized tile by tile inside the routed matmul; over a mesh each device
-holds whole 32-value blocks of its share (gate/up split on their outputs, down on its inputs).
+holds whole 32-value blocks of its share (gate/up split on their outputs, down on its inputs),
+F padded with zeros to whole blocks a device where it does not split so (`pad_for_mesh`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from models.layers import ATTENTION_LINEARS, CausalLM, DecoderLayer, PagedAttent
 from models.linear import Linear
 from models.metadata import AttentionMetadata
 from models.moe import experts_routed, experts_routed_on_mesh, route
-from models.mxfp4 import BLOCK, Mxfp4Stack, is_mxfp4
+from models.mxfp4 import BLOCK, Mxfp4Stack, blocks_on_mesh, is_mxfp4, zero_padded
 
 _LAYER = "model.layers.{i}"
 _EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -110,6 +111,27 @@ class GptOssExperts(nnx.Module):
         self.gate_up_proj_bias = nnx.Param(np.zeros((e, 2 * f), dtype))
         self.down_proj_bias = nnx.Param(np.zeros((e, d), dtype))
         self.mxfp4 = mxfp4
+
+    def pad_for_mesh(self, tp_size: int) -> None:
+        """mxfp4 experts: F padded with zero gate/up pairs and zero down inputs up to whole
+        32-value blocks on each of `tp_size` devices (gpt-oss's 2880 = 90 blocks on 8: 96).
+        A zero pair's clamped SwiGLU is 0, so the output is unchanged (`loader.prepare_for_serving`)."""
+        if not self.mxfp4:
+            return
+        f = self.down_proj_blocks.get_value().shape[2] * BLOCK
+        padded = blocks_on_mesh(f, tp_size)
+        if padded == f:
+            return
+        for name, axis, size in (
+            ("gate_up_proj_blocks", 1, 2 * padded),
+            ("gate_up_proj_scales", 1, 2 * padded),
+            ("gate_up_proj_bias", 1, 2 * padded),
+            ("down_proj_blocks", 2, padded // BLOCK),
+            ("down_proj_scales", 2, padded // BLOCK),
+        ):
+            value = getattr(self, name).get_value()
+            shape = (*value.shape[:axis], size, *value.shape[axis + 1 :])
+            setattr(self, name, nnx.Param(zero_padded(value, shape)))
 
     def kernels(self) -> tuple[jax.Array | Mxfp4Stack, jax.Array | Mxfp4Stack]:
         """gate_up `[E, D, 2F]` and down `[E, F, D]` as arrays, or as `Mxfp4Stack`s of those shapes."""

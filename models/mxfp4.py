@@ -19,6 +19,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 BLOCK = 32  # values sharing one scale
 SCALE_BIAS = 127  # e8m0: the scale is 2 ** (byte - 127)
@@ -79,3 +80,18 @@ class Mxfp4Stack:
     def dense(self, dtype: jnp.dtype) -> jax.Array:
         """The whole stack dequantized as `[E, in, out]` kernels (tests, references)."""
         return jnp.swapaxes(dequantize(self.blocks, self.scales, dtype), 1, 2)
+
+
+def blocks_on_mesh(inputs: int, tp_size: int) -> int:
+    """The inputs `inputs` padded to whole 32-value blocks on each of `tp_size` devices."""
+    unit = BLOCK * tp_size
+    return -(-inputs // unit) * unit
+
+
+def zero_padded(value, shape: tuple[int, ...]):
+    """`value` (NumPy or JAX, abstract too) with zeros after its end on each axis up to `shape`:
+    zero blocks and scales decode to 0 (`_scale_values`)."""
+    widths = [(0, target - size) for size, target in zip(value.shape, shape, strict=True)]
+    if any(after < 0 for _, after in widths):
+        raise ValueError(f"cannot pad shape {tuple(value.shape)} down to {tuple(shape)}")
+    return (np if isinstance(value, np.ndarray) else jnp).pad(value, widths)

@@ -239,9 +239,6 @@ def split_dimensions(config: ModelConfig) -> tuple[tuple[str, int], ...]:
         dimensions.append(("intermediate_size", config.intermediate_size))
     if config.num_experts:
         dimensions.append(("experts' intermediate size", config.moe_intermediate_size))
-    if getattr(config, "mxfp4", False):  # a device holds whole 32-value blocks of down's inputs
-        blocks = config.moe_intermediate_size // 32
-        dimensions.append(("experts' intermediate size in mxfp4 blocks of 32", blocks))
     dimensions.extend(_per_layer_kv_widths(config))
     return tuple(dimensions)
 

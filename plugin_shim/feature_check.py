@@ -177,7 +177,8 @@ REFUSED: tuple[Refusal, ...] = (
         "'fp8_per_channel': at least as precise); a compressed-tensors int8 checkpoint (8-bit "
         "symmetric weights, per channel, per tensor or per group), a compressed-tensors FP8 one "
         "(per channel, per tensor or per block) and a quant_method 'fp8' one (per tensor or in "
-        "weight_block_size blocks) load as they are; otherwise "
+        "weight_block_size blocks) load as they are, and so do GPT-OSS's mxfp4 experts "
+        "(quantization='mxfp4', the released checkpoints); otherwise "
         "serve an unquantized checkpoint (a GGUF file converts "
         "with `vllm-xla model-dir --gguf FILE`)",
     ),
@@ -363,9 +364,9 @@ SUPPORTED: tuple[Supported, ...] = (
         "Text generation",
         "runner='generate'",
         "Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Gemma 4 (text, dense), Mixtral, Qwen3-MoE, "
-        "GPT-OSS (bfloat16; mxfp4 refused), DeepSeek-V2/V3, Llama 4 (text; a multimodal checkpoint "
-        "with --language-model-only), GLM-4.5/4.6 checkpoints (safetensors; GGUF through "
-        "`vllm-xla model-dir`)",
+        "GPT-OSS (bfloat16, or with its mxfp4 experts as released), DeepSeek-V2/V3, Llama 4 (text; "
+        "a multimodal checkpoint with --language-model-only), GLM-4.5/4.6 checkpoints "
+        "(safetensors; GGUF through `vllm-xla model-dir`)",
     ),
     Supported(
         "Sampling options",
@@ -435,6 +436,14 @@ SUPPORTED: tuple[Supported, ...] = (
         "quantized at load from a float checkpoint (per output channel), or a checkpoint's fp8 "
         "weights as they are: per tensor, per channel or in 128x128 blocks (DeepSeek-V3, "
         "Qwen3-FP8); a W8A8 checkpoint's activations (static or dynamic) stay in the model dtype",
+    ),
+    Supported(
+        "mxfp4 experts (GPT-OSS)",
+        "quantization='mxfp4' (set by the checkpoint's quantization_config)",
+        "a GPT-OSS checkpoint's mxfp4 experts (FP4 values in 32-value blocks with e8m0 scales, "
+        "as openai/gpt-oss-20b and -120b ship) stay mxfp4 in memory, dequantized tile by tile "
+        "inside the routed matmul; attention, router, embedding and head in the model dtype; a "
+        "float checkpoint is not quantized to mxfp4 at load",
     ),
     Supported(
         "LoRA adapters",

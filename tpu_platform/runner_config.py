@@ -11,8 +11,12 @@ from tpu_platform.lora_slots import LoraConfig
 if TYPE_CHECKING:
     from tpu_platform.pooling import PoolingConfig
 
-# vLLM `quantization` values the runner serves, as int8 or fp8 weights (`models.quantization`).
-QUANTIZATION_METHODS = ("int8_per_channel_weight_only", "compressed-tensors", "fp8", "fp8_per_channel")
+# vLLM `quantization` values the runner serves, as int8 or fp8 weights (`models.quantization`),
+# or as a GPT-OSS checkpoint's mxfp4 experts hold them (`models.mxfp4`; vLLM names a GPT-OSS
+# one `gpt_oss_mxfp4`).
+QUANTIZATION_METHODS = (
+    "int8_per_channel_weight_only", "compressed-tensors", "fp8", "fp8_per_channel", "mxfp4", "gpt_oss_mxfp4",
+)  # fmt: skip
 
 # Tokens a KV page holds when vLLM's `block_size` is not given (`default_page_size`).
 ACCELERATOR_PAGE_SIZE = 16
@@ -62,7 +66,7 @@ class RunnerConfig:
     logits_processors: bool = False
     # vLLM's `tensor_parallel_size`: local devices the model is split over (`tpu_platform.mesh`).
     tensor_parallel_size: int = 1
-    # vLLM's `quantization`: None, or a method serving int8 or fp8 weights (`QUANTIZATION_METHODS`).
+    # vLLM's `quantization`: None, or a method serving int8, fp8 or mxfp4 weights (`QUANTIZATION_METHODS`).
     quantization: str | None = None
     # A pooling engine's pooling (`tpu_platform.pooling`); None: a generating one.
     pooling: PoolingConfig | None = None

@@ -16,9 +16,14 @@ from safetensors.numpy import load_file, save_file
 from models.config import ModelConfig
 from models.loader import load_model
 from models.mxfp4 import Mxfp4Stack
-from models.sharding import check_model_splits
 from tests.models.mxfp4_checkpoint import pack_mxfp4, save_tiny_gpt_oss_mxfp4, transformers_dequantized
-from tests.models.tiny_checkpoints import assert_prefill_matches, assert_ragged_matches
+from tests.models.tiny_checkpoints import (
+    PAGE,
+    assert_prefill_matches,
+    assert_ragged_matches,
+    prompts,
+    run_step,
+)
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +75,35 @@ def test_served_mxfp4_model_matches_transformers_on_the_dequantized_checkpoint(s
     assert_ragged_matches(model, config, hf, [5, 9, 3])
 
 
-def test_a_tp_size_cutting_a_32_value_block_is_refused_by_name(checkpoints):
-    config = ModelConfig.from_pretrained(checkpoints[0])  # F = 64: two blocks
-    check_model_splits(config, 2)
-    with pytest.raises(ValueError, match=r"mxfp4 blocks of 32 \(2\) does not divide by 4"):
-        check_model_splits(config, 4)
+def test_in_bfloat16_the_mxfp4_model_equals_the_dequantized_checkpoint(checkpoints):
+    # Every FP4 value times its power-of-two scale is a bfloat16: the experts dequantized tile by
+    # tile are exactly the float checkpoint's weights cast to bfloat16.
+    from pallas_kernels import allocate_kv_cache
+
+    (ids,) = prompts([11], seed=2)
+    logits = []
+    for path in checkpoints:
+        config, model = load_model(path, jnp.bfloat16)
+        kv = [
+            allocate_kv_cache(4, PAGE, config.num_kv_heads, config.head_dim, jnp.bfloat16, backend="xla")
+            for _ in range(config.num_layers)
+        ]
+        logits.append(run_step(model, kv, [ids], [0], [[1]])[0])
+    np.testing.assert_array_equal(*logits)
+
+
+def test_experts_padded_to_whole_blocks_a_device_serve_the_same(checkpoints, served):
+    # F = 64 is two blocks of 32: for 4 devices it is padded to 128 (one block a device) with
+    # zero gate/up pairs and down inputs, which add nothing.
+    config, _, hf = served
+    _, padded = load_model(checkpoints[0])
+    for layer in padded.model.layers:
+        layer.mlp.experts.pad_for_mesh(4)
+    experts = padded.model.layers[0].mlp.experts
+    assert experts.gate_up_proj_blocks[...].shape == (8, 256, 2, 16)  # [E, 2F', D / 32, 16]
+    assert experts.gate_up_proj_bias[...].shape == (8, 256)
+    assert experts.down_proj_blocks[...].shape == (8, 64, 4, 16)  # [E, D, F' / 32, 16]
+    assert_prefill_matches(padded, config, hf, 13)
 
 
 def _malformed_copy(source: str, target: str, edit) -> str:

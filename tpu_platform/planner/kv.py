@@ -156,7 +156,9 @@ def weight_bytes_read(setup: StepSetup, batch: int) -> int:
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
     hidden, inner = config.hidden_size, config.moe_intermediate_size
     values, _, group = setup.quantization.partition("-g")
-    if values == "fp8" and group:  # fp8 kernels, a float32 scale per group of inputs and output
+    if getattr(config, "mxfp4", False):  # FP4 values, a one-byte scale per 32 (`models.mxfp4`)
+        expert = 3 * hidden * inner * 17 // 32 // setup.tp_size
+    elif values == "fp8" and group:  # fp8 kernels, a float32 scale per group of inputs and output
         expert = (3 * hidden * inner + 4 * 3 * hidden * inner // int(group)) // setup.tp_size
     elif values in ("int8", "fp8"):  # 8-bit kernels and a float32 scale per output channel
         expert = (3 * hidden * inner + 4 * (2 * inner + hidden)) // setup.tp_size
