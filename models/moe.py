@@ -147,8 +147,8 @@ def experts_routed(
     scale_of = (None, None, None) if scales is None else scales
 
     def tile_dot(spec: str, rows_in: jax.Array, kernel: jax.Array, scale: jax.Array | None) -> jax.Array:
-        if isinstance(kernel, Mxfp4Stack):  # `[N, out, in]` tiles, outputs first
-            return jnp.einsum("nbi,noi->nbo", rows_in, kernel.tiles(tile_expert, x.dtype))
+        if isinstance(kernel, Mxfp4Stack):
+            return kernel.tile_matmul(rows_in, tile_expert)
         if scale is None:
             return jnp.einsum(spec, rows_in, kernel[tile_expert])
         if scale.ndim == 3:  # `[E, in / G, out]`: a scale per group of inputs of each column

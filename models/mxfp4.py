@@ -8,9 +8,10 @@ in / 32]` uint8, one e8m0 exponent per 32 inputs with a bias of 127: the value o
 bit: `0, 0.5, 1, 1.5, 2, 3, 4, 6` and their negatives.
 
 `Mxfp4Stack` holds an expert stack so (`[E, out, in / 32, 16]` and `[E, out, in / 32]`), 4.25
-bits a weight. The routed experts dequantize each tile's own expert into the step's dtype
-inside the grouped matmul (`models.moe.experts_routed`): every product of an FP4 value and a
-power of two is exact in bfloat16, so the result equals the dequantized checkpoint's.
+bits a weight. The routed experts decode each tile's own expert into the step's dtype inside
+the grouped matmul (`models.moe.experts_routed`, `Mxfp4Stack.tile_matmul`): every product of an
+FP4 value and a power of two is exact in bfloat16, so the weights are the dequantized
+checkpoint's.
 """
 
 from __future__ import annotations
@@ -73,9 +74,24 @@ class Mxfp4Stack:
         experts, out, groups, _ = self.blocks.shape
         return experts, groups * BLOCK, out
 
-    def tiles(self, experts: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        """The kernels of `experts [N]`, dequantized: `[N, out, in]` (outputs first)."""
-        return dequantize(self.blocks[experts], self.scales[experts], dtype)
+    def tile_matmul(self, rows: jax.Array, experts: jax.Array) -> jax.Array:
+        """`rows [N, B, in] @` the kernels of `experts [N]` -> `[N, B, out]` in the rows' dtype.
+
+        The even and odd inputs (low and high nibbles) are two dots, each over values decoded
+        and scaled elementwise from the gathered bytes in the rows' dtype (exact: an FP4 value
+        times a power of two), which the compiler can fuse into the dot's operand: no
+        interleaved or float32 copy of the tiles' weights is made."""
+        n, b, inputs = rows.shape
+        blocks = self.blocks[experts]  # [N, O, G, 16]
+        scale = _scale_values(self.scales[experts]).astype(rows.dtype)[..., None]  # [N, O, G, 1]
+        pairs = rows.reshape(n, b, inputs // BLOCK, BLOCK // 2, 2)  # [N, B, G, 16, 2]
+        out = 0
+        for parity, nibbles in enumerate((blocks & 15, blocks >> 4)):
+            values = _fp4_values(nibbles).astype(rows.dtype) * scale  # [N, O, G, 16]
+            out = out + jnp.einsum(
+                "nbgj,nogj->nbo", pairs[..., parity], values, preferred_element_type=jnp.float32
+            )
+        return out.astype(rows.dtype)
 
     def dense(self, dtype: jnp.dtype) -> jax.Array:
         """The whole stack dequantized as `[E, in, out]` kernels (tests, references)."""
