@@ -309,6 +309,9 @@ def prepare_for_serving(model: nnx.Module, config: ModelConfig, tp_size: int = 1
     if config.tie_word_embeddings:
         model.model.embed_tokens.transpose_for_head()
     fuse_projections(model, tp_size)
+    for _, module in list(nnx.iter_modules(model)):  # GPT-OSS's mxfp4 experts: whole blocks a device
+        if hasattr(module, "pad_for_mesh"):
+            module.pad_for_mesh(tp_size)
 
 
 def load_model(

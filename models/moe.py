@@ -29,6 +29,7 @@ from models.int8 import dequantize
 from models.layers import activation
 from models.linear import Linear
 from models.metadata import AttentionMetadata
+from models.mxfp4 import Mxfp4Stack
 from models.sharding import MODEL_AXIS
 
 MAX_TILE_ROWS = 128
@@ -117,6 +118,8 @@ def experts_routed(
     products to the `[.., F]` hidden values (GPT-OSS's clamped SwiGLU). `gate_bias [E, F']`: added
     to the gate (or fused) products before `act`. `weights_on_input`: as in
     `experts_dense_reference` (each assignment's row scaled before its expert, outputs summed).
+    A kernel may be an `Mxfp4Stack` (GPT-OSS's mxfp4 experts): each tile's expert is dequantized
+    to x's dtype for its dot.
     """
     t, d = x.shape
     e, k = gate.shape[0], experts.shape[1]
@@ -144,6 +147,8 @@ def experts_routed(
     scale_of = (None, None, None) if scales is None else scales
 
     def tile_dot(spec: str, rows_in: jax.Array, kernel: jax.Array, scale: jax.Array | None) -> jax.Array:
+        if isinstance(kernel, Mxfp4Stack):
+            return kernel.tile_matmul(rows_in, tile_expert)
         if scale is None:
             return jnp.einsum(spec, rows_in, kernel[tile_expert])
         if scale.ndim == 3:  # `[E, in / G, out]`: a scale per group of inputs of each column
@@ -202,6 +207,13 @@ def experts_routed_on_mesh(
     scale_specs = (PartitionSpec(None, MODEL_AXIS), PartitionSpec(None, MODEL_AXIS), whole)
     if scales is not None and scales[0].ndim == 3:
         scale_specs = stack_specs
+    # An mxfp4 stack (blocks and scales `[E, out, in / 32, ..]`): gate/up split on their
+    # outputs, down on its input blocks.
+    mxfp4_specs = (PartitionSpec(None, MODEL_AXIS), PartitionSpec(None, MODEL_AXIS), split_f)
+    stack_specs = tuple(
+        mx if isinstance(s, Mxfp4Stack) else spec
+        for s, spec, mx in zip(stacks, stack_specs, mxfp4_specs, strict=True)
+    )
 
     def local(x, stacks, weights, experts, gate_bias, *scales):
         partial = experts_routed(

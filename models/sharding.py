@@ -73,6 +73,9 @@ DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"\.experts\.gate_up_proj$", PartitionSpec(None, None, MODEL_AXIS)),  # [E, D, 2F]
     (r"\.experts\.gate_up_proj_bias$", PartitionSpec(None, MODEL_AXIS)),  # [E, 2F]
     (r"\.experts\.down_proj$", PartitionSpec(None, MODEL_AXIS, None)),  # [E, F, D]
+    # its mxfp4 experts (`models.mxfp4`), `[out, in]`: gate/up on their outputs, down on its input blocks
+    (r"\.experts\.gate_up_proj_(blocks|scales)$", PartitionSpec(None, MODEL_AXIS)),  # [E, 2F, D / 32, ..]
+    (r"\.experts\.down_proj_(blocks|scales)$", PartitionSpec(None, None, MODEL_AXIS)),  # [E, D, F / 32, ..]
     (r"\.self_attn\.sinks$", _SPLIT),  # [N], with the query heads
     (rf"\.{_COLUMN_LINEARS}\.kernel$", _COLUMN),  # [D, out]
     (rf"\.{_COLUMN_LINEARS}\.(bias|kernel_scale)$", _SPLIT),

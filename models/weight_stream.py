@@ -28,6 +28,7 @@ one it holds as int4 (a 4-bit checkpoint's model, `models.int4`) to int4.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable, Iterator
 
 import jax
@@ -41,6 +42,7 @@ from models.config import ModelConfig
 from models.int8 import group_size
 from models.linear import PackedKernel, quantizer_for
 from models.loader import _ExpertStacks, iter_parameters, prepare_for_serving
+from models.mxfp4 import zero_padded
 from models.registry import build
 from models.sharding import MODEL_AXIS, fuse_parts, fused_parts, parameter_sharding
 
@@ -139,6 +141,7 @@ def _stream(
     }
     _check_sources(model, served, part_of, head_copies)
     quantized = _quantized_kernels(served, part_of)
+    padded = _padded_parameters(model, served)
     heads = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim}
     pending: dict[str, list[np.ndarray | None]] = {}
     stacks = _ExpertStacks()
@@ -168,11 +171,29 @@ def _stream(
                 f"model {tuple(served[ours].get_value().shape)}: its layout (per channel or "
                 "grouped, and the group size) is not the one this model was prepared for"
             )
+        if ours in padded:  # mxfp4 experts padded to whole blocks a device (`models.gpt_oss`)
+            value = zero_padded(value, padded[ours])
         placed[ours] = place(ours, value, served[ours])
         if ours in head_copies:
             for name, copy in _with_scales([(head_copies[ours], value.T)], quantized):
                 placed[name] = place(name, copy, served[name])
     return placed
+
+
+def _padded_parameters(model: nnx.Module, served: dict[str, nnx.Variable]) -> dict[str, tuple[int, ...]]:
+    """The served shapes of the parameters `prepare_for_serving` pads with zeros (GPT-OSS's mxfp4
+    experts on a mesh their blocks do not split on: `models.gpt_oss`)."""
+    loaded = {".".join(map(str, key)): var for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {
+        name: tuple(served[name].get_value().shape)
+        for name, var in loaded.items()
+        if _MXFP4_EXPERTS.search(name)
+        and name in served
+        and tuple(var.get_value().shape) != tuple(served[name].get_value().shape)
+    }
+
+
+_MXFP4_EXPERTS = re.compile(r"\.experts\.(gate_up_proj_(blocks|scales|bias)|down_proj_(blocks|scales))$")
 
 
 def _scale_name(kernel: str) -> str:

@@ -181,7 +181,8 @@ REFUSED: tuple[Refusal, ...] = (
         "(per channel, per tensor or per block), a quant_method 'fp8' one (per tensor or in "
         "weight_block_size blocks), a compressed-tensors W4A16 one (4-bit symmetric, "
         "pack-quantized, per channel or per group) and a 4-bit GPTQ one (sym, desc_act false) "
-        "load as they are; otherwise "
+        "load as they are, and so do GPT-OSS's mxfp4 experts (quantization='mxfp4', the "
+        "released checkpoints); otherwise "
         "serve an unquantized checkpoint (a GGUF file converts "
         "with `vllm-xla model-dir --gguf FILE`)",
     ),
@@ -378,9 +379,9 @@ SUPPORTED: tuple[Supported, ...] = (
         "Text generation",
         "runner='generate'",
         "Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Gemma 4 (text, dense), Mixtral, Qwen3-MoE, "
-        "GPT-OSS (bfloat16; mxfp4 refused), DeepSeek-V2/V3, Llama 4 (text; a multimodal checkpoint "
-        "with --language-model-only), GLM-4.5/4.6 checkpoints (safetensors; GGUF through "
-        "`vllm-xla model-dir`)",
+        "GPT-OSS (bfloat16, or with its mxfp4 experts as released), DeepSeek-V2/V3, Llama 4 (text; "
+        "a multimodal checkpoint with --language-model-only), GLM-4.5/4.6 checkpoints "
+        "(safetensors; GGUF through `vllm-xla model-dir`)",
     ),
     Supported(
         "Sampling options",
@@ -475,6 +476,14 @@ SUPPORTED: tuple[Supported, ...] = (
         "W4A16 and GPTQ (bits 4, sym, desc_act false); int4 two a byte on TPU and GPU (int8 on "
         "CPU); the LM head, embedding and MoE router stay in the model dtype. Refused by name: "
         "zero points (asymmetric), act-order, other bit widths; AWQ is not served",
+    ),
+    Supported(
+        "mxfp4 experts (GPT-OSS)",
+        "quantization='mxfp4' (set by the checkpoint's quantization_config)",
+        "a GPT-OSS checkpoint's mxfp4 experts (FP4 values in 32-value blocks with e8m0 scales, "
+        "as openai/gpt-oss-20b and -120b ship) stay mxfp4 in memory, dequantized tile by tile "
+        "inside the routed matmul; attention, router, embedding and head in the model dtype; a "
+        "float checkpoint is not quantized to mxfp4 at load",
     ),
     Supported(
         "LoRA adapters",

@@ -12,7 +12,9 @@ if TYPE_CHECKING:
     from tpu_platform.pooling import PoolingConfig
     from tpu_platform.speculation import SpeculationConfig
 
-# vLLM `quantization` values the runner serves, as int8, fp8 or int4 weights (`models.quantization`).
+# vLLM `quantization` values the runner serves, as int8, fp8 or int4 weights (`models.quantization`),
+# or as a GPT-OSS checkpoint's mxfp4 experts hold them (`models.mxfp4`; vLLM names a GPT-OSS one
+# `gpt_oss_mxfp4`).
 QUANTIZATION_METHODS = (
     "int8_per_channel_weight_only",
     "compressed-tensors",
@@ -22,6 +24,8 @@ QUANTIZATION_METHODS = (
     "gptq",
     "auto_gptq",
     "gptq_marlin",
+    "mxfp4",
+    "gpt_oss_mxfp4",
 )
 
 # Tokens a KV page holds when vLLM's `block_size` is not given (`default_page_size`).
@@ -75,7 +79,8 @@ class RunnerConfig:
     # vLLM's `enable_expert_parallel`: the experts split by index over those devices, each whole
     # (`models.sharding`), instead of inside each expert.
     expert_parallel: bool = False
-    # vLLM's `quantization`: None, or a method serving int8 or fp8 weights (`QUANTIZATION_METHODS`).
+    # vLLM's `quantization`: None, or a method serving int8, fp8, int4 or mxfp4 weights
+    # (`QUANTIZATION_METHODS`).
     quantization: str | None = None
     # A pooling engine's pooling (`tpu_platform.pooling`); None: a generating one.
     pooling: PoolingConfig | None = None

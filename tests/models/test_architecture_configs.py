@@ -120,14 +120,6 @@ def test_gpt_oss_config_alternates_windows_and_reads_the_swiglu(tiny):
     assert layer.mlp.experts.gate_up_proj[...].shape == (8, 64, 64)  # [E, D, 2F]
 
 
-def test_gpt_oss_mxfp4_checkpoint_is_refused_by_name(tiny):
-    path, _, _, _ = tiny("GptOssForCausalLM")
-    hf = _hf_config(path)
-    hf["quantization_config"] = {"quant_method": "mxfp4"}
-    with pytest.raises(ValueError, match=r"mxfp4 experts .* serve a bfloat16 checkpoint"):
-        ModelConfig.from_hf_dict(hf)
-
-
 @pytest.mark.parametrize("truncate", [True, False])
 @pytest.mark.parametrize("scaling", [dict(factor=32.0), dict(factor=4.0, mscale=0.707, mscale_all_dim=1.0)])
 def test_yarn_frequencies_and_attention_factor_match_transformers(truncate, scaling):

@@ -181,6 +181,23 @@ def test_moe_decode_reads_the_experts_a_batch_touches():
     assert weight_bytes_read(setup, 4096) == pytest.approx(total, rel=1e-6)
 
 
+def test_gpt_oss_weights_are_its_mxfp4_experts_and_bfloat16_rest():
+    # gpt-oss-120b as released: 116.83e9 parameters (model card), of which the 36 layers' 128
+    # experts' kernels (3 * 2880 * 2880 each) are mxfp4, 17 bytes per 32 values; the rest bfloat16.
+    config = model_config("gpt-oss-120b")
+    assert config.mxfp4
+    experts = 36 * 128 * 3 * 2880 * 2880
+    total = abstract_model(config, "bfloat16", 2048).weight_bytes
+    assert total == pytest.approx(experts * 17 / 32 + 2 * (116.83e9 - experts), rel=0.01)  # ~65 GB, not ~234
+    # At TP=8 the experts' 90 blocks of 32 are padded to 96, 12 a chip.
+    padded = StepSetup(config, "h100x8", tp_size=8).abstract_model().weight_bytes
+    assert padded - total == pytest.approx(36 * 128 * 3 * 2880 * 192 * 17 / 32, rel=0.01)
+    # one token touches 4 of 128 experts in each of 36 layers
+    setup = StepSetup(config, "h100x1")
+    expert = 3 * 2880 * 2880 * 17 // 32
+    assert weight_bytes_read(setup, 1) == pytest.approx(total - 36 * 124 * expert, rel=1e-9)
+
+
 def test_int8_weights_are_the_runners_int8_preparation():
     config = model_config("llama-3.2-3b")
     setup = StepSetup(config, "v5e-1", max_model_len=2048, quantization="int8")

@@ -12,6 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import ModelConfig
+from models.compressed_tensors import quantization_config
+from models.mxfp4 import METHODS as MXFP4_METHODS
+from models.mxfp4 import is_mxfp4
 from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.weights.cache import WeightsCache
 from tpu_platform.weights.converted import converted_weights, restore_converted
@@ -33,7 +36,9 @@ def load_served_weights(
     converted = converted_weights(path)
     # quantized in the source's own layout (a converted directory keeps the one it was converted in)
     quantized = "none"
-    if config.quantization is not None:
+    if config.quantization in MXFP4_METHODS:  # the checkpoint's mxfp4 experts, kept as they are
+        check_mxfp4_checkpoint(path)
+    elif config.quantization is not None:
         quantized = "int8" if converted else int8_quantization(path, config.quantization)
     preparation = Preparation.for_dense_isa(dtype.name, dense_isa, config.tensor_parallel_size, quantized)
     if converted is not None:
@@ -50,6 +55,18 @@ def load_served_weights(
     if cache is not None:
         cache.store(model_config, model)
     return model_config, model, "the checkpoint"
+
+
+def check_mxfp4_checkpoint(path: str) -> None:
+    """vLLM's `quantization="mxfp4"` serves a checkpoint whose experts are mxfp4 as they are
+    (GPT-OSS as released); a float checkpoint is not quantized to mxfp4 at load."""
+    if not is_mxfp4({"quantization_config": quantization_config(path)}):
+        raise ValueError(
+            f"quantization='mxfp4' serves a checkpoint whose experts are mxfp4 (GPT-OSS as "
+            f"released, quantization_config quant_method 'mxfp4'); {path!r} is not one, and "
+            "vllm-xla does not quantize to mxfp4 at load: leave quantization unset, or use "
+            "'fp8' or 'int8_per_channel_weight_only'"
+        )
 
 
 def _weights_cache(
