@@ -156,10 +156,10 @@ def weight_bytes_read(setup: StepSetup, batch: int) -> int:
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
     hidden, inner = config.hidden_size, config.moe_intermediate_size
     values, _, group = setup.quantization.partition("-g")
-    weight = 3 * hidden * inner // 2 if getattr(config, "mxfp4", False):  # FP4 values, a one-byte scale per 32 (`models.mxfp4`)
+    weight = 3 * hidden * inner // 2 if values == "int4" else 3 * hidden * inner  # int4: 2 a byte
+    if getattr(config, "mxfp4", False):  # FP4 values, a one-byte scale per 32 (`models.mxfp4`)
         expert = 3 * hidden * inner * 17 // 32 // setup.tp_size
-    elif values == "int4" else 3 * hidden * inner  # int4: 2 a byte
-    if values in ("fp8", "int4") and group:  # a float32 scale per group of inputs and output
+    elif values in ("fp8", "int4") and group:  # a float32 scale per group of inputs and output
         expert = (weight + 4 * 3 * hidden * inner // int(group)) // setup.tp_size
     elif values in ("int8", "fp8", "int4"):  # 8- or 4-bit kernels, a float32 scale per channel
         expert = (weight + 4 * (2 * inner + hidden)) // setup.tp_size
