@@ -20,7 +20,10 @@ from tests.aot.toolchains import run_worker
 
 CASES = {"tpu": ["v6e-8:qwen3-30b-a3b:8:ep"], "cuda": ["h100x8:qwen3-30b-a3b:8:ep"]}
 
-pytestmark = pytest.mark.timeout(3600)
+# A 30B mixture of experts at full width for two 8-chip targets: the costliest compile of the
+# slow tier, so `make test-full` runs it (the expert placement and its collectives are checked at
+# tiny size on simulated devices in `tests/models/test_expert_parallel.py`).
+pytestmark = [pytest.mark.timeout(3600), pytest.mark.full]
 
 
 @pytest.fixture(scope="module")
