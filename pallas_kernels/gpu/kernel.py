@@ -93,7 +93,6 @@ def _rpa_kernel(
     q = q_ref[...]
 
     def body(blk, carry):
-        m_prev, l_prev, acc = carry
         pages = page_table_ref[seq, pl.ds(blk * pages_per_block, pages_per_block)]
         pages = jnp.clip(pages, 0, num_pages - 1)  # entries past the sequence may be garbage
         k = kv_ref[0, head, pages].reshape(block_kv, lanes).astype(q.dtype)  # [Tk, Dp]
@@ -108,15 +107,7 @@ def _rpa_kernel(
             visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
         if attention_chunk_size is not None:
             visible &= key_pos[None, :] >= _chunk_start(query_pos, attention_chunk_size)[:, None]
-        scores = jnp.where(visible, scores, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.where(visible, jnp.exp(scores - m_next[:, None]), 0.0)
-        l_next = alpha * l_prev + jnp.sum(p, axis=1)
-        pv = lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        return m_next, l_next, alpha[:, None] * acc + pv
+        return online_softmax_step(scores, visible, v, carry)
 
     init = (
         jnp.full((num_rows_padded,), MASK_VALUE, jnp.float32),
@@ -127,6 +118,24 @@ def _rpa_kernel(
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l_sum
+
+
+def online_softmax_step(
+    scores: jax.Array, visible: jax.Array, values: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One key block of the online softmax: `scores [M, Tk]` (float32) where `visible`, against
+    `values [Tk, L]`, folded into the running max, sum and accumulator `carry` (`[M]`, `[M]`,
+    `[M, L]`, float32)."""
+    m_prev, l_prev, acc = carry
+    scores = jnp.where(visible, scores, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.where(visible, jnp.exp(scores - m_next[:, None]), 0.0)
+    l_next = alpha * l_prev + jnp.sum(p, axis=1)
+    pv = lax.dot_general(
+        p.astype(values.dtype), values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    return m_next, l_next, alpha[:, None] * acc + pv
 
 
 def _chunk_start(position: jax.Array, chunk: int) -> jax.Array:

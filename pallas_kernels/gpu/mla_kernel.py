@@ -41,10 +41,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.checks import check_metadata, check_positive, compute_dtype
-from pallas_kernels.gpu.kernel import META_WIDTH, MIN_ROWS, plan_work_items
+from pallas_kernels.gpu.kernel import MASK_VALUE, META_WIDTH, MIN_ROWS, online_softmax_step, plan_work_items
 from pallas_kernels.reference import saturating_cast
 
-MASK_VALUE = -1e30  # finite: exp(MASK_VALUE - MASK_VALUE) must not be NaN
 HEADS_PER_PROGRAM = 16  # Hb: a [16 * Tq, 512] float32 accumulator fits the registers of 4 warps
 TOKENS_PER_KV_BLOCK = 32  # keys per block: a [32, 512] bfloat16 latent tile is 32 KiB
 QUERIES_PER_ITEM_PREFILL = 2
@@ -148,7 +147,6 @@ def _mla_kernel(
     q_lat, q_rope = q_lat_ref[...], q_rope_ref[...]
 
     def body(blk, carry):
-        m_prev, l_prev, acc = carry
         pages = page_table_ref[seq, pl.ds(blk * pages_per_block, pages_per_block)]
         pages = jnp.clip(pages, 0, num_pages - 1)  # entries past the sequence may be garbage
         lat = cache_ref[pages, :, pl.ds(0, lat_lanes)].reshape(block_kv, lat_lanes).astype(q_lat.dtype)
@@ -159,15 +157,7 @@ def _mla_kernel(
         scores = lax.dot_general(q_lat, lat, dims, preferred_element_type=jnp.float32)
         scores += lax.dot_general(q_rope, rope.astype(q_rope.dtype), dims, preferred_element_type=jnp.float32)
         visible = row_ok[:, None] & (key_pos[None, :] <= query_pos[:, None])  # [M, Tk]
-        scores = jnp.where(visible, scores, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.where(visible, jnp.exp(scores - m_next[:, None]), 0.0)
-        l_next = alpha * l_prev + jnp.sum(p, axis=1)
-        pv = lax.dot_general(
-            p.astype(lat.dtype), lat, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        return m_next, l_next, alpha[:, None] * acc + pv
+        return online_softmax_step(scores, visible, lat, carry)
 
     init = (
         jnp.full((num_rows_padded,), MASK_VALUE, jnp.float32),
