@@ -20,6 +20,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_XLA_CPU_ASYNC_SCHEDULING", "1")
 
 
+_AOT_SCOPE = "tests/aot"
+
+
 @pytest.fixture(scope="session")
 def native_kernels() -> pathlib.Path:
     """Builds (once; kept in the test cache directory) and registers the native CPU kernels."""
@@ -37,6 +40,23 @@ def dense_kernels(native_kernels: pathlib.Path) -> pathlib.Path:
     if cpu.dense_isa(native_kernels) is None:
         pytest.skip("this CPU (or its kernel) has none of AMX bfloat16 tiles, AVX-512 BF16, AVX2 with FMA")
     return native_kernels
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under `--dist loadfile` (the Makefile's), each test file goes whole to one worker, so the
+    engines and models a module shares are built once, except that `tests/aot/` goes whole to one
+    worker: its real-target compiles take several GiB each and run one at a time, and one worker
+    running them all in turn leaves the other free for the rest of the suite, where a lock between
+    two workers holding compile modules left one of them waiting."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesWithTheCompilesAsOne(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _AOT_SCOPE if nodeid.startswith(_AOT_SCOPE + "/") else super()._split_scope(nodeid)
+
+    return FilesWithTheCompilesAsOne(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

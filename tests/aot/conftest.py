@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every test in this directory compiles for real TPU and GPU targets: they belong to the slow tier.
 
-Their compiles of multi-billion-parameter programs take several GiB each, so under pytest-xdist
-one module at a time compiles: each module holds a lock file shared by the run's workers (the
-other worker runs the rest of the suite meanwhile)."""
+Their compiles of multi-billion-parameter programs take several GiB each, so one module at a time
+compiles. Under `make test` one pytest-xdist worker runs this whole directory (tests/conftest.py
+schedules it as one unit); the lock file each module holds, shared by the run's workers, keeps
+the rule under other schedulings too."""
 
 import fcntl
 import pathlib
