@@ -107,6 +107,16 @@ def draft_loop(
     return drafts.T.astype(jnp.int32), kv_caches
 
 
+def make_draft_loop(graphdef: nnx.GraphDef, state_def: jax.tree_util.PyTreeDef, shape: DraftCacheShape):
+    """`draft_loop` of the draft model (`graphdef`, `state_def`) over caches of `shape`, jitted
+    with the caches donated (`k`, `page_size` and `max_position` static)."""
+    return jax.jit(
+        functools.partial(draft_loop, graphdef, state_def, shape=shape),
+        donate_argnums=(1,),
+        static_argnames=("k", "page_size", "max_position"),
+    )
+
+
 class DraftModel:
     """The draft's weights, KV cache and programs (see the module docstring)."""
 
@@ -190,11 +200,7 @@ class DraftModel:
         shape = DraftCacheShape(
             backend, kv_dtype.name, num_pages, caches_per_array(layout.num_caches, num_pages, page_size)
         )
-        self._loop = jax.jit(
-            functools.partial(draft_loop, self._graphdef, self._state_def, shape=shape),
-            donate_argnums=(1,),
-            static_argnames=("k", "page_size", "max_position"),
-        )
+        self._loop = make_draft_loop(self._graphdef, self._state_def, shape)
         self._page_size = page_size
         self.row_buckets = token_buckets(feed_width, feed_width)
 
