@@ -2,8 +2,9 @@
 """Speculative decoding with a draft model through vLLM's real engine: greedy output equals
 transformers' greedy decoding token for token (so equals decoding without speculation), under
 chunked prefill and preemption, with drafts both kept and rejected; a draft identical to the
-target has every draft accepted (its cache, positions and block tables are the target's);
-vLLM's spec-decode counters agree; nothing compiles after warm-up."""
+target has every draft accepted, prefix-cache hits included (its cache holds the right tokens at
+the right positions of the target's pages); vLLM's spec-decode counters agree; nothing compiles
+after warm-up."""
 
 import gc
 
@@ -115,20 +116,25 @@ def test_greedy_with_a_draft_model_equals_greedy_decoding(llm, hf):
     assert after["compiles_after_warmup"] == 0
 
 
-def test_a_draft_identical_to_the_target_has_every_draft_accepted(target_dir, hf, llm):
-    del llm  # one engine at a time
-    gc.collect()
-    engine = _engine(target_dir, target_dir)
+def test_a_draft_identical_to_the_target_has_every_draft_accepted(target_dir, hf):
+    # The second batch's prompts begin with the first's 32 tokens (two whole pages): the engine
+    # serves them from its prefix cache, pages the draft's forward filled for the first prompt.
+    engine = _engine(target_dir, target_dir, enable_prefix_caching=True)
     try:
-        prompts = _prompts(seed=1, count=3)
+        first, *others = _prompts(seed=1, count=3)
+        shared = [*first, *_prompts(seed=2, count=1)[0]][:32]
+        batches = [[shared + first[1:9]], [shared + other[1:] for other in others]]
         greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        assert _generate(engine, prompts, greedy) == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+        for prompts in batches:
+            assert _generate(engine, prompts, greedy) == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
         stats = _stats(engine)
+        assert stats["prefix_cache_hits"] >= 2
         assert stats["draft_tokens"] > 0
         assert stats["accepted_tokens"] == stats["draft_tokens"]  # acceptance rate 1.0
         vllm_drafted, vllm_accepted = _spec_counters(engine)
         assert vllm_accepted == stats["accepted_tokens"]
         assert vllm_drafted >= stats["draft_tokens"]  # vLLM also counts drafts past max_tokens
+        assert stats["compiles_after_warmup"] == 0
     finally:
         del engine
         gc.collect()
