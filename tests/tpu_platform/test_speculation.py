@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tpu_platform.planner.draft import DraftMemory, pages_with_draft
 from tpu_platform.sampling import SamplerFlags, SamplingTensors
 from tpu_platform.sampling.tensors import FilterTensors, RandomTensors
 from tpu_platform.speculation import SpeculationConfig, propose_ngram
@@ -182,3 +183,17 @@ def test_the_draft_models_pages_take_their_share_of_the_kv_budget():
     assert target_share == 30_000
     pages = target_share // 3000
     assert pages * (3000 + 1000) <= 40_000
+
+
+@pytest.mark.parametrize(
+    ("kv_bytes", "target_page", "draft_weights", "draft_page"),
+    [(32 << 30, 2 << 20, 3 << 30, 512 << 10), (10_000_000, 4096, 1_000_000, 4096), (100, 10, 200, 10)],
+)
+def test_the_planner_fits_a_draft_beside_its_target(kv_bytes, target_page, draft_weights, draft_page):
+    pages = pages_with_draft(kv_bytes, target_page, DraftMemory(draft_weights, draft_page))
+
+    def used(n):
+        return draft_weights + n * (target_page + draft_page)
+
+    assert used(pages) <= kv_bytes or pages == 0
+    assert used(pages + 1) > kv_bytes  # the most that fit

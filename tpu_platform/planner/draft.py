@@ -24,7 +24,7 @@ from tpu_platform.planner.plan import (
 )
 from tpu_platform.planner.targets import compile_only_devices
 from tpu_platform.sampling import SamplerFlags, dummy_tensors
-from tpu_platform.speculation.draft_model import DraftCacheShape, make_draft_loop
+from tpu_platform.speculation.draft_model import DraftCacheShape, kv_share, make_draft_loop
 from tpu_platform.speculation.verifier import make_verify
 
 
@@ -40,6 +40,16 @@ class DraftMemory:
 def draft_memory(draft: StepSetup) -> DraftMemory:
     """The draft's rows of the plan (`draft` holds the draft's config with the target's limits)."""
     return DraftMemory(draft.abstract_model().weight_bytes, kv_page_bytes(draft))
+
+
+def pages_with_draft(kv_bytes: int, target_page_bytes: int, draft: DraftMemory) -> int:
+    """KV pages left on a chip whose target alone would hold `kv_bytes` of cache (`KVFit.kv_bytes`)
+    once `draft` is served beside it: its weights come out of those bytes, then every page takes
+    a draft page beside it (the worker's split, `speculation.draft_model.kv_share`)."""
+    left = kv_bytes - draft.weight_bytes
+    if left <= 0:
+        return 0
+    return kv_share(target_page_bytes, draft.page_bytes, left) // target_page_bytes
 
 
 def compile_draft_loop(draft: StepSetup, num_pages: int, rows: int, k: int) -> ProgramFacts:
