@@ -1,9 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""n-gram speculative decoding against none, in one run, on an input-grounded workload: the
-embedded SmolLM2-135M-Instruct asked to repeat, rewrite or edit a text it is given (outputs that
-copy spans of the prompt, where prompt lookup finds its drafts).
+"""Speculative decoding against none, in one run.
 
-    .venv/bin/python benchmarks/spec_decode.py [--out benchmarks/results/spec_decode.json]
+`--method ngram` (default): n-gram drafts on an input-grounded workload, the embedded
+SmolLM2-135M-Instruct asked to repeat, rewrite or edit a text it is given (outputs that copy spans
+of the prompt, where prompt lookup finds its drafts).
+
+`--method draft_model`: a draft model, on tiny random Llamas built here (no hub): a target of
+`--target-layers` layers whose layers' outputs are scaled down, and a draft of its first
+`--draft-layers` (with the embedding, norm and head; all of them: the target itself, whose
+drafts are all accepted); prompts of random ids. Such a draft costs a large share of the target
+(same width), so the figures show the mechanism's costs and acceptance, not the speed-up of a
+draft far smaller than its target.
+
+    .venv/bin/python benchmarks/spec_decode.py [--method ngram|draft_model] [--out FILE]
         [--tokens 128] [--k 4] [--min-n 2] [--max-n 4] [--batch 16]
 
 Each configuration (no speculation; n-gram with k drafts) runs in its own subprocess (this script
@@ -24,13 +33,14 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-CONFIGS = ("off", "ngram")
+CONFIGS = ("off", "ngram", "draft_model")
 
 _TEXTS = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, "
@@ -52,6 +62,41 @@ _ASKS = [
     "Here is some text. Write it out again, unchanged:\n\n{}",
 ]
 _CODE_ASK = "Rename the variable `subtotal` to `net` in this function and show the whole function:\n\n{}"
+
+
+def tiny_models(root: str, target_layers: int, draft_layers: int) -> tuple[str, str]:
+    """A tiny random target and its draft of its first `draft_layers` layers (`--method
+    draft_model`; all of them: the target itself, every draft accepted), saved under `root`."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from tests.tiny_models import save_tiny_llama
+
+    target = save_tiny_llama(
+        os.path.join(root, "target"), seed=5, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=target_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )  # fmt: skip
+    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.01)
+            layer.mlp.down_proj.weight.mul_(0.01)
+    model.save_pretrained(target, safe_serialization=True)
+    if draft_layers >= target_layers:
+        return target, target
+    model.model.layers = model.model.layers[:draft_layers]
+    model.config.num_hidden_layers = draft_layers
+    draft = os.path.join(root, "draft")
+    model.save_pretrained(draft, safe_serialization=True)
+    return target, draft
+
+
+def random_prompts(count: int, vocab: int = 384) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return [[1, *rng.integers(3, vocab, int(rng.integers(20, 60))).tolist()] for _ in range(count)]
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:
@@ -108,11 +153,16 @@ def worker(args: argparse.Namespace) -> dict:
             "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.min_n,
             "prompt_lookup_max": args.max_n,
         }  # fmt: skip
+    if args.worker == "draft_model":
+        engine["speculative_config"] = {
+            "method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k
+        }  # fmt: skip
     start = time.perf_counter()
     llm = LLM(model=args.model, **engine)
     startup = time.perf_counter() - start
-    ids = prompts(llm.get_tokenizer(), args.batch)
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens)
+    tiny = args.method == "draft_model"
+    ids = random_prompts(args.batch) if tiny else prompts(llm.get_tokenizer(), args.batch)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=tiny)
     # Every prompt once first: each step shape's program has run before the timing (the first run
     # of a large program sets up its kernels).
     llm.generate(
@@ -148,7 +198,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default=str(HERE / "results" / "spec_decode.json"))
+    parser.add_argument("--method", choices=CONFIGS[1:], default="ngram")
+    parser.add_argument("--out", help="default: benchmarks/results/spec_decode[_draft_model].json")
+    parser.add_argument("--target-layers", type=int, default=6, help="draft_model: the target's layers")
+    parser.add_argument(
+        "--draft-layers", type=int, default=1, help="draft_model: the draft's (the target's first ones)"
+    )
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--min-n", type=int, default=2)
@@ -157,7 +212,10 @@ def main() -> None:
     parser.add_argument("--single", type=int, default=4, help="prompts run one after another")
     parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--draft", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    suffix = "" if args.method == "ngram" else f"_{args.method}"
+    args.out = args.out or str(HERE / "results" / f"spec_decode{suffix}.json")
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
@@ -165,11 +223,15 @@ def main() -> None:
 
     os.environ.setdefault("VLLM_XLA_PLATFORM", "cpu")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    model = gguf_model_dir()
+    if args.method == "draft_model":
+        root = tempfile.mkdtemp(prefix="spec_decode_")
+        model, draft = tiny_models(root, args.target_layers, args.draft_layers)
+    else:
+        model, draft = gguf_model_dir(), ""
     results = []
-    for config in CONFIGS:
-        command = [sys.executable, __file__, "--worker", config, "--model", model]
-        for name in ("tokens", "k", "min_n", "max_n", "batch", "single"):
+    for config in ("off", args.method):
+        command = [sys.executable, __file__, "--worker", config, "--model", model, "--draft", draft]
+        for name in ("method", "tokens", "k", "min_n", "max_n", "batch", "single"):
             command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
         done = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -179,7 +241,7 @@ def main() -> None:
         results.append(json.loads(lines[-1].removeprefix("RESULT ")))
         print(f"{config}: done", flush=True)
     by_config = {r["config"]: r for r in results}
-    off, ngram = by_config.get("off"), by_config.get("ngram")
+    off, ngram = by_config.get("off"), by_config.get(args.method)
     summary = {}
     print(f"{'config':<8} {'workload':<8} {'out tok/s':>10} {'vs off':>7} {'accept':>7} {'mean len':>9}")
     for r in results:
@@ -201,7 +263,9 @@ def main() -> None:
         r.pop("outputs", None)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "summary": summary, "results": results}, f, indent=1)
+        # Paths as the repository names them (the tiny models' temporary directory is not kept).
+        recorded = dict(vars(args), out=os.path.relpath(args.out, HERE.parent), model=None, draft=None)
+        json.dump({"args": recorded, "summary": summary, "results": results}, f, indent=1)
     print(f"wrote {args.out}")
 
 

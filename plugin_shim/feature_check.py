@@ -188,7 +188,7 @@ REFUSED: tuple[Refusal, ...] = (
     ),
     Refusal(
         "speculative_config",
-        "speculative decoding beyond n-gram drafts",
+        "speculative decoding beyond n-gram and draft-model drafts",
         speculative.REFUSED_VALUES,
         lambda c: speculative.unsupported_speculation(c) is not None,
         speculative.INSTEAD,

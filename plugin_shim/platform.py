@@ -20,6 +20,7 @@ from plugin_shim.feature_check import SUPPORTED_QUANTIZATION, refuse_quantizatio
 from plugin_shim.flax_models import refuse_unsupported_architecture
 from plugin_shim.internals import jax_backends_initialized
 from plugin_shim.parallel import configure_parallel
+from plugin_shim.speculative import async_scheduling_off_for_draft_model
 from tpu_platform.envs import PREFIX, read_env, unknown_variables
 from tpu_platform.runner_config import default_page_size
 
@@ -104,6 +105,7 @@ class XlaPlatform(Platform):
             parallel.worker_cls = WORKER_CLASS
         if parallel.distributed_executor_backend is None and parallel.world_size == 1:
             parallel.distributed_executor_backend = "uni"
+        async_scheduling_off_for_draft_model(vllm_config)
         refuse_unsupported(vllm_config)  # the one list of features vllm-xla does not implement
         refuse_unsupported_architecture(vllm_config)  # before the worker: with the list we serve
         configure_parallel(vllm_config)  # tensor parallelism: one worker over a mesh

@@ -22,6 +22,22 @@ def runner_speculation(config: VllmConfig) -> SpeculationConfig | None:
         min_n=spec.prompt_lookup_min or 1,
         max_n=spec.prompt_lookup_max or spec.prompt_lookup_min or 1,
         method=spec.method,
+        draft_model=spec.draft_model_config.model if spec.method == "draft_model" else None,
+    )
+
+
+def async_scheduling_off_for_draft_model(config: VllmConfig) -> None:
+    """Turns async scheduling off for a draft model, as vLLM does for its proposers that read
+    the step before's tokens on the host: vLLM turns it on by default for 'draft_model', whose
+    drafts our runner proposes from the recorded tokens."""
+    spec, scheduler = config.speculative_config, config.scheduler_config
+    if spec is None or spec.method != "draft_model" or scheduler is None or not scheduler.async_scheduling:
+        return
+    scheduler.async_scheduling = False
+    from vllm.logger import init_logger
+
+    init_logger("vllm.xla").warning(
+        "vllm-xla: async scheduling is off with a draft model (drafts follow the step)"
     )
 
 
@@ -36,16 +52,32 @@ def unsupported_speculation(config: VllmConfig) -> str | None:
         return f"num_speculative_tokens={spec.num_speculative_tokens}"
     if config.scheduler_config.async_scheduling:
         return "async_scheduling=True"
+    if spec.method == "draft_model":
+        return _unsupported_draft(config)
+    return None
+
+
+def _unsupported_draft(config: VllmConfig) -> str | None:
+    """Why a draft model cannot serve `config`'s target (None when it can)."""
+    spec = config.speculative_config
+    if spec.use_heterogeneous_vocab:
+        return "use_heterogeneous_vocab=True"
+    draft_vocab, target_vocab = spec.draft_model_config.get_vocab_size(), config.model_config.get_vocab_size()
+    if draft_vocab != target_vocab:
+        return f"a draft model of vocab_size={draft_vocab} (the target's is {target_vocab})"
+    if config.parallel_config.tensor_parallel_size > 1:
+        return "method='draft_model' with tensor_parallel_size > 1"
     return None
 
 
 REFUSED_VALUES = (
-    f"methods other than {', '.join(METHODS)} (draft_model, eagle, eagle3, mtp, suffix, ...); "
-    f"num_speculative_tokens above {MAX_SPECULATIVE_TOKENS}; async scheduling with n-gram drafts "
-    "(vLLM's host n-gram proposer reads the tokens of the step before)"
+    f"methods other than {', '.join(METHODS)} (eagle, eagle3, mtp, suffix, ...); "
+    f"num_speculative_tokens above {MAX_SPECULATIVE_TOKENS}; async scheduling with drafts "
+    "(the proposers read the tokens of the step before); a draft model of another vocabulary "
+    "(use_heterogeneous_vocab, or another vocab_size) or with tensor_parallel_size > 1"
 )
 INSTEAD = (
-    f"use method='ngram' with num_speculative_tokens 1 to {MAX_SPECULATIVE_TOKENS} and "
-    "prompt_lookup_min/max, with async scheduling off (--no-async-scheduling), or leave "
-    "speculative_config unset"
+    f"use method='ngram' (prompt_lookup_min/max) or 'draft_model' (a draft of the target's "
+    f"tokenizer, tensor_parallel_size=1) with num_speculative_tokens 1 to {MAX_SPECULATIVE_TOKENS}, "
+    "with async scheduling off (--no-async-scheduling), or leave speculative_config unset"
 )

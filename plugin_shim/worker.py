@@ -31,6 +31,7 @@ from plugin_shim.speculative import runner_speculation
 from tpu_platform.envs import read_env
 from tpu_platform.metrics_file import MetricsPublisher, metrics_path
 from tpu_platform.runner import InFlightStep, Runner, RunnerConfig
+from tpu_platform.speculation.draft_model import kv_share
 from tpu_platform.step_program import KVLayout
 
 logger = init_logger("vllm.xla.worker")
@@ -215,6 +216,12 @@ class XlaWorker(WorkerBase):
             self.env.cpu_kv_cache_gb,
             self.cache_config.kv_cache_memory_bytes,
         )
+        draft = self.runner.speculation and self.runner.speculation.draft
+        if draft is not None:  # each page also takes a page of the draft's caches
+            mc, runner = self.runner.model_config, self.runner
+            target = runner.kv_page_bytes() * sum(mc.kv_source(i) == i for i in range(mc.num_layers))
+            draft_bytes = draft.page_bytes(self.cache_config.block_size, runner.kv_dtype, runner.backend)
+            available = kv_share(target, draft_bytes, available)
         if self.runner.tp_size > 1:
             logger.info(
                 "KV cache budget %.2f GiB per device on %d devices (each holds %d of the %d KV heads "

@@ -45,6 +45,7 @@ from tpu_platform.sampling.uniform import (
     warm_logprobs_width,
     with_all_extras,
 )
+from tpu_platform.speculation.draft_model import DraftModel
 from tpu_platform.speculation.verifier import SpeculativeDecoding
 from tpu_platform.step import make_sampler
 from tpu_platform.step_program import KVLayout, build_step_program
@@ -142,8 +143,12 @@ class Runner:
             graphdef, self.model_config, self.config, self.dtype, whole
         )
         self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)
+        draft = functools.partial(
+            DraftModel.load, config=self.config, target=self.model_config, dtype=self.dtype,
+            dense_isa=self.dense_isa, shardings=self.weight_shardings, device=self.device,
+        )  # fmt: skip
         self.speculation = SpeculativeDecoding.for_runner(
-            graphdef, self.model_config, self.config, whole, self.programs
+            graphdef, self.model_config, self.config, whole, self.programs, draft
         )
         self._sample = make_sampler(self.buckets.max_seqs, self.mesh)
         self._pooling = None  # a pooling runner's programs
@@ -234,6 +239,10 @@ class Runner:
             mesh=self.mesh,
         )  # fmt: skip
         self._forward = self.step_program.forward
+        if self.speculation is not None:  # a draft model's cache: as many pages, the same tables
+            facts = dict(page_size=self.config.page_size, kv_dtype=self.kv_dtype, backend=self.backend,
+                         device=self.device, num_groups=layout.num_groups)  # fmt: skip
+            self.speculation.initialize(num_pages, facts, self.buckets.shapes(), self._no_feed)
 
     @collector_paused()
     def warm_up(self, shapes: list[tuple[int, int, int]] | None = None) -> int:
@@ -405,6 +414,8 @@ class Runner:
                 self.stats.fed_steps += 1
         dispatch_start = time.perf_counter()
         logits, greedy, hidden = self._run_forward(plan.packed, plan.dims, fed)
+        if self.speculation is not None:
+            self.speculation.after_forward(plan.packed, plan.dims, fed)
         dispatched_at = time.perf_counter()
         self.stats.host_seconds += dispatched_at - start
         self.stats.dispatch_seconds += dispatched_at - dispatch_start

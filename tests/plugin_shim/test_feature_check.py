@@ -102,6 +102,7 @@ def models(tmp_path_factory) -> dict[str, str]:
             quantization_config={"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True},
         ),
         "classifier": dict(config, architectures=["LlamaForSequenceClassification"], num_labels=3),
+        "other_vocab": dict(config, vocab_size=512),
     }  # fmt: skip
     dirs = {"llama": llama, "multimodal": llama}
     for name, variant in variants.items():
@@ -308,3 +309,24 @@ def test_an_fp8_checkpoint_is_accepted(models):
     config = _config(models, "fp8_checkpoint", dict(dtype="bfloat16"))
     assert config.model_config.quantization == "fp8"
     assert feature_check.refusals(config) == []
+
+
+def test_a_draft_model_with_tensor_parallelism_is_refused_by_name(models):
+    spec = {"method": "draft_model", "model": models["llama"], "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="not supported by vllm-xla") as raised:
+        _config(models, "llama", dict(speculative_config=spec, tensor_parallel_size=2))
+    assert "method='draft_model' with tensor_parallel_size > 1" in str(raised.value)
+
+
+def test_a_draft_model_of_the_targets_vocabulary_is_served_without_async_scheduling(models):
+    spec = {"method": "draft_model", "model": models["llama"], "num_speculative_tokens": 2}
+    config = _config(models, "llama", dict(speculative_config=spec))
+    assert feature_check.refusals(config) == []
+    assert config.scheduler_config.async_scheduling is False  # vLLM's default turns it on
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_by_name(models):
+    spec = {"method": "draft_model", "model": models["other_vocab"], "num_speculative_tokens": 2}
+    # vLLM's own check comes first (ours, `speculative.unsupported_speculation`, backs it).
+    with pytest.raises(ValueError, match=r"vocab_size=384\. Draft model vocab_size=512"):
+        _config(models, "llama", dict(speculative_config=spec))

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tpu_platform.planner.draft import DraftMemory, pages_with_draft
 from tpu_platform.sampling import SamplerFlags, SamplingTensors
 from tpu_platform.sampling.tensors import FilterTensors, RandomTensors
 from tpu_platform.speculation import SpeculationConfig, propose_ngram
+from tpu_platform.speculation.draft_model import kv_share
 from tpu_platform.speculation.rejection import verify_drafts
 
 GREEDY = SamplerFlags(all_greedy=True)
@@ -166,8 +168,32 @@ def test_a_seeded_rows_draws_depend_on_its_seed_and_progress_only():
         (dict(num_tokens=9), "num_speculative_tokens"),
         (dict(num_tokens=2, method="eagle3"), "eagle3"),
         (dict(num_tokens=2, min_n=3, max_n=2), "prompt_lookup_min"),
+        (dict(num_tokens=2, method="draft_model"), "checkpoint directory"),
+        (dict(num_tokens=2, draft_model="/some/draft"), "checkpoint directory"),
     ],
 )
 def test_speculation_config_refuses_what_is_not_served(kwargs, named):
     with pytest.raises(ValueError, match=named):
         SpeculationConfig(**kwargs)
+
+
+def test_the_draft_models_pages_take_their_share_of_the_kv_budget():
+    # One draft page per target page: target and draft pages of 3000 and 1000 bytes share 4000.
+    target_share = kv_share(3000, 1000, 40_000)
+    assert target_share == 30_000
+    pages = target_share // 3000
+    assert pages * (3000 + 1000) <= 40_000
+
+
+@pytest.mark.parametrize(
+    ("kv_bytes", "target_page", "draft_weights", "draft_page"),
+    [(32 << 30, 2 << 20, 3 << 30, 512 << 10), (10_000_000, 4096, 1_000_000, 4096), (100, 10, 200, 10)],
+)
+def test_the_planner_fits_a_draft_beside_its_target(kv_bytes, target_page, draft_weights, draft_page):
+    pages = pages_with_draft(kv_bytes, target_page, DraftMemory(draft_weights, draft_page))
+
+    def used(n):
+        return draft_weights + n * (target_page + draft_page)
+
+    assert used(pages) <= kv_bytes or pages == 0
+    assert used(pages + 1) > kv_bytes  # the most that fit

@@ -7,21 +7,23 @@ import dataclasses
 
 from tpu_platform.sampling import SamplingOptions
 
-# Methods built; vLLM's others (draft_model, eagle, eagle3, mtp, ...) are refused at start.
-METHODS = ("ngram",)
+# Methods built; vLLM's others (eagle, eagle3, mtp, suffix, ...) are refused at start.
+METHODS = ("ngram", "draft_model")
 # Drafts per request per step: the verification's logits are `[max_num_seqs * (1 + k), V]`.
 MAX_SPECULATIVE_TOKENS = 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SpeculationConfig:
-    """vLLM's `speculative_config`: `method`, `num_speculative_tokens` (k) and the n-gram
-    proposer's `prompt_lookup_min`/`prompt_lookup_max` (the shortest and longest suffix matched)."""
+    """vLLM's `speculative_config`: `method`, `num_speculative_tokens` (k), the n-gram
+    proposer's `prompt_lookup_min`/`prompt_lookup_max` (the shortest and longest suffix matched)
+    and, for `draft_model`, the draft's checkpoint directory (`model`)."""
 
     num_tokens: int
     min_n: int = 1
     max_n: int = 4
     method: str = "ngram"
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -31,6 +33,11 @@ class SpeculationConfig:
         if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens={self.num_tokens} is out of range; use 1 to {MAX_SPECULATIVE_TOKENS}"
+            )
+        if (self.method == "draft_model") != (self.draft_model is not None):
+            raise ValueError(
+                "speculative method 'draft_model' takes the draft's checkpoint directory (model=...), "
+                f"and only it does; got method={self.method!r}, model={self.draft_model!r}"
             )
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(

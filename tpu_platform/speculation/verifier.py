@@ -15,7 +15,7 @@ shape is fixed per row bucket: the rows are gathered from the step's hidden stat
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -30,6 +30,7 @@ from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, SamplingTensors
 from tpu_platform.sampling.uniform import has_extras
 from tpu_platform.speculation.config import SpeculationConfig, draftable
+from tpu_platform.speculation.draft_model import DraftModel
 from tpu_platform.speculation.ngram import propose_ngram
 from tpu_platform.speculation.rejection import verify_drafts
 from tpu_platform.step import pad_tokens
@@ -121,6 +122,8 @@ class SpeculativeDecoding:
         self._sharding = sharding
         self._context = context
         self._draftable: dict[str, bool] = {}
+        self.draft: DraftModel | None = None  # method 'draft_model': the proposer (`draft_model`)
+        self._draft_warm_up: tuple = ()  # the draft's warm-up arguments, once its cache is there
         # Request rows of the programs: the forward's buckets up to `max_num_seqs`, by requests
         # rather than tokens (the LM head runs on 1 + k rows a request: a lone drafted request
         # would otherwise take the row bucket of its 1 + k tokens).
@@ -134,18 +137,41 @@ class SpeculativeDecoding:
         config: RunnerConfig,
         sharding: jax.sharding.Sharding | None,
         programs: Programs,
+        load_draft: Callable[[str], DraftModel] | None = None,
     ) -> SpeculativeDecoding | None:
         """A runner's speculative decoding (None when its config has none); `sharding`: where whole
-        arrays go on its mesh."""
+        arrays go on its mesh; `load_draft(path)`: loads a draft model (`DraftModel.load`)."""
         if config.speculation is None:
             return None
         fingerprint = architecture_fingerprint(model_config.architecture)
         context = repr((model_config, structure_text(graphdef), config.tensor_parallel_size, fingerprint))
-        return cls(
+        speculation = cls(
             config.speculation, graphdef, programs, hidden_size=model_config.hidden_size,
             max_model_len=config.max_model_len, feed_width=config.max_num_seqs, sharding=sharding,
             context=context,
         )  # fmt: skip
+        if config.speculation.draft_model is not None:
+            if config.tensor_parallel_size > 1:
+                raise ValueError(
+                    "speculative method 'draft_model' is not supported with tensor_parallel_size > 1 "
+                    "by vllm-xla yet; use tensor_parallel_size=1 or method 'ngram'"
+                )
+            speculation.draft = load_draft(config.speculation.draft_model)
+        return speculation
+
+    def initialize(self, num_pages: int, runner_facts: dict, shapes: list, no_feed: jax.Array) -> None:
+        """Allocates a draft model's cache and builds its forward (`DraftModel.initialize`:
+        `runner_facts` are its keyword arguments); nothing without a draft."""
+        if self.draft is None:
+            return
+        self.draft.initialize(num_pages, feed_width=self._feed_width, **runner_facts)
+        max_pages = -(-self._max_model_len // runner_facts["page_size"])
+        self._draft_warm_up = (shapes, runner_facts["num_groups"], max_pages, self._max_model_len, no_feed)
+
+    def after_forward(self, packed: np.ndarray, dims: tuple, fed: jax.Array) -> None:
+        """Dispatches the draft's forward on the step the target's forward just took."""
+        if self.draft is not None:
+            self.draft.forward(self.programs, packed, dims, fed)
 
     def apply(self, update: StepUpdate) -> None:
         """Tracks which of the live requests may be drafted (`config.draftable`)."""
@@ -157,14 +183,19 @@ class SpeculativeDecoding:
     def propose(
         self, table: RequestTable, req_ids: Sequence[str], sampled: Sequence[list[int]]
     ) -> list[list[int]]:
-        """The n-gram drafts of each request of a finished step (none for a request that emitted
-        nothing or may not be drafted)."""
+        """The drafts of each request of a finished step, the draft model's or the n-gram's (none
+        for a request that emitted nothing or may not be drafted)."""
         wanted = [i for i, r in enumerate(req_ids) if sampled[i] and self._draftable.get(r, False)]
         drafts: list[list[int]] = [[] for _ in req_ids]
         if not wanted:
             return drafts
         rows = np.fromiter((table.row_of[req_ids[i]] for i in wanted), np.intp, len(wanted))
         c = self.config
+        if self.draft is not None:
+            proposed = self.draft.propose(self.programs, table, rows, self._max_model_len)
+            for i, tokens in zip(wanted, proposed.tolist(), strict=True):
+                drafts[i] = [t for t in tokens if t >= 0]
+            return drafts
         proposed = propose_ngram(
             table.token_ids[rows], table.num_tokens[rows], k=c.num_tokens, min_n=c.min_n, max_n=c.max_n,
             max_model_len=self._max_model_len,
@@ -229,12 +260,15 @@ class SpeculativeDecoding:
         return Verification(SamplerOutput(first), tokens, counts, step_drafts, self.stats)
 
     def warm_up_specs(self, state: nnx.State, sampling: SamplingBatch, dtype: np.dtype) -> list[ProgramSpec]:
-        """The verification programs of every row bucket and flag set."""
-        return [
+        """The verification programs of every row bucket and flag set, and a draft model's."""
+        specs = [
             self._spec(state, r_pad, flags, dtype, sampling.dummy_tensors(flags, r_pad))
             for r_pad in self.row_buckets
             for flags in VERIFY_FLAGS
         ]
+        if self.draft is not None:
+            specs += self.draft.warm_up_specs(*self._draft_warm_up)
+        return specs
 
     def _key(self, r_pad: int, flags: SamplerFlags, dtype: np.dtype) -> tuple:
         return ("verify", r_pad, self.config.num_tokens, flags, np.dtype(dtype).name)

@@ -1,0 +1,59 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker: compiles speculative decoding's programs for a compile-only target (one chip).
+
+`python -m tests.aot.draft_compile TARGET` (run by `toolchains.run_worker`) prints one JSON
+line: the verification of k = 4 drafts for Llama-3.1-8B (greedy, and random with filters), the
+draft loop of Llama-3.2-1B as its draft (k = 4), each with its compile seconds, temp, argument
+and aliased bytes, the draft's caches' bytes, and the draft's planner rows (weights, bytes per
+page). Weights are abstract: nothing is allocated, only compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from tpu_platform.planner.draft import compile_draft_loop, compile_verify, draft_memory
+from tpu_platform.planner.plan import StepSetup, kv_page_bytes, model_config
+from tpu_platform.sampling import SamplerFlags
+
+K = 4
+ROWS = 64
+NUM_PAGES = 512
+
+
+def _facts(facts) -> dict:
+    return {
+        "seconds": round(facts.compile_seconds, 2),
+        "temp_bytes": facts.temp_bytes,
+        "argument_bytes": facts.argument_bytes,
+        "alias_bytes": facts.alias_bytes,
+    }
+
+
+def main(target: str) -> dict:
+    limits = dict(target=target, max_num_seqs=ROWS, max_model_len=4096, max_num_batched_tokens=2048)
+    verify_setup = StepSetup(config=model_config("llama-3.1-8b"), **limits)
+    draft = StepSetup(config=model_config("llama-3.2-1b"), **limits)
+    out = {"target": target}
+    for name, flags in (
+        ("verify_greedy", SamplerFlags(all_greedy=True)),
+        ("verify_random", SamplerFlags(filters=True)),
+    ):
+        try:
+            out[name] = _facts(compile_verify(verify_setup, ROWS, K, flags))
+        except Exception as e:  # the compiler's message is the answer
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    try:
+        out["draft_loop"] = _facts(compile_draft_loop(draft, NUM_PAGES, ROWS, K))
+    except Exception as e:
+        out["draft_loop"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    out["draft_cache_bytes"] = kv_page_bytes(draft) * NUM_PAGES
+    out["draft_memory"] = dataclasses.asdict(draft_memory(draft))
+    out["target_page_bytes"] = kv_page_bytes(verify_setup)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))

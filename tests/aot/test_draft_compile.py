@@ -1,0 +1,30 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Speculative decoding's programs compile with the real TPU (v6e-1) and GPU (H100) compilers:
+the verification of k = 4 drafts for Llama-3.1-8B and the draft loop of a Llama-3.2-1B draft
+(`tests.aot.draft_compile`). The loop updates the draft's caches in place and makes no
+temporary of their size; the draft's planner rows are its published size."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.aot.toolchains import run_worker
+
+LLAMA_32_1B_PARAMETERS = 1.24e9  # the model card's count (tied embedding counted once)
+
+
+@pytest.mark.parametrize(("platform", "target"), [("tpu", "v6e-1"), ("cuda", "h100x1")])
+def test_verify_and_draft_loop_compile(platform, target):
+    out = run_worker(platform, "draft_compile", target)
+    for name in ("verify_greedy", "verify_random", "draft_loop"):
+        assert "error" not in out[name], f"{target} {name}: {out[name].get('error')}"
+    loop, cache = out["draft_loop"], out["draft_cache_bytes"]
+    assert loop["alias_bytes"] >= cache, f"{target}: the draft's caches are not updated in place"
+    assert loop["temp_bytes"] < cache, f"{target}: a cache-sized temporary in the draft loop"
+    # bfloat16, and the tied head served from its own copy (`models.prepare_for_serving`).
+    head_copy = 2048 * 128256
+    weights = out["draft_memory"]["weight_bytes"]
+    assert weights == pytest.approx(2 * (LLAMA_32_1B_PARAMETERS + head_copy), rel=0.01)
+    # Llama-3.2-1B: 16 layers of 8 KV heads of 64 against Llama-3.1-8B's 32 of 8 of 128 (a
+    # backend may pad the draft's rows to 128 lanes): at most half the target's page.
+    assert 0 < out["draft_memory"]["page_bytes"] * 2 <= out["target_page_bytes"]

@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Speculative decoding's programs and memory for a compile-only target: the verification of k
+drafts a request (`speculation.verifier.make_verify`), a draft model's k-step draft loop
+(`speculation.draft_model.make_draft_loop`), each the runner's own builder compiled over abstract
+weights and caches, and the bytes a draft adds per KV page and in weights (the planner's rows
+for it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from tpu_platform.kv_cache import caches_per_array, kv_cache_dtype
+from tpu_platform.planner.plan import (
+    ProgramFacts,
+    StepSetup,
+    _abstract_caches,
+    _measured,
+    compile_with_text,
+    kv_page_bytes,
+)
+from tpu_platform.planner.targets import compile_only_devices
+from tpu_platform.sampling import SamplerFlags, dummy_tensors
+from tpu_platform.speculation.draft_model import DraftCacheShape, kv_share, make_draft_loop
+from tpu_platform.speculation.verifier import make_verify
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DraftMemory:
+    """What a draft adds on one chip: its weights, and its caches' bytes per KV page (one draft
+    page beside each target page)."""
+
+    weight_bytes: int
+    page_bytes: int
+
+
+def draft_memory(draft: StepSetup) -> DraftMemory:
+    """The draft's rows of the plan (`draft` holds the draft's config with the target's limits)."""
+    return DraftMemory(draft.abstract_model().weight_bytes, kv_page_bytes(draft))
+
+
+def pages_with_draft(kv_bytes: int, target_page_bytes: int, draft: DraftMemory) -> int:
+    """KV pages left on a chip whose target alone would hold `kv_bytes` of cache (`KVFit.kv_bytes`)
+    once `draft` is served beside it: its weights come out of those bytes, then every page takes
+    a draft page beside it (the worker's split, `speculation.draft_model.kv_share`)."""
+    left = kv_bytes - draft.weight_bytes
+    if left <= 0:
+        return 0
+    return kv_share(target_page_bytes, draft.page_bytes, left) // target_page_bytes
+
+
+def compile_draft_loop(draft: StepSetup, num_pages: int, rows: int, k: int) -> ProgramFacts:
+    """Compiles the draft loop of `draft` (one chip) for `rows` requests and k drafts over caches
+    of `num_pages` pages, with the target's compiler."""
+    if draft.tp_size != 1:
+        raise ValueError("the draft loop is served on one chip: use tp_size=1")
+    device = compile_only_devices(draft.target)[0]
+    model = draft.abstract_model()
+    caches = _abstract_caches(draft, num_pages, None)
+    on_chip = SingleDeviceSharding(device)
+    caches = [jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=on_chip) for c in caches]
+    layout = draft.kv_layout
+    shape = DraftCacheShape(
+        draft.backend,
+        kv_cache_dtype(draft.cache_dtype).name,
+        num_pages,
+        caches_per_array(layout.num_caches, num_pages, draft.tokens_per_page),
+    )
+    loop = make_draft_loop(model.graphdef, model.state_def, shape)
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32, sharding=on_chip)  # noqa: E731
+    args = (
+        model.placed(None, device), caches, ints(rows), ints(rows),
+        ints(rows, draft.buckets.max_pages), ints(1),
+    )  # fmt: skip
+    static = {"k": k, "page_size": draft.tokens_per_page, "max_position": draft.max_model_len - 1}
+    return _measured(lambda: compile_with_text(loop, device, *args, **static))
+
+
+def compile_verify(target: StepSetup, rows: int, k: int, flags: SamplerFlags) -> ProgramFacts:
+    """Compiles the verification of `rows` requests' k drafts each (`speculation.verifier.make_verify`:
+    the LM head at 1 + k positions a request and the rejection rule) on one chip of the target."""
+    if target.tp_size != 1:
+        raise ValueError("compile_verify compiles the one-chip program: use tp_size=1")
+    device = compile_only_devices(target.target)[0]
+    model = target.abstract_model()
+    on_chip = SingleDeviceSharding(device)
+    state = jax.tree.unflatten(model.state_def, model.placed(None, device))
+    hidden = jax.ShapeDtypeStruct((rows * (k + 1), target.config.hidden_size), target.dtype, sharding=on_chip)
+    tensors = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_chip),
+        dummy_tensors(flags, rows, target.config.vocab_size),
+    )
+    args = (
+        state, hidden, jax.ShapeDtypeStruct((rows, k), np.int32, sharding=on_chip),
+        jax.ShapeDtypeStruct((rows,), np.int32, sharding=on_chip), tensors,
+    )  # fmt: skip
+    verify = make_verify(model.graphdef)
+    static = {"flags": flags, "feed_width": target.max_num_seqs}
+    return _measured(lambda: compile_with_text(verify, device, *args, **static))
