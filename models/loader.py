@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import compressed_tensors, fp8_checkpoint, gguf_reader, gptq_checkpoint
+from models import awq_checkpoint, compressed_tensors, fp8_checkpoint, gguf_reader, gptq_checkpoint
 from models.config import ModelConfig
 from models.fp8 import FP8_DTYPE, is_fp8
 from models.int4 import INT4_DTYPE
@@ -164,19 +164,26 @@ def int8_group_size(path: str) -> int | None:
     block = fp8_checkpoint.block_of(config)
     if block is not None:
         return block[1]
-    return compressed_tensors.group_size(config) or gptq_checkpoint.group_size(config)
+    return (
+        compressed_tensors.group_size(config)
+        or gptq_checkpoint.group_size(config)
+        or awq_checkpoint.group_size(config)
+    )
 
 
 def checkpoint_values(path: str) -> str | None:
     """The values of the quantized weights the checkpoint at `path` holds as they are: "fp8" (a
     compressed-tensors FP8 or a `quant_method: fp8` checkpoint), "int8" (a compressed-tensors
-    int8 one), "int4" (a compressed-tensors 4-bit one, a GPTQ one), None for any other (its weights are
-    quantized at load when asked)."""
+    int8 one), "int4" (a compressed-tensors 4-bit one, a symmetric GPTQ one), "int4z" (4-bit with
+    zero points: AWQ, asymmetric GPTQ), None for any other (its weights are quantized at load when
+    asked)."""
     config = compressed_tensors.quantization_config(path) or {}
     if config.get("quant_method") == fp8_checkpoint.METHOD:
         return "fp8"
     if config.get("quant_method") == gptq_checkpoint.METHOD:
-        return "int4"
+        return "int4" if config.get("sym", True) else "int4z"
+    if config.get("quant_method") == awq_checkpoint.METHOD:
+        return "int4z"
     if config.get("quant_method") == compressed_tensors.METHOD:
         values = compressed_tensors.values_dtype(config)
         return "fp8" if values == FP8_DTYPE else "int4" if values == INT4_DTYPE else "int8"
@@ -226,6 +233,7 @@ def iter_parameters(
         compressed_tensors.int8_layout(model, path, names, our_name)
         or fp8_checkpoint.fp8_layout(model, path, names, our_name)
         or gptq_checkpoint.gptq_layout(model, path, names, our_name)
+        or awq_checkpoint.awq_layout(model, path, names, our_name)
     )
     if layout is not None:
         compiled, tensors = _compile_param_map(layout.param_map), layout.tensors(tensors)
@@ -258,7 +266,7 @@ def iter_parameters(
             )
         if ours.endswith("kernel"):
             value = value.T
-        elif ours.endswith("kernel_scale"):  # -> `[out]` per channel, `[in / G, out]` grouped
+        elif ours.endswith(("kernel_scale", "kernel_offset")):  # -> `[out]`, or `[in / G, out]` grouped
             try:
                 value = checkpoint_scale(value, current.shape if expert is None else current.shape[1:])
             except ValueError as e:
