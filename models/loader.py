@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import awq_checkpoint, compressed_tensors, fp8_checkpoint, gguf_reader, gptq_checkpoint
+from models import awq_checkpoint, compressed_tensors, fp8_checkpoint, gguf_reader, gptq_checkpoint, int4
 from models.config import ModelConfig
 from models.fp8 import FP8_DTYPE, is_fp8
 from models.int4 import INT4_DTYPE
@@ -57,12 +57,15 @@ def checkpoint_names(path: str) -> list[str]:
     return names
 
 
-def iter_checkpoint(path: str, *, int8_q8_0: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+def iter_checkpoint(
+    path: str, *, int8_q8_0: bool = False, int4_q4: bool = False
+) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(hf_name, host array)` over every tensor of the model at `path` (`int8_q8_0`: a
-    GGUF's Q8_0 linear weights as int8 weights and scales, `gguf_reader.iter_hf_tensors`)."""
+    GGUF's Q8_0 linear weights as int8 weights and scales; `int4_q4`: an all-4-bit GGUF's
+    projections as int4 values, scales and offsets: `gguf_reader.iter_hf_tensors`)."""
     for file in checkpoint_files(path):
         if file.endswith(".gguf"):
-            yield from gguf_reader.iter_hf_tensors(file, int8_q8_0=int8_q8_0)
+            yield from gguf_reader.iter_hf_tensors(file, int8_q8_0=int8_q8_0, int4_q4=int4_q4)
             continue
         from safetensors import safe_open
 
@@ -155,9 +158,11 @@ def int8_group_size(path: str) -> int | None:
     `group_size`; None when they are per channel (or there are none: quantized at load per
     channel). What `models.quantization.quantize_int8` takes to prepare a model that loads them."""
     try:
-        q8_0 = gguf_q8_0_weights(path)
+        q8_0, q4 = gguf_q8_0_weights(path), gguf_q4_weights(path)
     except FileNotFoundError:  # no weights there (a converted directory): none held as they are
-        q8_0 = set()
+        q8_0, q4 = set(), set()
+    if q4:
+        return gguf_reader.Q4_BLOCK
     if q8_0:
         return gguf_reader.Q8_0_BLOCK
     config = compressed_tensors.quantization_config(path)
@@ -175,8 +180,10 @@ def checkpoint_values(path: str) -> str | None:
     """The values of the quantized weights the checkpoint at `path` holds as they are: "fp8" (a
     compressed-tensors FP8 or a `quant_method: fp8` checkpoint), "int8" (a compressed-tensors
     int8 one), "int4" (a compressed-tensors 4-bit one, a symmetric GPTQ one), "int4z" (4-bit with
-    zero points: AWQ, asymmetric GPTQ), None for any other (its weights are quantized at load when
-    asked)."""
+    zero points or minimums: AWQ, asymmetric GPTQ, a GGUF whose projections are all 4-bit), None for
+    any other (its weights are quantized at load when asked)."""
+    if os.path.exists(path) and serves_gguf_4bit(path):
+        return "int4z"
     config = compressed_tensors.quantization_config(path) or {}
     if config.get("quant_method") == fp8_checkpoint.METHOD:
         return "fp8"
@@ -188,6 +195,22 @@ def checkpoint_values(path: str) -> str | None:
         values = compressed_tensors.values_dtype(config)
         return "fp8" if values == FP8_DTYPE else "int4" if values == INT4_DTYPE else "int8"
     return None
+
+
+def gguf_q4_weights(path: str) -> set[str]:
+    """The HF names of the projection weights of the model at `path`'s GGUF files when they are
+    all 4-bit (`gguf_reader.q4_linear_weights`: served as int4 as they are); none otherwise."""
+    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
+    return {name for file in files for name in gguf_reader.q4_linear_weights(file)}
+
+
+def serves_gguf_4bit(path: str) -> bool:
+    """Whether the model at `path` is a GGUF whose projections are all 4-bit: served as int4
+    values, scales and offsets (`models.int4`) whatever vLLM's `quantization` says."""
+    try:
+        return bool(gguf_q4_weights(path))
+    except FileNotFoundError:
+        return False
 
 
 def gguf_q8_0_weights(path: str) -> set[str]:
@@ -215,7 +238,8 @@ def iter_parameters(
     scales, unchanged (`models.compressed_tensors`); an fp8 one's (compressed-tensors FP8 or
     `quant_method: fp8`: `models.fp8_checkpoint`) as fp8 kernels with theirs. `int8` (the
     model is served with int8 weights): a GGUF's Q8_0 linear weights load as int8 kernels and
-    scales too, as they are: one scale per block of 32 inputs of each column (`gguf_reader`).
+    scales too, as they are: one scale per block of 32 inputs of each column (`gguf_reader`);
+    an all-4-bit GGUF's projections as int4 kernels with a scale and an offset per such block.
     """
     compiled = _compile_param_map(type(model).hf_param_map)
     tensors = iter_checkpoint(path)
@@ -237,6 +261,11 @@ def iter_parameters(
     )
     if layout is not None:
         compiled, tensors = _compile_param_map(layout.param_map), layout.tensors(tensors)
+    elif int8 and (q4 := gguf_q4_weights(path)):
+        param_map = compressed_tensors.int8_kernels_for(
+            model, q4, our_name, path, gguf_reader.Q4_BLOCK, int4.held_dtype(), offsets=True
+        )
+        compiled, tensors = _compile_param_map(param_map), iter_checkpoint(path, int4_q4=True)
     elif int8 and (q8_0 := gguf_q8_0_weights(path)):
         param_map = compressed_tensors.int8_kernels_for(model, q8_0, our_name, path, gguf_reader.Q8_0_BLOCK)
         compiled, tensors = _compile_param_map(param_map), iter_checkpoint(path, int8_q8_0=True)
