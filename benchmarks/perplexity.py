@@ -57,7 +57,11 @@ def float_copy(gguf_dir: str, out: str) -> str:
 
 
 def worker(model: str, quantization: str | None, tokens: int) -> dict:
+    from plugin_shim.devices import detect_device_kind
+
+    os.environ.setdefault("VLLM_XLA_PLATFORM", detect_device_kind())  # the plugin, on JAX's device
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_XLA_CPU_KV_CACHE_GB", "0.25")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

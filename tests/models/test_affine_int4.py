@@ -156,3 +156,32 @@ def test_malformed_affine_checkpoints_are_refused_by_name(mistral, tmp_path):
     _rewrite(path, lambda t: t.pop("model.layers.1.mlp.gate_proj.scales"))
     with pytest.raises(ValueError, match=r"gate_proj\.scales"):
         load_model(path)
+
+
+def test_a_float_checkpoint_streams_into_the_affine_layout_with_zero_offsets(mistral):
+    """A projection the checkpoint holds in float, served in the affine layout (`int4z`), is
+    quantized on its way like a symmetric int4 one and gets zero offsets: the same logits as the
+    symmetric layout's."""
+    import jax
+
+    from tpu_platform.weights.prepared import Preparation, load_prepared
+
+    on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    config, affine = load_prepared(mistral, Preparation("float32", quantization="int4z-g32"), on_device)
+    _, symmetric = load_prepared(mistral, Preparation("float32", quantization="int4-g32"), on_device)
+    layer = affine.model.layers[0]
+    for linear in (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    ):
+        assert linear.kernel_offset[...].shape == linear.kernel_scale[...].shape
+        assert not np.asarray(linear.kernel_offset[...]).any()
+    assert (
+        affine.lm_head.kernel_offset is None and symmetric.model.layers[0].mlp.down_proj.kernel_offset is None
+    )
+    (ids,) = prompts([24], seed=2)
+    got, _ = run_step(affine, caches(config), [ids], [0], [[1, 2]])
+    expected, _ = run_step(symmetric, caches(config), [ids], [0], [[1, 2]])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
