@@ -158,11 +158,9 @@ def int8_group_size(path: str) -> int | None:
     `group_size`; None when they are per channel (or there are none: quantized at load per
     channel). What `models.quantization.quantize_int8` takes to prepare a model that loads them."""
     try:
-        q8_0, q4 = gguf_q8_0_weights(path), gguf_q4_weights(path)
+        q8_0 = gguf_q8_0_weights(path)
     except FileNotFoundError:  # no weights there (a converted directory): none held as they are
-        q8_0, q4 = set(), set()
-    if q4:
-        return gguf_reader.Q4_BLOCK
+        q8_0 = set()
     if q8_0:
         return gguf_reader.Q8_0_BLOCK
     config = compressed_tensors.quantization_config(path)
@@ -180,10 +178,8 @@ def checkpoint_values(path: str) -> str | None:
     """The values of the quantized weights the checkpoint at `path` holds as they are: "fp8" (a
     compressed-tensors FP8 or a `quant_method: fp8` checkpoint), "int8" (a compressed-tensors
     int8 one), "int4" (a compressed-tensors 4-bit one, a symmetric GPTQ one), "int4z" (4-bit with
-    zero points or minimums: AWQ, asymmetric GPTQ, a GGUF whose projections are all 4-bit), None for
-    any other (its weights are quantized at load when asked)."""
-    if os.path.exists(path) and serves_gguf_4bit(path):
-        return "int4z"
+    zero points: AWQ, asymmetric GPTQ), None for any other (its weights are quantized at load when
+    asked; a GGUF's 4-bit blocks are served as they are when nothing is asked: `gguf_4bit_quantization`)."""
     config = compressed_tensors.quantization_config(path) or {}
     if config.get("quant_method") == fp8_checkpoint.METHOD:
         return "fp8"
@@ -204,13 +200,15 @@ def gguf_q4_weights(path: str) -> set[str]:
     return {name for file in files for name in gguf_reader.q4_linear_weights(file)}
 
 
-def serves_gguf_4bit(path: str) -> bool:
-    """Whether the model at `path` is a GGUF whose projections are all 4-bit: served as int4
-    values, scales and offsets (`models.int4`) whatever vLLM's `quantization` says."""
+def gguf_4bit_quantization(path: str) -> str | None:
+    """The preparation serving the model at `path` as it ships when vLLM's `quantization` is not
+    set: "int4z-g32" for a GGUF whose projections are all 4-bit (int4 values with a scale and an
+    offset per 32 inputs, `models.int4`), else None (its weights load in the model's dtype). With
+    a `quantization` asked, its weights are dequantized and quantized so, as before."""
     try:
-        return bool(gguf_q4_weights(path))
+        return f"int4z-g{gguf_reader.Q4_BLOCK}" if gguf_q4_weights(path) else None
     except FileNotFoundError:
-        return False
+        return None
 
 
 def gguf_q8_0_weights(path: str) -> set[str]:
@@ -221,7 +219,12 @@ def gguf_q8_0_weights(path: str) -> set[str]:
 
 
 def iter_parameters(
-    model: nnx.Module, path: str, stacks: _ExpertStacks | None = None, *, int8: bool = False
+    model: nnx.Module,
+    path: str,
+    stacks: _ExpertStacks | None = None,
+    *,
+    int8: bool = False,
+    int4_blocks: bool = False,
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(our dotted parameter path, host value)` for every parameter of `model` (built,
     unprepared: its values are read for their shapes and dtypes only) from the checkpoint at
@@ -239,7 +242,8 @@ def iter_parameters(
     `quant_method: fp8`: `models.fp8_checkpoint`) as fp8 kernels with theirs. `int8` (the
     model is served with int8 weights): a GGUF's Q8_0 linear weights load as int8 kernels and
     scales too, as they are: one scale per block of 32 inputs of each column (`gguf_reader`);
-    an all-4-bit GGUF's projections as int4 kernels with a scale and an offset per such block.
+    `int4_blocks` (the model is served with affine int4 weights): an all-4-bit GGUF's
+    projections load as int4 kernels with a scale and an offset per such block.
     """
     compiled = _compile_param_map(type(model).hf_param_map)
     tensors = iter_checkpoint(path)
@@ -261,7 +265,7 @@ def iter_parameters(
     )
     if layout is not None:
         compiled, tensors = _compile_param_map(layout.param_map), layout.tensors(tensors)
-    elif int8 and (q4 := gguf_q4_weights(path)):
+    elif int4_blocks and (q4 := gguf_q4_weights(path)):
         param_map = compressed_tensors.int8_kernels_for(
             model, q4, our_name, path, gguf_reader.Q4_BLOCK, int4.held_dtype(), offsets=True
         )

@@ -151,8 +151,8 @@ def _stream(
         parts = sum(p.nbytes for ps in pending.values() for p in ps if p is not None)
         return parts + stacks.held_bytes()
 
-    loaded = iter_parameters(model, path, stacks, int8=bool(quantized))
     offsets = {name for name in served if name.endswith(".kernel_offset")}
+    loaded = iter_parameters(model, path, stacks, int8=bool(quantized), int4_blocks=bool(offsets))
     offsets |= {part for name in offsets for part in fused_parts(name)}
     for ours, value in _with_scales(loaded, quantized, offsets):
         if ours in part_of:

@@ -3,7 +3,8 @@
 values with a scale and an offset per block of 32 inputs (`gguf_reader.q4_blocks`,
 `models.int4`'s affine layout): each block maps exactly onto the `gguf` package's
 dequantization, and the served model computes the float model of the dequantized weights. A
-file mixing 4-bit projections with another type loads as float, as before."""
+file mixing 4-bit projections with another type loads as float, as before, and so does an
+all-4-bit one when a `quantization` is asked (then quantized so)."""
 
 import os
 
@@ -15,7 +16,7 @@ import pytest
 
 from models import int4, load_model
 from models.gguf_reader import Q4_BLOCK, hf_name, iter_hf_tensors, q4_linear_weights, unpermute_rope_rows
-from models.loader import serves_gguf_4bit
+from models.loader import gguf_4bit_quantization
 from tests.models.gguf_q4_blocks import Q4_TYPES, quantizer
 from tests.models.test_gguf_q8_0 import _arrays, _logits, write_q8_0_gguf
 from tests.tiny_models import save_tiny_llama
@@ -58,7 +59,8 @@ def test_q4_blocks_are_the_files_weights_exactly(q4_dir):
 
 
 def test_q4_gguf_serves_int4_with_offsets_computing_the_dequantized_model(q4_dir):
-    assert serves_gguf_4bit(q4_dir) and int8_quantization(q4_dir) == "int4z-g32"
+    assert gguf_4bit_quantization(q4_dir) == "int4z-g32"  # served so when nothing is asked
+    assert int8_quantization(q4_dir, "int8_per_channel_weight_only") == "int8"  # asked: as before
     config, reference = load_model(q4_dir, jnp.float32)  # dequantized by the `gguf` package
     _, model = load_prepared(q4_dir, Preparation("float32", quantization="int4z-g32"), _ON_DEVICE)
     got = _arrays(model)
@@ -79,5 +81,5 @@ def test_a_file_mixing_q4_with_other_types_loads_as_float(source, tmp_path):
         return gguf.quants.quantize(w, kind), kind  # k and v projections Q8_0
 
     write_q8_0_gguf(source, str(tmp_path / "gguf"), quantize=mixed)
-    assert not serves_gguf_4bit(str(tmp_path / "gguf"))
+    assert gguf_4bit_quantization(str(tmp_path / "gguf")) is None
     assert q4_linear_weights(str(tmp_path / "gguf" / "model.gguf")) == []

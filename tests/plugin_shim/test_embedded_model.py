@@ -34,13 +34,12 @@ def test_the_embedded_gguf_is_kept_with_its_4bit_blocks(model_dir):
     and the served preparation is int4 with an offset per 32 inputs."""
     import filecmp
 
-    from models.loader import serves_gguf_4bit
+    from models.loader import gguf_4bit_quantization
     from plugin_shim.model_dir import embedded_gguf_path
-    from tpu_platform.weights.prepared import int8_quantization
 
     assert filecmp.cmp(os.path.join(model_dir, "model.gguf"), embedded_gguf_path(), shallow=False)
     assert not os.path.exists(os.path.join(model_dir, "model.safetensors"))
-    assert serves_gguf_4bit(model_dir) and int8_quantization(model_dir) == "int4z-g32"
+    assert gguf_4bit_quantization(model_dir) == "int4z-g32"
 
 
 def test_unpermute_restores_rotate_half_order():
