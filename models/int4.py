@@ -17,8 +17,8 @@ a byte anyway, and its ahead-of-time compiled programs refuse committed int4 arg
 layout differs from the one the executable declares). As int8 they are exactly the same
 weights (`w = q * s`), run by the native CPU int8 dense kernel where it takes them.
 
-Affine 4-bit weights (zero points or per-group minimums: AWQ, asymmetric GPTQ and
-compressed-tensors, GGUF's Q4_1 and Q4_K) are the same values and scales plus a float32 offset
+Affine 4-bit weights (zero points or per-group minimums: AWQ, asymmetric GPTQ, GGUF's Q4_1
+and Q4_K) are the same values and scales plus a float32 offset
 `m` per group and output (`kernel_offset`, the scale's layout): `w = q * s + m` (`m = (8 - z) *
 s` for a zero point `z` of unsigned values, GGUF's block minimum plus `8 * s`). The product
 never materializes `w`: `x @ w = int8_dot(x, q, s) + (each group's sum of x) @ m`
