@@ -296,16 +296,21 @@ def int8_kernels_for(
     dtype: np.dtype = _INT8,
     *,
     experts_grouped: bool = False,
+    offsets: bool = False,
 ) -> dict[str, str]:
     """Gives the layers of the HF linear `weights` (names ending `.weight`) that a checkpoint holds
     as int8 with a `<weight>_scale` int8 zeros and a scale (in place, before loading): per
     channel, or with `group_size` one per group of that many inputs (dense projections only,
     unless fp8 or `experts_grouped`: a 4-bit checkpoint's experts); returns the model's HF-name
-    table with one scale name per linear weight."""
+    table with one scale name per linear weight. `offsets`: an affine 4-bit checkpoint's (zero
+    points or minimums, `models.int4`): each such layer also gets zero offsets, filled from its
+    `<weight>_offset`; MoE experts with offsets are refused by name."""
     param_map = dict(type(model).hf_param_map)
     for hf, ours in type(model).hf_param_map.items():
         if hf.endswith(".weight") and ours.endswith(".kernel"):
             param_map[f"{hf}_scale"] = f"{ours}_scale"
+            if offsets:
+                param_map[f"{hf}_offset"] = f"{ours}_offset"
     modules = {".".join(str(p) for p in path_): m for path_, m in nnx.iter_modules(model)}
     for weight in sorted(weights):
         ours = our_name(weight)
@@ -318,6 +323,14 @@ def int8_kernels_for(
             grouped = experts_grouped or dtype == FP8_DTYPE
             scale_shape = _scale_shape(weight, shape, group_size, path, experts_grouped=grouped)
             module.kernel_scale = nnx.Param(np.zeros(scale_shape, SCALE_DTYPE))
+            if offsets:
+                if len(shape) != 2:
+                    raise ValueError(
+                        f"checkpoint tensor {weight!r} in {path!r} is an MoE expert's with zero points "
+                        "or minimums (affine 4-bit); vllm-xla serves those for dense projections "
+                        "only: use a symmetric checkpoint for a MoE model"
+                    )
+                module.kernel_offset = nnx.Param(np.zeros(scale_shape, SCALE_DTYPE))
     return param_map
 
 

@@ -12,6 +12,16 @@ float16 scale a block, so a weight `[out, in]` is yielded as `<name>` (its int8 
 in]`, rows in HF order) and `<name>_scale` (its block scales `[out, in / 32]` in float32, exact),
 the pair a compressed-tensors `group` checkpoint holds: loaded as an int8 kernel `[in, out]` with
 grouped scales `[in / 32, out]` (`models.int8`), nothing re-quantized.
+
+A file whose every projection weight is 4-bit (`Q4_0`, `Q4_1`, `Q4_K`: `q4_linear_weights`)
+serves them as they are too (`int4_q4=True`): each block of 32 inputs of a row is 4-bit unsigned
+values `u` with a scale `d` and an offset, mapped exactly onto int4 values `u - 8`, a float32
+scale and a float32 offset per block (`models.int4`'s affine layout, `w = q * s + m`): Q4_0's `w
+= d * (u - 8)` (offset 0), Q4_1's `w = d * u + min` (offset `min + 8 d`), Q4_K's super-blocks of
+256 with a 6-bit scale and minimum per 32 (`w = d * sc * u - dmin * mn`: scale `d * sc`, offset
+`8 d sc - dmin mn`). Yielded as `<name>`, `<name>_scale` and `<name>_offset` (`[out, in / 32]`).
+A file that mixes 4-bit projections with other types (a Q4_K_M file's Q6_K ones) loads as float
+as before; the embedding (and a tied head) loads as float.
 """
 
 from __future__ import annotations
@@ -23,10 +33,15 @@ from typing import Any
 import numpy as np
 
 from models.gguf_file import GgufFile, read_gguf
+from models.int4 import INT4_DTYPE
 from models.int8 import SCALE_DTYPE
 
 _Q8_0 = 8  # GGMLQuantizationType.Q8_0
 Q8_0_BLOCK = 32  # inputs a Q8_0 scale covers (ggml's QK8_0)
+_Q4_0, _Q4_1, _Q4_K = 2, 3, 12  # GGMLQuantizationType.Q4_0, Q4_1, Q4_K
+Q4_TYPES = (_Q4_0, _Q4_1, _Q4_K)
+Q4_BLOCK = 32  # inputs a 4-bit scale and offset cover (a Q4_K sub-block)
+_Q4_K_BLOCK = 256  # inputs of a Q4_K super-block (ggml's QK_K)
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -110,10 +125,23 @@ def q8_0_linear_weights(source: str | GgufFile) -> list[str]:
     return [n for n in names if n.endswith("_proj.weight") or n == "lm_head.weight"]
 
 
-def iter_hf_tensors(source: str | GgufFile, *, int8_q8_0: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+def q4_linear_weights(source: str | GgufFile) -> list[str]:
+    """The HF names of the file's projection weights when every one of them is 4-bit (Q4_0,
+    Q4_1, Q4_K), else none (see the module docstring)."""
+    linear = [(hf_name(t.name), t.ggml_type) for t in _opened(source).tensors]
+    linear = [(n, kind) for n, kind in linear if n.endswith("_proj.weight")]
+    if not linear or any(kind not in Q4_TYPES for _, kind in linear):
+        return []
+    return [n for n, _ in linear]
+
+
+def iter_hf_tensors(
+    source: str | GgufFile, *, int8_q8_0: bool = False, int4_q4: bool = False
+) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(hf_name, float32 array)` for every tensor of the GGUF file (a path, or a file
     already read); with `int8_q8_0`, each of `q8_0_linear_weights` as its int8 values and block
-    scales (see the module docstring)."""
+    scales; with `int4_q4`, each of `q4_linear_weights` as its int4 values, block scales and
+    offsets (see the module docstring)."""
     from gguf.quants import dequantize
 
     gguf = _opened(source)
@@ -121,8 +149,14 @@ def iter_hf_tensors(source: str | GgufFile, *, int8_q8_0: bool = False) -> Itera
     num_heads = int(gguf.field(f"{arch}.attention.head_count"))
     num_kv_heads = int(gguf.field(f"{arch}.attention.head_count_kv", num_heads))
     int8_names = set(q8_0_linear_weights(gguf)) if int8_q8_0 else set()
+    int4_names = set(q4_linear_weights(gguf)) if int4_q4 else set()
     for tensor in gguf.tensors:
         name = hf_name(tensor.name)
+        if name in int4_names:
+            q, scale, offset = q4_blocks(tensor.data, int(tensor.ggml_type))
+            for suffix, value in (("", q), ("_scale", scale), ("_offset", offset)):
+                yield name + suffix, _hf_rows(name + suffix, value, num_heads, num_kv_heads)
+            continue
         if int8_q8_0 and tensor.ggml_type == _Q8_0 and name in int8_names:
             q, scale = q8_0_blocks(tensor.data)
             yield name, _hf_rows(name, q, num_heads, num_kv_heads)
@@ -134,9 +168,9 @@ def iter_hf_tensors(source: str | GgufFile, *, int8_q8_0: bool = False) -> Itera
 
 def _hf_rows(name: str, array: np.ndarray, num_heads: int, num_kv_heads: int) -> np.ndarray:
     """A tensor's rows in HF order: q and k projections' (and their per-row scales') unpermuted."""
-    if name.endswith(("q_proj.weight", "q_proj.bias", "q_proj.weight_scale")):
+    if name.endswith(("q_proj.weight", "q_proj.bias", "q_proj.weight_scale", "q_proj.weight_offset")):
         return unpermute_rope_rows(array, num_heads)
-    if name.endswith(("k_proj.weight", "k_proj.bias", "k_proj.weight_scale")):
+    if name.endswith(("k_proj.weight", "k_proj.bias", "k_proj.weight_scale", "k_proj.weight_offset")):
         return unpermute_rope_rows(array, num_kv_heads)
     return array
 
@@ -150,3 +184,40 @@ def q8_0_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scale = blocks[..., :2].copy().view("<f2")[..., 0].astype(SCALE_DTYPE)
     q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
     return q, scale
+
+
+def q4_blocks(data: np.ndarray, ggml_type: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0, Q4_1 or Q4_K tensor's raw bytes `[rows, bytes]` -> its int4 values `[rows, in]`
+    and float32 scales and offsets `[rows, in / 32]`: `w = q * scale + offset` per block of 32
+    inputs, exactly the file's weights (see the module docstring)."""
+    raw = np.ascontiguousarray(data, np.uint8)
+    rows = raw.reshape(-1, raw.shape[-1]).shape[0]
+    if ggml_type == _Q4_K:
+        u, scale, low = _q4_k_blocks(raw.reshape(rows, -1, 144))
+    else:
+        header = 2 if ggml_type == _Q4_0 else 4
+        blocks = raw.reshape(rows, -1, header + Q4_BLOCK // 2)
+        halves = blocks[..., :header].copy().view("<f2").astype(SCALE_DTYPE)  # d (and min)
+        scale = halves[..., 0]
+        low = -8 * scale if ggml_type == _Q4_0 else halves[..., 1]  # the weight of u = 0
+        qs = blocks[..., header:]
+        u = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # a block's first 16 values, then the rest
+    q = (u.reshape(rows, -1).astype(np.int8) - 8).astype(INT4_DTYPE)
+    return q, scale, (low + 8 * scale).astype(SCALE_DTYPE)
+
+
+def _q4_k_blocks(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks `[rows, n, 144]` (d, dmin float16; 12 bytes of eight 6-bit scales and
+    minimums; 128 bytes of values, each 32 holding sub-blocks 2j (low nibbles) and 2j + 1) ->
+    unsigned values `[rows, n * 8, 32]`, scales `d * sc` and `-dmin * mn` `[rows, n * 8]`."""
+    rows, count, _ = blocks.shape
+    d, dmin = (blocks[..., i : i + 2].copy().view("<f2")[..., 0].astype(SCALE_DTYPE) for i in (0, 2))
+    packed = blocks[..., 4:16]
+    first, second, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([first & 0x3F, (rest & 0x0F) | ((first >> 6) << 4)], axis=-1)
+    mn = np.concatenate([second & 0x3F, (rest >> 4) | ((second >> 6) << 4)], axis=-1)
+    qs = blocks[..., 16:].reshape(rows, count, 4, 1, 32)
+    u = np.concatenate([qs & 0xF, qs >> 4], axis=-2).reshape(rows, count * 8, Q4_BLOCK)
+    scale = (d[..., None] * sc.astype(SCALE_DTYPE)).reshape(rows, -1)
+    low = -(dmin[..., None] * mn.astype(SCALE_DTYPE)).reshape(rows, -1)
+    return u, scale, low

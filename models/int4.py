@@ -17,6 +17,14 @@ a byte anyway, and its ahead-of-time compiled programs refuse committed int4 arg
 layout differs from the one the executable declares). As int8 they are exactly the same
 weights (`w = q * s`), run by the native CPU int8 dense kernel where it takes them.
 
+Affine 4-bit weights (zero points or per-group minimums: AWQ, asymmetric GPTQ, GGUF's Q4_1
+and Q4_K) are the same values and scales plus a float32 offset
+`m` per group and output (`kernel_offset`, the scale's layout): `w = q * s + m` (`m = (8 - z) *
+s` for a zero point `z` of unsigned values, GGUF's block minimum plus `8 * s`). The product
+never materializes `w`: `x @ w = int8_dot(x, q, s) + (each group's sum of x) @ m`
+(`offset_product`), the scaled int4 product every format shares plus a small `[T, in / G] x
+[in / G, out]` dot that only layers with offsets pay.
+
 Checkpoints pack the values eight to an int32 (compressed-tensors' `pack-quantized`, GPTQ),
 each offset by 8 into [0, 15] (`unpack_int32`), so a symmetric checkpoint's values are
 int4 as they stand: the loaders unpack them on the host as each tensor is read.
@@ -27,10 +35,11 @@ The functions take NumPy arrays (at load) or JAX arrays and tracers alike.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from models.int8 import SCALE_DTYPE, _xp
+from models.int8 import SCALE_DTYPE, _xp, dequantize, group_size
 
 INT4_DTYPE = np.dtype(ml_dtypes.int4)
 INT4_MIN, INT4_MAX = -8, 7
@@ -109,3 +118,35 @@ def unpack_unsigned(packed: np.ndarray, axis: int = -1) -> np.ndarray:
     shape = list(words.shape)
     shape[axis] *= VALUES_PER_WORD
     return fields.reshape(shape).astype(np.uint8)
+
+
+def offset_product(x: jax.Array, offset: jax.Array) -> jax.Array:
+    """`x [T, in]` times an affine kernel's offsets, in float32: `(sum of x over each group of
+    inputs) @ offset [in / G, out]`, or per channel (`offset [out]`) each row's sum times the
+    offsets. Computed at full float32 precision: the offsets may nearly cancel the scaled values'
+    product, and a bfloat16 pass over the sums would show in the difference."""
+    offset = offset.astype(jnp.float32)
+    x = x.astype(jnp.float32)
+    if offset.ndim == 1:
+        return jnp.sum(x, axis=-1, keepdims=True) * offset
+    sums = x.reshape(x.shape[0], offset.shape[0], -1).sum(axis=-1)  # [T, in / G]
+    return jnp.einsum(
+        "tg,gf->tf", sums, offset, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
+    )
+
+
+def affine_from_zero_points(scale: np.ndarray, zeros: np.ndarray) -> np.ndarray:
+    """The offsets `m = (8 - z) * s` (float32) of unsigned 4-bit values `u` with zero points `z`
+    and scales `s` (`w = (u - z) * s`), held as `q = u - 8`: `w = q * s + m`."""
+    return ((OFFSET - zeros.astype(np.float32)) * scale.astype(np.float32)).astype(SCALE_DTYPE)
+
+
+def dequantize_affine(q, scale, offset, dtype=np.float32):
+    """`q * s + m` in `dtype` (float32 by default), per channel or grouped (`models.int8.dequantize`)."""
+    w = dequantize(q, scale)
+    size = group_size(q.shape, scale.shape)
+    m = offset.astype(np.float32)
+    if size is None:
+        return (w + m[..., None, :]).astype(dtype)
+    xp = _xp(q)
+    return (w + xp.repeat(m, size, axis=-2)).astype(dtype)

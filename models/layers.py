@@ -227,7 +227,7 @@ class PagedAttention(nnx.Module):
         if repeats == 1:
             return
         for linear in (self.k_proj, self.v_proj):
-            for name in ("kernel", "bias", "kernel_scale"):  # output features last in each
+            for name in ("kernel", "bias", "kernel_scale", "kernel_offset"):  # output features last in each
                 param = getattr(linear, name)
                 if param is not None:
                     value = param[...]

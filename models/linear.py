@@ -26,13 +26,15 @@ def zeros_param(shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
 class Linear(nnx.Module):
     """`y = x @ kernel (+ bias)` with the kernel stored `[in, out]`; an int8 or fp8 kernel has its
     scale in `kernel_scale`: `[out]` per output channel or `[in / G, out]` per group of `G`
-    inputs (`models.int8`, `models.fp8`, `models.quantization`)."""
+    inputs (`models.int8`, `models.fp8`, `models.quantization`); an affine int4 kernel its offsets
+    in `kernel_offset`, the scale's layout (`models.int4`)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype):
         self.in_features, self.out_features = in_features, out_features
         self.kernel = zeros_param((in_features, out_features), dtype)
         self.bias = zeros_param((out_features,), dtype) if bias else None
         self.kernel_scale: nnx.Param | None = nnx.data(None)
+        self.kernel_offset: nnx.Param | None = nnx.data(None)
         self.lora: nnx.Module | None = nnx.data(None)  # adapter slots: `models.lora.attach_lora`
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -42,7 +44,7 @@ class Linear(nnx.Module):
     def product(self, x: jax.Array) -> jax.Array:
         """`x @ kernel` in float32, without the bias; plus each token's LoRA update when the
         projection carries adapter slots (`models.lora`)."""
-        y = matmul(x, self.kernel, self.kernel_scale)
+        y = matmul(x, self.kernel, self.kernel_scale, self.kernel_offset)
         return y if self.lora is None else self.lora.add_update(y, x)
 
     @classmethod
@@ -61,6 +63,12 @@ class Linear(nnx.Module):
         fused.kernel.set_value(kernel)
         if scales is not None:
             fused.kernel_scale = nnx.Param(interleave_blocks(scales, blocks, axis=scales[0].ndim - 1))
+        if any(p.kernel_offset is not None for p in parts):  # affine int4 parts; the others' zero
+            offsets = [
+                p.kernel_offset[...] if p.kernel_offset is not None else int8._xp(s).zeros(s.shape, s.dtype)
+                for p, s in zip(parts, scales, strict=True)
+            ]
+            fused.kernel_offset = nnx.Param(interleave_blocks(offsets, blocks, axis=offsets[0].ndim - 1))
         if fused.bias is not None:
             fused.bias.set_value(interleave_blocks([p.bias[...] for p in parts], blocks, axis=0))
         return fused
@@ -101,9 +109,15 @@ class PackedKernel(nnx.Variable):
     """A `[in, out]` kernel packed for the native CPU dense kernel (`pack_for_native_dense`)."""
 
 
-def matmul(x: jax.Array, kernel: nnx.Variable, scale: nnx.Variable | None = None) -> jax.Array:
+def matmul(
+    x: jax.Array,
+    kernel: nnx.Variable,
+    scale: nnx.Variable | None = None,
+    offset: nnx.Variable | None = None,
+) -> jax.Array:
     """`x [T, in] @ kernel [in, out]`, accumulated and returned in float32; with `scale`, an int8
-    kernel converted to x's dtype in the program, the product times the per-column scale.
+    kernel converted to x's dtype in the program, the product times the per-column scale; with
+    `offset`, an affine int4 kernel's offsets added (`models.int4.offset_product`).
 
     A `PackedKernel` runs on the native CPU dense kernel (bfloat16: AMX, AVX-512 BF16 or AVX2;
     float32: AVX2; int8 with `scale`: AVX-512 VNNI, AVX-512 or AVX2). Otherwise the
@@ -111,6 +125,11 @@ def matmul(x: jax.Array, kernel: nnx.Variable, scale: nnx.Variable | None = None
     path (else both operands are upcast to float32 copies first), and a single bfloat16 row is
     padded to two for the same reason.
     """
+    y = _scaled_product(x, kernel, scale)
+    return y if offset is None else y + int4.offset_product(x, offset[...])
+
+
+def _scaled_product(x: jax.Array, kernel: nnx.Variable, scale: nnx.Variable | None) -> jax.Array:
     if isinstance(kernel, PackedKernel):
         if scale is not None:  # int8 panels: the native int8 kernel
             return cpu.native_dense_int8(x, kernel[...], scale[...])

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import compressed_tensors, fp8_checkpoint, gguf_reader, gptq_checkpoint
+from models import awq_checkpoint, compressed_tensors, fp8_checkpoint, gguf_reader, gptq_checkpoint, int4
 from models.config import ModelConfig
 from models.fp8 import FP8_DTYPE, is_fp8
 from models.int4 import INT4_DTYPE
@@ -57,12 +57,15 @@ def checkpoint_names(path: str) -> list[str]:
     return names
 
 
-def iter_checkpoint(path: str, *, int8_q8_0: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+def iter_checkpoint(
+    path: str, *, int8_q8_0: bool = False, int4_q4: bool = False
+) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(hf_name, host array)` over every tensor of the model at `path` (`int8_q8_0`: a
-    GGUF's Q8_0 linear weights as int8 weights and scales, `gguf_reader.iter_hf_tensors`)."""
+    GGUF's Q8_0 linear weights as int8 weights and scales; `int4_q4`: an all-4-bit GGUF's
+    projections as int4 values, scales and offsets: `gguf_reader.iter_hf_tensors`)."""
     for file in checkpoint_files(path):
         if file.endswith(".gguf"):
-            yield from gguf_reader.iter_hf_tensors(file, int8_q8_0=int8_q8_0)
+            yield from gguf_reader.iter_hf_tensors(file, int8_q8_0=int8_q8_0, int4_q4=int4_q4)
             continue
         from safetensors import safe_open
 
@@ -164,23 +167,48 @@ def int8_group_size(path: str) -> int | None:
     block = fp8_checkpoint.block_of(config)
     if block is not None:
         return block[1]
-    return compressed_tensors.group_size(config) or gptq_checkpoint.group_size(config)
+    return (
+        compressed_tensors.group_size(config)
+        or gptq_checkpoint.group_size(config)
+        or awq_checkpoint.group_size(config)
+    )
 
 
 def checkpoint_values(path: str) -> str | None:
     """The values of the quantized weights the checkpoint at `path` holds as they are: "fp8" (a
     compressed-tensors FP8 or a `quant_method: fp8` checkpoint), "int8" (a compressed-tensors
-    int8 one), "int4" (a compressed-tensors 4-bit one, a GPTQ one), None for any other (its weights are
-    quantized at load when asked)."""
+    int8 one), "int4" (a compressed-tensors 4-bit one, a symmetric GPTQ one), "int4z" (4-bit with
+    zero points: AWQ, asymmetric GPTQ), None for any other (its weights are quantized at load when
+    asked; a GGUF's 4-bit blocks are served as they are when nothing is asked: `gguf_4bit_quantization`)."""
     config = compressed_tensors.quantization_config(path) or {}
     if config.get("quant_method") == fp8_checkpoint.METHOD:
         return "fp8"
     if config.get("quant_method") == gptq_checkpoint.METHOD:
-        return "int4"
+        return "int4" if config.get("sym", True) else "int4z"
+    if config.get("quant_method") == awq_checkpoint.METHOD:
+        return "int4z"
     if config.get("quant_method") == compressed_tensors.METHOD:
         values = compressed_tensors.values_dtype(config)
         return "fp8" if values == FP8_DTYPE else "int4" if values == INT4_DTYPE else "int8"
     return None
+
+
+def gguf_q4_weights(path: str) -> set[str]:
+    """The HF names of the projection weights of the model at `path`'s GGUF files when they are
+    all 4-bit (`gguf_reader.q4_linear_weights`: served as int4 as they are); none otherwise."""
+    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
+    return {name for file in files for name in gguf_reader.q4_linear_weights(file)}
+
+
+def gguf_4bit_quantization(path: str) -> str | None:
+    """The preparation serving the model at `path` as it ships when vLLM's `quantization` is not
+    set: "int4z-g32" for a GGUF whose projections are all 4-bit (int4 values with a scale and an
+    offset per 32 inputs, `models.int4`), else None (its weights load in the model's dtype). With
+    a `quantization` asked, its weights are dequantized and quantized so, as before."""
+    try:
+        return f"int4z-g{gguf_reader.Q4_BLOCK}" if gguf_q4_weights(path) else None
+    except FileNotFoundError:
+        return None
 
 
 def gguf_q8_0_weights(path: str) -> set[str]:
@@ -191,7 +219,12 @@ def gguf_q8_0_weights(path: str) -> set[str]:
 
 
 def iter_parameters(
-    model: nnx.Module, path: str, stacks: _ExpertStacks | None = None, *, int8: bool = False
+    model: nnx.Module,
+    path: str,
+    stacks: _ExpertStacks | None = None,
+    *,
+    int8: bool = False,
+    int4_blocks: bool = False,
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(our dotted parameter path, host value)` for every parameter of `model` (built,
     unprepared: its values are read for their shapes and dtypes only) from the checkpoint at
@@ -208,7 +241,9 @@ def iter_parameters(
     scales, unchanged (`models.compressed_tensors`); an fp8 one's (compressed-tensors FP8 or
     `quant_method: fp8`: `models.fp8_checkpoint`) as fp8 kernels with theirs. `int8` (the
     model is served with int8 weights): a GGUF's Q8_0 linear weights load as int8 kernels and
-    scales too, as they are: one scale per block of 32 inputs of each column (`gguf_reader`).
+    scales too, as they are: one scale per block of 32 inputs of each column (`gguf_reader`);
+    `int4_blocks` (the model is served with affine int4 weights): an all-4-bit GGUF's
+    projections load as int4 kernels with a scale and an offset per such block.
     """
     compiled = _compile_param_map(type(model).hf_param_map)
     tensors = iter_checkpoint(path)
@@ -226,9 +261,15 @@ def iter_parameters(
         compressed_tensors.int8_layout(model, path, names, our_name)
         or fp8_checkpoint.fp8_layout(model, path, names, our_name)
         or gptq_checkpoint.gptq_layout(model, path, names, our_name)
+        or awq_checkpoint.awq_layout(model, path, names, our_name)
     )
     if layout is not None:
         compiled, tensors = _compile_param_map(layout.param_map), layout.tensors(tensors)
+    elif int4_blocks and (q4 := gguf_q4_weights(path)):
+        param_map = compressed_tensors.int8_kernels_for(
+            model, q4, our_name, path, gguf_reader.Q4_BLOCK, int4.held_dtype(), offsets=True
+        )
+        compiled, tensors = _compile_param_map(param_map), iter_checkpoint(path, int4_q4=True)
     elif int8 and (q8_0 := gguf_q8_0_weights(path)):
         param_map = compressed_tensors.int8_kernels_for(model, q8_0, our_name, path, gguf_reader.Q8_0_BLOCK)
         compiled, tensors = _compile_param_map(param_map), iter_checkpoint(path, int8_q8_0=True)
@@ -258,7 +299,7 @@ def iter_parameters(
             )
         if ours.endswith("kernel"):
             value = value.T
-        elif ours.endswith("kernel_scale"):  # -> `[out]` per channel, `[in / G, out]` grouped
+        elif ours.endswith(("kernel_scale", "kernel_offset")):  # -> `[out]`, or `[in / G, out]` grouped
             try:
                 value = checkpoint_scale(value, current.shape if expert is None else current.shape[1:])
             except ValueError as e:

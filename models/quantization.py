@@ -32,6 +32,7 @@ already (a checkpoint's: `models.compressed_tensors`, `models.fp8_checkpoint`) i
 
 from __future__ import annotations
 
+import numpy as np
 from flax import nnx
 
 from models import fp8, int4, int8
@@ -69,11 +70,23 @@ def quantize_fp8(model: nnx.Module, group_size: int | None = None) -> int:
     return _quantize(model, fp8.quantize, group_size, head=False, grouped_experts=True)
 
 
-def quantize_int4(model: nnx.Module, group_size: int | None = None, backend: str | None = None) -> int:
+def quantize_int4(
+    model: nnx.Module, group_size: int | None = None, backend: str | None = None, *, affine: bool = False
+) -> int:
     """`quantize_fp8`'s pass with int4 values (`models.int4`) held as `int4.held_dtype(backend)`:
     what a 4-bit checkpoint's model is prepared as (its layers arrive int4; any float one left,
-    the head aside, is quantized at load like them); returns how many kernels."""
-    return _quantize(model, int4.quantizer_held(backend), group_size, head=False, grouped_experts=True)
+    the head aside, is quantized at load like them); returns how many kernels. `affine`: the
+    dense projections also get offsets (`kernel_offset`, zero for a kernel quantized here), the
+    layout of a checkpoint with zero points or group minimums; MoE experts keep none."""
+    count = _quantize(model, int4.quantizer_held(backend), group_size, head=False, grouped_experts=True)
+    if affine:
+        lm_head = getattr(model, "lm_head", None)
+        for _, module in list(nnx.iter_modules(model)):
+            if isinstance(module, Linear) and module.kernel_scale is not None and module is not lm_head:
+                if module.kernel_offset is None:
+                    scale = module.kernel_scale.get_value()
+                    module.kernel_offset = nnx.Param(np.zeros(scale.shape, scale.dtype))
+    return count
 
 
 def _quantize(

@@ -18,7 +18,8 @@ family. The mesh has one axis, `MODEL_AXIS` (vLLM's `tensor_parallel_size`):
   output channel (`[out]`) split where the columns are, replicated for the row-parallel ones;
   grouped (`[in / G, out]`, `GROUPED_SCALE_RULES`) split on its last axis for the
   column-parallel ones and on its groups for the row-parallel ones, whose every device must
-  then hold whole groups of inputs (else `parameter_spec` refuses the TP size by name);
+  then hold whole groups of inputs (else `parameter_spec` refuses the TP size by name); an
+  affine int4 kernel's offsets (`kernel_offset`, the scale's layout) are split like its scale;
 - vocab-parallel: the embedding table (rows; the lookup is masked per device and summed,
   `layers.Embedding`) and the LM head (columns: each device computes its vocabulary slice of
   the logits, gathered before sampling);
@@ -78,7 +79,7 @@ DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"\.experts\.down_proj_(blocks|scales)$", PartitionSpec(None, None, MODEL_AXIS)),  # [E, D, F / 32, ..]
     (r"\.self_attn\.sinks$", _SPLIT),  # [N], with the query heads
     (rf"\.{_COLUMN_LINEARS}\.kernel$", _COLUMN),  # [D, out]
-    (rf"\.{_COLUMN_LINEARS}\.(bias|kernel_scale)$", _SPLIT),
+    (rf"\.{_COLUMN_LINEARS}\.(bias|kernel_scale|kernel_offset)$", _SPLIT),
     (r"\.(o_proj|down_proj)\.kernel$", _ROW),  # [in, D]
     (r"\.(o_proj|down_proj)\.bias$", _REPLICATED),
     # LoRA slots (`models.lora`): B split on its outputs like a column-parallel kernel, A on its
@@ -99,8 +100,8 @@ GROUPED_SCALE_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     # a block fp8 checkpoint's experts (`[E, in / G, out]`, `models.fp8`): split like their kernels
     (r"\.experts\.(gate_proj|up_proj)\.kernel_scale$", PartitionSpec(None, None, MODEL_AXIS)),
     (r"\.experts\.down_proj\.kernel_scale$", PartitionSpec(None, MODEL_AXIS, None)),
-    (rf"\.{_COLUMN_LINEARS}\.kernel_scale$", _COLUMN),
-    (r"\.(o_proj|down_proj)\.kernel_scale$", _ROW),
+    (rf"\.{_COLUMN_LINEARS}\.kernel_(scale|offset)$", _COLUMN),
+    (r"\.(o_proj|down_proj)\.kernel_(scale|offset)$", _ROW),
     (r"embed_tokens\.head_scale$", _COLUMN),
     (r"lm_head\.kernel_scale$", _COLUMN),
     (r".*", _REPLICATED),
@@ -110,7 +111,7 @@ _GROUPED_ROW = PartitionSpec(None, MODEL_AXIS, None)  # an expert stack's groupe
 EXPERT_PARALLEL_RULE = (r"\.experts\.", _SPLIT)
 _COMPILED_RULES = tuple((re.compile(pattern), spec) for pattern, spec in DECODER_RULES)
 _COMPILED_GROUPED = tuple((re.compile(pattern), spec) for pattern, spec in GROUPED_SCALE_RULES)
-_SCALE = re.compile(r"(kernel_scale|head_scale)$")
+_SCALE = re.compile(r"(kernel_scale|kernel_offset|head_scale)$")
 _EXPERTS = re.compile(EXPERT_PARALLEL_RULE[0])
 
 
@@ -335,7 +336,7 @@ def interleave_blocks(parts: list[np.ndarray], blocks: int, *, axis: int):
 
 
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_FUSED = re.compile(r"\.(qkv_proj|gate_up_proj)\.(kernel|bias|kernel_scale)$")
+_FUSED = re.compile(r"\.(qkv_proj|gate_up_proj)\.(kernel|bias|kernel_scale|kernel_offset)$")
 
 
 def fused_parts(path: str) -> tuple[str, ...]:

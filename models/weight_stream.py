@@ -151,8 +151,10 @@ def _stream(
         parts = sum(p.nbytes for ps in pending.values() for p in ps if p is not None)
         return parts + stacks.held_bytes()
 
-    loaded = iter_parameters(model, path, stacks, int8=bool(quantized))
-    for ours, value in _with_scales(loaded, quantized):
+    offsets = {name for name in served if name.endswith(".kernel_offset")}
+    loaded = iter_parameters(model, path, stacks, int8=bool(quantized), int4_blocks=bool(offsets))
+    offsets |= {part for name in offsets for part in fused_parts(name)}
+    for ours, value in _with_scales(loaded, quantized, offsets):
         if ours in part_of:
             name, index = part_of[ours]
             parts = pending.setdefault(name, [None] * len(fused_parts(name)))
@@ -165,9 +167,11 @@ def _stream(
             ours = name
         else:
             host_bytes.observe(waiting_bytes() + value.nbytes)
-        if ours.endswith("_scale") and tuple(value.shape) != tuple(served[ours].get_value().shape):
+        if ours.endswith(("_scale", "_offset")) and tuple(value.shape) != tuple(
+            served[ours].get_value().shape
+        ):
             raise ValueError(
-                f"the checkpoint's weight scale {ours} has shape {tuple(value.shape)}, the served "
+                f"the checkpoint's weight scale or offset {ours} has shape {tuple(value.shape)}, the served "
                 f"model {tuple(served[ours].get_value().shape)}: its layout (per channel or "
                 "grouped, and the group size) is not the one this model was prepared for"
             )
@@ -175,7 +179,7 @@ def _stream(
             value = zero_padded(value, padded[ours])
         placed[ours] = place(ours, value, served[ours])
         if ours in head_copies:
-            for name, copy in _with_scales([(head_copies[ours], value.T)], quantized):
+            for name, copy in _with_scales([(head_copies[ours], value.T)], quantized, offsets):
                 placed[name] = place(name, copy, served[name])
     return placed
 
@@ -229,18 +233,23 @@ def _packed_group(shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> int | None
 
 
 def _with_scales(
-    params: Iterable[tuple[str, np.ndarray]], quantized: dict[str, int | None]
+    params: Iterable[tuple[str, np.ndarray]],
+    quantized: dict[str, int | None],
+    offsets: set[str] = frozenset(),
 ) -> Iterator[tuple[str, np.ndarray]]:
     """`params` (`(dotted path, host value)`) with each float kernel that the served model holds
     as int8 or fp8 quantized on the host (in its groups where grouped), followed by its scale as
-    a parameter of its own; a kernel that is quantized already (a pre-quantized checkpoint's,
-    whose scale comes from the checkpoint) and every other parameter pass as they are."""
+    a parameter of its own (and zero offsets where the served model has `offsets` for it: an
+    affine int4 layout, `models.int4`); a kernel that is quantized already (a pre-quantized
+    checkpoint's, whose scale comes from the checkpoint) and every other parameter pass as they are."""
     for ours, value in params:
         if ours in quantized and _unquantized(value.dtype):
             size, dtype = quantized[ours]
             q, scale = quantizer_for(dtype)(value, size)
             yield ours, q
             yield _scale_name(ours), scale
+            if ours + "_offset" in offsets:
+                yield ours + "_offset", np.zeros_like(scale)
         else:
             yield ours, value
 
@@ -262,6 +271,7 @@ def _check_sources(
         head_copies[p] for p in loaded & set(head_copies)
     }
     filled |= {_scale_name(name) for name in filled if name.endswith("kernel")}  # int8: made or read
+    filled |= {name + "_offset" for name in filled if name.endswith(".kernel")}  # affine int4: alike
     orphans = sorted(set(served) - filled)
     if orphans:
         raise ValueError(f"{type(model).__name__}: no checkpoint parameter fills {orphans[:5]}")

@@ -172,7 +172,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     # A compressed-tensors int8 source is int8 as it is (vLLM serves it so): kept, never dequantized.
     source_method = (quantization_config(args.model) or {}).get("quant_method")
-    if checkpoint_values(args.model) in ("fp8", "int4"):
+    if checkpoint_values(args.model) in ("fp8", "int4", "int4z"):
         raise SystemExit(
             f"vllm-xla convert: the source holds {checkpoint_values(args.model)} weights, which a "
             "converted directory does not keep; serve the checkpoint itself (its quantized weights "

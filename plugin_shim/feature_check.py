@@ -172,8 +172,9 @@ REFUSED: tuple[Refusal, ...] = (
         "symmetric weights, per channel, per tensor or per group), a compressed-tensors FP8 one "
         "(per channel, per tensor or per block), a quant_method 'fp8' one (per tensor or in "
         "weight_block_size blocks), a compressed-tensors W4A16 one (4-bit symmetric, "
-        "pack-quantized, per channel or per group) and a 4-bit GPTQ one (sym, desc_act false) "
-        "load as they are, and so do GPT-OSS's mxfp4 experts (quantization='mxfp4', the "
+        "pack-quantized, per channel or per group), a 4-bit GPTQ one (sym, desc_act false), a 4-bit "
+        "AWQ one (GEMM) and a GGUF's Q4_0, Q4_1 and Q4_K blocks load as they are, and so do "
+        "GPT-OSS's mxfp4 experts (quantization='mxfp4', the "
         "released checkpoints); otherwise "
         "serve an unquantized checkpoint (a GGUF file converts "
         "with `vllm-xla model-dir --gguf FILE`)",

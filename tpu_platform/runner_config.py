@@ -24,6 +24,9 @@ QUANTIZATION_METHODS = (
     "gptq",
     "auto_gptq",
     "gptq_marlin",
+    # 4-bit AWQ checkpoints (`models.awq_checkpoint`), likewise
+    "awq",
+    "awq_marlin",
     "mxfp4",
     "gpt_oss_mxfp4",
 )

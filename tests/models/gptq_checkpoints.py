@@ -34,16 +34,27 @@ def pack_columns_of_eight(values: np.ndarray, axis: int) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(words, -1, axis))
 
 
-def quantize_gptq(w: np.ndarray, group_size: int | None) -> dict[str, np.ndarray]:
-    """An HF `[out, in]` float weight as GPTQ's four tensors plus its dequantized value."""
+def quantize_gptq(w: np.ndarray, group_size: int | None, *, sym: bool = True) -> dict[str, np.ndarray]:
+    """An HF `[out, in]` float weight as GPTQ's four tensors plus its dequantized value. `sym`
+    false: min-max over each group, `scale = (max - min) / 15`, zero point `z = round(-min /
+    scale)` in [1, 15] (the original format stores `z - 1`, so 0 is not storable), `u =
+    round(w / scale) + z` in [0, 15], the weight `(u - z) * scale`."""
     out_features, in_features = w.shape
     size = group_size or in_features
     blocks = w.T.reshape(in_features // size, size, out_features).astype(np.float32)  # [groups, G, out]
-    scale = (np.abs(blocks).max(axis=1) / 7.5).astype(np.float16)  # [groups, out]
+    if sym:
+        scale = (np.abs(blocks).max(axis=1) / 7.5).astype(np.float16)  # [groups, out]
+        z = np.full(scale.shape, 8, np.int32)
+    else:
+        low, high = np.minimum(blocks.min(axis=1), 0), np.maximum(blocks.max(axis=1), 0)
+        scale = ((high - low) / 15).astype(np.float16)
+        z = np.clip(np.round(-low / np.maximum(scale.astype(np.float32), 1e-8)), 1, 15).astype(np.int32)
     s = np.maximum(scale.astype(np.float32), np.float32(1e-8))[:, None, :]
-    q = np.clip(np.round(blocks / s), -8, 7).astype(np.int32) + 8  # [groups, G, out]
-    dequantized = ((q - 8) * scale.astype(np.float32)[:, None, :]).reshape(in_features, out_features).T
-    zeros = np.full((in_features // size, out_features), 7, np.int32)
+    q = np.clip(np.round(blocks / s) + z[:, None, :], 0, 15).astype(np.int32)  # [groups, G, out]
+    dequantized = (
+        ((q - z[:, None, :]) * scale.astype(np.float32)[:, None, :]).reshape(in_features, out_features).T
+    )
+    zeros = z - 1
     return {
         "qweight": pack_columns_of_eight(q.reshape(in_features, out_features), axis=0),
         "scales": scale,
@@ -53,7 +64,9 @@ def quantize_gptq(w: np.ndarray, group_size: int | None) -> dict[str, np.ndarray
     }
 
 
-def write_gptq(source: str, out: str, *, group_size: int | None) -> tuple[str, dict[str, np.ndarray]]:
+def write_gptq(
+    source: str, out: str, *, group_size: int | None, sym: bool = True
+) -> tuple[str, dict[str, np.ndarray]]:
     """`source` (a float transformers checkpoint, one safetensors file) as a 4-bit GPTQ checkpoint
     at `out` (`group_size` None: `-1`, per channel); returns it and the dequantized weights."""
     from safetensors.numpy import load_file, save_file
@@ -63,12 +76,12 @@ def write_gptq(source: str, out: str, *, group_size: int | None) -> tuple[str, d
         if not _QUANTIZED.search(name):
             tensors[name] = dequantized[name] = w
             continue
-        packed = quantize_gptq(w, group_size)
+        packed = quantize_gptq(w, group_size, sym=sym)
         dequantized[name] = packed.pop("dequantized")
         base = name.removesuffix(".weight")
         tensors |= {f"{base}.{k}": np.ascontiguousarray(v) for k, v in packed.items()}  # memory order
     shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors"))
     save_file(tensors, os.path.join(out, "model.safetensors"))
     config = {"quant_method": "gptq", "bits": 4, "group_size": group_size or -1, "desc_act": False}
-    edit_config(out, lambda c: c.update(quantization_config={**config, "sym": True}))
+    edit_config(out, lambda c: c.update(quantization_config={**config, "sym": sym}))
     return out, dequantized

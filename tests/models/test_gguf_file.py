@@ -106,6 +106,8 @@ def test_a_gguf_model_directory_is_named_by_content_not_only_by_file_name(tmp_pa
 
 
 def _record(directory: str, source: str) -> None:
+    import plugin_shim.model_dir as model_dir
+
     with open(os.path.join(directory, "source"), "w") as f:
         f.write(source)
-    open(os.path.join(directory, ".complete-safetensors"), "w").close()
+    open(os.path.join(directory, model_dir._DONE_MARKER), "w").close()

@@ -49,16 +49,21 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_q8_0_gguf(source: str, out: str) -> None:
+def _q8_0(w: np.ndarray) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+
+
+def write_q8_0_gguf(source: str, out: str, quantize=_q8_0) -> None:
     """`source` (a tiny HF Llama) as a GGUF at `out/model.gguf` and its config: linear weights
-    Q8_0 (the `gguf` package's quantizer), the embedding and norms float32."""
+    Q8_0 (the `gguf` package's quantizer; or as `quantize(w)` gives them: raw blocks and their
+    type), the embedding and norms float32."""
     config = ModelConfig.from_pretrained(source)
     os.makedirs(out)
     writer = gguf.GGUFWriter(os.path.join(out, "model.gguf"), "llama")
     writer.add_block_count(config.num_layers)
     writer.add_context_length(512)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(128)
+    writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_layer_norm_rms_eps(1e-5)
@@ -87,8 +92,8 @@ def write_q8_0_gguf(source: str, out: str) -> None:
             if w.ndim == 1:
                 writer.add_tensor(gguf_name, w)
             else:
-                q8 = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-                writer.add_tensor(gguf_name, q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                blocks, kind = quantize(w)
+                writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -54,7 +54,8 @@ def test_gptq_loads_as_int4_and_computes_the_dequantized_model(mistral, group_si
     ("change", "message"),
     [
         (dict(bits=8), "bits=8"),
-        (dict(sym=False), "sym=False"),
+        (dict(sym="yes"), "sym=.yes."),
+        (dict(checkpoint_format="marlin"), "checkpoint_format .marlin."),
         (dict(desc_act=True), "desc_act=true"),
         (dict(lm_head=True), "lm_head=true"),
         (dict(group_size=0), "group_size 0"),

@@ -3,10 +3,13 @@
 the compressed-tensors package (one scale per 128 inputs of each channel), its method read from
 config.json, generates greedily what transformers (float32) does on the package's own
 decompressed weights, and a 4-bit GPTQ one (`gptq_checkpoints`) what it does on its dequantized
-weights, its projections held as int4 on the device. The engine's activations are
+weights, its projections held as int4 on the device; an AWQ one (`awq_checkpoints`, zero
+points: int4 values with an offset per group, `models.int4`) likewise.
+The engine's activations are
 bfloat16, so a generated token must be transformers' argmax after the same tokens or within
 `TIE` of it (`test_fp8_engine`). On 2 simulated devices it generates what it does on one, each
-device holding half of each split kernel and whole groups of its scales."""
+device holding half of each split kernel and whole groups of its scales (and, for AWQ, of its
+offsets)."""
 
 import gc
 import json
@@ -21,6 +24,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from models import int4
+from tests.models.awq_checkpoints import write_awq
 from tests.models.fp8_checkpoints import write_float
 from tests.models.gptq_checkpoints import write_gptq
 from tests.models.int4_checkpoints import write_compressed_w4a16, write_decompressed
@@ -91,14 +95,30 @@ def test_gptq_generates_what_the_dequantized_model_does(source, prompts, root):
     _assert_greedy_of(reference, prompts, generated)
 
 
-def test_w4a16_on_two_devices_equals_one(checkpoint, prompts, tmp_path):
-    """Tensor parallelism over 2 simulated devices (a subprocess: the device count is fixed when
-    JAX starts): the int4 kernels and their group scales split with their columns (o_proj's and
-    down_proj's by rows: one whole 128-input group on each device); same tokens and logprobs."""
+def test_awq_generates_what_the_dequantized_model_does(source, prompts, root):
+    """vLLM's own GPTQ config refuses `sym: false` at start (its 4-bit types have no zero
+    points), so zero points come through `vllm.LLM` from AWQ checkpoints."""
+    path, dequantized = write_awq(source, str(root / "awq"), group_size=128)
+    reference = _transformers(write_float(source, str(root / "awq_reference"), dequantized))
+    generated, kernels = _generate(path, prompts)  # awq, its method from config.json
+    assert kernels == 2 * 4
+    _assert_greedy_of(reference, prompts, generated)
+
+
+def test_awq_on_two_devices_equals_one(source, prompts, root, tmp_path):
+    """The offsets split like the scales: column-parallel ones on their outputs, o_proj's and
+    down_proj's on their groups (one whole 128-input group on each of 2 devices)."""
+    path, _ = write_awq(source, str(root / "awq_tp"), group_size=128)
+    two = _two_devices_equal_one(path, prompts, tmp_path)
+    offset = two["params"]["model.layers.0.mlp.down_proj.kernel_offset"]
+    assert offset["shape"] == [2, 128] and offset["device_bytes"] == [128 * 4] * 2  # a group each
+
+
+def _two_devices_equal_one(path: str, prompts, tmp_path) -> dict:
     llm = dict(_ENGINE, max_num_batched_tokens=16)
     runs = [{"tp": tp, "prompts": prompts[:2], "new_tokens": 6, "llm": llm} for tp in (1, 2)]
     job, out = tmp_path / "job.json", tmp_path / "out.json"
-    job.write_text(json.dumps({"model": checkpoint, "runs": runs}))
+    job.write_text(json.dumps({"model": path, "runs": runs}))
     env = {**environment(), "VLLM_XLA_ATTENTION_BACKEND": "xla"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.plugin_shim.tensor_parallel_engine", str(job), str(out)],
@@ -108,6 +128,14 @@ def test_w4a16_on_two_devices_equals_one(checkpoint, prompts, tmp_path):
     one, two = json.loads(out.read_text())
     assert two["tokens"] == one["tokens"]
     np.testing.assert_allclose(np.array(two["logprobs"]), np.array(one["logprobs"]), atol=1e-2)
+    return two
+
+
+def test_w4a16_on_two_devices_equals_one(checkpoint, prompts, tmp_path):
+    """Tensor parallelism over 2 simulated devices (a subprocess: the device count is fixed when
+    JAX starts): the int4 kernels and their group scales split with their columns (o_proj's and
+    down_proj's by rows: one whole 128-input group on each device); same tokens and logprobs."""
+    two = _two_devices_equal_one(checkpoint, prompts, tmp_path)
     down = two["params"]["model.layers.0.mlp.down_proj.kernel"]
     assert down["shape"] == [256, 128] and down["device_bytes"] == [down["bytes"] // 2] * 2  # half each
     scale = two["params"]["model.layers.0.mlp.down_proj.kernel_scale"]

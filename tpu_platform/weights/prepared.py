@@ -47,8 +47,8 @@ LAYOUT_VERSION = 1
 ShardingFor = jax.sharding.Sharding | Callable[[tuple[str, ...], jax.ShapeDtypeStruct], jax.sharding.Sharding]
 
 _PACKINGS = ("none", "native", "native+f32")
-_QUANTIZATIONS = ("none", "int8", "fp8", "int4")  # and "int8-g<G>" ...: one scale per G inputs
-_GROUPED = re.compile(r"(int8|fp8|int4)-g([1-9][0-9]*)")
+_QUANTIZATIONS = ("none", "int8", "fp8", "int4", "int4z")  # and "int8-g<G>" ...: one scale per G inputs
+_GROUPED = re.compile(r"(int8|fp8|int4|int4z)-g([1-9][0-9]*)")
 
 
 class UnusableCheckpoint(Exception):
@@ -72,7 +72,9 @@ class Preparation:
     model's dtype: `models.quantization.quantize_fp8`). "int4" and "int4-g<G>" alike with int4
     values (`models.int4`: a 4-bit checkpoint's, `models.quantization.quantize_int4`), held as
     int4 on TPU and GPU and as int8 on CPU: `backend` names the platform (None: JAX's default
-    backend; the planner's compile-only targets name theirs).
+    backend; the planner's compile-only targets name theirs). "int4z" and "int4z-g<G>": int4 with
+    an offset per scale (`kernel_offset`, `models.int4`: a checkpoint with zero points or group
+    minimums, AWQ, asymmetric GPTQ, GGUF Q4).
     """
 
     dtype: str
@@ -87,7 +89,7 @@ class Preparation:
         if self.quantization not in _QUANTIZATIONS and not _GROUPED.fullmatch(self.quantization):
             raise ValueError(
                 f"quantization {self.quantization!r} is not one of {_QUANTIZATIONS}, int8-g<group "
-                "size>, fp8-g<group size> or int4-g<group size>"
+                "size>, fp8-g<group size>, int4-g<group size> or int4z-g<group size>"
             )
 
     @property
@@ -128,7 +130,8 @@ class Preparation:
         `prepare_for_serving`); returns how many kernels were packed."""
         if self.int8:  # before packing: the int8 kernels pack for the native int8 kernel
             if self.int4:
-                quantize_int4(model, self.int8_group_size, self.backend)
+                affine = self.quantization.startswith("int4z")
+                quantize_int4(model, self.int8_group_size, self.backend, affine=affine)
             else:
                 (quantize_fp8 if self.fp8 else quantize_int8)(model, self.int8_group_size)
         if self.packing == "none":

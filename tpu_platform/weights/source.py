@@ -13,6 +13,7 @@ from flax import nnx
 
 from models import ModelConfig
 from models.compressed_tensors import quantization_config
+from models.loader import gguf_4bit_quantization
 from models.mxfp4 import METHODS as MXFP4_METHODS
 from models.mxfp4 import is_mxfp4
 from tpu_platform.runner_config import RunnerConfig
@@ -40,6 +41,8 @@ def load_served_weights(
         check_mxfp4_checkpoint(path)
     elif config.quantization is not None:
         quantized = "int8" if converted else int8_quantization(path, config.quantization)
+    elif converted is None:  # a GGUF's 4-bit blocks as they are, when nothing is asked
+        quantized = gguf_4bit_quantization(path) or "none"
     preparation = Preparation.for_dense_isa(dtype.name, dense_isa, config.tensor_parallel_size, quantized)
     if converted is not None:
         model_config = ModelConfig.from_pretrained(path)

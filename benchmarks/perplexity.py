@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Perplexity of the served path: the embedded SmolLM2-135M-Instruct (a GGUF whose projections
+are Q4_1) served from its 4-bit blocks as it ships, against its dequantized float weights in
+bfloat16, and those float weights quantized at load to int8 and to fp8.
+
+    .venv/bin/python benchmarks/perplexity.py [--out benchmarks/results/perplexity.json]
+        [--tokens 320]
+
+The text is the tests' fixed public-domain one (tests/data/alice.txt), its first `--tokens`
+tokens. Each configuration runs in its own subprocess (this script with `--worker`): vLLM's
+`LLM` in-process, one request of the text with `prompt_logprobs=0`, so every token's log
+probability comes through the served step (the engine's own prefill, logits and log-softmax).
+Perplexity is `exp(-mean log p(token | tokens before))` over every token but the first.
+Reported: each configuration's perplexity and its ratio to the dequantized bfloat16 model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+TEXT = HERE.parent / "tests" / "data" / "alice.txt"
+# name -> (which model directory, vLLM's `quantization`)
+CONFIGS = {
+    "q4_1_as_shipped": ("gguf", None),
+    "bfloat16_dequantized": ("float", None),
+    "int8_online": ("float", "int8_per_channel_weight_only"),
+    "fp8_online": ("float", "fp8"),
+}
+REFERENCE = "bfloat16_dequantized"
+
+
+def float_copy(gguf_dir: str, out: str) -> str:
+    """`gguf_dir` (the embedded model's directory) with its GGUF dequantized to float32 safetensors."""
+    from safetensors.numpy import save_file
+
+    from models.gguf_reader import iter_hf_tensors
+
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(gguf_dir):
+        if not name.endswith(".gguf") and not name.startswith("."):
+            shutil.copy(os.path.join(gguf_dir, name), out)
+    gguf = next(n for n in os.listdir(gguf_dir) if n.endswith(".gguf"))
+    save_file(dict(iter_hf_tensors(os.path.join(gguf_dir, gguf))), os.path.join(out, "model.safetensors"))
+    return out
+
+
+def worker(model: str, quantization: str | None, tokens: int) -> dict:
+    from plugin_shim.devices import detect_device_kind
+
+    os.environ.setdefault("VLLM_XLA_PLATFORM", detect_device_kind())  # the plugin, on JAX's device
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_XLA_CPU_KV_CACHE_GB", "0.25")
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ids = AutoTokenizer.from_pretrained(model)(TEXT.read_text())["input_ids"][:tokens]
+    llm = LLM(
+        model=model, quantization=quantization, dtype="bfloat16", max_model_len=512, max_num_seqs=1,
+        max_num_batched_tokens=512, seed=0,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+    logprobs = [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+    return {"tokens": len(ids), "perplexity": math.exp(-sum(logprobs) / len(logprobs))}
+
+
+def _machine() -> dict:
+    model = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
+    return {"cpu_model": model, "nproc": os.cpu_count(), "python": platform.python_version()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=str(HERE / "results" / "perplexity.json"))
+    parser.add_argument("--tokens", type=int, default=320)
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "QUANTIZATION"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        model, quantization = args.worker
+        result = worker(model, None if quantization == "none" else quantization, args.tokens)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+
+    from plugin_shim.model_dir import materialize
+    from tpu_platform.envs import read_env
+
+    gguf_dir = materialize(read_env().cache_dir)
+    scratch = tempfile.mkdtemp(prefix="perplexity-")
+    try:
+        dirs = {"gguf": gguf_dir, "float": float_copy(gguf_dir, os.path.join(scratch, "float"))}
+        results = {}
+        for name, (which, quantization) in CONFIGS.items():
+            command = [sys.executable, __file__, "--tokens", str(args.tokens), "--worker", dirs[which]]
+            done = subprocess.run([*command, quantization or "none"], capture_output=True, text=True)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode != 0 or not lines:
+                results[name] = {"status": "failed", "error": done.stderr[-2000:]}
+            else:
+                results[name] = {"status": "ok", "quantization": quantization} | json.loads(lines[-1][7:])
+            print(name, json.dumps(results[name])[:300], flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    reference = results[REFERENCE].get("perplexity")
+    for entry in results.values():
+        if reference and "perplexity" in entry:
+            entry["ratio_to_bfloat16"] = entry["perplexity"] / reference
+    report = {
+        "benchmark": "perplexity",
+        "model": "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",
+        "text": "tests/data/alice.txt",
+        "dtype": "bfloat16",
+        "machine": _machine(),
+        "results": results,
+    }
+    pathlib.Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

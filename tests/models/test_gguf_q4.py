@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A GGUF whose projections are all 4-bit (Q4_0, Q4_1, Q4_K: `gguf_q4_blocks`) served as int4
+values with a scale and an offset per block of 32 inputs (`gguf_reader.q4_blocks`,
+`models.int4`'s affine layout): each block maps exactly onto the `gguf` package's
+dequantization, and the served model computes the float model of the dequantized weights. A
+file mixing 4-bit projections with another type loads as float, as before, and so does an
+all-4-bit one when a `quantization` is asked (then quantized so)."""
+
+import os
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import int4, load_model
+from models.gguf_reader import Q4_BLOCK, hf_name, iter_hf_tensors, q4_linear_weights, unpermute_rope_rows
+from models.loader import gguf_4bit_quantization
+from tests.models.gguf_q4_blocks import Q4_TYPES, quantizer
+from tests.models.test_gguf_q8_0 import _arrays, _logits, write_q8_0_gguf
+from tests.tiny_models import save_tiny_llama
+from tpu_platform.weights.prepared import Preparation, int8_quantization, load_prepared
+
+_ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+_WIDTHS = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A tiny Llama whose projections' inputs are whole Q4_K super-blocks (256)."""
+    return save_tiny_llama(str(tmp_path_factory.mktemp("q4") / "source"), seed=5, **_WIDTHS)
+
+
+@pytest.fixture(scope="module", params=Q4_TYPES, ids=lambda kind: kind.name)
+def q4_dir(request, source, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp(request.param.name) / "gguf")
+    write_q8_0_gguf(source, out, quantize=quantizer(request.param))
+    return out
+
+
+def test_q4_blocks_are_the_files_weights_exactly(q4_dir):
+    """q * scale + offset of each yielded 4-bit weight is the `gguf` package's dequantized tensor
+    (rows in HF order: q and k unpermuted, their scales and offsets with them)."""
+    path = os.path.join(q4_dir, "model.gguf")
+    tensors = dict(iter_hf_tensors(path, int4_q4=True))
+    names = q4_linear_weights(path)
+    assert len(names) == 7 * 2  # seven projections a layer; lm_head loads as float
+    by_name = {hf_name(t.name): t for t in gguf.GGUFReader(path).tensors}
+    for name in names:
+        q, scale, offset = tensors[name], tensors[f"{name}_scale"], tensors[f"{name}_offset"]
+        out, inputs = q.shape
+        assert int4.is_int4(q.dtype) and scale.shape == offset.shape == (out, inputs // Q4_BLOCK), name
+        package = gguf.quants.dequantize(by_name[name].data, by_name[name].tensor_type)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            package = unpermute_rope_rows(package, 4 if "q_proj" in name else 2)
+        blocks = q.reshape(out, -1, Q4_BLOCK).astype(np.float32) * scale[..., None] + offset[..., None]
+        np.testing.assert_allclose(blocks.reshape(out, inputs), package, rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_q4_gguf_serves_int4_with_offsets_computing_the_dequantized_model(q4_dir):
+    assert gguf_4bit_quantization(q4_dir) == "int4z-g32"  # served so when nothing is asked
+    assert int8_quantization(q4_dir, "int8_per_channel_weight_only") == "int8"  # asked: as before
+    config, reference = load_model(q4_dir, jnp.float32)  # dequantized by the `gguf` package
+    _, model = load_prepared(q4_dir, Preparation("float32", quantization="int4z-g32"), _ON_DEVICE)
+    got = _arrays(model)
+    kernels = [n for n in got if n.endswith(".kernel") and got[n].dtype == int4.held_dtype()]
+    assert len(kernels) == 4 * config.num_layers  # qkv, o, gate_up, down; lm_head stays float
+    for name in kernels:
+        inputs, out = got[name].shape
+        assert got[f"{name}_scale"].shape == got[f"{name}_offset"].shape == (inputs // 32, out), name
+    assert got["lm_head.kernel"].dtype == np.float32
+    # The file's own weights; the sums run in another order (values times scales, then the
+    # offsets on each block's input sum), so float32 rounding differs slightly.
+    np.testing.assert_allclose(_logits(model, config), _logits(reference, config), rtol=1e-3, atol=1e-3)
+
+
+def test_a_file_mixing_q4_with_other_types_loads_as_float(source, tmp_path):
+    def mixed(w: np.ndarray):
+        kind = gguf.GGMLQuantizationType.Q8_0 if w.shape[0] == 128 else gguf.GGMLQuantizationType.Q4_1
+        return gguf.quants.quantize(w, kind), kind  # k and v projections Q8_0
+
+    write_q8_0_gguf(source, str(tmp_path / "gguf"), quantize=mixed)
+    assert gguf_4bit_quantization(str(tmp_path / "gguf")) is None
+    assert q4_linear_weights(str(tmp_path / "gguf" / "model.gguf")) == []
