@@ -83,10 +83,13 @@ VARIANTS = {
 def save_tiny_deepseek(variant: str, path: str, *, seed: int = 0) -> str:
     """A random tiny DeepSeek checkpoint (fp32 safetensors, larger init than HF's so greedy text
     varies; norms, biases and the router's correction bias moved off their 0/1 init)."""
+    return _save(*VARIANTS[variant], path, seed=seed)
+
+
+def _save(architecture: str, config_class: str, overrides: dict, path: str, *, seed: int) -> str:
     import torch
     import transformers
 
-    architecture, config_class, overrides = VARIANTS[variant]
     os.makedirs(path, exist_ok=True)
     save_tokenizer(path, vocab_size=VOCAB)
     config = getattr(transformers, config_class)(**{**_COMMON, **overrides})
@@ -122,18 +125,14 @@ KIMI_K2_ROPE_SCALING = {
     "mscale": 1.0,
     "mscale_all_dim": 1.0,
 }
-VARIANTS["kimi_k2"] = (
-    "DeepseekV3ForCausalLM",
-    "DeepseekV3Config",
-    dict(q_lora_rank=24, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827),
-)
+KIMI_K2 = dict(q_lora_rank=24, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827)
 
 
 def save_tiny_kimi_k2(path: str, *, seed: int = 0) -> str:
     """A tiny DeepSeek-V3 checkpoint whose config.json reads as Kimi K2's does."""
     import json
 
-    save_tiny_deepseek("kimi_k2", path, seed=seed)
+    _save("DeepseekV3ForCausalLM", "DeepseekV3Config", KIMI_K2, path, seed=seed)
     config_path = os.path.join(path, "config.json")
     with open(config_path) as f:
         config = json.load(f)
