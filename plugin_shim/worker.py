@@ -85,11 +85,15 @@ def layer_kv_specs(
     return specs
 
 
-def latent_kv_specs(num_layers: int, **common) -> dict[str, KVCacheSpec]:
+def latent_kv_specs(num_layers: int, *, page_bytes: int | None = None, **common) -> dict[str, KVCacheSpec]:
     """vLLM's MLA spec for every layer: one shared row of `head_size` (`kv_lora_rank +
     qk_rope_head_dim`) values a token (no V), whole on every device, as vLLM's own MLA layers
-    describe it; `common`: the page facts."""
+    describe it; `common`: the page facts. `page_bytes`: what a page of a layer takes in the
+    attention backend's layout (the TPU kernel pads rows to 128 lanes: 576 values take 640), the
+    spec's padded page when it is more, so vLLM counts the blocks the runner allocates."""
     spec = MLAAttentionSpec(num_kv_heads=1, **common)
+    if page_bytes is not None and page_bytes != spec.page_size_bytes:
+        spec = MLAAttentionSpec(num_kv_heads=1, page_size_padded=page_bytes, **common)
     return {layer_name(i): spec for i in range(num_layers)}
 
 
@@ -193,17 +197,10 @@ class XlaWorker(WorkerBase):
 
     def _latent_cache_specs(self, dtype: torch.dtype) -> dict[str, KVCacheSpec]:
         mc = self.runner.model_config
-        specs = latent_kv_specs(
-            mc.num_layers, block_size=self.cache_config.block_size, head_size=mc.latent_cache_width,
-            dtype=dtype, cache_dtype_str=self.cache_config.cache_dtype,
+        return latent_kv_specs(
+            mc.num_layers, page_bytes=self.runner.kv_page_bytes(), block_size=self.cache_config.block_size,
+            head_size=mc.latent_cache_width, dtype=dtype, cache_dtype_str=self.cache_config.cache_dtype,
         )  # fmt: skip
-        page_bytes = specs[layer_name(0)].page_size_bytes
-        if page_bytes != self.runner.kv_page_bytes():
-            raise RuntimeError(
-                f"vLLM's MLA page of {page_bytes} B differs from the latent cache's "
-                f"{self.runner.kv_page_bytes()} B"
-            )
-        return specs
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]  # nominal: the JAX side allocates its own per-layer arrays

@@ -83,10 +83,13 @@ VARIANTS = {
 def save_tiny_deepseek(variant: str, path: str, *, seed: int = 0) -> str:
     """A random tiny DeepSeek checkpoint (fp32 safetensors, larger init than HF's so greedy text
     varies; norms, biases and the router's correction bias moved off their 0/1 init)."""
+    return _save(*VARIANTS[variant], path, seed=seed)
+
+
+def _save(architecture: str, config_class: str, overrides: dict, path: str, *, seed: int) -> str:
     import torch
     import transformers
 
-    architecture, config_class, overrides = VARIANTS[variant]
     os.makedirs(path, exist_ok=True)
     save_tokenizer(path, vocab_size=VOCAB)
     config = getattr(transformers, config_class)(**{**_COMMON, **overrides})
@@ -108,3 +111,39 @@ def save_tiny_deepseek(variant: str, path: str, *, seed: int = 0) -> str:
 
 # Values a token takes in a layer's latent cache: kv_lora_rank + qk_rope_head_dim.
 LATENT_WIDTH = _COMMON["kv_lora_rank"] + _COMMON["qk_rope_head_dim"]
+
+
+# Kimi K2 ships `DeepseekV3ForCausalLM` weights under `model_type: kimi_k2` (vLLM reads it as a
+# DeepSeek-V3 config), with one expert group, YaRN of beta 1/1 and mscale 1/1 in the older
+# `rope_scaling` spelling, and its routed scaling factor.
+KIMI_K2_ROPE_SCALING = {
+    "type": "yarn",
+    "factor": 32.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 1.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+KIMI_K2 = dict(q_lora_rank=24, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827)
+
+
+def save_tiny_kimi_k2(path: str, *, seed: int = 0) -> str:
+    """A tiny DeepSeek-V3 checkpoint whose config.json reads as Kimi K2's does."""
+    import json
+
+    _save("DeepseekV3ForCausalLM", "DeepseekV3Config", KIMI_K2, path, seed=seed)
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config.pop("rope_parameters", None)
+    config.update(
+        model_type="kimi_k2",
+        rope_theta=50000.0,
+        rope_scaling=KIMI_K2_ROPE_SCALING,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+    )
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    return path

@@ -69,10 +69,19 @@ def run(model: str, spec: dict) -> dict:
         ]
         stats = llm.collective_rpc("runner_stats")[0]
         placed = llm.collective_rpc(placement)[0]
+        counters = vllm_counters(llm) if spec["llm"].get("disable_log_stats") is False else {}
     finally:
         del llm
         gc.collect()
-    return {"tokens": tokens, "logprobs": logprobs, "warm": warm, "stats": stats, **placed}
+    return {"tokens": tokens, "logprobs": logprobs, "warm": warm, "stats": stats, "vllm": counters, **placed}
+
+
+def vllm_counters(llm) -> dict[str, int]:
+    """vLLM's own counters (`vllm:prefix_cache_hits`, `vllm:num_preemptions`, ...) of an engine
+    started with `disable_log_stats=False`."""
+    from vllm.v1.metrics.reader import Counter
+
+    return {m.name: m.value for m in llm.get_metrics() if isinstance(m, Counter)}
 
 
 def main(job_path: str, out_path: str) -> None:

@@ -1,20 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
-"""DeepSeek-V2 and V3 through `vllm.LLM` on our platform, at TP=1 and TP=2 on simulated CPU
+"""DeepSeek-V2 and V3 through `vllm.LLM` on our platform, at TP=1, 2 and 4 on simulated CPU
 devices (one subprocess a checkpoint, as in test_tensor_parallel.py): greedy tokens equal
 transformers' fp32 greedy continuation and logprobs agree; vLLM sized the cache from our MLA
 spec, so the latent cache holds `kv_lora_rank + qk_rope_head_dim` values a token a layer, whole
-on every device; the heads' projections are split as the rules table says.
+on every device; the heads' projections are split as the rules table says (at TP=4 one head a
+device). Prefix caching, chunked prefill and preemption each leave V3's tokens as a plain run's;
+a float8 latent cache gives transformers' tokens with the cached values rounded as it
+rounds them; Kimi K2's config (`model_type: kimi_k2`) serves as V3.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import shutil
+
 import numpy as np
 import pytest
 
+from models import ModelConfig
+from models.deepseek_config import DeepseekConfig
 from models.sharding import parameter_spec
-from tests.models.tiny_deepseek import LATENT_WIDTH, save_tiny_deepseek
+from tests.models.tiny_checkpoints import hf_logits
+from tests.models.tiny_deepseek import LATENT_WIDTH, save_tiny_deepseek, save_tiny_kimi_k2
 from tests.plugin_shim.test_tensor_parallel import (
+    ENGINE,
     LOGPROB_ATOL,
+    _features_run,
     _greedy_run,
     _hf_reference,
     _normalized,
@@ -23,54 +35,132 @@ from tests.plugin_shim.test_tensor_parallel import (
 
 pytestmark = pytest.mark.slow  # engines on simulated multi-device hosts
 
-# variant -> (its architecture, engine runs): V3 at TP=1 and 2, V2-Lite at TP=2 (its one-device
-# step is the logits tests' in tests/models/test_deepseek.py).
-VARIANTS = {
-    "v2_lite_greedy": ("DeepseekV2ForCausalLM", [_greedy_run(2, block_size=16)]),
+PAGE = 16
+# Engine options of every run: 16-token pages (the CPU default is 128; DeepSeek's real page).
+PAGED = dict(block_size=PAGE)
+
+
+def _plain_run(tp: int) -> dict:
+    """The features run's prompts in 64-token steps, nothing cached or preempted."""
+    features = _features_run(tp)
+    llm = {**ENGINE, **PAGED, "max_num_batched_tokens": 64, "enable_prefix_caching": False}
+    return {**features, "mixed": False, "llm": llm}
+
+
+def _cached_chunked_preempted_run(tp: int) -> dict:
+    """Shared 40-token prefixes, 8-token steps, 9 pages for four sequences, and vLLM's counters."""
+    features = _features_run(tp)
+    return {**features, "llm": {**features["llm"], "disable_log_stats": False}}
+
+
+def _fp8_run(tp: int) -> dict:
+    return _greedy_run(tp, **PAGED, kv_cache_dtype="fp8")
+
+
+# checkpoint -> (architecture, builder, runs by name). V3 at every TP size and with every serving
+# feature; V2-Lite (no q LoRA, softmax routing) split 2 and 4 ways (its one-device step is the
+# logits tests' in tests/models/test_deepseek.py); Kimi K2 on one device.
+CHECKPOINTS = {
+    "v2_lite_greedy": (
+        "DeepseekV2ForCausalLM",
+        lambda path: save_tiny_deepseek("v2_lite_greedy", path),
+        {"tp2": _greedy_run(2, **PAGED), "tp4": _greedy_run(4, **PAGED)},
+    ),
     "v3_noaux_yarn": (
         "DeepseekV3ForCausalLM",
-        [_greedy_run(1, block_size=16), _greedy_run(2, block_size=16)],
+        lambda path: save_tiny_deepseek("v3_noaux_yarn", path),
+        {
+            "tp1": _greedy_run(1, **PAGED),
+            "tp2": _greedy_run(2, **PAGED),
+            "tp4": _greedy_run(4, **PAGED),
+            "plain": _plain_run(2),
+            "features": _cached_chunked_preempted_run(2),
+            "fp8": _fp8_run(1),
+        },
     ),
+    "kimi_k2": ("DeepseekV3ForCausalLM", save_tiny_kimi_k2, {"tp1": _greedy_run(1, **PAGED)}),
 }
+# Runs whose tokens are transformers' exactly (the float8 cache's: its own test).
+EXACT = ("tp1", "tp2", "tp4", "plain", "features")
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
-def served(request, tmp_path_factory):
-    architecture, runs = VARIANTS[request.param]
-    tmp = tmp_path_factory.mktemp(request.param)
-    path = save_tiny_deepseek(request.param, str(tmp / "model"))
-    results = _run_engines(tmp, path, runs, "xla")
-    references = [_hf_reference(architecture, path, run["prompts"]) for run in runs]
-    return runs, results, references
+def _reference_checkpoint(path: str) -> str:
+    """transformers converts a checkpoint's per-expert weights by its `model_type`, which it knows
+    as `deepseek_v3` only: the same files under that type, for the reference."""
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    if config.get("model_type") == "deepseek_v3":
+        return path
+    reference = f"{path}_as_deepseek_v3"
+    shutil.copytree(path, reference)
+    with open(f"{reference}/config.json", "w") as f:
+        json.dump({**config, "model_type": "deepseek_v3"}, f)
+    return reference
 
 
-def test_greedy_tokens_and_logprobs_match_transformers(served):
-    runs, results, references = served
-    for run, result, (tokens, logprobs) in zip(runs, results, references, strict=True):
-        assert result["tokens"] == tokens, f"TP={run['tp']}"
+class _Served:
+    """Each checkpoint's engine runs (one subprocess a checkpoint, on first use) and transformers'
+    greedy tokens and logprobs for each run's prompts."""
+
+    def __init__(self, tmp_path_factory):
+        self._tmp = tmp_path_factory
+        self._done: dict[str, tuple] = {}
+
+    def __call__(self, name: str) -> tuple[dict, dict, dict, str]:
+        if name not in self._done:
+            architecture, build, runs = CHECKPOINTS[name]
+            tmp = self._tmp.mktemp(name)
+            path = build(str(tmp / "model"))
+            results = dict(zip(runs, _run_engines(tmp, path, list(runs.values()), "xla"), strict=True))
+            reference_path = _reference_checkpoint(path)
+            references = {
+                run_name: _hf_reference(architecture, reference_path, run["prompts"])
+                for run_name, run in runs.items()
+            }
+            self._done[name] = (runs, results, references, reference_path)
+        return self._done[name]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> _Served:
+    return _Served(tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_greedy_tokens_and_logprobs_match_transformers(served, name):
+    runs, results, references, _ = served(name)
+    for run_name in (r for r in runs if r in EXACT):
+        tokens, logprobs = references[run_name]
+        assert results[run_name]["tokens"] == tokens, run_name
         np.testing.assert_allclose(
-            np.asarray(result["logprobs"]), np.asarray(logprobs), atol=LOGPROB_ATOL, err_msg=f"TP={run['tp']}"
+            np.asarray(results[run_name]["logprobs"]),
+            np.asarray(logprobs),
+            atol=LOGPROB_ATOL,
+            err_msg=run_name,
         )
 
 
-def test_latent_cache_holds_one_row_a_token_whole_on_every_device(served):
-    runs, results, _ = served
-    for run, result in zip(runs, results, strict=True):
-        tp = run["tp"]
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_latent_cache_holds_one_row_a_token_whole_on_every_device(served, name):
+    runs, results, _, _ = served(name)
+    for run_name, run in runs.items():
+        tp, result = run["tp"], results[run_name]
         (cache,) = result["caches"]  # every layer's pages stacked in one array
         pages, row = cache["shape"]
-        page_size = 16
-        # float32: (kv_lora_rank + qk_rope_head_dim) x 4 bytes a token a layer
-        assert row == page_size * LATENT_WIDTH
-        assert cache["bytes"] == pages * page_size * LATENT_WIDTH * 4
-        assert cache["devices"] == tp and cache["device_bytes"] == [cache["bytes"]] * tp
+        # (kv_lora_rank + qk_rope_head_dim) values a token a layer: float32, or one byte in float8
+        itemsize = 1 if run["llm"].get("kv_cache_dtype") == "fp8" else 4
+        assert row == PAGE * LATENT_WIDTH, run_name
+        assert cache["bytes"] == pages * PAGE * LATENT_WIDTH * itemsize, run_name
+        assert cache["devices"] == tp and cache["device_bytes"] == [cache["bytes"]] * tp, run_name
         assert _normalized(cache["spec"]) == []
 
 
-def test_heads_are_split_as_the_rules_table_says(served):
-    runs, results, _ = served
-    for run, result in zip(runs, results, strict=True):
-        tp = run["tp"]
+@pytest.mark.parametrize("name", ["v2_lite_greedy", "v3_noaux_yarn"])
+def test_heads_are_split_as_the_rules_table_says(served, name):
+    runs, results, _, _ = served(name)
+    assert {run["tp"] for run in runs.values()} >= {2, 4}
+    for run_name, run in runs.items():
+        tp, result = run["tp"], results[run_name]
         if tp == 1:
             continue
         split = set()
@@ -82,3 +172,103 @@ def test_heads_are_split_as_the_rules_table_says(served):
                 split.add(path.rsplit(".", 2)[-2])
         assert {"kv_b_proj", "o_proj", "gate_proj", "down_proj"} <= split, split
         assert "kv_a_proj_with_mqa" not in split
+
+
+def test_prefix_hits_chunked_prefill_and_preemption_leave_the_plain_runs_tokens(served):
+    runs, results, _, _ = served("v3_noaux_yarn")
+    plain, features = results["plain"], results["features"]
+    assert runs["plain"]["prompts"] == runs["features"]["prompts"]
+    assert features["tokens"] == plain["tokens"]
+    np.testing.assert_allclose(features["logprobs"], plain["logprobs"], atol=LOGPROB_ATOL)
+    assert plain["stats"]["prefix_cache_hits"] == 0 and plain["stats"]["preempted_requests"] == 0
+    stats, warm, counters = features["stats"], features["warm"], features["vllm"]
+    assert stats["partial_prefill_steps"] > 0  # prompts of 42-51 tokens in 8-token steps
+    # vLLM's own counters: the shared prefix's pages were found cached, and requests preempted
+    assert counters["vllm:prefix_cache_hits"] >= 2 * PAGE, counters
+    assert counters["vllm:num_preemptions"] > 0, counters
+    assert stats["preempted_requests"] > 0 and stats["resumed_requests"] > 0
+    assert stats["compiles_after_warmup"] == 0 and stats["compiles"] == warm["compiles"]
+
+
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value: the cache write saturates there
+# The float8 run against transformers with the same rounding: only a value landing on the other
+# side of a float8 rounding boundary (float32 sums in another order) could move a logprob.
+FP8_LOGPROB_ATOL = 1e-2
+
+
+def _e4m3(x):
+    import torch
+
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+@contextlib.contextmanager
+def _float8_latent_cache(hf):
+    """transformers' DeepSeek-V3 with what a float8 latent cache holds rounded to e4m3: each
+    token's normalized latent (`kv_a_layernorm`'s output) and its rotated rope key."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as modeling
+
+    hooks = [
+        layer.self_attn.kv_a_layernorm.register_forward_hook(lambda module, inputs, out: _e4m3(out))
+        for layer in hf.model.layers
+    ]
+    originals = {n: getattr(modeling, n) for n in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")}
+
+    def rounding_keys(rotate):
+        def rotated(*args, **kwargs):
+            q, k = rotate(*args, **kwargs)
+            return q, _e4m3(k)
+
+        return rotated
+
+    for name, rotate in originals.items():
+        setattr(modeling, name, rounding_keys(rotate))
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for name, rotate in originals.items():
+            setattr(modeling, name, rotate)
+
+
+def test_float8_latent_cache_is_transformers_with_float8_latents(served):
+    """A float8 (e4m3) cache rounds each latent and rope-key value to 3 mantissa bits; this tiny
+    random model's attention is sharp enough that the rounding moves its logprobs by up to ~1 and
+    flips greedy tokens against the exact model, so the reference rounds the same values:
+    transformers with the cached latent and rope key rounded to e4m3 (what each step reads back),
+    whose greedy tokens the float8 engine must give exactly, logprobs within FP8_LOGPROB_ATOL."""
+    import torch
+    import transformers
+
+    runs, results, _, reference_path = served("v3_noaux_yarn")
+    run, result = runs["fp8"], results["fp8"]
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        reference_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with _float8_latent_cache(hf):
+        for prompt, tokens, logprobs in zip(
+            run["prompts"], result["tokens"], result["logprobs"], strict=True
+        ):
+            ids = list(prompt)
+            for token, logprob in zip(tokens, logprobs, strict=True):
+                logits = hf_logits(hf, ids)[-1].astype(np.float64)
+                log_softmax = logits - logits.max() - np.log(np.sum(np.exp(logits - logits.max())))
+                assert token == int(np.argmax(logits)), (prompt, ids[len(prompt) :], token)
+                assert abs(log_softmax[token] - logprob) <= FP8_LOGPROB_ATOL, (prompt, ids[len(prompt) :])
+                ids.append(token)
+
+
+def test_kimi_k2_config_is_read_as_deepseek_v3(served):
+    """Its tokens are transformers' (the greedy test); here: the engine read `kimi_k2`'s fields."""
+    _, results, _, reference_path = served("kimi_k2")
+    path = reference_path.removesuffix("_as_deepseek_v3")
+    with open(f"{path}/config.json") as f:
+        kimi = json.load(f)
+    assert kimi["model_type"] == "kimi_k2" and kimi["rope_scaling"]["type"] == "yarn"
+    config = ModelConfig.from_pretrained(path)
+    assert isinstance(config, DeepseekConfig)
+    assert (config.n_group, config.topk_group, config.routed_scaling_factor) == (1, 1, 2.827)
+    assert config.yarn is not None and (config.yarn.factor, config.yarn.beta_fast) == (32.0, 1.0)
+    assert config.rope_theta == 50000.0
+    assert results["tp1"]["stats"]["compiles_after_warmup"] == 0
