@@ -1,6 +1,7 @@
 # Entry points for a fresh machine: `make run`, `make test` (the suite CI runs), `make test-fast`
-# (quick iteration: without the `slow` tier) and `make test-full` (the compiles of every layer of
-# real-size models that `make test` checks from few-layer compiles). All create .venv first.
+# (quick iteration: without the `slow` tier) and `make test-full` (what `make test` leaves out for
+# time: every layer of real-size models compiled, and repeats of its paths on more models or
+# devices). All create .venv first.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -58,8 +59,9 @@ test: venv aot-toolchains
 test-fast: venv
 	$(PYTEST) tests -q -m "not slow and not full"
 
-# What `make test` leaves out: every layer of the real-size models compiled for TPU and GPU
-# (`full` marker, docs/testing.md). `make test` and `make test-full` together run every test.
+# What `make test` leaves out (`full` marker, docs/testing.md): every layer of the real-size models
+# compiled for TPU and GPU, and runs repeating on more models or devices a path `make test`
+# checks. `make test` and `make test-full` together run every test.
 test-full: venv aot-toolchains
 	$(PYTEST) tests -q -m full
 

@@ -22,7 +22,10 @@ from tests.models.tiny_deepseek import save_tiny_deepseek
 from tests.models.tiny_glm4_moe import save_tiny_glm4_moe
 from tests.plugin_shim.served import get, post, serving
 
-pytestmark = pytest.mark.slow  # starts a server a family
+# Six servers in turn: `make test-full`. The server path itself is model-agnostic and `make test`
+# serves other models through it (test_serve.py and others); every family here goes through
+# `vllm.LLM` in `make test`.
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 NEW_TOKENS = 6
 TOKEN_PROMPTS = prompts([5, 13, 9], seed=11)
