@@ -307,7 +307,8 @@ serving it ([`benchmarks/step_profile.py`](../benchmarks/step_profile.py), greed
 engine): the busy milliseconds of each part summed over XLA's threads (two cores can make them
 add up to more than the step's wall time), and our host path's CPU time on the engine's thread.
 A greedy step runs no sampler program (the forward's argmax serves it); a sampling step adds one
-small program on the `[rows, vocabulary]` logits.
+small program on the `[rows, vocabulary]` logits. A loaded machine stretches every wall time and
+busy time alike (other jobs take the cores mid-operation): read the parts' shares.
 """
 
 
@@ -374,9 +375,20 @@ WHAT_MOVES = """\
   kernels, but a badly chosen `--max-num-batched-tokens` still prefills in large, slow steps.
   Smaller steps bound the stalls other streams see ([configuration.md](configuration.md)).
 - **Host time per step.** Ours is reported as `vllm_xla:host_seconds_per_step`
-  ([metrics.md](metrics.md)) and by `benchmarks/host_overhead.py`; on TPU and GPU it is hidden
-  behind the device step by vLLM's async scheduling. On the CPU device the "device" is the host's
-  own cores, so async scheduling is off there by default.
+  ([metrics.md](metrics.md)), by `benchmarks/host_overhead.py` (wall time, the device's threads
+  off the engine's core) and by `benchmarks/host_cpu_time.py` (CPU time, phase by phase); on TPU
+  and GPU it is hidden behind the device step by vLLM's async scheduling. Measured as CPU time it
+  is the same today as before LoRA, pooling, int8 and speculative decoding were served (a request
+  that uses none of them adds no per-step work for them). The same host code costs several times
+  more CPU time in the engine than in a loop of its own: it runs right after a forward that has
+  swept the cores' caches.
+- **Async scheduling on the CPU device** stays off by default (`VLLM_XLA_CPU_ASYNC_SCHEDULING=1`
+  turns it on). On the CPU device the "device" is the host's own cores: a decode step of many rows
+  is bound by the dense kernels (the section above), and in a synchronous batch run about 1% of
+  the wall time lies outside the device's step (vLLM's scheduling and output processing, and our
+  host path), which is all that overlapping could hide. Overlapping takes that time from the
+  cores the step computes on, and a newly arrived request waits one more whole step for its
+  first token.
 - **Start-up.** Compiled programs are kept in an executable cache; a warm start loads them
   instead of compiling ([architecture.md](architecture.md#compilation-and-caches)).
 """
