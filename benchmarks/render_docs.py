@@ -297,6 +297,9 @@ measurements.
 - To refresh a machine kind: run the benchmark, copy its JSON to
   `benchmarks/results/throughput-<kind>.json`, run `benchmarks/render_docs.py`, commit all three.
   Earlier figures are that file's history in git (`git log -p benchmarks/results/`).
+- To check a run for regressions: `benchmarks/compare.py check <run>.json` names every figure
+  that dropped past the committed run's run-to-run noise and exits 1; the noise comes from
+  repeated runs merged by `benchmarks/compare.py noise` ([README](../benchmarks/README.md)).
 """
 
 STEP_TIME_INTRO = """\
