@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A throughput run against the committed one for its machine kind: names every metric that got
-worse by more than the run-to-run noise measured on that kind, and exits 1 when one did.
+worse by more than the run-to-run noise measured on that kind, and exits 1 when one did (2 when
+the runs cannot be compared: other sizes, limits or dtypes, or no baseline).
 
     .venv/bin/python benchmarks/compare.py check NEW.json [--baseline PATH | --kind KIND]
         [--min-noise 0.05]
@@ -74,6 +75,17 @@ def merge_runs(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return {**reports[0], "noise": {"runs": len(reports), "relative_spread": spread(reports)}}
 
 
+# Config fields two runs must share for their figures to be compared (peers and workloads may
+# differ: only the figures both measured are compared).
+COMPARABLE = ("quick", "sizes", "vllm_limits", "dtypes")
+
+
+def config_differences(baseline: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The `COMPARABLE` config fields in which the two runs differ."""
+    old, now = baseline.get("config", {}), new.get("config", {})
+    return [key for key in COMPARABLE if old.get(key) != now.get(key)]
+
+
 def _noise_of(report: dict[str, Any]) -> dict[str, float]:
     return report.get("noise", {}).get("relative_spread", {})
 
@@ -130,6 +142,12 @@ def format_report(found: list[dict[str, Any]], baseline: pathlib.Path, compared:
     return "\n".join(lines)
 
 
+def _refuse(message: str) -> SystemExit:
+    """Exit status 2 (nothing compared), apart from 1 (a regression)."""
+    print(f"compare.py: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -151,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             merged = merge_runs([json.loads(pathlib.Path(p).read_text()) for p in args.runs])
         except ValueError as e:
-            sys.exit(f"compare.py noise: {e}")
+            raise _refuse(str(e)) from e
         pathlib.Path(args.out).write_text(json.dumps(merged, indent=2, default=str))
         spreads = merged["noise"]["relative_spread"]
         worst = max(spreads.items(), key=lambda kv: kv[1], default=("-", 0.0))
@@ -166,10 +184,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             baseline = find_baseline(new)
     except ValueError as e:
-        sys.exit(f"compare.py check: {e}")
+        raise _refuse(str(e)) from e
     if not baseline.exists():
-        sys.exit(f"compare.py check: no committed run at {baseline}")
+        raise _refuse(f"no committed run at {baseline}")
     old = json.loads(baseline.read_text())
+    differences = config_differences(old, new)
+    if differences:
+        raise _refuse(
+            f"the run differs from {baseline} in its config ({', '.join(differences)}); "
+            "compare runs of the same sizes (--quick or not), limits and dtypes"
+        )
     found = regressions(old, new, args.min_noise)
     print(format_report(found, baseline, len(set(figures(old)) & set(figures(new)))))
     return 1 if found else 0

@@ -75,6 +75,18 @@ def test_check_exits_nonzero_on_a_regression_and_zero_without(tmp_path, capsys):
     assert "batch output tok/s [xla]: 200 -> 120 (-40.0%" in capsys.readouterr().out
 
 
+def test_check_refuses_runs_of_other_sizes(tmp_path, capsys):
+    base, quick = tmp_path / "base.json", tmp_path / "quick.json"
+    base.write_text(json.dumps(report(200.0)))
+    other = report(20.0)
+    other["config"]["quick"] = True
+    quick.write_text(json.dumps(other))
+    with pytest.raises(SystemExit) as refused:
+        compare.main(["check", str(quick), "--baseline", str(base)])
+    assert refused.value.code == 2  # not compared, apart from a regression's 1
+    assert "in its config (quick)" in capsys.readouterr().err
+
+
 def test_noise_merges_runs_and_refuses_different_configs(tmp_path):
     runs = [tmp_path / "a.json", tmp_path / "b.json"]
     runs[0].write_text(json.dumps(report(200.0)))
