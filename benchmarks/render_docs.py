@@ -382,9 +382,10 @@ WHAT_MOVES = """\
   off the engine's core) and by `benchmarks/host_cpu_time.py` (CPU time, phase by phase); on TPU
   and GPU it is hidden behind the device step by vLLM's async scheduling. Measured as CPU time it
   is the same today as before LoRA, pooling, int8 and speculative decoding were served (a request
-  that uses none of them adds no per-step work for them). The same host code costs several times
-  more CPU time in the engine than in a loop of its own: it runs right after a forward that has
-  swept the cores' caches.
+  that uses none of them adds no per-step work for them). The same host code costs three to
+  seven times more CPU time in the engine than in a loop of its own (input preparation, the
+  runtime's execute call), most likely because the forward and other jobs between two steps leave
+  it cold caches.
 - **Async scheduling on the CPU device** stays off by default (`VLLM_XLA_CPU_ASYNC_SCHEDULING=1`
   turns it on). On the CPU device the "device" is the host's own cores: a decode step of many rows
   is bound by the dense kernels (the section above), and in a synchronous batch run about 1% of
