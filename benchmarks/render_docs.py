@@ -388,11 +388,13 @@ WHAT_MOVES = """\
   it cold caches.
 - **Async scheduling on the CPU device** stays off by default (`VLLM_XLA_CPU_ASYNC_SCHEDULING=1`
   turns it on). On the CPU device the "device" is the host's own cores: a decode step of many rows
-  is bound by the dense kernels (the section above), and in a synchronous batch run about 1% of
-  the wall time lies outside the device's step (vLLM's scheduling and output processing, and our
-  host path), which is all that overlapping could hide. Overlapping takes that time from the
-  cores the step computes on, and a newly arrived request waits one more whole step for its
-  first token.
+  is bound by the dense kernels (the section above), and in a synchronous run of the full batch
+  workload 0.9% of the wall time lies outside the device's step (vLLM's scheduling and output
+  processing, and our host path): all that overlapping could hide. Overlapping takes that time
+  from the cores the step computes on, and a newly arrived request waits one more whole step for
+  its first token. Two alternating off/on pairs of that workload on 2026-11-28 (1-min load
+  average 13 to 25 on 2 CPUs) gave async/sync ratios of 2.0 and 0.76, each run faster where
+  the machine's load had fallen: the overlap itself is not measurable against that noise.
 - **Start-up.** Compiled programs are kept in an executable cache; a warm start loads them
   instead of compiling ([architecture.md](architecture.md#compilation-and-caches)).
 """
