@@ -335,7 +335,7 @@ def step_time_section(
         "",
         "| rows | step wall ms | "
         + " | ".join(f"{p} busy ms" for p in parts)
-        + " | host CPU ms | dense share |",
+        + " | host CPU ms (median) | dense share of busy |",
         "|" + "---|" * (len(parts) + 4),
     ]
     for row in profile["results"]:
