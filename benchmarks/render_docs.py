@@ -35,6 +35,8 @@ RESULTS = HERE / "results"
 README = REPO / "README.md"
 PERFORMANCE = REPO / "docs" / "performance.md"
 PLAN_JSON = RESULTS / "plan.json"
+STEP_PROFILE_JSON = RESULTS / "step_profile.json"
+HOST_CPU_JSON = RESULTS / "host_cpu_time.json"
 PLAN_TP_JSON = RESULTS / "plan-tp.json"
 PLAN_SCRIPT = HERE / "plan.py"
 TABLE_BEGIN = "<!-- performance table: written by benchmarks/render_docs.py, do not edit -->"
@@ -295,7 +297,71 @@ measurements.
 - To refresh a machine kind: run the benchmark, copy its JSON to
   `benchmarks/results/throughput-<kind>.json`, run `benchmarks/render_docs.py`, commit all three.
   Earlier figures are that file's history in git (`git log -p benchmarks/results/`).
+- To check a run for regressions: `benchmarks/compare.py check <run>.json` names every figure
+  that dropped past the committed run's run-to-run noise and exits 1; the noise comes from
+  repeated runs merged by `benchmarks/compare.py noise` ([README](../benchmarks/README.md)).
 """
+
+STEP_TIME_INTRO = """\
+## Where a batch step spends its time
+
+A decode step of the embedded model on the CPU device, from a JAX profiler trace of the runner
+serving it ([`benchmarks/step_profile.py`](../benchmarks/step_profile.py), greedy, no vLLM
+engine): the busy milliseconds of each part summed over XLA's threads (two cores can make them
+add up to more than the step's wall time), and our host path's CPU time on the engine's thread.
+A greedy step runs no sampler program (the forward's argmax serves it); a sampling step adds one
+small program on the `[rows, vocabulary]` logits. A loaded machine stretches every wall time and
+busy time alike (other jobs take the cores mid-operation): read the parts' shares.
+"""
+
+
+def _measured_under(report: dict[str, Any]) -> str:
+    (before, _, _), (after, _, _) = report["load_average_before_after"]
+    return f"1-min load average {before:.1f} -> {after:.1f} on {report['nproc']} CPUs, {report['date']}"
+
+
+def step_time_section(
+    profile_path: pathlib.Path = STEP_PROFILE_JSON, host_path: pathlib.Path = HOST_CPU_JSON
+) -> str:
+    """The step-time section from the committed step profile and host CPU time reports."""
+    if not profile_path.exists():
+        return STEP_TIME_INTRO + "\nNo step profile is committed (`benchmarks/results/step_profile.json`).\n"
+    profile = json.loads(profile_path.read_text())
+    parts = ("dense", "attention", "rope+kv write", "activation", "other XLA")
+    lines = [
+        STEP_TIME_INTRO,
+        f"Measured {_measured_under(profile)} ({profile['dtype']}, {profile['context']}-token contexts, "
+        f"mean of {profile['steps']} steps):",
+        "",
+        "| rows | step wall ms | "
+        + " | ".join(f"{p} busy ms" for p in parts)
+        + " | host CPU ms (median) | dense share of busy |",
+        "|" + "---|" * (len(parts) + 4),
+    ]
+    for row in profile["results"]:
+        busy = row["busy_ms"]
+        cells = [f"{busy.get(p, 0.0):.1f}" for p in parts]
+        share = busy.get("dense", 0.0) / max(sum(busy.values()), 1e-9)
+        lines.append(
+            f"| {row['rows']} | {row['wall_ms']:.0f} | " + " | ".join(cells)
+            + f" | {row['host_cpu_ms']:.2f} | {100 * share:.0f}% |"
+        )  # fmt: skip
+    if host_path.exists():
+        host = json.loads(host_path.read_text())
+        lines += [
+            "",
+            "Our host path per decode step through vLLM's engine, as CPU time of the engine's thread "
+            "([`benchmarks/host_cpu_time.py`](../benchmarks/host_cpu_time.py): the thin model of "
+            f"`host_overhead.py`, synchronous scheduling; {_measured_under(host)}):",
+            "",
+            "| rows | host CPU ms | " + " | ".join(host["results"][0]["phases_ms"]) + " |",
+            "|" + "---|" * (len(host["results"][0]["phases_ms"]) + 2),
+        ]
+        for row in host["results"]:
+            cells = " | ".join(f"{v:.3f}" for v in row["phases_ms"].values())
+            lines.append(f"| {row['rows']} | {row['decode_cpu_ms_per_step']:.2f} | {cells} |")
+    return "\n".join(lines) + "\n"
+
 
 WHAT_MOVES = """\
 ## What moves the figures
@@ -312,9 +378,23 @@ WHAT_MOVES = """\
   kernels, but a badly chosen `--max-num-batched-tokens` still prefills in large, slow steps.
   Smaller steps bound the stalls other streams see ([configuration.md](configuration.md)).
 - **Host time per step.** Ours is reported as `vllm_xla:host_seconds_per_step`
-  ([metrics.md](metrics.md)) and by `benchmarks/host_overhead.py`; on TPU and GPU it is hidden
-  behind the device step by vLLM's async scheduling. On the CPU device the "device" is the host's
-  own cores, so async scheduling is off there by default.
+  ([metrics.md](metrics.md)), by `benchmarks/host_overhead.py` (wall time, the device's threads
+  off the engine's core) and by `benchmarks/host_cpu_time.py` (CPU time, phase by phase); on TPU
+  and GPU it is hidden behind the device step by vLLM's async scheduling. Measured as CPU time it
+  is the same today as before LoRA, pooling, int8 and speculative decoding were served (a request
+  that uses none of them adds no per-step work for them). The same host code costs three to
+  seven times more CPU time in the engine than in a loop of its own (input preparation, the
+  runtime's execute call), most likely because the forward and other jobs between two steps leave
+  it cold caches.
+- **Async scheduling on the CPU device** stays off by default (`VLLM_XLA_CPU_ASYNC_SCHEDULING=1`
+  turns it on). On the CPU device the "device" is the host's own cores: a decode step of many rows
+  is bound by the dense kernels (the section above), and in a synchronous run of the full batch
+  workload 0.9% of the wall time lies outside the device's step (vLLM's scheduling and output
+  processing, and our host path): all that overlapping could hide. Overlapping takes that time
+  from the cores the step computes on, and a newly arrived request waits one more whole step for
+  its first token. Two alternating off/on pairs of that workload on 2026-11-28 (1-min load
+  average 13 to 25 on 2 CPUs) gave async/sync ratios of 2.0 and 0.76, each run faster where
+  the machine's load had fallen: the overlap itself is not measurable against that noise.
 - **Start-up.** Compiled programs are kept in an executable cache; a warm start loads them
   instead of compiling ([architecture.md](architecture.md#compilation-and-caches)).
 """
@@ -328,7 +408,7 @@ def performance_page(
     if runs:
         sections.append("## Latest figures, all machine kinds\n\n" + readme_table(runs) + "\n")
     sections += [machine_section(kind, report) for kind, report in runs.items()]
-    sections += [planner_section(planner, planner_tp), WHAT_MOVES]
+    sections += [step_time_section(), planner_section(planner, planner_tp), WHAT_MOVES]
     return "\n".join(s.rstrip("\n") + "\n" for s in sections)
 
 
