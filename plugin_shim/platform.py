@@ -107,6 +107,9 @@ class XlaPlatform(Platform):
         refuse_unsupported(vllm_config)  # the one list of features vllm-xla does not implement
         refuse_unsupported_architecture(vllm_config)  # before the worker: with the list we serve
         configure_parallel(vllm_config)  # tensor parallelism: one worker over a mesh
+        from plugin_shim.hybrid import configure_hybrid  # it imports the runner's state caches
+
+        configure_hybrid(vllm_config)  # Gated DeltaNet states: one a request, no prefix caching
         record_local_replicas(vllm_config)  # data parallelism: each replica's devices, in its worker
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE

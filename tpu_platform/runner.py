@@ -46,6 +46,7 @@ from tpu_platform.sampling.uniform import (
     with_all_extras,
 )
 from tpu_platform.speculation.verifier import SpeculativeDecoding
+from tpu_platform.state_cache import allocate_layer_caches
 from tpu_platform.step import make_sampler
 from tpu_platform.step_program import KVLayout, build_step_program
 from tpu_platform.step_record import DispatchedStep, InFlightStep, record_step
@@ -212,14 +213,13 @@ class Runner:
         mc = self.model_config
         layout = layout or KVLayout.from_groups([range(mc.num_layers)], mc.num_layers)
         shape = (num_pages, self.config.page_size, self.kv_heads, mc.head_dim)
-        caches = allocate_stacked_caches(
-            layout.num_caches,
-            *shape,
-            self.kv_dtype,
-            self.backend,
-            self.mesh,
-            latent_width=mc.latent_cache_width,
-        )
+        if layout.state_layers:  # a hybrid model: state pools beside KV pages, one cache a layer
+            caches = allocate_layer_caches(mc, layout, *shape[:3], self.kv_dtype, self.dtype, self.backend)
+        else:
+            caches = allocate_stacked_caches(
+                layout.num_caches, *shape, self.kv_dtype, self.backend, self.mesh,
+                latent_width=mc.latent_cache_width,
+            )  # fmt: skip
         # Committed to the device like the step's outputs, so warm-up and serving share programs.
         self.kv_caches = jax.device_put(caches, self.device) if self.mesh is None else caches
         self.num_pages = num_pages

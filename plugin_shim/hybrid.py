@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Hybrid models (Gated DeltaNet beside full attention: Qwen3-Next, Qwen3.5) through vLLM's
+hybrid KV-cache manager: the config steps and the Mamba-style state specs of the state layers
+(`tpu_platform.state_cache` holds the pools).
+
+vLLM's own config step for hybrids (`HybridAttentionMambaModelConfig`) turns prefix caching into
+`mamba_cache_mode="align"`, which keeps a state a block of tokens so that a cached prefix can
+resume from it. The runner keeps one state a request (`mamba_cache_mode="none"`, vLLM's mode
+without prefix caching), so prefix caching is turned off for these models, with a warning, as
+vLLM turns it off for other models it cannot serve it for.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax.numpy as jnp
+import torch
+from vllm.logger import init_logger
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
+
+from models.config import ModelConfig
+from tpu_platform.state_cache import state_shapes_and_dtypes
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger("vllm.xla.hybrid")
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def state_layer_name(index: int) -> str:
+    return f"model.layers.{index}.linear_attn"
+
+
+def is_hybrid(vllm_config: VllmConfig) -> bool:
+    model = vllm_config.model_config
+    return model is not None and bool(model.is_hybrid)
+
+
+def configure_hybrid(vllm_config: VllmConfig) -> None:
+    """A hybrid model's config: one state a request (`mamba_cache_mode="none"`, its block the
+    whole sequence), so prefix caching off (module docstring). Safe to call twice."""
+    if not is_hybrid(vllm_config):
+        return
+    cache, model = vllm_config.cache_config, vllm_config.model_config
+    if cache.enable_prefix_caching:
+        logger.warning(
+            "prefix caching is turned off for %s: vllm-xla keeps one Gated DeltaNet state a request "
+            "(mamba_cache_mode='none'), not the per-block states a cached prefix resumes from",
+            model.architecture,
+        )
+        cache.enable_prefix_caching = False
+    cache.mamba_cache_mode = "none"
+    cache.mamba_block_size = model.max_model_len
+
+
+def state_specs(
+    config: ModelConfig, vllm_config: VllmConfig, conv_dtype: jnp.dtype, page_bytes: int
+) -> dict[str, KVCacheSpec]:
+    """vLLM's Mamba-style spec of each state layer: its conv and recurrent state shapes as the
+    pools hold them, one block a request (`mamba_cache_mode="none"`), padded to `page_bytes` (the
+    attention layers' page: the engine wants one page size; the pools hold the state unpadded).
+    A state larger than a page is refused, naming the block size that fits it."""
+    shapes, dtypes = state_shapes_and_dtypes(config, conv_dtype)
+    cache = vllm_config.cache_config
+    spec = MambaSpec(
+        block_size=cache.mamba_block_size or vllm_config.model_config.max_model_len,
+        shapes=shapes,
+        dtypes=tuple(_TORCH_DTYPES[jnp.dtype(d).name] for d in dtypes),
+        page_size_padded=page_bytes,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode=cache.mamba_cache_mode,
+    )
+    state_bytes = spec.state_content_size_bytes
+    if state_bytes > page_bytes:
+        per_token = page_bytes // cache.block_size
+        fits = -(-state_bytes // per_token)
+        raise ValueError(
+            f"a Gated DeltaNet state takes {state_bytes} B a request, more than a {cache.block_size}-"
+            f"token KV page ({page_bytes} B): the engine needs pages at least as large; pass "
+            f"--block-size {-(-fits // 16) * 16} or more"
+        )
+    return {state_layer_name(i): spec for i in config.state_layers}
