@@ -57,6 +57,24 @@ def configure_hybrid(vllm_config: VllmConfig) -> None:
     cache.mamba_block_size = model.max_model_len
 
 
+def with_state_specs(
+    attention_specs: dict[str, KVCacheSpec], states: dict[str, KVCacheSpec], num_layers: int
+) -> dict[str, KVCacheSpec]:
+    """Every layer's spec in layer order: a state layer's from `states`, the others' from
+    `attention_specs` (whose entries for state layers are dropped). vLLM numbers the groups by
+    the order in which it meets each kind, which `KVLayout.for_model` follows."""
+    from plugin_shim.worker import layer_name
+
+    ordered = {}
+    for i in range(num_layers):
+        name = state_layer_name(i)
+        if name in states:
+            ordered[name] = states[name]
+        elif layer_name(i) in attention_specs:
+            ordered[layer_name(i)] = attention_specs[layer_name(i)]
+    return ordered
+
+
 def state_specs(
     config: ModelConfig, vllm_config: VllmConfig, conv_dtype: jnp.dtype, page_bytes: int
 ) -> dict[str, KVCacheSpec]:

@@ -17,7 +17,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from plugin_shim.cache_dtype import runner_kv_cache_dtype
 from plugin_shim.data_parallel import record_local_replicas
 from plugin_shim.feature_check import SUPPORTED_QUANTIZATION, refuse_quantization, refuse_unsupported
-from plugin_shim.flax_models import refuse_unsupported_architecture
+from plugin_shim.flax_models import refuse_unsupported_architecture, register_hybrid_placeholders
 from plugin_shim.internals import jax_backends_initialized
 from plugin_shim.parallel import configure_parallel
 from tpu_platform.envs import PREFIX, read_env, unknown_variables
@@ -93,6 +93,12 @@ class XlaPlatform(Platform):
         raise RuntimeError(
             "vllm-xla runs attention in JAX; no torch attention backend exists on this platform"
         )
+
+    @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        """Before vLLM resolves the model: the built-in hybrids vLLM cannot inspect here get a
+        placeholder in its registry (`flax_models.register_hybrid_placeholders`)."""
+        register_hybrid_placeholders()
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:

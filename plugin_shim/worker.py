@@ -21,7 +21,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from plugin_shim import data_parallel, hosts, lora, translate
 from plugin_shim.cache_dtype import runner_kv_cache_dtype, spec_dtype
-from plugin_shim.hybrid import state_layer_name, state_specs
+from plugin_shim.hybrid import state_layer_name, state_specs, with_state_specs
 from plugin_shim.logits_processors import LogitsProcessorBridge
 from plugin_shim.logs import share_vllm_logging
 from plugin_shim.parallel import mesh_tensor_parallel_size
@@ -196,9 +196,8 @@ class XlaWorker(WorkerBase):
         sources = tuple(mc.kv_source(i) for i in range(mc.num_layers))
         specs = layer_kv_specs(mc.layer_sliding_windows, mc.layer_attention_chunks, sources, **common)
         if mc.state_layers:  # a hybrid's state layers: Mamba-style specs instead (`plugin_shim.hybrid`)
-            states = {layer_name(i) for i in mc.state_layers}
-            specs = {name: spec for name, spec in specs.items() if name not in states}
-            specs.update(state_specs(mc, self.vllm_config, self.runner.dtype, actual))
+            states = state_specs(mc, self.vllm_config, self.runner.dtype, actual)
+            specs = with_state_specs(specs, states, mc.num_layers)
         return specs
 
     def _latent_cache_specs(self, dtype: torch.dtype) -> dict[str, KVCacheSpec]:
