@@ -209,9 +209,11 @@ class Runner:
     def initialize_kv_cache(self, num_pages: int, layout: KVLayout | None = None) -> None:
         """Allocates the caches, stacked in one array (a few past int32's slot numbers:
         `allocate_stacked_caches`) as `layout` shares them between the layers (default: one
-        group, one cache per layer), and builds the step program over them."""
+        group, one cache per layer; a hybrid's groups as vLLM makes them), and builds the step
+        program over them."""
         mc = self.model_config
-        layout = layout or KVLayout.from_groups([range(mc.num_layers)], mc.num_layers)
+        hybrid = KVLayout.for_model(mc) if mc.state_layers else None
+        layout = layout or hybrid or KVLayout.from_groups([range(mc.num_layers)], mc.num_layers)
         shape = (num_pages, self.config.page_size, self.kv_heads, mc.head_dim)
         if layout.state_layers:  # a hybrid model: state pools beside KV pages, one cache a layer
             caches = allocate_layer_caches(mc, layout, *shape[:3], self.kv_dtype, self.dtype, self.backend)
