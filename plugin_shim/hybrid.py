@@ -21,7 +21,8 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 
 from models.config import ModelConfig
-from tpu_platform.state_cache import state_shapes_and_dtypes
+from plugin_shim.cache_dtype import runner_kv_cache_dtype
+from tpu_platform.state_cache import state_shapes_and_dtypes, state_slot_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,6 +56,32 @@ def configure_hybrid(vllm_config: VllmConfig) -> None:
         cache.enable_prefix_caching = False
     cache.mamba_cache_mode = "none"
     cache.mamba_block_size = model.max_model_len
+    _pages_hold_a_state(vllm_config)
+
+
+def _pages_hold_a_state(vllm_config: VllmConfig) -> None:
+    """Raises the block size to the smallest multiple of it whose KV page holds a request's
+    state in one layer, as vLLM does for hybrids on its own platforms (the engine wants one page
+    size for every group: `state_specs`); the user's block size too, as vLLM overrides it."""
+    cache, model = vllm_config.cache_config, vllm_config.model_config
+    config = ModelConfig.from_hf_dict(model.hf_config.to_dict())
+    if not config.state_layers:
+        return
+    kv_dtype = jnp.dtype(runner_kv_cache_dtype(cache) or _model_dtype(model))
+    per_token = 2 * config.num_kv_heads * config.head_dim * kv_dtype.itemsize  # at least, in any layout
+    state = state_slot_bytes(config, jnp.dtype(_model_dtype(model)))
+    if cache.block_size * per_token >= state:
+        return
+    pages = -(-state // (cache.block_size * per_token))
+    logger.info(
+        "block size %d -> %d for %s: a KV page must hold a Gated DeltaNet state (%d B)",
+        cache.block_size, pages * cache.block_size, model.architecture, state,
+    )  # fmt: skip
+    cache.block_size *= pages
+
+
+def _model_dtype(model) -> str:
+    return str(model.dtype).removeprefix("torch.")
 
 
 def with_state_specs(

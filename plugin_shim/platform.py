@@ -113,9 +113,6 @@ class XlaPlatform(Platform):
         refuse_unsupported(vllm_config)  # the one list of features vllm-xla does not implement
         refuse_unsupported_architecture(vllm_config)  # before the worker: with the list we serve
         configure_parallel(vllm_config)  # tensor parallelism: one worker over a mesh
-        from plugin_shim.hybrid import configure_hybrid  # it imports the runner's state caches
-
-        configure_hybrid(vllm_config)  # Gated DeltaNet states: one a request, no prefix caching
         record_local_replicas(vllm_config)  # data parallelism: each replica's devices, in its worker
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
@@ -128,6 +125,9 @@ class XlaPlatform(Platform):
             kv_dtype = runner_kv_cache_dtype(cache)  # an unsupported one fails here, not in the worker
             if not cache.user_specified_block_size:
                 cache.block_size = default_page_size(read_env().platform, kv_dtype)
+        from plugin_shim.hybrid import configure_hybrid  # it imports the runner's state caches
+
+        configure_hybrid(vllm_config)  # Gated DeltaNet states: one a request, pages that hold one
         _async_scheduling_off_on_cpu(vllm_config.scheduler_config)
         if vllm_config.lora_config is not None:  # an adapter unreadable at its step fails its request
             from plugin_shim.request_failures import scheduler_fails_requests
