@@ -15,21 +15,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
-import torch
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 
 from models.config import ModelConfig
-from plugin_shim.cache_dtype import runner_kv_cache_dtype
+from plugin_shim.cache_dtype import runner_kv_cache_dtype, spec_dtype
 from tpu_platform.state_cache import state_shapes_and_dtypes, state_slot_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger("vllm.xla.hybrid")
-
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def state_layer_name(index: int) -> str:
@@ -90,7 +87,7 @@ def with_state_specs(
     """Every layer's spec in layer order: a state layer's from `states`, the others' from
     `attention_specs` (whose entries for state layers are dropped). vLLM numbers the groups by
     the order in which it meets each kind, which `KVLayout.for_model` follows."""
-    from plugin_shim.worker import layer_name
+    from plugin_shim.worker import layer_name  # the worker imports this module
 
     ordered = {}
     for i in range(num_layers):
@@ -114,7 +111,7 @@ def state_specs(
     spec = MambaSpec(
         block_size=cache.mamba_block_size or vllm_config.model_config.max_model_len,
         shapes=shapes,
-        dtypes=tuple(_TORCH_DTYPES[jnp.dtype(d).name] for d in dtypes),
+        dtypes=tuple(spec_dtype(jnp.dtype(d).name) for d in dtypes),
         page_size_padded=page_bytes,
         mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
         mamba_cache_mode=cache.mamba_cache_mode,
