@@ -350,9 +350,11 @@ class Runner:
             fed_tokens,
         )
         if key not in self._flat_forwards:  # decided once per program
-            self._flat_forwards[key] = FlatCall.of(
-                self.programs.get(key), len(self._state_leaves) + len(self.kv_caches) + 2
-            )
+            # A hybrid's step read back from the executable cache crashes under the flat call:
+            # JAX's own call runs its state pools (`tpu_platform.state_cache`).
+            program = None if self.step_program.layout.state_layers else self.programs.get(key)
+            num_args = len(self._state_leaves) + len(self.kv_caches) + 2
+            self._flat_forwards[key] = program and FlatCall.of(program, num_args)
         return logits, greedy, hidden
 
     # -- one engine step ------------------------------------------------------------------------
