@@ -44,16 +44,7 @@ _MODEL_CLASSES: dict[str, str] = {
 }
 # Built-in architectures whose Flax model runs (`build`, `models.loader.load_model`) but which the
 # engine does not serve yet, with the reason its start is refused.
-_HYBRID_NOT_SERVED = (
-    "its Gated DeltaNet layers keep a state per request (conv inputs and a recurrent state), "
-    "which the vllm-xla worker does not allocate beside the KV pages yet; the Flax model "
-    "runs outside the engine (models.load_model)"
-)
-_NOT_SERVED: dict[str, str] = {
-    "Qwen3NextForCausalLM": _HYBRID_NOT_SERVED,
-    "Qwen3_5ForCausalLM": _HYBRID_NOT_SERVED,
-    "Qwen3_5MoeForCausalLM": _HYBRID_NOT_SERVED,
-}
+_NOT_SERVED: dict[str, str] = {}
 SUPPORTED_ARCHITECTURES = tuple(sorted(set(_MODEL_CLASSES) - set(_NOT_SERVED)))  # the built-in served ones
 # Built-in architectures whose `config.json` has fields of their own (else `ModelConfig`).
 _CONFIG_CLASSES: dict[str, str] = {

@@ -108,6 +108,12 @@ class ModelConfig:
         shared row, `pallas_kernels.mla`); 0 for a model whose cache holds per-head K and V."""
         return 0
 
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """Layers that keep a fixed-size state per request instead of KV pages (linear attention,
+        `models.gated_deltanet`); none for a model whose every layer attends over a KV cache."""
+        return ()
+
     def kv_source(self, layer: int) -> int:
         """The layer whose KV cache `layer` reads: itself, unless the model shares caches
         across layers (Gemma 4's KV-shared layers, which have no cache of their own)."""

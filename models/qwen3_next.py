@@ -116,6 +116,20 @@ class Qwen3NextConfig(ModelConfig):
     def is_linear_attention(self, layer: int) -> bool:
         return self.layer_types[layer] == LINEAR_ATTENTION
 
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The Gated DeltaNet layers: each keeps a conv and a recurrent state per request."""
+        return tuple(i for i in range(self.num_layers) if self.is_linear_attention(i))
+
+    @property
+    def state_shapes(self) -> dict[str, int]:
+        """A Gated DeltaNet layer's state facts (`pallas_kernels.allocate_state_pools`)."""
+        keys, values = self.linear_num_key_heads * self.linear_key_head_dim, self.linear_num_value_heads
+        return dict(
+            conv_width=self.linear_conv_kernel_dim, conv_dim=2 * keys + values * self.linear_value_head_dim,
+            num_heads=values, key_dim=self.linear_key_head_dim, value_dim=self.linear_value_head_dim,
+        )  # fmt: skip
+
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> Qwen3NextConfig:
         # `ModelConfig.from_hf_dict` builds `cls` with its own fields (a slots dataclass's

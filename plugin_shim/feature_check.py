@@ -121,6 +121,13 @@ def _online_patterns(config: VllmConfig) -> bool:
     return bool(getattr(args, "ignore", None) or getattr(args, "targets", None))
 
 
+def _hybrid(config: VllmConfig) -> bool:
+    """Whether the model mixes Gated DeltaNet (state) layers with attention (Qwen3-Next, Qwen3.5)."""
+    return bool(_model(config).is_hybrid)
+
+
+_HYBRID_ONE_DEVICE = "serve it on one device: its Gated DeltaNet layers do not split over a mesh yet"
+
 REFUSED: tuple[Refusal, ...] = (
     Refusal(
         "fully_sharded_loras",
@@ -194,6 +201,46 @@ REFUSED: tuple[Refusal, ...] = (
         lambda c: speculative.unsupported_speculation(c) is not None,
         speculative.INSTEAD,
         speculative.unsupported_speculation,
+    ),
+    Refusal(
+        "tensor_parallel_size with a hybrid model",
+        "tensor parallelism for hybrid models (Qwen3-Next, Qwen3.5)",
+        "> 1",
+        lambda c: _hybrid(c) and _parallel(c).tensor_parallel_size > 1,
+        _HYBRID_ONE_DEVICE,
+    ),
+    Refusal(
+        "speculative_config with a hybrid model",
+        "speculative decoding of hybrid models",
+        "any value",
+        lambda c: _hybrid(c) and c.speculative_config is not None,
+        "leave it unset: a rejected draft token would stay in the Gated DeltaNet state, which "
+        "vllm-xla keeps one a request, not one a draft position",
+    ),
+    Refusal(
+        "enable_lora with a hybrid model",
+        "LoRA adapters on hybrid models",
+        "True",
+        lambda c: _hybrid(c) and c.lora_config is not None,
+        "merge the adapter into the checkpoint: adapters on the Gated DeltaNet and gated attention "
+        "projections are not built",
+    ),
+    Refusal(
+        "runner with a hybrid model",
+        "pooling with hybrid models",
+        "'pooling' (or a convert)",
+        lambda c: _hybrid(c) and _model(c).runner_type == "pooling",
+        "serve the model for generation; pooling runs attention-only models",
+    ),
+    Refusal(
+        "mamba_cache_dtype / mamba_ssm_cache_dtype",
+        "another dtype for Gated DeltaNet states",
+        "anything but 'auto' (conv inputs in the model's dtype, the recurrent state in float32)",
+        lambda c: (
+            c.cache_config.mamba_cache_dtype != "auto"
+            or c.cache_config.mamba_ssm_cache_dtype not in ("auto", "float32")
+        ),
+        "leave mamba_cache_dtype and mamba_ssm_cache_dtype 'auto'",
     ),
     Refusal(
         "cpu_offload_gb",

@@ -9,7 +9,8 @@ Flax model, declaring a text-generation model and nothing more.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -46,6 +47,33 @@ class FlaxModelPlaceholder(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+
+class HybridFlaxModelPlaceholder(FlaxModelPlaceholder):
+    """A placeholder declaring a hybrid model (vLLM's `IsHybrid`: state layers beside attention),
+    so that vLLM's config steps for hybrids run (`plugin_shim.hybrid`)."""
+
+    is_hybrid: ClassVar[Literal[True]] = True
+
+
+# Built-in hybrids whose vLLM model module imports what this platform's install leaves out
+# (Qwen3.5's imports its vision model, which needs torchvision): vLLM's registry would fail to
+# inspect them, so a placeholder stands in for vLLM's class, which is never built here anyway.
+_HYBRID_PLACEHOLDERS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+
+
+def register_hybrid_placeholders() -> None:
+    """Puts the hybrid placeholders in vLLM's registry (again: the same classes), before vLLM
+    resolves the model (`XlaPlatform.pre_register_and_update`)."""
+    from vllm import ModelRegistry
+
+    for architecture in _HYBRID_PLACEHOLDERS:
+        ModelRegistry.register_model(architecture, _hybrid_placeholder(architecture))
+
+
+@functools.cache
+def _hybrid_placeholder(architecture: str) -> type[HybridFlaxModelPlaceholder]:
+    return type(architecture, (HybridFlaxModelPlaceholder,), {"__module__": __name__})
 
 
 def register_flax_model(

@@ -17,7 +17,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from plugin_shim.cache_dtype import runner_kv_cache_dtype
 from plugin_shim.data_parallel import record_local_replicas
 from plugin_shim.feature_check import SUPPORTED_QUANTIZATION, refuse_quantization, refuse_unsupported
-from plugin_shim.flax_models import refuse_unsupported_architecture
+from plugin_shim.flax_models import refuse_unsupported_architecture, register_hybrid_placeholders
 from plugin_shim.internals import jax_backends_initialized
 from plugin_shim.parallel import configure_parallel
 from plugin_shim.speculative import async_scheduling_off_for_draft_model
@@ -96,6 +96,12 @@ class XlaPlatform(Platform):
         )
 
     @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        """Before vLLM resolves the model: the built-in hybrids vLLM cannot inspect here get a
+        placeholder in its registry (`flax_models.register_hybrid_placeholders`)."""
+        register_hybrid_placeholders()
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         """Points vLLM at our worker and turns off torch compilation; safe to call twice."""
         from vllm.config import CompilationMode, CUDAGraphMode
@@ -121,6 +127,9 @@ class XlaPlatform(Platform):
             kv_dtype = runner_kv_cache_dtype(cache)  # an unsupported one fails here, not in the worker
             if not cache.user_specified_block_size:
                 cache.block_size = default_page_size(read_env().platform, kv_dtype)
+        from plugin_shim.hybrid import configure_hybrid  # it imports the runner's state caches
+
+        configure_hybrid(vllm_config)  # Gated DeltaNet states: one a request, pages that hold one
         _async_scheduling_off_on_cpu(vllm_config.scheduler_config)
         if vllm_config.lora_config is not None:  # an adapter unreadable at its step fails its request
             from plugin_shim.request_failures import scheduler_fails_requests

@@ -90,7 +90,14 @@ SUPPORTED: tuple[Supported, ...] = (
         "num_gpu_blocks_override, kv_cache_dtype (auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2)",
         "",
     ),
-    Supported("Sliding-window and hybrid models", "", "each window size gets its own KV-cache group"),
+    Supported("Sliding-window models", "", "each window size gets its own KV-cache group"),
+    Supported(
+        "Hybrid models: Gated DeltaNet beside full attention (Qwen3-Next, Qwen3.5)",
+        "",
+        "a state per request in each Gated DeltaNet layer, one block of vLLM's hybrid KV-cache manager "
+        "(a Mamba-style spec); chunked prefill and preemption; prefix caching is turned off for them "
+        "(docs/models.md)",
+    ),
     Supported("Model dtype", "dtype", "float32, bfloat16, float16"),
     Supported(
         "int8 weights (W8A16)",

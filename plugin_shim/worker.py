@@ -21,6 +21,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from plugin_shim import data_parallel, hosts, lora, translate
 from plugin_shim.cache_dtype import runner_kv_cache_dtype, spec_dtype
+from plugin_shim.hybrid import state_layer_name, state_specs, with_state_specs
 from plugin_shim.logits_processors import LogitsProcessorBridge
 from plugin_shim.logs import share_vllm_logging
 from plugin_shim.parallel import mesh_tensor_parallel_size
@@ -32,6 +33,7 @@ from tpu_platform.envs import read_env
 from tpu_platform.metrics_file import MetricsPublisher, metrics_path
 from tpu_platform.runner import InFlightStep, Runner, RunnerConfig
 from tpu_platform.speculation.draft_model import kv_share
+from tpu_platform.state_cache import kv_budget_share
 from tpu_platform.step_program import KVLayout
 
 logger = init_logger("vllm.xla.worker")
@@ -43,23 +45,27 @@ def layer_name(index: int) -> str:
     return f"model.layers.{index}.self_attn.attn"
 
 
-def kv_layout(config: KVCacheConfig, num_layers: int, sources: tuple[int, ...] = ()) -> KVLayout:
+def kv_layout(
+    config: KVCacheConfig, num_layers: int, sources: tuple[int, ...] = (), state_layers: tuple[int, ...] = ()
+) -> KVLayout:
     """How the engine's KV-cache groups share caches between the model's layers (`sources[i]`:
     the layer whose cache layer i reads, for KV-shared layers, which are in no group).
 
     The engine hands every page to one group at a time, so the k-th layer of each group can share
     one array (this is how the engine sized the cache). One group: one array per layer. A layer
     reading another layer's cache (`kv_sources[i] != i`: no spec of its own was reported) takes
-    its source's group and array.
+    its source's group and array. A hybrid model's `state_layers` have groups of their own
+    (`plugin_shim.hybrid`).
     """
     index_of = {layer_name(i): i for i in range(num_layers)}
+    index_of.update({state_layer_name(i): i for i in state_layers})
     groups = [[index_of.get(name, -1) for name in group.layer_names] for group in config.kv_cache_groups]
     listed = {layer for group in groups for layer in group}
     owners = [i for i in range(num_layers) if not sources or sources[i] == i]
     missing = [layer_name(i) for i in owners if i not in listed]
     if missing:
         raise ValueError(f"the engine's KV-cache config has no group for layers {missing[:3]}")
-    return KVLayout.from_groups(groups, num_layers, sources)
+    return KVLayout.from_groups(groups, num_layers, sources, state_layers)
 
 
 def layer_kv_specs(
@@ -193,7 +199,11 @@ class XlaWorker(WorkerBase):
         if actual != logical:  # e.g. head_dim padded to 128 for TPU tiling
             common["page_size_padded"] = actual
         sources = tuple(mc.kv_source(i) for i in range(mc.num_layers))
-        return layer_kv_specs(mc.layer_sliding_windows, mc.layer_attention_chunks, sources, **common)
+        specs = layer_kv_specs(mc.layer_sliding_windows, mc.layer_attention_chunks, sources, **common)
+        if mc.state_layers:  # a hybrid's state layers: Mamba-style specs instead (`plugin_shim.hybrid`)
+            states = state_specs(mc, self.vllm_config, self.runner.dtype, actual)
+            specs = with_state_specs(specs, states, mc.num_layers)
+        return specs
 
     def _latent_cache_specs(self, dtype: torch.dtype) -> dict[str, KVCacheSpec]:
         mc = self.runner.model_config
@@ -219,6 +229,9 @@ class XlaWorker(WorkerBase):
             target = runner.kv_page_bytes() * sum(mc.kv_source(i) == i for i in range(mc.num_layers))
             draft_bytes = draft.page_bytes(self.cache_config.block_size, runner.kv_dtype, runner.backend)
             available = kv_share(target, draft_bytes, available)
+        # A hybrid's state pools beside its KV pages: the engine counts neither (`state_cache`).
+        share = kv_budget_share(self.runner.model_config, self.runner.kv_page_bytes(), self.runner.dtype)
+        available = int(available * share)
         if self.runner.tp_size > 1:
             logger.info(
                 "KV cache budget %.2f GiB per device on %d devices (each holds %d of the %d KV heads "
@@ -230,7 +243,7 @@ class XlaWorker(WorkerBase):
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         mc = self.runner.model_config
         sources = tuple(mc.kv_source(i) for i in range(mc.num_layers))
-        layout = kv_layout(kv_cache_config, mc.num_layers, sources)
+        layout = kv_layout(kv_cache_config, mc.num_layers, sources, mc.state_layers)
         self.runner.initialize_kv_cache(kv_cache_config.num_blocks, layout)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:

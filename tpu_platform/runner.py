@@ -47,6 +47,7 @@ from tpu_platform.sampling.uniform import (
 )
 from tpu_platform.speculation.draft_model import DraftModel
 from tpu_platform.speculation.verifier import SpeculativeDecoding
+from tpu_platform.state_cache import allocate_layer_caches
 from tpu_platform.step import make_sampler
 from tpu_platform.step_program import KVLayout, build_step_program
 from tpu_platform.step_record import DispatchedStep, InFlightStep, record_step
@@ -213,18 +214,19 @@ class Runner:
     def initialize_kv_cache(self, num_pages: int, layout: KVLayout | None = None) -> None:
         """Allocates the caches, stacked in one array (a few past int32's slot numbers:
         `allocate_stacked_caches`) as `layout` shares them between the layers (default: one
-        group, one cache per layer), and builds the step program over them."""
+        group, one cache per layer; a hybrid's groups as vLLM makes them), and builds the step
+        program over them."""
         mc = self.model_config
-        layout = layout or KVLayout.from_groups([range(mc.num_layers)], mc.num_layers)
+        hybrid = KVLayout.for_model(mc) if mc.state_layers else None
+        layout = layout or hybrid or KVLayout.from_groups([range(mc.num_layers)], mc.num_layers)
         shape = (num_pages, self.config.page_size, self.kv_heads, mc.head_dim)
-        caches = allocate_stacked_caches(
-            layout.num_caches,
-            *shape,
-            self.kv_dtype,
-            self.backend,
-            self.mesh,
-            latent_width=mc.latent_cache_width,
-        )
+        if layout.state_layers:  # a hybrid model: state pools beside KV pages, one cache a layer
+            caches = allocate_layer_caches(mc, layout, *shape[:3], self.kv_dtype, self.dtype, self.backend)
+        else:
+            caches = allocate_stacked_caches(
+                layout.num_caches, *shape, self.kv_dtype, self.backend, self.mesh,
+                latent_width=mc.latent_cache_width,
+            )  # fmt: skip
         # Committed to the device like the step's outputs, so warm-up and serving share programs.
         self.kv_caches = jax.device_put(caches, self.device) if self.mesh is None else caches
         self.num_pages = num_pages
@@ -357,9 +359,11 @@ class Runner:
             fed_tokens,
         )
         if key not in self._flat_forwards:  # decided once per program
-            self._flat_forwards[key] = FlatCall.of(
-                self.programs.get(key), len(self._state_leaves) + len(self.kv_caches) + 2
-            )
+            # A hybrid's step read back from the executable cache crashes under the flat call:
+            # JAX's own call runs its state pools (`tpu_platform.state_cache`).
+            program = None if self.step_program.layout.state_layers else self.programs.get(key)
+            num_args = len(self._state_leaves) + len(self.kv_caches) + 2
+            self._flat_forwards[key] = program and FlatCall.of(program, num_args)
         return logits, greedy, hidden
 
     # -- one engine step ------------------------------------------------------------------------

@@ -34,6 +34,7 @@ def forward_logits(
     cache_pages: int = 0,
     caches_per_array: int = 0,
     mesh: Mesh | None = None,
+    cache_def: jax.tree_util.PyTreeDef | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
     """Runs the model on all scheduled tokens (`packed` by `pack_inputs`, padded to `dims`).
 
@@ -64,7 +65,11 @@ def forward_logits(
         caches_per_array=caches_per_array,
         mesh=mesh,
     )
+    if cache_def is not None:  # a hybrid's caches come flat; its state layers take pairs
+        kv_caches = jax.tree.unflatten(cache_def, kv_caches)
     hidden, kv_caches = model(token_ids, inputs.positions, kv_caches, md)
+    if cache_def is not None:
+        kv_caches = jax.tree.leaves(kv_caches)
     rows = hidden[inputs.logits_indices]
     # Rows past the real sequences enter the head as zeros: the CPU's dense kernel then skips
     # them, which would otherwise cost as much per row as a decode row's.
@@ -104,6 +109,7 @@ def make_forward(
     caches_per_array: int = 0,
     mesh: Mesh | None = None,
     cache_shardings: list[NamedSharding] | None = None,
+    cache_def: jax.tree_util.PyTreeDef | None = None,
 ) -> Callable:
     """`forward(state_leaves, kv_caches, packed, fed_tokens, dims=...) -> (logits, greedy, hidden,
     kv_caches)`, jitted.
@@ -120,6 +126,8 @@ def make_forward(
     `mesh`: the tensor-parallel mesh; the state leaves and caches come placed on it, the caches
     leave with `cache_shardings`, the other outputs replicated (the logits gathered over the
     vocabulary: the sampler sees all of it).
+    `cache_def`: the structure the model takes its (flat) caches in, when not a flat list (a
+    hybrid model's state pools, `tpu_platform.state_cache`).
     """
     step = functools.partial(
         forward_logits,
@@ -132,6 +140,7 @@ def make_forward(
         cache_pages=cache_pages,
         caches_per_array=caches_per_array,
         mesh=mesh,
+        cache_def=cache_def,
     )
     if mesh is None:
         return jax.jit(step, donate_argnums=(1,), static_argnames=("dims",))

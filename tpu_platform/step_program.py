@@ -41,21 +41,32 @@ class KVLayout:
     One group: `layer_groups` and `layer_caches` are empty and each layer has a cache of its own.
     Several (sliding-window and full layers mixed): layer i is in group `layer_groups[i]` and uses
     cache `layer_caches[i]`; the engine hands each page to one group at a time, so the k-th layer
-    of every group shares cache k."""
+    of every group shares cache k.
+
+    A hybrid model's `state_layers` (linear attention: a fixed-size state per request,
+    `tpu_platform.state_cache`) have groups of their own, one block a request (its state slot);
+    then every layer has a cache of its own (`layer_caches[i] == i`): state pools and KV pages
+    have different shapes, so no array is shared."""
 
     layer_groups: tuple[int, ...]
     layer_caches: tuple[int, ...]
     num_caches: int
     num_groups: int
+    state_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_groups(
-        cls, groups: Sequence[Sequence[int]], num_layers: int, sources: Sequence[int] = ()
+        cls,
+        groups: Sequence[Sequence[int]],
+        num_layers: int,
+        sources: Sequence[int] = (),
+        state_layers: Sequence[int] = (),
     ) -> KVLayout:
         """The layout of `groups` (each group's layer indices, in the group's order, as vLLM's
         `KVCacheConfig.kv_cache_groups` lists them). `sources[i]` is the layer whose cache layer i
         reads (default: its own); every layer that reads its own must be in exactly one group,
-        and a layer reading another's (KV sharing) in none: it takes its source's group and cache."""
+        and a layer reading another's (KV sharing) in none: it takes its source's group and cache.
+        `state_layers`: the layers that keep a state per request (class docstring)."""
         sources = tuple(sources) or tuple(range(num_layers))
         owners = [i for i in range(num_layers) if sources[i] == i]
         listed = sorted(layer for group in groups for layer in group)
@@ -74,7 +85,20 @@ class KVLayout:
                 layer_groups[layer], layer_caches[layer] = g, k
         for i, source in enumerate(sources):
             layer_groups[i], layer_caches[i] = layer_groups[source], layer_caches[source]
+        if state_layers:
+            layer_caches, num_caches = list(range(num_layers)), num_layers  # one cache a layer
+            return cls(tuple(layer_groups), tuple(layer_caches), num_caches, len(groups), tuple(state_layers))
         return cls(tuple(layer_groups), tuple(layer_caches), max(map(len, groups)), len(groups))
+
+    @property
+    def caches_def(self) -> jax.tree_util.PyTreeDef | None:
+        """The structure a hybrid model takes its caches in, one a layer (a state layer's
+        `(conv pool, recurrent pool)` pair, an attention layer's KV array), which the runner
+        holds and donates flat (`tpu_platform.state_cache`); None: a flat list."""
+        if not self.state_layers:
+            return None
+        states = set(self.state_layers)
+        return jax.tree.structure([(0, 0) if i in states else 0 for i in range(len(self.layer_caches))])
 
     @classmethod
     def for_model(cls, config: ModelConfig) -> KVLayout:
@@ -83,10 +107,12 @@ class KVLayout:
         layer has the same kind of attention (window, chunk); else the layers of each kind, in
         order of first appearance, split into groups of the smallest kind's count (the largest's
         when no kind has half as many again), each group taking every n-th layer of its kind.
-        Layers that read another layer's cache (KV sharing) are in no group."""
+        Layers that read another layer's cache (KV sharing) are in no group; a hybrid model's
+        state layers (linear attention) are a kind of their own."""
         sources = tuple(config.kv_source(i) for i in range(config.num_layers))
+        states = set(config.state_layers)
         kind_of = {
-            i: (window, chunk)
+            i: (window, chunk, i in states)
             for i, (window, chunk) in enumerate(
                 zip(config.layer_sliding_windows, config.layer_attention_chunks, strict=True)
             )
@@ -99,7 +125,7 @@ class KVLayout:
         for layers in kinds:
             num_groups = -(-len(layers) // group_size)
             groups += [layers[i::num_groups] for i in range(num_groups)]
-        return cls.from_groups(groups, config.num_layers, sources)
+        return cls.from_groups(groups, config.num_layers, sources, config.state_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,10 +197,12 @@ def build_step_program(
     state = tuple(_abstract(leaf) for leaf in state_leaves)
     abstract_caches = tuple(_abstract(cache) for cache in caches)
     per_array = caches_per_array(layout.num_caches, num_pages, page_size)
+    stacked_pages = 0 if layout.state_layers else num_pages  # a hybrid's caches: one per layer
     forward = make_forward(
         graphdef, state_def, backend, layout.layer_groups, layout.layer_caches, kv_dtype,
-        cache_pages=num_pages, caches_per_array=per_array, mesh=mesh,
+        cache_pages=stacked_pages, caches_per_array=per_array, mesh=mesh,
         cache_shardings=None if mesh is None else [cache.sharding for cache in abstract_caches],
+        cache_def=layout.caches_def,
     )  # fmt: skip
     tp_size = 1 if mesh is None else mesh.size
     context = repr(

@@ -11,6 +11,7 @@ import pytest
 from vllm.engine.arg_utils import EngineArgs
 
 from plugin_shim import feature_check
+from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
 from tests.tiny_models import save_tiny_llama
 
 _DOC = pathlib.Path(__file__).parents[2] / "docs" / "features.md"
@@ -67,6 +68,13 @@ CASES = {
     "watermark_config": ("llama", dict(watermark_config={"key": 7})),
     "enable_return_routed_experts": ("mixtral", dict(enable_return_routed_experts=True)),
     "weight_transfer_config": ("llama", dict(weight_transfer_config={"backend": "nccl"})),
+    "tensor_parallel_size with a hybrid model": ("qwen3_next", dict(tensor_parallel_size=2)),
+    "speculative_config with a hybrid model": (
+        "qwen3_next", dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+    ),
+    "enable_lora with a hybrid model": ("qwen3_next", dict(enable_lora=True)),
+    "runner with a hybrid model": ("qwen3_next", dict(runner="pooling", convert="embed")),
+    "mamba_cache_dtype / mamba_ssm_cache_dtype": ("qwen3_next", dict(mamba_ssm_cache_dtype="bfloat16")),
 }  # fmt: skip
 # More ways of asking for a refused feature.
 MORE_CASES = [
@@ -104,7 +112,7 @@ def models(tmp_path_factory) -> dict[str, str]:
         "classifier": dict(config, architectures=["LlamaForSequenceClassification"], num_labels=3),
         "other_vocab": dict(config, vocab_size=512),
     }  # fmt: skip
-    dirs = {"llama": llama, "multimodal": llama}
+    dirs = {"llama": llama, "multimodal": llama, "qwen3_next": save_tiny_qwen3_next(str(root / "qwen3_next"))}
     for name, variant in variants.items():
         path = root / name
         shutil.copytree(llama, path, ignore=shutil.ignore_patterns("*.safetensors"))

@@ -8,12 +8,16 @@ configurations (Gemma 2's alternating windows at 42 layers, Gemma 3's five slidi
 full one at 26, GPT-OSS's sliding and full layers in turn, DeepSeek V2/V3's latent caches under
 vLLM's MLA spec), from the specs the worker gives the engine; `plugin_shim.worker.kv_layout`
 turns the groups into our `KVLayout`, which must equal `KVLayout.for_model` of the same
-configuration (what the planner and the compile-only tests compile)."""
+configuration (what the planner and the compile-only tests compile). Hybrid models (Gated
+DeltaNet beside full attention) give the engine a Mamba-style spec for each state layer
+(`plugin_shim.hybrid`): the tiny Qwen3-Next and Qwen3.5, and a Qwen3-Next-80B-shaped 48 layers
+(36 linear, 12 full)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import pytest
 import torch
 from vllm.config import VllmConfig
@@ -22,10 +26,12 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from models import ModelConfig
 from models.registry import SUPPORTED_ARCHITECTURES
+from plugin_shim.hybrid import state_specs, with_state_specs
 from plugin_shim.worker import kv_layout, latent_kv_specs, layer_kv_specs
-from tests.models import tiny_deepseek, tiny_glm4_moe
+from tests.models import tiny_deepseek, tiny_glm4_moe, tiny_qwen3_next
 from tests.models.tiny_checkpoints import _COMMON, TINY
 from tpu_platform.planner.plan import known_models, model_config
+from tpu_platform.state_cache import state_slot_bytes
 from tpu_platform.step_program import KVLayout
 
 # Architectures whose layers' windows the tiny Llama's configuration gives (all full attention).
@@ -56,9 +62,16 @@ def _gemma3_26_layers() -> ModelConfig:
     )
 
 
+def _tiny_hybrid(architecture: str, **overrides) -> ModelConfig:
+    fields = tiny_qwen3_next.ARCHITECTURES[architecture][1]
+    return ModelConfig.from_hf_dict({**fields, **overrides, "architectures": [architecture]})
+
+
 def _vllm_groups(config: ModelConfig) -> KVCacheConfig:
     vllm_config = VllmConfig()
     vllm_config.cache_config.kv_cache_layout = "LBNHC"  # what the engine resolves for our worker
+    if config.state_layers:
+        return _vllm_hybrid_groups(config, vllm_config)
     if config.latent_cache_width:  # as the worker describes a latent cache
         specs = latent_kv_specs(
             config.num_layers, block_size=16, head_size=config.latent_cache_width, dtype=torch.bfloat16,
@@ -74,6 +87,22 @@ def _vllm_groups(config: ModelConfig) -> KVCacheConfig:
     )
 
 
+def _vllm_hybrid_groups(config: ModelConfig, vllm_config: VllmConfig) -> KVCacheConfig:
+    """The engine's groups of a hybrid's specs as the worker gives them: pages large enough for a
+    state (the worker refuses smaller ones), the state specs padded to a page."""
+    vllm_config.cache_config.mamba_block_size = 4096
+    per_token = 2 * config.num_kv_heads * config.head_dim * 2  # bfloat16 K and V
+    block_size = -(-state_slot_bytes(config, jnp.float32) // per_token // 16) * 16
+    specs = layer_kv_specs(
+        config.layer_sliding_windows, config.layer_attention_chunks, block_size=block_size,
+        num_kv_heads=config.num_kv_heads, head_size=config.head_dim, dtype=torch.bfloat16,
+    )  # fmt: skip
+    states = state_specs(config, vllm_config, jnp.float32, block_size * per_token)
+    specs = with_state_specs(specs, states, config.num_layers)
+    groups = get_kv_cache_groups(vllm_config, specs)
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
 def _sources(config: ModelConfig) -> tuple[int, ...]:
     """The layer whose cache each layer reads (Gemma 4's KV-shared layers read an earlier one's)."""
     return tuple(config.kv_source(i) for i in range(config.num_layers))
@@ -84,6 +113,7 @@ _OWN_TINY = {
     "Glm4MoeForCausalLM": _tiny_glm4_moe,
     # Served as its text model: the text model's layers.
     "Llama4ForConditionalGeneration": lambda: _tiny_config("Llama4ForCausalLM"),
+    **{arch: lambda arch=arch: _tiny_hybrid(arch) for arch in tiny_qwen3_next.ARCHITECTURES},
 }
 CONFIGS = {
     **{
@@ -95,6 +125,8 @@ CONFIGS = {
     **{name: model_config(name) for name in known_models()},
     "gemma-3 (26 layers)": _gemma3_26_layers(),
     # 12 sliding and 13 full layers: nearly as many of each kind, one group of each.
+    # Qwen3-Next-80B's pattern: 36 Gated DeltaNet layers, every 4th of 48 full attention.
+    "qwen3-next 48 layers": _tiny_hybrid("Qwen3NextForCausalLM", num_hidden_layers=48),
     "12 sliding, 13 full": dataclasses.replace(
         _tiny_config("Gemma2ForCausalLM"), num_layers=25, layer_sliding_windows=(10,) * 12 + (None,) * 13
     ),
@@ -110,8 +142,16 @@ def test_every_served_architecture_has_a_configuration_here():
 @pytest.mark.parametrize("name", CONFIGS)
 def test_the_engine_groups_the_layers_as_the_planner_does(name):
     config = CONFIGS[name]
-    from_vllm = kv_layout(_vllm_groups(config), config.num_layers, _sources(config))
+    from_vllm = kv_layout(_vllm_groups(config), config.num_layers, _sources(config), config.state_layers)
     assert from_vllm == KVLayout.for_model(config)
+
+
+def test_a_hybrid_has_state_groups_and_a_cache_a_layer():
+    layout = KVLayout.for_model(CONFIGS["qwen3-next 48 layers"])
+    assert layout.state_layers == tuple(i for i in range(48) if (i + 1) % 4)
+    # The 12 full-attention layers make one group; the 36 state layers three of 12.
+    assert layout.num_groups == 4 and layout.num_caches == 48 and layout.layer_caches == tuple(range(48))
+    assert {layout.layer_groups[i] for i in range(3, 48, 4)} == {layout.layer_groups[3]}
 
 
 def test_mixed_windows_make_groups_sharing_caches():
