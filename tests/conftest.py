@@ -42,6 +42,7 @@ def dense_kernels(native_kernels: pathlib.Path) -> pathlib.Path:
     return native_kernels
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which `-p no:xdist` leaves out
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Under `--dist loadfile` (the Makefile's), each test file goes whole to one worker, so the
     engines and models a module shares are built once, except that `tests/aot/` goes whole to one
