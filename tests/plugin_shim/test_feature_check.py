@@ -78,7 +78,7 @@ CASES = {
 }  # fmt: skip
 # More ways of asking for a refused feature.
 MORE_CASES = [
-    ("quantization", "awq_checkpoint", {}),  # a checkpoint's quantization_config
+    ("quantization", "experts_int8_checkpoint", {}),  # a checkpoint's quantization_config
     ("quantization", "llama", dict(quantization="fp8_per_block", dtype="bfloat16")),
     ("speculative_config", "llama", dict(spec_method="ngram_gpu", spec_tokens=2)),
     ("runner / convert", "llama", dict(runner="pooling", convert="classify")),
@@ -105,9 +105,8 @@ def models(tmp_path_factory) -> dict[str, str]:
         "fp8_checkpoint": dict(
             config, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"}
         ),
-        "awq_checkpoint": dict(
-            config,
-            quantization_config={"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True},
+        "experts_int8_checkpoint": dict(
+            config, quantization_config={"quant_method": "experts_int8"}
         ),
         "classifier": dict(config, architectures=["LlamaForSequenceClassification"], num_labels=3),
         "other_vocab": dict(config, vocab_size=512),
