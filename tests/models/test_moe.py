@@ -18,6 +18,7 @@ from models.moe import (
     tile_chunks,
     tile_rows,
 )
+from models.mxfp4 import Mxfp4Stack
 from tests.models.tiny_checkpoints import caches, run_step
 
 D, F = 16, 24
@@ -98,6 +99,26 @@ def test_tiles_run_in_chunks_give_the_same_result(tiles_per_chunk):
         )(*args[:6])
     )
     assert "while" in jaxpr or "scan" in jaxpr  # the chunks are a loop, not one batched gather
+
+
+def test_mxfp4_tiles_run_in_chunks_equal_the_dequantized_experts():
+    # Each chunk decodes only its own tiles' experts: the same as the whole stacks dequantized.
+    num_experts, width, tokens, top_k = 4, 64, 24, 2
+    rng = np.random.default_rng(11)
+
+    def stack(inputs, outputs):
+        blocks = rng.integers(0, 256, (num_experts, outputs, inputs // 32, 16), dtype=np.uint8)
+        scales = rng.integers(122, 129, (num_experts, outputs, inputs // 32), dtype=np.uint8)
+        return Mxfp4Stack(jnp.asarray(blocks), jnp.asarray(scales))
+
+    stacks = [stack(width, width), stack(width, width), stack(width, width)]
+    x = jnp.asarray(rng.normal(size=(tokens, width)), jnp.float32)
+    weights, experts = route(jnp.asarray(rng.normal(size=(tokens, num_experts))), top_k, renormalize=True)
+    chunked = experts_routed(
+        x, *stacks, weights, experts, jax.nn.silu, rows=2, max_chunk_elements=3 * width**2
+    )
+    dense = _dense(x, *(s.dense(jnp.float32) for s in stacks), weights, experts, jax.nn.silu)
+    np.testing.assert_allclose(chunked, dense, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize(
