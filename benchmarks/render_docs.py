@@ -264,9 +264,9 @@ for the whole-model compiles; each KV figure counts a cache for every layer:
 
 - **GPT-OSS-120B at TP=8 on v6e-8** (mxfp4 experts, as released): fits, 8.1 GiB of weights and
   19.4 GiB of KV cache a chip (1.13M tokens), the steps' collectives those the rules table
-  implies. It fits since the routed experts run their tiles in chunks: before, its 2k-token
-  prefill gathered and decoded every tile's expert at once (3.2 GB of temporaries a chip for
-  two layers, 0.36 GB now) and no cache size fitted.
+  implies. Before the routed experts ran their tiles in chunks, its 2k-token prefill gathered
+  and decoded every tile's expert at once (3.2 GB of temporaries a chip for two layers, 0.36 GB
+  now), and with bfloat16 experts no cache size fitted.
 - **GLM-4.5-Air at TP=8 on v6e-8** (bfloat16): fits, 24.9 GiB of weights and 2.3 GiB of KV
   cache a chip (106k tokens), the collectives those the rules table implies. At TP=4 on v6e-4
   it does not fit: its bfloat16 weights alone take 53.5 GB a chip.
