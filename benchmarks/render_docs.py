@@ -271,8 +271,8 @@ for the whole-model compiles; each KV figure counts a cache for every layer:
   cache a chip (106k tokens), the collectives those the rules table implies. At TP=4 on v6e-4
   it does not fit: its bfloat16 weights alone take 53.5 GB a chip.
 - **DeepSeek-V2-Lite on v6e-1 with int8 weights**: fits, 14.9 GiB of weights and 12.7 GiB of
-  latent KV cache (396k tokens); the row above that says no cache size fits predates the TPU
-  latent-attention kernel and the chunked expert tiles.
+  latent KV cache (396k tokens); the row above that says no cache size fits was planned before
+  the routed experts ran their tiles in chunks (every tile's expert converted at once).
 
 The gpt-oss rows above were planned with bfloat16 experts; served as released (mxfp4 experts,
 `docs/models.md`) a chip holds about a quarter of those expert bytes, and gpt-oss-20b's weights
