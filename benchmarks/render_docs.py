@@ -256,6 +256,32 @@ step that exchanges anything else). The roofline and XLA's cost model leave that
 """
 
 
+PLANNER_PENDING = """\
+### Not in the tables yet
+
+Every row above compiles every layer of the model. These were planned from their first 2 and 4
+layers instead (`tpu_platform/planner/depth.py`, as `make test` checks the models it compiles:
+the steps' memory beyond weights and cache extrapolated to every layer), on a machine too busy
+for the whole-model compiles; each KV figure counts a cache for every layer:
+
+- **GPT-OSS-120B at TP=8 on v6e-8** (mxfp4 experts, as released): fits, 8.1 GiB of weights and
+  19.4 GiB of KV cache a chip (1.13M tokens), the steps' collectives those the rules table
+  implies. Before the routed experts ran their tiles in chunks, its 2k-token prefill gathered
+  and decoded every tile's expert at once (3.2 GB of temporaries a chip for two layers, 0.36 GB
+  now), and with bfloat16 experts no cache size fitted.
+- **GLM-4.5-Air at TP=8 on v6e-8** (bfloat16): fits, 24.9 GiB of weights and 2.3 GiB of KV
+  cache a chip (106k tokens), the collectives those the rules table implies. At TP=4 on v6e-4
+  it does not fit: its bfloat16 weights alone take 53.5 GB a chip.
+- **DeepSeek-V2-Lite on v6e-1 with int8 weights**: fits, 14.9 GiB of weights and 12.7 GiB of
+  latent KV cache (396k tokens); the row above that says no cache size fits was planned before
+  the routed experts ran their tiles in chunks (every tile's expert converted at once).
+
+The gpt-oss rows above were planned with bfloat16 experts; served as released (mxfp4 experts,
+`docs/models.md`) a chip holds about a quarter of those expert bytes, and gpt-oss-20b's weights
+(about 13 GB) fit one v6e chip.
+"""
+
+
 def planner_section(table: str | None, tp_table: str | None = None) -> str:
     """The performance page's planner section: the tables, or lines saying none is committed."""
     body = NO_PLAN if table is None else PLANNER_INTRO + "\n" + table
@@ -265,7 +291,8 @@ def planner_section(table: str | None, tp_table: str | None = None) -> str:
         + body
         + "\n\n### Split over the chips of a host\n\n"
         + tp_body
-        + "\n"
+        + "\n\n"
+        + PLANNER_PENDING
     )
 
 

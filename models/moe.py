@@ -15,6 +15,7 @@ multiplied by its own expert's weights. The tile count is bounded statically by
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -33,6 +34,10 @@ from models.mxfp4 import Mxfp4Stack
 from models.sharding import MODEL_AXIS
 
 MAX_TILE_ROWS = 128
+# Elements of the expert kernels one chunk of tiles gathers (128 MiB in bfloat16): a prefill
+# step's tiles outnumber the experts, and every tile's own copy of its expert's kernels at once
+# would take a few times the whole stack's bytes (dequantized, for 8- and 4-bit experts).
+MAX_CHUNK_KERNEL_ELEMENTS = 1 << 26
 
 
 def route(router_logits: jax.Array, top_k: int, *, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -95,6 +100,17 @@ def num_tiles(num_assignments: int, num_experts: int, rows: int) -> int:
     return (num_assignments + min(num_experts, num_assignments) * (rows - 1)) // rows
 
 
+def tile_chunks(
+    tiles: int, kernel_elements: int, max_elements: int = MAX_CHUNK_KERNEL_ELEMENTS
+) -> tuple[int, int]:
+    """(chunks, tiles per chunk) for `tiles` tiles whose kernels take `kernel_elements` each:
+    as few chunks as keep one chunk's gathered kernels within `max_elements`, the tiles spread
+    evenly over them (the last chunks may hold a few more empty tiles than `tiles` needs)."""
+    per_chunk = max(1, max_elements // max(1, kernel_elements))
+    chunks = -(-tiles // per_chunk)
+    return chunks, -(-tiles // chunks)
+
+
 def experts_routed(
     x: jax.Array,
     gate: jax.Array,
@@ -108,6 +124,7 @@ def experts_routed(
     scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     gate_bias: jax.Array | None = None,
     weights_on_input: bool = False,
+    max_chunk_elements: int = MAX_CHUNK_KERNEL_ELEMENTS,
 ) -> jax.Array:
     """The same result as `experts_dense_reference`, computing each token only for its k experts.
 
@@ -119,13 +136,17 @@ def experts_routed(
     to the gate (or fused) products before `act`. `weights_on_input`: as in
     `experts_dense_reference` (each assignment's row scaled before its expert, outputs summed).
     A kernel may be an `Mxfp4Stack` (GPT-OSS's mxfp4 experts): each tile's expert is dequantized
-    to x's dtype for its dot.
+    to x's dtype for its dot. The tiles run in chunks (`tile_chunks`, a loop over them when more
+    than one) so that the expert kernels gathered for one chunk's tiles stay within
+    `max_chunk_elements`, whatever the step's token count.
     """
     t, d = x.shape
     e, k = gate.shape[0], experts.shape[1]
     a = t * k
     b = rows or tile_rows(a, e)
-    n = num_tiles(a, e, b)
+    kernel_elements = max(math.prod(w.shape[1:]) for w in (gate, up, down) if w is not None)
+    chunks, per_chunk = tile_chunks(num_tiles(a, e, b), kernel_elements, max_chunk_elements)
+    n = chunks * per_chunk
     flat = experts.reshape(a)  # [A]
     order = jnp.argsort(flat, stable=True)  # [A] assignment at each sorted position
     sizes = jnp.bincount(flat, length=e)  # [E]
@@ -146,25 +167,32 @@ def experts_routed(
         w = (src < a).astype(jnp.float32)  # each assignment's output counts once
     scale_of = (None, None, None) if scales is None else scales
 
-    def tile_dot(spec: str, rows_in: jax.Array, kernel: jax.Array, scale: jax.Array | None) -> jax.Array:
+    def tile_dot(spec: str, rows_in: jax.Array, ids: jax.Array, kernel: jax.Array, scale: jax.Array | None):
         if isinstance(kernel, Mxfp4Stack):
-            return kernel.tile_matmul(rows_in, tile_expert)
+            return kernel.tile_matmul(rows_in, ids)
         if scale is None:
-            return jnp.einsum(spec, rows_in, kernel[tile_expert])
+            return jnp.einsum(spec, rows_in, kernel[ids])
         if scale.ndim == 3:  # `[E, in / G, out]`: a scale per group of inputs of each column
-            return _grouped_tile_dot(rows_in, kernel[tile_expert], scale[tile_expert]).astype(x.dtype)
-        product = jnp.einsum(
-            spec, rows_in, kernel[tile_expert].astype(x.dtype), preferred_element_type=jnp.float32
-        )
-        return (product * scale[tile_expert][:, None, :]).astype(x.dtype)
+            return _grouped_tile_dot(rows_in, kernel[ids], scale[ids]).astype(x.dtype)
+        product = jnp.einsum(spec, rows_in, kernel[ids].astype(x.dtype), preferred_element_type=jnp.float32)
+        return (product * scale[ids][:, None, :]).astype(x.dtype)
 
-    h = tile_dot("nbd,ndf->nbf", x_rows, gate, scale_of[0])
-    if gate_bias is not None:
-        h = h + gate_bias[tile_expert][:, None, :].astype(h.dtype)
-    h = act(h)
-    if up is not None:
-        h = h * tile_dot("nbd,ndf->nbf", x_rows, up, scale_of[1])  # [N, B, F]
-    y = tile_dot("nbf,nfd->nbd", h, down, scale_of[2]).reshape(n * b, d)  # [N*B, D]
+    def tiles_mlp(rows_in: jax.Array, ids: jax.Array) -> jax.Array:
+        """`rows_in [C, B, D]` through the experts `ids [C]` -> `[C, B, D]`."""
+        h = tile_dot("nbd,ndf->nbf", rows_in, ids, gate, scale_of[0])
+        if gate_bias is not None:
+            h = h + gate_bias[ids][:, None, :].astype(h.dtype)
+        h = act(h)
+        if up is not None:
+            h = h * tile_dot("nbd,ndf->nbf", rows_in, ids, up, scale_of[1])  # [C, B, F]
+        return tile_dot("nbf,nfd->nbd", h, ids, down, scale_of[2])
+
+    if chunks == 1:
+        y = tiles_mlp(x_rows, tile_expert)
+    else:  # a loop over the chunks: one chunk's kernels gathered at a time
+        chunked = (x_rows.reshape(chunks, per_chunk, b, d), tile_expert.reshape(chunks, per_chunk))
+        y = jax.lax.map(lambda chunk: tiles_mlp(*chunk), chunked)
+    y = y.reshape(n * b, d)  # [N*B, D]
     out = jnp.zeros((t + 1, d), jnp.float32).at[token].add(y.astype(jnp.float32) * w[:, None])
     return out[:t].astype(x.dtype)
 

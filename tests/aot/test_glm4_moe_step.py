@@ -3,8 +3,8 @@
 RoPE on 64 of each head's 128 dimensions, 128 routed experts of 1408 and one shared, hidden
 4096, vocabulary 151552) with its first four layers, one dense and three MoE, compiled at TP=4
 by XLA's GPU compiler for 4 of 8x H100 (`tensor_parallel_worker`, as
-test_tensor_parallel_step.py does for Llama and Qwen3-MoE). Not on v6e-4 yet: as GPT-OSS's on
-v6e-8, its sharded steps' memory grows faster than the KV cache there, so no cache size fits.
+test_tensor_parallel_step.py does for Llama and Qwen3-MoE). Not on v6e-4: at TP=4 the whole
+model's bfloat16 weights take 53.5 GB a chip, more than a v6e chip holds.
 
 Each chip holds a quarter of every split weight and its two KV heads' cache, and the step
 exchanges only what the rules table implies: per layer the row-parallel output projection's and

@@ -14,8 +14,8 @@ chunk) and the decode step (64 sequences) and the sampler, and reads the compile
 collectives. A compile error, a sharding that makes the compiler gather
 a whole weight or exchange anything the rules table does not imply, or a model that does not
 fit its chips fails here. GPT-OSS-120B's short programs hold its real shapes (128 experts,
-attention sinks, a sliding and a full layer in turn). Not on v6e-8 yet: there its sharded
-steps' memory grows faster than the KV cache, so no cache size fits (docs/kernels.md).
+attention sinks, a sliding and a full layer in turn); on v6e-8 its prefill's temporaries are
+checked in test_moe_step_temps.py.
 Llama-4-Scout's short programs hold three chunked-attention layers and a NoPE one, each a
 mixture of 16 experts and a shared one (on 8x H100; its chunked kernels compile for v6e in
 test_compile_kernels_tpu.py).

@@ -9,7 +9,16 @@ import pytest
 
 from models import ModelConfig, build
 from models import moe as moe_lib
-from models.moe import SparseMoE, experts_dense_reference, experts_routed, num_tiles, route, tile_rows
+from models.moe import (
+    SparseMoE,
+    experts_dense_reference,
+    experts_routed,
+    num_tiles,
+    route,
+    tile_chunks,
+    tile_rows,
+)
+from models.mxfp4 import Mxfp4Stack
 from tests.models.tiny_checkpoints import caches, run_step
 
 D, F = 16, 24
@@ -70,6 +79,57 @@ def test_routed_matches_dense_when_one_expert_takes_every_token(rows):
     weights = jnp.full((tokens, top_k), 0.5, jnp.float32)
     args = (x, *_experts(num_experts, seed=2), weights, experts, jax.nn.gelu)
     np.testing.assert_allclose(_routed(*args, rows=rows), _dense(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tiles_per_chunk", [1, 3, 7])
+def test_tiles_run_in_chunks_give_the_same_result(tiles_per_chunk):
+    # A prefill's tiles run in a loop of chunks, a chunk's gathered kernels bounded: the same
+    # sums as the dense reference, the last chunk padded with empty tiles.
+    tokens, top_k, num_experts = 50, 3, 8
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)
+    weights, experts = route(jnp.asarray(rng.normal(size=(tokens, num_experts))), top_k, renormalize=True)
+    args = (x, *_experts(num_experts, seed=4), weights, experts, jax.nn.silu)
+    routed = jax.jit(experts_routed, static_argnums=6, static_argnames=("rows", "max_chunk_elements"))
+    chunked = routed(*args, rows=4, max_chunk_elements=tiles_per_chunk * D * F)
+    np.testing.assert_allclose(chunked, _dense(*args), atol=1e-5, rtol=1e-5)
+    jaxpr = str(
+        jax.make_jaxpr(
+            lambda *a: experts_routed(*a, jax.nn.silu, rows=4, max_chunk_elements=tiles_per_chunk * D * F)
+        )(*args[:6])
+    )
+    assert "while" in jaxpr or "scan" in jaxpr  # the chunks are a loop, not one batched gather
+
+
+def test_mxfp4_tiles_run_in_chunks_equal_the_dequantized_experts():
+    # Each chunk decodes only its own tiles' experts: the same as the whole stacks dequantized.
+    num_experts, width, tokens, top_k = 4, 64, 24, 2
+    rng = np.random.default_rng(11)
+
+    def stack(inputs, outputs):
+        blocks = rng.integers(0, 256, (num_experts, outputs, inputs // 32, 16), dtype=np.uint8)
+        scales = rng.integers(122, 129, (num_experts, outputs, inputs // 32), dtype=np.uint8)
+        return Mxfp4Stack(jnp.asarray(blocks), jnp.asarray(scales))
+
+    stacks = [stack(width, width), stack(width, width), stack(width, width)]
+    x = jnp.asarray(rng.normal(size=(tokens, width)), jnp.float32)
+    weights, experts = route(jnp.asarray(rng.normal(size=(tokens, num_experts))), top_k, renormalize=True)
+    chunked = experts_routed(
+        x, *stacks, weights, experts, jax.nn.silu, rows=2, max_chunk_elements=3 * width**2
+    )
+    dense = _dense(x, *(s.dense(jnp.float32) for s in stacks), weights, experts, jax.nn.silu)
+    np.testing.assert_allclose(chunked, dense, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "tiles,elements,expected",
+    [(380, 768 * 2880, (13, 30)), (382, 2048 * 64, (1, 382)), (10, 1 << 27, (10, 1)), (5, 1, (1, 5))],
+)
+def test_tile_chunks_bound_the_gathered_kernels(tiles, elements, expected):
+    chunks, per_chunk = tile_chunks(tiles, elements)
+    assert (chunks, per_chunk) == expected
+    assert chunks * per_chunk >= tiles and chunks * per_chunk - tiles < chunks  # under one tile a chunk
+    assert per_chunk == 1 or per_chunk * elements <= 1 << 26
 
 
 def test_route_is_softmax_top_k():
