@@ -3,6 +3,7 @@
 model, build a program into the executable cache and store prepared weights; both succeed and
 leave one whole, identical copy of each."""
 
+import filecmp
 import hashlib
 import json
 import os
@@ -15,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
 from models import load_model
+from plugin_shim.model_dir import embedded_gguf_path
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.programs import ExecutableCache, ProgramSpec
 from tpu_platform.weights.cache import WeightsCache
@@ -93,10 +94,11 @@ def test_two_processes_starting_at_once_share_whole_caches(tmp_path):
     for path in sorted(model_dir.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     assert digest.hexdigest() == first["model_digest"]
-    assert (model_dir / ".complete-safetensors").exists()
+    assert (model_dir / ".complete-v2").exists()
     assert json.loads((model_dir / "config.json").read_text())["num_hidden_layers"] == 30
-    tensors = load_file(str(model_dir / "model.safetensors"))  # whole: every tensor reads
-    assert tensors["model.embed_tokens.weight"].shape == (49152, 576)
+    # its projections are all Q4_1, so the directory holds the GGUF itself (served from its
+    # blocks), whole
+    assert filecmp.cmp(model_dir / "model.gguf", embedded_gguf_path(), shallow=False)
     assert [p.name for p in (cache_dir / "models").iterdir() if p.is_dir()] == [model_dir.name]
 
     cache = ExecutableCache(str(cache_dir / "executables"), jax.devices()[0])

@@ -195,7 +195,7 @@ def test_int8_on_two_devices_equals_one(trained, prompts, tmp_path):
     np.testing.assert_allclose(np.array(two["logprobs"]), np.array(one["logprobs"]), atol=1e-2)
 
 
-@pytest.mark.parametrize("method", ["fp8_per_tensor", "experts_int8", "awq"])
+@pytest.mark.parametrize("method", ["fp8_per_tensor", "experts_int8", "moe_wna16"])
 def test_other_methods_are_refused_with_the_supported_list(trained, method):
     with pytest.raises(ValueError) as raised:
         LLM(model=trained, quantization=method, **_ENGINE)
