@@ -66,3 +66,20 @@ def save_tiny_llama(path: str, *, seed: int = 0, **overrides: object) -> str:
                 p.normal_(0.0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def save_damped_tiny_llama(path: str, *, seed: int, scale: float) -> str:
+    """`save_tiny_llama` with every layer's attention and MLP outputs scaled by `scale`: its greedy
+    text falls into loops that drafts can predict, while every layer still changes the logits
+    (some drafts fail). Returns path."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    save_tiny_llama(path, seed=seed)
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(scale)
+            layer.mlp.down_proj.weight.mul_(scale)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

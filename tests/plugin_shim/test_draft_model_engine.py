@@ -16,7 +16,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from tests.greedy_reference import hf_greedy
-from tests.tiny_models import save_tiny_llama
+from tests.tiny_models import save_damped_tiny_llama
 
 pytestmark = pytest.mark.slow  # builds vllm.LLM
 
@@ -28,14 +28,7 @@ K = 3
 def target_dir(tmp_path_factory):
     """A tiny Llama whose layers' outputs are scaled down: a draft made of its first layer alone
     agrees with it on most tokens, not all."""
-    path = save_tiny_llama(str(tmp_path_factory.mktemp("draft_target")), seed=5)
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.05)
-            layer.mlp.down_proj.weight.mul_(0.05)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_damped_tiny_llama(str(tmp_path_factory.mktemp("draft_target")), seed=5, scale=0.05)
 
 
 @pytest.fixture(scope="module")

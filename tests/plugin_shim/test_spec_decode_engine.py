@@ -18,7 +18,7 @@ from vllm.inputs import TokensPrompt
 
 from tests.greedy_reference import hf_greedy
 from tests.plugin_shim.tensor_parallel_engine import environment
-from tests.tiny_models import save_tiny_llama
+from tests.tiny_models import save_damped_tiny_llama
 
 pytestmark = pytest.mark.slow  # builds vllm.LLM
 
@@ -30,14 +30,7 @@ SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_mi
 def tiny_dir(tmp_path_factory):
     """A tiny Llama whose attention and MLP outputs are scaled down: its greedy text falls into
     loops an n-gram can predict, while every layer still changes the logits (some drafts fail)."""
-    path = save_tiny_llama(str(tmp_path_factory.mktemp("spec_llama")), seed=2)
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.02)
-            layer.mlp.down_proj.weight.mul_(0.02)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_damped_tiny_llama(str(tmp_path_factory.mktemp("spec_llama")), seed=2, scale=0.02)
 
 
 @pytest.fixture(scope="module")
