@@ -47,8 +47,8 @@ from tpu_platform.planner.plan import StepSetup, model_config, program_facts, st
 # The planner's target whose chip facts (memory, bandwidth) describe a device kind.
 TARGET_FOR_KIND = {
     "TPU v4": "v4-8", "TPU v5 lite": "v5e-1", "TPU v5e": "v5e-1", "TPU v5p": "v5p-8", "TPU v5": "v5p-8",
-    "TPU v6 lite": "v6e-1", "TPU v6e": "v6e-1", "NVIDIA H100": "h100x1", "NVIDIA A100": "a100x1",
-    "NVIDIA L4": "l4x1",
+    "TPU v6 lite": "v6e-1", "TPU v6e": "v6e-1", "NVIDIA H100": "h100x1",
+    "NVIDIA H200": "h200x1", "NVIDIA A100": "a100x1", "NVIDIA L4": "l4x1",
 }  # fmt: skip
 # Without known facts, a target of the same platform gives the runner's page size and backend.
 FALLBACK_TARGET = {"tpu": "v6e-1", "gpu": "h100x1", "cpu": "v6e-1"}
@@ -74,6 +74,7 @@ QUICK = Sizes((1, 4), 64, 32, tuple(range(32, 96, 8)), (32, 16), (4, 2))
 
 
 def median_seconds(fn, iters: int) -> float:
+    """The median of `iters` timed calls of `fn()`, each waited for (after one to compile)."""
     fn()  # compile and warm up
     times = []
     for _ in range(iters):
@@ -83,10 +84,32 @@ def median_seconds(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def pipelined_seconds(fn, iters: int, repeats: int = 3) -> float:
+    """Seconds per call of `fn(n)` (n calls queued, the last waited for): the device's time per
+    call without the host's wait for each, the best of `repeats` (`fn` compiled already)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(iters)
+        times.append((time.perf_counter() - start) / iters)
+    return min(times)
+
+
+def _queued(call):
+    """`n` calls of `call()` queued one after another, the last one waited for."""
+
+    def run(n: int = 1):
+        for _ in range(n):
+            out = call()
+        jax.block_until_ready(out)
+
+    return run
+
+
 # -- 1. attention -------------------------------------------------------------------------------
 
 
-def _paged(q_lens, kv_lens, heads, page_size, seed=0):
+def _paged(q_lens, kv_lens, heads, page_size, seed=0, head_dim=128):
     """Random q, k, v and a shuffled block table for sequences of `kv_lens` cached tokens whose
     last `q_lens` are this step's queries."""
     rng = np.random.default_rng(seed)
@@ -96,23 +119,50 @@ def _paged(q_lens, kv_lens, heads, page_size, seed=0):
     slots = np.concatenate(
         [table[i, p // page_size] * page_size + p % page_size for i, p in enumerate(map(np.arange, kv_lens))]
     )
-    k, v = (rng.standard_normal((len(slots), num_kv, 128), np.float32) for _ in range(2))
-    q = rng.standard_normal((sum(q_lens), num_q, 128), np.float32)
+    k, v = (rng.standard_normal((len(slots), num_kv, head_dim), np.float32) for _ in range(2))
+    q = rng.standard_normal((sum(q_lens), num_q, head_dim), np.float32)
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     return q, k, v, slots.astype(np.int32), table.astype(np.int32), cu_q_lens
 
 
-def attention_case(backend, dtype, q_lens, kv_lens, heads, page_size=16):
-    """`backend`'s attention output (float32) for the case, and a function that reruns it."""
-    q, k, v, slots, table, cu_q_lens = _paged(q_lens, kv_lens, heads, page_size)
-    cache = api.allocate_kv_cache(table.size, page_size, heads[1], 128, dtype, backend=backend)
-    write = jax.jit(functools.partial(api.write_kv, backend=backend, kv_dtype=dtype.name), donate_argnums=0)
+def attention_case(
+    backend, dtype, q_lens, kv_lens, heads, page_size=16, *, kv_dtype=None, head_dim=128, **options
+):
+    """`backend`'s attention output (float32) for the case, and a function that reruns it.
+    `kv_dtype`: the cache's values when not `dtype` (float8); `options`: the attention's own
+    keywords (sinks, sliding_window, soft_cap, attention_chunk_size) and a Pallas kernel's tuning."""
+    q, k, v, slots, table, cu_q_lens = _paged(q_lens, kv_lens, heads, page_size, head_dim=head_dim)
+    cache_dtype = jnp.dtype(kv_dtype or dtype)
+    cache = api.allocate_kv_cache(table.size, page_size, heads[1], head_dim, cache_dtype, backend=backend)
+    write = jax.jit(
+        functools.partial(api.write_kv, backend=backend, kv_dtype=cache_dtype.name), donate_argnums=0
+    )
     cache = write(cache, jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(slots))
-    attend = jax.jit(functools.partial(api.ragged_paged_attention, sm_scale=128**-0.5, backend=backend))
+    options |= {"sm_scale": head_dim**-0.5, "backend": backend, "kv_dtype": cache_dtype.name}
+    attend = jax.jit(functools.partial(api.ragged_paged_attention, **options))
     args = (jnp.asarray(q, dtype), cache, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(table))
     args += (jnp.asarray(cu_q_lens), jnp.asarray([len(kv_lens)], jnp.int32))
     out = np.asarray(attend(*args), np.float32)
-    return out, lambda: jax.block_until_ready(attend(*args))
+    return out, _queued(lambda: attend(*args))
+
+
+def compared_row(name, backend, reference, case, iters, **fields) -> dict:
+    """One backend's row against `reference` (float32 output): its largest error and median time,
+    or the error it raised (a failing case must not end the run: the chip's time is scarce)."""
+    row = {"case": name, "backend": backend, **fields}
+    try:
+        out, rerun = case()
+        row["max_abs_error"] = float(np.max(np.abs(out - reference)))
+        row["ok"] = row["max_abs_error"] < 5e-2
+        row["median_seconds"] = median_seconds(rerun, iters)
+        row["pipelined_seconds"] = pipelined_seconds(rerun, iters)
+        ms, queued = row["median_seconds"] * 1e3, row["pipelined_seconds"] * 1e3
+        error = row["max_abs_error"]
+        print(f"attention {name:16s} {backend:10s} max |err| {error:.2e}  {ms:.3f} ms ({queued:.3f} queued)")
+    except Exception as error:
+        row.update(ok=False, error=f"{type(error).__name__}: {error}"[:1500])
+        print(f"attention {name:16s} {backend:10s} FAILED {row['error'][:300]}")
+    return row
 
 
 def check_attention(platform: str, sizes: Sizes, iters: int) -> list[dict]:
@@ -125,14 +175,14 @@ def check_attention(platform: str, sizes: Sizes, iters: int) -> list[dict]:
     for name, (q_lens, kv_lens) in cases.items():
         reference, _ = attention_case("xla", jnp.dtype(jnp.float32), q_lens, kv_lens, sizes.heads)
         for backend in backends:
-            out, rerun = attention_case(backend, jnp.dtype(jnp.bfloat16), q_lens, kv_lens, sizes.heads)
-            error = float(np.max(np.abs(out - reference)))
-            rows.append({
-                "case": name, "backend": backend, "tokens": sum(q_lens), "kv_tokens": sum(kv_lens),
-                "max_abs_error": error, "ok": error < 5e-2, "median_seconds": median_seconds(rerun, iters),
-            })  # fmt: skip
-            ms = rows[-1]["median_seconds"] * 1e3
-            print(f"attention {name:8s} {backend:10s} max |err| {error:.2e}  {ms:.3f} ms")
+            case = functools.partial(
+                attention_case, backend, jnp.dtype(jnp.bfloat16), q_lens, kv_lens, sizes.heads
+            )
+            rows.append(
+                compared_row(
+                    name, backend, reference, case, iters, tokens=sum(q_lens), kv_tokens=sum(kv_lens)
+                )
+            )
     return rows
 
 
@@ -221,14 +271,17 @@ def check_step(device, quick: bool, sizes: Sizes, iters: int) -> dict:
         facts = program_facts(compiled, time.perf_counter() - start)
         holder = {"caches": caches}
 
-        def run(compiled=compiled, packed=packed, holder=holder):
-            out = compiled(state, holder["caches"], packed, fed)
-            holder["caches"] = out[3]
+        def run(n=1, compiled=compiled, packed=packed, holder=holder):
+            for _ in range(n):
+                out = compiled(state, holder["caches"], packed, fed)
+                holder["caches"] = out[3]
             jax.block_until_ready(out[1])
 
         seconds = median_seconds(run, iters)
+        queued = pipelined_seconds(run, iters)
         caches = holder["caches"]
         row = {"shape": list(shape), "median_seconds": seconds, "tokens_per_second": count / seconds}
+        row["pipelined_seconds"] = queued  # steps queued back to back, as the runner's async steps run
         row["program"] = {
             k: facts.as_dict()[k] for k in ("peak_bytes", "temp_bytes", "flops", "bytes_accessed")
         }
@@ -236,7 +289,8 @@ def check_step(device, quick: bool, sizes: Sizes, iters: int) -> dict:
             row["roofline"] = decode_roofline(setup, count, sizes.context)
             row["xla_cost_model"] = xla_decode_estimate(setup, facts, count)
         rows[name] = row
-        print(f"step {name:12s} {seconds * 1e3:9.3f} ms  {count / seconds:10.1f} tokens/s")
+        rate = count / seconds
+        print(f"step {name:12s} {seconds * 1e3:9.3f} ms ({queued * 1e3:.3f} queued)  {rate:10.1f} tokens/s")
     return {"model": config.architecture, "layers": config.num_layers, "target_facts": target,
             "backend": setup.backend, "context": sizes.context, "steps": rows}  # fmt: skip
 
@@ -247,6 +301,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--context", type=int, help="tokens each decode sequence holds (default 1024)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a CPU smoke run")
+    parser.add_argument(
+        "--budget", type=float, default=420, help="seconds after which no further part starts"
+    )
+    parser.add_argument(
+        "--parts",
+        default="attention,step,variants,sweep",
+        help="which parts to run, comma-separated, in order",
+    )
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     if args.context:
@@ -254,25 +316,35 @@ def main(argv: list[str] | None = None) -> None:
     iters = 2 if args.quick else args.iters
     device = jax.devices()[0]
     print(f"device: {device.platform} / {device.device_kind}, JAX {jax.__version__}")
+    from device_variants import check_variants, sweep_gpu_tuning  # it imports this module's helpers
+
     start = time.perf_counter()
+    deadline = start + args.budget
     report = {
         "device": {"platform": device.platform, "kind": device.device_kind, "jax": jax.__version__},
         "quick": args.quick,
-        "attention": check_attention(device.platform, sizes, iters),
     }
-    pathlib.Path(args.out).write_text(json.dumps(report, indent=2))  # kept if the step part fails
-    try:
-        report["step"] = check_step(device, args.quick, sizes, iters)
-    except Exception as error:  # e.g. the weights and cache exceed the chip: keep the kernels' report
-        report["step"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
-        print(f"step program: {report['step']['error']}")
+    parts = {
+        "attention": lambda: check_attention(device.platform, sizes, iters),
+        "step": lambda: check_step(device, args.quick, sizes, iters),
+        "variants": lambda: check_variants(device.platform, args.quick, iters, deadline),
+        "sweep": lambda: sweep_gpu_tuning(args.quick, iters, deadline) if device.platform == "gpu" else [],
+    }
+    for name in args.parts.split(","):
+        try:
+            report[name] = parts[name]()
+        except Exception as error:  # e.g. the weights and cache exceed the chip: keep the rest
+            report[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            print(f"{name}: {report[name]['error']}")
+        pathlib.Path(args.out).write_text(json.dumps(report, indent=2))
     report["seconds"] = time.perf_counter() - start
     pathlib.Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out} in {report['seconds']:.0f} s")
-    if not all(row["ok"] for row in report["attention"]):
+    checked = [row for part in ("attention", "variants") for row in report.get(part, [])]
+    if any("error" in report[name] for name in report if isinstance(report[name], dict)):
+        sys.exit("a part of the check did not run: see " + args.out)
+    if not all(row["ok"] for row in checked):
         sys.exit("an attention backend disagrees with the reference: see " + args.out)
-    if "error" in report["step"]:
-        sys.exit("the step program did not run: see " + args.out)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import _report  # noqa: E402
+from _device_section import device_sections  # noqa: E402
 
 RESULTS = HERE / "results"
 README = REPO / "README.md"
@@ -304,8 +305,9 @@ rerun the benchmark, not this page. -->
 
 The latest end-to-end figures, one section per machine kind, each from one run of
 [`benchmarks/throughput.py`](../benchmarks/throughput.py) (its options and workloads:
-[`benchmarks/README.md`](../benchmarks/README.md)). Only CPUs are measured: nothing has run on a
-TPU or a GPU yet ([kernels.md](kernels.md#support-matrix)). For TPU and GPU targets the
+[`benchmarks/README.md`](../benchmarks/README.md)). End-to-end serving is measured on CPUs only;
+one NVIDIA H200 ran the kernels and a model step ([its section](#on-a-gpu-nvidia-h200)), and
+nothing has run on a TPU ([kernels.md](kernels.md#support-matrix)). For TPU and GPU targets the
 [planner's section](#what-fits-where-the-planner) gives compiler estimates and rooflines, not
 measurements.
 
@@ -435,6 +437,7 @@ def performance_page(
     if runs:
         sections.append("## Latest figures, all machine kinds\n\n" + readme_table(runs) + "\n")
     sections += [machine_section(kind, report) for kind, report in runs.items()]
+    sections += device_sections(RESULTS)
     sections += [step_time_section(), planner_section(planner, planner_tp), WHAT_MOVES]
     return "\n".join(s.rstrip("\n") + "\n" for s in sections)
 

@@ -105,9 +105,10 @@ def test_imports_point_down(package):
     assert wrong == []
 
 
-def test_the_device_check_script_needs_only_jax():
-    path = ROOT / "benchmarks" / "device_check.py"
-    names = {name.split(".")[0] for _, name in imports_of(path, "benchmarks.device_check")}
+@pytest.mark.parametrize("script", ["device_check", "device_variants"])
+def test_the_device_check_script_needs_only_jax(script):
+    path = ROOT / "benchmarks" / f"{script}.py"
+    names = {name.split(".")[0] for _, name in imports_of(path, f"benchmarks.{script}")}
     assert not names & {*ONLY_IN_PLUGIN_SHIM, "plugin_shim", "transformers"}, names
 
 

@@ -45,10 +45,15 @@ from pallas_kernels.gpu.kernel import MASK_VALUE, META_WIDTH, MIN_ROWS, online_s
 from pallas_kernels.reference import saturating_cast
 
 HEADS_PER_PROGRAM = 16  # Hb: a [16 * Tq, 512] float32 accumulator fits the registers of 4 warps
-TOKENS_PER_KV_BLOCK = 32  # keys per block: a [32, 512] bfloat16 latent tile is 32 KiB
+TOKENS_PER_KV_BLOCK = 32  # keys per block: a [32, 576] bfloat16 row tile is 36 KiB
+# Hopper's 227 KiB of shared memory a block holds two stages of 64-key tiles, the fastest
+# blocks of a sweep on an H200 (`benchmarks/device_check.py`); older GPUs keep 32 keys.
+TOKENS_PER_KV_BLOCK_HOPPER = 64
 QUERIES_PER_ITEM_PREFILL = 2
 KV_SPLITS_DECODE = 8
-MIN_PROGRAMS = 256  # about two programs an SM of an H100 (132 SMs)
+# KV splits are added while fewer programs than this run: on an H200 a decode batch that filled
+# the SMs with work items alone still ran faster with 4 splits than with none.
+MIN_PROGRAMS = 2048
 NUM_WARPS = 4
 NUM_STAGES = 2
 
@@ -188,16 +193,38 @@ def _validate(q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, latent_dim):
     check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, None, None)
 
 
+def hopper_or_newer() -> bool:
+    """Whether the device programs are built for (JAX's default device, else its first) is a
+    GPU of compute capability 9.0 or more; False on CPU (interpret mode) and for unknown kinds."""
+    device = jax.config.jax_default_device
+    if device is None or isinstance(device, str):
+        device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    try:
+        return capability is not None and float(capability) >= 9.0
+    except ValueError:
+        return False
+
+
 def default_block_sizes(
-    *, page_size: int, pages_per_seq: int, num_tokens: int, max_num_seqs: int, num_head_blocks: int
+    *,
+    page_size: int,
+    pages_per_seq: int,
+    num_tokens: int,
+    max_num_seqs: int,
+    num_head_blocks: int,
+    large_tiles: bool = False,
 ) -> tuple[int, int, int]:
-    """(num_kv_pages_per_block, num_queries_per_block, num_kv_splits): 32-key blocks; decode
-    buckets one token a work item, and KV splits (up to 8) only while the work items and head
-    blocks alone give fewer than `MIN_PROGRAMS` programs (each split's partial output is a
-    float32 copy of the step's); others 2 tokens a work item and one split. First guesses, not
-    measured on a GPU."""
-    pages = max(1, min(TOKENS_PER_KV_BLOCK // page_size, 1 << (pages_per_seq.bit_length() - 1)))
-    if num_tokens > max_num_seqs:
+    """(num_kv_pages_per_block, num_queries_per_block, num_kv_splits): 32-key blocks, 64 for
+    decode buckets with `large_tiles` (Hopper); decode buckets one token a work item, and KV
+    splits (up to 8) while the work items and head blocks alone give fewer than `MIN_PROGRAMS`
+    programs (each split's partial output is a float32 copy of the step's); others 2 tokens a
+    work item and one split."""
+    decode = num_tokens <= max_num_seqs
+    # Prefill's work items of 2 tokens double the query tile: 64 keys would pass Hopper's limit.
+    tokens = TOKENS_PER_KV_BLOCK_HOPPER if large_tiles and decode else TOKENS_PER_KV_BLOCK
+    pages = max(1, min(tokens // page_size, 1 << (pages_per_seq.bit_length() - 1)))
+    if not decode:
         return pages, QUERIES_PER_ITEM_PREFILL, 1
     programs = num_tokens * num_head_blocks
     splits = min(KV_SPLITS_DECODE, -(-MIN_PROGRAMS // programs), -(-pages_per_seq // pages))
@@ -263,7 +290,7 @@ def mla_paged_attention(
     num_head_blocks = -(-num_heads // heads)
     defaults = default_block_sizes(
         page_size=page_size, pages_per_seq=pages_per_seq, num_tokens=num_tokens, max_num_seqs=num_slots,
-        num_head_blocks=num_head_blocks,
+        num_head_blocks=num_head_blocks, large_tiles=not interpret and hopper_or_newer(),
     )  # fmt: skip
     pages_per_block = num_kv_pages_per_block or defaults[0]
     block_q = num_queries_per_block or defaults[1]

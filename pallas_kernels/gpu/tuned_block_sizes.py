@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Default tuning knobs of the Pallas Triton ragged paged attention kernel.
 
-NOT measured on hardware: nothing in this repository has run on a GPU yet. The values are
-first guesses, to be replaced by a sweep on real GPUs (A100/H100/L4):
+First guesses, kept after one sweep on an H200 (`benchmarks/device_check.py`): its best tunings
+there were within the sweep's own noise of these. A100 and L4 have not run them:
 
 * KV blocks of 64 tokens (`num_kv_pages_per_block * page_size`): two `[64, D]` tiles plus the
   `[M, 64]` scores fit the register file at 4 warps for D <= 128, as in flash-decoding kernels;

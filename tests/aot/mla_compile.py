@@ -155,8 +155,9 @@ def compile_case(target: str, platform: str, case: MlaCompileCase) -> dict:
     args = _abstract_args(case, backend, SingleDeviceSharding(device))
     cache_bytes = args[0].size * args[0].dtype.itemsize
     start = time.perf_counter()
-    try:
-        compiled = layer_step(case, backend, platform).trace(*args).lower().compile()
+    try:  # traced under the target's device, as the planner does: kernel defaults follow its kind
+        with jax.default_device(device):
+            compiled = layer_step(case, backend, platform).trace(*args).lower().compile()
     except Exception as e:  # Mosaic/Triton/XLA refusals arrive as JaxRuntimeError or ValueError
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[:ERROR_CHARS], "cache_bytes": cache_bytes}
     memory = compiled.memory_analysis()

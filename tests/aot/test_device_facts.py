@@ -33,5 +33,5 @@ def test_target_matches_its_device_facts(target):
 
 
 def test_every_gpu_kind_has_a_one_gpu_target():
-    assert {t.chip for t in GPU_TARGETS} == {"h100", "a100", "l4"}
-    assert all(f"{chip}x1" in TARGETS for chip in ("h100", "a100", "l4"))
+    assert {t.chip for t in GPU_TARGETS} == {"h100", "h200", "a100", "l4"}
+    assert all(f"{chip}x1" in TARGETS for chip in ("h100", "h200", "a100", "l4"))

@@ -28,6 +28,22 @@ def test_matches_reference(mla_case):
     assert_matches_reference(mla_case, "pallas_gpu", interpret=True, **dict(mla_case.gpu_tuning))
 
 
+def test_hopper_decode_tuning_matches_reference():
+    # Hopper's decode default (64-key blocks, KV splits) at DeepSeek's widths, which only real
+    # GPUs pick: the interpreter checks the same tiling here.
+    case = next(c for c in GRID if c.name == "mixed_p16_deepseek_widths_bf16")
+    assert_matches_reference(case, "pallas_gpu", interpret=True, num_kv_pages_per_block=4, num_kv_splits=4)
+
+
+def test_large_tiles_only_for_decode_buckets():
+    sizes = dict(page_size=16, pages_per_seq=128, max_num_seqs=64, num_head_blocks=8)
+    assert mla_kernel.default_block_sizes(num_tokens=64, large_tiles=True, **sizes) == (4, 1, 4)
+    assert mla_kernel.default_block_sizes(num_tokens=64, **sizes) == (2, 1, 4)
+    # A prefill's 2-token work items would pass Hopper's shared memory with 64 keys.
+    assert mla_kernel.default_block_sizes(num_tokens=512, large_tiles=True, **sizes) == (2, 2, 1)
+    assert not mla_kernel.hopper_or_newer()  # tests run on the CPU
+
+
 def test_deepseek_rows_are_stored_unpadded():
     # Latent 512 and rope 64 are powers of two: a token's row is 576 values, as in the reference.
     cache = mla_kernel.allocate_latent_cache(3, 16, 576, jnp.bfloat16)
