@@ -126,6 +126,25 @@ def head_loop(
     return jnp.concatenate([first[:rows, None], drafts.T], axis=1).astype(jnp.int32), kv_caches
 
 
+def make_head_programs(graphdef: nnx.GraphDef, state_def: jax.tree_util.PyTreeDef, shape: DraftCacheShape):
+    """`(head_pass, head_loop)` of the head (`graphdef`, `state_def`) over caches of `shape`,
+    jitted with the caches donated (the pass's `dims` and the loop's `steps`, `page_size` and
+    `max_position` static)."""
+    bound = dict(shape=shape)
+    return (
+        jax.jit(
+            functools.partial(head_pass, graphdef, state_def, **bound),
+            donate_argnums=(1,),
+            static_argnames=("dims",),
+        ),
+        jax.jit(
+            functools.partial(head_loop, graphdef, state_def, **bound),
+            donate_argnums=(1,),
+            static_argnames=("steps", "page_size", "max_position"),
+        ),
+    )
+
+
 def check_target(model: nnx.Module, target: ModelConfig) -> None:
     """Refuses by name a target whose step cannot hand the head its hidden states: the trunk
     that collects them is `models.layers.DecoderModel`'s (Llama, Qwen, Mistral families)."""
@@ -209,15 +228,7 @@ class Eagle3Proposer:
         self._shape = DraftCacheShape(
             backend, kv_dtype.name, num_pages, caches_per_array(1, num_pages, page_size)
         )
-        common = dict(donate_argnums=(1,))
-        self._pass = jax.jit(
-            functools.partial(head_pass, self._graphdef, self._state_def, shape=self._shape),
-            static_argnames=("dims",), **common,
-        )  # fmt: skip
-        self._loop = jax.jit(
-            functools.partial(head_loop, self._graphdef, self._state_def, shape=self._shape),
-            static_argnames=("steps", "page_size", "max_position"), **common,
-        )  # fmt: skip
+        self._pass, self._loop = make_head_programs(self._graphdef, self._state_def, self._shape)
         self._page_size, self._feed_width = page_size, feed_width
         self.row_buckets = token_buckets(feed_width, feed_width)
         self._context = repr((self.config, structure_text(self._graphdef), self._shape, page_size))
