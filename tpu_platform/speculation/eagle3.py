@@ -171,7 +171,9 @@ class _Step:
 class Eagle3Proposer:
     """The head's weights, KV cache and programs (see the module docstring)."""
 
-    def __init__(self, config: Eagle3Config, head: Eagle3Head, aux_layers: tuple[int, ...], k: int, device):
+    def __init__(
+        self, config: Eagle3Config, head: Eagle3Head, aux_layers: tuple[int, ...], k: int, device: jax.Device
+    ):
         self.config = config
         self.model_config = config.model
         self.aux_layers = aux_layers
