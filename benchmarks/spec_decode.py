@@ -12,7 +12,11 @@ drafts are all accepted); prompts of random ids. Such a draft costs a large shar
 (same width), so the figures show the mechanism's costs and acceptance, not the speed-up of a
 draft far smaller than its target.
 
-    .venv/bin/python benchmarks/spec_decode.py [--method ngram|draft_model] [--out FILE]
+`--method eagle3`: an EAGLE-3 head (vLLM's `LlamaForCausalLMEagle3` layout, random weights: an
+untrained head, whose drafts the target rarely keeps) for the same tiny target, reading its layers
+`--aux-layers`; the figures show the head's costs per step, not an EAGLE-3 speed-up.
+
+    .venv/bin/python benchmarks/spec_decode.py [--method ngram|draft_model|eagle3] [--out FILE]
         [--tokens 128] [--k 4] [--min-n 2] [--max-n 4] [--batch 16]
 
 Each configuration (no speculation; n-gram with k drafts) runs in its own subprocess (this script
@@ -40,7 +44,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-CONFIGS = ("off", "ngram", "draft_model")
+CONFIGS = ("off", "ngram", "draft_model", "eagle3")
+TINY = ("draft_model", "eagle3")  # methods benchmarked on tiny random models
 
 _TEXTS = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, "
@@ -153,14 +158,14 @@ def worker(args: argparse.Namespace) -> dict:
             "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.min_n,
             "prompt_lookup_max": args.max_n,
         }  # fmt: skip
-    if args.worker == "draft_model":
+    if args.worker in TINY:
         engine["speculative_config"] = {
-            "method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k
+            "method": args.worker, "model": args.draft, "num_speculative_tokens": args.k
         }  # fmt: skip
     start = time.perf_counter()
     llm = LLM(model=args.model, **engine)
     startup = time.perf_counter() - start
-    tiny = args.method == "draft_model"
+    tiny = args.method in TINY
     ids = random_prompts(args.batch) if tiny else prompts(llm.get_tokenizer(), args.batch)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=tiny)
     # Every prompt once first: each step shape's program has run before the timing (the first run
@@ -204,6 +209,9 @@ def main() -> None:
     parser.add_argument(
         "--draft-layers", type=int, default=1, help="draft_model: the draft's (the target's first ones)"
     )
+    parser.add_argument(
+        "--aux-layers", default="1,3,5", help="eagle3: the target layers the head reads (comma-separated)"
+    )
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--min-n", type=int, default=2)
@@ -226,6 +234,13 @@ def main() -> None:
     if args.method == "draft_model":
         root = tempfile.mkdtemp(prefix="spec_decode_")
         model, draft = tiny_models(root, args.target_layers, args.draft_layers)
+    elif args.method == "eagle3":
+        from tests.tiny_models import save_tiny_eagle3_head
+
+        root = tempfile.mkdtemp(prefix="spec_decode_")
+        model, _ = tiny_models(root, args.target_layers, args.target_layers)
+        layers = tuple(int(i) for i in args.aux_layers.split(","))
+        draft = save_tiny_eagle3_head(os.path.join(root, "head"), model, seed=6, aux_layer_ids=layers)
     else:
         model, draft = gguf_model_dir(), ""
     results = []

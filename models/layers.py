@@ -369,18 +369,33 @@ class DecoderModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype, unit_offset=norm_unit_offset)
 
     def __call__(
-        self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[jax.Array], md: AttentionMetadata
-    ) -> tuple[jax.Array, list[jax.Array]]:
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        kv_caches: list[jax.Array],
+        md: AttentionMetadata,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[jax.Array, list[jax.Array]] | tuple[jax.Array, list[jax.Array], jax.Array]:
+        """`(hidden, kv_caches)`; with `aux_layers` (an EAGLE-3 head's), also the residual stream
+        entering each of those layers (index `len(layers)`: the last one's output), side by side
+        in layer order: `[T, len(aux_layers) * D]`."""
         x = self.embed_tokens(input_ids, md.mesh)  # [T, D]
         # Padding tokens start from zeros. Norms, RoPE, attention (it leaves padding rows at zero)
         # and projections without a bias keep a zero row zero, so the CPU's dense kernels skip
         # those rows (`pallas_kernels.cpu.native_dense`); a bias on the residual path ends that.
         x = jnp.where(md.real_tokens(x.shape[0])[:, None], x, jnp.zeros((), x.dtype))
         kv_caches = list(kv_caches)
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux.append(x)
             cache, layer_md = md.for_layer(i)  # layers of different KV groups may share an array
             x, kv_caches[cache] = layer(x, positions, kv_caches[cache], layer_md)
-        return self.norm(x), kv_caches
+        if not aux_layers:
+            return self.norm(x), kv_caches
+        if len(self.layers) in aux_layers:
+            aux.append(x)
+        return self.norm(x), kv_caches, jnp.concatenate(aux, axis=-1)
 
 
 class CausalLM(nnx.Module):
@@ -413,9 +428,16 @@ class CausalLM(nnx.Module):
         self.final_soft_cap = final_soft_cap
 
     def __call__(
-        self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[jax.Array], md: AttentionMetadata
-    ) -> tuple[jax.Array, list[jax.Array]]:
-        return self.model(input_ids, positions, kv_caches, md)
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        kv_caches: list[jax.Array],
+        md: AttentionMetadata,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[jax.Array, list[jax.Array]] | tuple[jax.Array, list[jax.Array], jax.Array]:
+        """The trunk's `(hidden, kv_caches)`, and with `aux_layers` the hidden states an EAGLE-3
+        head reads (`DecoderModel.__call__`)."""
+        return self.model(input_ids, positions, kv_caches, md, aux_layers)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """`[R, D]` hidden states to float32 logits `[R, V]`."""

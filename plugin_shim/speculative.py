@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tpu_platform.speculation import MAX_SPECULATIVE_TOKENS, SpeculationConfig
-from tpu_platform.speculation.config import METHODS
+from tpu_platform.speculation.config import METHODS, MODEL_METHODS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -22,22 +22,24 @@ def runner_speculation(config: VllmConfig) -> SpeculationConfig | None:
         min_n=spec.prompt_lookup_min or 1,
         max_n=spec.prompt_lookup_max or spec.prompt_lookup_min or 1,
         method=spec.method,
-        draft_model=spec.draft_model_config.model if spec.method == "draft_model" else None,
+        draft_model=spec.draft_model_config.model if spec.method in MODEL_METHODS else None,
     )
 
 
 def async_scheduling_off_for_draft_model(config: VllmConfig) -> None:
-    """Turns async scheduling off for a draft model, as vLLM does for its proposers that read
-    the step before's tokens on the host: vLLM turns it on by default for 'draft_model', whose
-    drafts our runner proposes from the recorded tokens."""
+    """Turns async scheduling off for a draft model or an EAGLE-3 head, as vLLM does for its
+    proposers that read the step before's tokens on the host: vLLM turns it on by default for
+    'draft_model' and 'eagle3', whose drafts our runner proposes from the recorded tokens."""
     spec, scheduler = config.speculative_config, config.scheduler_config
-    if spec is None or spec.method != "draft_model" or scheduler is None or not scheduler.async_scheduling:
+    if spec is None or spec.method not in MODEL_METHODS:
+        return
+    if scheduler is None or not scheduler.async_scheduling:
         return
     scheduler.async_scheduling = False
     from vllm.logger import init_logger
 
     init_logger("vllm.xla").warning(
-        "vllm-xla: async scheduling is off with a draft model (drafts follow the step)"
+        "vllm-xla: async scheduling is off with speculative method %r (drafts follow the step)", spec.method
     )
 
 
@@ -54,6 +56,8 @@ def unsupported_speculation(config: VllmConfig) -> str | None:
         return "async_scheduling=True"
     if spec.method == "draft_model":
         return _unsupported_draft(config)
+    if spec.method == "eagle3" and config.parallel_config.tensor_parallel_size > 1:
+        return "method='eagle3' with tensor_parallel_size > 1"
     return None
 
 
@@ -71,13 +75,16 @@ def _unsupported_draft(config: VllmConfig) -> str | None:
 
 
 REFUSED_VALUES = (
-    f"methods other than {', '.join(METHODS)} (eagle, eagle3, mtp, suffix, ...); "
+    f"methods other than {', '.join(METHODS)} (eagle, mtp, suffix, ...); "
     f"num_speculative_tokens above {MAX_SPECULATIVE_TOKENS}; async scheduling with drafts "
     "(the proposers read the tokens of the step before); a draft model of another vocabulary "
-    "(use_heterogeneous_vocab, or another vocab_size) or with tensor_parallel_size > 1"
+    "(use_heterogeneous_vocab, or another vocab_size); a draft model or EAGLE-3 head with "
+    "tensor_parallel_size > 1"
 )
 INSTEAD = (
-    f"use method='ngram' (prompt_lookup_min/max) or 'draft_model' (a draft of the target's "
-    f"tokenizer, tensor_parallel_size=1) with num_speculative_tokens 1 to {MAX_SPECULATIVE_TOKENS}, "
-    "with async scheduling off (--no-async-scheduling), or leave speculative_config unset"
+    f"use method='ngram' (prompt_lookup_min/max), 'draft_model' (a draft of the target's "
+    "tokenizer) or 'eagle3' (a head of vLLM's LlamaForCausalLMEagle3 layout made for the target), "
+    f"the last two with tensor_parallel_size=1, with num_speculative_tokens 1 to "
+    f"{MAX_SPECULATIVE_TOKENS}, with async scheduling off (--no-async-scheduling), or leave "
+    "speculative_config unset"
 )

@@ -73,6 +73,14 @@ SUPPORTED: tuple[Supported, ...] = (
         "logprobs, penalties, bad words, min_tokens, logit_bias, allowed ids or a grammar get no "
         "drafts (docs/configuration.md)",
     ),
+    Supported(
+        "Speculative decoding: draft model, EAGLE-3",
+        "speculative_config method='draft_model' or 'eagle3', model, num_speculative_tokens",
+        "a draft of the target's vocabulary, or an EAGLE-3 head (vLLM's LlamaForCausalLMEagle3 "
+        "layout) reading the target's hidden states of its three chosen layers; each proposer's "
+        "k steps in one compiled program, its KV cache inside the same memory budget; one device "
+        "(docs/configuration.md)",
+    ),
     Supported("Logits processors", "logits_processors", "vLLM's logits-processor plugins"),
     Supported(
         "Prefix caching, chunked prefill, preemption",

@@ -83,3 +83,82 @@ def save_damped_tiny_llama(path: str, *, seed: int, scale: float) -> str:
             layer.mlp.down_proj.weight.mul_(scale)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def save_tiny_eagle3_head(
+    path: str,
+    target_dir: str,
+    *,
+    seed: int,
+    aux_layer_ids: tuple[int, ...] | None,
+    draft_vocab_size: int | None = None,
+    own_embedding: bool = False,
+) -> str:
+    """Saves a random EAGLE-3 head for the tiny Llama at `target_dir` in vLLM's
+    `LlamaForCausalLMEagle3` layout (`midlayer.*`, `fc`, `norm`, `lm_head`; `d2t` offsets and
+    `t2d` when `draft_vocab_size` is smaller than the target's vocabulary, the draft ids then
+    standing for a random sorted subset of it; `embed_tokens` only with `own_embedding`: else
+    the head shares the target's). Returns path."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(target_dir, "config.json")) as f:
+        target = json.load(f)
+    d, vocab = target["hidden_size"], target["vocab_size"]
+    heads, kv_heads = target["num_attention_heads"], target["num_key_value_heads"]
+    head_dim, inter = d // heads, target["intermediate_size"]
+    draft_vocab = draft_vocab_size or vocab
+    num_aux = len(aux_layer_ids) if aux_layer_ids else 3
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, std=0.3):
+        return torch.randn(*shape, generator=generator) * std
+
+    tensors = {
+        "fc.weight": normal(d, num_aux * d, std=0.1),
+        "midlayer.input_layernorm.weight": 1 + normal(d, std=0.1),
+        "midlayer.hidden_norm.weight": 1 + normal(d, std=0.1),
+        "midlayer.post_attention_layernorm.weight": 1 + normal(d, std=0.1),
+        "midlayer.self_attn.q_proj.weight": normal(heads * head_dim, 2 * d),
+        "midlayer.self_attn.k_proj.weight": normal(kv_heads * head_dim, 2 * d),
+        "midlayer.self_attn.v_proj.weight": normal(kv_heads * head_dim, 2 * d),
+        "midlayer.self_attn.o_proj.weight": normal(d, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": normal(inter, d),
+        "midlayer.mlp.up_proj.weight": normal(inter, d),
+        "midlayer.mlp.down_proj.weight": normal(d, inter),
+        "norm.weight": 1 + normal(d, std=0.1),
+        "lm_head.weight": normal(draft_vocab, d),
+    }
+    if own_embedding:
+        tensors["embed_tokens.weight"] = normal(vocab, d)
+    if draft_vocab != vocab:
+        chosen = torch.sort(torch.randperm(vocab, generator=generator)[:draft_vocab]).values
+        tensors["d2t"] = chosen - torch.arange(draft_vocab)
+        tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, chosen, True)
+    os.makedirs(path, exist_ok=True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, os.path.join(path, "model.safetensors"))
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": d,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "num_hidden_layers": 1,
+        "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab,
+        "rms_norm_eps": target["rms_norm_eps"],
+        "rope_theta": target.get("rope_theta", 10000.0),
+        "max_position_embeddings": target["max_position_embeddings"],
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+    if aux_layer_ids:
+        config["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return path

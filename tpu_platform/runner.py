@@ -45,8 +45,7 @@ from tpu_platform.sampling.uniform import (
     warm_logprobs_width,
     with_all_extras,
 )
-from tpu_platform.speculation.draft_model import DraftModel
-from tpu_platform.speculation.verifier import SpeculativeDecoding
+from tpu_platform.speculation.verifier import SpeculativeDecoding, load_proposer
 from tpu_platform.state_cache import allocate_layer_caches
 from tpu_platform.step import make_sampler
 from tpu_platform.step_program import KVLayout, build_step_program
@@ -145,7 +144,7 @@ class Runner:
         )
         self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)
         draft = functools.partial(
-            DraftModel.load, config=self.config, target=self.model_config, dtype=self.dtype,
+            load_proposer, config=self.config, target=self.model_config, target_model=model, dtype=self.dtype,
             dense_isa=self.dense_isa, shardings=self.weight_shardings, device=self.device,
         )  # fmt: skip
         self.speculation = SpeculativeDecoding.for_runner(
@@ -238,7 +237,7 @@ class Runner:
             self.model_config, self._graphdef, self._state_def, self._state_leaves, self.kv_caches,
             backend=self.backend, layout=layout, kv_dtype=self.kv_dtype.name, num_pages=num_pages,
             page_size=self.config.page_size, feed_width=self.buckets.max_seqs, device=self.device,
-            mesh=self.mesh,
+            mesh=self.mesh, aux_layers=self.speculation.aux_layers if self.speculation else (),
         )  # fmt: skip
         self._forward = self.step_program.forward
         if self.speculation is not None:  # a draft model's cache: as many pages, the same tables
@@ -339,18 +338,20 @@ class Runner:
 
     def _run_forward(
         self, packed: np.ndarray, dims: tuple[int, int, int, int], fed_tokens: jax.Array
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, ...]:
         """Dispatches the forward on packed inputs (one transfer) and the previous step's tokens,
-        keeping the donated caches' successors. After its first run a program is called on its
-        flat arguments (`FlatCall`)."""
+        keeping the donated caches' successors; returns its other outputs (logits, greedy tokens,
+        hidden states, and an EAGLE-3 head's hidden states). After its first run a program is
+        called on its flat arguments (`FlatCall`)."""
         key = ("forward", *dims)
         flat = self._flat_forwards.get(key)  # None too when the program needs JAX's own call
         if flat is not None:
             packed = flat.put(len(self._state_leaves) + len(self.kv_caches), packed)
             outputs = flat([*self._state_leaves, *self.kv_caches, packed, fed_tokens])
-            self.kv_caches = outputs[3:]
-            return outputs[0], outputs[1], outputs[2]
-        logits, greedy, hidden, self.kv_caches = self.programs.call(
+            end = 3 + len(self.kv_caches)
+            self.kv_caches = outputs[3:end]
+            return (*outputs[:3], *outputs[end:])
+        logits, greedy, hidden, self.kv_caches, *aux = self.programs.call(
             key,
             lambda: self._forward_spec(packed, dims),
             self._state_leaves,
@@ -364,7 +365,7 @@ class Runner:
             program = None if self.step_program.layout.state_layers else self.programs.get(key)
             num_args = len(self._state_leaves) + len(self.kv_caches) + 2
             self._flat_forwards[key] = program and FlatCall.of(program, num_args)
-        return logits, greedy, hidden
+        return logits, greedy, hidden, *aux
 
     # -- one engine step ------------------------------------------------------------------------
 
@@ -417,9 +418,9 @@ class Runner:
                 fed = previous
                 self.stats.fed_steps += 1
         dispatch_start = time.perf_counter()
-        logits, greedy, hidden = self._run_forward(plan.packed, plan.dims, fed)
+        logits, greedy, hidden, *aux = self._run_forward(plan.packed, plan.dims, fed)
         if self.speculation is not None:
-            self.speculation.after_forward(plan.packed, plan.dims, fed)
+            self.speculation.after_forward(plan, fed, aux)
         dispatched_at = time.perf_counter()
         self.stats.host_seconds += dispatched_at - start
         self.stats.dispatch_seconds += dispatched_at - dispatch_start

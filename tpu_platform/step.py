@@ -35,7 +35,8 @@ def forward_logits(
     caches_per_array: int = 0,
     mesh: Mesh | None = None,
     cache_def: jax.tree_util.PyTreeDef | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
+    aux_layers: tuple[int, ...] = (),
+) -> tuple:
     """Runs the model on all scheduled tokens (`packed` by `pack_inputs`, padded to `dims`).
 
     `fed_tokens` (`[F]` int32) are the previous step's sampled tokens, still on the device: a token
@@ -44,7 +45,9 @@ def forward_logits(
     Returns the `[R, V]` float32 logits of the rows to sample (rows past the real sequences are
     the head's output for a zero hidden state), their greedy tokens (an all-greedy step needs no
     sampler program) padded to `[F]` (the next step's `fed_tokens`), the `[T, D]` hidden states of
-    every token (for prompt logprobs; zeros for padding tokens) and the new caches.
+    every token (for prompt logprobs; zeros for padding tokens) and the new caches; with
+    `aux_layers` (speculative method 'eagle3') also the `[T, A * D]` hidden states the EAGLE-3
+    head reads (`models.layers.DecoderModel`), last.
     """
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
     inputs = unpack_inputs(packed, dims)
@@ -67,7 +70,8 @@ def forward_logits(
     )
     if cache_def is not None:  # a hybrid's caches come flat; its state layers take pairs
         kv_caches = jax.tree.unflatten(cache_def, kv_caches)
-    hidden, kv_caches = model(token_ids, inputs.positions, kv_caches, md)
+    aux = {"aux_layers": aux_layers} if aux_layers else {}  # a model without the option is called as ever
+    hidden, kv_caches, *extra = model(token_ids, inputs.positions, kv_caches, md, **aux)
     if cache_def is not None:
         kv_caches = jax.tree.leaves(kv_caches)
     rows = hidden[inputs.logits_indices]
@@ -77,7 +81,7 @@ def forward_logits(
     logits = model.compute_logits(jnp.where(real_rows[:, None], rows, jnp.zeros((), rows.dtype)))
     if mesh is not None:
         logits = gather_logits(logits, mesh)
-    return logits, pad_tokens(greedy_sample(logits), fed_tokens.shape[0]), hidden, kv_caches
+    return logits, pad_tokens(greedy_sample(logits), fed_tokens.shape[0]), hidden, kv_caches, *extra
 
 
 def gather_logits(logits: jax.Array, mesh: Mesh) -> jax.Array:
@@ -110,9 +114,10 @@ def make_forward(
     mesh: Mesh | None = None,
     cache_shardings: list[NamedSharding] | None = None,
     cache_def: jax.tree_util.PyTreeDef | None = None,
+    aux_layers: tuple[int, ...] = (),
 ) -> Callable:
     """`forward(state_leaves, kv_caches, packed, fed_tokens, dims=...) -> (logits, greedy, hidden,
-    kv_caches)`, jitted.
+    kv_caches)`, jitted (and the EAGLE-3 head's hidden states last, with `aux_layers`).
 
     The model state comes as the flat leaves of `state_def` (`jax.tree.flatten(state)`, done
     once): flattening an NNX state of a few hundred variables on every call would cost
@@ -141,6 +146,7 @@ def make_forward(
         caches_per_array=caches_per_array,
         mesh=mesh,
         cache_def=cache_def,
+        aux_layers=aux_layers,
     )
     if mesh is None:
         return jax.jit(step, donate_argnums=(1,), static_argnames=("dims",))
@@ -151,7 +157,7 @@ def make_forward(
         step,
         donate_argnums=(1,),
         static_argnames=("dims",),
-        out_shardings=(whole, whole, whole, cache_shardings),
+        out_shardings=(whole, whole, whole, cache_shardings, *[whole] * bool(aux_layers)),
     )
 
 

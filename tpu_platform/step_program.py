@@ -188,12 +188,15 @@ def build_step_program(
     feed_width: int,
     device: jax.Device,
     mesh: Mesh | None = None,
+    aux_layers: tuple[int, ...] = (),
 ) -> StepProgram:
     """The step program of the model (`graphdef`, `state_def`) over `state_leaves` and `caches`,
     each a `jax.Array` or a `ShapeDtypeStruct` with its sharding (the runner's placed weights and
     allocated caches, or the planner's abstract ones), each cache `num_pages` pages of
     `page_size` tokens (`kv_cache.allocate_stacked_caches`); `device`: where everything lives without a
-    `mesh`; on a tensor-parallel `mesh` the caches leave the program split as they came."""
+    `mesh`; on a tensor-parallel `mesh` the caches leave the program split as they came.
+    `aux_layers`: the target layers an EAGLE-3 head reads, an output of the program (none: the
+    program has no such output)."""
     state = tuple(_abstract(leaf) for leaf in state_leaves)
     abstract_caches = tuple(_abstract(cache) for cache in caches)
     per_array = caches_per_array(layout.num_caches, num_pages, page_size)
@@ -202,12 +205,13 @@ def build_step_program(
         graphdef, state_def, backend, layout.layer_groups, layout.layer_caches, kv_dtype,
         cache_pages=stacked_pages, caches_per_array=per_array, mesh=mesh,
         cache_shardings=None if mesh is None else [cache.sharding for cache in abstract_caches],
-        cache_def=layout.caches_def,
+        cache_def=layout.caches_def, aux_layers=aux_layers,
     )  # fmt: skip
     tp_size = 1 if mesh is None else mesh.size
     context = repr(
         (model_config, backend, layout.layer_groups, layout.layer_caches, kv_dtype, num_pages, per_array,
-         structure_text(graphdef), tp_size, architecture_fingerprint(model_config.architecture))
+         structure_text(graphdef), tp_size, architecture_fingerprint(model_config.architecture),
+         *([aux_layers] if aux_layers else []))
     )  # fmt: skip
     whole = None if mesh is None else replicated(mesh)
     return StepProgram(forward, device, state, abstract_caches, whole, feed_width, layout, num_pages, context)

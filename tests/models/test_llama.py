@@ -77,6 +77,28 @@ def test_prefill_logits_match_transformers(tiny):
     np.testing.assert_allclose(logits, _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
+def test_the_trunk_hands_an_eagle3_head_the_residual_stream_entering_its_layers(tiny):
+    """`aux_layers` (EAGLE-3): the hidden states entering layers 0 and 1 (transformers'
+    `hidden_states[0]` and `[1]`) and the last layer's output before the norm, side by side."""
+    _, config, model, hf = tiny
+    ids = [1, 5, 9, 20, 33, 7, 100, 200, 3, 17]
+    md = AttentionMetadata(
+        slot_mapping=jnp.arange(len(ids), dtype=jnp.int32) + PAGE, kv_lens=jnp.asarray([len(ids)], jnp.int32),
+        page_indices=jnp.asarray([[1]], jnp.int32), cu_q_lens=jnp.asarray([0, len(ids)], jnp.int32),
+        num_seqs=jnp.asarray([1], jnp.int32),
+    )  # fmt: skip
+    tokens, positions = jnp.asarray(ids, jnp.int32), jnp.arange(len(ids), dtype=jnp.int32)
+    hidden, _, aux = model(tokens, positions, _caches(config), md, aux_layers=(0, 1, 2))
+    assert len(model(tokens, positions, _caches(config), md)) == 2  # nothing more unless asked
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    d = config.hidden_size
+    for i in (0, 1):
+        np.testing.assert_allclose(aux[:, i * d : (i + 1) * d], expected[i][0].numpy(), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(model.model.norm(aux[:, 2 * d :]), hidden, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(hidden, expected[2][0].numpy(), atol=1e-4, rtol=1e-4)  # HF's last: normed
+
+
 @pytest.mark.parametrize("stacked", [False, True], ids=["cache_per_layer", "stacked_caches"])
 def test_ragged_prefill_then_mixed_decode_match_transformers(tiny, stacked):
     _, config, model, hf = tiny

@@ -12,7 +12,7 @@ from vllm.engine.arg_utils import EngineArgs
 
 from plugin_shim import feature_check
 from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
-from tests.tiny_models import save_tiny_llama
+from tests.tiny_models import save_tiny_eagle3_head, save_tiny_llama
 
 _DOC = pathlib.Path(__file__).parents[2] / "docs" / "features.md"
 
@@ -112,6 +112,8 @@ def models(tmp_path_factory) -> dict[str, str]:
         "other_vocab": dict(config, vocab_size=512),
     }  # fmt: skip
     dirs = {"llama": llama, "multimodal": llama, "qwen3_next": save_tiny_qwen3_next(str(root / "qwen3_next"))}
+    head = save_tiny_eagle3_head(str(root / "eagle3_head"), llama, seed=1, aux_layer_ids=(0, 1, 2))
+    dirs["eagle3_head"] = head
     for name, variant in variants.items():
         path = root / name
         shutil.copytree(llama, path, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -330,6 +332,23 @@ def test_a_draft_model_of_the_targets_vocabulary_is_served_without_async_schedul
     config = _config(models, "llama", dict(speculative_config=spec))
     assert feature_check.refusals(config) == []
     assert config.scheduler_config.async_scheduling is False  # vLLM's default turns it on
+
+
+def test_an_eagle3_head_is_served_without_async_scheduling_and_refused_with_tensor_parallelism(models):
+    spec = {"method": "eagle3", "model": models["eagle3_head"], "num_speculative_tokens": 3}
+    config = _config(models, "llama", dict(speculative_config=spec))
+    assert feature_check.refusals(config) == []
+    assert config.scheduler_config.async_scheduling is False  # vLLM's default turns it on
+    with pytest.raises(ValueError, match="not supported by vllm-xla") as raised:
+        _config(models, "llama", dict(speculative_config=spec, tensor_parallel_size=2))
+    assert "method='eagle3' with tensor_parallel_size > 1" in str(raised.value)
+
+
+def test_eagle_one_heads_are_refused_by_name(models):
+    spec = {"method": "eagle", "model": models["llama"], "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="not supported by vllm-xla") as raised:
+        _config(models, "llama", dict(speculative_config=spec))
+    assert "method='eagle'" in str(raised.value)
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused_by_name(models):

@@ -1,19 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
 """Speculative decoding's programs and memory for a compile-only target: the verification of k
 drafts a request (`speculation.verifier.make_verify`), a draft model's k-step draft loop
-(`speculation.draft_model.make_draft_loop`), each the runner's own builder compiled over abstract
+(`speculation.draft_model.make_draft_loop`), an EAGLE-3 head's pass and loop
+(`speculation.eagle3.make_head_programs`), each the runner's own builder compiled over abstract
 weights and caches, and the bytes a draft adds per KV page and in weights (the planner's rows
 for it)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from tpu_platform.kv_cache import caches_per_array, kv_cache_dtype
+from models import attach_rope_tables
+from models.eagle3 import Eagle3Config, Eagle3Head
+from models.serving_passes import fuse_projections
+from tpu_platform.inputs import pack_inputs, padding_inputs
+from tpu_platform.kv_cache import allocate_stacked_caches, caches_per_array, kv_cache_dtype
 from tpu_platform.planner.plan import (
     ProgramFacts,
     StepSetup,
@@ -21,10 +29,12 @@ from tpu_platform.planner.plan import (
     _measured,
     compile_with_text,
     kv_page_bytes,
+    step_shape,
 )
 from tpu_platform.planner.targets import compile_only_devices
 from tpu_platform.sampling import SamplerFlags, dummy_tensors
 from tpu_platform.speculation.draft_model import DraftCacheShape, kv_share, make_draft_loop
+from tpu_platform.speculation.eagle3 import make_head_programs
 from tpu_platform.speculation.verifier import make_verify
 
 
@@ -100,3 +110,65 @@ def compile_verify(target: StepSetup, rows: int, k: int, flags: SamplerFlags) ->
     verify = make_verify(model.graphdef)
     static = {"flags": flags, "feed_width": target.max_num_seqs}
     return _measured(lambda: compile_with_text(verify, device, *args, **static))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Eagle3Programs:
+    """An EAGLE-3 head's programs compiled for a target chip, and its cache's bytes."""
+
+    head_pass: ProgramFacts
+    loop: ProgramFacts
+    cache_bytes: int
+    weight_bytes: int
+
+
+def compile_eagle3(
+    target: StepSetup, head: Eagle3Config, num_pages: int, num_tokens: int, rows: int, k: int
+) -> Eagle3Programs:
+    """Compiles an EAGLE-3 head's pass over a step of `num_tokens` tokens of `target` (its limits
+    and chip) and its loop of k - 1 steps for `rows` requests, over a one-layer cache of
+    `num_pages` pages, with the target's compiler (one chip, weights abstract)."""
+    if target.tp_size != 1:
+        raise ValueError("the EAGLE-3 head is served on one chip: use tp_size=1")
+    device = compile_only_devices(target.target)[0]
+    on_chip = SingleDeviceSharding(device)
+    dtype = jnp.dtype(target.dtype)
+
+    def built() -> Eagle3Head:
+        model = Eagle3Head(head, dtype=dtype, own_embedding=True, has_d2t=True)
+        fuse_projections(model)
+        return model
+
+    model = nnx.eval_shape(built)
+    attach_rope_tables(model, target.max_model_len)
+    graphdef, state = nnx.split(model)
+    leaves, state_def = jax.tree.flatten(state)
+    leaves = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=on_chip) for x in leaves]
+    mc, kv_dtype = head.model, kv_cache_dtype(target.cache_dtype)
+    page_size = target.tokens_per_page
+    caches = jax.eval_shape(
+        lambda: allocate_stacked_caches(
+            1, num_pages, page_size, mc.num_kv_heads, mc.head_dim, kv_dtype, target.backend
+        )
+    )
+    caches = [jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=on_chip) for c in caches]
+    per_array = caches_per_array(1, num_pages, page_size)
+    shape = DraftCacheShape(target.backend, kv_dtype.name, num_pages, per_array)
+    head_pass, loop = make_head_programs(graphdef, state_def, shape)
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32, sharding=on_chip)  # noqa: E731
+    packed, dims = pack_inputs(padding_inputs(*step_shape(target, num_tokens), 1))
+    width = head.num_aux_hidden_states * head.target_hidden_size
+    aux = jax.ShapeDtypeStruct((dims[0], width), dtype, sharding=on_chip)
+    feed = target.buckets.max_seqs
+    pass_args = (leaves, caches, ints(*packed.shape), aux, ints(feed))
+    loop_args = (
+        leaves, caches, ints(feed), jax.ShapeDtypeStruct((feed, mc.hidden_size), dtype, sharding=on_chip),
+        ints(rows), ints(rows, target.buckets.max_pages), ints(1),
+    )  # fmt: skip
+    static = {"steps": k - 1, "page_size": page_size, "max_position": target.max_model_len - 1}
+    return Eagle3Programs(
+        head_pass=_measured(lambda: compile_with_text(head_pass, device, *pass_args, dims=dims)),
+        loop=_measured(lambda: compile_with_text(loop, device, *loop_args, **static)),
+        cache_bytes=sum(math.prod(c.shape) * np.dtype(c.dtype).itemsize for c in caches),
+        weight_bytes=sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves),
+    )

@@ -419,11 +419,14 @@ def kv_page_bytes(setup: StepSetup) -> int:
     return sum(_bytes(c.shape, c.dtype) for c in caches) // 2
 
 
-def step_program(setup: StepSetup, num_pages: int, device: jax.Device | None = None) -> StepProgram:
+def step_program(
+    setup: StepSetup, num_pages: int, device: jax.Device | None = None, aux_layers: tuple[int, ...] = ()
+) -> StepProgram:
     """The runner's step program (`step_program.build_step_program`, as `Runner.initialize_kv_cache`
     builds it) over abstract weights and a KV cache of `num_pages` pages (per chip), on one chip
     of `setup.target` or on the runner's mesh of `setup.tp_size` chips. `device`: a local device
-    to build it for instead, at TP=1 (to set it beside a runner's own program)."""
+    to build it for instead, at TP=1 (to set it beside a runner's own program); `aux_layers`: the
+    layers an EAGLE-3 head reads (speculative method 'eagle3')."""
     if device is not None and setup.tp_size > 1:
         raise ValueError("a step program for a local device is a one-device one: use tp_size=1")
     mesh = None if device is not None else setup.mesh()
@@ -436,7 +439,7 @@ def step_program(setup: StepSetup, num_pages: int, device: jax.Device | None = N
         setup.config, model.graphdef, model.state_def, model.placed(mesh, device), caches,
         backend=setup.backend, layout=setup.kv_layout, kv_dtype=kv_cache_dtype(setup.cache_dtype).name,
         num_pages=num_pages, page_size=setup.tokens_per_page, feed_width=setup.buckets.max_seqs,
-        device=device, mesh=mesh,
+        device=device, mesh=mesh, aux_layers=aux_layers,
     )  # fmt: skip
 
 

@@ -7,8 +7,10 @@ import dataclasses
 
 from tpu_platform.sampling import SamplingOptions
 
-# Methods built; vLLM's others (eagle, eagle3, mtp, suffix, ...) are refused at start.
-METHODS = ("ngram", "draft_model")
+# Methods built; vLLM's others (eagle, mtp, suffix, ...) are refused at start.
+METHODS = ("ngram", "draft_model", "eagle3")
+# Methods whose proposer is a checkpoint of its own (`SpeculationConfig.draft_model`).
+MODEL_METHODS = ("draft_model", "eagle3")
 # Drafts per request per step: the verification's logits are `[max_num_seqs * (1 + k), V]`.
 MAX_SPECULATIVE_TOKENS = 8
 
@@ -17,7 +19,8 @@ MAX_SPECULATIVE_TOKENS = 8
 class SpeculationConfig:
     """vLLM's `speculative_config`: `method`, `num_speculative_tokens` (k), the n-gram
     proposer's `prompt_lookup_min`/`prompt_lookup_max` (the shortest and longest suffix matched)
-    and, for `draft_model`, the draft's checkpoint directory (`model`)."""
+    and, for `draft_model` and `eagle3`, the draft's or EAGLE-3 head's checkpoint directory
+    (`model`)."""
 
     num_tokens: int
     min_n: int = 1
@@ -34,10 +37,10 @@ class SpeculationConfig:
             raise ValueError(
                 f"num_speculative_tokens={self.num_tokens} is out of range; use 1 to {MAX_SPECULATIVE_TOKENS}"
             )
-        if (self.method == "draft_model") != (self.draft_model is not None):
+        if (self.method in MODEL_METHODS) != (self.draft_model is not None):
             raise ValueError(
-                "speculative method 'draft_model' takes the draft's checkpoint directory (model=...), "
-                f"and only it does; got method={self.method!r}, model={self.draft_model!r}"
+                "speculative methods 'draft_model' and 'eagle3' take the draft's checkpoint directory "
+                f"(model=...), and only they do; got method={self.method!r}, model={self.draft_model!r}"
             )
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(

@@ -18,12 +18,14 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from models import ModelConfig
 from models.registry import architecture_fingerprint
 from tpu_platform.buckets import token_buckets
+from tpu_platform.inputs import StepPlan
 from tpu_platform.programs import Programs, ProgramSpec, structure_text
 from tpu_platform.request_table import RequestTable
 from tpu_platform.runner_config import RunnerConfig
@@ -31,11 +33,13 @@ from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, Sa
 from tpu_platform.sampling.uniform import has_extras
 from tpu_platform.speculation.config import SpeculationConfig, draftable
 from tpu_platform.speculation.draft_model import DraftModel
+from tpu_platform.speculation.eagle3 import Eagle3Proposer
 from tpu_platform.speculation.ngram import propose_ngram
 from tpu_platform.speculation.rejection import verify_drafts
 from tpu_platform.step import pad_tokens
 from tpu_platform.step_record import DispatchedStep
 from tpu_platform.step_update import StepUpdate
+from tpu_platform.weights.prepared import ShardingFor
 
 # The sampler flags a verification program is built for: greedy, random, random with filters.
 VERIFY_FLAGS = (SamplerFlags(all_greedy=True), SamplerFlags(), SamplerFlags(filters=True))
@@ -122,7 +126,8 @@ class SpeculativeDecoding:
         self._sharding = sharding
         self._context = context
         self._draftable: dict[str, bool] = {}
-        self.draft: DraftModel | None = None  # method 'draft_model': the proposer (`draft_model`)
+        # The proposer of method 'draft_model' (`draft_model`) or 'eagle3' (`eagle3`).
+        self.draft: DraftModel | Eagle3Proposer | None = None
         self._draft_warm_up: tuple = ()  # the draft's warm-up arguments, once its cache is there
         # Request rows of the programs: the forward's buckets up to `max_num_seqs`, by requests
         # rather than tokens (the LM head runs on 1 + k rows a request: a lone drafted request
@@ -137,10 +142,11 @@ class SpeculativeDecoding:
         config: RunnerConfig,
         sharding: jax.sharding.Sharding | None,
         programs: Programs,
-        load_draft: Callable[[str], DraftModel] | None = None,
+        load_draft: Callable[[str], DraftModel | Eagle3Proposer] | None = None,
     ) -> SpeculativeDecoding | None:
         """A runner's speculative decoding (None when its config has none); `sharding`: where whole
-        arrays go on its mesh; `load_draft(path)`: loads a draft model (`DraftModel.load`)."""
+        arrays go on its mesh; `load_draft(path)`: loads a draft model or an EAGLE-3 head
+        (`load_proposer`)."""
         if config.speculation is None:
             return None
         fingerprint = architecture_fingerprint(model_config.architecture)
@@ -153,8 +159,8 @@ class SpeculativeDecoding:
         if config.speculation.draft_model is not None:
             if config.tensor_parallel_size > 1:
                 raise ValueError(
-                    "speculative method 'draft_model' is not supported with tensor_parallel_size > 1 "
-                    "by vllm-xla yet; use tensor_parallel_size=1 or method 'ngram'"
+                    f"speculative method {config.speculation.method!r} is not supported with "
+                    "tensor_parallel_size > 1 by vllm-xla yet; use tensor_parallel_size=1 or method 'ngram'"
                 )
             speculation.draft = load_draft(config.speculation.draft_model)
         return speculation
@@ -168,10 +174,18 @@ class SpeculativeDecoding:
         max_pages = -(-self._max_model_len // runner_facts["page_size"])
         self._draft_warm_up = (shapes, runner_facts["num_groups"], max_pages, self._max_model_len, no_feed)
 
-    def after_forward(self, packed: np.ndarray, dims: tuple, fed: jax.Array) -> None:
-        """Dispatches the draft's forward on the step the target's forward just took."""
-        if self.draft is not None:
-            self.draft.forward(self.programs, packed, dims, fed)
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states its step hands an EAGLE-3 head (none without)."""
+        return self.draft.aux_layers if isinstance(self.draft, Eagle3Proposer) else ()
+
+    def after_forward(self, plan: StepPlan, fed: jax.Array, aux: Sequence[jax.Array]) -> None:
+        """Dispatches the draft's forward on the step the target's forward just took, or keeps
+        the step and the target's hidden states `aux` (the forward's extra output) for the head."""
+        if isinstance(self.draft, Eagle3Proposer):
+            self.draft.forward(plan, aux[0])
+        elif self.draft is not None:
+            self.draft.forward(self.programs, plan.packed, plan.dims, fed)
 
     def apply(self, update: StepUpdate) -> None:
         """Tracks which of the live requests may be drafted (`config.draftable`)."""
@@ -187,6 +201,13 @@ class SpeculativeDecoding:
         for a request that emitted nothing or may not be drafted)."""
         wanted = [i for i, r in enumerate(req_ids) if sampled[i] and self._draftable.get(r, False)]
         drafts: list[list[int]] = [[] for _ in req_ids]
+        if isinstance(self.draft, Eagle3Proposer):  # its pass runs on every step
+            proposed = self.draft.propose(
+                self.programs, table, np.array(wanted, np.intp), self._max_model_len
+            )
+            for i, tokens in zip(wanted, proposed.tolist(), strict=True):
+                drafts[i] = [t for t in tokens if t >= 0]
+            return drafts
         if not wanted:
             return drafts
         rows = np.fromiter((table.row_of[req_ids[i]] for i in wanted), np.intp, len(wanted))
@@ -266,7 +287,9 @@ class SpeculativeDecoding:
             for r_pad in self.row_buckets
             for flags in VERIFY_FLAGS
         ]
-        if self.draft is not None:
+        if isinstance(self.draft, Eagle3Proposer):  # the head takes the target's activations
+            specs += self.draft.warm_up_specs(*self._draft_warm_up[:4], dtype)
+        elif self.draft is not None:
             specs += self.draft.warm_up_specs(*self._draft_warm_up)
         return specs
 
@@ -290,3 +313,24 @@ class SpeculativeDecoding:
             static={"flags": flags, "feed_width": self._feed_width},
             context=self._context,
         )
+
+
+def load_proposer(
+    path: str,
+    *,
+    config: RunnerConfig,
+    target: ModelConfig,
+    target_model: nnx.Module,
+    dtype: jnp.dtype,
+    dense_isa: str | None,
+    shardings: ShardingFor,
+    device: jax.Device,
+) -> DraftModel | Eagle3Proposer:
+    """The proposer at `path` for the runner's speculation method: a draft model (`DraftModel.load`)
+    or an EAGLE-3 head (`Eagle3Proposer.load`, reading `target_model`'s hidden states)."""
+    if config.speculation.method == "eagle3":
+        return Eagle3Proposer.load(
+            path, k=config.speculation.num_tokens, target=target, target_model=target_model, dtype=dtype,
+            max_model_len=config.max_model_len, device=device,
+        )  # fmt: skip
+    return DraftModel.load(path, config, target, dtype, dense_isa, shardings, device)

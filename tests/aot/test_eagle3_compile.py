@@ -1,0 +1,37 @@
+# SPDX-License-Identifier: Apache-2.0
+"""An EAGLE-3 head's programs compile with the real TPU (v6e-1) and GPU (H100) compilers
+(`tests.aot.eagle3_compile`): the target's step with the head's hidden states as an output, the
+head's pass over a prefill step and its k = 4 loop, for Llama-3.1-8B's shapes. The pass and the
+loop update the head's cache in place and make no temporary of its size."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.aot.toolchains import run_worker
+
+# The head of Llama-3.1-8B: one layer (2 * 4096 into q/k/v), fc 3 * 4096 -> 4096, its own
+# embedding of 128256 rows, an LM head of 32000, d2t.
+HEAD_PARAMETERS = (
+    2 * 4096 * (4096 + 2 * 1024)
+    + 4096 * 4096
+    + 3 * 4096 * 14336
+    + 3 * 4096 * 4096
+    + 128256 * 4096
+    + 32000 * 4096
+)
+
+
+@pytest.mark.parametrize(("platform", "target"), [("tpu", "v6e-1"), ("cuda", "h100x1")])
+def test_the_target_step_and_the_heads_programs_compile(platform, target):
+    out = run_worker(platform, "eagle3_compile", target)
+    for name in ("target_step", "head_pass", "head_loop"):
+        assert "error" not in out[name], f"{target} {name}: {out[name].get('error')}"
+    cache = out["head_cache_bytes"]
+    for name in ("head_pass", "head_loop"):
+        assert out[name]["alias_bytes"] >= cache, (
+            f"{target}: {name} does not update the head's cache in place"
+        )
+        assert out[name]["temp_bytes"] < cache, f"{target}: a cache-sized temporary in {name}"
+    # bfloat16 weights (and the RoPE table): the head's published size.
+    assert out["head_weight_bytes"] == pytest.approx(2 * HEAD_PARAMETERS, rel=0.02)

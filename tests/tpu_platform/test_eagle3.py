@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The EAGLE-3 proposer in the runner, with JAX alone (no vLLM): a random head of vLLM's layout
+(a draft vocabulary mapped through `d2t`, the target's embedding shared) proposes exactly what an
+independent torch reference of the head proposes on the target's hidden states (transformers),
+after a prompt prefilled in two chunks and after verification steps that kept some drafts and
+rejected others, so its cache holds the right entries at the right positions; the verified
+steps' output is the target's greedy continuation; nothing compiles after warm-up. Heads that do
+not fit the target are refused by name."""
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from models.config import ModelConfig
+from models.eagle3 import Eagle3Config, default_aux_layers
+from tests.eagle3_reference import Eagle3Reference
+from tests.greedy_reference import hf_greedy
+from tests.models.tiny_checkpoints import prompts
+from tests.tiny_models import save_tiny_eagle3_head, save_tiny_llama
+from tpu_platform.runner import Runner, RunnerConfig
+from tpu_platform.sampling import SamplingOptions
+from tpu_platform.speculation import SpeculationConfig
+from tpu_platform.step_update import CachedRequest, CachedRequests, NewRequest, StepUpdate
+
+K = 3
+GREEDY = SamplingOptions(temperature=0.0)
+PROMPT_LEN = 20
+CHUNK = 12
+AUX = (0, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    target = save_tiny_llama(str(tmp_path_factory.mktemp("target")), seed=3, num_hidden_layers=4)
+    head = save_tiny_eagle3_head(
+        str(tmp_path_factory.mktemp("head")), target, seed=7, aux_layer_ids=AUX, draft_vocab_size=256
+    )
+    return target, head
+
+
+@pytest.fixture(scope="module")
+def runner(dirs):
+    target, head = dirs
+    runner = Runner(
+        RunnerConfig(
+            model_path=target, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, page_size=16,
+            native_dense=False, strict_compile=True,
+            speculation=SpeculationConfig(num_tokens=K, method="eagle3", draft_model=head),
+        )
+    )  # fmt: skip
+    runner.load_model()
+    runner.initialize_kv_cache(num_pages=8)
+    shapes = {runner.buckets.shape_for(n, 1) for n in (CHUNK, PROMPT_LEN - CHUNK, 1 + K)}
+    runner.warm_up(sorted(shapes))
+    return runner
+
+
+def _step(runner, num_tokens, *, new=None, computed=0, outputs=0, drafts=None):
+    cached = [] if new else [CachedRequest("a", None, False, computed, outputs)]
+    runner.execute(
+        StepUpdate(
+            new_requests=[new] if new else [],
+            cached=CachedRequests.of(cached),
+            finished_req_ids=set(),
+            num_scheduled_tokens={"a": num_tokens},
+            spec_tokens={"a": drafts} if drafts else {},
+        )
+    )
+    result = runner.sample()
+    proposed = runner.speculation.propose(runner.table, result.req_ids, result.sampled_token_ids)
+    return result.sampled_token_ids[0], proposed[0]
+
+
+@pytest.mark.slow  # two programs a step shape built and run: about a minute
+def test_the_head_proposes_what_the_reference_head_does_through_verification(runner, dirs):
+    target_dir, head_dir = dirs
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    reference = Eagle3Reference(head_dir, target, AUX)
+    (prompt,) = prompts([PROMPT_LEN], seed=5)
+    new = NewRequest("a", prompt, [[1, 2, 3, 4]], 0, GREEDY)
+    out, drafts = _step(runner, CHUNK, new=new)
+    assert out == [] and drafts == []  # a partial prefill chunk: the head's pass only
+    out, drafts = _step(runner, PROMPT_LEN - CHUNK, computed=CHUNK)
+    history = [*prompt, *out]
+    assert out == hf_greedy(target, prompt, 1)
+    assert drafts == reference.drafts(history, K)
+    # The head's own drafts first, then drafts made to keep 3, 1 and 2 tokens (a random head's
+    # are rarely kept): the head proposes from the right cache entries whatever was kept.
+    for keep in (None, K, 1, 2):
+        expected = hf_greedy(target, history, K + 1)
+        if keep is not None:
+            drafts = [*expected[:keep], *[(t + 1) % 384 for t in expected[keep:K]]]
+        kept = next((i for i in range(K) if drafts[i] != expected[i]), K)
+        computed, outputs = len(history) - 1, len(history) - PROMPT_LEN
+        out, drafts = _step(runner, 1 + K, computed=computed, outputs=outputs, drafts=drafts)
+        assert out == expected[: kept + 1]  # the target's greedy tokens, however many drafts held
+        history += out
+        assert drafts == reference.drafts(history, K)
+    assert runner.speculation.stats.draft_tokens == 4 * K
+    assert runner.speculation.stats.accepted_tokens >= K + 1 + 2
+    assert runner.programs.compiles_after_warmup == 0
+
+
+def _config(tmp_path, **fields):
+    hf = {
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 384,
+        **fields,
+    }  # fmt: skip
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    return Eagle3Config.from_pretrained(str(tmp_path))
+
+
+def _target(**fields):
+    base = dict(architecture="LlamaForCausalLM", vocab_size=384, hidden_size=64, intermediate_size=128,
+                num_layers=8, num_heads=4, num_kv_heads=2, head_dim=16)  # fmt: skip
+    return ModelConfig(**{**base, **fields})
+
+
+def test_the_head_reads_vllms_default_layers_or_its_configured_ones(tmp_path):
+    assert default_aux_layers(32) == (2, 16, 29)  # vLLM's choice for Llama-3.1-8B's depth
+    assert _config(tmp_path).aux_layers(_target()) == (2, 4, 5)
+    configured = _config(tmp_path, eagle_aux_hidden_state_layer_ids=[7, 1, 4])
+    assert configured.aux_layers(_target()) == (1, 4, 7)  # in layer order, as vLLM concatenates
+    nested = _config(tmp_path, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 8, 3]})
+    assert nested.aux_layers(_target()) == (0, 3, 8)  # 8: the last layer's output
+
+
+@pytest.mark.parametrize(
+    ("head", "target", "message"),
+    [
+        ({}, dict(vocab_size=512), "vocab_size=384"),
+        ({"target_hidden_size": 32}, {}, "hidden_size=32"),
+        ({}, dict(num_layers=4), "eagle_aux_hidden_state_layer_ids"),  # (2, 2, 1): two layers
+        ({"eagle_aux_hidden_state_layer_ids": [0, 9, 3]}, {}, "in range"),
+    ],
+)
+def test_a_head_that_does_not_fit_the_target_is_refused_by_name(tmp_path, head, target, message):
+    with pytest.raises(ValueError, match=message):
+        _config(tmp_path, **head).aux_layers(_target(**target))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"architectures": ["LlamaForCausalLM"]}, "EAGLE-3 head checkpoint"),
+        ({"num_hidden_layers": 2}, "num_hidden_layers=2"),
+        ({"norm_before_fc": True}, "norm_before_fc"),
+    ],
+)
+def test_a_head_variant_not_built_is_refused_by_name(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        _config(tmp_path, **fields)
