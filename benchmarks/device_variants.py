@@ -69,6 +69,18 @@ def _variant_cases(quick: bool) -> list[tuple[str, tuple, tuple, dict]]:
     ]  # fmt: skip
 
 
+def _rows_against(name: str, reference_case, cases: dict, iters: int, **fields) -> list[dict]:
+    """A row for each of `cases` ({backend: case}) against `reference_case()`'s output, or one
+    row with the reference's error."""
+    try:
+        reference, _ = reference_case()
+    except Exception as error:
+        return [
+            {"case": name, "backend": "xla", "ok": False, "error": f"{type(error).__name__}: {error}"[:1500]}
+        ]
+    return [compared_row(name, backend, reference, case, iters, **fields) for backend, case in cases.items()]
+
+
 def check_variants(platform: str, quick: bool, iters: int, deadline: float) -> list[dict]:
     backends = [NATIVE_BACKEND[platform], "xla"] if platform in NATIVE_BACKEND else ["xla"]
     rows = []
@@ -77,25 +89,13 @@ def check_variants(platform: str, quick: bool, iters: int, deadline: float) -> l
             break
         # A float8 cache is compared with the reference over the same float8 cache.
         reference_dtype = BF16 if "kv_dtype" in options else F32
-        try:
-            reference, _ = attention_case("xla", reference_dtype, q_lens, kv_lens, heads, **options)
-        except Exception as error:
-            rows.append(
-                {
-                    "case": name,
-                    "backend": "xla",
-                    "ok": False,
-                    "error": f"{type(error).__name__}: {error}"[:1500],
-                }
-            )
-            continue
-        for backend in backends:
-            case = functools.partial(attention_case, backend, BF16, q_lens, kv_lens, heads, **options)
-            rows.append(
-                compared_row(
-                    name, backend, reference, case, iters, tokens=sum(q_lens), kv_tokens=sum(kv_lens)
-                )
-            )
+        reference = functools.partial(
+            attention_case, "xla", reference_dtype, q_lens, kv_lens, heads, **options
+        )
+        cases = {
+            b: functools.partial(attention_case, b, BF16, q_lens, kv_lens, heads, **options) for b in backends
+        }
+        rows += _rows_against(name, reference, cases, iters, tokens=sum(q_lens), kv_tokens=sum(kv_lens))
     return rows + check_latent(backends[0], quick, iters, deadline)
 
 
@@ -143,23 +143,12 @@ def check_latent(backend: str, quick: bool, iters: int, deadline: float) -> list
     for name, (q_lens, kv_lens) in {"mla_decode": _decode(quick), "mla_prefill": _prefill(quick)}.items():
         if time.perf_counter() > deadline:
             break
-        try:
-            reference, _ = latent_case("xla", F32, q_lens, kv_lens, heads, **sizes)
-        except Exception as error:
-            rows.append(
-                {
-                    "case": name,
-                    "backend": "xla",
-                    "ok": False,
-                    "error": f"{type(error).__name__}: {error}"[:1500],
-                }
-            )
-            continue
-        for each in dict.fromkeys([backend, "xla"]):
-            case = functools.partial(latent_case, each, BF16, q_lens, kv_lens, heads, **sizes)
-            rows.append(
-                compared_row(name, each, reference, case, iters, tokens=sum(q_lens), kv_tokens=sum(kv_lens))
-            )
+        reference = functools.partial(latent_case, "xla", F32, q_lens, kv_lens, heads, **sizes)
+        cases = {
+            each: functools.partial(latent_case, each, BF16, q_lens, kv_lens, heads, **sizes)
+            for each in dict.fromkeys([backend, "xla"])
+        }
+        rows += _rows_against(name, reference, cases, iters, tokens=sum(q_lens), kv_tokens=sum(kv_lens))
     return rows
 
 

@@ -42,6 +42,32 @@ from tpu_platform.weights.prepared import ShardingFor
 from tpu_platform.weights.source import load_served_weights
 
 
+def check_one_cache_group(method: str, num_groups: int) -> None:
+    """A drafter's cache shares the target's pages: the target's layers must share one group."""
+    if num_groups != 1:
+        raise ValueError(
+            f"speculative method {method!r} needs a target whose layers share one KV-cache group "
+            f"(this one has {num_groups}: sliding-window or chunked layers beside full ones); "
+            "use method 'ngram' with it"
+        )
+
+
+def draft_caches(
+    mc: ModelConfig,
+    num_caches: int,
+    num_pages: int,
+    page_size: int,
+    kv_dtype: jnp.dtype,
+    backend: str,
+    device: jax.Device,
+) -> list[jax.Array]:
+    """A drafter's `num_caches` zeroed cache arrays of the target's `num_pages` pages, on `device`."""
+    caches = allocate_stacked_caches(
+        num_caches, num_pages, page_size, mc.num_kv_heads, mc.head_dim, kv_dtype, backend
+    )
+    return jax.device_put(caches, device)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class DraftCacheShape:
     """What the draft loop needs of the cache: the static metadata of the draft's step program."""
@@ -180,18 +206,10 @@ class DraftModel:
         num_groups: int,
     ) -> None:
         """Allocates the draft's caches (`num_pages` pages, the target's) and builds its forward."""
-        if num_groups != 1:
-            raise ValueError(
-                f"speculative method 'draft_model' needs a target whose layers share one KV-cache "
-                f"group (this one has {num_groups}: sliding-window or chunked layers beside full "
-                "ones); use method 'ngram' with it"
-            )
+        check_one_cache_group("draft_model", num_groups)
         mc = self.model_config
         layout = KVLayout.from_groups([range(mc.num_layers)], mc.num_layers)
-        caches = allocate_stacked_caches(
-            layout.num_caches, num_pages, page_size, mc.num_kv_heads, mc.head_dim, kv_dtype, backend
-        )
-        self.kv_caches = jax.device_put(caches, device)
+        self.kv_caches = draft_caches(mc, layout.num_caches, num_pages, page_size, kv_dtype, backend, device)
         self.step_program = build_step_program(
             mc, self._graphdef, self._state_def, self._state_leaves, self.kv_caches, backend=backend,
             layout=layout, kv_dtype=kv_dtype.name, num_pages=num_pages, page_size=page_size,

@@ -35,11 +35,11 @@ from models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head
 from models.layers import CausalLM, DecoderModel
 from tpu_platform.buckets import round_up, token_buckets
 from tpu_platform.inputs import StepPlan, pack_inputs, padding_inputs, unpack_inputs
-from tpu_platform.kv_cache import allocate_stacked_caches, caches_per_array, page_bytes_per_device
+from tpu_platform.kv_cache import caches_per_array, page_bytes_per_device
 from tpu_platform.programs import Programs, ProgramSpec, structure_text
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling.ops import first_argmax
-from tpu_platform.speculation.draft_model import DraftCacheShape
+from tpu_platform.speculation.draft_model import DraftCacheShape, check_one_cache_group, draft_caches
 
 
 def _drafts(head: Eagle3Head, hidden: jax.Array) -> jax.Array:
@@ -216,17 +216,8 @@ class Eagle3Proposer:
         num_groups: int,
     ) -> None:
         """Allocates the head's cache (`num_pages` pages, the target's) and its programs."""
-        if num_groups != 1:
-            raise ValueError(
-                f"speculative method 'eagle3' needs a target whose layers share one KV-cache group "
-                f"(this one has {num_groups}: sliding-window or chunked layers beside full ones); "
-                "use method 'ngram' with it"
-            )
-        mc = self.model_config
-        caches = allocate_stacked_caches(
-            1, num_pages, page_size, mc.num_kv_heads, mc.head_dim, kv_dtype, backend
-        )
-        self.kv_caches = jax.device_put(caches, device)
+        check_one_cache_group("eagle3", num_groups)
+        self.kv_caches = draft_caches(self.model_config, 1, num_pages, page_size, kv_dtype, backend, device)
         self._shape = DraftCacheShape(
             backend, kv_dtype.name, num_pages, caches_per_array(1, num_pages, page_size)
         )
