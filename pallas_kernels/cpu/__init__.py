@@ -37,6 +37,7 @@ from pallas_kernels.cpu.dense import (
     pack_dense_kernel,
     pack_dense_kernel_f32,
 )
+from pallas_kernels.cpu.dense_int4 import DEPTH_MULTIPLE as INT4_DEPTH_MULTIPLE
 from pallas_kernels.cpu.dense_int4 import (
     can_pack_int4,
     dense_int4_takes_groups,
@@ -57,6 +58,7 @@ from pallas_kernels.cpu.rope_kv import rope_write_kv
 from pallas_kernels.reference import value_dtype
 
 __all__ = [
+    "INT4_DEPTH_MULTIPLE",
     "NativeKernelError",
     "allocate_kv_cache",
     "can_pack",
