@@ -317,13 +317,15 @@ def _probe_dense_int8_isas(library: _Library) -> int:
 
 
 # the int4 kernel's paths, by their code in dense_int4.cc
-DENSE_INT4_ISAS = {1: "avx2", 2: "portable"}
-_DENSE_INT4_PREFERENCE = ("avx2", "portable")
+DENSE_INT4_ISAS = {1: "avx2", 2: "portable", 3: "avx2_float"}
+_DENSE_INT4_PREFERENCE = ("avx2", "avx2_float", "portable")
 
 
 def dense_int4_isas(library: Path) -> tuple[str, ...]:
     """The instruction sets `library` (from `load`) can run its int4 dense kernel with in this
-    process, best first: "avx2" (AVX2 with FMA: nibbles widened to float32 in registers) and
+    process, best first: "avx2" (AVX2: bfloat16 x in 16-bit fixed point, integer products of its
+    byte planes with the nibbles; float32 x, and a call with values that are not finite, take the
+    next path), "avx2_float" (AVX2 with FMA: nibbles widened to float32 in registers) and
     "portable" (plain C++, on any CPU)."""
     mask = _probe_dense_int4_isas(_Library(library.name, library))
     codes = {name: code for code, name in DENSE_INT4_ISAS.items()}

@@ -6,27 +6,40 @@
 // float32.
 //
 // Decode streams every weight once a step, so its speed is the weights' bytes: half of int8's, a
-// quarter of bfloat16's. The values are never dequantized to memory: each group's products
-// x . q accumulate in float32 from nibbles widened in registers (every int4 value is exact in
-// float32), then fold into the output as sum_g s_g (x_g . q_g) + m_g (sum of x_g), the offsets'
-// part from each row's sums of x over the groups (computed once per call). That is the product of
-// the float weights up to float32 rounding, and exactly the sum `models.int4` defines.
+// quarter of bfloat16's, as long as unpacking keeps pace. The values are never dequantized to
+// memory at a few rows. They are stored unsigned, u = q + 8 in [0, 15], so each group's sum is
+// x . w = s (x . u) + (m - 8 s) (sum of x): the products with u, then each row's sum of x over
+// the group (computed once per call) times the group's base m - 8 s.
 //
 // The weight is packed once into [N/16, K/8, 16] uint32 (`pack_dense_kernel_int4` in
-// dense_int4.py): each 16-column panel is K/8 contiguous 64-byte lines, and each 32-bit word holds
-// one column's eight consecutive k as two's-complement nibbles, the first in the lowest bits. A
-// nibble widens with two shifts (left to the top, arithmetic right by 28) and one convert, in the
-// lane of its column, with no byte shuffles; the eight k of a line meet eight broadcast values of
-// x. K must be a multiple of 8 and N of 16, G a multiple of 8 that divides K.
+// dense_int4.py): each 16-column panel is K/8 contiguous 64-byte lines, each 32-bit word one
+// column's eight consecutive k, byte b holding k = b in its low nibble and k = b + 4 in its high
+// one. K must be a multiple of 8 and N of 16, G a multiple of 8 that divides K.
 //
-// Work items are runs of 16-column blocks (`RunOverColumnBlocks`). Up to `kWidenAheadAbove` rows
-// they are walked in register blocks of up to 3 rows (AVX2) with the nibbles widened in registers
-// as they stream; for more rows each panel is dequantized once per chunk of rows to float32
-// [K, 16] (q * s + m) and the rows run on the float32 kernel's 6x16 register blocks, which then
-// do nothing but FMAs. A portable path (plain C++, vectorized by the compiler) computes the same
-// sums on any CPU.
+// Paths ("isa"):
+// - "avx2" (the default for bfloat16 x), up to `kWidenAheadAbove` rows: integer products. x is
+//   rounded per row to 16-bit fixed point (sx = max|x_row| / 32639, x16 = rint(x / sx)), split
+//   into two signed byte planes, x16 = 256 hi + lo, as the int8 kernel's VNNI path does. An AND
+//   (low nibbles: k 0-3 of each column) or a shift and an AND (high nibbles: k 4-7) give 32 bytes
+//   of u that are VPMADDUBSW's unsigned operand as they lie, against four broadcast bytes of a
+//   plane: 32 products an instruction, summed in pairs into int16 lanes (at most 2 * 15 * 128 a
+//   pair, so four lines of them fit an int16 before they widen to int32 and float32). That is a
+//   quarter of the instructions of widening every value to float32, whose cost would otherwise
+//   exceed the bytes it saves. The one error next to the float product is x's rounding to 16 bits
+//   (finer than bfloat16's own): at most sx / 2 sum_k |u_k s_k| per output. A call with a value of
+//   x that is not finite, or a row whose largest magnitude is below 1e-30 but not zero, takes
+//   "avx2_float" instead.
+// - "avx2_float" (the default for float32 x): the same walk with the nibbles widened to float32 in
+//   registers (a shift, an AND and a convert) against x in float32: the float product.
+// - both, above `kWidenAheadAbove` rows: each panel dequantized once per chunk of rows to float32
+//   [K, 16] (u s + m - 8 s), the rows then on the float32 kernel's 6x16 register blocks.
+// - "portable": plain C++ (vectorized by the compiler), the float product, on any CPU.
+//
+// Work items are runs of 16-column blocks (`RunOverColumnBlocks`), walked in register blocks of a
+// few rows by one panel.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -45,31 +58,71 @@ namespace ffi = xla::ffi;
 namespace {
 
 // The `isa` attribute: which path runs (the codes of `DENSE_INT4_ISAS` in build.py).
-enum Int4Isa : int32_t { kBestIsa = 0, kAvx2 = 1, kPortable = 2 };
+enum Int4Isa : int32_t { kBestIsa = 0, kAvx2 = 1, kPortable = 2, kAvx2Float = 3 };
 
 using vllm_xla::Item;
 using vllm_xla::WalkRegisterBlocks;
 
 constexpr int64_t kCols = 16;  // columns of a packed panel
 constexpr int64_t kWordDepth = 8;  // k in a packed word
-constexpr int kRows = 3;  // rows of x in an AVX2 register block: 2 x 2 x 3 accumulators and totals
+constexpr int kFloatRows = 3;  // rows in a float register block: 2 x 2 x 3 accumulators and totals
+constexpr int kFixedRows = 2;  // rows in a fixed-point register block
+constexpr int64_t kInt16Words = 4;  // packed lines whose byte products an int16 lane holds
 // Above this many rows each panel is dequantized once per chunk of rows, then multiplied with the
-// float32 kernel's register blocks (at a few rows widening in registers costs less than writing
+// float32 kernel's register blocks (at a few rows unpacking in registers costs less than writing
 // and rereading the float32 panel).
 constexpr int64_t kWidenAheadAbove = 8;
+constexpr float kFixedLevels = 32639.0f;  // |x16| <= 32639: both byte planes fit a signed byte
+constexpr float kSmallestFixedMax = 1e-30f;  // below: sx would lose precision (subnormal)
 
-// The k-th value (0 to 7) of a packed word, sign-extended.
-inline int32_t Nibble(uint32_t word, int k) { return static_cast<int32_t>(word << (28 - 4 * k)) >> 28; }
+// The bit at which the k-th value (0 to 7) of a packed word starts: byte k % 4, high nibble from k 4.
+constexpr int NibbleAt(int k) { return (k % 4) * 8 + (k / 4) * 4; }
+
+// The k-th value of a packed word, unsigned (u = q + 8).
+inline uint32_t Nibble(uint32_t word, int k) { return (word >> NibbleAt(k)) & 0xF; }
+
+// x's rows in 16-bit fixed point: x ~ (256 hi + lo) * step, each plane signed bytes [M, K].
+struct FixedPointRows {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> step;  // [M]: sx
+  std::vector<float> inverse;  // [M]: 1 / sx (0 for a row of zeros)
+
+  // false, leaving the rest undone, for a value that is not finite or a row whose largest
+  // magnitude is positive but below `kSmallestFixedMax` (the float path must run).
+  bool Quantize(const float* x, int64_t M, int64_t K) {
+    hi.resize(M * K), lo.resize(M * K), step.resize(M), inverse.resize(M);
+    for (int64_t r = 0; r < M; ++r) {
+      const float* row = x + r * K;
+      float largest = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        if (!std::isfinite(row[k])) return false;
+        largest = std::max(largest, std::fabs(row[k]));
+      }
+      if (largest > 0.0f && largest < kSmallestFixedMax) return false;
+      step[r] = largest / kFixedLevels;
+      inverse[r] = largest > 0.0f ? kFixedLevels / largest : 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        const float scaled = std::min(kFixedLevels, std::max(-kFixedLevels, std::nearbyint(row[k] * inverse[r])));
+        const int32_t fixed = static_cast<int32_t>(scaled);
+        const int8_t low = static_cast<int8_t>(static_cast<uint8_t>(fixed & 0xFF));
+        lo[r * K + k] = low;
+        hi[r * K + k] = static_cast<int8_t>((fixed - low) / 256);
+      }
+    }
+    return true;
+  }
+};
 
 struct Int4Problem {
   const float* x;       // [M, K]
   const uint32_t* w;    // [N/16, K/8, 16]
   const float* scale;   // [K / group, N]
-  const float* offset;  // [K / group, N], or null
-  const float* x_sums;  // [M, K / group]: each row's sum over each group of k, or null
+  const float* offset;  // [K / group, N]: m, or null (0)
+  const float* x_sums;  // [M, K / group]: each row's sum over each group of k
   float* y;             // [M, N]
   int64_t M, K, N;
   int64_t group;        // k that share a scale: K, or a multiple of 8 that divides K
+  const FixedPointRows* fixed;  // x in fixed point (the "avx2" path), or null
 
   static void Begin() {}
   static void End() {}
@@ -93,12 +146,9 @@ struct Int4Problem {
           }
         }
         const float* s = scale + g * N + block * kCols;
-        for (int c = 0; c < kCols; ++c) total[c] += acc[c] * s[c];
-        if (offset != nullptr) {
-          const float* m = offset + g * N + block * kCols;
-          const float sum = x_sums[r * Groups() + g];
-          for (int c = 0; c < kCols; ++c) total[c] += sum * m[c];
-        }
+        const float* m = offset != nullptr ? offset + g * N + block * kCols : nullptr;
+        const float sum = x_sums[r * Groups() + g];
+        for (int c = 0; c < kCols; ++c) total[c] += acc[c] * s[c] + sum * ((m != nullptr ? m[c] : 0.0f) - 8.0f * s[c]);
       }
       std::memcpy(y + r * N + block * kCols, total, sizeof(total));
     }
@@ -107,19 +157,26 @@ struct Int4Problem {
 #if defined(__x86_64__)
 #define VLLM_XLA_INT4_AVX2 __attribute__((target("avx2,fma")))
 // Register blocks unroll whole: an accumulator array indexed in a loop would live in memory, and
-// a nibble's shifts need their counts as immediates.
+// a nibble's shift needs its count as an immediate.
 #define VLLM_XLA_UNROLL_INT4 _Pragma("GCC unroll 16")
 
-  // The k-th nibble (0 to 7) of each 32-bit lane, sign-extended, as float32.
-  VLLM_XLA_INT4_AVX2 static inline __m256 Widen(__m256i words, int k) {
-    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 28 - 4 * k), 28));
+  // The base m - 8 s of 8 columns from their scales `s` (-8 s without offsets), `at` into the offsets.
+  VLLM_XLA_INT4_AVX2 inline __m256 Base(__m256 s, int64_t at) const {
+    const __m256 m = offset != nullptr ? _mm256_loadu_ps(offset + at) : _mm256_setzero_ps();
+    return _mm256_fmadd_ps(s, _mm256_set1_ps(-8.0f), m);
   }
 
-  // y[row : row + R, block * 16 : block * 16 + 16] with AVX2: each group's products accumulate
-  // apart (two chains per 8-column half for one row, so enough FMAs run at once), then fold into
-  // the totals times the group's scales, plus the row's sum over the group times its offsets.
+  // The k-th value (0 to 7) of each 32-bit lane as float32.
+  VLLM_XLA_INT4_AVX2 static inline __m256 Widen(__m256i words, int k) {
+    const __m256i shifted = _mm256_srli_epi32(words, NibbleAt(k));
+    return _mm256_cvtepi32_ps(NibbleAt(k) == 28 ? shifted : _mm256_and_si256(shifted, _mm256_set1_epi32(0xF)));
+  }
+
+  // y[row : row + R, block * 16 : block * 16 + 16] with AVX2 in float32: each group's products
+  // accumulate apart (two chains per 8-column half for one row, so enough FMAs run at once), then
+  // fold into the totals times the group's scales, plus the row's sum over the group times its base.
   template <int R>
-  VLLM_XLA_INT4_AVX2 static void Avx2Block(const Int4Problem& p, int64_t row, int64_t block) {
+  VLLM_XLA_INT4_AVX2 static void FloatBlock(const Int4Problem& p, int64_t row, int64_t block) {
     constexpr int kChains = R == 1 ? 2 : 1;
     const int64_t words = p.K / kWordDepth, group_words = p.group / kWordDepth, groups = p.Groups();
     const uint32_t* panel = p.w + block * words * kCols;
@@ -154,16 +211,13 @@ struct Int4Problem {
       VLLM_XLA_UNROLL_INT4
       for (int h = 0; h < 2; ++h) {
         const int64_t at = g * p.N + block * kCols + h * 8;
-        const __m256 s = _mm256_loadu_ps(p.scale + at);
-        const __m256 m = p.offset != nullptr ? _mm256_loadu_ps(p.offset + at) : _mm256_setzero_ps();
+        const __m256 s = _mm256_loadu_ps(p.scale + at), b = p.Base(s, at);
         VLLM_XLA_UNROLL_INT4
         for (int r = 0; r < R; ++r) {
           __m256 sum = acc[r][h][0];
           if constexpr (kChains == 2) sum = _mm256_add_ps(sum, acc[r][h][1]);
           total[r][h] = _mm256_fmadd_ps(sum, s, total[r][h]);
-          if (p.offset != nullptr) {
-            total[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(p.x_sums[(row + r) * groups + g]), m, total[r][h]);
-          }
+          total[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(p.x_sums[(row + r) * groups + g]), b, total[r][h]);
         }
       }
     }
@@ -173,7 +227,76 @@ struct Int4Problem {
       for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (row + r) * p.N + block * kCols + h * 8, total[r][h]);
   }
 
-  // One packed panel -> its float32 weights [K, 16], q * s + m (the float32 block's layout).
+  // Four bytes of a plane (k .. k + 3) in every 32-bit lane.
+  VLLM_XLA_INT4_AVX2 static inline __m256i Broadcast4(const int8_t* bytes) {
+    int32_t four;
+    std::memcpy(&four, bytes, sizeof(four));
+    return _mm256_set1_epi32(four);
+  }
+
+  // y[row : row + R, block * 16 : block * 16 + 16] with integer products (the "avx2" path), one
+  // 8-column half at a time: per run of up to 4 lines within a group, each plane's byte products
+  // sum in int16 lanes (VPMADDUBSW, then VPADDW), then widen to int32 (VPMADDWD by ones) and
+  // float32, 256 hi + lo, and fold into the totals times the group's scales. Totals count x in
+  // units of sx: the base's part enters as the row's sum over the group over sx.
+  template <int R>
+  VLLM_XLA_INT4_AVX2 static void FixedPointBlock(const Int4Problem& p, int64_t row, int64_t block) {
+    const int64_t words = p.K / kWordDepth, group_words = p.group / kWordDepth, groups = p.Groups();
+    const uint32_t* panel = p.w + block * words * kCols;
+    const int8_t* hi = p.fixed->hi.data() + row * p.K;
+    const int8_t* lo = p.fixed->lo.data() + row * p.K;
+    const __m256i nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    VLLM_XLA_UNROLL_INT4
+    for (int h = 0; h < 2; ++h) {
+      __m256 total[R];
+      VLLM_XLA_UNROLL_INT4
+      for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = g * p.N + block * kCols + h * 8;
+        const __m256 s = _mm256_loadu_ps(p.scale + at);
+        for (int64_t first = g * group_words; first < (g + 1) * group_words; first += kInt16Words) {
+          const int64_t end = std::min(first + kInt16Words, (g + 1) * group_words);
+          __m256i high_sums[R], low_sums[R];
+          VLLM_XLA_UNROLL_INT4
+          for (int r = 0; r < R; ++r) high_sums[r] = low_sums[r] = _mm256_setzero_si256();
+          for (int64_t word = first; word < end; ++word) {
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + word * kCols + h * 8));
+            const __m256i first_four = _mm256_and_si256(bytes, nibbles);  // k 0-3 of each column
+            const __m256i last_four = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);  // k 4-7
+            VLLM_XLA_UNROLL_INT4
+            for (int r = 0; r < R; ++r) {
+              const int64_t k = r * p.K + word * kWordDepth;
+              const __m256i high = _mm256_add_epi16(_mm256_maddubs_epi16(first_four, Broadcast4(hi + k)),
+                                                    _mm256_maddubs_epi16(last_four, Broadcast4(hi + k + 4)));
+              const __m256i low = _mm256_add_epi16(_mm256_maddubs_epi16(first_four, Broadcast4(lo + k)),
+                                                   _mm256_maddubs_epi16(last_four, Broadcast4(lo + k + 4)));
+              high_sums[r] = _mm256_add_epi16(high_sums[r], high);
+              low_sums[r] = _mm256_add_epi16(low_sums[r], low);
+            }
+          }
+          VLLM_XLA_UNROLL_INT4
+          for (int r = 0; r < R; ++r) {
+            const __m256 high = _mm256_cvtepi32_ps(_mm256_madd_epi16(high_sums[r], ones));
+            const __m256 low = _mm256_cvtepi32_ps(_mm256_madd_epi16(low_sums[r], ones));
+            total[r] = _mm256_fmadd_ps(_mm256_fmadd_ps(high, _mm256_set1_ps(256.0f), low), s, total[r]);
+          }
+        }
+        const __m256 b = p.Base(s, at);
+        VLLM_XLA_UNROLL_INT4
+        for (int r = 0; r < R; ++r) {
+          const float sum = p.x_sums[(row + r) * groups + g] * p.fixed->inverse[row + r];
+          total[r] = _mm256_fmadd_ps(_mm256_set1_ps(sum), b, total[r]);
+        }
+      }
+      VLLM_XLA_UNROLL_INT4
+      for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(p.y + (row + r) * p.N + block * kCols + h * 8,
+                         _mm256_mul_ps(total[r], _mm256_set1_ps(p.fixed->step[row + r])));
+      }
+    }
+  }
+
+  // One packed panel -> its float32 weights [K, 16], u s + m - 8 s (the float32 block's layout).
   VLLM_XLA_INT4_AVX2 void DequantizePanel(int64_t block, float* to) const {
     const int64_t words = K / kWordDepth, group_words = group / kWordDepth;
     const uint32_t* panel = w + block * words * kCols;
@@ -182,18 +305,18 @@ struct Int4Problem {
       VLLM_XLA_UNROLL_INT4
       for (int h = 0; h < 2; ++h) {
         const __m256i words8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + word * kCols + h * 8));
-        const __m256 s = _mm256_loadu_ps(scale + at + h * 8);
-        const __m256 m = offset != nullptr ? _mm256_loadu_ps(offset + at + h * 8) : _mm256_setzero_ps();
+        const __m256 s = _mm256_loadu_ps(scale + at + h * 8), b = Base(s, at + h * 8);
         VLLM_XLA_UNROLL_INT4
         for (int k = 0; k < kWordDepth; ++k) {
-          _mm256_storeu_ps(to + (word * kWordDepth + k) * kCols + h * 8, _mm256_fmadd_ps(Widen(words8, k), s, m));
+          _mm256_storeu_ps(to + (word * kWordDepth + k) * kCols + h * 8, _mm256_fmadd_ps(Widen(words8, k), s, b));
         }
       }
     }
   }
 
   using BlockKernel = void (*)(const Int4Problem&, int64_t, int64_t);
-  static constexpr BlockKernel kAvx2Kernels[kRows] = {&Avx2Block<1>, &Avx2Block<2>, &Avx2Block<3>};
+  static constexpr BlockKernel kFloatKernels[kFloatRows] = {&FloatBlock<1>, &FloatBlock<2>, &FloatBlock<3>};
+  static constexpr BlockKernel kFixedKernels[kFixedRows] = {&FixedPointBlock<1>, &FixedPointBlock<2>};
 #undef VLLM_XLA_UNROLL_INT4
 #undef VLLM_XLA_INT4_AVX2
 #endif  // __x86_64__
@@ -201,7 +324,7 @@ struct Int4Problem {
 
 struct PortableInt4 : Int4Problem {
   void Run(const Item& item) const {
-    WalkRegisterBlocks(item, M, K * sizeof(float), kRows, 1,
+    WalkRegisterBlocks(item, M, K * sizeof(float), kFloatRows, 1,
                        [&](int64_t row, int rows, int64_t block, int) { PortableBlock(row, rows, block); });
   }
 };
@@ -210,8 +333,13 @@ struct PortableInt4 : Int4Problem {
 struct Avx2Int4 : Int4Problem {
   void Run(const Item& item) const {
     if (M > kWidenAheadAbove) return RunWidened(item);
-    WalkRegisterBlocks(item, M, K * sizeof(float), kRows, 1,
-                       [&](int64_t row, int rows, int64_t block, int) { kAvx2Kernels[rows - 1](*this, row, block); });
+    if (fixed != nullptr) {
+      return WalkRegisterBlocks(item, M, K * 2, kFixedRows, 1, [&](int64_t row, int rows, int64_t block, int) {
+        kFixedKernels[rows - 1](*this, row, block);
+      });
+    }
+    WalkRegisterBlocks(item, M, K * sizeof(float), kFloatRows, 1,
+                       [&](int64_t row, int rows, int64_t block, int) { kFloatKernels[rows - 1](*this, row, block); });
   }
 
   // Many rows: each column panel dequantized to float32 once per chunk of rows.
@@ -234,9 +362,16 @@ struct Avx2Int4 : Int4Problem {
 bool IsaUsable(Int4Isa isa) {
 #if defined(__x86_64__)
   static const bool avx2 = vllm_xla::Avx2Usable();
-  if (isa == kAvx2) return avx2;
+  if (isa == kAvx2 || isa == kAvx2Float) return avx2;
 #endif
   return isa == kPortable;
+}
+
+// The path an unforced call takes: integer products for bfloat16 x (their 16-bit fixed point is
+// finer than x's own rounding; float32 x asks for more, so it keeps the float product).
+Int4Isa BestIsa(ffi::DataType type) {
+  if (!IsaUsable(kAvx2)) return kPortable;
+  return type == ffi::DataType::BF16 ? kAvx2 : kAvx2Float;
 }
 
 // x's first M rows as float32 (bfloat16 values are the high halves of float32s).
@@ -285,7 +420,7 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
         "expected x [M, K] (bfloat16 or float32), a packed int4 weight [N/16, K/8, 16] (uint32), float32 scales "
         "[N] or [K/G, N] with G a multiple of 8, and offsets of the scales' shape or none");
   }
-  const Int4Isa run = isa == kBestIsa ? (IsaUsable(kAvx2) ? kAvx2 : kPortable) : static_cast<Int4Isa>(isa);
+  Int4Isa run = isa == kBestIsa ? BestIsa(type) : static_cast<Int4Isa>(isa);
   if (!IsaUsable(run)) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "this CPU or kernel does not allow the requested int4 dense path (AVX2 with FMA)");
@@ -296,13 +431,17 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   if (M == 0) return ffi::Error::Success();
   std::vector<float> wide;
   const float* rows = FloatRows(x, M, K, wide);
-  const bool affine = offset.element_count() > 0;
-  const std::vector<float> sums = affine ? GroupSums(rows, M, K, group) : std::vector<float>();
-  const Int4Problem problem{rows, w.typed_data(), scale.typed_data(), affine ? offset.typed_data() : nullptr,
-                            affine ? sums.data() : nullptr, y->typed_data(), M, K, N, group};
+  const std::vector<float> sums = GroupSums(rows, M, K, group);
+  FixedPointRows fixed;
+  // Not finite values (the float product carries them as it would) or rows too small for the fixed
+  // point: the float path.
+  const bool integer = run == kAvx2 && M <= kWidenAheadAbove && fixed.Quantize(rows, M, K);
+  const float* offsets = offset.element_count() > 0 ? offset.typed_data() : nullptr;
+  const Int4Problem problem{rows, w.typed_data(), scale.typed_data(), offsets, sums.data(), y->typed_data(),
+                            M,    K,            N,                  group,        integer ? &fixed : nullptr};
   const int64_t max_blocks = std::max<int64_t>(2, vllm_xla::CachedBlocks(K, sizeof(float)));
 #if defined(__x86_64__)
-  if (run == kAvx2) {
+  if (run == kAvx2 || run == kAvx2Float) {
     vllm_xla::RunOverColumnBlocks(Avx2Int4{problem}, N / kCols, max_blocks, pool);
     return ffi::Error::Success();
   }
@@ -313,9 +452,11 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
 
 }  // namespace
 
-// The int4 dense paths this process may run, as a bit mask: bit 1 AVX2, bit 2 portable.
+// The int4 dense paths this process may run, as a bit mask: bit 1 AVX2 (integer products), bit 2
+// portable, bit 3 AVX2 (float products).
 extern "C" int VllmXlaDenseInt4Isas() {
-  return (IsaUsable(kAvx2) ? 1 << kAvx2 : 0) | (IsaUsable(kPortable) ? 1 << kPortable : 0);
+  return (IsaUsable(kAvx2) ? 1 << kAvx2 : 0) | (IsaUsable(kPortable) ? 1 << kPortable : 0) |
+         (IsaUsable(kAvx2Float) ? 1 << kAvx2Float : 0);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt4, DenseInt4,
