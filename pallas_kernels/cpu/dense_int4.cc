@@ -227,11 +227,10 @@ struct Int4Problem {
       for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (row + r) * p.N + block * kCols + h * 8, total[r][h]);
   }
 
-  // Four bytes of a plane (k .. k + 3) in every 32-bit lane.
+  // Four bytes of a plane (k .. k + 3) in every 32-bit lane: VBROADCASTSS from memory, a load
+  // alone (a broadcast from a general register takes a shuffle as well).
   VLLM_XLA_INT4_AVX2 static inline __m256i Broadcast4(const int8_t* bytes) {
-    int32_t four;
-    std::memcpy(&four, bytes, sizeof(four));
-    return _mm256_set1_epi32(four);
+    return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(bytes)));
   }
 
   // y[row : row + R, block * 16 : block * 16 + 16] with integer products (the "avx2" path), one
