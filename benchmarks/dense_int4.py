@@ -1,17 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""4-bit weights against bfloat16 on the CPU device: the product every projection of a 4-bit
-checkpoint runs there (`models.linear.matmul`; the values held as int8, `models.int4`), per
-output channel and with one scale per 128 inputs, on XLA's dot and on the native CPU int8 dense
-kernel (per channel; grouped where the kernel takes 128-input groups), over a decode step's one
-row to a prefill's hundreds.
+"""4-bit weights against int8 and bfloat16 on the CPU device, each on the kernel it is served
+with there (`models.linear.matmul`): bfloat16 on the native bfloat16 dense kernel, int8 (one
+scale per channel) on the native int8 one, 4-bit packed two a byte on the native int4 kernel
+(affine with a scale and an offset per 32 inputs, GGUF Q4_1's layout, and symmetric with a scale
+per 128, GPTQ's, or per 64 where 128 does not divide the inputs), and the same 4-bit values held
+as int8 on the int8 kernel with the offsets' product on XLA (the path 4-bit weights took before
+the int4 kernel), over a decode step's one row to a prefill's hundreds.
 
-    .venv/bin/python benchmarks/dense_int4.py [--rows 1,16,128] [--shape 2048x2048]
+    .venv/bin/python benchmarks/dense_int4.py [--rows 1,4,16,128] [--shape 576x1536]
         [--out benchmarks/out/dense_int4.json]
 
 Measured as `benchmarks/dense_fp8.py` measures (a jitted chain of distinct weights passing 64 MB
 of bfloat16 weights, programs alternating call by call, process CPU time): per row count the
-median over calls of bfloat16 time over each other format's (above 1: that format is faster).
-Only the ratios mean anything on a shared machine.
+median over calls of bfloat16 time over each other format's (above 1: that format is faster),
+and of int8's time over each 4-bit format's. Only the ratios mean anything on a shared machine:
+the load (`/proc/loadavg`) is recorded beside them.
 """
 
 from __future__ import annotations
@@ -35,42 +38,55 @@ STREAMED_BYTES = 64e6
 
 
 def _chain(product):
-    def run(x, weights, scales):
-        for w, s in zip(weights, scales, strict=True):
-            y = product(x, w, s)
+    def run(x, weights):
+        for arrays in weights:
+            y = product(x, *arrays)
             x = x + (y[0, 0] * 0).astype(x.dtype)  # a dependency: the products run in order
         return x
 
     return jax.jit(run)
 
 
-def _bf16(x, w, _):
+def _bf16_native(x, packed):
+    return cpu.native_dense(x, packed)
+
+
+def _bf16_xla(x, w):
     return jnp.einsum("td,df->tf", x, w, preferred_element_type=jnp.float32)
 
 
-def _held(weights: list[np.ndarray], group: int | None) -> tuple[list, list]:
-    """4-bit values (as int8: the CPU's `int4.held_dtype`) and scales of each weight."""
-    pairs = [int4.quantize(w, group) for w in weights]
-    return [q.astype(np.int8) for q, _ in pairs], [s for _, s in pairs]
+def _int4_as_int8(x, packed, scale, offset):
+    return cpu.native_dense_int8(x, packed, scale) + int4.offset_product(x, offset)
 
 
-def _formats(floats: list[np.ndarray]) -> dict[str, tuple]:
-    copies = len(floats)
-    formats = {
-        "bfloat16": ([w.astype(jnp.bfloat16) for w in floats], [np.zeros(1, np.float32)] * copies, _bf16),
-        "int4-xla": (*_held(floats, None), int8.int8_dot),
-        "int4-g128-xla": (*_held(floats, 128), int8.int8_dot),
-    }
-    q, s = _held(floats, None)
-    if cpu.can_pack_int8(q[0].shape, q[0].dtype):
-        formats["int4-native"] = ([cpu.pack_dense_kernel_int8(k) for k in q], s, cpu.native_dense_int8)
-        if cpu.dense_int8_takes_groups(128):
-            q, s = _held(floats, 128)
-            formats["int4-g128-native"] = (
-                [cpu.pack_dense_kernel_int8(k) for k in q],
-                s,
-                cpu.native_dense_int8,
-            )
+def _affine(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """4-bit values, scales and offsets of `w` per group of inputs, as GGUF Q4_1 makes them:
+    the group's range over 15 steps from its minimum (`w ~ q * s + m`, q in [-8, 7])."""
+    k, n = w.shape
+    blocks = w.reshape(k // group, group, n)
+    low, high = blocks.min(axis=1), blocks.max(axis=1)
+    scale = np.where(high > low, (high - low) / 15, 1).astype(np.float32)
+    u = np.clip(np.round((blocks - low[:, None]) / scale[:, None]), 0, 15)
+    return (u - 8).astype(np.int8).reshape(k, n), scale, (low + 8 * scale).astype(np.float32)
+
+
+def _formats(floats: list[np.ndarray]) -> dict[str, tuple[list[tuple], object]]:
+    formats = {}
+    if cpu.can_pack(floats[0].shape, jnp.bfloat16):
+        bf16 = [(cpu.pack_dense_kernel(w.astype(jnp.bfloat16)),) for w in floats]
+        formats["bfloat16"] = (bf16, _bf16_native)
+    else:
+        formats["bfloat16"] = ([(w.astype(jnp.bfloat16),) for w in floats], _bf16_xla)
+    pairs = [int8.quantize(w) for w in floats]
+    formats["int8"] = ([(cpu.pack_dense_kernel_int8(q), s) for q, s in pairs], cpu.native_dense_int8)
+    affine = [_affine(w, 32) for w in floats]
+    as_int8 = [(cpu.pack_dense_kernel_int8(q), s, m) for q, s, m in affine]
+    formats["int4-g32-as-int8"] = (as_int8, _int4_as_int8)
+    packed = [(cpu.pack_dense_kernel_int4(q), s, m) for q, s, m in affine]
+    formats["int4-g32"] = (packed, cpu.native_dense_int4)
+    group = 128 if floats[0].shape[0] % 128 == 0 else 64  # GPTQ's, or the nearest that divides
+    symmetric = [(cpu.pack_dense_kernel_int4(q), s) for q, s in (int4.quantize(w, group) for w in floats)]
+    formats[f"int4-g{group}"] = (symmetric, cpu.native_dense_int4)
     return formats
 
 
@@ -80,43 +96,59 @@ def _cpu_seconds(program, *args) -> float:
     return time.process_time() - start
 
 
+def _medians(times: dict[str, list[float]], base: str) -> dict[str, float]:
+    return {
+        n: statistics.median(b / o for b, o in zip(times[base], v, strict=True))
+        for n, v in times.items()
+        if n != base and (base == "bfloat16" or n.startswith("int4"))
+    }
+
+
 def measure(depth: int, width: int, rows: list[int], calls: int = 7) -> list[dict]:
     rng = np.random.default_rng(0)
     copies = max(2, int(STREAMED_BYTES // (depth * width * 2)))
     floats = [rng.standard_normal((depth, width)).astype(np.float32) for _ in range(copies)]
     placed = {
-        name: ([jax.device_put(w) for w in ws], [jax.device_put(s) for s in ss], _chain(product))
-        for name, (ws, ss, product) in _formats(floats).items()
+        name: ([tuple(jax.device_put(a) for a in arrays) for arrays in weights], _chain(product))
+        for name, (weights, product) in _formats(floats).items()
     }
     results = []
     for t in rows:
         x = jnp.asarray(rng.standard_normal((t, depth)), jnp.bfloat16)
         times: dict[str, list[float]] = {name: [] for name in placed}
-        for ws, ss, program in placed.values():
-            program(x, ws, ss).block_until_ready()  # compile
+        for weights, program in placed.values():
+            program(x, weights).block_until_ready()  # compile
         for _ in range(calls):
-            for name, (ws, ss, program) in placed.items():
-                times[name].append(_cpu_seconds(program, x, ws, ss) / copies)
-        row = {"rows": t, "fastest_ms": {n: min(v) * 1e3 for n, v in times.items()}}
-        row["bf16_over"] = {
-            n: statistics.median(b / o for b, o in zip(times["bfloat16"], v, strict=True))
-            for n, v in times.items()
-            if n != "bfloat16"
+            for name, (weights, program) in placed.items():
+                times[name].append(_cpu_seconds(program, x, weights) / copies)
+        row = {
+            "rows": t,
+            "fastest_ms": {n: min(v) * 1e3 for n, v in times.items()},
+            "bf16_over": _medians(times, "bfloat16"),
+            "int8_over": _medians(times, "int8"),
+            "loadavg": _loadavg(),
         }
         results.append(row)
         print(json.dumps(row))
     return results
 
 
+def _loadavg() -> str:
+    try:
+        return pathlib.Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="1,16,128")
-    parser.add_argument("--shape", default="2048x2048")
+    parser.add_argument("--rows", default="1,4,16,128")
+    parser.add_argument("--shape", default="576x1536")
     parser.add_argument("--out", default=str(HERE / "out" / "dense_int4.json"))
     args = parser.parse_args()
     depth, width = (int(v) for v in args.shape.split("x"))
     cache = os.environ.get("VLLM_XLA_CACHE_DIR", str(HERE.parent / ".cache" / "vllm-xla"))
-    cpu.load(os.path.join(cache, "native"))  # the native int8 dense kernel
+    cpu.load(os.path.join(cache, "native"))  # the native dense kernels
     results = measure(depth, width, [int(r) for r in args.rows.split(",")])
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

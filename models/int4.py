@@ -15,7 +15,9 @@ a byte a weight).
 On XLA:CPU the values are held as int8 instead (`held_dtype`): its buffers keep int4 one value
 a byte anyway, and its ahead-of-time compiled programs refuse committed int4 arguments (their
 layout differs from the one the executable declares). As int8 they are exactly the same
-weights (`w = q * s`), run by the native CPU int8 dense kernel where it takes them.
+weights (`w = q * s`), packed two a byte for the native CPU int4 dense kernel where it takes
+them (`pallas_kernels.cpu.native_dense_int4`, which applies the offsets below itself), else run
+by the int8 one.
 
 Affine 4-bit weights (zero points or per-group minimums: AWQ, asymmetric GPTQ, GGUF's Q4_1
 and Q4_K) are the same values and scales plus a float32 offset

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from models import fp8, int4, int8
+from models.int4 import is_int4
 from models.int8 import group_size, int8_dot
 from models.sharding import interleave_blocks
 from pallas_kernels import cpu
@@ -120,13 +121,29 @@ def matmul(
     `offset`, an affine int4 kernel's offsets added (`models.int4.offset_product`).
 
     A `PackedKernel` runs on the native CPU dense kernel (bfloat16: AMX, AVX-512 BF16 or AVX2;
-    float32: AVX2; int8 with `scale`: AVX-512 VNNI, AVX-512 or AVX2). Otherwise the
+    float32: AVX2; int8 with `scale`: AVX-512 VNNI, AVX-512 or AVX2; 4-bit values packed two a
+    byte with `scale` and `offset`: AVX2 or any CPU, the offsets inside the kernel). Otherwise the
     float32 result type and the `[in, out]` kernel keep bfloat16 products on XLA:CPU's fast dot
     path (else both operands are upcast to float32 copies first), and a single bfloat16 row is
     padded to two for the same reason.
     """
+    if isinstance(kernel, PackedKernel) and is_packed_int4(kernel[...]):
+        return cpu.native_dense_int4(x, kernel[...], scale[...], None if offset is None else offset[...])
     y = _scaled_product(x, kernel, scale)
     return y if offset is None else y + int4.offset_product(x, offset[...])
+
+
+def unpacked_shape(packed: jax.Array) -> tuple[int, int]:
+    """The `[in, out]` shape of the kernel a quantized `PackedKernel`'s value packs (`[out / 16,
+    in, 16]`, or 4-bit `[out / 16, in / 8, 16]`)."""
+    panels, rows, width = packed.shape
+    return rows * (cpu.INT4_DEPTH_MULTIPLE if is_packed_int4(packed) else 1), panels * width
+
+
+def is_packed_int4(packed: jax.Array) -> bool:
+    """Whether a `PackedKernel`'s value is 4-bit values packed for `pallas_kernels.cpu.native_dense_int4`
+    (uint32 words of eight values; the other packings keep their values' dtype)."""
+    return packed.dtype == jnp.uint32
 
 
 def _scaled_product(x: jax.Array, kernel: nnx.Variable, scale: nnx.Variable | None) -> jax.Array:
@@ -144,20 +161,28 @@ def _scaled_product(x: jax.Array, kernel: nnx.Variable, scale: nnx.Variable | No
     return y[:1] if single_bf16_row else y
 
 
-def native_dense_takes_groups(group_size: int = 32) -> bool:
-    """Whether the native CPU int8 dense kernel takes scales grouped by `group_size` inputs
-    (`scale [K / G, N]`; GGUF Q8_0's 32 by default): a grouped int8 kernel is packed for it only
-    then, else it stays on XLA's dot."""
-    return cpu.dense_int8_takes_groups(group_size)
+def native_dense_takes_groups(group_size: int = 32, *, int4: bool = False) -> bool:
+    """Whether the native CPU dense kernel for quantized weights (`int4`: the int4 one, else the
+    int8 one) takes scales grouped by `group_size` inputs (`scale [K / G, N]`; GGUF's 32 by
+    default): a grouped kernel is packed for it only then, else it stays on XLA's dot (an int4
+    one on the int8 kernel where that one takes its groups)."""
+    return cpu.dense_int4_takes_groups(group_size) if int4 else cpu.dense_int8_takes_groups(group_size)
 
 
-def packed_for_native_dense(kernel: jax.Array, *, float32: bool = False) -> jax.Array | None:
+def packed_for_native_dense(
+    kernel: jax.Array, *, float32: bool = False, int4: bool = False
+) -> jax.Array | None:
     """One `[in, out]` kernel as `pack_for_native_dense` packs it, or None when it stays as it is
-    (NumPy in, NumPy out: a streamed load packs each kernel on its way to the device)."""
+    (NumPy in, NumPy out: a streamed load packs each kernel on its way to the device). `int4`:
+    an integer kernel holds 4-bit values (held as int8 on CPU: `models.int4.held_dtype`), packed
+    two a byte for the native int4 kernel where its shape allows, else for the int8 one."""
     if cpu.can_pack(kernel.shape, kernel.dtype):
         return cpu.pack_dense_kernel(kernel)
     if float32 and cpu.can_pack_f32(kernel.shape, kernel.dtype):
         return cpu.pack_dense_kernel_f32(kernel)
-    if cpu.can_pack_int8(kernel.shape, kernel.dtype):  # its scale stays beside it, unpacked
+    four_bit = (int4 and jnp.dtype(kernel.dtype) == jnp.int8) or is_int4(kernel.dtype)
+    if four_bit and cpu.can_pack_int4(kernel.shape):  # its scale and offset stay beside it, unpacked
+        return cpu.pack_dense_kernel_int4(kernel)
+    if cpu.can_pack_int8(kernel.shape, kernel.dtype):
         return cpu.pack_dense_kernel_int8(kernel)
     return None

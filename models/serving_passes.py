@@ -46,13 +46,16 @@ def attach_rope_tables(model: nnx.Module, num_positions: int) -> int:
     return len(tables)
 
 
-def pack_for_native_dense(model: nnx.Module, *, float32: bool = False) -> int:
+def pack_for_native_dense(model: nnx.Module, *, float32: bool = False, int4: bool = False) -> int:
     """Packs every Linear kernel (and a tied head's copy) that the native CPU dense kernel can take
     (`pallas_kernels.cpu.native_dense`): the bfloat16 and int8 ones, and with `float32` the float32 ones;
     returns how many. Run after loading, on a CPU where `pallas_kernels.cpu.dense_isa` is not None
     (for `float32`, where it is "avx2": CPUs with AVX-512 or AMX run XLA's float32 dots faster).
-    An int8 kernel with grouped scales is packed only where the native kernel takes them
-    (`linear.native_dense_takes_groups`); else it stays on XLA's dot."""
+    `int4`: the model's quantized kernels hold 4-bit values (`models.int4`, held as int8 on CPU),
+    packed two a byte for the native int4 kernel (`pallas_kernels.cpu.native_dense_int4`).
+    A kernel with grouped scales is packed only where its native kernel takes them
+    (`linear.native_dense_takes_groups`: an int4 one the int4 kernel refuses goes to the int8
+    kernel where that one takes them); else it stays on XLA's dot."""
     packed = 0
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, Linear):
@@ -65,9 +68,11 @@ def pack_for_native_dense(model: nnx.Module, *, float32: bool = False) -> int:
         if isinstance(kernel, PackedKernel):
             continue
         grouped = scale is not None and group_size(kernel.get_value().shape, scale.get_value().shape)
-        if grouped and not native_dense_takes_groups(grouped):
+        takes = not grouped or native_dense_takes_groups(grouped, int4=True)
+        four_bit = int4 and scale is not None and takes
+        if grouped and not four_bit and not native_dense_takes_groups(grouped):
             continue
-        value = packed_for_native_dense(kernel[...], float32=float32)
+        value = packed_for_native_dense(kernel[...], float32=float32, int4=four_bit)
         if value is not None:
             setattr(module, name, PackedKernel(value))
             packed += 1

@@ -37,10 +37,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from models import fp8
+from models import fp8, int4
 from models.config import ModelConfig
 from models.int8 import group_size
-from models.linear import PackedKernel, quantizer_for
+from models.linear import PackedKernel, is_packed_int4, quantizer_for, unpacked_shape
 from models.loader import _ExpertStacks, iter_parameters, prepare_for_serving
 from models.mxfp4 import zero_padded
 from models.registry import build
@@ -222,14 +222,12 @@ def _quantized_kernels(
             kernel = served[name].get_value()
             shapes = (kernel.shape, served[_scale_name(name)].get_value().shape)
             packed = isinstance(served[name], PackedKernel)
-            found[name] = (_packed_group(shapes) if packed else group_size(*shapes), np.dtype(kernel.dtype))
+            four_bit = packed and is_packed_int4(kernel)  # 4-bit values, quantized as such
+            dtype = int4.INT4_DTYPE if four_bit else np.dtype(kernel.dtype)
+            if packed:  # the group size of the `[K, N]` kernel it packs
+                shapes = (unpacked_shape(kernel), shapes[1])
+            found[name] = (group_size(*shapes), dtype)
     return found | {part: found[name] for part, (name, _) in part_of.items() if name in found}
-
-
-def _packed_group(shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> int | None:
-    """`group_size` of a kernel packed for the native CPU dense kernel (`[N / 16, K, 16]`)."""
-    (panels, inputs, width), scale = shapes
-    return group_size((inputs, panels * width), scale)
 
 
 def _with_scales(

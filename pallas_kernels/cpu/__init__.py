@@ -2,7 +2,8 @@
 """Native CPU backend: a page-major KV cache (`layout.py`), attention in C++ via XLA FFI, RoPE
 with the KV write in one call (`rope_kv.py`), SwiGLU's `silu(gate) * up` (`activation.py`), and
 dense layers (`dense.py`): bfloat16 on AMX, AVX-512 BF16 or AVX2, float32 on AVX2, int8 weights
-on AVX-512 or AVX2 (`dense_int8.py`).
+on AVX-512 or AVX2 (`dense_int8.py`), 4-bit weights packed two a byte on AVX2 or any CPU
+(`dense_int4.py`).
 
 XLA:CPU has no fast formulation of paged attention (a page gather is slow there, and so is every
 pure-XLA variant tried: docs/kernels.md), so on CPU
@@ -21,6 +22,7 @@ from pallas_kernels.cpu.build import (
     ATTENTION_TARGET,
     NativeKernelError,
     dense_f32_usable,
+    dense_int4_isas,
     dense_int8_isas,
     dense_isa,
     dense_isas,
@@ -35,6 +37,14 @@ from pallas_kernels.cpu.dense import (
     pack_dense_kernel,
     pack_dense_kernel_f32,
 )
+from pallas_kernels.cpu.dense_int4 import DEPTH_MULTIPLE as INT4_DEPTH_MULTIPLE
+from pallas_kernels.cpu.dense_int4 import (
+    can_pack_int4,
+    dense_int4_takes_groups,
+    native_dense_int4,
+    native_dense_int4_reference,
+    pack_dense_kernel_int4,
+)
 from pallas_kernels.cpu.dense_int8 import (
     can_pack_int8,
     dense_int8_takes_groups,
@@ -48,12 +58,16 @@ from pallas_kernels.cpu.rope_kv import rope_write_kv
 from pallas_kernels.reference import value_dtype
 
 __all__ = [
+    "INT4_DEPTH_MULTIPLE",
     "NativeKernelError",
     "allocate_kv_cache",
     "can_pack",
     "can_pack_f32",
+    "can_pack_int4",
     "can_pack_int8",
     "dense_f32_usable",
+    "dense_int4_isas",
+    "dense_int4_takes_groups",
     "dense_int8_isas",
     "dense_int8_takes_groups",
     "dense_isa",
@@ -61,12 +75,15 @@ __all__ = [
     "is_loaded",
     "load",
     "native_dense",
+    "native_dense_int4",
+    "native_dense_int4_reference",
     "native_dense_int8",
     "native_dense_int8_fixed_point_reference",
     "native_dense_int8_reference",
     "native_dense_reference",
     "pack_dense_kernel",
     "pack_dense_kernel_f32",
+    "pack_dense_kernel_int4",
     "pack_dense_kernel_int8",
     "ragged_paged_attention",
     "rope_write_kv",

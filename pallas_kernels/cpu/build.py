@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Builds the native CPU kernels (`paged_attention.cc`, `rope_kv.cc`, `silu_mul.cc`, `dense.cc`,
-`dense_f32.cc`, `dense_int8.cc`) and registers them with XLA.
+`dense_f32.cc`, `dense_int8.cc`, `dense_int4.cc`) and registers them with XLA.
 
 The sources are compiled on the machine that runs it, with `-march=native`, by the C++ compiler
 in `$CXX` (else `g++`, `c++` or `clang++` on the PATH), against the XLA FFI headers that jaxlib
@@ -47,6 +47,7 @@ SOURCES = tuple(
         "dense.cc",
         "dense_f32.cc",
         "dense_int8.cc",
+        "dense_int4.cc",
     )
 )
 HEADERS = tuple(
@@ -69,6 +70,7 @@ SILU_MUL_TARGET = "vllm_xla_silu_mul"
 DENSE_TARGET = "vllm_xla_dense"
 DENSE_F32_TARGET = "vllm_xla_dense_f32"
 DENSE_INT8_TARGET = "vllm_xla_dense_int8"
+DENSE_INT4_TARGET = "vllm_xla_dense_int4"
 _HANDLERS = {
     ATTENTION_TARGET: "VllmXlaRaggedPagedAttention",
     ROPE_KV_TARGET: "VllmXlaRopeWriteKv",
@@ -76,6 +78,7 @@ _HANDLERS = {
     DENSE_TARGET: "VllmXlaDense",
     DENSE_F32_TARGET: "VllmXlaDenseF32",
     DENSE_INT8_TARGET: "VllmXlaDenseInt8",
+    DENSE_INT4_TARGET: "VllmXlaDenseInt4",
 }
 _FLAGS = (
     "-O3",
@@ -311,3 +314,24 @@ def dense_int8_isas(library: Path) -> tuple[str, ...]:
 @functools.cache
 def _probe_dense_int8_isas(library: _Library) -> int:
     return int(_shared_object(library).VllmXlaDenseInt8Isas())
+
+
+# the int4 kernel's paths, by their code in dense_int4.cc
+DENSE_INT4_ISAS = {1: "avx2", 2: "portable", 3: "avx2_float"}
+_DENSE_INT4_PREFERENCE = ("avx2", "avx2_float", "portable")
+
+
+def dense_int4_isas(library: Path) -> tuple[str, ...]:
+    """The instruction sets `library` (from `load`) can run its int4 dense kernel with in this
+    process, best first: "avx2" (AVX2: bfloat16 x in 16-bit fixed point, integer products of its
+    byte planes with the nibbles; float32 x, and a call with values that are not finite, take the
+    next path), "avx2_float" (AVX2 with FMA: nibbles widened to float32 in registers) and
+    "portable" (plain C++, on any CPU)."""
+    mask = _probe_dense_int4_isas(_Library(library.name, library))
+    codes = {name: code for code, name in DENSE_INT4_ISAS.items()}
+    return tuple(name for name in _DENSE_INT4_PREFERENCE if mask & (1 << codes[name]))
+
+
+@functools.cache
+def _probe_dense_int4_isas(library: _Library) -> int:
+    return int(_shared_object(library).VllmXlaDenseInt4Isas())

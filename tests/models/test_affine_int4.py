@@ -12,7 +12,8 @@ from flax import nnx
 
 from models import int4, load_model
 from models.awq_checkpoint import unpack_awq
-from models.linear import Linear
+from models.linear import Linear, PackedKernel, is_packed_int4
+from pallas_kernels.cpu.dense_int4 import unpack_dense_kernel_int4
 from tests.models.awq_checkpoints import quantize_awq, write_awq
 from tests.models.fp8_checkpoints import write_float
 from tests.models.gptq_checkpoints import quantize_gptq, write_gptq
@@ -185,3 +186,29 @@ def test_a_float_checkpoint_streams_into_the_affine_layout_with_zero_offsets(mis
     got, _ = run_step(affine, caches(config), [ids], [0], [[1, 2]])
     expected, _ = run_step(symmetric, caches(config), [ids], [0], [[1, 2]])
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_float_checkpoint_streams_onto_the_native_int4_kernel(mistral, dense_kernels):
+    """Prepared for the native CPU kernels, the float projections are quantized to 4-bit values on
+    their way (int4's scales, max|w| / 7.5 per group: int8's range could not pack two a byte) and
+    packed for the int4 kernel, which computes what XLA's dots compute from the same values."""
+    import jax
+
+    from tpu_platform.weights.prepared import Preparation, load_prepared
+
+    on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    native = Preparation("float32", "native+f32", quantization="int4z-g32")
+    config, packed = load_prepared(mistral, native, on_device)
+    _, floats = load_model(mistral, jnp.float32)
+    down = packed.model.layers[0].mlp.down_proj
+    assert isinstance(down.kernel, PackedKernel) and is_packed_int4(down.kernel[...])
+    _, scale = int4.quantize(np.asarray(floats.model.layers[0].mlp.down_proj.kernel[...]), 32)
+    np.testing.assert_allclose(down.kernel_scale[...], scale, rtol=1e-6)
+    _, on_xla = load_prepared(mistral, native, on_device)
+    for _, module in nnx.iter_modules(on_xla):  # the same values, unpacked onto XLA's int8 dots
+        if isinstance(module, Linear) and is_packed_int4(module.kernel[...]):
+            module.kernel = nnx.Param(unpack_dense_kernel_int4(module.kernel[...]))
+    (ids,) = prompts([24], seed=2)
+    got, _ = run_step(packed, caches(config), [ids], [0], [[1, 2]])
+    expected, _ = run_step(on_xla, caches(config), [ids], [0], [[1, 2]])
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)

@@ -75,6 +75,22 @@ def test_q4_gguf_serves_int4_with_offsets_computing_the_dequantized_model(q4_dir
     np.testing.assert_allclose(_logits(model, config), _logits(reference, config), rtol=1e-3, atol=1e-3)
 
 
+def test_q4_gguf_on_the_native_int4_kernel_computes_the_dequantized_model(q4_dir, dense_kernels):
+    """Prepared for the native CPU kernels, the 4-bit projections stream in packed two a byte for
+    the int4 kernel (`[out / 16, in / 8, 16]` uint32), scales and offsets beside them, and the
+    model still computes the float model of the file's dequantized weights."""
+    config, reference = load_model(q4_dir, jnp.float32)
+    preparation = Preparation("float32", packing="native+f32", quantization="int4z-g32")
+    _, model = load_prepared(q4_dir, preparation, _ON_DEVICE)
+    got = _arrays(model)
+    kernels = [n for n in got if n.endswith(".kernel") and got[n].dtype == np.uint32]
+    assert len(kernels) == 4 * config.num_layers  # qkv, o, gate_up, down; lm_head float32 panels
+    for name in kernels:
+        panels, words, width = got[name].shape
+        assert width == 16 and got[f"{name}_offset"].shape == (words * 8 // 32, panels * 16), name
+    np.testing.assert_allclose(_logits(model, config), _logits(reference, config), rtol=1e-3, atol=1e-3)
+
+
 def test_a_file_mixing_q4_with_other_types_loads_as_float(source, tmp_path):
     def mixed(w: np.ndarray):
         kind = gguf.GGMLQuantizationType.Q8_0 if w.shape[0] == 128 else gguf.GGMLQuantizationType.Q4_1

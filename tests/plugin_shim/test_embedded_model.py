@@ -5,13 +5,21 @@ import gc
 import json
 import os
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
+from tokenizers import Tokenizer
 from vllm import LLM, SamplingParams
 
+from models import PackedKernel, pack_for_native_dense
 from models.gguf_reader import unpermute_rope_rows
+from models.linear import Linear, is_packed_int4
 from plugin_shim.active import assert_active
 from plugin_shim.model_dir import materialize
+from tests.models.tiny_checkpoints import PAGE, caches, run_step
 from tpu_platform.envs import read_env
+from tpu_platform.weights.prepared import Preparation, load_prepared
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +48,39 @@ def test_the_embedded_gguf_is_kept_with_its_4bit_blocks(model_dir):
     assert filecmp.cmp(os.path.join(model_dir, "model.gguf"), embedded_gguf_path(), shallow=False)
     assert not os.path.exists(os.path.join(model_dir, "model.safetensors"))
     assert gguf_4bit_quantization(model_dir) == "int4z-g32"
+
+
+def _greedy_tokens(model, config, prompt: list[int], count: int) -> list[int]:
+    """`count` greedy tokens after `prompt`, a prefill then one decode step a token."""
+    pages = [list(range(1, 2 + (len(prompt) + count) // PAGE))]
+    logits, kv = run_step(model, caches(config, num_pages=len(pages[0]) + 1), [prompt], [0], pages)
+    tokens = [int(np.argmax(logits[-1]))]
+    while len(tokens) < count:
+        logits, kv = run_step(model, kv, [tokens[-1:]], [len(prompt) + len(tokens) - 1], pages)
+        tokens.append(int(np.argmax(logits[-1])))
+    return tokens
+
+
+@pytest.mark.slow
+def test_native_int4_kernel_keeps_the_greedy_tokens_of_the_int8_held_path(model_dir, dense_kernels):
+    """The embedded model as served on CPU (bfloat16, its Q4_1 blocks as int4 with an offset per
+    32 inputs, packed for the native kernels) decodes the same greedy tokens with its projections
+    on the native int4 kernel as with the same values held as int8 on the int8 kernel and the
+    offsets' product on XLA (the path before the int4 kernel)."""
+    on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    unpacked = Preparation("bfloat16", quantization="int4z-g32")
+    served = {}
+    for int4 in (True, False):
+        config, served[int4] = load_prepared(model_dir, unpacked, on_device)
+        assert pack_for_native_dense(served[int4], int4=int4) > 0
+    linears = [m for _, m in nnx.iter_modules(served[True]) if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.kernel, PackedKernel) for m in linears)
+    assert all(is_packed_int4(m.kernel[...]) for m in linears)
+    tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    prompt = tokenizer.encode("The capital of France is").ids
+    on_int4 = _greedy_tokens(served[True], config, prompt, 12)
+    assert on_int4 == _greedy_tokens(served[False], config, prompt, 12)
+    assert "Paris" in tokenizer.decode(on_int4)
 
 
 def test_unpermute_restores_rotate_half_order():

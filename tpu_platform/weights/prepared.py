@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import ModelConfig, PackedKernel, build, pack_for_native_dense
-from models.linear import packed_for_native_dense
+from models.linear import is_packed_int4, packed_for_native_dense
 from models.loader import checkpoint_values, int8_group_size
 from models.quantization import FP8_METHODS, quantize_fp8, quantize_int4, quantize_int8
 from models.sharding import fused_layout, fused_parts
@@ -136,14 +136,15 @@ class Preparation:
                 (quantize_fp8 if self.fp8 else quantize_int8)(model, self.int8_group_size)
         if self.packing == "none":
             return 0
-        return pack_for_native_dense(model, float32=self.packing == "native+f32")
+        return pack_for_native_dense(model, float32=self.packing == "native+f32", int4=self.int4)
 
     def served_value(self, value: np.ndarray, served: nnx.Variable) -> np.ndarray:
         """One parameter as `prepare_for_serving` leaves it, as this preparation has it: packed
         when its abstract served Variable is a `PackedKernel` (`stream_model`'s `place`)."""
         if not isinstance(served, PackedKernel):
             return value
-        return packed_for_native_dense(value, float32=self.packing == "native+f32")
+        four_bit = is_packed_int4(served.get_value())  # the abstract served value: how it was packed
+        return packed_for_native_dense(value, float32=self.packing == "native+f32", int4=four_bit)
 
 
 def int8_quantization(path: str, method: str | None = None) -> str:

@@ -1,0 +1,469 @@
+// SPDX-License-Identifier: Apache-2.0
+// 4-bit-weight dense layers (W4A16) as an XLA FFI handler: y[M, N] (float32) = x[M, K] @ w with
+// w = q * s + m, q int4 in [-8, 7] packed two a byte, s a float32 scale per group of G consecutive
+// k and column (scale [K/G, N]; G = K: one per column, scale [N]) and m an optional float32 offset
+// of the scale's layout (affine 4-bit: zero points, GGUF Q4_1's block minimums). x is bfloat16 or
+// float32.
+//
+// Decode streams every weight once a step, so its speed is the weights' bytes: half of int8's, a
+// quarter of bfloat16's, as long as unpacking keeps pace. The values are never dequantized to
+// memory at a few rows. They are stored unsigned, u = q + 8 in [0, 15], so each group's sum is
+// x . w = s (x . u) + (m - 8 s) (sum of x): the products with u, then each row's sum of x over
+// the group (computed once per call) times the group's base m - 8 s.
+//
+// The weight is packed once into [N/16, K/8, 16] uint32 (`pack_dense_kernel_int4` in
+// dense_int4.py): each 16-column panel is K/8 contiguous 64-byte lines, each 32-bit word one
+// column's eight consecutive k, byte b holding k = b in its low nibble and k = b + 4 in its high
+// one. K must be a multiple of 8 and N of 16, G a multiple of 8 that divides K.
+//
+// Paths ("isa"):
+// - "avx2" (the default for bfloat16 x), up to `kWidenAheadAbove` rows: integer products. x is
+//   rounded per row to 16-bit fixed point (sx = max|x_row| / 32639, x16 = rint(x / sx)), split
+//   into two signed byte planes, x16 = 256 hi + lo, as the int8 kernel's VNNI path does. An AND
+//   (low nibbles: k 0-3 of each column) or a shift and an AND (high nibbles: k 4-7) give 32 bytes
+//   of u that are VPMADDUBSW's unsigned operand as they lie, against four broadcast bytes of a
+//   plane: 32 products an instruction, summed in pairs into int16 lanes (at most 2 * 15 * 128 a
+//   pair, so four lines of them fit an int16 before they widen to int32 and float32). That is a
+//   quarter of the instructions of widening every value to float32, whose cost would otherwise
+//   exceed the bytes it saves. The one error next to the float product is x's rounding to 16 bits
+//   (finer than bfloat16's own): at most sx / 2 sum_k |u_k s_k| per output. A call with a value of
+//   x that is not finite, or a row whose largest magnitude is below 1e-30 but not zero, takes
+//   "avx2_float" instead.
+// - "avx2_float" (the default for float32 x): the same walk with the nibbles widened to float32 in
+//   registers (a shift, an AND and a convert) against x in float32: the float product.
+// - both, above `kWidenAheadAbove` rows: each panel dequantized once per chunk of rows to float32
+//   [K, 16] (u s + m - 8 s), the rows then on the float32 kernel's 6x16 register blocks.
+// - "portable": plain C++ (vectorized by the compiler), the float product, on any CPU.
+//
+// Work items are runs of 16-column blocks (`RunOverColumnBlocks`), walked in register blocks of a
+// few rows by one panel.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include "dense_f32_block.h"
+#endif
+
+#include "dense_blocks.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// The `isa` attribute: which path runs (the codes of `DENSE_INT4_ISAS` in build.py).
+enum Int4Isa : int32_t { kBestIsa = 0, kAvx2 = 1, kPortable = 2, kAvx2Float = 3 };
+
+using vllm_xla::Item;
+using vllm_xla::WalkRegisterBlocks;
+
+constexpr int64_t kCols = 16;  // columns of a packed panel
+constexpr int64_t kWordDepth = 8;  // k in a packed word
+constexpr int kFloatRows = 3;  // rows in a float register block: 2 x 2 x 3 accumulators and totals
+constexpr int kFixedRows = 2;  // rows in a fixed-point register block
+constexpr int64_t kInt16Words = 4;  // packed lines whose byte products an int16 lane holds
+// Above this many rows each panel is dequantized once per chunk of rows, then multiplied with the
+// float32 kernel's register blocks (at a few rows unpacking in registers costs less than writing
+// and rereading the float32 panel).
+constexpr int64_t kWidenAheadAbove = 8;
+constexpr float kFixedLevels = 32639.0f;  // |x16| <= 32639: both byte planes fit a signed byte
+constexpr float kSmallestFixedMax = 1e-30f;  // below: sx would lose precision (subnormal)
+
+// The bit at which the k-th value (0 to 7) of a packed word starts: byte k % 4, high nibble from k 4.
+constexpr int NibbleAt(int k) { return (k % 4) * 8 + (k / 4) * 4; }
+
+// The k-th value of a packed word, unsigned (u = q + 8).
+inline uint32_t Nibble(uint32_t word, int k) { return (word >> NibbleAt(k)) & 0xF; }
+
+// x's rows in 16-bit fixed point: x ~ (256 hi + lo) * step, each plane signed bytes [M, K].
+struct FixedPointRows {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> step;  // [M]: sx
+  std::vector<float> inverse;  // [M]: 1 / sx (0 for a row of zeros)
+
+  // false, leaving the rest undone, for a value that is not finite or a row whose largest
+  // magnitude is positive but below `kSmallestFixedMax` (the float path must run).
+  bool Quantize(const float* x, int64_t M, int64_t K) {
+    hi.resize(M * K), lo.resize(M * K), step.resize(M), inverse.resize(M);
+    for (int64_t r = 0; r < M; ++r) {
+      const float* row = x + r * K;
+      float largest = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        if (!std::isfinite(row[k])) return false;
+        largest = std::max(largest, std::fabs(row[k]));
+      }
+      if (largest > 0.0f && largest < kSmallestFixedMax) return false;
+      step[r] = largest / kFixedLevels;
+      inverse[r] = largest > 0.0f ? kFixedLevels / largest : 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        const float scaled = std::min(kFixedLevels, std::max(-kFixedLevels, std::nearbyint(row[k] * inverse[r])));
+        const int32_t fixed = static_cast<int32_t>(scaled);
+        const int8_t low = static_cast<int8_t>(static_cast<uint8_t>(fixed & 0xFF));
+        lo[r * K + k] = low;
+        hi[r * K + k] = static_cast<int8_t>((fixed - low) / 256);
+      }
+    }
+    return true;
+  }
+};
+
+struct Int4Problem {
+  const float* x;       // [M, K]
+  const uint32_t* w;    // [N/16, K/8, 16]
+  const float* scale;   // [K / group, N]
+  const float* offset;  // [K / group, N]: m, or null (0)
+  const float* x_sums;  // [M, K / group]: each row's sum over each group of k
+  float* y;             // [M, N]
+  int64_t M, K, N;
+  int64_t group;        // k that share a scale: K, or a multiple of 8 that divides K
+  const FixedPointRows* fixed;  // x in fixed point (the "avx2" path), or null
+
+  static void Begin() {}
+  static void End() {}
+
+  int64_t Groups() const { return K / group; }
+
+  // y[row : row + rows, block * 16 : block * 16 + 16] in plain C++.
+  void PortableBlock(int64_t row, int rows, int64_t block) const {
+    const int64_t words = K / kWordDepth, group_words = group / kWordDepth;
+    const uint32_t* panel = w + block * words * kCols;
+    for (int64_t r = row; r < row + rows; ++r) {
+      const float* xr = x + r * K;
+      float total[kCols] = {};
+      for (int64_t g = 0; g < Groups(); ++g) {
+        float acc[kCols] = {};
+        for (int64_t word = g * group_words; word < (g + 1) * group_words; ++word) {
+          const uint32_t* line = panel + word * kCols;
+          for (int k = 0; k < kWordDepth; ++k) {
+            const float xk = xr[word * kWordDepth + k];
+            for (int c = 0; c < kCols; ++c) acc[c] += xk * static_cast<float>(Nibble(line[c], k));
+          }
+        }
+        const float* s = scale + g * N + block * kCols;
+        const float* m = offset != nullptr ? offset + g * N + block * kCols : nullptr;
+        const float sum = x_sums[r * Groups() + g];
+        for (int c = 0; c < kCols; ++c) total[c] += acc[c] * s[c] + sum * ((m != nullptr ? m[c] : 0.0f) - 8.0f * s[c]);
+      }
+      std::memcpy(y + r * N + block * kCols, total, sizeof(total));
+    }
+  }
+
+#if defined(__x86_64__)
+#define VLLM_XLA_INT4_AVX2 __attribute__((target("avx2,fma")))
+// Register blocks unroll whole: an accumulator array indexed in a loop would live in memory, and
+// a nibble's shift needs its count as an immediate.
+#define VLLM_XLA_UNROLL_INT4 _Pragma("GCC unroll 16")
+
+  // The base m - 8 s of 8 columns from their scales `s` (-8 s without offsets), `at` into the offsets.
+  VLLM_XLA_INT4_AVX2 inline __m256 Base(__m256 s, int64_t at) const {
+    const __m256 m = offset != nullptr ? _mm256_loadu_ps(offset + at) : _mm256_setzero_ps();
+    return _mm256_fmadd_ps(s, _mm256_set1_ps(-8.0f), m);
+  }
+
+  // The k-th value (0 to 7) of each 32-bit lane as float32.
+  VLLM_XLA_INT4_AVX2 static inline __m256 Widen(__m256i words, int k) {
+    const __m256i shifted = _mm256_srli_epi32(words, NibbleAt(k));
+    return _mm256_cvtepi32_ps(NibbleAt(k) == 28 ? shifted : _mm256_and_si256(shifted, _mm256_set1_epi32(0xF)));
+  }
+
+  // y[row : row + R, block * 16 : block * 16 + 16] with AVX2 in float32: each group's products
+  // accumulate apart (two chains per 8-column half for one row, so enough FMAs run at once), then
+  // fold into the totals times the group's scales, plus the row's sum over the group times its base.
+  template <int R>
+  VLLM_XLA_INT4_AVX2 static void FloatBlock(const Int4Problem& p, int64_t row, int64_t block) {
+    constexpr int kChains = R == 1 ? 2 : 1;
+    const int64_t words = p.K / kWordDepth, group_words = p.group / kWordDepth, groups = p.Groups();
+    const uint32_t* panel = p.w + block * words * kCols;
+    const float* x = p.x + row * p.K;
+    __m256 total[R][2];
+    VLLM_XLA_UNROLL_INT4
+    for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 acc[R][2][kChains];
+      VLLM_XLA_UNROLL_INT4
+      for (int r = 0; r < R; ++r)
+        VLLM_XLA_UNROLL_INT4
+        for (int h = 0; h < 2; ++h)
+          VLLM_XLA_UNROLL_INT4
+          for (int c = 0; c < kChains; ++c) acc[r][h][c] = _mm256_setzero_ps();
+      for (int64_t word = g * group_words; word < (g + 1) * group_words; ++word) {
+        const uint32_t* line = panel + word * kCols;
+        const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+        const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 8));
+        const float* xk = x + word * kWordDepth;
+        VLLM_XLA_UNROLL_INT4
+        for (int k = 0; k < kWordDepth; ++k) {
+          const __m256 wl = Widen(low, k), wh = Widen(high, k);
+          VLLM_XLA_UNROLL_INT4
+          for (int r = 0; r < R; ++r) {
+            const __m256 xs = _mm256_set1_ps(xk[r * p.K + k]);
+            acc[r][0][k % kChains] = _mm256_fmadd_ps(wl, xs, acc[r][0][k % kChains]);
+            acc[r][1][k % kChains] = _mm256_fmadd_ps(wh, xs, acc[r][1][k % kChains]);
+          }
+        }
+      }
+      VLLM_XLA_UNROLL_INT4
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = g * p.N + block * kCols + h * 8;
+        const __m256 s = _mm256_loadu_ps(p.scale + at), b = p.Base(s, at);
+        VLLM_XLA_UNROLL_INT4
+        for (int r = 0; r < R; ++r) {
+          __m256 sum = acc[r][h][0];
+          if constexpr (kChains == 2) sum = _mm256_add_ps(sum, acc[r][h][1]);
+          total[r][h] = _mm256_fmadd_ps(sum, s, total[r][h]);
+          total[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(p.x_sums[(row + r) * groups + g]), b, total[r][h]);
+        }
+      }
+    }
+    VLLM_XLA_UNROLL_INT4
+    for (int r = 0; r < R; ++r)
+      VLLM_XLA_UNROLL_INT4
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (row + r) * p.N + block * kCols + h * 8, total[r][h]);
+  }
+
+  // Four bytes of a plane (k .. k + 3) in every 32-bit lane: VBROADCASTSS from memory, a load
+  // alone (a broadcast from a general register takes a shuffle as well).
+  VLLM_XLA_INT4_AVX2 static inline __m256i Broadcast4(const int8_t* bytes) {
+    return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(bytes)));
+  }
+
+  // y[row : row + R, block * 16 : block * 16 + 16] with integer products (the "avx2" path), one
+  // 8-column half at a time: per run of up to 4 lines within a group, each plane's byte products
+  // sum in int16 lanes (VPMADDUBSW, then VPADDW), then widen to int32 (VPMADDWD by ones) and
+  // float32, 256 hi + lo, and fold into the totals times the group's scales. Totals count x in
+  // units of sx: the base's part enters as the row's sum over the group over sx.
+  template <int R>
+  VLLM_XLA_INT4_AVX2 static void FixedPointBlock(const Int4Problem& p, int64_t row, int64_t block) {
+    const int64_t words = p.K / kWordDepth, group_words = p.group / kWordDepth, groups = p.Groups();
+    const uint32_t* panel = p.w + block * words * kCols;
+    const int8_t* hi = p.fixed->hi.data() + row * p.K;
+    const int8_t* lo = p.fixed->lo.data() + row * p.K;
+    const __m256i nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    VLLM_XLA_UNROLL_INT4
+    for (int h = 0; h < 2; ++h) {
+      __m256 total[R];
+      VLLM_XLA_UNROLL_INT4
+      for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = g * p.N + block * kCols + h * 8;
+        const __m256 s = _mm256_loadu_ps(p.scale + at);
+        for (int64_t first = g * group_words; first < (g + 1) * group_words; first += kInt16Words) {
+          const int64_t end = std::min(first + kInt16Words, (g + 1) * group_words);
+          __m256i high_sums[R], low_sums[R];
+          VLLM_XLA_UNROLL_INT4
+          for (int r = 0; r < R; ++r) high_sums[r] = low_sums[r] = _mm256_setzero_si256();
+          for (int64_t word = first; word < end; ++word) {
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + word * kCols + h * 8));
+            const __m256i first_four = _mm256_and_si256(bytes, nibbles);  // k 0-3 of each column
+            const __m256i last_four = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);  // k 4-7
+            VLLM_XLA_UNROLL_INT4
+            for (int r = 0; r < R; ++r) {
+              const int64_t k = r * p.K + word * kWordDepth;
+              const __m256i high = _mm256_add_epi16(_mm256_maddubs_epi16(first_four, Broadcast4(hi + k)),
+                                                    _mm256_maddubs_epi16(last_four, Broadcast4(hi + k + 4)));
+              const __m256i low = _mm256_add_epi16(_mm256_maddubs_epi16(first_four, Broadcast4(lo + k)),
+                                                   _mm256_maddubs_epi16(last_four, Broadcast4(lo + k + 4)));
+              high_sums[r] = _mm256_add_epi16(high_sums[r], high);
+              low_sums[r] = _mm256_add_epi16(low_sums[r], low);
+            }
+          }
+          VLLM_XLA_UNROLL_INT4
+          for (int r = 0; r < R; ++r) {
+            const __m256 high = _mm256_cvtepi32_ps(_mm256_madd_epi16(high_sums[r], ones));
+            const __m256 low = _mm256_cvtepi32_ps(_mm256_madd_epi16(low_sums[r], ones));
+            total[r] = _mm256_fmadd_ps(_mm256_fmadd_ps(high, _mm256_set1_ps(256.0f), low), s, total[r]);
+          }
+        }
+        const __m256 b = p.Base(s, at);
+        VLLM_XLA_UNROLL_INT4
+        for (int r = 0; r < R; ++r) {
+          const float sum = p.x_sums[(row + r) * groups + g] * p.fixed->inverse[row + r];
+          total[r] = _mm256_fmadd_ps(_mm256_set1_ps(sum), b, total[r]);
+        }
+      }
+      VLLM_XLA_UNROLL_INT4
+      for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(p.y + (row + r) * p.N + block * kCols + h * 8,
+                         _mm256_mul_ps(total[r], _mm256_set1_ps(p.fixed->step[row + r])));
+      }
+    }
+  }
+
+  // One packed panel -> its float32 weights [K, 16], u s + m - 8 s (the float32 block's layout).
+  VLLM_XLA_INT4_AVX2 void DequantizePanel(int64_t block, float* to) const {
+    const int64_t words = K / kWordDepth, group_words = group / kWordDepth;
+    const uint32_t* panel = w + block * words * kCols;
+    for (int64_t word = 0; word < words; ++word) {
+      const int64_t at = word / group_words * N + block * kCols;
+      VLLM_XLA_UNROLL_INT4
+      for (int h = 0; h < 2; ++h) {
+        const __m256i words8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + word * kCols + h * 8));
+        const __m256 s = _mm256_loadu_ps(scale + at + h * 8), b = Base(s, at + h * 8);
+        VLLM_XLA_UNROLL_INT4
+        for (int k = 0; k < kWordDepth; ++k) {
+          _mm256_storeu_ps(to + (word * kWordDepth + k) * kCols + h * 8, _mm256_fmadd_ps(Widen(words8, k), s, b));
+        }
+      }
+    }
+  }
+
+  using BlockKernel = void (*)(const Int4Problem&, int64_t, int64_t);
+  static constexpr BlockKernel kFloatKernels[kFloatRows] = {&FloatBlock<1>, &FloatBlock<2>, &FloatBlock<3>};
+  static constexpr BlockKernel kFixedKernels[kFixedRows] = {&FixedPointBlock<1>, &FixedPointBlock<2>};
+#undef VLLM_XLA_UNROLL_INT4
+#undef VLLM_XLA_INT4_AVX2
+#endif  // __x86_64__
+};
+
+struct PortableInt4 : Int4Problem {
+  void Run(const Item& item) const {
+    WalkRegisterBlocks(item, M, K * sizeof(float), kFloatRows, 1,
+                       [&](int64_t row, int rows, int64_t block, int) { PortableBlock(row, rows, block); });
+  }
+};
+
+#if defined(__x86_64__)
+struct Avx2Int4 : Int4Problem {
+  void Run(const Item& item) const {
+    if (M > kWidenAheadAbove) return RunWidened(item);
+    if (fixed != nullptr) {
+      return WalkRegisterBlocks(item, M, K * 2, kFixedRows, 1, [&](int64_t row, int rows, int64_t block, int) {
+        kFixedKernels[rows - 1](*this, row, block);
+      });
+    }
+    WalkRegisterBlocks(item, M, K * sizeof(float), kFloatRows, 1,
+                       [&](int64_t row, int rows, int64_t block, int) { kFloatKernels[rows - 1](*this, row, block); });
+  }
+
+  // Many rows: each column panel dequantized to float32 once per chunk of rows.
+  void RunWidened(const Item& item) const {
+    std::vector<float> panel(K * kCols);
+    int64_t widened = -1;  // the column block `panel` holds
+    WalkRegisterBlocks(item, M, K * sizeof(float), vllm_xla::kF32BlockRows, 1,
+                       [&](int64_t row, int rows, int64_t block, int) {
+                         if (block != widened) {
+                           DequantizePanel(block, panel.data());
+                           widened = block;
+                         }
+                         vllm_xla::F32BlockFor(rows)(x + row * K, panel.data(), K, y + row * N + block * kCols, N);
+                       });
+  }
+};
+#endif
+
+// Whether this process may run the `isa` path, probed once.
+bool IsaUsable(Int4Isa isa) {
+#if defined(__x86_64__)
+  static const bool avx2 = vllm_xla::Avx2Usable();
+  if (isa == kAvx2 || isa == kAvx2Float) return avx2;
+#endif
+  return isa == kPortable;
+}
+
+// The path an unforced call takes: integer products for bfloat16 x (their 16-bit fixed point is
+// finer than x's own rounding; float32 x asks for more, so it keeps the float product).
+Int4Isa BestIsa(ffi::DataType type) {
+  if (!IsaUsable(kAvx2)) return kPortable;
+  return type == ffi::DataType::BF16 ? kAvx2 : kAvx2Float;
+}
+
+// x's first M rows as float32 (bfloat16 values are the high halves of float32s).
+const float* FloatRows(const ffi::AnyBuffer& x, int64_t M, int64_t K, std::vector<float>& wide) {
+  if (x.element_type() == ffi::DataType::F32) return reinterpret_cast<const float*>(x.untyped_data());
+  wide.resize(M * K);
+  const auto* bits = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  for (int64_t i = 0; i < M * K; ++i) {
+    const uint32_t value = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(&wide[i], &value, sizeof(value));
+  }
+  return wide.data();
+}
+
+// Each row's sums of x over its groups of `group` k: [M, K / group].
+std::vector<float> GroupSums(const float* x, int64_t M, int64_t K, int64_t group) {
+  std::vector<float> sums(M * (K / group), 0.0f);
+  for (int64_t i = 0; i < M * K; ++i) sums[i / group] += x[i];
+  return sums;
+}
+
+// The rows of x before its trailing zero rows (`RowsBeforeZeroTail`).
+int64_t RowsToMultiply(const ffi::AnyBuffer& x, int64_t rows, int64_t K) {
+  if (x.element_type() == ffi::DataType::BF16) {
+    return vllm_xla::RowsBeforeZeroTail<uint16_t>(reinterpret_cast<const uint16_t*>(x.untyped_data()), rows, K,
+                                                  0x7fff);
+  }
+  return vllm_xla::RowsBeforeZeroTail<uint32_t>(reinterpret_cast<const uint32_t*>(x.untyped_data()), rows, K,
+                                                0x7fffffffu);
+}
+
+ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> w, ffi::Buffer<ffi::F32> scale,
+                     ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y, int32_t isa) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto sd = scale.dimensions();
+  const auto type = x.element_type();
+  const bool shapes_fit = xd.size() == 2 && wd.size() == 3 && wd[2] == kCols && wd[1] * kWordDepth == xd[1] &&
+                          (sd.size() == 1 || sd.size() == 2) && sd.back() == wd[0] * kCols;
+  const int64_t groups = shapes_fit && sd.size() == 2 ? sd[0] : 1;
+  const bool groups_fit = shapes_fit && groups > 0 && xd[1] % groups == 0 && xd[1] / groups % kWordDepth == 0;
+  const bool offset_fits = offset.element_count() == 0 || (offset.dimensions().size() == sd.size() &&
+                                                           std::equal(sd.begin(), sd.end(), offset.dimensions().begin()));
+  if (!groups_fit || !offset_fits || (type != ffi::DataType::BF16 && type != ffi::DataType::F32)) {
+    return ffi::Error::InvalidArgument(
+        "expected x [M, K] (bfloat16 or float32), a packed int4 weight [N/16, K/8, 16] (uint32), float32 scales "
+        "[N] or [K/G, N] with G a multiple of 8, and offsets of the scales' shape or none");
+  }
+  Int4Isa run = isa == kBestIsa ? BestIsa(type) : static_cast<Int4Isa>(isa);
+  if (!IsaUsable(run)) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "this CPU or kernel does not allow the requested int4 dense path (AVX2 with FMA)");
+  }
+  const int64_t K = xd[1], N = wd[0] * kCols, group = K / groups;
+  const int64_t M = RowsToMultiply(x, xd[0], K);
+  std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
+  if (M == 0) return ffi::Error::Success();
+  std::vector<float> wide;
+  const float* rows = FloatRows(x, M, K, wide);
+  const std::vector<float> sums = GroupSums(rows, M, K, group);
+  FixedPointRows fixed;
+  // Not finite values (the float product carries them as it would) or rows too small for the fixed
+  // point: the float path.
+  const bool integer = run == kAvx2 && M <= kWidenAheadAbove && fixed.Quantize(rows, M, K);
+  const float* offsets = offset.element_count() > 0 ? offset.typed_data() : nullptr;
+  const Int4Problem problem{rows, w.typed_data(), scale.typed_data(), offsets, sums.data(), y->typed_data(),
+                            M,    K,            N,                  group,        integer ? &fixed : nullptr};
+  const int64_t max_blocks = std::max<int64_t>(2, vllm_xla::CachedBlocks(K, sizeof(float)));
+#if defined(__x86_64__)
+  if (run == kAvx2 || run == kAvx2Float) {
+    vllm_xla::RunOverColumnBlocks(Avx2Int4{problem}, N / kCols, max_blocks, pool);
+    return ffi::Error::Success();
+  }
+#endif
+  vllm_xla::RunOverColumnBlocks(PortableInt4{problem}, N / kCols, max_blocks, pool);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// The int4 dense paths this process may run, as a bit mask: bit 1 AVX2 (integer products), bit 2
+// portable, bit 3 AVX2 (float products).
+extern "C" int VllmXlaDenseInt4Isas() {
+  return (IsaUsable(kAvx2) ? 1 << kAvx2 : 0) | (IsaUsable(kPortable) ? 1 << kPortable : 0) |
+         (IsaUsable(kAvx2Float) ? 1 << kAvx2Float : 0);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt4, DenseInt4,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("isa"));

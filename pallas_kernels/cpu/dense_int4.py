@@ -1,0 +1,175 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Dense layers with 4-bit weights in C++ (`dense_int4.cc`): `x [M, K] @ w` in float32 with
+`w = q * s + m`, q int4 in [-8, 7], s float32 per group of G consecutive k and column (`[K/G, N]`,
+or `[N]`: one group of all of K) and m an optional float32 offset of the scale's layout (affine
+4-bit: AWQ, asymmetric GPTQ, GGUF Q4_1 and Q4_K, `models.int4`). x stays bfloat16 or float32.
+
+XLA:CPU holds int4 one value a byte and converts a quantized kernel to a float copy in memory
+before its dot; the native kernel reads the values packed two a byte and unpacks them in
+registers, so a decode step reads each weight as half a byte. The kernel is packed once
+(`pack_dense_kernel_int4`) into `[N/16, K/8, 16]` uint32 words, eight consecutive k of one column
+a word, each stored unsigned (q + 8), byte b holding k = b in its low nibble and k = b + 4 in its
+high one (the order VPMADDUBSW takes them in); `native_dense_int4_reference` computes the same
+product in plain JAX from the packed form (the oracle in tests).
+
+With bfloat16 x the AVX2 path multiplies integers: each row of x in 16-bit fixed point
+(`quantize_rows_fixed_point`, as the int8 kernel's VNNI path rounds it) against the unsigned
+values, the one error next to the float product x's rounding, at most `sx / 2 sum_k |u_k s_k|`
+per output (`fixed_point_error_bound`); "avx2_float" and "portable" compute the float product.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.cpu.build import DENSE_INT4_ISAS, DENSE_INT4_TARGET, NativeKernelError, is_loaded
+
+COLUMN_MULTIPLE = 16  # N: one packed line holds 16 columns
+DEPTH_MULTIPLE = 8  # K, and a group of k: one packed word holds 8 consecutive k
+INT4_MIN, INT4_MAX = -8, 7
+NIBBLE_AT = (0, 8, 16, 24, 4, 12, 20, 28)  # the bit where the k-th value of a word starts
+FIXED_POINT_LEVELS = 32639  # |x16| <= 32639: 256 hi + lo with both planes signed bytes
+
+
+def _xp(array):  # NumPy for host arrays (a streamed or host load), jax.numpy for everything else
+    return np if isinstance(array, np.ndarray) else jnp
+
+
+def dense_int4_takes_groups(group_size: int) -> bool:
+    """Whether `native_dense_int4` takes scales grouped by `group_size` consecutive k."""
+    return group_size >= 1 and group_size % DEPTH_MULTIPLE == 0
+
+
+def can_pack_int4(shape: tuple[int, ...]) -> bool:
+    """Whether a `[K, N]` kernel of int4 values (held in any integer dtype) of this shape can run
+    on `native_dense_int4`: K a multiple of 8, N of 16."""
+    return len(shape) == 2 and shape[0] % DEPTH_MULTIPLE == 0 and shape[1] % COLUMN_MULTIPLE == 0
+
+
+def pack_dense_kernel_int4(kernel):
+    """`[K, N]` int4 values (int4, or int8 holding them) -> `[N/16, K/8, 16]` uint32: each
+    16-column panel contiguous, eight k a word, k at bit `NIBBLE_AT[k % 8]` as q + 8 (NumPy in,
+    NumPy out). A host kernel with a value outside [-8, 7] is refused."""
+    if not can_pack_int4(kernel.shape) or not jnp.issubdtype(kernel.dtype, jnp.integer):
+        raise ValueError(
+            f"the int4 native dense kernel takes an integer [K, N] kernel with K a multiple of "
+            f"{DEPTH_MULTIPLE} and N of {COLUMN_MULTIPLE}, not {kernel.dtype} {tuple(kernel.shape)}"
+        )
+    xp = _xp(kernel)
+    values = kernel.astype(xp.int32)
+    on_host = isinstance(kernel, np.ndarray) and values.size
+    if on_host and (values.min() < INT4_MIN or values.max() > INT4_MAX):
+        raise ValueError(
+            f"the int4 native dense kernel takes values in [{INT4_MIN}, {INT4_MAX}], not "
+            f"[{values.min()}, {values.max()}]: an int8 kernel runs on native_dense_int8"
+        )
+    k, n = kernel.shape
+    unsigned = ((values + 8) & 0xF).astype(xp.uint32).reshape(k // DEPTH_MULTIPLE, DEPTH_MULTIPLE, n)
+    shifts = xp.asarray(NIBBLE_AT, dtype=xp.uint32)[None, :, None]
+    words = (unsigned << shifts).sum(axis=1, dtype=xp.uint32)  # disjoint bits: the sum is their OR
+    return xp.transpose(words.reshape(k // DEPTH_MULTIPLE, n // COLUMN_MULTIPLE, COLUMN_MULTIPLE), (1, 0, 2))
+
+
+def unpack_dense_kernel_int4(packed: jax.Array) -> jax.Array:
+    """The `[K, N]` int8 values back from `pack_dense_kernel_int4`'s layout."""
+    blocks, words, cols = packed.shape
+    shifts = jnp.asarray(NIBBLE_AT, dtype=jnp.uint32)
+    nibbles = (packed[:, :, None, :] >> shifts[None, None, :, None]) & 0xF  # [N/16, K/8, 8, 16]
+    values = nibbles.astype(jnp.int32) - 8
+    return values.transpose(1, 2, 0, 3).reshape(words * DEPTH_MULTIPLE, blocks * cols).astype(jnp.int8)
+
+
+def _grouped(values: jax.Array) -> jax.Array:
+    """Scales or offsets `[N]` or `[K/G, N]` as float32 `[groups, N]`."""
+    return values.astype(jnp.float32).reshape(-1, values.shape[-1])
+
+
+def native_dense_int4_reference(
+    x: jax.Array, packed: jax.Array, scale: jax.Array, offset: jax.Array | None = None
+) -> jax.Array:
+    """`x [M, K] @ (q * s + m)`, float32, from the packed kernel, in plain JAX: each group of
+    k's product with its values times its scales, plus each row's sum over the group times the
+    group's offsets."""
+    q = unpack_dense_kernel_int4(packed).astype(jnp.float32)
+    scale = _grouped(scale)
+    groups, (rows, depth) = scale.shape[0], x.shape
+    xs = x.astype(jnp.float32).reshape(rows, groups, depth // groups)
+    partial = jnp.einsum("mgk,gkn->mgn", xs, q.reshape(groups, depth // groups, -1), precision="highest")
+    y = jnp.einsum("mgn,gn->mn", partial, scale, precision="highest")
+    if offset is None:
+        return y
+    return y + jnp.einsum("mg,gn->mn", xs.sum(axis=2), _grouped(offset), precision="highest")
+
+
+def fixed_point_error_bound(x, q, scale) -> np.ndarray:
+    """How far x's rounding to 16-bit fixed point moves the AVX2 path's `[M, N]` result with
+    bfloat16 x from the float product, in float64 on the host: at most sx / 2 a value of x
+    (sx = max|x_row| / 32639) times `sum_k |u_k s_k|` (u = q + 8, the values it multiplies; the
+    base m - 8 s meets x's exact sums). `q` is the `[K, N]` kernel's values, `scale` `[N]` or
+    `[K/G, N]`; float32 rounding comes on top."""
+    x = np.asarray(x, np.float64)
+    unsigned = np.asarray(q, np.float64) + 8
+    scale = np.abs(np.asarray(scale, np.float64)).reshape(-1, unsigned.shape[1])
+    weights = unsigned * np.repeat(scale, unsigned.shape[0] // scale.shape[0], axis=0)
+    step = np.abs(x).max(axis=1, keepdims=True) / FIXED_POINT_LEVELS
+    return step / 2 * weights.sum(axis=0)
+
+
+def native_dense_int4(
+    x: jax.Array,
+    packed: jax.Array,
+    scale: jax.Array,
+    offset: jax.Array | None = None,
+    *,
+    isa: str | None = None,
+) -> jax.Array:
+    """`x [M, K] @ (q * s + m)` in float32, `packed` from `pack_dense_kernel_int4`, `scale [N]`
+    (one per column) or `[K/G, N]` (one per group of G consecutive k and column, G a multiple of
+    8 that divides K: GGUF's 32, GPTQ's and AWQ's 128), `offset` None or of the scale's shape.
+
+    x is bfloat16 or another float dtype (converted to float32). `isa` picks the path ("avx2",
+    "avx2_float" or "portable"); None takes the best the CPU has (`dense_int4_isas`; float32 x
+    skips "avx2", whose fixed point is finer than bfloat16's rounding but coarser than float32's).
+    On "avx2", up to 8 rows, x is rounded to 16-bit fixed point (`fixed_point_error_bound`); a
+    call with a value of x that is not finite, or a row whose largest magnitude is below 1e-30
+    but not zero, runs the float product instead. Trailing rows of x that are all zero are
+    written as zero rows without being multiplied, as in `native_dense`.
+    Needs the native kernels loaded (`pallas_kernels.cpu.load`); a path the CPU lacks fails when
+    the program runs.
+    """
+    if not is_loaded():
+        raise NativeKernelError(
+            "the native CPU kernels are not loaded in this process: "
+            "call pallas_kernels.cpu.load(build_dir) first"
+        )
+    codes = {name: code for code, name in DENSE_INT4_ISAS.items()}
+    if isa is not None and isa not in codes:
+        raise ValueError(f"isa must be one of {sorted(codes)} or None, not {isa!r}")
+    blocks, words, cols = packed.shape
+    depth, width = words * DEPTH_MULTIPLE, blocks * cols
+    groups = scale.shape[0] if scale.ndim == 2 else 1
+    if (
+        x.ndim != 2
+        or x.shape[1] != depth
+        or cols != COLUMN_MULTIPLE
+        or packed.dtype != jnp.uint32
+        or scale.shape not in ((width,), (groups, width))
+        or (offset is not None and offset.shape != scale.shape)
+    ):
+        raise ValueError(
+            f"x {tuple(x.shape)}, scale {tuple(scale.shape)} and offset "
+            f"{None if offset is None else tuple(offset.shape)} do not match a packed int4 kernel "
+            f"{packed.dtype} {tuple(packed.shape)} ([K = {depth}, N = {width}]): scale is [N] or "
+            "[K/G, N], offset None or the scale's shape"
+        )
+    if groups < 1 or depth % groups or not dense_int4_takes_groups(depth // groups):
+        raise ValueError(
+            f"grouped scales {tuple(scale.shape)} need groups of a multiple of {DEPTH_MULTIPLE} consecutive "
+            f"k that divide K = {depth}: [K/G, N] with G % {DEPTH_MULTIPLE} == 0"
+        )
+    x = x if x.dtype == jnp.bfloat16 else x.astype(jnp.float32)
+    offset = jnp.zeros((0,), jnp.float32) if offset is None else offset.astype(jnp.float32)
+    call = jax.ffi.ffi_call(DENSE_INT4_TARGET, jax.ShapeDtypeStruct((x.shape[0], width), jnp.float32))
+    return call(x, packed, scale.astype(jnp.float32), offset, isa=np.int32(codes.get(isa, 0)))
