@@ -8,6 +8,8 @@ parameter's actual sharding is the rules table's, and each device holds 1/N of a
 and of the KV cache. One TP=4 engine serves, under VLLM_XLA_STRICT_COMPILE=1, a mixed workload
 with chunked prefill, prefix-cache hits and preemption before its greedy check. Qwen3-MoE runs
 with `enable_expert_parallel=True` at 2 and 4 devices: its experts placed by index, whole.
+Qwen3-Next (hybrid: Gated DeltaNet beside gated attention) at TP=2 equals TP=1 and transformers
+with its prompts prefilled in chunks, its state pools split with the key heads.
 """
 
 from __future__ import annotations
