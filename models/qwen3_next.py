@@ -23,6 +23,7 @@ layer's is a KV cache as usual.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.gated_deltanet import GatedDeltaNet, SplitProjectionGatedDeltaNet
+from models.gated_deltanet import _QKV, GatedDeltaNet, SplitProjectionGatedDeltaNet, split_qkv_tensor
 from models.layers import (
     ATTENTION_LINEARS,
     MLP_LINEARS,
@@ -47,7 +48,8 @@ from models.moe import SparseMoE
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 _LAYER = "model.layers.{i}"
 # Qwen3-Next's two input projections, Qwen3.5's four, and the output projection.
-_GDN = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+# (Qwen3.5's `in_proj_qkv` is read as three: `gated_deltanet.split_qkv_tensor`.)
+_GDN = ("in_proj_qkvz", "in_proj_ba", *_QKV, "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 HF_PARAM_MAP = {
     **decoder_hf_param_map(
         linears=(
@@ -162,7 +164,10 @@ def _default_layer_types(num_layers: int, hf: dict[str, Any] | None = None) -> t
 
 
 class GatedAttention(PagedAttention):
-    """`PagedAttention` whose q_proj also gives each head's output gate (module docstring)."""
+    """`PagedAttention` whose q_proj also gives each head's output gate (module docstring).
+    Fused (`fuse_projections`), its projection's blocks are `[q_i, gate_i, k_i, v_i]` per device
+    (each device's q_proj columns hold its heads' queries and gates), so that on a mesh each
+    device takes its own heads' queries, gates, keys and values from its own columns."""
 
     def __init__(self, config: Qwen3NextConfig, *, dtype: jnp.dtype):
         super().__init__(
@@ -170,24 +175,36 @@ class GatedAttention(PagedAttention):
         )
         n, h = config.num_heads, config.head_dim
         self.q_proj = Linear(config.hidden_size, 2 * n * h, bias=config.attention_bias, dtype=dtype)
+        self.blocks = 1  # of the fused projection's columns: `fuse_projections`
 
-    def _query_and_gate(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        t, n, h = x.shape[0], self.num_heads, self.head_dim
-        both = self.q_proj(x).reshape(t, n, 2 * h)
-        return both[..., :h].reshape(t, n * h), both[..., h:].reshape(t, n * h)
+    def _query_and_gate(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`(queries [T, N * H], gates [T, N * H], keys and values [T, 2 K * H])`, in blocks of
+        whole heads, one a device (`self.blocks` of them, each device's `[k_i, v_i]` a block)."""
+        t, n, h, blocks = x.shape[0], self.num_heads, self.head_dim, self.blocks
+        if self.qkv_proj is None:
+            both = self.q_proj(x).reshape(t, n, 2 * h)
+            kv = jnp.concatenate([self.k_proj(x), self.v_proj(x)], axis=-1)
+        else:  # a reshape keeps each device's own columns (`[q_i, gate_i, k_i, v_i]` blocks)
+            fused = self.qkv_proj(x).reshape(t, blocks, -1)
+            both = fused[..., : 2 * n * h // blocks].reshape(t, n, 2 * h)
+            kv = fused[..., 2 * n * h // blocks :]
+        return both[..., :h].reshape(t, n * h), both[..., h:].reshape(t, n * h), kv
 
     def _project_qkv(self, x: jax.Array) -> jax.Array:
-        query, _ = self._query_and_gate(x)  # the same product as the gate's: XLA computes it once
-        return jnp.concatenate([query, self.k_proj(x), self.v_proj(x)], axis=-1)
+        query, _, kv = self._query_and_gate(x)  # the same product as the gate's: XLA computes it once
+        t, blocks = x.shape[0], self.blocks
+        # `[q_i, k_i, v_i]` a device, as attention takes its heads
+        qkv = jnp.concatenate([query.reshape(t, blocks, -1), kv.reshape(t, blocks, -1)], axis=-1)
+        return qkv.reshape(t, -1)
 
     def gate_output(self, o: jax.Array, x: jax.Array) -> jax.Array:
-        _, gate = self._query_and_gate(x)
+        _, gate, _ = self._query_and_gate(x)
         return o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
 
     def fuse_projections(self, blocks: int = 1) -> None:
-        """Keeps q, k and v apart (q carries the gates); a mesh of `blocks > 1` is refused."""
-        if blocks > 1:
-            raise ValueError("Qwen3-Next does not run under tensor parallelism yet; serve it on one device")
+        """q (with the gates), k and v in one projection, in `blocks` blocks of whole heads."""
+        super().fuse_projections(blocks)
+        self.blocks = blocks
 
 
 class SharedExpertMoE(SparseMoE):
@@ -252,6 +269,15 @@ class Qwen3NextForCausalLM(CausalLM):
     def __init__(self, config: Qwen3NextConfig, *, dtype: jnp.dtype):
         layers = [Qwen3NextDecoderLayer(config, i, dtype=dtype) for i in range(config.num_layers)]
         super().__init__(config, layers, dtype=dtype, norm_unit_offset=True)
+
+    def checkpoint_tensors(self, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The checkpoint's tensors with Qwen3.5's `in_proj_qkv` as its q, k and v projections
+        (`gated_deltanet.split_qkv_tensor`; `models.loader.iter_parameters` calls it)."""
+        c = self.config
+        keys = c.linear_num_key_heads * c.linear_key_head_dim
+        widths = (keys, keys, c.linear_num_value_heads * c.linear_value_head_dim)
+        for name, array in tensors:
+            yield from split_qkv_tensor(name, array, widths)
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """The multi-token-prediction weights (`mtp.*`) are not loaded."""

@@ -27,7 +27,10 @@ family. The mesh has one axis, `MODEL_AXIS` (vLLM's `tensor_parallel_size`):
   tensor parallelism does without expert parallelism: it works for any expert count (8 experts
   on 8 devices or 128), keeps the routed grouped matmul unchanged (no all-to-all of tokens), and
   balances the work whatever the router picks; the router is replicated;
-- everything else (norms, router, RoPE tables) is replicated.
+- Gated DeltaNet (`models.gated_deltanet`): its input projections column-parallel (whole key
+  heads a device, with their value heads), `out_proj` row-parallel, A_log and dt_bias split on
+  the value heads; its conv weight (a few taps a channel) whole on every device;
+- everything else (norms, router, RoPE tables, a shared expert's gate) is replicated.
 
 Expert parallelism (`expert_parallel=True`, vLLM's `--enable-expert-parallel`) replaces the
 experts' rules with one: every array under `.experts.` (kernels, scales, GPT-OSS's biases) is
@@ -61,8 +64,12 @@ _ROW = PartitionSpec(MODEL_AXIS, None)
 _SPLIT = PartitionSpec(MODEL_AXIS)
 _REPLICATED = PartitionSpec()
 
-# `q_b_proj` and `kv_b_proj`: latent attention's per-head up-projections (`models.latent_attention`).
-_COLUMN_LINEARS = r"(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|q_b_proj|kv_b_proj)"
+# `q_b_proj` and `kv_b_proj`: latent attention's per-head up-projections (`models.latent_attention`);
+# `in_proj_*`: Gated DeltaNet's input projections, whose features are per head (`models.gated_deltanet`).
+_COLUMN_LINEARS = (
+    r"(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|q_b_proj|kv_b_proj|in_proj_[a-z]+)"
+)
+_ROW_LINEARS = r"(o_proj|down_proj|out_proj)"
 
 # (pattern over a parameter's dotted path, its PartitionSpec); the first match wins.
 DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (
@@ -78,15 +85,16 @@ DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"\.experts\.gate_up_proj_(blocks|scales)$", PartitionSpec(None, MODEL_AXIS)),  # [E, 2F, D / 32, ..]
     (r"\.experts\.down_proj_(blocks|scales)$", PartitionSpec(None, None, MODEL_AXIS)),  # [E, D, F / 32, ..]
     (r"\.self_attn\.sinks$", _SPLIT),  # [N], with the query heads
+    (r"\.linear_attn\.(A_log|dt_bias)$", _SPLIT),  # [Hv], with the value heads
     (rf"\.{_COLUMN_LINEARS}\.kernel$", _COLUMN),  # [D, out]
     (rf"\.{_COLUMN_LINEARS}\.(bias|kernel_scale|kernel_offset)$", _SPLIT),
-    (r"\.(o_proj|down_proj)\.kernel$", _ROW),  # [in, D]
-    (r"\.(o_proj|down_proj)\.bias$", _REPLICATED),
+    (rf"\.{_ROW_LINEARS}\.kernel$", _ROW),  # [in, D]
+    (rf"\.{_ROW_LINEARS}\.bias$", _REPLICATED),
     # LoRA slots (`models.lora`): B split on its outputs like a column-parallel kernel, A on its
     # inputs like a row-parallel one; the other factor, `[S, in, P * R]` or `[S, P * R, out]`
     # of a small rank, whole
     (rf"\.{_COLUMN_LINEARS}\.lora\.b$", PartitionSpec(None, None, MODEL_AXIS)),  # [S, P * R, out]
-    (r"\.(o_proj|down_proj)\.lora\.a$", PartitionSpec(None, MODEL_AXIS, None)),  # [S, in, P * R]
+    (rf"\.{_ROW_LINEARS}\.lora\.a$", PartitionSpec(None, MODEL_AXIS, None)),  # [S, in, P * R]
     (r"embed_tokens\.embedding$", _ROW),  # [V, D]
     (r"embed_tokens\.head_kernel$", _COLUMN),  # [D, V], a tied head's copy
     (r"embed_tokens\.head_scale$", _SPLIT),  # [V], its int8 scales
@@ -101,7 +109,7 @@ GROUPED_SCALE_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"\.experts\.(gate_proj|up_proj)\.kernel_scale$", PartitionSpec(None, None, MODEL_AXIS)),
     (r"\.experts\.down_proj\.kernel_scale$", PartitionSpec(None, MODEL_AXIS, None)),
     (rf"\.{_COLUMN_LINEARS}\.kernel_(scale|offset)$", _COLUMN),
-    (r"\.(o_proj|down_proj)\.kernel_(scale|offset)$", _ROW),
+    (rf"\.{_ROW_LINEARS}\.kernel_(scale|offset)$", _ROW),
     (r"embed_tokens\.head_scale$", _COLUMN),
     (r"lm_head\.kernel_scale$", _COLUMN),
     (r".*", _REPLICATED),
@@ -275,6 +283,10 @@ def split_dimensions(config: ModelConfig, *, expert_parallel: bool = False) -> t
         dimensions.append(("intermediate_size", config.intermediate_size))
     if config.num_experts and not expert_parallel:
         dimensions.append(("experts' intermediate size", config.moe_intermediate_size))
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        dimensions.append(("shared expert's intermediate size", config.shared_expert_intermediate_size))
+    if getattr(config, "state_layers", ()):  # Gated DeltaNet: whole key heads a device
+        dimensions.append(("linear_num_key_heads", config.linear_num_key_heads))
     dimensions.extend(_per_layer_kv_widths(config))
     return tuple(dimensions)
 
@@ -388,7 +400,9 @@ def fused_layout(
         parts = _unblocked(value, [value.shape[axis] // 2] * 2, from_tp, axis)
         return fuse_parts(path, parts, **heads, tp_size=to_tp)
     kv_from = kv_heads_on_mesh(num_heads, num_kv_heads, from_tp)
-    widths = [num_heads * head_dim, kv_from * head_dim, kv_from * head_dim]
+    kv_width = kv_from * head_dim
+    # q's columns: N * H, or twice that where each head's output gate rides with it (Qwen3-Next)
+    widths = [value.shape[axis] - 2 * kv_width, kv_width, kv_width]
     q, k, v = _unblocked(value, widths, from_tp, axis)
     k, v = (_own_kv_heads(x, kv_from, num_kv_heads, head_dim, axis) for x in (k, v))
     return fuse_parts(path, [q, k, v], **heads, tp_size=to_tp)

@@ -126,8 +126,6 @@ def _hybrid(config: VllmConfig) -> bool:
     return bool(_model(config).is_hybrid)
 
 
-_HYBRID_ONE_DEVICE = "serve it on one device: its Gated DeltaNet layers do not split over a mesh yet"
-
 REFUSED: tuple[Refusal, ...] = (
     Refusal(
         "fully_sharded_loras",
@@ -201,13 +199,6 @@ REFUSED: tuple[Refusal, ...] = (
         lambda c: speculative.unsupported_speculation(c) is not None,
         speculative.INSTEAD,
         speculative.unsupported_speculation,
-    ),
-    Refusal(
-        "tensor_parallel_size with a hybrid model",
-        "tensor parallelism for hybrid models (Qwen3-Next, Qwen3.5)",
-        "> 1",
-        lambda c: _hybrid(c) and _parallel(c).tensor_parallel_size > 1,
-        _HYBRID_ONE_DEVICE,
     ),
     Refusal(
         "speculative_config with a hybrid model",

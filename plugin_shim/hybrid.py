@@ -20,7 +20,9 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 
 from models.config import ModelConfig
+from models.sharding import kv_heads_on_mesh
 from plugin_shim.cache_dtype import runner_kv_cache_dtype, spec_dtype
+from plugin_shim.parallel import mesh_tensor_parallel_size
 from tpu_platform.state_cache import state_shapes_and_dtypes, state_slot_bytes
 
 if TYPE_CHECKING:
@@ -65,8 +67,10 @@ def _pages_hold_a_state(vllm_config: VllmConfig) -> None:
     if not config.state_layers:
         return
     kv_dtype = jnp.dtype(runner_kv_cache_dtype(cache) or _model_dtype(model))
-    per_token = 2 * config.num_kv_heads * config.head_dim * kv_dtype.itemsize  # at least, in any layout
-    state = state_slot_bytes(config, jnp.dtype(_model_dtype(model)))
+    tp_size = mesh_tensor_parallel_size(vllm_config)  # pages and states are counted per device
+    kv_heads = kv_heads_on_mesh(config.num_heads, config.num_kv_heads, tp_size) // tp_size
+    per_token = 2 * kv_heads * config.head_dim * kv_dtype.itemsize  # at least, in any layout
+    state = state_slot_bytes(config, jnp.dtype(_model_dtype(model)), tp_size)
     if cache.block_size * per_token >= state:
         return
     pages = -(-state // (cache.block_size * per_token))
@@ -100,13 +104,14 @@ def with_state_specs(
 
 
 def state_specs(
-    config: ModelConfig, vllm_config: VllmConfig, conv_dtype: jnp.dtype, page_bytes: int
+    config: ModelConfig, vllm_config: VllmConfig, conv_dtype: jnp.dtype, page_bytes: int, tp_size: int = 1
 ) -> dict[str, KVCacheSpec]:
     """vLLM's Mamba-style spec of each state layer: its conv and recurrent state shapes as the
-    pools hold them, one block a request (`mamba_cache_mode="none"`), padded to `page_bytes` (the
+    pools hold them on one device of a mesh of `tp_size` (pages are per device), one block a
+    request (`mamba_cache_mode="none"`), padded to `page_bytes` (the
     attention layers' page: the engine wants one page size; the pools hold the state unpadded).
     A state larger than a page is refused, naming the block size that fits it."""
-    shapes, dtypes = state_shapes_and_dtypes(config, conv_dtype)
+    shapes, dtypes = state_shapes_and_dtypes(config, conv_dtype, tp_size)
     cache = vllm_config.cache_config
     spec = MambaSpec(
         block_size=cache.mamba_block_size or vllm_config.model_config.max_model_len,

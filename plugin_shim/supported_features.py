@@ -103,8 +103,8 @@ SUPPORTED: tuple[Supported, ...] = (
         "Hybrid models: Gated DeltaNet beside full attention (Qwen3-Next, Qwen3.5)",
         "",
         "a state per request in each Gated DeltaNet layer, one block of vLLM's hybrid KV-cache manager "
-        "(a Mamba-style spec); chunked prefill and preemption; prefix caching is turned off for them "
-        "(docs/models.md)",
+        "(a Mamba-style spec); chunked prefill and preemption; tensor parallelism (key heads split, "
+        "the states with them); prefix caching is turned off for them (docs/models.md)",
     ),
     Supported("Model dtype", "dtype", "float32, bfloat16, float16"),
     Supported(

@@ -201,7 +201,7 @@ class XlaWorker(WorkerBase):
         sources = tuple(mc.kv_source(i) for i in range(mc.num_layers))
         specs = layer_kv_specs(mc.layer_sliding_windows, mc.layer_attention_chunks, sources, **common)
         if mc.state_layers:  # a hybrid's state layers: Mamba-style specs instead (`plugin_shim.hybrid`)
-            states = state_specs(mc, self.vllm_config, self.runner.dtype, actual)
+            states = state_specs(mc, self.vllm_config, self.runner.dtype, actual, self.runner.tp_size)
             specs = with_state_specs(specs, states, mc.num_layers)
         return specs
 
@@ -230,7 +230,8 @@ class XlaWorker(WorkerBase):
             draft_bytes = draft.page_bytes(self.cache_config.block_size, runner.kv_dtype, runner.backend)
             available = kv_share(target, draft_bytes, available)
         # A hybrid's state pools beside its KV pages: the engine counts neither (`state_cache`).
-        share = kv_budget_share(self.runner.model_config, self.runner.kv_page_bytes(), self.runner.dtype)
+        runner = self.runner
+        share = kv_budget_share(runner.model_config, runner.kv_page_bytes(), runner.dtype, runner.tp_size)
         available = int(available * share)
         if self.runner.tp_size > 1:
             logger.info(

@@ -220,7 +220,9 @@ class Runner:
         layout = layout or hybrid or KVLayout.from_groups([range(mc.num_layers)], mc.num_layers)
         shape = (num_pages, self.config.page_size, self.kv_heads, mc.head_dim)
         if layout.state_layers:  # a hybrid model: state pools beside KV pages, one cache a layer
-            caches = allocate_layer_caches(mc, layout, *shape[:3], self.kv_dtype, self.dtype, self.backend)
+            caches = allocate_layer_caches(
+                mc, layout, *shape[:3], self.kv_dtype, self.dtype, self.backend, self.mesh
+            )
         else:
             caches = allocate_stacked_caches(
                 layout.num_caches, *shape, self.kv_dtype, self.backend, self.mesh,

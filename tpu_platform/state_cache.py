@@ -16,49 +16,73 @@ budget to declare so that what is allocated here stays within the budget.
 A step's fresh request (no tokens before it) starts from zero states, whatever its slot held;
 a chunked prompt's next chunk continues from the state the last one left; a preempted request
 is scheduled again from its first token, so it recomputes its state.
+
+On a tensor-parallel mesh of N devices the pools split on their channels and heads
+(`pallas_kernels.state_partition_specs`) as the KV caches split on their heads: each device
+holds 1/N of every slot, and the shapes and bytes given to the engine are one device's.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
 
 from models.config import ModelConfig
-from pallas_kernels import allocate_kv_cache, allocate_state_pools, state_bytes_per_slot
+from models.sharding import MODEL_AXIS
+from pallas_kernels import (
+    allocate_kv_cache,
+    allocate_state_pools,
+    kv_cache_partition_spec,
+    state_bytes_per_slot,
+    state_partition_specs,
+)
 from tpu_platform.step_program import KVLayout
 
 # A recurrent state is kept in float32 (transformers' and vLLM's default for Gated DeltaNet).
 STATE_DTYPE = jnp.float32
 
 
-def state_slot_bytes(config: ModelConfig, conv_dtype: jnp.dtype) -> int:
-    """Bytes one request's state takes in one state layer (conv inputs of `conv_dtype`, the
-    recurrent state in float32)."""
-    return state_bytes_per_slot(**config.state_shapes, dtype=conv_dtype, state_dtype=STATE_DTYPE)
+def device_state_shapes(config: ModelConfig, tp_size: int = 1) -> dict[str, int]:
+    """`config.state_shapes` as one device of a mesh of `tp_size` holds them: its share of the
+    conv channels and of the value heads (`tp_size` divides the key heads: `models.sharding`)."""
+    s = dict(config.state_shapes)
+    s["conv_dim"] //= tp_size
+    s["num_heads"] //= tp_size
+    return s
+
+
+def state_slot_bytes(config: ModelConfig, conv_dtype: jnp.dtype, tp_size: int = 1) -> int:
+    """Bytes one request's state takes in one state layer on one device of a mesh of `tp_size`
+    (conv inputs of `conv_dtype`, the recurrent state in float32)."""
+    shapes = device_state_shapes(config, tp_size)
+    return state_bytes_per_slot(**shapes, dtype=conv_dtype, state_dtype=STATE_DTYPE)
 
 
 def state_shapes_and_dtypes(
-    config: ModelConfig, conv_dtype: jnp.dtype
+    config: ModelConfig, conv_dtype: jnp.dtype, tp_size: int = 1
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[jnp.dtype, ...]]:
     """One request's `((conv shape, recurrent shape), (their dtypes))` in one state layer, as
-    the pools hold them (`[W - 1, conv channels]`, `[value heads, key dim, value dim]`)."""
-    s = config.state_shapes
+    the pools hold them on one device of a mesh of `tp_size` (`[W - 1, conv channels]`, `[value
+    heads, key dim, value dim]`)."""
+    s = device_state_shapes(config, tp_size)
     shapes = ((s["conv_width"] - 1, s["conv_dim"]), (s["num_heads"], s["key_dim"], s["value_dim"]))
     return shapes, (jnp.dtype(conv_dtype), jnp.dtype(STATE_DTYPE))
 
 
-def kv_budget_share(config: ModelConfig, page_bytes: int, conv_dtype: jnp.dtype) -> float:
+def kv_budget_share(config: ModelConfig, page_bytes: int, conv_dtype: jnp.dtype, tp_size: int = 1) -> float:
     """The share of the cache memory budget to declare to the engine for a hybrid model (1 for
-    any other): the engine counts `page_bytes` a block for each layer of its largest group
-    (`KVLayout.for_model`), and each block id costs here a KV page in every attention layer and
-    a state slot in every state layer (module docstring)."""
+    any other): the engine counts `page_bytes` (one device's) a block for each layer of its
+    largest group (`KVLayout.for_model`), and each block id costs here a KV page in every
+    attention layer and a state slot in every state layer (module docstring)."""
     if not config.state_layers:
         return 1.0
     layout = KVLayout.for_model(config)
     largest_group = max(layout.layer_groups.count(group) for group in range(layout.num_groups))
     engine_bytes = largest_group * page_bytes
     states = len(config.state_layers)
-    allocated = (config.num_layers - states) * page_bytes + states * state_slot_bytes(config, conv_dtype)
+    state_bytes = state_slot_bytes(config, conv_dtype, tp_size)
+    allocated = (config.num_layers - states) * page_bytes + states * state_bytes
     return min(1.0, engine_bytes / allocated)
 
 
@@ -71,15 +95,27 @@ def allocate_layer_caches(
     kv_dtype: jnp.dtype,
     conv_dtype: jnp.dtype,
     backend: str,
+    mesh: Mesh | None = None,
 ) -> list[jax.Array]:
     """The caches of a hybrid `layout`, flat (`KVLayout.caches_def`): zeroed state pools of
     `num_pages` slots for each state layer, a KV cache of `num_pages` pages in `backend`'s layout
-    for each other layer."""
+    for each other layer. On a tensor-parallel `mesh` (`num_kv_heads` all the heads) each array
+    is made on the devices already split (module docstring): each allocates only its share."""
     states = set(layout.state_layers)
-    caches = [
-        allocate_state_pools(num_pages, **config.state_shapes, dtype=conv_dtype, state_dtype=STATE_DTYPE)
-        if i in states
-        else allocate_kv_cache(num_pages, page_size, num_kv_heads, config.head_dim, kv_dtype, backend=backend)
-        for i in range(config.num_layers)
-    ]
-    return jax.tree.leaves(caches)
+
+    def allocate() -> list:
+        pools = dict(**config.state_shapes, dtype=conv_dtype, state_dtype=STATE_DTYPE)
+        pages = (num_pages, page_size, num_kv_heads, config.head_dim, kv_dtype)
+        return [
+            allocate_state_pools(num_pages, **pools)
+            if i in states
+            else allocate_kv_cache(*pages, backend=backend)
+            for i in range(config.num_layers)
+        ]
+
+    if mesh is None:
+        return jax.tree.leaves(allocate())
+    pools = tuple(NamedSharding(mesh, spec) for spec in state_partition_specs(MODEL_AXIS))
+    kv = NamedSharding(mesh, kv_cache_partition_spec(backend, MODEL_AXIS))
+    shardings = [pools if i in states else kv for i in range(config.num_layers)]
+    return jax.tree.leaves(jax.jit(allocate, out_shardings=shardings)())

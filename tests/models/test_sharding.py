@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -335,3 +336,65 @@ def test_expert_parallel_refuses_an_expert_count_that_does_not_split_and_frees_t
         check_model_splits(
             _tiny_config("Qwen3MoeForCausalLM", num_attention_heads=16), 16, expert_parallel=True
         )
+
+
+def _qwen3_next_config(**overrides) -> ModelConfig:
+    from tests.models.tiny_qwen3_next import FIELDS
+
+    return ModelConfig.from_hf_dict({**FIELDS, **overrides, "architectures": ["Qwen3NextForCausalLM"]})
+
+
+@pytest.mark.parametrize(
+    ("path", "shape", "expected"),
+    [  # a Gated DeltaNet layer of 2 key heads of 16 and 4 value heads of 8, at TP=2
+        ("model.layers.0.linear_attn.in_proj_qkvz.kernel", (64, 128), P(None, M)),
+        ("model.layers.0.linear_attn.in_proj_ba.kernel", (64, 8), P(None, M)),
+        ("model.layers.0.linear_attn.in_proj_q.kernel", (64, 32), P(None, M)),
+        ("model.layers.0.linear_attn.in_proj_v.kernel", (64, 32), P(None, M)),
+        ("model.layers.0.linear_attn.in_proj_b.kernel", (64, 4), P(None, M)),
+        ("model.layers.0.linear_attn.out_proj.kernel", (32, 64), P(M, None)),
+        ("model.layers.0.linear_attn.A_log", (4,), P(M)),
+        ("model.layers.0.linear_attn.dt_bias", (4,), P(M)),
+        ("model.layers.0.linear_attn.conv1d.weight", (96, 1, 4), P()),  # whole: each device slices it
+        ("model.layers.0.linear_attn.norm.weight", (8,), P()),
+        ("model.layers.0.mlp.shared_expert_gate.kernel", (64, 1), P()),
+    ],
+)
+def test_gated_deltanet_splits_by_heads(path, shape, expected):
+    assert parameter_spec(path, shape, 2) == expected
+
+
+def test_a_hybrid_splits_whole_key_heads_and_its_shared_expert_or_names_them():
+    check_model_splits(_qwen3_next_config(), 2)
+    with pytest.raises(
+        ValueError, match=r"its linear_num_key_heads \(2\) does not divide by 4; .* one of \[1, 2\]$"
+    ):
+        check_model_splits(_qwen3_next_config(), 4)
+    check_model_splits(_qwen3_next_config(linear_num_key_heads=4, linear_num_value_heads=8), 4)
+    config = _qwen3_next_config(linear_num_key_heads=4, linear_num_value_heads=8)
+    odd_shared_expert = dataclasses.replace(config, shared_expert_intermediate_size=42)
+    with pytest.raises(ValueError, match=r"shared expert's intermediate size \(42\) does not divide by 4"):
+        check_model_splits(odd_shared_expert, 4)
+
+
+def test_gated_attention_fused_blocks_convert_between_tp_sizes(tmp_path):
+    """Qwen3-Next's fused q (with its gates), k and v, prepared at 1 and 2 devices, re-blocked from
+    one to the other as a restore at another TP size does (`fused_layout`: q twice as wide)."""
+    from flax import nnx
+
+    from models import load_model
+    from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
+
+    path = save_tiny_qwen3_next(str(tmp_path / "model"))
+    prepared = {}
+    for tp in (1, 2):
+        config, model = load_model(path, on_host=True, tp_size=tp)
+        flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+        prepared[tp] = {".".join(map(str, key)): np.asarray(var.get_value()) for key, var in flat}
+    heads = dict(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+    name = "model.layers.3.self_attn.qkv_proj.kernel"
+    assert not np.array_equal(prepared[1][name], prepared[2][name])  # the blocks differ
+    for source, target in [(1, 2), (2, 1)]:
+        for path_, value in prepared[source].items():
+            converted = fused_layout(path_, value, from_tp=source, to_tp=target, **heads)
+            np.testing.assert_array_equal(converted, prepared[target][path_], err_msg=path_)

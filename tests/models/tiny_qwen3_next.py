@@ -59,16 +59,19 @@ ARCHITECTURES = {
 }
 
 
-def save_tiny_qwen3_next(path: str, *, seed: int = 0, architecture: str = "Qwen3NextForCausalLM") -> str:
+def save_tiny_qwen3_next(
+    path: str, *, seed: int = 0, architecture: str = "Qwen3NextForCausalLM", **overrides: object
+) -> str:
     """The checkpoint (fp32 safetensors) and a tokenizer; weights re-drawn larger than HF's init so
-    greedy text varies, norms and per-head scalars moved off their init so a wrong mapping shows."""
+    greedy text varies, norms and per-head scalars moved off their init so a wrong mapping shows.
+    `overrides`: config fields other than `FIELDS`'."""
     import torch
     import transformers
 
     os.makedirs(path, exist_ok=True)
     save_tokenizer(path, vocab_size=VOCAB)
     config_class, fields = ARCHITECTURES[architecture]
-    config = getattr(transformers, config_class)(**fields)
+    config = getattr(transformers, config_class)(**{**fields, **overrides})
     config.architectures = [architecture]
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).to(torch.float32)

@@ -68,7 +68,6 @@ CASES = {
     "watermark_config": ("llama", dict(watermark_config={"key": 7})),
     "enable_return_routed_experts": ("mixtral", dict(enable_return_routed_experts=True)),
     "weight_transfer_config": ("llama", dict(weight_transfer_config={"backend": "nccl"})),
-    "tensor_parallel_size with a hybrid model": ("qwen3_next", dict(tensor_parallel_size=2)),
     "speculative_config with a hybrid model": (
         "qwen3_next", dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
     ),

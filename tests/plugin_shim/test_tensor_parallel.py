@@ -8,6 +8,8 @@ parameter's actual sharding is the rules table's, and each device holds 1/N of a
 and of the KV cache. One TP=4 engine serves, under VLLM_XLA_STRICT_COMPILE=1, a mixed workload
 with chunked prefill, prefix-cache hits and preemption before its greedy check. Qwen3-MoE runs
 with `enable_expert_parallel=True` at 2 and 4 devices: its experts placed by index, whole.
+Qwen3-Next (hybrid: Gated DeltaNet beside gated attention) at TP=2 equals TP=1 and transformers
+with its prompts prefilled in chunks, its state pools split with the key heads.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from vllm import LLM
 
 from models.sharding import parameter_spec, rule_spec
 from tests.models.tiny_checkpoints import hf_logits, prompts, save_tiny
+from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
 from tests.plugin_shim.tensor_parallel_engine import environment
 from tests.tiny_models import save_tiny_llama
 
@@ -121,6 +124,14 @@ MODELS = {
         [_greedy_run(2)],
         "xla",
     ),
+    # Qwen3-Next: Gated DeltaNet layers split by key heads (2, one a device), their states with them,
+    # carried through the 8-token steps' chunked prefill; gated attention's fused q/gate/k/v blocks.
+    "qwen3_next": (
+        "Qwen3NextForCausalLM",
+        functools.partial(save_tiny_qwen3_next, seed=3),
+        [_greedy_run(1), _greedy_run(2)],
+        "xla",
+    ),
     # Qwen3-MoE under expert parallelism: 8 experts, 4 or 2 whole ones a device; its dense layer
     # and attention tensor-parallel.
     "qwen3_moe_ep": (
@@ -178,9 +189,11 @@ def test_greedy_tokens_and_logprobs_match_transformers_at_every_tp_size(served, 
         )
 
 
-def test_sharded_engines_equal_the_one_device_engine(served):
-    """Llama's TP=1 engine against its TP=2 and TP=8 ones (transformers is every model's reference)."""
-    runs, results, _ = served("llama")
+@pytest.mark.parametrize(("name", "sharded"), [("llama", 2), ("qwen3_next", 1)])
+def test_sharded_engines_equal_the_one_device_engine(served, name, sharded):
+    """The TP=1 engine against the sharded ones (Llama's TP=2 and TP=8, Qwen3-Next's TP=2;
+    transformers is every model's reference)."""
+    runs, results, _ = served(name)
     assert runs[0]["tp"] == 1
     compared = 0
     for run, result in zip(runs[1:], results[1:], strict=True):
@@ -188,7 +201,7 @@ def test_sharded_engines_equal_the_one_device_engine(served):
             assert result["tokens"] == results[0]["tokens"], f"TP={run['tp']}"
             np.testing.assert_allclose(result["logprobs"], results[0]["logprobs"], atol=LOGPROB_ATOL)
             compared += 1
-    assert compared == 2
+    assert compared == sharded
 
 
 def _normalized(spec: list) -> list:
@@ -216,7 +229,7 @@ def test_every_parameter_is_placed_as_the_rules_table_says(served, name):
             else:
                 assert placed["device_bytes"] == [placed["bytes"]] * tp, path
         # The table's split rules are in use (the tiny vocabularies divide by 8).
-        attention = "q_proj.kernel" if name == "gemma4" else "qkv_proj.kernel"
+        attention = "q_proj.kernel" if name == "gemma4" else "qkv_proj.kernel"  # Qwen3-Next's with its gates
         kinds = [attention, "o_proj.kernel", "embed_tokens.embedding"]
         kinds += {
             "mixtral": ["experts.gate_proj.kernel", "experts.down_proj.kernel"],
@@ -226,6 +239,14 @@ def test_every_parameter_is_placed_as_the_rules_table_says(served, name):
                 "experts.gate_proj.kernel",
                 "experts.down_proj.kernel",
                 "shared_expert.gate_up_proj.kernel",
+            ],
+            "qwen3_next": [
+                "experts.gate_proj.kernel",
+                "shared_expert.gate_up_proj.kernel",
+                "linear_attn.in_proj_qkvz.kernel",
+                "linear_attn.in_proj_ba.kernel",
+                "linear_attn.out_proj.kernel",
+                "linear_attn.A_log",
             ],
         }.get(name, ["gate_up_proj.kernel", "down_proj.kernel"])
         for kind in kinds:
