@@ -5,25 +5,43 @@ One worker process (`tests.aot.compile_kernels tpu`) compiles a layer step, KV w
 ragged attention, for every case of kernel_cases on v5e and v6e chips (the realistic cases
 also on v5p and v4): Mosaic checks the kernel's layouts, DMA shapes and scoped-VMEM budget,
 and XLA's TPU passes lay out the cache both ops share. Each case then asserts on its own
-result (kernel_checks).
+result (kernel_checks). The interpret grid's shapes on v6e are `make test-full`'s
+(`kernel_cases.in_full_only`), compiled by a worker of their own.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.aot.kernel_cases import plan
+from tests.aot.kernel_cases import in_full_only, plan
 from tests.aot.kernel_checks import check_compiled
 from tests.aot.toolchains import run_worker
 
 PLAN = plan("tpu")
 
 
+def _compile(full_only: bool) -> dict:
+    pairs = [f"{t}/{c.name}" for t, c in PLAN if in_full_only(t, c) == full_only]
+    return run_worker("tpu", "compile_kernels", "tpu", *pairs)
+
+
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_worker("tpu", "compile_kernels", "tpu")
+    return _compile(full_only=False)
 
 
-@pytest.mark.parametrize(("target", "case"), PLAN, ids=[f"{t}-{c.name}" for t, c in PLAN])
-def test_compiles_and_fits(results, target, case):
-    check_compiled(results, target, case)
+@pytest.fixture(scope="module")
+def full_results() -> dict:
+    return _compile(full_only=True)
+
+
+@pytest.mark.parametrize(
+    ("target", "case"),
+    [
+        pytest.param(t, c, id=f"{t}-{c.name}", marks=[pytest.mark.full] if in_full_only(t, c) else [])
+        for t, c in PLAN
+    ],
+)
+def test_compiles_and_fits(request, target, case):
+    fixture = "full_results" if in_full_only(target, case) else "results"
+    check_compiled(request.getfixturevalue(fixture), target, case)

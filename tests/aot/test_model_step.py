@@ -15,6 +15,11 @@ Weights are abstract (`ShapeDtypeStruct`): nothing is allocated.
 A small model is also planned with int8 weights beside its bfloat16 twin on a v5e chip: the
 weights about halve and the cache takes what they free.
 
+`make test` compiles each model family once a target family (Llama and Gemma 2 on v6e and H100,
+Qwen3 on v5e, its mixture of experts on H100); `make test-full` repeats the path on more models
+and chips (Llama-3.2-3B on v5e, Qwen3-8B on v6e and H100). All of a run's cases of one platform
+go to one worker process a mode, the TPU's and the GPU's side by side.
+
 No one-chip TPU case has a mixture of experts: the smallest one the project runs,
 Qwen3-30B-A3B, has 61 GB of bfloat16 weights, more than a v5e (16 GiB) or v6e (32 GiB) chip
 holds; the planner's answer for it on v6e is checked instead.
@@ -31,9 +36,11 @@ from tests.aot.toolchains import run_worker
 from tpu_platform.planner.plan import model_config
 
 FITS = {
-    "tpu": ["v5e-1:llama-3.2-3b", "v6e-1:llama-3.1-8b", "v6e-1:qwen3-8b", "v6e-1:gemma-2-9b"],
-    "cuda": ["h100x1:llama-3.1-8b", "h100x1:qwen3-8b", "h100x1:gemma-2-9b", "h100x1:qwen3-30b-a3b"],
+    "tpu": ["v6e-1:llama-3.1-8b", "v6e-1:gemma-2-9b"],
+    "cuda": ["h100x1:llama-3.1-8b", "h100x1:gemma-2-9b", "h100x1:qwen3-30b-a3b"],
 }
+# The same path on more models and chips: `make test-full`.
+MORE_FITS = {"tpu": ["v5e-1:llama-3.2-3b", "v6e-1:qwen3-8b"], "cuda": ["h100x1:qwen3-8b"]}
 TOO_LARGE = {"tpu": ["v5e-1:llama-3.1-8b", "v6e-1:qwen3-30b-a3b"], "cuda": []}
 # Compiled with every layer as well, at the extrapolated cache size: one model a target family.
 WHOLE_DEPTH = ["v6e-1:llama-3.1-8b", "h100x1:llama-3.1-8b"]
@@ -65,21 +72,30 @@ def _run(mode_of, cases: dict[str, list[str]]) -> dict[str, dict]:
         return {row["case"]: row for rows in pool.map(one, cases) for row in rows}
 
 
+def _depth_mode(case: str) -> str:
+    return "depth+full" if case in WHOLE_DEPTH else "depth"
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
+    # The quantized pair rides with the TPU's cases: one worker, beside the GPU's.
     cases = {p: FITS[p] + TOO_LARGE[p] for p in FITS}
-    return _run(lambda case: "depth+full" if case in WHOLE_DEPTH else "depth", cases)
+    cases["tpu"] += [QUANTIZED, f"{QUANTIZED}:int8"]
+    return _run(_depth_mode, cases)
+
+
+@pytest.fixture(scope="module")
+def more_results() -> dict[str, dict]:
+    return _run(_depth_mode, MORE_FITS)
 
 
 @pytest.fixture(scope="module")
 def full_results() -> dict[str, dict]:
-    return _run(lambda case: "full", {p: FITS[p] + TOO_LARGE[p] for p in FITS})
+    return _run(lambda case: "full", {p: FITS[p] + MORE_FITS[p] + TOO_LARGE[p] for p in FITS})
 
 
-@pytest.fixture(scope="module")
-def quantized_results() -> dict[str, dict]:
-    answer = run_worker("tpu", "model_step_worker", "depth", QUANTIZED, f"{QUANTIZED}:int8", timeout=3500)
-    return {row["case"]: row for row in answer}
+def _more(cases: list[str]) -> list:
+    return [pytest.param(case, marks=pytest.mark.full) for case in cases]
 
 
 def _platform(case: str) -> str:
@@ -102,9 +118,9 @@ def _check_program(program: dict, weight_bytes: int, kv_bytes: int) -> None:
     assert program["alias_bytes"] >= kv_bytes
 
 
-@pytest.mark.parametrize("case", FITS["tpu"] + FITS["cuda"])
-def test_step_compiles_at_two_depths_and_fits_one_chip(results, case):
-    row = results[case]
+@pytest.mark.parametrize("case", FITS["tpu"] + FITS["cuda"] + _more(MORE_FITS["tpu"] + MORE_FITS["cuda"]))
+def test_step_compiles_at_two_depths_and_fits_one_chip(request, case):
+    row = request.getfixturevalue("results" if case in FITS[_platform(case)] else "more_results")[case]
     assert row["fits"], row["reason"]
     _check_weights(row, case)
     assert row["depths"] == [2, 4]
@@ -131,7 +147,7 @@ def test_every_layer_compiled_fits_as_extrapolated(results, case):
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("case", FITS["tpu"] + FITS["cuda"])
+@pytest.mark.parametrize("case", FITS["tpu"] + FITS["cuda"] + MORE_FITS["tpu"] + MORE_FITS["cuda"])
 def test_step_compiled_with_every_layer_fits_one_chip(full_results, case):
     row = full_results[case]
     assert row["fits"], row["reason"]
@@ -155,8 +171,8 @@ def test_planner_says_what_does_not_fit(results, case):
     assert over > 0 and f"{over} B over" in row["reason"]
 
 
-def test_int8_weights_halve_and_leave_the_cache_the_room(quantized_results):
-    bf16, int8 = quantized_results[QUANTIZED], quantized_results[f"{QUANTIZED}:int8"]
+def test_int8_weights_halve_and_leave_the_cache_the_room(results):
+    bf16, int8 = results[QUANTIZED], results[f"{QUANTIZED}:int8"]
     assert bf16["fits"] and int8["fits"], (bf16["reason"], int8["reason"])
     # int8 kernels and their float32 scales; the embedding table stays bfloat16.
     assert 0.45 * bf16["weight_bytes"] < int8["weight_bytes"] < 0.6 * bf16["weight_bytes"]

@@ -30,19 +30,21 @@ import pytest
 from tests.aot.model_step_worker import MAX_MODEL_LEN
 from tests.aot.toolchains import run_worker
 
+# `make test`: a dense model on a TPU slice, and each family with its own layers (experts,
+# sinks and sliding layers, chunked attention) on 8x H100.
 CASES = {
-    "tpu": [
-        "v5e-4:llama-3.1-8b:4",
-        "v6e-4:llama-3.1-8b:4",
-        "v6e-8:llama-3.1-70b:8",
-    ],
-    "cuda": [
-        "h100x8:llama-3.1-70b:8",
-        "h100x8:qwen3-30b-a3b:8",
-        "h100x8:gpt-oss-120b:8",
-        "h100x8:llama-4-scout:8",
-    ],
+    "tpu": ["v6e-8:llama-3.1-70b:8"],
+    "cuda": ["h100x8:qwen3-30b-a3b:8", "h100x8:gpt-oss-120b:8", "h100x8:llama-4-scout:8"],
 }
+# The same paths on more chips and sizes (`make test-full`): two KV heads a chip
+# (TP=4 of 8 KV heads), v5e, and the dense model on GPUs.
+MORE_CASES = {
+    "tpu": ["v5e-4:llama-3.1-8b:4", "v6e-4:llama-3.1-8b:4"],
+    "cuda": ["h100x8:llama-3.1-70b:8"],
+}
+ALL_CASES = {p: CASES[p] + MORE_CASES[p] for p in CASES}
+MOE_SHAPES = ("gpt-oss", "llama-4")  # sinks, sliding, chunked layers and shared experts
+MOE_CASES = [c for c in ALL_CASES["tpu"] + ALL_CASES["cuda"] if c.split(":")[1].startswith(MOE_SHAPES)]
 # Published parameter counts (model cards): the abstract weights must be these, in bfloat16
 # (but the mxfp4 experts).
 PARAMETERS = {
@@ -57,28 +59,44 @@ PARAMETERS = {
 # and as served at TP=8: F padded from 90 to 96 blocks of 32, whole blocks a chip.
 MXFP4_EXPERTS = {"gpt-oss-120b": (36 * 128 * 3 * 2880 * 2880, 36 * 128 * 3 * 2880 * 3072)}
 BACKEND = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}
-MOE_SHAPES = ("gpt-oss", "llama-4")  # sinks, sliding, chunked layers and shared experts
 
 # Every case is a few compiles of a multi-billion-parameter sharded program: minutes.
 pytestmark = pytest.mark.timeout(3600)
 
 
-def _run(mode: str) -> dict[str, dict]:
+def _run(mode: str, cases: dict[str, list[str]]) -> dict[str, dict]:
     with ThreadPoolExecutor(2) as pool:
         answers = pool.map(
-            lambda p: run_worker(p, "tensor_parallel_worker", mode, *CASES[p], timeout=3500), CASES
+            lambda p: run_worker(p, "tensor_parallel_worker", mode, *cases[p], timeout=3500), cases
         )
         return {row["case"]: row for answer in answers for row in answer}
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    return _run("depth")
+    return _run("depth", CASES)
+
+
+@pytest.fixture(scope="module")
+def more_results() -> dict[str, dict]:
+    return _run("depth", MORE_CASES)
 
 
 @pytest.fixture(scope="module")
 def full_results() -> dict[str, dict]:
-    return _run("full")
+    return _run("full", ALL_CASES)
+
+
+def _depth_results(request: pytest.FixtureRequest, case: str) -> dict:
+    in_make_test = case in CASES["tpu"] + CASES["cuda"]
+    return request.getfixturevalue("results" if in_make_test else "more_results")[case]
+
+
+DEPTH_CASES = (
+    CASES["tpu"]
+    + CASES["cuda"]
+    + [pytest.param(case, marks=pytest.mark.full) for case in MORE_CASES["tpu"] + MORE_CASES["cuda"]]
+)
 
 
 def _check_weights(row: dict, case: str) -> None:
@@ -95,9 +113,9 @@ def _check_weights(row: dict, case: str) -> None:
     assert row["kv_tokens"] >= MAX_MODEL_LEN  # at least one whole sequence per chip's cache
 
 
-@pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
-def test_sharded_step_at_two_depths_fits_each_chip(results, case):
-    row = results[case]
+@pytest.mark.parametrize("case", DEPTH_CASES)
+def test_sharded_step_at_two_depths_fits_each_chip(request, case):
+    row = _depth_results(request, case)
     _check_weights(row, case)
     for step in ("decode", "prefill"):
         for program in row["short"][step]:  # the chip's shards in, the donated cache in place
@@ -105,15 +123,15 @@ def test_sharded_step_at_two_depths_fits_each_chip(results, case):
         assert row["predicted_peak_bytes"][step] <= row["steps_budget_bytes"] <= row["budget_bytes"]
 
 
-@pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
+@pytest.mark.parametrize("case", DEPTH_CASES)
 @pytest.mark.parametrize("step", ["decode", "prefill"])
-def test_sharded_step_at_two_depths_exchanges_what_the_rules_table_implies(results, case, step):
+def test_sharded_step_at_two_depths_exchanges_what_the_rules_table_implies(request, case, step):
     # As below, for each short program's own number of layers.
-    assert results[case]["unexpected_collectives"][step] == []
+    assert _depth_results(request, case)["unexpected_collectives"][step] == []
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
+@pytest.mark.parametrize("case", ALL_CASES["tpu"] + ALL_CASES["cuda"])
 def test_sharded_step_compiles_and_fits_each_chip(full_results, case):
     row = full_results[case]
     _check_weights(row, case)
@@ -132,7 +150,7 @@ def test_sharded_step_compiles_and_fits_each_chip(full_results, case):
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
+@pytest.mark.parametrize("case", ALL_CASES["tpu"] + ALL_CASES["cuda"])
 @pytest.mark.parametrize("step", ["decode", "prefill"])
 def test_sharded_step_exchanges_what_the_rules_table_implies(full_results, case, step):
     # Per layer the two row-parallel sums of [tokens, hidden], the embedding's sum and the
@@ -141,7 +159,7 @@ def test_sharded_step_exchanges_what_the_rules_table_implies(full_results, case,
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("case", [c for c in CASES["tpu"] + CASES["cuda"] if any(m in c for m in MOE_SHAPES)])
+@pytest.mark.parametrize("case", MOE_CASES)
 @pytest.mark.parametrize("step", ["decode", "prefill"])
 def test_moe_step_holds_no_cache_sized_temporaries(full_results, case, step):
     # GPT-OSS's sinks, fused experts and sliding layers, Llama 4's chunked layers and shared

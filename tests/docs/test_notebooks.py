@@ -13,8 +13,6 @@ import pathlib
 
 import pytest
 
-pytestmark = pytest.mark.slow  # each notebook runs from a clean kernel
-
 nbclient = pytest.importorskip("nbclient", reason="make test installs nbclient (Makefile PIN)")
 nbformat = pytest.importorskip("nbformat")
 
@@ -36,6 +34,7 @@ def test_notebook_is_committed_without_outputs(path: pathlib.Path):
     assert not dirty, f"{path.name}: cells {dirty} keep outputs; clear them before committing"
 
 
+@pytest.mark.slow  # each notebook runs from a clean kernel
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_from_a_clean_kernel(path: pathlib.Path, tmp_path: pathlib.Path, monkeypatch):

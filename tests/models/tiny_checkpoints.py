@@ -287,19 +287,21 @@ def assert_prefill_matches(model: nnx.Module, config: ModelConfig, hf: Any, leng
 
 
 def assert_ragged_matches(model: nnx.Module, config: ModelConfig, hf: Any, lengths: list[int]) -> None:
-    """A ragged prefill of several prompts, then a mixed step (two decodes and a 2-token chunk)."""
+    """A ragged prefill of several prompts, every position's logits matching HF (each prompt's
+    pages out of order), then a mixed step (two decodes and a 2-token chunk). It holds
+    `assert_prefill_matches`'s check, for three prompts at once."""
     assert len(lengths) == 3
     ps = prompts(lengths, seed=sum(lengths))
     pages, next_page = [], 1
     for n in lengths:
         count = -(-(n + 2) // PAGE)
-        pages.append(list(range(next_page, next_page + count)))
+        pages.append(list(range(next_page, next_page + count))[::-1])  # reversed: need not be in order
         next_page += count
     kv = caches(config, num_pages=next_page + 1)
     logits, kv = run_step(model, kv, ps, [0, 0, 0], pages)
-    ends = np.cumsum(lengths) - 1
+    starts = np.cumsum([0, *lengths])
     for i, p in enumerate(ps):
-        np.testing.assert_allclose(logits[ends[i]], hf_logits(hf, p)[-1], atol=ATOL, rtol=RTOL)
+        np.testing.assert_allclose(logits[starts[i] : starts[i + 1]], hf_logits(hf, p), atol=ATOL, rtol=RTOL)
     new = [[11], [12], [13, 14]]
     logits, _ = run_step(model, kv, new, lengths, pages)
     rows = np.cumsum([len(n) for n in new]) - 1
