@@ -143,8 +143,10 @@ def test_build_errors_name_the_cause(tmp_path, monkeypatch):
     with pytest.raises(build.NativeKernelError, match=r"no C\+\+ compiler found.*no-such-compiler.*'xla'"):
         build.build_library(tmp_path)
     monkeypatch.delenv("CXX")
-    sources = " ".join(source.name for source in build.SOURCES)
-    assert sources == "paged_attention.cc rope_kv.cc silu_mul.cc dense.cc dense_f32.cc dense_int8.cc dense_int4.cc"
+    sources = [source.name for source in build.SOURCES]
+    assert sources == [
+        "paged_attention.cc", "rope_kv.cc", "silu_mul.cc", "dense.cc", "dense_f32.cc", "dense_int8.cc", "dense_int4.cc"
+    ]  # fmt: skip
     # One good and one broken source, side by side as the kernels build (the real sources take
     # the compiler tens of seconds): the error names what was built and quotes the failing command.
     good, broken = tmp_path / "good.cc", tmp_path / "broken.cc"
