@@ -44,6 +44,25 @@ def test_shape_bytes():
     assert shape_bytes("(f32[4,8]{1,0}, bf16[16]{0}, s32[], f8e4m3fn[2,3])") == 128 + 32 + 4 + 6
 
 
+def test_shape_bytes_packs_4_bit_values_two_a_byte():
+    # As the TPU compiler prints an int4 kernel (`E(4)`: 4-bit elements); an odd count rounds up.
+    assert shape_bytes("s4[4096,14336]{1,0:T(8,128)(4,1)E(4)}") == 4096 * 14336 // 2
+    assert shape_bytes("(u4[3]{0}, f4e2m1fn[8,2]{1,0}, f8e8m0fnu[8]{0})") == 2 + 8 + 8
+
+
+def test_hlo_traffic_charges_an_int4_kernel_half_its_values():
+    hlo = """HloModule m
+
+ENTRY %main (p0: s4[1024,512], p1: bf16[8,1024]) -> bf16[8,512] {
+  %p0 = s4[1024,512]{1,0:E(4)} parameter(0)
+  %p1 = bf16[8,1024]{1,0} parameter(1)
+  ROOT %cc = bf16[8,512]{1,0} custom-call(%p1, %p0), custom_call_target="int4_matmul"
+}
+"""
+    # The kernel reads the activations and the packed kernel once and writes its result.
+    assert hlo_traffic(hlo).total_bytes == 8 * 1024 * 2 + 1024 * 512 // 2 + 8 * 512 * 2
+
+
 def test_hlo_traffic_counts_operands_and_results_outside_fusions():
     traffic = hlo_traffic(HLO)
     # fusion reads 128 B and writes 128; copy 32 + 32; the kernel reads 128 + 32 and writes 128;
