@@ -283,3 +283,29 @@ def test_moe_int8_decode_reads_int8_experts():
     total = int8.abstract_model().weight_bytes
     expert = 3 * 2048 * 768 + 4 * (2 * 768 + 2048)  # int8 kernels, float32 scales per output channel
     assert weight_bytes_read(int8, 1) == pytest.approx(total - 48 * 120 * expert, rel=1e-9)
+
+
+def test_affine_int4_weights_add_an_offset_beside_each_dense_scale():
+    """Llama 3.2 3B as an AWQ checkpoint serves it (`int4z-g128`): the symmetric 4-bit layout's
+    bytes plus a float32 offset per scale of every dense projection (the head stays bfloat16)."""
+    config = model_config("llama-3.2-3b")
+    hidden, inner = config.hidden_size, config.intermediate_size
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    kernels = config.num_layers * (
+        hidden * qkv + config.num_heads * config.head_dim * hidden + 3 * hidden * inner
+    )
+    symmetric, affine = (
+        StepSetup(config, "v6e-1", max_model_len=2048, quantization=q).abstract_model()
+        for q in ("int4-g128", "int4z-g128")
+    )
+    assert affine.weight_bytes - symmetric.weight_bytes == 4 * kernels // 128
+    bf16 = abstract_model(config, "bfloat16", 2048).weight_bytes
+    assert bf16 - symmetric.weight_bytes == 2 * kernels - (kernels // 2 + 4 * kernels // 128)
+
+
+def test_moe_affine_int4_decode_reads_4_bit_experts():
+    int4z = StepSetup(model_config("qwen3-30b-a3b"), "h100x1", quantization="int4z-g128")
+    total = int4z.abstract_model().weight_bytes
+    # int4 kernels, two values a byte, a float32 scale per 128 inputs; the experts carry no offsets.
+    expert = 3 * 2048 * 768 // 2 + 4 * 3 * 2048 * 768 // 128
+    assert weight_bytes_read(int4z, 1) == pytest.approx(total - 48 * 120 * expert, rel=1e-9)
