@@ -8,6 +8,7 @@ from collections import Counter
 import jax
 import pytest
 
+from tpu_platform.planner.depth import depths_for
 from tpu_platform.planner.hlo import (
     ExpectedCollectives,
     hlo_collectives,
@@ -309,3 +310,14 @@ def test_moe_affine_int4_decode_reads_4_bit_experts():
     # int4 kernels, two values a byte, a float32 scale per 128 inputs; the experts carry no offsets.
     expert = 3 * 2048 * 768 // 2 + 4 * 3 * 2048 * 768 // 128
     assert weight_bytes_read(int4z, 1) == pytest.approx(total - 48 * 120 * expert, rel=1e-9)
+
+
+def test_short_programs_hold_sparse_layers_past_a_dense_prefix():
+    # DeepSeek-V3's first three layers are dense: cut to 2 and 4 layers the slope would be a
+    # dense layer's; at 4 and 6 both programs hold sparse layers and the slope is a sparse one's.
+    v3 = model_config("deepseek-v3")
+    assert depths_for(v3) == (4, 6)
+    assert [v3.is_moe_layer(i) for i in range(6)] == [False] * 3 + [True] * 3
+    # One dense layer (DeepSeek-V2-Lite, GLM-4.5-Air), none, or no experts: the first 2 and 4.
+    for name in ("deepseek-v2-lite", "glm-4.5-air", "gpt-oss-120b", "llama-4-scout", "llama-3.1-8b"):
+        assert depths_for(model_config(name)) == (2, 4), name
