@@ -19,6 +19,7 @@ from tpu_platform.planner.hlo import (
 )
 from tpu_platform.planner.kv import decode_roofline, kv_bytes_read, weight_bytes_read
 from tpu_platform.planner.plan import StepSetup, abstract_model, known_models, model_config
+from tpu_platform.planner.targets import target
 from tpu_platform.step_program import KVLayout
 from tpu_platform.weights.prepared import Preparation, abstract_prepared
 
@@ -321,3 +322,16 @@ def test_short_programs_hold_sparse_layers_past_a_dense_prefix():
     # One dense layer (DeepSeek-V2-Lite, GLM-4.5-Air), none, or no experts: the first 2 and 4.
     for name in ("deepseek-v2-lite", "glm-4.5-air", "gpt-oss-120b", "llama-4-scout", "llama-3.1-8b"):
         assert depths_for(model_config(name)) == (2, 4), name
+
+
+def test_deepseek_v3_needs_more_than_a_v6e_8_in_every_format_and_fits_8_h100s_in_int4():
+    """DeepSeek-V3's weights split over 8 chips (each chip holds at least an eighth): in int4
+    with a scale per 128 inputs, the fewest bytes of any format the planner knows, more than a
+    v6e chip's budget, less than an H100's with room for the latent cache."""
+    config = model_config("deepseek-v3")
+    int4 = abstract_model(config, "bfloat16", 2048, 8, "int4-g128", backend="tpu")
+    parameters = 671.03e9  # the model card's, less the multi-token-prediction layer we skip
+    assert int4.weight_bytes == pytest.approx(parameters / 2 * (1 + 8 / 128), rel=0.05)
+    per_chip = int4.weight_bytes / 8
+    assert per_chip > 0.9 * target("v6e-8").hbm_bytes
+    assert per_chip < 0.6 * target("h100x8").hbm_bytes
