@@ -105,6 +105,7 @@ def _common(setup, args: argparse.Namespace, model: str) -> dict:
         "hbm_bytes": setup.compile_target.hbm_bytes,
         "hbm_bytes_per_second": setup.compile_target.hbm_bytes_per_second,
         "roofline": decode_roofline(setup, args.batch, args.context),
+        "mxfp4_experts": bool(getattr(setup.config, "mxfp4", False)),
     }  # fmt: skip
 
 
@@ -160,9 +161,11 @@ def _gib(n: float | None) -> str:
 
 def _weights(row: dict) -> str:
     """The weights' format: the model's dtype, or the quantization planned (int8, int8-g32, fp8,
-    fp8-g128; reports older than quantization: none)."""
+    fp8-g128; reports older than quantization: none); a checkpoint's mxfp4 experts (GPT-OSS as
+    released) beside them."""
     quantization = row.get("quantization", "none")
-    return row["dtype"] if quantization == "none" else quantization
+    weights = row["dtype"] if quantization == "none" else quantization
+    return f"{weights}, mxfp4 experts" if row.get("mxfp4_experts") else weights
 
 
 def _report(row: dict) -> str:

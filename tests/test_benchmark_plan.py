@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """`benchmarks/plan.py`'s report handling, no compiler needed: `--update` replaces the rows planned
 again and keeps the others in place, and a row planned from the model's first layers (`--depth`)
-renders its depths, its extrapolated step memory and no cost-model estimate."""
+renders its depths, its extrapolated step memory and no cost-model estimate; a checkpoint's mxfp4
+experts are named beside the weights' dtype."""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def test_a_row_planned_from_few_layers_renders_its_depths_and_extrapolated_memor
         "| gpt-oss-120b (from 2+4 layers) | v6e-8 | 8 | bfloat16 | 8.00 | 19.00 (1000000) | 0.25 / 0.50 | "
         "64 x 2048: fits | 5.0 (12800) | - | 74 (90.0) |"
     ) in table
+    mxfp4 = plan.render_markdown({"results": [{**row, "mxfp4_experts": True}]})
+    assert "| gpt-oss-120b (from 2+4 layers) | v6e-8 | 8 | bfloat16, mxfp4 experts | 8.00 |" in mxfp4
     one_chip = plan.markdown([{**row, "tp_size": 1}])
     assert (
         "| gpt-oss-120b (from 2+4 layers) | v6e-8 | bfloat16 | 8.00 | 19.00 (1000000) | 0.25 / 0.50 |"
