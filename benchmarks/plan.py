@@ -222,8 +222,9 @@ def _depth_report(head: str, row: dict) -> str:
 
 
 def _model_cell(row: dict) -> str:
-    """The model's name; planned from its first layers (`--depth`), which."""
-    depths = row.get("depths")
+    """The model's name; planned from its first layers (`--depth`), which (none were compiled
+    for a model whose weights alone exceed the chips)."""
+    depths = row.get("depths") if row.get("short") else None
     return row["model"] if not depths else f"{row['model']} (from {'+'.join(map(str, depths))} layers)"
 
 

@@ -273,7 +273,7 @@ alike, and it has no cost-model figure (a short program's is not the model's).
   experts no cache size fitted.
 - GLM-4.5-Air does not fit v6e-4 at TP=4: its bfloat16 weights alone take 53.5 GB a chip.
 - DeepSeek-V3 fits a v6e-8 in no format: in int4 with a scale per 128 inputs, the fewest bytes,
-  its weights alone take 42 GiB a chip. Its step with block-fp8 weights (as released), cut to
+  its weights alone take 42.6 GiB a chip. Its step with block-fp8 weights (as released), cut to
   four layers at full width (one dense, three MoE), compiles for v6e-8 at TP=8 and fits
   (`tests/aot/test_v6e8_big_models.py`): 4.7 GiB of weights a chip, the latent cache whole on
   every chip and updated in place, temporaries of 0.9 GiB (decode) and 1.8 GiB (prefill) beside

@@ -46,7 +46,7 @@ def test_a_row_planned_from_few_layers_renders_its_depths_and_extrapolated_memor
         weight_bytes=8 * GIB, kv_bytes=19 * GIB, kv_tokens=1_000_000, batch=64, context=2048,
         batch_fits=True, overhead_bytes={"decode": GIB // 4, "prefill": GIB // 2},
         roofline={"seconds": 0.005, "tokens_per_second": 12800.0},
-        decode_collectives={"count": 74, "bytes": 90 << 20},
+        decode_collectives={"count": 74, "bytes": 90 << 20}, short={"decode": [{}, {}], "prefill": [{}, {}]},
     )  # fmt: skip
     table = plan.render_markdown({"results": [row]})
     assert (
@@ -61,3 +61,9 @@ def test_a_row_planned_from_few_layers_renders_its_depths_and_extrapolated_memor
         in one_chip
     )
     assert one_chip.endswith("| - | - |")
+    # Weights alone over the budget: nothing was compiled, the row is the model's.
+    too_large = {**row, "fits": False, "short": {}, "budget_bytes": 28 * GIB, "weight_bytes": 42 * GIB}
+    assert (
+        "| gpt-oss-120b | v6e-8 | 8 | bfloat16 | 42.00 | does not fit: weights 14.00 GiB over"
+        in plan.render_markdown({"results": [too_large]})
+    )
