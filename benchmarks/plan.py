@@ -172,7 +172,7 @@ def _report(row: dict) -> str:
     tp = row.get("tp_size", 1)
     experts = ", experts by index" if row.get("expert_parallel") else ""
     split = f", split over {tp} chips{experts}, figures per chip" if tp > 1 else ""
-    activations = f" x {row['dtype']} activations" if _weights(row) != row["dtype"] else ""
+    activations = f" x {row['dtype']} activations" if row.get("quantization", "none") != "none" else ""
     head = (
         f"{row['model']} on {row['target']} ({_weights(row)} weights{activations}, KV {row['kv_dtype']}, "
         f"{row['backend']}{split})"
