@@ -274,8 +274,7 @@ alike, and it has no cost-model figure (a short program's is not the model's).
 - GLM-4.5-Air does not fit v6e-4 at TP=4: its bfloat16 weights alone take 53.5 GB a chip. On
   8x H100 at TP=4 its prefill held 10.2 GiB beyond weights and cache (and 11.0 GiB of KV a chip
   fitted) until each chunk of expert tiles gathered its own rows inside the loop
-  ([models.md](models.md)); the DeepSeek-V2-Lite v6e row was planned before that change, which
-  on v6e moves a few-layer prefill's temporaries by about 0.1 GB.
+  ([models.md](models.md)).
 - DeepSeek-V3 fits a v6e-8 in no format: in int4 with a scale per 128 inputs, the fewest bytes,
   its weights alone take 42.6 GiB a chip. Its step with block-fp8 weights (as released), cut to
   four layers at full width (one dense, three MoE), compiles for v6e-8 at TP=8 and fits
