@@ -34,6 +34,15 @@ per chip, and a row also counts the collectives (and the bytes they give) of the
 experts split by index over the chips (whole experts a chip), the rest tensor-parallel.
 A model too large for its chips is reported as not fitting, by how much.
 
+`--depth` plans each row from the model's first 2 and 4 layers at full width
+(`tpu_platform.planner.depth`: weights and KV per layer are arithmetic, what the steps need beyond
+them is read from the two short compiles and extrapolated to every layer), for models whose
+whole-model compiles take too long or too much memory; such a row names its depths, its step
+memory is the extrapolated bytes beyond weights and cache, its decode collectives are
+extrapolated alike, and it has no cost-model or HLO-bytes estimate (those of a short program are
+not the model's). `--update` replaces the rows of the same model, target, TP size, quantization
+and expert placement in the `--json` file (and appends new ones) instead of writing it anew.
+
 `--model` takes a known name (`tpu_platform/planner/model_configs/`), an HF `config.json` or a model
 directory. The toolchains come from `make aot-toolchains` (`.aot/`, or `VLLM_XLA_AOT_DIR`): the
 planner runs each platform's compiles in a subprocess that has that toolchain on its path.
@@ -62,7 +71,7 @@ _TOOLCHAIN_MARKERS = {"tpu": "libtpu", "cuda": "jax_plugins"}
 def plan_one(model: str, target: str, tp_size: int, quantization: str, args: argparse.Namespace) -> dict:
     """Compiles and sizes `model` split over `tp_size` chips of `target` with its weights
     quantized so (in a process with its toolchain); every byte and time is per chip."""
-    from tpu_platform.planner.kv import decode_roofline, fit_kv_cache, xla_decode_estimate
+    from tpu_platform.planner.kv import fit_kv_cache, xla_decode_estimate
     from tpu_platform.planner.plan import StepSetup, model_config
 
     setup = StepSetup(
@@ -70,16 +79,11 @@ def plan_one(model: str, target: str, tp_size: int, quantization: str, args: arg
         max_model_len=args.context, max_num_batched_tokens=args.prefill, tp_size=tp_size,
         quantization=quantization, expert_parallel=args.ep,
     )  # fmt: skip
+    if args.depth:
+        return _depth_row(setup, args, model)
     fit = fit_kv_cache(setup, args.batch, args.prefill, args.memory_utilization)
     bandwidth = setup.compile_target.hbm_bytes_per_second
-    row = {
-        "model": model, "target": target, "tp_size": tp_size, "expert_parallel": args.ep, "dtype": args.dtype,
-        "quantization": quantization, "kv_dtype": setup.cache_dtype, "batch": args.batch,
-        "context": args.context, "prefill": args.prefill,
-        "backend": setup.backend, "hbm_bytes": setup.compile_target.hbm_bytes,
-        "hbm_bytes_per_second": bandwidth, "roofline": decode_roofline(setup, args.batch, args.context),
-        **fit.as_dict(),
-    }  # fmt: skip
+    row = {**_common(setup, args, model), **fit.as_dict()}
     if fit.decode is not None:
         row["batch_fits"] = fit.kv_tokens >= args.batch * args.context
         row["xla"] = xla_decode_estimate(setup, fit.decode, args.batch)
@@ -87,6 +91,41 @@ def plan_one(model: str, target: str, tp_size: int, quantization: str, args: arg
         row["hlo"] = {"seconds": seconds, "tokens_per_second": args.batch / seconds}
         exchanged = fit.decode.collectives
         row["decode_collectives"] = {"count": len(exchanged), "bytes": sum(c.result_bytes for c in exchanged)}
+    return row
+
+
+def _common(setup, args: argparse.Namespace, model: str) -> dict:
+    """A row's setup: what was planned, on which chip, and the decode roofline."""
+    from tpu_platform.planner.kv import decode_roofline
+
+    return {
+        "model": model, "target": setup.target, "tp_size": setup.tp_size, "expert_parallel": args.ep,
+        "dtype": args.dtype, "quantization": setup.quantization, "kv_dtype": setup.cache_dtype,
+        "batch": args.batch, "context": args.context, "prefill": args.prefill, "backend": setup.backend,
+        "hbm_bytes": setup.compile_target.hbm_bytes,
+        "hbm_bytes_per_second": setup.compile_target.hbm_bytes_per_second,
+        "roofline": decode_roofline(setup, args.batch, args.context),
+        "mxfp4_experts": bool(getattr(setup.config, "mxfp4", False)),
+    }  # fmt: skip
+
+
+def _depth_row(setup, args: argparse.Namespace, model: str) -> dict:
+    """`plan_one` from the model's first layers (`--depth`, `tpu_platform.planner.depth`)."""
+    from tpu_platform.planner.depth import fit_by_depth
+
+    fit = fit_by_depth(setup, args.batch, args.prefill, memory_utilization=args.memory_utilization)
+    row = {**_common(setup, args, model), **fit.as_dict()}
+    if fit.fits:
+        row["batch_fits"] = fit.kv_tokens >= args.batch * args.context
+        row["compiles"] = 1 + sum(len(programs) for programs in fit.short.values())
+        (shallow, deep), layers = fit.depths, setup.config.num_layers
+        counts = [len(p.collectives) for p in fit.short["decode"]]
+        sizes = [sum(c.result_bytes for c in p.collectives) for p in fit.short["decode"]]
+        # Each layer adds the same collectives: a straight line through the two depths.
+        row["decode_collectives"] = {
+            "count": round(counts[0] + (counts[1] - counts[0]) * (layers - shallow) / (deep - shallow)),
+            "bytes": round(sizes[0] + (sizes[1] - sizes[0]) * (layers - shallow) / (deep - shallow)),
+        }
     return row
 
 
@@ -122,22 +161,26 @@ def _gib(n: float | None) -> str:
 
 def _weights(row: dict) -> str:
     """The weights' format: the model's dtype, or the quantization planned (int8, int8-g32, fp8,
-    fp8-g128; reports older than quantization: none)."""
+    fp8-g128; reports older than quantization: none); a checkpoint's mxfp4 experts (GPT-OSS as
+    released) beside them."""
     quantization = row.get("quantization", "none")
-    return row["dtype"] if quantization == "none" else quantization
+    weights = row["dtype"] if quantization == "none" else quantization
+    return f"{weights}, mxfp4 experts" if row.get("mxfp4_experts") else weights
 
 
 def _report(row: dict) -> str:
     tp = row.get("tp_size", 1)
     experts = ", experts by index" if row.get("expert_parallel") else ""
     split = f", split over {tp} chips{experts}, figures per chip" if tp > 1 else ""
-    activations = f" x {row['dtype']} activations" if _weights(row) != row["dtype"] else ""
+    activations = f" x {row['dtype']} activations" if row.get("quantization", "none") != "none" else ""
     head = (
         f"{row['model']} on {row['target']} ({_weights(row)} weights{activations}, KV {row['kv_dtype']}, "
         f"{row['backend']}{split})"
     )
     if not row["fits"]:
         return f"{head}: DOES NOT FIT: {row['reason']}"
+    if row.get("depths"):
+        return _depth_report(head, row)
     decode, prefill, roof = row["decode"], row["prefill"], row["roofline"]
     xla, hlo = row["xla"], row["hlo"]
     xla_seconds = xla["optimal_seconds"] or xla["bytes_accessed_seconds"]
@@ -164,6 +207,47 @@ def _report(row: dict) -> str:
     return "\n".join(lines)
 
 
+def _depth_report(head: str, row: dict) -> str:
+    """`_report` of a row planned from its first layers (`--depth`)."""
+    peak, roof, beyond = max(row["predicted_peak_bytes"].values()), row["roofline"], row["overhead_bytes"]
+    return "\n".join([
+        f"{head}, from its first {' and '.join(map(str, row['depths']))} layers",
+        f"  per chip GiB: weights {_gib(row['weight_bytes'])}, KV {_gib(row['kv_bytes'])} "
+        f"({row['kv_tokens']} tokens), beyond them decode {_gib(beyond['decode'])} / prefill "
+        f"{_gib(beyond['prefill'])}, peak {_gib(peak)} of {_gib(row['hbm_bytes'])}; "
+        f"batch {row['batch']} x {row['context']} tokens {'fits' if row['batch_fits'] else 'does NOT fit'}",
+        f"  decode step roofline (not a measurement): {roof['seconds'] * 1e3:.2f} ms "
+        f"({roof['tokens_per_second']:.0f} tok/s)",
+    ])  # fmt: skip
+
+
+def _model_cell(row: dict) -> str:
+    """The model's name; planned from its first layers (`--depth`), which (none were compiled
+    for a model whose weights alone exceed the chips)."""
+    depths = row.get("depths") if row.get("short") else None
+    return row["model"] if not depths else f"{row['model']} (from {'+'.join(map(str, depths))} layers)"
+
+
+def _step_memory(row: dict) -> str:
+    """The steps' memory beside the weights and cache, decode / prefill: the compiled programs'
+    temporaries, or for a row planned from its first layers all they need beyond weights and
+    cache, extrapolated."""
+    if row.get("depths"):
+        beyond = row["overhead_bytes"]
+        return f"{_gib(beyond['decode'])} / {_gib(beyond['prefill'])}"
+    return f"{_gib(row['decode']['temp_bytes'])} / {_gib(row['prefill']['temp_bytes'])}"
+
+
+def _estimates(row: dict) -> tuple[str, str]:
+    """XLA's cost model's and the HLO bytes' decode times, ms; none for a row planned from its
+    first layers (a short program's are not the model's)."""
+    if row.get("depths"):
+        return "-", "-"
+    xla = row["xla"]
+    xla_seconds = xla["optimal_seconds"] or xla["bytes_accessed_seconds"]
+    return "n/a" if not xla_seconds else f"{xla_seconds * 1e3:.1f}", f"{row['hlo']['seconds'] * 1e3:.1f}"
+
+
 def markdown(rows: list[dict]) -> str:
     """One table of a results JSON: what fits and the decode estimates beside the roofline."""
     out = [
@@ -172,18 +256,15 @@ def markdown(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        head = f"| {r['model']} | {r['target']} | {_weights(r)} | {_gib(r['weight_bytes'])} |"
+        head = f"| {_model_cell(r)} | {r['target']} | {_weights(r)} | {_gib(r['weight_bytes'])} |"
         if not r["fits"]:
             out.append(f"{head} does not fit: {_why_not(r)} | | | | | |")
             continue
-        roof, xla = r["roofline"], r["xla"]
-        xla_seconds = xla["optimal_seconds"] or xla["bytes_accessed_seconds"]
+        roof, (xla, hlo) = r["roofline"], _estimates(r)
         out.append(
-            f"{head} {_gib(r['kv_bytes'])} "
-            f"({r['kv_tokens']}) | {_gib(r['decode']['temp_bytes'])} / {_gib(r['prefill']['temp_bytes'])} | "
+            f"{head} {_gib(r['kv_bytes'])} ({r['kv_tokens']}) | {_step_memory(r)} | "
             f"{r['batch']} x {r['context']}: {'fits' if r['batch_fits'] else 'no'} | "
-            f"{roof['seconds'] * 1e3:.1f} ({roof['tokens_per_second']:.0f}) | "
-            f"{'n/a' if not xla_seconds else f'{xla_seconds * 1e3:.1f}'} | {r['hlo']['seconds'] * 1e3:.1f} |"
+            f"{roof['seconds'] * 1e3:.1f} ({roof['tokens_per_second']:.0f}) | {xla} | {hlo} |"
         )
     return "\n".join(out)
 
@@ -199,18 +280,15 @@ def tensor_parallel_markdown(rows: list[dict]) -> str:
     ]
     for r in rows:
         chip = f"{_weights(r)} | {_gib(r['weight_bytes'])}"
-        head = f"| {r['model']} | {r['target']} | {r['tp_size']} | {chip} |"
+        head = f"| {_model_cell(r)} | {r['target']} | {r['tp_size']} | {chip} |"
         if not r["fits"]:
             out.append(f"{head} does not fit: {_why_not(r)} | | | | | |")
             continue
-        roof, xla, exchanged = r["roofline"], r["xla"], r["decode_collectives"]
-        xla_seconds = xla["optimal_seconds"] or xla["bytes_accessed_seconds"]
+        roof, (xla, _), exchanged = r["roofline"], _estimates(r), r["decode_collectives"]
         out.append(
-            f"{head} {_gib(r['kv_bytes'])} ({r['kv_tokens']}) | {_gib(r['decode']['temp_bytes'])} / "
-            f"{_gib(r['prefill']['temp_bytes'])} | {r['batch']} x {r['context']}: "
-            f"{'fits' if r['batch_fits'] else 'no'} | "
-            f"{roof['seconds'] * 1e3:.1f} ({roof['tokens_per_second']:.0f}) | "
-            f"{'n/a' if not xla_seconds else f'{xla_seconds * 1e3:.1f}'} | "
+            f"{head} {_gib(r['kv_bytes'])} ({r['kv_tokens']}) | {_step_memory(r)} | {r['batch']} x "
+            f"{r['context']}: {'fits' if r['batch_fits'] else 'no'} | "
+            f"{roof['seconds'] * 1e3:.1f} ({roof['tokens_per_second']:.0f}) | {xla} | "
             f"{exchanged['count']} ({exchanged['bytes'] / (1 << 20):.1f}) |"
         )
     return "\n".join(out)
@@ -233,6 +311,21 @@ def render_markdown(report: dict) -> str:
     return f"**{note[0].upper()}{note[1:]}.**\n\n" + (tensor_parallel_markdown if split else markdown)(rows)
 
 
+def _key(row: dict) -> tuple:
+    """What a row plans: model, target, TP size, weights and expert placement."""
+    return (
+        row["model"], row["target"], row.get("tp_size", 1), row.get("quantization", "none"),
+        bool(row.get("expert_parallel")),
+    )  # fmt: skip
+
+
+def updated(old: list[dict], new: list[dict]) -> list[dict]:
+    """`old` rows with those `new` plans again replaced in place, the other new rows after them."""
+    fresh = {_key(row): row for row in new}
+    kept = [fresh.pop(_key(row), row) for row in old]
+    return kept + [row for row in new if _key(row) in fresh]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", nargs="+", default=["llama-3.1-8b"])
@@ -253,7 +346,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048, help="tokens per sequence (max_model_len)")
     parser.add_argument("--prefill", type=int, default=2048, help="prefill chunk tokens")
     parser.add_argument("--memory-utilization", type=float, default=0.9)
+    parser.add_argument("--depth", action="store_true", help="plan from the first 2 and 4 layers")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--update", action="store_true", help="replace the same rows in --json, keep the others"
+    )
     parser.add_argument("--markdown", metavar="RESULTS", help="print a results JSON as one markdown table")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -274,8 +371,11 @@ def main() -> None:
     for row in rows:
         print(_report(row) + "\n")
     if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps({"note": NOTE, "results": rows}, indent=1) + "\n")
+        path = pathlib.Path(args.json)
+        if args.update and path.exists():
+            rows = updated(json.loads(path.read_text())["results"], rows)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"note": NOTE, "results": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -258,28 +258,30 @@ step that exchanges anything else). The roofline and XLA's cost model leave that
 
 
 PLANNER_PENDING = """\
-### Not in the tables yet
+### Rows planned from few layers
 
-Every row above compiles every layer of the model. These were planned from their first 2 and 4
-layers instead (`tpu_platform/planner/depth.py`, as `make test` checks the models it compiles:
-the steps' memory beyond weights and cache extrapolated to every layer), on a machine too busy
-for the whole-model compiles; each KV figure counts a cache for every layer:
+A row marked "(from 2+4 layers)" was planned with `benchmarks/plan.py --depth`, on a machine too
+busy for whole-model compiles: the model's first 2 and 4 layers compiled at full width (past a
+leading run of dense layers, later), the weights and every layer's KV cache exact arithmetic,
+what the steps need beyond them extrapolated to every layer (`tpu_platform/planner/depth.py`, as
+`make test` checks the models it compiles). Its temporary column is that extrapolated need
+(temporaries, outputs not aliasing the cache, code), its decode collectives are extrapolated
+alike, and it has no cost-model figure (a short program's is not the model's).
 
-- **GPT-OSS-120B at TP=8 on v6e-8** (mxfp4 experts, as released): fits, 8.1 GiB of weights and
-  19.4 GiB of KV cache a chip (1.13M tokens), the steps' collectives those the rules table
-  implies. Before the routed experts ran their tiles in chunks, its 2k-token prefill gathered
-  and decoded every tile's expert at once (3.2 GB of temporaries a chip for two layers, 0.36 GB
-  now), and with bfloat16 experts no cache size fitted.
-- **GLM-4.5-Air at TP=8 on v6e-8** (bfloat16): fits, 24.9 GiB of weights and 2.3 GiB of KV
-  cache a chip (106k tokens), the collectives those the rules table implies. At TP=4 on v6e-4
-  it does not fit: its bfloat16 weights alone take 53.5 GB a chip.
-- **DeepSeek-V2-Lite on v6e-1 with int8 weights**: fits, 14.9 GiB of weights and 12.7 GiB of
-  latent KV cache (396k tokens); the row above that says no cache size fits was planned before
-  the routed experts ran their tiles in chunks (every tile's expert converted at once).
-
-The gpt-oss rows above were planned with bfloat16 experts; served as released (mxfp4 experts,
-`docs/models.md`) a chip holds about a quarter of those expert bytes, and gpt-oss-20b's weights
-(about 13 GB) fit one v6e chip.
+- GPT-OSS is planned with its mxfp4 experts, as released. Before the routed experts ran their
+  tiles in chunks, GPT-OSS-120B's 2k-token prefill on v6e-8 gathered and decoded every tile's
+  expert at once (3.2 GB of temporaries a chip for two layers, 0.36 GB now), and with bfloat16
+  experts no cache size fitted.
+- GLM-4.5-Air does not fit v6e-4 at TP=4: its bfloat16 weights alone take 53.5 GB a chip. On
+  8x H100 at TP=4 its prefill held 10.2 GiB beyond weights and cache (and 11.0 GiB of KV a chip
+  fitted) until each chunk of expert tiles gathered its own rows inside the loop
+  ([models.md](models.md)).
+- DeepSeek-V3 fits a v6e-8 in no format: in int4 with a scale per 128 inputs, the fewest bytes,
+  its weights alone take 42.6 GiB a chip. Its step with block-fp8 weights (as released), cut to
+  four layers at full width (one dense, three MoE), compiles for v6e-8 at TP=8 and fits
+  (`tests/aot/test_v6e8_big_models.py`): 4.7 GiB of weights a chip, the latent cache whole on
+  every chip and updated in place, temporaries of 0.9 GiB (decode) and 1.8 GiB (prefill) beside
+  a 22 GiB cache, the collectives the rules table implies.
 """
 
 

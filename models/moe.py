@@ -160,11 +160,11 @@ def experts_routed(
     tile_expert = jnp.searchsorted(padded_end, jnp.arange(n) * b, side="right")  # [N]
     tile_expert = jnp.minimum(tile_expert, e - 1)  # tiles past the last group hold only empty rows
     token = jnp.append(jnp.arange(a, dtype=jnp.int32) // k, t)[src]  # [N*B]; t = the zero row
-    x_rows = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[token].reshape(n, b, d)  # [N, B, D]
+    x_padded = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])  # [T + 1, D]
     w = jnp.append(weights.reshape(a), 0.0)[src]  # [N*B]; 0 on empty rows
-    if weights_on_input:
-        x_rows = (x_rows.astype(jnp.float32) * w.reshape(n, b, 1)).astype(x.dtype)
-        w = (src < a).astype(jnp.float32)  # each assignment's output counts once
+    row_scale = None
+    if weights_on_input:  # each row scaled by its weight before its expert; outputs count once
+        row_scale, w = w, (src < a).astype(jnp.float32)
     scale_of = (None, None, None) if scales is None else scales
 
     def tile_dot(spec: str, rows_in: jax.Array, ids: jax.Array, kernel: jax.Array, scale: jax.Array | None):
@@ -187,13 +187,30 @@ def experts_routed(
             h = h * tile_dot("nbd,ndf->nbf", rows_in, ids, up, scale_of[1])  # [C, B, F]
         return tile_dot("nbf,nfd->nbd", h, ids, down, scale_of[2])
 
+    def add_chunk(out: jax.Array, token_c: jax.Array, ids: jax.Array, w_c: jax.Array, scale_c) -> jax.Array:
+        """`out [T + 1, D]` plus one chunk's tiles (`ids [C]`, rows `token_c [C*B]`) weighted."""
+        rows_in = x_padded[token_c].reshape(-1, b, d)  # [C, B, D]
+        if scale_c is not None:
+            rows_in = (rows_in.astype(jnp.float32) * scale_c.reshape(-1, b, 1)).astype(x.dtype)
+        y = tiles_mlp(rows_in, ids).reshape(-1, d)  # [C*B, D]
+        return out.at[token_c].add(y.astype(jnp.float32) * w_c[:, None])
+
+    out = jnp.zeros((t + 1, d), jnp.float32)
     if chunks == 1:
-        y = tiles_mlp(x_rows, tile_expert)
-    else:  # a loop over the chunks: one chunk's kernels gathered at a time
-        chunked = (x_rows.reshape(chunks, per_chunk, b, d), tile_expert.reshape(chunks, per_chunk))
-        y = jax.lax.map(lambda chunk: tiles_mlp(*chunk), chunked)
-    y = y.reshape(n * b, d)  # [N*B, D]
-    out = jnp.zeros((t + 1, d), jnp.float32).at[token].add(y.astype(jnp.float32) * w[:, None])
+        out = add_chunk(out, token, tile_expert, w, row_scale)
+    else:
+        # A loop over the chunks, one chunk's kernels gathered at a time, each chunk's rows
+        # gathered and its outputs added to the tokens' rows inside it: no `[N, B, D]` buffer of
+        # every tile's rows or outputs, which XLA's GPU compiler allocates for every MoE layer of
+        # the step at once.
+        per_chunk_rows = (token, w) + (() if row_scale is None else (row_scale,))
+        token_c, w_c, *scale_c = (v.reshape(chunks, per_chunk * b) for v in per_chunk_rows)
+        ids = tile_expert.reshape(chunks, per_chunk)
+
+        def body(i: jax.Array, out: jax.Array) -> jax.Array:
+            return add_chunk(out, token_c[i], ids[i], w_c[i], scale_c[0][i] if scale_c else None)
+
+        out = jax.lax.fori_loop(0, chunks, body, out)
     return out[:t].astype(x.dtype)
 
 

@@ -6,10 +6,12 @@ what the rules table implies (`tpu_platform.planner.plan.expected_collectives`) 
 line: each case's fit, its weight bytes (whole, per chip, replicated) and the collectives that
 should not be there.
 
-    python -m tests.aot.tensor_parallel_worker MODE TARGET:MODEL:TP[:ep] [TARGET:MODEL:TP[:ep] ...]
+    python -m tests.aot.tensor_parallel_worker MODE TARGET:MODEL:TP[:ep][:QUANTIZATION] [...]
 
 `:ep`: under expert parallelism (the experts split by index); each case then also reports the
-experts' bytes, whole and per chip, and each short program's collective bytes.
+experts' bytes, whole and per chip, and each short program's collective bytes. `:QUANTIZATION`:
+the weights as a checkpoint so quantized is served (one of `plan.QUANTIZATIONS`, e.g. `fp8-g128`
+for a 128x128 block fp8 checkpoint); bfloat16 without.
 
 MODE `full`: every layer compiled (`tpu_platform.planner.kv.fit_kv_cache`); `depth`: the model's
 first 2 and 4 layers (`tpu_platform.planner.depth.fit_by_depth`: the memory extrapolated, the
@@ -33,15 +35,16 @@ from tests.aot.model_step_worker import DECODE_TOKENS, PREFILL_TOKENS, setup_for
 from tpu_platform.planner.depth import at_depth, fit_by_depth
 from tpu_platform.planner.hlo import unexpected_collectives
 from tpu_platform.planner.kv import fit_kv_cache
-from tpu_platform.planner.plan import expected_collectives
+from tpu_platform.planner.plan import QUANTIZATIONS, expected_collectives
 
 STEPS = (("decode", DECODE_TOKENS), ("prefill", PREFILL_TOKENS))
 
 
 def fit_case(mode: str, case: str) -> dict:
-    target_name, model, tp, *mode_flags = case.split(":")
-    setup = setup_for(f"{target_name}:{model}", tp_size=int(tp))
-    if "ep" in mode_flags:
+    target_name, model, tp, *flags = case.split(":")
+    quantization = [flag for flag in flags if flag in QUANTIZATIONS]
+    setup = setup_for(":".join([target_name, model, *quantization]), tp_size=int(tp))
+    if "ep" in flags:
         setup = dataclasses.replace(setup, expert_parallel=True)
     start = time.perf_counter()
     problems = {}
@@ -68,7 +71,7 @@ def fit_case(mode: str, case: str) -> dict:
     replicated = sum(leaf.size * leaf.dtype.itemsize for leaf in placed if not leaf.sharding.spec)
     return {
         "case": case, "mode": mode, "tp_size": setup.tp_size, "hbm_bytes": setup.compile_target.hbm_bytes,
-        "backend": setup.backend, "seconds": time.perf_counter() - start,
+        "backend": setup.backend, "quantization": setup.quantization, "seconds": time.perf_counter() - start,
         "total_weight_bytes": abstract.weight_bytes, "replicated_weight_bytes": replicated,
         "unexpected_collectives": problems, **_experts(setup, abstract, placed), **fit.as_dict(),
     }  # fmt: skip

@@ -8,6 +8,7 @@ from collections import Counter
 import jax
 import pytest
 
+from tpu_platform.planner.depth import depths_for
 from tpu_platform.planner.hlo import (
     ExpectedCollectives,
     hlo_collectives,
@@ -18,6 +19,7 @@ from tpu_platform.planner.hlo import (
 )
 from tpu_platform.planner.kv import decode_roofline, kv_bytes_read, weight_bytes_read
 from tpu_platform.planner.plan import StepSetup, abstract_model, known_models, model_config
+from tpu_platform.planner.targets import target
 from tpu_platform.step_program import KVLayout
 from tpu_platform.weights.prepared import Preparation, abstract_prepared
 
@@ -42,6 +44,25 @@ ENTRY %main (p0: f32[4,8], /*index=1*/p1: bf16[16]) -> (f32[4,8], bf16[16]) {
 
 def test_shape_bytes():
     assert shape_bytes("(f32[4,8]{1,0}, bf16[16]{0}, s32[], f8e4m3fn[2,3])") == 128 + 32 + 4 + 6
+
+
+def test_shape_bytes_packs_4_bit_values_two_a_byte():
+    # As the TPU compiler prints an int4 kernel (`E(4)`: 4-bit elements); an odd count rounds up.
+    assert shape_bytes("s4[4096,14336]{1,0:T(8,128)(4,1)E(4)}") == 4096 * 14336 // 2
+    assert shape_bytes("(u4[3]{0}, f4e2m1fn[8,2]{1,0}, f8e8m0fnu[8]{0})") == 2 + 8 + 8
+
+
+def test_hlo_traffic_charges_an_int4_kernel_half_its_values():
+    hlo = """HloModule m
+
+ENTRY %main (p0: s4[1024,512], p1: bf16[8,1024]) -> bf16[8,512] {
+  %p0 = s4[1024,512]{1,0:E(4)} parameter(0)
+  %p1 = bf16[8,1024]{1,0} parameter(1)
+  ROOT %cc = bf16[8,512]{1,0} custom-call(%p1, %p0), custom_call_target="int4_matmul"
+}
+"""
+    # The kernel reads the activations and the packed kernel once and writes its result.
+    assert hlo_traffic(hlo).total_bytes == 8 * 1024 * 2 + 1024 * 512 // 2 + 8 * 512 * 2
 
 
 def test_hlo_traffic_counts_operands_and_results_outside_fusions():
@@ -264,3 +285,53 @@ def test_moe_int8_decode_reads_int8_experts():
     total = int8.abstract_model().weight_bytes
     expert = 3 * 2048 * 768 + 4 * (2 * 768 + 2048)  # int8 kernels, float32 scales per output channel
     assert weight_bytes_read(int8, 1) == pytest.approx(total - 48 * 120 * expert, rel=1e-9)
+
+
+def test_affine_int4_weights_add_an_offset_beside_each_dense_scale():
+    """Llama 3.2 3B as an AWQ checkpoint serves it (`int4z-g128`): the symmetric 4-bit layout's
+    bytes plus a float32 offset per scale of every dense projection (the head stays bfloat16)."""
+    config = model_config("llama-3.2-3b")
+    hidden, inner = config.hidden_size, config.intermediate_size
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    kernels = config.num_layers * (
+        hidden * qkv + config.num_heads * config.head_dim * hidden + 3 * hidden * inner
+    )
+    symmetric, affine = (
+        StepSetup(config, "v6e-1", max_model_len=2048, quantization=q).abstract_model()
+        for q in ("int4-g128", "int4z-g128")
+    )
+    assert affine.weight_bytes - symmetric.weight_bytes == 4 * kernels // 128
+    bf16 = abstract_model(config, "bfloat16", 2048).weight_bytes
+    assert bf16 - symmetric.weight_bytes == 2 * kernels - (kernels // 2 + 4 * kernels // 128)
+
+
+def test_moe_affine_int4_decode_reads_4_bit_experts():
+    int4z = StepSetup(model_config("qwen3-30b-a3b"), "h100x1", quantization="int4z-g128")
+    total = int4z.abstract_model().weight_bytes
+    # int4 kernels, two values a byte, a float32 scale per 128 inputs; the experts carry no offsets.
+    expert = 3 * 2048 * 768 // 2 + 4 * 3 * 2048 * 768 // 128
+    assert weight_bytes_read(int4z, 1) == pytest.approx(total - 48 * 120 * expert, rel=1e-9)
+
+
+def test_short_programs_hold_sparse_layers_past_a_dense_prefix():
+    # DeepSeek-V3's first three layers are dense: cut to 2 and 4 layers the slope would be a
+    # dense layer's; at 4 and 6 both programs hold sparse layers and the slope is a sparse one's.
+    v3 = model_config("deepseek-v3")
+    assert depths_for(v3) == (4, 6)
+    assert [v3.is_moe_layer(i) for i in range(6)] == [False] * 3 + [True] * 3
+    # One dense layer (DeepSeek-V2-Lite, GLM-4.5-Air), none, or no experts: the first 2 and 4.
+    for name in ("deepseek-v2-lite", "glm-4.5-air", "gpt-oss-120b", "llama-4-scout", "llama-3.1-8b"):
+        assert depths_for(model_config(name)) == (2, 4), name
+
+
+def test_deepseek_v3_needs_more_than_a_v6e_8_in_every_format_and_fits_8_h100s_in_int4():
+    """DeepSeek-V3's weights split over 8 chips (each chip holds at least an eighth): in int4
+    with a scale per 128 inputs, the fewest bytes of any format the planner knows, more than a
+    v6e chip's budget, less than an H100's with room for the latent cache."""
+    config = model_config("deepseek-v3")
+    int4 = abstract_model(config, "bfloat16", 2048, 8, "int4-g128", backend="tpu")
+    parameters = 671.03e9  # the model card's, less the multi-token-prediction layer we skip
+    assert int4.weight_bytes == pytest.approx(parameters / 2 * (1 + 8 / 128), rel=0.05)
+    per_chip = int4.weight_bytes / 8
+    assert per_chip > 0.9 * target("v6e-8").hbm_bytes
+    assert per_chip < 0.6 * target("h100x8").hbm_bytes

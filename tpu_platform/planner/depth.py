@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from models import ModelConfig
 from tpu_platform.planner.kv import MEMORY_UTILIZATION
 from tpu_platform.planner.plan import (
     SAMPLING_FLAGS,
@@ -38,6 +39,15 @@ from tpu_platform.planner.plan import (
 # The two depths compiled: small, and for models whose layers alternate (sliding and full
 # attention, dense and sparse MLPs) each a whole number of the pattern.
 DEPTHS = (2, 4)
+
+
+def depths_for(config: ModelConfig) -> tuple[int, int]:
+    """`DEPTHS`, past a leading run of dense layers before the first sparse one (DeepSeek-V3 has
+    three): both short programs then hold sparse layers, so what the slope between them adds for
+    each of the remaining layers is a sparse layer's, not a dense one's."""
+    first_sparse = next((i for i in range(config.num_layers) if config.is_moe_layer(i)), 0)
+    shift = max(0, first_sparse - 1)  # one dense layer: the shallower program holds it and a sparse one
+    return DEPTHS[0] + shift, DEPTHS[1] + shift
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,11 +108,12 @@ def fit_by_depth(
     setup: StepSetup,
     decode_tokens: int,
     prefill_tokens: int,
-    depths: tuple[int, int] = DEPTHS,
+    depths: tuple[int, int] | None = None,
     memory_utilization: float = MEMORY_UTILIZATION,
 ) -> DepthFit:
-    """Sizes the whole model's KV cache from its steps compiled at two short `depths` (see the
-    module docstring)."""
+    """Sizes the whole model's KV cache from its steps compiled at two short `depths` (default:
+    `depths_for` the model; see the module docstring)."""
+    depths = depths or depths_for(setup.config)
     weights = setup.abstract_model().chip_weight_bytes(setup.mesh())
     budget = int(setup.compile_target.hbm_bytes * memory_utilization)
     page = kv_page_bytes(setup)

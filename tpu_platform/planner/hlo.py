@@ -18,11 +18,15 @@ import collections
 import dataclasses
 import re
 
-_ITEMSIZE = {
-    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+# Bits an element takes: XLA packs the sub-byte types (TPU and GPU layouts say so, e.g.
+# `s4[4096,14336]{1,0:E(4)}`), two 4-bit values a byte.
+_BITS = {
+    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16,
+    "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128,
 }  # fmt: skip
-_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+# The float8 (`f8e4m3fn`, `f8e8m0fnu`, ...) and float4 (`f4e2m1fn`) families.
+_FLOAT_BITS = {"f8": 8, "f4": 4}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
@@ -54,15 +58,9 @@ class Traffic:
 
 
 def shape_bytes(text: str) -> int:
-    """Bytes of every array shape written in `text` (e.g. `(bf16[64,4096]{1,0}, s32[])`)."""
-    total = 0
-    for dtype, dims in _SHAPE.findall(text):
-        itemsize = _ITEMSIZE.get(dtype, 1 if dtype.startswith("f8") else 0)
-        size = 1
-        for d in filter(None, dims.split(",")):
-            size *= int(d)
-        total += size * itemsize
-    return total
+    """Bytes of every array shape written in `text` (e.g. `(bf16[64,4096]{1,0}, s32[])`), sub-byte
+    types packed (an `s4` array of n values takes n / 2 bytes, rounded up)."""
+    return sum(_array_bytes(dtype, dims) for dtype, dims in _arrays(text))
 
 
 def hlo_traffic(hlo_text: str, top: int = 8) -> Traffic:
@@ -118,7 +116,6 @@ def _operands(rest: str) -> str:
 
 # Cross-device operations: each of these moves data between the chips of a sharded program.
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -196,7 +193,9 @@ def _elements(dims: tuple[int, ...]) -> int:
 
 
 def _array_bytes(dtype: str, dims: tuple[int, ...]) -> int:
-    return _elements(dims) * _ITEMSIZE.get(dtype, 1 if dtype.startswith("f8") else 0)
+    """Bytes of one array; 0 for a type that is not an array's (`token`) or not known."""
+    bits = _BITS.get(dtype) or _FLOAT_BITS.get(dtype[:2], 0)
+    return -(-_elements(dims) * bits // 8)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -156,6 +156,7 @@ def weight_bytes_read(setup: StepSetup, batch: int) -> int:
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
     hidden, inner = config.hidden_size, config.moe_intermediate_size
     values, _, group = setup.quantization.partition("-g")
+    values = values.removesuffix("z")  # int4z: the routed experts keep no offsets (`quantize_int4`)
     weight = 3 * hidden * inner // 2 if values == "int4" else 3 * hidden * inner  # int4: 2 a byte
     if getattr(config, "mxfp4", False):  # FP4 values, a one-byte scale per 32 (`models.mxfp4`)
         expert = 3 * hidden * inner * 17 // 32 // setup.tp_size

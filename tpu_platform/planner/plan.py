@@ -77,8 +77,11 @@ SAMPLING_FLAGS = SamplerFlags(filters=True)
 # scale per output channel, or int8 with one per 32 inputs (a GGUF's Q8_0 blocks, kept as they are);
 # fp8 per output channel, or with one scale per 128 inputs (a block fp8 checkpoint's, as served).
 # int4 per output channel or per 128 inputs: a 4-bit checkpoint's (compressed-tensors W4A16, GPTQ),
-# as served on the target (two values a byte on TPU and GPU).
-QUANTIZATIONS = ("none", "int8", "int8-g32", "fp8", "fp8-g128", "int4", "int4-g128")
+# as served on the target (two values a byte on TPU and GPU); int4z alike with an offset beside
+# each scale (AWQ and asymmetric GPTQ per 128 inputs, a GGUF's Q4 blocks per 32).
+QUANTIZATIONS = (
+    "none", "int8", "int8-g32", "fp8", "fp8-g128", "int4", "int4-g128", "int4z-g32", "int4z-g128",
+)  # fmt: skip
 
 
 def known_models() -> list[str]:
@@ -157,7 +160,8 @@ class StepSetup:
                 f"{', '.join(QUANTIZATIONS)} (int8: the weights as --quantization "
                 "int8_per_channel_weight_only serves them; int8-g32: a Q8_0 GGUF's, so served; fp8: "
                 "--quantization fp8; fp8-g128: a 128x128 block fp8 checkpoint's; int4, int4-g128: a "
-                "4-bit checkpoint's, per channel or per 128 inputs)"
+                "4-bit checkpoint's, per channel or per 128 inputs; int4z-g128, int4z-g32: one with "
+                "zero points or group minimums, AWQ's or a GGUF's Q4 blocks)"
             )
         if not 1 <= self.tp_size <= chips:
             raise ValueError(

@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`benchmarks/plan.py`'s report handling, no compiler needed: `--update` replaces the rows planned
+again and keeps the others in place, and a row planned from the model's first layers (`--depth`)
+renders its depths, its extrapolated step memory and no cost-model estimate; a checkpoint's mxfp4
+experts are named beside the weights' dtype."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+
+def _plan():
+    spec = importlib.util.spec_from_file_location("plan", REPO / "benchmarks" / "plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+plan = _plan()
+
+
+def _row(model: str, target: str, quantization: str = "none", tp_size: int = 1, **extra) -> dict:
+    return {"model": model, "target": target, "quantization": quantization, "tp_size": tp_size, **extra}
+
+
+def test_update_replaces_rows_planned_again_in_place_and_appends_new_ones():
+    old = [
+        _row("a", "v6e-1", note="old"),
+        _row("a", "v6e-1", "int8", note="old"),
+        _row("b", "h100x1", note="old"),
+    ]
+    new = [_row("a", "v6e-1", "int8", note="new"), _row("c", "v6e-8", tp_size=8, note="new")]
+    rows = plan.updated(old, new)
+    assert [(r["model"], r["quantization"], r["note"]) for r in rows] == [
+        ("a", "none", "old"), ("a", "int8", "new"), ("b", "none", "old"), ("c", "none", "new"),
+    ]  # fmt: skip
+
+
+def test_a_row_planned_from_few_layers_renders_its_depths_and_extrapolated_memory():
+    row = _row(
+        "gpt-oss-120b", "v6e-8", tp_size=8, dtype="bfloat16", fits=True, depths=[2, 4],
+        weight_bytes=8 * GIB, kv_bytes=19 * GIB, kv_tokens=1_000_000, batch=64, context=2048,
+        batch_fits=True, overhead_bytes={"decode": GIB // 4, "prefill": GIB // 2},
+        roofline={"seconds": 0.005, "tokens_per_second": 12800.0},
+        decode_collectives={"count": 74, "bytes": 90 << 20}, short={"decode": [{}, {}], "prefill": [{}, {}]},
+    )  # fmt: skip
+    table = plan.render_markdown({"results": [row]})
+    assert (
+        "| gpt-oss-120b (from 2+4 layers) | v6e-8 | 8 | bfloat16 | 8.00 | 19.00 (1000000) | 0.25 / 0.50 | "
+        "64 x 2048: fits | 5.0 (12800) | - | 74 (90.0) |"
+    ) in table
+    mxfp4 = plan.render_markdown({"results": [{**row, "mxfp4_experts": True}]})
+    assert "| gpt-oss-120b (from 2+4 layers) | v6e-8 | 8 | bfloat16, mxfp4 experts | 8.00 |" in mxfp4
+    one_chip = plan.markdown([{**row, "tp_size": 1}])
+    assert (
+        "| gpt-oss-120b (from 2+4 layers) | v6e-8 | bfloat16 | 8.00 | 19.00 (1000000) | 0.25 / 0.50 |"
+        in one_chip
+    )
+    assert one_chip.endswith("| - | - |")
+    # Weights alone over the budget: nothing was compiled, the row is the model's.
+    too_large = {**row, "fits": False, "short": {}, "budget_bytes": 28 * GIB, "weight_bytes": 42 * GIB}
+    assert (
+        "| gpt-oss-120b | v6e-8 | 8 | bfloat16 | 42.00 | does not fit: weights 14.00 GiB over"
+        in plan.render_markdown({"results": [too_large]})
+    )
