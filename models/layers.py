@@ -436,8 +436,11 @@ class CausalLM(nnx.Module):
         aux_layers: tuple[int, ...] = (),
     ) -> tuple[jax.Array, list[jax.Array]] | tuple[jax.Array, list[jax.Array], jax.Array]:
         """The trunk's `(hidden, kv_caches)`, and with `aux_layers` the hidden states an EAGLE-3
-        head reads (`DecoderModel.__call__`)."""
-        return self.model(input_ids, positions, kv_caches, md, aux_layers)
+        head reads (`DecoderModel.__call__`); trunks without the option (Gemma 4's) are called
+        without it."""
+        if aux_layers:
+            return self.model(input_ids, positions, kv_caches, md, aux_layers)
+        return self.model(input_ids, positions, kv_caches, md)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """`[R, D]` hidden states to float32 logits `[R, V]`."""

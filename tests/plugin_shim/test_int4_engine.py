@@ -23,7 +23,8 @@ from flax import nnx
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from models import int4
+from models import PackedKernel, int4
+from models.linear import is_packed_int4
 from tests.models.awq_checkpoints import write_awq
 from tests.models.fp8_checkpoints import write_float
 from tests.models.gptq_checkpoints import write_gptq
@@ -60,11 +61,12 @@ def prompts(checkpoint):
 
 
 def _int4_kernels(worker) -> int:
-    """How many of the engine's kernels hold 4-bit values: int8 ones on CPU (`int4.held_dtype`),
-    each value in [-8, 7]."""
+    """How many of the engine's kernels hold 4-bit values: packed two a byte for the native int4
+    kernel (`models.linear.is_packed_int4`), or int8 ones (`int4.held_dtype`) each in [-8, 7]."""
     leaves = jax.tree.leaves(worker.runner.state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    packed = sum(isinstance(v, PackedKernel) and is_packed_int4(v[...]) for v in leaves)
     held = [np.asarray(v[...]) for v in leaves if v[...].dtype == int4.held_dtype()]
-    return sum(int(a.min()) >= -8 and int(a.max()) <= 7 for a in held)
+    return packed + sum(int(a.min()) >= -8 and int(a.max()) <= 7 for a in held)
 
 
 def _generate(path: str, prompts) -> tuple[list[list[int]], int]:
