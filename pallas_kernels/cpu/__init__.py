@@ -28,6 +28,7 @@ from pallas_kernels.cpu.build import (
     dense_isas,
     is_loaded,
     load,
+    require_loaded,
 )
 from pallas_kernels.cpu.dense import (
     can_pack,
@@ -111,11 +112,7 @@ def ragged_paged_attention(
     """Same contract as `reference.ragged_paged_attention_reference` (float32 inside; bfloat16
     queries are read and the output written as bfloat16, other dtypes pass through float32;
     `sinks [H]` float32, optional; `attention_chunk_size`: chunked local attention)."""
-    if not is_loaded():
-        raise NativeKernelError(
-            "the native CPU kernels are not loaded in this process: call "
-            "pallas_kernels.cpu.load(build_dir) first, or use the attention backend 'xla'"
-        )
+    require_loaded(", or use the attention backend 'xla'")
     values = value_dtype(kv_cache.dtype, kv_dtype)
     if values.name not in CACHE_FORMATS:
         raise ValueError(

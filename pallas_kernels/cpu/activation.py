@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu.build import SILU_MUL_TARGET, NativeKernelError, is_loaded
+from pallas_kernels.cpu.build import SILU_MUL_TARGET, require_loaded
 
 OUTPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -28,11 +28,7 @@ def silu_and_mul_reference(gate_up: jax.Array, *, dtype: jnp.dtype) -> jax.Array
 def silu_and_mul(gate_up: jax.Array, *, dtype: jnp.dtype) -> jax.Array:
     """`silu_and_mul_reference` in one native call: `gate_up [T, 2I]` float32 (a projection's
     products), the result `[T, I]` float32 or bfloat16. Trailing all-zero rows give zero rows."""
-    if not is_loaded():
-        raise NativeKernelError(
-            "the native CPU kernels are not loaded in this process: "
-            "call pallas_kernels.cpu.load(build_dir) first"
-        )
+    require_loaded()
     dtype = jnp.dtype(dtype)
     if (
         dtype not in OUTPUT_DTYPES

@@ -261,6 +261,16 @@ def is_loaded() -> bool:
     return _register.cache_info().currsize > 0
 
 
+def require_loaded(alternative: str = "") -> None:
+    """Raise `NativeKernelError` naming the fix unless `load` registered the kernels here;
+    `alternative` names another way out (", or use ...")."""
+    if not is_loaded():
+        raise NativeKernelError(
+            f"the native CPU kernels are not loaded in this process: call "
+            f"pallas_kernels.cpu.load(build_dir) first{alternative}"
+        )
+
+
 DENSE_ISAS = {1: "avx512_bf16", 2: "amx", 3: "avx2"}  # the dense kernel's paths, by their code in dense.cc
 _DENSE_PREFERENCE = ("amx", "avx512_bf16", "avx2")
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu.build import DENSE_F32_TARGET, DENSE_ISAS, DENSE_TARGET, NativeKernelError, is_loaded
+from pallas_kernels.cpu.build import DENSE_F32_TARGET, DENSE_ISAS, DENSE_TARGET, require_loaded
 
 DEPTH_MULTIPLE = 32  # K: one tile row holds 32 bfloat16 values
 COLUMN_MULTIPLE = 16  # N: one tile holds 16 float32 results a row
@@ -89,11 +89,7 @@ def native_dense(x: jax.Array, packed: jax.Array, *, isa: str | None = None) -> 
     Needs the native kernels loaded (`pallas_kernels.cpu.load`) on a CPU where `dense_isa` is not
     None; a path the CPU lacks fails when the program runs.
     """
-    if not is_loaded():
-        raise NativeKernelError(
-            "the native CPU kernels are not loaded in this process: "
-            "call pallas_kernels.cpu.load(build_dir) first"
-        )
+    require_loaded()
     if packed.ndim == 3:
         return _native_dense_f32(x, packed, isa)
     codes = {name: code for code, name in DENSE_ISAS.items()}

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu.build import DENSE_INT4_ISAS, DENSE_INT4_TARGET, NativeKernelError, is_loaded
+from pallas_kernels.cpu.build import DENSE_INT4_ISAS, DENSE_INT4_TARGET, require_loaded
 
 COLUMN_MULTIPLE = 16  # N: one packed line holds 16 columns
 DEPTH_MULTIPLE = 8  # K, and a group of k: one packed word holds 8 consecutive k
@@ -139,11 +139,7 @@ def native_dense_int4(
     Needs the native kernels loaded (`pallas_kernels.cpu.load`); a path the CPU lacks fails when
     the program runs.
     """
-    if not is_loaded():
-        raise NativeKernelError(
-            "the native CPU kernels are not loaded in this process: "
-            "call pallas_kernels.cpu.load(build_dir) first"
-        )
+    require_loaded()
     codes = {name: code for code, name in DENSE_INT4_ISAS.items()}
     if isa is not None and isa not in codes:
         raise ValueError(f"isa must be one of {sorted(codes)} or None, not {isa!r}")

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu.build import DENSE_INT8_ISAS, DENSE_INT8_TARGET, NativeKernelError, is_loaded
+from pallas_kernels.cpu.build import DENSE_INT8_ISAS, DENSE_INT8_TARGET, require_loaded
 
 COLUMN_MULTIPLE = 16  # N: one packed row holds 16 columns
 FIXED_POINT_LEVELS = 32639  # |x16| <= 32639: 256 hi + lo with both planes signed bytes
@@ -149,11 +149,7 @@ def native_dense_int8(
     Needs the native kernels loaded (`pallas_kernels.cpu.load`); a path the CPU lacks fails when
     the program runs.
     """
-    if not is_loaded():
-        raise NativeKernelError(
-            "the native CPU kernels are not loaded in this process: "
-            "call pallas_kernels.cpu.load(build_dir) first"
-        )
+    require_loaded()
     codes = {name: code for code, name in DENSE_INT8_ISAS.items()}
     if isa is not None and isa not in codes:
         raise ValueError(f"isa must be one of {sorted(codes)} or None, not {isa!r}")

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu.build import ROPE_KV_TARGET, NativeKernelError, is_loaded
+from pallas_kernels.cpu.build import ROPE_KV_TARGET, require_loaded
 from pallas_kernels.cpu.layout import CACHE_FORMATS
 from pallas_kernels.reference import value_dtype
 
@@ -37,11 +37,7 @@ def rope_write_kv(
     `slot_mapping + slot_offset` (negative slots write nothing). `qkv [T, (H + 2K) * D]`: float32,
     or bfloat16 when `dtype` is; `table [P, D]` float32 (cosines, then sines). In place when the
     caller's jit donates the cache."""
-    if not is_loaded():
-        raise NativeKernelError(
-            "the native CPU kernels are not loaded in this process: call "
-            "pallas_kernels.cpu.load(build_dir) first, or use the attention backend 'xla'"
-        )
+    require_loaded(", or use the attention backend 'xla'")
     dtype = jnp.dtype(dtype)
     if dtype not in ACTIVATION_DTYPES or qkv.dtype not in (jnp.dtype(jnp.float32), dtype):
         raise ValueError(
