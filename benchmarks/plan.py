@@ -80,7 +80,7 @@ def plan_one(model: str, target: str, tp_size: int, quantization: str, args: arg
         quantization=quantization, expert_parallel=args.ep,
     )  # fmt: skip
     if args.depth:
-        return _depth_row(setup, args, model)
+        return _with_draft(_depth_row(setup, args, model), setup, args)
     fit = fit_kv_cache(setup, args.batch, args.prefill, args.memory_utilization)
     bandwidth = setup.compile_target.hbm_bytes_per_second
     row = {**_common(setup, args, model), **fit.as_dict()}
@@ -91,6 +91,37 @@ def plan_one(model: str, target: str, tp_size: int, quantization: str, args: arg
         row["hlo"] = {"seconds": seconds, "tokens_per_second": args.batch / seconds}
         exchanged = fit.decode.collectives
         row["decode_collectives"] = {"count": len(exchanged), "bytes": sum(c.result_bytes for c in exchanged)}
+    return _with_draft(row, setup, args)
+
+
+def _with_draft(row: dict, setup, args: argparse.Namespace) -> dict:
+    """`row` with what `--draft` adds on its chip: the draft's weights and cache bytes a page, and
+    the KV tokens left to the target once the draft is served beside it (the worker's split)."""
+    if not args.draft or not row["fits"]:
+        return row
+    from tpu_platform.planner.draft import draft_memory, eagle3_head_like, eagle3_memory, pages_with_draft
+    from tpu_platform.planner.plan import StepSetup, model_config
+
+    if setup.tp_size != 1:
+        row["draft"] = {"model": args.draft, "error": "drafts are served at tensor_parallel_size 1"}
+        return row
+    if args.draft == "eagle3":
+        memory = eagle3_memory(setup, eagle3_head_like(setup))
+    else:
+        draft = StepSetup(
+            model_config(args.draft), setup.target, dtype=args.dtype, kv_dtype=args.kv_dtype,
+            max_num_seqs=args.batch, max_model_len=args.context, max_num_batched_tokens=args.prefill,
+            page_size=setup.tokens_per_page,  # one block size for both, the engine's
+        )  # fmt: skip
+        if draft.config.vocab_size != setup.config.vocab_size:
+            row["draft"] = {"model": args.draft, "error": "its vocabulary differs from the target's"}
+            return row
+        memory = draft_memory(draft)
+    pages = pages_with_draft(row["kv_bytes"], row["page_bytes"], memory)
+    row["draft"] = {
+        "model": args.draft, "weight_bytes": memory.weight_bytes, "page_bytes": memory.page_bytes,
+        "num_pages": pages, "kv_tokens": pages * setup.tokens_per_page // setup.kv_layout.num_groups,
+    }  # fmt: skip
     return row
 
 
@@ -179,8 +210,23 @@ def _report(row: dict) -> str:
     )
     if not row["fits"]:
         return f"{head}: DOES NOT FIT: {row['reason']}"
-    if row.get("depths"):
-        return _depth_report(head, row)
+    return (_depth_report(head, row) if row.get("depths") else _whole_report(head, row)) + _draft_report(row)
+
+
+def _draft_report(row: dict) -> str:
+    draft = row.get("draft")
+    if draft is None:
+        return ""
+    if "error" in draft:
+        return f"\n  with {draft['model']}: not planned ({draft['error']})"
+    return (
+        f"\n  with {draft['model']} beside it: draft weights {_gib(draft['weight_bytes'])} GiB, "
+        f"{draft['page_bytes']} B a page beside the target's {row['page_bytes']}; KV "
+        f"{draft['kv_tokens']} tokens (alone {row['kv_tokens']})"
+    )
+
+
+def _whole_report(head: str, row: dict) -> str:
     decode, prefill, roof = row["decode"], row["prefill"], row["roofline"]
     xla, hlo = row["xla"], row["hlo"]
     xla_seconds = xla["optimal_seconds"] or xla["bytes_accessed_seconds"]
@@ -308,14 +354,33 @@ def render_markdown(report: dict) -> str:
     note = report.get("note") or NOTE
     rows = report["results"]
     split = any(r.get("tp_size", 1) > 1 for r in rows)
-    return f"**{note[0].upper()}{note[1:]}.**\n\n" + (tensor_parallel_markdown if split else markdown)(rows)
+    text = f"**{note[0].upper()}{note[1:]}.**\n\n" + (tensor_parallel_markdown if split else markdown)(rows)
+    drafted = [r for r in rows if "weight_bytes" in r.get("draft", {})]
+    return text + ("\n\n" + draft_markdown(drafted) if drafted else "")
+
+
+def draft_markdown(rows: list[dict]) -> str:
+    """The rows planned with `--draft`: what the draft takes a chip and the KV it leaves."""
+    out = [
+        "| model | target | weights | draft | draft weights GiB | draft KV bytes a page (target's) | "
+        "KV tokens alone | KV tokens with the draft |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        d = r["draft"]
+        out.append(
+            f"| {_model_cell(r)} | {r['target']} | {_weights(r)} | {d['model']} | "
+            f"{_gib(d['weight_bytes'])} | "
+            f"{d['page_bytes']} ({r['page_bytes']}) | {r['kv_tokens']} | {d['kv_tokens']} |"
+        )
+    return "\n".join(out)
 
 
 def _key(row: dict) -> tuple:
-    """What a row plans: model, target, TP size, weights and expert placement."""
+    """What a row plans: model, target, TP size, weights, expert placement and draft."""
     return (
         row["model"], row["target"], row.get("tp_size", 1), row.get("quantization", "none"),
-        bool(row.get("expert_parallel")),
+        bool(row.get("expert_parallel")), row.get("draft", {}).get("model"),
     )  # fmt: skip
 
 
@@ -347,6 +412,9 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=2048, help="prefill chunk tokens")
     parser.add_argument("--memory-utilization", type=float, default=0.9)
     parser.add_argument("--depth", action="store_true", help="plan from the first 2 and 4 layers")
+    parser.add_argument(
+        "--draft", metavar="MODEL", help="a draft model (known name or config) or 'eagle3' served beside"
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument(
         "--update", action="store_true", help="replace the same rows in --json, keep the others"

@@ -11,6 +11,8 @@ Inputs, all in `benchmarks/results/` (the only benchmark output kept in git):
                                    measurements), rendered by `benchmarks/plan.py` into both
   plan-tp.json                     optional: the planner's report at several tensor-parallel
                                    sizes (`plan.py --tp`), rendered alike into both
+  plan-draft.json                  optional: the planner's rows with a draft served beside the
+                                   target (`plan.py --draft`), rendered into docs/performance.md
 A new measurement replaces its kind's file; the history of the figures is the history of that file
 in git, never prose. `tests/docs/test_docs.py` fails when the committed README or docs/performance.md
 differ from what this script renders from the committed JSON.
@@ -39,6 +41,7 @@ PLAN_JSON = RESULTS / "plan.json"
 STEP_PROFILE_JSON = RESULTS / "step_profile.json"
 HOST_CPU_JSON = RESULTS / "host_cpu_time.json"
 PLAN_TP_JSON = RESULTS / "plan-tp.json"
+PLAN_DRAFT_JSON = RESULTS / "plan-draft.json"
 PLAN_SCRIPT = HERE / "plan.py"
 TABLE_BEGIN = "<!-- performance table: written by benchmarks/render_docs.py, do not edit -->"
 TABLE_END = "<!-- end of performance table -->"
@@ -285,18 +288,32 @@ alike, and it has no cost-model figure (a short program's is not the model's).
 """
 
 
-def planner_section(table: str | None, tp_table: str | None = None) -> str:
+def planner_section(table: str | None, tp_table: str | None = None, draft_table: str | None = None) -> str:
     """The performance page's planner section: the tables, or lines saying none is committed."""
     body = NO_PLAN if table is None else PLANNER_INTRO + "\n" + table
     tp_body = NO_PLAN_TP if tp_table is None else PLANNER_TP_INTRO + "\n" + tp_table
+    draft_body = ""
+    if draft_table is not None:
+        draft_body = "\n\n### With a draft beside the target\n\n" + PLANNER_DRAFT_INTRO + "\n" + draft_table
     return (
         "## What fits where: the planner\n\n"
         + body
         + "\n\n### Split over the chips of a host\n\n"
         + tp_body
+        + draft_body
         + "\n\n"
         + PLANNER_PENDING
     )
+
+
+PLANNER_DRAFT_INTRO = """\
+Speculative decoding serves its drafter on the target's chip (`speculative_config`,
+[configuration.md](configuration.md)): `plan.py --draft` takes the drafter's weights out of the
+KV budget, then gives each target page a page of the drafter's cache beside it, as the worker
+does. Rows planned from the model's first layers (`--depth`); the first table is the target
+alone, the second what is left with the drafter (a Llama-3.2-1B draft model, or an EAGLE-3 head
+of the released heads' shape: one layer as wide as the target, a 32000-token draft vocabulary).
+"""
 
 
 INTRO = """\
@@ -432,7 +449,10 @@ WHAT_MOVES = """\
 
 
 def performance_page(
-    runs: dict[str, dict[str, Any]], planner: str | None, planner_tp: str | None = None
+    runs: dict[str, dict[str, Any]],
+    planner: str | None,
+    planner_tp: str | None = None,
+    planner_draft: str | None = None,
 ) -> str:
     """The whole page: method, every machine kind's figures, the planner's tables."""
     sections = [INTRO]
@@ -440,7 +460,7 @@ def performance_page(
         sections.append("## Latest figures, all machine kinds\n\n" + readme_table(runs) + "\n")
     sections += [machine_section(kind, report) for kind, report in runs.items()]
     sections += device_sections(RESULTS)
-    sections += [step_time_section(), planner_section(planner, planner_tp), WHAT_MOVES]
+    sections += [step_time_section(), planner_section(planner, planner_tp, planner_draft), WHAT_MOVES]
     return "\n".join(s.rstrip("\n") + "\n" for s in sections)
 
 
@@ -460,7 +480,8 @@ def render() -> dict[pathlib.Path, str]:
     readme = readme_with_table(readme, NO_PLAN if planner is None else planner, (PLAN_BEGIN, PLAN_END))
     tp_table = NO_PLAN_TP if planner_tp is None else planner_tp
     readme = readme_with_table(readme, tp_table, (PLAN_TP_BEGIN, PLAN_TP_END))
-    return {README: readme, PERFORMANCE: performance_page(runs, planner, planner_tp)}
+    page = performance_page(runs, planner, planner_tp, planner_table(PLAN_DRAFT_JSON))
+    return {README: readme, PERFORMANCE: page}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -335,3 +335,45 @@ def test_deepseek_v3_needs_more_than_a_v6e_8_in_every_format_and_fits_8_h100s_in
     per_chip = int4.weight_bytes / 8
     assert per_chip > 0.9 * target("v6e-8").hbm_bytes
     assert per_chip < 0.6 * target("h100x8").hbm_bytes
+
+
+def test_an_eagle3_head_beside_llama_8b_takes_its_published_size_and_a_one_layer_page():
+    from tpu_platform.planner.draft import eagle3_head_like, eagle3_memory
+
+    setup = StepSetup(model_config("llama-3.1-8b"), "v6e-1", max_num_seqs=16, max_model_len=2048)
+    memory = eagle3_memory(setup, eagle3_head_like(setup))
+    h, inter, vocab, draft_vocab, kv = 4096, 14336, 128256, 32000, 8 * 128
+    params = (
+        vocab * h  # its own embedding
+        + 3 * h * h  # the fc over three target layers' states
+        + 2 * h * (h + 2 * kv)
+        + h * h  # q, k, v read [embedding, state]; o
+        + 3 * h * inter  # gated MLP
+        + draft_vocab * h  # the draft vocabulary's head
+    )
+    norms = 4 * h  # hidden, input, post-attention and final norms, float
+    assert params * 2 <= memory.weight_bytes <= params * 2 + norms * 4 + draft_vocab * 8
+    # One layer's keys and values: 128 tokens x 8 heads x 128 x 2 (k and v) in bfloat16.
+    assert memory.page_bytes == setup.tokens_per_page * kv * 2 * 2
+
+
+def test_a_draft_model_row_leaves_the_target_fewer_kv_tokens():
+    import argparse
+
+    from benchmarks.plan import _with_draft
+
+    setup = StepSetup(model_config("llama-3.1-8b"), "v6e-1", max_num_seqs=16, max_model_len=2048)
+    page = setup.tokens_per_page * 32 * 8 * 128 * 2 * 2  # 32 layers' keys and values
+    tokens = 10_000 * setup.tokens_per_page
+    row = {"fits": True, "kv_bytes": 10_000 * page, "page_bytes": page, "kv_tokens": tokens}
+    args = argparse.Namespace(draft="llama-3.2-1b", dtype="bfloat16", kv_dtype=None, batch=16, context=2048,
+                              prefill=512)  # fmt: skip
+    draft = _with_draft(dict(row), setup, args)["draft"]
+    # 1,235,814,400 parameters (model card) in bfloat16, the tied head's served copy, the RoPE table.
+    assert draft["weight_bytes"] == 2 * (1_235_814_400 + 128256 * 2048) + 2048 * 64 * 4
+    # 16 layers' keys and values, 8 heads of 64 held in the TPU layout's 128 lanes, bfloat16.
+    assert draft["page_bytes"] == setup.tokens_per_page * 16 * 8 * 128 * 2 * 2
+    # Its weights first, then a draft page beside every target page.
+    assert 0 < draft["num_pages"] == (10_000 * page - draft["weight_bytes"]) // (page + draft["page_bytes"])
+    qwen = _with_draft(dict(row), setup, argparse.Namespace(**{**vars(args), "draft": "qwen3-4b"}))["draft"]
+    assert "vocabulary" in qwen["error"]

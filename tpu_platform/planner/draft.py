@@ -172,3 +172,34 @@ def compile_eagle3(
         cache_bytes=sum(math.prod(c.shape) * np.dtype(c.dtype).itemsize for c in caches),
         weight_bytes=sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves),
     )
+
+
+def eagle3_head_like(target: StepSetup, draft_vocab_size: int = 32000) -> Eagle3Config:
+    """An EAGLE-3 head shaped for `target`'s model as the released heads are: one decoder layer as
+    wide as the target's, reading three of its layers (vLLM's default choice), drafting from a
+    `draft_vocab_size`-token vocabulary."""
+    config = target.config
+    model = dataclasses.replace(
+        config, architecture="LlamaForCausalLMEagle3", num_layers=1, layer_sliding_windows=(None,)
+    )
+    return Eagle3Config(
+        model=model, draft_vocab_size=draft_vocab_size, target_hidden_size=config.hidden_size,
+        num_aux_hidden_states=3, aux_layer_ids=None,
+    )  # fmt: skip
+
+
+def eagle3_memory(target: StepSetup, head: Eagle3Config) -> DraftMemory:
+    """What an EAGLE-3 head adds on one chip of `target`: its weights (in the target's dtype, with
+    its own embedding and draft-to-target table, as served) and its one-layer cache's bytes per
+    KV page."""
+    dtype = jnp.dtype(target.dtype)
+    model = nnx.eval_shape(lambda: Eagle3Head(head, dtype=dtype, own_embedding=True, has_d2t=True))
+    weights = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(nnx.state(model)))
+    mc = head.model
+    caches = jax.eval_shape(
+        lambda: allocate_stacked_caches(
+            1, 2, target.tokens_per_page, mc.num_kv_heads, mc.head_dim, kv_cache_dtype(target.cache_dtype),
+            target.backend,
+        )
+    )  # fmt: skip
+    return DraftMemory(weights, sum(math.prod(c.shape) * np.dtype(c.dtype).itemsize for c in caches) // 2)
