@@ -354,9 +354,10 @@ def render_markdown(report: dict) -> str:
     note = report.get("note") or NOTE
     rows = report["results"]
     split = any(r.get("tp_size", 1) > 1 for r in rows)
-    text = f"**{note[0].upper()}{note[1:]}.**\n\n" + (tensor_parallel_markdown if split else markdown)(rows)
-    drafted = [r for r in rows if "weight_bytes" in r.get("draft", {})]
-    return text + ("\n\n" + draft_markdown(drafted) if drafted else "")
+    label = f"**{note[0].upper()}{note[1:]}.**\n\n"
+    if rows and all("draft" in r for r in rows):  # planned with --draft: what the draft changes
+        return label + draft_markdown([r for r in rows if "weight_bytes" in r["draft"]])
+    return label + (tensor_parallel_markdown if split else markdown)(rows)
 
 
 def draft_markdown(rows: list[dict]) -> str:

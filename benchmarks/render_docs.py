@@ -310,9 +310,11 @@ PLANNER_DRAFT_INTRO = """\
 Speculative decoding serves its drafter on the target's chip (`speculative_config`,
 [configuration.md](configuration.md)): `plan.py --draft` takes the drafter's weights out of the
 KV budget, then gives each target page a page of the drafter's cache beside it, as the worker
-does. Rows planned from the model's first layers (`--depth`); the first table is the target
-alone, the second what is left with the drafter (a Llama-3.2-1B draft model, or an EAGLE-3 head
-of the released heads' shape: one layer as wide as the target, a 32000-token draft vocabulary).
+does. Rows planned from the model's first layers (`--depth`), batch 16 x 4096 tokens: the KV
+tokens the target holds alone and with the drafter (a Llama-3.2-1B draft model, or an EAGLE-3
+head of the released heads' shape: one layer as wide as the target, a 32000-token draft
+vocabulary). The TPU cache layout holds a head of 64 in 128 lanes, so a draft with such heads
+costs twice its bytes a page there.
 """
 
 
