@@ -20,9 +20,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_XLA_CPU_ASYNC_SCHEDULING", "1")
 
 
-_AOT_SCOPE = "tests/aot"
-
-
 @pytest.fixture(scope="session")
 def native_kernels() -> pathlib.Path:
     """Builds (once; kept in the test cache directory) and registers the native CPU kernels."""
@@ -45,19 +42,28 @@ def dense_kernels(native_kernels: pathlib.Path) -> pathlib.Path:
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which `-p no:xdist` leaves out
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Under `--dist loadfile` (the Makefile's), each test file goes whole to one worker, so the
-    engines and models a module shares are built once, except that `tests/aot/` goes whole to one
-    worker: its real-target compiles take several GiB each and run one at a time, and one worker
-    running them all in turn leaves the other free for the rest of the suite, where a lock between
-    two workers holding compile modules left one of them waiting."""
+    engines and models a module shares are built once, except that `tests/aot/` goes to the
+    workers as two units (`tests/aot/units.py`): its real-size step compiles take several GiB
+    each and run one at a time on one worker, its layer-sized compiles one at a time on the
+    other. Both units are handed out first: they are the run's longest, and the other files fill
+    in behind them."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class FilesWithTheCompilesAsOne(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return _AOT_SCOPE if nodeid.startswith(_AOT_SCOPE + "/") else super()._split_scope(nodeid)
+    from tests.aot.units import LAYER_UNIT, STEP_UNIT, unit_of
 
-    return FilesWithTheCompilesAsOne(config, log)
+    class CompilesFirstInTwoUnits(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid) or super()._split_scope(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            for unit in (LAYER_UNIT, STEP_UNIT):  # the step unit ends up first
+                if unit in self.workqueue:
+                    self.workqueue.move_to_end(unit, last=False)
+            super()._assign_work_unit(node)
+
+    return CompilesFirstInTwoUnits(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

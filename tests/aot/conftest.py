@@ -1,16 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every test in this directory compiles for real TPU and GPU targets: they belong to the slow tier.
 
-Their compiles of multi-billion-parameter programs take several GiB each, so one module at a time
-compiles. Under `make test` one pytest-xdist worker runs this whole directory (tests/conftest.py
-schedules it as one unit); the lock file each module holds, shared by the run's workers, keeps
-the rule under other schedulings too."""
+Their compiles of multi-billion-parameter programs take several GiB each, so one such module at a
+time compiles, and one module of layer-sized programs beside it (`units.py`). Under `make test`
+one pytest-xdist worker runs each of the two units (tests/conftest.py schedules them); the lock
+file each module holds, its unit's, shared by the run's workers, keeps the rule under other
+schedulings too."""
 
 import fcntl
 import pathlib
 from collections.abc import Iterator
 
 import pytest
+
+from tests.aot.units import lock_name
 
 _HERE = pathlib.Path(__file__).resolve().parent
 
@@ -25,11 +28,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_compiling_module_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def one_compiling_module_at_a_time(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
     # Under xdist each worker's base temp is `<run's directory>/popen-gwN`: the parent is the run's.
     base = tmp_path_factory.getbasetemp()
     run_dir = base.parent if base.name.startswith("popen-gw") else base
-    with open(run_dir / "aot-compile.lock", "w") as lock:
+    with open(run_dir / lock_name(request.path.name), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

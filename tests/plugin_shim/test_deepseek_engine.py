@@ -1,12 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """DeepSeek-V2 and V3 through `vllm.LLM` on our platform, at TP=1, 2 and 4 on simulated CPU
-devices (one subprocess a checkpoint, as in test_tensor_parallel.py): greedy tokens equal
+devices (one subprocess a checkpoint and tier, as in test_tensor_parallel.py): greedy tokens equal
 transformers' fp32 greedy continuation and logprobs agree; vLLM sized the cache from our MLA
 spec, so the latent cache holds `kv_lora_rank + qk_rope_head_dim` values a token a layer, whole
 on every device; the heads' projections are split as the rules table says (at TP=4 one head a
 device). Prefix caching, chunked prefill and preemption each leave V3's tokens as a plain run's;
 a float8 latent cache gives transformers' tokens with the cached values rounded as it
 rounds them; Kimi K2's config (`model_type: kimi_k2`) serves as V3.
+
+`make test` runs V2-Lite at TP=4 (one head a device), V3 at TP=2 through the serving features
+(plain and cached/chunked/preempted) and with a float8 cache at TP=1, and Kimi K2 at TP=1; the
+greedy runs at the other sizes (`MORE_RUNS`) are `make test-full`'s.
 """
 
 from __future__ import annotations
@@ -57,29 +61,36 @@ def _fp8_run(tp: int) -> dict:
     return _greedy_run(tp, **PAGED, kv_cache_dtype="fp8")
 
 
-# checkpoint -> (architecture, builder, runs by name). V3 at every TP size and with every serving
-# feature; V2-Lite (no q LoRA, softmax routing) split 2 and 4 ways (its one-device step is the
-# logits tests' in tests/models/test_deepseek.py); Kimi K2 on one device.
+# checkpoint -> (architecture, builder, runs by name in `make test`). V3 with every serving feature
+# at TP=2 and a float8 cache at TP=1; V2-Lite (no q LoRA, softmax routing) split 4 ways, one head
+# a device (its one-device step is the logits tests' in tests/models/test_deepseek.py); Kimi K2 on
+# one device.
 CHECKPOINTS = {
     "v2_lite_greedy": (
         "DeepseekV2ForCausalLM",
         lambda path: save_tiny_deepseek("v2_lite_greedy", path),
-        {"tp2": _greedy_run(2, **PAGED), "tp4": _greedy_run(4, **PAGED)},
+        {"tp4": _greedy_run(4, **PAGED)},
     ),
     "v3_noaux_yarn": (
         "DeepseekV3ForCausalLM",
         lambda path: save_tiny_deepseek("v3_noaux_yarn", path),
-        {
-            "tp1": _greedy_run(1, **PAGED),
-            "tp2": _greedy_run(2, **PAGED),
-            "tp4": _greedy_run(4, **PAGED),
-            "plain": _plain_run(2),
-            "features": _cached_chunked_preempted_run(2),
-            "fp8": _fp8_run(1),
-        },
+        {"plain": _plain_run(2), "features": _cached_chunked_preempted_run(2), "fp8": _fp8_run(1)},
     ),
     "kimi_k2": ("DeepseekV3ForCausalLM", save_tiny_kimi_k2, {"tp1": _greedy_run(1, **PAGED)}),
 }
+# Greedy runs at every TP size (`make test-full`): they repeat at other sizes what the runs above
+# check (V3's one-device step is Kimi K2's and the float8 run's, its TP=2 the feature runs').
+MORE_RUNS = {
+    "v2_lite_greedy": {"tp2": _greedy_run(2, **PAGED)},
+    "v3_noaux_yarn": {
+        "tp1": _greedy_run(1, **PAGED),
+        "tp2": _greedy_run(2, **PAGED),
+        "tp4": _greedy_run(4, **PAGED),
+    },
+}
+CASES = [pytest.param(name, False, id=name) for name in CHECKPOINTS] + [
+    pytest.param(name, True, id=f"{name}-more", marks=pytest.mark.full) for name in MORE_RUNS
+]
 # Runs whose tokens are transformers' exactly (the float8 cache's: its own test).
 EXACT = ("tp1", "tp2", "tp4", "plain", "features")
 
@@ -104,21 +115,30 @@ class _Served:
 
     def __init__(self, tmp_path_factory):
         self._tmp = tmp_path_factory
-        self._done: dict[str, tuple] = {}
+        self._checkpoints: dict[str, tuple] = {}
+        self._done: dict[tuple[str, bool], tuple] = {}
 
-    def __call__(self, name: str) -> tuple[dict, dict, dict, str]:
-        if name not in self._done:
-            architecture, build, runs = CHECKPOINTS[name]
+    def _checkpoint(self, name: str) -> tuple:
+        if name not in self._checkpoints:
             tmp = self._tmp.mktemp(name)
-            path = build(str(tmp / "model"))
-            results = dict(zip(runs, _run_engines(tmp, path, list(runs.values()), "xla"), strict=True))
-            reference_path = _reference_checkpoint(path)
+            path = CHECKPOINTS[name][1](str(tmp / "model"))
+            self._checkpoints[name] = (tmp, path, _reference_checkpoint(path))
+        return self._checkpoints[name]
+
+    def __call__(self, name: str, more: bool = False) -> tuple[dict, dict, dict, str]:
+        if (name, more) not in self._done:
+            architecture, _, runs = CHECKPOINTS[name]
+            runs = MORE_RUNS[name] if more else runs
+            tmp, path, reference_path = self._checkpoint(name)
+            work = tmp / ("more" if more else "runs")
+            work.mkdir()
+            results = dict(zip(runs, _run_engines(work, path, list(runs.values()), "xla"), strict=True))
             references = {
                 run_name: _hf_reference(architecture, reference_path, run["prompts"])
                 for run_name, run in runs.items()
             }
-            self._done[name] = (runs, results, references, reference_path)
-        return self._done[name]
+            self._done[(name, more)] = (runs, results, references, reference_path)
+        return self._done[(name, more)]
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +146,9 @@ def served(tmp_path_factory) -> _Served:
     return _Served(tmp_path_factory)
 
 
-@pytest.mark.parametrize("name", list(CHECKPOINTS))
-def test_greedy_tokens_and_logprobs_match_transformers(served, name):
-    runs, results, references, _ = served(name)
+@pytest.mark.parametrize(("name", "more"), CASES)
+def test_greedy_tokens_and_logprobs_match_transformers(served, name, more):
+    runs, results, references, _ = served(name, more)
     for run_name in (r for r in runs if r in EXACT):
         tokens, logprobs = references[run_name]
         assert results[run_name]["tokens"] == tokens, run_name
@@ -140,9 +160,9 @@ def test_greedy_tokens_and_logprobs_match_transformers(served, name):
         )
 
 
-@pytest.mark.parametrize("name", list(CHECKPOINTS))
-def test_latent_cache_holds_one_row_a_token_whole_on_every_device(served, name):
-    runs, results, _, _ = served(name)
+@pytest.mark.parametrize(("name", "more"), CASES)
+def test_latent_cache_holds_one_row_a_token_whole_on_every_device(served, name, more):
+    runs, results, _, _ = served(name, more)
     for run_name, run in runs.items():
         tp, result = run["tp"], results[run_name]
         (cache,) = result["caches"]  # every layer's pages stacked in one array
@@ -155,10 +175,10 @@ def test_latent_cache_holds_one_row_a_token_whole_on_every_device(served, name):
         assert _normalized(cache["spec"]) == []
 
 
-@pytest.mark.parametrize("name", ["v2_lite_greedy", "v3_noaux_yarn"])
-def test_heads_are_split_as_the_rules_table_says(served, name):
-    runs, results, _, _ = served(name)
-    assert {run["tp"] for run in runs.values()} >= {2, 4}
+@pytest.mark.parametrize(("name", "more"), [c for c in CASES if c.values[0] != "kimi_k2"])
+def test_heads_are_split_as_the_rules_table_says(served, name, more):
+    runs, results, _, _ = served(name, more)
+    assert any(run["tp"] > 1 for run in runs.values())
     for run_name, run in runs.items():
         tp, result = run["tp"], results[run_name]
         if tp == 1:

@@ -177,6 +177,10 @@ def test_q8_0_gguf_generates_what_its_dequantized_model_does(trained, prompts, t
     shutil.rmtree(out)
 
 
+# `make test-full`: tests/tpu_platform/test_int8_tensor_parallel.py streams int8 weights onto 2
+# and 4 devices in `make test` (each device's kernels and scales, the logits the host-quantized
+# model's), and the engine tests above take the option through vLLM on one device.
+@pytest.mark.full
 def test_int8_on_two_devices_equals_one(trained, prompts, tmp_path):
     """Tensor parallelism over 2 simulated devices (a subprocess: the device count is fixed when
     JAX starts): the int8 kernels and scales split with their columns; same tokens and logprobs."""

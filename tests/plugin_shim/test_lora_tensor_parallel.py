@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""LoRA adapters under tensor parallelism through `vllm.LLM` on simulated CPU devices: at TP=2
-(each device its own KV head) and TP=4 (KV heads repeated), one batch of base rows and two
-adapters generates transformers' greedy tokens, and logprobs, with each row's adapter merged;
-nothing compiles after warm-up (VLLM_XLA_STRICT_COMPILE=1)."""
+"""LoRA adapters under tensor parallelism through `vllm.LLM` on simulated CPU devices: at TP=4
+(KV heads repeated) and, in `make test-full`, TP=2 (each device its own KV head), one batch of
+base rows and two adapters generates transformers' greedy tokens, and logprobs, with each row's
+adapter merged; nothing compiles after warm-up (VLLM_XLA_STRICT_COMPILE=1)."""
 
 import numpy as np
 import pytest
@@ -24,7 +24,10 @@ ENGINE = dict(
 )  # fmt: skip
 
 
-def test_adapters_under_tensor_parallelism_generate_the_merged_models_tokens(tmp_path):
+# TP=4 splits the adapters with their projections and repeats the 2 KV heads' (and their k/v
+# adapters') across devices; TP=2 splits them only: `make test-full`'s.
+@pytest.mark.parametrize("tp", [pytest.param(2, marks=pytest.mark.full), 4])
+def test_adapters_under_tensor_parallelism_generate_the_merged_models_tokens(tmp_path, tp):
     from transformers import AutoModelForCausalLM
 
     path = save_tiny_llama(str(tmp_path / "model"), seed=4)  # 4 query heads, 2 KV heads
@@ -46,7 +49,6 @@ def test_adapters_under_tensor_parallelism_generate_the_merged_models_tokens(tmp
             "llm": ENGINE,
             "loras": [loras[n] for n in NAMES],
         }
-        for tp in (2, 4)
     ]
     results = _run_engines(tmp_path, path, runs, "xla")
     for run in results:

@@ -30,9 +30,15 @@ def _served(tmp_path, model: str, task: str, batch: list[list[int]]) -> dict:
     return json.loads(out.read_text())
 
 
+# The classifier pools the rows gathered from the split model as the embedder does, then applies
+# its head: `make test` runs it; the embedder at TP=2 is `make test-full`'s (its one-device pooling
+# is tests/plugin_shim/test_pooling_embed.py's).
 @pytest.mark.parametrize(
     ("architecture", "task"),
-    [("Qwen3ForCausalLM", "embed"), ("LlamaForSequenceClassification", "classify")],
+    [
+        pytest.param("Qwen3ForCausalLM", "embed", marks=pytest.mark.full),
+        ("LlamaForSequenceClassification", "classify"),
+    ],
 )
 def test_two_devices_pool_as_transformers(tmp_path, architecture, task):
     model = save_tiny(architecture, str(tmp_path / "model"), seed=21)

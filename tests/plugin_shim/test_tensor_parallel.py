@@ -3,13 +3,19 @@
 
 The engines run in a subprocess per model (`tensor_parallel_engine`: the device count is fixed
 when JAX starts, and this process keeps one device). Greedy tokens at every TP size equal
-transformers' fp32 greedy continuation and the TP=1 engine's; logprobs agree within 1e-3. Every
-parameter's actual sharding is the rules table's, and each device holds 1/N of a split weight
-and of the KV cache. One TP=4 engine serves, under VLLM_XLA_STRICT_COMPILE=1, a mixed workload
-with chunked prefill, prefix-cache hits and preemption before its greedy check. Qwen3-MoE runs
-with `enable_expert_parallel=True` at 2 and 4 devices: its experts placed by index, whole.
-Qwen3-Next (hybrid: Gated DeltaNet beside gated attention) at TP=2 equals TP=1 and transformers
-with its prompts prefilled in chunks, its state pools split with the key heads.
+transformers' fp32 greedy continuation; logprobs agree within 1e-3. Every parameter's actual
+sharding is the rules table's, and each device holds 1/N of a split weight and of the KV cache.
+One TP=4 engine serves, under VLLM_XLA_STRICT_COMPILE=1, a mixed workload with chunked prefill,
+prefix-cache hits and preemption before its greedy check. Qwen3-MoE runs with
+`enable_expert_parallel=True`: its experts placed by index, whole. Qwen3-Next (hybrid: Gated
+DeltaNet beside gated attention) at TP=2 equals transformers with its prompts prefilled in
+chunks, its state pools split with the key heads.
+
+`make test` runs each family at one sharded size (TP=2; Qwen3-MoE at EP=4, whose attention also
+repeats KV heads, on the `xla` backend; Llama's TP=4 strict-compile workload on the native
+kernel). The rest of the grid (`MORE_RUNS`: TP=1, where each family's own engine test already
+compares with transformers, and the other sizes) and the sharded engines' equality with the
+one-device engine are `make test-full`'s.
 """
 
 from __future__ import annotations
@@ -90,22 +96,22 @@ def _hf_reference(architecture: str, path: str, ps: list[list[int]]) -> tuple[li
     return tokens, logprobs
 
 
-# model -> (architecture, checkpoint builder, engine runs, attention backend). Llama has 8 query
-# and 2 KV heads (TP 4 and 8 repeat KV heads), the tiny Qwen3, Gemma 2 and GPT-OSS have 4 and 2
-# (GPT-OSS: attention sinks split with the query heads, on the native kernel).
+# model -> (architecture, checkpoint builder, engine runs in `make test`, attention backend).
+# Llama has 8 query and 2 KV heads (TP 4 and 8 repeat KV heads), the tiny Qwen3, Gemma 2 and
+# GPT-OSS have 4 and 2 (GPT-OSS: attention sinks split with the query heads, on the native kernel).
 MODELS = {
     "llama": (
         "LlamaForCausalLM",
         lambda path: save_tiny_llama(
             path, seed=4, hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2
         ),
-        [_greedy_run(1), _greedy_run(2), _greedy_run(8), _features_run(4)],
+        [_greedy_run(2), _features_run(4)],
         "cpu_native",
     ),
     "gpt_oss": (
         "GptOssForCausalLM",
         functools.partial(save_tiny, "GptOssForCausalLM"),
-        [_greedy_run(1), _greedy_run(2)],
+        [_greedy_run(2)],
         "cpu_native",
     ),
     # Llama 4: chunked attention (chunks of 8 < the 13-token prompt) on the native kernel, a
@@ -113,7 +119,7 @@ MODELS = {
     "llama4": (
         "Llama4ForCausalLM",
         functools.partial(save_tiny, "Llama4ForCausalLM"),
-        [_greedy_run(1), _greedy_run(2)],
+        [_greedy_run(2)],
         "cpu_native",
     ),
     # Gemma 4: per-kind head dims and KV heads (the full layers' one KV head repeated on 2
@@ -129,24 +135,19 @@ MODELS = {
     "qwen3_next": (
         "Qwen3NextForCausalLM",
         functools.partial(save_tiny_qwen3_next, seed=3),
-        [_greedy_run(1), _greedy_run(2)],
+        [_greedy_run(2)],
         "xla",
     ),
-    # Qwen3-MoE under expert parallelism: 8 experts, 4 or 2 whole ones a device; its dense layer
-    # and attention tensor-parallel.
+    # Qwen3-MoE under expert parallelism: 8 experts, 2 whole ones a device at EP=4 (4 at EP=2);
+    # its dense layer and attention tensor-parallel, its 2 KV heads repeated at 4 devices.
     "qwen3_moe_ep": (
         "Qwen3MoeForCausalLM",
         functools.partial(save_tiny, "Qwen3MoeForCausalLM"),
-        [_greedy_run(2, enable_expert_parallel=True), _greedy_run(4, enable_expert_parallel=True)],
+        [_greedy_run(4, enable_expert_parallel=True)],
         "xla",
     ),
     **{
-        name: (
-            architecture,
-            functools.partial(save_tiny, architecture),
-            [_greedy_run(2), _greedy_run(4)],
-            "xla",
-        )
+        name: (architecture, functools.partial(save_tiny, architecture), [_greedy_run(2)], "xla")
         for name, architecture in (
             ("qwen3", "Qwen3ForCausalLM"),
             ("gemma2", "Gemma2ForCausalLM"),
@@ -155,30 +156,57 @@ MODELS = {
     },
 }
 
+# The rest of the grid (`make test-full`): the one-device engine (each family's own engine test
+# compares TP=1 with transformers in `make test`) and sizes repeating the paths above.
+MORE_RUNS = {
+    "llama": [_greedy_run(1), _greedy_run(8)],
+    "gpt_oss": [_greedy_run(1)],
+    "llama4": [_greedy_run(1)],
+    "qwen3_next": [_greedy_run(1)],
+    "qwen3_moe_ep": [_greedy_run(2, enable_expert_parallel=True)],
+    "qwen3": [_greedy_run(4)],
+    "gemma2": [_greedy_run(4)],
+    "mixtral": [_greedy_run(4)],
+}
 
 # Runs that repeat, on another architecture, paths the others take (`make test-full`): Qwen3's
 # attention, q/k norms included, is Qwen3-MoE's (split by heads beside its experts) and its MLP
 # is Llama's.
 REPEATS = ("qwen3",)
-NAMES = [pytest.param(name, marks=pytest.mark.full) if name in REPEATS else name for name in sorted(MODELS)]
+CASES = [
+    pytest.param(name, False, id=name, marks=[pytest.mark.full] if name in REPEATS else [])
+    for name in sorted(MODELS)
+] + [pytest.param(name, True, id=f"{name}-more", marks=pytest.mark.full) for name in sorted(MORE_RUNS)]
+# The placement check skips TP=1 runs: cases holding only those have nothing to check.
+SHARDED_CASES = [c for c in CASES if not c.values[1] or any(r["tp"] > 1 for r in MORE_RUNS[c.values[0]])]
 
 
 class _Served:
-    """Each model's engine runs (one subprocess a model, on first use) and their HF references."""
+    """Each model's engine runs (one subprocess a model and tier, on first use) and their HF
+    references; the checkpoint is built once a model."""
 
     def __init__(self, tmp_path_factory):
         self._tmp = tmp_path_factory
-        self._done: dict[str, tuple] = {}
+        self._models: dict[str, tuple] = {}
+        self._done: dict[tuple[str, bool], tuple] = {}
 
-    def __call__(self, name: str) -> tuple[list[dict], list[dict], list[tuple]]:
-        if name not in self._done:
-            architecture, build, runs, backend = MODELS[name]
+    def _model(self, name: str) -> tuple:
+        if name not in self._models:
             tmp = self._tmp.mktemp(name)
-            path = build(str(tmp / "model"))
-            results = _run_engines(tmp, path, runs, backend)
+            self._models[name] = (tmp, MODELS[name][1](str(tmp / "model")))
+        return self._models[name]
+
+    def __call__(self, name: str, more: bool = False) -> tuple[list[dict], list[dict], list[tuple]]:
+        if (name, more) not in self._done:
+            architecture, _, runs, backend = MODELS[name]
+            runs = MORE_RUNS[name] if more else runs
+            tmp, path = self._model(name)
+            work = tmp / ("more" if more else "runs")
+            work.mkdir()
+            results = _run_engines(work, path, runs, backend)
             references = [_hf_reference(architecture, path, run["prompts"]) for run in runs]
-            self._done[name] = (runs, results, references)
-        return self._done[name]
+            self._done[(name, more)] = (runs, results, references)
+        return self._done[(name, more)]
 
 
 @pytest.fixture(scope="module")
@@ -186,9 +214,9 @@ def served(tmp_path_factory) -> _Served:
     return _Served(tmp_path_factory)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_greedy_tokens_and_logprobs_match_transformers_at_every_tp_size(served, name):
-    runs, results, references = served(name)
+@pytest.mark.parametrize(("name", "more"), CASES)
+def test_greedy_tokens_and_logprobs_match_transformers_at_every_tp_size(served, name, more):
+    runs, results, references = served(name, more)
     for run, result, (tokens, logprobs) in zip(runs, results, references, strict=True):
         assert result["tokens"] == tokens, f"TP={run['tp']}"
         np.testing.assert_allclose(
@@ -196,17 +224,18 @@ def test_greedy_tokens_and_logprobs_match_transformers_at_every_tp_size(served, 
         )
 
 
+@pytest.mark.full
 @pytest.mark.parametrize(("name", "sharded"), [("llama", 2), ("qwen3_next", 1)])
 def test_sharded_engines_equal_the_one_device_engine(served, name, sharded):
     """The TP=1 engine against the sharded ones (Llama's TP=2 and TP=8, Qwen3-Next's TP=2;
     transformers is every model's reference)."""
-    runs, results, _ = served(name)
-    assert runs[0]["tp"] == 1
+    (more_runs, more_results, _), (runs, results, _) = served(name, True), served(name, False)
+    assert more_runs[0]["tp"] == 1
     compared = 0
-    for run, result in zip(runs[1:], results[1:], strict=True):
-        if run["prompts"] == runs[0]["prompts"]:
-            assert result["tokens"] == results[0]["tokens"], f"TP={run['tp']}"
-            np.testing.assert_allclose(result["logprobs"], results[0]["logprobs"], atol=LOGPROB_ATOL)
+    for run, result in zip(more_runs[1:] + runs, more_results[1:] + results, strict=True):
+        if run["prompts"] == more_runs[0]["prompts"]:
+            assert result["tokens"] == more_results[0]["tokens"], f"TP={run['tp']}"
+            np.testing.assert_allclose(result["logprobs"], more_results[0]["logprobs"], atol=LOGPROB_ATOL)
             compared += 1
     assert compared == sharded
 
@@ -217,9 +246,9 @@ def _normalized(spec: list) -> list:
     return spec
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_every_parameter_is_placed_as_the_rules_table_says(served, name):
-    runs, results, _ = served(name)
+@pytest.mark.parametrize(("name", "more"), SHARDED_CASES)
+def test_every_parameter_is_placed_as_the_rules_table_says(served, name, more):
+    runs, results, _ = served(name, more)
     for run, result in zip(runs, results, strict=True):
         tp = run["tp"]
         if tp == 1:
