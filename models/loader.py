@@ -77,6 +77,19 @@ def iter_checkpoint(
                     yield name, f.get_tensor(name)
 
 
+def read_tensors(path: str, suffix: str) -> dict[str, np.ndarray]:
+    """The safetensors tensors of the model at `path` whose names end in `suffix` (small ones a
+    loader reads before the rest: GPTQ's `g_idx`), by name."""
+    from safetensors import safe_open
+
+    found = {}
+    for file in checkpoint_files(path):
+        if file.endswith(".safetensors"):
+            with safe_open(file, framework="numpy") as f:
+                found |= {name: f.get_tensor(name) for name in f.keys() if name.endswith(suffix)}
+    return found
+
+
 # safetensors' name of float8_e4m3fn, which its NumPy reader cannot give (NumPy has no such type).
 _FP8_SAFETENSORS_DTYPE = "F8_E4M3"
 
@@ -260,7 +273,7 @@ def iter_parameters(
     layout = (
         compressed_tensors.int8_layout(model, path, names, our_name)
         or fp8_checkpoint.fp8_layout(model, path, names, our_name)
-        or gptq_checkpoint.gptq_layout(model, path, names, our_name)
+        or gptq_checkpoint.gptq_layout(model, path, names, our_name, lambda: read_tensors(path, ".g_idx"))
         or awq_checkpoint.awq_layout(model, path, names, our_name)
     )
     if layout is not None:
