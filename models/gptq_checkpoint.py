@@ -207,19 +207,26 @@ def input_order(name: str, g_idx: np.ndarray, group_size: int | None) -> np.ndar
     return np.argsort(g_idx, kind="stable").astype(np.int32)
 
 
-def _give_input_orders(
+def give_input_orders(
     model: nnx.Module,
-    orders: dict[str, np.ndarray],
-    our_name: Callable[[str], str | None],
-    param_map: dict[str, str],
     path: str,
-) -> None:
-    """Gives each layer of `orders` (HF layer names) an `input_order` (zeros, in place, before
-    loading) and `param_map` the name it loads from; refuses an MoE expert's by name."""
-    for hf, ours in type(model).hf_param_map.items():
-        if hf.endswith(".weight") and ours.endswith(".kernel"):
-            layer, ours_layer = hf.removesuffix(".weight"), ours.removesuffix(".kernel")
-            param_map[layer + ".input_order"] = ours_layer + ".input_order"
+    our_name: Callable[[str], str | None],
+    g_indices: Callable[[], dict[str, np.ndarray]],
+) -> dict[str, np.ndarray]:
+    """For a GPTQ checkpoint with activation order at `path` (`desc_act`; whose `g_idx` tensors
+    by name `g_indices()` reads): gives each layer it reorders an `input_order` (zeros, in place,
+    before loading) and returns the orders by HF layer name; {} for any other checkpoint. An MoE
+    expert's order is refused by name. Also run before the served structure is derived from the
+    model (`models.weight_stream`), which must then hold the orders."""
+    config = quantization_config(path)
+    if not config or config.get("quant_method") != METHOD or not config.get("desc_act"):
+        return {}
+    check_config(config)
+    orders = {}
+    for name, g_idx in g_indices().items():
+        order = input_order(name, g_idx, group_size(config))
+        if order is not None:
+            orders[name.removesuffix(".g_idx")] = order
     modules = {".".join(str(p) for p in path_): m for path_, m in nnx.iter_modules(model)}
     for layer, order in sorted(orders.items()):
         module = modules.get((our_name(layer + ".weight") or "").removesuffix(".kernel"))
@@ -230,6 +237,15 @@ def _give_input_orders(
                 "projections only; use a desc_act=false checkpoint for a MoE model"
             )
         module.input_order = nnx.Param(np.zeros(order.shape, np.int32))
+    return orders
+
+
+def _input_order_names(model: nnx.Module, param_map: dict[str, str]) -> None:
+    """`param_map` plus the name each projection's input order loads from."""
+    for hf, ours in type(model).hf_param_map.items():
+        if hf.endswith(".weight") and ours.endswith(".kernel"):
+            layer, ours_layer = hf.removesuffix(".weight"), ours.removesuffix(".kernel")
+            param_map[layer + ".input_order"] = ours_layer + ".input_order"
 
 
 def gptq_layout(
@@ -255,12 +271,7 @@ def gptq_layout(
         model, quantized, our_name, path, size, int4.held_dtype(), experts_grouped=True, offsets=affine
     )
     shift = (1 if config.get("checkpoint_format", "gptq") == "gptq" else 0) if affine else None
-    act_order = bool(config.get("desc_act"))
-    orders = {}
-    if act_order:
-        for name, g_idx in g_indices().items():
-            order = input_order(name, g_idx, size)
-            if order is not None:
-                orders[name.removesuffix(".g_idx")] = order
-        _give_input_orders(model, orders, our_name, param_map, path)
-    return GptqCheckpoint(param_map, size, shift, act_order, orders)
+    orders = give_input_orders(model, path, our_name, g_indices)
+    if orders:
+        _input_order_names(model, param_map)
+    return GptqCheckpoint(param_map, size, shift, bool(config.get("desc_act")), orders)
