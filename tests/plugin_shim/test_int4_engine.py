@@ -97,6 +97,15 @@ def test_gptq_generates_what_the_dequantized_model_does(source, prompts, root):
     _assert_greedy_of(reference, prompts, generated)
 
 
+@pytest.mark.full  # the model tests check these offsets' logits; here vLLM's acceptance of the config
+def test_w4a16_with_zero_points_generates_what_the_decompressed_model_does(source, prompts, root):
+    path = write_compressed_w4a16(source, str(root / "w4a16_asym"), group_size=128, symmetric=False)
+    reference = _transformers(write_decompressed(path, str(root / "asym_reference")))
+    generated, kernels = _generate(path, prompts)
+    assert kernels == 2 * 4
+    _assert_greedy_of(reference, prompts, generated)
+
+
 def test_gptq_act_order_generates_what_the_dequantized_model_does(source, prompts, root):
     """desc_act true, groups of 32 in a random order of each projection's inputs: the layers
     gather their inputs into their kernels' group order (`models.gptq_checkpoint`)."""
