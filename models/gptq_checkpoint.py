@@ -253,7 +253,7 @@ def gptq_layout(
     path: str,
     names: Callable[[], list[str]],
     our_name: Callable[[str], str | None],
-    g_indices: Callable[[], dict[str, np.ndarray]] = dict,
+    g_indices: Callable[[], dict[str, np.ndarray]],
 ) -> GptqCheckpoint | None:
     """For a GPTQ checkpoint at `path` whose tensor names `names()` lists: gives each layer it
     quantized int4 zeros (held as `int4.held_dtype`) and a scale (in place, before loading), and

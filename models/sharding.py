@@ -20,6 +20,8 @@ family. The mesh has one axis, `MODEL_AXIS` (vLLM's `tensor_parallel_size`):
   column-parallel ones and on its groups for the row-parallel ones, whose every device must
   then hold whole groups of inputs (else `parameter_spec` refuses the TP size by name); an
   affine int4 kernel's offsets (`kernel_offset`, the scale's layout) are split like its scale;
+  a reordered kernel's input order (`input_order`, GPTQ's activation order) is whole on every
+  device (the gather of a row-parallel layer's inputs then reads across devices: XLA moves them);
 - vocab-parallel: the embedding table (rows; the lookup is masked per device and summed,
   `layers.Embedding`) and the LM head (columns: each device computes its vocabulary slice of
   the logits, gathered before sampling);
