@@ -19,7 +19,13 @@ model's dtype (`models.quantization.quantize_int8` quantizes them at load when a
 4-bit checkpoints (W4A16: `pack-quantized` with `num_bits: 4`, symmetric `int` weights per
 channel or per group: eight values an int32 word, each offset by 8; `weight_shape`;
 `weight_scale`) load alike as int4 values (`models.int4`, held as int8 on CPU), their MoE
-experts' group scales kept (`[E, in / G, out]`). Zero points (`symmetric: false`) are refused.
+experts' group scales kept (`[E, in / G, out]`). Asymmetric ones (`symmetric: false`: the
+package stores signed values `q` in [-8, 7] with signed zero points `zp`, the weight `(q - zp) *
+scale`) also hold `weight_zero_point`, packed eight output rows an int32 word on its first axis
+(`[ceil(out / 8), in / G]`, each plus 8, as the package's `pack_to_int32(packed_dim=0)` writes
+it) or, where the package leaves it unpacked, int8 `[out, in / G]`: a layer loads the same int4
+values and scales plus float32 offsets `-zp * scale` (`models.int4`: `w = q * s + m`), dense
+projections only (an asymmetric MoE is refused by name, as for GPTQ).
 
 FP8 checkpoints (`float-quantized`, or `naive-quantized` with float weights: 8-bit symmetric
 `type: "float"` weights, float8_e4m3fn `weight` and a float32 `weight_scale` per tensor, per
@@ -62,6 +68,7 @@ class Int8Checkpoint:
     block: tuple[int, int] | None = None
     weight_shapes: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     bits: int = 8  # of the packed values (`weight_packed`): 8, or 4 (`models.int4`)
+    zero_points: bool = False  # 4-bit with zero points: `weight_zero_point` read as offsets
 
     def tensors(self, tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
         """The checkpoint's tensors as plain `weight` (int8 or fp8 `[out, in]`) and `weight_scale`:
@@ -69,8 +76,18 @@ class Int8Checkpoint:
         consumed, block scales (`weight_scale`, or `weight_scale_inv` as `quant_method: fp8`
         names them) per group of inputs of each row, activation scales (`input_scale`) dropped."""
         packed: dict[str, np.ndarray] = {}
+        waiting: dict[str, dict[str, np.ndarray]] = {}  # an asymmetric layer's scale or zero point
         for name, array in tensors:
             if name.endswith(".input_scale"):
+                continue
+            if self.zero_points and name.endswith((".weight_scale", ".weight_zero_point")):
+                weight, kind = name[: name.rindex(".weight_")] + ".weight", name.rsplit(".", 1)[1]
+                if kind == "weight_scale":
+                    yield name, array
+                parts = waiting.setdefault(weight, {})
+                parts[kind] = np.asarray(array)
+                if len(parts) == 2:
+                    yield weight + "_offset", zero_point_offsets(weight, **waiting.pop(weight))
                 continue
             if name.endswith(".weight_scale_inv"):
                 name = name.removesuffix("_inv")
@@ -88,9 +105,30 @@ class Int8Checkpoint:
             else:
                 yield name, array
         yield from packed.items()
+        for weight, have in waiting.items():
+            lacking = "weight_zero_point" if "weight_scale" in have else "weight_scale"
+            raise ValueError(
+                f"the compressed-tensors checkpoint (symmetric false) lacks {weight}{lacking[6:]}"
+            )
 
     def _unpacked(self, packed: np.ndarray) -> np.ndarray:
         return int4.unpack_int32(packed) if self.bits == 4 else unpack_int32(packed)
+
+
+def zero_point_offsets(weight: str, weight_scale: np.ndarray, weight_zero_point: np.ndarray) -> np.ndarray:
+    """The float32 offsets `-zp * scale` (HF orientation, the scale's shape `[out, in / G]` or
+    `[out, 1]`) of a 4-bit layer's signed zero points `zp`: packed eight rows an int32 word on the
+    first axis, each plus 8, or int8 as they are."""
+    scale = np.asarray(weight_scale, np.float32)
+    zeros = np.asarray(weight_zero_point)
+    if zeros.dtype == np.int32:
+        zeros = int4.unpack_unsigned(zeros, axis=0)[: scale.shape[0]].astype(np.int32) - int4.OFFSET
+    if zeros.shape != scale.shape:
+        raise ValueError(
+            f"compressed-tensors tensor {weight}_zero_point holds zero points {zeros.shape}, its "
+            f"scales {scale.shape}: not one per group and output"
+        )
+    return (-zeros.astype(np.float32) * scale).astype(SCALE_DTYPE)
 
 
 def unpack_int32(packed: np.ndarray) -> np.ndarray:
@@ -128,12 +166,12 @@ def check_config(config: dict) -> None:
         weights = group.get("weights") or {}
         found = {k: weights.get(k) for k in ("num_bits", "type", "symmetric", "strategy")}
         bits = found["num_bits"] if found["num_bits"] in (4, 8) else 8
-        if found != {"num_bits": bits, "type": "int", "symmetric": True, "strategy": found["strategy"]} or (
-            found["strategy"] not in _STRATEGIES
-        ):
+        symmetric = found["symmetric"] if bits == 4 and found["symmetric"] in (True, False) else True
+        wanted = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": found["strategy"]}
+        if found != wanted or found["strategy"] not in _STRATEGIES:
             raise ValueError(
-                f"compressed-tensors group {name!r} has weights {found}; vllm-xla loads 8-bit or "
-                f"4-bit symmetric int weights with strategy {' or '.join(_STRATEGIES)} only"
+                f"compressed-tensors group {name!r} has weights {found}; vllm-xla loads 8-bit "
+                f"symmetric or 4-bit int weights with strategy {' or '.join(_STRATEGIES)} only"
             )
         if bits == 4 and fmt != "pack-quantized":
             raise ValueError(
@@ -264,12 +302,29 @@ def int8_layout(
     scaled = {n.removesuffix("_scale") for n in names() if n.endswith(".weight_scale")}
     dtype = values_dtype(config)
     held = int4.held_dtype() if dtype == INT4_DTYPE else dtype
+    affine = has_zero_points(config)
     param_map = int8_kernels_for(
-        model, scaled, our_name, path, group_size(config), held, experts_grouped=dtype == INT4_DTYPE
+        model,
+        scaled,
+        our_name,
+        path,
+        group_size(config),
+        held,
+        experts_grouped=dtype == INT4_DTYPE,
+        offsets=affine,
     )
     block = block_of(config) if dtype == FP8_DTYPE else None
     shapes = weight_shapes(model, scaled, our_name) if block is not None else {}
-    return Int8Checkpoint(param_map, frozenset(scaled), block, shapes, bits=4 if dtype == INT4_DTYPE else 8)
+    bits = 4 if dtype == INT4_DTYPE else 8
+    return Int8Checkpoint(param_map, frozenset(scaled), block, shapes, bits=bits, zero_points=affine)
+
+
+def has_zero_points(config: dict | None) -> bool:
+    """Whether a compressed-tensors `config`'s (4-bit) weights have zero points (`symmetric: false`)."""
+    if not config or config.get("quant_method") != METHOD:
+        return False
+    groups = (config.get("config_groups") or {}).values()
+    return any((group.get("weights") or {}).get("symmetric") is False for group in groups)
 
 
 def weight_shapes(

@@ -14,15 +14,34 @@ linear layer `<layer>` holds (vLLM's `auto_gptq` layout, `G` the group size, all
   asymmetric one's (`sym: false`) are read: the original format (`checkpoint_format` "gptq", the
   default) stores each zero point minus one, "gptq_v2" as it is (as vLLM's GPTQ kernels read
   them), and the weight is `(stored - z) * scale`;
-- `<layer>.g_idx`: int32 `[in]`, each input's group: `i // G` without activation reordering
-  (checked, then dropped).
+- `<layer>.g_idx`: int32 `[in]`, each input's group: `i // G` without activation order
+  (checked, then dropped); with it (`desc_act: true`, most GPTQ checkpoints on the hub) the
+  groups of a random-looking order of the inputs, the weight of input row `i` being
+  `(stored - z[g_idx[i]]) * scale[g_idx[i]]`.
 
 The stored values minus 8 are int4 as they stand, so a layer loads as int4 values `[in, out]`
 with float32 scales `[in / G, out]` (`[out]` per channel), exactly the weights vLLM computes
 with; an asymmetric checkpoint's also with float32 offsets `(8 - z) * scale` in the scales'
-layout (`models.int4`: `w = q * s + m`). Refused by name: other bit widths (GPTQ's 8-bit and
-2/3-bit), activation reordering (`desc_act: true`, or a `g_idx` that is not `i // G`), a
-quantized head (`lm_head: true`), per-module `dynamic` overrides, and an asymmetric MoE.
+layout (`models.int4`: `w = q * s + m`).
+
+Activation order is served by sorting a layer's kernel rows by group at load (`input_order`,
+stable: each group's inputs in their own order), so its groups are consecutive again and the
+weights load packed into the same int4 kernel, scales and offsets as any GPTQ layer's; the layer
+keeps the order (`linear.Linear.input_order`) and gathers its inputs into it in the program, a
+`[T, in]` gather beside a weight read of `in * out / 2` bytes. Permuting the producing layer's
+outputs instead would avoid the gather only where one layer produces the input (down_proj), not
+for q/k/v and gate/up (the normalized residual, read by several layers) nor o_proj (attention's
+heads), so every reordered layer gathers alike. A layer whose `g_idx` is already `i // G`
+(desc_act set, its order trivial) is served as without activation order. The g_idx tensors are
+read before the weights (they are small) so each reordered layer gets its order ahead of its
+qweight. On a mesh the order is whole on every device; o_proj's and down_proj's rows split on
+whole groups as any GPTQ layer's (a TP size that cuts a group is refused by name), and XLA
+brings each device the inputs its rows read.
+
+Refused by name: other bit widths (GPTQ's 8-bit and 2/3-bit), a `g_idx` that is not `i // G`
+under `desc_act: false` or whose groups do not each hold `group_size` inputs, projections fused
+into one (q/k/v, gate/up) whose orders differ, activation order for MoE experts, a quantized
+head (`lm_head: true`), per-module `dynamic` overrides, and an asymmetric MoE.
 """
 
 from __future__ import annotations
@@ -35,6 +54,7 @@ from flax import nnx
 
 from models import int4
 from models.compressed_tensors import int8_kernels_for, quantization_config
+from models.linear import Linear
 
 METHOD = "gptq"
 _SUFFIXES = (".qweight", ".scales", ".qzeros", ".g_idx")
@@ -55,11 +75,6 @@ def check_config(config: dict) -> None:
     if config.get("checkpoint_format", "gptq") not in _FORMATS:
         raise ValueError(
             f"GPTQ checkpoint_format {config.get('checkpoint_format')!r} is not one of {_FORMATS}"
-        )
-    if config.get("desc_act"):
-        raise ValueError(
-            "GPTQ checkpoint with desc_act=true (activation reordering, act-order): vllm-xla loads "
-            "GPTQ weights whose groups are consecutive inputs only; use a desc_act=false checkpoint"
         )
     size = config.get("group_size", -1)
     if not isinstance(size, int) or (size != -1 and size < 1):
@@ -90,6 +105,8 @@ class GptqCheckpoint:
     param_map: dict[str, str]
     group_size: int | None
     zero_shift: int | None = None  # None: symmetric, zero points dropped
+    act_order: bool = False  # `desc_act`: each layer's g_idx read before loading, into `input_orders`
+    input_orders: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # by HF layer name
 
     def tensors(self, tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
         """The checkpoint's tensors as plain int4 `weight` `[out, in]` and float32 `weight_scale`
@@ -99,13 +116,14 @@ class GptqCheckpoint:
         waiting: dict[str, dict[str, np.ndarray]] = {}  # an asymmetric layer's scales or zeros
         for name, array in tensors:
             if name.endswith(".qweight"):
-                yield name.removesuffix(".qweight") + ".weight", int4.unpack_int32(array, axis=0).T
+                yield from self._weight(name.removesuffix(".qweight"), int4.unpack_int32(array, axis=0))
             elif name.endswith(".scales"):
                 yield name.removesuffix(".scales") + ".weight_scale", self._hf_layout(array)
                 if self.zero_shift is not None:
                     yield from self._offset(waiting, name.removesuffix(".scales"), "scales", array)
             elif name.endswith(".g_idx"):
-                self._check_g_idx(name, np.asarray(array))
+                if not self.act_order:
+                    self._check_g_idx(name, np.asarray(array))
             elif name.endswith(".qzeros"):
                 if self.zero_shift is not None:
                     zeros = int4.unpack_unsigned(array, axis=1).astype(np.int32) + self.zero_shift
@@ -115,6 +133,20 @@ class GptqCheckpoint:
         for layer, have in waiting.items():
             lacking = "qzeros" if "scales" in have else "scales"
             raise ValueError(f"the GPTQ checkpoint (sym false) lacks {layer}.{lacking}")
+
+    def _weight(self, layer: str, values: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+        """A layer's int4 values `[in, out]` as its HF `weight` `[out, in]`; under activation
+        order with its rows in group order, and that order (`input_order`) beside them."""
+        order = self.input_orders.get(layer)
+        if order is not None:
+            if order.shape[0] != values.shape[0]:
+                raise ValueError(
+                    f"GPTQ tensor {layer}.g_idx gives {order.shape[0]} inputs a group, its qweight "
+                    f"holds {values.shape[0]} inputs"
+                )
+            values = values[order]
+            yield layer + ".input_order", order
+        yield layer + ".weight", values.T
 
     def _hf_layout(self, value: np.ndarray) -> np.ndarray:
         """A `[in / G, out]` per-group tensor as `[out, in / G]` float32, `[out]` per channel."""
@@ -143,8 +175,77 @@ class GptqCheckpoint:
         if not np.array_equal(g_idx, inputs // (self.group_size or g_idx.shape[0])):
             raise ValueError(
                 f"checkpoint tensor {name!r} reorders the inputs of its groups (activation "
-                "reordering); vllm-xla loads GPTQ weights whose groups are consecutive inputs only"
+                "order) while the checkpoint's quantization_config says desc_act false: set "
+                "desc_act true in its config.json to serve it so"
             )
+
+
+def input_order(name: str, g_idx: np.ndarray, group_size: int | None) -> np.ndarray | None:
+    """The order of a layer's inputs that makes its groups consecutive, from its `g_idx` (tensor
+    `name`): the inputs sorted by group, in their own order within one (int32 `[in]`); None
+    when they already are (`g_idx[i] == i // G`: no reordering to serve). A ValueError naming
+    the tensor unless every group holds exactly `group_size` inputs."""
+    g_idx = np.asarray(g_idx).astype(np.int64)
+    inputs = g_idx.shape[0] if g_idx.ndim == 1 else 0
+    size = group_size or inputs
+    if g_idx.ndim != 1 or not inputs or inputs % size:
+        raise ValueError(
+            f"GPTQ tensor {name!r} has shape {g_idx.shape}: not one group index an input in groups of {size}"
+        )
+    groups = inputs // size
+    if g_idx.min() < 0 or g_idx.max() >= groups:
+        raise ValueError(f"GPTQ tensor {name!r} holds group indices outside [0, {groups})")
+    counts = np.bincount(g_idx, minlength=groups)
+    if (counts != size).any():
+        group = int(np.flatnonzero(counts != size)[0])
+        raise ValueError(
+            f"GPTQ tensor {name!r} puts {counts[group]} inputs in group {group}, not group_size "
+            f"{size}: vllm-xla serves activation order whose groups each hold group_size inputs"
+        )
+    if np.array_equal(g_idx, np.arange(inputs) // size):
+        return None
+    return np.argsort(g_idx, kind="stable").astype(np.int32)
+
+
+def give_input_orders(
+    model: nnx.Module,
+    path: str,
+    our_name: Callable[[str], str | None],
+    g_indices: Callable[[], dict[str, np.ndarray]],
+) -> dict[str, np.ndarray]:
+    """For a GPTQ checkpoint with activation order at `path` (`desc_act`; whose `g_idx` tensors
+    by name `g_indices()` reads): gives each layer it reorders an `input_order` (zeros, in place,
+    before loading) and returns the orders by HF layer name; {} for any other checkpoint. An MoE
+    expert's order is refused by name. Also run before the served structure is derived from the
+    model (`models.weight_stream`), which must then hold the orders."""
+    config = quantization_config(path)
+    if not config or config.get("quant_method") != METHOD or not config.get("desc_act"):
+        return {}
+    check_config(config)
+    orders = {}
+    for name, g_idx in g_indices().items():
+        order = input_order(name, g_idx, group_size(config))
+        if order is not None:
+            orders[name.removesuffix(".g_idx")] = order
+    modules = {".".join(str(p) for p in path_): m for path_, m in nnx.iter_modules(model)}
+    for layer, order in sorted(orders.items()):
+        module = modules.get((our_name(layer + ".weight") or "").removesuffix(".kernel"))
+        if not isinstance(module, Linear):
+            raise ValueError(
+                f"GPTQ tensor {layer}.g_idx in {path!r} reorders the inputs of an MoE expert "
+                "(desc_act, activation order): vllm-xla serves activation order for dense "
+                "projections only; use a desc_act=false checkpoint for a MoE model"
+            )
+        module.input_order = nnx.Param(np.zeros(order.shape, np.int32))
+    return orders
+
+
+def _input_order_names(model: nnx.Module, param_map: dict[str, str]) -> None:
+    """`param_map` plus the name each projection's input order loads from."""
+    for hf, ours in type(model).hf_param_map.items():
+        if hf.endswith(".weight") and ours.endswith(".kernel"):
+            layer, ours_layer = hf.removesuffix(".weight"), ours.removesuffix(".kernel")
+            param_map[layer + ".input_order"] = ours_layer + ".input_order"
 
 
 def gptq_layout(
@@ -152,11 +253,13 @@ def gptq_layout(
     path: str,
     names: Callable[[], list[str]],
     our_name: Callable[[str], str | None],
+    g_indices: Callable[[], dict[str, np.ndarray]],
 ) -> GptqCheckpoint | None:
     """For a GPTQ checkpoint at `path` whose tensor names `names()` lists: gives each layer it
-    quantized int4 zeros (held as `int4.held_dtype`) and a scale (in place, before loading) and
-    returns how to read it; None for any other checkpoint. `our_name`: an HF name's parameter
-    path (the loader's table)."""
+    quantized int4 zeros (held as `int4.held_dtype`) and a scale (in place, before loading), and
+    under activation order (`desc_act`, whose `g_idx` tensors by name `g_indices()` reads) each
+    layer it reorders an input order; returns how to read it; None for any other checkpoint.
+    `our_name`: an HF name's parameter path (the loader's table)."""
     config = quantization_config(path)
     if not config or config.get("quant_method") != METHOD:
         return None
@@ -168,4 +271,7 @@ def gptq_layout(
         model, quantized, our_name, path, size, int4.held_dtype(), experts_grouped=True, offsets=affine
     )
     shift = (1 if config.get("checkpoint_format", "gptq") == "gptq" else 0) if affine else None
-    return GptqCheckpoint(param_map, size, shift)
+    orders = give_input_orders(model, path, our_name, g_indices)
+    if orders:
+        _input_order_names(model, param_map)
+    return GptqCheckpoint(param_map, size, shift, bool(config.get("desc_act")), orders)

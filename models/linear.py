@@ -14,7 +14,7 @@ from flax import nnx
 from models import fp8, int4, int8
 from models.int4 import is_int4
 from models.int8 import group_size, int8_dot
-from models.sharding import interleave_blocks
+from models.sharding import interleave_blocks, shared_input_order
 from pallas_kernels import cpu
 
 
@@ -28,7 +28,10 @@ class Linear(nnx.Module):
     """`y = x @ kernel (+ bias)` with the kernel stored `[in, out]`; an int8 or fp8 kernel has its
     scale in `kernel_scale`: `[out]` per output channel or `[in / G, out]` per group of `G`
     inputs (`models.int8`, `models.fp8`, `models.quantization`); an affine int4 kernel its offsets
-    in `kernel_offset`, the scale's layout (`models.int4`)."""
+    in `kernel_offset`, the scale's layout (`models.int4`). A kernel whose rows a checkpoint
+    reordered (GPTQ's activation order: `models.gptq_checkpoint`) has the order in `input_order`
+    (int32 `[in]`, row r of the kernel weighs input `input_order[r]`): the product gathers the
+    inputs into that order first, so the weights stay packed and every kernel unchanged."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype):
         self.in_features, self.out_features = in_features, out_features
@@ -36,6 +39,7 @@ class Linear(nnx.Module):
         self.bias = zeros_param((out_features,), dtype) if bias else None
         self.kernel_scale: nnx.Param | None = nnx.data(None)
         self.kernel_offset: nnx.Param | None = nnx.data(None)
+        self.input_order: nnx.Param | None = nnx.data(None)
         self.lora: nnx.Module | None = nnx.data(None)  # adapter slots: `models.lora.attach_lora`
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -45,7 +49,8 @@ class Linear(nnx.Module):
     def product(self, x: jax.Array) -> jax.Array:
         """`x @ kernel` in float32, without the bias; plus each token's LoRA update when the
         projection carries adapter slots (`models.lora`)."""
-        y = matmul(x, self.kernel, self.kernel_scale, self.kernel_offset)
+        rows = x if self.input_order is None else jnp.take(x, self.input_order[...], axis=-1)
+        y = matmul(rows, self.kernel, self.kernel_scale, self.kernel_offset)
         return y if self.lora is None else self.lora.add_update(y, x)
 
     @classmethod
@@ -70,6 +75,9 @@ class Linear(nnx.Module):
                 for p, s in zip(parts, scales, strict=True)
             ]
             fused.kernel_offset = nnx.Param(interleave_blocks(offsets, blocks, axis=offsets[0].ndim - 1))
+        order = shared_input_order([p.input_order[...] if p.input_order is not None else None for p in parts])
+        if order is not None:
+            fused.input_order = nnx.Param(order)
         if fused.bias is not None:
             fused.bias.set_value(interleave_blocks([p.bias[...] for p in parts], blocks, axis=0))
         return fused

@@ -77,6 +77,19 @@ def iter_checkpoint(
                     yield name, f.get_tensor(name)
 
 
+def read_tensors(path: str, suffix: str) -> dict[str, np.ndarray]:
+    """The safetensors tensors of the model at `path` whose names end in `suffix` (small ones a
+    loader reads before the rest: GPTQ's `g_idx`), by name."""
+    from safetensors import safe_open
+
+    found = {}
+    for file in checkpoint_files(path):
+        if file.endswith(".safetensors"):
+            with safe_open(file, framework="numpy") as f:
+                found |= {name: f.get_tensor(name) for name in f.keys() if name.endswith(suffix)}
+    return found
+
+
 # safetensors' name of float8_e4m3fn, which its NumPy reader cannot give (NumPy has no such type).
 _FP8_SAFETENSORS_DTYPE = "F8_E4M3"
 
@@ -178,8 +191,9 @@ def checkpoint_values(path: str) -> str | None:
     """The values of the quantized weights the checkpoint at `path` holds as they are: "fp8" (a
     compressed-tensors FP8 or a `quant_method: fp8` checkpoint), "int8" (a compressed-tensors
     int8 one), "int4" (a compressed-tensors 4-bit one, a symmetric GPTQ one), "int4z" (4-bit with
-    zero points: AWQ, asymmetric GPTQ), None for any other (its weights are quantized at load when
-    asked; a GGUF's 4-bit blocks are served as they are when nothing is asked: `gguf_4bit_quantization`)."""
+    zero points: AWQ, asymmetric GPTQ and compressed-tensors), None for any other (its weights
+    are quantized at load when asked; a GGUF's 4-bit blocks are served as they are when nothing
+    is asked: `gguf_4bit_quantization`)."""
     config = compressed_tensors.quantization_config(path) or {}
     if config.get("quant_method") == fp8_checkpoint.METHOD:
         return "fp8"
@@ -189,7 +203,9 @@ def checkpoint_values(path: str) -> str | None:
         return "int4z"
     if config.get("quant_method") == compressed_tensors.METHOD:
         values = compressed_tensors.values_dtype(config)
-        return "fp8" if values == FP8_DTYPE else "int4" if values == INT4_DTYPE else "int8"
+        if values == INT4_DTYPE:
+            return "int4z" if compressed_tensors.has_zero_points(config) else "int4"
+        return "fp8" if values == FP8_DTYPE else "int8"
     return None
 
 
@@ -260,7 +276,7 @@ def iter_parameters(
     layout = (
         compressed_tensors.int8_layout(model, path, names, our_name)
         or fp8_checkpoint.fp8_layout(model, path, names, our_name)
-        or gptq_checkpoint.gptq_layout(model, path, names, our_name)
+        or gptq_checkpoint.gptq_layout(model, path, names, our_name, lambda: read_tensors(path, ".g_idx"))
         or awq_checkpoint.awq_layout(model, path, names, our_name)
     )
     if layout is not None:
@@ -318,6 +334,16 @@ def iter_parameters(
     missing = sorted(set(expected) - filled)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+def give_input_orders(model: nnx.Module, path: str) -> None:
+    """Gives the layers a GPTQ checkpoint with activation order at `path` reorders their input
+    orders (`models.gptq_checkpoint.give_input_orders`), before a served structure is derived
+    from `model`; nothing for any other checkpoint."""
+    compiled = _compile_param_map(type(model).hf_param_map)
+    gptq_checkpoint.give_input_orders(
+        model, path, lambda hf: (_our_name(hf, compiled) or (None,))[0], lambda: read_tensors(path, ".g_idx")
+    )
 
 
 def load_weights(model: nnx.Module, path: str, *, on_host: bool = False) -> None:

@@ -89,6 +89,22 @@ def quantize_int4(
     return count
 
 
+def quantize_tied_head_int8(model: nnx.Module, group_size: int | None = None) -> int:
+    """A tied head's `[D, V]` copy (`layers.Embedding.head_kernel`) as int8 with its scales (per
+    group of `group_size` inputs where they split so, else per channel), where the 4-bit and fp8
+    passes leave it in the model's dtype: a single stream's step reads the head's `D * V`
+    weights, which a small 4-bit model's projections do not outweigh, and the head at 4 bits
+    would move every logit (int8 moves them about as a GGUF's own Q8_0 embedding does). For the
+    CPU's native int8 kernel; returns how many heads."""
+    quantized = 0
+    for _, module in list(nnx.iter_modules(model)):
+        if isinstance(module, Embedding) and module.head_kernel is not None and module.head_scale is None:
+            q, scale = _quantized(int8.quantize, module.head_kernel[...], group_size)
+            module.head_kernel, module.head_scale = HeadCopy(q), HeadCopy(scale)
+            quantized += 1
+    return quantized
+
+
 def _quantize(
     model: nnx.Module, quantize, group_size: int | None, *, head: bool, grouped_experts: bool = False
 ) -> int:

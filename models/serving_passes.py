@@ -52,7 +52,8 @@ def pack_for_native_dense(model: nnx.Module, *, float32: bool = False, int4: boo
     returns how many. Run after loading, on a CPU where `pallas_kernels.cpu.dense_isa` is not None
     (for `float32`, where it is "avx2": CPUs with AVX-512 or AMX run XLA's float32 dots faster).
     `int4`: the model's quantized kernels hold 4-bit values (`models.int4`, held as int8 on CPU),
-    packed two a byte for the native int4 kernel (`pallas_kernels.cpu.native_dense_int4`).
+    packed two a byte for the native int4 kernel (`pallas_kernels.cpu.native_dense_int4`), but
+    a tied head's copy, int8 (`models.quantization.quantize_tied_head_int8`): the int8 kernel.
     A kernel with grouped scales is packed only where its native kernel takes them
     (`linear.native_dense_takes_groups`: an int4 one the int4 kernel refuses goes to the int8
     kernel where that one takes them); else it stays on XLA's dot."""
@@ -69,7 +70,7 @@ def pack_for_native_dense(model: nnx.Module, *, float32: bool = False, int4: boo
             continue
         grouped = scale is not None and group_size(kernel.get_value().shape, scale.get_value().shape)
         takes = not grouped or native_dense_takes_groups(grouped, int4=True)
-        four_bit = int4 and scale is not None and takes
+        four_bit = int4 and name == "kernel" and scale is not None and takes  # a head's are int8
         if grouped and not four_bit and not native_dense_takes_groups(grouped):
             continue
         value = packed_for_native_dense(kernel[...], float32=float32, int4=four_bit)

@@ -20,6 +20,8 @@ family. The mesh has one axis, `MODEL_AXIS` (vLLM's `tensor_parallel_size`):
   column-parallel ones and on its groups for the row-parallel ones, whose every device must
   then hold whole groups of inputs (else `parameter_spec` refuses the TP size by name); an
   affine int4 kernel's offsets (`kernel_offset`, the scale's layout) are split like its scale;
+  a reordered kernel's input order (`input_order`, GPTQ's activation order) is whole on every
+  device (the gather of a row-parallel layer's inputs then reads across devices: XLA moves them);
 - vocab-parallel: the embedding table (rows; the lookup is masked per device and summed,
   `layers.Embedding`) and the LM head (columns: each device computes its vocabulary slice of
   the logits, gathered before sampling);
@@ -348,7 +350,26 @@ def interleave_blocks(parts: list[np.ndarray], blocks: int, *, axis: int):
 
 
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_FUSED = re.compile(r"\.(qkv_proj|gate_up_proj)\.(kernel|bias|kernel_scale|kernel_offset)$")
+_FUSED = re.compile(r"\.(qkv_proj|gate_up_proj)\.(kernel|bias|kernel_scale|kernel_offset|input_order)$")
+
+
+def shared_input_order(orders: Sequence) -> object | None:
+    """The one input order (`Linear.input_order`) of projections fused into one, which read the
+    same inputs: None when none reorders them; a ValueError naming the projections' orders when
+    they differ (a fused kernel's rows have one order)."""
+    if all(order is None for order in orders):
+        return None
+    first = orders[0]
+    abstract = any(isinstance(order, jax.core.Tracer) for order in orders)  # under `nnx.eval_shape`
+    if any(order is None for order in orders) or not (
+        abstract or all(np.array_equal(np.asarray(order), np.asarray(first)) for order in orders[1:])
+    ):
+        raise ValueError(
+            "the projections fused into one (q/k/v or gate/up) reorder their inputs differently "
+            "(their checkpoint's g_idx differ): a fused kernel needs one input order; such a "
+            "checkpoint is not served"
+        )
+    return first
 
 
 def fused_parts(path: str) -> tuple[str, ...]:
@@ -367,7 +388,10 @@ def fuse_parts(
 ) -> np.ndarray:
     """The fused parameter at `path` as `load_model(tp_size=tp_size)` prepares it, from its
     `fused_parts` as checkpoints hold them (the model's own `num_kv_heads`): the KV heads repeated
-    up to the mesh (`kv_heads_on_mesh`), then the parts in `tp_size` blocks (`interleave_blocks`)."""
+    up to the mesh (`kv_heads_on_mesh`), then the parts in `tp_size` blocks (`interleave_blocks`);
+    an input order (`linear.Linear.input_order`) is the parts' one (`shared_input_order`)."""
+    if path.endswith(".input_order"):
+        return shared_input_order(parts)
     axis = parts[0].ndim - 1
     if ".qkv_proj." in path:
         repeats = kv_heads_on_mesh(num_heads, num_kv_heads, tp_size) // num_kv_heads
@@ -392,7 +416,7 @@ def fused_layout(
     un-repeated (`kv_heads_on_mesh`). Other parameters do not depend on the TP size. For
     checkpoints of prepared weights restored at another TP size. `num_kv_heads`: the model's own.
     """
-    if from_tp == to_tp or not _FUSED.search(path):
+    if from_tp == to_tp or not _FUSED.search(path) or path.endswith(".input_order"):
         return value
     axis = value.ndim - 1
     heads = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}

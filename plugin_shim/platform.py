@@ -98,8 +98,12 @@ class XlaPlatform(Platform):
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:
         """Before vLLM resolves the model: the built-in hybrids vLLM cannot inspect here get a
-        placeholder in its registry (`flax_models.register_hybrid_placeholders`)."""
+        placeholder in its registry (`flax_models.register_hybrid_placeholders`); GPTQ checkpoints
+        with activation order get our quantization method (`gptq_act_order`)."""
+        from plugin_shim.gptq_act_order import register_gptq_act_order
+
         register_hybrid_placeholders()
+        register_gptq_act_order()
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:

@@ -24,12 +24,17 @@ QUANTIZATION_METHODS = (
     "gptq",
     "auto_gptq",
     "gptq_marlin",
+    # a GPTQ checkpoint with activation order (desc_act), which vLLM's own GPTQ refuses: the
+    # platform's name for it (`plugin_shim.gptq_act_order`)
+    "gptq_act_order",
     # 4-bit AWQ checkpoints (`models.awq_checkpoint`), likewise
     "awq",
     "awq_marlin",
     "mxfp4",
     "gpt_oss_mxfp4",
 )
+
+GPTQ_ACT_ORDER = "gptq_act_order"
 
 # Tokens a KV page holds when vLLM's `block_size` is not given (`default_page_size`).
 ACCELERATOR_PAGE_SIZE = 16

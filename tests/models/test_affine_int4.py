@@ -212,3 +212,37 @@ def test_a_float_checkpoint_streams_onto_the_native_int4_kernel(mistral, dense_k
     got, _ = run_step(packed, caches(config), [ids], [0], [[1, 2]])
     expected, _ = run_step(on_xla, caches(config), [ids], [0], [[1, 2]])
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_tied_head_is_int8_on_the_native_kernels_in_the_4_bit_preparation(tmp_path, dense_kernels):
+    """Packed for the native CPU kernels, a 4-bit preparation holds a tied head's copy as int8 in
+    the projections' groups (int8's `max|w| / 127` scales, as a GGUF's Q8_0 embedding is), for
+    the native int8 kernel; the logits are those of the same weights on XLA's dots, the head's
+    int8 copy unpacked there."""
+    import jax
+
+    from models import int8
+    from models.layers import HeadCopy
+    from pallas_kernels.cpu.dense_int8 import unpack_dense_kernel_int8
+    from tpu_platform.weights.prepared import Preparation, load_prepared
+
+    path = save_tiny("Qwen3ForCausalLM", str(tmp_path / "qwen3"))  # tied embeddings
+    on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    native = Preparation("float32", "native+f32", quantization="int4z-g32")
+    config, packed = load_prepared(path, native, on_device)
+    head = packed.model.embed_tokens
+    assert isinstance(head.head_kernel, PackedKernel) and head.head_kernel[...].dtype == np.int8
+    embedding = np.asarray(head.embedding[...])
+    q, scale = int8.quantize(embedding.T, 32)
+    np.testing.assert_array_equal(np.asarray(unpack_dense_kernel_int8(head.head_kernel[...])), q)
+    np.testing.assert_allclose(head.head_scale[...], scale, rtol=1e-6)
+    _, on_xla = load_prepared(path, native, on_device)
+    for _, module in nnx.iter_modules(on_xla):  # the same values on XLA's int8 dots
+        if isinstance(module, Linear) and is_packed_int4(module.kernel[...]):
+            module.kernel = nnx.Param(unpack_dense_kernel_int4(module.kernel[...]))
+    xla_head = on_xla.model.embed_tokens
+    xla_head.head_kernel = HeadCopy(unpack_dense_kernel_int8(xla_head.head_kernel[...]))
+    (ids,) = prompts([24], seed=2)
+    got, _ = run_step(packed, caches(config), [ids], [0], [[1, 2]])
+    expected, _ = run_step(on_xla, caches(config), [ids], [0], [[1, 2]])
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)

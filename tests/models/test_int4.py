@@ -72,6 +72,41 @@ def test_compressed_w4a16_loads_as_it_is(mistral, group_size, tmp_path):
     np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("group_size", [32, None])
+def test_compressed_w4a16_with_zero_points_computes_the_decompressed_model(mistral, group_size, tmp_path):
+    """`symmetric: false`, written by the package: its zero points packed eight rows a word
+    (`weight_zero_point [out / 8, in / G]`) load as offsets `-zp * s` beside the unchanged int4
+    values; the logits are the float model's of the package's own decompression."""
+    out = write_compressed_w4a16(mistral, str(tmp_path / "w4a16"), group_size=group_size, symmetric=False)
+    with safe_open(f"{out}/model.safetensors", framework="numpy") as f:
+        zeros = f.get_tensor("model.layers.0.mlp.down_proj.weight_zero_point")
+        packed = f.get_tensor("model.layers.0.mlp.down_proj.weight_packed")
+    assert zeros.dtype == np.int32 and zeros.shape == (64 // 8, 128 // group_size if group_size else 1)
+    unsigned = int4.unpack_unsigned(zeros, axis=0)
+    assert len(np.unique(unsigned)) > 3  # zero points, not all 8 (symmetric)
+    config, model = load_model(out)
+    _, reference = load_model(write_decompressed(out, str(tmp_path / "float")))
+    down = model.model.layers[0].mlp.down_proj
+    np.testing.assert_array_equal(np.asarray(down.kernel[...]), int4.unpack_int32(packed).T.astype(np.int8))
+    assert down.kernel_offset[...].shape == down.kernel_scale[...].shape
+    (ids,) = prompts([40], seed=4)
+    got, _ = run_step(model, caches(config), [ids], [0], [[1, 2, 3]])
+    expected, _ = run_step(reference, caches(config), [ids], [0], [[1, 2, 3]])
+    np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
+
+
+def test_compressed_zero_points_of_the_wrong_shape_are_refused_by_name(mistral, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    out = write_compressed_w4a16(mistral, str(tmp_path / "w4a16"), group_size=32, symmetric=False)
+    tensors = load_file(f"{out}/model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight_zero_point"
+    tensors[name] = tensors[name][:, :1]
+    save_file(tensors, f"{out}/model.safetensors")
+    with pytest.raises(ValueError, match=r"up_proj\.weight_zero_point holds zero points"):
+        load_model(out)
+
+
 def _weights(config: dict) -> dict:
     return config["quantization_config"]["config_groups"]["group_0"]["weights"]
 
@@ -79,8 +114,8 @@ def _weights(config: dict) -> dict:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda c: _weights(c).update(num_bits=2), "8-bit or 4-bit symmetric int weights"),
-        (lambda c: _weights(c).update(symmetric=False), "8-bit or 4-bit symmetric int weights"),
+        (lambda c: _weights(c).update(num_bits=2), "8-bit symmetric or 4-bit int weights"),
+        (lambda c: _weights(c).update(symmetric=False), r"\(symmetric false\) lacks .*\.weight_zero_point"),
         (lambda c: c["quantization_config"].update(format="int-quantized"), "come 'pack-quantized'"),
         (lambda c: _weights(c).update(actorder="group"), "reorders its inputs"),
     ],

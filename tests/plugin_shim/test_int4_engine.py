@@ -97,6 +97,25 @@ def test_gptq_generates_what_the_dequantized_model_does(source, prompts, root):
     _assert_greedy_of(reference, prompts, generated)
 
 
+@pytest.mark.full  # the model tests check these offsets' logits; here vLLM's acceptance of the config
+def test_w4a16_with_zero_points_generates_what_the_decompressed_model_does(source, prompts, root):
+    path = write_compressed_w4a16(source, str(root / "w4a16_asym"), group_size=128, symmetric=False)
+    reference = _transformers(write_decompressed(path, str(root / "asym_reference")))
+    generated, kernels = _generate(path, prompts)
+    assert kernels == 2 * 4
+    _assert_greedy_of(reference, prompts, generated)
+
+
+def test_gptq_act_order_generates_what_the_dequantized_model_does(source, prompts, root):
+    """desc_act true, groups of 32 in a random order of each projection's inputs: the layers
+    gather their inputs into their kernels' group order (`models.gptq_checkpoint`)."""
+    path, dequantized = write_gptq(source, str(root / "gptq_act_order"), group_size=32, act_order=5)
+    reference = _transformers(write_float(source, str(root / "gptq_act_order_reference"), dequantized))
+    generated, kernels = _generate(path, prompts)
+    assert kernels == 2 * 4
+    _assert_greedy_of(reference, prompts, generated)
+
+
 def test_awq_generates_what_the_dequantized_model_does(source, prompts, root):
     """vLLM's own GPTQ config refuses `sym: false` at start (its 4-bit types have no zero
     points), so zero points come through `vllm.LLM` from AWQ checkpoints."""
@@ -115,6 +134,16 @@ def test_awq_on_two_devices_equals_one(source, prompts, root, tmp_path):
     two = _two_devices_equal_one(path, prompts, tmp_path)
     offset = two["params"]["model.layers.0.mlp.down_proj.kernel_offset"]
     assert offset["shape"] == [2, 128] and offset["device_bytes"] == [128 * 4] * 2  # a group each
+
+
+@pytest.mark.full  # the W4A16 test below splits packed groups in make test
+def test_gptq_act_order_on_two_devices_equals_one(source, prompts, root, tmp_path):
+    """down_proj's rows (in group order) split on whole groups of 32, its input order whole on
+    each device: the gathered inputs reach the device whose rows read them."""
+    path, _ = write_gptq(source, str(root / "gptq_act_order_tp"), group_size=32, act_order=5)
+    two = _two_devices_equal_one(path, prompts, tmp_path)
+    order = two["params"]["model.layers.0.mlp.down_proj.input_order"]
+    assert order["shape"] == [256] and order["device_bytes"] == [256 * 4] * 2  # whole on each
 
 
 def _two_devices_equal_one(path: str, prompts, tmp_path) -> dict:

@@ -227,3 +227,19 @@ def test_a_store_that_finds_its_entry_already_stored_keeps_it(tiny_dir, tmp_path
     assert sorted(p.stat().st_ino for p in tmp_path.iterdir()) == stored  # the first's, nothing else
     assert "could not cache" not in caplog.text
     _assert_same_model(second.load(config, _ON_DEVICE), model)
+
+
+def test_a_model_whose_layers_reorder_their_inputs_is_not_stored(tiny_dir, tmp_path):
+    """A GPTQ act-order checkpoint's layers hold input orders read from its g_idx, which a
+    restore (the structure rebuilt from config.json) would not have: the entry is never written,
+    so every start loads the checkpoint instead of writing and dropping an unusable entry."""
+    from tests.models.gptq_checkpoints import write_gptq
+
+    path, _ = write_gptq(tiny_dir, str(tmp_path / "act_order"), group_size=32, act_order=1)
+    preparation = Preparation("float32", quantization="int4-g32")
+    config, model = _prepared(path, preparation)
+    assert model.model.layers[0].mlp.down_proj.input_order is not None
+    cache = WeightsCache.for_model(str(tmp_path / "cache"), path, preparation)
+    cache.store(config, model)
+    assert not os.path.exists(cache.path)
+    assert cache.load(config, _ON_DEVICE) is None

@@ -32,6 +32,7 @@ import jax
 from flax import nnx
 
 from models import ModelConfig
+from models.linear import Linear
 from models.loader import checkpoint_files
 from tpu_platform.disk_cache import UNUSED_ENTRY_SECONDS, mark_used, remove_unused, source_fingerprint
 from tpu_platform.private_files import make_private_dir, make_tree_private, unsafe_tree_reason
@@ -90,7 +91,12 @@ class WeightsCache:
         return model
 
     def store(self, model_config: ModelConfig, model: nnx.Module) -> None:
-        """Keeps `model`'s prepared weights under this key; drops the preparation's other entries."""
+        """Keeps `model`'s prepared weights under this key; drops the preparation's other entries.
+        A model whose layers reorder their inputs (a GPTQ act-order checkpoint's `input_order`) is
+        not kept: its structure comes from the checkpoint's g_idx, not from the config that a
+        restore rebuilds it from."""
+        if reorders_inputs(model):
+            return
         directory = os.path.dirname(self.path)
         try:
             make_private_dir(directory)
@@ -115,6 +121,11 @@ class WeightsCache:
                 shutil.rmtree(entry, ignore_errors=True)
         _remove_unused_entries(directory)
         remove_unused(directory, ".npcache", unused_seconds=0)  # the former single-file format
+
+
+def reorders_inputs(model: nnx.Module) -> bool:
+    """Whether a layer of `model` gathers its inputs into another order (`Linear.input_order`)."""
+    return any(isinstance(m, Linear) and m.input_order is not None for _, m in nnx.iter_modules(model))
 
 
 def _key(model_path: str, preparation: Preparation, memo_dir: str | None) -> str:

@@ -33,7 +33,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models import ModelConfig, PackedKernel, build, pack_for_native_dense
 from models.linear import is_packed_int4, packed_for_native_dense
 from models.loader import checkpoint_values, int8_group_size
-from models.quantization import FP8_METHODS, quantize_fp8, quantize_int4, quantize_int8
+from models.quantization import (
+    FP8_METHODS,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+    quantize_tied_head_int8,
+)
 from models.sharding import fused_layout, fused_parts
 from models.weight_stream import HostBytes, served_abstract, stream_model
 
@@ -74,7 +80,8 @@ class Preparation:
     int4 on TPU and GPU and as int8 on CPU: `backend` names the platform (None: JAX's default
     backend; the planner's compile-only targets name theirs). "int4z" and "int4z-g<G>": int4 with
     an offset per scale (`kernel_offset`, `models.int4`: a checkpoint with zero points or group
-    minimums, AWQ, asymmetric GPTQ, GGUF Q4).
+    minimums, AWQ, asymmetric GPTQ, GGUF Q4). Packed for the native CPU kernels, a 4-bit
+    preparation holds a tied head's copy in int8 (`quantize_tied_head_int8`), in the same groups.
     """
 
     dtype: str
@@ -132,6 +139,8 @@ class Preparation:
             if self.int4:
                 affine = self.quantization.startswith("int4z")
                 quantize_int4(model, self.int8_group_size, self.backend, affine=affine)
+                if self.packing != "none":  # a tied head on the native int8 kernel, not bfloat16
+                    quantize_tied_head_int8(model, self.int8_group_size)
             else:
                 (quantize_fp8 if self.fp8 else quantize_int8)(model, self.int8_group_size)
         if self.packing == "none":
