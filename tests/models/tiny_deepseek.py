@@ -147,3 +147,44 @@ def save_tiny_kimi_k2(path: str, *, seed: int = 0) -> str:
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
     return path
+
+
+def save_tiny_deepseek_mtp(path: str, *, seed: int = 0) -> str:
+    """A tiny DeepSeek-V3 checkpoint (`v3_noaux_yarn`'s) with one multi-token-prediction layer
+    stored after its last layer, as DeepSeek-V3's is: transformers drops MTP layers, so the
+    checkpoint is saved with one decoder layer more (the MTP layer's block: latent attention and
+    MoE) and written back with `num_nextn_predict_layers: 1`, the layer's own random tensors
+    (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, `shared_head.head`) and a copy of the
+    embedding under its name (which the MTP layer shares with the target)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    architecture, config_class, overrides = VARIANTS["v3_noaux_yarn"]
+    layers = _COMMON["num_hidden_layers"]
+    _save(architecture, config_class, {**overrides, "num_hidden_layers": layers + 1}, path, seed=seed)
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    d, prefix = _COMMON["hidden_size"], f"model.layers.{layers}."
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def normal(*shape, std=0.3):
+        return torch.randn(*shape, generator=generator) * std
+
+    tensors.update({
+        f"{prefix}enorm.weight": 1.0 + normal(d, std=0.2),
+        f"{prefix}hnorm.weight": 1.0 + normal(d, std=0.2),
+        f"{prefix}eh_proj.weight": normal(d, 2 * d),
+        f"{prefix}shared_head.norm.weight": 1.0 + normal(d, std=0.2),
+        f"{prefix}shared_head.head.weight": normal(VOCAB, d),
+        f"{prefix}embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+    })  # fmt: skip
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path

@@ -1,0 +1,87 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The multi-token-prediction layer of a tiny random DeepSeek-V3 checkpoint (`models.mtp`) against
+an independent torch computation of vLLM's formula (`tests/mtp_reference.py`, its block
+transformers' own decoder layer): its output at every position of a prefill and its drafts'
+logits, fed the same target hidden states; the target's own load leaves the layer out; a
+checkpoint without the layer's tensors, or of an architecture without MTP, is refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from models import AttentionMetadata, load_model
+from models.mtp import load_mtp_head
+from pallas_kernels import allocate_latent_cache
+from tests.models.tiny_checkpoints import PAGE, prompts
+from tests.models.tiny_deepseek import LATENT_WIDTH, save_tiny_deepseek, save_tiny_deepseek_mtp
+from tests.mtp_reference import MtpReference
+
+LENGTH = 21
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_deepseek_mtp(str(tmp_path_factory.mktemp("mtp")), seed=4)
+
+
+def _prefill(head, tokens: list[int], hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The head over one sequence from position 0 (pages out of order): its outputs and logits."""
+    n = len(tokens)
+    pages = list(range(1, 1 + -(-n // PAGE)))[::-1]
+    positions = np.arange(n)
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray(np.asarray(pages)[positions // PAGE] * PAGE + positions % PAGE, jnp.int32),
+        kv_lens=jnp.asarray([n], jnp.int32),
+        page_indices=jnp.asarray([pages], jnp.int32),
+        cu_q_lens=jnp.asarray([0, n], jnp.int32),
+        num_seqs=jnp.asarray([1], jnp.int32),
+        backend="xla",
+    )
+    cache = allocate_latent_cache(8, PAGE, LATENT_WIDTH, jnp.float32, backend="xla")
+    out, _ = head(
+        jnp.asarray(tokens, jnp.int32), head.combine(jnp.asarray(hidden)), jnp.asarray(positions), cache, md
+    )
+    return np.asarray(out), np.asarray(head.draft_logits(out))
+
+
+def test_the_layer_computes_vllms_formula(checkpoint):
+    from transformers import DeepseekV3ForCausalLM
+
+    target = DeepseekV3ForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation="eager"
+    )
+    reference = MtpReference(checkpoint, target.eval())
+    config, model = load_model(checkpoint)  # the target's own load skips the MTP layer's tensors
+    assert len(model.model.layers) == config.num_layers == 3
+    head = load_mtp_head(checkpoint, config, jnp.float32)
+    head.share_embedding(model.model.embed_tokens.embedding[...])
+    (history,) = prompts([LENGTH + 1], seed=9)
+    hidden = reference.target_hidden(history)[:-1]  # position p: the target's state at p ...
+    tokens = history[1:]  # ... and the token at p + 1
+    out, logits = _prefill(head, tokens, hidden.numpy())
+    expected = reference.layer(tokens, hidden)
+    np.testing.assert_allclose(out, reference.normed(expected).numpy(), atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(logits, reference.logits(expected).numpy(), atol=2e-3, rtol=2e-4)
+    assert np.abs(out[0]).max() > 0  # position 0 reads only the hidden state, not nothing
+
+
+def test_a_checkpoint_without_the_layers_tensors_is_refused_by_name(tmp_path):
+    path = save_tiny_deepseek("v3_noaux_yarn", str(tmp_path / "plain"))  # transformers saved no MTP layer
+    config, _ = load_model(path, on_host=True)
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["num_nextn_predict_layers"] == 1  # transformers' default, tensors or not
+    with pytest.raises(ValueError, match=r"holds no model\.layers\.3\.eh_proj"):
+        load_mtp_head(path, config, jnp.float32)
+
+
+def test_a_target_without_mtp_layers_is_refused_by_name(tmp_path):
+    path = save_tiny_deepseek("v2_lite_greedy", str(tmp_path / "v2"))
+    config, _ = load_model(path, on_host=True)
+    with pytest.raises(ValueError, match="not supported by vllm-xla for DeepseekV2ForCausalLM"):
+        load_mtp_head(path, config, jnp.float32)
