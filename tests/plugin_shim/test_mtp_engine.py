@@ -2,9 +2,10 @@
 """MTP speculative decoding through vLLM's real engine on a tiny DeepSeek-V3 checkpoint with its
 multi-token-prediction layer: vLLM maps method 'mtp' to the target's own checkpoint and schedules
 the layer's drafts; greedy output equals transformers' greedy decoding token for token (so equals
-decoding without speculation), for prompts prefilled at once and in chunks, under preemption; the
-layer drafts for every request and vLLM's spec-decode counters agree with ours; nothing compiles
-after warm-up."""
+decoding without speculation), for prompts prefilled at once and in chunks; the layer drafts for
+every request and vLLM's spec-decode counters agree with ours; nothing compiles after warm-up.
+(Preemption and the drafts' exact values: tests/tpu_platform/test_mtp.py and the EAGLE-3 engine
+test, whose proposer programs these are.)"""
 
 import gc
 
@@ -31,13 +32,12 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    # A 16-token step budget chunks the longer prompts; 10 pages of 16 tokens cannot hold four
-    # sequences of ~45 tokens (and their lookahead slots) at once: the scheduler preempts.
+    # A 16-token step budget chunks the longest prompt; two sequences keep the programs few.
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_XLA_STRICT_COMPILE", "1")
     engine = LLM(
-        model=checkpoint, tokenizer=checkpoint, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
-        block_size=16, seed=0, disable_log_stats=False, num_gpu_blocks_override=10,
+        model=checkpoint, tokenizer=checkpoint, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16,
+        block_size=16, seed=0, disable_log_stats=False,
         speculative_config={"method": "mtp", "num_speculative_tokens": K},
     )  # fmt: skip
     yield engine
@@ -57,7 +57,7 @@ def test_greedy_with_the_mtp_layer_equals_greedy_decoding(llm, checkpoint):
     hf = DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager")
     rng = np.random.default_rng(0)
     # Prompts within the 16-token step budget prefill at once, the others in chunks.
-    prompts = [[1, *rng.integers(3, 384, n - 1).tolist()] for n in (9, 15, 26, 31)]
+    prompts = [[1, *rng.integers(3, 384, n - 1).tolist()] for n in (9, 15, 26)]
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
     expected = [hf_greedy(hf.eval(), p, NEW_TOKENS) for p in prompts]
@@ -69,5 +69,4 @@ def test_greedy_with_the_mtp_layer_equals_greedy_decoding(llm, checkpoint):
     assert vllm_accepted == stats["accepted_tokens"]
     assert vllm_drafted >= stats["draft_tokens"]
     assert stats["partial_prefill_steps"] > 0
-    assert stats["preempted_requests"] > 0
     assert stats["compiles_after_warmup"] == 0
