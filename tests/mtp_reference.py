@@ -1,14 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""An independent reference of a DeepSeek-V3 multi-token-prediction layer and its greedy drafts,
-in torch on the checkpoint's tensors (no vllm-xla code), from the formula vLLM's
-`DeepSeekMultiTokenPredictorLayer` computes:
+"""An independent reference of a multi-token-prediction layer (DeepSeek-V3's, GLM-4.5's) and its
+greedy drafts, in torch on the checkpoint's tensors (no vllm-xla code), from the formula vLLM's
+`DeepSeekMultiTokenPredictorLayer` and `Glm4MoeMultiTokenPredictorLayer` compute:
 
     h' = block(eh_proj(concat(enorm(embed(token)), hnorm(hidden))))
 
-with the embedding of position 0 zeroed, `block` transformers' own `DeepseekV3DecoderLayer` (the
-checkpoint read with one layer more: the MTP layer's block is stored as that layer), full causal
-attention over the whole sequence at every draft step, drafts the argmax of
-`shared_head.head(shared_head.norm(h'))`, and each next step reading `shared_head.norm(h')`."""
+with the embedding of position 0 zeroed, `block` transformers' own decoder layer of the target
+(the checkpoint read with one layer more: the MTP layer's block is stored as that layer), full
+causal attention over the whole sequence at every draft step, drafts the argmax of
+`shared_head.head(shared_head.norm(h'))`, and each next step reading `shared_head.norm(h')`
+(DeepSeek) or `h'` (GLM)."""
 
 from __future__ import annotations
 
@@ -24,18 +25,21 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class MtpReference:
-    """The MTP layer of the DeepSeek-V3 checkpoint at `path`; `target`: transformers' model of it."""
+    """The MTP layer of the checkpoint at `path`; `target`: transformers' model of it."""
 
     def __init__(self, path: str, target):
-        from transformers import DeepseekV3ForCausalLM
-
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
         index = config["num_hidden_layers"]
         self.eps = config["rms_norm_eps"]
-        extended = DeepseekV3ForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="eager", num_hidden_layers=index + 1
-        ).eval()
+        self.recycle_normed = config["architectures"][0] == "DeepseekV3ForCausalLM"
+        extended = (
+            type(target)
+            .from_pretrained(
+                path, dtype=torch.float32, attn_implementation="eager", num_hidden_layers=index + 1
+            )
+            .eval()
+        )
         self.block, self.rotary = extended.model.layers[index], extended.model.rotary_emb
         prefix = f"model.layers.{index}."
         tensors = load_file(os.path.join(path, "model.safetensors"))
@@ -81,5 +85,5 @@ class MtpReference:
             h = self.layer(inputs, hidden)
             drafts.append(int(self.logits(h[-1]).argmax()))
             inputs.append(drafts[-1])
-            hidden = torch.cat([hidden, self.normed(h[-1:])], 0)
+            hidden = torch.cat([hidden, self.normed(h[-1:]) if self.recycle_normed else h[-1:]], 0)
         return drafts

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The multi-token-prediction layer of a tiny random DeepSeek-V3 checkpoint (`models.mtp`) against
-an independent torch computation of vLLM's formula (`tests/mtp_reference.py`, its block
-transformers' own decoder layer): its output at every position of a prefill and its drafts'
-logits, fed the same target hidden states; the target's own load leaves the layer out; a
+"""The multi-token-prediction layer of tiny random DeepSeek-V3 and GLM-4.5 checkpoints
+(`models.mtp`) against an independent torch computation of vLLM's formula
+(`tests/mtp_reference.py`, its block transformers' own decoder layer): its output at every
+position of a prefill (what its next step reads) and its drafts' logits, fed the same target
+hidden states; the target's own load leaves the layer out; a
 checkpoint without the layer's tensors, or of an architecture without MTP, is refused by name."""
 
 from __future__ import annotations
@@ -17,20 +18,24 @@ import torch
 
 from models import AttentionMetadata, load_model
 from models.mtp import load_mtp_head
-from pallas_kernels import allocate_latent_cache
-from tests.models.tiny_checkpoints import PAGE, prompts
-from tests.models.tiny_deepseek import LATENT_WIDTH, save_tiny_deepseek, save_tiny_deepseek_mtp
+from tests.models.tiny_checkpoints import PAGE, caches, prompts
+from tests.models.tiny_deepseek import save_tiny_deepseek, save_tiny_deepseek_mtp, with_mtp_layer
+from tests.models.tiny_glm4_moe import save_tiny_glm4_moe
 from tests.mtp_reference import MtpReference
 
 LENGTH = 21
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return save_tiny_deepseek_mtp(str(tmp_path_factory.mktemp("mtp")), seed=4)
+def checkpoints(tmp_path_factory):
+    glm = save_tiny_glm4_moe("qk_norm", str(tmp_path_factory.mktemp("glm_mtp")), seed=4, num_hidden_layers=4)
+    return {
+        "deepseek_v3": save_tiny_deepseek_mtp(str(tmp_path_factory.mktemp("mtp")), seed=4),
+        "glm4_moe": with_mtp_layer(glm, seed=4),
+    }
 
 
-def _prefill(head, tokens: list[int], hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _prefill(head, config, tokens: list[int], hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The head over one sequence from position 0 (pages out of order): its outputs and logits."""
     n = len(tokens)
     pages = list(range(1, 1 + -(-n // PAGE)))[::-1]
@@ -43,30 +48,36 @@ def _prefill(head, tokens: list[int], hidden: np.ndarray) -> tuple[np.ndarray, n
         num_seqs=jnp.asarray([1], jnp.int32),
         backend="xla",
     )
-    cache = allocate_latent_cache(8, PAGE, LATENT_WIDTH, jnp.float32, backend="xla")
+    (cache,) = caches(config, num_pages=8)[:1]
     out, _ = head(
         jnp.asarray(tokens, jnp.int32), head.combine(jnp.asarray(hidden)), jnp.asarray(positions), cache, md
     )
     return np.asarray(out), np.asarray(head.draft_logits(out))
 
 
-def test_the_layer_computes_vllms_formula(checkpoint):
-    from transformers import DeepseekV3ForCausalLM
+@pytest.mark.parametrize("target", ["deepseek_v3", "glm4_moe"])
+def test_the_layer_computes_vllms_formula(checkpoints, target):
+    import transformers
 
-    target = DeepseekV3ForCausalLM.from_pretrained(
-        checkpoint, dtype=torch.float32, attn_implementation="eager"
+    path = checkpoints[target]
+    with open(os.path.join(path, "config.json")) as f:
+        architecture = json.load(f)["architectures"][0]
+    hf = getattr(transformers, architecture).from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
     )
-    reference = MtpReference(checkpoint, target.eval())
-    config, model = load_model(checkpoint)  # the target's own load skips the MTP layer's tensors
+    reference = MtpReference(path, hf.eval())
+    config, model = load_model(path)  # the target's own load skips the MTP layer's tensors
     assert len(model.model.layers) == config.num_layers == 3
-    head = load_mtp_head(checkpoint, config, jnp.float32)
+    head = load_mtp_head(path, config, jnp.float32)
     head.share_embedding(model.model.embed_tokens.embedding[...])
     (history,) = prompts([LENGTH + 1], seed=9)
     hidden = reference.target_hidden(history)[:-1]  # position p: the target's state at p ...
     tokens = history[1:]  # ... and the token at p + 1
-    out, logits = _prefill(head, tokens, hidden.numpy())
+    out, logits = _prefill(head, config, tokens, hidden.numpy())
     expected = reference.layer(tokens, hidden)
-    np.testing.assert_allclose(out, reference.normed(expected).numpy(), atol=2e-4, rtol=2e-4)
+    # What the next step reads: DeepSeek's output after `shared_head.norm`, GLM's before it.
+    recycled = reference.normed(expected) if reference.recycle_normed else expected
+    np.testing.assert_allclose(out, recycled.numpy(), atol=2e-4, rtol=2e-4)
     np.testing.assert_allclose(logits, reference.logits(expected).numpy(), atol=2e-3, rtol=2e-4)
     assert np.abs(out[0]).max() > 0  # position 0 reads only the hidden state, not nothing
 

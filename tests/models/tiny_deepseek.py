@@ -151,28 +151,35 @@ def save_tiny_kimi_k2(path: str, *, seed: int = 0) -> str:
 
 def save_tiny_deepseek_mtp(path: str, *, seed: int = 0) -> str:
     """A tiny DeepSeek-V3 checkpoint (`v3_noaux_yarn`'s) with one multi-token-prediction layer
-    stored after its last layer, as DeepSeek-V3's is: transformers drops MTP layers, so the
-    checkpoint is saved with one decoder layer more (the MTP layer's block: latent attention and
-    MoE) and written back with `num_nextn_predict_layers: 1`, the layer's own random tensors
-    (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, `shared_head.head`) and a copy of the
-    embedding under its name (which the MTP layer shares with the target)."""
+    stored after its last layer, as DeepSeek-V3's is (`with_mtp_layer`): its block is latent
+    attention and MoE."""
+    architecture, config_class, overrides = VARIANTS["v3_noaux_yarn"]
+    layers = _COMMON["num_hidden_layers"]
+    _save(architecture, config_class, {**overrides, "num_hidden_layers": layers + 1}, path, seed=seed)
+    return with_mtp_layer(path, seed=seed)
+
+
+def with_mtp_layer(path: str, *, seed: int) -> str:
+    """The checkpoint at `path`, saved by transformers with one decoder layer more than it will
+    have (transformers drops MTP layers, so the MTP layer's block is saved as that last layer),
+    written back with one layer less, `num_nextn_predict_layers: 1`, the MTP layer's own random
+    tensors (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, `shared_head.head`) and a copy of
+    the embedding under its name (which the MTP layer shares with the target)."""
     import json
 
     import torch
     from safetensors.torch import load_file, save_file
 
-    architecture, config_class, overrides = VARIANTS["v3_noaux_yarn"]
-    layers = _COMMON["num_hidden_layers"]
-    _save(architecture, config_class, {**overrides, "num_hidden_layers": layers + 1}, path, seed=seed)
     config_path = os.path.join(path, "config.json")
     with open(config_path) as f:
         config = json.load(f)
+    layers, d = config["num_hidden_layers"] - 1, config["hidden_size"]
     config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
-    d, prefix = _COMMON["hidden_size"], f"model.layers.{layers}."
+    prefix = f"model.layers.{layers}."
     generator = torch.Generator().manual_seed(seed + 1)
 
     def normal(*shape, std=0.3):
@@ -183,7 +190,7 @@ def save_tiny_deepseek_mtp(path: str, *, seed: int = 0) -> str:
         f"{prefix}hnorm.weight": 1.0 + normal(d, std=0.2),
         f"{prefix}eh_proj.weight": normal(d, 2 * d),
         f"{prefix}shared_head.norm.weight": 1.0 + normal(d, std=0.2),
-        f"{prefix}shared_head.head.weight": normal(VOCAB, d),
+        f"{prefix}shared_head.head.weight": normal(config["vocab_size"], d),
         f"{prefix}embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
     })  # fmt: skip
     save_file(tensors, file, metadata={"format": "pt"})
