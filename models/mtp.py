@@ -153,8 +153,11 @@ def load_mtp_head(path: str, config: ModelConfig, dtype: jnp.dtype) -> MtpHead:
     head = MtpHead(
         config, build_block(config, index, dtype=dtype), dtype=dtype, recycle_normed=recycle_normed
     )
-    params = {".".join(map(str, key)): var for key, var in nnx.to_flat_state(nnx.state(head, nnx.Param))}
+    params: dict[str, nnx.Variable] = {}
     for ours, value in iter_parameters(head, path, only=wanted):
+        if not params:  # read once the first tensor is out: an fp8 checkpoint adds scales first
+            flat = nnx.to_flat_state(nnx.state(head, nnx.Param))
+            params = {".".join(map(str, key)): var for key, var in flat}
         params[ours].set_value(value)
     fuse_projections(head)
     return head

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from models import AttentionMetadata, load_model
+from models import AttentionMetadata, ModelConfig, load_model
+from models.fp8 import FP8_DTYPE
 from models.mtp import load_mtp_head
+from tests.models.fp8_checkpoints import dequantized_weights, write_block_fp8, write_float
 from tests.models.tiny_checkpoints import PAGE, caches, prompts
 from tests.models.tiny_deepseek import save_tiny_deepseek, save_tiny_deepseek_mtp, with_mtp_layer
 from tests.models.tiny_glm4_moe import save_tiny_glm4_moe
@@ -55,7 +57,7 @@ def _prefill(head, config, tokens: list[int], hidden: np.ndarray) -> tuple[np.nd
     return np.asarray(out), np.asarray(head.draft_logits(out))
 
 
-@pytest.mark.parametrize("target", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("target", ["deepseek_v3", pytest.param("glm4_moe", marks=pytest.mark.slow)])
 def test_the_layer_computes_vllms_formula(checkpoints, target):
     import transformers
 
@@ -96,3 +98,45 @@ def test_a_target_without_mtp_layers_is_refused_by_name(tmp_path):
     config, _ = load_model(path, on_host=True)
     with pytest.raises(ValueError, match="not supported by vllm-xla for DeepseekV2ForCausalLM"):
         load_mtp_head(path, config, jnp.float32)
+
+
+@pytest.mark.slow  # programs of fp8 kernels of their own
+def test_an_fp8_checkpoints_layer_loads_as_it_is(tmp_path):
+    """DeepSeek-V3 as released: 128x128-block fp8 projections (the MTP layer's `eh_proj` and its
+    block's included); the layer loads them as fp8 kernels with their scales and computes what
+    the same layer with the dequantized weights does."""
+    # Every quantized projection's inputs in whole 128-wide blocks.
+    widths = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, q_lora_rank=128,
+                  kv_lora_rank=128, v_head_dim=32)  # fmt: skip
+    source = save_tiny_deepseek_mtp(str(tmp_path / "source"), seed=2, **widths)
+    quantized = write_block_fp8(source, str(tmp_path / "fp8"))
+    weights = dequantized_weights(quantized)
+    _keep_float(quantized, weights, "self_attn.kv_b_proj.weight")  # latent up-projections: float
+    dequantized = write_float(source, str(tmp_path / "float"), weights)
+    config = ModelConfig.from_pretrained(quantized)
+    embedding = (
+        np.random.default_rng(0).normal(size=(config.vocab_size, config.hidden_size)).astype(np.float32)
+    )
+    heads = [load_mtp_head(path, config, jnp.float32) for path in (quantized, dequantized)]
+    for head in heads:
+        head.share_embedding(jnp.asarray(embedding))
+    assert heads[0].eh_proj.kernel[...].dtype == FP8_DTYPE
+    assert heads[0].block.mlp.experts.gate_proj.kernel[...].dtype == FP8_DTYPE
+    (history,) = prompts([LENGTH + 1], seed=3)
+    hidden = np.random.default_rng(1).normal(size=(LENGTH, config.hidden_size)).astype(np.float32)
+    (got, got_logits), (expected, expected_logits) = [_prefill(h, config, history[1:], hidden) for h in heads]
+    np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(got_logits, expected_logits, atol=2e-3, rtol=2e-4)
+
+
+def _keep_float(path: str, weights: dict[str, np.ndarray], suffix: str) -> None:
+    """The fp8 checkpoint at `path` with its `suffix` weights stored float (their dequantized
+    values, no scale): vllm-xla reads the latent up-projection `kv_b_proj` as a float kernel."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(suffix)]:
+        tensors[name] = torch.from_numpy(weights[name])
+        del tensors[f"{name}_scale_inv"]
+    save_file(tensors, file, metadata={"format": "pt"})

@@ -149,13 +149,14 @@ def save_tiny_kimi_k2(path: str, *, seed: int = 0) -> str:
     return path
 
 
-def save_tiny_deepseek_mtp(path: str, *, seed: int = 0) -> str:
-    """A tiny DeepSeek-V3 checkpoint (`v3_noaux_yarn`'s) with one multi-token-prediction layer
-    stored after its last layer, as DeepSeek-V3's is (`with_mtp_layer`): its block is latent
-    attention and MoE."""
-    architecture, config_class, overrides = VARIANTS["v3_noaux_yarn"]
+def save_tiny_deepseek_mtp(path: str, *, seed: int = 0, **overrides: object) -> str:
+    """A tiny DeepSeek-V3 checkpoint (`v3_noaux_yarn`'s, with `overrides`) with one
+    multi-token-prediction layer stored after its last layer, as DeepSeek-V3's is
+    (`with_mtp_layer`): its block is latent attention and MoE."""
+    architecture, config_class, variant = VARIANTS["v3_noaux_yarn"]
     layers = _COMMON["num_hidden_layers"]
-    _save(architecture, config_class, {**overrides, "num_hidden_layers": layers + 1}, path, seed=seed)
+    overrides = {**variant, **overrides, "num_hidden_layers": layers + 1}
+    _save(architecture, config_class, overrides, path, seed=seed)
     return with_mtp_layer(path, seed=seed)
 
 
