@@ -2,8 +2,9 @@
 """DeepSeek-V2 and V3 (also R1, Kimi K2, Moonlight): the pre-norm decoder block with multi-head
 latent attention (`latent_attention.py`) and DeepSeek MoE (`deepseek_moe.py`): dense MLPs in the
 first `first_k_dense_replace` layers, then routed experts beside shared ones every
-`moe_layer_freq`-th layer. The multi-token-prediction layers some checkpoints carry after the
-last layer (`num_nextn_predict_layers`) are not served: their tensors are skipped on load."""
+`moe_layer_freq`-th layer. The multi-token-prediction layer some checkpoints carry after the
+last layer (`num_nextn_predict_layers`) is not part of the target: its tensors are skipped on
+load, and read only as the draft head of speculative method 'mtp' (`models.mtp`)."""
 
 from __future__ import annotations
 
@@ -42,19 +43,19 @@ def after_last_layer(name: str, num_layers: int) -> bool:
     return match is not None and int(match.group(1)) >= num_layers
 
 
+def deepseek_decoder_layer(config: DeepseekConfig, i: int, *, dtype: jnp.dtype) -> DecoderLayer:
+    """Layer `i`: latent attention, then the dense MLP or DeepSeek MoE as `i` says (also the
+    multi-token-prediction layer's block, numbered after the last layer)."""
+    return DecoderLayer(
+        config, LatentAttention(config, dtype=dtype), deepseek_mlp(config, i, dtype=dtype), dtype=dtype
+    )
+
+
 class DeepseekV2ForCausalLM(CausalLM):
     hf_param_map = HF_PARAM_MAP
 
     def __init__(self, config: DeepseekConfig, *, dtype: jnp.dtype):
-        layers = [
-            DecoderLayer(
-                config,
-                LatentAttention(config, dtype=dtype),
-                deepseek_mlp(config, i, dtype=dtype),
-                dtype=dtype,
-            )
-            for i in range(config.num_layers)
-        ]
+        layers = [deepseek_decoder_layer(config, i, dtype=dtype) for i in range(config.num_layers)]
         super().__init__(config, layers, dtype=dtype)
 
     def skips_checkpoint_tensor(self, name: str) -> bool:

@@ -11,8 +11,9 @@ attention and DeepSeek-V3's MoE (`deepseek_moe.py`).
   normalized (`norm_topk_prob`) and scaled (`routed_scaling_factor`), beside
   `n_shared_experts` shared ones.
 
-The multi-token-prediction layers (`num_nextn_predict_layers`) stored after the last decoder
-layer are not served: their tensors are skipped on load, as vLLM's own loader skips them.
+The multi-token-prediction layer (`num_nextn_predict_layers`) stored after the last decoder
+layer is not part of the target: its tensors are skipped on load, as vLLM's own loader skips
+them, and read only as the draft head of speculative method 'mtp' (`models.mtp`).
 """
 
 from __future__ import annotations
@@ -91,25 +92,20 @@ class Glm4MoeConfig(DeepseekMoeConfig):
         )
 
 
+def glm4_moe_decoder_layer(config: Glm4MoeConfig, i: int, *, dtype: jnp.dtype) -> DecoderLayer:
+    """Layer `i`: GLM's attention, then the dense MLP or DeepSeek MoE as `i` says (also the
+    multi-token-prediction layer's block, numbered after the last layer)."""
+    attention = PagedAttention(
+        config, dtype=dtype, out_bias=False, qk_norm=config.use_qk_norm, rotary_dim=config.rotary_dim
+    )
+    return DecoderLayer(config, attention, deepseek_mlp(config, i, dtype=dtype), dtype=dtype)
+
+
 class Glm4MoeForCausalLM(CausalLM):
     hf_param_map = HF_PARAM_MAP
 
     def __init__(self, config: Glm4MoeConfig, *, dtype: jnp.dtype):
-        layers = [
-            DecoderLayer(
-                config,
-                PagedAttention(
-                    config,
-                    dtype=dtype,
-                    out_bias=False,
-                    qk_norm=config.use_qk_norm,
-                    rotary_dim=config.rotary_dim,
-                ),
-                deepseek_mlp(config, i, dtype=dtype),
-                dtype=dtype,
-            )
-            for i in range(config.num_layers)
-        ]
+        layers = [glm4_moe_decoder_layer(config, i, dtype=dtype) for i in range(config.num_layers)]
         super().__init__(config, layers, dtype=dtype)
 
     def skips_checkpoint_tensor(self, name: str) -> bool:

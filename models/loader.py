@@ -7,7 +7,7 @@ import glob
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -45,24 +45,26 @@ def checkpoint_files(path: str) -> list[str]:
     )
 
 
-def checkpoint_names(path: str) -> list[str]:
-    """The names of the safetensors tensors of the model at `path` (read from the headers only)."""
+def checkpoint_names(path: str, only: Callable[[str], bool] | None = None) -> list[str]:
+    """The names of the safetensors tensors of the model at `path` (read from the headers only);
+    `only`: those it accepts."""
     from safetensors import safe_open
 
     names: list[str] = []
     for file in checkpoint_files(path):
         if file.endswith(".safetensors"):
             with safe_open(file, framework="numpy") as f:
-                names.extend(f.keys())
+                names.extend(name for name in f.keys() if only is None or only(name))
     return names
 
 
 def iter_checkpoint(
-    path: str, *, int8_q8_0: bool = False, int4_q4: bool = False
+    path: str, *, int8_q8_0: bool = False, int4_q4: bool = False, only: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(hf_name, host array)` over every tensor of the model at `path` (`int8_q8_0`: a
     GGUF's Q8_0 linear weights as int8 weights and scales; `int4_q4`: an all-4-bit GGUF's
-    projections as int4 values, scales and offsets: `gguf_reader.iter_hf_tensors`)."""
+    projections as int4 values, scales and offsets: `gguf_reader.iter_hf_tensors`); `only`: the
+    safetensors tensors it accepts, the others left unread."""
     for file in checkpoint_files(path):
         if file.endswith(".gguf"):
             yield from gguf_reader.iter_hf_tensors(file, int8_q8_0=int8_q8_0, int4_q4=int4_q4)
@@ -71,6 +73,8 @@ def iter_checkpoint(
 
         with safe_open(file, framework="numpy") as f:
             for name in f.keys():
+                if only is not None and not only(name):
+                    continue
                 if f.get_slice(name).get_dtype() == _FP8_SAFETENSORS_DTYPE:
                     yield name, _fp8_tensor(file, name)
                 else:
@@ -241,6 +245,7 @@ def iter_parameters(
     *,
     int8: bool = False,
     int4_blocks: bool = False,
+    only: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(our dotted parameter path, host value)` for every parameter of `model` (built,
     unprepared: its values are read for their shapes and dtypes only) from the checkpoint at
@@ -259,10 +264,11 @@ def iter_parameters(
     model is served with int8 weights): a GGUF's Q8_0 linear weights load as int8 kernels and
     scales too, as they are: one scale per block of 32 inputs of each column (`gguf_reader`);
     `int4_blocks` (the model is served with affine int4 weights): an all-4-bit GGUF's
-    projections load as int4 kernels with a scale and an offset per such block.
+    projections load as int4 kernels with a scale and an offset per such block. `only`: the
+    checkpoint tensors to read (a part of a checkpoint: the others are neither read nor matched).
     """
     compiled = _compile_param_map(type(model).hf_param_map)
-    tensors = iter_checkpoint(path)
+    tensors = iter_checkpoint(path, only=only)
     # A model may rename or split checkpoint tensors before the map reads them (Llama 4's
     # stacked experts, a multimodal checkpoint's text model).
     rewrite = getattr(model, "checkpoint_tensors", None)
@@ -272,7 +278,7 @@ def iter_parameters(
     def our_name(hf: str) -> str | None:
         return (_our_name(hf, compiled) or (None,))[0]
 
-    names = lambda: checkpoint_names(path)  # noqa: E731
+    names = lambda: checkpoint_names(path, only)  # noqa: E731
     layout = (
         compressed_tensors.int8_layout(model, path, names, our_name)
         or fp8_checkpoint.fp8_layout(model, path, names, our_name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tpu_platform.speculation import MAX_SPECULATIVE_TOKENS, SpeculationConfig
-from tpu_platform.speculation.config import METHODS, MODEL_METHODS
+from tpu_platform.speculation.config import METHODS, MODEL_METHODS, MTP_ARCHITECTURES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -17,19 +17,24 @@ def runner_speculation(config: VllmConfig) -> SpeculationConfig | None:
     spec = config.speculative_config
     if spec is None:
         return None
+    if spec.method == "mtp":  # the target's own checkpoint holds the layer
+        draft = config.model_config.model
+    else:
+        draft = spec.draft_model_config.model if spec.method in MODEL_METHODS else None
     return SpeculationConfig(
         num_tokens=spec.num_speculative_tokens,
         min_n=spec.prompt_lookup_min or 1,
         max_n=spec.prompt_lookup_max or spec.prompt_lookup_min or 1,
         method=spec.method,
-        draft_model=spec.draft_model_config.model if spec.method in MODEL_METHODS else None,
+        draft_model=draft,
     )
 
 
 def async_scheduling_off_for_draft_model(config: VllmConfig) -> None:
-    """Turns async scheduling off for a draft model or an EAGLE-3 head, as vLLM does for its
-    proposers that read the step before's tokens on the host: vLLM turns it on by default for
-    'draft_model' and 'eagle3', whose drafts our runner proposes from the recorded tokens."""
+    """Turns async scheduling off for a draft model, an EAGLE-3 head or an MTP layer, as vLLM
+    does for its proposers that read the step before's tokens on the host: vLLM turns it on by
+    default for 'draft_model', 'eagle3' and 'mtp', whose drafts our runner proposes from the
+    recorded tokens."""
     spec, scheduler = config.speculative_config, config.scheduler_config
     if spec is None or spec.method not in MODEL_METHODS:
         return
@@ -56,8 +61,22 @@ def unsupported_speculation(config: VllmConfig) -> str | None:
         return "async_scheduling=True"
     if spec.method == "draft_model":
         return _unsupported_draft(config)
-    if spec.method == "eagle3" and config.parallel_config.tensor_parallel_size > 1:
-        return "method='eagle3' with tensor_parallel_size > 1"
+    if spec.method in ("eagle3", "mtp") and config.parallel_config.tensor_parallel_size > 1:
+        return f"method={spec.method!r} with tensor_parallel_size > 1"
+    if spec.method == "mtp":
+        return _unsupported_mtp(config)
+    return None
+
+
+def _unsupported_mtp(config: VllmConfig) -> str | None:
+    """Why the target's checkpoint has no MTP layer to draft with (None when it has one)."""
+    hf = config.model_config.hf_config
+    architecture = (getattr(hf, "architectures", None) or ["?"])[0]
+    if architecture not in MTP_ARCHITECTURES:
+        return f"method='mtp' with {architecture} (no multi-token-prediction layer served)"
+    layers = getattr(hf, "num_nextn_predict_layers", 0) or 0
+    if layers != 1:
+        return f"method='mtp' on a checkpoint with num_nextn_predict_layers={layers}"
     return None
 
 
@@ -75,16 +94,17 @@ def _unsupported_draft(config: VllmConfig) -> str | None:
 
 
 REFUSED_VALUES = (
-    f"methods other than {', '.join(METHODS)} (eagle, mtp, suffix, ...); "
+    f"methods other than {', '.join(METHODS)} (eagle, suffix, ...); "
     f"num_speculative_tokens above {MAX_SPECULATIVE_TOKENS}; async scheduling with drafts "
     "(the proposers read the tokens of the step before); a draft model of another vocabulary "
-    "(use_heterogeneous_vocab, or another vocab_size); a draft model or EAGLE-3 head with "
-    "tensor_parallel_size > 1"
+    "(use_heterogeneous_vocab, or another vocab_size); a draft model, EAGLE-3 head or MTP layer "
+    "with tensor_parallel_size > 1; 'mtp' on a checkpoint without exactly one "
+    f"multi-token-prediction layer, or of an architecture other than {', '.join(MTP_ARCHITECTURES)}"
 )
 INSTEAD = (
     f"use method='ngram' (prompt_lookup_min/max), 'draft_model' (a draft of the target's "
-    "tokenizer) or 'eagle3' (a head of vLLM's LlamaForCausalLMEagle3 layout made for the target), "
-    f"the last two with tensor_parallel_size=1, with num_speculative_tokens 1 to "
-    f"{MAX_SPECULATIVE_TOKENS}, with async scheduling off (--no-async-scheduling), or leave "
-    "speculative_config unset"
+    "tokenizer), 'eagle3' (a head of vLLM's LlamaForCausalLMEagle3 layout made for the target) "
+    "or 'mtp' (a DeepSeek-V3 or GLM-4.5 checkpoint with its MTP layer), the last three with "
+    f"tensor_parallel_size=1, with num_speculative_tokens 1 to {MAX_SPECULATIVE_TOKENS}, with "
+    "async scheduling off (--no-async-scheduling), or leave speculative_config unset"
 )

@@ -81,6 +81,14 @@ SUPPORTED: tuple[Supported, ...] = (
         "k steps in one compiled program, its KV cache inside the same memory budget; one device "
         "(docs/configuration.md)",
     ),
+    Supported(
+        "Speculative decoding: MTP",
+        "speculative_config method='mtp', num_speculative_tokens",
+        "the multi-token-prediction layer of a DeepSeek-V3 or GLM-4.5 checkpoint "
+        "(num_nextn_predict_layers=1) drafts from the target's final hidden states, applied k "
+        "times in one compiled program; its KV cache inside the same memory budget; one device "
+        "(docs/configuration.md)",
+    ),
     Supported("Logits processors", "logits_processors", "vLLM's logits-processor plugins"),
     Supported(
         "Prefix caching, chunked prefill, preemption",

@@ -422,7 +422,7 @@ class Runner:
         dispatch_start = time.perf_counter()
         logits, greedy, hidden, *aux = self._run_forward(plan.packed, plan.dims, fed)
         if self.speculation is not None:
-            self.speculation.after_forward(plan, fed, aux)
+            self.speculation.after_forward(plan, fed, hidden, aux)
         dispatched_at = time.perf_counter()
         self.stats.host_seconds += dispatched_at - start
         self.stats.dispatch_seconds += dispatched_at - dispatch_start

@@ -147,3 +147,52 @@ def save_tiny_kimi_k2(path: str, *, seed: int = 0) -> str:
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
     return path
+
+
+def save_tiny_deepseek_mtp(path: str, *, seed: int = 0, **overrides: object) -> str:
+    """A tiny DeepSeek-V3 checkpoint (`v3_noaux_yarn`'s, with `overrides`) with one
+    multi-token-prediction layer stored after its last layer, as DeepSeek-V3's is
+    (`with_mtp_layer`): its block is latent attention and MoE."""
+    architecture, config_class, variant = VARIANTS["v3_noaux_yarn"]
+    layers = _COMMON["num_hidden_layers"]
+    overrides = {**variant, **overrides, "num_hidden_layers": layers + 1}
+    _save(architecture, config_class, overrides, path, seed=seed)
+    return with_mtp_layer(path, seed=seed)
+
+
+def with_mtp_layer(path: str, *, seed: int) -> str:
+    """The checkpoint at `path`, saved by transformers with one decoder layer more than it will
+    have (transformers drops MTP layers, so the MTP layer's block is saved as that last layer),
+    written back with one layer less, `num_nextn_predict_layers: 1`, the MTP layer's own random
+    tensors (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, `shared_head.head`) and a copy of
+    the embedding under its name (which the MTP layer shares with the target)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    layers, d = config["num_hidden_layers"] - 1, config["hidden_size"]
+    config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    prefix = f"model.layers.{layers}."
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def normal(*shape, std=0.3):
+        return torch.randn(*shape, generator=generator) * std
+
+    tensors.update({
+        f"{prefix}enorm.weight": 1.0 + normal(d, std=0.2),
+        f"{prefix}hnorm.weight": 1.0 + normal(d, std=0.2),
+        f"{prefix}eh_proj.weight": normal(d, 2 * d),
+        f"{prefix}shared_head.norm.weight": 1.0 + normal(d, std=0.2),
+        f"{prefix}shared_head.head.weight": normal(config["vocab_size"], d),
+        f"{prefix}embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+    })  # fmt: skip
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path

@@ -48,7 +48,7 @@ VARIANTS = {
 }
 
 
-def save_tiny_glm4_moe(variant: str, path: str, *, seed: int = 0) -> str:
+def save_tiny_glm4_moe(variant: str, path: str, *, seed: int = 0, **overrides: object) -> str:
     """A random tiny GLM-4.5 checkpoint (fp32 safetensors, larger init than HF's so greedy text
     varies; norms, biases and the router's correction bias moved off their 0/1 init)."""
     import torch
@@ -56,7 +56,7 @@ def save_tiny_glm4_moe(variant: str, path: str, *, seed: int = 0) -> str:
 
     os.makedirs(path, exist_ok=True)
     save_tokenizer(path, vocab_size=VOCAB)
-    config = transformers.Glm4MoeConfig(**{**_COMMON, **VARIANTS[variant]})
+    config = transformers.Glm4MoeConfig(**{**_COMMON, **VARIANTS[variant], **overrides})
     config.architectures = ["Glm4MoeForCausalLM"]
     torch.manual_seed(seed)
     model = transformers.Glm4MoeForCausalLM(config).to(torch.float32)

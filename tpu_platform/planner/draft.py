@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Speculative decoding's programs and memory for a compile-only target: the verification of k
 drafts a request (`speculation.verifier.make_verify`), a draft model's k-step draft loop
-(`speculation.draft_model.make_draft_loop`), an EAGLE-3 head's pass and loop
+(`speculation.draft_model.make_draft_loop`), an EAGLE-3 head's or MTP layer's pass and loop
 (`speculation.eagle3.make_head_programs`), each the runner's own builder compiled over abstract
 weights and caches, and the bytes a draft adds per KV page and in weights (the planner's rows
 for it)."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from models import attach_rope_tables
+from models import ModelConfig, attach_rope_tables
 from models.eagle3 import Eagle3Config, Eagle3Head
+from models.layers import Embedding
+from models.mtp import BLOCKS, MtpHead
 from models.serving_passes import fuse_projections
 from tpu_platform.inputs import pack_inputs, padding_inputs
 from tpu_platform.kv_cache import allocate_stacked_caches, caches_per_array, kv_cache_dtype
@@ -128,10 +131,6 @@ def compile_eagle3(
     """Compiles an EAGLE-3 head's pass over a step of `num_tokens` tokens of `target` (its limits
     and chip) and its loop of k - 1 steps for `rows` requests, over a one-layer cache of
     `num_pages` pages, with the target's compiler (one chip, weights abstract)."""
-    if target.tp_size != 1:
-        raise ValueError("the EAGLE-3 head is served on one chip: use tp_size=1")
-    device = compile_only_devices(target.target)[0]
-    on_chip = SingleDeviceSharding(device)
     dtype = jnp.dtype(target.dtype)
 
     def built() -> Eagle3Head:
@@ -139,25 +138,64 @@ def compile_eagle3(
         fuse_projections(model)
         return model
 
+    width = head.num_aux_hidden_states * head.target_hidden_size
+    return _compile_head(target, built, head.model, width, num_pages, num_tokens, rows, k)
+
+
+def compile_mtp(target: StepSetup, num_pages: int, num_tokens: int, rows: int, k: int) -> Eagle3Programs:
+    """Compiles the MTP layer of `target`'s model (numbered after its last layer; its block of
+    the model's kind, the embedding a copy of the target's as the runner holds it): its pass and
+    its loop, as `compile_eagle3` does an EAGLE-3 head's."""
+    config, dtype = target.config, jnp.dtype(target.dtype)
+    build_block, recycle_normed = BLOCKS[config.architecture]
+
+    def built() -> MtpHead:
+        block = build_block(config, config.num_layers, dtype=dtype)
+        model = MtpHead(config, block, dtype=dtype, recycle_normed=recycle_normed)
+        model.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        fuse_projections(model)
+        return model
+
+    return _compile_head(target, built, config, config.hidden_size, num_pages, num_tokens, rows, k)
+
+
+def _compile_head(
+    target: StepSetup,
+    built: Callable[[], nnx.Module],
+    mc: ModelConfig,
+    width: int,
+    num_pages: int,
+    num_tokens: int,
+    rows: int,
+    k: int,
+) -> Eagle3Programs:
+    """The pass and loop (`speculation.eagle3.make_head_programs`) of the head `built()` makes,
+    whose one-layer cache is of `mc`'s kind and which reads `width` of the target's hidden
+    states a token."""
+    if target.tp_size != 1:
+        raise ValueError("an EAGLE-3 head or MTP layer is served on one chip: use tp_size=1")
+    device = compile_only_devices(target.target)[0]
+    on_chip = SingleDeviceSharding(device)
+    dtype = jnp.dtype(target.dtype)
     model = nnx.eval_shape(built)
     attach_rope_tables(model, target.max_model_len)
     graphdef, state = nnx.split(model)
     leaves, state_def = jax.tree.flatten(state)
     leaves = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=on_chip) for x in leaves]
-    mc, kv_dtype = head.model, kv_cache_dtype(target.cache_dtype)
-    page_size = target.tokens_per_page
+    kv_dtype, page_size = kv_cache_dtype(target.cache_dtype), target.tokens_per_page
+    heads = 1 if mc.latent_cache_width else mc.num_kv_heads
     caches = jax.eval_shape(
         lambda: allocate_stacked_caches(
-            1, num_pages, page_size, mc.num_kv_heads, mc.head_dim, kv_dtype, target.backend
+            1, num_pages, page_size, heads, mc.head_dim, kv_dtype, target.backend,
+            latent_width=mc.latent_cache_width,
         )
-    )
+    )  # fmt: skip
     caches = [jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=on_chip) for c in caches]
     per_array = caches_per_array(1, num_pages, page_size)
     shape = DraftCacheShape(target.backend, kv_dtype.name, num_pages, per_array)
     head_pass, loop = make_head_programs(graphdef, state_def, shape)
     ints = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32, sharding=on_chip)  # noqa: E731
     packed, dims = pack_inputs(padding_inputs(*step_shape(target, num_tokens), 1))
-    width = head.num_aux_hidden_states * head.target_hidden_size
     aux = jax.ShapeDtypeStruct((dims[0], width), dtype, sharding=on_chip)
     feed = target.buckets.max_seqs
     pass_args = (leaves, caches, ints(*packed.shape), aux, ints(feed))

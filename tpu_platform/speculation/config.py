@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from models.mtp import BLOCKS
 from tpu_platform.sampling import SamplingOptions
 
-# Methods built; vLLM's others (eagle, mtp, suffix, ...) are refused at start.
-METHODS = ("ngram", "draft_model", "eagle3")
-# Methods whose proposer is a checkpoint of its own (`SpeculationConfig.draft_model`).
-MODEL_METHODS = ("draft_model", "eagle3")
+# Methods built; vLLM's others (eagle, suffix, ...) are refused at start.
+METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+# Methods whose proposer is read from a checkpoint (`SpeculationConfig.draft_model`): the draft's,
+# the EAGLE-3 head's, or for 'mtp' the target's own (its multi-token-prediction layer).
+MODEL_METHODS = ("draft_model", "eagle3", "mtp")
+# Targets whose multi-token-prediction layer drafts for method 'mtp'.
+MTP_ARCHITECTURES = tuple(BLOCKS)
 # Drafts per request per step: the verification's logits are `[max_num_seqs * (1 + k), V]`.
 MAX_SPECULATIVE_TOKENS = 8
 
@@ -19,8 +23,8 @@ MAX_SPECULATIVE_TOKENS = 8
 class SpeculationConfig:
     """vLLM's `speculative_config`: `method`, `num_speculative_tokens` (k), the n-gram
     proposer's `prompt_lookup_min`/`prompt_lookup_max` (the shortest and longest suffix matched)
-    and, for `draft_model` and `eagle3`, the draft's or EAGLE-3 head's checkpoint directory
-    (`model`)."""
+    and, for `draft_model`, `eagle3` and `mtp`, the checkpoint directory of the draft, of the
+    EAGLE-3 head or of the target whose MTP layer drafts (`model`)."""
 
     num_tokens: int
     min_n: int = 1
@@ -39,8 +43,9 @@ class SpeculationConfig:
             )
         if (self.method in MODEL_METHODS) != (self.draft_model is not None):
             raise ValueError(
-                "speculative methods 'draft_model' and 'eagle3' take the draft's checkpoint directory "
-                f"(model=...), and only they do; got method={self.method!r}, model={self.draft_model!r}"
+                "speculative methods 'draft_model', 'eagle3' and 'mtp' take the drafter's checkpoint "
+                f"directory (model=...), and only they do; got method={self.method!r}, "
+                f"model={self.draft_model!r}"
             )
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(

@@ -61,10 +61,13 @@ def draft_caches(
     backend: str,
     device: jax.Device,
 ) -> list[jax.Array]:
-    """A drafter's `num_caches` zeroed cache arrays of the target's `num_pages` pages, on `device`."""
+    """A drafter's `num_caches` zeroed cache arrays of the target's `num_pages` pages, on `device`
+    (a latent cache's one row a token where `mc` has one)."""
+    heads = 1 if mc.latent_cache_width else mc.num_kv_heads
     caches = allocate_stacked_caches(
-        num_caches, num_pages, page_size, mc.num_kv_heads, mc.head_dim, kv_dtype, backend
-    )
+        num_caches, num_pages, page_size, heads, mc.head_dim, kv_dtype, backend,
+        latent_width=mc.latent_cache_width,
+    )  # fmt: skip
     return jax.device_put(caches, device)
 
 

@@ -171,6 +171,8 @@ class _Step:
 class Eagle3Proposer:
     """The head's weights, KV cache and programs (see the module docstring)."""
 
+    method = "eagle3"
+
     def __init__(
         self, config: Eagle3Config, head: Eagle3Head, aux_layers: tuple[int, ...], k: int, device: jax.Device
     ):
@@ -216,7 +218,7 @@ class Eagle3Proposer:
         num_groups: int,
     ) -> None:
         """Allocates the head's cache (`num_pages` pages, the target's) and its programs."""
-        check_one_cache_group("eagle3", num_groups)
+        check_one_cache_group(self.method, num_groups)
         self.kv_caches = draft_caches(self.model_config, 1, num_pages, page_size, kv_dtype, backend, device)
         self._shape = DraftCacheShape(
             backend, kv_dtype.name, num_pages, caches_per_array(1, num_pages, page_size)
@@ -225,6 +227,14 @@ class Eagle3Proposer:
         self._page_size, self._feed_width = page_size, feed_width
         self.row_buckets = token_buckets(feed_width, feed_width)
         self._context = repr((self.config, structure_text(self._graphdef), self._shape, page_size))
+
+    def input_width(self) -> int:
+        """The width of the target's hidden states the head reads (`head_input`'s)."""
+        return len(self.aux_layers) * self.config.target_hidden_size
+
+    def head_input(self, hidden: jax.Array, aux: tuple[jax.Array, ...]) -> jax.Array:
+        """What the head reads of the target's step outputs: the chosen layers' hidden states."""
+        return aux[0]
 
     # -- after the target's forward: keep what the pass needs ----------------------------------
 
@@ -339,7 +349,7 @@ class Eagle3Proposer:
     ) -> list[ProgramSpec]:
         """The pass for every step shape and, with k > 1, the loop for every request bucket;
         `dtype`: the target's activations'."""
-        width = len(self.aux_layers) * self.config.target_hidden_size
+        width = self.input_width()
         specs = []
         for shape in shapes:
             packed, dims = pack_inputs(padding_inputs(*shape, num_groups))

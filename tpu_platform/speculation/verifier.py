@@ -34,6 +34,7 @@ from tpu_platform.sampling.uniform import has_extras
 from tpu_platform.speculation.config import SpeculationConfig, draftable
 from tpu_platform.speculation.draft_model import DraftModel
 from tpu_platform.speculation.eagle3 import Eagle3Proposer
+from tpu_platform.speculation.mtp import MtpProposer
 from tpu_platform.speculation.ngram import propose_ngram
 from tpu_platform.speculation.rejection import verify_drafts
 from tpu_platform.step import pad_tokens
@@ -126,7 +127,7 @@ class SpeculativeDecoding:
         self._sharding = sharding
         self._context = context
         self._draftable: dict[str, bool] = {}
-        # The proposer of method 'draft_model' (`draft_model`) or 'eagle3' (`eagle3`).
+        # The proposer of method 'draft_model' (`draft_model`), 'eagle3' (`eagle3`) or 'mtp' (`mtp`).
         self.draft: DraftModel | Eagle3Proposer | None = None
         self._draft_warm_up: tuple = ()  # the draft's warm-up arguments, once its cache is there
         # Request rows of the programs: the forward's buckets up to `max_num_seqs`, by requests
@@ -179,11 +180,14 @@ class SpeculativeDecoding:
         """The target layers whose hidden states its step hands an EAGLE-3 head (none without)."""
         return self.draft.aux_layers if isinstance(self.draft, Eagle3Proposer) else ()
 
-    def after_forward(self, plan: StepPlan, fed: jax.Array, aux: Sequence[jax.Array]) -> None:
+    def after_forward(
+        self, plan: StepPlan, fed: jax.Array, hidden: jax.Array, aux: Sequence[jax.Array]
+    ) -> None:
         """Dispatches the draft's forward on the step the target's forward just took, or keeps
-        the step and the target's hidden states `aux` (the forward's extra output) for the head."""
+        the step and the target's hidden states for the head: its final ones (`hidden`, an MTP
+        layer's) or its chosen layers' (`aux`, the forward's extra output: an EAGLE-3 head's)."""
         if isinstance(self.draft, Eagle3Proposer):
-            self.draft.forward(plan, aux[0])
+            self.draft.forward(plan, self.draft.head_input(hidden, tuple(aux)))
         elif self.draft is not None:
             self.draft.forward(self.programs, plan.packed, plan.dims, fed)
 
@@ -326,10 +330,13 @@ def load_proposer(
     shardings: ShardingFor,
     device: jax.Device,
 ) -> DraftModel | Eagle3Proposer:
-    """The proposer at `path` for the runner's speculation method: a draft model (`DraftModel.load`)
-    or an EAGLE-3 head (`Eagle3Proposer.load`, reading `target_model`'s hidden states)."""
-    if config.speculation.method == "eagle3":
-        return Eagle3Proposer.load(
+    """The proposer at `path` for the runner's speculation method: a draft model (`DraftModel.load`),
+    an EAGLE-3 head (`Eagle3Proposer.load`, reading `target_model`'s hidden states) or the MTP
+    layer of the target's own checkpoint (`MtpProposer.load`: `path` is the target's)."""
+    method = config.speculation.method
+    if method in ("eagle3", "mtp"):
+        proposer = MtpProposer if method == "mtp" else Eagle3Proposer
+        return proposer.load(
             path, k=config.speculation.num_tokens, target=target, target_model=target_model, dtype=dtype,
             max_model_len=config.max_model_len, device=device,
         )  # fmt: skip
