@@ -96,17 +96,3 @@ def _by_layer(config: ModelConfig, flat: list) -> list[tuple[int, jax.ShapeDtype
             out.append((layer, flat[i]))
             i += 1
     return out
-
-
-def page_size_holding_a_state(
-    config: ModelConfig, base: int, kv_heads_per_chip: int, kv_dtype: jnp.dtype, conv_dtype: jnp.dtype,
-    tp_size: int = 1, *, power_of_two: bool = False,
-) -> int:  # fmt: skip
-    """The page size the runner serves a hybrid with: the smallest multiple of `base` tokens
-    whose KV page in one layer holds a request's state in one layer, as the platform raises
-    vLLM's block size for hybrids (the engine wants one page size for every group);
-    `power_of_two`: the smallest such power of two (the Pallas GPU kernels' tiles want one)."""
-    per_token = 2 * kv_heads_per_chip * config.head_dim * jnp.dtype(kv_dtype).itemsize
-    state = state_slot_bytes(config, conv_dtype, tp_size)
-    pages = -(-state // (base * per_token))
-    return base * (1 << (pages - 1).bit_length() if power_of_two else pages)

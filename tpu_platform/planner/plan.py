@@ -63,10 +63,11 @@ from tpu_platform.planner.hlo import (
     hlo_traffic,
     summarize_collectives,
 )
-from tpu_platform.planner.hybrid import abstract_hybrid_caches, hybrid_page_bytes, page_size_holding_a_state
+from tpu_platform.planner.hybrid import abstract_hybrid_caches, hybrid_page_bytes
 from tpu_platform.planner.targets import CompileTarget, compile_only_devices, target
 from tpu_platform.runner_config import default_page_size
 from tpu_platform.sampling import SamplerFlags, dummy_tensors
+from tpu_platform.state_cache import page_size_holding_a_state
 from tpu_platform.step import make_sampler
 from tpu_platform.step_program import KVLayout, StepProgram, build_step_program
 from tpu_platform.weights.prepared import Preparation
@@ -493,12 +494,10 @@ def expected_collectives(setup: StepSetup, num_tokens: int, num_seqs: int = 0) -
     split_vocab = vocab_parallel(config.vocab_size, setup.tp_size)
     model = setup.abstract_model()
     split = [leaf for leaf in model.placed(mesh, None) if leaf.sharding.spec]
-    # DeepSeek MoE: the shared experts' row-parallel down projection is summed beside the routed ones'.
-    shared_sums = (
-        sum(map(config.is_moe_layer, range(config.num_layers)))
-        if getattr(config, "n_shared_experts", 0)
-        else 0
-    )
+    # DeepSeek's and Qwen3-Next's MoE: the shared experts' row-parallel down projection is summed
+    # beside the routed ones'.
+    shared = getattr(config, "n_shared_experts", 0) or getattr(config, "shared_expert_intermediate_size", 0)
+    shared_sums = sum(map(config.is_moe_layer, range(config.num_layers))) if shared else 0
     return ExpectedCollectives(
         activation_elements=t_pad * config.hidden_size,
         all_reduces=2 * config.num_layers + shared_sums + split_vocab,
