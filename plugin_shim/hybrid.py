@@ -50,7 +50,8 @@ def configure_hybrid(vllm_config: VllmConfig) -> None:
     if cache.enable_prefix_caching:
         logger.warning(
             "prefix caching is turned off for %s: vllm-xla keeps one Gated DeltaNet state a request "
-            "(mamba_cache_mode='none'), not the per-block states a cached prefix resumes from",
+            "(mamba_cache_mode='none'), not the per-block states a cached prefix resumes from "
+            "('align'); pass --no-enable-prefix-caching to start without it",
             model.architecture,
         )
         cache.enable_prefix_caching = False

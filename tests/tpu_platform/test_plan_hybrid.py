@@ -13,6 +13,7 @@ from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
 from tpu_platform.inputs import pack_inputs, padding_inputs
 from tpu_platform.planner.depth import depths_for
 from tpu_platform.planner.hybrid import hybrid_page_bytes
+from tpu_platform.planner.kv import kv_bytes_read
 from tpu_platform.planner.plan import StepSetup, kv_page_bytes, model_config, step_program, step_shape
 from tpu_platform.runner import Runner, RunnerConfig
 from tpu_platform.step_program import KVLayout
@@ -67,3 +68,10 @@ def test_the_runner_serves_the_hybrid_program_the_planner_compiles(tmp_path):
             runner._state_leaves, runner.kv_caches, packed, runner._no_feed, dims=dims
         )
         assert planned.lower(shape).as_text() == served.lower().as_text()
+
+
+def test_80b_decode_reads_the_attention_layers_kv_and_each_requests_states():
+    # 12 attention layers read 100 tokens' KV; 36 state layers read and write a state a request.
+    setup = StepSetup(model_config("qwen3-next-80b-a3b"), "v6e-8", tp_size=8)
+    want = 2 * (12 * 100 * KV_TOKEN_LAYER + 2 * 36 * STATE_LAYER)
+    assert kv_bytes_read(setup, 2, 100) == want
