@@ -137,7 +137,26 @@ def _common(setup, args: argparse.Namespace, model: str) -> dict:
         "hbm_bytes_per_second": setup.compile_target.hbm_bytes_per_second,
         "roofline": decode_roofline(setup, args.batch, args.context),
         "mxfp4_experts": bool(getattr(setup.config, "mxfp4", False)),
+        **_state_bytes(setup),
     }  # fmt: skip
+
+
+def _state_bytes(setup) -> dict:
+    """A hybrid's KV bytes a token and state bytes a request, per chip (its page holds both)."""
+    if not setup.config.state_layers:
+        return {}
+    from tpu_platform.kv_cache import kv_cache_dtype
+    from tpu_platform.planner.hybrid import hybrid_page_bytes
+
+    page = hybrid_page_bytes(
+        setup.config, setup.tokens_per_page, setup.kv_heads_per_chip, kv_cache_dtype(setup.cache_dtype),
+        setup.dtype, setup.backend, setup.tp_size,
+    )  # fmt: skip
+    return {
+        "kv_bytes_per_token": page.kv_bytes_per_token,
+        "state_bytes_per_request": page.state_bytes_per_request,
+        "tokens_per_page": page.tokens_per_page,
+    }
 
 
 def _depth_row(setup, args: argparse.Namespace, model: str) -> dict:
@@ -208,6 +227,11 @@ def _report(row: dict) -> str:
         f"{row['model']} on {row['target']} ({_weights(row)} weights{activations}, KV {row['kv_dtype']}, "
         f"{row['backend']}{split})"
     )
+    if "state_bytes_per_request" in row:  # a hybrid: a state a request beside KV pages
+        head += (
+            f"; a request's states {row['state_bytes_per_request'] / 2**20:.2f} MiB beside "
+            f"{row['kv_bytes_per_token']} B of KV a token, pages of {row['tokens_per_page']} tokens"
+        )
     if not row["fits"]:
         return f"{head}: DOES NOT FIT: {row['reason']}"
     return (_depth_report(head, row) if row.get("depths") else _whole_report(head, row)) + _draft_report(row)

@@ -279,6 +279,11 @@ alike, and it has no cost-model figure (a short program's is not the model's).
   8x H100 at TP=4 its prefill held 10.2 GiB beyond weights and cache (and 11.0 GiB of KV a chip
   fitted) until each chunk of expert tiles gathered its own rows inside the loop
   ([models.md](models.md)).
+- Qwen3-Next-80B-A3B (hybrid: three Gated DeltaNet layers before each gated attention one) is
+  planned from its first 4 and 8 layers, whole runs of that pattern. Its pages are raised until
+  one holds a layer's state (512 tokens on 8x H100), and a page's bytes count a request's states
+  beside the KV (9.2 MiB of states a request, 12 KiB of KV a token, a chip), so its KV column is
+  both; its decode roofline reads and writes each request's states once.
 - DeepSeek-V3 fits a v6e-8 in no format: in int4 with a scale per 128 inputs, the fewest bytes,
   its weights alone take 42.6 GiB a chip. Its step with block-fp8 weights (as released), cut to
   four layers at full width (one dense, three MoE), compiles for v6e-8 at TP=8 and fits

@@ -110,6 +110,35 @@ def _gather_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
     return jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
 
 
+def unit_lower_inverse(strict: jax.Array) -> jax.Array:
+    """`(I + L)^-1` for strictly lower-triangular `L [..., C, C]`, by blocked inversion in
+    matmuls: diagonal blocks of size b become blocks of 2b with `T21 = -T22 L21 T11`, log2(C)
+    rounds. Not `lax.linalg.triangular_solve`: on CPU that is LAPACK's trsm, which spreads its
+    batch over the intra-op thread pool and waits on it; several simulated devices inside it at
+    once hold every thread of that pool and none returns."""
+    size = strict.shape[-1]
+    padded = 1 << max(size - 1, 0).bit_length()  # the next power of two: blocks halve evenly
+    if padded != size:
+        pad = [(0, 0)] * (strict.ndim - 2) + [(0, padded - size)] * 2
+        strict = jnp.pad(strict, pad)
+    batch = strict.shape[:-2]
+    blocks = jnp.ones((*batch, padded, 1, 1), strict.dtype)  # the inverse's diagonal blocks
+    width = 1
+    while width < padded:
+        pairs = padded // (2 * width)
+        tiles = strict.reshape(*batch, pairs, 2 * width, pairs, 2 * width)
+        lower = jnp.diagonal(tiles, axis1=-4, axis2=-2)  # [..., 2w, 2w, pairs]
+        lower = jnp.moveaxis(lower, -1, -3)[..., width:, :width]  # [..., pairs, w, w]
+        halves = blocks.reshape(*batch, pairs, 2, width, width)
+        first, second = halves[..., 0, :, :], halves[..., 1, :, :]
+        corner = -(second @ lower @ first)
+        top = jnp.concatenate([first, jnp.zeros_like(first)], axis=-1)
+        bottom = jnp.concatenate([corner, second], axis=-1)
+        blocks = jnp.concatenate([top, bottom], axis=-2)  # [..., pairs, 2w, 2w]
+        width *= 2
+    return blocks.reshape(*batch, padded, padded)[..., :size, :size]
+
+
 def _intra_chunk(q, k, v, g, beta):
     """Each chunk's own part, all chunks at once. Inputs `[N, C, H, ...]` (padding rows zero).
     Returns, per chunk and head (`[N, H, ...]`): the UT-solved values `[C, V]`, the keys that read
@@ -124,11 +153,9 @@ def _intra_chunk(q, k, v, g, beta):
     k_beta = k * beta[..., None]
     system = jnp.einsum("nhik,nhjk->nhij", k_beta, k) * decay
     system = jnp.where(jnp.tril(jnp.ones((size, size), bool), -1), system, 0.0)
-    system = system + jnp.eye(size, dtype=system.dtype)
-    solve = jax.vmap(jax.vmap(lambda a, b: lax.linalg.triangular_solve(
-        a, b, left_side=True, lower=True, unit_diagonal=True)))  # fmt: skip
-    values = solve(system, v * beta[..., None])  # [N, H, C, V]
-    state_keys = solve(system, k_beta * jnp.exp(cum)[..., None])  # [N, H, C, K]
+    inverse = unit_lower_inverse(system)  # [N, H, C, C]
+    values = inverse @ (v * beta[..., None])  # [N, H, C, V]
+    state_keys = inverse @ (k_beta * jnp.exp(cum)[..., None])  # [N, H, C, K]
     scores = jnp.einsum("nhik,nhjk->nhij", q, k) * decay
     reads = q * jnp.exp(cum)[..., None]
     writes = k * jnp.exp(cum[..., -1:] - cum)[..., None]

@@ -23,7 +23,8 @@ from models.config import ModelConfig
 from models.sharding import kv_heads_on_mesh
 from plugin_shim.cache_dtype import runner_kv_cache_dtype, spec_dtype
 from plugin_shim.parallel import mesh_tensor_parallel_size
-from tpu_platform.state_cache import state_shapes_and_dtypes, state_slot_bytes
+from tpu_platform.envs import read_env
+from tpu_platform.state_cache import page_size_holding_a_state, state_shapes_and_dtypes, state_slot_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,7 +50,8 @@ def configure_hybrid(vllm_config: VllmConfig) -> None:
     if cache.enable_prefix_caching:
         logger.warning(
             "prefix caching is turned off for %s: vllm-xla keeps one Gated DeltaNet state a request "
-            "(mamba_cache_mode='none'), not the per-block states a cached prefix resumes from",
+            "(mamba_cache_mode='none'), not the per-block states a cached prefix resumes from "
+            "('align'); pass --no-enable-prefix-caching to start without it",
             model.architecture,
         )
         cache.enable_prefix_caching = False
@@ -69,16 +71,18 @@ def _pages_hold_a_state(vllm_config: VllmConfig) -> None:
     kv_dtype = jnp.dtype(runner_kv_cache_dtype(cache) or _model_dtype(model))
     tp_size = mesh_tensor_parallel_size(vllm_config)  # pages and states are counted per device
     kv_heads = kv_heads_on_mesh(config.num_heads, config.num_kv_heads, tp_size) // tp_size
-    per_token = 2 * kv_heads * config.head_dim * kv_dtype.itemsize  # at least, in any layout
-    state = state_slot_bytes(config, jnp.dtype(_model_dtype(model)), tp_size)
-    if cache.block_size * per_token >= state:
+    conv_dtype = jnp.dtype(_model_dtype(model))
+    block_size = page_size_holding_a_state(  # pages counted at least, in any layout
+        config, cache.block_size, kv_heads, kv_dtype, conv_dtype, tp_size,
+        power_of_two=read_env().platform == "gpu",  # the Pallas GPU kernels' tiles
+    )  # fmt: skip
+    if block_size == cache.block_size:
         return
-    pages = -(-state // (cache.block_size * per_token))
     logger.info(
         "block size %d -> %d for %s: a KV page must hold a Gated DeltaNet state (%d B)",
-        cache.block_size, pages * cache.block_size, model.architecture, state,
+        cache.block_size, block_size, model.architecture, state_slot_bytes(config, conv_dtype, tp_size),
     )  # fmt: skip
-    cache.block_size *= pages
+    cache.block_size = block_size
 
 
 def _model_dtype(model) -> str:

@@ -59,6 +59,20 @@ def state_slot_bytes(config: ModelConfig, conv_dtype: jnp.dtype, tp_size: int = 
     return state_bytes_per_slot(**shapes, dtype=conv_dtype, state_dtype=STATE_DTYPE)
 
 
+def page_size_holding_a_state(
+    config: ModelConfig, base: int, kv_heads_per_chip: int, kv_dtype: jnp.dtype, conv_dtype: jnp.dtype,
+    tp_size: int = 1, *, power_of_two: bool = False,
+) -> int:  # fmt: skip
+    """The page size a hybrid is served with: the smallest multiple of `base` tokens whose KV
+    page in one layer (`kv_heads_per_chip` heads) holds a request's state in one layer on one
+    device of a mesh of `tp_size` (vLLM wants one page size for every group);
+    `power_of_two`: the smallest such power of two (the Pallas GPU kernels' tiles want one)."""
+    per_token = 2 * kv_heads_per_chip * config.head_dim * jnp.dtype(kv_dtype).itemsize
+    state = state_slot_bytes(config, conv_dtype, tp_size)
+    pages = -(-state // (base * per_token))
+    return base * (1 << (pages - 1).bit_length() if power_of_two else pages)
+
+
 def state_shapes_and_dtypes(
     config: ModelConfig, conv_dtype: jnp.dtype, tp_size: int = 1
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[jnp.dtype, ...]]:

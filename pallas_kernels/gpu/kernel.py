@@ -66,10 +66,11 @@ def _rpa_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     attention_chunk_size: int | None = None,
+    blocks_per_page: int = 1,
 ):
     num_rows_padded, lanes = q_ref.shape
     _, _, num_pages, page_size, _ = kv_ref.shape
-    block_kv = pages_per_block * page_size
+    block_kv = pages_per_block * page_size // blocks_per_page
     head = pl.program_id(1)
     split = pl.program_id(2)
     seq, num_rows, first_pos = meta_ref[0], meta_ref[2], meta_ref[3]
@@ -93,10 +94,16 @@ def _rpa_kernel(
     q = q_ref[...]
 
     def body(blk, carry):
-        pages = page_table_ref[seq, pl.ds(blk * pages_per_block, pages_per_block)]
-        pages = jnp.clip(pages, 0, num_pages - 1)  # entries past the sequence may be garbage
-        k = kv_ref[0, head, pages].reshape(block_kv, lanes).astype(q.dtype)  # [Tk, Dp]
-        v = kv_ref[1, head, pages].reshape(block_kv, lanes).astype(q.dtype)
+        if blocks_per_page > 1:  # a slice of one page (pages larger than a tile)
+            page = jnp.clip(page_table_ref[seq, blk // blocks_per_page], 0, num_pages - 1)
+            rows = pl.ds(pl.multiple_of((blk % blocks_per_page) * block_kv, block_kv), block_kv)
+            k = kv_ref[0, head, page, rows].astype(q.dtype)  # [Tk, Dp]
+            v = kv_ref[1, head, page, rows].astype(q.dtype)
+        else:
+            pages = page_table_ref[seq, pl.ds(blk * pages_per_block, pages_per_block)]
+            pages = jnp.clip(pages, 0, num_pages - 1)  # entries past the sequence may be garbage
+            k = kv_ref[0, head, pages].reshape(block_kv, lanes).astype(q.dtype)  # [Tk, Dp]
+            v = kv_ref[1, head, pages].reshape(block_kv, lanes).astype(q.dtype)
         key_pos = blk * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)  # [Tk]
         v = jnp.where(((key_pos >= kv_lo) & (key_pos < kv_hi))[:, None], v, jnp.zeros_like(v))
         scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -272,6 +279,10 @@ def ragged_paged_attention(
         raise ValueError(f"num_kv_pages_per_block={pages_per_block} must be a power of two")
     if block_q <= 0 or splits <= 0:
         raise ValueError(f"num_queries_per_block={block_q} and num_kv_splits={splits} must be positive")
+    blocks_per_page = 1
+    if pages_per_block == 1:  # a page over one tile is read a slice at a time (hybrids' large pages)
+        row_bytes = lanes * jnp.dtype(kv_cache.dtype).itemsize
+        blocks_per_page = tuned_block_sizes.blocks_per_page(page_size=page_size, kv_row_bytes=row_bytes)
     num_rows_padded = max(MIN_ROWS, 1 << (block_q * group - 1).bit_length())
     num_work = min(num_tokens, pl.cdiv(num_tokens, block_q) + num_slots)
     num_seqs = jnp.reshape(num_seqs, ()).astype(jnp.int32)
@@ -299,6 +310,7 @@ def ragged_paged_attention(
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             attention_chunk_size=attention_chunk_size,
+            blocks_per_page=blocks_per_page,
         ),
         grid=(num_work, num_kv_heads, splits),
         in_specs=[

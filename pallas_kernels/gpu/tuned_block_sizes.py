@@ -50,3 +50,11 @@ def get_block_sizes(
     splits = KV_SPLITS_DECODE if decode_only else KV_SPLITS_PREFILL
     blocks_per_seq = -(-pages_per_seq // pages)
     return pages, queries, max(1, min(splits, blocks_per_seq))
+
+
+def blocks_per_page(*, page_size: int, kv_row_bytes: int) -> int:
+    """KV blocks a page is read in: 1, unless one page's K (or V) tile would pass `KV_TILE_BYTES`
+    (a hybrid model's pages, raised until one holds a linear-attention state, run to hundreds of
+    tokens); then slices of a power of two tokens, at least 16 (`tl.dot`'s least dimension)."""
+    tokens = _pow2_floor(max(16, KV_TILE_BYTES // kv_row_bytes))
+    return max(1, page_size // tokens)

@@ -22,7 +22,7 @@ from pallas_kernels import (
     gated_delta_rule,
     state_bytes_per_slot,
 )
-from pallas_kernels.gated_delta_reference import gated_delta_rule_recurrent
+from pallas_kernels.gated_delta_reference import gated_delta_rule_recurrent, unit_lower_inverse
 
 
 def numpy_gated_delta(q, k, v, g, beta, state, *, qk_l2norm=True):
@@ -271,3 +271,22 @@ def test_bfloat16_inputs_and_pools():
                          [0], [False], [6], 1, activation=False)  # fmt: skip
     assert y.dtype == jnp.bfloat16 and conv_pool.dtype == jnp.bfloat16
     np.testing.assert_array_equal(conv_pool[0], np.asarray(jnp.asarray(channels[-2:], jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 16, 64])
+def test_unit_lower_inverse_against_numpy(size):
+    rng = np.random.default_rng(size)
+    strict = np.tril(rng.uniform(-1.0, 1.0, (3, 2, size, size)), -1).astype(np.float32)
+    want = np.linalg.inv(np.eye(size) + strict.astype(np.float64))
+    np.testing.assert_allclose(unit_lower_inverse(jnp.asarray(strict)), want, atol=1e-4, rtol=1e-4)
+
+
+def test_rule_calls_no_lapack_solve():
+    # LAPACK's batched trsm on CPU waits on the intra-op thread pool it fills: four simulated
+    # devices entering it together (after a collective) deadlock, so the rule solves in matmuls.
+    x = _inputs(np.random.default_rng(0), 130, 2, 4, 16, 8)
+    rule = jax.jit(lambda *a: gated_delta_rule(*a, backend="xla"))
+    batch = (jnp.asarray([0], jnp.int32), jnp.asarray([False]), jnp.asarray([0, 130], jnp.int32),
+             jnp.asarray([1], jnp.int32))  # fmt: skip
+    text = rule.lower(*x.values(), jnp.zeros((2, 4, 16, 8), jnp.float32), *batch).compile().as_text()
+    assert "custom-call" not in text or "trsm" not in text.lower(), "a LAPACK triangular solve"

@@ -76,3 +76,15 @@ def test_bad_shapes_raise(args, kwargs, message):
 def test_allocate_rejects_page_size_that_is_not_a_power_of_two():
     with pytest.raises(ValueError, match="page_size 24 must be a power of two"):
         gpu.allocate_kv_cache(4, 24, 2, 64, jnp.float32)
+
+
+def test_pages_over_a_tile_are_read_in_slices(compare_with_reference):
+    # A hybrid model's pages (raised until one holds a Gated DeltaNet state) pass the kernel's
+    # 16 KiB tile: 128 tokens of head dim 256 in bfloat16 are read 32 rows at a time.
+    from pallas_kernels.gpu.tuned_block_sizes import blocks_per_page
+    from tests.pallas_kernels.conftest import Case
+
+    assert blocks_per_page(page_size=128, kv_row_bytes=256 * 2) == 4
+    assert blocks_per_page(page_size=16, kv_row_bytes=128 * 2) == 1
+    case = Case("mixed_p128_d256_bf16_sliced", (1, 40, 1), (300, 40, 129), 4, 128, 256, 1, 2, jnp.bfloat16)
+    compare_with_reference(case, "pallas_gpu", interpret=True)

@@ -138,6 +138,13 @@ MODELS = {
         [_greedy_run(2)],
         "xla",
     ),
+    # Qwen3-Next at TP=4: one key head (two value heads) a device, its 2 KV heads repeated to 4.
+    "qwen3_next_tp4": (
+        "Qwen3NextForCausalLM",
+        functools.partial(save_tiny_qwen3_next, seed=3, linear_num_key_heads=4, linear_num_value_heads=8),
+        [_greedy_run(4)],
+        "xla",
+    ),
     # Qwen3-MoE under expert parallelism: 8 experts, 2 whole ones a device at EP=4 (4 at EP=2);
     # its dense layer and attention tensor-parallel, its 2 KV heads repeated at 4 devices.
     "qwen3_moe_ep": (
@@ -171,8 +178,9 @@ MORE_RUNS = {
 
 # Runs that repeat, on another architecture, paths the others take (`make test-full`): Qwen3's
 # attention, q/k norms included, is Qwen3-MoE's (split by heads beside its experts) and its MLP
-# is Llama's.
-REPEATS = ("qwen3",)
+# is Llama's; Qwen3-Next at TP=4 is its TP=2 run on more devices (the model alone is checked at
+# TP=4 in `make test`: tests/models/test_qwen3_next_on_mesh.py).
+REPEATS = ("qwen3", "qwen3_next_tp4")
 CASES = [
     pytest.param(name, False, id=name, marks=[pytest.mark.full] if name in REPEATS else [])
     for name in sorted(MODELS)

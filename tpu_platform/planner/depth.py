@@ -44,7 +44,12 @@ DEPTHS = (2, 4)
 def depths_for(config: ModelConfig) -> tuple[int, int]:
     """`DEPTHS`, past a leading run of dense layers before the first sparse one (DeepSeek-V3 has
     three): both short programs then hold sparse layers, so what the slope between them adds for
-    each of the remaining layers is a sparse layer's, not a dense one's."""
+    each of the remaining layers is a sparse layer's, not a dense one's. A hybrid's (linear
+    attention layers before each full-attention one): one and two whole runs of its pattern."""
+    if config.state_layers:
+        states = set(config.state_layers)
+        period = next((i for i in range(config.num_layers) if i not in states), 0) + 1
+        return period, 2 * period
     first_sparse = next((i for i in range(config.num_layers) if config.is_moe_layer(i)), 0)
     shift = max(0, first_sparse - 1)  # one dense layer: the shallower program holds it and a sparse one
     return DEPTHS[0] + shift, DEPTHS[1] + shift

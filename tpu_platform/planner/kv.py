@@ -28,6 +28,7 @@ from tpu_platform.planner.plan import (
     compile_sampler,
     kv_page_bytes,
 )
+from tpu_platform.state_cache import state_slot_bytes
 
 # Share of the chip's memory the planner lets the program use (vLLM's gpu_memory_utilization).
 MEMORY_UTILIZATION = 0.9
@@ -135,14 +136,17 @@ def _compile_peak(setup: StepSetup, num_pages: int, num_tokens: int) -> tuple[Pr
 def kv_bytes_read(setup: StepSetup, batch: int, context: int) -> int:
     """KV bytes a decode step of `batch` sequences of `context` tokens reads on one chip (every
     layer reads its keys and values once, a sliding-window layer only its window; on a mesh each
-    chip its own KV heads)."""
+    chip its own KV heads); a hybrid's state layers read and write each request's state once."""
     config, itemsize = setup.config, _itemsize(setup.cache_dtype)
     if config.latent_cache_width:  # one shared latent row a token, whole on every chip
         per_layer_token = config.latent_cache_width * itemsize
     else:
         per_layer_token = 2 * (setup.kv_heads // setup.tp_size) * config.head_dim * itemsize
-    tokens = sum(min(context, w) if w else context for w in config.layer_sliding_windows)
-    return batch * tokens * per_layer_token
+    states = set(config.state_layers)
+    windows = [w for i, w in enumerate(config.layer_sliding_windows) if i not in states]
+    tokens = sum(min(context, w) if w else context for w in windows)
+    state = 2 * len(states) * state_slot_bytes(config, jnp.dtype(setup.dtype), setup.tp_size) if states else 0
+    return batch * (tokens * per_layer_token + state)
 
 
 def weight_bytes_read(setup: StepSetup, batch: int) -> int:

@@ -63,9 +63,11 @@ from tpu_platform.planner.hlo import (
     hlo_traffic,
     summarize_collectives,
 )
+from tpu_platform.planner.hybrid import abstract_hybrid_caches, hybrid_page_bytes
 from tpu_platform.planner.targets import CompileTarget, compile_only_devices, target
 from tpu_platform.runner_config import default_page_size
 from tpu_platform.sampling import SamplerFlags, dummy_tensors
+from tpu_platform.state_cache import page_size_holding_a_state
 from tpu_platform.step import make_sampler
 from tpu_platform.step_program import KVLayout, StepProgram, build_step_program
 from tpu_platform.weights.prepared import Preparation
@@ -180,7 +182,13 @@ class StepSetup:
 
     @property
     def tokens_per_page(self) -> int:
-        return self.page_size or default_page_size(self.compile_target.platform, self.kv_dtype)
+        base = self.page_size or default_page_size(self.compile_target.platform, self.kv_dtype)
+        if not self.config.state_layers:
+            return base
+        return page_size_holding_a_state(  # a hybrid's pages hold a state (`hybrid`)
+            self.config, base, self.kv_heads_per_chip, kv_cache_dtype(self.cache_dtype),
+            jnp.dtype(self.dtype), self.tp_size, power_of_two=self.backend == "pallas_gpu",
+        )  # fmt: skip
 
     @property
     def buckets(self) -> StepBuckets:
@@ -392,6 +400,11 @@ def _abstract_caches(setup: StepSetup, num_pages: int, mesh: Mesh | None) -> lis
     """The runner's stacked caches (`allocate_stacked_caches`), abstract: on a mesh of all KV
     heads (`StepSetup.kv_heads`), split on them as the runner allocates them."""
     layout, config = setup.kv_layout, setup.config
+    if config.state_layers:  # a hybrid: state pools beside KV pages, one cache a layer
+        return abstract_hybrid_caches(
+            config, num_pages, setup.tokens_per_page, setup.kv_heads, kv_cache_dtype(setup.cache_dtype),
+            jnp.dtype(setup.dtype), setup.backend, mesh,
+        )  # fmt: skip
     caches = jax.eval_shape(
         lambda: allocate_stacked_caches(
             layout.num_caches, num_pages, setup.tokens_per_page, setup.kv_heads, config.head_dim,
@@ -412,8 +425,14 @@ def _abstract_caches(setup: StepSetup, num_pages: int, mesh: Mesh | None) -> lis
 
 def kv_page_bytes(setup: StepSetup) -> int:
     """Bytes one page of every cache array takes on one chip (all caches of the model, the
-    backend's layout; on a mesh the chip's share of the KV heads)."""
+    backend's layout; on a mesh the chip's share of the KV heads); a hybrid's, a request's
+    states beside them (`hybrid.HybridPageBytes`)."""
     layout, config = setup.kv_layout, setup.config
+    if config.state_layers:
+        return hybrid_page_bytes(
+            config, setup.tokens_per_page, setup.kv_heads_per_chip, kv_cache_dtype(setup.cache_dtype),
+            jnp.dtype(setup.dtype), setup.backend, setup.tp_size,
+        ).page_bytes  # fmt: skip
     caches = jax.eval_shape(
         lambda: allocate_stacked_caches(
             layout.num_caches, 2, setup.tokens_per_page, setup.kv_heads_per_chip, config.head_dim,
@@ -475,12 +494,10 @@ def expected_collectives(setup: StepSetup, num_tokens: int, num_seqs: int = 0) -
     split_vocab = vocab_parallel(config.vocab_size, setup.tp_size)
     model = setup.abstract_model()
     split = [leaf for leaf in model.placed(mesh, None) if leaf.sharding.spec]
-    # DeepSeek MoE: the shared experts' row-parallel down projection is summed beside the routed ones'.
-    shared_sums = (
-        sum(map(config.is_moe_layer, range(config.num_layers)))
-        if getattr(config, "n_shared_experts", 0)
-        else 0
-    )
+    # DeepSeek's and Qwen3-Next's MoE: the shared experts' row-parallel down projection is summed
+    # beside the routed ones'.
+    shared = getattr(config, "n_shared_experts", 0) or getattr(config, "shared_expert_intermediate_size", 0)
+    shared_sums = sum(map(config.is_moe_layer, range(config.num_layers))) if shared else 0
     return ExpectedCollectives(
         activation_elements=t_pad * config.hidden_size,
         all_reduces=2 * config.num_layers + shared_sums + split_vocab,
