@@ -16,19 +16,13 @@ import numpy as np
 from flax import nnx
 
 from models import ModelConfig
-from models.sharding import kv_heads_on_mesh, parameter_sharding
+from models.sharding import kv_heads_on_mesh
 from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.collector import collector_paused
 from tpu_platform.dispatch import FlatCall
-from tpu_platform.inputs import StepBuffers, exercise_inputs, pack_inputs, padding_inputs, prepare_step
-from tpu_platform.kv_cache import (
-    allocate_stacked_caches,
-    available_kv_bytes,
-    kv_cache_dtype,
-    page_bytes_per_device,
-)
-from tpu_platform.mesh import replicated, tensor_parallel_mesh
+from tpu_platform.inputs import StepBuffers, prepare_step
+from tpu_platform.kv_cache import available_kv_bytes, kv_cache_dtype, page_bytes_per_device
 from tpu_platform.pooling import PoolingRequests, pooled_outputs
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
 from tpu_platform.runner_config import RunnerConfig, RunnerStats
@@ -41,16 +35,11 @@ from tpu_platform.runner_state import (
     load_runner_model,
 )
 from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingTensors
-from tpu_platform.sampling.uniform import (
-    has_extras,
-    uniform_warmup_flag_sets,
-    with_all_extras,
-)
-from tpu_platform.state_cache import allocate_layer_caches
+from tpu_platform.sampling.uniform import has_extras, with_all_extras
 from tpu_platform.step_program import KVLayout
 from tpu_platform.step_record import DispatchedStep, InFlightStep, record_step
 from tpu_platform.step_update import StepLogprobs, StepResult, StepUpdate
-from tpu_platform.weights.prepared import ShardingFor
+from tpu_platform.warm_up import run_once, warm_up_specs
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
@@ -89,18 +78,8 @@ class Runner:
 
     def __init__(self, config: RunnerConfig):
         self.config = config
-        device = jax.local_devices()[0]  # this host's first (with several hosts too)
-        mesh = tensor_parallel_mesh(config.tensor_parallel_size)
+        self.placement = Placement.for_config(config)
         self.tp_size = config.tensor_parallel_size
-        # Where each weight lives: a sharding, or a function of a weight's path and abstract
-        # value giving one (`weights.prepared.ShardingFor`); restored checkpoints go straight there.
-        shardings: ShardingFor = (
-            jax.sharding.SingleDeviceSharding(device)
-            if mesh is None
-            else functools.partial(_weight_sharding, mesh, expert_parallel=config.expert_parallel)
-        )
-        whole = device if mesh is None else replicated(mesh)
-        self.placement = Placement(device=device, mesh=mesh, whole=whole, weight_shardings=shardings)
         self.loaded: LoadedModel | None = None
         self.steps: StepState | None = None
         self.backend = select_backend(config.attention_backend, self.device.platform, config.cache_dir)
@@ -172,12 +151,9 @@ class Runner:
     def available_kv_bytes(
         self, memory_utilization: float, cpu_kv_cache_gb: float, explicit_bytes: int | None = None
     ) -> int:
-        return available_kv_bytes(
-            self.device,
-            memory_utilization=memory_utilization,
-            cpu_kv_cache_gb=cpu_kv_cache_gb,
-            explicit_bytes=explicit_bytes,
-        )
+        """Bytes the KV cache may take on this runner's device (`kv_cache.available_kv_bytes`)."""
+        budget = {"memory_utilization": memory_utilization, "cpu_kv_cache_gb": cpu_kv_cache_gb}
+        return available_kv_bytes(self.device, explicit_bytes=explicit_bytes, **budget)
 
     @collector_paused()
     def initialize_kv_cache(self, num_pages: int, layout: KVLayout | None = None) -> None:
@@ -185,28 +161,13 @@ class Runner:
         `allocate_stacked_caches`) as `layout` shares them between the layers (default: one
         group, one cache per layer; a hybrid's groups as vLLM makes them), and builds the step
         program over them."""
-        mc = self.model_config
-        hybrid = KVLayout.for_model(mc) if mc.state_layers else None
-        layout = layout or hybrid or KVLayout.from_groups([range(mc.num_layers)], mc.num_layers)
-        shape = (num_pages, self.config.page_size, self.kv_heads, mc.head_dim)
-        if layout.state_layers:  # a hybrid model: state pools beside KV pages, one cache a layer
-            caches = allocate_layer_caches(
-                mc, layout, *shape[:3], self.kv_dtype, self.dtype, self.backend, self.mesh
-            )
-        else:
-            caches = allocate_stacked_caches(
-                layout.num_caches, *shape, self.kv_dtype, self.backend, self.mesh,
-                latent_width=mc.latent_cache_width,
-            )  # fmt: skip
-        # Committed to the device like the step's outputs, so warm-up and serving share programs.
-        self.kv_caches = jax.device_put(caches, self.device) if self.mesh is None else caches
-        self.steps = build_step_state(
-            self.loaded, self.config, self.placement, self.kv_caches, layout, num_pages=num_pages,
-            buckets=self.buckets, kv_dtype=self.kv_dtype, backend=self.backend,
+        self.steps, self.kv_caches = build_step_state(
+            self.loaded, self.config, self.placement, num_pages, layout, buckets=self.buckets,
+            kv_heads=self.kv_heads, dtype=self.dtype, kv_dtype=self.kv_dtype, backend=self.backend,
         )  # fmt: skip
         if self.speculation is not None:  # a draft model's cache: as many pages, the same tables
             facts = dict(page_size=self.config.page_size, kv_dtype=self.kv_dtype, backend=self.backend,
-                         device=self.device, num_groups=layout.num_groups)  # fmt: skip
+                         device=self.device, num_groups=self.num_groups)  # fmt: skip
             self.speculation.initialize(num_pages, facts, self.buckets.shapes(), self._no_feed)
 
     @collector_paused()
@@ -222,65 +183,16 @@ class Runner:
         Returns the number of programs built.
         """
         start = time.perf_counter()
-        specs = self._warm_up_specs(shapes or self.buckets.shapes())
+        specs = warm_up_specs(self, shapes or self.buckets.shapes())
         loaded = self.programs.loaded
         built = self.programs.build_all(specs)
-        self._first_runs(specs)
+        run_once(self, specs)
         logger.info(
             "warm-up built %d programs in %.1f s (%d from the executable cache)",
             built, time.perf_counter() - start, self.programs.loaded - loaded,
         )  # fmt: skip
         self.programs.seal()
         return built
-
-    def _first_runs(self, specs: list[ProgramSpec]) -> None:
-        """Runs every sampler program and the forward programs of up to `_FIRST_RUN_TOKENS` tokens."""
-        logits = {}
-        # Samplers first: a program's first run can undo part of another's (measured: a forward
-        # run before the samplers' first runs paid its first-run cost again afterwards).
-        for spec in sorted(specs, key=lambda spec: spec.key[0] != "sample"):
-            kind, *static = spec.key
-            if kind == "forward" and static[0] <= _FIRST_RUN_TOKENS:
-                t_pad, r_pad, p_pad, _ = static
-                for num_seqs in dict.fromkeys((1, r_pad)):  # a prefill chunk, then a batch (if R > 1)
-                    inputs = exercise_inputs(
-                        t_pad, r_pad, p_pad, self.num_groups, self.num_pages,
-                        page_size=self.config.page_size, num_seqs=num_seqs,
-                    )  # fmt: skip
-                    self._run_forward(*pack_inputs(inputs), self._no_feed)
-            elif kind == "sample":
-                rows = static[0]
-                if rows not in logits:
-                    zeros = np.zeros((rows, self.model_config.vocab_size), np.float32)
-                    logits[rows] = jax.device_put(zeros, None if self.mesh is None else self._whole)
-                self.programs.call(spec.key, lambda spec=spec: spec, logits[rows], spec.args[1])
-        jax.block_until_ready(self.kv_caches)
-
-    def _warm_up_specs(self, shapes: list[tuple[int, int, int]]) -> list[ProgramSpec]:
-        """The forward per shape (largest first: they take longest) and the sampler per row count."""
-        specs, rows = [], []
-        for t_pad, r_pad, p_pad in sorted(shapes, reverse=True):
-            packed, dims = pack_inputs(padding_inputs(t_pad, r_pad, p_pad, self.num_groups))
-            if self.mesh is not None:  # replicated, as each step's inputs arrive
-                packed = jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self._whole)
-            specs.append(self._forward_spec(packed, dims))
-            rows.append(r_pad)
-        if self._pooling is not None:  # a pooling engine never samples (the forward's argmax serves)
-            return specs + self._pooling.specs(self._state_leaves, shapes)
-        vocab = self.model_config.vocab_size
-        for r_pad in dict.fromkeys(rows):
-            whole = None if self.mesh is None else self._whole
-            logits = jax.ShapeDtypeStruct((r_pad, vocab), jnp.float32, sharding=whole)
-            for flags in uniform_warmup_flag_sets(
-                self._logprobs_width, logprobs_mode=self.config.logprobs_mode
-            ):
-                if flags.argmax_only and not self.config.logits_processors:
-                    continue  # the forward's argmax serves these steps
-                tensors = self.sampling.dummy_tensors(flags, r_pad, **self._extra_widths)
-                specs.append(self._sampler_spec(logits, tensors, flags))
-        if self.speculation is not None:
-            specs += self.speculation.warm_up_specs(self._whole_state(), self.sampling, self.dtype)
-        return specs + self._prompt_logprobs.warm_up_specs(self._whole_state())
 
     def _forward_spec(self, packed: np.ndarray | jax.Array, dims: tuple[int, int, int, int]) -> ProgramSpec:
         return ProgramSpec(
@@ -536,14 +448,5 @@ class Runner:
             self.table.update_many(update.cached)
 
 
-# Forward programs up to this many tokens run once at warm-up (see `Runner.warm_up`).
-_FIRST_RUN_TOKENS = 64
-
-
 # What a caller of `Runner` sees: its configuration and counters, and the step result types.
 __all__ = ["InFlightStep", "Runner", "RunnerConfig", "RunnerStats", "StepLogprobs", "StepResult"]
-
-
-def _weight_sharding(mesh: jax.sharding.Mesh, path: tuple[str, ...], abstract, *, expert_parallel=False):
-    """A restored weight's sharding on the tensor-parallel `mesh` (`models.sharding` rules)."""
-    return parameter_sharding(".".join(path), abstract.shape, mesh, expert_parallel=expert_parallel)

@@ -25,9 +25,11 @@ from flax import nnx
 from models import ModelConfig, PackedKernel, attach_rope_tables
 from models.lora import attach_lora
 from models.moe import use_expert_parallel
-from models.sharding import place_state
+from models.sharding import parameter_sharding, place_state
 from tpu_platform.buckets import StepBuckets
+from tpu_platform.kv_cache import allocate_stacked_caches
 from tpu_platform.lora_slots import LoraSlots
+from tpu_platform.mesh import replicated, tensor_parallel_mesh
 from tpu_platform.pooled_step import PoolingPrograms
 from tpu_platform.programs import Programs
 from tpu_platform.prompt_logprobs import PromptLogprobs, PromptLogprobsProgram
@@ -36,6 +38,7 @@ from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.sampling import SamplingBatch
 from tpu_platform.sampling.uniform import warm_logprobs_width
 from tpu_platform.speculation.verifier import SpeculativeDecoding, load_proposer
+from tpu_platform.state_cache import allocate_layer_caches
 from tpu_platform.step import make_sampler
 from tpu_platform.step_program import KVLayout, StepProgram, build_step_program
 from tpu_platform.weights.prepared import ShardingFor
@@ -88,6 +91,19 @@ class Placement:
     mesh: jax.sharding.Mesh | None
     whole: jax.Device | jax.sharding.Sharding
     weight_shardings: ShardingFor
+
+    @classmethod
+    def for_config(cls, config: RunnerConfig) -> Placement:
+        """This host's first device (with several hosts too) and, with tensor parallelism, the
+        mesh over `config.tensor_parallel_size` of its devices."""
+        device = jax.local_devices()[0]
+        mesh = tensor_parallel_mesh(config.tensor_parallel_size)
+        if mesh is None:
+            return cls(device, None, device, jax.sharding.SingleDeviceSharding(device))
+        # A function of a weight's path and abstract value (`weights.prepared.ShardingFor`):
+        # restored checkpoints go straight to their shardings.
+        shardings = functools.partial(weight_sharding, mesh, expert_parallel=config.expert_parallel)
+        return cls(device, mesh, replicated(mesh), shardings)
 
     @property
     def whole_on_mesh(self) -> jax.sharding.Sharding | None:
@@ -158,7 +174,7 @@ def load_runner_model(
     packed = len(jax.tree.leaves(nnx.state(model, PackedKernel)))
     attach_rope_tables(model, config.max_model_len)
     if config.expert_parallel and mesh is not None:
-        use_expert_parallel(model)  # the experts placed by index: `runner._weight_sharding`
+        use_expert_parallel(model)  # the experts placed by index: `weight_sharding`
     lora, sites = config.lora, None
     if lora is not None:  # zeroed adapter slots: `models.lora`
         lora_dtype = jnp.dtype(lora.dtype or dtype)
@@ -218,22 +234,43 @@ def build_step_state(
     loaded: LoadedModel,
     config: RunnerConfig,
     placement: Placement,
-    caches: list[jax.Array],
-    layout: KVLayout,
-    *,
     num_pages: int,
+    layout: KVLayout | None,
+    *,
     buckets: StepBuckets,
+    kv_heads: int,
+    dtype: jnp.dtype,
     kv_dtype: jnp.dtype,
     backend: str,
-) -> StepState:
-    """The request table and the step program of `loaded`'s model over `caches` (`num_pages`
-    pages each, shared between the layers as `layout` says)."""
+) -> tuple[StepState, list[jax.Array]]:
+    """Allocates the caches, stacked in one array (a few past int32's slot numbers:
+    `allocate_stacked_caches`) as `layout` shares them between the layers (default: one group,
+    one cache per layer; a hybrid's groups as vLLM makes them), and makes the request table and
+    the step program over them. Returns those and the caches."""
+    mc = loaded.config
+    hybrid = KVLayout.for_model(mc) if mc.state_layers else None
+    layout = layout or hybrid or KVLayout.from_groups([range(mc.num_layers)], mc.num_layers)
+    shape = (num_pages, config.page_size, kv_heads, mc.head_dim)
+    mesh = placement.mesh
+    if layout.state_layers:  # a hybrid model: state pools beside KV pages, one cache a layer
+        caches = allocate_layer_caches(mc, layout, *shape[:3], kv_dtype, dtype, backend, mesh)
+    else:
+        caches = allocate_stacked_caches(
+            layout.num_caches, *shape, kv_dtype, backend, mesh, latent_width=mc.latent_cache_width
+        )
+    # Committed to the device like the step's outputs, so warm-up and serving share programs.
+    caches = jax.device_put(caches, placement.device) if mesh is None else caches
     table = RequestTable(config.max_num_seqs, config.max_model_len, buckets.max_pages, layout.num_groups)
     speculation = loaded.speculation
     program = build_step_program(
-        loaded.config, loaded.graphdef, loaded.state_def, loaded.state_leaves, caches,
+        mc, loaded.graphdef, loaded.state_def, loaded.state_leaves, caches,
         backend=backend, layout=layout, kv_dtype=kv_dtype.name, num_pages=num_pages,
         page_size=config.page_size, feed_width=buckets.max_seqs, device=placement.device,
-        mesh=placement.mesh, aux_layers=speculation.aux_layers if speculation else (),
+        mesh=mesh, aux_layers=speculation.aux_layers if speculation else (),
     )  # fmt: skip
-    return StepState(program=program, table=table)
+    return StepState(program=program, table=table), caches
+
+
+def weight_sharding(mesh: jax.sharding.Mesh, path: tuple[str, ...], abstract, *, expert_parallel=False):
+    """A restored weight's sharding on the tensor-parallel `mesh` (`models.sharding` rules)."""
+    return parameter_sharding(".".join(path), abstract.shape, mesh, expert_parallel=expert_parallel)
