@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What a runner's start-up phases make, each phase's in one frozen record made in one place.
+"""What a runner's start-up phases make: one frozen record a phase, each made in one function.
 
-`Runner.load_model` makes a `LoadedModel` (the model placed on its device or mesh, its LoRA slots,
-speculation, and the programs and per-request host state sized by it: `load_runner_model`);
-`Runner.initialize_kv_cache` makes a `StepState` (the request table and the step program over the
-caches: `build_step_state`). Until its phase has run a record is None, and the runner's attributes
-that live in it (`RecordField`) raise `PhaseNotRun` naming the phase, so a runner is never half
-built. The caches themselves stay on the runner: every step donates them and keeps their
-successors.
+The constructor makes a `Placement` (`Placement.for_config`); `Runner.load_model` a `LoadedModel`
+(the model placed on its device or mesh, its LoRA slots, speculation, and the programs and
+per-request host state sized by it: `load_runner_model`); `Runner.initialize_kv_cache` a
+`StepState` (the request table and the step program over the caches it allocates:
+`build_step_state`). Until its phase has run a record is None, and the runner's attributes that
+live in it (`RecordField`) raise `PhaseNotRun` naming the phase, so a runner is never half built.
+The caches themselves stay on the runner: every step donates them and keeps their successors.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class RecordField:
             return self
         made = getattr(runner, self.record)
         if made is None:
-            done = list(PHASES)[: list(PHASES).index(self.record)]
-            before = "".join(f"{PHASES[r]}, then " for r in done if getattr(runner, r) is None)
+            earlier = list(PHASES)[: list(PHASES).index(self.record)]
+            before = "".join(f"{PHASES[r]}, then " for r in earlier if getattr(runner, r) is None)
             raise PhaseNotRun(
                 f"{self.name} is made by {PHASES[self.record]}, which has not run on this runner: "
                 f"call {before}{PHASES[self.record]} first"
@@ -120,7 +120,7 @@ class LoadedModel:
     packed_kernels: int  # weights packed for the native dense kernel
     graphdef: nnx.GraphDef
     state: nnx.State  # placed on the device, or leaf by leaf on the mesh
-    state_def: Any  # the state's tree structure
+    state_def: jax.tree_util.PyTreeDef  # the state's tree structure
     # The forward's state arguments, the state's leaves: LoRA slots rewrite them in place.
     state_leaves: list[jax.Array]
     lora: LoraSlots | None
