@@ -157,10 +157,9 @@ class Runner:
 
     @collector_paused()
     def initialize_kv_cache(self, num_pages: int, layout: KVLayout | None = None) -> None:
-        """Allocates the caches, stacked in one array (a few past int32's slot numbers:
-        `allocate_stacked_caches`) as `layout` shares them between the layers (default: one
-        group, one cache per layer; a hybrid's groups as vLLM makes them), and builds the step
-        program over them."""
+        """Allocates the caches of `num_pages` pages, shared between the layers as `layout` says
+        (default: one cache per layer; a hybrid's groups), and makes the request table and the
+        step program over them (`runner_state.build_step_state`), and a draft model's cache."""
         self.steps, self.kv_caches = build_step_state(
             self.loaded, self.config, self.placement, num_pages, layout, buckets=self.buckets,
             kv_heads=self.kv_heads, dtype=self.dtype, kv_dtype=self.kv_dtype, backend=self.backend,
