@@ -15,66 +15,73 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import ModelConfig, PackedKernel, attach_rope_tables
-from models.lora import attach_lora
-from models.moe import use_expert_parallel
-from models.sharding import kv_heads_on_mesh, parameter_sharding, place_state
+from models import ModelConfig
+from models.sharding import kv_heads_on_mesh
 from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.collector import collector_paused
 from tpu_platform.dispatch import FlatCall
-from tpu_platform.inputs import StepBuffers, exercise_inputs, pack_inputs, padding_inputs, prepare_step
-from tpu_platform.kv_cache import (
-    allocate_stacked_caches,
-    available_kv_bytes,
-    kv_cache_dtype,
-    page_bytes_per_device,
-)
-from tpu_platform.lora_slots import LoraSlots
-from tpu_platform.mesh import replicated, tensor_parallel_mesh
-from tpu_platform.pooled_step import PoolingPrograms
+from tpu_platform.inputs import StepBuffers, prepare_step
+from tpu_platform.kv_cache import available_kv_bytes, kv_cache_dtype, page_bytes_per_device
 from tpu_platform.pooling import PoolingRequests, pooled_outputs
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
-from tpu_platform.prompt_logprobs import PromptLogprobs, PromptLogprobsProgram
-from tpu_platform.request_table import RequestTable
 from tpu_platform.runner_config import RunnerConfig, RunnerStats
-from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, SamplingTensors
-from tpu_platform.sampling.uniform import (
-    has_extras,
-    uniform_warmup_flag_sets,
-    warm_logprobs_width,
-    with_all_extras,
+from tpu_platform.runner_state import (
+    LoadedModel,
+    Placement,
+    RecordField,
+    StepState,
+    build_step_state,
+    load_runner_model,
 )
-from tpu_platform.speculation.verifier import SpeculativeDecoding, load_proposer
-from tpu_platform.state_cache import allocate_layer_caches
-from tpu_platform.step import make_sampler
-from tpu_platform.step_program import KVLayout, build_step_program
+from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingTensors
+from tpu_platform.sampling.uniform import has_extras, with_all_extras
+from tpu_platform.step_program import KVLayout
 from tpu_platform.step_record import DispatchedStep, InFlightStep, record_step
 from tpu_platform.step_update import StepLogprobs, StepResult, StepUpdate
-from tpu_platform.weights.prepared import ShardingFor
-from tpu_platform.weights.source import load_served_weights
+from tpu_platform.warm_up import run_once, warm_up_specs
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
 
 class Runner:
-    """Drives one model on the default JAX device, step by step."""
+    """Drives one model on the default JAX device, step by step.
+
+    Built in three phases, each making one record (`runner_state`): the constructor its
+    `placement`, `load_model` the `loaded` model, `initialize_kv_cache` the `steps` state. The
+    attributes below read through them; read before their phase, they name it (`PhaseNotRun`).
+    """
+
+    device = RecordField("placement", "device")
+    mesh = RecordField("placement", "mesh")  # None on one device: everything lives on `device`
+    _whole = RecordField("placement", "whole")  # step inputs, logits, sampled tokens
+    weight_shardings = RecordField("placement", "weight_shardings")
+    model_config = RecordField("loaded", "config")
+    state = RecordField("loaded", "state")
+    _graphdef = RecordField("loaded", "graphdef")
+    _state_def = RecordField("loaded", "state_def")
+    _state_leaves = RecordField("loaded", "state_leaves")
+    lora = RecordField("loaded", "lora")
+    speculation = RecordField("loaded", "speculation")
+    _prompt_logprobs = RecordField("loaded", "prompt_logprobs_program")
+    prompt_logprobs = RecordField("loaded", "prompt_logprobs")
+    _pooling = RecordField("loaded", "pooling")
+    _sample = RecordField("loaded", "sample")
+    _no_feed = RecordField("loaded", "no_feed")
+    sampling = RecordField("loaded", "sampling")
+    _extra_widths = RecordField("loaded", "extra_widths")
+    _logprobs_width = RecordField("loaded", "logprobs_width")
+    step_program = RecordField("steps", "program")
+    table = RecordField("steps", "table")
+    num_pages = RecordField("steps", "num_pages")
+    num_groups = RecordField("steps", "num_groups")
 
     def __init__(self, config: RunnerConfig):
         self.config = config
-        self.device = jax.local_devices()[0]  # this host's first (with several hosts too)
-        # The tensor-parallel mesh (None on one device: everything then lives on `device`), and
-        # where a whole (replicated) array goes: step inputs, logits, sampled tokens.
-        self.mesh = tensor_parallel_mesh(config.tensor_parallel_size)
+        self.placement = Placement.for_config(config)
         self.tp_size = config.tensor_parallel_size
-        self._whole = self.device if self.mesh is None else replicated(self.mesh)
-        # Where each weight lives: a sharding, or a function of a weight's path and abstract
-        # value giving one (`weights.prepared.ShardingFor`); restored checkpoints go straight there.
-        self.weight_shardings: ShardingFor = (
-            jax.sharding.SingleDeviceSharding(self.device)
-            if self.mesh is None
-            else functools.partial(_weight_sharding, self.mesh, expert_parallel=config.expert_parallel)
-        )
+        self.loaded: LoadedModel | None = None
+        self.steps: StepState | None = None
         self.backend = select_backend(config.attention_backend, self.device.platform, config.cache_dir)
         # The native dense kernel's instruction set here ("amx", "avx512_bf16", "avx2"), or None:
         # XLA's dots (always on a mesh: XLA splits its dots, not the native kernel's calls).
@@ -87,8 +94,7 @@ class Runner:
                 executables = ExecutableCache(os.path.join(config.cache_dir, "executables"), self.device)
         self.dtype = jnp.dtype(config.dtype)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype or config.dtype)
-        self.model_config: ModelConfig | None = None
-        self.kv_caches: list[jax.Array] = []
+        self.kv_caches: list[jax.Array] = []  # every step donates them and keeps their successors
         self.buckets = StepBuckets.for_limits(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
@@ -111,72 +117,15 @@ class Runner:
     def load_model(self) -> ModelConfig:
         start = time.perf_counter()
         memo = self.programs.cache.directory if self.programs.cache else None  # the code digests' memo
-        self.model_config, model, source = load_served_weights(
-            self.config, self.dtype, self.dense_isa, self.weight_shardings, memo
-        )
-        packed = len(jax.tree.leaves(nnx.state(model, PackedKernel)))
-        attach_rope_tables(model, self.config.max_model_len)
-        if self.config.expert_parallel and self.mesh is not None:
-            use_expert_parallel(model)  # the experts placed by index: `_weight_sharding`
-        lora = self.config.lora
-        sites = None
-        if lora is not None:  # zeroed adapter slots: `models.lora`
-            sites = attach_lora(
-                model,
-                max_loras=lora.max_loras,
-                max_rank=lora.max_lora_rank,
-                dtype=jnp.dtype(lora.dtype or self.dtype),
-                blocks=self.tp_size,
-            )
-        graphdef, state = nnx.split(model)
-        if self.mesh is None:
-            self.state = jax.device_put(state, self.device)
-        else:  # leaf by leaf to its sharding (`models.sharding`)
-            self.state = place_state(state, self.mesh, expert_parallel=self.config.expert_parallel)
-        self._state_leaves, self._state_def = jax.tree.flatten(self.state)
-        self.lora: LoraSlots | None = None
-        if sites is not None:
-            self.lora = LoraSlots(lora, sites, self.state, self._state_leaves)
-        self._graphdef = graphdef
-        whole = None if self.mesh is None else self._whole
-        self._prompt_logprobs = PromptLogprobsProgram.for_model(
-            graphdef, self.model_config, self.config, self.dtype, whole
-        )
-        self.prompt_logprobs = PromptLogprobs(self.model_config.vocab_size)
-        draft = functools.partial(
-            load_proposer, config=self.config, target=self.model_config, target_model=model, dtype=self.dtype,
-            dense_isa=self.dense_isa, shardings=self.weight_shardings, device=self.device,
+        self.loaded = load_runner_model(
+            self.config, self.placement, dtype=self.dtype, dense_isa=self.dense_isa,
+            programs=self.programs, buckets=self.buckets, memo_dir=memo,
         )  # fmt: skip
-        self.speculation = SpeculativeDecoding.for_runner(
-            graphdef, self.model_config, self.config, whole, self.programs, draft
-        )
-        self._sample = make_sampler(self.buckets.max_seqs, self.mesh)
-        self._pooling = None  # a pooling runner's programs
-        if self.config.pooling is not None:
-            self._pooling = PoolingPrograms(
-                graphdef, self._state_def, self.config.pooling, self.model_config, self.dtype,
-                None if self.mesh is None else self._whole,
-            )  # fmt: skip
-        # What a step takes as its previous step's tokens when none is in flight.
-        self._no_feed = jax.device_put(np.zeros(self.buckets.max_seqs, np.int32), self._whole)
-        self.sampling = SamplingBatch(
-            max_num_reqs=self.config.max_num_seqs,
-            vocab_size=self.model_config.vocab_size,
-            max_model_len=self.config.max_model_len,
-            max_logprobs=self.config.max_logprobs,
-            logprobs_mode=self.config.logprobs_mode,
-        )
-        # Penalty window, sparse list and logprobs widths of the sampler's "extras" programs.
-        self._extra_widths = {
-            "penalty_width": self.sampling.penalty_widths[-1],
-            "sparse_width": self.sampling.sparse_widths[-1],
-        }
-        self._logprobs_width = warm_logprobs_width(self.config.max_logprobs, self.model_config.vocab_size)
         logger.info(
             "loaded %s (%s) in %.1f s on %s%s from %s, attention backend %s, %d dense kernels on %s",
             self.model_config.architecture, self.dtype.name, time.perf_counter() - start,
             self.device.device_kind, f" x{self.tp_size} (tensor parallel)" if self.mesh else "",
-            source, self.backend, packed, self.dense_isa or "XLA",
+            self.loaded.source, self.backend, self.loaded.packed_kernels, self.dense_isa or "XLA",
         )  # fmt: skip
         return self.model_config
 
@@ -202,49 +151,22 @@ class Runner:
     def available_kv_bytes(
         self, memory_utilization: float, cpu_kv_cache_gb: float, explicit_bytes: int | None = None
     ) -> int:
-        return available_kv_bytes(
-            self.device,
-            memory_utilization=memory_utilization,
-            cpu_kv_cache_gb=cpu_kv_cache_gb,
-            explicit_bytes=explicit_bytes,
-        )
+        """Bytes the KV cache may take on this runner's device (`kv_cache.available_kv_bytes`)."""
+        budget = {"memory_utilization": memory_utilization, "cpu_kv_cache_gb": cpu_kv_cache_gb}
+        return available_kv_bytes(self.device, explicit_bytes=explicit_bytes, **budget)
 
     @collector_paused()
     def initialize_kv_cache(self, num_pages: int, layout: KVLayout | None = None) -> None:
-        """Allocates the caches, stacked in one array (a few past int32's slot numbers:
-        `allocate_stacked_caches`) as `layout` shares them between the layers (default: one
-        group, one cache per layer; a hybrid's groups as vLLM makes them), and builds the step
-        program over them."""
-        mc = self.model_config
-        hybrid = KVLayout.for_model(mc) if mc.state_layers else None
-        layout = layout or hybrid or KVLayout.from_groups([range(mc.num_layers)], mc.num_layers)
-        shape = (num_pages, self.config.page_size, self.kv_heads, mc.head_dim)
-        if layout.state_layers:  # a hybrid model: state pools beside KV pages, one cache a layer
-            caches = allocate_layer_caches(
-                mc, layout, *shape[:3], self.kv_dtype, self.dtype, self.backend, self.mesh
-            )
-        else:
-            caches = allocate_stacked_caches(
-                layout.num_caches, *shape, self.kv_dtype, self.backend, self.mesh,
-                latent_width=mc.latent_cache_width,
-            )  # fmt: skip
-        # Committed to the device like the step's outputs, so warm-up and serving share programs.
-        self.kv_caches = jax.device_put(caches, self.device) if self.mesh is None else caches
-        self.num_pages = num_pages
-        self.num_groups = layout.num_groups
-        self.table = RequestTable(
-            self.config.max_num_seqs, self.config.max_model_len, self.buckets.max_pages, layout.num_groups
-        )
-        self.step_program = build_step_program(
-            self.model_config, self._graphdef, self._state_def, self._state_leaves, self.kv_caches,
-            backend=self.backend, layout=layout, kv_dtype=self.kv_dtype.name, num_pages=num_pages,
-            page_size=self.config.page_size, feed_width=self.buckets.max_seqs, device=self.device,
-            mesh=self.mesh, aux_layers=self.speculation.aux_layers if self.speculation else (),
+        """Allocates the caches of `num_pages` pages, shared between the layers as `layout` says
+        (default: one cache per layer; a hybrid's groups), and makes the request table and the
+        step program over them (`runner_state.build_step_state`), and a draft model's cache."""
+        self.steps, self.kv_caches = build_step_state(
+            self.loaded, self.config, self.placement, num_pages, layout, buckets=self.buckets,
+            kv_heads=self.kv_heads, dtype=self.dtype, kv_dtype=self.kv_dtype, backend=self.backend,
         )  # fmt: skip
-        self._forward = self.step_program.forward
         if self.speculation is not None:  # a draft model's cache: as many pages, the same tables
             facts = dict(page_size=self.config.page_size, kv_dtype=self.kv_dtype, backend=self.backend,
-                         device=self.device, num_groups=layout.num_groups)  # fmt: skip
+                         device=self.device, num_groups=self.num_groups)  # fmt: skip
             self.speculation.initialize(num_pages, facts, self.buckets.shapes(), self._no_feed)
 
     @collector_paused()
@@ -260,10 +182,10 @@ class Runner:
         Returns the number of programs built.
         """
         start = time.perf_counter()
-        specs = self._warm_up_specs(shapes or self.buckets.shapes())
+        specs = warm_up_specs(self, shapes or self.buckets.shapes())
         loaded = self.programs.loaded
         built = self.programs.build_all(specs)
-        self._first_runs(specs)
+        run_once(self, specs)
         logger.info(
             "warm-up built %d programs in %.1f s (%d from the executable cache)",
             built, time.perf_counter() - start, self.programs.loaded - loaded,
@@ -271,59 +193,10 @@ class Runner:
         self.programs.seal()
         return built
 
-    def _first_runs(self, specs: list[ProgramSpec]) -> None:
-        """Runs every sampler program and the forward programs of up to `_FIRST_RUN_TOKENS` tokens."""
-        logits = {}
-        # Samplers first: a program's first run can undo part of another's (measured: a forward
-        # run before the samplers' first runs paid its first-run cost again afterwards).
-        for spec in sorted(specs, key=lambda spec: spec.key[0] != "sample"):
-            kind, *static = spec.key
-            if kind == "forward" and static[0] <= _FIRST_RUN_TOKENS:
-                t_pad, r_pad, p_pad, _ = static
-                for num_seqs in dict.fromkeys((1, r_pad)):  # a prefill chunk, then a batch (if R > 1)
-                    inputs = exercise_inputs(
-                        t_pad, r_pad, p_pad, self.num_groups, self.num_pages,
-                        page_size=self.config.page_size, num_seqs=num_seqs,
-                    )  # fmt: skip
-                    self._run_forward(*pack_inputs(inputs), self._no_feed)
-            elif kind == "sample":
-                rows = static[0]
-                if rows not in logits:
-                    zeros = np.zeros((rows, self.model_config.vocab_size), np.float32)
-                    logits[rows] = jax.device_put(zeros, None if self.mesh is None else self._whole)
-                self.programs.call(spec.key, lambda spec=spec: spec, logits[rows], spec.args[1])
-        jax.block_until_ready(self.kv_caches)
-
-    def _warm_up_specs(self, shapes: list[tuple[int, int, int]]) -> list[ProgramSpec]:
-        """The forward per shape (largest first: they take longest) and the sampler per row count."""
-        specs, rows = [], []
-        for t_pad, r_pad, p_pad in sorted(shapes, reverse=True):
-            packed, dims = pack_inputs(padding_inputs(t_pad, r_pad, p_pad, self.num_groups))
-            if self.mesh is not None:  # replicated, as each step's inputs arrive
-                packed = jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self._whole)
-            specs.append(self._forward_spec(packed, dims))
-            rows.append(r_pad)
-        if self._pooling is not None:  # a pooling engine never samples (the forward's argmax serves)
-            return specs + self._pooling.specs(self._state_leaves, shapes)
-        vocab = self.model_config.vocab_size
-        for r_pad in dict.fromkeys(rows):
-            whole = None if self.mesh is None else self._whole
-            logits = jax.ShapeDtypeStruct((r_pad, vocab), jnp.float32, sharding=whole)
-            for flags in uniform_warmup_flag_sets(
-                self._logprobs_width, logprobs_mode=self.config.logprobs_mode
-            ):
-                if flags.argmax_only and not self.config.logits_processors:
-                    continue  # the forward's argmax serves these steps
-                tensors = self.sampling.dummy_tensors(flags, r_pad, **self._extra_widths)
-                specs.append(self._sampler_spec(logits, tensors, flags))
-        if self.speculation is not None:
-            specs += self.speculation.warm_up_specs(self._whole_state(), self.sampling, self.dtype)
-        return specs + self._prompt_logprobs.warm_up_specs(self._whole_state())
-
     def _forward_spec(self, packed: np.ndarray | jax.Array, dims: tuple[int, int, int, int]) -> ProgramSpec:
         return ProgramSpec(
             key=("forward", *dims),
-            jitted=self._forward,
+            jitted=self.step_program.forward,
             args=(self._state_leaves, self.kv_caches, packed, self._no_feed),
             static={"dims": dims},
             context=self.step_program.context,
@@ -574,14 +447,5 @@ class Runner:
             self.table.update_many(update.cached)
 
 
-# Forward programs up to this many tokens run once at warm-up (see `Runner.warm_up`).
-_FIRST_RUN_TOKENS = 64
-
-
 # What a caller of `Runner` sees: its configuration and counters, and the step result types.
 __all__ = ["InFlightStep", "Runner", "RunnerConfig", "RunnerStats", "StepLogprobs", "StepResult"]
-
-
-def _weight_sharding(mesh: jax.sharding.Mesh, path: tuple[str, ...], abstract, *, expert_parallel=False):
-    """A restored weight's sharding on the tensor-parallel `mesh` (`models.sharding` rules)."""
-    return parameter_sharding(".".join(path), abstract.shape, mesh, expert_parallel=expert_parallel)

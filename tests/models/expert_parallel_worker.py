@@ -32,7 +32,7 @@ from tests.tpu_platform.tensor_parallel_weights_worker import (
 )
 from tpu_platform.mesh import tensor_parallel_mesh
 from tpu_platform.planner.hlo import hlo_collectives
-from tpu_platform.runner import _weight_sharding
+from tpu_platform.runner_state import weight_sharding
 from tpu_platform.weights.prepared import Preparation, load_prepared
 
 DTYPE = "float32"
@@ -47,7 +47,7 @@ def load(model_dir: str, ep: int, *, flagged: bool = True, quantization: str = "
     if ep == 1:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     else:
-        sharding = functools.partial(_weight_sharding, tensor_parallel_mesh(ep), expert_parallel=True)
+        sharding = functools.partial(weight_sharding, tensor_parallel_mesh(ep), expert_parallel=True)
     _, model = load_prepared(model_dir, Preparation(DTYPE, tp_size=ep, quantization=quantization), sharding)
     if ep > 1 and flagged:
         assert use_expert_parallel(model) > 0

@@ -26,7 +26,7 @@ from models.weight_stream import HostBytes
 from pallas_kernels import allocate_kv_cache
 from tpu_platform.kv_cache import allocate_stacked_caches, caches_per_array
 from tpu_platform.mesh import tensor_parallel_mesh
-from tpu_platform.runner import _weight_sharding
+from tpu_platform.runner_state import weight_sharding
 from tpu_platform.weights.converted import PREPARED_DIR, converted_weights, restore_converted
 from tpu_platform.weights.prepared import Preparation, load_prepared, metadata_for, save_prepared
 
@@ -39,7 +39,7 @@ def shardings(tp: int):
     """What the runner restores and streams onto at `tp`."""
     if tp == 1:
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return functools.partial(_weight_sharding, tensor_parallel_mesh(tp))
+    return functools.partial(weight_sharding, tensor_parallel_mesh(tp))
 
 
 def arrays(model: nnx.Module) -> dict[str, jax.Array]:

@@ -2,11 +2,14 @@
 """Where a runner's weights come from, fastest first: a converted model directory (restored onto
 the weight shardings), the weights cache (`load_format="npcache"`) when it holds them, else the
 checkpoint, streamed tensor by tensor onto the weight shardings (`prepared.load_prepared`) and,
-with npcache, stored in the cache for the next start."""
+with npcache, stored in the cache for the next start. `load_served_weights` makes that choice and
+says which source it took and why (`WeightSource`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from flax import nnx
@@ -22,17 +25,37 @@ from tpu_platform.weights.converted import converted_weights, restore_converted
 from tpu_platform.weights.prepared import Preparation, ShardingFor, int8_quantization, load_prepared
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightSource:
+    """The source a model's served weights came from (`name`, as the start-up log says it) and why
+    that one (`reason`)."""
+
+    name: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.reason})"
+
+
+class ServedWeights(NamedTuple):
+    """A model with its served weights, its config, and where the weights came from."""
+
+    config: ModelConfig
+    model: nnx.Module
+    source: WeightSource
+
+
 def load_served_weights(
     config: RunnerConfig,
     dtype: jnp.dtype,
     dense_isa: str | None,
     shardings: ShardingFor,
     memo_dir: str | None = None,
-) -> tuple[ModelConfig, nnx.Module, str]:
-    """The model of `config.model_path` with its served weights, its config, and the name of the
-    source they came from. `dense_isa`: the native dense kernel's instruction set (kernels are
-    packed for it), or None; `memo_dir`: where the code digests are memoized (the executable
-    cache's directory)."""
+) -> ServedWeights:
+    """The model of `config.model_path` with its served weights, from the first source that has
+    them: a converted model directory, the weights cache (npcache), the checkpoint. `dense_isa`: the
+    native dense kernel's instruction set (kernels are packed for it), or None; `memo_dir`: where
+    the code digests are memoized (the executable cache's directory)."""
     path = config.model_path
     converted = converted_weights(path)
     # quantized in the source's own layout (a converted directory keeps the one it was converted in)
@@ -47,17 +70,34 @@ def load_served_weights(
     if converted is not None:
         model_config = ModelConfig.from_pretrained(path)
         model = restore_converted(converted, model_config, preparation, shardings)
-        return model_config, model, "the converted checkpoint"
+        return ServedWeights(
+            model_config, model, WeightSource(CONVERTED, f"{path} is a converted model directory")
+        )
     cache = _weights_cache(config, preparation, memo_dir)
     if cache is not None:
         model_config = ModelConfig.from_pretrained(path)
         model = cache.load(model_config, shardings)
         if model is not None:
-            return model_config, model, "the weights cache"
+            reason = f"load_format='npcache' and it holds the {preparation.name} weights"
+            return ServedWeights(model_config, model, WeightSource(CACHED, reason))
     model_config, model = load_prepared(path, preparation, shardings)
     if cache is not None:
         cache.store(model_config, model)
-    return model_config, model, "the checkpoint"
+    return ServedWeights(model_config, model, WeightSource(CHECKPOINT, _checkpoint_reason(config, cache)))
+
+
+# The sources' names, fastest first.
+CONVERTED = "the converted checkpoint"
+CACHED = "the weights cache"
+CHECKPOINT = "the checkpoint"
+
+
+def _checkpoint_reason(config: RunnerConfig, cache: WeightsCache | None) -> str:
+    if cache is not None:
+        return "the weights cache had no entry for it: stored there for the next start"
+    if config.load_format != "npcache":
+        return f"load_format={config.load_format!r} (npcache keeps the prepared weights in a weights cache)"
+    return "load_format='npcache', but there is no cache directory (VLLM_XLA_CACHE_DIR) to keep them in"
 
 
 def check_mxfp4_checkpoint(path: str) -> None:
