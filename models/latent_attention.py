@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from models.deepseek_config import DeepseekConfig
+from models.int8 import dequantize
 from models.layers import RMSNorm
 from models.linear import Linear, zeros_param
 from models.metadata import AttentionMetadata
@@ -45,10 +46,21 @@ LATENT_NORM_EPS = 1e-6
 class LatentUpProjection(nnx.Module):
     """`kv_b_proj`: per head, `W_UK [L, Dn]` then `W_UV [L, Dv]`, stored `[L, N * (Dn + Dv)]`
     (a Linear's layout, so its columns split on heads). Only ever used folded into the query
-    and after attention, never as a matmul on cached values."""
+    and after attention, never as a matmul on cached values.
+
+    A quantized checkpoint's (DeepSeek-V3/R1 as released: 128x128-block fp8) keeps its values and
+    `kernel_scale` (`[L / G, out]`, as a Linear's) on the device; `weights` widens them where the
+    step uses them."""
 
     def __init__(self, latent: int, heads: int, nope: int, value: int, *, dtype: jnp.dtype):
         self.kernel = zeros_param((latent, heads * (nope + value)), dtype)
+        self.kernel_scale: nnx.Param | None = nnx.data(None)
+
+    def weights(self, dtype: jnp.dtype) -> jax.Array:
+        """The up-projections `[L, N * (Dn + Dv)]` in `dtype` (dequantized when scaled)."""
+        if self.kernel_scale is None:
+            return self.kernel[...]
+        return dequantize(self.kernel[...], self.kernel_scale[...], dtype)
 
 
 class LatentAttention(nnx.Module):
@@ -89,7 +101,7 @@ class LatentAttention(nnx.Module):
         q = q.reshape(t, n, self.nope + self.rope)
         q = jnp.concatenate([q[..., : self.nope], self._rotate(q[..., self.nope :], cos, sin)], axis=-1)
         q = q.reshape(t, n * (self.nope + self.rope))
-        w_kv = self.kv_b_proj.kernel[...]
+        w_kv = self.kv_b_proj.weights(x.dtype)
         if md.mesh is None:
             o, kv_cache = self._attend(q, latent, k_rope, w_kv, kv_cache, md)
         else:  # each device: its own heads' queries and up-projections, the whole latent cache

@@ -21,6 +21,7 @@ from tests.models.fp8_checkpoints import (
     write_float,
 )
 from tests.models.tiny_checkpoints import caches, prompts, run_step, save_tiny
+from tests.models.tiny_deepseek import save_tiny_deepseek
 from tests.tiny_models import save_tiny_llama
 
 # 128 inputs (hidden) and 256 (intermediate): whole 128-input blocks, two of them on down_proj
@@ -268,3 +269,27 @@ def test_block_expert_scales_split_like_their_kernels_and_a_cut_block_is_refused
         parameter_spec(f"{experts}.down_proj.kernel_scale", (8, 1, 128), 2)
     with pytest.raises(ValueError, match=r"cannot split model\.layers\.0\.self_attn\.o_proj\.kernel_scale"):
         parameter_spec("model.layers.0.self_attn.o_proj.kernel_scale", (1, 128), 2)
+
+
+@pytest.mark.slow  # programs of fp8 kernels of their own
+def test_deepseek_v3_as_released_keeps_its_latent_up_projection_fp8(tmp_path):
+    """DeepSeek-V3/R1's checkpoints quantize `kv_b_proj` in 128x128 blocks like every projection:
+    it stays fp8 with its scales on the device, and the model computes what the dequantized
+    checkpoint does."""
+    # Every quantized projection's inputs in whole 128-wide blocks.
+    widths = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, q_lora_rank=128,
+                  kv_lora_rank=128, v_head_dim=32)  # fmt: skip
+    source = save_tiny_deepseek("v3_noaux_yarn", str(tmp_path / "source"), seed=2, **widths)
+    out = write_block_fp8(source, str(tmp_path / "fp8"))
+    with safe_open(f"{out}/model.safetensors", framework="pt") as f:
+        assert "model.layers.0.self_attn.kv_b_proj.weight_scale_inv" in f.keys()
+    reference_dir = write_float(source, str(tmp_path / "float"), dequantized_weights(out))
+    config, model = load_model(out)
+    _, reference = load_model(reference_dir)
+    up = model.model.layers[0].self_attn.kv_b_proj
+    assert up.kernel[...].dtype == fp8.FP8_DTYPE
+    assert up.kernel_scale[...].shape == (1, up.kernel[...].shape[1])  # [L / 128, N * (Dn + Dv)]
+    (ids,) = prompts([40], seed=4)
+    got, _ = run_step(model, caches(config), [ids], [0], [[1, 2, 3]])
+    expected, _ = run_step(reference, caches(config), [ids], [0], [[1, 2, 3]])
+    np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)

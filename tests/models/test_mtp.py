@@ -111,7 +111,6 @@ def test_an_fp8_checkpoints_layer_loads_as_it_is(tmp_path):
     source = save_tiny_deepseek_mtp(str(tmp_path / "source"), seed=2, **widths)
     quantized = write_block_fp8(source, str(tmp_path / "fp8"))
     weights = dequantized_weights(quantized)
-    _keep_float(quantized, weights, "self_attn.kv_b_proj.weight")  # latent up-projections: float
     dequantized = write_float(source, str(tmp_path / "float"), weights)
     config = ModelConfig.from_pretrained(quantized)
     embedding = (
@@ -122,21 +121,9 @@ def test_an_fp8_checkpoints_layer_loads_as_it_is(tmp_path):
         head.share_embedding(jnp.asarray(embedding))
     assert heads[0].eh_proj.kernel[...].dtype == FP8_DTYPE
     assert heads[0].block.mlp.experts.gate_proj.kernel[...].dtype == FP8_DTYPE
+    assert heads[0].block.self_attn.kv_b_proj.kernel[...].dtype == FP8_DTYPE
     (history,) = prompts([LENGTH + 1], seed=3)
     hidden = np.random.default_rng(1).normal(size=(LENGTH, config.hidden_size)).astype(np.float32)
     (got, got_logits), (expected, expected_logits) = [_prefill(h, config, history[1:], hidden) for h in heads]
     np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
     np.testing.assert_allclose(got_logits, expected_logits, atol=2e-3, rtol=2e-4)
-
-
-def _keep_float(path: str, weights: dict[str, np.ndarray], suffix: str) -> None:
-    """The fp8 checkpoint at `path` with its `suffix` weights stored float (their dequantized
-    values, no scale): vllm-xla reads the latent up-projection `kv_b_proj` as a float kernel."""
-    from safetensors.torch import load_file, save_file
-
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    for name in [n for n in tensors if n.endswith(suffix)]:
-        tensors[name] = torch.from_numpy(weights[name])
-        del tensors[f"{name}_scale_inv"]
-    save_file(tensors, file, metadata={"format": "pt"})

@@ -80,10 +80,12 @@ VARIANTS = {
 }
 
 
-def save_tiny_deepseek(variant: str, path: str, *, seed: int = 0) -> str:
+def save_tiny_deepseek(variant: str, path: str, *, seed: int = 0, **overrides: object) -> str:
     """A random tiny DeepSeek checkpoint (fp32 safetensors, larger init than HF's so greedy text
-    varies; norms, biases and the router's correction bias moved off their 0/1 init)."""
-    return _save(*VARIANTS[variant], path, seed=seed)
+    varies; norms, biases and the router's correction bias moved off their 0/1 init), its
+    config `variant`'s with `overrides`."""
+    architecture, config_class, config = VARIANTS[variant]
+    return _save(architecture, config_class, {**config, **overrides}, path, seed=seed)
 
 
 def _save(architecture: str, config_class: str, overrides: dict, path: str, *, seed: int) -> str:
