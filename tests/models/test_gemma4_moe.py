@@ -110,3 +110,39 @@ def test_tensor_parallel_splits_the_dense_mlp_beside_the_experts(tiny):
     assert dimensions["intermediate_size"] == 128  # every layer's dense MLP
     assert dimensions["experts' intermediate size"] == 32
     assert "experts' intermediate size" not in dict(split_dimensions(config, expert_parallel=True))
+
+
+def gemma4_26b_parameters(layers: int) -> int:
+    """gemma-4-26B-A4B's parameters in its first `layers` layers (every sixth full) with the
+    embedding (tied) and the final norm, from its published shapes."""
+    d, v, heads, f, e, moe_f = 2816, 262_144, 16, 2112, 128, 704
+    total = v * d + d
+    for i in range(layers):
+        full = (i + 1) % 6 == 0
+        h, kv = (512, 2) if full else (256, 8)
+        q_and_o = 2 * d * heads * h
+        k_and_v = d * kv * h * (1 if full else 2)  # full layers' keys are their values
+        attention = q_and_o + k_and_v + 2 * h  # q_norm, k_norm
+        moe = e * 3 * d * moe_f + d * e + d + e  # experts, router, its scale, per-expert scales
+        total += attention + 3 * d * f + moe + 7 * d + 1  # dense MLP, norms, layer scalar
+    return total
+
+
+def test_shipped_planner_config_has_gemma_4_26b_a4b_s_layers_and_parameters():
+    """tpu_platform/planner/model_configs/gemma-4-26b-a4b.json: 30 layers (every sixth full, head
+    dim 512 and 2 KV heads, keys as values), 128 experts of 704 (8 a token) beside each dense MLP,
+    and the 25.2B parameters its shapes add up to."""
+    import jax
+    import jax.numpy as jnp
+
+    from models import build
+    from tpu_platform.planner.plan import model_config
+
+    config = model_config("gemma-4-26b-a4b")
+    assert [i for i in range(30) if config.is_full(i)] == [5, 11, 17, 23, 29]
+    assert (config.head_dim, config.num_kv_heads, config.attention_k_eq_v) == (512, 8, True)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 704)
+    model = nnx.eval_shape(lambda: build(config, jnp.bfloat16))
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert sum(x.size for x in params) == gemma4_26b_parameters(30)
+    assert gemma4_26b_parameters(30) == pytest.approx(25.2e9, rel=0.005)  # the model card's count
