@@ -276,6 +276,9 @@ alike, and it has no cost-model figure (a short program's is not the model's).
   8x H100 at TP=4 its prefill held 10.2 GiB beyond weights and cache (and 11.0 GiB of KV a chip
   fitted) until each chunk of expert tiles gathered its own rows inside the loop
   ([models.md](models.md)).
+- gemma-4-26B-A4B fits one v6e chip only with int8 weights (in bfloat16 they alone take about
+  50 GB): 24.95 GiB of weights leave 2.4 GiB of KV, 5266 tokens, since every layer's cache has
+  the full layers' head dim of 512 and the sliding layers' 8 KV heads ([models.md](models.md)).
 - DeepSeek-V3 fits a v6e-8 in no format: in int4 with a scale per 128 inputs, the fewest bytes,
   its weights alone take 42.6 GiB a chip. Its step with block-fp8 weights (as released), cut to
   four layers at full width (one dense, three MoE), compiles for v6e-8 at TP=8 and fits
