@@ -62,3 +62,4 @@ def test_six_layers_compile_and_fit_one_chip(results, platform):
         assert program["argument_bytes"] >= row["weight_bytes"] + row["kv_bytes"]
         assert program["alias_bytes"] >= row["kv_bytes"]  # the donated caches updated in place
         assert program["peak_bytes"] <= row["budget_bytes"]
+        assert program["temp_bytes"] < row["kv_bytes"] // 8, (step, program["temp_bytes"], row["kv_bytes"])
