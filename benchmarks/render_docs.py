@@ -284,6 +284,9 @@ alike, and it has no cost-model figure (a short program's is not the model's).
   one holds a layer's state (512 tokens on 8x H100), and a page's bytes count a request's states
   beside the KV (9.2 MiB of states a request, 12 KiB of KV a token, a chip), so its KV column is
   both; its decode roofline reads and writes each request's states once.
+- gemma-4-26B-A4B fits one v6e chip only with int8 weights (in bfloat16 they alone take about
+  50 GB): 24.95 GiB of weights leave 2.4 GiB of KV, 5266 tokens, since every layer's cache has
+  the full layers' head dim of 512 and the sliding layers' 8 KV heads ([models.md](models.md)).
 - DeepSeek-V3 fits a v6e-8 in no format: in int4 with a scale per 128 inputs, the fewest bytes,
   its weights alone take 42.6 GiB a chip. Its step with block-fp8 weights (as released), cut to
   four layers at full width (one dense, three MoE), compiles for v6e-8 at TP=8 and fits

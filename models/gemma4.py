@@ -7,16 +7,29 @@ MLP, per-layer input embeddings (a `[V, L * P]` table plus a projection of the e
 gating a residual branch in each layer), a learned scalar on each layer's output, KV-shared
 layers reading an earlier layer's cache, and final logit soft-capping.
 
-Not built (refused when the config asks, `gemma4_config`): the MoE block, bidirectional
-attention. Every layer's cache is the widest layer's shape (`gemma4_config`).
+The MoE block (`enable_moe_block`, gemma-4-26B-A4B) runs beside each layer's dense MLP: a router
+over the block's input (RMS-normalised without a weight, times a learned `[D]` scale and
+`D ** -0.5`; softmax over every expert, the top k renormalized, each times its expert's learned
+scale) picks GeGLU experts that read the input through their own norm; the MLP's and the
+experts' outputs, each normed, are summed before the block's post-MLP norm. Checkpoints hold
+the experts stacked, `experts.gate_up_proj [E, 2F, D]` (gate rows, then up) and
+`experts.down_proj [E, D, F]`, both `[out, in]` per expert; they are read into the shared
+per-expert stacks of `models.moe` (so tensor and expert parallelism, int8, fp8 and int4 experts
+and per-expert checkpoints work as for every other MoE).
+
+Not built (refused when the config asks, `gemma4_config`): bidirectional attention. Every
+layer's cache is the widest layer's shape (`gemma4_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
@@ -33,6 +46,7 @@ from models.layers import (
 )
 from models.linear import Linear, zeros_param
 from models.metadata import AttentionMetadata
+from models.moe import SparseMoE
 from models.rope import apply_rope, rope_cos_sin
 from models.sharding import MODEL_AXIS, kv_heads_on_mesh
 from pallas_kernels import kv_cache_partition_spec, ragged_paged_attention, write_kv
@@ -46,7 +60,11 @@ _NORMS = (
     "post_per_layer_input_norm",
     "self_attn.q_norm",
     "self_attn.k_norm",
+    "pre_feedforward_layernorm_2",
+    "post_feedforward_layernorm_1",
+    "post_feedforward_layernorm_2",
 )
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # HF checkpoint name -> our parameter path ("{i}" is the layer index).
 HF_PARAM_MAP = {
     **decoder_hf_param_map(
@@ -57,6 +75,11 @@ HF_PARAM_MAP = {
     "model.embed_tokens_per_layer.weight": "model.per_layer_inputs.embed_tokens_per_layer.embedding",
     "model.per_layer_model_projection.weight": "model.per_layer_inputs.per_layer_model_projection.kernel",
     "model.per_layer_projection_norm.weight": "model.per_layer_inputs.per_layer_projection_norm.weight",
+    # The MoE block ("{e}": one expert's tensor, `checkpoint_tensors` splits the stacked ones).
+    f"{_LAYER}.router.proj.weight": f"{_LAYER}.moe.router.kernel",
+    f"{_LAYER}.router.scale": f"{_LAYER}.moe.router_scale",
+    f"{_LAYER}.router.per_expert_scale": f"{_LAYER}.moe.per_expert_scale",
+    **{f"{_LAYER}.experts.{{e}}.{p}.weight": f"{_LAYER}.moe.experts.{p}.kernel" for p in _EXPERT_PROJECTIONS},
 }
 
 
@@ -148,8 +171,56 @@ class Gemma4Attention(nnx.Module):
         return o, kv_cache
 
 
+class Gemma4MoE(SparseMoE):
+    """Gemma 4's routed experts (`models.moe`'s stacks, GeGLU): `__call__(router_input,
+    expert_input)`, the router reading the block's input and the experts its
+    `pre_feedforward_layernorm_2` norm."""
+
+    def __init__(self, config: Gemma4Config, *, dtype: jnp.dtype):
+        d, e = config.hidden_size, config.num_experts
+        super().__init__(
+            d, config.moe_intermediate_size, e, config.num_experts_per_tok,
+            renormalize=True, dtype=dtype, act=config.hidden_act,
+        )  # fmt: skip
+        self.router_scale = zeros_param((d,), dtype)
+        self.per_expert_scale = zeros_param((e,), dtype)
+        self.eps, self.hidden_size = config.rms_norm_eps, d
+
+    def select_experts(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Weights `[T, k]` (float32: the renormalized top-k softmax times each chosen expert's
+        scale) and expert ids `[T, k]` for the block's input `x [T, D]`."""
+        scale = self.router_scale[...] * jnp.asarray(self.hidden_size**-0.5, x.dtype)
+        weights, experts = super().select_experts(rms(x, self.eps) * scale)
+        return weights * self.per_expert_scale[...][experts].astype(jnp.float32), experts
+
+    def __call__(  # type: ignore[override]
+        self,
+        router_input: jax.Array,
+        expert_input: jax.Array,
+        md: AttentionMetadata | None = None,
+        *,
+        dense: bool = False,
+    ) -> jax.Array:
+        return self.run_experts(expert_input, *self.select_experts(router_input), md, dense=dense)
+
+
+def _per_expert(name: str, array: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """A stacked experts tensor as per-expert `[out, in]` weights (`{e}` entries):
+    `gate_up_proj [E, 2F, D]` (gate rows, then up), `down_proj [E, D, F]`."""
+    base, array = name.rsplit(".", 1)[0], np.asarray(array)
+    if name.endswith("gate_up_proj"):
+        gate, up = np.split(array, 2, axis=1)
+        for e in range(array.shape[0]):
+            yield f"{base}.{e}.gate_proj.weight", gate[e]
+            yield f"{base}.{e}.up_proj.weight", up[e]
+    else:
+        for e, expert in enumerate(array):
+            yield f"{base}.{e}.down_proj.weight", expert
+
+
 class Gemma4DecoderLayer(nnx.Module):
-    """Sandwich-normed attention and MLP, then the per-layer input branch
+    """Sandwich-normed attention and MLP (with the MoE block: the MLP's and the experts'
+    outputs, each normed, summed), then the per-layer input branch
     `x += norm(proj(act(gate(x)) * per_layer_input))`, all times the layer's scalar."""
 
     def __init__(self, config: Gemma4Config, layer: int, *, dtype: jnp.dtype):
@@ -164,6 +235,11 @@ class Gemma4DecoderLayer(nnx.Module):
         self.pre_feedforward_layernorm = norm()
         self.mlp = GatedMLP(d, config.mlp_size(layer), bias=False, dtype=dtype, act=config.hidden_act)
         self.post_feedforward_layernorm = norm()
+        self.moe = Gemma4MoE(config, dtype=dtype) if config.num_experts else None
+        moe = bool(config.num_experts)
+        self.pre_feedforward_layernorm_2 = norm() if moe else None
+        self.post_feedforward_layernorm_1 = norm() if moe else None
+        self.post_feedforward_layernorm_2 = norm() if moe else None
         p = config.per_layer_input_size
         self.per_layer_input_gate = Linear(d, p, bias=False, dtype=dtype) if p else None
         self.per_layer_projection = Linear(p, d, bias=False, dtype=dtype) if p else None
@@ -181,7 +257,11 @@ class Gemma4DecoderLayer(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:
         attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
         x = x + self.post_attention_layernorm(attn)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), md))
+        mlp = self.mlp(self.pre_feedforward_layernorm(x), md)  # [T, D]
+        if self.moe is not None:
+            routed = self.moe(x, self.pre_feedforward_layernorm_2(x), md)  # [T, D]
+            mlp = self.post_feedforward_layernorm_1(mlp) + self.post_feedforward_layernorm_2(routed)
+        x = x + self.post_feedforward_layernorm(mlp)
         if per_layer_input is not None:
             gate = activation(self.act)(self.per_layer_input_gate(x)) * per_layer_input  # [T, P]
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate))
@@ -250,3 +330,12 @@ class Gemma4ForCausalLM(CausalLM):
             None if tied else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         )
         self.final_soft_cap = config.final_logit_softcap
+
+    def checkpoint_tensors(self, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The checkpoint's tensors under the names `hf_param_map` reads: the MoE block's stacked
+        experts split per expert (`models.loader.iter_parameters` calls it)."""
+        for name, array in tensors:
+            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                yield from _per_expert(name, array)
+            else:
+                yield name, array

@@ -17,6 +17,10 @@ fewer KV heads repeats each, as tensor parallelism does.
 
 The last `num_kv_shared_layers` layers compute no keys or values: each attends over the cache
 of the last earlier layer of its kind (`kv_source`).
+
+With `enable_moe_block` (gemma-4-26B-A4B) every layer has, beside its dense MLP, `num_experts`
+routed experts of `moe_intermediate_size`, `top_k_experts` of them a token (read into
+`ModelConfig`'s `num_experts`, `num_experts_per_tok` and `moe_intermediate_size`).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ class Gemma4Config(ModelConfig):
         _refuse_unbuilt(hf)
         ropes = hf.get("rope_parameters") or {}
         # The base parser reads one RoPE; Gemma 4's are read below, by layer kind.
-        base = ModelConfig.from_hf_dict.__func__(cls, {**hf, "rope_parameters": None, "num_experts": None})
+        base = ModelConfig.from_hf_dict.__func__(cls, {**hf, "rope_parameters": None, **_moe_fields(hf)})
         kinds = _layer_kinds(hf, base.num_layers)
         head_dims, kv_heads = _layer_shapes(hf, kinds, base.head_dim, base.num_kv_heads)
         cache_kv_heads = max(kv_heads)
@@ -88,6 +92,11 @@ class Gemma4Config(ModelConfig):
         )
 
     @property
+    def dense_mlp_beside_experts(self) -> bool:
+        """Every layer keeps its dense MLP (`intermediate_size`) beside any routed experts."""
+        return True
+
+    @property
     def first_kv_shared_layer(self) -> int:
         return self.num_layers - self.num_kv_shared_layers
 
@@ -111,13 +120,29 @@ class Gemma4Config(ModelConfig):
         return self.full_rope if self.is_full(layer) else self.sliding_rope
 
 
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The MoE block's fields under `ModelConfig.from_hf_dict`'s names (none: a dense model)."""
+    if not hf.get("enable_moe_block"):
+        return {"num_experts": None, "num_local_experts": None}
+    # vLLM reads the experts' size under either name.
+    size = hf.get("moe_intermediate_size") or hf.get("expert_intermediate_size")
+    fields = {"num_experts": hf.get("num_experts"), "top_k_experts": hf.get("top_k_experts")}
+    missing = [name for name, value in {**fields, "moe_intermediate_size": size}.items() if not value]
+    if missing:
+        raise ValueError(
+            f"Gemma 4 config with enable_moe_block lacks {missing}: the checkpoint's config.json "
+            "must name its experts, how many route a token and their intermediate size"
+        )
+    return {
+        "num_experts": int(fields["num_experts"]),
+        "num_local_experts": None,
+        "num_experts_per_tok": int(fields["top_k_experts"]),
+        "moe_intermediate_size": int(size),
+    }
+
+
 def _refuse_unbuilt(hf: dict[str, Any]) -> None:
     """Gemma 4 variants vllm-xla does not build, refused by name."""
-    if hf.get("enable_moe_block"):
-        raise ValueError(
-            "Gemma 4 with a mixture-of-experts block (enable_moe_block, e.g. gemma-4-26B-A4B) is "
-            "not supported yet by vllm-xla; serve a dense Gemma 4 checkpoint"
-        )
     if hf.get("use_bidirectional_attention") == "all":
         raise ValueError(
             "Gemma 4 with use_bidirectional_attention='all' is not supported by vllm-xla: it "

@@ -393,7 +393,20 @@ class SparseMoE(nnx.Module):
         `expert_parallel`, `experts_by_index_on_mesh`; else inside each, `experts_routed_on_mesh`,
         when the rules table could split them: F divisible by the TP size, else they are whole).
         `dense=True` runs `experts_dense_reference` instead (tests; int8 weights dequantized)."""
-        weights, experts = self.select_experts(x)  # [T, k]
+        return self.run_experts(x, *self.select_experts(x), md, dense=dense)
+
+    def run_experts(
+        self,
+        x: jax.Array,
+        weights: jax.Array,
+        experts: jax.Array,
+        md: AttentionMetadata | None = None,
+        *,
+        dense: bool = False,
+    ) -> jax.Array:
+        """The experts on `x [T, D]` with routing `weights`, `experts [T, k]` chosen already (a
+        model whose router reads another input than its experts: Gemma 4); `md`, `dense` as in
+        `__call__`."""
         stacks, act = self._stacks(), activation(self.act)
         int8 = stacks[0].kernel_scale is not None
         if dense:

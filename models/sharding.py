@@ -281,7 +281,8 @@ def split_dimensions(config: ModelConfig, *, expert_parallel: bool = False) -> t
     vocabulary the mesh does not divide is replicated (`vocab_parallel`), never cut.
     `expert_parallel`: the experts are whole (split by index), their size is not among them."""
     dimensions = []
-    if any(not config.is_moe_layer(layer) for layer in range(config.num_layers)):
+    dense_everywhere = getattr(config, "dense_mlp_beside_experts", False)  # Gemma 4
+    if dense_everywhere or any(not config.is_moe_layer(layer) for layer in range(config.num_layers)):
         dimensions.append(("intermediate_size", config.intermediate_size))
     if config.num_experts and not expert_parallel:
         dimensions.append(("experts' intermediate size", config.moe_intermediate_size))

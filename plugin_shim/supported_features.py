@@ -21,7 +21,7 @@ SUPPORTED: tuple[Supported, ...] = (
     Supported(
         "Text generation",
         "runner='generate'",
-        "Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Gemma 4 (text, dense), Mixtral, Qwen3-MoE, "
+        "Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Gemma 4 (text, dense or MoE), Mixtral, Qwen3-MoE, "
         "GPT-OSS (bfloat16, or with its mxfp4 experts as released), DeepSeek-V2/V3, Llama 4 (text; "
         "a multimodal checkpoint with --language-model-only), GLM-4.5/4.6 checkpoints "
         "(safetensors; GGUF through `vllm-xla model-dir`)",

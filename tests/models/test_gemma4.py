@@ -2,7 +2,7 @@
 """Gemma 4's config facts on the tiny checkpoint (logit and greedy parity: test_architectures.py):
 per-layer head dims and KV heads, the cache shape, KV-shared layers' sources, both spellings of
 the full layers' shapes in config.json, proportional RoPE against transformers, and the variants
-not built refused by name."""
+not built refused by name (the MoE block: test_gemma4_moe.py)."""
 
 import json
 import os
@@ -70,7 +70,6 @@ def test_proportional_rope_frequencies_match_transformers(fraction, factor):
 @pytest.mark.parametrize(
     "change,named",
     [
-        (dict(enable_moe_block=True, num_experts=8, top_k_experts=2), "enable_moe_block"),
         (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
         (dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0}}), "yarn"),
     ],
