@@ -26,6 +26,8 @@ _MODEL_CLASSES: dict[str, str] = {
     "Gemma2ForCausalLM": "models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "models.gemma3:Gemma3ForCausalLM",
     "Gemma4ForCausalLM": "models.gemma4:Gemma4ForCausalLM",
+    # The text model only: image and audio inputs are refused at start (`plugin_shim.feature_check`).
+    "Gemma4ForConditionalGeneration": "models.gemma4:Gemma4ForCausalLM",
     "MixtralForCausalLM": "models.mixtral:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "models.qwen3_moe:Qwen3MoeForCausalLM",
     "GptOssForCausalLM": "models.gpt_oss:GptOssForCausalLM",
@@ -50,6 +52,7 @@ SUPPORTED_ARCHITECTURES = tuple(sorted(set(_MODEL_CLASSES) - set(_NOT_SERVED))) 
 _CONFIG_CLASSES: dict[str, str] = {
     "GptOssForCausalLM": "models.gpt_oss:GptOssConfig",
     "Gemma4ForCausalLM": "models.gemma4_config:Gemma4Config",
+    "Gemma4ForConditionalGeneration": "models.gemma4_config:Gemma4Config",
     "DeepseekV2ForCausalLM": "models.deepseek_config:DeepseekConfig",
     "DeepseekV3ForCausalLM": "models.deepseek_config:DeepseekConfig",
     "Llama4ForCausalLM": "models.llama4:Llama4Config",

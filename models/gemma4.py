@@ -17,6 +17,9 @@ the experts stacked, `experts.gate_up_proj [E, 2F, D]` (gate rows, then up) and
 per-expert stacks of `models.moe` (so tensor and expert parallelism, int8, fp8 and int4 experts
 and per-expert checkpoints work as for every other MoE).
 
+`Gemma4ForConditionalGeneration` (the released checkpoints) serves its text model: image and
+audio inputs are refused at start (`plugin_shim.feature_check`), and its towers are not read.
+
 Not built (refused when the config asks, `gemma4_config`): bidirectional attention. Every
 layer's cache is the widest layer's shape (`gemma4_config`).
 """
@@ -94,6 +97,11 @@ def widen(x: jax.Array, heads: int, head_dim: int) -> jax.Array:
     (query head n still meets its KV head n // (N / heads)), zeros past `h`."""
     x = jnp.repeat(x, heads // x.shape[1], axis=1)
     return jnp.pad(x, ((0, 0), (0, 0), (0, head_dim - x.shape[2])))
+
+
+# A Gemma4ForConditionalGeneration checkpoint: the text model's prefix, and the towers not read.
+_MULTIMODAL_TEXT = "model.language_model."
+_NOT_TEXT = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 
 
 class Gemma4Attention(nnx.Module):
@@ -332,9 +340,14 @@ class Gemma4ForCausalLM(CausalLM):
         self.final_soft_cap = config.final_logit_softcap
 
     def checkpoint_tensors(self, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """The checkpoint's tensors under the names `hf_param_map` reads: the MoE block's stacked
-        experts split per expert (`models.loader.iter_parameters` calls it)."""
+        """The checkpoint's tensors under the names `hf_param_map` reads: a multimodal
+        checkpoint's `model.language_model.` prefix read as `model.` (its vision and audio
+        towers and their embedders skipped), the MoE block's stacked experts split per expert
+        (`models.loader.iter_parameters` calls it)."""
         for name, array in tensors:
+            if name.startswith(_NOT_TEXT):
+                continue
+            name = name.replace(_MULTIMODAL_TEXT, "model.", 1) if name.startswith(_MULTIMODAL_TEXT) else name
             if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
                 yield from _per_expert(name, array)
             else:

@@ -21,6 +21,9 @@ of the last earlier layer of its kind (`kv_source`).
 With `enable_moe_block` (gemma-4-26B-A4B) every layer has, beside its dense MLP, `num_experts`
 routed experts of `moe_intermediate_size`, `top_k_experts` of them a token (read into
 `ModelConfig`'s `num_experts`, `num_experts_per_tok` and `moe_intermediate_size`).
+
+A `Gemma4ForConditionalGeneration` config (the released checkpoints') nests the text model's
+as `text_config`: that one is read, the vision and audio towers' are not.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class Gemma4Config(ModelConfig):
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> Gemma4Config:
+        if "text_config" in hf:  # Gemma4ForConditionalGeneration: its text model's config
+            hf = {**hf["text_config"], "architectures": hf.get("architectures")}
         _refuse_unbuilt(hf)
         ropes = hf.get("rope_parameters") or {}
         # The base parser reads one RoPE; Gemma 4's are read below, by layer kind.

@@ -336,8 +336,8 @@ REFUSED: tuple[Refusal, ...] = (
         "a multimodal model with any modality allowed",
         lambda c: _multimodal_inputs_open(c),
         "serve a text-only checkpoint, or the text model of one vllm-xla serves "
-        "(Llama4ForConditionalGeneration) with --language-model-only (or every modality's "
-        "--limit-mm-per-prompt at 0)",
+        "(Llama4ForConditionalGeneration, Gemma4ForConditionalGeneration) with --language-model-only "
+        "(or every modality's --limit-mm-per-prompt at 0)",
     ),
     Refusal(
         "hf_overrides",

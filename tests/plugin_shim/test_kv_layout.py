@@ -113,6 +113,7 @@ _OWN_TINY = {
     "Glm4MoeForCausalLM": _tiny_glm4_moe,
     # Served as its text model: the text model's layers.
     "Llama4ForConditionalGeneration": lambda: _tiny_config("Llama4ForCausalLM"),
+    "Gemma4ForConditionalGeneration": lambda: _tiny_config("Gemma4ForCausalLM"),
     **{arch: lambda arch=arch: _tiny_hybrid(arch) for arch in tiny_qwen3_next.ARCHITECTURES},
 }
 CONFIGS = {
