@@ -212,8 +212,11 @@ def load_eagle3_head(path: str, dtype: jnp.dtype) -> tuple[Eagle3Config, Eagle3H
             f"{config.model.vocab_size}-token vocabulary but has no d2t mapping them to the target's"
         )
     head = Eagle3Head(config, dtype=dtype, own_embedding="embed_tokens.weight" in names, has_d2t=has_d2t)
-    params = {".".join(map(str, key)): var for key, var in nnx.to_flat_state(nnx.state(head, nnx.Param))}
+    params: dict[str, nnx.Variable] = {}
     for ours, value in iter_parameters(head, path):
+        if not params:  # read once the first tensor is out: a quantized checkpoint adds scales first
+            flat = nnx.to_flat_state(nnx.state(head, nnx.Param))
+            params = {".".join(map(str, key)): var for key, var in flat}
         params[ours].set_value(value)
     fuse_projections(head)
     return config, head

@@ -155,3 +155,25 @@ def test_a_head_that_does_not_fit_the_target_is_refused_by_name(tmp_path, head, 
 def test_a_head_variant_not_built_is_refused_by_name(tmp_path, fields, message):
     with pytest.raises(ValueError, match=message):
         _config(tmp_path, **fields)
+
+
+def test_an_fp8_head_loads_its_kernels_as_fp8_with_their_scales(tmp_path):
+    """A head quantized in 128x128 fp8 blocks, as llm-compressor writes heads: its projections
+    load fp8 with their scales and hold the dequantized checkpoint's values."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models import fp8, int8
+    from models.eagle3 import load_eagle3_head
+    from tests.models.fp8_checkpoints import dequantized_weights, write_block_fp8, write_float
+
+    target = save_tiny_llama(str(tmp_path / "target"), hidden_size=128, intermediate_size=128)
+    source = save_tiny_eagle3_head(str(tmp_path / "head"), target, seed=5, aux_layer_ids=None)
+    quantized = write_block_fp8(source, str(tmp_path / "fp8"))
+    dequantized = write_float(source, str(tmp_path / "float"), dequantized_weights(quantized))
+    (_, head), (_, reference) = [load_eagle3_head(p, jnp.float32) for p in (quantized, dequantized)]
+    for got, want in [(head.layer.mlp.down_proj, reference.layer.mlp.down_proj),
+                      (head.layer.self_attn.o_proj, reference.layer.self_attn.o_proj)]:  # fmt: skip
+        assert got.kernel[...].dtype == fp8.FP8_DTYPE and got.kernel_scale is not None
+        values = int8.dequantize(np.asarray(got.kernel[...]), np.asarray(got.kernel_scale[...]))
+        np.testing.assert_array_equal(values, np.asarray(want.kernel[...]))
