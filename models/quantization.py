@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from models import fp8, int4, int8
+from models.latent_attention import LatentUpProjection
 from models.layers import Embedding, HeadCopy
 from models.linear import Linear, PackedKernel
 from models.moe import SparseMoE, StackedLinear
@@ -66,8 +67,16 @@ def quantize_int8(model: nnx.Module, group_size: int | None = None) -> int:
 
 
 def quantize_fp8(model: nnx.Module, group_size: int | None = None) -> int:
-    """Quantizes `model`'s float dense kernels but the head's to fp8 in place; returns how many."""
-    return _quantize(model, fp8.quantize, group_size, head=False, grouped_experts=True)
+    """Quantizes `model`'s float dense kernels but the head's to fp8 in place, latent attention's
+    up-projections (`kv_b_proj`) too, as a block-fp8 DeepSeek checkpoint holds them; returns how
+    many."""
+    count = _quantize(model, fp8.quantize, group_size, head=False, grouped_experts=True)
+    for _, module in list(nnx.iter_modules(model)):
+        if isinstance(module, LatentUpProjection) and module.kernel_scale is None:
+            q, scale = _quantized(fp8.quantize, module.kernel[...], group_size)
+            module.kernel, module.kernel_scale = nnx.Param(q), nnx.Param(scale)
+            count += 1
+    return count
 
 
 def quantize_int4(

@@ -19,7 +19,7 @@ import numpy as np
 BLOCK = 128  # the block fp8 checkpoints' [outputs, inputs] block side
 _FP8_MAX = 448.0
 # What recipes quantize: the projections (experts' too); not lm_head, not a MoE router.
-_QUANTIZED = re.compile(r"_proj\.weight$")
+_QUANTIZED = re.compile(r"_proj(_with_mqa)?\.weight$")  # DeepSeek's kv_a_proj_with_mqa too, as released
 
 
 def write_compressed_fp8(source: str, out: str, scheme: str) -> str:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from models import fp8, load_model
 from models.quantization import quantize_fp8
+from models.weight_stream import stream_model
 from tests.models.fp8_checkpoints import (
     dequantized_weights,
     write_block_fp8,
@@ -289,7 +290,11 @@ def test_deepseek_v3_as_released_keeps_its_latent_up_projection_fp8(tmp_path):
     up = model.model.layers[0].self_attn.kv_b_proj
     assert up.kernel[...].dtype == fp8.FP8_DTYPE
     assert up.kernel_scale[...].shape == (1, up.kernel[...].shape[1])  # [L / 128, N * (Dn + Dv)]
+    # Streamed tensor by tensor onto the served structure, as the runner loads: the same.
+    _, streamed = stream_model(out, prepare=lambda m: quantize_fp8(m, 128))
+    assert streamed.model.layers[0].self_attn.kv_b_proj.kernel[...].dtype == fp8.FP8_DTYPE
     (ids,) = prompts([40], seed=4)
-    got, _ = run_step(model, caches(config), [ids], [0], [[1, 2, 3]])
     expected, _ = run_step(reference, caches(config), [ids], [0], [[1, 2, 3]])
-    np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
+    for served in (model, streamed):
+        got, _ = run_step(served, caches(config), [ids], [0], [[1, 2, 3]])
+        np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
