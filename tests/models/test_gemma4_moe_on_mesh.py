@@ -20,7 +20,9 @@ from tests.models.gemma4_moe_mesh_worker import NEW_TOKENS, PROMPT
 from tests.models.test_gemma4_moe import ARCH, save_tiny_gemma4_moe
 from tests.models.tiny_checkpoints import ATOL, RTOL, hf_logits, load_pair
 
-pytestmark = pytest.mark.slow  # 4 simulated devices in a subprocess
+# The engine test (tests/plugin_shim/test_gemma4_moe_engine.py) serves TP=2 and EP=2 against
+# transformers in `make test`; this model-level grid repeats it (`make test-full`).
+pytestmark = [pytest.mark.slow, pytest.mark.full]  # simulated devices in a subprocess
 
 
 @pytest.fixture(scope="module")
