@@ -26,7 +26,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.layers import ATTENTION_LINEARS, MLP_LINEARS, Embedding, GatedMLP, PagedAttention, RMSNorm
 from models.linear import Linear, zeros_param
-from models.loader import checkpoint_names, iter_parameters
+from models.loader import checkpoint_names, read_into
 from models.metadata import AttentionMetadata
 from models.serving_passes import fuse_projections
 
@@ -212,11 +212,6 @@ def load_eagle3_head(path: str, dtype: jnp.dtype) -> tuple[Eagle3Config, Eagle3H
             f"{config.model.vocab_size}-token vocabulary but has no d2t mapping them to the target's"
         )
     head = Eagle3Head(config, dtype=dtype, own_embedding="embed_tokens.weight" in names, has_d2t=has_d2t)
-    params: dict[str, nnx.Variable] = {}
-    for ours, value in iter_parameters(head, path):
-        if not params:  # read once the first tensor is out: a quantized checkpoint adds scales first
-            flat = nnx.to_flat_state(nnx.state(head, nnx.Param))
-            params = {".".join(map(str, key)): var for key, var in flat}
-        params[ours].set_value(value)
+    read_into(head, path)
     fuse_projections(head)
     return config, head

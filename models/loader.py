@@ -8,6 +8,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -236,6 +237,18 @@ def gguf_q8_0_weights(path: str) -> set[str]:
     safetensors)."""
     files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
     return {name for file in files for name in gguf_reader.q8_0_linear_weights(file)}
+
+
+def read_into(model: nnx.Module, path: str, **options: Any) -> None:
+    """Sets `model`'s parameters from the checkpoint at `path` (`iter_parameters` and its
+    `options`). They are looked up once the first tensor is out: a quantized checkpoint's layout
+    adds its scales to the model first."""
+    params: dict[str, nnx.Variable] = {}
+    for ours, value in iter_parameters(model, path, **options):
+        if not params:
+            flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+            params = {".".join(map(str, key)): var for key, var in flat}
+        params[ours].set_value(value)
 
 
 def iter_parameters(

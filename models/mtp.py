@@ -37,7 +37,7 @@ from models.glm4_moe import HF_PARAM_MAP as GLM4_MOE_HF_PARAM_MAP
 from models.glm4_moe import glm4_moe_decoder_layer
 from models.layers import Embedding, RMSNorm
 from models.linear import Linear
-from models.loader import checkpoint_names, iter_parameters
+from models.loader import checkpoint_names, read_into
 from models.metadata import AttentionMetadata
 from models.serving_passes import fuse_projections
 
@@ -153,11 +153,6 @@ def load_mtp_head(path: str, config: ModelConfig, dtype: jnp.dtype) -> MtpHead:
     head = MtpHead(
         config, build_block(config, index, dtype=dtype), dtype=dtype, recycle_normed=recycle_normed
     )
-    params: dict[str, nnx.Variable] = {}
-    for ours, value in iter_parameters(head, path, only=wanted):
-        if not params:  # read once the first tensor is out: an fp8 checkpoint adds scales first
-            flat = nnx.to_flat_state(nnx.state(head, nnx.Param))
-            params = {".".join(map(str, key)): var for key, var in flat}
-        params[ours].set_value(value)
+    read_into(head, path, only=wanted)
     fuse_projections(head)
     return head
