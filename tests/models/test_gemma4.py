@@ -79,9 +79,10 @@ def test_variants_not_built_are_refused_by_name(hf_config, change, named):
         ModelConfig.from_hf_dict({**hf_config, **change})
 
 
-def test_multimodal_checkpoint_is_refused_by_name():
-    with pytest.raises(ValueError, match="Gemma4ForConditionalGeneration"):
-        model_class("Gemma4ForConditionalGeneration")
+def test_multimodal_checkpoint_serves_the_text_model_class():
+    """Gemma 4 is released as Gemma4ForConditionalGeneration; its text model is what we serve
+    (tests/models/test_gemma4_multimodal.py checks the logits against transformers)."""
+    assert model_class("Gemma4ForConditionalGeneration") is model_class("Gemma4ForCausalLM")
 
 
 def test_lora_is_refused_at_start_by_name(hf_config):
