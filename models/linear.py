@@ -14,7 +14,7 @@ from flax import nnx
 from models import fp8, int4, int8
 from models.int4 import is_int4
 from models.int8 import group_size, int8_dot
-from models.sharding import interleave_blocks, shared_input_order
+from models.sharding import fused_parts, interleave_blocks, shared_input_order
 from pallas_kernels import cpu
 
 
@@ -75,12 +75,48 @@ class Linear(nnx.Module):
                 for p, s in zip(parts, scales, strict=True)
             ]
             fused.kernel_offset = nnx.Param(interleave_blocks(offsets, blocks, axis=offsets[0].ndim - 1))
+        if all(kept_float(p) for p in parts):
+            keep_float(fused)
         order = shared_input_order([p.input_order[...] if p.input_order is not None else None for p in parts])
         if order is not None:
             fused.input_order = nnx.Param(order)
         if fused.bias is not None:
             fused.bias.set_value(interleave_blocks([p.bias[...] for p in parts], blocks, axis=0))
         return fused
+
+
+def keep_float(module: nnx.Module) -> None:
+    """Marks `module` as one a pre-quantized checkpoint holds in float (its recipe's `ignore`,
+    `ignored_layers` or `modules_to_not_convert`): no quantization pass of `models.quantization`
+    makes its weights int8, fp8 or int4, so the served model computes the checkpoint's own."""
+    module.checkpoint_float = True  # static (graph) data: part of the served structure
+
+
+def kept_float(module: nnx.Module) -> bool:
+    """Whether `module` is marked by `keep_float`."""
+    return getattr(module, "checkpoint_float", False)
+
+
+def keep_float_layers(model: nnx.Module, names: Sequence[str]) -> None:
+    """Marks (`keep_float`) the layers of a built model (not yet served: q/k/v and gate/up
+    apart) at the dotted paths `names`, as `float_layers` gave them."""
+    modules = {".".join(map(str, p)): m for p, m in nnx.iter_modules(model)}
+    for name in names:
+        if name not in modules:
+            raise ValueError(f"the layer {name!r} kept in float is not one of {type(model).__name__}'s")
+        keep_float(modules[name])
+
+
+def float_layers(model: nnx.Module) -> list[str]:
+    """The paths, in the built model, of the layers `model` (built or served) keeps in float:
+    a fused projection's parts by their own names. What a restore marks again
+    (`keep_float_layers`) before deriving the served structure from a config alone."""
+    names = []
+    for path, module in nnx.iter_modules(model):
+        if kept_float(module):
+            name = ".".join(map(str, path))
+            names += [part.removesuffix(".kernel") for part in fused_parts(f"{name}.kernel")] or [name]
+    return sorted(names)
 
 
 def _int8_kernels(parts: Sequence[Linear]) -> list[tuple]:

@@ -20,6 +20,7 @@ from models.config import ModelConfig
 from models.fp8 import FP8_DTYPE, is_fp8
 from models.int4 import INT4_DTYPE
 from models.int8 import checkpoint_scale
+from models.linear import keep_float_layers
 from models.registry import build
 from models.serving_passes import fuse_projections, repeat_kv_heads_for_mesh
 from models.sharding import kv_heads_on_mesh
@@ -365,6 +366,28 @@ def give_input_orders(model: nnx.Module, path: str) -> None:
     )
 
 
+def keep_checkpoint_float_layers(model: nnx.Module, path: str) -> list[str]:
+    """Marks the layers a pre-quantized checkpoint at `path` holds in float (`linear.keep_float`:
+    a `weight` with no scale beside it, which its recipe's `ignore` / `ignored_layers` left so),
+    before a served structure is derived from `model`: a preparation's quantization pass keeps
+    them float, as `iter_parameters` loads them. Returns their paths; none for a float checkpoint
+    (quantized at load as asked) or a layer whose experts are quantized in part."""
+    if checkpoint_values(path) is None:
+        return []
+    names = set(checkpoint_names(path))
+    compiled = _compile_param_map(type(model).hf_param_map)
+    modules = {".".join(map(str, p)): m for p, m in nnx.iter_modules(model)}
+    scaled: dict[str, set[bool]] = {}
+    for hf in names:
+        ours = (_our_name(hf, compiled) or (None,))[0] if hf.endswith(".weight") else None
+        if ours is not None and ours.endswith(".kernel") and ours.removesuffix(".kernel") in modules:
+            has_scale = any(f"{hf}{suffix}" in names for suffix in ("_scale", "_scale_inv"))
+            scaled.setdefault(ours.removesuffix(".kernel"), set()).add(has_scale)
+    kept = sorted(name for name, found in scaled.items() if found == {False})
+    keep_float_layers(model, kept)
+    return kept
+
+
 def load_weights(model: nnx.Module, path: str, *, on_host: bool = False) -> None:
     """Fills every parameter of `model` from the checkpoint at `path` (`iter_parameters`), then
     puts them on JAX's default device in one transfer (`on_host`: left as NumPy arrays, for a
@@ -409,6 +432,7 @@ def load_model(
     fused projections in one block a device; placing them is the caller's (`place_state`)."""
     config = ModelConfig.from_pretrained(path)
     model = build(config, dtype)
+    keep_checkpoint_float_layers(model, path)  # left float by a quantization pass after the load
     load_weights(model, path, on_host=True)
     prepare_for_serving(model, config, tp_size)
     if not on_host:

@@ -38,7 +38,7 @@ from flax import nnx
 from models import fp8, int4, int8
 from models.latent_attention import LatentUpProjection
 from models.layers import Embedding, HeadCopy
-from models.linear import Linear, PackedKernel
+from models.linear import Linear, PackedKernel, kept_float
 from models.moe import SparseMoE, StackedLinear
 
 # The values of vLLM's `quantization` option that serve int8 weights, and what each means here.
@@ -72,7 +72,7 @@ def quantize_fp8(model: nnx.Module, group_size: int | None = None) -> int:
     many."""
     count = _quantize(model, fp8.quantize, group_size, head=False, grouped_experts=True)
     for _, module in list(nnx.iter_modules(model)):
-        if isinstance(module, LatentUpProjection) and module.kernel_scale is None:
+        if isinstance(module, LatentUpProjection) and module.kernel_scale is None and not kept_float(module):
             q, scale = _quantized(fp8.quantize, module.kernel[...], group_size)
             module.kernel, module.kernel_scale = nnx.Param(q), nnx.Param(scale)
             count += 1
@@ -120,6 +120,8 @@ def _quantize(
     routers = {id(m.router) for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoE)}
     quantized = 0
     for _, module in list(nnx.iter_modules(model)):
+        if kept_float(module):
+            continue
         if isinstance(module, (Linear, StackedLinear)) and id(module) not in routers:
             if module.kernel_scale is None and not isinstance(module.kernel, PackedKernel):
                 size = group_size if isinstance(module, Linear) or grouped_experts else None

@@ -41,7 +41,13 @@ from models import fp8, int4
 from models.config import ModelConfig
 from models.int8 import group_size
 from models.linear import PackedKernel, is_packed_int4, quantizer_for, unpacked_shape
-from models.loader import _ExpertStacks, give_input_orders, iter_parameters, prepare_for_serving
+from models.loader import (
+    _ExpertStacks,
+    give_input_orders,
+    iter_parameters,
+    keep_checkpoint_float_layers,
+    prepare_for_serving,
+)
 from models.mxfp4 import zero_padded
 from models.registry import build
 from models.sharding import MODEL_AXIS, fuse_parts, fused_parts, parameter_sharding
@@ -113,6 +119,7 @@ def stream_model(
         tp_size = 1 if mesh is None else mesh.shape[MODEL_AXIS]
     model = build(config, dtype)  # host zeros, never written: their pages are never touched
     give_input_orders(model, path)  # a GPTQ act-order checkpoint's: part of the served structure
+    keep_checkpoint_float_layers(model, path)  # and the float layers of a quantized one
     graphdef, abstract = served_abstract(model, config, tp_size, prepare)
     served = {".".join(map(str, key)): var for key, var in nnx.to_flat_state(abstract)}
     placed = _stream(

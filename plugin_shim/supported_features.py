@@ -121,7 +121,8 @@ SUPPORTED: tuple[Supported, ...] = (
         "int8 per output channel, symmetric, activations in the model dtype: every linear layer, "
         "the MoE experts and the LM head (the embedding table and MoE router stay in the model "
         "dtype); quantized at load from a float checkpoint, or a compressed-tensors int8 "
-        "checkpoint's weights as they are (a W8A8 one's activations stay in the model dtype)",
+        "checkpoint's weights as they are (a W8A8 one's activations stay in the model dtype; the "
+        "layers it left in float stay float)",
     ),
     Supported(
         "fp8 weights (W8A16)",
@@ -131,7 +132,8 @@ SUPPORTED: tuple[Supported, ...] = (
         "layer and the MoE experts; the LM head, embedding and MoE router stay in the model dtype; "
         "quantized at load from a float checkpoint (per output channel), or a checkpoint's fp8 "
         "weights as they are: per tensor, per channel or in 128x128 blocks (DeepSeek-V3, "
-        "Qwen3-FP8); a W8A8 checkpoint's activations (static or dynamic) stay in the model dtype",
+        "Qwen3-FP8), the layers it left in float (ignored_layers, ignore) kept float; a W8A8 "
+        "checkpoint's activations (static or dynamic) stay in the model dtype",
     ),
     Supported(
         "4-bit weights (W4A16)",

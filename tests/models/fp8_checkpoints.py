@@ -69,10 +69,13 @@ def _amax(w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return padded.reshape(rows, BLOCK, cols, BLOCK).max(axis=(1, 3))
 
 
-def write_block_fp8(source: str, out: str, *, activation_scheme: str = "dynamic") -> str:
+def write_block_fp8(
+    source: str, out: str, *, activation_scheme: str = "dynamic", ignored: tuple[str, ...] = ()
+) -> str:
     """`source` as a `quant_method: fp8` checkpoint with `weight_block_size: [128, 128]` at `out`:
     each projection's float8_e4m3fn `weight` and its `weight_scale_inv [ceil(out / 128), in /
-    128]` (a block's maximum over 448: the scale the values are multiplied by)."""
+    128]` (a block's maximum over 448: the scale the values are multiplied by). `ignored`: the
+    modules the recipe leaves in float, listed in the config's `ignored_layers`."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -82,7 +85,7 @@ def write_block_fp8(source: str, out: str, *, activation_scheme: str = "dynamic"
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 w = f.get_tensor(name)
-                if not _QUANTIZED.search(name):
+                if not _QUANTIZED.search(name) or name.removesuffix(".weight") in ignored:
                     tensors[name] = w
                     continue
                 rows, cols = -(-w.shape[0] // BLOCK), -(-w.shape[1] // BLOCK)
@@ -95,7 +98,8 @@ def write_block_fp8(source: str, out: str, *, activation_scheme: str = "dynamic"
                     tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.05)
     shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
     save_file(tensors, os.path.join(out, "model.safetensors"))
-    _edit_config(out, lambda c: c.update(quantization_config=_block_config(activation_scheme)))
+    config = _block_config(activation_scheme) | ({"ignored_layers": list(ignored)} if ignored else {})
+    _edit_config(out, lambda c: c.update(quantization_config=config))
     return out
 
 

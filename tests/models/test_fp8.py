@@ -298,3 +298,25 @@ def test_deepseek_v3_as_released_keeps_its_latent_up_projection_fp8(tmp_path):
     for served in (model, streamed):
         got, _ = run_step(served, caches(config), [ids], [0], [[1, 2, 3]])
         np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
+
+
+def test_layers_the_checkpoint_keeps_float_stay_float_when_streamed(tmp_path):
+    """A block-fp8 checkpoint's `ignored_layers` hold float weights. Streamed tensor by tensor onto
+    the served structure (the runner's load, its preparation quantizing to fp8) they stay float,
+    as the whole-model loader keeps them, and the model computes the checkpoint's own weights."""
+    source = save_tiny_llama(str(tmp_path / "source"), **_WIDTHS)
+    ignored = tuple(f"model.layers.{i}.{m}" for i, m in ((0, "self_attn.o_proj"), (1, "mlp.down_proj"),
+                    (1, "mlp.gate_proj"), (1, "mlp.up_proj")))  # fmt: skip
+    out = write_block_fp8(source, str(tmp_path / "fp8"), ignored=ignored)
+    config, reference = load_model(write_float(source, str(tmp_path / "float"), dequantized_weights(out)))
+    _, streamed = stream_model(out, prepare=lambda m: quantize_fp8(m, 128))
+    _, whole = load_model(out)
+    for served in (streamed, whole):
+        layers = served.model.layers
+        for kept in (layers[0].self_attn.o_proj, layers[1].mlp.down_proj, layers[1].mlp.gate_up_proj):
+            assert kept.kernel[...].dtype == np.float32 and kept.kernel_scale is None
+        assert layers[1].self_attn.o_proj.kernel[...].dtype == fp8.FP8_DTYPE  # the others as shipped
+    (ids,) = prompts([40], seed=4)
+    expected, _ = run_step(reference, caches(config), [ids], [0], [[1, 2, 3]])
+    got, _ = run_step(streamed, caches(config), [ids], [0], [[1, 2, 3]])
+    np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)

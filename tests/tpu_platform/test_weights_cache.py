@@ -20,7 +20,13 @@ from tpu_platform.programs import structure_text
 from tpu_platform.runner import Runner
 from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.weights.cache import WeightsCache
-from tpu_platform.weights.prepared import Preparation, metadata_for, save_prepared
+from tpu_platform.weights.prepared import (
+    Preparation,
+    int8_quantization,
+    load_prepared,
+    metadata_for,
+    save_prepared,
+)
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +249,20 @@ def test_a_model_whose_layers_reorder_their_inputs_is_not_stored(tiny_dir, tmp_p
     cache.store(config, model)
     assert not os.path.exists(cache.path)
     assert cache.load(config, _ON_DEVICE) is None
+
+
+def test_the_float_layers_of_a_quantized_checkpoint_are_restored_float(tmp_path):
+    """A block-fp8 checkpoint's ignored layers stay float when prepared (the runner's streamed
+    load); the entry records them, so its restore, which rebuilds the structure from config.json,
+    keeps them float too and the entry is used."""
+    from tests.models.fp8_checkpoints import write_block_fp8
+
+    source = save_tiny_llama(str(tmp_path / "source"), hidden_size=128, intermediate_size=256, seed=3)
+    path = write_block_fp8(source, str(tmp_path / "fp8"), ignored=("model.layers.1.mlp.down_proj",))
+    preparation = Preparation("float32", quantization=int8_quantization(path))
+    config, model = load_prepared(path, preparation, _ON_DEVICE)
+    assert model.model.layers[1].mlp.down_proj.kernel_scale is None
+    assert model.model.layers[0].mlp.down_proj.kernel_scale is not None
+    cache = WeightsCache.for_model(str(tmp_path / "cache"), path, preparation)
+    cache.store(config, model)
+    _assert_same_model(cache.load(config, _ON_DEVICE), model)

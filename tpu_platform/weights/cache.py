@@ -32,7 +32,7 @@ import jax
 from flax import nnx
 
 from models import ModelConfig
-from models.linear import Linear
+from models.linear import Linear, float_layers
 from models.loader import checkpoint_files
 from tpu_platform.disk_cache import UNUSED_ENTRY_SECONDS, mark_used, remove_unused, source_fingerprint
 from tpu_platform.private_files import make_private_dir, make_tree_private, unsafe_tree_reason
@@ -109,7 +109,8 @@ class WeightsCache:
             # storing one entry at once would write into the same directory. Each writes its own
             # staging copy instead, and the first rename wins.
             staging = f"{self.path}{_STAGING}{os.getpid()}-{os.urandom(4).hex()}"
-            save_prepared(staging, state, metadata_for(model_config, self.preparation, state, key=self.key))
+            metadata = metadata_for(model_config, self.preparation, state, float_layers(model), key=self.key)
+            save_prepared(staging, state, metadata)
             make_tree_private(staging)
             if not _rename_unless_present(staging, self.path):
                 shutil.rmtree(staging, ignore_errors=True)  # another process stored it first

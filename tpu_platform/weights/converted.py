@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from models import ModelConfig
+from models.linear import float_layers
 from tpu_platform.weights.prepared import (
     Preparation,
     ShardingFor,
@@ -72,7 +73,9 @@ def convert(source: str, out: str, preparation: Preparation) -> str:
             shutil.copy2(path, os.path.join(out, name))
     state = nnx.state(model)
     checkpoint = os.path.join(out, PREPARED_DIR)
-    metadata = metadata_for(model_config, preparation, state, source=os.path.abspath(source))
+    metadata = metadata_for(
+        model_config, preparation, state, float_layers(model), source=os.path.abspath(source)
+    )
     save_prepared(checkpoint, state, metadata)
     return checkpoint
 

@@ -20,7 +20,7 @@ import dataclasses
 import hashlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax
@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import ModelConfig, PackedKernel, build, pack_for_native_dense
-from models.linear import is_packed_int4, packed_for_native_dense
+from models.linear import is_packed_int4, keep_float_layers, packed_for_native_dense
 from models.loader import checkpoint_values, int8_group_size
 from models.quantization import (
     FP8_METHODS,
@@ -168,10 +168,15 @@ def int8_quantization(path: str, method: str | None = None) -> str:
     return values if size is None else f"{values}-g{size}"
 
 
-def abstract_prepared(config: ModelConfig, preparation: Preparation) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_prepared(
+    config: ModelConfig, preparation: Preparation, float_layers: Sequence[str] = ()
+) -> tuple[nnx.GraphDef, nnx.State]:
     """The prepared model's structure and its state's shapes and dtypes, without any weights:
-    the model is built (host zeros, never written: no memory) and prepared under `nnx.eval_shape`."""
+    the model is built (host zeros, never written: no memory) and prepared under `nnx.eval_shape`.
+    `float_layers`: the layers its checkpoint kept in float (`models.linear.float_layers`), which
+    the preparation leaves so."""
     model = build(config, jnp.dtype(preparation.dtype))
+    keep_float_layers(model, float_layers)
     return served_abstract(model, config, preparation.tp_size, preparation.apply)
 
 
@@ -198,9 +203,19 @@ def structure_digest(state: nnx.State) -> str:
     return hashlib.sha256(repr(rows).encode()).hexdigest()
 
 
-def metadata_for(model_config: ModelConfig, preparation: Preparation, state: nnx.State, **extra: Any) -> dict:
-    """The checkpoint's JSON metadata for `state` (abstract or concrete) prepared so."""
+def metadata_for(
+    model_config: ModelConfig,
+    preparation: Preparation,
+    state: nnx.State,
+    float_layers: Sequence[str] = (),
+    **extra: Any,
+) -> dict:
+    """The checkpoint's JSON metadata for `state` (abstract or concrete) prepared so;
+    `float_layers`: its model's (`models.linear.float_layers`), which a restore marks again."""
     import orbax.checkpoint as ocp
+
+    if float_layers:
+        extra["float_layers"] = list(float_layers)
 
     return {
         "format": FORMAT,
@@ -278,9 +293,10 @@ def restore_prepared(
         raise UnusableCheckpoint(f"{directory}: packed kernels serve at tensor_parallel_size=1 only")
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="restore") as pool:
         reading = pool.submit(_restore_arrays, directory, _reading(shardings) if reblock else shardings)
-        graphdef, abstract = abstract_prepared(model_config, preparation)
+        kept = metadata.get("float_layers", ())
+        graphdef, abstract = abstract_prepared(model_config, preparation, kept)
         if reblock:
-            graphdef, served_state = abstract_prepared(model_config, served)
+            graphdef, served_state = abstract_prepared(model_config, served, kept)
         restored = reading.result()
     _refuse_differences(directory, metadata, {"structure": structure_digest(abstract)})
     try:
