@@ -81,6 +81,7 @@ def test_greedy_with_an_eagle3_head_equals_greedy_decoding(llm, dirs):
     assert stats["compiles_after_warmup"] == 0
 
 
+@pytest.mark.full  # an engine at TP=2 in a subprocess: minutes on 2 cores (the runner-level test: make test)
 def test_tensor_parallel_engine_with_an_eagle3_head_gives_the_same_greedy_tokens(dirs, tmp_path):
     # Two simulated devices, in a process of their own: the head split as the target is, its
     # cache on the KV heads (`tests/tpu_platform/test_speculation_tensor_parallel.py` checks
