@@ -6,9 +6,10 @@ line: the target's step program handing the head its hidden states (Llama-3.1-8B
 four layers, the head reading three of them), the head's pass over a prefill step and its loop
 for k = 4 (a head of Llama-3.1-8B's shape: 4096 wide, a 32000-token draft vocabulary, as
 EAGLE3-LLaMA3.1-Instruct-8B), each with its compile seconds, temp, argument and aliased bytes,
-and the head's cache and weight bytes on one chip. With TP > 1 (`v6e-8` and 8, say), the
-target's step and the head's programs are the runner's tensor-parallel ones, the head split on
-the mesh as the runner splits it. Weights are abstract: nothing is allocated.
+and the head's cache and weight bytes on one chip, beside the planner's rows for it. With
+TP > 1 (`v6e-8` and 8, say), the target's step and the head's programs are the runner's
+tensor-parallel ones, the head split on the mesh as the runner splits it. Weights are abstract:
+nothing is allocated.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import sys
 
 from models.eagle3 import Eagle3Config
-from tpu_platform.planner.draft import compile_eagle3
+from tpu_platform.planner.draft import compile_eagle3, eagle3_memory
 from tpu_platform.planner.plan import (
     StepSetup,
     _compile,
@@ -71,6 +72,8 @@ def main(target: str, tp_size: str = "1") -> dict:
         out["head_cache_bytes"], out["head_weight_bytes"] = programs.cache_bytes, programs.weight_bytes
     except Exception as e:
         out["head_pass"] = out["head_loop"] = _error(e)
+    memory = eagle3_memory(setup, head)  # the planner's rows, a chip's
+    out["planned"] = {"weight_bytes": memory.weight_bytes, "page_bytes": memory.page_bytes}
     return out
 
 

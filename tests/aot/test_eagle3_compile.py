@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.aot.eagle3_compile import NUM_PAGES
 from tests.aot.toolchains import run_worker
 
 # The head of Llama-3.1-8B: one layer (2 * 4096 into q/k/v), fc 3 * 4096 -> 4096, its own
@@ -50,3 +51,6 @@ def test_the_heads_programs_compile_split_over_a_v6e_8():
     # Split by the rules table but fc (3 * 4096 x 4096) and the norms, whole on each chip.
     whole = 3 * 4096 * 4096
     assert out["head_weight_bytes"] == pytest.approx(2 * ((HEAD_PARAMETERS - whole) / 8 + whole), rel=0.02)
+    # The planner's rows for the head beside the target are a chip's share too.
+    assert out["planned"]["weight_bytes"] == pytest.approx(out["head_weight_bytes"], rel=0.02)
+    assert out["planned"]["page_bytes"] * NUM_PAGES == cache

@@ -39,7 +39,13 @@ from tpu_platform.planner.plan import (
 )
 from tpu_platform.planner.targets import compile_only_devices
 from tpu_platform.sampling import SamplerFlags, dummy_tensors
-from tpu_platform.speculation.draft_model import DraftCacheShape, drafter_kv_heads, kv_share, make_draft_loop
+from tpu_platform.speculation.draft_model import (
+    DraftCacheShape,
+    drafter_kv_heads,
+    drafter_page_bytes,
+    kv_share,
+    make_draft_loop,
+)
 from tpu_platform.speculation.eagle3 import make_head_programs
 from tpu_platform.speculation.verifier import make_verify
 
@@ -54,8 +60,14 @@ class DraftMemory:
 
 
 def draft_memory(draft: StepSetup) -> DraftMemory:
-    """The draft's rows of the plan (`draft` holds the draft's config with the target's limits)."""
-    return DraftMemory(draft.abstract_model().weight_bytes, kv_page_bytes(draft))
+    """The draft's rows of the plan (`draft` holds the draft's config with the target's limits
+    and tensor-parallel size: on a mesh, one chip's share)."""
+    return DraftMemory(draft.abstract_model().chip_weight_bytes(_mesh(draft)), kv_page_bytes(draft))
+
+
+def _mesh(setup: StepSetup) -> jax.sharding.Mesh | None:
+    """`setup`'s mesh of compile-only chips; None at TP=1 (no compiler needed for the arithmetic)."""
+    return setup.mesh() if setup.tp_size > 1 else None
 
 
 def pages_with_draft(kv_bytes: int, target_page_bytes: int, draft: DraftMemory) -> int:
@@ -251,16 +263,22 @@ def eagle3_head_like(target: StepSetup, draft_vocab_size: int = 32000) -> Eagle3
 
 def eagle3_memory(target: StepSetup, head: Eagle3Config) -> DraftMemory:
     """What an EAGLE-3 head adds on one chip of `target`: its weights (in the target's dtype, with
-    its own embedding and draft-to-target table, as served) and its one-layer cache's bytes per
-    KV page."""
-    dtype = jnp.dtype(target.dtype)
-    model = nnx.eval_shape(lambda: Eagle3Head(head, dtype=dtype, own_embedding=True, has_d2t=True))
-    weights = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(nnx.state(model)))
-    mc = head.model
-    caches = jax.eval_shape(
-        lambda: allocate_stacked_caches(
-            1, 2, target.tokens_per_page, mc.num_kv_heads, mc.head_dim, kv_cache_dtype(target.cache_dtype),
-            target.backend,
-        )
-    )  # fmt: skip
-    return DraftMemory(weights, sum(math.prod(c.shape) * np.dtype(c.dtype).itemsize for c in caches) // 2)
+    its own embedding and draft-to-target table, as served; on a mesh the chip's share, split as
+    the runner splits it) and its one-layer cache's bytes per KV page on a chip."""
+    dtype, mesh, mc = jnp.dtype(target.dtype), _mesh(target), head.model
+
+    def built() -> Eagle3Head:
+        model = Eagle3Head(head, dtype=dtype, own_embedding=True, has_d2t=True)
+        repeat_kv_heads_for_mesh(model, kv_heads_on_mesh(mc.num_heads, mc.num_kv_heads, target.tp_size))
+        return model
+
+    state = nnx.state(nnx.eval_shape(built))
+    leaves = jax.tree.leaves(state)
+    shardings = [None] * len(leaves) if mesh is None else jax.tree.leaves(state_shardings(state, mesh))
+    weights = sum(
+        math.prod(x.shape if s is None else s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+        for x, s in zip(leaves, shardings, strict=True)
+    )
+    kv_dtype = kv_cache_dtype(target.cache_dtype)
+    page = drafter_page_bytes(mc, 1, target.tokens_per_page, kv_dtype, target.backend, target.tp_size)
+    return DraftMemory(weights, page)
