@@ -102,21 +102,23 @@ def _with_draft(row: dict, setup, args: argparse.Namespace) -> dict:
     from tpu_platform.planner.draft import draft_memory, eagle3_head_like, eagle3_memory, pages_with_draft
     from tpu_platform.planner.plan import StepSetup, model_config
 
-    if setup.tp_size != 1:
-        row["draft"] = {"model": args.draft, "error": "drafts are served at tensor_parallel_size 1"}
+    try:
+        if args.draft == "eagle3":
+            memory = eagle3_memory(setup, eagle3_head_like(setup))
+        else:
+            draft = StepSetup(
+                model_config(args.draft), setup.target, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                max_num_seqs=args.batch, max_model_len=args.context, max_num_batched_tokens=args.prefill,
+                page_size=setup.tokens_per_page,  # one block size for both, the engine's
+                tp_size=setup.tp_size,  # split on the target's mesh
+            )  # fmt: skip
+            if draft.config.vocab_size != setup.config.vocab_size:
+                row["draft"] = {"model": args.draft, "error": "its vocabulary differs from the target's"}
+                return row
+            memory = draft_memory(draft)
+    except ValueError as e:  # a drafter the target's mesh does not split
+        row["draft"] = {"model": args.draft, "error": str(e)}
         return row
-    if args.draft == "eagle3":
-        memory = eagle3_memory(setup, eagle3_head_like(setup))
-    else:
-        draft = StepSetup(
-            model_config(args.draft), setup.target, dtype=args.dtype, kv_dtype=args.kv_dtype,
-            max_num_seqs=args.batch, max_model_len=args.context, max_num_batched_tokens=args.prefill,
-            page_size=setup.tokens_per_page,  # one block size for both, the engine's
-        )  # fmt: skip
-        if draft.config.vocab_size != setup.config.vocab_size:
-            row["draft"] = {"model": args.draft, "error": "its vocabulary differs from the target's"}
-            return row
-        memory = draft_memory(draft)
     pages = pages_with_draft(row["kv_bytes"], row["page_bytes"], memory)
     row["draft"] = {
         "model": args.draft, "weight_bytes": memory.weight_bytes, "page_bytes": memory.page_bytes,

@@ -315,8 +315,9 @@ def planner_section(table: str | None, tp_table: str | None = None, draft_table:
 
 
 PLANNER_DRAFT_INTRO = """\
-Speculative decoding serves its drafter on the target's chip (`speculative_config`,
-[configuration.md](configuration.md)): `plan.py --draft` takes the drafter's weights out of the
+Speculative decoding serves its drafter on the target's chip, or split over the target's chips
+as the target is (`speculative_config`, [configuration.md](configuration.md); with `--tp N` the
+rows are a chip's share): `plan.py --draft` takes the drafter's weights out of the
 KV budget, then gives each target page a page of the drafter's cache beside it, as the worker
 does. Rows planned from the model's first layers (`--depth`), batch 16 x 4096 tokens: the KV
 tokens the target holds alone and with the drafter (a Llama-3.2-1B draft model, or an EAGLE-3

@@ -28,7 +28,8 @@ from models.layers import ATTENTION_LINEARS, MLP_LINEARS, Embedding, GatedMLP, P
 from models.linear import Linear, zeros_param
 from models.loader import checkpoint_names, read_into
 from models.metadata import AttentionMetadata
-from models.serving_passes import fuse_projections
+from models.serving_passes import fuse_projections, repeat_kv_heads_for_mesh
+from models.sharding import kv_heads_on_mesh
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # Variants of the head vLLM also reads, not built here (each a config.json flag).
@@ -175,7 +176,7 @@ class Eagle3Head(nnx.Module):
         kv_cache: jax.Array,
         md: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
-        return self.layer(self.embed_tokens(tokens), hidden, positions, kv_cache, md)
+        return self.layer(self.embed_tokens(tokens, md.mesh), hidden, positions, kv_cache, md)
 
     def draft_logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits `[R, draft V]` of the head's hidden states (before its norm)."""
@@ -195,9 +196,11 @@ class Eagle3Head(nnx.Module):
         self.embed_tokens.embedding.set_value(table)
 
 
-def load_eagle3_head(path: str, dtype: jnp.dtype) -> tuple[Eagle3Config, Eagle3Head]:
-    """The head of checkpoint `path` with its weights as host arrays and its projections fused;
-    one without `embed_tokens` needs `share_embedding` before it runs."""
+def load_eagle3_head(path: str, dtype: jnp.dtype, tp_size: int = 1) -> tuple[Eagle3Config, Eagle3Head]:
+    """The head of checkpoint `path` with its weights as host arrays and its projections fused
+    (one block a device on a mesh of `tp_size`, its KV heads repeated up to `tp_size` when fewer,
+    as the target's: `loader.prepare_for_serving`; heads the mesh does not split are refused by
+    name); one without `embed_tokens` needs `share_embedding` before it runs."""
     config = Eagle3Config.from_pretrained(path)
     names = set(checkpoint_names(path))
     if "lm_head.weight" not in names:
@@ -213,5 +216,7 @@ def load_eagle3_head(path: str, dtype: jnp.dtype) -> tuple[Eagle3Config, Eagle3H
         )
     head = Eagle3Head(config, dtype=dtype, own_embedding="embed_tokens.weight" in names, has_d2t=has_d2t)
     read_into(head, path)
-    fuse_projections(head)
+    mc = config.model
+    repeat_kv_heads_for_mesh(head, kv_heads_on_mesh(mc.num_heads, mc.num_kv_heads, tp_size))
+    fuse_projections(head, tp_size)
     return config, head

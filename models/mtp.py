@@ -39,7 +39,8 @@ from models.layers import Embedding, RMSNorm
 from models.linear import Linear
 from models.loader import checkpoint_names, read_into
 from models.metadata import AttentionMetadata
-from models.serving_passes import fuse_projections
+from models.serving_passes import fuse_projections, repeat_kv_heads_for_mesh
+from models.sharding import kv_heads_on_mesh
 
 # Target architecture -> (its decoder layer's builder, whether a step's output re-enters normed).
 BLOCKS: dict[str, tuple[Callable[..., nnx.Module], bool]] = {
@@ -105,7 +106,7 @@ class MtpHead(nnx.Module):
         kv_cache: jax.Array,
         md: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
-        embeds = self.embed_tokens(tokens)  # [T, D]
+        embeds = self.embed_tokens(tokens, md.mesh)  # [T, D]
         embeds = jnp.where((positions == 0)[:, None], jnp.zeros((), embeds.dtype), embeds)
         x = self.eh_proj(jnp.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1))
         x, kv_cache = self.block(x, positions, kv_cache, md)
@@ -124,10 +125,11 @@ class MtpHead(nnx.Module):
         self.embed_tokens.embedding.set_value(table)
 
 
-def load_mtp_head(path: str, config: ModelConfig, dtype: jnp.dtype) -> MtpHead:
+def load_mtp_head(path: str, config: ModelConfig, dtype: jnp.dtype, tp_size: int = 1) -> MtpHead:
     """The first MTP layer of the checkpoint at `path` (whose target's config is `config`) with
-    its weights as host arrays and its projections fused; it needs `share_embedding` before it
-    runs. A checkpoint without one, or of an architecture without MTP, is refused by name."""
+    its weights as host arrays and its projections fused (for a mesh of `tp_size` as the
+    target's: `loader.prepare_for_serving`); it needs `share_embedding` before it runs. A
+    checkpoint without one, or of an architecture without MTP, is refused by name."""
     if config.architecture not in BLOCKS:
         raise ValueError(
             f"speculative method 'mtp' is not supported by vllm-xla for {config.architecture}; it "
@@ -154,5 +156,6 @@ def load_mtp_head(path: str, config: ModelConfig, dtype: jnp.dtype) -> MtpHead:
         config, build_block(config, index, dtype=dtype), dtype=dtype, recycle_normed=recycle_normed
     )
     read_into(head, path, only=wanted)
-    fuse_projections(head)
+    repeat_kv_heads_for_mesh(head, kv_heads_on_mesh(config.num_heads, config.num_kv_heads, tp_size))
+    fuse_projections(head, tp_size)
     return head

@@ -100,8 +100,9 @@ DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"embed_tokens\.embedding$", _ROW),  # [V, D]
     (r"embed_tokens\.head_kernel$", _COLUMN),  # [D, V], a tied head's copy
     (r"embed_tokens\.head_scale$", _SPLIT),  # [V], its int8 scales
-    (r"lm_head\.kernel$", _COLUMN),  # [D, V]
-    (r"lm_head\.kernel_scale$", _SPLIT),  # [V]
+    # LM heads, a multi-token-prediction layer's `shared_head` too (`models.mtp`)
+    (r"(lm_head|shared_head)\.kernel$", _COLUMN),  # [D, V]
+    (r"(lm_head|shared_head)\.kernel_scale$", _SPLIT),  # [V]
     (r".*", _REPLICATED),
 )
 # int8 scales of one per group of inputs and output (`[in / G, out]`, `models.int8`): a
@@ -113,7 +114,7 @@ GROUPED_SCALE_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (rf"\.{_COLUMN_LINEARS}\.kernel_(scale|offset)$", _COLUMN),
     (rf"\.{_ROW_LINEARS}\.kernel_(scale|offset)$", _ROW),
     (r"embed_tokens\.head_scale$", _COLUMN),
-    (r"lm_head\.kernel_scale$", _COLUMN),
+    (r"(lm_head|shared_head)\.kernel_scale$", _COLUMN),
     (r".*", _REPLICATED),
 )
 _GROUPED_ROW = PartitionSpec(None, MODEL_AXIS, None)  # an expert stack's grouped row-parallel scale

@@ -59,10 +59,10 @@ def unsupported_speculation(config: VllmConfig) -> str | None:
         return f"num_speculative_tokens={spec.num_speculative_tokens}"
     if config.scheduler_config.async_scheduling:
         return "async_scheduling=True"
+    if spec.method in MODEL_METHODS and (why := _unsupported_draft_tp(config)):
+        return why
     if spec.method == "draft_model":
         return _unsupported_draft(config)
-    if spec.method in ("eagle3", "mtp") and config.parallel_config.tensor_parallel_size > 1:
-        return f"method={spec.method!r} with tensor_parallel_size > 1"
     if spec.method == "mtp":
         return _unsupported_mtp(config)
     return None
@@ -88,8 +88,16 @@ def _unsupported_draft(config: VllmConfig) -> str | None:
     draft_vocab, target_vocab = spec.draft_model_config.get_vocab_size(), config.model_config.get_vocab_size()
     if draft_vocab != target_vocab:
         return f"a draft model of vocab_size={draft_vocab} (the target's is {target_vocab})"
-    if config.parallel_config.tensor_parallel_size > 1:
-        return "method='draft_model' with tensor_parallel_size > 1"
+    return None
+
+
+def _unsupported_draft_tp(config: VllmConfig) -> str | None:
+    """Why the drafter cannot run at its `draft_tensor_parallel_size` (None when it can): it is
+    split on the target's mesh, as the target is, so only the target's size is served."""
+    draft_tp = getattr(config.speculative_config, "draft_tensor_parallel_size", None)
+    target_tp = config.parallel_config.tensor_parallel_size
+    if draft_tp is not None and draft_tp != target_tp:
+        return f"draft_tensor_parallel_size={draft_tp} with tensor_parallel_size={target_tp}"
     return None
 
 
@@ -98,13 +106,15 @@ REFUSED_VALUES = (
     f"num_speculative_tokens above {MAX_SPECULATIVE_TOKENS}; async scheduling with drafts "
     "(the proposers read the tokens of the step before); a draft model of another vocabulary "
     "(use_heterogeneous_vocab, or another vocab_size); a draft model, EAGLE-3 head or MTP layer "
-    "with tensor_parallel_size > 1; 'mtp' on a checkpoint without exactly one "
+    "at a draft_tensor_parallel_size other than the target's tensor_parallel_size; 'mtp' on a "
+    "checkpoint without exactly one "
     f"multi-token-prediction layer, or of an architecture other than {', '.join(MTP_ARCHITECTURES)}"
 )
 INSTEAD = (
     f"use method='ngram' (prompt_lookup_min/max), 'draft_model' (a draft of the target's "
     "tokenizer), 'eagle3' (a head of vLLM's LlamaForCausalLMEagle3 layout made for the target) "
     "or 'mtp' (a DeepSeek-V3 or GLM-4.5 checkpoint with its MTP layer), the last three with "
-    f"tensor_parallel_size=1, with num_speculative_tokens 1 to {MAX_SPECULATIVE_TOKENS}, with "
+    "draft_tensor_parallel_size unset or equal to tensor_parallel_size (the drafter is split "
+    f"as the target is), with num_speculative_tokens 1 to {MAX_SPECULATIVE_TOKENS}, with "
     "async scheduling off (--no-async-scheduling), or leave speculative_config unset"
 )

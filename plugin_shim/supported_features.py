@@ -78,16 +78,16 @@ SUPPORTED: tuple[Supported, ...] = (
         "speculative_config method='draft_model' or 'eagle3', model, num_speculative_tokens",
         "a draft of the target's vocabulary, or an EAGLE-3 head (vLLM's LlamaForCausalLMEagle3 "
         "layout) reading the target's hidden states of its three chosen layers; each proposer's "
-        "k steps in one compiled program, its KV cache inside the same memory budget; one device "
-        "(docs/configuration.md)",
+        "k steps in one compiled program, its KV cache inside the same memory budget; under "
+        "tensor parallelism split on the target's mesh as the target is (docs/configuration.md)",
     ),
     Supported(
         "Speculative decoding: MTP",
         "speculative_config method='mtp', num_speculative_tokens",
         "the multi-token-prediction layer of a DeepSeek-V3 or GLM-4.5 checkpoint "
         "(num_nextn_predict_layers=1) drafts from the target's final hidden states, applied k "
-        "times in one compiled program; its KV cache inside the same memory budget; one device "
-        "(docs/configuration.md)",
+        "times in one compiled program; its KV cache inside the same memory budget; under tensor "
+        "parallelism split on the target's mesh as the target is (docs/configuration.md)",
     ),
     Supported("Logits processors", "logits_processors", "vLLM's logits-processor plugins"),
     Supported(

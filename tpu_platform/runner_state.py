@@ -193,7 +193,7 @@ def load_runner_model(
     prompt_program = PromptLogprobsProgram.for_model(graphdef, model_config, config, dtype, whole)
     draft = functools.partial(
         load_proposer, config=config, target=model_config, target_model=model, dtype=dtype,
-        dense_isa=dense_isa, shardings=placement.weight_shardings, device=placement.device,
+        dense_isa=dense_isa, shardings=placement.weight_shardings, device=placement.device, mesh=mesh,
     )  # fmt: skip
     speculation = SpeculativeDecoding.for_runner(graphdef, model_config, config, whole, programs, draft)
     pooling = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.aot.eagle3_compile import NUM_PAGES
 from tests.aot.toolchains import run_worker
 
 # The head of Llama-3.1-8B: one layer (2 * 4096 into q/k/v), fc 3 * 4096 -> 4096, its own
@@ -35,3 +36,21 @@ def test_the_target_step_and_the_heads_programs_compile(platform, target):
         assert out[name]["temp_bytes"] < cache, f"{target}: a cache-sized temporary in {name}"
     # bfloat16 weights (and the RoPE table): the head's published size.
     assert out["head_weight_bytes"] == pytest.approx(2 * HEAD_PARAMETERS, rel=0.02)
+
+
+@pytest.mark.full  # Llama-3.1-8B's head on a v6e-8 mesh: the TPU compiler for eight chips
+def test_the_heads_programs_compile_split_over_a_v6e_8():
+    out = run_worker("tpu", "eagle3_compile", "v6e-8", "8")
+    assert out["tp_size"] == 8
+    for name in ("target_step", "head_pass", "head_loop"):
+        assert "error" not in out[name], f"v6e-8 {name}: {out[name].get('error')}"
+    cache = out["head_cache_bytes"]  # a chip's share: one of the head's 8 KV heads
+    for name in ("head_pass", "head_loop"):
+        assert out[name]["alias_bytes"] >= cache, f"v6e-8: {name} does not update the head's cache in place"
+        assert out[name]["temp_bytes"] < cache, f"v6e-8: a cache-sized temporary in {name}"
+    # Split by the rules table but fc (3 * 4096 x 4096) and the norms, whole on each chip.
+    whole = 3 * 4096 * 4096
+    assert out["head_weight_bytes"] == pytest.approx(2 * ((HEAD_PARAMETERS - whole) / 8 + whole), rel=0.02)
+    # The planner's rows for the head beside the target are a chip's share too.
+    assert out["planned"]["weight_bytes"] == pytest.approx(out["head_weight_bytes"], rel=0.02)
+    assert out["planned"]["page_bytes"] * NUM_PAGES == cache

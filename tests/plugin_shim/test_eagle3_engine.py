@@ -6,6 +6,9 @@ preemption; the head drafts for every request (a random head: its drafts are rar
 vLLM's spec-decode counters agree with ours; nothing compiles after warm-up."""
 
 import gc
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from tests.greedy_reference import hf_greedy
+from tests.plugin_shim.tensor_parallel_engine import environment
 from tests.tiny_models import save_tiny_eagle3_head, save_tiny_llama
 
 pytestmark = pytest.mark.slow  # builds vllm.LLM
@@ -75,3 +79,30 @@ def test_greedy_with_an_eagle3_head_equals_greedy_decoding(llm, dirs):
     assert stats["partial_prefill_steps"] > 0
     assert stats["preempted_requests"] > 0
     assert stats["compiles_after_warmup"] == 0
+
+
+@pytest.mark.full  # an engine at TP=2 in a subprocess: minutes on 2 cores (the runner-level test: make test)
+def test_tensor_parallel_engine_with_an_eagle3_head_gives_the_same_greedy_tokens(dirs, tmp_path):
+    # Two simulated devices, in a process of their own: the head split as the target is, its
+    # cache on the KV heads (`tests/tpu_platform/test_speculation_tensor_parallel.py` checks
+    # its drafts and placement at the runner).
+    hf = LlamaForCausalLM.from_pretrained(dirs[0], dtype=torch.float32).eval()
+    rng = np.random.default_rng(1)
+    prompts = [[1, *rng.integers(3, 384, n - 1).tolist()] for n in (9, 26)]
+    speculative = {"method": "eagle3", "model": dirs[1], "num_speculative_tokens": K}
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    job.write_text(
+        json.dumps(
+            {"model": dirs[0], "prompts": prompts, "new_tokens": 12, "speculative_config": speculative}
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.plugin_shim.spec_decode_tp_engine", str(job), str(out)],
+        env={**environment(), "VLLM_XLA_STRICT_COMPILE": "1"}, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-6000:]
+    result = json.loads(out.read_text())
+    assert result["tokens"] == [hf_greedy(hf, p, 12) for p in prompts]
+    assert result["stats"]["draft_tokens"] >= len(prompts) * K  # every request drafted
+    assert result["stats"]["verified_steps"] > 0
+    assert result["stats"]["compiles_after_warmup"] == 0

@@ -319,11 +319,15 @@ def test_an_fp8_checkpoint_is_accepted(models):
     assert feature_check.refusals(config) == []
 
 
-def test_a_draft_model_with_tensor_parallelism_is_refused_by_name(models):
+def test_a_draft_model_is_served_split_as_the_target_and_refused_at_another_draft_tp(models):
     spec = {"method": "draft_model", "model": models["llama"], "num_speculative_tokens": 2}
+    config = _config(models, "llama", dict(speculative_config=spec, tensor_parallel_size=2))
+    assert feature_check.refusals(config) == []
+    assert config.speculative_config.draft_tensor_parallel_size == 2  # vLLM's default: the target's
+    one_device = {**spec, "draft_tensor_parallel_size": 1}
     with pytest.raises(ValueError, match="not supported by vllm-xla") as raised:
-        _config(models, "llama", dict(speculative_config=spec, tensor_parallel_size=2))
-    assert "method='draft_model' with tensor_parallel_size > 1" in str(raised.value)
+        _config(models, "llama", dict(speculative_config=one_device, tensor_parallel_size=2))
+    assert "draft_tensor_parallel_size=1 with tensor_parallel_size=2" in str(raised.value)
 
 
 def test_a_draft_model_of_the_targets_vocabulary_is_served_without_async_scheduling(models):
@@ -333,14 +337,13 @@ def test_a_draft_model_of_the_targets_vocabulary_is_served_without_async_schedul
     assert config.scheduler_config.async_scheduling is False  # vLLM's default turns it on
 
 
-def test_an_eagle3_head_is_served_without_async_scheduling_and_refused_with_tensor_parallelism(models):
+def test_an_eagle3_head_is_served_without_async_scheduling_and_with_tensor_parallelism(models):
     spec = {"method": "eagle3", "model": models["eagle3_head"], "num_speculative_tokens": 3}
     config = _config(models, "llama", dict(speculative_config=spec))
     assert feature_check.refusals(config) == []
     assert config.scheduler_config.async_scheduling is False  # vLLM's default turns it on
-    with pytest.raises(ValueError, match="not supported by vllm-xla") as raised:
-        _config(models, "llama", dict(speculative_config=spec, tensor_parallel_size=2))
-    assert "method='eagle3' with tensor_parallel_size > 1" in str(raised.value)
+    split = _config(models, "llama", dict(speculative_config=spec, tensor_parallel_size=2))
+    assert feature_check.refusals(split) == []
 
 
 def test_eagle_one_heads_are_refused_by_name(models):

@@ -59,13 +59,18 @@ def test_a_deepseek_v3_checkpoint_with_its_mtp_layer_is_served(models):
     ("kwargs", "named"),
     [
         (dict(k=9), "num_speculative_tokens=9"),
-        (dict(tensor_parallel_size=2), "method='mtp' with tensor_parallel_size > 1"),
     ],
 )
 def test_refused_by_name(models, kwargs, named):
     with pytest.raises(ValueError, match="not supported by vllm-xla") as raised:
         _config(models["v3_mtp"], **kwargs)
     assert named in str(raised.value)
+
+
+def test_the_layer_is_served_split_as_its_target(models):
+    config = _config(models["v3_mtp"], tensor_parallel_size=2)
+    assert feature_check.refusals(config) == []
+    assert config.speculative_config.draft_tensor_parallel_size == 2
 
 
 def test_vllm_refuses_mtp_without_a_layer_first(models):

@@ -4,12 +4,14 @@
 independent torch reference of the head proposes on the target's hidden states (transformers),
 after a prompt prefilled in two chunks and after verification steps that kept some drafts and
 rejected others, so its cache holds the right entries at the right positions; the verified
-steps' output is the target's greedy continuation; nothing compiles after warm-up. Heads that do
+steps' output is the target's greedy continuation; sampled tokens with its drafts follow the
+target's distribution (chi-square); nothing compiles after warm-up. Heads that do
 not fit the target are refused by name."""
 
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -19,6 +21,7 @@ from models.eagle3 import Eagle3Config, default_aux_layers
 from tests.eagle3_reference import Eagle3Reference
 from tests.greedy_reference import hf_greedy
 from tests.models.tiny_checkpoints import prompts
+from tests.speculation_statistics import check_follows_target
 from tests.tiny_models import save_tiny_eagle3_head, save_tiny_llama
 from tpu_platform.runner import Runner, RunnerConfig
 from tpu_platform.sampling import SamplingOptions
@@ -177,3 +180,30 @@ def test_an_fp8_head_loads_its_kernels_as_fp8_with_their_scales(tmp_path):
         assert got.kernel[...].dtype == fp8.FP8_DTYPE and got.kernel_scale is not None
         values = int8.dequantize(np.asarray(got.kernel[...]), np.asarray(got.kernel_scale[...]))
         np.testing.assert_array_equal(values, np.asarray(want.kernel[...]))
+
+
+@pytest.mark.slow  # shares the module's runner
+def test_sampled_tokens_with_the_heads_drafts_follow_the_targets_distribution(runner, dirs):
+    # A fresh request's drafts from the head (its prompt prefilled greedily, so its history is
+    # known), then the target's logits at the drafted positions (transformers): verified in
+    # many independent rows, what is kept follows the target's distribution as sampling without
+    # speculation would. A random head's drafts are rarely the target's likeliest tokens, so a
+    # temperature that spreads the target's distribution keeps some of them.
+    target = LlamaForCausalLM.from_pretrained(dirs[0], dtype=torch.float32).eval()
+    (prompt,) = prompts([CHUNK], seed=9)  # a warmed step shape
+    runner.execute(
+        StepUpdate(
+            new_requests=[NewRequest("s", prompt, [[5, 6, 7]], 0, GREEDY)],
+            cached=CachedRequests.of([]),
+            finished_req_ids={"a"},
+            num_scheduled_tokens={"s": len(prompt)},
+        )
+    )
+    result = runner.sample()
+    (drafts,) = runner.speculation.propose(runner.table, result.req_ids, result.sampled_token_ids)
+    history = [*prompt, *result.sampled_token_ids[0]]
+    with torch.no_grad():
+        logits = target(torch.tensor([[*history, *drafts[:2]]])).logits[0, -3:].numpy()
+    temperature = float(logits[0].std())
+    check_follows_target(logits, np.array(drafts[:2]), rows=20000, seed=3, temperature=temperature)
+    assert runner.programs.compiles_after_warmup == 0

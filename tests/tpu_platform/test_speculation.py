@@ -4,11 +4,12 @@ draft verification on hand-worked cases and, statistically, against the target d
 
 import numpy as np
 import pytest
-from scipy import stats
 
+from tests.speculation_statistics import check_follows_target
+from tests.speculation_statistics import random_tensors as _tensors
 from tpu_platform.planner.draft import DraftMemory, pages_with_draft
 from tpu_platform.sampling import SamplerFlags, SamplingTensors
-from tpu_platform.sampling.tensors import FilterTensors, RandomTensors
+from tpu_platform.sampling.tensors import RandomTensors
 from tpu_platform.speculation import SpeculationConfig, propose_ngram
 from tpu_platform.speculation.draft_model import kv_share
 from tpu_platform.speculation.rejection import verify_drafts
@@ -73,21 +74,6 @@ def test_ngram_proposes_what_followed_the_longest_earliest_match():
     assert got == [[7, 1, 5], []]
 
 
-def _tensors(rows, temperature=1.0, seed=0, top_k=None):
-    rng = np.random.default_rng(seed)
-    random = RandomTensors(
-        rng.integers(0, 2**32, (rows, 2), dtype=np.uint32),
-        np.zeros(rows, np.uint32),
-        np.zeros(rows, np.int32),
-    )
-    filters = None
-    if top_k is not None:
-        filters = FilterTensors(
-            np.full(rows, top_k, np.int32), np.ones(rows, np.float32), np.zeros(rows, np.float32)
-        )
-    return SamplingTensors(temperature=np.full(rows, temperature, np.float32), random=random, filters=filters)
-
-
 def test_greedy_verification_keeps_drafts_while_they_equal_the_argmax():
     # Argmax per position (vocab 8), 3 drafts each:
     #   row 0: argmax 1 2 3 4, drafts 1 2 3 -> all kept, bonus 4: [1 2 3 4], count 4
@@ -124,23 +110,11 @@ def test_random_verification_accepts_certain_drafts_and_resamples_impossible_one
 
 def test_sampled_tokens_follow_the_target_distribution():
     # Each of N rows is an independent request drafting "0 then 1" on a 4-token vocabulary whose
-    # target p is the same at both positions. Without speculation its first token would follow p,
+    # target p is the same at every position. Without speculation its first token would follow p,
     # and its second (given the first was 0) too: the rejection rule must preserve both.
-    n, p = 20000, np.array([0.45, 0.3, 0.15, 0.1])
-    logits = np.broadcast_to(np.log(p).astype(np.float32), (n, 3, 4))
-    drafts = np.tile(np.array([0, 1], np.int32), (n, 1))
-    tokens, counts = verify_drafts(
-        logits, drafts, np.full(n, 2, np.int32), _tensors(n, seed=7), flags=SamplerFlags()
-    )
-    tokens, counts = np.asarray(tokens), np.asarray(counts)
-    first = np.bincount(tokens[:, 0], minlength=4)
-    assert stats.chisquare(first, p * n).pvalue > 1e-3
-    after_zero = tokens[tokens[:, 0] == 0]
-    second = np.bincount(after_zero[:, 1], minlength=4)
-    assert stats.chisquare(second, p * after_zero.shape[0]).pvalue > 1e-3
-    # Acceptance as the rule says: the first draft kept with p(0), both with p(0) * p(1).
-    assert abs((counts >= 2).mean() - p[0]) < 0.02
-    assert abs((counts == 3).mean() - p[0] * p[1]) < 0.02
+    p = np.array([0.45, 0.3, 0.15, 0.1])
+    logits = np.broadcast_to(np.log(p), (3, 4))
+    check_follows_target(logits, np.array([0, 1]), rows=20000, seed=7)
 
 
 def test_a_seeded_rows_draws_depend_on_its_seed_and_progress_only():

@@ -16,15 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from models import ModelConfig, attach_rope_tables
 from models.eagle3 import Eagle3Config, Eagle3Head
 from models.layers import Embedding
 from models.mtp import BLOCKS, MtpHead
-from models.serving_passes import fuse_projections
+from models.serving_passes import fuse_projections, repeat_kv_heads_for_mesh
+from models.sharding import MODEL_AXIS, kv_heads_on_mesh, state_shardings
+from pallas_kernels import kv_cache_partition_spec, latent_cache_partition_spec
 from tpu_platform.inputs import pack_inputs, padding_inputs
 from tpu_platform.kv_cache import allocate_stacked_caches, caches_per_array, kv_cache_dtype
+from tpu_platform.mesh import replicated
 from tpu_platform.planner.plan import (
     ProgramFacts,
     StepSetup,
@@ -36,7 +39,13 @@ from tpu_platform.planner.plan import (
 )
 from tpu_platform.planner.targets import compile_only_devices
 from tpu_platform.sampling import SamplerFlags, dummy_tensors
-from tpu_platform.speculation.draft_model import DraftCacheShape, kv_share, make_draft_loop
+from tpu_platform.speculation.draft_model import (
+    DraftCacheShape,
+    drafter_kv_heads,
+    drafter_page_bytes,
+    kv_share,
+    make_draft_loop,
+)
 from tpu_platform.speculation.eagle3 import make_head_programs
 from tpu_platform.speculation.verifier import make_verify
 
@@ -51,8 +60,14 @@ class DraftMemory:
 
 
 def draft_memory(draft: StepSetup) -> DraftMemory:
-    """The draft's rows of the plan (`draft` holds the draft's config with the target's limits)."""
-    return DraftMemory(draft.abstract_model().weight_bytes, kv_page_bytes(draft))
+    """The draft's rows of the plan (`draft` holds the draft's config with the target's limits
+    and tensor-parallel size: on a mesh, one chip's share)."""
+    return DraftMemory(draft.abstract_model().chip_weight_bytes(_mesh(draft)), kv_page_bytes(draft))
+
+
+def _mesh(setup: StepSetup) -> jax.sharding.Mesh | None:
+    """`setup`'s mesh of compile-only chips; None at TP=1 (no compiler needed for the arithmetic)."""
+    return setup.mesh() if setup.tp_size > 1 else None
 
 
 def pages_with_draft(kv_bytes: int, target_page_bytes: int, draft: DraftMemory) -> int:
@@ -130,12 +145,14 @@ def compile_eagle3(
 ) -> Eagle3Programs:
     """Compiles an EAGLE-3 head's pass over a step of `num_tokens` tokens of `target` (its limits
     and chip) and its loop of k - 1 steps for `rows` requests, over a one-layer cache of
-    `num_pages` pages, with the target's compiler (one chip, weights abstract)."""
-    dtype = jnp.dtype(target.dtype)
+    `num_pages` pages, with the target's compiler (weights abstract; on `target.tp_size` chips
+    split as the runner splits it: `speculation.eagle3`)."""
+    dtype, mc = jnp.dtype(target.dtype), head.model
 
     def built() -> Eagle3Head:
         model = Eagle3Head(head, dtype=dtype, own_embedding=True, has_d2t=True)
-        fuse_projections(model)
+        repeat_kv_heads_for_mesh(model, kv_heads_on_mesh(mc.num_heads, mc.num_kv_heads, target.tp_size))
+        fuse_projections(model, target.tp_size)
         return model
 
     width = head.num_aux_hidden_states * head.target_hidden_size
@@ -153,7 +170,10 @@ def compile_mtp(target: StepSetup, num_pages: int, num_tokens: int, rows: int, k
         block = build_block(config, config.num_layers, dtype=dtype)
         model = MtpHead(config, block, dtype=dtype, recycle_normed=recycle_normed)
         model.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        fuse_projections(model)
+        repeat_kv_heads_for_mesh(
+            model, kv_heads_on_mesh(config.num_heads, config.num_kv_heads, target.tp_size)
+        )
+        fuse_projections(model, target.tp_size)
         return model
 
     return _compile_head(target, built, config, config.hidden_size, num_pages, num_tokens, rows, k)
@@ -171,28 +191,38 @@ def _compile_head(
 ) -> Eagle3Programs:
     """The pass and loop (`speculation.eagle3.make_head_programs`) of the head `built()` makes,
     whose one-layer cache is of `mc`'s kind and which reads `width` of the target's hidden
-    states a token."""
-    if target.tp_size != 1:
-        raise ValueError("an EAGLE-3 head or MTP layer is served on one chip: use tp_size=1")
-    device = compile_only_devices(target.target)[0]
-    on_chip = SingleDeviceSharding(device)
+    states a token. On a mesh (`target.tp_size > 1`) the weights are placed by the rules table,
+    the cache split on its KV heads (a latent one whole), the inputs whole on every chip."""
+    device, mesh = compile_only_devices(target.target)[0], target.mesh()
+    on_chip = SingleDeviceSharding(device) if mesh is None else replicated(mesh)
     dtype = jnp.dtype(target.dtype)
     model = nnx.eval_shape(built)
     attach_rope_tables(model, target.max_model_len)
     graphdef, state = nnx.split(model)
     leaves, state_def = jax.tree.flatten(state)
-    leaves = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=on_chip) for x in leaves]
+    shardings = [on_chip] * len(leaves) if mesh is None else jax.tree.leaves(state_shardings(state, mesh))
+    leaves = [
+        jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s) for x, s in zip(leaves, shardings, strict=True)
+    ]
     kv_dtype, page_size = kv_cache_dtype(target.cache_dtype), target.tokens_per_page
-    heads = 1 if mc.latent_cache_width else mc.num_kv_heads
+    heads = drafter_kv_heads(mc, target.tp_size)
     caches = jax.eval_shape(
         lambda: allocate_stacked_caches(
             1, num_pages, page_size, heads, mc.head_dim, kv_dtype, target.backend,
             latent_width=mc.latent_cache_width,
         )
     )  # fmt: skip
-    caches = [jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=on_chip) for c in caches]
+    cache_sharding = on_chip
+    if mesh is not None:
+        spec = (
+            latent_cache_partition_spec()
+            if mc.latent_cache_width
+            else kv_cache_partition_spec(target.backend, MODEL_AXIS)
+        )
+        cache_sharding = NamedSharding(mesh, spec)
+    caches = [jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=cache_sharding) for c in caches]
     per_array = caches_per_array(1, num_pages, page_size)
-    shape = DraftCacheShape(target.backend, kv_dtype.name, num_pages, per_array)
+    shape = DraftCacheShape(target.backend, kv_dtype.name, num_pages, per_array, mesh)
     head_pass, loop = make_head_programs(graphdef, state_def, shape)
     ints = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32, sharding=on_chip)  # noqa: E731
     packed, dims = pack_inputs(padding_inputs(*step_shape(target, num_tokens), 1))
@@ -207,9 +237,14 @@ def _compile_head(
     return Eagle3Programs(
         head_pass=_measured(lambda: compile_with_text(head_pass, device, *pass_args, dims=dims)),
         loop=_measured(lambda: compile_with_text(loop, device, *loop_args, **static)),
-        cache_bytes=sum(math.prod(c.shape) * np.dtype(c.dtype).itemsize for c in caches),
-        weight_bytes=sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves),
+        cache_bytes=sum(_chip_bytes(c) for c in caches),
+        weight_bytes=sum(_chip_bytes(x) for x in leaves),
     )
+
+
+def _chip_bytes(x: jax.ShapeDtypeStruct) -> int:
+    """Bytes one chip holds of `x`: its shard."""
+    return math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
 
 
 def eagle3_head_like(target: StepSetup, draft_vocab_size: int = 32000) -> Eagle3Config:
@@ -228,16 +263,22 @@ def eagle3_head_like(target: StepSetup, draft_vocab_size: int = 32000) -> Eagle3
 
 def eagle3_memory(target: StepSetup, head: Eagle3Config) -> DraftMemory:
     """What an EAGLE-3 head adds on one chip of `target`: its weights (in the target's dtype, with
-    its own embedding and draft-to-target table, as served) and its one-layer cache's bytes per
-    KV page."""
-    dtype = jnp.dtype(target.dtype)
-    model = nnx.eval_shape(lambda: Eagle3Head(head, dtype=dtype, own_embedding=True, has_d2t=True))
-    weights = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(nnx.state(model)))
-    mc = head.model
-    caches = jax.eval_shape(
-        lambda: allocate_stacked_caches(
-            1, 2, target.tokens_per_page, mc.num_kv_heads, mc.head_dim, kv_cache_dtype(target.cache_dtype),
-            target.backend,
-        )
-    )  # fmt: skip
-    return DraftMemory(weights, sum(math.prod(c.shape) * np.dtype(c.dtype).itemsize for c in caches) // 2)
+    its own embedding and draft-to-target table, as served; on a mesh the chip's share, split as
+    the runner splits it) and its one-layer cache's bytes per KV page on a chip."""
+    dtype, mesh, mc = jnp.dtype(target.dtype), _mesh(target), head.model
+
+    def built() -> Eagle3Head:
+        model = Eagle3Head(head, dtype=dtype, own_embedding=True, has_d2t=True)
+        repeat_kv_heads_for_mesh(model, kv_heads_on_mesh(mc.num_heads, mc.num_kv_heads, target.tp_size))
+        return model
+
+    state = nnx.state(nnx.eval_shape(built))
+    leaves = jax.tree.leaves(state)
+    shardings = [None] * len(leaves) if mesh is None else jax.tree.leaves(state_shardings(state, mesh))
+    weights = sum(
+        math.prod(x.shape if s is None else s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+        for x, s in zip(leaves, shardings, strict=True)
+    )
+    kv_dtype = kv_cache_dtype(target.cache_dtype)
+    page = drafter_page_bytes(mc, 1, target.tokens_per_page, kv_dtype, target.backend, target.tp_size)
+    return DraftMemory(weights, page)

@@ -17,6 +17,11 @@ Per step, two programs:
   at its position, each next from the previous step's argmax. Its outputs are the drafts.
 
 Both are built at warm-up: the forward for every token bucket, the loop for every request bucket.
+
+Under tensor parallelism the draft is split as the target is, on the target's mesh: its weights
+by the same rules table (`models.sharding`: whole heads and MLP columns a device, the vocabulary
+split), its caches on their KV heads (`drafter_kv_heads`), its forward and loop one program each
+over the mesh, its attention per device (`AttentionMetadata.mesh`).
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from models import AttentionMetadata, ModelConfig, attach_rope_tables
+from models.sharding import kv_heads_on_mesh, place_state
 from tpu_platform.buckets import round_up, token_buckets
 from tpu_platform.inputs import pack_inputs, padding_inputs
 from tpu_platform.kv_cache import allocate_stacked_caches, caches_per_array, page_bytes_per_device
+from tpu_platform.mesh import check_model_fits_mesh, replicated
 from tpu_platform.programs import Programs, ProgramSpec
 from tpu_platform.request_table import RequestTable
 from tpu_platform.runner_config import RunnerConfig
@@ -52,6 +60,30 @@ def check_one_cache_group(method: str, num_groups: int) -> None:
         )
 
 
+def drafter_kv_heads(mc: ModelConfig, tp_size: int) -> int:
+    """KV heads of a drafter's whole cache on a mesh of `tp_size` (the target's rule,
+    `kv_heads_on_mesh`: repeated up to `tp_size` when fewer); 1 for a latent cache, whole on
+    every device as the target's is."""
+    if mc.latent_cache_width:
+        return 1
+    return kv_heads_on_mesh(mc.num_heads, mc.num_kv_heads, tp_size)
+
+
+def drafter_page_bytes(
+    mc: ModelConfig, num_layers: int, page_size: int, kv_dtype, backend: str, tp_size: int
+) -> int:
+    """Bytes one page takes on one device in a drafter's `num_layers` caches (its share of the
+    KV heads on a mesh of `tp_size`)."""
+    heads = drafter_kv_heads(mc, tp_size)
+    per_device = heads if mc.latent_cache_width else heads // tp_size
+    return page_bytes_per_device(mc, page_size, per_device, kv_dtype, backend) * num_layers
+
+
+def place_drafter(state: nnx.State, mesh: Mesh | None, device: jax.Device) -> nnx.State:
+    """A drafter's weights on `device`, or split on the target's `mesh` by the rules table."""
+    return jax.device_put(state, device) if mesh is None else place_state(state, mesh)
+
+
 def draft_caches(
     mc: ModelConfig,
     num_caches: int,
@@ -60,15 +92,17 @@ def draft_caches(
     kv_dtype: jnp.dtype,
     backend: str,
     device: jax.Device,
+    mesh: Mesh | None = None,
 ) -> list[jax.Array]:
     """A drafter's `num_caches` zeroed cache arrays of the target's `num_pages` pages, on `device`
-    (a latent cache's one row a token where `mc` has one)."""
-    heads = 1 if mc.latent_cache_width else mc.num_kv_heads
+    or split on `mesh`'s KV heads as the target's are (a latent cache's one row a token where `mc`
+    has one, whole on every device)."""
+    heads = drafter_kv_heads(mc, 1 if mesh is None else mesh.size)
     caches = allocate_stacked_caches(
-        num_caches, num_pages, page_size, heads, mc.head_dim, kv_dtype, backend,
+        num_caches, num_pages, page_size, heads, mc.head_dim, kv_dtype, backend, mesh,
         latent_width=mc.latent_cache_width,
     )  # fmt: skip
-    return jax.device_put(caches, device)
+    return jax.device_put(caches, device) if mesh is None else caches
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +113,12 @@ class DraftCacheShape:
     kv_dtype: str
     num_pages: int
     caches_per_array: int
+    mesh: Mesh | None = None  # the target's tensor-parallel mesh (None: one device)
+
+    @property
+    def whole(self) -> jax.sharding.Sharding | None:
+        """Where a program's host inputs go: whole on every device of the mesh (None: one device)."""
+        return None if self.mesh is None else replicated(self.mesh)
 
 
 def draft_loop(
@@ -127,6 +167,7 @@ def draft_loop(
             kv_dtype=shape.kv_dtype,
             cache_pages=shape.num_pages,
             caches_per_array=shape.caches_per_array,
+            mesh=shape.mesh,
         )
         hidden, caches = model(token, position, caches, md)
         proposed = first_argmax(model.compute_logits(hidden).astype(jnp.float32))
@@ -149,9 +190,17 @@ def make_draft_loop(graphdef: nnx.GraphDef, state_def: jax.tree_util.PyTreeDef, 
 class DraftModel:
     """The draft's weights, KV cache and programs (see the module docstring)."""
 
-    def __init__(self, model_config: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, k: int):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        graphdef: nnx.GraphDef,
+        state: nnx.State,
+        k: int,
+        mesh: Mesh | None = None,
+    ):
         self.model_config = model_config
         self.k = k
+        self.mesh = mesh
         self._graphdef = graphdef
         self._state_leaves, self._state_def = jax.tree.flatten(state)
         self.kv_caches: list[jax.Array] = []
@@ -167,9 +216,11 @@ class DraftModel:
         dense_isa: str | None,
         shardings: ShardingFor,
         device: jax.Device,
+        mesh: Mesh | None = None,
     ) -> DraftModel:
         """The draft of checkpoint `path`, loaded as the target is (`config`'s dtype, load format
-        and cache) on one device; a draft of another vocabulary size is refused by name."""
+        and cache) on `device` or split on the target's `mesh`; a draft of another vocabulary
+        size, or whose heads or MLP the mesh does not split, is refused by name."""
         draft_config = dataclasses.replace(
             config, model_path=path, quantization=None, lora=None, pooling=None, speculation=None
         )
@@ -187,15 +238,17 @@ class DraftModel:
                 f"the draft model {path} ({model_config.architecture}) has a latent or shared KV "
                 "cache; use a draft whose every layer has a KV cache of its own (e.g. a small Llama)"
             )
+        if mesh is not None:
+            check_model_fits_mesh(model_config, mesh.size)
         attach_rope_tables(model, config.max_model_len)
         graphdef, state = nnx.split(model)
-        return cls(model_config, graphdef, jax.device_put(state, device), config.speculation.num_tokens)
+        k = config.speculation.num_tokens
+        return cls(model_config, graphdef, place_drafter(state, mesh, device), k, mesh)
 
     def page_bytes(self, page_size: int, kv_dtype: jnp.dtype, backend: str) -> int:
         """Bytes one page takes in the draft's caches (all its layers)."""
-        mc = self.model_config
-        per_layer = page_bytes_per_device(mc, page_size, mc.num_kv_heads, kv_dtype, backend)
-        return per_layer * mc.num_layers
+        mc, tp_size = self.model_config, 1 if self.mesh is None else self.mesh.size
+        return drafter_page_bytes(mc, mc.num_layers, page_size, kv_dtype, backend, tp_size)
 
     def initialize(
         self,
@@ -212,15 +265,17 @@ class DraftModel:
         check_one_cache_group("draft_model", num_groups)
         mc = self.model_config
         layout = KVLayout.from_groups([range(mc.num_layers)], mc.num_layers)
-        self.kv_caches = draft_caches(mc, layout.num_caches, num_pages, page_size, kv_dtype, backend, device)
+        self.kv_caches = draft_caches(
+            mc, layout.num_caches, num_pages, page_size, kv_dtype, backend, device, self.mesh
+        )
         self.step_program = build_step_program(
             mc, self._graphdef, self._state_def, self._state_leaves, self.kv_caches, backend=backend,
             layout=layout, kv_dtype=kv_dtype.name, num_pages=num_pages, page_size=page_size,
-            feed_width=feed_width, device=device,
+            feed_width=feed_width, device=device, mesh=self.mesh,
         )  # fmt: skip
-        shape = DraftCacheShape(
-            backend, kv_dtype.name, num_pages, caches_per_array(layout.num_caches, num_pages, page_size)
-        )
+        per_array = caches_per_array(layout.num_caches, num_pages, page_size)
+        shape = DraftCacheShape(backend, kv_dtype.name, num_pages, per_array, self.mesh)
+        self._whole = shape.whole
         self._loop = make_draft_loop(self._graphdef, self._state_def, shape)
         self._page_size = page_size
         self.row_buckets = token_buckets(feed_width, feed_width)
@@ -283,7 +338,8 @@ class DraftModel:
         return {"k": self.k, "page_size": self._page_size, "max_position": max_model_len - 1}
 
     def _loop_spec(self, r_pad: int, max_pages: int, max_model_len: int) -> ProgramSpec:
-        rows = jax.ShapeDtypeStruct((r_pad,), np.int32)
+        whole = self._whole
+        rows = jax.ShapeDtypeStruct((r_pad,), np.int32, sharding=whole)
         return ProgramSpec(
             key=("draft_loop", r_pad, self.k),
             jitted=self._loop,
@@ -292,8 +348,8 @@ class DraftModel:
                 self.kv_caches,
                 rows,
                 rows,
-                jax.ShapeDtypeStruct((r_pad, max_pages), np.int32),
-                jax.ShapeDtypeStruct((1,), np.int32),
+                jax.ShapeDtypeStruct((r_pad, max_pages), np.int32, sharding=whole),
+                jax.ShapeDtypeStruct((1,), np.int32, sharding=whole),
             ),
             static=self._loop_static(max_model_len),
             context=self.step_program.context,

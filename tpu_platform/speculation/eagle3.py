@@ -18,6 +18,12 @@ state at p, so it waits for the step's tokens. Once they are recorded, two progr
 Rows past a request's accepted tokens (rejected drafts) write stale entries the next step's pass
 overwrites before any read. Drafts are the argmax over the head's draft vocabulary, mapped to
 target ids (`d2t`). The pass is built for every token bucket, the loop for every request bucket.
+
+Under tensor parallelism the head is split on the target's mesh as a decoder layer of the
+target is (`models.sharding`'s rules: its attention's whole heads and its MLP's columns a
+device, its LM head on the draft vocabulary, a shared embedding as the target's); `fc`, a
+`[3 * D_target, D]` kernel (about 100 MB for Llama-3.1-8B's head, against the target's 16 GB),
+stays whole on every device, which saves its all-reduce. Its cache is split on the KV heads.
 """
 
 from __future__ import annotations
@@ -29,17 +35,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from models import AttentionMetadata, ModelConfig, attach_rope_tables
 from models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head
 from models.layers import CausalLM, DecoderModel
 from tpu_platform.buckets import round_up, token_buckets
 from tpu_platform.inputs import StepPlan, pack_inputs, padding_inputs, unpack_inputs
-from tpu_platform.kv_cache import caches_per_array, page_bytes_per_device
+from tpu_platform.kv_cache import caches_per_array
 from tpu_platform.programs import Programs, ProgramSpec, structure_text
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling.ops import first_argmax
-from tpu_platform.speculation.draft_model import DraftCacheShape, check_one_cache_group, draft_caches
+from tpu_platform.speculation.draft_model import (
+    DraftCacheShape,
+    check_one_cache_group,
+    draft_caches,
+    drafter_page_bytes,
+    place_drafter,
+)
 
 
 def _drafts(head: Eagle3Head, hidden: jax.Array) -> jax.Array:
@@ -50,7 +63,7 @@ def _drafts(head: Eagle3Head, hidden: jax.Array) -> jax.Array:
 def _metadata(shape: DraftCacheShape, **fields) -> tuple[int, AttentionMetadata]:
     md = AttentionMetadata(
         backend=shape.backend, kv_dtype=shape.kv_dtype, cache_pages=shape.num_pages,
-        caches_per_array=shape.caches_per_array, **fields,
+        caches_per_array=shape.caches_per_array, mesh=shape.mesh, **fields,
     )  # fmt: skip
     return md.for_layer(0)
 
@@ -174,37 +187,45 @@ class Eagle3Proposer:
     method = "eagle3"
 
     def __init__(
-        self, config: Eagle3Config, head: Eagle3Head, aux_layers: tuple[int, ...], k: int, device: jax.Device
+        self,
+        config: Eagle3Config,
+        head: Eagle3Head,
+        aux_layers: tuple[int, ...],
+        k: int,
+        device: jax.Device,
+        mesh: Mesh | None = None,
     ):
         self.config = config
         self.model_config = config.model
         self.aux_layers = aux_layers
         self.k = k
+        self.mesh = mesh
         self._graphdef, state = nnx.split(head)
-        self._state_leaves, self._state_def = jax.tree.flatten(jax.device_put(state, device))
+        self._state_leaves, self._state_def = jax.tree.flatten(place_drafter(state, mesh, device))
         self.kv_caches: list[jax.Array] = []
         self._step: _Step | None = None
 
     @classmethod
     def load(
         cls, path: str, *, k: int, target: ModelConfig, target_model: nnx.Module, dtype: jnp.dtype,
-        max_model_len: int, device: jax.Device,
+        max_model_len: int, device: jax.Device, mesh: Mesh | None = None,
     ) -> Eagle3Proposer:  # fmt: skip
         """The head of checkpoint `path` for `target` (its model, whose embedding a head without
-        one shares); a head of another vocabulary or width, or a target whose hidden states
-        cannot be read, is refused by name."""
+        one shares), on `device` or split on the target's `mesh`; a head of another vocabulary
+        or width, whose heads the mesh does not split, or a target whose hidden states cannot
+        be read, is refused by name."""
         check_target(target_model, target)
-        config, head = load_eagle3_head(path, dtype)
+        config, head = load_eagle3_head(path, dtype, 1 if mesh is None else mesh.size)
         aux_layers = config.aux_layers(target)
         if head.embed_tokens is None:
             head.share_embedding(target_model.model.embed_tokens.embedding[...])
         attach_rope_tables(head, max_model_len)
-        return cls(config, head, aux_layers, k, device)
+        return cls(config, head, aux_layers, k, device, mesh)
 
     def page_bytes(self, page_size: int, kv_dtype: jnp.dtype, backend: str) -> int:
         """Bytes one page takes in the head's cache (one layer)."""
-        mc = self.model_config
-        return page_bytes_per_device(mc, page_size, mc.num_kv_heads, kv_dtype, backend)
+        tp_size = 1 if self.mesh is None else self.mesh.size
+        return drafter_page_bytes(self.model_config, 1, page_size, kv_dtype, backend, tp_size)
 
     def initialize(
         self,
@@ -219,14 +240,17 @@ class Eagle3Proposer:
     ) -> None:
         """Allocates the head's cache (`num_pages` pages, the target's) and its programs."""
         check_one_cache_group(self.method, num_groups)
-        self.kv_caches = draft_caches(self.model_config, 1, num_pages, page_size, kv_dtype, backend, device)
+        self.kv_caches = draft_caches(
+            self.model_config, 1, num_pages, page_size, kv_dtype, backend, device, self.mesh
+        )
         self._shape = DraftCacheShape(
-            backend, kv_dtype.name, num_pages, caches_per_array(1, num_pages, page_size)
+            backend, kv_dtype.name, num_pages, caches_per_array(1, num_pages, page_size), self.mesh
         )
         self._pass, self._loop = make_head_programs(self._graphdef, self._state_def, self._shape)
         self._page_size, self._feed_width = page_size, feed_width
         self.row_buckets = token_buckets(feed_width, feed_width)
-        self._context = repr((self.config, structure_text(self._graphdef), self._shape, page_size))
+        tp_size = 1 if self.mesh is None else self.mesh.size
+        self._context = repr((self.config, structure_text(self._graphdef), self._shape, page_size, tp_size))
 
     def input_width(self) -> int:
         """The width of the target's hidden states the head reads (`head_input`'s)."""
@@ -319,26 +343,27 @@ class Eagle3Proposer:
                 self._state_leaves,
                 self.kv_caches,
                 packed,
-                jax.ShapeDtypeStruct(aux.shape, aux.dtype),
-                jax.ShapeDtypeStruct((self._feed_width,), np.int32),
+                jax.ShapeDtypeStruct(aux.shape, aux.dtype, sharding=self._shape.whole),
+                jax.ShapeDtypeStruct((self._feed_width,), np.int32, sharding=self._shape.whole),
             ),
             static={"dims": dims},
             context=self._context,
         )
 
     def _loop_spec(self, r_pad: int, max_pages: int, max_model_len: int, dtype) -> ProgramSpec:
-        rows, width = jax.ShapeDtypeStruct((r_pad,), np.int32), self._feed_width
+        whole, width = self._shape.whole, self._feed_width
+        rows = jax.ShapeDtypeStruct((r_pad,), np.int32, sharding=whole)
         return ProgramSpec(
             key=("eagle3_loop", r_pad, self.k),
             jitted=self._loop,
             args=(
                 self._state_leaves,
                 self.kv_caches,
-                jax.ShapeDtypeStruct((width,), np.int32),
-                jax.ShapeDtypeStruct((width, self.model_config.hidden_size), dtype),
+                jax.ShapeDtypeStruct((width,), np.int32, sharding=whole),
+                jax.ShapeDtypeStruct((width, self.model_config.hidden_size), dtype, sharding=whole),
                 rows,
-                jax.ShapeDtypeStruct((r_pad, max_pages), np.int32),
-                jax.ShapeDtypeStruct((1,), np.int32),
+                jax.ShapeDtypeStruct((r_pad, max_pages), np.int32, sharding=whole),
+                jax.ShapeDtypeStruct((1,), np.int32, sharding=whole),
             ),
             static={"steps": self.k - 1, "page_size": self._page_size, "max_position": max_model_len - 1},
             context=self._context,

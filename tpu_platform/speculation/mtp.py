@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from models import ModelConfig, attach_rope_tables
 from models.mtp import MtpHead, load_mtp_head
@@ -35,20 +36,23 @@ class MtpProposer(Eagle3Proposer):
 
     method = "mtp"
 
-    def __init__(self, config: MtpConfig, head: MtpHead, k: int, device: jax.Device):
-        super().__init__(config, head, (), k, device)
+    def __init__(
+        self, config: MtpConfig, head: MtpHead, k: int, device: jax.Device, mesh: Mesh | None = None
+    ):
+        super().__init__(config, head, (), k, device, mesh)
 
     @classmethod
     def load(
         cls, path: str, *, k: int, target: ModelConfig, target_model: nnx.Module, dtype: jnp.dtype,
-        max_model_len: int, device: jax.Device,
+        max_model_len: int, device: jax.Device, mesh: Mesh | None = None,
     ) -> MtpProposer:  # fmt: skip
-        """The MTP layer of the target's checkpoint `path`, sharing `target_model`'s embedding;
-        a checkpoint without one is refused by name (`models.mtp.load_mtp_head`)."""
-        head = load_mtp_head(path, target, dtype)
+        """The MTP layer of the target's checkpoint `path`, sharing `target_model`'s embedding, on
+        `device` or split on the target's `mesh` as its decoder layers are; a checkpoint without
+        one is refused by name (`models.mtp.load_mtp_head`)."""
+        head = load_mtp_head(path, target, dtype, 1 if mesh is None else mesh.size)
         head.share_embedding(target_model.model.embed_tokens.embedding[...])
         attach_rope_tables(head, max_model_len)
-        return cls(MtpConfig(target, path), head, k, device)
+        return cls(MtpConfig(target, path), head, k, device, mesh)
 
     def input_width(self) -> int:
         return self.model_config.hidden_size

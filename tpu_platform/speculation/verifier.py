@@ -158,11 +158,6 @@ class SpeculativeDecoding:
             context=context,
         )  # fmt: skip
         if config.speculation.draft_model is not None:
-            if config.tensor_parallel_size > 1:
-                raise ValueError(
-                    f"speculative method {config.speculation.method!r} is not supported with "
-                    "tensor_parallel_size > 1 by vllm-xla yet; use tensor_parallel_size=1 or method 'ngram'"
-                )
             speculation.draft = load_draft(config.speculation.draft_model)
         return speculation
 
@@ -329,15 +324,17 @@ def load_proposer(
     dense_isa: str | None,
     shardings: ShardingFor,
     device: jax.Device,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> DraftModel | Eagle3Proposer:
     """The proposer at `path` for the runner's speculation method: a draft model (`DraftModel.load`),
     an EAGLE-3 head (`Eagle3Proposer.load`, reading `target_model`'s hidden states) or the MTP
-    layer of the target's own checkpoint (`MtpProposer.load`: `path` is the target's)."""
+    layer of the target's own checkpoint (`MtpProposer.load`: `path` is the target's), on
+    `device` or split on the target's tensor-parallel `mesh` as the target is."""
     method = config.speculation.method
     if method in ("eagle3", "mtp"):
         proposer = MtpProposer if method == "mtp" else Eagle3Proposer
         return proposer.load(
             path, k=config.speculation.num_tokens, target=target, target_model=target_model, dtype=dtype,
-            max_model_len=config.max_model_len, device=device,
+            max_model_len=config.max_model_len, device=device, mesh=mesh,
         )  # fmt: skip
-    return DraftModel.load(path, config, target, dtype, dense_isa, shardings, device)
+    return DraftModel.load(path, config, target, dtype, dense_isa, shardings, device, mesh)

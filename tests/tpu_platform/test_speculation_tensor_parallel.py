@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Draft models, EAGLE-3 heads and MTP layers at `tensor_parallel_size=2`, on 2 simulated CPU
+devices in a subprocess each (`spec_tp_worker.py`: the device count is fixed when JAX starts),
+through the runner (no vLLM): a prompt prefilled in two chunks, then verification steps whose
+drafts were the proposer's own or made to keep 3, 1 and 2 tokens. Every step's output is the
+target's greedy continuation (transformers): greedy with speculation is greedy without, token
+for token. Every proposal equals the independent reference's (the draft's greedy tokens in
+transformers, the torch references of the heads), so the split drafter and its split cache hold
+the right entries. Every drafter parameter is placed as the rules table says, the caches are
+split on the KV heads (a latent cache whole on each device), and nothing compiles after warm-up.
+EAGLE-3 runs in `make test`; the draft model and the MTP layer (a DeepSeek block: latent
+attention, experts) in `make test-full`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow  # 2 simulated devices in a subprocess, a minute or more each
+
+
+def _run(method: str, tmp_path) -> dict:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip(),
+        "JAX_PLATFORMS": "cpu",
+    }
+    out = tmp_path / "out.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.tpu_platform.spec_tp_worker", method, str(tmp_path), str(out)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def _check(result: dict, split: tuple[str, ...]) -> None:
+    assert result["outputs"] == result["greedy"]
+    assert result["drafts"] == result["reference_drafts"]
+    assert result["stats"]["kept"] >= 6  # drafts kept: the target's own continuation, 3, 1 and 2
+    assert result["compiles_after_warmup"] == 0
+    params = result["params"]
+    assert all(p["spec"] == p["rule"] and p["devices"] == 2 for p in params.values()), params
+    for name in split:  # split, not whole on both devices
+        assert "model" in params[name]["spec"], (name, params[name])
+
+
+def _heads_split(cache: dict) -> bool:
+    """A cache split on its KV heads: each device holds half of the heads' axis."""
+    axis = cache["spec"].index("model")
+    return cache["shard"][axis] * 2 == cache["shape"][axis]
+
+
+def test_an_eagle3_head_split_over_two_devices_drafts_as_the_reference(tmp_path):
+    result = _run("eagle3", tmp_path)
+    split = ("layer.self_attn.qkv_proj.kernel", "layer.mlp.down_proj.kernel", "lm_head.kernel")
+    _check(result, (*split, "embed_tokens.embedding"))  # the target's shared table, vocab-parallel
+    assert result["params"]["fc.kernel"]["spec"] == []  # small: whole on each device
+    assert all(_heads_split(cache) for cache in result["caches"])
+
+
+@pytest.mark.full  # the EAGLE-3 test's path with a whole draft model's programs
+def test_a_draft_model_split_over_two_devices_drafts_its_own_greedy_tokens(tmp_path):
+    result = _run("draft_model", tmp_path)
+    layer = "model.layers.0."
+    _check(result, (f"{layer}self_attn.qkv_proj.kernel", f"{layer}mlp.gate_up_proj.kernel", "lm_head.kernel"))
+    assert all(_heads_split(cache) for cache in result["caches"])  # its one KV head repeated per device
+
+
+@pytest.mark.full  # a DeepSeek block's programs on the mesh: two minutes
+def test_an_mtp_layer_split_over_two_devices_drafts_as_the_reference(tmp_path):
+    result = _run("mtp", tmp_path)
+    split = ("block.self_attn.q_b_proj.kernel", "block.mlp.experts.gate_proj.kernel", "shared_head.kernel")
+    _check(result, split)
+    assert [cache["spec"] for cache in result["caches"]] == [[]]  # the latent cache, whole on each device
