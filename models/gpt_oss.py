@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import expert_load
 from models.config import ModelConfig
 from models.layers import ATTENTION_LINEARS, CausalLM, DecoderLayer, PagedAttention, decoder_hf_param_map
 from models.linear import Linear
@@ -164,6 +165,7 @@ class GptOssMoE(nnx.Module):
         weights, experts = route(self.router(x), self.top_k, renormalize=True)  # [T, k]
         ex = self.experts
         (gate_up, down), gate_up_bias = ex.kernels(), ex.gate_up_proj_bias[...]
+        expert_load.record(self, experts, gate_up_bias.shape[0], md)
         act = functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit)
         if md is not None and md.mesh is not None and self.expert_parallel:
             if ex.mxfp4:

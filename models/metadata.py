@@ -50,6 +50,8 @@ class AttentionMetadata:
     first_page: int = dataclasses.field(default=0, metadata={"static": True})
     # The tensor-parallel mesh the step runs on (`models.sharding.MODEL_AXIS`), None: one device.
     mesh: Mesh | None = dataclasses.field(default=None, metadata={"static": True})
+    # Every mixture-of-experts layer counts the tokens it routes to each expert (`models.expert_load`).
+    count_expert_load: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def tp_size(self) -> int:

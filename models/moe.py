@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from models import expert_load
 from models.config import ModelConfig
 from models.int8 import dequantize
 from models.layers import activation
@@ -408,6 +409,7 @@ class SparseMoE(nnx.Module):
         model whose router reads another input than its experts: Gemma 4); `md`, `dense` as in
         `__call__`."""
         stacks, act = self._stacks(), activation(self.act)
+        expert_load.record(self, experts, stacks[0].kernel.shape[0], md)
         int8 = stacks[0].kernel_scale is not None
         if dense:
             if int8:

@@ -19,7 +19,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from plugin_shim.internals import registered_collector
 from tpu_platform.envs import read_env
-from tpu_platform.metrics_file import MetricsFileError, metrics_path, read_metrics
+from tpu_platform.metrics_file import EXPERT_TOKENS, MetricsFileError, metrics_path, read_metrics
 
 logger = init_logger("vllm.xla.stats")
 
@@ -86,12 +86,25 @@ def _delta(current: dict[str, float], previous: dict[str, float] | None) -> dict
     return {k: v - previous.get(k, 0.0) for k, v in current.items()}
 
 
+EXPERT_GAUGE = "vllm_xla:expert_tokens_per_step"
+EXPERT_HELP = (
+    "Tokens routed to each expert per step (summed over the MoE layers; label `expert`: the "
+    "expert's index), mean since the last report; a mixture-of-experts model's only"
+)
+
+
+def _expert_loads(snapshot: dict[str, float], delta: dict[str, float]) -> dict[str, float]:
+    """Expert index -> tokens routed to it per step since the last report."""
+    names = [name for name in snapshot if name.startswith(EXPERT_TOKENS)]
+    return {name[len(EXPERT_TOKENS) :]: _per_step(delta, name) for name in names}
+
+
 @functools.cache  # one per process: a second engine in it shares the gauges (label `engine`)
-def _gauge(name: str, documentation: str) -> Gauge:
+def _gauge(name: str, documentation: str, extra_labels: tuple[str, ...] = ()) -> Gauge:
     existing = registered_collector(REGISTRY, name)  # registered by an earlier copy of this module
     if existing is not None:
         return existing
-    return Gauge(name, documentation, labelnames=["model_name", "engine"])
+    return Gauge(name, documentation, labelnames=["model_name", "engine", *extra_labels])
 
 
 class XlaStatLogger(StatLoggerBase):
@@ -125,6 +138,11 @@ class XlaStatLogger(StatLoggerBase):
         self.snapshot = snapshot
         for name, (_, compute) in GAUGES.items():
             self.gauges[name].labels(**self.labels).set(compute(snapshot, delta))
+        loads = _expert_loads(snapshot, delta)
+        if loads:
+            gauge = _gauge(EXPERT_GAUGE, EXPERT_HELP, ("expert",))
+            for expert, tokens in loads.items():
+                gauge.labels(**self.labels, expert=expert).set(tokens)
 
     def _read(self) -> dict[str, float] | None:
         """The published snapshot; None when there is none or it is not one of ours (said once

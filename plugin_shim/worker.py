@@ -30,7 +30,7 @@ from plugin_shim.pooling import execute_pooling, pooling_config, supported_tasks
 from plugin_shim.request_failures import with_failures
 from plugin_shim.speculative import runner_speculation
 from tpu_platform.envs import read_env
-from tpu_platform.metrics_file import MetricsPublisher, metrics_path
+from tpu_platform.metrics_file import MetricsPublisher, expert_token_counts, metrics_path
 from tpu_platform.runner import InFlightStep, Runner, RunnerConfig
 from tpu_platform.speculation.draft_model import kv_share
 from tpu_platform.state_cache import kv_budget_share
@@ -325,6 +325,7 @@ class XlaWorker(WorkerBase):
             "compiles_after_warmup": programs.compiles_after_warmup,
             "kv_groups": self.runner.num_groups,
             **(dataclasses.asdict(self.runner.speculation.stats) if self.runner.speculation else {}),
+            **expert_token_counts(self.runner.expert_load),
         }
 
     # vLLM's LoRA calls (`LLM.llm_engine.add_lora`, the server's /v1/load_lora_adapter, resolvers)

@@ -20,10 +20,25 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
 # A snapshot is a few hundred bytes: anything much larger is not one, and is not read whole.
 MAX_SNAPSHOT_BYTES = 64 * 1024
+
+
+# A snapshot's count of the tokens routed to expert e, summed over the MoE layers, is
+# `EXPERT_TOKENS + str(e)`: under expert parallelism the device holding expert index e holds it
+# in every layer, and one count per expert keeps the snapshot small for hundreds of experts.
+EXPERT_TOKENS = "expert_tokens."
+
+
+def expert_token_counts(load: np.ndarray | None) -> dict[str, float]:
+    """The snapshot's entries for a runner's `[L, E]` tokens per expert (none for a dense model)."""
+    if load is None:
+        return {}
+    return {f"{EXPERT_TOKENS}{e}": float(n) for e, n in enumerate(load.sum(axis=0).tolist())}
 
 
 class MetricsFileError(ValueError):

@@ -107,6 +107,8 @@ class Runner:
         self._in_flight: collections.deque[InFlightStep] = collections.deque()
         self._step_index = 0
         self.stats = RunnerStats()
+        # A MoE model's `[L, E]` tokens routed to each expert of each MoE layer since start.
+        self.expert_load: np.ndarray | None = None
         self._flat_forwards: dict[tuple, FlatCall | None] = {}  # by program key, once it ran
         self._buffers = StepBuffers()  # the steps' packed inputs (`prepare_step`)
         self.pooling_requests = PoolingRequests()  # a pooling runner's per-request options
@@ -294,6 +296,9 @@ class Runner:
                 self.stats.fed_steps += 1
         dispatch_start = time.perf_counter()
         logits, greedy, hidden, *aux = self._run_forward(plan.packed, plan.dims, fed)
+        load = aux.pop() if self.step_program.counts_expert_load else None
+        if load is not None:  # read when the step's tokens are (`_finish_through`), copied by then
+            load.copy_to_host_async()
         if self.speculation is not None:
             self.speculation.after_forward(plan, fed, hidden, aux)
         dispatched_at = time.perf_counter()
@@ -306,8 +311,9 @@ class Runner:
                 compute, hidden, self.table, req_ids, rows, plan.inputs().cu_q_lens
             )
         self._pending = DispatchedStep(
-            plan, req_ids, logits, greedy, prompt, tensors, flags, dispatched_at, hidden=hidden, drafts=drafts
-        )
+            plan, req_ids, logits, greedy, prompt, tensors, flags, dispatched_at,
+            hidden=hidden, drafts=drafts, expert_load=load,
+        )  # fmt: skip
 
     def pool(self) -> tuple[list[str], list[np.ndarray | None]]:
         """A pooling runner's step output: the pending step's request ids and, for each, its
@@ -371,6 +377,7 @@ class Runner:
             self.stats.dispatch_seconds += time.perf_counter() - dispatch_start
         step = InFlightStep(plan, pending.req_ids, out, pending.prompt_logprobs, pending.dispatched_at)
         step.verification = verification
+        step.expert_load = pending.expert_load
         self._in_flight.append(step)
         self.stats.host_seconds += time.perf_counter() - start
         return step
@@ -386,11 +393,20 @@ class Runner:
             jax.block_until_ready(oldest.out.sampled_token_ids)
             start = time.perf_counter()
             oldest.result = record_step(self.table, oldest)
+            if oldest.expert_load is not None:
+                self._count_expert_load(np.asarray(oldest.expert_load))
             if oldest.plan is not None:  # its forward has finished reading the inputs
                 self._buffers.give_back(oldest.plan.packed)
             done = time.perf_counter()
             self.stats.host_seconds += done - start
             self.stats.step_seconds += done - oldest.dispatched_at
+
+    def _count_expert_load(self, step_load: np.ndarray) -> None:
+        """Adds a finished step's `[L, E]` tokens per expert to the running totals."""
+        if self.expert_load is None:
+            self.expert_load = step_load.astype(np.int64)
+        else:
+            self.expert_load += step_load
 
     def _widened(self, tensors: SamplingTensors, flags: SamplerFlags) -> tuple[SamplingTensors, SamplerFlags]:
         """The sampler's inputs, with every extra on when any is (see `sampling.uniform`)."""

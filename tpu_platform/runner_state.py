@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from models import ModelConfig, PackedKernel, attach_rope_tables
+from models.expert_load import has_experts
 from models.lora import attach_lora
 from models.moe import use_expert_parallel
 from models.sharding import parameter_sharding, place_state
@@ -136,6 +137,8 @@ class LoadedModel:
     # Penalty window, sparse list and logprobs widths of the sampler's "extras" programs.
     extra_widths: dict[str, int]
     logprobs_width: int
+    # A mixture of experts: the step counts the tokens routed to each expert (`models.expert_load`).
+    has_experts: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -227,6 +230,7 @@ def load_runner_model(
             "sparse_width": sampling.sparse_widths[-1],
         },
         logprobs_width=warm_logprobs_width(config.max_logprobs, model_config.vocab_size),
+        has_experts=has_experts(model),
     )
 
 
@@ -267,6 +271,7 @@ def build_step_state(
         backend=backend, layout=layout, kv_dtype=kv_dtype.name, num_pages=num_pages,
         page_size=config.page_size, feed_width=buckets.max_seqs, device=placement.device,
         mesh=mesh, aux_layers=speculation.aux_layers if speculation else (),
+        count_expert_load=loaded.has_experts,
     )  # fmt: skip
     return StepState(program=program, table=table), caches
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models import AttentionMetadata
+from models import AttentionMetadata, expert_load
 from models.lora import set_lora_tokens
 from models.sharding import MODEL_AXIS, vocab_parallel
 from tpu_platform.inputs import unpack_inputs
@@ -36,6 +36,7 @@ def forward_logits(
     mesh: Mesh | None = None,
     cache_def: jax.tree_util.PyTreeDef | None = None,
     aux_layers: tuple[int, ...] = (),
+    count_expert_load: bool = False,
 ) -> tuple:
     """Runs the model on all scheduled tokens (`packed` by `pack_inputs`, padded to `dims`).
 
@@ -47,7 +48,8 @@ def forward_logits(
     sampler program) padded to `[F]` (the next step's `fed_tokens`), the `[T, D]` hidden states of
     every token (for prompt logprobs; zeros for padding tokens) and the new caches; with
     `aux_layers` (speculative method 'eagle3') also the `[T, A * D]` hidden states the EAGLE-3
-    head reads (`models.layers.DecoderModel`), last.
+    head reads (`models.layers.DecoderModel`); with `count_expert_load` also the `[L, E]` int32
+    tokens each MoE layer routed to each expert (`models.expert_load`), last.
     """
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
     inputs = unpack_inputs(packed, dims)
@@ -67,6 +69,7 @@ def forward_logits(
         cache_pages=cache_pages,
         caches_per_array=caches_per_array,
         mesh=mesh,
+        count_expert_load=count_expert_load,
     )
     if cache_def is not None:  # a hybrid's caches come flat; its state layers take pairs
         kv_caches = jax.tree.unflatten(cache_def, kv_caches)
@@ -81,6 +84,8 @@ def forward_logits(
     logits = model.compute_logits(jnp.where(real_rows[:, None], rows, jnp.zeros((), rows.dtype)))
     if mesh is not None:
         logits = gather_logits(logits, mesh)
+    if count_expert_load:
+        extra.append(expert_load.collect(model))
     return logits, pad_tokens(greedy_sample(logits), fed_tokens.shape[0]), hidden, kv_caches, *extra
 
 
@@ -115,6 +120,7 @@ def make_forward(
     cache_shardings: list[NamedSharding] | None = None,
     cache_def: jax.tree_util.PyTreeDef | None = None,
     aux_layers: tuple[int, ...] = (),
+    count_expert_load: bool = False,
 ) -> Callable:
     """`forward(state_leaves, kv_caches, packed, fed_tokens, dims=...) -> (logits, greedy, hidden,
     kv_caches)`, jitted (and the EAGLE-3 head's hidden states last, with `aux_layers`).
@@ -133,6 +139,8 @@ def make_forward(
     vocabulary: the sampler sees all of it).
     `cache_def`: the structure the model takes its (flat) caches in, when not a flat list (a
     hybrid model's state pools, `tpu_platform.state_cache`).
+    `count_expert_load`: a MoE model's program also returns its load per expert, last
+    (`forward_logits`).
     """
     step = functools.partial(
         forward_logits,
@@ -147,17 +155,19 @@ def make_forward(
         mesh=mesh,
         cache_def=cache_def,
         aux_layers=aux_layers,
+        count_expert_load=count_expert_load,
     )
     if mesh is None:
         return jax.jit(step, donate_argnums=(1,), static_argnames=("dims",))
     # The arguments come placed (the inputs replicated); the outputs are fixed here, so that
     # every program leaves the caches split as the next one takes them.
     whole = NamedSharding(mesh, PartitionSpec())
+    extra_outputs = bool(aux_layers) + count_expert_load
     return jax.jit(
         step,
         donate_argnums=(1,),
         static_argnames=("dims",),
-        out_shardings=(whole, whole, whole, cache_shardings, *[whole] * bool(aux_layers)),
+        out_shardings=(whole, whole, whole, cache_shardings, *[whole] * extra_outputs),
     )
 
 

@@ -148,6 +148,8 @@ class StepProgram:
     layout: KVLayout
     num_pages: int
     context: str
+    # The forward's last output is the step's `[L, E]` load per expert (`step.forward_logits`).
+    counts_expert_load: bool = False
 
     def abstract_args(self, shape: tuple[int, int, int]) -> tuple[tuple[Any, ...], tuple[int, int, int, int]]:
         """The program's abstract arguments for a step padded to `shape` (T, R, P), and its static
@@ -189,6 +191,7 @@ def build_step_program(
     device: jax.Device,
     mesh: Mesh | None = None,
     aux_layers: tuple[int, ...] = (),
+    count_expert_load: bool = False,
 ) -> StepProgram:
     """The step program of the model (`graphdef`, `state_def`) over `state_leaves` and `caches`,
     each a `jax.Array` or a `ShapeDtypeStruct` with its sharding (the runner's placed weights and
@@ -196,7 +199,8 @@ def build_step_program(
     `page_size` tokens (`kv_cache.allocate_stacked_caches`); `device`: where everything lives without a
     `mesh`; on a tensor-parallel `mesh` the caches leave the program split as they came.
     `aux_layers`: the target layers an EAGLE-3 head reads, an output of the program (none: the
-    program has no such output)."""
+    program has no such output). `count_expert_load`: the program also returns the step's load
+    per expert of a MoE model, last."""
     state = tuple(_abstract(leaf) for leaf in state_leaves)
     abstract_caches = tuple(_abstract(cache) for cache in caches)
     per_array = caches_per_array(layout.num_caches, num_pages, page_size)
@@ -205,16 +209,19 @@ def build_step_program(
         graphdef, state_def, backend, layout.layer_groups, layout.layer_caches, kv_dtype,
         cache_pages=stacked_pages, caches_per_array=per_array, mesh=mesh,
         cache_shardings=None if mesh is None else [cache.sharding for cache in abstract_caches],
-        cache_def=layout.caches_def, aux_layers=aux_layers,
+        cache_def=layout.caches_def, aux_layers=aux_layers, count_expert_load=count_expert_load,
     )  # fmt: skip
     tp_size = 1 if mesh is None else mesh.size
     context = repr(
         (model_config, backend, layout.layer_groups, layout.layer_caches, kv_dtype, num_pages, per_array,
          structure_text(graphdef), tp_size, architecture_fingerprint(model_config.architecture),
-         *([aux_layers] if aux_layers else []))
+         *([aux_layers] if aux_layers else []), *(["expert load"] if count_expert_load else []))
     )  # fmt: skip
     whole = None if mesh is None else replicated(mesh)
-    return StepProgram(forward, device, state, abstract_caches, whole, feed_width, layout, num_pages, context)
+    return StepProgram(
+        forward, device, state, abstract_caches, whole, feed_width, layout, num_pages, context,
+        counts_expert_load=count_expert_load,
+    )  # fmt: skip
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:

@@ -34,6 +34,7 @@ class DispatchedStep:
     dispatched_at: float
     hidden: jax.Array | None = None  # `[T, D]` hidden states of every token (a pooling runner's)
     drafts: StepDrafts | None = None  # the step's draft tokens (speculative decoding)
+    expert_load: jax.Array | None = None  # `[L, E]` tokens routed per expert (a MoE model's)
 
 
 @dataclasses.dataclass(slots=True)
@@ -47,6 +48,7 @@ class InFlightStep:
     dispatched_at: float
     result: StepResult | None = None  # once finished
     verification: Verification | None = None  # a step whose drafts a program verified
+    expert_load: jax.Array | None = None  # as `DispatchedStep`'s, on its way to the host
 
 
 def record_step(table: RequestTable, step: InFlightStep) -> StepResult:

@@ -8,15 +8,17 @@ import logging
 import os
 import types
 
+import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from plugin_shim.stat_logger import XlaStatLogger
+from plugin_shim.stat_logger import EXPERT_GAUGE, XlaStatLogger
 from tpu_platform.envs import read_env
 from tpu_platform.metrics_file import (
     MAX_SNAPSHOT_BYTES,
     MetricsFileError,
     MetricsPublisher,
+    expert_token_counts,
     metrics_path,
     read_metrics,
 )
@@ -96,6 +98,28 @@ def test_logger_exports_per_step_means_between_reports(monkeypatch, tmp_path):
         "vllm-xla: 10 steps (100% overlapped), host 2.00 ms/step (0.50 of it runtime calls), "
         "step 150.0 ms/step; 12 programs built in 30.5 s (9 from the executable cache, 0 after warm-up)",
     ]
+
+
+def test_logger_exports_tokens_per_expert_per_step(monkeypatch, tmp_path):
+    """A MoE model's snapshot holds each expert's routed tokens since start (`expert_tokens.<e>`,
+    summed over the layers, `expert_token_counts`): exported per expert as a mean per step."""
+    monkeypatch.setenv("VLLM_XLA_CACHE_DIR", str(tmp_path))
+    config = types.SimpleNamespace(
+        instance_id="test-instance", model_config=types.SimpleNamespace(served_model_name="tiny")
+    )
+    stat_logger = XlaStatLogger(config, engine_index=8)
+    publisher = MetricsPublisher(metrics_path(read_env().cache_dir, "test-instance", 8))
+    first = np.array([[4, 0, 2], [1, 3, 2]])  # [L, E] since start
+    publisher.publish({**_snapshot(steps=2, host=0.0, step=0.0), **expert_token_counts(first)}, force=True)
+    stat_logger.record(None, None)
+    then = np.array([[10, 6, 2], [7, 3, 4]])  # 4 steps later
+    publisher.publish({**_snapshot(steps=6, host=0.0, step=0.0), **expert_token_counts(then)}, force=True)
+    stat_logger._read_at = float("-inf")
+    stat_logger.record(None, None)
+    labels = {"model_name": "tiny", "engine": "8"}
+    got = [REGISTRY.get_sample_value(EXPERT_GAUGE, {**labels, "expert": str(e)}) for e in range(3)]
+    assert got == [(17 - 5) / 4, (9 - 3) / 4, (6 - 4) / 4]
+    assert expert_token_counts(None) == {}  # a dense model publishes none
 
 
 def test_publisher_logs_a_failing_target_once_and_carries_on(tmp_path):

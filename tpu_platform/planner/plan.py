@@ -45,6 +45,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from models import ModelConfig, attach_rope_tables, build, int4, prepare_for_serving
+from models.expert_load import has_experts
 from models.lora import attach_lora
 from models.moe import use_expert_parallel
 from models.sharding import MODEL_AXIS, kv_heads_on_mesh, state_shardings, vocab_parallel
@@ -300,6 +301,7 @@ class AbstractModel:
     leaves: tuple[jax.ShapeDtypeStruct, ...]
     state: nnx.State  # the abstract state itself, for the rules table's shardings
     expert_parallel: bool = False  # the experts placed by index (`models.sharding`)
+    has_experts: bool = False  # a mixture of experts: its step counts the load per expert
 
     @property
     def weight_bytes(self) -> int:
@@ -367,8 +369,9 @@ def abstract_model(
     graphdef, state = nnx.split(model)
     leaves, state_def = jax.tree.flatten(state)
     return AbstractModel(
-        graphdef, state_def, tuple(_abstract(leaf) for leaf in leaves), state, expert_parallel
-    )
+        graphdef, state_def, tuple(_abstract(leaf) for leaf in leaves), state, expert_parallel,
+        has_experts=has_experts(model),
+    )  # fmt: skip
 
 
 def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
@@ -462,7 +465,7 @@ def step_program(
         setup.config, model.graphdef, model.state_def, model.placed(mesh, device), caches,
         backend=setup.backend, layout=setup.kv_layout, kv_dtype=kv_cache_dtype(setup.cache_dtype).name,
         num_pages=num_pages, page_size=setup.tokens_per_page, feed_width=setup.buckets.max_seqs,
-        device=device, mesh=mesh, aux_layers=aux_layers,
+        device=device, mesh=mesh, aux_layers=aux_layers, count_expert_load=model.has_experts,
     )  # fmt: skip
 
 
