@@ -256,23 +256,12 @@ REFUSED: tuple[Refusal, ...] = (
         _NO_PARALLELISM,
     ),
     Refusal(
-        "data_parallel_size with nnodes",
-        "data-parallel replicas of a multi-host tensor-parallel model",
-        "nnodes > 1 with data_parallel_size > 1",
-        lambda c: _parallel(c).data_parallel_size > 1 and _parallel(c).nnodes > 1,
-        "spread replicas over hosts with vLLM's data-parallel options instead (--data-parallel-size-local, "
-        "--data-parallel-address, --data-parallel-rpc-port, the other hosts --headless with "
-        "--data-parallel-start-rank), each replica on one host's devices",
-    ),
-    Refusal(
-        "data_parallel_size_local below data_parallel_size, for a mixture of experts",
-        "an MoE model's data-parallel replicas across hosts (vLLM runs them in lock step through a "
-        "process group over the hosts; not built)",
+        "data_parallel_size with nnodes / data_parallel_size_local",
+        "data parallelism across hosts (a host that dies would not end the others: not built)",
         "a replica on another host",
-        lambda c: _dp_across_hosts(_parallel(c)) and _model(c).is_moe,
-        "run an MoE model's replicas on one host (--data-parallel-size N with N x "
-        "--tensor-parallel-size devices), one such server a host behind a load balancer; a dense "
-        "model's replicas may span hosts",
+        lambda c: _dp_across_hosts(_parallel(c)),
+        "run every replica on this host (--data-parallel-size N with N x --tensor-parallel-size "
+        "devices), and one such server a host behind a load balancer",
     ),
     Refusal(
         "data_parallel_external_lb / data_parallel_hybrid_lb / data_parallel_rank",

@@ -35,11 +35,8 @@ CASES = {
     "cpu_offload_gb": ("llama", dict(cpu_offload_gb=1)),
     "offload_group_size": ("llama", dict(offload_group_size=2, offload_num_in_group=1)),
     "pipeline_parallel_size": ("llama", dict(pipeline_parallel_size=2)),
-    "data_parallel_size with nnodes": (
-        "llama", dict(data_parallel_size=2, nnodes=2, tensor_parallel_size=2, master_addr="127.0.0.1"),
-    ),
-    "data_parallel_size_local below data_parallel_size, for a mixture of experts": (
-        "mixtral", dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="10.0.0.2"),
+    "data_parallel_size with nnodes / data_parallel_size_local": (
+        "llama", dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="10.0.0.2"),
     ),
     # vLLM itself refuses external load balancing for a dense model.
     "data_parallel_external_lb / data_parallel_hybrid_lb / data_parallel_rank": (
@@ -229,7 +226,6 @@ def test_several_refused_features_are_named_together(models):
         dict(quantization="fp8", dtype="bfloat16"),
         dict(quantization="fp8_per_channel", dtype="bfloat16"),
         dict(enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=4, lora_dtype="bfloat16"),
-        dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="10.0.0.2"),
     ],
     ids=[
         "defaults",
@@ -242,7 +238,6 @@ def test_several_refused_features_are_named_together(models):
         "fp8",
         "fp8_per_channel",
         "lora",
-        "dense_replicas_across_hosts",
     ],
 )
 def test_what_works_stays_accepted(models, kwargs):
