@@ -228,10 +228,19 @@ def experts_routed(
 
 
 def _grouped_tile_dot(rows: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
-    """`rows [N, B, in] @ (kernel * scale) [N, in, out]` in float32 for a kernel of 8-bit values
-    with a scale per group of inputs of each column (`scale [N, in / G, out]`, block fp8
-    experts): a partial product per group, each times its scales, summed over the groups; the
-    values are converted to the rows' dtype inside the dot, and no dequantized weight is made."""
+    """`rows [N, B, in] @ (kernel * scale) [N, in, out]` in float32 for a kernel of 8- or 4-bit
+    values with a scale per group of inputs of each column (`scale [N, in / G, out]`, block fp8
+    and 4-bit experts): on TPU and GPU a partial product per group, each times its scales,
+    summed over the groups, the values converted to the rows' dtype inside the dot and no
+    dequantized weight made. XLA:CPU has no bfloat16 dot batched over two axes (tiles and
+    groups): there each tile's kernel is dequantized in float32 for one dot a tile, as
+    `models.int8.int8_dot_dequantized` does for a dense layer."""
+    return jax.lax.platform_dependent(
+        rows, kernel, scale, cpu=_grouped_tile_dot_dequantized, default=_grouped_tile_dot_per_group
+    )
+
+
+def _grouped_tile_dot_per_group(rows: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
     n, b, inputs = rows.shape
     groups = scale.shape[1]
     size = inputs // groups
@@ -239,6 +248,14 @@ def _grouped_tile_dot(rows: jax.Array, kernel: jax.Array, scale: jax.Array) -> j
     kg = kernel.reshape(n, groups, size, kernel.shape[-1]).astype(rows.dtype)
     partial = jnp.einsum("nbgi,ngif->nbgf", xg, kg, preferred_element_type=jnp.float32)
     return jnp.einsum("nbgf,ngf->nbf", partial, scale.astype(jnp.float32))
+
+
+def _grouped_tile_dot_dequantized(rows: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
+    n, inputs, outputs = kernel.shape
+    groups = scale.shape[1]
+    w = kernel.astype(jnp.float32).reshape(n, groups, inputs // groups, outputs)
+    w = (w * scale.astype(jnp.float32)[:, :, None, :]).reshape(n, inputs, outputs)
+    return jnp.einsum("nbi,nif->nbf", rows.astype(jnp.float32), w, preferred_element_type=jnp.float32)
 
 
 def _tile_offset_product(rows: jax.Array, offset: jax.Array) -> jax.Array:

@@ -9,7 +9,9 @@ The engine's activations are
 bfloat16, so a generated token must be transformers' argmax after the same tokens or within
 `TIE` of it (`test_fp8_engine`). On 2 simulated devices it generates what it does on one, each
 device holding half of each split kernel and whole groups of its scales (and, for AWQ, of its
-offsets)."""
+offsets). An AWQ Qwen3-MoE (Qwen3-30B-A3B-AWQ's layout: every expert with zero points) generates
+what transformers does on its dequantized weights.
+"""
 
 import gc
 import json
@@ -29,6 +31,8 @@ from tests.models.awq_checkpoints import write_awq
 from tests.models.fp8_checkpoints import write_float
 from tests.models.gptq_checkpoints import write_gptq
 from tests.models.int4_checkpoints import write_compressed_w4a16, write_decompressed
+from tests.models.tiny_checkpoints import prompts as random_prompts
+from tests.models.tiny_checkpoints import save_tiny
 from tests.models.trained_tiny import save_trained_tiny, text_ids
 from tests.plugin_shim.tensor_parallel_engine import environment
 from tests.plugin_shim.test_fp8_engine import _ENGINE, NEW_TOKENS, _assert_greedy_of, _transformers
@@ -124,6 +128,21 @@ def test_awq_generates_what_the_dequantized_model_does(source, prompts, root):
     generated, kernels = _generate(path, prompts)  # awq, its method from config.json
     assert kernels == 2 * 4
     _assert_greedy_of(reference, prompts, generated)
+
+
+def test_awq_moe_generates_what_the_dequantized_model_does(root):
+    """The experts' values, group scales and offsets stacked (`models.moe`), routed on XLA's dots."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = save_tiny("Qwen3MoeForCausalLM", str(root / "moe_float"))
+    path, dequantized = write_awq(source, str(root / "awq_moe"), group_size=16)
+    reference = write_float(source, str(root / "awq_moe_reference"), dequantized)
+    moe_prompts = [list(p) for p in random_prompts([12, 21, 7], seed=3)]
+    generated, kernels = _generate(path, moe_prompts)
+    assert kernels == 3 * 2 + 2 + 2 * 3, kernels  # qkv, o of 3 layers; a dense MLP's 2; 2 layers' 3 stacks
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    _assert_greedy_of(hf, moe_prompts, generated)
 
 
 @pytest.mark.full  # the W4A16 test below splits the same packed groups and scales in make test
