@@ -52,6 +52,7 @@ def test_awq_moe_experts_load_with_zero_points(qwen3_moe, tmp_path):
     _assert_experts_compute_the_dequantized_model(path, float_path, 16)
 
 
+@pytest.mark.slow  # a second architecture's load of the same routed path
 def test_mixtral_awq_experts_load_with_zero_points(tmp_path):
     source = save_tiny("MixtralForCausalLM", str(tmp_path / "source"), num_hidden_layers=1)
     path, dequantized = write_awq(source, str(tmp_path / "awq"), group_size=32)
@@ -59,7 +60,7 @@ def test_mixtral_awq_experts_load_with_zero_points(tmp_path):
     _assert_experts_compute_the_dequantized_model(path, float_path, 32)
 
 
-@pytest.mark.parametrize("group_size", [16, None])
+@pytest.mark.parametrize("group_size", [16, pytest.param(None, marks=pytest.mark.slow)])  # None: per channel
 def test_asymmetric_gptq_moe_experts_load_with_zero_points(qwen3_moe, group_size, tmp_path):
     path, dequantized = write_gptq(qwen3_moe, str(tmp_path / "gptq"), group_size=group_size, sym=False)
     float_path = write_float(qwen3_moe, str(tmp_path / "float"), dequantized)
