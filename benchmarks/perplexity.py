@@ -1,10 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """Perplexity of the served path: the embedded SmolLM2-135M-Instruct (a GGUF whose projections
 are Q4_1) served from its 4-bit blocks as it ships, against its dequantized float weights in
-bfloat16, and those float weights quantized at load to int8 and to fp8.
+bfloat16, those float weights quantized at load to int8 and to fp8, and converted to int4
+(`vllm-xla convert --quantization int4`: compressed-tensors W4A16 in groups of 128, where the
+model's 576-wide inputs do not split, so only down_proj is grouped and the other projections
+are quantized per channel at load; and in groups of 64, which split every projection).
 
     .venv/bin/python benchmarks/perplexity.py [--out benchmarks/results/perplexity.json]
-        [--tokens 320]
+        [--tokens 320] [--configs NAME ...]
+
+The float weights are the Q4_1 model's dequantized ones: re-grouping weights that were 4-bit
+already costs more than quantizing a model trained in float would.
 
 The text is the tests' fixed public-domain one (tests/data/alice.txt), its first `--tokens`
 tokens. Each configuration runs in its own subprocess (this script with `--worker`): vLLM's
@@ -37,6 +43,8 @@ CONFIGS = {
     "bfloat16_dequantized": ("float", None),
     "int8_online": ("float", "int8_per_channel_weight_only"),
     "fp8_online": ("float", "fp8"),
+    "int4_converted_g128": ("int4_g128", None),
+    "int4_converted_g64": ("int4_g64", None),
 }
 REFERENCE = "bfloat16_dequantized"
 
@@ -91,6 +99,10 @@ def main() -> None:
     )
     parser.add_argument("--out", default=str(HERE / "results" / "perplexity.json"))
     parser.add_argument("--tokens", type=int, default=320)
+    parser.add_argument(
+        "--configs", nargs="+", choices=sorted(CONFIGS), default=sorted(CONFIGS),
+        help=f"the configurations to run ({REFERENCE} always runs: the ratios' reference)",
+    )  # fmt: skip
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "QUANTIZATION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -101,13 +113,20 @@ def main() -> None:
 
     from plugin_shim.model_dir import materialize
     from tpu_platform.envs import read_env
+    from tpu_platform.weights.int4_convert import convert_int4
 
     gguf_dir = materialize(read_env().cache_dir)
     scratch = tempfile.mkdtemp(prefix="perplexity-")
     try:
         dirs = {"gguf": gguf_dir, "float": float_copy(gguf_dir, os.path.join(scratch, "float"))}
+        for group in (128, 64):
+            dirs[f"int4_g{group}"] = os.path.join(scratch, f"int4_g{group}")
+            convert_int4(dirs["float"], dirs[f"int4_g{group}"], group)
         results = {}
+        chosen = {REFERENCE, *args.configs}
         for name, (which, quantization) in CONFIGS.items():
+            if name not in chosen:
+                continue
             command = [sys.executable, __file__, "--tokens", str(args.tokens), "--worker", dirs[which]]
             done = subprocess.run([*command, quantization or "none"], capture_output=True, text=True)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

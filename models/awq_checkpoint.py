@@ -14,8 +14,9 @@ group size):
 
 The weight is `(u - z) * scale`: loaded as int4 values `u - 8` with float32 scales and offsets
 `(8 - z) * scale` per group (`models.int4`: `w = q * s + m`), exactly those weights. Refused by
-name: other bit widths, `zero_point: false`, versions other than GEMM (GEMV's layout differs),
-and MoE experts (affine experts are not served).
+name: other bit widths, `zero_point: false`, versions other than GEMM (GEMV's layout differs).
+MoE experts (Qwen3-30B-A3B-AWQ's, Mixtral's) load alike, each expert's values, scales and offsets
+stacked `[E, in, out]` and `[E, in / G, out]` (`models.moe`).
 """
 
 from __future__ import annotations
@@ -120,6 +121,13 @@ def awq_layout(
     check_config(config)
     quantized = {n.removesuffix(".qweight") + ".weight" for n in names() if n.endswith(".qweight")}
     param_map = int8_kernels_for(
-        model, quantized, our_name, path, group_size(config), int4.held_dtype(), offsets=True
+        model,
+        quantized,
+        our_name,
+        path,
+        group_size(config),
+        int4.held_dtype(),
+        experts_grouped=True,
+        offsets=True,
     )
     return AwqCheckpoint(param_map)

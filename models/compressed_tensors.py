@@ -24,8 +24,8 @@ package stores signed values `q` in [-8, 7] with signed zero points `zp`, the we
 scale`) also hold `weight_zero_point`, packed eight output rows an int32 word on its first axis
 (`[ceil(out / 8), in / G]`, each plus 8, as the package's `pack_to_int32(packed_dim=0)` writes
 it) or, where the package leaves it unpacked, int8 `[out, in / G]`: a layer loads the same int4
-values and scales plus float32 offsets `-zp * scale` (`models.int4`: `w = q * s + m`), dense
-projections only (an asymmetric MoE is refused by name, as for GPTQ).
+values and scales plus float32 offsets `-zp * scale` (`models.int4`: `w = q * s + m`), MoE
+experts too (their offsets stacked `[E, in / G, out]` like their scales, `models.moe`).
 
 FP8 checkpoints (`float-quantized`, or `naive-quantized` with float weights: 8-bit symmetric
 `type: "float"` weights, float8_e4m3fn `weight` and a float32 `weight_scale` per tensor, per
@@ -358,8 +358,8 @@ def int8_kernels_for(
     channel, or with `group_size` one per group of that many inputs (dense projections only,
     unless fp8 or `experts_grouped`: a 4-bit checkpoint's experts); returns the model's HF-name
     table with one scale name per linear weight. `offsets`: an affine 4-bit checkpoint's (zero
-    points or minimums, `models.int4`): each such layer also gets zero offsets, filled from its
-    `<weight>_offset`; MoE experts with offsets are refused by name."""
+    points or minimums, `models.int4`): each such layer (an expert stack too) also gets zero
+    offsets in its scale's layout, filled from its `<weight>_offset`."""
     param_map = dict(type(model).hf_param_map)
     for hf, ours in type(model).hf_param_map.items():
         if hf.endswith(".weight") and ours.endswith(".kernel"):
@@ -379,12 +379,6 @@ def int8_kernels_for(
             scale_shape = _scale_shape(weight, shape, group_size, path, experts_grouped=grouped)
             module.kernel_scale = nnx.Param(np.zeros(scale_shape, SCALE_DTYPE))
             if offsets:
-                if len(shape) != 2:
-                    raise ValueError(
-                        f"checkpoint tensor {weight!r} in {path!r} is an MoE expert's with zero points "
-                        "or minimums (affine 4-bit); vllm-xla serves those for dense projections "
-                        "only: use a symmetric checkpoint for a MoE model"
-                    )
                 module.kernel_offset = nnx.Param(np.zeros(scale_shape, SCALE_DTYPE))
     return param_map
 

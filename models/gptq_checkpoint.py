@@ -41,7 +41,8 @@ brings each device the inputs its rows read.
 Refused by name: other bit widths (GPTQ's 8-bit and 2/3-bit), a `g_idx` that is not `i // G`
 under `desc_act: false` or whose groups do not each hold `group_size` inputs, projections fused
 into one (q/k/v, gate/up) whose orders differ, activation order for MoE experts, a quantized
-head (`lm_head: true`), per-module `dynamic` overrides, and an asymmetric MoE.
+head (`lm_head: true`) and per-module `dynamic` overrides. An asymmetric MoE's experts load
+with their offsets stacked like their scales (`models.moe`).
 """
 
 from __future__ import annotations

@@ -109,6 +109,19 @@ def unpack_int32(packed: np.ndarray, axis: int = -1, length: int | None = None) 
     return values
 
 
+def pack_int32(values: np.ndarray) -> np.ndarray:
+    """int4 values `[rows, n]` (n a multiple of 8) -> int32 `[rows, n / 8]`, each value plus 8 in
+    a 4-bit field, the first lowest: compressed-tensors' `pack-quantized` weight layout, the
+    inverse of `unpack_int32`."""
+    fields = (np.asarray(values).astype(np.int8) + OFFSET).astype(np.uint32)
+    rows, n = fields.shape
+    if n % VALUES_PER_WORD:
+        raise ValueError(f"{n} values a row do not pack into int32 words of {VALUES_PER_WORD}")
+    words = fields.reshape(rows, n // VALUES_PER_WORD, VALUES_PER_WORD)
+    shifts = np.arange(VALUES_PER_WORD, dtype=np.uint32) * 4
+    return np.bitwise_or.reduce(words << shifts, axis=-1).view(np.int32)
+
+
 def unpack_unsigned(packed: np.ndarray, axis: int = -1) -> np.ndarray:
     """int32 words -> their eight 4-bit fields as uint8 in [0, 15], the first lowest, along
     `axis` (eight times as long)."""

@@ -123,6 +123,13 @@ def _compile_param_map(hf_param_map: dict[str, str]) -> list[tuple[re.Pattern[st
     return compiled
 
 
+def parameter_name_lookup(model: nnx.Module) -> Callable[[str], str | None]:
+    """The parameter path of `model` (with `{i}` filled; an expert's tensor names its stack) that
+    a checkpoint tensor's HF name loads into, None for a name the model does not read."""
+    compiled = _compile_param_map(type(model).hf_param_map)
+    return lambda hf: (_our_name(hf, compiled) or (None,))[0]
+
+
 def _our_name(hf: str, compiled: list[tuple[re.Pattern[str], str]]) -> tuple[str, int | None] | None:
     """Our parameter path for `hf`, and the expert slot it fills (None: the whole parameter)."""
     for pattern, ours in compiled:

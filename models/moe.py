@@ -27,6 +27,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from models import expert_load
 from models.config import ModelConfig
+from models.int4 import dequantize_affine
 from models.int8 import dequantize
 from models.layers import activation
 from models.linear import Linear
@@ -126,12 +127,16 @@ def experts_routed(
     gate_bias: jax.Array | None = None,
     weights_on_input: bool = False,
     max_chunk_elements: int = MAX_CHUNK_KERNEL_ELEMENTS,
+    offsets: tuple[jax.Array | None, jax.Array | None, jax.Array | None] | None = None,
 ) -> jax.Array:
     """The same result as `experts_dense_reference`, computing each token only for its k experts.
 
     `rows` (B) overrides `tile_rows`. Shapes as in `experts_dense_reference`. `scales`: int8
     gate, up and down with their per-channel scales `[E, F]`, `[E, F]`, `[E, D]` (`models.int8`):
-    each tile's int8 weights are converted to x's dtype in the dot, its scales applied after.
+    each tile's int8 weights are converted to x's dtype in the dot, its scales applied after;
+    or 4-bit ones with group scales `[E, in / G, out]`. `offsets`: affine 4-bit stacks' offsets
+    in their scales' layouts (zero points, `models.int4`: `w = q * s + m`, None for a stack
+    without), each tile adding its rows' group sums times its expert's offsets to the product.
     `up=None`: `gate` is a fused gate-and-up kernel `[E, D, F']` and `act` maps its `[.., F']`
     products to the `[.., F]` hidden values (GPT-OSS's clamped SwiGLU). `gate_bias [E, F']`: added
     to the gate (or fused) products before `act`. `weights_on_input`: as in
@@ -167,26 +172,34 @@ def experts_routed(
     if weights_on_input:  # each row scaled by its weight before its expert; outputs count once
         row_scale, w = w, (src < a).astype(jnp.float32)
     scale_of = (None, None, None) if scales is None else scales
+    offset_of = (None, None, None) if offsets is None else offsets
 
-    def tile_dot(spec: str, rows_in: jax.Array, ids: jax.Array, kernel: jax.Array, scale: jax.Array | None):
+    def tile_dot(spec: str, rows_in: jax.Array, ids: jax.Array, which: int) -> jax.Array:
+        kernel, scale, offset = (gate, up, down)[which], scale_of[which], offset_of[which]
         if isinstance(kernel, Mxfp4Stack):
             return kernel.tile_matmul(rows_in, ids)
         if scale is None:
             return jnp.einsum(spec, rows_in, kernel[ids])
         if scale.ndim == 3:  # `[E, in / G, out]`: a scale per group of inputs of each column
-            return _grouped_tile_dot(rows_in, kernel[ids], scale[ids]).astype(x.dtype)
-        product = jnp.einsum(spec, rows_in, kernel[ids].astype(x.dtype), preferred_element_type=jnp.float32)
-        return (product * scale[ids][:, None, :]).astype(x.dtype)
+            product = _grouped_tile_dot(rows_in, kernel[ids], scale[ids])
+        else:
+            product = jnp.einsum(
+                spec, rows_in, kernel[ids].astype(x.dtype), preferred_element_type=jnp.float32
+            )
+            product = product * scale[ids][:, None, :]
+        if offset is not None:
+            product = product + _tile_offset_product(rows_in, offset[ids])
+        return product.astype(x.dtype)
 
     def tiles_mlp(rows_in: jax.Array, ids: jax.Array) -> jax.Array:
         """`rows_in [C, B, D]` through the experts `ids [C]` -> `[C, B, D]`."""
-        h = tile_dot("nbd,ndf->nbf", rows_in, ids, gate, scale_of[0])
+        h = tile_dot("nbd,ndf->nbf", rows_in, ids, 0)
         if gate_bias is not None:
             h = h + gate_bias[ids][:, None, :].astype(h.dtype)
         h = act(h)
         if up is not None:
-            h = h * tile_dot("nbd,ndf->nbf", rows_in, ids, up, scale_of[1])  # [C, B, F]
-        return tile_dot("nbf,nfd->nbd", h, ids, down, scale_of[2])
+            h = h * tile_dot("nbd,ndf->nbf", rows_in, ids, 1)  # [C, B, F]
+        return tile_dot("nbf,nfd->nbd", h, ids, 2)
 
     def add_chunk(out: jax.Array, token_c: jax.Array, ids: jax.Array, w_c: jax.Array, scale_c) -> jax.Array:
         """`out [T + 1, D]` plus one chunk's tiles (`ids [C]`, rows `token_c [C*B]`) weighted."""
@@ -216,10 +229,19 @@ def experts_routed(
 
 
 def _grouped_tile_dot(rows: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
-    """`rows [N, B, in] @ (kernel * scale) [N, in, out]` in float32 for a kernel of 8-bit values
-    with a scale per group of inputs of each column (`scale [N, in / G, out]`, block fp8
-    experts): a partial product per group, each times its scales, summed over the groups; the
-    values are converted to the rows' dtype inside the dot, and no dequantized weight is made."""
+    """`rows [N, B, in] @ (kernel * scale) [N, in, out]` in float32 for a kernel of 8- or 4-bit
+    values with a scale per group of inputs of each column (`scale [N, in / G, out]`, block fp8
+    and 4-bit experts): on TPU and GPU a partial product per group, each times its scales,
+    summed over the groups, the values converted to the rows' dtype inside the dot and no
+    dequantized weight made. XLA:CPU has no bfloat16 dot batched over two axes (tiles and
+    groups): there each tile's kernel is dequantized in float32 for one dot a tile, as
+    `models.int8.int8_dot_dequantized` does for a dense layer."""
+    return jax.lax.platform_dependent(
+        rows, kernel, scale, cpu=_grouped_tile_dot_dequantized, default=_grouped_tile_dot_per_group
+    )
+
+
+def _grouped_tile_dot_per_group(rows: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
     n, b, inputs = rows.shape
     groups = scale.shape[1]
     size = inputs // groups
@@ -227,6 +249,29 @@ def _grouped_tile_dot(rows: jax.Array, kernel: jax.Array, scale: jax.Array) -> j
     kg = kernel.reshape(n, groups, size, kernel.shape[-1]).astype(rows.dtype)
     partial = jnp.einsum("nbgi,ngif->nbgf", xg, kg, preferred_element_type=jnp.float32)
     return jnp.einsum("nbgf,ngf->nbf", partial, scale.astype(jnp.float32))
+
+
+def _grouped_tile_dot_dequantized(rows: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
+    n, inputs, outputs = kernel.shape
+    groups = scale.shape[1]
+    w = kernel.astype(jnp.float32).reshape(n, groups, inputs // groups, outputs)
+    w = (w * scale.astype(jnp.float32)[:, :, None, :]).reshape(n, inputs, outputs)
+    return jnp.einsum("nbi,nif->nbf", rows.astype(jnp.float32), w, preferred_element_type=jnp.float32)
+
+
+def _tile_offset_product(rows: jax.Array, offset: jax.Array) -> jax.Array:
+    """`rows [N, B, in]` times affine offsets in float32 (`models.int4.offset_product` a tile at a
+    time): each group's input sums `[N, B, in / G]` times `offset [N, in / G, out]`, or each
+    row's sum times `offset [N, out]` per channel. At full float32 precision: the offsets may
+    nearly cancel the scaled values' product."""
+    rows, offset = rows.astype(jnp.float32), offset.astype(jnp.float32)
+    if offset.ndim == 2:
+        return jnp.sum(rows, axis=-1, keepdims=True) * offset[:, None, :]
+    n, b, _ = rows.shape
+    sums = rows.reshape(n, b, offset.shape[1], -1).sum(axis=-1)
+    return jnp.einsum(
+        "nbg,ngf->nbf", sums, offset, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
+    )
 
 
 def experts_routed_on_mesh(
@@ -239,13 +284,16 @@ def experts_routed_on_mesh(
     scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     gate_bias: jax.Array | None = None,
     weights_on_input: bool = False,
+    offsets: tuple[jax.Array | None, jax.Array | None, jax.Array | None] | None = None,
 ) -> jax.Array:
     """`experts_routed` with each expert split over `mesh`'s model axis (gate/up on F, down on F,
     as `models.sharding` places them): each device combines its partial outputs into `[T, D]`
     with the routing weights, then one sum over the devices. Left to XLA, the split down
     projection is summed over the routed `[tiles * rows, D]` rows, before the combine: top-k
-    times the bytes. `up` (None) and `gate_bias` as in `experts_routed`: a fused kernel's columns
-    split like gate's, so each device's `act` must see whole units of its own."""
+    times the bytes. `up` (None), `gate_bias` and `offsets` as in `experts_routed`: a fused
+    kernel's columns split like gate's, so each device's `act` must see whole units of its own;
+    offsets split like their scales (a device's group sums over its own share of down's inputs
+    are its part of the sum)."""
     whole, split_f = PartitionSpec(), PartitionSpec(None, None, MODEL_AXIS)
     stack_specs = (split_f, split_f, PartitionSpec(None, MODEL_AXIS, None))
     # Per-channel scales: gate/up `[E, F]` split like their columns, down's `[E, D]` whole;
@@ -261,21 +309,30 @@ def experts_routed_on_mesh(
         for s, spec, mx in zip(stacks, stack_specs, mxfp4_specs, strict=True)
     )
 
-    def local(x, stacks, weights, experts, gate_bias, *scales):
+    def local(x, stacks, weights, experts, gate_bias, offsets, *scales):
         partial = experts_routed(
             x, *stacks, weights, experts, act, scales=scales or None, gate_bias=gate_bias,
-            weights_on_input=weights_on_input,
+            weights_on_input=weights_on_input, offsets=offsets,
         )  # fmt: skip
         return jax.lax.psum(partial, MODEL_AXIS)
 
     extra, extra_specs = (scales, scale_specs) if scales is not None else ((), ())
+    offsets = (None, None, None) if offsets is None else offsets
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(whole, stack_specs, whole, whole, PartitionSpec(None, MODEL_AXIS), *extra_specs),
+        in_specs=(
+            whole,
+            stack_specs,
+            whole,
+            whole,
+            PartitionSpec(None, MODEL_AXIS),
+            scale_specs,
+            *extra_specs,
+        ),
         out_specs=whole,
         check_vma=False,
-    )(x, stacks, weights, experts, gate_bias, *extra)
+    )(x, stacks, weights, experts, gate_bias, tuple(offsets), *extra)
 
 
 def experts_by_index_on_mesh(
@@ -289,6 +346,7 @@ def experts_by_index_on_mesh(
     gate_bias: jax.Array | None = None,
     weights_on_input: bool = False,
     down_bias: jax.Array | None = None,
+    offsets: tuple[jax.Array | None, jax.Array | None, jax.Array | None] | None = None,
 ) -> jax.Array:
     """`experts_routed` under expert parallelism: every expert array split on its expert axis
     over `mesh`'s model axis (`models.sharding.EXPERT_PARALLEL_RULE`), device i holding experts
@@ -300,7 +358,7 @@ def experts_by_index_on_mesh(
     the device holding it. Other arguments as in `experts_routed_on_mesh`."""
     split, whole = PartitionSpec(MODEL_AXIS), PartitionSpec()
 
-    def local(x, stacks, weights, experts, gate_bias, down_bias, *scales):
+    def local(x, stacks, weights, experts, gate_bias, down_bias, offsets, *scales):
         count = stacks[0].shape[0]
         ids = experts - jax.lax.axis_index(MODEL_AXIS) * count
         mine = (ids >= 0) & (ids < count)
@@ -308,7 +366,7 @@ def experts_by_index_on_mesh(
         ids = jnp.where(mine, ids, 0)
         partial = experts_routed(
             x, *stacks, weights, ids, act, scales=scales or None, gate_bias=gate_bias,
-            weights_on_input=weights_on_input,
+            weights_on_input=weights_on_input, offsets=offsets,
         )  # fmt: skip
         if down_bias is not None:
             bias = jnp.einsum("tk,tkd->td", weights, down_bias[ids].astype(jnp.float32))
@@ -316,23 +374,27 @@ def experts_by_index_on_mesh(
         return jax.lax.psum(partial, MODEL_AXIS)
 
     extra = scales if scales is not None else ()
+    offsets = (None, None, None) if offsets is None else offsets
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(whole, split, whole, whole, split, split, *(split for _ in extra)),
+        in_specs=(whole, split, whole, whole, split, split, split, *(split for _ in extra)),
         out_specs=whole,
         check_vma=False,
-    )(x, stacks, weights, experts, gate_bias, down_bias, *extra)
+    )(x, stacks, weights, experts, gate_bias, down_bias, tuple(offsets), *extra)
 
 
 class StackedLinear(nnx.Module):
     """One `[in, out]` kernel per expert, stacked `[E, in, out]` (filled expert by expert on load);
     int8 and fp8 kernels have their per-channel scales `[E, out]` in `kernel_scale`
-    (`models.int8`), or a block fp8 checkpoint's `[E, in / G, out]` (`models.fp8`)."""
+    (`models.int8`), or a block fp8 or 4-bit checkpoint's `[E, in / G, out]` (`models.fp8`,
+    `models.int4`); affine 4-bit ones (zero points) their offsets in `kernel_offset`, the
+    scale's layout."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, dtype: jnp.dtype):
         self.kernel = nnx.Param(np.zeros((num_experts, in_features, out_features), dtype))  # until loaded
         self.kernel_scale: nnx.Param | None = nnx.data(None)
+        self.kernel_offset: nnx.Param | None = nnx.data(None)
 
 
 class Experts(nnx.Module):
@@ -411,9 +473,10 @@ class SparseMoE(nnx.Module):
         stacks, act = self._stacks(), activation(self.act)
         expert_load.record(self, experts, stacks[0].kernel.shape[0], md)
         int8 = stacks[0].kernel_scale is not None
+        offsets = tuple(None if s.kernel_offset is None else s.kernel_offset[...] for s in stacks)
         if dense:
             if int8:
-                kernels = [dequantize(s.kernel[...], s.kernel_scale[...], x.dtype) for s in stacks]
+                kernels = [_dequantized(s, x.dtype) for s in stacks]
             else:
                 kernels = [s.kernel[...] for s in stacks]
             return experts_dense_reference(
@@ -424,13 +487,22 @@ class SparseMoE(nnx.Module):
         on_input = self.weights_on_input
         if md is not None and md.mesh is not None and self.expert_parallel:
             return experts_by_index_on_mesh(
-                md.mesh, x, kernels, weights, experts, act, scales, weights_on_input=on_input
+                md.mesh, x, kernels, weights, experts, act, scales, weights_on_input=on_input, offsets=offsets
             )
         if md is not None and md.mesh is not None and kernels[0].shape[2] % md.tp_size == 0:
             return experts_routed_on_mesh(
-                md.mesh, x, kernels, weights, experts, act, scales, weights_on_input=on_input
+                md.mesh, x, kernels, weights, experts, act, scales, weights_on_input=on_input, offsets=offsets
             )
-        return experts_routed(x, *kernels, weights, experts, act, scales=scales, weights_on_input=on_input)
+        return experts_routed(
+            x, *kernels, weights, experts, act, scales=scales, weights_on_input=on_input, offsets=offsets
+        )
+
+
+def _dequantized(stack: StackedLinear, dtype: jnp.dtype) -> jax.Array:
+    """A quantized expert stack's weights in `dtype` (`q * s`, plus the offsets when affine)."""
+    if stack.kernel_offset is None:
+        return dequantize(stack.kernel[...], stack.kernel_scale[...], dtype)
+    return dequantize_affine(stack.kernel[...], stack.kernel_scale[...], stack.kernel_offset[...], dtype)
 
 
 def use_expert_parallel(model: nnx.Module) -> int:

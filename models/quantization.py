@@ -86,12 +86,14 @@ def quantize_int4(
     what a 4-bit checkpoint's model is prepared as (its layers arrive int4; any float one left,
     the head aside, is quantized at load like them); returns how many kernels. `affine`: the
     dense projections also get offsets (`kernel_offset`, zero for a kernel quantized here), the
-    layout of a checkpoint with zero points or group minimums; MoE experts keep none."""
+    layout of a checkpoint with zero points or group minimums, the MoE experts' stacks too."""
     count = _quantize(model, int4.quantizer_held(backend), group_size, head=False, grouped_experts=True)
     if affine:
         lm_head = getattr(model, "lm_head", None)
+        routers = {id(m.router) for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoE)}
         for _, module in list(nnx.iter_modules(model)):
-            if isinstance(module, Linear) and module.kernel_scale is not None and module is not lm_head:
+            quantized = isinstance(module, (Linear, StackedLinear)) and module.kernel_scale is not None
+            if quantized and module is not lm_head and id(module) not in routers:
                 if module.kernel_offset is None:
                     scale = module.kernel_scale.get_value()
                     module.kernel_offset = nnx.Param(np.zeros(scale.shape, scale.dtype))

@@ -78,7 +78,7 @@ DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"\.experts\.(gate_proj|up_proj)\.kernel$", PartitionSpec(None, None, MODEL_AXIS)),  # [E, D, F]
     (r"\.experts\.down_proj\.kernel$", PartitionSpec(None, MODEL_AXIS, None)),  # [E, F, D]
     # int8 kernels' per-output-channel scales: split like their kernel's columns
-    (r"\.experts\.(gate_proj|up_proj)\.kernel_scale$", PartitionSpec(None, MODEL_AXIS)),  # [E, F]
+    (r"\.experts\.(gate_proj|up_proj)\.kernel_(scale|offset)$", PartitionSpec(None, MODEL_AXIS)),  # [E, F]
     # GPT-OSS: fused experts in the checkpoint's layout, gate/up pairs interleaved on the last axis
     (r"\.experts\.gate_up_proj$", PartitionSpec(None, None, MODEL_AXIS)),  # [E, D, 2F]
     (r"\.experts\.gate_up_proj_bias$", PartitionSpec(None, MODEL_AXIS)),  # [E, 2F]
@@ -108,9 +108,10 @@ DECODER_RULES: tuple[tuple[str, PartitionSpec], ...] = (
 # int8 scales of one per group of inputs and output (`[in / G, out]`, `models.int8`): a
 # 2-D `kernel_scale` or `head_scale` outside the experts (theirs are per channel, `[E, out]`).
 GROUPED_SCALE_RULES: tuple[tuple[str, PartitionSpec], ...] = (
-    # a block fp8 checkpoint's experts (`[E, in / G, out]`, `models.fp8`): split like their kernels
-    (r"\.experts\.(gate_proj|up_proj)\.kernel_scale$", PartitionSpec(None, None, MODEL_AXIS)),
-    (r"\.experts\.down_proj\.kernel_scale$", PartitionSpec(None, MODEL_AXIS, None)),
+    # a block fp8 or 4-bit checkpoint's experts (`[E, in / G, out]`, `models.fp8`, `models.int4`)
+    # and affine 4-bit ones' offsets: split like their kernels
+    (r"\.experts\.(gate_proj|up_proj)\.kernel_(scale|offset)$", PartitionSpec(None, None, MODEL_AXIS)),
+    (r"\.experts\.down_proj\.kernel_(scale|offset)$", PartitionSpec(None, MODEL_AXIS, None)),
     (rf"\.{_COLUMN_LINEARS}\.kernel_(scale|offset)$", _COLUMN),
     (rf"\.{_ROW_LINEARS}\.kernel_(scale|offset)$", _ROW),
     (r"embed_tokens\.head_scale$", _COLUMN),

@@ -172,6 +172,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     # A compressed-tensors int8 source is int8 as it is (vLLM serves it so): kept, never dequantized.
     source_method = (quantization_config(args.model) or {}).get("quant_method")
+    if args.quantization == "int4":
+        return _convert_int4(args, source_method)
     if checkpoint_values(args.model) in ("fp8", "int4", "int4z"):
         raise SystemExit(
             f"vllm-xla convert: the source holds {checkpoint_values(args.model)} weights, which a "
@@ -195,6 +197,27 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise SystemExit(f"vllm-xla convert: {error}") from None
     serve = " with --quantization int8_per_channel_weight_only" if int8 and source_method != METHOD else ""
     print(f"wrote {preparation.name} weights to {checkpoint}; serve the model directory {args.out}{serve}")
+    return 0
+
+
+def _convert_int4(args: argparse.Namespace, source_method: str | None) -> int:
+    """`convert --quantization int4`: a W4A16 compressed-tensors checkpoint of a float one
+    (`tpu_platform.weights.int4_convert`; vLLM has no online int4 for a float checkpoint)."""
+    from tpu_platform.weights.int4_convert import convert_int4
+
+    if source_method is not None:
+        raise SystemExit(
+            f"vllm-xla convert: the source is a {source_method} checkpoint; --quantization int4 "
+            "quantizes a float one (serve a quantized checkpoint as it is)"
+        )
+    try:
+        quantized = convert_int4(args.model, args.out, args.group_size)
+    except ValueError as error:
+        raise SystemExit(f"vllm-xla convert: {error}") from None
+    print(
+        f"wrote {len(quantized)} weights as int4 in groups of {args.group_size} (compressed-tensors "
+        f"W4A16) to {args.out}; serve the model directory {args.out} (vLLM reads its method from config.json)"
+    )
     return 0
 
 
@@ -283,11 +306,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quantization",
-        choices=("none", "int8_per_channel_weight_only"),
+        choices=("none", "int8_per_channel_weight_only", "int4"),
         default="none",
         help="int8_per_channel_weight_only: int8 kernels and their per-channel scales, quantized "
         "once here (serve with the same --quantization: nothing is quantized at start); a "
-        "compressed-tensors int8 source is kept int8 without it",
+        "compressed-tensors int8 source is kept int8 without it. int4: a compressed-tensors W4A16 "
+        "checkpoint (safetensors, any device or vLLM backend serves it; the LM head stays as it is)",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=128,
+        help="with --quantization int4: the inputs sharing a scale (a multiple of 8)",
     )
     return parser
 

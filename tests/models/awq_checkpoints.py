@@ -22,7 +22,8 @@ import numpy as np
 
 from tests.models.int4_checkpoints import edit_config
 
-_QUANTIZED = re.compile(r"_proj\.weight$")  # the projections; not lm_head
+# the projections (Mixtral's experts' w1/w2/w3 too); not lm_head, not a MoE router
+_QUANTIZED = re.compile(r"(_proj|experts\.[0-9]+\.w[123])\.weight$")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 

@@ -106,11 +106,15 @@ def edit_config(path: str, edit) -> None:
         json.dump(config, f)
 
 
-def write_packed_w4a16(source: str, out: str, *, group_size: int) -> tuple[str, dict[str, np.ndarray]]:
+def write_packed_w4a16(
+    source: str, out: str, *, group_size: int, symmetric: bool = True
+) -> tuple[str, dict[str, np.ndarray]]:
     """`source` as a compressed-tensors W4A16 checkpoint whose every projection (a MoE model's
     experts, one tensor each, too) is quantized here (symmetric, `max|w| / 7.5` a group) and
     packed by the package's own `pack_to_int32`: the package's compressor quantizes Linear
-    modules only, and transformers holds a MoE model's experts fused. Returns the path and the
+    modules only, and transformers holds a MoE model's experts fused. `symmetric` false: the
+    package's own min-max qparams (`calculate_qparams`), `quantize` and zero points packed eight
+    rows a word (`packed_dim=0`), the reference its own `dequantize`. Returns the path and the
     dequantized weights by HF name."""
     import torch
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
@@ -121,18 +125,25 @@ def write_packed_w4a16(source: str, out: str, *, group_size: int) -> tuple[str, 
         if not name.endswith("_proj.weight"):
             tensors[name] = dequantized[name] = w
             continue
-        blocks = w.reshape(w.shape[0], -1, group_size).astype(np.float32)  # HF [out, in / G, G]
-        scale = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(7.5)
-        q = np.clip(np.round(blocks / scale), -8, 7).astype(np.int8)
-        dequantized[name] = (q * scale).reshape(w.shape)
         base = name.removesuffix("weight")
-        packed = pack_to_int32(torch.from_numpy(q.reshape(w.shape)), 4).numpy()
+        if symmetric:
+            blocks = w.reshape(w.shape[0], -1, group_size).astype(np.float32)  # HF [out, in / G, G]
+            scale = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(7.5)
+            q = np.clip(np.round(blocks / scale), -8, 7).astype(np.int8).reshape(w.shape)
+            dequantized[name] = (q.reshape(blocks.shape) * scale).reshape(w.shape)
+            scale = scale[..., 0]
+        else:
+            q, scale, zero, dequantized[name] = _package_asymmetric(w, group_size)
+            tensors[f"{base}weight_zero_point"] = np.ascontiguousarray(
+                pack_to_int32(torch.from_numpy(zero), 4, packed_dim=0).numpy()
+            )
+        packed = pack_to_int32(torch.from_numpy(q), 4).numpy()
         tensors[f"{base}weight_packed"] = np.ascontiguousarray(packed)
-        tensors[f"{base}weight_scale"] = np.ascontiguousarray(scale[..., 0])
+        tensors[f"{base}weight_scale"] = np.ascontiguousarray(scale)
         tensors[f"{base}weight_shape"] = np.asarray(w.shape, np.int64)
     shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors"))
     save_file(tensors, os.path.join(out, "model.safetensors"))
-    weights = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+    weights = dict(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group_size)
     config = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
@@ -141,3 +152,21 @@ def write_packed_w4a16(source: str, out: str, *, group_size: int) -> tuple[str, 
     }
     edit_config(out, lambda c: c.update(quantization_config=config))
     return out, dequantized
+
+
+def _package_asymmetric(w: np.ndarray, group_size: int) -> tuple[np.ndarray, ...]:
+    """An HF `[out, in]` weight through the compressed-tensors package's asymmetric group
+    quantization: int8 values `[out, in]`, float32 scales and int8 zero points `[out, in / G]`,
+    and the package's dequantized weight."""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=group_size)
+    t = torch.from_numpy(np.ascontiguousarray(w, np.float32))
+    blocks = t.reshape(t.shape[0], -1, group_size)
+    scale, zero = calculate_qparams(blocks.amin(dim=-1), blocks.amax(dim=-1), args)  # [out, in / G]
+    q = quantize(t, scale, zero, args, dtype=torch.int8)
+    reference = dequantize(q, scale, zero, args, dtype=torch.float32)
+    return q.numpy(), scale.numpy(), zero.to(torch.int8).numpy(), reference.numpy()

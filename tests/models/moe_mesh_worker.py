@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Run by `test_moe_on_mesh.py` in a process with 4 simulated CPU devices: the mixture of experts
-split over a mesh against the one-device routed path, float and int8, and the all-reduces of its
-compiled program. Prints one JSON object."""
+split over a mesh against the one-device routed path, float and int8, affine 4-bit (zero points:
+offsets per group and per channel) split inside each expert and by expert index, and the
+all-reduces of its compiled program. Prints one JSON object."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from models.int8 import quantize_per_channel
-from models.moe import experts_routed, experts_routed_on_mesh, route
+from models.moe import experts_by_index_on_mesh, experts_routed, experts_routed_on_mesh, route
 from tpu_platform.planner.hlo import hlo_collectives
 
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 7, 16, 32, 8, 2
@@ -40,9 +41,39 @@ def main() -> None:
         want = experts_routed(x, *kernels, weights, experts, jax.nn.silu, scales=kernel_scales)
         got = program(x, kernels, weights, experts, kernel_scales)
         report[f"{name}_max_error"] = float(np.abs(np.asarray(got) - np.asarray(want)).max())
+    report |= _affine_errors(mesh, x, weights, experts, rng)
     hlo = program.lower(x, stacks, weights, experts, None).compile().as_text()
     report["all_reduces"] = [list(c.result_elements) for c in hlo_collectives(hlo) if c.kind == "all-reduce"]
     print(json.dumps(report))
+
+
+def _affine_errors(mesh: Mesh, x, weights, experts, rng) -> dict[str, float]:
+    """Affine 4-bit experts (values, scales and offsets `[E, in / G, out]`, groups of 8: whole
+    groups on each of the 4 devices; or per channel) on the mesh, split inside each expert and
+    by expert index, against one device."""
+    report = {}
+    shapes = [(EXPERTS, HIDDEN, FFN), (EXPERTS, HIDDEN, FFN), (EXPERTS, FFN, HIDDEN)]
+    for groups in ("grouped", "channel"):
+        quant = []
+        for e, inputs, outputs in shapes:
+            scale_shape = (e, inputs // 8, outputs) if groups == "grouped" else (e, outputs)
+            quant.append(
+                (
+                    jnp.asarray(rng.integers(-8, 8, size=(e, inputs, outputs)), jnp.int8),
+                    jnp.asarray(rng.uniform(0.01, 0.05, size=scale_shape), jnp.float32),
+                    jnp.asarray(rng.uniform(-0.1, 0.1, size=scale_shape), jnp.float32),
+                )
+            )
+        kernels, scales, offsets = (tuple(q[i] for q in quant) for i in range(3))
+        want = experts_routed(x, *kernels, weights, experts, jax.nn.silu, scales=scales, offsets=offsets)
+        for name, run in (("tp", experts_routed_on_mesh), ("ep", experts_by_index_on_mesh)):
+            got = jax.jit(
+                lambda x, k, w, ids, s, m, run=run: run(mesh, x, k, w, ids, jax.nn.silu, s, offsets=m)
+            )(x, kernels, weights, experts, scales, offsets)
+            report[f"affine_{groups}_{name}_max_error"] = float(
+                np.abs(np.asarray(got) - np.asarray(want)).max()
+            )
+    return report
 
 
 if __name__ == "__main__":

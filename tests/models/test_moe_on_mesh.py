@@ -37,5 +37,13 @@ def test_experts_on_a_mesh_equal_one_device(report, weights):
     assert report[f"{weights}_max_error"] < 1e-5
 
 
+@pytest.mark.parametrize("split", ["tp", "ep"])
+@pytest.mark.parametrize("scales", ["grouped", "channel"])
+def test_affine_4_bit_experts_on_a_mesh_equal_one_device(report, split, scales):
+    """Zero points' offsets split like their scales (inside each expert: gate/up on F, down on
+    its groups of F; by index: each device its experts' whole)."""
+    assert report[f"affine_{scales}_{split}_max_error"] < 1e-4
+
+
 def test_experts_on_a_mesh_sum_once_over_tokens_and_hidden(report):
     assert report["all_reduces"] == [[TOKENS * HIDDEN]]

@@ -9,7 +9,10 @@ The engine's activations are
 bfloat16, so a generated token must be transformers' argmax after the same tokens or within
 `TIE` of it (`test_fp8_engine`). On 2 simulated devices it generates what it does on one, each
 device holding half of each split kernel and whole groups of its scales (and, for AWQ, of its
-offsets)."""
+offsets). An AWQ Qwen3-MoE (Qwen3-30B-A3B-AWQ's layout: every expert with zero points) generates
+what transformers does on its dequantized weights; with zero points at TP=2 and EP=2 it
+generates what it does on one device.
+"""
 
 import gc
 import json
@@ -28,7 +31,9 @@ from models.linear import is_packed_int4
 from tests.models.awq_checkpoints import write_awq
 from tests.models.fp8_checkpoints import write_float
 from tests.models.gptq_checkpoints import write_gptq
-from tests.models.int4_checkpoints import write_compressed_w4a16, write_decompressed
+from tests.models.int4_checkpoints import write_compressed_w4a16, write_decompressed, write_packed_w4a16
+from tests.models.tiny_checkpoints import prompts as random_prompts
+from tests.models.tiny_checkpoints import save_tiny
 from tests.models.trained_tiny import save_trained_tiny, text_ids
 from tests.plugin_shim.tensor_parallel_engine import environment
 from tests.plugin_shim.test_fp8_engine import _ENGINE, NEW_TOKENS, _assert_greedy_of, _transformers
@@ -126,6 +131,41 @@ def test_awq_generates_what_the_dequantized_model_does(source, prompts, root):
     _assert_greedy_of(reference, prompts, generated)
 
 
+def test_awq_moe_generates_what_the_dequantized_model_does(root):
+    """The experts' values, group scales and offsets stacked (`models.moe`), routed on XLA's dots."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = save_tiny("Qwen3MoeForCausalLM", str(root / "moe_float"))
+    path, dequantized = write_awq(source, str(root / "awq_moe"), group_size=16)
+    reference = write_float(source, str(root / "awq_moe_reference"), dequantized)
+    moe_prompts = [list(p) for p in random_prompts([12, 21, 7], seed=3)]
+    generated, kernels = _generate(path, moe_prompts)
+    assert kernels == 3 * 2 + 2 + 2 * 3, kernels  # qkv, o of 3 layers; a dense MLP's 2; 2 layers' 3 stacks
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    _assert_greedy_of(hf, moe_prompts, generated)
+
+
+@pytest.mark.full  # the routed experts' offsets on a mesh: test_moe_on_mesh in make test
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_moe_with_zero_points_on_two_devices_equals_one(root, tmp_path, expert_parallel):
+    """The experts' offsets (compressed-tensors symmetric false, groups of 16) split like their
+    scales: inside each expert (gate/up on F, down on its two groups: one a device), or whole
+    experts a device under expert parallelism. In float32 (which vLLM's AWQ refuses): a random
+    tiny model's near-ties would flip on bfloat16's different sum orders."""
+    source = save_tiny("Qwen3MoeForCausalLM", str(root / f"moe_tp_float_{expert_parallel}"))
+    path, _ = write_packed_w4a16(
+        source, str(root / f"moe_tp_{expert_parallel}"), group_size=16, symmetric=False
+    )
+    moe_prompts = [list(p) for p in random_prompts([12, 21], seed=3)]
+    two = _two_devices_equal_one(
+        path, moe_prompts, tmp_path, dtype="float32", enable_expert_parallel=expert_parallel
+    )
+    offset = two["params"]["model.layers.0.mlp.experts.down_proj.kernel_offset"]
+    assert offset["shape"] == [8, 2, 64]
+    assert offset["device_bytes"] == [8 * 64 * 4] * 2  # a group of each expert, or 4 experts' two
+
+
 @pytest.mark.full  # the W4A16 test below splits the same packed groups and scales in make test
 def test_awq_on_two_devices_equals_one(source, prompts, root, tmp_path):
     """The offsets split like the scales: column-parallel ones on their outputs, o_proj's and
@@ -146,9 +186,12 @@ def test_gptq_act_order_on_two_devices_equals_one(source, prompts, root, tmp_pat
     assert order["shape"] == [256] and order["device_bytes"] == [256 * 4] * 2  # whole on each
 
 
-def _two_devices_equal_one(path: str, prompts, tmp_path) -> dict:
-    llm = dict(_ENGINE, max_num_batched_tokens=16)
-    runs = [{"tp": tp, "prompts": prompts[:2], "new_tokens": 6, "llm": llm} for tp in (1, 2)]
+def _two_devices_equal_one(path: str, prompts, tmp_path, dtype: str | None = None, **two: object) -> dict:
+    llm = dict(_ENGINE, max_num_batched_tokens=16) | ({"dtype": dtype} if dtype else {})
+    runs = [
+        {"tp": tp, "prompts": prompts[:2], "new_tokens": 6, "llm": llm | (two if tp == 2 else {})}
+        for tp in (1, 2)
+    ]
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     job.write_text(json.dumps({"model": path, "runs": runs}))
     env = {**environment(), "VLLM_XLA_ATTENTION_BACKEND": "xla"}

@@ -1,0 +1,164 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Weight-only int4 of a float checkpoint (`vllm-xla convert --quantization int4`): a new model
+directory holding a compressed-tensors W4A16 checkpoint (`pack-quantized`, symmetric `int`
+weights, one scale per group of `group_size` inputs of each output channel), which every vLLM
+backend, ours included, serves as it is (vLLM picks `compressed-tensors` from its config.json).
+
+vLLM 0.32 has no online int4 weight-only method for a float checkpoint (no `rtn`; its one int4
+name, `int4_per_group_32`, requantizes mxfp4 MoE experts at load on one GPU family), so the
+quantization is done once here, as `vllm-xla convert` does int8's, and the result is an
+ordinary 4-bit checkpoint.
+
+Quantized: every projection the model reads into a dense or expert kernel (attention, MLP, MoE
+experts stored one tensor an expert) whose inputs split into groups of `group_size`, with
+`models.int4.quantize_grouped` (`scale = max|w| / 7.5`, compressed-tensors' symmetric range).
+Kept as they are: the embedding, norms, biases, the MoE router (a rounding there changes which
+experts run), the LM head (tied or not: 4 bits on the layer whose every output is a logit costs
+tens of percent of perplexity where the projections cost a few; served in the model's dtype,
+and int8 on the native CPU kernels when tied, `models.quantization.quantize_tied_head_int8`),
+and a projection whose inputs do not split into groups (named in the config's `ignore` and
+quantized at load in the same layout). The scales are stored in the source weight's dtype, as
+llm-compressor writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import ModelConfig, build, int4
+from models.linear import Linear
+from models.loader import checkpoint_files, parameter_name_lookup
+from models.moe import SparseMoE, StackedLinear
+
+DEFAULT_GROUP_SIZE = 128
+_INDEX = "model.safetensors.index.json"
+# Source files that hold weights (replaced by the quantized ones).
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf", ".bin", ".pt", ".pth")
+
+
+def convert_int4(source: str, out: str, group_size: int = DEFAULT_GROUP_SIZE) -> list[str]:
+    """Writes `source` (a float safetensors model directory) as a W4A16 compressed-tensors
+    checkpoint into `out`, a new directory; returns the HF names of the weights it quantized.
+    A ValueError names what cannot be converted."""
+    if not os.path.isfile(os.path.join(source, "config.json")):
+        raise ValueError(f"{source!r} is not a model directory with a config.json")
+    files = checkpoint_files(source)
+    if not files or not all(f.endswith(".safetensors") for f in files):
+        raise ValueError(
+            f"{source!r} holds no safetensors weights (a GGUF converts to a model directory with "
+            "`vllm-xla model-dir --gguf FILE`; its 4-bit blocks are served as they are)"
+        )
+    if os.path.exists(out) and os.listdir(out):
+        raise ValueError(f"{out!r} exists and is not empty; name a new directory")
+    if group_size < 8 or group_size % 8:
+        raise ValueError(f"--group-size {group_size}: a multiple of 8 (int32 words of 8 values)")
+    targets = _projection_kernels(source)
+    os.makedirs(out, exist_ok=True)
+    quantized, kept = [], set()
+    weight_map = {}
+    for file in files:
+        tensors = {}
+        for name, value in _tensors(file):
+            if name in targets and value.ndim == 2 and value.shape[1] % group_size == 0:
+                tensors |= _packed(name, value, group_size)
+                quantized.append(name)
+            else:
+                tensors[name] = value
+                if name in targets:
+                    kept.add(name.removesuffix(".weight"))
+        _save(tensors, os.path.join(out, os.path.basename(file)))
+        weight_map |= {name: os.path.basename(file) for name in tensors}
+    if not quantized:
+        raise ValueError(
+            f"no projection of {source!r} has inputs that split into groups of {group_size}: "
+            "pass a --group-size that divides them"
+        )
+    _copy_other_files(source, out, weight_map if len(files) > 1 else None)
+    _write_config(out, group_size, sorted(kept))
+    return quantized
+
+
+def _tensors(file: str) -> Iterator[tuple[str, np.ndarray]]:
+    from safetensors import safe_open
+
+    with safe_open(file, framework="numpy") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def _projection_kernels(source: str) -> set[str]:
+    """The HF weight names the model reads into a dense or expert kernel, except the LM head's
+    and a MoE router's."""
+    config = ModelConfig.from_pretrained(source)
+    model = nnx.eval_shape(lambda: build(config, jnp.float32))
+    routers = {id(m.router) for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoE)}
+    head = getattr(model, "lm_head", None)
+    kernels = {
+        ".".join(str(p) for p in path) + ".kernel"
+        for path, m in nnx.iter_modules(model)
+        if isinstance(m, (Linear, StackedLinear)) and id(m) not in routers and m is not head
+    }
+    ours = parameter_name_lookup(model)
+    from safetensors import safe_open
+
+    names = []
+    for file in checkpoint_files(source):
+        with safe_open(file, framework="numpy") as f:
+            names += list(f.keys())
+    return {name for name in names if name.endswith(".weight") and ours(name) in kernels}
+
+
+def _packed(name: str, value: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
+    """An HF `[out, in]` float weight as compressed-tensors' `weight_packed`, `weight_scale`
+    (`[out, in / G]`, the weight's dtype) and `weight_shape`."""
+    q, scale = int4.quantize_grouped(np.asarray(value, np.float32).T, group_size)  # [in, out], [in / G, out]
+    base = name.removesuffix("weight")
+    return {
+        f"{base}weight_packed": np.ascontiguousarray(int4.pack_int32(q.T)),
+        f"{base}weight_scale": np.ascontiguousarray(scale.T.astype(value.dtype)),
+        f"{base}weight_shape": np.asarray(value.shape, np.int64),
+    }
+
+
+def _save(tensors: dict[str, np.ndarray], path: str) -> None:
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path, metadata={"format": "pt"})
+
+
+def _copy_other_files(source: str, out: str, weight_map: dict[str, str] | None) -> None:
+    for name in sorted(os.listdir(source)):
+        path = os.path.join(source, name)
+        if os.path.isfile(path) and not name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, os.path.join(out, name))
+    if weight_map is not None:
+        with open(os.path.join(out, _INDEX), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+
+
+def _write_config(out: str, group_size: int, kept: list[str]) -> None:
+    """config.json's `quantization_config`: llm-compressor's W4A16 scheme at `group_size`."""
+    weights = dict(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size, dynamic=False
+    )
+    ignore = ["lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$", *kept]
+    quantization = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": ignore,
+    }
+    path = os.path.join(out, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
