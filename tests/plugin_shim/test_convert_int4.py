@@ -62,6 +62,11 @@ def test_moe_experts_convert_to_int4_groups_and_the_router_stays(tmp_path):
 def test_a_source_that_cannot_convert_to_int4_is_refused_by_name(mistral, tmp_path):
     with pytest.raises(SystemExit, match="a multiple of 8"):
         main(["convert", mistral, str(tmp_path / "a"), "--quantization", "int4", "--group-size", "12"])
+    # q_proj reads 64 inputs, down_proj 128: groups of 64 split both, of 128 only down_proj's.
+    with pytest.raises(
+        SystemExit, match=r"do not split into groups of 128 .*--group-size 64 splits every one"
+    ):
+        main(["convert", mistral, str(tmp_path / "e"), "--quantization", "int4", "--group-size", "128"])
     with pytest.raises(SystemExit, match="groups of 48"):
         main(["convert", mistral, str(tmp_path / "b"), "--quantization", "int4", "--group-size", "48"])
     out = str(tmp_path / "c")

@@ -16,14 +16,17 @@ Kept as they are: the embedding, norms, biases, the MoE router (a rounding there
 experts run), the LM head (tied or not: 4 bits on the layer whose every output is a logit costs
 tens of percent of perplexity where the projections cost a few; served in the model's dtype,
 and int8 on the native CPU kernels when tied, `models.quantization.quantize_tied_head_int8`),
-and a projection whose inputs do not split into groups (named in the config's `ignore` and
-quantized at load in the same layout). The scales are stored in the source weight's dtype, as
-llm-compressor writes them.
+and MoE experts a checkpoint holds fused in one 3-D tensor (named in the config's `ignore`, and
+served in float as every backend serves an ignored layer). A group size that does not divide
+every projection's inputs is refused, naming the largest that does: a projection left in float
+would keep its whole size, and one per channel would cost far more than a group. The scales are
+stored in the source weight's dtype, as llm-compressor writes them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterator
@@ -60,6 +63,7 @@ def convert_int4(source: str, out: str, group_size: int = DEFAULT_GROUP_SIZE) ->
     if group_size < 8 or group_size % 8:
         raise ValueError(f"--group-size {group_size}: a multiple of 8 (int32 words of 8 values)")
     targets = _projection_kernels(source)
+    _refuse_undivided_inputs(source, files, targets, group_size)
     os.makedirs(out, exist_ok=True)
     quantized, kept = [], set()
     weight_map = {}
@@ -83,6 +87,30 @@ def convert_int4(source: str, out: str, group_size: int = DEFAULT_GROUP_SIZE) ->
     _copy_other_files(source, out, weight_map if len(files) > 1 else None)
     _write_config(out, group_size, sorted(kept))
     return quantized
+
+
+def _refuse_undivided_inputs(source: str, files: list[str], targets: set[str], group_size: int) -> None:
+    """ValueError naming a projection (`[out, in]`) whose inputs do not split into groups of
+    `group_size`, and the largest group size (a multiple of 8) that splits every one."""
+    from safetensors import safe_open
+
+    widths = {}
+    for file in files:
+        with safe_open(file, framework="numpy") as f:
+            for name in sorted(targets & set(f.keys())):
+                shape = f.get_slice(name).get_shape()
+                if len(shape) == 2:
+                    widths[name] = shape[1]
+    undivided = sorted(name for name, width in widths.items() if width % group_size)
+    if not undivided:
+        return
+    common = math.gcd(*widths.values())
+    largest = max((g for g in range(8, common + 1, 8) if common % g == 0), default=None)
+    fix = f"--group-size {largest} splits every one" if largest else "none of a multiple of 8 splits them all"
+    raise ValueError(
+        f"the inputs of {len(undivided)} projections of {source!r} do not split into groups of "
+        f"{group_size} (e.g. {undivided[0]}, {widths[undivided[0]]} inputs); {fix}"
+    )
 
 
 def _tensors(file: str) -> Iterator[tuple[str, np.ndarray]]:
