@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tpu_platform.speculation import MAX_SPECULATIVE_TOKENS, SpeculationConfig
-from tpu_platform.speculation.config import METHODS, MODEL_METHODS, MTP_ARCHITECTURES
+from tpu_platform.speculation.config import METHODS, MODEL_METHODS, MTP_ARCHITECTURES, QWEN_MTP_ARCHITECTURES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -74,9 +74,10 @@ def _unsupported_mtp(config: VllmConfig) -> str | None:
     architecture = (getattr(hf, "architectures", None) or ["?"])[0]
     if architecture not in MTP_ARCHITECTURES:
         return f"method='mtp' with {architecture} (no multi-token-prediction layer served)"
-    layers = getattr(hf, "num_nextn_predict_layers", 0) or 0
+    field = "mtp_num_hidden_layers" if architecture in QWEN_MTP_ARCHITECTURES else "num_nextn_predict_layers"
+    layers = getattr(hf, field, 0) or 0
     if layers != 1:
-        return f"method='mtp' on a checkpoint with num_nextn_predict_layers={layers}"
+        return f"method='mtp' on a checkpoint with {field}={layers}"
     return None
 
 

@@ -85,3 +85,44 @@ def save_tiny_qwen3_next(
                 p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def save_tiny_qwen3_next_mtp(path: str, *, seed: int = 0, architecture: str = "Qwen3NextForCausalLM") -> str:
+    """A tiny checkpoint of `architecture` with one multi-token-prediction layer (`mtp.*`, as
+    Qwen3-Next's and Qwen3.5's are stored). transformers drops MTP layers, so the layer's block
+    is saved as a fifth, full-attention decoder layer, then written back as `mtp.layers.0.*` with
+    the layer's own random tensors (`fc`, its three norms) and `mtp_num_hidden_layers: 1`."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    layers = FIELDS["num_hidden_layers"]
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    save_tiny_qwen3_next(
+        path, seed=seed, architecture=architecture, num_hidden_layers=layers + 1,
+        layer_types=[*types, "full_attention"],
+    )  # fmt: skip
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config.update(num_hidden_layers=layers, layer_types=types, mtp_num_hidden_layers=1)
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    file = os.path.join(path, "model.safetensors")
+    block = f"model.layers.{layers}."
+    tensors = {
+        ("mtp.layers.0." + k.removeprefix(block) if k.startswith(block) else k): v
+        for k, v in load_file(file).items()
+    }
+    generator = torch.Generator().manual_seed(seed + 1)
+    d = FIELDS["hidden_size"]
+    tensors.update({
+        "mtp.fc.weight": torch.randn(d, 2 * d, generator=generator) * 0.2,
+        **{
+            f"mtp.{norm}.weight": torch.randn(d, generator=generator) * 0.2
+            for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+        },
+    })  # fmt: skip
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path

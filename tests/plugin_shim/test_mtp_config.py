@@ -102,3 +102,19 @@ def test_our_check_names_a_target_without_one_mtp_layer(architecture, layers, na
         model_config=types.SimpleNamespace(hf_config=hf),
     )
     assert unsupported_speculation(config) == named
+
+
+@pytest.mark.parametrize(
+    ("layers", "named"), [(1, None), (2, "method='mtp' on a checkpoint with mtp_num_hidden_layers=2")]
+)
+def test_qwen3_next_counts_its_mtp_layers_by_its_own_field(layers, named):
+    """Qwen3-Next and Qwen3.5 name their MTP layers `mtp_num_hidden_layers` (and have no
+    `num_nextn_predict_layers`); their hybrid speculation is refused by a check of its own."""
+    hf = types.SimpleNamespace(architectures=["Qwen3NextForCausalLM"], mtp_num_hidden_layers=layers)
+    config = types.SimpleNamespace(
+        speculative_config=types.SimpleNamespace(method="mtp", num_speculative_tokens=2),
+        scheduler_config=types.SimpleNamespace(async_scheduling=False),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
+        model_config=types.SimpleNamespace(hf_config=hf),
+    )
+    assert unsupported_speculation(config) == named

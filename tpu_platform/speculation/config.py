@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from models.mtp import BLOCKS
+from models.qwen3_next_mtp import ARCHITECTURES as QWEN_MTP_ARCHITECTURES
 from tpu_platform.sampling import SamplingOptions
 
 # Methods built; vLLM's others (eagle, suffix, ...) are refused at start.
@@ -14,7 +15,7 @@ METHODS = ("ngram", "draft_model", "eagle3", "mtp")
 # the EAGLE-3 head's, or for 'mtp' the target's own (its multi-token-prediction layer).
 MODEL_METHODS = ("draft_model", "eagle3", "mtp")
 # Targets whose multi-token-prediction layer drafts for method 'mtp'.
-MTP_ARCHITECTURES = tuple(BLOCKS)
+MTP_ARCHITECTURES = (*BLOCKS, *QWEN_MTP_ARCHITECTURES)
 # Drafts per request per step: the verification's logits are `[max_num_seqs * (1 + k), V]`.
 MAX_SPECULATIVE_TOKENS = 8
 

@@ -107,13 +107,16 @@ def draft_caches(
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DraftCacheShape:
-    """What the draft loop needs of the cache: the static metadata of the draft's step program."""
+    """What the draft loop needs of the cache: the static metadata of the draft's step program.
+    `group`: the target's KV-cache group whose block tables and slots the drafter's cache uses
+    (a hybrid target's full-attention group; else its only one)."""
 
     backend: str
     kv_dtype: str
     num_pages: int
     caches_per_array: int
     mesh: Mesh | None = None  # the target's tensor-parallel mesh (None: one device)
+    group: int = 0
 
     @property
     def whole(self) -> jax.sharding.Sharding | None:

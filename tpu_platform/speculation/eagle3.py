@@ -63,7 +63,8 @@ def _drafts(head: Eagle3Head, hidden: jax.Array) -> jax.Array:
 def _metadata(shape: DraftCacheShape, **fields) -> tuple[int, AttentionMetadata]:
     md = AttentionMetadata(
         backend=shape.backend, kv_dtype=shape.kv_dtype, cache_pages=shape.num_pages,
-        caches_per_array=shape.caches_per_array, mesh=shape.mesh, **fields,
+        caches_per_array=shape.caches_per_array, mesh=shape.mesh,
+        layer_groups=(shape.group,) if shape.group else (), **fields,
     )  # fmt: skip
     return md.for_layer(0)
 
@@ -185,6 +186,8 @@ class Eagle3Proposer:
     """The head's weights, KV cache and programs (see the module docstring)."""
 
     method = "eagle3"
+    # The target's KV-cache group whose block tables the head's cache follows (`DraftCacheShape`).
+    cache_group = 0
 
     def __init__(
         self,
@@ -244,7 +247,12 @@ class Eagle3Proposer:
             self.model_config, 1, num_pages, page_size, kv_dtype, backend, device, self.mesh
         )
         self._shape = DraftCacheShape(
-            backend, kv_dtype.name, num_pages, caches_per_array(1, num_pages, page_size), self.mesh
+            backend,
+            kv_dtype.name,
+            num_pages,
+            caches_per_array(1, num_pages, page_size),
+            self.mesh,
+            self.cache_group,
         )
         self._pass, self._loop = make_head_programs(self._graphdef, self._state_def, self._shape)
         self._page_size, self._feed_width = page_size, feed_width
@@ -318,7 +326,7 @@ class Eagle3Proposer:
         positions = np.zeros(r_pad, np.int32)
         positions[:m] = length - 1
         pages = np.zeros((r_pad, table.block_table.shape[2]), np.int32)
-        pages[:m] = table.block_table[0, rows]
+        pages[:m] = table.block_table[self.cache_group, rows]
         num_seqs = np.array([m], np.int32)
         drafts, self.kv_caches = programs.call(
             ("eagle3_loop", r_pad, self.k),

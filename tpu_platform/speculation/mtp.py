@@ -6,7 +6,9 @@ It runs as the EAGLE-3 head does (`eagle3`: the same two programs, the pass over
 tokens shifted by one and the k - 1 single-token steps in one `jax.lax.scan`), reading the
 target's final hidden states, which every step already returns, instead of three layers' inputs.
 Its KV cache is one layer of the target's kind (DeepSeek's: the latent cache), as many pages as
-the target's, inside the same memory budget.
+the target's, inside the same memory budget. A hybrid target's (Qwen3-Next, Qwen3.5: its layer
+is a full-attention one, `models.qwen3_next_mtp`) follows the block tables of the target's
+full-attention layers' group.
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from jax.sharding import Mesh
 
 from models import ModelConfig, attach_rope_tables
 from models.mtp import MtpHead, load_mtp_head
+from models.qwen3_next import FULL_ATTENTION
+from models.qwen3_next_mtp import ARCHITECTURES as QWEN_ARCHITECTURES
+from models.qwen3_next_mtp import load_qwen_mtp_head
 from tpu_platform.speculation.eagle3 import Eagle3Proposer
+from tpu_platform.step_program import KVLayout
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,10 +55,24 @@ class MtpProposer(Eagle3Proposer):
         """The MTP layer of the target's checkpoint `path`, sharing `target_model`'s embedding, on
         `device` or split on the target's `mesh` as its decoder layers are; a checkpoint without
         one is refused by name (`models.mtp.load_mtp_head`)."""
-        head = load_mtp_head(path, target, dtype, 1 if mesh is None else mesh.size)
+        head = _load_head(path, target, target_model, dtype, 1 if mesh is None else mesh.size)
         head.share_embedding(target_model.model.embed_tokens.embedding[...])
         attach_rope_tables(head, max_model_len)
         return cls(MtpConfig(target, path), head, k, device, mesh)
+
+    def initialize(self, num_pages: int, *, num_groups: int, **facts) -> None:
+        """`Eagle3Proposer.initialize`; a hybrid target's layer takes the group of the target's
+        first full-attention layer (as vLLM's engine groups them: `KVLayout.for_model`)."""
+        if self.model_config.state_layers:
+            layout = KVLayout.for_model(self.model_config)
+            if layout.num_groups != num_groups:
+                raise ValueError(
+                    f"speculative method 'mtp' expects {layout.num_groups} KV-cache groups for "
+                    f"{self.model_config.architecture}, the engine made {num_groups}; use method 'ngram'"
+                )
+            self.cache_group = layout.layer_groups[self.model_config.layer_types.index(FULL_ATTENTION)]
+            num_groups = 1  # the head's cache follows that one group's tables
+        super().initialize(num_pages, num_groups=num_groups, **facts)
 
     def input_width(self) -> int:
         return self.model_config.hidden_size
@@ -60,3 +80,20 @@ class MtpProposer(Eagle3Proposer):
     def head_input(self, hidden: jax.Array, aux: tuple[jax.Array, ...]) -> jax.Array:
         """The target's final hidden states (after its norm), as vLLM hands them to the layer."""
         return hidden
+
+
+def _load_head(
+    path: str, target: ModelConfig, target_model: nnx.Module, dtype: jnp.dtype, tp_size: int
+) -> MtpHead:
+    """The family's MTP layer: Qwen3-Next's and Qwen3.5's (`mtp.*`, reading the target's LM head;
+    on one device) or DeepSeek-V3's and GLM-4.5's (`models.mtp`, for a mesh of `tp_size`)."""
+    if target.architecture not in QWEN_ARCHITECTURES:
+        return load_mtp_head(path, target, dtype, tp_size)
+    if tp_size > 1:
+        raise ValueError(
+            f"speculative method 'mtp' for {target.architecture} runs at tensor_parallel_size=1 only; "
+            "use tensor_parallel_size=1"
+        )
+    head = load_qwen_mtp_head(path, target, dtype)
+    head.share_lm_head(target_model)
+    return head
