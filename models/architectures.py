@@ -40,6 +40,9 @@ _MODEL_CLASSES: dict[str, str] = {
     "Qwen3NextForCausalLM": "models.qwen3_next:Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM": "models.qwen3_next:Qwen3NextForCausalLM",
     "Qwen3_5MoeForCausalLM": "models.qwen3_next:Qwen3NextForCausalLM",
+    # The text model only (the released checkpoints'): vLLM sees no multimodal model here.
+    "Qwen3_5ForConditionalGeneration": "models.qwen3_next:Qwen3NextForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "models.qwen3_next:Qwen3NextForCausalLM",
     # Served by a pooling engine only (`runner="pooling"`: vLLM resolves them to it).
     "LlamaForSequenceClassification": "models.sequence_classification:LlamaForSequenceClassification",
     "Qwen3ForSequenceClassification": "models.sequence_classification:Qwen3ForSequenceClassification",
@@ -61,6 +64,8 @@ _CONFIG_CLASSES: dict[str, str] = {
     "Qwen3NextForCausalLM": "models.qwen3_next:Qwen3NextConfig",
     "Qwen3_5ForCausalLM": "models.qwen3_next:Qwen3NextConfig",
     "Qwen3_5MoeForCausalLM": "models.qwen3_next:Qwen3NextConfig",
+    "Qwen3_5ForConditionalGeneration": "models.qwen3_next:Qwen3NextConfig",
+    "Qwen3_5MoeForConditionalGeneration": "models.qwen3_next:Qwen3NextConfig",
 }
 
 

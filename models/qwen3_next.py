@@ -15,7 +15,10 @@ always renormalizes the top-k weights.
   scaled by `sigmoid(shared_expert_gate(x))`; `mlp_only_layers` (or off the
   `decoder_sparse_step` grid) keep a dense MLP.
 
-The multi-token-prediction weights (`mtp.*`) are not served: skipped on load. A linear-attention
+The released Qwen3.5 checkpoints (`Qwen3_5ForConditionalGeneration`,
+`Qwen3_5MoeForConditionalGeneration`) serve their text model: `text_config` read, the vision
+tower (`model.visual.*`) not. The multi-token-prediction weights (`mtp.*`) are skipped on load
+unless speculation asks for them (`models.qwen3_next_mtp`). A linear-attention
 layer's cache is its pair of state pools (`GatedDeltaNet.allocate_state`); a full-attention
 layer's is a KV cache as usual.
 """
@@ -136,7 +139,9 @@ class Qwen3NextConfig(ModelConfig):
     def from_hf_dict(cls, hf: dict[str, Any]) -> Qwen3NextConfig:
         # `ModelConfig.from_hf_dict` builds `cls` with its own fields (a slots dataclass's
         # classmethod cannot use zero-argument super()).
-        moe_only = hf.get("architectures", [""])[0] == "Qwen3_5MoeForCausalLM"
+        if "text_config" in hf:  # Qwen3_5(Moe)ForConditionalGeneration: its text model's config
+            hf = {**hf["text_config"], "architectures": hf.get("architectures")}
+        moe_only = (hf.get("architectures") or [""])[0].startswith("Qwen3_5Moe")
         if moe_only:  # every layer routes, weights always normalized; no dense MLP size given
             hf = {**hf, "mlp_only_layers": [], "decoder_sparse_step": 1, "norm_topk_prob": True}
             hf.setdefault("intermediate_size", hf["moe_intermediate_size"])
@@ -263,6 +268,11 @@ class Qwen3NextDecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x), md), cache
 
 
+# A Qwen3_5(Moe)ForConditionalGeneration checkpoint: the text model's prefix, and the tower not read.
+_MULTIMODAL_TEXT = "model.language_model."
+_NOT_TEXT = ("model.visual.",)
+
+
 class Qwen3NextForCausalLM(CausalLM):
     hf_param_map = HF_PARAM_MAP
 
@@ -272,11 +282,16 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def checkpoint_tensors(self, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The checkpoint's tensors with Qwen3.5's `in_proj_qkv` as its q, k and v projections
-        (`gated_deltanet.split_qkv_tensor`; `models.loader.iter_parameters` calls it)."""
+        (`gated_deltanet.split_qkv_tensor`), a multimodal checkpoint's `model.language_model.`
+        read as `model.` and its vision tower skipped (`models.loader.iter_parameters` calls it)."""
         c = self.config
         keys = c.linear_num_key_heads * c.linear_key_head_dim
         widths = (keys, keys, c.linear_num_value_heads * c.linear_value_head_dim)
         for name, array in tensors:
+            if name.startswith(_NOT_TEXT):
+                continue
+            if name.startswith(_MULTIMODAL_TEXT):
+                name = "model." + name.removeprefix(_MULTIMODAL_TEXT)
             yield from split_qkv_tensor(name, array, widths)
 
     def skips_checkpoint_tensor(self, name: str) -> bool:

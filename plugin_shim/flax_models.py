@@ -59,7 +59,14 @@ class HybridFlaxModelPlaceholder(FlaxModelPlaceholder):
 # Built-in hybrids whose vLLM model module imports what this platform's install leaves out
 # (Qwen3.5's imports its vision model, which needs torchvision): vLLM's registry would fail to
 # inspect them, so a placeholder stands in for vLLM's class, which is never built here anyway.
-_HYBRID_PLACEHOLDERS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# The released checkpoints' multimodal classes are declared text-only so: their text model is
+# what this platform serves, and vLLM then refuses image and video inputs itself.
+_HYBRID_PLACEHOLDERS = (
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 
 
 def register_hybrid_placeholders() -> None:

@@ -75,14 +75,7 @@ def save_tiny_qwen3_next(
     config.architectures = [architecture]
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):  # decays between exp(-0.5) and exp(-4) a token at a = 0
-                p.copy_(torch.empty_like(p).uniform_(-1.0, 1.0))
-            elif p.dim() >= 2:
-                p.normal_(0.0, 0.3)
-            else:
-                p.add_(torch.randn_like(p) * 0.2)
+    _redraw(model)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -126,3 +119,52 @@ def save_tiny_qwen3_next_mtp(path: str, *, seed: int = 0, architecture: str = "Q
     })  # fmt: skip
     save_file(tensors, file, metadata={"format": "pt"})
     return path
+
+
+# multimodal architecture -> (transformers' vision and whole config classes, the text model's class)
+RELEASED = {
+    "Qwen3_5ForConditionalGeneration": ("Qwen3_5VisionConfig", "Qwen3_5Config", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": (
+        "Qwen3_5MoeVisionConfig",
+        "Qwen3_5MoeConfig",
+        "Qwen3_5MoeForCausalLM",
+    ),
+}
+
+
+def save_tiny_qwen3_5_multimodal(path: str, architecture: str, *, seed: int = 0) -> str:
+    """A random tiny Qwen3.5 text model (`tiny_qwen3_next`'s fields) under a small vision tower,
+    saved by transformers' multimodal class; norms and gates moved off their init."""
+    import torch
+    import transformers
+
+    vision_class, config_class, text_architecture = RELEASED[architecture]
+    text_class, fields = ARCHITECTURES[text_architecture]
+    text = getattr(transformers, text_class)(**fields)
+    vision = getattr(transformers, vision_class)(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=fields["hidden_size"]
+    )
+    config = getattr(transformers, config_class)(text_config=text.to_dict(), vision_config=vision.to_dict())
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).to(torch.float32)
+    _redraw(model)
+    os.makedirs(path, exist_ok=True)
+    save_tokenizer(path, vocab_size=fields["vocab_size"])
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _redraw(model) -> None:
+    """Weights re-drawn larger than HF's init so greedy text varies; norms and per-head scalars
+    moved off their init so a wrong mapping shows."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # decays between exp(-0.5) and exp(-4) a token at a = 0
+                p.copy_(torch.empty_like(p).uniform_(-1.0, 1.0))
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+            else:
+                p.add_(torch.randn_like(p) * 0.2)

@@ -17,22 +17,25 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from tests.greedy_reference import hf_greedy
-from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
+from tests.models.tiny_qwen3_next import RELEASED, save_tiny_qwen3_5_multimodal, save_tiny_qwen3_next
 
 pytestmark = pytest.mark.slow  # builds vllm.LLM
 
 NEW_TOKENS = 10
-# (architecture, seed): Qwen3-Next's two input projections and MoE, Qwen3.5's four and dense MLPs.
-_MODELS = [("Qwen3NextForCausalLM", 3), ("Qwen3_5ForCausalLM", 4)]
+# (architecture, seed): Qwen3-Next's two input projections and MoE, Qwen3.5's four and dense MLPs,
+# as released (its text model under a vision tower).
+_MODELS = [("Qwen3NextForCausalLM", 3), ("Qwen3_5ForConditionalGeneration", 4)]
 
 
 @pytest.fixture(scope="module", params=_MODELS, ids=[arch for arch, _ in _MODELS])
 def served(request, tmp_path_factory):
     """(engine, transformers model), one engine per architecture."""
     architecture, seed = request.param
-    path = save_tiny_qwen3_next(
-        str(tmp_path_factory.mktemp(architecture)), seed=seed, architecture=architecture
-    )
+    path = str(tmp_path_factory.mktemp(architecture))
+    if architecture in RELEASED:
+        save_tiny_qwen3_5_multimodal(path, architecture, seed=seed)
+    else:
+        save_tiny_qwen3_next(path, seed=seed, architecture=architecture)
     hf = getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32).eval()
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_XLA_STRICT_COMPILE", "1")

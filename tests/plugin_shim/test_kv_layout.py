@@ -114,6 +114,8 @@ _OWN_TINY = {
     # Served as its text model: the text model's layers.
     "Llama4ForConditionalGeneration": lambda: _tiny_config("Llama4ForCausalLM"),
     "Gemma4ForConditionalGeneration": lambda: _tiny_config("Gemma4ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": lambda: _tiny_hybrid("Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": lambda: _tiny_hybrid("Qwen3_5MoeForCausalLM"),
     **{arch: lambda arch=arch: _tiny_hybrid(arch) for arch in tiny_qwen3_next.ARCHITECTURES},
 }
 CONFIGS = {
