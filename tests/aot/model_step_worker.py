@@ -7,7 +7,8 @@ compiler and prints one JSON line: each case's fit and compiled programs.
 MODE `full`: every layer compiled (`tpu_platform.planner.kv.fit_kv_cache`: the runner's prefill and
 decode programs and its sampler). MODE `depth`: the model's first 2 and 4 layers compiled and the
 memory extrapolated (`tpu_platform.planner.depth.fit_by_depth`); `depth+full` also compiles the
-prefill and decode steps of every layer with the cache the extrapolation sized, to check it.
+prefill and decode steps of every layer with the cache the extrapolation sized, to check it, and
+`depth+full-decode` only the decode step's (on TPU the whole prefill takes several times as long).
 A case ending in `:int8` plans the model with int8 weights (`StepSetup(quantization="int8")`).
 Weights are abstract: nothing is allocated.
 
@@ -27,7 +28,10 @@ from tpu_platform.planner.plan import StepSetup, compile_forward, model_config
 DECODE_TOKENS = 64  # a decode batch of 64 sequences, one token each
 PREFILL_TOKENS = 2048  # one 2k-token prefill chunk
 MAX_MODEL_LEN = 2048
-MODES = ("full", "depth", "depth+full")
+# Per mode, the steps compiled with every layer beside the short programs.
+WHOLE_STEPS = {"depth": (), "depth+full": ("decode", "prefill"), "depth+full-decode": ("decode",)}
+MODES = ("full", *WHOLE_STEPS)
+STEP_TOKENS = {"decode": DECODE_TOKENS, "prefill": PREFILL_TOKENS}
 
 
 def setup_for(case: str, tp_size: int = 1) -> StepSetup:
@@ -50,9 +54,8 @@ def fit_case(mode: str, case: str) -> dict:
         "case": case, "mode": mode, "hbm_bytes": setup.compile_target.hbm_bytes, "backend": setup.backend,
         "num_layers": setup.config.num_layers, **fit.as_dict(),
     }  # fmt: skip
-    if mode == "depth+full" and fit.fits:  # the extrapolated cache, every layer compiled
-        for step, tokens in (("decode", DECODE_TOKENS), ("prefill", PREFILL_TOKENS)):
-            row[f"full_{step}"] = compile_forward(setup, fit.num_pages, tokens).as_dict()
+    for step in WHOLE_STEPS.get(mode, ()) if fit.fits else ():  # the extrapolated cache, every layer
+        row[f"full_{step}"] = compile_forward(setup, fit.num_pages, STEP_TOKENS[step]).as_dict()
     row["seconds"] = time.perf_counter() - start
     return row
 

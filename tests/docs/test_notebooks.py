@@ -19,6 +19,10 @@ nbformat = pytest.importorskip("nbformat")
 REPO = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((REPO / "examples").glob("*.ipynb"))
 CELL_TIMEOUT = 600  # seconds; a whole notebook is meant to take a few minutes on 2 cores
+# Runs `make test-full` takes: the serving notebook samples thousands of tokens from a 135M model
+# through vLLM (minutes on 2 cores); `make test` keeps the other notebooks' runs, the embedded
+# model's engine test (`tests/plugin_shim/test_embedded_model.py`) and every notebook's no-outputs check.
+FULL_ONLY = {"03_serving_experiments.ipynb"}
 
 
 def test_there_are_notebooks():
@@ -36,7 +40,10 @@ def test_notebook_is_committed_without_outputs(path: pathlib.Path):
 
 @pytest.mark.slow  # each notebook runs from a clean kernel
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, id=p.name, marks=[pytest.mark.full] if p.name in FULL_ONLY else []) for p in NOTEBOOKS],
+)
 def test_notebook_runs_from_a_clean_kernel(path: pathlib.Path, tmp_path: pathlib.Path, monkeypatch):
     notebook = nbformat.read(path, as_version=4)
     # The kernel process imports this checkout's packages, and writes what it writes in tmp_path.

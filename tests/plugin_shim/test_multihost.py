@@ -135,6 +135,7 @@ def test_a_host_that_never_joins_ends_the_other_within_the_timeout(model, tmp_pa
     assert f"waiting up to {LONE_TIMEOUT_S} s for every host to join" in text
 
 
+@pytest.mark.full  # two more hosts started; make test ends host 0 when host 1 dies mid-step
 def test_killing_host_0_ends_the_headless_host_within_the_timeout(model, tmp_path):
     """Host 1 idles between steps: JAX's coordination service (host 0's) stops answering, and
     after `--distributed-timeout-seconds` of silence host 1's worker is ended, then its host."""
