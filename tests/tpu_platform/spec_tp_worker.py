@@ -22,15 +22,11 @@ from flax import nnx
 from models.sharding import parameter_spec
 from tests.greedy_reference import hf_greedy
 from tests.models.tiny_checkpoints import prompts
-from tpu_platform.runner import Runner, RunnerConfig
-from tpu_platform.sampling import SamplingOptions
-from tpu_platform.speculation import SpeculationConfig
-from tpu_platform.step_update import CachedRequest, CachedRequests, NewRequest, StepUpdate
+from tests.speculation_driver import PROMPT_LEN, drive, speculating_runner
+from tpu_platform.runner import Runner
 
 K = 3
 TP = 2
-PROMPT_LEN = 20
-CHUNK = 12
 AUX = (0, 2, 3)
 VOCAB = 384  # the tiny Llama's and the tiny DeepSeek's
 
@@ -76,58 +72,14 @@ def checkpoints(method: str, root: str):
 
 
 def build_runner(method: str, target: str, drafter: str) -> Runner:
-    runner = Runner(
-        RunnerConfig(
-            model_path=target, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16, page_size=16,
-            native_dense=False, strict_compile=True, tensor_parallel_size=TP,
-            speculation=SpeculationConfig(num_tokens=K, method=method, draft_model=drafter),
-        )
-    )  # fmt: skip
-    runner.load_model()
-    runner.initialize_kv_cache(num_pages=8)
-    runner.warm_up(sorted({runner.buckets.shape_for(n, 1) for n in (CHUNK, PROMPT_LEN - CHUNK, 1 + K)}))
-    return runner
+    return speculating_runner(target, method, drafter, K, tensor_parallel_size=TP)
 
 
-def step(runner: Runner, num_tokens: int, *, new=None, computed=0, outputs=0, drafts=None):
-    cached = [] if new else [CachedRequest("a", None, False, computed, outputs)]
-    runner.execute(
-        StepUpdate(
-            new_requests=[new] if new else [],
-            cached=CachedRequests.of(cached),
-            finished_req_ids=set(),
-            num_scheduled_tokens={"a": num_tokens},
-            spec_tokens={"a": drafts} if drafts else {},
-        )
-    )
-    result = runner.sample()
-    proposed = runner.speculation.propose(runner.table, result.req_ids, result.sampled_token_ids)
-    return result.sampled_token_ids[0], proposed[0]
-
-
-def drive(runner: Runner, target, reference) -> dict:
+def drive_request(runner: Runner, target, reference) -> dict:
     """The request's steps: each one's output and drafts beside the references'."""
     (prompt,) = prompts([PROMPT_LEN], seed=5)
-    record = {"outputs": [], "greedy": [], "drafts": [], "reference_drafts": []}
-    step(runner, CHUNK, new=NewRequest("a", prompt, [[1, 2, 3, 4]], 0, SamplingOptions(temperature=0.0)))
-    out, drafts = step(runner, PROMPT_LEN - CHUNK, computed=CHUNK)
-    history = [*prompt, *out]
-    record["outputs"].append(out)
-    record["greedy"].append(hf_greedy(target, prompt, 1))
-    for keep in (None, K, 1, 2):
-        record["drafts"].append(drafts)
-        record["reference_drafts"].append(reference(history))
-        expected = hf_greedy(target, history, K + 1)
-        if keep is not None:
-            drafts = [*expected[:keep], *[(t + 1) % VOCAB for t in expected[keep:K]]]
-        kept = next((i for i in range(K) if drafts[i] != expected[i]), K)
-        computed, outputs = len(history) - 1, len(history) - PROMPT_LEN
-        out, drafts = step(runner, 1 + K, computed=computed, outputs=outputs, drafts=drafts)
-        record["outputs"].append(out)
-        record["greedy"].append(expected[: kept + 1])
-        history += out
-    record["drafts"].append(drafts)
-    record["reference_drafts"].append(reference(history))
+    record = drive(runner, target, reference, prompt, K, keeps=(None, K, 1, 2), vocab=VOCAB)
+    record.pop("partial")
     return record
 
 
@@ -154,7 +106,7 @@ def placements(runner: Runner) -> dict:
 def main(method: str, root: str, out_path: str) -> None:
     target_dir, drafter_dir, target, reference = checkpoints(method, root)
     runner = build_runner(method, target_dir, drafter_dir)
-    result = drive(runner, target, reference)
+    result = drive_request(runner, target, reference)
     result.update(placements(runner))
     result["compiles_after_warmup"] = runner.programs.compiles_after_warmup
     result["stats"] = {

@@ -19,19 +19,15 @@ from transformers import LlamaForCausalLM
 from models.config import ModelConfig
 from models.eagle3 import Eagle3Config, default_aux_layers
 from tests.eagle3_reference import Eagle3Reference
-from tests.greedy_reference import hf_greedy
 from tests.models.tiny_checkpoints import prompts
+from tests.speculation_driver import CHUNK, PROMPT_LEN, drive, speculating_runner
 from tests.speculation_statistics import check_follows_target
 from tests.tiny_models import save_tiny_eagle3_head, save_tiny_llama
-from tpu_platform.runner import Runner, RunnerConfig
 from tpu_platform.sampling import SamplingOptions
-from tpu_platform.speculation import SpeculationConfig
-from tpu_platform.step_update import CachedRequest, CachedRequests, NewRequest, StepUpdate
+from tpu_platform.step_update import CachedRequests, NewRequest, StepUpdate
 
 K = 3
 GREEDY = SamplingOptions(temperature=0.0)
-PROMPT_LEN = 20
-CHUNK = 12
 AUX = (0, 2, 3)
 
 
@@ -47,34 +43,7 @@ def dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runner(dirs):
     target, head = dirs
-    runner = Runner(
-        RunnerConfig(
-            model_path=target, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, page_size=16,
-            native_dense=False, strict_compile=True,
-            speculation=SpeculationConfig(num_tokens=K, method="eagle3", draft_model=head),
-        )
-    )  # fmt: skip
-    runner.load_model()
-    runner.initialize_kv_cache(num_pages=8)
-    shapes = {runner.buckets.shape_for(n, 1) for n in (CHUNK, PROMPT_LEN - CHUNK, 1 + K)}
-    runner.warm_up(sorted(shapes))
-    return runner
-
-
-def _step(runner, num_tokens, *, new=None, computed=0, outputs=0, drafts=None):
-    cached = [] if new else [CachedRequest("a", None, False, computed, outputs)]
-    runner.execute(
-        StepUpdate(
-            new_requests=[new] if new else [],
-            cached=CachedRequests.of(cached),
-            finished_req_ids=set(),
-            num_scheduled_tokens={"a": num_tokens},
-            spec_tokens={"a": drafts} if drafts else {},
-        )
-    )
-    result = runner.sample()
-    proposed = runner.speculation.propose(runner.table, result.req_ids, result.sampled_token_ids)
-    return result.sampled_token_ids[0], proposed[0]
+    return speculating_runner(target, "eagle3", head, K, max_num_seqs=2, max_num_batched_tokens=32)
 
 
 @pytest.mark.slow  # two programs a step shape built and run: about a minute
@@ -83,25 +52,20 @@ def test_the_head_proposes_what_the_reference_head_does_through_verification(run
     target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     reference = Eagle3Reference(head_dir, target, AUX)
     (prompt,) = prompts([PROMPT_LEN], seed=5)
-    new = NewRequest("a", prompt, [[1, 2, 3, 4]], 0, GREEDY)
-    out, drafts = _step(runner, CHUNK, new=new)
-    assert out == [] and drafts == []  # a partial prefill chunk: the head's pass only
-    out, drafts = _step(runner, PROMPT_LEN - CHUNK, computed=CHUNK)
-    history = [*prompt, *out]
-    assert out == hf_greedy(target, prompt, 1)
-    assert drafts == reference.drafts(history, K)
     # The head's own drafts first, then drafts made to keep 3, 1 and 2 tokens (a random head's
     # are rarely kept): the head proposes from the right cache entries whatever was kept.
-    for keep in (None, K, 1, 2):
-        expected = hf_greedy(target, history, K + 1)
-        if keep is not None:
-            drafts = [*expected[:keep], *[(t + 1) % 384 for t in expected[keep:K]]]
-        kept = next((i for i in range(K) if drafts[i] != expected[i]), K)
-        computed, outputs = len(history) - 1, len(history) - PROMPT_LEN
-        out, drafts = _step(runner, 1 + K, computed=computed, outputs=outputs, drafts=drafts)
-        assert out == expected[: kept + 1]  # the target's greedy tokens, however many drafts held
-        history += out
-        assert drafts == reference.drafts(history, K)
+    record = drive(
+        runner,
+        target,
+        lambda history: reference.drafts(history, K),
+        prompt,
+        K,
+        keeps=(None, K, 1, 2),
+        vocab=384,
+    )
+    assert record["partial"] == ([], [])  # a partial prefill chunk: the head's pass only
+    assert record["outputs"] == record["greedy"]  # the target's greedy tokens, however many drafts held
+    assert record["drafts"] == record["reference_drafts"]
     assert runner.speculation.stats.draft_tokens == 4 * K
     assert runner.speculation.stats.accepted_tokens >= K + 1 + 2
     assert runner.programs.compiles_after_warmup == 0

@@ -13,21 +13,14 @@ import pytest
 import torch
 from transformers import Qwen3NextForCausalLM
 
-from tests.greedy_reference import hf_greedy
-from tests.models.tiny_checkpoints import prompts
+from tests.models.tiny_checkpoints import VOCAB, prompts
 from tests.models.tiny_qwen3_next import save_tiny_qwen3_next_mtp
 from tests.qwen_mtp_reference import QwenMtpReference
-from tpu_platform.runner import Runner, RunnerConfig
-from tpu_platform.sampling import SamplingOptions
-from tpu_platform.speculation import SpeculationConfig
-from tpu_platform.step_update import CachedRequest, CachedRequests, NewRequest, StepUpdate
+from tests.speculation_driver import PROMPT_LEN, drive, speculating_runner
 
 pytestmark = pytest.mark.slow  # a hybrid target's programs, and the layer's two a step shape
 
 K = 2
-GREEDY = SamplingOptions(temperature=0.0)
-PROMPT_LEN = 20
-CHUNK = 12
 
 
 @pytest.fixture(scope="module")
@@ -37,42 +30,18 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runner(checkpoint):
-    runner = Runner(
-        RunnerConfig(
-            model_path=checkpoint, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16, page_size=16,
-            native_dense=False, strict_compile=True,
-            speculation=SpeculationConfig(num_tokens=K, method="mtp", draft_model=checkpoint),
-        )
-    )  # fmt: skip
-    runner.load_model()
-    # The engine's grouping of 3 linear-attention layers and 1 full one: a group each; a request's
-    # blocks in the full group are its KV pages, in the others its state slot.
-    runner.initialize_kv_cache(num_pages=16, layout=_layout(runner))
-    shapes = {runner.buckets.shape_for(n, 1) for n in (CHUNK, PROMPT_LEN - CHUNK, 1 + K)}
-    runner.warm_up(sorted(shapes))
-    return runner
-
-
-def _layout(runner):
     from tpu_platform.step_program import KVLayout
 
-    return KVLayout.for_model(runner.model_config)
-
-
-def _step(runner, num_tokens, *, new=None, computed=0, outputs=0, drafts=None):
-    cached = [] if new else [CachedRequest("a", None, False, computed, outputs)]
-    runner.execute(
-        StepUpdate(
-            new_requests=[new] if new else [],
-            cached=CachedRequests.of(cached),
-            finished_req_ids=set(),
-            num_scheduled_tokens={"a": num_tokens},
-            spec_tokens={"a": drafts} if drafts else {},
-        )
+    # The engine's grouping of 3 linear-attention layers and 1 full one: a group each; a request's
+    # blocks in the full group are its KV pages, in the others its state slot.
+    return speculating_runner(
+        checkpoint,
+        "mtp",
+        checkpoint,
+        K,
+        num_pages=16,
+        layout=lambda runner: KVLayout.for_model(runner.model_config),
     )
-    result = runner.sample()
-    proposed = runner.speculation.propose(runner.table, result.req_ids, result.sampled_token_ids)
-    return result.sampled_token_ids[0], proposed[0]
 
 
 def test_the_layer_proposes_what_the_reference_does_through_verification(runner, checkpoint):
@@ -85,19 +54,12 @@ def test_the_layer_proposes_what_the_reference_does_through_verification(runner,
     (prompt,) = prompts([PROMPT_LEN], seed=6)
     # Block 0 of every group: the full group's first KV page, each state group's slot.
     blocks = [[1 + g, 5 + g, 9 + g] if g == 3 else [1 + g] for g in range(4)]
-    new = NewRequest("a", prompt, blocks, 0, GREEDY)
-    out, drafts = _step(runner, CHUNK, new=new)
-    assert out == [] and drafts == []  # a partial prefill chunk: the layer's pass only
-    out, drafts = _step(runner, PROMPT_LEN - CHUNK, computed=CHUNK)
-    history = [*prompt, *out]
-    assert out == hf_greedy(target, prompt, 1)
-    assert drafts == reference.drafts(history, K)
-    for _ in range(3):
-        expected = hf_greedy(target, history, K + 1)
-        computed, outputs = len(history) - 1, len(history) - PROMPT_LEN
-        out, drafts = _step(runner, 1 + K, computed=computed, outputs=outputs, drafts=expected[:K])
-        assert out == expected  # every draft kept, and the target's next token
-        history += out
-        assert drafts == reference.drafts(history, K)
+    record = drive(
+        runner, target, lambda history: reference.drafts(history, K), prompt, K, keeps=(K, K, K),
+        vocab=VOCAB, blocks=blocks,
+    )  # fmt: skip
+    assert record["partial"] == ([], [])  # a partial prefill chunk: the layer's pass only
+    assert record["outputs"] == record["greedy"]  # every draft kept, and the target's next token
+    assert record["drafts"] == record["reference_drafts"]
     assert runner.speculation.stats.accepted_tokens == 3 * K
     assert runner.programs.compiles_after_warmup == 0
