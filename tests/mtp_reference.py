@@ -24,7 +24,30 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-class MtpReference:
+class GreedyDrafts:
+    """An MTP reference's greedy drafts, from its `layer(tokens, hidden)`, `logits(h)` and
+    `recycled(h)` (what the next step reads of `h'`), over its `target`'s hidden states."""
+
+    @torch.no_grad()
+    def target_hidden(self, tokens: list[int]) -> torch.Tensor:
+        """The target's final hidden states (after its norm) at every position of `tokens`."""
+        return self.target.model(torch.tensor([tokens])).last_hidden_state[0]
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        """The layer's k greedy drafts after `tokens` (the request's whole history)."""
+        hidden = self.target_hidden(tokens)[:-1]  # positions 0..L-2
+        inputs = list(tokens[1:])  # position p reads the token at p + 1
+        drafts = []
+        for _ in range(k):
+            h = self.layer(inputs, hidden)
+            drafts.append(int(self.logits(h[-1]).argmax()))
+            inputs.append(drafts[-1])
+            hidden = torch.cat([hidden, self.recycled(h[-1:])], 0)
+        return drafts
+
+
+class MtpReference(GreedyDrafts):
     """The MTP layer of the checkpoint at `path`; `target`: transformers' model of it."""
 
     def __init__(self, path: str, target):
@@ -70,20 +93,5 @@ class MtpReference:
     def normed(self, h: torch.Tensor) -> torch.Tensor:
         return _rms(h, self.w["shared_head.norm.weight"], self.eps)
 
-    @torch.no_grad()
-    def target_hidden(self, tokens: list[int]) -> torch.Tensor:
-        """The target's final hidden states (after its norm) at every position of `tokens`."""
-        return self.target.model(torch.tensor([tokens])).last_hidden_state[0]
-
-    @torch.no_grad()
-    def drafts(self, tokens: list[int], k: int) -> list[int]:
-        """The layer's k greedy drafts after `tokens` (the request's whole history)."""
-        hidden = self.target_hidden(tokens)[:-1]  # positions 0..L-2
-        inputs = list(tokens[1:])  # position p reads the token at p + 1
-        drafts = []
-        for _ in range(k):
-            h = self.layer(inputs, hidden)
-            drafts.append(int(self.logits(h[-1]).argmax()))
-            inputs.append(drafts[-1])
-            hidden = torch.cat([hidden, self.normed(h[-1:]) if self.recycle_normed else h[-1:]], 0)
-        return drafts
+    def recycled(self, h: torch.Tensor) -> torch.Tensor:
+        return self.normed(h) if self.recycle_normed else h

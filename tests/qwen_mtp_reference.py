@@ -18,6 +18,8 @@ import os
 import torch
 from safetensors.torch import load_file
 
+from tests.mtp_reference import GreedyDrafts
+
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight)
@@ -37,7 +39,7 @@ def _stacked_experts(block: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-class QwenMtpReference:
+class QwenMtpReference(GreedyDrafts):
     """The MTP layer of the checkpoint at `path`; `target`: transformers' model of it."""
 
     def __init__(self, path: str, target):
@@ -80,20 +82,5 @@ class QwenMtpReference:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.target.lm_head(h)
 
-    @torch.no_grad()
-    def target_hidden(self, tokens: list[int]) -> torch.Tensor:
-        """The target's final hidden states (after its norm) at every position of `tokens`."""
-        return self.target.model(torch.tensor([tokens])).last_hidden_state[0]
-
-    @torch.no_grad()
-    def drafts(self, tokens: list[int], k: int) -> list[int]:
-        """The layer's k greedy drafts after `tokens` (the request's whole history)."""
-        hidden = self.target_hidden(tokens)[:-1]  # positions 0..L-2
-        inputs = list(tokens[1:])  # position p reads the token at p + 1
-        drafts = []
-        for _ in range(k):
-            h = self.layer(inputs, hidden)
-            drafts.append(int(self.logits(h[-1]).argmax()))
-            inputs.append(drafts[-1])
-            hidden = torch.cat([hidden, h[-1:]], 0)
-        return drafts
+    def recycled(self, h: torch.Tensor) -> torch.Tensor:
+        return h

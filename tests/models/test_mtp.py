@@ -78,7 +78,7 @@ def test_the_layer_computes_vllms_formula(checkpoints, target):
     out, logits = _prefill(head, config, tokens, hidden.numpy())
     expected = reference.layer(tokens, hidden)
     # What the next step reads: DeepSeek's output after `shared_head.norm`, GLM's before it.
-    recycled = reference.normed(expected) if reference.recycle_normed else expected
+    recycled = reference.recycled(expected)
     np.testing.assert_allclose(out, recycled.numpy(), atol=2e-4, rtol=2e-4)
     np.testing.assert_allclose(logits, reference.logits(expected).numpy(), atol=2e-3, rtol=2e-4)
     assert np.abs(out[0]).max() > 0  # position 0 reads only the hidden state, not nothing
