@@ -37,7 +37,7 @@ def checkpoints(tmp_path_factory):
     }
 
 
-def _prefill(head, config, tokens: list[int], hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def prefill_head(head, config, tokens: list[int], hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The head over one sequence from position 0 (pages out of order): its outputs and logits."""
     n = len(tokens)
     pages = list(range(1, 1 + -(-n // PAGE)))[::-1]
@@ -51,8 +51,9 @@ def _prefill(head, config, tokens: list[int], hidden: np.ndarray) -> tuple[np.nd
         backend="xla",
     )
     (cache,) = caches(config, num_pages=8)[:1]
+    combine = getattr(head, "combine", lambda h: h)  # a Qwen head reads them as they are
     out, _ = head(
-        jnp.asarray(tokens, jnp.int32), head.combine(jnp.asarray(hidden)), jnp.asarray(positions), cache, md
+        jnp.asarray(tokens, jnp.int32), combine(jnp.asarray(hidden)), jnp.asarray(positions), cache, md
     )
     return np.asarray(out), np.asarray(head.draft_logits(out))
 
@@ -75,7 +76,7 @@ def test_the_layer_computes_vllms_formula(checkpoints, target):
     (history,) = prompts([LENGTH + 1], seed=9)
     hidden = reference.target_hidden(history)[:-1]  # position p: the target's state at p ...
     tokens = history[1:]  # ... and the token at p + 1
-    out, logits = _prefill(head, config, tokens, hidden.numpy())
+    out, logits = prefill_head(head, config, tokens, hidden.numpy())
     expected = reference.layer(tokens, hidden)
     # What the next step reads: DeepSeek's output after `shared_head.norm`, GLM's before it.
     recycled = reference.recycled(expected)
@@ -124,6 +125,8 @@ def test_an_fp8_checkpoints_layer_loads_as_it_is(tmp_path):
     assert heads[0].block.self_attn.kv_b_proj.kernel[...].dtype == FP8_DTYPE
     (history,) = prompts([LENGTH + 1], seed=3)
     hidden = np.random.default_rng(1).normal(size=(LENGTH, config.hidden_size)).astype(np.float32)
-    (got, got_logits), (expected, expected_logits) = [_prefill(h, config, history[1:], hidden) for h in heads]
+    (got, got_logits), (expected, expected_logits) = [
+        prefill_head(h, config, history[1:], hidden) for h in heads
+    ]
     np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
     np.testing.assert_allclose(got_logits, expected_logits, atol=2e-3, rtol=2e-4)

@@ -13,32 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from models import AttentionMetadata, load_model
+from models import load_model
 from models.qwen3_next_mtp import load_qwen_mtp_head
-from pallas_kernels import allocate_kv_cache
-from tests.models.tiny_checkpoints import PAGE, prompts
+from tests.models.test_mtp import prefill_head
+from tests.models.tiny_checkpoints import prompts
 from tests.models.tiny_qwen3_next import save_tiny_qwen3_next, save_tiny_qwen3_next_mtp
 from tests.qwen_mtp_reference import QwenMtpReference
 
 LENGTH = 21
-
-
-def _prefill(head, config, tokens: list[int], hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The head over one sequence from position 0 (pages out of order): its outputs and logits."""
-    n = len(tokens)
-    pages = list(range(1, 1 + -(-n // PAGE)))[::-1]
-    positions = np.arange(n)
-    md = AttentionMetadata(
-        slot_mapping=jnp.asarray(np.asarray(pages)[positions // PAGE] * PAGE + positions % PAGE, jnp.int32),
-        kv_lens=jnp.asarray([n], jnp.int32),
-        page_indices=jnp.asarray([pages], jnp.int32),
-        cu_q_lens=jnp.asarray([0, n], jnp.int32),
-        num_seqs=jnp.asarray([1], jnp.int32),
-        backend="xla",
-    )
-    cache = allocate_kv_cache(8, PAGE, config.num_kv_heads, config.head_dim, jnp.float32, backend="xla")
-    out, _ = head(jnp.asarray(tokens, jnp.int32), jnp.asarray(hidden), jnp.asarray(positions), cache, md)
-    return np.asarray(out), np.asarray(head.draft_logits(out))
 
 
 @pytest.mark.parametrize(
@@ -61,7 +43,7 @@ def test_the_layer_computes_vllms_formula(tmp_path, architecture):
     (history,) = prompts([LENGTH + 1], seed=9)
     hidden = reference.target_hidden(history)[:-1]  # position p: the target's state at p ...
     tokens = history[1:]  # ... and the token at p + 1
-    out, logits = _prefill(head, config, tokens, hidden.numpy())
+    out, logits = prefill_head(head, config, tokens, hidden.numpy())
     expected = reference.layer(tokens, hidden)
     np.testing.assert_allclose(out, expected.numpy(), atol=2e-4, rtol=2e-4)
     np.testing.assert_allclose(logits, reference.logits(expected).numpy(), atol=2e-3, rtol=2e-4)
