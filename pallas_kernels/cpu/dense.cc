@@ -78,13 +78,6 @@ bool AmxUsable() {
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-// Whether this CPU has AVX-512 BF16 and the operating system saves the AVX-512 state.
-bool Avx512Bf16Usable() {
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return false;
-  return CpuidLeaf7(1, 0) & (1u << 5);  // leaf 7, subleaf 1, EAX bit 5: AVX512_BF16
-}
-
 // Stores accumulator tile `tile` (a literal: tile registers are named in the instruction) at rows
 // [row, row + 16) of column block `block`, through a scratch tile when some rows lie past M.
 #define VLLM_XLA_STORE_TILE(tile, row, block)                        \
@@ -206,7 +199,7 @@ struct VectorProblem : VectorOperands {
 
 // Whether this process may run the `isa` path, probed once.
 bool IsaUsable(DenseIsa isa) {
-  static const bool amx = AmxUsable(), vector = Avx512Bf16Usable(), avx2 = Avx2Usable();
+  static const bool amx = AmxUsable(), vector = vllm_xla::Avx512Bf16Usable(), avx2 = Avx2Usable();
   return (isa == kAmx && amx) || (isa == kAvx512Bf16 && vector) || (isa == kAvx2 && avx2);
 }
 

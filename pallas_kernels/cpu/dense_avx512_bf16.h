@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // The AVX-512 BF16 register block of the bfloat16 dense kernel (dense.cc), shared with the int8
-// kernel (dense_int8.cc), which widens its int8 panels to this layout once for many rows.
+// and int4 kernels (dense_int8.cc, dense_int4_pairs.h), which widen their panels to this layout
+// once for many rows; the CPU probe and the aligned scratch they share.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <new>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -15,6 +17,32 @@ constexpr int kBf16VectorRows = 6;    // rows of x in a register block
 constexpr int kBf16VectorBlocks = 4;  // 16-column blocks in a register block: 24 accumulators
 
 #define VLLM_XLA_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+// Whether this CPU has AVX-512 BF16 (leaf 7, subleaf 1, EAX bit 5) besides AVX-512 F and BW, and
+// the operating system saves the AVX-512 state.
+inline bool Avx512Bf16Usable() {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return false;
+  unsigned eax, ebx, ecx, edx;
+  __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(1));
+  return eax & (1u << 5);
+}
+
+// Scratch for a work item's widened panels: 64-byte aligned, so that each 64-byte row the register
+// blocks load is one cache line (a split load costs two), and left uninitialized (every value is
+// written before it is read).
+class AlignedPairs {
+ public:
+  explicit AlignedPairs(int64_t values)
+      : data_(static_cast<uint16_t*>(::operator new(values * sizeof(uint16_t), std::align_val_t{64}))) {}
+  ~AlignedPairs() { ::operator delete(data_, std::align_val_t{64}); }
+  AlignedPairs(const AlignedPairs&) = delete;
+  AlignedPairs& operator=(const AlignedPairs&) = delete;
+  uint16_t* data() const { return data_; }
+
+ private:
+  uint16_t* data_;
+};
 
 // y[0 : R, 0 : 16 C] (row stride `y_stride`) = x[0 : R, 0 : K] (bfloat16, row stride K) @ C
 // column panels [K/2, 16, 2] (bfloat16 pairs, `panel` uint16 values apart), accumulated over all

@@ -33,6 +33,11 @@
 //   registers (a shift, an AND and a convert) against x in float32: the float product.
 // - both, above `kWidenAheadAbove` rows: each panel dequantized once per chunk of rows to float32
 //   [K, 16] (u s + m - 8 s), the rows then on the float32 kernel's 6x16 register blocks.
+// - "avx512_bf16" (the default for bfloat16 x where the CPU has AVX-512 BF16): as "avx2" up to
+//   `kWidenAheadAbove` rows; above, each panel of a work item dequantized once to q s + m in
+//   bfloat16 and every row on the bfloat16 kernel's VDPBF16PS blocks (dense_int4_pairs.h): the
+//   one error next to the float product is the weights' rounding to bfloat16 (at most 2^-8 of
+//   each |x w| term). Float32 x takes "avx2_float".
 // - "portable": plain C++ (vectorized by the compiler), the float product, on any CPU.
 //
 // Work items are runs of 16-column blocks (`RunOverColumnBlocks`), walked in register blocks of a
@@ -48,6 +53,7 @@
 #include <immintrin.h>
 
 #include "dense_f32_block.h"
+#include "dense_int4_pairs.h"
 #endif
 
 #include "dense_blocks.h"
@@ -58,7 +64,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 // The `isa` attribute: which path runs (the codes of `DENSE_INT4_ISAS` in build.py).
-enum Int4Isa : int32_t { kBestIsa = 0, kAvx2 = 1, kPortable = 2, kAvx2Float = 3 };
+enum Int4Isa : int32_t { kBestIsa = 0, kAvx2 = 1, kPortable = 2, kAvx2Float = 3, kAvx512Bf16 = 4 };
 
 using vllm_xla::Item;
 using vllm_xla::WalkRegisterBlocks;
@@ -355,22 +361,48 @@ struct Avx2Int4 : Int4Problem {
                        });
   }
 };
+
+// Many rows of bfloat16 x on AVX-512 BF16: the item's panels dequantized once to bfloat16 pairs
+// (sized so that they stay in L2), then every row on the bfloat16 kernel's register blocks.
+struct Avx512Bf16Int4 : Int4Problem {
+  const uint16_t* x_bits;  // [M, K] bfloat16
+
+  void Run(const Item& item) const {
+    const int64_t panel = K * kCols;
+    const vllm_xla::AlignedPairs pairs((item.end_block - item.first_block) * panel);
+    for (int64_t block = item.first_block; block < item.end_block; ++block) {
+      const int64_t column = block * kCols;
+      vllm_xla::WidenInt4PanelToPairs(w + block * (K / kWordDepth) * kCols, K, group, scale + column,
+                                      offset != nullptr ? offset + column : nullptr, N,
+                                      pairs.data() + (block - item.first_block) * panel);
+    }
+    WalkRegisterBlocks(item, M, K * sizeof(uint16_t), vllm_xla::kBf16VectorRows, vllm_xla::kBf16VectorBlocks,
+                       [&](int64_t row, int rows, int64_t block, int blocks) {
+                         const uint16_t* widened = pairs.data() + (block - item.first_block) * panel;
+                         vllm_xla::Bf16VectorBlockFor(rows, blocks)(x_bits + row * K, widened, panel, K,
+                                                                     y + row * N + block * kCols, N);
+                       });
+  }
+};
 #endif
 
 // Whether this process may run the `isa` path, probed once.
 bool IsaUsable(Int4Isa isa) {
 #if defined(__x86_64__)
-  static const bool avx2 = vllm_xla::Avx2Usable();
+  static const bool avx2 = vllm_xla::Avx2Usable(), bf16 = avx2 && vllm_xla::Avx512Bf16Usable();
   if (isa == kAvx2 || isa == kAvx2Float) return avx2;
+  if (isa == kAvx512Bf16) return bf16;
 #endif
   return isa == kPortable;
 }
 
 // The path an unforced call takes: integer products for bfloat16 x (their 16-bit fixed point is
-// finer than x's own rounding; float32 x asks for more, so it keeps the float product).
+// finer than x's own rounding; float32 x asks for more, so it keeps the float product), and for
+// many rows of it VDPBF16PS where the CPU has it.
 Int4Isa BestIsa(ffi::DataType type) {
   if (!IsaUsable(kAvx2)) return kPortable;
-  return type == ffi::DataType::BF16 ? kAvx2 : kAvx2Float;
+  if (type != ffi::DataType::BF16) return kAvx2Float;
+  return IsaUsable(kAvx512Bf16) ? kAvx512Bf16 : kAvx2;
 }
 
 // x's first M rows as float32 (bfloat16 values are the high halves of float32s).
@@ -388,7 +420,9 @@ const float* FloatRows(const ffi::AnyBuffer& x, int64_t M, int64_t K, std::vecto
 // Each row's sums of x over its groups of `group` k: [M, K / group].
 std::vector<float> GroupSums(const float* x, int64_t M, int64_t K, int64_t group) {
   std::vector<float> sums(M * (K / group), 0.0f);
-  for (int64_t i = 0; i < M * K; ++i) sums[i / group] += x[i];
+  for (int64_t g = 0; g < M * (K / group); ++g) {
+    for (int64_t k = g * group; k < (g + 1) * group; ++k) sums[g] += x[k];
+  }
   return sums;
 }
 
@@ -428,6 +462,20 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   const int64_t M = RowsToMultiply(x, xd[0], K);
   std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
   if (M == 0) return ffi::Error::Success();
+  if (run == kAvx512Bf16 && (type != ffi::DataType::BF16 || M <= kWidenAheadAbove)) {
+    run = type == ffi::DataType::BF16 ? kAvx2 : kAvx2Float;  // a few rows: unpacked in registers
+  }
+  const float* offsets = offset.element_count() > 0 ? offset.typed_data() : nullptr;
+#if defined(__x86_64__)
+  if (run == kAvx512Bf16) {  // x as it is: neither float32 rows nor their group sums
+    const Int4Problem operands{nullptr, w.typed_data(), scale.typed_data(), offsets, nullptr, y->typed_data(),
+                               M,       K,            N,                  group,   nullptr};
+    const Avx512Bf16Int4 widened{operands, reinterpret_cast<const uint16_t*>(x.untyped_data())};
+    const int64_t cached = vllm_xla::CachedBlocks(K, sizeof(uint16_t));  // in L2 as bfloat16
+    vllm_xla::RunOverColumnBlocks(widened, N / kCols, std::max<int64_t>(vllm_xla::kBf16VectorBlocks, cached), pool);
+    return ffi::Error::Success();
+  }
+#endif
   std::vector<float> wide;
   const float* rows = FloatRows(x, M, K, wide);
   const std::vector<float> sums = GroupSums(rows, M, K, group);
@@ -435,7 +483,6 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   // Not finite values (the float product carries them as it would) or rows too small for the fixed
   // point: the float path.
   const bool integer = run == kAvx2 && M <= kWidenAheadAbove && fixed.Quantize(rows, M, K);
-  const float* offsets = offset.element_count() > 0 ? offset.typed_data() : nullptr;
   const Int4Problem problem{rows, w.typed_data(), scale.typed_data(), offsets, sums.data(), y->typed_data(),
                             M,    K,            N,                  group,        integer ? &fixed : nullptr};
   const int64_t max_blocks = std::max<int64_t>(2, vllm_xla::CachedBlocks(K, sizeof(float)));
@@ -452,10 +499,10 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
 }  // namespace
 
 // The int4 dense paths this process may run, as a bit mask: bit 1 AVX2 (integer products), bit 2
-// portable, bit 3 AVX2 (float products).
+// portable, bit 3 AVX2 (float products), bit 4 AVX-512 BF16 (widened panels for many rows).
 extern "C" int VllmXlaDenseInt4Isas() {
   return (IsaUsable(kAvx2) ? 1 << kAvx2 : 0) | (IsaUsable(kPortable) ? 1 << kPortable : 0) |
-         (IsaUsable(kAvx2Float) ? 1 << kAvx2Float : 0);
+         (IsaUsable(kAvx2Float) ? 1 << kAvx2Float : 0) | (IsaUsable(kAvx512Bf16) ? 1 << kAvx512Bf16 : 0);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt4, DenseInt4,

@@ -70,14 +70,6 @@ bool Avx512Usable() {
   return __builtin_cpu_supports("avx512f");
 }
 
-// Whether this CPU has AVX-512 BF16 (leaf 7, subleaf 1, EAX bit 5) besides AVX-512 BW.
-bool Avx512Bf16Usable() {
-  if (!Avx512Usable() || !__builtin_cpu_supports("avx512bw")) return false;
-  unsigned eax, ebx, ecx, edx;
-  __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(1));
-  return eax & (1u << 5);
-}
-
 // Above this many rows of bfloat16 x, the AVX-512 BF16 path widens each int8 panel once to
 // bfloat16 pairs and multiplies with VDPBF16PS (two products an instruction, no widening per row
 // block); at fewer rows the weights stream from memory and widen in registers (`Avx512Block`).
@@ -260,22 +252,6 @@ VLLM_XLA_AVX512BF16 void ScaleOutputs(float* y, int rows, int blocks, const floa
   }
 }
 
-// Scratch for an item's widened panels: 64-byte aligned, so that each 64-byte row the register
-// blocks load is one cache line (a split load costs two), and left uninitialized (every value is
-// written before it is read).
-class AlignedPairs {
- public:
-  explicit AlignedPairs(int64_t values)
-      : data_(static_cast<uint16_t*>(::operator new(values * sizeof(uint16_t), std::align_val_t{64}))) {}
-  ~AlignedPairs() { ::operator delete(data_, std::align_val_t{64}); }
-  AlignedPairs(const AlignedPairs&) = delete;
-  AlignedPairs& operator=(const AlignedPairs&) = delete;
-  uint16_t* data() const { return data_; }
-
- private:
-  uint16_t* data_;
-};
-
 // Many rows of bfloat16 x on AVX-512 BF16: a work item's column panels widened once to bfloat16
 // pairs (the item is sized so that they stay in L2, as the bfloat16 kernel's items are), then the
 // bfloat16 kernel's register blocks over every row, then the scales (widening per chunk of rows
@@ -285,7 +261,7 @@ struct WidenedInt8 : Int8Problem {
 
   void Run(const Item& item) const {
     const int64_t panel = K * kCols;
-    const AlignedPairs pairs((item.end_block - item.first_block) * panel);
+    const vllm_xla::AlignedPairs pairs((item.end_block - item.first_block) * panel);
     for (int64_t block = item.first_block; block < item.end_block; ++block) {
       WidenPanelToPairs(w + block * panel, K, pairs.data() + (block - item.first_block) * panel);
     }
@@ -301,7 +277,7 @@ struct WidenedInt8 : Int8Problem {
 
 // Whether this process may run the `isa` path, probed once.
 bool IsaUsable(Int8Isa isa) {
-  static const bool avx512 = Avx512Usable(), bf16 = Avx512Bf16Usable(), avx2 = vllm_xla::Avx2Usable(),
+  static const bool avx512 = Avx512Usable(), bf16 = vllm_xla::Avx512Bf16Usable(), avx2 = vllm_xla::Avx2Usable(),
                     vnni = vllm_xla::Avx512VnniUsable();
   return (isa == kAvx512 && avx512) || (isa == kAvx512Bf16 && bf16) || (isa == kAvx2 && avx2) ||
          (isa == kAvx512Vnni && vnni);

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The 4-bit-weight dense kernel (`dense_int4.cc`, AVX2 and portable): its packed layout (two's-
+"""The 4-bit-weight dense kernel (`dense_int4.cc`, AVX-512 BF16, AVX2 and portable): its packed layout (two's-
 complement nibbles, eight k a word), a hand-worked product with scales and offsets, then every
 path the CPU has against NumPy's `x @ (q * s + m)` in float64 over hand-picked and random shapes
 (1 to 130 rows around the 3-row register blocks and the rows from which panels are dequantized
@@ -22,6 +22,7 @@ from models.int4 import dequantize_affine, quantize_grouped
 from models.linear import Linear, PackedKernel, is_packed_int4
 from pallas_kernels import cpu
 from pallas_kernels.cpu.dense_int4 import fixed_point_error_bound, unpack_dense_kernel_int4
+from pallas_kernels.cpu.dense_int8 import fixed_point_error_bound as int8_fixed_point_error_bound
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +32,12 @@ def int4_isas(native_kernels):
     return isas
 
 
-def test_isas_list_avx2_where_the_cpu_has_it(int4_isas):
-    flags = open("/proc/cpuinfo").read().split("\n\n")[0]
-    has = " avx2" in flags and " fma" in flags
-    assert int4_isas == (("avx2", "avx2_float", "portable") if has else ("portable",))
+def test_isas_list_avx2_and_avx512_bf16_where_the_cpu_has_them(int4_isas):
+    flags = open("/proc/cpuinfo").read().split("\n\n")[0].split()
+    avx2 = "avx2" in flags and "fma" in flags
+    bf16 = avx2 and {"avx512f", "avx512bw", "avx512_bf16"} <= set(flags)
+    expected = ("avx512_bf16",) * bf16 + ("avx2", "avx2_float") * avx2 + ("portable",)
+    assert int4_isas == expected
 
 
 def test_packed_layout_puts_each_value_in_its_word_and_nibble():
@@ -87,13 +90,15 @@ def test_hand_worked_product(int4_isas):
     expected = 8 * np.outer(np.arange(1, 5), 3 * column + np.arange(32) / 2)
     for isa in int4_isas:
         y = jax.jit(cpu.native_dense_int4, static_argnames="isa")(x, packed, scale, offset, isa=isa)
-        if isa == "avx2":  # x16 = 32639 throughout, sx = (r + 1) / 32639: float32 rounding
+        if isa in _FIXED_POINT:  # x16 = 32639 throughout, sx = (r + 1) / 32639: float32 rounding
             np.testing.assert_allclose(y, expected, rtol=1e-6)
         else:
             np.testing.assert_array_equal(y, expected)
     np.testing.assert_array_equal(cpu.native_dense_int4_reference(x, packed, scale, offset), expected)
 
 
+# The paths that round bfloat16 x to 16-bit fixed point up to 8 rows.
+_FIXED_POINT = ("avx2", "avx512_bf16")
 ROWS = (1, 2, 3, 9, 130)
 # (depth, width, inputs per scale): hand-picked around the words, panels and groups, then the
 # embedded model's projections (576 -> 1536 in groups of 32) and a GPTQ-like 128-group layer.
@@ -156,8 +161,12 @@ def test_kernel_matches_numpy(int4_isas, x_dtype, affine, rows, depth, width, gr
         # below a few ulps of the sum of |terms| per group; "avx2" at a few rows multiplies x
         # rounded to 16-bit fixed point
         allowed = 4e-7 * (group + depth // group) * bound + 1e-30
-        if isa == "avx2" and rows <= 8:
+        if isa in _FIXED_POINT and rows <= 8:
             allowed = allowed + fixed_point_error_bound(x, q, scale)
+        elif isa == "avx512_bf16" and x.dtype == jnp.bfloat16:  # the weights rounded to bfloat16
+            per_k = lambda values: np.repeat(np.reshape(values, (-1, width)), group, axis=0)  # noqa: E731
+            weights = q * per_k(scale) + (0 if offset is None else per_k(offset))
+            allowed = allowed + 2.0**-8 * (np.abs(np.asarray(x, np.float64)) @ np.abs(weights))
         assert np.all(error <= allowed), isa
     reference = cpu.native_dense_int4_reference(x, packed, jnp.asarray(scale), offset)
     np.testing.assert_allclose(reference, expected, rtol=1e-5, atol=1e-5 * np.sqrt(depth))
@@ -174,13 +183,19 @@ def test_integer_products_are_the_default_for_bfloat16_x_and_not_for_float32(int
     )
     packed = cpu.pack_dense_kernel_int4(q)
     product = jax.jit(cpu.native_dense_int4, static_argnames="isa")
-    for dtype, default in [(jnp.bfloat16, "avx2"), (jnp.float32, "avx2_float")]:
-        x = jnp.asarray(rng.standard_normal((2, 256)), dtype)
+    many_rows = "avx512_bf16" if "avx512_bf16" in int4_isas else "avx2"
+    for dtype, rows, default in [
+        (jnp.bfloat16, 2, "avx2"), (jnp.bfloat16, 16, many_rows), (jnp.float32, 2, "avx2_float"),
+        (jnp.float32, 16, "avx2_float"),
+    ]:  # fmt: skip
+        x = jnp.asarray(rng.standard_normal((rows, 256)), dtype)
         got = np.asarray(product(x, packed, scale, offset))
         np.testing.assert_array_equal(got, product(x, packed, scale, offset, isa=default))
     # bfloat16 x: the fixed point differs from the float product, within its bound
+    x = x[:2]
     fixed, floats = (
-        np.asarray(product(x.astype(jnp.bfloat16), packed, scale, offset, isa=i)) for i in int4_isas[:2]
+        np.asarray(product(x.astype(jnp.bfloat16), packed, scale, offset, isa=isa))
+        for isa in ("avx2", "avx2_float")
     )
     assert np.any(fixed != floats)
     bound = fixed_point_error_bound(x.astype(jnp.bfloat16), q, scale)
@@ -263,5 +278,8 @@ def test_int4_linear_packs_for_the_int4_kernel_where_it_takes_the_groups(
     assert isinstance(linear.kernel, PackedKernel) and is_packed_int4(linear.kernel[...]) == packs_int4
     expected = np.asarray(x, np.float64) @ dequantize_affine(q, scale, offset, np.float64)
     np.testing.assert_allclose(on_xla, expected, rtol=1e-4, atol=1e-4)
-    allowed = 1e-4 * (1 + np.abs(expected)) + (fixed_point_error_bound(x, q, scale) if packs_int4 else 0)
-    assert np.all(np.abs(np.asarray(linear.product(x)) - expected) <= allowed)  # int4: x in fixed point
+    # both kernels may round bfloat16 x to 16-bit fixed point: the int4 one's integer path, the
+    # int8 one's VNNI path (where the CPU has it)
+    rounding = (fixed_point_error_bound if packs_int4 else int8_fixed_point_error_bound)(x, q, scale)
+    allowed = 1e-4 * (1 + np.abs(expected)) + rounding
+    assert np.all(np.abs(np.asarray(linear.product(x)) - expected) <= allowed)

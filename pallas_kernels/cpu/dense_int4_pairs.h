@@ -1,0 +1,67 @@
+// SPDX-License-Identifier: Apache-2.0
+// The int4 kernel's path for many rows of bfloat16 x on AVX-512 BF16 (dense_int4.cc, "avx512_bf16"):
+// each packed panel is dequantized once to q s + m in bfloat16 pairs (the layout of
+// `Bf16VectorBlock`, dense_avx512_bf16.h), then every row runs on the bfloat16 kernel's register
+// blocks: the product of the weights as a bfloat16 checkpoint would hold them, at its speed.
+// Keeping the values exact instead (u in bfloat16, each group's sums scaled apart) costs a fold per
+// group that leaves room for half the accumulators, and a third of the speed; at many rows the
+// weights' own 4-bit rounding dwarfs bfloat16's. Widening in registers for every row block would
+// cost more than the products: the panel is written once and reread from L2.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include "dense_avx512_bf16.h"
+
+namespace vllm_xla {
+
+constexpr int64_t kInt4PanelCols = 16;
+
+// The k-th (0 to 7) unsigned value of each 32-bit word as float32 (its bit position as the
+// packing puts it: byte k % 4, high nibble from k 4).
+template <int k>
+VLLM_XLA_AVX512BF16 inline __m512 Int4ValueAt(__m512i words) {
+  constexpr int bit = (k % 4) * 8 + (k / 4) * 4;
+  const __m512i shifted = _mm512_srli_epi32(words, bit);
+  return _mm512_cvtepi32_ps(bit == 28 ? shifted : _mm512_and_si512(shifted, _mm512_set1_epi32(0xF)));
+}
+
+// Values k and k + 1 of each word dequantized (u s + base) and rounded to bfloat16 (to nearest
+// even), as one pair a 32-bit lane: k in the low half, k + 1 in the high one.
+template <int k>
+VLLM_XLA_AVX512BF16 inline __m512i Int4PairAt(__m512i words, __m512 s, __m512 base) {
+  const __m512 even = _mm512_fmadd_ps(Int4ValueAt<k>(words), s, base);
+  const __m512 odd = _mm512_fmadd_ps(Int4ValueAt<k + 1>(words), s, base);
+  const __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
+  const __m512i high = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
+  return _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
+}
+
+// One packed panel [K/8, 16] (uint32 words of eight k) -> its dequantized values q s + m in
+// bfloat16 pairs [K/2, 16, 2]. `scale` and `offset` (null: none) point at the panel's first
+// column of group 0, `stride` floats from one group to the next; `group` k share them.
+VLLM_XLA_AVX512BF16 inline void WidenInt4PanelToPairs(const uint32_t* panel, int64_t K, int64_t group,
+                                                      const float* scale, const float* offset, int64_t stride,
+                                                      uint16_t* to) {
+  const int64_t group_words = group / 8;
+  for (int64_t word = 0; word < K / 8; ++word) {
+    const int64_t at = word / group_words * stride;
+    const __m512 s = _mm512_loadu_ps(scale + at);
+    const __m512 m = offset != nullptr ? _mm512_loadu_ps(offset + at) : _mm512_setzero_ps();
+    const __m512 base = _mm512_fmadd_ps(s, _mm512_set1_ps(-8.0f), m);  // u s + m - 8 s = q s + m
+    const __m512i words = _mm512_loadu_si512(panel + word * kInt4PanelCols);
+    uint16_t* out = to + word * 8 * kInt4PanelCols;
+    _mm512_storeu_si512(out, Int4PairAt<0>(words, s, base));
+    _mm512_storeu_si512(out + 32, Int4PairAt<2>(words, s, base));
+    _mm512_storeu_si512(out + 64, Int4PairAt<4>(words, s, base));
+    _mm512_storeu_si512(out + 96, Int4PairAt<6>(words, s, base));
+  }
+}
+
+}  // namespace vllm_xla
+
+#endif  // __x86_64__
