@@ -16,7 +16,8 @@ fused in one 3-D tensor (Llama 4's `experts.gate_up_proj [E, D, 2F]` and `down_p
 4's) are quantized per expert and per group: the model's own split of such a tensor
 (`checkpoint_tensors`, which its loader runs) gives each expert's gate, up and down `[out, in]`
 weights, written under the per-expert names (`experts.{e}.gate_proj.weight_packed`, ...) that
-llm-compressor writes for these models and vLLM's loaders read. Kept as they are: the
+llm-compressor writes for these models and vLLM's loaders read (a multimodal checkpoint's, whose
+loader rule also renames them, stay in float). Kept as they are: the
 embedding, norms, biases, the MoE router (a rounding there changes which experts run), the LM
 head (tied or not: 4 bits on the layer whose every output is a logit costs tens of percent of
 perplexity where the projections cost a few; served in the model's dtype, and int8 on the
@@ -67,15 +68,18 @@ class _Projections:
     split: Callable[[Iterator[tuple[str, np.ndarray]]], Iterator[tuple[str, np.ndarray]]] | None
 
     def experts(self, name: str, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
-        """The per-expert `[out, in]` weights of `name` under the checkpoint's own prefix, when it
-        is a fused experts tensor (`[E, ..]`) the model splits into expert kernels; [] else."""
+        """The per-expert `[out, in]` weights of `name` by their HF names, when it is a fused
+        experts tensor (`[E, ..]`) the model splits into expert kernels under its own prefix;
+        [] else. A split that also renames (a multimodal checkpoint's `language_model.` prefix
+        dropped) keeps the tensor as it is: the loader matches quantized layers by the names
+        the checkpoint holds."""
         if self.split is None or value.ndim != 3 or f"{_EXPERTS}." not in name:
             return []
+        stem = name[: name.rindex(f"{_EXPERTS}.") + len(_EXPERTS)] + "."
         parts = list(self.split(iter([(name, value)])))
-        if len(parts) < 2 or not all(self.ours(part) in self.kernels for part, _ in parts):
+        if len(parts) < 2 or not all(p.startswith(stem) and self.ours(p) in self.kernels for p, _ in parts):
             return []
-        stem = name[: name.rindex(f"{_EXPERTS}.") + len(_EXPERTS)]
-        return [(stem + part[part.rindex(f"{_EXPERTS}.") + len(_EXPERTS) :], w) for part, w in parts]
+        return parts
 
     def input_widths(self, name: str, shape: tuple[int, ...]) -> dict[str, int]:
         """The inputs of each projection the tensor `name` of `shape` holds (by HF weight name),
