@@ -36,13 +36,14 @@ heads), so every reordered layer gathers alike. A layer whose `g_idx` is already
 read before the weights (they are small) so each reordered layer gets its order ahead of its
 qweight. On a mesh the order is whole on every device; o_proj's and down_proj's rows split on
 whole groups as any GPTQ layer's (a TP size that cuts a group is refused by name), and XLA
-brings each device the inputs its rows read.
+brings each device the inputs its rows read. MoE experts, each in its own order, load so too:
+`models.gptq_expert_orders`.
 
 Refused by name: other bit widths (GPTQ's 8-bit and 2/3-bit), a `g_idx` that is not `i // G`
 under `desc_act: false` or whose groups do not each hold `group_size` inputs, projections fused
-into one (q/k/v, gate/up) whose orders differ, activation order for MoE experts, a quantized
-head (`lm_head: true`) and per-module `dynamic` overrides. An asymmetric MoE's experts load
-with their offsets stacked like their scales (`models.moe`).
+into one (q/k/v, gate/up) whose orders differ and an expert whose gate and up orders differ, a
+quantized head (`lm_head: true`) and per-module `dynamic` overrides. An asymmetric MoE's
+experts load with their offsets stacked like their scales (`models.moe`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ from flax import nnx
 
 from models import int4
 from models.compressed_tensors import int8_kernels_for, quantization_config
+from models.gptq_expert_orders import InputOrders, expert_input_orders, expert_slot
 from models.linear import Linear
+from models.moe import StackedLinear
 
 METHOD = "gptq"
 _SUFFIXES = (".qweight", ".scales", ".qzeros", ".g_idx")
@@ -106,39 +109,44 @@ class GptqCheckpoint:
     param_map: dict[str, str]
     group_size: int | None
     zero_shift: int | None = None  # None: symmetric, zero points dropped
-    act_order: bool = False  # `desc_act`: each layer's g_idx read before loading, into `input_orders`
-    input_orders: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # by HF layer name
+    act_order: bool = False  # `desc_act`: each layer's g_idx read before loading, into `orders`
+    orders: InputOrders = dataclasses.field(default_factory=InputOrders)
 
     def tensors(self, tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
         """The checkpoint's tensors as plain int4 `weight` `[out, in]` and float32 `weight_scale`
         (`[out, in / G]`, or `[out]` per channel: HF orientation); `g_idx` checked and dropped;
         `qzeros` dropped when symmetric, else with the scales as float32 `weight_offset` (the
-        scales' layout)."""
+        scales' layout). Under activation order each reordered layer's rows sorted, and an
+        expert's gate and up outputs in its down projection's order (`orders`)."""
         waiting: dict[str, dict[str, np.ndarray]] = {}  # an asymmetric layer's scales or zeros
         for name, array in tensors:
-            if name.endswith(".qweight"):
-                yield from self._weight(name.removesuffix(".qweight"), int4.unpack_int32(array, axis=0))
-            elif name.endswith(".scales"):
-                yield name.removesuffix(".scales") + ".weight_scale", self._hf_layout(array)
+            layer, _, kind = name.rpartition(".")
+            if kind == "qweight":
+                values = self._columns(layer, int4.unpack_int32(array, axis=0), kind)
+                yield from self._weight(layer, values)
+            elif kind == "scales":
+                array = self._columns(layer, np.asarray(array), kind)
+                yield layer + ".weight_scale", self._hf_layout(array)
                 if self.zero_shift is not None:
-                    yield from self._offset(waiting, name.removesuffix(".scales"), "scales", array)
-            elif name.endswith(".g_idx"):
+                    yield from self._offset(waiting, layer, "scales", array)
+            elif kind == "g_idx":
                 if not self.act_order:
                     self._check_g_idx(name, np.asarray(array))
-            elif name.endswith(".qzeros"):
+            elif kind == "qzeros":
                 if self.zero_shift is not None:
                     zeros = int4.unpack_unsigned(array, axis=1).astype(np.int32) + self.zero_shift
-                    yield from self._offset(waiting, name.removesuffix(".qzeros"), "zeros", zeros)
+                    yield from self._offset(waiting, layer, "zeros", self._columns(layer, zeros, kind))
             else:
-                yield name, array
+                yield name, self._columns(layer, array, kind) if kind == "bias" else array
         for layer, have in waiting.items():
             lacking = "qzeros" if "scales" in have else "scales"
             raise ValueError(f"the GPTQ checkpoint (sym false) lacks {layer}.{lacking}")
 
     def _weight(self, layer: str, values: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
         """A layer's int4 values `[in, out]` as its HF `weight` `[out, in]`; under activation
-        order with its rows in group order, and that order (`input_order`) beside them."""
-        order = self.input_orders.get(layer)
+        order with its rows in group order, and the order its inputs are gathered into
+        (`input_order`) beside them."""
+        order = self.orders.rows.get(layer)
         if order is not None:
             if order.shape[0] != values.shape[0]:
                 raise ValueError(
@@ -146,8 +154,22 @@ class GptqCheckpoint:
                     f"holds {values.shape[0]} inputs"
                 )
             values = values[order]
-            yield layer + ".input_order", order
+        if layer in self.orders.gathered:
+            yield layer + ".input_order", self.orders.gathered[layer]
         yield layer + ".weight", values.T
+
+    def _columns(self, layer: str, array: np.ndarray, kind: str) -> np.ndarray:
+        """`array`'s last axis (the layer's outputs; zero points' padded to whole words) in the
+        order of its expert's down projection's rows, when that expert's down is reordered."""
+        order = self.orders.columns.get(layer)
+        if order is None:
+            return array
+        if array.shape[-1] < order.size:
+            raise ValueError(
+                f"GPTQ tensor {layer}.{kind} has {array.shape[-1]} outputs; its expert's down "
+                f"projection reads {order.size} (its g_idx)"
+            )
+        return np.asarray(array)[..., order]
 
     def _hf_layout(self, value: np.ndarray) -> np.ndarray:
         """A `[in / G, out]` per-group tensor as `[out, in / G]` float32, `[out]` per channel."""
@@ -213,32 +235,35 @@ def give_input_orders(
     path: str,
     our_name: Callable[[str], str | None],
     g_indices: Callable[[], dict[str, np.ndarray]],
-) -> dict[str, np.ndarray]:
+) -> InputOrders:
     """For a GPTQ checkpoint with activation order at `path` (`desc_act`; whose `g_idx` tensors
-    by name `g_indices()` reads): gives each layer it reorders an `input_order` (zeros, in place,
-    before loading) and returns the orders by HF layer name; {} for any other checkpoint. An MoE
-    expert's order is refused by name. Also run before the served structure is derived from the
-    model (`models.weight_stream`), which must then hold the orders."""
+    by name `g_indices()` reads): gives each dense layer it reorders an `input_order`, and each
+    expert stack whose gate it reorders one a row an expert (zeros, in place, before loading:
+    `models.gptq_expert_orders`), and returns how each layer loads; none for any other
+    checkpoint. Also run before the served structure is derived from the model
+    (`models.weight_stream`), which must then hold the orders."""
     config = quantization_config(path)
     if not config or config.get("quant_method") != METHOD or not config.get("desc_act"):
-        return {}
+        return InputOrders()
     check_config(config)
-    orders = {}
-    for name, g_idx in g_indices().items():
-        order = input_order(name, g_idx, group_size(config))
-        if order is not None:
-            orders[name.removesuffix(".g_idx")] = order
     modules = {".".join(str(p) for p in path_): m for path_, m in nnx.iter_modules(model)}
-    for layer, order in sorted(orders.items()):
-        module = modules.get((our_name(layer + ".weight") or "").removesuffix(".kernel"))
-        if not isinstance(module, Linear):
-            raise ValueError(
-                f"GPTQ tensor {layer}.g_idx in {path!r} reorders the inputs of an MoE expert "
-                "(desc_act, activation order): vllm-xla serves activation order for dense "
-                "projections only; use a desc_act=false checkpoint for a MoE model"
-            )
-        module.input_order = nnx.Param(np.zeros(order.shape, np.int32))
-    return orders
+    dense, stacks, expert_orders = {}, {}, {}
+    for name, g_idx in sorted(g_indices().items()):
+        layer = name.removesuffix(".g_idx")
+        ours = (our_name(layer + ".weight") or "").removesuffix(".kernel")
+        order = input_order(name, g_idx, group_size(config))
+        if isinstance(modules.get(ours), StackedLinear) and expert_slot(layer) is not None:
+            stacks[layer], expert_orders[layer] = (ours, expert_slot(layer)), order
+        elif order is not None:
+            if not isinstance(modules.get(ours), Linear):
+                raise ValueError(
+                    f"GPTQ tensor {name!r} in {path!r} reorders the inputs of a layer that "
+                    "vllm-xla loads neither as a projection nor as an MoE expert (`experts.{e}.`)"
+                )
+            modules[ours].input_order = nnx.Param(np.zeros(order.shape, np.int32))
+            dense[layer] = order
+    experts = expert_input_orders(stacks, expert_orders, modules)
+    return InputOrders(dense | experts.rows, dense | experts.gathered, experts.columns)
 
 
 def _input_order_names(model: nnx.Module, param_map: dict[str, str]) -> None:
@@ -273,6 +298,6 @@ def gptq_layout(
     )
     shift = (1 if config.get("checkpoint_format", "gptq") == "gptq" else 0) if affine else None
     orders = give_input_orders(model, path, our_name, g_indices)
-    if orders:
+    if orders.gathered:
         _input_order_names(model, param_map)
     return GptqCheckpoint(param_map, size, shift, bool(config.get("desc_act")), orders)

@@ -128,6 +128,7 @@ def experts_routed(
     weights_on_input: bool = False,
     max_chunk_elements: int = MAX_CHUNK_KERNEL_ELEMENTS,
     offsets: tuple[jax.Array | None, jax.Array | None, jax.Array | None] | None = None,
+    input_order: jax.Array | None = None,
 ) -> jax.Array:
     """The same result as `experts_dense_reference`, computing each token only for its k experts.
 
@@ -142,7 +143,10 @@ def experts_routed(
     to the gate (or fused) products before `act`. `weights_on_input`: as in
     `experts_dense_reference` (each assignment's row scaled before its expert, outputs summed).
     A kernel may be an `Mxfp4Stack` (GPT-OSS's mxfp4 experts): each tile's expert is dequantized
-    to x's dtype for its dot. The tiles run in chunks (`tile_chunks`, a loop over them when more
+    to x's dtype for its dot. `input_order [E, D]` int32 (GPTQ activation order,
+    `models.gptq_expert_orders`): row r of expert e's gate and up kernels weighs input
+    `input_order[e, r]`, so each tile's rows are gathered into its expert's order for those two
+    products. The tiles run in chunks (`tile_chunks`, a loop over them when more
     than one) so that the expert kernels gathered for one chunk's tiles stay within
     `max_chunk_elements`, whatever the step's token count.
     """
@@ -193,6 +197,8 @@ def experts_routed(
 
     def tiles_mlp(rows_in: jax.Array, ids: jax.Array) -> jax.Array:
         """`rows_in [C, B, D]` through the experts `ids [C]` -> `[C, B, D]`."""
+        if input_order is not None:  # each tile's inputs in its expert's order of gate/up rows
+            rows_in = jax.vmap(lambda rows, order: rows[:, order])(rows_in, input_order[ids])
         h = tile_dot("nbd,ndf->nbf", rows_in, ids, 0)
         if gate_bias is not None:
             h = h + gate_bias[ids][:, None, :].astype(h.dtype)
@@ -285,13 +291,15 @@ def experts_routed_on_mesh(
     gate_bias: jax.Array | None = None,
     weights_on_input: bool = False,
     offsets: tuple[jax.Array | None, jax.Array | None, jax.Array | None] | None = None,
+    input_order: jax.Array | None = None,
 ) -> jax.Array:
     """`experts_routed` with each expert split over `mesh`'s model axis (gate/up on F, down on F,
     as `models.sharding` places them): each device combines its partial outputs into `[T, D]`
     with the routing weights, then one sum over the devices. Left to XLA, the split down
     projection is summed over the routed `[tiles * rows, D]` rows, before the combine: top-k
-    times the bytes. `up` (None), `gate_bias` and `offsets` as in `experts_routed`: a fused
-    kernel's columns split like gate's, so each device's `act` must see whole units of its own;
+    times the bytes. `up` (None), `gate_bias`, `offsets` and `input_order` (whole on every
+    device) as in `experts_routed`: a fused kernel's columns split like gate's, so each
+    device's `act` must see whole units of its own;
     offsets split like their scales (a device's group sums over its own share of down's inputs
     are its part of the sum)."""
     whole, split_f = PartitionSpec(), PartitionSpec(None, None, MODEL_AXIS)
@@ -309,10 +317,10 @@ def experts_routed_on_mesh(
         for s, spec, mx in zip(stacks, stack_specs, mxfp4_specs, strict=True)
     )
 
-    def local(x, stacks, weights, experts, gate_bias, offsets, *scales):
+    def local(x, stacks, weights, experts, gate_bias, offsets, input_order, *scales):
         partial = experts_routed(
             x, *stacks, weights, experts, act, scales=scales or None, gate_bias=gate_bias,
-            weights_on_input=weights_on_input, offsets=offsets,
+            weights_on_input=weights_on_input, offsets=offsets, input_order=input_order,
         )  # fmt: skip
         return jax.lax.psum(partial, MODEL_AXIS)
 
@@ -328,11 +336,12 @@ def experts_routed_on_mesh(
             whole,
             PartitionSpec(None, MODEL_AXIS),
             scale_specs,
+            whole,
             *extra_specs,
         ),
         out_specs=whole,
         check_vma=False,
-    )(x, stacks, weights, experts, gate_bias, tuple(offsets), *extra)
+    )(x, stacks, weights, experts, gate_bias, tuple(offsets), input_order, *extra)
 
 
 def experts_by_index_on_mesh(
@@ -347,6 +356,7 @@ def experts_by_index_on_mesh(
     weights_on_input: bool = False,
     down_bias: jax.Array | None = None,
     offsets: tuple[jax.Array | None, jax.Array | None, jax.Array | None] | None = None,
+    input_order: jax.Array | None = None,
 ) -> jax.Array:
     """`experts_routed` under expert parallelism: every expert array split on its expert axis
     over `mesh`'s model axis (`models.sharding.EXPERT_PARALLEL_RULE`), device i holding experts
@@ -358,7 +368,7 @@ def experts_by_index_on_mesh(
     the device holding it. Other arguments as in `experts_routed_on_mesh`."""
     split, whole = PartitionSpec(MODEL_AXIS), PartitionSpec()
 
-    def local(x, stacks, weights, experts, gate_bias, down_bias, offsets, *scales):
+    def local(x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, *scales):
         count = stacks[0].shape[0]
         ids = experts - jax.lax.axis_index(MODEL_AXIS) * count
         mine = (ids >= 0) & (ids < count)
@@ -366,7 +376,7 @@ def experts_by_index_on_mesh(
         ids = jnp.where(mine, ids, 0)
         partial = experts_routed(
             x, *stacks, weights, ids, act, scales=scales or None, gate_bias=gate_bias,
-            weights_on_input=weights_on_input, offsets=offsets,
+            weights_on_input=weights_on_input, offsets=offsets, input_order=input_order,
         )  # fmt: skip
         if down_bias is not None:
             bias = jnp.einsum("tk,tkd->td", weights, down_bias[ids].astype(jnp.float32))
@@ -378,10 +388,10 @@ def experts_by_index_on_mesh(
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(whole, split, whole, whole, split, split, split, *(split for _ in extra)),
+        in_specs=(whole, split, whole, whole, split, split, split, split, *(split for _ in extra)),
         out_specs=whole,
         check_vma=False,
-    )(x, stacks, weights, experts, gate_bias, down_bias, tuple(offsets), *extra)
+    )(x, stacks, weights, experts, gate_bias, down_bias, tuple(offsets), input_order, *extra)
 
 
 class StackedLinear(nnx.Module):
@@ -389,12 +399,15 @@ class StackedLinear(nnx.Module):
     int8 and fp8 kernels have their per-channel scales `[E, out]` in `kernel_scale`
     (`models.int8`), or a block fp8 or 4-bit checkpoint's `[E, in / G, out]` (`models.fp8`,
     `models.int4`); affine 4-bit ones (zero points) their offsets in `kernel_offset`, the
-    scale's layout."""
+    scale's layout. A gate stack whose experts' rows a GPTQ act-order checkpoint sorted has each
+    expert's order in `input_order` (int32 `[E, in]`, up's rows in it too:
+    `models.gptq_expert_orders`)."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, dtype: jnp.dtype):
         self.kernel = nnx.Param(np.zeros((num_experts, in_features, out_features), dtype))  # until loaded
         self.kernel_scale: nnx.Param | None = nnx.data(None)
         self.kernel_offset: nnx.Param | None = nnx.data(None)
+        self.input_order: nnx.Param | None = nnx.data(None)
 
 
 class Experts(nnx.Module):
@@ -474,28 +487,22 @@ class SparseMoE(nnx.Module):
         expert_load.record(self, experts, stacks[0].kernel.shape[0], md)
         int8 = stacks[0].kernel_scale is not None
         offsets = tuple(None if s.kernel_offset is None else s.kernel_offset[...] for s in stacks)
+        order = None if stacks[0].input_order is None else stacks[0].input_order[...]
         if dense:
-            if int8:
-                kernels = [_dequantized(s, x.dtype) for s in stacks]
-            else:
-                kernels = [s.kernel[...] for s in stacks]
+            kernels = [_dequantized(s, x.dtype) if int8 else s.kernel[...] for s in stacks]
+            if order is not None:  # gate's and up's rows back in the inputs' own order
+                kernels[:2] = [jax.vmap(lambda w, o: w[jnp.argsort(o)])(k, order) for k in kernels[:2]]
             return experts_dense_reference(
                 x, *kernels, weights, experts, act, weights_on_input=self.weights_on_input
             )
         scales = tuple(s.kernel_scale[...] for s in stacks) if int8 else None
         kernels = tuple(s.kernel[...] for s in stacks)
-        on_input = self.weights_on_input
+        options = dict(weights_on_input=self.weights_on_input, offsets=offsets, input_order=order)
         if md is not None and md.mesh is not None and self.expert_parallel:
-            return experts_by_index_on_mesh(
-                md.mesh, x, kernels, weights, experts, act, scales, weights_on_input=on_input, offsets=offsets
-            )
+            return experts_by_index_on_mesh(md.mesh, x, kernels, weights, experts, act, scales, **options)
         if md is not None and md.mesh is not None and kernels[0].shape[2] % md.tp_size == 0:
-            return experts_routed_on_mesh(
-                md.mesh, x, kernels, weights, experts, act, scales, weights_on_input=on_input, offsets=offsets
-            )
-        return experts_routed(
-            x, *kernels, weights, experts, act, scales=scales, weights_on_input=on_input, offsets=offsets
-        )
+            return experts_routed_on_mesh(md.mesh, x, kernels, weights, experts, act, scales, **options)
+        return experts_routed(x, *kernels, weights, experts, act, scales=scales, **options)
 
 
 def _dequantized(stack: StackedLinear, dtype: jnp.dtype) -> jax.Array:

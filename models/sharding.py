@@ -21,7 +21,8 @@ family. The mesh has one axis, `MODEL_AXIS` (vLLM's `tensor_parallel_size`):
   then hold whole groups of inputs (else `parameter_spec` refuses the TP size by name); an
   affine int4 kernel's offsets (`kernel_offset`, the scale's layout) are split like its scale;
   a reordered kernel's input order (`input_order`, GPTQ's activation order) is whole on every
-  device (the gather of a row-parallel layer's inputs then reads across devices: XLA moves them);
+  device (the gather of a row-parallel layer's inputs then reads across devices: XLA moves them),
+  and so are an expert stack's orders (`[E, D]`, by expert under expert parallelism);
 - vocab-parallel: the embedding table (rows; the lookup is masked per device and summed,
   `layers.Embedding`) and the LM head (columns: each device computes its vocabulary slice of
   the logits, gathered before sampling);

@@ -143,10 +143,10 @@ SUPPORTED: tuple[Supported, ...] = (
         "group of inputs (and float32 offsets for zero points or minimums), activations in the "
         "model dtype: compressed-tensors pack-quantized W4A16 (symmetric or with zero points), "
         "GPTQ (bits 4, desc_act served: vLLM's name for it is gptq_act_order), AWQ (GEMM) and "
-        "GGUF Q4 blocks, MoE experts included (with zero points too); int4 two a byte on TPU and "
-        "GPU (int8 on CPU); the LM head, embedding and MoE router stay in the model dtype (on the "
-        "native CPU kernels a tied head's copy is int8). Refused by name: act-order on MoE "
-        "experts or with uneven groups, other bit widths",
+        "GGUF Q4 blocks, MoE experts included (zero points and act-order too); int4 two a byte on "
+        "TPU and GPU (int8 on CPU); the LM head, embedding and MoE router stay in the model dtype "
+        "(on the native CPU kernels a tied head's copy is int8). Refused by name: act-order with "
+        "uneven groups or with an expert's gate and up in different orders, other bit widths",
     ),
     Supported(
         "mxfp4 experts (GPT-OSS)",

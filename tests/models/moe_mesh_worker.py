@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Run by `test_moe_on_mesh.py` in a process with 4 simulated CPU devices: the mixture of experts
 split over a mesh against the one-device routed path, float and int8, affine 4-bit (zero points:
-offsets per group and per channel) split inside each expert and by expert index, and the
-all-reduces of its compiled program. Prints one JSON object."""
+offsets per group and per channel) and GPTQ act-order experts (each expert's own input order)
+split inside each expert and by expert index, and the all-reduces of its compiled program.
+Prints one JSON object."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def main() -> None:
         got = program(x, kernels, weights, experts, kernel_scales)
         report[f"{name}_max_error"] = float(np.abs(np.asarray(got) - np.asarray(want)).max())
     report |= _affine_errors(mesh, x, weights, experts, rng)
+    report |= _act_order_errors(mesh, x, weights, experts, rng)
     hlo = program.lower(x, stacks, weights, experts, None).compile().as_text()
     report["all_reduces"] = [list(c.result_elements) for c in hlo_collectives(hlo) if c.kind == "all-reduce"]
     print(json.dumps(report))
@@ -74,6 +76,26 @@ def _affine_errors(mesh: Mesh, x, weights, experts, rng) -> dict[str, float]:
                 np.abs(np.asarray(got) - np.asarray(want)).max()
             )
     return report
+
+
+def _act_order_errors(mesh: Mesh, x, weights, experts, rng) -> dict[str, float]:
+    """Experts whose gate/up rows are each in their expert's own order of the inputs (GPTQ
+    act-order: `input_order [E, D]`), on one device, split inside each expert and by expert
+    index, against the same experts with their rows in the inputs' own order."""
+    shapes = [(EXPERTS, HIDDEN, FFN), (EXPERTS, HIDDEN, FFN), (EXPERTS, FFN, HIDDEN)]
+    gate, up, down = (rng.normal(size=s).astype(np.float32) * 0.2 for s in shapes)
+    order = np.stack([rng.permutation(HIDDEN) for _ in range(EXPERTS)]).astype(np.int32)
+    # row r of expert e weighs input order[e, r]
+    gate_rows, up_rows = (jnp.asarray(np.take_along_axis(k, order[:, :, None], axis=1)) for k in (gate, up))
+    kernels = (gate_rows, up_rows, jnp.asarray(down))
+    want = np.asarray(experts_routed(x, *map(jnp.asarray, (gate, up, down)), weights, experts, jax.nn.silu))
+    got = {"one": experts_routed(x, *kernels, weights, experts, jax.nn.silu, input_order=jnp.asarray(order))}
+    for name, run in (("tp", experts_routed_on_mesh), ("ep", experts_by_index_on_mesh)):
+        got[name] = jax.jit(
+            lambda x, k, w, ids, o, run=run: run(mesh, x, k, w, ids, jax.nn.silu, input_order=o)
+        )(x, kernels, weights, experts, jnp.asarray(order))
+    errors = {name: float(np.abs(np.asarray(y) - want).max()) for name, y in got.items()}
+    return {f"act_order_{name}_max_error": error for name, error in errors.items()}
 
 
 if __name__ == "__main__":

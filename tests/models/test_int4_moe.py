@@ -4,8 +4,11 @@ and Mixtral checkpoints in AWQ (hand-packed as AutoAWQ writes them, `awq_checkpo
 asymmetric GPTQ (`gptq_checkpoints`) and compressed-tensors `symmetric: false` (the package's
 own qparams, quantization and packing, `int4_checkpoints`) load each expert's 4-bit values,
 scales and offsets stacked, and the routed experts compute what the float model of the format's
-dequantized weights does; the offsets split like their scales on a mesh."""
+dequantized weights does; the offsets split like their scales on a mesh. GPTQ activation order
+(`desc_act`: every expert its own random group order of its inputs, `models.gptq_expert_orders`)
+loads into the same stacks with each expert's gate/up order beside them."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,7 +19,7 @@ from models.moe import experts_routed, route
 from models.sharding import MODEL_AXIS, parameter_spec
 from tests.models.awq_checkpoints import write_awq
 from tests.models.fp8_checkpoints import write_float
-from tests.models.gptq_checkpoints import write_gptq
+from tests.models.gptq_checkpoints import act_order_g_idx, write_gptq
 from tests.models.int4_checkpoints import write_packed_w4a16
 from tests.models.tiny_checkpoints import caches, prompts, run_step, save_tiny
 
@@ -26,7 +29,8 @@ def qwen3_moe(tmp_path_factory):
     return save_tiny("Qwen3MoeForCausalLM", str(tmp_path_factory.mktemp("int4_moe") / "source"))
 
 
-def _assert_experts_compute_the_dequantized_model(path: str, float_path: str, group_size: int | None) -> None:
+def _assert_experts_compute_the_dequantized_model(path: str, float_path: str, group_size: int | None):
+    """The loaded model and the float one of the dequantized weights, once checked."""
     config, model = load_model(path)
     _, reference = load_model(float_path)
     mlp = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
@@ -42,6 +46,7 @@ def _assert_experts_compute_the_dequantized_model(path: str, float_path: str, gr
     got, _ = run_step(model, caches(config), [ids], [0], [[1, 2, 3]])
     expected, _ = run_step(reference, caches(config), [ids], [0], [[1, 2, 3]])
     np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
+    return model, reference
 
 
 def test_awq_moe_experts_load_with_zero_points(qwen3_moe, tmp_path):
@@ -60,11 +65,45 @@ def test_mixtral_awq_experts_load_with_zero_points(tmp_path):
     _assert_experts_compute_the_dequantized_model(path, float_path, 32)
 
 
-@pytest.mark.parametrize("group_size", [16, pytest.param(None, marks=pytest.mark.slow)])  # None: per channel
+# Grouped: its path runs in `make test` through the act-order test below, orders aside.
+@pytest.mark.parametrize(
+    "group_size", [pytest.param(16, marks=pytest.mark.full), pytest.param(None, marks=pytest.mark.slow)]
+)  # None: per channel
 def test_asymmetric_gptq_moe_experts_load_with_zero_points(qwen3_moe, group_size, tmp_path):
     path, dequantized = write_gptq(qwen3_moe, str(tmp_path / "gptq"), group_size=group_size, sym=False)
     float_path = write_float(qwen3_moe, str(tmp_path / "float"), dequantized)
     _assert_experts_compute_the_dequantized_model(path, float_path, group_size)
+
+
+def test_act_order_gptq_moe_experts_load_each_in_its_own_order(qwen3_moe, tmp_path):
+    """Asymmetric GPTQ with desc_act, every expert's gate/up rows and down rows reordered (groups
+    of 16 of 64 and 32 inputs): the gate stack holds each expert's own order, down none (gate's
+    and up's outputs, zero points included, arrive in its order); the served logits and the
+    dense reference equal the float model's."""
+    path, dequantized = write_gptq(qwen3_moe, str(tmp_path / "gptq"), group_size=16, sym=False, act_order=7)
+    float_path = write_float(qwen3_moe, str(tmp_path / "float"), dequantized)
+    model, reference = _assert_experts_compute_the_dequantized_model(path, float_path, 16)
+    mlp = model.model.layers[0].mlp
+    order = np.asarray(mlp.experts.gate_proj.input_order[...])
+    assert order.shape == (8, 64) and (np.sort(order, axis=1) == np.arange(64)).all()
+    assert len({row.tobytes() for row in order}) == 8  # each expert its own order
+    assert mlp.experts.up_proj.input_order is None and mlp.experts.down_proj.input_order is None
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 64)), jnp.float32)
+    want = jax.jit(lambda x: reference.model.layers[0].mlp(x, dense=True))(x)
+    np.testing.assert_allclose(jax.jit(lambda x: mlp(x, dense=True))(x), want, atol=2e-4, rtol=2e-4)
+
+
+def test_an_expert_whose_gate_and_up_orders_differ_is_refused_by_name(qwen3_moe, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = write_gptq(qwen3_moe, str(tmp_path / "gptq"), group_size=16, act_order=7)
+    tensors = load_file(f"{path}/model.safetensors")
+    up = "model.layers.2.mlp.experts.5.up_proj.g_idx"
+    tensors[up] = act_order_g_idx(64, 16, seed=99)
+    save_file(tensors, f"{path}/model.safetensors")
+    message = r"experts\.5\.gate_proj\.g_idx and \S+experts\.5\.up_proj\.g_idx order"
+    with pytest.raises(ValueError, match=message):
+        load_model(path)
 
 
 def test_compressed_tensors_asymmetric_moe_experts_load_with_zero_points(qwen3_moe, tmp_path):

@@ -47,3 +47,10 @@ def test_affine_4_bit_experts_on_a_mesh_equal_one_device(report, split, scales):
 
 def test_experts_on_a_mesh_sum_once_over_tokens_and_hidden(report):
     assert report["all_reduces"] == [[TOKENS * HIDDEN]]
+
+
+@pytest.mark.parametrize("where", ["one", "tp", "ep"])
+def test_act_order_experts_gather_each_experts_inputs_on_a_mesh(report, where):
+    """GPTQ act-order experts (`input_order [E, D]`): each tile's inputs gathered into its
+    expert's order, on one device and split both ways, equal the experts in the inputs' order."""
+    assert report[f"act_order_{where}_max_error"] < 1e-5

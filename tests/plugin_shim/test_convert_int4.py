@@ -3,10 +3,11 @@
 W4A16 one (vLLM 0.32 has no online int4 for a float checkpoint). The compressed-tensors
 package's own decompression of it is the reference: our load of it computes what the float
 model of the package's decompressed weights does; the LM head, embedding and MoE router stay as
-they were, the MoE experts load 4-bit in their groups, and a source that cannot convert is
-refused by name."""
+they were, the MoE experts load 4-bit in their groups (experts fused in 3-D tensors written
+per expert), and a source that cannot convert is refused by name."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from models import int4, load_model
 from models.compressed_tensors import quantization_config
 from plugin_shim.cli import main
+from tests.models.fp8_checkpoints import write_float
 from tests.models.int4_checkpoints import write_decompressed
 from tests.models.tiny_checkpoints import caches, prompts, run_step, save_tiny
 
@@ -73,3 +75,71 @@ def test_a_source_that_cannot_convert_to_int4_is_refused_by_name(mistral, tmp_pa
     assert main(["convert", mistral, out, "--quantization", "int4", "--group-size", "32"]) == 0
     with pytest.raises(SystemExit, match="compressed-tensors checkpoint"):
         main(["convert", out, str(tmp_path / "d"), "--quantization", "int4"])
+
+
+def _package_dequantized(path: str) -> dict[str, np.ndarray]:
+    """A converted checkpoint's weights by HF name, each 4-bit one as the compressed-tensors
+    package unpacks it (`unpack_from_int32`) times its group's scale."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.numpy import load_file
+
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    weights = {}
+    for name, value in tensors.items():
+        if name.endswith(".weight_packed"):
+            base = name.removesuffix("_packed")
+            shape = torch.Size(tensors[f"{base}_shape"].tolist())
+            q = unpack_from_int32(torch.from_numpy(value), 4, shape).numpy().astype(np.float32)
+            scale = tensors[f"{base}_scale"].astype(np.float32)  # [out, in / G]
+            weights[base] = q * np.repeat(scale, q.shape[1] // scale.shape[1], axis=1)
+        elif not name.endswith(("_scale", "_shape")):
+            weights[name] = value
+    return weights
+
+
+def _fused_as_llama4(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-expert `experts.{e}.{gate,up,down}_proj.weight` `[out, in]` back in Llama 4's fused
+    layout: `experts.gate_up_proj [E, D, 2F]` (gate columns, then up), `experts.down_proj [E, F, D]`."""
+    fused, experts = {}, {}
+    for name, w in weights.items():
+        match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        if match:
+            experts.setdefault(match[1], {})[int(match[2]), match[3]] = w
+        else:
+            fused[name] = w
+    for stem, parts in experts.items():
+        count = 1 + max(e for e, _ in parts)
+        fused[f"{stem}.gate_up_proj"] = np.stack(
+            [np.concatenate([parts[e, "gate"].T, parts[e, "up"].T], axis=1) for e in range(count)]
+        )
+        fused[f"{stem}.down_proj"] = np.stack([parts[e, "down"].T for e in range(count)])
+    return fused
+
+
+def test_fused_3d_experts_convert_per_expert_in_int4_groups(tmp_path):
+    """Llama 4's experts fused in 3-D tensors (`gate_up_proj [E, D, 2F]`, `down_proj [E, F, D]`)
+    are written per expert in 4-bit groups (as llm-compressor names them) and load as int4
+    stacks; the logits equal the float model of the weights the package unpacks (fused back),
+    which are within half a step of the source's."""
+    from safetensors.numpy import load_file
+
+    source = save_tiny("Llama4ForCausalLM", str(tmp_path / "source"), num_hidden_layers=2)  # layer 1 MoE
+    out = str(tmp_path / "int4")
+    assert main(["convert", source, out, "--quantization", "int4", "--group-size", "16"]) == 0
+    names = set(load_file(os.path.join(out, "model.safetensors")))
+    assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in names)
+    assert "model.layers.1.feed_forward.experts.3.down_proj.weight_packed" in names
+    _, model = load_model(out)
+    experts = model.model.layers[1].mlp.experts
+    assert experts.gate_proj.kernel[...].dtype == int4.held_dtype()
+    assert experts.gate_proj.kernel_scale[...].shape == (4, 64 // 16, 32)
+    assert experts.down_proj.kernel_scale[...].shape == (4, 32 // 16, 64)
+    dequantized = _fused_as_llama4(_package_dequantized(out))
+    floats = load_file(os.path.join(source, "model.safetensors"))
+    for tensor in ("gate_up_proj", "down_proj"):
+        name = f"model.layers.1.feed_forward.experts.{tensor}"
+        error = np.abs(dequantized[name] - floats[name])
+        assert 0 < error.max() <= np.abs(floats[name]).max() / 15 + 1e-6  # at most half a step of 4 bits
+    reference = write_float(source, str(tmp_path / "float"), dequantized)
+    np.testing.assert_allclose(_logits(out), _logits(reference), atol=2e-4, rtol=2e-4)

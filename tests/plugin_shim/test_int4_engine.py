@@ -74,9 +74,10 @@ def _int4_kernels(worker) -> int:
     return packed + sum(int(a.min()) >= -8 and int(a.max()) <= 7 for a in held)
 
 
-def _generate(path: str, prompts) -> tuple[list[list[int]], int]:
-    """Greedy tokens of an engine (its method from config.json), and how many 4-bit kernels it holds."""
-    llm = LLM(model=path, **_ENGINE)
+def _generate(path: str, prompts, **engine: object) -> tuple[list[list[int]], int]:
+    """Greedy tokens of an engine (its method from config.json; `engine`: options over `_ENGINE`),
+    and how many 4-bit kernels it holds."""
+    llm = LLM(model=path, **(_ENGINE | engine))
     try:
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -164,6 +165,42 @@ def test_moe_with_zero_points_on_two_devices_equals_one(root, tmp_path, expert_p
     offset = two["params"]["model.layers.0.mlp.experts.down_proj.kernel_offset"]
     assert offset["shape"] == [8, 2, 64]
     assert offset["device_bytes"] == [8 * 64 * 4] * 2  # a group of each expert, or 4 experts' two
+
+
+@pytest.mark.full  # the act-order experts' load and logits: test_int4_moe in make test
+def test_gptq_act_order_moe_generates_what_the_dequantized_model_does(root):
+    """Every expert's gate/up and down groups in its own order (`models.gptq_expert_orders`). In
+    float32: the random tiny model's second prompt has a near-tie (0.02 apart) that bfloat16 flips."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = save_tiny("Qwen3MoeForCausalLM", str(root / "act_order_moe_float"))
+    path, dequantized = write_gptq(source, str(root / "act_order_moe"), group_size=16, act_order=3)
+    reference = write_float(source, str(root / "act_order_moe_reference"), dequantized)
+    moe_prompts = [list(p) for p in random_prompts([12, 21, 7], seed=3)]
+    generated, kernels = _generate(path, moe_prompts, dtype="float32")
+    assert kernels == 3 * 2 + 2 + 2 * 3, kernels  # qkv, o of 3 layers; a dense MLP's 2; 2 layers' 3 stacks
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    _assert_greedy_of(hf, moe_prompts, generated)
+
+
+@pytest.mark.full  # the gather on a mesh: test_moe_on_mesh; the load: test_int4_moe
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_gptq_act_order_moe_on_two_devices_equals_one(root, tmp_path, expert_parallel):
+    """Inside each expert: gate/up's columns (put in down's row order at load) and down's rows
+    split at the same place, on down's two groups of 16, each expert's gate/up order whole on
+    each device; by index: each device its 4 experts' orders. In float32, as the zero-point
+    test above."""
+    source = save_tiny("Qwen3MoeForCausalLM", str(root / f"act_order_moe_tp_float_{expert_parallel}"))
+    out = str(root / f"act_order_moe_tp_{expert_parallel}")
+    path, _ = write_gptq(source, out, group_size=16, act_order=3)
+    moe_prompts = [list(p) for p in random_prompts([12, 21], seed=3)]
+    two = _two_devices_equal_one(
+        path, moe_prompts, tmp_path, dtype="float32", enable_expert_parallel=expert_parallel
+    )
+    order = two["params"]["model.layers.0.mlp.experts.gate_proj.input_order"]
+    assert order["shape"] == [8, 64]
+    assert order["device_bytes"] == [(4 if expert_parallel else 8) * 64 * 4] * 2
 
 
 @pytest.mark.full  # the W4A16 test below splits the same packed groups and scales in make test

@@ -34,6 +34,7 @@ from flax import nnx
 from models import ModelConfig
 from models.linear import Linear, float_layers
 from models.loader import checkpoint_files
+from models.moe import StackedLinear
 from tpu_platform.disk_cache import UNUSED_ENTRY_SECONDS, mark_used, remove_unused, source_fingerprint
 from tpu_platform.private_files import make_private_dir, make_tree_private, unsafe_tree_reason
 from tpu_platform.weights.prepared import (
@@ -125,8 +126,10 @@ class WeightsCache:
 
 
 def reorders_inputs(model: nnx.Module) -> bool:
-    """Whether a layer of `model` gathers its inputs into another order (`Linear.input_order`)."""
-    return any(isinstance(m, Linear) and m.input_order is not None for _, m in nnx.iter_modules(model))
+    """Whether a layer of `model` gathers its inputs into another order (`Linear.input_order`, an
+    expert stack's `StackedLinear.input_order`)."""
+    layers = (m for _, m in nnx.iter_modules(model) if isinstance(m, (Linear, StackedLinear)))
+    return any(m.input_order is not None for m in layers)
 
 
 def _key(model_path: str, preparation: Preparation, memo_dir: str | None) -> str:

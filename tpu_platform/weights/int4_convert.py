@@ -10,26 +10,33 @@ quantization is done once here, as `vllm-xla convert` does int8's, and the resul
 ordinary 4-bit checkpoint.
 
 Quantized: every projection the model reads into a dense or expert kernel (attention, MLP, MoE
-experts stored one tensor an expert) whose inputs split into groups of `group_size`, with
-`models.int4.quantize_grouped` (`scale = max|w| / 7.5`, compressed-tensors' symmetric range).
-Kept as they are: the embedding, norms, biases, the MoE router (a rounding there changes which
-experts run), the LM head (tied or not: 4 bits on the layer whose every output is a logit costs
-tens of percent of perplexity where the projections cost a few; served in the model's dtype,
-and int8 on the native CPU kernels when tied, `models.quantization.quantize_tied_head_int8`),
-and MoE experts a checkpoint holds fused in one 3-D tensor (named in the config's `ignore`, and
-served in float as every backend serves an ignored layer). A group size that does not divide
-every projection's inputs is refused, naming the largest that does: a projection left in float
-would keep its whole size, and one per channel would cost far more than a group. The scales are
-stored in the source weight's dtype, as llm-compressor writes them.
+experts) whose inputs split into groups of `group_size`, with `models.int4.quantize_grouped`
+(`scale = max|w| / 7.5`, compressed-tensors' symmetric range). MoE experts a checkpoint holds
+fused in one 3-D tensor (Llama 4's `experts.gate_up_proj [E, D, 2F]` and `down_proj`, Gemma
+4's) are quantized per expert and per group: the model's own split of such a tensor
+(`checkpoint_tensors`, which its loader runs) gives each expert's gate, up and down `[out, in]`
+weights, written under the per-expert names (`experts.{e}.gate_proj.weight_packed`, ...) that
+llm-compressor writes for these models and vLLM's loaders read (a multimodal checkpoint's, whose
+loader rule also renames them, stay in float). Kept as they are: the
+embedding, norms, biases, the MoE router (a rounding there changes which experts run), the LM
+head (tied or not: 4 bits on the layer whose every output is a logit costs tens of percent of
+perplexity where the projections cost a few; served in the model's dtype, and int8 on the
+native CPU kernels when tied, `models.quantization.quantize_tied_head_int8`), and experts in a
+layout of their own (GPT-OSS's interleaved gate/up with biases, which no 4-bit format of its
+own serves here: they stay in float). A group size that does not divide every projection's
+inputs is refused, naming the largest that does: a projection left in float would keep its
+whole size, and one per channel would cost far more than a group. The scales are stored in
+the source weight's dtype, as llm-compressor writes them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -44,12 +51,52 @@ DEFAULT_GROUP_SIZE = 128
 _INDEX = "model.safetensors.index.json"
 # Source files that hold weights (replaced by the quantized ones).
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf", ".bin", ".pt", ".pth")
+_EXPERTS = ".experts"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Projections:
+    """The HF weights a model reads into a dense or expert kernel (the LM head's and a MoE
+    router's aside): `weights`, those stored one tensor a projection; `kernels` and `ours`,
+    our kernel paths and the loader's name table, and `split`, the model's rewrite of its
+    checkpoint's tensors (`checkpoint_tensors`: fused experts split per expert), for the fused
+    ones."""
+
+    weights: frozenset[str]
+    kernels: frozenset[str]
+    ours: Callable[[str], str | None]
+    split: Callable[[Iterator[tuple[str, np.ndarray]]], Iterator[tuple[str, np.ndarray]]] | None
+
+    def experts(self, name: str, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        """The per-expert `[out, in]` weights of `name` by their HF names, when it is a fused
+        experts tensor (`[E, ..]`) the model splits into expert kernels under its own prefix;
+        [] else. A split that also renames (a multimodal checkpoint's `language_model.` prefix
+        dropped) keeps the tensor as it is: the loader matches quantized layers by the names
+        the checkpoint holds."""
+        if self.split is None or value.ndim != 3 or f"{_EXPERTS}." not in name:
+            return []
+        stem = name[: name.rindex(f"{_EXPERTS}.") + len(_EXPERTS)] + "."
+        parts = list(self.split(iter([(name, value)])))
+        if len(parts) < 2 or not all(p.startswith(stem) and self.ours(p) in self.kernels for p, _ in parts):
+            return []
+        return parts
+
+    def input_widths(self, name: str, shape: tuple[int, ...]) -> dict[str, int]:
+        """The inputs of each projection the tensor `name` of `shape` holds (by HF weight name),
+        read from its shape alone (a fused one split as a zero-strided view)."""
+        if name in self.weights and len(shape) == 2:
+            return {name: shape[1]}
+        if len(shape) == 3:
+            view = np.broadcast_to(np.zeros((), np.float32), shape)
+            return {part: w.shape[1] for part, w in self.experts(name, view)}
+        return {}
 
 
 def convert_int4(source: str, out: str, group_size: int = DEFAULT_GROUP_SIZE) -> list[str]:
     """Writes `source` (a float safetensors model directory) as a W4A16 compressed-tensors
-    checkpoint into `out`, a new directory; returns the HF names of the weights it quantized.
-    A ValueError names what cannot be converted."""
+    checkpoint into `out`, a new directory; returns the HF names of the weights it quantized (a
+    fused experts tensor's by its per-expert names). A ValueError names what cannot be
+    converted."""
     if not os.path.isfile(os.path.join(source, "config.json")):
         raise ValueError(f"{source!r} is not a model directory with a config.json")
     files = checkpoint_files(source)
@@ -62,20 +109,26 @@ def convert_int4(source: str, out: str, group_size: int = DEFAULT_GROUP_SIZE) ->
         raise ValueError(f"{out!r} exists and is not empty; name a new directory")
     if group_size < 8 or group_size % 8:
         raise ValueError(f"--group-size {group_size}: a multiple of 8 (int32 words of 8 values)")
-    targets = _projection_kernels(source)
-    _refuse_undivided_inputs(source, files, targets, group_size)
+    projections = _projections(source)
+    _refuse_undivided_inputs(source, files, projections, group_size)
     os.makedirs(out, exist_ok=True)
     quantized, kept = [], set()
     weight_map = {}
     for file in files:
         tensors = {}
         for name, value in _tensors(file):
-            if name in targets and value.ndim == 2 and value.shape[1] % group_size == 0:
+            experts = projections.experts(name, value)
+            for expert, weight in experts:  # a fused experts tensor: each expert's projections
+                tensors |= _packed(expert, weight, group_size)
+                quantized.append(expert)
+            if experts:
+                continue
+            if name in projections.weights and value.ndim == 2 and value.shape[1] % group_size == 0:
                 tensors |= _packed(name, value, group_size)
                 quantized.append(name)
             else:
                 tensors[name] = value
-                if name in targets:
+                if name in projections.weights:
                     kept.add(name.removesuffix(".weight"))
         _save(tensors, os.path.join(out, os.path.basename(file)))
         weight_map |= {name: os.path.basename(file) for name in tensors}
@@ -89,18 +142,19 @@ def convert_int4(source: str, out: str, group_size: int = DEFAULT_GROUP_SIZE) ->
     return quantized
 
 
-def _refuse_undivided_inputs(source: str, files: list[str], targets: set[str], group_size: int) -> None:
-    """ValueError naming a projection (`[out, in]`) whose inputs do not split into groups of
-    `group_size`, and the largest group size (a multiple of 8) that splits every one."""
+def _refuse_undivided_inputs(
+    source: str, files: list[str], projections: _Projections, group_size: int
+) -> None:
+    """ValueError naming a projection (`[out, in]`, or one expert's of a fused tensor) whose
+    inputs do not split into groups of `group_size`, and the largest group size (a multiple of
+    8) that splits every one."""
     from safetensors import safe_open
 
     widths = {}
     for file in files:
         with safe_open(file, framework="numpy") as f:
-            for name in sorted(targets & set(f.keys())):
-                shape = f.get_slice(name).get_shape()
-                if len(shape) == 2:
-                    widths[name] = shape[1]
+            for name in sorted(f.keys()):
+                widths |= projections.input_widths(name, tuple(f.get_slice(name).get_shape()))
     undivided = sorted(name for name, width in widths.items() if width % group_size)
     if not undivided:
         return
@@ -121,9 +175,8 @@ def _tensors(file: str) -> Iterator[tuple[str, np.ndarray]]:
             yield name, f.get_tensor(name)
 
 
-def _projection_kernels(source: str) -> set[str]:
-    """The HF weight names the model reads into a dense or expert kernel, except the LM head's
-    and a MoE router's."""
+def _projections(source: str) -> _Projections:
+    """The projections of the model at `source` (`_Projections`), from its config and names."""
     config = ModelConfig.from_pretrained(source)
     model = nnx.eval_shape(lambda: build(config, jnp.float32))
     routers = {id(m.router) for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoE)}
@@ -140,7 +193,8 @@ def _projection_kernels(source: str) -> set[str]:
     for file in checkpoint_files(source):
         with safe_open(file, framework="numpy") as f:
             names += list(f.keys())
-    return {name for name in names if name.endswith(".weight") and ours(name) in kernels}
+    weights = frozenset(name for name in names if name.endswith(".weight") and ours(name) in kernels)
+    return _Projections(weights, frozenset(kernels), ours, getattr(model, "checkpoint_tensors", None))
 
 
 def _packed(name: str, value: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
