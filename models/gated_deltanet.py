@@ -14,7 +14,11 @@ gated delta rule (`pallas_kernels.gated_delta`) runs with `beta = sigmoid(b)` an
 The layer's cache is the pair of its state pools `(conv [S, W - 1, 2 Hk Dk + Hv Dv], recurrent
 [S, Hv, Dk, Dv])`; each sequence's slot is the first entry of its row of the layer's block table
 (`md.page_indices[:, 0]`: the engine gives a linear-attention layer one block a request, its
-state), and a sequence whose tokens before this step number zero starts from zeros.
+state), and a sequence whose tokens before this step number zero starts from zeros. Under
+speculative decoding with k drafts the engine gives it 1 + k blocks (`md.state_columns`): it
+starts from the first, and a verification's rows leave the state after each of them in the
+blocks in turn (`pallas_kernels.gated_delta`); the runner puts the block of the last row kept
+first for the next step (`tpu_platform.state_cache.keep_accepted_states`).
 
 Under tensor parallelism (`md.mesh`) each device runs whole key heads with their value heads:
 the input projections are split on their output features (`models.sharding`; Qwen3-Next's are
@@ -169,7 +173,7 @@ class GatedDeltaNet(nnx.Module):
         hk, hv = self.num_key_heads // devices, self.num_value_heads // devices
         qkv, z, b, a = self._split_projections(projected, hk, hv)
         t, keys = qkv.shape[0], hk * self.key_dim
-        slots = md.page_indices[:, 0]
+        slots = md.page_indices[:, 0] if md.state_columns == 1 else md.page_indices[:, : md.state_columns]
         q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
         has_state = md.kv_lens - q_lens > 0
         batch = (slots, has_state, md.cu_q_lens, md.num_seqs)

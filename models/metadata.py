@@ -52,6 +52,9 @@ class AttentionMetadata:
     mesh: Mesh | None = dataclasses.field(default=None, metadata={"static": True})
     # Every mixture-of-experts layer counts the tokens it routes to each expert (`models.expert_load`).
     count_expert_load: bool = dataclasses.field(default=False, metadata={"static": True})
+    # A state layer's slots a sequence (its block table row's first entries): 1, or 1 + k under
+    # speculative decoding with k drafts, a state after each verified row (`models.gated_deltanet`).
+    state_columns: int = dataclasses.field(default=1, metadata={"static": True})
 
     @property
     def tp_size(self) -> int:

@@ -11,8 +11,12 @@ temporaries are per chunk of the step's rows (`[chunks, heads, C, C]` scores, `[
 C, K|V]` keys and values) and one state per sequence of the step, never a pool-sized one.
 
 Pools: a layer's conv state `[slots, W - 1, D]` (the last inputs of the conv's D channels) and
-recurrent state `[slots, H, K, V]`. Under tensor parallelism both split on their channel / head
-axis (`state_partition_specs`), as the heads do.
+recurrent state `[slots, H, K, V]`. Under speculative decoding a sequence has P slots
+(`state_indices [R, P]`): it starts from column 0's, and a sequence of at most P rows (a
+verification: its last token and its drafts) leaves the state after its row j in column j, so
+that the next step can start after the last accepted draft (`gated_delta_reference`). Under
+tensor parallelism both split on their channel / head axis (`state_partition_specs`), as the
+heads do.
 """
 
 from __future__ import annotations
@@ -60,10 +64,12 @@ def state_bytes_per_slot(
 
 
 def _check_batch(state_indices: jax.Array, has_initial_state: jax.Array, cu_q_lens: jax.Array) -> None:
-    if state_indices.shape != has_initial_state.shape or cu_q_lens.shape != (state_indices.shape[0] + 1,):
+    r = has_initial_state.shape[0] if has_initial_state.ndim == 1 else -1
+    if state_indices.ndim not in (1, 2) or state_indices.shape[0] != r or cu_q_lens.shape != (r + 1,):
         raise ValueError(
-            f"state_indices {state_indices.shape} and has_initial_state {has_initial_state.shape} "
-            f"must be [R] and cu_q_lens {cu_q_lens.shape} [R + 1]"
+            f"state_indices {state_indices.shape} must be [R] (or [R, P]: a slot for each of a "
+            f"sequence's first P rows), has_initial_state {has_initial_state.shape} [R] and "
+            f"cu_q_lens {cu_q_lens.shape} [R + 1]"
         )
 
 
@@ -83,7 +89,8 @@ def causal_conv1d(
     """Causal depthwise conv1d of ragged rows `x [T, D]` with weight `[W, D]`, each sequence
     continuing from the last `W - 1` inputs in its slot of `conv_state [S, W - 1, D]` (zeros
     where `has_initial_state[i]` is false) and leaving its own last inputs there; silu after it
-    unless `activation` is false. Returns `([T, D], conv_state)`: donate the pool."""
+    unless `activation` is false. `state_indices [R, P]`: P slots a sequence (module docstring).
+    Returns `([T, D], conv_state)`: donate the pool."""
     resolve_backend(backend, interpret=True)
     _check_batch(state_indices, has_initial_state, cu_q_lens)
     if conv_state.shape[1:] != (weight.shape[0] - 1, x.shape[1]):
@@ -117,8 +124,9 @@ def gated_delta_rule(
     algebra): q, k `[T, G, K]` (each key head serving `H / G` value heads), v `[T, H, V]`, g (log
     decay, <= 0) and beta `[T, H]`; sequence i owns rows `cu_q_lens[i]:cu_q_lens[i+1]` and
     starts from slot `state_indices[i]` of `state [S, H, K, V]` (zeros where
-    `has_initial_state[i]` is false). Returns `o [T, H, V]` and the pool with each live
-    sequence's final state in its slot: donate it."""
+    `has_initial_state[i]` is false); `state_indices [R, P]`: P slots a sequence (module
+    docstring). Returns `o [T, H, V]` and the pool with each live sequence's final state in its
+    slot: donate it."""
     resolve_backend(backend, interpret=True)
     _check_batch(state_indices, has_initial_state, cu_q_lens)
     num_heads = v.shape[1]

@@ -18,6 +18,15 @@ order. This is the algebra of transformers' `torch_chunk_gated_delta_rule`.
 Ragged batches: sequence i owns rows `cu_q_lens[i]:cu_q_lens[i+1]` of a step, its next tokens,
 and starts from the state in slot `state_indices[i]` of the state pool (zeros when
 `has_initial_state[i]` is false, a new request); its final state is written back to that slot.
+
+Speculative decoding keeps a state after each verified position, so that the next step resumes
+after the last accepted draft (vLLM's `num_speculative_blocks`): then `state_indices` is `[R, P]`,
+P slots a sequence. A sequence starts from its slot in column 0; one of 1 to P rows leaves the
+state after its row j in its slot in column j, a longer one (a prefill chunk) its final state in
+column 0. With P = 1 this is the one-slot rule above. Inside the chunkwise form the state after
+row r of a chunk is `exp(cum_r) S + sum_{c <= r} exp(cum_r - cum_c) k_c u_c^T` (u the chunk's
+UT-solved values less what the incoming state predicts), taken in the rounds that hold a
+sequence's first P rows.
 Chunks never span two sequences: the step's rows become a flat list of chunks (at most
 `ceil(T / C) + R`), and the chunk-to-chunk scan runs in rounds, round j taking the j-th chunk of
 every sequence at once, for as many rounds as the longest sequence has chunks. A step of no more
@@ -143,7 +152,9 @@ def _intra_chunk(q, k, v, g, beta):
     """Each chunk's own part, all chunks at once. Inputs `[N, C, H, ...]` (padding rows zero).
     Returns, per chunk and head (`[N, H, ...]`): the UT-solved values `[C, V]`, the keys that read
     the incoming state `[C, K]`, the decayed queries `[C, K]`, the intra-chunk scores `[C, C]`,
-    the keys that write the outgoing state `[C, K]`, and the chunk's total decay `[]`."""
+    the keys that write the outgoing state `[C, K]`, the chunk's total decay `[]`, and what the
+    state after each row takes (`_row_states`): the keys `[C, K]`, the decay of the incoming
+    state to each row `[C]` and from each row to each later one `[C, C]`."""
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [N, H, C, *]
     g, beta = jnp.swapaxes(g, 1, 2), jnp.swapaxes(beta, 1, 2)  # [N, H, C]
     size = q.shape[2]
@@ -159,7 +170,30 @@ def _intra_chunk(q, k, v, g, beta):
     scores = jnp.einsum("nhik,nhjk->nhij", q, k) * decay
     reads = q * jnp.exp(cum)[..., None]
     writes = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    return values, state_keys, reads, scores, writes, jnp.exp(cum[..., -1])
+    rows = (k, jnp.exp(cum), decay)
+    return values, state_keys, reads, scores, writes, jnp.exp(cum[..., -1]), rows
+
+
+def _row_states(state, rows, fresh, count):
+    """The states after a chunk's first `count` rows, each `[R, H, K, V]`: the incoming `state`
+    decayed to the row plus the rows up to it (module docstring). `rows`: `_intra_chunk`'s
+    per-row parts of each sequence's chunk, `fresh` `[R, H, C, V]` its u."""
+    keys, decay_in, decay = rows  # [R, H, C, K], [R, H, C], [R, H, C, C]
+    return [
+        decay_in[:, :, r, None, None] * state + jnp.einsum("rhc,rhck,rhcv->rhkv", decay[:, :, r], keys, fresh)
+        for r in range(count)
+    ]
+
+
+def _write_row_states(pool, states, first_row, slots, writes_rows, q_lens):
+    """`pool` with `states[r]` (the state after row `first_row + r` of each sequence) in the
+    sequence's slot of that column, for the sequences that `writes_rows` and have such a row."""
+    for r, s in enumerate(states):
+        row = first_row + r
+        column = jnp.clip(row, 0, slots.shape[1] - 1)
+        target = jnp.where(writes_rows & (row < q_lens), slots[:, column], pool.shape[0])
+        pool = pool.at[target].set(s.astype(pool.dtype), mode="drop")
+    return pool
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "qk_l2norm"))
@@ -181,27 +215,33 @@ def gated_delta_rule_reference(
     """The chunkwise gated delta rule over a ragged batch (module docstring).
 
     q, k `[T, G, K]`, v `[T, H, V]`, g, beta `[T, H]` (g the log decay, beta the write strength,
-    already activated); state `[S, H, K, V]` the pool of state slots; state_indices `[R]` int32,
+    already activated); state `[S, H, K, V]` the pool of state slots; state_indices `[R]` int32
+    (or `[R, P]`: a state after each of a sequence's first P rows, module docstring),
     has_initial_state `[R]` bool, cu_q_lens `[R + 1]`, num_seqs int32 scalar or `[1]`. Rows past
     `cu_q_lens[num_seqs]` are padding (zeros out) and sequences past num_seqs touch no slot.
     Returns `o [T, H, V]` in v's dtype and the updated pool (donate it to update in place).
     """
     num_tokens, num_heads = v.shape[:2]
-    num_seq_slots = state_indices.shape[0]
+    slots = state_indices.reshape(state_indices.shape[0], -1)  # [R, P]
+    num_seq_slots, positions = slots.shape
     num_seqs = jnp.reshape(num_seqs, ())
     chunk = 1 if num_tokens <= num_seq_slots else chunk_size
     q, k = _prepare(q, k, num_heads, qk_l2norm)
     rows, first_chunk, chunks_per_seq = _chunk_table(cu_q_lens, num_seqs, num_tokens, chunk)
     inputs = [_gather_rows(x.astype(jnp.float32), rows) for x in (q, k, v, g, beta)]
-    values, state_keys, reads, scores, writes, chunk_decay = _intra_chunk(*inputs)
+    values, state_keys, reads, scores, writes, chunk_decay, row_parts = _intra_chunk(*inputs)
 
     live = jnp.arange(num_seq_slots) < num_seqs
-    slots = jnp.clip(state_indices, 0, state.shape[0] - 1)
-    start = jnp.where((live & has_initial_state)[:, None, None, None], state[slots].astype(jnp.float32), 0.0)
+    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    # With P > 1, a sequence of 1 to P rows leaves the state after each of them (module docstring).
+    writes_rows = live & (q_lens >= 1) & (q_lens <= positions) & (positions > 1)
+    read = jnp.clip(slots[:, 0], 0, state.shape[0] - 1)
+    start = jnp.where((live & has_initial_state)[:, None, None, None], state[read].astype(jnp.float32), 0.0)
     out = jnp.zeros_like(values)  # [N, H, C, V]
+    row_count = min(chunk, positions)  # rows of a chunk that may be among a sequence's first P
 
     def one_round(j, carry):
-        s, out = carry  # [R, H, K, V], [N, H, C, V]
+        s, out, *pool = carry  # [R, H, K, V], [N, H, C, V], and with P > 1 the pool [S, H, K, V]
         ids = first_chunk + j
         active = j < chunks_per_seq
         take = lambda x: jnp.take(x, ids, axis=0, mode="clip")  # noqa: E731
@@ -209,12 +249,20 @@ def gated_delta_rule_reference(
         o = jnp.einsum("rhck,rhkv->rhcv", take(reads), s) + jnp.einsum("rhij,rhjv->rhiv", take(scores), fresh)
         s_next = s * take(chunk_decay)[..., None, None] + jnp.einsum("rhck,rhcv->rhkv", take(writes), fresh)
         out = out.at[jnp.where(active, ids, out.shape[0])].set(o, mode="drop")
-        return jnp.where(active[:, None, None, None], s_next, s), out
+        if positions > 1:  # only rounds that hold a sequence's first P rows write row states
+            write = lambda p: _write_row_states(  # noqa: E731
+                p, _row_states(s, [take(x) for x in row_parts], fresh, row_count), j * chunk, slots,
+                writes_rows & active, q_lens,
+            )  # fmt: skip
+            pool = [lax.cond(j * chunk < positions, write, lambda p: p, *pool)]
+        return jnp.where(active[:, None, None, None], s_next, s), out, *pool
 
-    final, out = lax.fori_loop(0, jnp.max(chunks_per_seq), one_round, (start, out))
+    carry = (start, out, state) if positions > 1 else (start, out)
+    final, out, *pool = lax.fori_loop(0, jnp.max(chunks_per_seq), one_round, carry)
+    state = pool[0] if pool else state
     o = jnp.zeros((num_tokens + 1, num_heads, v.shape[-1]), jnp.float32)
     o = o.at[rows.reshape(-1)].set(jnp.swapaxes(out, 1, 2).reshape(-1, num_heads, v.shape[-1]))
-    state = state.at[jnp.where(live, state_indices, state.shape[0])].set(
+    state = state.at[jnp.where(live & ~writes_rows, slots[:, 0], state.shape[0])].set(
         final.astype(state.dtype), mode="drop"
     )
     return o[:num_tokens].astype(v.dtype), state
@@ -236,16 +284,19 @@ def causal_conv1d_reference(
     """Causal depthwise conv1d over a ragged batch, each sequence continuing from its carried
     inputs. x `[T, D]`; weight `[W, D]` (tap w multiplies the input `W - 1 - w` rows back);
     conv_state `[S, W - 1, D]`, a slot's last `W - 1` inputs, oldest first (zeros when
-    `has_initial_state` is false); state_indices, has_initial_state, cu_q_lens, num_seqs as in
-    `gated_delta_rule_reference`. Returns `silu(conv + bias)` (or without the silu) `[T, D]` in
-    x's dtype and the pool with each live sequence's last `W - 1` inputs written back."""
+    `has_initial_state` is false); state_indices (`[R]` or `[R, P]`), has_initial_state,
+    cu_q_lens, num_seqs as in `gated_delta_rule_reference`. Returns `silu(conv + bias)` (or
+    without the silu) `[T, D]` in x's dtype and the pool with each live sequence's last `W - 1`
+    inputs written back (with P > 1, for a sequence of 1 to P rows: the last `W - 1` inputs up to
+    its row j in its slot of column j)."""
     num_tokens = x.shape[0]
     width = weight.shape[0]
-    num_seq_slots = state_indices.shape[0]
+    slots = state_indices.reshape(state_indices.shape[0], -1)  # [R, P]
+    num_seq_slots, positions = slots.shape
     num_seqs = jnp.reshape(num_seqs, ())
     live = jnp.arange(num_seq_slots) < num_seqs
-    slots = jnp.clip(state_indices, 0, conv_state.shape[0] - 1)
-    carried = jnp.where((live & has_initial_state)[:, None, None], conv_state[slots], 0)  # [R, W-1, D]
+    read = jnp.clip(slots[:, 0], 0, conv_state.shape[0] - 1)
+    carried = jnp.where((live & has_initial_state)[:, None, None], conv_state[read], 0)  # [R, W-1, D]
     # Row t's sequence and its index inside this step's rows of it.
     seq = jnp.clip(
         jnp.searchsorted(cu_q_lens[1:], jnp.arange(num_tokens), side="right"), 0, num_seq_slots - 1
@@ -269,9 +320,20 @@ def causal_conv1d_reference(
     real = jnp.arange(num_tokens) < cu_q_lens[num_seqs]
     y = jnp.where(real[:, None], y, 0.0).astype(x.dtype)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    sequences = jnp.arange(num_seq_slots)[:, None]
     last = q_lens[:, None] - (width - 1) + jnp.arange(width - 1)  # [R, W-1]
-    new = input_at(jnp.arange(num_seq_slots)[:, None], last)  # [R, W-1, D]
-    conv_state = conv_state.at[jnp.where(live, state_indices, conv_state.shape[0])].set(
+    new = input_at(sequences, last)  # [R, W-1, D]
+    writes_rows = live & (q_lens >= 1) & (q_lens <= positions) & (positions > 1)
+    conv_state = conv_state.at[jnp.where(live & ~writes_rows, slots[:, 0], conv_state.shape[0])].set(
         new.astype(conv_state.dtype), mode="drop"
     )
+    if positions > 1:  # the inputs up to each of a short sequence's rows, in that row's column
+        rows = jnp.arange(positions)
+        upto = rows[:, None] - (width - 2) + jnp.arange(width - 1)  # [P, W-1]
+        windows = input_at(sequences[:, :, None], upto[None])  # [R, P, W-1, D]
+        written = writes_rows[:, None] & (rows[None] < q_lens[:, None])
+        target = jnp.where(written, slots, conv_state.shape[0]).reshape(-1)
+        conv_state = conv_state.at[target].set(
+            windows.reshape(-1, *windows.shape[2:]).astype(conv_state.dtype), mode="drop"
+        )
     return y, conv_state

@@ -121,6 +121,10 @@ def _online_patterns(config: VllmConfig) -> bool:
     return bool(getattr(args, "ignore", None) or getattr(args, "targets", None))
 
 
+# Speculative methods served on a hybrid target (a state after each draft, `tpu_platform.state_cache`).
+_HYBRID_DRAFTS = ("ngram", "mtp")
+
+
 def _hybrid(config: VllmConfig) -> bool:
     """Whether the model mixes Gated DeltaNet (state) layers with attention (Qwen3-Next, Qwen3.5)."""
     return bool(_model(config).is_hybrid)
@@ -202,11 +206,16 @@ REFUSED: tuple[Refusal, ...] = (
     ),
     Refusal(
         "speculative_config with a hybrid model",
-        "speculative decoding of hybrid models",
-        "any value",
-        lambda c: _hybrid(c) and c.speculative_config is not None,
-        "leave it unset: a rejected draft token would stay in the Gated DeltaNet state, which "
-        "vllm-xla keeps one a request, not one a draft position",
+        "draft-model and EAGLE-3 speculation on hybrid models",
+        "method 'draft_model' or 'eagle3'",
+        lambda c: (
+            _hybrid(c)
+            and c.speculative_config is not None
+            and c.speculative_config.method not in _HYBRID_DRAFTS
+        ),
+        "use method 'mtp' (Qwen3-Next and Qwen3.5 checkpoints carry the layer) or 'ngram': a hybrid "
+        "target keeps a Gated DeltaNet state after each draft, and only those proposers are built "
+        "beside it",
     ),
     Refusal(
         "enable_lora with a hybrid model",

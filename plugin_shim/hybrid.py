@@ -112,7 +112,8 @@ def state_specs(
 ) -> dict[str, KVCacheSpec]:
     """vLLM's Mamba-style spec of each state layer: its conv and recurrent state shapes as the
     pools hold them on one device of a mesh of `tp_size` (pages are per device), one block a
-    request (`mamba_cache_mode="none"`), padded to `page_bytes` (the
+    request (`mamba_cache_mode="none"`; 1 + k under speculative decoding with k drafts), padded
+    to `page_bytes` (the
     attention layers' page: the engine wants one page size; the pools hold the state unpadded).
     A state larger than a page is refused, naming the block size that fits it."""
     shapes, dtypes = state_shapes_and_dtypes(config, conv_dtype, tp_size)
@@ -124,6 +125,9 @@ def state_specs(
         page_size_padded=page_bytes,
         mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
         mamba_cache_mode=cache.mamba_cache_mode,
+        # Under speculative decoding, k more blocks: a state after each verified row, as vLLM's
+        # own layers ask (`tpu_platform.state_cache`).
+        num_speculative_blocks=vllm_config.num_speculative_tokens,
     )
     state_bytes = spec.state_content_size_bytes
     if state_bytes > page_bytes:

@@ -58,12 +58,15 @@ class StepBuckets:
 
     @classmethod
     def for_limits(
-        cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, page_size: int
-    ) -> StepBuckets:
+        cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, page_size: int,
+        min_pages: int = 1,
+    ) -> StepBuckets:  # fmt: skip
+        """`min_pages`: the block table's least width (a hybrid model's 1 + k state blocks a
+        request under speculative decoding, `tpu_platform.state_cache`)."""
         return cls(
             tokens=token_buckets(max_num_batched_tokens, max_num_seqs),
             max_seqs=max_num_seqs,
-            max_pages=-(-max_model_len // page_size),
+            max_pages=max(-(-max_model_len // page_size), min_pages),
         )
 
     def seqs_for(self, padded_tokens: int) -> int:

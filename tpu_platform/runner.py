@@ -36,6 +36,7 @@ from tpu_platform.runner_state import (
 )
 from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingTensors
 from tpu_platform.sampling.uniform import has_extras, with_all_extras
+from tpu_platform.state_cache import keep_accepted_states, state_columns
 from tpu_platform.step_program import KVLayout
 from tpu_platform.step_record import DispatchedStep, InFlightStep, record_step
 from tpu_platform.step_update import StepLogprobs, StepResult, StepUpdate
@@ -100,6 +101,7 @@ class Runner:
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
             page_size=config.page_size,
+            min_pages=state_columns(config.speculation),
         )
         self.programs = Programs(strict=config.strict_compile, cache=executables)
         self._pending: DispatchedStep | None = None
@@ -393,6 +395,8 @@ class Runner:
             jax.block_until_ready(oldest.out.sampled_token_ids)
             start = time.perf_counter()
             oldest.result = record_step(self.table, oldest)
+            if oldest.plan is not None and self.step_program.layout.state_columns > 1:
+                keep_accepted_states(self.table, oldest.plan, self.step_program.layout)
             if oldest.expert_load is not None:
                 self._count_expert_load(np.asarray(oldest.expert_load))
             if oldest.plan is not None:  # its forward has finished reading the inputs

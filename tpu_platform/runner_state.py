@@ -39,7 +39,7 @@ from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.sampling import SamplingBatch
 from tpu_platform.sampling.uniform import warm_logprobs_width
 from tpu_platform.speculation.verifier import SpeculativeDecoding, load_proposer
-from tpu_platform.state_cache import allocate_layer_caches
+from tpu_platform.state_cache import allocate_layer_caches, state_columns
 from tpu_platform.step import make_sampler
 from tpu_platform.step_program import KVLayout, StepProgram, build_step_program
 from tpu_platform.weights.prepared import ShardingFor
@@ -254,6 +254,8 @@ def build_step_state(
     mc = loaded.config
     hybrid = KVLayout.for_model(mc) if mc.state_layers else None
     layout = layout or hybrid or KVLayout.from_groups([range(mc.num_layers)], mc.num_layers)
+    if layout.state_layers:  # 1 + k state blocks a request under speculative decoding
+        layout = dataclasses.replace(layout, state_columns=state_columns(config.speculation))
     shape = (num_pages, config.page_size, kv_heads, mc.head_dim)
     mesh = placement.mesh
     if layout.state_layers:  # a hybrid model: state pools beside KV pages, one cache a layer

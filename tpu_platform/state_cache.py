@@ -17,6 +17,14 @@ A step's fresh request (no tokens before it) starts from zero states, whatever i
 a chunked prompt's next chunk continues from the state the last one left; a preempted request
 is scheduled again from its first token, so it recomputes its state.
 
+Under speculative decoding with k drafts the engine gives each state group 1 + k blocks a request
+(`MambaSpec.num_speculative_blocks`, as vLLM's own runners take them): the step starts from the
+first, and a verification's rows leave the state after each of them in the blocks in turn
+(`pallas_kernels.gated_delta`). Once the step is recorded, `keep_accepted_states` swaps the
+block holding the state after the last row kept (the last accepted draft's) into the first
+place of the request's row, where the next step starts: the blocks are the request's own, so
+their order in our table is ours to choose. A rejected draft's state is then never read.
+
 On a tensor-parallel mesh of N devices the pools split on their channels and heads
 (`pallas_kernels.state_partition_specs`) as the KV caches split on their heads: each device
 holds 1/N of every slot, and the shapes and bytes given to the engine are one device's.
@@ -24,8 +32,11 @@ holds 1/N of every slot, and the shapes and bytes given to the engine are one de
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from models.config import ModelConfig
@@ -37,7 +48,12 @@ from pallas_kernels import (
     state_bytes_per_slot,
     state_partition_specs,
 )
+from tpu_platform.inputs import StepPlan
+from tpu_platform.request_table import RequestTable
 from tpu_platform.step_program import KVLayout
+
+if TYPE_CHECKING:
+    from tpu_platform.speculation.config import SpeculationConfig
 
 # A recurrent state is kept in float32 (transformers' and vLLM's default for Gated DeltaNet).
 STATE_DTYPE = jnp.float32
@@ -133,3 +149,31 @@ def allocate_layer_caches(
     kv = NamedSharding(mesh, kv_cache_partition_spec(backend, MODEL_AXIS))
     shardings = [pools if i in states else kv for i in range(config.num_layers)]
     return jax.tree.leaves(jax.jit(allocate, out_shardings=shardings)())
+
+
+def state_columns(speculation: SpeculationConfig | None) -> int:
+    """A request's blocks in each state group: one, its state; under speculative decoding with k
+    drafts 1 + k, a state after each verified row (module docstring)."""
+    return 1 if speculation is None else 1 + speculation.num_tokens
+
+
+def keep_accepted_states(table: RequestTable, plan: StepPlan, layout: KVLayout) -> None:
+    """After a recorded step of `plan`: in each state group's block table row of each of its
+    requests, swaps the block holding the state after the request's last row kept into the first
+    place (module docstring). A request of at most `layout.state_columns` rows (a verification,
+    a decode, a short prompt chunk) left the state after its row j in its block j and kept its
+    rows up to its newest known token (no draft past the first rejected one); a longer one left
+    its final state in its first block."""
+    rows = plan.rows
+    q_lens = np.diff(plan.inputs().cu_q_lens[: rows.size + 1])
+    kept = np.minimum(q_lens, table.num_tokens[rows] - table.num_computed[rows] - 1)
+    column = np.where(q_lens <= layout.state_columns, kept - 1, 0)
+    moved = np.flatnonzero(column > 0)
+    if not moved.size:
+        return
+    rows, column = rows[moved], column[moved]
+    for group in layout.state_groups:
+        blocks = table.block_table[group]
+        first = blocks[rows, 0].copy()
+        blocks[rows, 0] = blocks[rows, column]
+        blocks[rows, column] = first

@@ -37,6 +37,7 @@ def forward_logits(
     cache_def: jax.tree_util.PyTreeDef | None = None,
     aux_layers: tuple[int, ...] = (),
     count_expert_load: bool = False,
+    state_columns: int = 1,
 ) -> tuple:
     """Runs the model on all scheduled tokens (`packed` by `pack_inputs`, padded to `dims`).
 
@@ -70,6 +71,7 @@ def forward_logits(
         caches_per_array=caches_per_array,
         mesh=mesh,
         count_expert_load=count_expert_load,
+        state_columns=state_columns,
     )
     if cache_def is not None:  # a hybrid's caches come flat; its state layers take pairs
         kv_caches = jax.tree.unflatten(cache_def, kv_caches)
@@ -121,6 +123,7 @@ def make_forward(
     cache_def: jax.tree_util.PyTreeDef | None = None,
     aux_layers: tuple[int, ...] = (),
     count_expert_load: bool = False,
+    state_columns: int = 1,
 ) -> Callable:
     """`forward(state_leaves, kv_caches, packed, fed_tokens, dims=...) -> (logits, greedy, hidden,
     kv_caches)`, jitted (and the EAGLE-3 head's hidden states last, with `aux_layers`).
@@ -140,7 +143,8 @@ def make_forward(
     `cache_def`: the structure the model takes its (flat) caches in, when not a flat list (a
     hybrid model's state pools, `tpu_platform.state_cache`).
     `count_expert_load`: a MoE model's program also returns its load per expert, last
-    (`forward_logits`).
+    (`forward_logits`). `state_columns`: a state layer's slots a sequence
+    (`models.AttentionMetadata`).
     """
     step = functools.partial(
         forward_logits,
@@ -156,6 +160,7 @@ def make_forward(
         cache_def=cache_def,
         aux_layers=aux_layers,
         count_expert_load=count_expert_load,
+        state_columns=state_columns,
     )
     if mesh is None:
         return jax.jit(step, donate_argnums=(1,), static_argnames=("dims",))

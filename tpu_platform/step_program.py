@@ -46,13 +46,20 @@ class KVLayout:
     A hybrid model's `state_layers` (linear attention: a fixed-size state per request,
     `tpu_platform.state_cache`) have groups of their own, one block a request (its state slot);
     then every layer has a cache of its own (`layer_caches[i] == i`): state pools and KV pages
-    have different shapes, so no array is shared."""
+    have different shapes, so no array is shared. Under speculative decoding with k drafts a
+    request has 1 + k blocks in those groups (`state_columns`): a state after each verified row."""
 
     layer_groups: tuple[int, ...]
     layer_caches: tuple[int, ...]
     num_caches: int
     num_groups: int
     state_layers: tuple[int, ...] = ()
+    state_columns: int = 1
+
+    @property
+    def state_groups(self) -> tuple[int, ...]:
+        """The groups of the state layers (none without)."""
+        return tuple(sorted({self.layer_groups[i] for i in self.state_layers}))
 
     @classmethod
     def from_groups(
@@ -210,12 +217,14 @@ def build_step_program(
         cache_pages=stacked_pages, caches_per_array=per_array, mesh=mesh,
         cache_shardings=None if mesh is None else [cache.sharding for cache in abstract_caches],
         cache_def=layout.caches_def, aux_layers=aux_layers, count_expert_load=count_expert_load,
+        state_columns=layout.state_columns,
     )  # fmt: skip
     tp_size = 1 if mesh is None else mesh.size
     context = repr(
         (model_config, backend, layout.layer_groups, layout.layer_caches, kv_dtype, num_pages, per_array,
          structure_text(graphdef), tp_size, architecture_fingerprint(model_config.architecture),
-         *([aux_layers] if aux_layers else []), *(["expert load"] if count_expert_load else []))
+         *([aux_layers] if aux_layers else []), *(["expert load"] if count_expert_load else []),
+         *([f"state columns {layout.state_columns}"] if layout.state_columns > 1 else []))
     )  # fmt: skip
     whole = None if mesh is None else replicated(mesh)
     return StepProgram(

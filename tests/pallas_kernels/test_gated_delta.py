@@ -224,14 +224,16 @@ def test_bad_shapes_are_named():
         )
 
 
-def _compiled_memory(num_slots: int, num_tokens: int):
-    """XLA's memory analysis of the rule and the conv, each compiled with its pool donated."""
+def _compiled_memory(num_slots: int, num_tokens: int, columns: int = 1):
+    """XLA's memory analysis of the rule and the conv, each compiled with its pool donated
+    (`columns` slots a sequence: `test_gated_delta_rows`)."""
     seqs, key_heads, heads, dim, channels = 4, 2, 4, 32, 96
     shapes = {
         "q": (num_tokens, key_heads, dim), "k": (num_tokens, key_heads, dim), "v": (num_tokens, heads, dim),
         "g": (num_tokens, heads), "beta": (num_tokens, heads), "state": (num_slots, heads, dim, dim),
     }  # fmt: skip
-    batch_shapes = (((seqs,), jnp.int32), ((seqs,), bool), ((seqs + 1,), jnp.int32), ((1,), jnp.int32))
+    indices = (seqs,) if columns == 1 else (seqs, columns)
+    batch_shapes = ((indices, jnp.int32), ((seqs,), bool), ((seqs + 1,), jnp.int32), ((1,), jnp.int32))
     batch = [jax.ShapeDtypeStruct(s, d) for s, d in batch_shapes]
     rule = jax.jit(lambda *a: gated_delta_rule(*a, backend="xla"), donate_argnums=5)
     rule_args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes.values()] + batch

@@ -68,8 +68,9 @@ CASES = {
     "watermark_config": ("llama", dict(watermark_config={"key": 7})),
     "enable_return_routed_experts": ("mixtral", dict(enable_return_routed_experts=True)),
     "weight_transfer_config": ("llama", dict(weight_transfer_config={"backend": "nccl"})),
-    "speculative_config with a hybrid model": (
-        "qwen3_next", dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+    "speculative_config with a hybrid model": (  # a Llama of its vocabulary drafting
+        "qwen3_next",
+        dict(speculative_config={"method": "draft_model", "model": "{llama}", "num_speculative_tokens": 2}),
     ),
     "enable_lora with a hybrid model": ("qwen3_next", dict(enable_lora=True)),
     "runner with a hybrid model": ("qwen3_next", dict(runner="pooling", convert="embed")),
@@ -131,8 +132,16 @@ def multimodal(monkeypatch):
     monkeypatch.setattr(ModelConfig, "is_multimodal_model", property(lambda self: True))
 
 
+def _filled(value, names: dict[str, str]):
+    """`value` with "{model}" the variant's checkpoint and "{llama}" (any of `models`) that one,
+    in strings and in dicts' strings."""
+    if isinstance(value, dict):
+        return {k: _filled(v, names) for k, v in value.items()}
+    return value.format(**names) if isinstance(value, str) else value
+
+
 def _config(models: dict[str, str], variant: str, kwargs: dict):
-    kwargs = {k: v.format(model=models[variant]) if isinstance(v, str) else v for k, v in kwargs.items()}
+    kwargs = {k: _filled(v, {**models, "model": models[variant]}) for k, v in kwargs.items()}
     return EngineArgs(model=models[variant], max_model_len=128, **kwargs).create_engine_config()
 
 

@@ -2,7 +2,8 @@
 """vLLM's configuration of a hybrid model on this platform (plugin_shim/hybrid.py): one state a
 request (`mamba_cache_mode='none'`, prefix caching off, which vLLM turns on by default), pages
 raised until one holds a Gated DeltaNet state, the state specs the worker reports, and Qwen3.5
-resolved by vLLM although its own model module cannot be imported here."""
+resolved by vLLM although its own model module cannot be imported here; under speculation, a
+state block a draft more."""
 
 from __future__ import annotations
 
@@ -69,3 +70,14 @@ def test_state_specs_as_the_pools_hold_them(qwen3_next):
     assert spec.state_content_size_bytes == state_slot_bytes(config, jnp.float32)
     with pytest.raises(ValueError, match="pass --block-size 32 or more"):
         state_specs(config, vllm_config, jnp.float32, 2048)
+
+
+def test_speculation_asks_for_a_state_block_a_draft(qwen3_next):
+    """With k = 3 n-gram drafts the engine gives each state layer 1 + 3 blocks a request: the
+    state after each verified row (`tpu_platform.state_cache`)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    vllm_config = _engine_config(qwen3_next, block_size=16, speculative_config=spec)
+    config = ModelConfig.from_pretrained(qwen3_next)
+    spec = state_specs(config, vllm_config, jnp.float32, 4096)["model.layers.0.linear_attn"]
+    assert spec.num_speculative_blocks == 3
+    assert spec.max_num_blocks_per_req(vllm_config, 128) == 1 + 3

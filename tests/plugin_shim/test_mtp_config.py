@@ -109,7 +109,7 @@ def test_our_check_names_a_target_without_one_mtp_layer(architecture, layers, na
 )
 def test_qwen3_next_counts_its_mtp_layers_by_its_own_field(layers, named):
     """Qwen3-Next and Qwen3.5 name their MTP layers `mtp_num_hidden_layers` (and have no
-    `num_nextn_predict_layers`); their hybrid speculation is refused by a check of its own."""
+    `num_nextn_predict_layers`)."""
     hf = types.SimpleNamespace(architectures=["Qwen3NextForCausalLM"], mtp_num_hidden_layers=layers)
     config = types.SimpleNamespace(
         speculative_config=types.SimpleNamespace(method="mtp", num_speculative_tokens=2),

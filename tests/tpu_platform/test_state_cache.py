@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """A hybrid model's caches (tpu_platform/state_cache.py): one a layer, state pools for the Gated
 DeltaNet layers and KV pages for the attention ones, in the structure the model takes them;
-the share of the memory budget the worker declares keeps both within it."""
+the share of the memory budget the worker declares keeps both within it; under speculation, the
+block of the last row kept put first after a step."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +16,19 @@ import pytest
 from models import ModelConfig
 from pallas_kernels import allocate_kv_cache
 from tests.models.tiny_qwen3_next import ARCHITECTURES
+from tpu_platform.buckets import StepBuckets
+from tpu_platform.inputs import prepare_step
+from tpu_platform.request_table import RequestTable
+from tpu_platform.sampling import SamplingOptions
 from tpu_platform.state_cache import (
     allocate_layer_caches,
+    keep_accepted_states,
     kv_budget_share,
     state_shapes_and_dtypes,
     state_slot_bytes,
 )
 from tpu_platform.step_program import KVLayout
+from tpu_platform.step_update import NewRequest
 
 
 def _config(num_layers: int = 4) -> ModelConfig:
@@ -67,3 +76,39 @@ def test_a_model_without_state_layers_declares_the_whole_budget():
     fields = {k: v for k, v in ARCHITECTURES["Qwen3NextForCausalLM"][1].items()}
     llama = ModelConfig.from_hf_dict({**fields, "architectures": ["LlamaForCausalLM"]})
     assert llama.state_layers == () and kv_budget_share(llama, 4096, jnp.float32) == 1.0
+
+
+def test_the_block_of_the_last_row_kept_goes_first():
+    """Under speculation with k = 2 (three blocks a request in each state group): a step's
+    request of at most three rows left the state after its row j in its block j; once recorded,
+    the block after its last row kept is swapped first in every state group, where the next
+    step starts. A longer prefill chunk left its state first already; attention pages stay."""
+    layout = dataclasses.replace(KVLayout.for_model(_config()), state_columns=3)
+    assert layout.state_groups == (0, 1, 2)
+    table = RequestTable(8, 64, 4, layout.num_groups)
+    # request: (tokens computed before the step, rows scheduled, tokens known once recorded)
+    steps = {
+        "one draft kept": (10, 3, 10 + 2 + 1),  # its token, then one accepted draft and a bonus
+        "none kept": (10, 3, 10 + 2),
+        "long chunk": (0, 5, 8),  # a prompt of 8, partly computed
+        "both kept": (10, 3, 10 + 2 + 2),
+        "short chunk": (0, 2, 8),  # two prompt rows: both kept
+    }
+    for i, (name, (computed, _, known)) in enumerate(steps.items()):
+        blocks = [[100 * g + 10 * i + j for j in range(3 if g < 3 else 1)] for g in range(4)]
+        row = table.add(NewRequest(name, list(range(1, 9)), blocks, computed, SamplingOptions()))
+        table.num_tokens[row] = known
+    rows = np.arange(len(steps), dtype=np.int32)
+    scheduled = np.array([s[1] for s in steps.values()], np.int32)
+    buckets = StepBuckets.for_limits(
+        max_num_batched_tokens=32, max_num_seqs=8, max_model_len=64, page_size=16
+    )
+    before = table.block_table.copy()
+    keep_accepted_states(table, prepare_step(table, rows, scheduled, buckets, 16), layout)
+    order = {"one draft kept": [1, 0, 2], "both kept": [2, 1, 0], "short chunk": [1, 0, 2]}
+    for i, name in enumerate(steps):
+        for g in range(3):
+            np.testing.assert_array_equal(
+                table.block_table[g, i, :3], before[g, i, order.get(name, [0, 1, 2])], err_msg=name
+            )
+    np.testing.assert_array_equal(table.block_table[3], before[3])

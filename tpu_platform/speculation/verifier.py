@@ -167,7 +167,7 @@ class SpeculativeDecoding:
         if self.draft is None:
             return
         self.draft.initialize(num_pages, feed_width=self._feed_width, **runner_facts)
-        max_pages = -(-self._max_model_len // runner_facts["page_size"])
+        max_pages = shapes[0][2]  # the block tables' width, the steps' P
         self._draft_warm_up = (shapes, runner_facts["num_groups"], max_pages, self._max_model_len, no_feed)
 
     @property
