@@ -409,7 +409,8 @@ def tensor_parallel_markdown(rows: list[dict]) -> str:
             out.append(_replicas_markdown_row(r))
             continue
         chip = f"{_weights(r)} | {_gib(r['weight_bytes'])}"
-        head = f"| {_model_cell(r)} | {r['target']} | {r['tp_size']} | {chip} |"
+        split = f"{r['tp_size']}, EP" if r.get("expert_parallel") else r["tp_size"]
+        head = f"| {_model_cell(r)} | {r['target']} | {split} | {chip} |"
         if not r["fits"]:
             out.append(f"{head} does not fit: {_why_not(r)} | | | | | |")
             continue

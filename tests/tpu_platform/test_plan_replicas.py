@@ -72,3 +72,19 @@ def test_replicas_that_do_not_fit_the_target_or_split_the_experts_are_refused_by
         plan_replicas(qwen, 6, 0, experts_over_replicas=True)
     with pytest.raises(ValueError, match=r"0 routed experts do not divide by 8"):
         plan_replicas(StepSetup(model_config("llama-3.1-8b"), "v6e-8"), 8, 0, experts_over_replicas=True)
+
+
+def test_qwen3_235b_over_a_16_chip_v6e_slice_holds_a_sixteenth_of_its_experts_a_chip():
+    """Qwen3-235B-A22B (`model_configs/qwen3-235b-a22b.json`, the released config): 94 layers of
+    128 experts of 1536 over a hidden size of 4096, 235.09e9 parameters; at EP=16 a chip holds 8
+    whole experts a layer."""
+    config = model_config("qwen3-235b-a22b")
+    one_chip = StepSetup(config, "v6e-16", max_model_len=2048).abstract_model()
+    assert one_chip.weight_bytes == pytest.approx(2 * 235.09e9, rel=1e-4)
+    setup = StepSetup(config, "v6e-16", tp_size=16, expert_parallel=True, max_model_len=2048)
+    chip = chip_weights(setup)
+    assert chip.expert_bytes == 94 * 8 * 3 * 4096 * 1536 * 2
+    # Beside them a sixteenth of attention (4 KV heads repeated to 16, one a chip) and of the
+    # vocabulary: 1.16 GiB, leaving 1.2 GiB of a chip's 28.8 GiB budget for the steps and cache.
+    assert GIB < chip.other_bytes < 1.2 * GIB
+    assert V6E_BUDGET - chip.total_bytes == pytest.approx(1.2 * GIB, rel=0.05)
