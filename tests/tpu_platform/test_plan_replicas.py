@@ -88,3 +88,24 @@ def test_qwen3_235b_over_a_16_chip_v6e_slice_holds_a_sixteenth_of_its_experts_a_
     # vocabulary: 1.16 GiB, leaving 1.2 GiB of a chip's 28.8 GiB budget for the steps and cache.
     assert GIB < chip.other_bytes < 1.2 * GIB
     assert V6E_BUDGET - chip.total_bytes == pytest.approx(1.2 * GIB, rel=0.05)
+
+
+def test_a_planner_row_as_replicas_keeps_the_compiled_programs_step_bytes():
+    import argparse
+
+    from benchmarks.plan import _with_replicas
+
+    setup = StepSetup(model_config("llama-3.1-8b"), "v6e-8", max_model_len=2048)
+    weights, page = 2 * 8_030_261_248 + 2048 * 128 * 4, PAGE_TOKENS * 32 * 2 * 8 * 128 * 2
+    # A compiled one-chip row: the steps keep 1 GiB and a part of a page beside weights and cache.
+    kv = (V6E_BUDGET - weights - GIB) // page * page
+    row = {"fits": True, "budget_bytes": V6E_BUDGET, "weight_bytes": weights, "kv_bytes": kv}
+    args = argparse.Namespace(dp=8, ep=False, batch=64, context=2048, memory_utilization=0.9)
+    replicas = _with_replicas(dict(row), setup, args, 1)["replicas"]
+    # Each replica is that program: its chip, its cache; eight of them.
+    assert (replicas["weight_bytes"], replicas["kv_bytes"]) == (weights, kv)
+    assert replicas["total_kv_tokens"] == 8 * replicas["kv_tokens"] == 8 * kv // page * PAGE_TOKENS
+    assert replicas["batch_fits"] == (kv // page * PAGE_TOKENS >= 64 * 2048)
+    # Without --dp the row is left as compiled.
+    one = argparse.Namespace(**{**vars(args), "dp": 1})
+    assert "replicas" not in _with_replicas(dict(row), setup, one, 1)
