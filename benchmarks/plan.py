@@ -34,6 +34,14 @@ per chip, and a row also counts the collectives (and the bytes they give) of the
 experts split by index over the chips (whole experts a chip), the rest tensor-parallel.
 A model too large for its chips is reported as not fitting, by how much.
 
+`--dp D` plans D data-parallel replicas of `--tp` chips each (`--data-parallel-size`): each replica
+compiles the program of its `--tp` chips, so the row is that program's, with a replica's KV
+tokens, those of all D, and D times its throughput. With `--ep` too the experts are split over all
+D x TP chips and attention stays on each replica's (vLLM's expert-parallel group under data
+parallelism; refused at start, `docs/architecture.md`): the planner compiles the served program
+with the experts over those chips and gives that form's chip by arithmetic
+(`tpu_platform.planner.replicas`).
+
 `--depth` plans each row from the model's first 2 and 4 layers at full width
 (`tpu_platform.planner.depth`: weights and KV per layer are arithmetic, what the steps need beyond
 them is read from the two short compiles and extrapolated to every layer), for models whose
@@ -51,6 +59,7 @@ planner runs each platform's compiles in a subprocess that has that toolchain on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -71,16 +80,25 @@ _TOOLCHAIN_MARKERS = {"tpu": "libtpu", "cuda": "jax_plugins"}
 def plan_one(model: str, target: str, tp_size: int, quantization: str, args: argparse.Namespace) -> dict:
     """Compiles and sizes `model` split over `tp_size` chips of `target` with its weights
     quantized so (in a process with its toolchain); every byte and time is per chip."""
-    from tpu_platform.planner.kv import fit_kv_cache, xla_decode_estimate
     from tpu_platform.planner.plan import StepSetup, model_config
 
+    # Experts over `--dp` replicas: the program compiled is the served one with its experts split
+    # over all their chips (attention tensor-parallel over them too); `_with_replicas` then moves
+    # attention back to each replica's chips by arithmetic.
+    compiled_tp = tp_size * args.dp if args.ep else tp_size
     setup = StepSetup(
         model_config(model), target, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.batch,
-        max_model_len=args.context, max_num_batched_tokens=args.prefill, tp_size=tp_size,
+        max_model_len=args.context, max_num_batched_tokens=args.prefill, tp_size=compiled_tp,
         quantization=quantization, expert_parallel=args.ep,
     )  # fmt: skip
-    if args.depth:
-        return _with_draft(_depth_row(setup, args, model), setup, args)
+    row = _depth_row(setup, args, model) if args.depth else _whole_row(setup, args, model)
+    return _with_replicas(_with_draft(row, setup, args), setup, args, tp_size)
+
+
+def _whole_row(setup, args: argparse.Namespace, model: str) -> dict:
+    """`plan_one` with every layer compiled."""
+    from tpu_platform.planner.kv import fit_kv_cache, xla_decode_estimate
+
     fit = fit_kv_cache(setup, args.batch, args.prefill, args.memory_utilization)
     bandwidth = setup.compile_target.hbm_bytes_per_second
     row = {**_common(setup, args, model), **fit.as_dict()}
@@ -91,7 +109,26 @@ def plan_one(model: str, target: str, tp_size: int, quantization: str, args: arg
         row["hlo"] = {"seconds": seconds, "tokens_per_second": args.batch / seconds}
         exchanged = fit.decode.collectives
         row["decode_collectives"] = {"count": len(exchanged), "bytes": sum(c.result_bytes for c in exchanged)}
-    return _with_draft(row, setup, args)
+    return row
+
+
+def _with_replicas(row: dict, setup, args: argparse.Namespace, tp_size: int) -> dict:
+    """`row` as `--dp` replicas of `tp_size` chips (`tpu_platform.planner.replicas`): a chip's
+    weights and a replica's KV tokens, the steps keeping what the compiled program's keep beside
+    its weights and cache. Without `--ep` the compiled program is the replica's own; with it the
+    experts are split over every replica's chips (not served: refused at start)."""
+    row["dp_size"] = args.dp
+    if args.dp == 1 or not row["fits"]:
+        return row
+    from tpu_platform.planner.replicas import plan_replicas
+
+    replica = dataclasses.replace(setup, tp_size=tp_size)
+    steps = row["budget_bytes"] - row["weight_bytes"] - row["kv_bytes"]
+    plan = plan_replicas(
+        replica, args.dp, steps, experts_over_replicas=args.ep, memory_utilization=args.memory_utilization
+    )
+    row["replicas"] = {**plan.as_dict(), "batch_fits": plan.kv_tokens >= args.batch * args.context}
+    return row
 
 
 def _with_draft(row: dict, setup, args: argparse.Namespace) -> dict:
@@ -236,7 +273,24 @@ def _report(row: dict) -> str:
         )
     if not row["fits"]:
         return f"{head}: DOES NOT FIT: {row['reason']}"
-    return (_depth_report(head, row) if row.get("depths") else _whole_report(head, row)) + _draft_report(row)
+    body = _depth_report(head, row) if row.get("depths") else _whole_report(head, row)
+    return body + _draft_report(row) + _replicas_report(row)
+
+
+def _replicas_report(row: dict) -> str:
+    replicas = row.get("replicas")
+    if replicas is None:
+        return ""
+    if replicas["experts_over_replicas"]:
+        form = "experts split over all their chips, attention per replica (arithmetic: not served)"
+    else:
+        form = "each the program above, nothing exchanged between them"
+    return (
+        f"\n  as {replicas['dp_size']} replicas of {replicas['tp_size']} chip(s), {form}: per chip "
+        f"weights {_gib(replicas['weight_bytes'])} GiB, KV {_gib(replicas['kv_bytes'])} GiB; "
+        f"{replicas['kv_tokens']} tokens a replica, {replicas['total_kv_tokens']} in all; batch "
+        f"{row['batch']} x {row['context']} a replica {'fits' if replicas['batch_fits'] else 'does NOT fit'}"
+    )
 
 
 def _draft_report(row: dict) -> str:
@@ -351,8 +405,12 @@ def tensor_parallel_markdown(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if r.get("replicas"):
+            out.append(_replicas_markdown_row(r))
+            continue
         chip = f"{_weights(r)} | {_gib(r['weight_bytes'])}"
-        head = f"| {_model_cell(r)} | {r['target']} | {r['tp_size']} | {chip} |"
+        split = f"{r['tp_size']}, EP" if r.get("expert_parallel") else r["tp_size"]
+        head = f"| {_model_cell(r)} | {r['target']} | {split} | {chip} |"
         if not r["fits"]:
             out.append(f"{head} does not fit: {_why_not(r)} | | | | | |")
             continue
@@ -364,6 +422,26 @@ def tensor_parallel_markdown(rows: list[dict]) -> str:
             f"{exchanged['count']} ({exchanged['bytes'] / (1 << 20):.1f}) |"
         )
     return "\n".join(out)
+
+
+def _replicas_markdown_row(r: dict) -> str:
+    """A `--dp` row: a replica's chip and cache, the tokens of all replicas, and the decode
+    throughput of all of them; with the experts over every replica's chips (not served), only
+    the arithmetic: the program compiled was the one with attention split over them all."""
+    rep = r["replicas"]
+    over = rep["experts_over_replicas"]
+    split = f"DP {rep['dp_size']} x TP {rep['tp_size']}" + (f", EP {rep['chips']}" if over else "")
+    head = f"| {_model_cell(r)} | {r['target']} | {split} | {_weights(r)} | {_gib(rep['weight_bytes'])} |"
+    cache = f"{_gib(rep['kv_bytes'])} ({rep['kv_tokens']} a replica, {rep['total_kv_tokens']} in all)"
+    fits = f"{r['batch']} x {r['context']} a replica: {'fits' if rep['batch_fits'] else 'no'}"
+    if over:
+        return f"{head} {cache} | {_step_memory(r)} | {fits} | - | - | not compiled: not served |"
+    roof, (xla, _), exchanged = r["roofline"], _estimates(r), r["decode_collectives"]
+    total = rep["dp_size"] * roof["tokens_per_second"]
+    return (
+        f"{head} {cache} | {_step_memory(r)} | {fits} | {roof['seconds'] * 1e3:.1f} ({total:.0f} "
+        f"all replicas) | {xla} | {exchanged['count']} ({exchanged['bytes'] / (1 << 20):.1f}) |"
+    )
 
 
 def _why_not(row: dict) -> str:
@@ -379,7 +457,7 @@ def render_markdown(report: dict) -> str:
     (with a TP column and per-chip figures when it was planned at several TP sizes)."""
     note = report.get("note") or NOTE
     rows = report["results"]
-    split = any(r.get("tp_size", 1) > 1 for r in rows)
+    split = any(r.get("tp_size", 1) > 1 or r.get("dp_size", 1) > 1 for r in rows)
     label = f"**{note[0].upper()}{note[1:]}.**\n\n"
     if rows and all("draft" in r for r in rows):  # planned with --draft: what the draft changes
         return label + draft_markdown([r for r in rows if "weight_bytes" in r["draft"]])
@@ -407,7 +485,7 @@ def _key(row: dict) -> tuple:
     """What a row plans: model, target, TP size, weights, expert placement and draft."""
     return (
         row["model"], row["target"], row.get("tp_size", 1), row.get("quantization", "none"),
-        bool(row.get("expert_parallel")), row.get("draft", {}).get("model"),
+        bool(row.get("expert_parallel")), row.get("draft", {}).get("model"), row.get("dp_size", 1),
     )  # fmt: skip
 
 
@@ -427,6 +505,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--ep", action="store_true", help="split the experts by index (--enable-expert-parallel)"
+    )
+    parser.add_argument(
+        "--dp", type=int, default=1, help="data-parallel replicas of --tp chips each (--data-parallel-size)"
     )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument(

@@ -67,3 +67,29 @@ def test_a_row_planned_from_few_layers_renders_its_depths_and_extrapolated_memor
         "| gpt-oss-120b | v6e-8 | 8 | bfloat16 | 42.00 | does not fit: weights 14.00 GiB over"
         in plan.render_markdown({"results": [too_large]})
     )
+
+
+def test_data_parallel_rows_render_a_replicas_chip_and_the_tokens_of_all():
+    roof = {"seconds": 0.02, "tokens_per_second": 3200.0}
+    replicas = {
+        "dp_size": 8, "tp_size": 1, "chips": 8, "experts_over_replicas": False, "weight_bytes": 15 * GIB,
+        "kv_bytes": 13 * GIB, "kv_tokens": 105_184, "total_kv_tokens": 841_472, "batch_fits": False,
+    }  # fmt: skip
+    row = _row(
+        "llama-3.1-8b", "v6e-8", dtype="bfloat16", fits=True, depths=[2, 4], weight_bytes=15 * GIB,
+        kv_bytes=13 * GIB, kv_tokens=105_184, batch=64, context=2048, batch_fits=False, roofline=roof,
+        overhead_bytes={"decode": GIB // 4, "prefill": GIB // 2}, decode_collectives={"count": 0, "bytes": 0},
+        short={"decode": [{}, {}]}, dp_size=8, replicas=replicas,
+    )  # fmt: skip
+    table = plan.render_markdown({"results": [row]})
+    assert (
+        "| llama-3.1-8b (from 2+4 layers) | v6e-8 | DP 8 x TP 1 | bfloat16 | 15.00 | 13.00 (105184 a "
+        "replica, 841472 in all) | 0.25 / 0.50 | 64 x 2048 a replica: no | 20.0 (25600 all replicas) | - | "
+        "0 (0.0) |"
+    ) in table
+    experts = {**replicas, "tp_size": 2, "dp_size": 4, "experts_over_replicas": True}
+    over = plan.render_markdown({"results": [{**row, "tp_size": 8, "replicas": experts}]})
+    assert "| DP 4 x TP 2, EP 8 | bfloat16 |" in over
+    assert over.endswith("| - | - | not compiled: not served |")
+    # A row of replicas is its own plan beside the same model on one chip.
+    assert plan.updated([_row("llama-3.1-8b", "v6e-8")], [row]) == [_row("llama-3.1-8b", "v6e-8"), row]

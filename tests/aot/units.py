@@ -19,6 +19,7 @@ LAYER_MODULES = frozenset(
         "test_affine_int4.py",
         "test_compile_kernels_gpu.py",
         "test_compile_kernels_tpu.py",
+        "test_data_parallel_program.py",
         "test_device_facts.py",
         "test_gated_delta_compile.py",
         "test_int8_collectives.py",

@@ -221,6 +221,8 @@ class StepSetup:
         """The runner's mesh over the first `tp_size` compile-only chips (None at TP=1); on a
         multi-host target, as the joined hosts build it (`hosts.per_host_devices`: a compile-only
         pod topology's devices carry their hosts)."""
+        if self.tp_size == 1:  # one chip of a target of several hosts too (a data-parallel replica)
+            return None
         devices = compile_only_devices(self.target)
         num_hosts = len({device.process_index for device in devices})
         if num_hosts > 1:

@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Compile worker: a mixture of experts' step under expert parallelism, its first layers at full
+width, on a target's chips; prints one JSON line, per case and step: the collectives the rules
+table does not imply (`plan.expected_collectives`), every buffer as large as one whole expert
+stack of a layer (what a gathered expert weight would take), the temporaries, and the chip's
+weight bytes as the mesh places them beside `tpu_platform.planner.replicas.chip_weights`.
+
+    python -m tests.aot.expert_parallel_worker STEPS TARGET:MODEL:EP:LAYERS [...]
+
+STEPS: `decode` (64 sequences), `prefill` (a 2k-token chunk) or both, comma-separated.
+
+Weights are abstract: nothing is allocated. Run through `tests.aot.toolchains.run_worker`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+import jax
+
+from models.sharding import key_path_name
+from tests.aot.step_compile import large_buffers
+from tpu_platform.planner.hlo import summarize_collectives, unexpected_collectives
+from tpu_platform.planner.plan import (
+    StepSetup,
+    expected_collectives,
+    first_layers,
+    model_config,
+    program_facts,
+    step_program,
+    step_shape,
+)
+from tpu_platform.planner.replicas import chip_weights
+
+NUM_PAGES = 1024
+STEP_TOKENS = {"decode": 64, "prefill": 2048}
+
+
+def compile_case(case: str, steps_wanted: list[str]) -> dict:
+    target_name, model, ep, layers = case.split(":")
+    setup = StepSetup(
+        first_layers(model_config(model), int(layers)), target_name, max_num_seqs=64, max_model_len=2048,
+        max_num_batched_tokens=2048, tp_size=int(ep), expert_parallel=True,
+    )  # fmt: skip
+    stack = _smallest_expert_stack(setup)
+    program = step_program(setup, NUM_PAGES)
+    steps = {}
+    for step in steps_wanted:
+        tokens = STEP_TOKENS[step]
+        start = time.perf_counter()
+        compiled = program.compile(step_shape(setup, tokens))
+        facts = program_facts(compiled, time.perf_counter() - start)
+        steps[step] = {
+            "unexpected_collectives": unexpected_collectives(
+                list(facts.collectives), expected_collectives(setup, tokens)
+            ),
+            "collectives": summarize_collectives(facts.collectives),
+            "expert_sized_buffers": large_buffers(compiled.as_text(), stack),
+            "temp_bytes": facts.temp_bytes, "compile_seconds": facts.compile_seconds,
+        }  # fmt: skip
+    model_state = setup.abstract_model()
+    return {
+        "case": case, "smallest_expert_stack_bytes": stack, "steps": steps,
+        "placed_weight_bytes": model_state.chip_weight_bytes(setup.mesh()),
+        "planned_weight_bytes": chip_weights(setup).total_bytes,
+        "chip_expert_bytes": chip_weights(setup).expert_bytes,
+    }  # fmt: skip
+
+
+def _smallest_expert_stack(setup: StepSetup) -> int:
+    """Bytes of the smallest whole `[E, in, out]` expert kernel of a layer (as served)."""
+    model = setup.abstract_model()
+    paths = [key_path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(model.state)[0]]
+    return min(
+        math.prod(leaf.shape) * leaf.dtype.itemsize
+        for path, leaf in zip(paths, model.leaves, strict=True)
+        if ".experts." in path and path.endswith("kernel")
+    )
+
+
+def main(argv: list[str]) -> None:
+    steps, *cases = argv
+    print(json.dumps([compile_case(case, steps.split(",")) for case in cases]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

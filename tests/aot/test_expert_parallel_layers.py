@@ -1,0 +1,42 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Qwen3-30B-A3B's step under expert parallelism at EP=8 on a v6e-8 (128 experts of 768, 16 whole
+experts a chip), its first 2 layers at full width, by the real TPU compiler (`make test`'s
+sibling of `test_expert_parallel_step.py`, which fits the whole model from 2 and 4 layers on
+v6e-8 and 8x H100 in `make test-full`).
+
+The worker (`expert_parallel_worker`) compiles a 64-sequence decode step (and in `make test-full`
+a 2k-token prefill step, which takes about three times as long to compile). What each exchanges
+is what the rules table implies and nothing else (per layer the `[tokens, hidden]` sums of
+attention and of the experts, the embedding's, the logits gathered once): no all-to-all, since
+every chip already holds every token and runs its own experts on the rows routed to them
+(docs/architecture.md, "Expert parallelism on one host"); no buffer as large as one whole expert
+stack of a layer (what gathering an expert weight would make); and the planner's arithmetic for
+a chip's weights (`replicas.chip_weights`) is what the mesh places.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.aot.toolchains import run_worker
+
+CASE = "v6e-8:qwen3-30b-a3b:8:2"  # target:model:EP:layers
+STAGES = [pytest.param("decode", id="decode"), pytest.param("prefill", id="prefill", marks=pytest.mark.full)]
+
+
+@pytest.fixture(scope="module", params=STAGES)
+def step(request) -> dict:
+    return {"stage": request.param, **run_worker("tpu", "expert_parallel_worker", request.param, CASE)[0]}
+
+
+def test_each_chip_holds_sixteen_whole_experts_a_layer_as_the_planner_counts(step):
+    assert step["chip_expert_bytes"] == 2 * 16 * 3 * 2048 * 768 * 2  # 2 layers, bfloat16
+    assert step["planned_weight_bytes"] == step["placed_weight_bytes"]
+    assert step["smallest_expert_stack_bytes"] == 128 * 2048 * 768 * 2  # one whole [E, in, out] kernel
+
+
+def test_the_step_exchanges_activation_sums_and_moves_no_expert_weight(step):
+    program = step["steps"][step["stage"]]
+    assert program["unexpected_collectives"] == []
+    assert {c["kind"] for c in program["collectives"]} <= {"all-reduce", "all-gather"}
+    assert program["expert_sized_buffers"] == []
