@@ -7,10 +7,11 @@ one-chip step, the program a v6e-1 serves, and the planner's replica rows
 The worker (`data_parallel_worker`) compiles Llama-3.1-8B's step, its first 2 layers at full
 width (the step's shape per layer is the whole model's), with the planner's `step_program` (the
 runner's own builder) for a chip of the v6e-8 and for a v6e-1: the optimized programs are the
-same text, with the same memory, on one partition with no collective. `make test` compiles the
-decode step for the last chip; `make test-full` the decode and prefill steps for the first and
-the last (each compile takes tens of seconds on two cores). The whole one-chip model is compiled
-for v6e-1 in `test_model_step.py`.
+same text, with the same memory, on one partition with no collective. Only `make test-full` runs
+it (the decode step for the last chip, then the decode and prefill steps for the first and the
+last; each compile takes tens of seconds on two cores): the one-chip step it proves every replica
+serves is compiled for v6e-1 in `make test` (`test_model_step.py`), and the replica arithmetic is
+checked by hand-worked cases in `tests/tpu_platform/test_plan_replicas.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests.aot.toolchains import run_worker
 
 ONE_CHIP = "v6e-1:llama-3.1-8b:2:0"
 CASES = [
-    pytest.param(("decode", ["v6e-8:llama-3.1-8b:2:7"]), id="decode-chip-7"),
+    pytest.param(("decode", ["v6e-8:llama-3.1-8b:2:7"]), id="decode-chip-7", marks=pytest.mark.full),
     pytest.param(
         ("decode,prefill", ["v6e-8:llama-3.1-8b:2:0", "v6e-8:llama-3.1-8b:2:7"]),
         id="both-steps-chips-0-and-7",
