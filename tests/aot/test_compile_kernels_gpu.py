@@ -6,10 +6,10 @@ ragged attention, for the cases of kernel_cases on H100, A100 and L4 compile-onl
 Triton lowers the kernel to PTX against the GPU's facts (`tpu_platform/planner/device_facts/`), so a
 tile that needs more shared memory than the GPU has, or an operation its compute capability
 lacks, fails here. Each case then asserts on its own result (kernel_checks). The worker's time
-is the compiles' own (a second or two each on a quiet core; starting the toolchain is a tenth of
-it), so `make test` compiles one point a class (`kernel_cases.in_full_only`): the grid's points
-no realistic case stands for, every realistic case on the H100, the plain decode and the largest
-tiles on A100 and L4; the rest are `make test-full`'s, compiled by a worker of their own.
+is the compiles' own, not the toolchain's start, so `make test` compiles one point a class
+(`kernel_cases.in_full_only`): the grid's points no realistic case stands for, every realistic
+case on the H100, the plain decode and the largest tiles on A100 and L4; the rest are `make
+test-full`'s, compiled by a worker of their own.
 """
 
 from __future__ import annotations

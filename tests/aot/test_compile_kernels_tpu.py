@@ -7,8 +7,7 @@ also on v5p and v4): Mosaic checks the kernel's layouts, DMA shapes and scoped-V
 and XLA's TPU passes lay out the cache both ops share. Each case then asserts on its own
 result (kernel_checks). `make test` compiles one point a class (`kernel_cases.in_full_only`):
 the grid's points no realistic case stands for, on v5e, and each realistic case on one of v5e and
-v6e; the rest are `make test-full`'s, compiled by a worker of their own (each compile takes
-seconds: the large query blocks of the mixed and prefill cases most).
+v6e; the rest are `make test-full`'s, compiled by a worker of their own.
 """
 
 from __future__ import annotations
