@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Worker: compiles an EAGLE-3 head's programs for a compile-only target (one chip).
 
-`python -m tests.aot.eagle3_compile TARGET [TP]` (run by `toolchains.run_worker`) prints one JSON
-line: the target's step program handing the head its hidden states (Llama-3.1-8B cut to its first
-four layers, the head reading three of them), the head's pass over a prefill step and its loop
+`python -m tests.aot.eagle3_compile TARGET [TP [PREFILL]]` (run by `toolchains.run_worker`) prints
+one JSON line: the target's step program handing the head its hidden states (Llama-3.1-8B cut to
+its first four layers, the head reading three of them), the head's pass over a prefill step of
+PREFILL tokens (default 512) and its loop
 for k = 4 (a head of Llama-3.1-8B's shape: 4096 wide, a 32000-token draft vocabulary, as
 EAGLE3-LLaMA3.1-Instruct-8B), each with its compile seconds, temp, argument and aliased bytes,
 and the head's cache and weight bytes on one chip, beside the planner's rows for it. With
@@ -49,7 +50,7 @@ def _error(e: Exception) -> dict:
     return {"error": f"{type(e).__name__}: {str(e)[:2000]}"}  # the compiler's message is the answer
 
 
-def main(target: str, tp_size: str = "1") -> dict:
+def main(target: str, tp_size: str = "1", prefill: str = str(PREFILL)) -> dict:
     config = model_config("llama-3.1-8b")
     limits = dict(target=target, max_num_seqs=ROWS, max_model_len=4096, max_num_batched_tokens=2048,
                   tp_size=int(tp_size))  # fmt: skip
@@ -63,11 +64,11 @@ def main(target: str, tp_size: str = "1") -> dict:
     out = {"target": target, "tp_size": int(tp_size)}
     try:
         program = step_program(setup, NUM_PAGES, aux_layers=AUX_LAYERS)
-        out["target_step"] = _facts(_compile(program, step_shape(setup, PREFILL)))
+        out["target_step"] = _facts(_compile(program, step_shape(setup, int(prefill))))
     except Exception as e:
         out["target_step"] = _error(e)
     try:
-        programs = compile_eagle3(setup, head, NUM_PAGES, PREFILL, ROWS, K)
+        programs = compile_eagle3(setup, head, NUM_PAGES, int(prefill), ROWS, K)
         out["head_pass"], out["head_loop"] = _facts(programs.head_pass), _facts(programs.loop)
         out["head_cache_bytes"], out["head_weight_bytes"] = programs.cache_bytes, programs.weight_bytes
     except Exception as e:

@@ -4,7 +4,7 @@ the gated delta rule, each with its state pool donated) at Qwen3-Next-80B-A3B's 
 for a compile-only TPU or GPU target.
 
 `python -m tests.aot.gated_delta_compile TARGET [ROWS]` (run by `toolchains.run_worker`)
-compiles a decode step and a prefill step (only the step of ROWS rows, if given), each over two
+compiles a decode step and a prefill step (only a decode step of ROWS sequences, if given), each over two
 pool sizes, and prints one JSON line: per case its name, compile seconds, temp bytes, the pools'
 bytes and whether they are aliased (updated in place), or the compiler's error.
 """
@@ -78,7 +78,7 @@ def compile_case(device: jax.Device, rows: int, seqs: int, slots: int) -> dict:
 
 def main(argv: list[str]) -> None:
     device = compile_only_devices(argv[0])[0]
-    steps = [(rows, seqs) for rows, seqs in STEPS if len(argv) == 1 or rows == int(argv[1])]
+    steps = STEPS if len(argv) == 1 else [(int(argv[1]), int(argv[1]))]
     print(
         json.dumps([compile_case(device, rows, seqs, slots) for rows, seqs in steps for slots in POOL_SLOTS])
     )

@@ -162,11 +162,62 @@ def cases_for(target: str, platform: str) -> tuple[CompileCase, ...]:
     return (*REALISTIC, OVERFLOWS[platform])
 
 
+# The interpret grid's points `make test` compiles (on v5e, H100 and A100): one a class no realistic
+# case holds (float32, 128-token pages, one and three query heads a KV head, odd tunings, an empty
+# batch, float8_e5m2, a chunk beside a window, sinks without one). The others' classes (bfloat16
+# windows and caps, head dims 256 and 512, float8_e4m3fn, sinks with a window, chunks) are
+# realistic cases'.
+GRID_IN_MAKE_TEST = frozenset(
+    {
+        "grid_decode_p16_d128_g4_2k", "grid_mixed_p128_d128_g3_window",
+        "grid_mixed_p16_d64_g1_bf16_window_cap", "grid_mixed_p16_d128_g8_odd_tuning", "grid_empty_batch",
+        "grid_mixed_p32_d64_g3_e5m2_window", "grid_decode_p32_d64_g2_chunk_window",
+        "grid_decode_p32_d64_g4_sinks",
+    }
+)  # fmt: skip
+# The realistic cases `make test` compiles on the chips that do not take them all (H100, v5p and
+# v4 do). v5e and v6e: each case on one of the two (the kernels' code is the same on both; what
+# differs, VMEM and tiling, each chip's decode, mixed and float8 cases and its overflow check),
+# the plain decode on both, the newer models' features (head dim 512, chunks, sinks) on v6e, the
+# chip their one-chip steps compile for. A100 and L4 (less shared memory a block than the H100):
+# the plain decode and the cases of the largest tiles, head dims 256 and 512.
+REALISTIC_IN_MAKE_TEST = {
+    "v5e-1": frozenset(
+        {
+            "decode_d128_r64_2k", "decode_d128_r256_8k_fp8", "decode_d128_r64_32k",
+            "decode_d256_r128_8k_window_cap", "mixed_d256_r64_t1024_8k_fp8_window_cap",
+        }
+    ),
+    "v6e-1": frozenset(
+        {
+            "decode_d128_r64_2k", "prefill_d128_r16_t2048_32k_fp8", "decode_d64_r128_8k_window_sinks",
+            "mixed_d128_r64_t512_16k_chunk", "decode_d512_r32_4k_window", "mixed_d512_r16_t512_4k",
+        }
+    ),
+    **dict.fromkeys(
+        ("a100x1", "l4x1"),
+        frozenset(
+            {
+                "decode_d128_r64_2k", "decode_d256_r128_8k_window_cap",
+                "mixed_d256_r64_t1024_8k_fp8_window_cap", "decode_d512_r32_4k_window",
+                "mixed_d512_r16_t512_4k",
+            }
+        ),
+    ),
+}  # fmt: skip
+# Where `make test` compiles the grid's points above (the A100 has only the float8_e5m2 one).
+GRID_TARGETS = ("v5e-1", "h100x1", "a100x1")
+
+
 def in_full_only(target: str, case: CompileCase) -> bool:
-    """Whether `make test` leaves the pair to `make test-full`: the interpret grid's shapes on v6e,
-    which v5e's compile of them already takes through Mosaic (v6e compiles the realistic cases
-    and the overflow in `make test`)."""
-    return target == "v6e-1" and case.name.startswith("grid_")
+    """Whether `make test` leaves the pair to `make test-full`: the grid's points outside
+    `GRID_IN_MAKE_TEST` (and every one on v6e), the realistic cases outside
+    `REALISTIC_IN_MAKE_TEST` where it names the chip. Every overflow check is `make test`'s."""
+    if case.expect_error:
+        return False
+    if case.name.startswith("grid_"):
+        return target not in GRID_TARGETS or case.name not in GRID_IN_MAKE_TEST
+    return target in REALISTIC_IN_MAKE_TEST and case.name not in REALISTIC_IN_MAKE_TEST[target]
 
 
 def plan(platform: str) -> list[tuple[str, CompileCase]]:

@@ -15,7 +15,9 @@ for a 128x128 block fp8 checkpoint); bfloat16 without.
 
 MODE `full`: every layer compiled (`tpu_platform.planner.kv.fit_kv_cache`); `depth`: the model's
 first 2 and 4 layers (`tpu_platform.planner.depth.fit_by_depth`: the memory extrapolated, the
-collectives of each short program checked against what its own depth implies).
+collectives of each short program checked against what its own depth implies);
+`depth-one-prefill`: the same, the prefill step at 2 layers only, its memory bounded from above
+(`fit_by_depth(one_prefill=True)`: on TPU a prefill program compiles for minutes at any depth).
 
 Run through `tests.aot.toolchains.run_worker` (the compiler's toolchain on the path, JAX on CPU).
 """
@@ -57,7 +59,7 @@ def fit_case(mode: str, case: str) -> dict:
                     list(program.collectives), expected_collectives(setup, tokens)
                 )
     else:
-        fit = fit_by_depth(setup, DECODE_TOKENS, PREFILL_TOKENS)
+        fit = fit_by_depth(setup, DECODE_TOKENS, PREFILL_TOKENS, one_prefill=mode == "depth-one-prefill")
         for step, tokens in STEPS:
             problems[step] = [
                 f"{depth} layers: {problem}"

@@ -2,31 +2,60 @@
 """The Pallas GPU (Triton) kernel and its KV write, compiled by XLA's real GPU compiler.
 
 One worker process (`tests.aot.compile_kernels cuda`) compiles a layer step, KV write then
-ragged attention, for every case of kernel_cases on H100, A100 and L4 compile-only devices:
+ragged attention, for the cases of kernel_cases on H100, A100 and L4 compile-only devices:
 Triton lowers the kernel to PTX against the GPU's facts (`tpu_platform/planner/device_facts/`), so a
 tile that needs more shared memory than the GPU has, or an operation its compute capability
-lacks, fails here. Each case then asserts on its own result (kernel_checks).
+lacks, fails here. Each case then asserts on its own result (kernel_checks). The worker's time
+is the compiles' own, not the toolchain's start, so `make test` compiles one point a class
+(`kernel_cases.in_full_only`): the grid's points no realistic case stands for, every realistic
+case on the H100, the plain decode and the largest tiles on A100 and L4; the rest are `make
+test-full`'s, compiled by a worker of their own.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.aot.kernel_cases import plan
+from tests.aot.kernel_cases import GRID_IN_MAKE_TEST, REALISTIC, REALISTIC_IN_MAKE_TEST, in_full_only, plan
 from tests.aot.kernel_checks import check_compiled
 from tests.aot.toolchains import run_worker
 
 PLAN = plan("cuda")
 
 
+def _compile(full_only: bool) -> dict:
+    pairs = [f"{t}/{c.name}" for t, c in PLAN if in_full_only(t, c) == full_only]
+    return run_worker("cuda", "compile_kernels", "cuda", *pairs)
+
+
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_worker("cuda", "compile_kernels", "cuda")
+    return _compile(full_only=False)
 
 
-@pytest.mark.parametrize(("target", "case"), PLAN, ids=[f"{t}-{c.name}" for t, c in PLAN])
-def test_compiles_and_fits(results, target, case):
-    check_compiled(results, target, case)
+@pytest.fixture(scope="module")
+def full_results() -> dict:
+    return _compile(full_only=True)
+
+
+@pytest.mark.parametrize(
+    ("target", "case"),
+    [
+        pytest.param(t, c, id=f"{t}-{c.name}", marks=[pytest.mark.full] if in_full_only(t, c) else [])
+        for t, c in PLAN
+    ],
+)
+def test_compiles_and_fits(request, target, case):
+    fixture = "full_results" if in_full_only(target, case) else "results"
+    check_compiled(request.getfixturevalue(fixture), target, case)
+
+
+def test_the_make_test_points_name_cases_of_the_plans():
+    """A misspelt name would move its case to `make test-full` unseen."""
+    names = {c.name for platform in ("tpu", "cuda") for _, c in plan(platform)}
+    assert GRID_IN_MAKE_TEST <= names
+    for chosen in REALISTIC_IN_MAKE_TEST.values():
+        assert chosen <= {c.name for c in REALISTIC}
 
 
 def test_a100_cannot_compile_a_float8_e4m3fn_cache():

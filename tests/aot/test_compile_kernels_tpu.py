@@ -5,8 +5,9 @@ One worker process (`tests.aot.compile_kernels tpu`) compiles a layer step, KV w
 ragged attention, for every case of kernel_cases on v5e and v6e chips (the realistic cases
 also on v5p and v4): Mosaic checks the kernel's layouts, DMA shapes and scoped-VMEM budget,
 and XLA's TPU passes lay out the cache both ops share. Each case then asserts on its own
-result (kernel_checks). The interpret grid's shapes on v6e are `make test-full`'s
-(`kernel_cases.in_full_only`), compiled by a worker of their own.
+result (kernel_checks). `make test` compiles one point a class (`kernel_cases.in_full_only`):
+the grid's points no realistic case stands for, on v5e, and each realistic case on one of v5e and
+v6e; the rest are `make test-full`'s, compiled by a worker of their own.
 """
 
 from __future__ import annotations

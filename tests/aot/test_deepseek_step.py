@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """A DeepSeek-V3-shaped step at full width (128 heads, latent 512, rope 64, low-rank queries of
-1536, 256 routed experts of 2048 and one shared, hidden 7168) with four layers, one dense and
-three MoE, compiled at TP=8 by XLA's GPU compiler for 8x H100 (`tensor_parallel_worker`, as
-test_tensor_parallel_step.py does for Llama and Qwen3-MoE): the runner's step program
-(`tpu_platform.step_program`), every one of the four layers compiled.
+1536, 256 routed experts of 2048 and one shared, hidden 7168) cut to a few layers, the first
+dense and the rest MoE, compiled at TP=8 by XLA's GPU compiler for 8x H100
+(`tensor_parallel_worker`, as test_tensor_parallel_step.py does for Llama and Qwen3-MoE): the
+runner's step program (`tpu_platform.step_program`), every one of the layers compiled. `make
+test` compiles two layers, one of each kind (what a layer exchanges or copies shows in one
+layer); `make test-full` (`-m full`) four, one dense and three MoE.
 
 It must fit each chip with the latent cache whole on every chip, page by page exactly
 `(kv_lora_rank + qk_rope_head_dim) x 2` bytes a token a layer, and exchange only what the rules
@@ -23,18 +25,20 @@ from tests.aot.model_step_worker import MAX_MODEL_LEN
 from tests.aot.toolchains import run_worker
 from tpu_platform.planner.plan import known_models
 
-LAYERS, LATENT_WIDTH = 4, 512 + 64
+LATENT_WIDTH = 512 + 64
 TARGETS = {"cuda": "h100x8"}
+# Layers compiled: one dense and one MoE in `make test`, one dense and three MoE in `make test-full`.
+LAYERS = [pytest.param(2, id="2-layers"), pytest.param(4, marks=pytest.mark.full, id="4-layers")]
 
 pytestmark = pytest.mark.timeout(3600)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, dict]:
+@pytest.fixture(scope="module", params=LAYERS)
+def results(request, tmp_path_factory) -> dict[str, dict]:
     assert "deepseek-v3" in known_models()
     shipped = resources.files("tpu_platform.planner").joinpath("model_configs", "deepseek-v3.json")
     config = json.loads(shipped.read_text())
-    config.update(num_hidden_layers=LAYERS, first_k_dense_replace=1)
+    config.update(num_hidden_layers=request.param, first_k_dense_replace=1)
     path = tmp_path_factory.mktemp("deepseek") / "config.json"
     path.write_text(json.dumps(config))
 
@@ -42,7 +46,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
         (row,) = run_worker(
             platform, "tensor_parallel_worker", "full", f"{TARGETS[platform]}:{path}:8", timeout=3500
         )
-        return platform, row
+        return platform, {**row, "layers": request.param}
 
     return dict(map(compile_for, TARGETS))
 
@@ -54,7 +58,7 @@ def test_v3_shaped_step_compiles_and_fits_each_chip_with_the_latent_cache_whole(
     assert row["tp_size"] == 8
     assert row["kv_tokens"] >= MAX_MODEL_LEN
     # bfloat16 latent rows, whole on every chip: 576 values a token a layer.
-    assert row["kv_bytes"] == row["kv_tokens"] * LAYERS * LATENT_WIDTH * 2
+    assert row["kv_bytes"] == row["kv_tokens"] * row["layers"] * LATENT_WIDTH * 2
     total = row["total_weight_bytes"]
     # Replicated: norms, routers, correction biases and the latent projections (q_a, kv_a).
     assert row["replicated_weight_bytes"] <= 0.01 * total

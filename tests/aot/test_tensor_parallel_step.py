@@ -5,7 +5,8 @@ models split over the chips of a target.
 For each case a worker (`tensor_parallel_worker`, one subprocess per platform, both at once)
 sizes the KV cache per chip on the runner's mesh (`StepSetup.tp_size`): in `make test` from the
 model's first 2 and 4 layers at full width, the memory extrapolated to every layer
-(`tpu_platform.planner.depth`; the collectives a layer makes show in each short program), in
+(`tpu_platform.planner.depth`; the collectives a layer makes show in each short program; on TPU
+the prefill at 2 layers only, its memory bounded from above), in
 `make test-full` (`-m full`) with every layer compiled (`tpu_platform.planner.kv.fit_kv_cache`):
 the weights abstract and placed by the rules table (`models.sharding`), the caches split on KV
 heads (replicated in groups where the model has fewer KV heads than chips), attention per chip
@@ -43,6 +44,10 @@ MORE_CASES = {
     "cuda": ["h100x8:llama-3.1-70b:8"],
 }
 ALL_CASES = {p: CASES[p] + MORE_CASES[p] for p in CASES}
+# `make test`'s worker mode a platform: on TPU the prefill at 2 layers only, its memory bounded
+# from above (a TPU prefill program compiles for minutes at any depth; its every layer is
+# `make test-full`'s, below).
+DEPTH_MODES = {"tpu": "depth-one-prefill", "cuda": "depth"}
 MOE_SHAPES = ("gpt-oss", "llama-4")  # sinks, sliding, chunked layers and shared experts
 MOE_CASES = [c for c in ALL_CASES["tpu"] + ALL_CASES["cuda"] if c.split(":")[1].startswith(MOE_SHAPES)]
 # Published parameter counts (model cards): the abstract weights must be these, in bfloat16
@@ -64,27 +69,27 @@ BACKEND = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}
 pytestmark = pytest.mark.timeout(3600)
 
 
-def _run(mode: str, cases: dict[str, list[str]]) -> dict[str, dict]:
+def _run(modes: dict[str, str], cases: dict[str, list[str]]) -> dict[str, dict]:
     with ThreadPoolExecutor(2) as pool:
         answers = pool.map(
-            lambda p: run_worker(p, "tensor_parallel_worker", mode, *cases[p], timeout=3500), cases
+            lambda p: run_worker(p, "tensor_parallel_worker", modes[p], *cases[p], timeout=3500), cases
         )
         return {row["case"]: row for answer in answers for row in answer}
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    return _run("depth", CASES)
+    return _run(DEPTH_MODES, CASES)
 
 
 @pytest.fixture(scope="module")
 def more_results() -> dict[str, dict]:
-    return _run("depth", MORE_CASES)
+    return _run(dict.fromkeys(MORE_CASES, "depth"), MORE_CASES)
 
 
 @pytest.fixture(scope="module")
 def full_results() -> dict[str, dict]:
-    return _run("full", ALL_CASES)
+    return _run(dict.fromkeys(ALL_CASES, "full"), ALL_CASES)
 
 
 def _depth_results(request: pytest.FixtureRequest, case: str) -> dict:

@@ -8,7 +8,7 @@ from collections import Counter
 import jax
 import pytest
 
-from tpu_platform.planner.depth import depths_for
+from tpu_platform.planner.depth import depths_for, extrapolate
 from tpu_platform.planner.hlo import (
     ExpectedCollectives,
     hlo_collectives,
@@ -322,6 +322,15 @@ def test_short_programs_hold_sparse_layers_past_a_dense_prefix():
     # One dense layer (DeepSeek-V2-Lite, GLM-4.5-Air), none, or no experts: the first 2 and 4.
     for name in ("deepseek-v2-lite", "glm-4.5-air", "gpt-oss-120b", "llama-4-scout", "llama-3.1-8b"):
         assert depths_for(model_config(name)) == (2, 4), name
+
+
+def test_one_depth_bounds_what_two_depths_extrapolate_from_above():
+    # A step's bytes beyond the weights and cache: a part the depth does not change, one a layer.
+    for fixed, per_layer in ((0, 7), (100, 0), (300, 11)):
+        beyond = {depth: fixed + per_layer * depth for depth in (2, 4)}
+        assert extrapolate([beyond[2], beyond[4]], (2, 4), 80) == fixed + per_layer * 80
+        assert fixed + per_layer * 80 <= extrapolate([beyond[2]], (2,), 80) == beyond[2] * 40
+    assert extrapolate([-5], (2,), 80) == 0 and extrapolate([10, 6], (2, 4), 80) == 10
 
 
 def test_deepseek_v3_needs_more_than_a_v6e_8_in_every_format_and_fits_8_h100s_in_int4():

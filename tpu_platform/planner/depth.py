@@ -15,8 +15,13 @@ with the depth is known:
 
 `fit_by_depth` compiles the sampler once and the prefill and decode steps at both depths with the
 whole model's page count estimate, then sizes the cache as `kv.fit_kv_cache` does from the
-extrapolated figures. `kv.fit_kv_cache` (every layer compiled) remains the planner's answer
-and what `make test-full` runs; `tests/aot/test_model_step.py` checks that the two agree.
+extrapolated figures. With `one_prefill` the prefill step is compiled at the shallower depth
+only and its bytes beyond the weights and cache are scaled by `layers / depth`: an upper bound
+(what a step needs beyond them is a part that does not grow with the depth, never negative, and
+one that grows linearly; the scaling counts the first part `layers / depth` times), for a
+quicker check where the prefill compiles for minutes. `kv.fit_kv_cache` (every layer compiled)
+remains the planner's answer and what `make test-full` runs; `tests/aot/test_model_step.py`
+checks that the two agree.
 """
 
 from __future__ import annotations
@@ -115,9 +120,11 @@ def fit_by_depth(
     prefill_tokens: int,
     depths: tuple[int, int] | None = None,
     memory_utilization: float = MEMORY_UTILIZATION,
+    one_prefill: bool = False,
 ) -> DepthFit:
     """Sizes the whole model's KV cache from its steps compiled at two short `depths` (default:
-    `depths_for` the model; see the module docstring)."""
+    `depths_for` the model; see the module docstring). `one_prefill`: the prefill step at the
+    shallower depth only, its growth bounded from above."""
     depths = depths or depths_for(setup.config)
     weights = setup.abstract_model().chip_weight_bytes(setup.mesh())
     budget = int(setup.compile_target.hbm_bytes * memory_utilization)
@@ -134,17 +141,27 @@ def fit_by_depth(
     short_kv = tuple(probe_pages * kv_page_bytes(at_depth(setup, depth)) for depth in depths)
     for step, tokens in (("decode", decode_tokens), ("prefill", prefill_tokens)):
         programs, beyond = [], []
-        for depth, cut_kv in zip(depths, short_kv, strict=True):
+        step_depths = depths[:1] if one_prefill and step == "prefill" else depths
+        for depth, cut_kv in zip(step_depths, short_kv, strict=False):
             cut = at_depth(setup, depth)
             facts = compile_forward(cut, probe_pages, tokens)
             cut_weights = cut.abstract_model().chip_weight_bytes(cut.mesh())
             programs.append(facts)
             beyond.append(facts.peak_bytes - cut_weights - cut_kv)
         short[step] = tuple(programs)
-        slope = max(0.0, (beyond[1] - beyond[0]) / (depths[1] - depths[0]))
-        overhead[step] = int(beyond[0] + slope * (setup.config.num_layers - depths[0]))
+        overhead[step] = extrapolate(beyond, step_depths, setup.config.num_layers)
     pages = max(0, (steps_budget - weights - max(overhead.values())) // page)
     reason = "" if pages else f"no KV cache fits beside the steps' {max(overhead.values())} B"
     return DepthFit(
         setup, depths, weights, budget, page, steps_budget, overhead, pages, short, sampler, reason, short_kv
     )
+
+
+def extrapolate(beyond: list[int], depths: tuple[int, ...], num_layers: int) -> int:
+    """A step's bytes beyond the weights and cache for `num_layers` layers, from its bytes at
+    `depths`: linear through two depths (a negative slope counts as zero); from one, scaled by
+    `num_layers / depth`, an upper bound (the module docstring)."""
+    if len(depths) == 1:
+        return -(-max(0, beyond[0]) * num_layers // depths[0])
+    slope = max(0.0, (beyond[1] - beyond[0]) / (depths[1] - depths[0]))
+    return int(beyond[0] + slope * (num_layers - depths[0]))
