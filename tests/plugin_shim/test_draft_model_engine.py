@@ -16,6 +16,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from tests.greedy_reference import hf_greedy
+from tests.speculation_engine import spec_counters
 from tests.tiny_models import save_damped_tiny_llama
 
 pytestmark = pytest.mark.slow  # builds vllm.LLM
@@ -84,22 +85,12 @@ def _stats(llm):
     return llm.collective_rpc("runner_stats")[0]
 
 
-def _spec_counters(llm):
-    """vLLM's draft tokens and accepted tokens."""
-    metrics = {m.name: m for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")}
-    if not metrics:
-        return 0, 0
-    return metrics["vllm:spec_decode_num_draft_tokens"].value, metrics[
-        "vllm:spec_decode_num_accepted_tokens"
-    ].value
-
-
 def test_greedy_with_a_draft_model_equals_greedy_decoding(llm, hf):
-    before, vllm_before = _stats(llm), _spec_counters(llm)
+    before, vllm_before = _stats(llm), spec_counters(llm)
     prompts = _prompts(seed=0)
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     assert _generate(llm, prompts, greedy) == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    after, vllm_after = _stats(llm), _spec_counters(llm)
+    after, vllm_after = _stats(llm), spec_counters(llm)
     drafted = after["draft_tokens"] - before["draft_tokens"]
     accepted = after["accepted_tokens"] - before["accepted_tokens"]
     assert 0 < accepted < drafted  # drafts kept and drafts rejected
@@ -124,7 +115,7 @@ def test_a_draft_identical_to_the_target_has_every_draft_accepted(target_dir, hf
         assert stats["prefix_cache_hits"] >= 2
         assert stats["draft_tokens"] > 0
         assert stats["accepted_tokens"] == stats["draft_tokens"]  # acceptance rate 1.0
-        vllm_drafted, vllm_accepted = _spec_counters(engine)
+        vllm_drafted, vllm_accepted, _ = spec_counters(engine)
         assert vllm_accepted == stats["accepted_tokens"]
         assert vllm_drafted >= stats["draft_tokens"]  # vLLM also counts drafts past max_tokens
         assert stats["compiles_after_warmup"] == 0

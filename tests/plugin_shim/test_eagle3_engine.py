@@ -5,7 +5,6 @@ equals decoding without speculation), for prompts prefilled at once and in chunk
 preemption; the head drafts for every request (a random head: its drafts are rarely kept) and
 vLLM's spec-decode counters agree with ours; nothing compiles after warm-up."""
 
-import gc
 import json
 import subprocess
 import sys
@@ -14,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 from transformers import LlamaForCausalLM
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 from tests.greedy_reference import hf_greedy
 from tests.plugin_shim.tensor_parallel_engine import environment
+from tests.speculation_engine import spec_counters, strict_compile_engine
 from tests.tiny_models import save_tiny_eagle3_head, save_tiny_llama
 
 pytestmark = pytest.mark.slow  # builds vllm.LLM
@@ -42,24 +42,12 @@ def llm(dirs):
     target, head = dirs
     # A 16-token step budget chunks every prompt; 12 pages of 16 tokens cannot hold four
     # sequences of ~50 tokens (and their lookahead slots) at once: the scheduler preempts.
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_XLA_STRICT_COMPILE", "1")
-    engine = LLM(
+    with strict_compile_engine(
         model=target, tokenizer=target, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
         block_size=16, seed=0, disable_log_stats=False, num_gpu_blocks_override=12,
         speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": K},
-    )  # fmt: skip
-    yield engine
-    del engine
-    gc.collect()
-    mp.undo()
-
-
-def _spec_counters(llm):
-    metrics = {m.name: m for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")}
-    return metrics["vllm:spec_decode_num_draft_tokens"].value, metrics[
-        "vllm:spec_decode_num_accepted_tokens"
-    ].value
+    ) as engine:  # fmt: skip
+        yield engine
 
 
 def test_greedy_with_an_eagle3_head_equals_greedy_decoding(llm, dirs):
@@ -73,7 +61,7 @@ def test_greedy_with_an_eagle3_head_equals_greedy_decoding(llm, dirs):
     stats = llm.collective_rpc("runner_stats")[0]
     assert stats["draft_tokens"] >= len(prompts) * K  # every request drafted
     assert stats["verified_steps"] > 0
-    vllm_drafted, vllm_accepted = _spec_counters(llm)
+    vllm_drafted, vllm_accepted, _ = spec_counters(llm)
     assert vllm_accepted == stats["accepted_tokens"]
     assert vllm_drafted >= stats["draft_tokens"]
     assert stats["partial_prefill_steps"] > 0

@@ -4,7 +4,6 @@ greedy decoding token for token (so equals decoding without speculation), under 
 and preemption, with drafts both kept and rejected; random sampling is reproducible from a seed;
 nothing compiles after warm-up."""
 
-import gc
 import json
 import subprocess
 import sys
@@ -13,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 from transformers import LlamaForCausalLM
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 from tests.greedy_reference import hf_greedy
 from tests.plugin_shim.tensor_parallel_engine import environment
+from tests.speculation_engine import spec_counters, strict_compile_engine
 from tests.tiny_models import save_damped_tiny_llama
 
 pytestmark = pytest.mark.slow  # builds vllm.LLM
@@ -42,16 +42,11 @@ def hf(tiny_dir):
 def llm(tiny_dir):
     # A 16-token step budget chunks every prompt; 10 pages of 16 tokens cannot hold four
     # sequences of 80 tokens at once, so the scheduler preempts and recomputes.
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_XLA_STRICT_COMPILE", "1")
-    engine = LLM(
+    with strict_compile_engine(
         model=tiny_dir, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, block_size=16,
         num_gpu_blocks_override=10, seed=0, speculative_config=SPECULATIVE, disable_log_stats=False,
-    )  # fmt: skip
-    yield engine
-    del engine
-    gc.collect()
-    mp.undo()
+    ) as engine:  # fmt: skip
+        yield engine
 
 
 def _prompts(seed, count=4):
@@ -87,22 +82,11 @@ def test_greedy_with_ngram_drafts_equals_greedy_decoding(llm, hf):
     assert after["compiles_after_warmup"] == 0
 
 
-def _spec_counters(llm):
-    """vLLM's draft tokens, accepted tokens, and accepted tokens by draft position."""
-    metrics = {m.name: m for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")}
-    by_position = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
-    return (
-        metrics["vllm:spec_decode_num_draft_tokens"].value if metrics else 0,
-        metrics["vllm:spec_decode_num_accepted_tokens"].value if metrics else 0,
-        sum(by_position.values) if by_position is not None else 0,
-    )
-
-
 def test_vllms_spec_decode_metrics_count_the_drafts_verified_and_kept(llm):
-    before, vllm_before = _stats(llm), _spec_counters(llm)
+    before, vllm_before = _stats(llm), spec_counters(llm)
     prompts = _prompts(seed=3, count=2)
     _generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-    after, vllm_after = _stats(llm), _spec_counters(llm)
+    after, vllm_after = _stats(llm), spec_counters(llm)
     accepted = after["accepted_tokens"] - before["accepted_tokens"]
     assert accepted > 0
     # vLLM's scheduler counts from the tokens each step returned: the same acceptance; its draft
