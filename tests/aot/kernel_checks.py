@@ -3,10 +3,28 @@
 
 from __future__ import annotations
 
-from tests.aot.kernel_cases import CompileCase
+import pytest
+
+from tests.aot.kernel_cases import CompileCase, in_full_only
+from tests.aot.toolchains import run_worker
 from tpu_platform.planner.targets import target as compile_target
 
 LARGE_CACHE_BYTES = 256 << 20
+
+
+def plan_params(plan: list[tuple[str, CompileCase]]) -> list:
+    """The plan's (target, case) pairs as test parameters, the ones outside `make test`'s points
+    (`kernel_cases.in_full_only`) marked `full`."""
+    return [
+        pytest.param(t, c, id=f"{t}-{c.name}", marks=[pytest.mark.full] if in_full_only(t, c) else [])
+        for t, c in plan
+    ]
+
+
+def compile_plan(platform: str, plan: list[tuple[str, CompileCase]], *, full_only: bool) -> dict:
+    """One compile worker's answers for the plan's `make test` points (or, `full_only`, the rest)."""
+    pairs = [f"{t}/{c.name}" for t, c in plan if in_full_only(t, c) == full_only]
+    return run_worker(platform, "compile_kernels", platform, *pairs)
 
 
 def footprint(result: dict) -> int:

@@ -17,34 +17,23 @@ from __future__ import annotations
 import pytest
 
 from tests.aot.kernel_cases import GRID_IN_MAKE_TEST, REALISTIC, REALISTIC_IN_MAKE_TEST, in_full_only, plan
-from tests.aot.kernel_checks import check_compiled
+from tests.aot.kernel_checks import check_compiled, compile_plan, plan_params
 from tests.aot.toolchains import run_worker
 
 PLAN = plan("cuda")
 
 
-def _compile(full_only: bool) -> dict:
-    pairs = [f"{t}/{c.name}" for t, c in PLAN if in_full_only(t, c) == full_only]
-    return run_worker("cuda", "compile_kernels", "cuda", *pairs)
-
-
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return _compile(full_only=False)
+    return compile_plan("cuda", PLAN, full_only=False)
 
 
 @pytest.fixture(scope="module")
 def full_results() -> dict:
-    return _compile(full_only=True)
+    return compile_plan("cuda", PLAN, full_only=True)
 
 
-@pytest.mark.parametrize(
-    ("target", "case"),
-    [
-        pytest.param(t, c, id=f"{t}-{c.name}", marks=[pytest.mark.full] if in_full_only(t, c) else [])
-        for t, c in PLAN
-    ],
-)
+@pytest.mark.parametrize(("target", "case"), plan_params(PLAN))
 def test_compiles_and_fits(request, target, case):
     fixture = "full_results" if in_full_only(target, case) else "results"
     check_compiled(request.getfixturevalue(fixture), target, case)
