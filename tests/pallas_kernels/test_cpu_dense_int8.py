@@ -154,9 +154,9 @@ def test_vnni_is_the_default_for_bfloat16_x_and_not_for_float32(vnni):
 
 def test_vnni_error_bound_is_far_below_bfloat16_rounding(vnni):
     """x's 16-bit rounding bounds the error at a small part of the error bfloat16 x already carries
-    (its rounding, half an ulp: 2^-9 relative, of every product): a twentieth on rows of normal
-    values, under half on rows with an outlier 20x their spread (as hidden states have); the
-    median error found is a fiftieth (a tenth with the outlier) of the output's own bfloat16
+    (its rounding, half an ulp: 2^-8 relative, of every product): a fortieth on rows of normal
+    values, under a quarter on rows with an outlier 20x their spread (as hidden states have); the
+    median error found is a hundredth (a twentieth with the outlier) of the output's own bfloat16
     rounding."""
     rng = np.random.default_rng(12)
     x = rng.standard_normal((8, 576))
@@ -164,9 +164,9 @@ def test_vnni_error_bound_is_far_below_bfloat16_rounding(vnni):
     x = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
     q = rng.integers(-127, 128, (576, 960)).astype(np.int8)
     scale = rng.random(960) * 0.01
-    carried = 2.0**-9 * np.abs(x) @ (np.abs(q) * scale)
+    carried = 2.0**-8 * np.abs(x) @ (np.abs(q) * scale)
     bound = fixed_point_error_bound(x, q, scale)
-    assert np.all(bound[:4] <= 0.05 * carried[:4]) and np.all(bound[4:] <= 0.5 * carried[4:])
+    assert np.all(bound[:4] <= 0.025 * carried[:4]) and np.all(bound[4:] <= 0.25 * carried[4:])
     expected = x @ (q * scale)
     packed = jnp.asarray(cpu.pack_dense_kernel_int8(q))
     got = np.asarray(
@@ -174,8 +174,8 @@ def test_vnni_error_bound_is_far_below_bfloat16_rounding(vnni):
     )
     error = np.abs(got - expected)
     assert np.all(error <= bound)
-    relative = error / (2.0**-9 * np.abs(expected))
-    assert np.median(relative[:4]) < 0.02 and np.median(relative[4:]) < 0.1
+    relative = error / (2.0**-8 * np.abs(expected))
+    assert np.median(relative[:4]) < 0.01 and np.median(relative[4:]) < 0.05
 
 
 @pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan, 1e-35], ids=["inf", "-inf", "nan", "tiny"])
