@@ -245,14 +245,18 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+# Options that may spread a server over hosts (data-parallel replicas join a liveness link).
+_ACROSS_HOSTS = ("--nnodes", "--data-parallel-size-local", "-dpl")
+
+
 def serve_argv(model: str, extra: list[str]) -> list[str]:
     """The vLLM command `serve` becomes. vLLM's own options pass through untouched, the multi-node
-    ones too (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`, docs/multihost.md): the
-    same line works with `vllm serve`. Across hosts, vLLM's `serve` subcommand (`--headless`: no
-    API server, only the host's worker) through `plugin_shim.vllm_serve`, which ends non-zero when a
-    host died; on one host, vLLM's OpenAI server, as a module (works for every vLLM distribution
-    name)."""
-    if "--headless" in extra or any(arg.split("=")[0] == "--nnodes" for arg in extra):
+    ones too (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`, docs/multihost.md). Across
+    hosts, vLLM's `serve` subcommand (`--headless`: no API server, only the host's worker) through
+    `plugin_shim.vllm_serve`, which ends non-zero when a host died and joins data-parallel replicas'
+    hosts by a liveness link (which `vllm serve` lacks); on one host, vLLM's OpenAI server, as a
+    module (works for every vLLM distribution name)."""
+    if "--headless" in extra or any(arg.split("=")[0] in _ACROSS_HOSTS for arg in extra):
         return [sys.executable, "-m", "plugin_shim.vllm_serve", model, *extra]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra]
 

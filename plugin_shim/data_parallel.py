@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 # Where the replicas on this host are counted at start (vLLM sets a dense replica's to one).
 DP_LOCAL_KEY = "xla_data_parallel_size_local"
+# Set by `plugin_shim.vllm_serve` once this host joined the hosts' liveness link (its address):
+# replicas across hosts are refused without it, since no dead host would end the others.
+LINK_KEY = "xla_data_parallel_liveness_link"
 # A TPU process's chips, by their count: the bounds of the box they form on one host.
 _TPU_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
 _TPU_FIRST_PORT = 8476  # the TPU runtime's own default, one more for each replica of a host

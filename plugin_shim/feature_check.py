@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from plugin_shim import speculative
+from plugin_shim.data_parallel import LINK_KEY
 from plugin_shim.internals import model_default_attention_backend
 from plugin_shim.supported_features import SUPPORTED
 from tpu_platform.runner_config import QUANTIZATION_METHODS
@@ -91,6 +92,11 @@ def _pooling_asked(config: VllmConfig) -> str:
     model = _model(config)
     why = unsupported_pooling(model)
     return f"runner={model.runner_type!r}, convert={model.convert_type!r}" + (f" ({why})" if why else "")
+
+
+def _has_link(config: VllmConfig) -> bool:
+    extra = config.additional_config
+    return isinstance(extra, dict) and LINK_KEY in extra
 
 
 def _dp_across_hosts(parallel) -> bool:
@@ -265,12 +271,37 @@ REFUSED: tuple[Refusal, ...] = (
         _NO_PARALLELISM,
     ),
     Refusal(
-        "data_parallel_size with nnodes / data_parallel_size_local",
-        "data parallelism across hosts (a host that dies would not end the others: not built)",
+        "data_parallel_size with nnodes",
+        "data-parallel replicas of a multi-host tensor-parallel model",
+        "nnodes > 1 with data_parallel_size > 1",
+        lambda c: _parallel(c).data_parallel_size > 1 and _parallel(c).nnodes > 1,
+        "spread replicas over hosts with vLLM's data-parallel options instead (--data-parallel-size-local, "
+        "--data-parallel-address, --data-parallel-rpc-port, the other hosts --headless with "
+        "--data-parallel-start-rank), each replica on one host's devices",
+    ),
+    Refusal(
+        "data_parallel_size_local below data_parallel_size, for a mixture of experts",
+        "an MoE model's data-parallel replicas across hosts (vLLM runs them in lock step through a "
+        "process group over the hosts; not built)",
         "a replica on another host",
-        lambda c: _dp_across_hosts(_parallel(c)),
-        "run every replica on this host (--data-parallel-size N with N x --tensor-parallel-size "
-        "devices), and one such server a host behind a load balancer",
+        lambda c: _dp_across_hosts(_parallel(c)) and _model(c).is_moe,
+        "run an MoE model's replicas on one host (--data-parallel-size N with N x "
+        "--tensor-parallel-size devices), one such server a host behind a load balancer; a dense "
+        "model's replicas may span hosts",
+    ),
+    Refusal(
+        "data_parallel_size_local below data_parallel_size, without vllm-xla serve",  # dense models
+        "data-parallel replicas across hosts without the hosts' liveness link (`vllm serve` or "
+        "vllm.LLM: a host that died would not end the others)",
+        "a replica on another host",
+        lambda c: (
+            _dp_across_hosts(_parallel(c))
+            and _parallel(c).nnodes <= 1
+            and not _model(c).is_moe
+            and not _has_link(c)
+        ),
+        "start every host with `vllm-xla serve` and the same options: it joins the hosts' liveness "
+        "link (docs/multihost.md)",
     ),
     Refusal(
         "data_parallel_external_lb / data_parallel_hybrid_lb / data_parallel_rank",

@@ -54,6 +54,12 @@ SUPPORTED: tuple[Supported, ...] = (
         "(plugin_shim/data_parallel.py); vLLM's front end spreads the requests",
     ),
     Supported(
+        "Data-parallel replicas of a dense model across hosts",
+        "data_parallel_size_local below data_parallel_size, headless, data_parallel_start_rank",
+        "each host's replicas on its own devices, joined to host 0's front end; `vllm-xla serve` "
+        "links the hosts so that a host that dies ends the others non-zero (docs/multihost.md)",
+    ),
+    Supported(
         "Tensor parallelism across hosts",
         "nnodes, node_rank, master_addr, master_port, headless, distributed_timeout_seconds",
         "one worker a host, one JAX mesh over every host's devices (docs/multihost.md); "

@@ -62,6 +62,25 @@ def start_host(
     return proc, log
 
 
+def start_replica_host(
+    rank: int, model: str, options: list[str], rpc_port: int, tmp: pathlib.Path, http_port: int | None
+) -> tuple[subprocess.Popen, pathlib.Path]:
+    """`vllm-xla serve` as the host of data-parallel rank `rank` of 2 (one replica a host, vLLM's
+    multi-node data-parallel options): rank 0 serves the OpenAI API on `http_port`, rank 1 runs
+    `--headless` and joins rank 0's front end at `rpc_port`; its process and log file."""
+    log = tmp / f"replica{rank}.log"
+    argv = [sys.executable, "-m", "plugin_shim.cli", "serve", "--model", model, *options]
+    argv += ["--data-parallel-size=2", "--data-parallel-size-local=1", "--data-parallel-address=127.0.0.1"]
+    argv += [f"--data-parallel-rpc-port={rpc_port}"]
+    argv += ["--headless", f"--data-parallel-start-rank={rank}"] if rank else ["--port", str(http_port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            argv, env=host_environment(tmp / f"cache{rank}"), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    return proc, log
+
+
 def kill_host(proc: subprocess.Popen) -> None:
     """SIGKILL to the host's process group (its server, engine and worker), as a machine dies."""
     try:

@@ -13,8 +13,11 @@ import jax
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
+from plugin_shim.cli import serve_argv
 from plugin_shim.data_parallel import DP_LOCAL_KEY, Replica, claim_devices, replica
+from plugin_shim.vllm_serve import liveness_link, parse_serve
 from tests.tiny_models import save_tiny_llama
+from tpu_platform.liveness import LinkConfig
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +74,18 @@ def test_a_gpu_replica_sees_only_its_gpus():
 
 def test_a_cpu_replica_keeps_its_own_simulated_devices():
     assert claim_devices(Replica(local_index=1, devices_per_replica=2), "cpu") == {}
+
+
+def test_replicas_over_hosts_join_a_liveness_link_from_vllms_options():
+    """`vllm-xla serve` runs them through `plugin_shim.vllm_serve`, whose link comes from vLLM's
+    own data-parallel options as its `serve` parses them (the link itself: test_liveness)."""
+    hosts = ["--data-parallel-size", "4", "-dpl", "2", "--data-parallel-address", "10.0.0.2"]
+    assert serve_argv("M", hosts)[1:3] == ["-m", "plugin_shim.vllm_serve"]
+    _, args = parse_serve(
+        ["M", *hosts, "--data-parallel-rpc-port", "4000", "--distributed-timeout-seconds", "30"]
+    )
+    assert liveness_link(args) == LinkConfig("10.0.0.2", 4001, silence_seconds=30, join_seconds=30)
+    _, args = parse_serve(["M", *hosts, "--headless", "--data-parallel-start-rank", "2"])
+    assert liveness_link(args) == LinkConfig("10.0.0.2", 29551, silence_seconds=100, join_seconds=300)
+    assert liveness_link(parse_serve(["M", "--data-parallel-size", "2"])[1]) is None  # one host
+    assert liveness_link(parse_serve(["M", "--data-parallel-size", "2", "-dpl", "2"])[1]) is None

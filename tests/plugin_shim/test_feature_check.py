@@ -11,6 +11,7 @@ import pytest
 from vllm.engine.arg_utils import EngineArgs
 
 from plugin_shim import feature_check
+from plugin_shim.data_parallel import LINK_KEY
 from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
 from tests.tiny_models import save_tiny_eagle3_head, save_tiny_llama
 
@@ -35,7 +36,13 @@ CASES = {
     "cpu_offload_gb": ("llama", dict(cpu_offload_gb=1)),
     "offload_group_size": ("llama", dict(offload_group_size=2, offload_num_in_group=1)),
     "pipeline_parallel_size": ("llama", dict(pipeline_parallel_size=2)),
-    "data_parallel_size with nnodes / data_parallel_size_local": (
+    "data_parallel_size with nnodes": (
+        "llama", dict(data_parallel_size=2, nnodes=2, tensor_parallel_size=2, master_addr="127.0.0.1"),
+    ),
+    "data_parallel_size_local below data_parallel_size, for a mixture of experts": (
+        "mixtral", dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="10.0.0.2"),
+    ),
+    "data_parallel_size_local below data_parallel_size, without vllm-xla serve": (
         "llama", dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="10.0.0.2"),
     ),
     # vLLM itself refuses external load balancing for a dense model.
@@ -235,6 +242,12 @@ def test_several_refused_features_are_named_together(models):
         dict(quantization="fp8", dtype="bfloat16"),
         dict(quantization="fp8_per_channel", dtype="bfloat16"),
         dict(enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=4, lora_dtype="bfloat16"),
+        dict(
+            data_parallel_size=4,
+            data_parallel_size_local=2,
+            data_parallel_address="10.0.0.2",
+            additional_config={LINK_KEY: "10.0.0.2:29551"},  # what `vllm-xla serve` adds
+        ),
     ],
     ids=[
         "defaults",
@@ -247,6 +260,7 @@ def test_several_refused_features_are_named_together(models):
         "fp8",
         "fp8_per_channel",
         "lora",
+        "dense_replicas_across_hosts",
     ],
 )
 def test_what_works_stays_accepted(models, kwargs):
