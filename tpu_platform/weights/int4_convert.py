@@ -16,8 +16,10 @@ fused in one 3-D tensor (Llama 4's `experts.gate_up_proj [E, D, 2F]` and `down_p
 4's) are quantized per expert and per group: the model's own split of such a tensor
 (`checkpoint_tensors`, which its loader runs) gives each expert's gate, up and down `[out, in]`
 weights, written under the per-expert names (`experts.{e}.gate_proj.weight_packed`, ...) that
-llm-compressor writes for these models and vLLM's loaders read (a multimodal checkpoint's, whose
-loader rule also renames them, stay in float). Kept as they are: the
+llm-compressor writes for these models and vLLM's loaders read. A multimodal checkpoint's text
+model is quantized under its own prefix (`language_model.`, `model.language_model.`: the model's
+`checkpoint_name` rule, as the loader reads it); its other towers (vision, audio) stay in float
+and are named in the config's `ignore`, as llm-compressor's recipes leave them. Kept as they are: the
 embedding, norms, biases, the MoE router (a rounding there changes which experts run), the LM
 head (tied or not: 4 bits on the layer whose every output is a logit costs tens of percent of
 perplexity where the projections cost a few; served in the model's dtype, and int8 on the
@@ -44,7 +46,7 @@ from flax import nnx
 
 from models import ModelConfig, build, int4
 from models.linear import Linear
-from models.loader import checkpoint_files, parameter_name_lookup
+from models.loader import checkpoint_files, model_name_rule, parameter_name_lookup
 from models.moe import SparseMoE, StackedLinear
 
 DEFAULT_GROUP_SIZE = 128
@@ -66,13 +68,14 @@ class _Projections:
     kernels: frozenset[str]
     ours: Callable[[str], str | None]
     split: Callable[[Iterator[tuple[str, np.ndarray]]], Iterator[tuple[str, np.ndarray]]] | None
+    not_read: Callable[[str], bool] = lambda name: False  # another tower's (vision, audio)
 
     def experts(self, name: str, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
         """The per-expert `[out, in]` weights of `name` by their HF names, when it is a fused
         experts tensor (`[E, ..]`) the model splits into expert kernels under its own prefix;
-        [] else. A split that also renames (a multimodal checkpoint's `language_model.` prefix
-        dropped) keeps the tensor as it is: the loader matches quantized layers by the names
-        the checkpoint holds."""
+        [] else. The parts keep the checkpoint's prefix (a multimodal checkpoint's
+        `language_model.`), which the loader reads quantized layers through as it reads float
+        ones (`models.loader.model_name_rule`)."""
         if self.split is None or value.ndim != 3 or f"{_EXPERTS}." not in name:
             return []
         stem = name[: name.rindex(f"{_EXPERTS}.") + len(_EXPERTS)] + "."
@@ -128,7 +131,8 @@ def convert_int4(source: str, out: str, group_size: int = DEFAULT_GROUP_SIZE) ->
                 quantized.append(name)
             else:
                 tensors[name] = value
-                if name in projections.weights:
+                other_tower = value.ndim == 2 and name.endswith(".weight") and projections.not_read(name)
+                if name in projections.weights or other_tower:  # float: named in `ignore`
                     kept.add(name.removesuffix(".weight"))
         _save(tensors, os.path.join(out, os.path.basename(file)))
         weight_map |= {name: os.path.basename(file) for name in tensors}
@@ -186,7 +190,12 @@ def _projections(source: str) -> _Projections:
         for path, m in nnx.iter_modules(model)
         if isinstance(m, (Linear, StackedLinear)) and id(m) not in routers and m is not head
     }
-    ours = parameter_name_lookup(model)
+    lookup, rule = parameter_name_lookup(model), model_name_rule(model)
+
+    def ours(name: str) -> str | None:  # a multimodal checkpoint's text model read under its prefix
+        renamed = rule(name)
+        return None if renamed is None else lookup(renamed)
+
     from safetensors import safe_open
 
     names = []
@@ -194,7 +203,8 @@ def _projections(source: str) -> _Projections:
         with safe_open(file, framework="numpy") as f:
             names += list(f.keys())
     weights = frozenset(name for name in names if name.endswith(".weight") and ours(name) in kernels)
-    return _Projections(weights, frozenset(kernels), ours, getattr(model, "checkpoint_tensors", None))
+    split = getattr(model, "checkpoint_tensors", None)
+    return _Projections(weights, frozenset(kernels), ours, split, lambda name: rule(name) is None)
 
 
 def _packed(name: str, value: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
