@@ -152,3 +152,25 @@ def test_a_multimodal_checkpoint_s_text_model_converts_under_its_prefix(tmp_path
     assert model.model.layers[1].mlp.experts.gate_proj.kernel_scale[...].shape == (4, 64 // 16, 32)
     reference = write_float(source, str(tmp_path / "float"), _fused_as_llama4(package_dequantized(out)))
     np.testing.assert_allclose(_logits(out), _logits(reference), atol=2e-4, rtol=2e-4)
+
+
+def test_gpt_oss_experts_stay_float_and_are_named(tmp_path, caplog):
+    """GPT-OSS's experts (interleaved gate/up with biases) have no 4-bit layout here: written as
+    they are, and the conversion says so by name; its attention projections are quantized."""
+    from safetensors.numpy import load_file
+
+    source = save_tiny("GptOssForCausalLM", str(tmp_path / "source"))
+    out = str(tmp_path / "int4")
+    with caplog.at_level("WARNING", logger="vllm_xla.tpu_platform.weights.int4_convert"):
+        assert main(["convert", source, out, "--quantization", "int4", "--group-size", "16"]) == 0
+    assert re.search(
+        r"keeps 4 expert tensors in float.*layers\.0\.mlp\.experts\.down_proj, .*experts\.gate_up_proj",
+        caplog.text,
+    )
+    written, floats = (
+        load_file(os.path.join(out, "model.safetensors")),
+        load_file(os.path.join(source, "model.safetensors")),
+    )
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    np.testing.assert_array_equal(written[name], floats[name])
+    assert "model.layers.0.self_attn.q_proj.weight_packed" in written

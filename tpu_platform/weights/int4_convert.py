@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import shutil
@@ -48,6 +49,8 @@ from models import ModelConfig, build, int4
 from models.linear import Linear
 from models.loader import checkpoint_files, model_name_rule, parameter_name_lookup
 from models.moe import SparseMoE, StackedLinear
+
+logger = logging.getLogger(f"vllm_xla.{__name__}")
 
 DEFAULT_GROUP_SIZE = 128
 _INDEX = "model.safetensors.index.json"
@@ -115,7 +118,7 @@ def convert_int4(source: str, out: str, group_size: int = DEFAULT_GROUP_SIZE) ->
     projections = _projections(source)
     _refuse_undivided_inputs(source, files, projections, group_size)
     os.makedirs(out, exist_ok=True)
-    quantized, kept = [], set()
+    quantized, kept, left_float = [], set(), []
     weight_map = {}
     for file in files:
         tensors = {}
@@ -126,6 +129,8 @@ def convert_int4(source: str, out: str, group_size: int = DEFAULT_GROUP_SIZE) ->
                 quantized.append(expert)
             if experts:
                 continue
+            if value.ndim == 3 and f"{_EXPERTS}." in name and projections.ours(name) is not None:
+                left_float.append(name)  # experts in a layout of their own (GPT-OSS's)
             if name in projections.weights and value.ndim == 2 and value.shape[1] % group_size == 0:
                 tensors |= _packed(name, value, group_size)
                 quantized.append(name)
@@ -140,6 +145,13 @@ def convert_int4(source: str, out: str, group_size: int = DEFAULT_GROUP_SIZE) ->
         raise ValueError(
             f"no projection of {source!r} has inputs that split into groups of {group_size}: "
             "pass a --group-size that divides them"
+        )
+    if left_float:
+        logger.warning(
+            "vllm-xla convert --quantization int4 keeps %d expert tensors in float, in a layout no "
+            "4-bit format of its own serves here: %s",
+            len(left_float),
+            ", ".join(sorted(left_float)[:4]) + (", ..." if len(left_float) > 4 else ""),
         )
     _copy_other_files(source, out, weight_map if len(files) > 1 else None)
     _write_config(out, group_size, sorted(kept))
