@@ -130,3 +130,22 @@ def test_compressed_tensors_w4a16_of_a_multimodal_checkpoint_as_it_ships(source,
     assert model.lm_head.kernel[...].dtype == np.float32
     _, _, hf = load_pair(ARCH, write_float(source, str(tmp_path / "float"), package_dequantized(out)))
     assert_prefill_matches(model, config, hf, 29)
+
+
+@pytest.mark.full  # a second multimodal checkpoint built; the name rule's Llama 4 case is in make test
+def test_gemma4_w4a16_under_model_language_model_computes_its_dequantized_model(tmp_path):
+    """Gemma 4 as released (`model.language_model.` text model; its vision tower's projections
+    quantized too, and not read): the text projections load as their 4-bit values."""
+    from tests.models.int4_checkpoints import write_packed_w4a16
+    from tests.models.test_gemma4_multimodal import ARCH as GEMMA4
+    from tests.models.test_gemma4_multimodal import save_tiny_gemma4_multimodal
+
+    source = save_tiny_gemma4_multimodal(str(tmp_path / "source"))
+    path, dequantized = write_packed_w4a16(source, str(tmp_path / "w4a16"), group_size=16)
+    names = _names(path)
+    assert "model.language_model.layers.0.self_attn.q_proj.weight_packed" in names
+    assert any(n.startswith("model.vision_tower.") and n.endswith("weight_packed") for n in names)
+    config, model = load_model(path)
+    assert model.model.layers[0].mlp.down_proj.kernel[...].dtype == int4.held_dtype()
+    _, _, hf = load_pair(GEMMA4, write_float(source, str(tmp_path / "float"), dequantized))
+    assert_prefill_matches(model, config, hf, 29)
