@@ -124,17 +124,24 @@ def test_fused_3d_experts_convert_per_expert_in_int4_groups(tmp_path):
     np.testing.assert_allclose(_logits(out), _logits(reference), atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.slow  # a multimodal checkpoint built, converted and loaded twice
-def test_a_multimodal_checkpoint_s_text_model_converts_under_its_prefix(tmp_path):
-    """Llama 4's multimodal checkpoint (`language_model.` text model, a vision tower): the text
-    projections and fused experts are written 4-bit under the checkpoint's own prefix, the
-    vision tower's linear weights stay float and are named in `ignore`; the logits equal the
-    float model of the weights the package unpacks."""
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory):
+    """Llama 4's multimodal checkpoint (`language_model.` text model, a vision tower) and its
+    conversion in groups of 16."""
+    root = tmp_path_factory.mktemp("int4_convert_multimodal")
+    source = save_tiny_llama4_multimodal(str(root / "source"))
+    out = str(root / "int4")
+    assert main(["convert", source, out, "--quantization", "int4", "--group-size", "16"]) == 0
+    return source, out
+
+
+@pytest.mark.slow  # a multimodal checkpoint built and converted
+def test_a_multimodal_checkpoint_s_text_model_converts_under_its_prefix(multimodal):
+    """The text projections and fused experts are written 4-bit under the checkpoint's own
+    prefix and load as int4; the vision tower's linear weights stay float, named in `ignore`."""
     from safetensors.numpy import load_file
 
-    source = save_tiny_llama4_multimodal(str(tmp_path / "source"))
-    out = str(tmp_path / "int4")
-    assert main(["convert", source, out, "--quantization", "int4", "--group-size", "16"]) == 0
+    _, out = multimodal
     names = set(load_file(os.path.join(out, "model.safetensors")))
     text = "language_model.model.layers"
     assert {
@@ -150,6 +157,11 @@ def test_a_multimodal_checkpoint_s_text_model_converts_under_its_prefix(tmp_path
     _, model = load_model(out)
     assert model.model.layers[0].self_attn.qkv_proj.kernel[...].dtype == int4.held_dtype()
     assert model.model.layers[1].mlp.experts.gate_proj.kernel_scale[...].shape == (4, 64 // 16, 32)
+
+
+@pytest.mark.full  # the loader's prefixed 4-bit logits: test_prefixed_quantized in make test
+def test_a_multimodal_conversion_computes_what_the_package_unpacks(multimodal, tmp_path):
+    source, out = multimodal
     reference = write_float(source, str(tmp_path / "float"), _fused_as_llama4(package_dequantized(out)))
     np.testing.assert_allclose(_logits(out), _logits(reference), atol=2e-4, rtol=2e-4)
 
