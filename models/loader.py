@@ -158,9 +158,15 @@ def _compile_param_map(hf_param_map: dict[str, str]) -> list[tuple[re.Pattern[st
 
 def parameter_name_lookup(model: nnx.Module) -> Callable[[str], str | None]:
     """The parameter path of `model` (with `{i}` filled; an expert's tensor names its stack) that
-    a checkpoint tensor's HF name loads into, None for a name the model does not read."""
-    compiled = _compile_param_map(type(model).hf_param_map)
-    return lambda hf: (_our_name(hf, compiled) or (None,))[0]
+    a checkpoint tensor's HF name (as the checkpoint holds it: `model_name_rule` applied here)
+    loads into, None for a name the model does not read."""
+    compiled, rule = _compile_param_map(type(model).hf_param_map), model_name_rule(model)
+
+    def lookup(hf: str) -> str | None:
+        renamed = rule(hf)
+        return None if renamed is None else (_our_name(renamed, compiled) or (None,))[0]
+
+    return lookup
 
 
 def _our_name(hf: str, compiled: list[tuple[re.Pattern[str], str]]) -> tuple[str, int | None] | None:

@@ -202,12 +202,7 @@ def _projections(source: str) -> _Projections:
         for path, m in nnx.iter_modules(model)
         if isinstance(m, (Linear, StackedLinear)) and id(m) not in routers and m is not head
     }
-    lookup, rule = parameter_name_lookup(model), model_name_rule(model)
-
-    def ours(name: str) -> str | None:  # a multimodal checkpoint's text model read under its prefix
-        renamed = rule(name)
-        return None if renamed is None else lookup(renamed)
-
+    ours, rule = parameter_name_lookup(model), model_name_rule(model)  # names as the checkpoint holds them
     from safetensors import safe_open
 
     names = []
