@@ -370,7 +370,11 @@ def int8_kernels_for(
     for weight in sorted(weights):
         ours = our_name(weight)
         if ours is None or ours.removesuffix(".kernel") not in modules:
-            raise ValueError(f"checkpoint tensor {weight!r}_scale in {path!r} scales no weight of ours")
+            raise ValueError(
+                f"quantized checkpoint tensor {weight!r} (as {type(model).__name__} reads its name: "
+                f"`models.loader.model_name_rule`) in {path!r} has no weight to load into: its "
+                "values and scale match no projection of the model"
+            )
         module = modules[ours.removesuffix(".kernel")]
         if module.kernel_scale is None:
             shape = module.kernel.get_value().shape

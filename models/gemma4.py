@@ -339,15 +339,18 @@ class Gemma4ForCausalLM(CausalLM):
         )
         self.final_soft_cap = config.final_logit_softcap
 
+    def checkpoint_name(self, name: str) -> str | None:
+        """The name `hf_param_map` reads a checkpoint tensor under: a multimodal checkpoint's
+        `model.language_model.` prefix read as `model.`, None for its vision and audio towers
+        and their embedders (`models.loader.model_name_rule`)."""
+        if name.startswith(_NOT_TEXT):
+            return None
+        return "model." + name.removeprefix(_MULTIMODAL_TEXT) if name.startswith(_MULTIMODAL_TEXT) else name
+
     def checkpoint_tensors(self, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """The checkpoint's tensors under the names `hf_param_map` reads: a multimodal
-        checkpoint's `model.language_model.` prefix read as `model.` (its vision and audio
-        towers and their embedders skipped), the MoE block's stacked experts split per expert
-        (`models.loader.iter_parameters` calls it)."""
+        """The checkpoint's tensors (renamed by `checkpoint_name`) with the MoE block's stacked
+        experts split per expert (`models.loader.model_tensors` calls it)."""
         for name, array in tensors:
-            if name.startswith(_NOT_TEXT):
-                continue
-            name = name.replace(_MULTIMODAL_TEXT, "model.", 1) if name.startswith(_MULTIMODAL_TEXT) else name
             if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
                 yield from _per_expert(name, array)
             else:

@@ -275,14 +275,15 @@ class Llama4ForCausalLM(CausalLM):
         ]
         super().__init__(config, layers, dtype=dtype)
 
+    def checkpoint_name(self, name: str) -> str | None:
+        """The name `hf_param_map` reads a checkpoint tensor under: a multimodal checkpoint's
+        `language_model.` prefix dropped, None for its other towers (`models.loader.model_name_rule`)."""
+        return None if name.startswith(_NOT_TEXT) else name.removeprefix("language_model.")
+
     def checkpoint_tensors(self, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """The checkpoint's text-model tensors under the names `hf_param_map` reads: a multimodal
-        checkpoint's `language_model.` prefix dropped (its other towers skipped), stacked experts
-        split per expert (`models.loader.iter_parameters` calls it)."""
+        """The checkpoint's tensors (renamed by `checkpoint_name`) with stacked experts split per
+        expert (`models.loader.model_tensors` calls it)."""
         for name, array in tensors:
-            if name.startswith(_NOT_TEXT):
-                continue
-            name = name.removeprefix("language_model.")
             if name.endswith((".feed_forward.experts.gate_up_proj", ".feed_forward.experts.down_proj")):
                 yield from _per_expert(name, array)
             else:

@@ -113,6 +113,39 @@ def _fp8_tensor(file: str, name: str) -> np.ndarray:
     return raw.view(FP8_DTYPE).reshape(entry["shape"])
 
 
+def model_name_rule(model: nnx.Module) -> Callable[[str], str | None]:
+    """The name `hf_param_map` reads a checkpoint tensor under: the model's `checkpoint_name`
+    where it has one (a multimodal checkpoint's text-model prefix rewritten, None for its other
+    towers), else the name as it is. Every reader of checkpoint names goes through it, the
+    quantized layouts' (scales, packed values, `g_idx`) as the float weights'."""
+    return getattr(model, "checkpoint_name", lambda name: name)
+
+
+def model_names(model: nnx.Module, names: list[str]) -> list[str]:
+    """`names` (a checkpoint's) as `model` reads them (`model_name_rule`), those it skips left out."""
+    rule = model_name_rule(model)
+    return [renamed for renamed in map(rule, names) if renamed is not None]
+
+
+def model_tensors(
+    model: nnx.Module, tensors: Iterator[tuple[str, np.ndarray]]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """A checkpoint's `(name, array)` stream as `model`'s map reads it: renamed by
+    `model_name_rule` (those it skips dropped), then split where the model splits tensors
+    (`checkpoint_tensors`: Llama 4's and Gemma 4's stacked experts, Qwen3.5's fused qkv)."""
+    rule = model_name_rule(model)
+    renamed = ((ours, array) for name, array in tensors if (ours := rule(name)) is not None)
+    split = getattr(model, "checkpoint_tensors", None)
+    return renamed if split is None else split(renamed)
+
+
+def g_indices(model: nnx.Module, path: str) -> dict[str, np.ndarray]:
+    """A GPTQ checkpoint's `g_idx` tensors at `path` by the names `model` reads them under."""
+    rule = model_name_rule(model)
+    found = {rule(name): g_idx for name, g_idx in read_tensors(path, ".g_idx").items()}
+    return {name: g_idx for name, g_idx in found.items() if name is not None}
+
+
 def _compile_param_map(hf_param_map: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
     compiled = []
     for hf, ours in hf_param_map.items():
@@ -125,9 +158,15 @@ def _compile_param_map(hf_param_map: dict[str, str]) -> list[tuple[re.Pattern[st
 
 def parameter_name_lookup(model: nnx.Module) -> Callable[[str], str | None]:
     """The parameter path of `model` (with `{i}` filled; an expert's tensor names its stack) that
-    a checkpoint tensor's HF name loads into, None for a name the model does not read."""
-    compiled = _compile_param_map(type(model).hf_param_map)
-    return lambda hf: (_our_name(hf, compiled) or (None,))[0]
+    a checkpoint tensor's HF name (as the checkpoint holds it: `model_name_rule` applied here)
+    loads into, None for a name the model does not read."""
+    compiled, rule = _compile_param_map(type(model).hf_param_map), model_name_rule(model)
+
+    def lookup(hf: str) -> str | None:
+        renamed = rule(hf)
+        return None if renamed is None else (_our_name(renamed, compiled) or (None,))[0]
+
+    return lookup
 
 
 def _our_name(hf: str, compiled: list[tuple[re.Pattern[str], str]]) -> tuple[str, int | None] | None:
@@ -289,21 +328,16 @@ def iter_parameters(
     checkpoint tensors to read (a part of a checkpoint: the others are neither read nor matched).
     """
     compiled = _compile_param_map(type(model).hf_param_map)
-    tensors = iter_checkpoint(path, only=only)
-    # A model may rename or split checkpoint tensors before the map reads them (Llama 4's
-    # stacked experts, a multimodal checkpoint's text model).
-    rewrite = getattr(model, "checkpoint_tensors", None)
-    if rewrite is not None:
-        tensors = rewrite(tensors)
+    tensors = model_tensors(model, iter_checkpoint(path, only=only))
 
     def our_name(hf: str) -> str | None:
         return (_our_name(hf, compiled) or (None,))[0]
 
-    names = lambda: checkpoint_names(path, only)  # noqa: E731
+    names = lambda: model_names(model, checkpoint_names(path, only))  # noqa: E731
     layout = (
         compressed_tensors.int8_layout(model, path, names, our_name)
         or fp8_checkpoint.fp8_layout(model, path, names, our_name)
-        or gptq_checkpoint.gptq_layout(model, path, names, our_name, lambda: read_tensors(path, ".g_idx"))
+        or gptq_checkpoint.gptq_layout(model, path, names, our_name, lambda: g_indices(model, path))
         or awq_checkpoint.awq_layout(model, path, names, our_name)
     )
     if layout is not None:
@@ -312,10 +346,12 @@ def iter_parameters(
         param_map = compressed_tensors.int8_kernels_for(
             model, q4, our_name, path, gguf_reader.Q4_BLOCK, int4.held_dtype(), offsets=True
         )
-        compiled, tensors = _compile_param_map(param_map), iter_checkpoint(path, int4_q4=True)
+        compiled = _compile_param_map(param_map)
+        tensors = model_tensors(model, iter_checkpoint(path, int4_q4=True))
     elif int8 and (q8_0 := gguf_q8_0_weights(path)):
         param_map = compressed_tensors.int8_kernels_for(model, q8_0, our_name, path, gguf_reader.Q8_0_BLOCK)
-        compiled, tensors = _compile_param_map(param_map), iter_checkpoint(path, int8_q8_0=True)
+        compiled = _compile_param_map(param_map)
+        tensors = model_tensors(model, iter_checkpoint(path, int8_q8_0=True))
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     expected = {".".join(str(p) for p in key): var.get_value() for key, var in params.items()}
     tied = getattr(model.config, "tie_word_embeddings", False)
@@ -369,7 +405,7 @@ def give_input_orders(model: nnx.Module, path: str) -> None:
     from `model`; nothing for any other checkpoint."""
     compiled = _compile_param_map(type(model).hf_param_map)
     gptq_checkpoint.give_input_orders(
-        model, path, lambda hf: (_our_name(hf, compiled) or (None,))[0], lambda: read_tensors(path, ".g_idx")
+        model, path, lambda hf: (_our_name(hf, compiled) or (None,))[0], lambda: g_indices(model, path)
     )
 
 
@@ -381,7 +417,7 @@ def keep_checkpoint_float_layers(model: nnx.Module, path: str) -> list[str]:
     (quantized at load as asked) or a layer whose experts are quantized in part."""
     if checkpoint_values(path) is None:
         return []
-    names = set(checkpoint_names(path))
+    names = set(model_names(model, checkpoint_names(path)))
     compiled = _compile_param_map(type(model).hf_param_map)
     modules = {".".join(map(str, p)): m for p, m in nnx.iter_modules(model)}
     scaled: dict[str, set[bool]] = {}

@@ -280,18 +280,22 @@ class Qwen3NextForCausalLM(CausalLM):
         layers = [Qwen3NextDecoderLayer(config, i, dtype=dtype) for i in range(config.num_layers)]
         super().__init__(config, layers, dtype=dtype, norm_unit_offset=True)
 
+    def checkpoint_name(self, name: str) -> str | None:
+        """The name `hf_param_map` reads a checkpoint tensor under: a multimodal checkpoint's
+        `model.language_model.` read as `model.`, None for its vision tower
+        (`models.loader.model_name_rule`)."""
+        if name.startswith(_NOT_TEXT):
+            return None
+        return "model." + name.removeprefix(_MULTIMODAL_TEXT) if name.startswith(_MULTIMODAL_TEXT) else name
+
     def checkpoint_tensors(self, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """The checkpoint's tensors with Qwen3.5's `in_proj_qkv` as its q, k and v projections
-        (`gated_deltanet.split_qkv_tensor`), a multimodal checkpoint's `model.language_model.`
-        read as `model.` and its vision tower skipped (`models.loader.iter_parameters` calls it)."""
+        """The checkpoint's tensors (renamed by `checkpoint_name`) with Qwen3.5's `in_proj_qkv`
+        as its q, k and v projections (`gated_deltanet.split_qkv_tensor`;
+        `models.loader.model_tensors` calls it)."""
         c = self.config
         keys = c.linear_num_key_heads * c.linear_key_head_dim
         widths = (keys, keys, c.linear_num_value_heads * c.linear_value_head_dim)
         for name, array in tensors:
-            if name.startswith(_NOT_TEXT):
-                continue
-            if name.startswith(_MULTIMODAL_TEXT):
-                name = "model." + name.removeprefix(_MULTIMODAL_TEXT)
             yield from split_qkv_tensor(name, array, widths)
 
     def skips_checkpoint_tensor(self, name: str) -> bool:

@@ -22,24 +22,33 @@ _FP8_MAX = 448.0
 _QUANTIZED = re.compile(r"_proj(_with_mqa)?\.weight$")  # DeepSeek's kv_a_proj_with_mqa too, as released
 
 
-def write_compressed_fp8(source: str, out: str, scheme: str) -> str:
+def write_compressed_fp8(
+    source: str,
+    out: str,
+    scheme: str,
+    *,
+    model_class: str = "AutoModelForCausalLM",
+    ignore: tuple[str, ...] = ("lm_head", "re:.*mlp.gate$"),
+) -> str:
     """`source` (a float transformers checkpoint) as a compressed-tensors FP8 checkpoint at `out`:
     `scheme` one of the package's presets, "FP8_DYNAMIC" (a scale per channel, dynamic
     activations), "FP8" (per tensor, static activation scales) or "FP8_BLOCK" (128x128 blocks).
     The scales are each weight's own absolute maximum over 448 (what a min-max observer finds;
-    no calibration data), a static scheme's activation scales a constant (never used here)."""
+    no calibration data), a static scheme's activation scales a constant (never used here).
+    `model_class`: the transformers class that loads `source`; `ignore`: the recipe's modules
+    left in float."""
     import torch
+    import transformers
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
         apply_quantization_config,
         preset_name_to_scheme,
     )
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model = getattr(transformers, model_class).from_pretrained(source, dtype=torch.float32)
     scheme_ = preset_name_to_scheme(scheme, ["Linear"])
-    config = QuantizationConfig(config_groups={"group_0": scheme_}, ignore=["lm_head", "re:.*mlp.gate$"])
+    config = QuantizationConfig(config_groups={"group_0": scheme_}, ignore=list(ignore))
     apply_quantization_config(model, config)
     with torch.no_grad():
         for _, module in model.named_modules():

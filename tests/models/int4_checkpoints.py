@@ -17,11 +17,21 @@ import numpy as np
 IGNORED = ["lm_head", "re:.*mlp.gate$"]
 
 
-def write_compressed_w4a16(source: str, out: str, *, group_size: int | None, symmetric: bool = True) -> str:
+def write_compressed_w4a16(
+    source: str,
+    out: str,
+    *,
+    group_size: int | None,
+    symmetric: bool = True,
+    model_class: str = "AutoModelForCausalLM",
+    ignore: list[str] = IGNORED,
+) -> str:
     """`source` (a float transformers checkpoint) as a compressed-tensors `pack-quantized` 4-bit
     checkpoint at `out`: one scale per `group_size` inputs of each output channel (None: per
-    channel), symmetric (or with zero points)."""
+    channel), symmetric (or with zero points). `model_class`: the transformers class that loads
+    `source` (a multimodal checkpoint's own); `ignore`: the recipe's modules left in float."""
     import torch
+    import transformers
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -30,15 +40,14 @@ def write_compressed_w4a16(source: str, out: str, *, group_size: int | None, sym
         apply_quantization_config,
     )
     from compressed_tensors.quantization.utils import calculate_qparams
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model = getattr(transformers, model_class).from_pretrained(source, dtype=torch.float32)
     strategy = "channel" if group_size is None else "group"
     weights = QuantizationArgs(
         num_bits=4, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size
     )
     scheme = QuantizationScheme(targets=["Linear"], weights=weights)
-    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=IGNORED)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore)
     apply_quantization_config(model, config)
     with torch.no_grad():
         for _, module in model.named_modules():
@@ -170,3 +179,24 @@ def _package_asymmetric(w: np.ndarray, group_size: int) -> tuple[np.ndarray, ...
     q = quantize(t, scale, zero, args, dtype=torch.int8)
     reference = dequantize(q, scale, zero, args, dtype=torch.float32)
     return q.numpy(), scale.numpy(), zero.to(torch.int8).numpy(), reference.numpy()
+
+
+def package_dequantized(path: str) -> dict[str, np.ndarray]:
+    """A symmetric W4A16 checkpoint's weights by HF name (one safetensors file), each 4-bit one
+    as the compressed-tensors package unpacks it (`unpack_from_int32`) times its group's scale."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.numpy import load_file
+
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    weights = {}
+    for name, value in tensors.items():
+        if name.endswith(".weight_packed"):
+            base = name.removesuffix("_packed")
+            shape = torch.Size(tensors[f"{base}_shape"].tolist())
+            q = unpack_from_int32(torch.from_numpy(value), 4, shape).numpy().astype(np.float32)
+            scale = tensors[f"{base}_scale"].astype(np.float32)  # [out, in / G]
+            weights[base] = q * np.repeat(scale, q.shape[1] // scale.shape[1], axis=1)
+        elif not name.endswith(("_scale", "_shape")):
+            weights[name] = value
+    return weights

@@ -12,7 +12,12 @@ from safetensors.numpy import load_file, save_file
 from models import ModelConfig, build, load_weights
 from models.layers import GatedMLP
 from models.moe import SparseMoE
-from tests.models.tiny_checkpoints import assert_prefill_matches, load_pair, save_tiny
+from tests.models.tiny_checkpoints import (
+    assert_prefill_matches,
+    load_pair,
+    save_tiny,
+    save_tiny_llama4_multimodal,
+)
 
 
 @pytest.fixture(scope="module")
@@ -153,39 +158,9 @@ def test_llama4_config_reads_its_layer_kinds_and_sizes(tiny):
     assert isinstance(model.model.layers[2].mlp, GatedMLP)
 
 
-def _save_tiny_llama4_multimodal(path: str) -> str:
-    """A random tiny `Llama4ForConditionalGeneration`: the tiny Llama 4 text model beside a
-    one-layer vision tower and projector."""
-    import torch
-    import transformers
-
-    from tests.models.tiny_checkpoints import _COMMON, TINY, VOCAB
-    from tests.tiny_models import save_tokenizer
-
-    save_tokenizer(path, vocab_size=VOCAB)
-    vision = dict(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-        vision_output_dim=64, projector_input_dim=64, projector_output_dim=64, image_size=28, patch_size=14,
-    )  # fmt: skip
-    config = transformers.Llama4Config(
-        text_config={**_COMMON, **TINY["Llama4ForCausalLM"][1]}, vision_config=vision
-    )
-    config.architectures = ["Llama4ForConditionalGeneration"]
-    torch.manual_seed(1)
-    model = transformers.Llama4ForConditionalGeneration(config)  # float32 (its default)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.3)
-            else:
-                p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
-
-
 @pytest.mark.slow  # a second Llama 4 checkpoint, with a vision tower, built and loaded
 def test_llama4_multimodal_checkpoint_serves_its_text_model(tmp_path):
-    path = _save_tiny_llama4_multimodal(str(tmp_path))
+    path = save_tiny_llama4_multimodal(str(tmp_path))
     assert any(
         name.startswith("vision_model.") for name in load_file(os.path.join(path, "model.safetensors"))
     )

@@ -204,6 +204,33 @@ def save_tiny(architecture: str, path: str, *, seed: int = 0, **overrides: Any) 
     return path
 
 
+def save_tiny_llama4_multimodal(path: str) -> str:
+    """A random tiny `Llama4ForConditionalGeneration`: the tiny Llama 4 text model beside a
+    one-layer vision tower and projector."""
+    import torch
+    import transformers
+
+    save_tokenizer(path, vocab_size=VOCAB)
+    vision = dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        vision_output_dim=64, projector_input_dim=64, projector_output_dim=64, image_size=28, patch_size=14,
+    )  # fmt: skip
+    config = transformers.Llama4Config(
+        text_config={**_COMMON, **TINY["Llama4ForCausalLM"][1]}, vision_config=vision
+    )
+    config.architectures = ["Llama4ForConditionalGeneration"]
+    torch.manual_seed(1)
+    model = transformers.Llama4ForConditionalGeneration(config)  # float32 (its default)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+            else:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def load_pair(architecture: str, path: str) -> tuple[ModelConfig, nnx.Module, Any]:
     """Our model and the transformers fp32 model (eager attention) of the checkpoint at `path`."""
     import torch

@@ -16,8 +16,8 @@ from models import int4, load_model
 from models.compressed_tensors import quantization_config
 from plugin_shim.cli import main
 from tests.models.fp8_checkpoints import write_float
-from tests.models.int4_checkpoints import write_decompressed
-from tests.models.tiny_checkpoints import caches, prompts, run_step, save_tiny
+from tests.models.int4_checkpoints import package_dequantized, write_decompressed
+from tests.models.tiny_checkpoints import caches, prompts, run_step, save_tiny, save_tiny_llama4_multimodal
 
 
 @pytest.fixture(scope="module")
@@ -77,27 +77,6 @@ def test_a_source_that_cannot_convert_to_int4_is_refused_by_name(mistral, tmp_pa
         main(["convert", out, str(tmp_path / "d"), "--quantization", "int4"])
 
 
-def _package_dequantized(path: str) -> dict[str, np.ndarray]:
-    """A converted checkpoint's weights by HF name, each 4-bit one as the compressed-tensors
-    package unpacks it (`unpack_from_int32`) times its group's scale."""
-    import torch
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from safetensors.numpy import load_file
-
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    weights = {}
-    for name, value in tensors.items():
-        if name.endswith(".weight_packed"):
-            base = name.removesuffix("_packed")
-            shape = torch.Size(tensors[f"{base}_shape"].tolist())
-            q = unpack_from_int32(torch.from_numpy(value), 4, shape).numpy().astype(np.float32)
-            scale = tensors[f"{base}_scale"].astype(np.float32)  # [out, in / G]
-            weights[base] = q * np.repeat(scale, q.shape[1] // scale.shape[1], axis=1)
-        elif not name.endswith(("_scale", "_shape")):
-            weights[name] = value
-    return weights
-
-
 def _fused_as_llama4(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Per-expert `experts.{e}.{gate,up,down}_proj.weight` `[out, in]` back in Llama 4's fused
     layout: `experts.gate_up_proj [E, D, 2F]` (gate columns, then up), `experts.down_proj [E, F, D]`."""
@@ -135,7 +114,7 @@ def test_fused_3d_experts_convert_per_expert_in_int4_groups(tmp_path):
     assert experts.gate_proj.kernel[...].dtype == int4.held_dtype()
     assert experts.gate_proj.kernel_scale[...].shape == (4, 64 // 16, 32)
     assert experts.down_proj.kernel_scale[...].shape == (4, 32 // 16, 64)
-    dequantized = _fused_as_llama4(_package_dequantized(out))
+    dequantized = _fused_as_llama4(package_dequantized(out))
     floats = load_file(os.path.join(source, "model.safetensors"))
     for tensor in ("gate_up_proj", "down_proj"):
         name = f"model.layers.1.feed_forward.experts.{tensor}"
@@ -143,3 +122,67 @@ def test_fused_3d_experts_convert_per_expert_in_int4_groups(tmp_path):
         assert 0 < error.max() <= np.abs(floats[name]).max() / 15 + 1e-6  # at most half a step of 4 bits
     reference = write_float(source, str(tmp_path / "float"), dequantized)
     np.testing.assert_allclose(_logits(out), _logits(reference), atol=2e-4, rtol=2e-4)
+
+
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory):
+    """Llama 4's multimodal checkpoint (`language_model.` text model, a vision tower) and its
+    conversion in groups of 16."""
+    root = tmp_path_factory.mktemp("int4_convert_multimodal")
+    source = save_tiny_llama4_multimodal(str(root / "source"))
+    out = str(root / "int4")
+    assert main(["convert", source, out, "--quantization", "int4", "--group-size", "16"]) == 0
+    return source, out
+
+
+@pytest.mark.slow  # a multimodal checkpoint built and converted
+def test_a_multimodal_checkpoint_s_text_model_converts_under_its_prefix(multimodal):
+    """The text projections and fused experts are written 4-bit under the checkpoint's own
+    prefix and load as int4; the vision tower's linear weights stay float, named in `ignore`."""
+    from safetensors.numpy import load_file
+
+    _, out = multimodal
+    names = set(load_file(os.path.join(out, "model.safetensors")))
+    text = "language_model.model.layers"
+    assert {
+        f"{text}.0.self_attn.q_proj.weight_packed",
+        f"{text}.1.feed_forward.experts.3.down_proj.weight_packed",
+    } <= names
+    assert "vision_model.model.layers.0.self_attn.q_proj.weight" in names  # float
+    ignore = quantization_config(out)["ignore"]
+    assert (
+        "vision_model.model.layers.0.self_attn.q_proj" in ignore
+        and "multi_modal_projector.linear_1" in ignore
+    )
+    _, model = load_model(out)
+    assert model.model.layers[0].self_attn.qkv_proj.kernel[...].dtype == int4.held_dtype()
+    assert model.model.layers[1].mlp.experts.gate_proj.kernel_scale[...].shape == (4, 64 // 16, 32)
+
+
+@pytest.mark.full  # the loader's prefixed 4-bit logits: test_prefixed_quantized in make test
+def test_a_multimodal_conversion_computes_what_the_package_unpacks(multimodal, tmp_path):
+    source, out = multimodal
+    reference = write_float(source, str(tmp_path / "float"), _fused_as_llama4(package_dequantized(out)))
+    np.testing.assert_allclose(_logits(out), _logits(reference), atol=2e-4, rtol=2e-4)
+
+
+def test_gpt_oss_experts_stay_float_and_are_named(tmp_path, caplog):
+    """GPT-OSS's experts (interleaved gate/up with biases) have no 4-bit layout here: written as
+    they are, and the conversion says so by name; its attention projections are quantized."""
+    from safetensors.numpy import load_file
+
+    source = save_tiny("GptOssForCausalLM", str(tmp_path / "source"))
+    out = str(tmp_path / "int4")
+    with caplog.at_level("WARNING", logger="vllm_xla.tpu_platform.weights.int4_convert"):
+        assert main(["convert", source, out, "--quantization", "int4", "--group-size", "16"]) == 0
+    assert re.search(
+        r"keeps 4 expert tensors in float.*layers\.0\.mlp\.experts\.down_proj, .*experts\.gate_up_proj",
+        caplog.text,
+    )
+    written, floats = (
+        load_file(os.path.join(out, "model.safetensors")),
+        load_file(os.path.join(source, "model.safetensors")),
+    )
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    np.testing.assert_array_equal(written[name], floats[name])
+    assert "model.layers.0.self_attn.q_proj.weight_packed" in written

@@ -16,8 +16,10 @@ fused in one 3-D tensor (Llama 4's `experts.gate_up_proj [E, D, 2F]` and `down_p
 4's) are quantized per expert and per group: the model's own split of such a tensor
 (`checkpoint_tensors`, which its loader runs) gives each expert's gate, up and down `[out, in]`
 weights, written under the per-expert names (`experts.{e}.gate_proj.weight_packed`, ...) that
-llm-compressor writes for these models and vLLM's loaders read (a multimodal checkpoint's, whose
-loader rule also renames them, stay in float). Kept as they are: the
+llm-compressor writes for these models and vLLM's loaders read. A multimodal checkpoint's text
+model is quantized under its own prefix (`language_model.`, `model.language_model.`: the model's
+`checkpoint_name` rule, as the loader reads it); its other towers (vision, audio) stay in float
+and are named in the config's `ignore`, as llm-compressor's recipes leave them. Kept as they are: the
 embedding, norms, biases, the MoE router (a rounding there changes which experts run), the LM
 head (tied or not: 4 bits on the layer whose every output is a logit costs tens of percent of
 perplexity where the projections cost a few; served in the model's dtype, and int8 on the
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import shutil
@@ -44,8 +47,10 @@ from flax import nnx
 
 from models import ModelConfig, build, int4
 from models.linear import Linear
-from models.loader import checkpoint_files, parameter_name_lookup
+from models.loader import checkpoint_files, model_name_rule, parameter_name_lookup
 from models.moe import SparseMoE, StackedLinear
+
+logger = logging.getLogger(f"vllm_xla.{__name__}")
 
 DEFAULT_GROUP_SIZE = 128
 _INDEX = "model.safetensors.index.json"
@@ -66,13 +71,14 @@ class _Projections:
     kernels: frozenset[str]
     ours: Callable[[str], str | None]
     split: Callable[[Iterator[tuple[str, np.ndarray]]], Iterator[tuple[str, np.ndarray]]] | None
+    not_read: Callable[[str], bool] = lambda name: False  # another tower's (vision, audio)
 
     def experts(self, name: str, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
         """The per-expert `[out, in]` weights of `name` by their HF names, when it is a fused
         experts tensor (`[E, ..]`) the model splits into expert kernels under its own prefix;
-        [] else. A split that also renames (a multimodal checkpoint's `language_model.` prefix
-        dropped) keeps the tensor as it is: the loader matches quantized layers by the names
-        the checkpoint holds."""
+        [] else. The parts keep the checkpoint's prefix (a multimodal checkpoint's
+        `language_model.`), which the loader reads quantized layers through as it reads float
+        ones (`models.loader.model_name_rule`)."""
         if self.split is None or value.ndim != 3 or f"{_EXPERTS}." not in name:
             return []
         stem = name[: name.rindex(f"{_EXPERTS}.") + len(_EXPERTS)] + "."
@@ -112,7 +118,7 @@ def convert_int4(source: str, out: str, group_size: int = DEFAULT_GROUP_SIZE) ->
     projections = _projections(source)
     _refuse_undivided_inputs(source, files, projections, group_size)
     os.makedirs(out, exist_ok=True)
-    quantized, kept = [], set()
+    quantized, kept, left_float = [], set(), []
     weight_map = {}
     for file in files:
         tensors = {}
@@ -123,12 +129,15 @@ def convert_int4(source: str, out: str, group_size: int = DEFAULT_GROUP_SIZE) ->
                 quantized.append(expert)
             if experts:
                 continue
+            if value.ndim == 3 and f"{_EXPERTS}." in name and projections.ours(name) is not None:
+                left_float.append(name)  # experts in a layout of their own (GPT-OSS's)
             if name in projections.weights and value.ndim == 2 and value.shape[1] % group_size == 0:
                 tensors |= _packed(name, value, group_size)
                 quantized.append(name)
             else:
                 tensors[name] = value
-                if name in projections.weights:
+                other_tower = value.ndim == 2 and name.endswith(".weight") and projections.not_read(name)
+                if name in projections.weights or other_tower:  # float: named in `ignore`
                     kept.add(name.removesuffix(".weight"))
         _save(tensors, os.path.join(out, os.path.basename(file)))
         weight_map |= {name: os.path.basename(file) for name in tensors}
@@ -136,6 +145,13 @@ def convert_int4(source: str, out: str, group_size: int = DEFAULT_GROUP_SIZE) ->
         raise ValueError(
             f"no projection of {source!r} has inputs that split into groups of {group_size}: "
             "pass a --group-size that divides them"
+        )
+    if left_float:
+        logger.warning(
+            "vllm-xla convert --quantization int4 keeps %d expert tensors in float, in a layout no "
+            "4-bit format of its own serves here: %s",
+            len(left_float),
+            ", ".join(sorted(left_float)[:4]) + (", ..." if len(left_float) > 4 else ""),
         )
     _copy_other_files(source, out, weight_map if len(files) > 1 else None)
     _write_config(out, group_size, sorted(kept))
@@ -186,7 +202,7 @@ def _projections(source: str) -> _Projections:
         for path, m in nnx.iter_modules(model)
         if isinstance(m, (Linear, StackedLinear)) and id(m) not in routers and m is not head
     }
-    ours = parameter_name_lookup(model)
+    ours, rule = parameter_name_lookup(model), model_name_rule(model)  # names as the checkpoint holds them
     from safetensors import safe_open
 
     names = []
@@ -194,7 +210,8 @@ def _projections(source: str) -> _Projections:
         with safe_open(file, framework="numpy") as f:
             names += list(f.keys())
     weights = frozenset(name for name in names if name.endswith(".weight") and ours(name) in kernels)
-    return _Projections(weights, frozenset(kernels), ours, getattr(model, "checkpoint_tensors", None))
+    split = getattr(model, "checkpoint_tensors", None)
+    return _Projections(weights, frozenset(kernels), ours, split, lambda name: rule(name) is None)
 
 
 def _packed(name: str, value: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
