@@ -20,7 +20,7 @@ from models.sharding import kv_heads_on_mesh
 from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.collector import collector_paused
-from tpu_platform.dispatch import FlatCall
+from tpu_platform.dispatch import FlatCall, HostViews
 from tpu_platform.inputs import StepBuffers, prepare_step
 from tpu_platform.kv_cache import available_kv_bytes, kv_cache_dtype, page_bytes_per_device
 from tpu_platform.pooling import PoolingRequests, pooled_outputs
@@ -113,6 +113,7 @@ class Runner:
         self.expert_load: np.ndarray | None = None
         self._flat_forwards: dict[tuple, FlatCall | None] = {}  # by program key, once it ran
         self._buffers = StepBuffers()  # the steps' packed inputs (`prepare_step`)
+        self._input_views = HostViews()  # their device arrays, where those read them in place
         self.pooling_requests = PoolingRequests()  # a pooling runner's per-request options
 
     # -- start-up -----------------------------------------------------------------------------
@@ -225,7 +226,7 @@ class Runner:
         key = ("forward", *dims)
         flat = self._flat_forwards.get(key)  # None too when the program needs JAX's own call
         if flat is not None:
-            packed = flat.put(len(self._state_leaves) + len(self.kv_caches), packed)
+            packed = self._input_views.put(flat, len(self._state_leaves) + len(self.kv_caches), packed)
             outputs = flat([*self._state_leaves, *self.kv_caches, packed, fed_tokens])
             end = 3 + len(self.kv_caches)
             self.kv_caches = outputs[3:end]
@@ -392,7 +393,7 @@ class Runner:
     def _finish_through(self, step: InFlightStep) -> None:
         while step.result is None:
             oldest = self._in_flight.popleft()
-            jax.block_until_ready(oldest.out.sampled_token_ids)
+            _wait_for(oldest.out.sampled_token_ids)
             start = time.perf_counter()
             oldest.result = record_step(self.table, oldest)
             if oldest.plan is not None and self.step_program.layout.state_columns > 1:
@@ -465,6 +466,15 @@ class Runner:
         if update.cached.req_ids:
             self.stats.resumed_requests += len(update.cached.resumed_req_ids)
             self.table.update_many(update.cached)
+
+
+def _wait_for(tokens: jax.Array) -> None:
+    """Blocks until `tokens` are computed (an array's own wait: `jax.block_until_ready` first
+    flattens its argument as a tree, in Python, at every step)."""
+    if isinstance(tokens, jax.Array):
+        tokens.block_until_ready()
+    else:
+        jax.block_until_ready(tokens)
 
 
 # What a caller of `Runner` sees: its configuration and counters, and the step result types.
