@@ -102,8 +102,10 @@ class HostViews:
 
 
 def _is_view(array: jax.Array, value: np.ndarray) -> bool:
-    """Whether `array` is one device's buffer reading `value`'s memory in place."""
-    if len(array.sharding.device_set) != 1 or value.size == 0:
+    """Whether `array` is one CPU device's buffer reading `value`'s memory in place (an
+    accelerator's buffer pointer is in its own memory: never a view)."""
+    devices = array.sharding.device_set
+    if len(devices) != 1 or next(iter(devices)).platform != "cpu" or value.size == 0:
         return False
     try:
         return array.unsafe_buffer_pointer() == value.ctypes.data
