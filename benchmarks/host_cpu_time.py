@@ -37,7 +37,7 @@ PHASES = (
     ("translate", "plugin_shim.translate", "step_update"),
     ("apply", "tpu_platform.runner", "Runner._apply"),
     ("prepare inputs", "tpu_platform.runner", "prepare_step"),
-    ("sampler inputs", "tpu_platform.runner", "SamplingBatch.prepare"),
+    ("sampler inputs", "tpu_platform.sampling", "SamplingBatch.prepare"),
     ("input transfer", "tpu_platform.internals", "device_put"),
     ("execute calls", "tpu_platform.internals", "execute"),
     ("record tokens", "tpu_platform.runner", "record_step"),

@@ -458,7 +458,16 @@ WHAT_MOVES = """\
   that uses none of them adds no per-step work for them). The same host code costs three to
   seven times more CPU time in the engine than in a loop of its own (input preparation, the
   runtime's execute call), most likely because the forward and other jobs between two steps leave
-  it cold caches.
+  it cold caches. On 2026-11-29, in alternating runs of the tree before and after at the same
+  load (1-min load average 11 to 15 on 2 CPUs, medians of 3 runs), it went from 1.50 and 1.55 to
+  1.41 and 1.37 ms at 64 rows, and from 2.00 to 1.79 ms at 256 rows: the forward's packed inputs
+  are passed as the device array that already reads their reused host buffer
+  (`dispatch.HostViews`: the `input transfer` phase, 0.11-0.13 ms, is gone); a step reads the
+  runner's phase records once; a greedy step skips the sampler's seeding counts; one host skips the
+  lost-host error context. That is still above the 0.5 ms goal. The runtime's execute call is
+  0.4 ms: an asynchronous launch plus about half a microsecond for each of the forward's ~190
+  arrays, most of them weights (fewer, stacked weight arrays would cut that part); the rest is
+  some 30 small NumPy operations of input preparation and token recording, and Python.
 - **Async scheduling on the CPU device** stays off by default (`VLLM_XLA_CPU_ASYNC_SCHEDULING=1`
   turns it on). On the CPU device the "device" is the host's own cores: a decode step of many rows
   is bound by the dense kernels (the section above), and in a synchronous run of the full batch

@@ -79,15 +79,23 @@ def replies(vllm_config: VllmConfig, rank: int) -> bool:
     )
 
 
-@contextlib.contextmanager
-def naming_lost_hosts(num_hosts: int) -> Iterator[None]:
+# The context of a step on one host: no other host can be lost (stateless, so shared).
+_ONE_HOST = contextlib.nullcontext()
+
+
+def naming_lost_hosts(num_hosts: int) -> contextlib.AbstractContextManager[None]:
     """Across hosts, a step's XLA failure (a collective whose peer is gone) becomes an error that
-    says what happened and what to do; vLLM's engine then stops and the server exits."""
+    says what happened and what to do; vLLM's engine then stops and the server exits. On one
+    host a step's errors pass as they are (and a generator-based context, a few microseconds a
+    step, is not made)."""
+    return _ONE_HOST if num_hosts < 2 else _naming_lost_hosts(num_hosts)
+
+
+@contextlib.contextmanager
+def _naming_lost_hosts(num_hosts: int) -> Iterator[None]:
     try:
         yield
     except jax.errors.JaxRuntimeError as error:
-        if num_hosts < 2:
-            raise
         raise RuntimeError(
             f"a step across {num_hosts} hosts failed in XLA, most likely because another host died "
             f"or left mid-step; restart every host ({error})"

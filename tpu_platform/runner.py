@@ -20,7 +20,7 @@ from models.sharding import kv_heads_on_mesh
 from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.collector import collector_paused
-from tpu_platform.dispatch import FlatCall
+from tpu_platform.dispatch import FlatCall, HostViews
 from tpu_platform.inputs import StepBuffers, prepare_step
 from tpu_platform.kv_cache import available_kv_bytes, kv_cache_dtype, page_bytes_per_device
 from tpu_platform.pooling import PoolingRequests, pooled_outputs
@@ -113,6 +113,7 @@ class Runner:
         self.expert_load: np.ndarray | None = None
         self._flat_forwards: dict[tuple, FlatCall | None] = {}  # by program key, once it ran
         self._buffers = StepBuffers()  # the steps' packed inputs (`prepare_step`)
+        self._input_views = HostViews()  # their device arrays, where those read them in place
         self.pooling_requests = PoolingRequests()  # a pooling runner's per-request options
 
     # -- start-up -----------------------------------------------------------------------------
@@ -225,8 +226,9 @@ class Runner:
         key = ("forward", *dims)
         flat = self._flat_forwards.get(key)  # None too when the program needs JAX's own call
         if flat is not None:
-            packed = flat.put(len(self._state_leaves) + len(self.kv_caches), packed)
-            outputs = flat([*self._state_leaves, *self.kv_caches, packed, fed_tokens])
+            leaves = self._state_leaves
+            packed = self._input_views.put(flat, len(leaves) + len(self.kv_caches), packed)
+            outputs = flat([*leaves, *self.kv_caches, packed, fed_tokens])
             end = 3 + len(self.kv_caches)
             self.kv_caches = outputs[3:end]
             return (*outputs[:3], *outputs[end:])
@@ -265,31 +267,33 @@ class Runner:
         self._apply(update)
         if not update.num_scheduled_tokens:
             return
+        # The phase records' fields, read once a step (each `RecordField` read is a Python call).
+        table, loaded = self.table, self.loaded
         req_ids = list(update.num_scheduled_tokens)
-        rows = np.fromiter(map(self.table.row_of.__getitem__, req_ids), np.int32, len(req_ids))
+        rows = np.fromiter(map(table.row_of.__getitem__, req_ids), np.int32, len(req_ids))
         num_scheduled = np.fromiter(update.num_scheduled_tokens.values(), np.int32, len(req_ids))
-        if self.lora is not None:  # the step's adapters into device slots, each row's slot
-            self.table.lora_slot[rows] = self.lora.slots_for(self.table.lora_id[rows])
+        if loaded.lora is not None:  # the step's adapters into device slots, each row's slot
+            table.lora_slot[rows] = loaded.lora.slots_for(table.lora_id[rows])
         if self._in_flight:
             padded_rows = self.buckets.shape_for(sum(num_scheduled.tolist()), rows.size)[1]
-            if self.sampling.reads_history(rows, padded_rows):  # `prepare` then reuses its answer
+            if loaded.sampling.reads_history(rows, padded_rows):  # `prepare` then reuses its answer
                 self._finish_through(self._in_flight[-1])
-        drafts = self.speculation and self.speculation.write_drafts(self.table, rows, num_scheduled, update)
+        drafts = loaded.speculation and loaded.speculation.write_drafts(table, rows, num_scheduled, update)
         page_size, drafted = self.config.page_size, None if drafts is None else drafts.num_drafts
-        plan = prepare_step(self.table, rows, num_scheduled, self.buckets, page_size, self._buffers, drafted)
+        plan = prepare_step(table, rows, num_scheduled, self.buckets, page_size, self._buffers, drafted)
         tensors, flags = self._widened(
-            *self.sampling.prepare(
+            *loaded.sampling.prepare(
                 rows=rows,
                 padded_rows=plan.shape[1],
-                history=self.table,
+                history=table,
                 step_seed=self.config.seed * 1_000_003 + self._step_index,
             )
         )
-        self.table.reserve(plan.appends)
+        table.reserve(plan.appends)
         self._step_index += 1
         self.stats.steps += 1
         self.stats.partial_prefill_steps += int(not plan.all_emit)
-        fed = self._no_feed
+        fed = loaded.no_feed
         if self._in_flight:
             previous = self._in_flight[-1].out.sampled_token_ids
             self.stats.overlapped_steps += not previous.is_ready()
@@ -298,19 +302,21 @@ class Runner:
                 self.stats.fed_steps += 1
         dispatch_start = time.perf_counter()
         logits, greedy, hidden, *aux = self._run_forward(plan.packed, plan.dims, fed)
-        load = aux.pop() if self.step_program.counts_expert_load else None
+        load = aux.pop() if self.steps.program.counts_expert_load else None
         if load is not None:  # read when the step's tokens are (`_finish_through`), copied by then
             load.copy_to_host_async()
-        if self.speculation is not None:
-            self.speculation.after_forward(plan, fed, hidden, aux)
+        if loaded.speculation is not None:
+            loaded.speculation.after_forward(plan, fed, hidden, aux)
         dispatched_at = time.perf_counter()
         self.stats.host_seconds += dispatched_at - start
         self.stats.dispatch_seconds += dispatched_at - dispatch_start
         prompt = None
-        if self.prompt_logprobs.wanted_in(req_ids):
-            compute = functools.partial(self._prompt_logprobs.run, self.programs, self._whole_state())
-            prompt = self.prompt_logprobs.collect(
-                compute, hidden, self.table, req_ids, rows, plan.inputs().cu_q_lens
+        if loaded.prompt_logprobs.wanted_in(req_ids):
+            compute = functools.partial(
+                loaded.prompt_logprobs_program.run, self.programs, self._whole_state()
+            )
+            prompt = loaded.prompt_logprobs.collect(
+                compute, hidden, table, req_ids, rows, plan.inputs().cu_q_lens
             )
         self._pending = DispatchedStep(
             plan, req_ids, logits, greedy, prompt, tensors, flags, dispatched_at,
@@ -392,11 +398,12 @@ class Runner:
     def _finish_through(self, step: InFlightStep) -> None:
         while step.result is None:
             oldest = self._in_flight.popleft()
-            jax.block_until_ready(oldest.out.sampled_token_ids)
+            _wait_for(oldest.out.sampled_token_ids)
             start = time.perf_counter()
-            oldest.result = record_step(self.table, oldest)
-            if oldest.plan is not None and self.step_program.layout.state_columns > 1:
-                keep_accepted_states(self.table, oldest.plan, self.step_program.layout)
+            table, layout = self.table, self.steps.program.layout
+            oldest.result = record_step(table, oldest)
+            if oldest.plan is not None and layout.state_columns > 1:
+                keep_accepted_states(table, oldest.plan, layout)
             if oldest.expert_load is not None:
                 self._count_expert_load(np.asarray(oldest.expert_load))
             if oldest.plan is not None:  # its forward has finished reading the inputs
@@ -465,6 +472,15 @@ class Runner:
         if update.cached.req_ids:
             self.stats.resumed_requests += len(update.cached.resumed_req_ids)
             self.table.update_many(update.cached)
+
+
+def _wait_for(tokens: jax.Array) -> None:
+    """Blocks until `tokens` are computed (an array's own wait: `jax.block_until_ready` first
+    flattens its argument as a tree, in Python, at every step)."""
+    if isinstance(tokens, jax.Array):
+        tokens.block_until_ready()
+    else:
+        jax.block_until_ready(tokens)
 
 
 # What a caller of `Runner` sees: its configuration and counters, and the step result types.

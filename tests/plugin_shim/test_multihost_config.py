@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import sys
 
+import jax
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
 from plugin_shim.cli import serve_argv
-from plugin_shim.hosts import host_group
+from plugin_shim.hosts import host_group, naming_lost_hosts
 from plugin_shim.parallel import MESH_TP_KEY, configure_parallel, mesh_tensor_parallel_size
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.hosts import HostGroup
@@ -108,3 +109,13 @@ def test_host_0s_coordinator_listens_on_the_master_address_only(monkeypatch):
             heartbeat_timeout_seconds=30,
         )
     ]
+
+
+@pytest.mark.parametrize("num_hosts", [1, 2])
+def test_a_step_failure_names_lost_hosts_only_across_hosts(num_hosts):
+    failure = jax.errors.JaxRuntimeError("collective peer gone")
+    expected = RuntimeError if num_hosts > 1 else jax.errors.JaxRuntimeError
+    with pytest.raises(expected) as raised, naming_lost_hosts(num_hosts):
+        raise failure
+    assert (raised.value is failure) == (num_hosts == 1)
+    assert ("another host died" in str(raised.value)) == (num_hosts > 1)

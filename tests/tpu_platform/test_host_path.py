@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from tpu_platform.buckets import StepBuckets
-from tpu_platform.dispatch import FlatCall
-from tpu_platform.inputs import StepBuffers, pack_inputs, prepare_step
+from tpu_platform.dispatch import FlatCall, HostViews
+from tpu_platform.inputs import StepBuffers, _aligned_empty, pack_inputs, prepare_step
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplingBatch, SamplingOptions
 from tpu_platform.step_update import CachedRequest, CachedRequests, NewRequest
@@ -182,6 +182,23 @@ def test_flat_call_matches_the_compiled_call():
     unused = jax.jit(lambda a, b: a * 2).trace(weights[0], weights[1]).lower().compile()
     flat = FlatCall.of(unused, 2)
     np.testing.assert_array_equal(flat([weights[1], weights[0]])[0], weights[1] * 2)
+
+
+def test_host_views_pass_a_reused_buffer_again_and_see_its_new_contents():
+    weights = jax.numpy.arange(6, dtype=jax.numpy.int32)
+    compiled = jax.jit(lambda w, packed: w[: packed.size] * packed).trace(weights, np.zeros(5, np.int32))
+    flat = FlatCall.of(compiled.lower().compile(), 2)
+    views, aligned = HostViews(), _aligned_empty(5)
+    unaligned = np.zeros(6, np.int32)[1:]  # 4 bytes off a 16-byte boundary: copied
+    arrays = {}
+    for step in range(3):
+        for name, buffer in (("aligned", aligned), ("unaligned", unaligned)):
+            buffer[:] = np.arange(5) + 10 * step  # rewritten once the step reading it finished
+            array = views.put(flat, 1, buffer)
+            np.testing.assert_array_equal(flat([weights, array])[0], np.arange(5) * buffer)
+            arrays.setdefault(name, []).append(array)
+    assert all(a is arrays["aligned"][0] for a in arrays["aligned"])  # one transfer, then reused
+    assert len({id(a) for a in arrays["unaligned"]}) == 3 and len(views) == 1
 
 
 def test_cached_requests_columns():

@@ -18,6 +18,7 @@ from tpu_platform.sampling import (
     pack_token_bitmask,
     prompt_logprobs,
     sample,
+    uniform,
     warmup_flag_sets,
 )
 from tpu_platform.sampling import reference as ref
@@ -352,3 +353,10 @@ def test_sampler_lowers_for_accelerators(platform):
     fn = jax.jit(lambda logits, t: sample(logits, t, flags=flags))
     exported = export.export(fn, platforms=[platform])(jax.ShapeDtypeStruct((8, V), np.float32), specs)
     assert exported.platforms == (platform,)
+
+
+@pytest.mark.parametrize("extra", [*uniform._EXTRAS, "num_logprobs"])
+def test_every_extra_turns_the_widened_variant_on(extra):
+    value = 2 if extra == "num_logprobs" else True
+    assert not uniform.has_extras(SamplerFlags())
+    assert uniform.has_extras(SamplerFlags(**{extra: value}))

@@ -197,8 +197,8 @@ class SamplingBatch:
         rows = np.asarray(rows, np.int64)
         part = self._rows_part_of(rows, padded_rows)
         random = None
-        generated = history.num_tokens[rows] - history.num_prompt_tokens[rows]
-        if not part.flags.all_greedy:
+        if not part.flags.all_greedy:  # (a greedy step reads no counts: the forward's argmax serves it)
+            generated = history.num_tokens[rows] - history.num_prompt_tokens[rows]
             random = self._random(rows, padded_rows, generated, step_seed)
         penalties = sparse = None
         if part.penalties:

@@ -29,7 +29,10 @@ _EXTRAS = ("penalties", "sparse", "allowed", "grammar")
 
 
 def has_extras(flags: SamplerFlags) -> bool:
-    return flags.num_logprobs is not None or any(getattr(flags, name) for name in _EXTRAS)
+    """Whether `flags` turn on any of `_EXTRAS` or logprobs (spelled out: asked every step)."""
+    return bool(
+        flags.num_logprobs is not None or flags.penalties or flags.sparse or flags.allowed or flags.grammar
+    )
 
 
 def warm_logprobs_width(max_logprobs: int | None, vocab_size: int) -> int | None:
