@@ -328,16 +328,14 @@ def causal_conv1d_reference(
     last = q_lens[:, None] - (width - 1) + jnp.arange(width - 1)  # [R, W-1]
     new = input_at(sequences, last)  # [R, W-1, D]
     writes_rows = live & (q_lens >= 1) & (q_lens <= positions) & (positions > 1)
-    conv_state = conv_state.at[jnp.where(live & ~writes_rows, slots[:, 0], conv_state.shape[0])].set(
-        new.astype(conv_state.dtype), mode="drop"
-    )
+    target = jnp.where(live & ~writes_rows, slots[:, 0], conv_state.shape[0])
     if positions > 1:  # the inputs up to each of a short sequence's rows, in that row's column
         rows = jnp.arange(positions)
         upto = rows[:, None] - (width - 2) + jnp.arange(width - 1)  # [P, W-1]
         windows = input_at(sequences[:, :, None], upto[None])  # [R, P, W-1, D]
         written = writes_rows[:, None] & (rows[None] < q_lens[:, None])
-        target = jnp.where(written, slots, conv_state.shape[0]).reshape(-1)
-        conv_state = conv_state.at[target].set(
-            windows.reshape(-1, *windows.shape[2:]).astype(conv_state.dtype), mode="drop"
-        )
+        target = jnp.concatenate([target, jnp.where(written, slots, conv_state.shape[0]).reshape(-1)])
+        new = jnp.concatenate([new, windows.reshape(-1, *windows.shape[2:])])
+    # One scatter for both: two in a row into the pool make XLA's TPU compiler copy it whole.
+    conv_state = conv_state.at[target].set(new.astype(conv_state.dtype), mode="drop")
     return y, conv_state
