@@ -8,10 +8,12 @@ makes an array as large as the smallest of them (no copy of a pool), and the ste
 do not grow with the pools: its scratch is its own requests' states.
 
 All of it in `make test-full` (a whole step's compile takes a minute on the GPU and minutes on the
-TPU): the H100 and v6e-1 points with dense MLPs (one layer of each kind), and both chips with two
-layers of each kind and the model's 512 routed experts and shared one. The cheap points in `make
-test`: the Gated DeltaNet ops' verification on H100 (`test_gated_delta_compile.py`) and the
-planner's hybrid verification program equal to the runner's (`test_plan_hybrid.py`)."""
+TPU): the H100 and v6e-1 points with dense MLPs (one layer of each kind), and the H100 with two
+layers of each kind and the model's 512 routed experts and shared one. (Not on v6e-1: there the
+MoE layer's own temporaries for a 20-row step, over 2 GB, outweigh the pools that fit beside its
+weights, so no pool-sized buffer could be told from them.) The cheap points in `make test`: the
+Gated DeltaNet ops' verification on H100 (`test_gated_delta_compile.py`) and the planner's
+hybrid verification program equal to the runner's (`test_plan_hybrid.py`)."""
 
 from __future__ import annotations
 
@@ -23,23 +25,20 @@ K = 4
 ROWS = 4
 # Two pool sizes: what grows with them shows between the two; at the larger, every cache array is
 # larger than any of the step's own buffers, so one as large as the smallest is a cache's copy.
-# (v6e-1 holds the four MoE layers' 14 GB of weights beside 1024 block ids' caches, not 2048.)
 PAGES = (128, 2048)
-MOE_PAGES_V6E = (128, 1024)
 
 pytestmark = [pytest.mark.full, pytest.mark.timeout(3600)]
 
 
 @pytest.mark.parametrize(
-    ("platform", "target", "layers", "mlp", "pages"),
-    [("cuda", "h100x1", 2, "dense", PAGES), ("tpu", "v6e-1", 2, "dense", PAGES),
-     ("cuda", "h100x1", 4, "moe", PAGES), ("tpu", "v6e-1", 4, "moe", MOE_PAGES_V6E)],
-    ids=["h100-dense", "v6e-dense", "h100-moe", "v6e-moe"],
+    ("platform", "target", "layers", "mlp"),
+    [("cuda", "h100x1", 2, "dense"), ("tpu", "v6e-1", 2, "dense"), ("cuda", "h100x1", 4, "moe")],
+    ids=["h100-dense", "v6e-dense", "h100-moe"],
 )  # fmt: skip
-def test_the_verify_step_keeps_1_plus_k_states_in_place(platform, target, layers, mlp, pages):
+def test_the_verify_step_keeps_1_plus_k_states_in_place(platform, target, layers, mlp):
     cases = run_worker(
         platform, "hybrid_verify_compile", target, str(layers), mlp, str(K),
-        *(f"{ROWS}:{n}" for n in pages), timeout=3000,
+        *(f"{ROWS}:{pages}" for pages in PAGES), timeout=3000,
     )  # fmt: skip
     for case in cases:
         assert case["state_columns"] == 1 + K and case["state_groups"] == 1, case  # one of the state layers
