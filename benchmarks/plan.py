@@ -50,6 +50,8 @@ memory is the extrapolated bytes beyond weights and cache, its decode collective
 extrapolated alike, and it has no cost-model or HLO-bytes estimate (those of a short program are
 not the model's). `--update` replaces the rows of the same model, target, TP size, quantization
 and expert placement in the `--json` file (and appends new ones) instead of writing it anew.
+`--speculative-tokens K` (4 by default with `--draft`) plans k drafts a request: a hybrid's
+(Qwen3-Next's) requests then hold 1 + k blocks in each state group, out of its KV tokens.
 
 `--model` takes a known name (`tpu_platform/planner/model_configs/`), an HF `config.json` or a model
 directory. The toolchains come from `make aot-toolchains` (`.aot/`, or `VLLM_XLA_AOT_DIR`): the
@@ -89,10 +91,18 @@ def plan_one(model: str, target: str, tp_size: int, quantization: str, args: arg
     setup = StepSetup(
         model_config(model), target, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.batch,
         max_model_len=args.context, max_num_batched_tokens=args.prefill, tp_size=compiled_tp,
-        quantization=quantization, expert_parallel=args.ep,
+        quantization=quantization, expert_parallel=args.ep, speculative_tokens=_drafts(args),
     )  # fmt: skip
     row = _depth_row(setup, args, model) if args.depth else _whole_row(setup, args, model)
     return _with_replicas(_with_draft(row, setup, args), setup, args, tp_size)
+
+
+def _drafts(args: argparse.Namespace) -> int:
+    """k drafts a request: `--speculative-tokens`, else 4 with `--draft` (a hybrid's requests
+    then hold 1 + k state blocks: `tpu_platform.planner.hybrid.cache_tokens`), else none."""
+    if args.speculative_tokens is not None:
+        return args.speculative_tokens
+    return 4 if args.draft else 0
 
 
 def _whole_row(setup, args: argparse.Namespace, model: str) -> dict:
@@ -137,6 +147,7 @@ def _with_draft(row: dict, setup, args: argparse.Namespace) -> dict:
     if not args.draft or not row["fits"]:
         return row
     from tpu_platform.planner.draft import draft_memory, eagle3_head_like, eagle3_memory, pages_with_draft
+    from tpu_platform.planner.hybrid import cache_tokens
     from tpu_platform.planner.plan import StepSetup, model_config
 
     try:
@@ -157,9 +168,10 @@ def _with_draft(row: dict, setup, args: argparse.Namespace) -> dict:
         row["draft"] = {"model": args.draft, "error": str(e)}
         return row
     pages = pages_with_draft(row["kv_bytes"], row["page_bytes"], memory)
+    tokens = cache_tokens(setup.kv_layout, pages, setup.tokens_per_page, args.batch)
     row["draft"] = {
         "model": args.draft, "weight_bytes": memory.weight_bytes, "page_bytes": memory.page_bytes,
-        "num_pages": pages, "kv_tokens": pages * setup.tokens_per_page // setup.kv_layout.num_groups,
+        "num_pages": pages, "kv_tokens": tokens,
     }  # fmt: skip
     return row
 
@@ -522,6 +534,9 @@ def main() -> None:
     parser.add_argument("--depth", action="store_true", help="plan from the first 2 and 4 layers")
     parser.add_argument(
         "--draft", metavar="MODEL", help="a draft model (known name or config) or 'eagle3' served beside"
+    )
+    parser.add_argument(
+        "--speculative-tokens", type=int, help="k drafts a request (default: 4 with --draft, else 0)"
     )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument(

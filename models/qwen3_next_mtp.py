@@ -35,7 +35,8 @@ from models.loader import checkpoint_names, read_into
 from models.metadata import AttentionMetadata
 from models.mtp import MtpHead
 from models.qwen3_next import FULL_ATTENTION, HF_PARAM_MAP, Qwen3NextConfig, Qwen3NextDecoderLayer
-from models.serving_passes import fuse_projections
+from models.serving_passes import fuse_projections, repeat_kv_heads_for_mesh
+from models.sharding import kv_heads_on_mesh
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 _LAYER = "model.layers.{i}"
@@ -113,9 +114,10 @@ class QwenMtpHead(MtpHead):
         self.shared_head = target_model.lm_head
 
 
-def load_qwen_mtp_head(path: str, config: Qwen3NextConfig, dtype: jnp.dtype) -> QwenMtpHead:
+def load_qwen_mtp_head(path: str, config: Qwen3NextConfig, dtype: jnp.dtype, tp_size: int = 1) -> QwenMtpHead:
     """The MTP layer of the Qwen3-Next or Qwen3.5 checkpoint at `path` (whose target's config is
-    `config`) with its weights as host arrays and its projections fused; it needs
+    `config`) with its weights as host arrays and its projections fused (for a mesh of `tp_size`
+    as the target's: `loader.prepare_for_serving`); it needs
     `share_embedding` and `share_lm_head` before it runs. A checkpoint without exactly one such
     layer, or whose layer's tensors were left out, is refused by name."""
     count = mtp_hidden_layer_count(path)
@@ -137,5 +139,6 @@ def load_qwen_mtp_head(path: str, config: Qwen3NextConfig, dtype: jnp.dtype) -> 
     block_config = dataclasses.replace(config, layer_types=(FULL_ATTENTION, *config.layer_types[1:]))
     head = QwenMtpHead(config, Qwen3NextDecoderLayer(block_config, 0, dtype=dtype), dtype=dtype)
     read_into(head, path, only=wanted)
-    fuse_projections(head)
+    repeat_kv_heads_for_mesh(head, kv_heads_on_mesh(config.num_heads, config.num_kv_heads, tp_size))
+    fuse_projections(head, tp_size)
     return head

@@ -240,8 +240,10 @@ def gated_delta_rule_reference(
     out = jnp.zeros_like(values)  # [N, H, C, V]
     row_count = min(chunk, positions)  # rows of a chunk that may be among a sequence's first P
 
-    def one_round(j, carry):
-        s, out, *pool = carry  # [R, H, K, V], [N, H, C, V], and with P > 1 the pool [S, H, K, V]
+    def one_round(j, carry, pool=None):
+        """Round j of every sequence's chunks; with `pool` (P > 1), it written with the states
+        after the round's rows among each sequence's first P."""
+        s, out = carry  # [R, H, K, V], [N, H, C, V]
         ids = first_chunk + j
         active = j < chunks_per_seq
         take = lambda x: jnp.take(x, ids, axis=0, mode="clip")  # noqa: E731
@@ -249,17 +251,19 @@ def gated_delta_rule_reference(
         o = jnp.einsum("rhck,rhkv->rhcv", take(reads), s) + jnp.einsum("rhij,rhjv->rhiv", take(scores), fresh)
         s_next = s * take(chunk_decay)[..., None, None] + jnp.einsum("rhck,rhcv->rhkv", take(writes), fresh)
         out = out.at[jnp.where(active, ids, out.shape[0])].set(o, mode="drop")
-        if positions > 1:  # only rounds that hold a sequence's first P rows write row states
-            write = lambda p: _write_row_states(  # noqa: E731
-                p, _row_states(s, [take(x) for x in row_parts], fresh, row_count), j * chunk, slots,
-                writes_rows & active, q_lens,
-            )  # fmt: skip
-            pool = [lax.cond(j * chunk < positions, write, lambda p: p, *pool)]
-        return jnp.where(active[:, None, None, None], s_next, s), out, *pool
+        if pool is not None:
+            states = _row_states(s, [take(x) for x in row_parts], fresh, row_count)
+            pool = _write_row_states(pool, states, j * chunk, slots, writes_rows & active, q_lens)
+        return (jnp.where(active[:, None, None, None], s_next, s), out), pool
 
-    carry = (start, out, state) if positions > 1 else (start, out)
-    final, out, *pool = lax.fori_loop(0, jnp.max(chunks_per_seq), one_round, carry)
-    state = pool[0] if pool else state
+    # The rounds that hold a sequence's first P rows (P > 1) run unrolled, before the loop: the
+    # pool they write then never passes through a loop's carry or a conditional, which XLA would
+    # copy whole (a pool-sized temporary) instead of updating in place.
+    unrolled = -(-positions // chunk) if positions > 1 else 0
+    carry = (start, out)
+    for j in range(unrolled):
+        carry, state = one_round(j, carry, state)
+    final, out = lax.fori_loop(unrolled, jnp.max(chunks_per_seq), lambda j, c: one_round(j, c)[0], carry)
     o = jnp.zeros((num_tokens + 1, num_heads, v.shape[-1]), jnp.float32)
     o = o.at[rows.reshape(-1)].set(jnp.swapaxes(out, 1, 2).reshape(-1, num_heads, v.shape[-1]))
     state = state.at[jnp.where(live & ~writes_rows, slots[:, 0], state.shape[0])].set(
@@ -324,16 +328,14 @@ def causal_conv1d_reference(
     last = q_lens[:, None] - (width - 1) + jnp.arange(width - 1)  # [R, W-1]
     new = input_at(sequences, last)  # [R, W-1, D]
     writes_rows = live & (q_lens >= 1) & (q_lens <= positions) & (positions > 1)
-    conv_state = conv_state.at[jnp.where(live & ~writes_rows, slots[:, 0], conv_state.shape[0])].set(
-        new.astype(conv_state.dtype), mode="drop"
-    )
+    target = jnp.where(live & ~writes_rows, slots[:, 0], conv_state.shape[0])
     if positions > 1:  # the inputs up to each of a short sequence's rows, in that row's column
         rows = jnp.arange(positions)
         upto = rows[:, None] - (width - 2) + jnp.arange(width - 1)  # [P, W-1]
         windows = input_at(sequences[:, :, None], upto[None])  # [R, P, W-1, D]
         written = writes_rows[:, None] & (rows[None] < q_lens[:, None])
-        target = jnp.where(written, slots, conv_state.shape[0]).reshape(-1)
-        conv_state = conv_state.at[target].set(
-            windows.reshape(-1, *windows.shape[2:]).astype(conv_state.dtype), mode="drop"
-        )
+        target = jnp.concatenate([target, jnp.where(written, slots, conv_state.shape[0]).reshape(-1)])
+        new = jnp.concatenate([new, windows.reshape(-1, *windows.shape[2:])])
+    # One scatter for both: two in a row into the pool make XLA's TPU compiler copy it whole.
+    conv_state = conv_state.at[target].set(new.astype(conv_state.dtype), mode="drop")
     return y, conv_state

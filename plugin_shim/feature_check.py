@@ -128,7 +128,7 @@ def _online_patterns(config: VllmConfig) -> bool:
 
 
 # Speculative methods served on a hybrid target (a state after each draft, `tpu_platform.state_cache`).
-_HYBRID_DRAFTS = ("ngram", "mtp")
+_HYBRID_DRAFTS = ("ngram", "mtp", "draft_model")
 
 
 def _hybrid(config: VllmConfig) -> bool:
@@ -212,16 +212,16 @@ REFUSED: tuple[Refusal, ...] = (
     ),
     Refusal(
         "speculative_config with a hybrid model",
-        "draft-model and EAGLE-3 speculation on hybrid models",
-        "method 'draft_model' or 'eagle3'",
+        "EAGLE-3 speculation on hybrid models",
+        "method 'eagle3'",
         lambda c: (
             _hybrid(c)
             and c.speculative_config is not None
             and c.speculative_config.method not in _HYBRID_DRAFTS
         ),
-        "use method 'mtp' (Qwen3-Next and Qwen3.5 checkpoints carry the layer) or 'ngram': a hybrid "
-        "target keeps a Gated DeltaNet state after each draft, and only those proposers are built "
-        "beside it",
+        "use method 'mtp' (Qwen3-Next and Qwen3.5 checkpoints carry the layer), 'draft_model' (a "
+        "draft of the target's vocabulary) or 'ngram': an EAGLE-3 head reading a hybrid target's "
+        "hidden states is not built",
     ),
     Refusal(
         "enable_lora with a hybrid model",

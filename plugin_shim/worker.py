@@ -33,7 +33,7 @@ from tpu_platform.envs import read_env
 from tpu_platform.metrics_file import MetricsPublisher, expert_token_counts, metrics_path
 from tpu_platform.runner import InFlightStep, Runner, RunnerConfig
 from tpu_platform.speculation.draft_model import kv_share
-from tpu_platform.state_cache import kv_budget_share
+from tpu_platform.state_cache import block_bytes, kv_budget_share
 from tpu_platform.step_program import KVLayout
 
 logger = init_logger("vllm.xla.worker")
@@ -225,8 +225,8 @@ class XlaWorker(WorkerBase):
         )
         draft = self.runner.speculation and self.runner.speculation.draft
         if draft is not None:  # each page also takes a page of the draft's caches
-            mc, runner = self.runner.model_config, self.runner
-            target = runner.kv_page_bytes() * sum(mc.kv_source(i) == i for i in range(mc.num_layers))
+            runner = self.runner
+            target = block_bytes(runner.model_config, runner.kv_page_bytes(), runner.dtype, runner.tp_size)
             draft_bytes = draft.page_bytes(self.cache_config.block_size, runner.kv_dtype, runner.backend)
             available = kv_share(target, draft_bytes, available)
         # A hybrid's state pools beside its KV pages: the engine counts neither (`state_cache`).

@@ -100,6 +100,15 @@ def state_shapes_and_dtypes(
     return shapes, (jnp.dtype(conv_dtype), jnp.dtype(STATE_DTYPE))
 
 
+def block_bytes(config: ModelConfig, page_bytes: int, conv_dtype: jnp.dtype, tp_size: int = 1) -> int:
+    """Bytes one block id takes on one device of a mesh of `tp_size`: a KV page of `page_bytes`
+    in each layer with a cache of its own, a state slot instead in a hybrid's state layers."""
+    owners = sum(config.kv_source(i) == i for i in range(config.num_layers))
+    states = len(config.state_layers)
+    state = state_slot_bytes(config, conv_dtype, tp_size) if states else 0
+    return (owners - states) * page_bytes + states * state
+
+
 def kv_budget_share(config: ModelConfig, page_bytes: int, conv_dtype: jnp.dtype, tp_size: int = 1) -> float:
     """The share of the cache memory budget to declare to the engine for a hybrid model (1 for
     any other): the engine counts `page_bytes` (one device's) a block for each layer of its
@@ -110,10 +119,7 @@ def kv_budget_share(config: ModelConfig, page_bytes: int, conv_dtype: jnp.dtype,
     layout = KVLayout.for_model(config)
     largest_group = max(layout.layer_groups.count(group) for group in range(layout.num_groups))
     engine_bytes = largest_group * page_bytes
-    states = len(config.state_layers)
-    state_bytes = state_slot_bytes(config, conv_dtype, tp_size)
-    allocated = (config.num_layers - states) * page_bytes + states * state_bytes
-    return min(1.0, engine_bytes / allocated)
+    return min(1.0, engine_bytes / block_bytes(config, page_bytes, conv_dtype, tp_size))
 
 
 def allocate_layer_caches(

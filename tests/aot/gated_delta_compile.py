@@ -4,9 +4,11 @@ the gated delta rule, each with its state pool donated) at Qwen3-Next-80B-A3B's 
 for a compile-only TPU or GPU target.
 
 `python -m tests.aot.gated_delta_compile TARGET [ROWS]` (run by `toolchains.run_worker`)
-compiles a decode step and a prefill step (only a decode step of ROWS sequences, if given), each over two
-pool sizes, and prints one JSON line: per case its name, compile seconds, temp bytes, the pools'
-bytes and whether they are aliased (updated in place), or the compiler's error.
+compiles a decode step, a prefill step and a verification under speculative decoding (4 requests
+of 1 + 4 rows, 5 state slots each: `state_indices [R, P]`), or only a decode step of ROWS
+sequences if given, each over two pool sizes, and prints one JSON line: per case its name,
+compile seconds, temp bytes, the pools' bytes and whether they are aliased (updated in place),
+or the compiler's error.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from tpu_platform.planner.targets import compile_only_devices
 # Qwen3-Next-80B-A3B's linear attention: 16 key heads and 32 value heads of 128, conv of 4 taps.
 KEY_HEADS, VALUE_HEADS, DIM, WIDTH = 16, 32, 128, 4
 CHANNELS = 2 * KEY_HEADS * DIM + VALUE_HEADS * DIM
-# (rows, sequences): a decode step of 128 sequences and a 2048-row prefill step of 8.
-STEPS = [(128, 128), (2048, 8)]
+# (rows, sequences, state slots a sequence): a decode step of 128 sequences, a 2048-row prefill
+# step of 8, and a verification of 4 requests' 4 drafts (a state after each of their 5 rows).
+STEPS = [(128, 128, 1), (2048, 8, 1), (20, 4, 5)]
 POOL_SLOTS = (256, 1024)
 
 
@@ -44,7 +47,7 @@ def _layer(qkv, z, b, a, conv_weight, conv_pool, state_pool, slots, has_state, c
     return o * z, conv_pool, state_pool
 
 
-def compile_case(device: jax.Device, rows: int, seqs: int, slots: int) -> dict:
+def compile_case(device: jax.Device, rows: int, seqs: int, columns: int, slots: int) -> dict:
     sharding = SingleDeviceSharding(device)
 
     def spec(shape, dtype):
@@ -55,10 +58,10 @@ def compile_case(device: jax.Device, rows: int, seqs: int, slots: int) -> dict:
     args = (
         spec((rows, CHANNELS), jnp.bfloat16), spec((rows, VALUE_HEADS, DIM), jnp.bfloat16),
         spec((rows, VALUE_HEADS), jnp.bfloat16), spec((rows, VALUE_HEADS), jnp.bfloat16),
-        spec((WIDTH, CHANNELS), jnp.bfloat16), conv_pool, state_pool, spec((seqs,), jnp.int32),
+        spec((WIDTH, CHANNELS), jnp.bfloat16), conv_pool, state_pool, spec((seqs, columns), jnp.int32),
         spec((seqs,), jnp.bool_), spec((seqs + 1,), jnp.int32), spec((1,), jnp.int32),
     )  # fmt: skip
-    name = f"t{rows}_r{seqs}_s{slots}"
+    name = f"t{rows}_r{seqs}_p{columns}_s{slots}"
     start = time.perf_counter()
     try:
         compiled = jax.jit(_layer, donate_argnums=(5, 6)).trace(*args).lower().compile()
@@ -78,10 +81,9 @@ def compile_case(device: jax.Device, rows: int, seqs: int, slots: int) -> dict:
 
 def main(argv: list[str]) -> None:
     device = compile_only_devices(argv[0])[0]
-    steps = STEPS if len(argv) == 1 else [(int(argv[1]), int(argv[1]))]
-    print(
-        json.dumps([compile_case(device, rows, seqs, slots) for rows, seqs in steps for slots in POOL_SLOTS])
-    )
+    steps = STEPS if len(argv) == 1 else [(int(argv[1]), int(argv[1]), 1)]
+    cases = [compile_case(device, *step, slots) for step in steps for slots in POOL_SLOTS]
+    print(json.dumps(cases))
 
 
 if __name__ == "__main__":

@@ -75,9 +75,9 @@ CASES = {
     "watermark_config": ("llama", dict(watermark_config={"key": 7})),
     "enable_return_routed_experts": ("mixtral", dict(enable_return_routed_experts=True)),
     "weight_transfer_config": ("llama", dict(weight_transfer_config={"backend": "nccl"})),
-    "speculative_config with a hybrid model": (  # a Llama of its vocabulary drafting
+    "speculative_config with a hybrid model": (  # an EAGLE-3 head (a Llama's) reading its states
         "qwen3_next",
-        dict(speculative_config={"method": "draft_model", "model": "{llama}", "num_speculative_tokens": 2}),
+        dict(speculative_config={"method": "eagle3", "model": "{eagle3_head}", "num_speculative_tokens": 2}),
     ),
     "enable_lora with a hybrid model": ("qwen3_next", dict(enable_lora=True)),
     "runner with a hybrid model": ("qwen3_next", dict(runner="pooling", convert="embed")),

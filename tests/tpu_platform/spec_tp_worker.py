@@ -2,13 +2,15 @@
 """Run in a process of its own with 2 simulated CPU devices (`test_speculation_tensor_parallel.py`).
 
 `python -m tests.tpu_platform.spec_tp_worker METHOD DIR OUT.json`: builds tiny checkpoints for
-METHOD ('draft_model', 'eagle3' or 'mtp') under DIR, serves them at `tensor_parallel_size=2`
+METHOD ('draft_model', 'eagle3', 'mtp', or 'hybrid_mtp': a Qwen3-Next target's own MTP layer)
+under DIR, serves them at `tensor_parallel_size=2`
 through the runner (no vLLM), and drives one request with drafts: a prompt prefilled in two
 chunks, then verification steps whose drafts are the proposer's own and drafts made to keep K, 1
-and 2 tokens of the target's greedy continuation. Writes, as JSON, every step's output and the
+and 2 tokens of the target's greedy continuation (the hybrid target: none, 1, all and none, each
+Gated DeltaNet layer keeping a state after each verified row). Writes, as JSON, every step's output and the
 target's greedy tokens (transformers), every step's drafts and the independent reference's
 (transformers or the torch references of the heads), where each drafter parameter and cache
-went, and the compile count after warm-up.
+went (a hybrid target's state pools too), and the compile count after warm-up.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import sys
 import jax
 from flax import nnx
 
-from models.sharding import parameter_spec
+from models.sharding import MODEL_AXIS, parameter_spec
+from pallas_kernels import state_partition_specs
 from tests.greedy_reference import hf_greedy
 from tests.models.tiny_checkpoints import prompts
 from tests.speculation_driver import PROMPT_LEN, drive, speculating_runner
 from tpu_platform.runner import Runner
+from tpu_platform.step_program import KVLayout
 
 K = 3
 TP = 2
@@ -42,6 +46,17 @@ def checkpoints(method: str, root: str):
     """(target dir, drafter dir, the target in transformers, `reference(history) -> drafts`)."""
     from tests.tiny_models import save_tiny_eagle3_head, save_tiny_llama
 
+    if method == "hybrid_mtp":
+        import torch
+        from transformers import Qwen3NextForCausalLM
+
+        from tests.models.tiny_qwen3_next import save_tiny_qwen3_next_mtp
+        from tests.qwen_mtp_reference import QwenMtpReference
+
+        path = save_tiny_qwen3_next_mtp(f"{root}/hybrid", seed=5)
+        target = Qwen3NextForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+        reference = QwenMtpReference(path, target.eval())
+        return path, path, target, lambda history: reference.drafts(history, K)
     if method == "mtp":
         import torch
         from transformers import DeepseekV3ForCausalLM
@@ -72,19 +87,34 @@ def checkpoints(method: str, root: str):
 
 
 def build_runner(method: str, target: str, drafter: str) -> Runner:
-    return speculating_runner(target, method, drafter, K, tensor_parallel_size=TP)
+    if method != "hybrid_mtp":
+        return speculating_runner(target, method, drafter, K, tensor_parallel_size=TP)
+    # The engine's groups for 3 Gated DeltaNet layers and 1 full-attention one: a group each.
+    layout = lambda runner: KVLayout.for_model(runner.model_config)  # noqa: E731
+    return speculating_runner(target, "mtp", drafter, K, tensor_parallel_size=TP, num_pages=20, layout=layout)
 
 
-def drive_request(runner: Runner, target, reference) -> dict:
-    """The request's steps: each one's output and drafts beside the references'."""
+def drive_request(runner: Runner, target, reference, hybrid: bool) -> dict:
+    """The request's steps: each one's output and drafts beside the references'. A hybrid
+    target's request has 1 + K state blocks in each state group (its KV pages in the full one)."""
     (prompt,) = prompts([PROMPT_LEN], seed=5)
-    record = drive(runner, target, reference, prompt, K, keeps=(None, K, 1, 2), vocab=VOCAB)
+    keeps = (0, 1, K, 0) if hybrid else (None, K, 1, 2)
+    blocks = [[1 + g + 4 * j for j in range(1 + K)] for g in range(4)] if hybrid else None
+    record = drive(runner, target, reference, prompt, K, keeps=keeps, vocab=VOCAB, blocks=blocks)
     record.pop("partial")
     return record
 
 
+def _spec_list(spec) -> list:
+    """A PartitionSpec as JSON, without trailing unsplit axes (which JAX may drop or keep)."""
+    axes = [None if axis is None else str(axis) for axis in spec]
+    while axes and axes[-1] is None:
+        axes.pop()
+    return axes
+
+
 def _spec(array: jax.Array) -> list:
-    return [None if axis is None else str(axis) for axis in array.sharding.spec]
+    return _spec_list(array.sharding.spec)
 
 
 def placements(runner: Runner) -> dict:
@@ -94,7 +124,7 @@ def placements(runner: Runner) -> dict:
     params = {}
     for key, value in nnx.to_flat_state(state):
         path, array = ".".join(map(str, key)), value.get_value()
-        rule = [None if axis is None else str(axis) for axis in parameter_spec(path, array.shape, TP)]
+        rule = _spec_list(parameter_spec(path, array.shape, TP))
         params[path] = {"spec": _spec(array), "rule": rule, "devices": len(array.sharding.device_set)}
     caches = [
         {"spec": _spec(c), "shape": list(c.shape), "shard": list(c.addressable_shards[0].data.shape)}
@@ -103,11 +133,28 @@ def placements(runner: Runner) -> dict:
     return {"params": params, "caches": caches}
 
 
+def state_pools(runner: Runner) -> list[dict]:
+    """Each Gated DeltaNet layer's conv and recurrent pools: PartitionSpec beside
+    `pallas_kernels.state_partition_specs`', shape and one device's shard."""
+    layout = runner.step_program.layout
+    caches = jax.tree.unflatten(layout.caches_def, runner.kv_caches)
+    rules = [_spec_list(rule) for rule in state_partition_specs(MODEL_AXIS)]
+    return [
+        {"spec": _spec(pool), "rule": rule, "shape": list(pool.shape),
+         "shard": list(pool.addressable_shards[0].data.shape)}
+        for i in layout.state_layers
+        for pool, rule in zip(caches[i], rules, strict=True)
+    ]  # fmt: skip
+
+
 def main(method: str, root: str, out_path: str) -> None:
     target_dir, drafter_dir, target, reference = checkpoints(method, root)
     runner = build_runner(method, target_dir, drafter_dir)
-    result = drive_request(runner, target, reference)
+    result = drive_request(runner, target, reference, method == "hybrid_mtp")
     result.update(placements(runner))
+    if method == "hybrid_mtp":
+        result["state_pools"] = state_pools(runner)
+        result["state_columns"] = runner.step_program.layout.state_columns
     result["compiles_after_warmup"] = runner.programs.compiles_after_warmup
     result["stats"] = {
         "draft": runner.speculation.stats.draft_tokens,

@@ -8,8 +8,12 @@ for token. Every proposal equals the independent reference's (the draft's greedy
 transformers, the torch references of the heads), so the split drafter and its split cache hold
 the right entries. Every drafter parameter is placed as the rules table says, the caches are
 split on the KV heads (a latent cache whole on each device), and nothing compiles after warm-up.
-EAGLE-3 runs in `make test`; the draft model and the MTP layer (a DeepSeek block: latent
-attention, experts) in `make test-full`."""
+A hybrid target (Qwen3-Next with its own MTP layer) verifies drafts kept none, one, all and none:
+each Gated DeltaNet layer keeps a state after each verified row in its 1 + k state blocks, its
+pools split on channels and heads as `pallas_kernels.state_partition_specs` says.
+EAGLE-3 runs in `make test`; the draft model, the MTP layer (a DeepSeek block: latent attention,
+experts) and the hybrid target in `make test-full` (their one-device forms in `make test`:
+`test_qwen3_next_mtp.py`, `test_draft_model.py`)."""
 
 from __future__ import annotations
 
@@ -77,3 +81,24 @@ def test_an_mtp_layer_split_over_two_devices_drafts_as_the_reference(tmp_path):
     split = ("block.self_attn.q_b_proj.kernel", "block.mlp.experts.gate_proj.kernel", "shared_head.kernel")
     _check(result, split)
     assert [cache["spec"] for cache in result["caches"]] == [[]]  # the latent cache, whole on each device
+
+
+@pytest.mark.full  # a hybrid target's programs and the layer's on the mesh: minutes
+def test_a_hybrid_targets_mtp_layer_split_over_two_devices_keeps_a_state_per_verified_row(tmp_path):
+    result = _run("hybrid_mtp", tmp_path)
+    assert result["outputs"] == result["greedy"]  # drafts kept: none, 1, all 3, none
+    assert result["drafts"] == result["reference_drafts"]
+    assert result["stats"]["kept"] == 0 + 1 + 3 + 0
+    assert result["compiles_after_warmup"] == 0
+    assert result["state_columns"] == 1 + 3
+    params = result["params"]
+    assert all(p["spec"] == p["rule"] and p["devices"] == 2 for p in params.values()), params
+    split = ("block.self_attn.qkv_proj.kernel", "block.mlp.experts.gate_proj.kernel", "shared_head.kernel")
+    assert all("model" in params[name]["spec"] for name in split), {n: params[n] for n in split}
+    assert all(_heads_split(cache) for cache in result["caches"])
+    pools = result["state_pools"]
+    assert len(pools) == 2 * 3  # a conv and a recurrent pool in each of 3 Gated DeltaNet layers
+    for pool in pools:  # split as the rules say, each device holding half of the split axis
+        assert pool["spec"] == pool["rule"], pool
+        axis = pool["spec"].index("model")
+        assert pool["shard"][axis] * 2 == pool["shape"][axis], pool

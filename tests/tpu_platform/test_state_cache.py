@@ -20,8 +20,10 @@ from tpu_platform.buckets import StepBuckets
 from tpu_platform.inputs import prepare_step
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplingOptions
+from tpu_platform.speculation.draft_model import kv_share
 from tpu_platform.state_cache import (
     allocate_layer_caches,
+    block_bytes,
     keep_accepted_states,
     kv_budget_share,
     state_shapes_and_dtypes,
@@ -69,6 +71,20 @@ def test_declared_budget_holds_the_pages_and_the_pools(num_layers, tp):
     blocks = int(budget * share) // (page * num_layers // 4)
     states, full = len(config.state_layers), num_layers - len(config.state_layers)
     allocated = blocks * (full * page + states * state_slot_bytes(config, jnp.float32, tp))
+    assert budget * 0.99 < allocated <= budget
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_drafts_pages_beside_the_pages_and_the_pools_stay_in_the_budget(tp):
+    """A draft model beside a hybrid target: each block id also takes a page of the draft's caches
+    (the worker's split, `kv_share` then `kv_budget_share`)."""
+    config = _config(4)
+    page, draft_page, budget = 4096, 1000, 1 << 30
+    state = state_slot_bytes(config, jnp.float32, tp)
+    assert block_bytes(config, page, jnp.float32, tp) == 1 * page + 3 * state  # 1 full layer, 3 linear
+    target = kv_share(block_bytes(config, page, jnp.float32, tp), draft_page, budget)
+    blocks = int(target * kv_budget_share(config, page, jnp.float32, tp)) // page  # a layer a group
+    allocated = blocks * (page + 3 * state + draft_page)
     assert budget * 0.99 < allocated <= budget
 
 

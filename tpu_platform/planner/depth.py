@@ -30,6 +30,7 @@ import dataclasses
 from typing import Any
 
 from models import ModelConfig
+from tpu_platform.planner.hybrid import cache_tokens
 from tpu_platform.planner.kv import MEMORY_UTILIZATION
 from tpu_platform.planner.plan import (
     SAMPLING_FLAGS,
@@ -87,7 +88,8 @@ class DepthFit:
 
     @property
     def kv_tokens(self) -> int:
-        return self.num_pages * self.setup.tokens_per_page // self.setup.kv_layout.num_groups
+        setup = self.setup
+        return cache_tokens(setup.kv_layout, self.num_pages, setup.tokens_per_page, setup.max_num_seqs)
 
     def predicted_peak_bytes(self, step: str, num_pages: int | None = None) -> int:
         """The whole model's `step` program's peak bytes with `num_pages` pages (default: the

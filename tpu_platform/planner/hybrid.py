@@ -4,7 +4,9 @@ attention), as the runner allocates them (`tpu_platform.state_cache.allocate_lay
 cache a layer, a state layer's the pair of its state pools of `num_pages` slots, an attention
 layer's a KV cache of `num_pages` pages. A block id costs a KV page in every attention layer and
 a request's state in every state layer, so a page's bytes (what `kv.fit_kv_cache` divides the
-budget by) count both: `HybridPageBytes`.
+budget by) count both: `HybridPageBytes`. Of the block ids, each request holds its state blocks
+in every state group (1 + k under speculative decoding with k drafts), the rest hold tokens in
+the attention groups: `cache_tokens`.
 """
 
 from __future__ import annotations
@@ -96,3 +98,19 @@ def _by_layer(config: ModelConfig, flat: list) -> list[tuple[int, jax.ShapeDtype
             out.append((layer, flat[i]))
             i += 1
     return out
+
+
+def request_state_blocks(layout: KVLayout) -> int:
+    """Block ids one request holds in a hybrid's state groups: `layout.state_columns` in each (its
+    state; 1 + k under speculative decoding with k drafts); 0 for a model without state layers."""
+    return len(layout.state_groups) * layout.state_columns
+
+
+def cache_tokens(layout: KVLayout, num_pages: int, tokens_per_page: int, num_seqs: int) -> int:
+    """Tokens a cache of `num_pages` block ids holds for `num_seqs` requests in each of
+    `layout`'s token groups: the engine hands each block id to one group, so every group takes
+    a page each `tokens_per_page` tokens; a hybrid's requests first take their state blocks
+    (`request_state_blocks`) and its state groups take none by the token."""
+    token_groups = layout.num_groups - len(layout.state_groups)
+    left = max(0, num_pages - num_seqs * request_state_blocks(layout))
+    return left * tokens_per_page // token_groups

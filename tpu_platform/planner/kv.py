@@ -19,6 +19,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from tpu_platform.planner.hybrid import cache_tokens
 from tpu_platform.planner.plan import (
     SAMPLING_FLAGS,
     ProgramFacts,
@@ -65,8 +66,10 @@ class KVFit:
     @property
     def kv_tokens(self) -> int:
         """Tokens the cache holds for one sequence's worth of layers (with several KV-cache groups
-        a token takes a page slot in each)."""
-        return self.num_pages * self.setup.tokens_per_page // self.setup.kv_layout.num_groups
+        a token takes a page slot in each), once `max_num_seqs` requests of a hybrid hold their
+        states (`hybrid.cache_tokens`)."""
+        setup = self.setup
+        return cache_tokens(setup.kv_layout, self.num_pages, setup.tokens_per_page, setup.max_num_seqs)
 
     @property
     def peak_bytes(self) -> int:

@@ -153,9 +153,12 @@ class StepSetup:
     lora: LoraConfig | None = None  # vLLM's LoRA limits: the adapter slots the runner attaches
     attention_backend: str = "auto"  # as the runner's: "auto" picks by the target's device kind
     expert_parallel: bool = False  # vLLM's enable_expert_parallel: experts split by index
+    speculative_tokens: int = 0  # vLLM's num_speculative_tokens: k drafts a request (0: none)
 
     def __post_init__(self) -> None:
         chips = target(self.target).num_chips  # an unknown name fails here, listing the known ones
+        if self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens={self.speculative_tokens}: use 0 (none) or k > 0 drafts")
         kv_cache_dtype(self.cache_dtype)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
@@ -231,8 +234,13 @@ class StepSetup:
 
     @property
     def kv_layout(self) -> KVLayout:
-        """How the engine would share KV caches between the model's layers."""
-        return KVLayout.for_model(self.config)
+        """How the engine would share KV caches between the model's layers; a hybrid's requests
+        hold 1 + k blocks in each state group under speculative decoding with k drafts (a state
+        after each verified row, `tpu_platform.state_cache`), as the runner's layout says."""
+        layout = KVLayout.for_model(self.config)
+        if not layout.state_layers or not self.speculative_tokens:
+            return layout
+        return dataclasses.replace(layout, state_columns=1 + self.speculative_tokens)
 
     def abstract_model(self) -> AbstractModel:
         """The model as the runner would serve it with this setup, weights abstract."""

@@ -60,6 +60,17 @@ def check_one_cache_group(method: str, num_groups: int) -> None:
         )
 
 
+def target_cache_group(target: ModelConfig) -> tuple[int, int]:
+    """(the target's group whose tables a drafter's cache follows, its group count): a hybrid's
+    full-attention group (`KVLayout.for_model`; its state groups hold states); else 0 of 1."""
+    if not target.state_layers:
+        return 0, 1
+    layout = KVLayout.for_model(target)
+    states = set(target.state_layers)
+    attention = next(i for i in range(target.num_layers) if i not in states)
+    return layout.layer_groups[attention], layout.num_groups
+
+
 def drafter_kv_heads(mc: ModelConfig, tp_size: int) -> int:
     """KV heads of a drafter's whole cache on a mesh of `tp_size` (the target's rule,
     `kv_heads_on_mesh`: repeated up to `tp_size` when fewer); 1 for a latent cache, whole on
@@ -200,10 +211,12 @@ class DraftModel:
         state: nnx.State,
         k: int,
         mesh: Mesh | None = None,
+        target_groups: tuple[int, int] = (0, 1),
     ):
         self.model_config = model_config
         self.k = k
         self.mesh = mesh
+        self.cache_group, self._target_groups = target_groups  # `target_cache_group`
         self._graphdef = graphdef
         self._state_leaves, self._state_def = jax.tree.flatten(state)
         self.kv_caches: list[jax.Array] = []
@@ -246,7 +259,8 @@ class DraftModel:
         attach_rope_tables(model, config.max_model_len)
         graphdef, state = nnx.split(model)
         k = config.speculation.num_tokens
-        return cls(model_config, graphdef, place_drafter(state, mesh, device), k, mesh)
+        groups = target_cache_group(target)
+        return cls(model_config, graphdef, place_drafter(state, mesh, device), k, mesh, groups)
 
     def page_bytes(self, page_size: int, kv_dtype: jnp.dtype, backend: str) -> int:
         """Bytes one page takes in the draft's caches (all its layers)."""
@@ -264,10 +278,18 @@ class DraftModel:
         device: jax.Device,
         num_groups: int,
     ) -> None:
-        """Allocates the draft's caches (`num_pages` pages, the target's) and builds its forward."""
-        check_one_cache_group("draft_model", num_groups)
+        """Allocates the draft's caches (`num_pages` pages, the target's) and builds its forward,
+        its layers in the target's group `cache_group` of the `num_groups` the engine made."""
+        if self._target_groups == 1:
+            check_one_cache_group("draft_model", num_groups)
+        elif num_groups != self._target_groups:
+            raise ValueError(
+                f"speculative method 'draft_model' expects {self._target_groups} KV-cache groups for "
+                f"its hybrid target, the engine made {num_groups}; use method 'ngram'"
+            )
         mc = self.model_config
-        layout = KVLayout.from_groups([range(mc.num_layers)], mc.num_layers)
+        groups = [range(mc.num_layers) if g == self.cache_group else () for g in range(num_groups)]
+        layout = KVLayout.from_groups(groups, mc.num_layers)
         self.kv_caches = draft_caches(
             mc, layout.num_caches, num_pages, page_size, kv_dtype, backend, device, self.mesh
         )
@@ -277,6 +299,7 @@ class DraftModel:
             feed_width=feed_width, device=device, mesh=self.mesh,
         )  # fmt: skip
         per_array = caches_per_array(layout.num_caches, num_pages, page_size)
+        # The loop reads one group's tables (`propose` hands it `cache_group`'s): its own group 0.
         shape = DraftCacheShape(backend, kv_dtype.name, num_pages, per_array, self.mesh)
         self._whole = shape.whole
         self._loop = make_draft_loop(self._graphdef, self._state_def, shape)
@@ -321,7 +344,7 @@ class DraftModel:
         tokens[:n] = table.token_ids[rows, length - 1]
         positions[:n] = length - 1
         pages = np.zeros((r_pad, table.block_table.shape[2]), np.int32)
-        pages[:n] = table.block_table[0, rows]
+        pages[:n] = table.block_table[self.cache_group, rows]
         num_seqs = np.array([n], np.int32)
         drafts, self.kv_caches = programs.call(
             ("draft_loop", r_pad, self.k),

@@ -85,15 +85,10 @@ class MtpProposer(Eagle3Proposer):
 def _load_head(
     path: str, target: ModelConfig, target_model: nnx.Module, dtype: jnp.dtype, tp_size: int
 ) -> MtpHead:
-    """The family's MTP layer: Qwen3-Next's and Qwen3.5's (`mtp.*`, reading the target's LM head;
-    on one device) or DeepSeek-V3's and GLM-4.5's (`models.mtp`, for a mesh of `tp_size`)."""
+    """The family's MTP layer: Qwen3-Next's and Qwen3.5's (`mtp.*`, reading the target's LM head)
+    or DeepSeek-V3's and GLM-4.5's (`models.mtp`), for a mesh of `tp_size` as the target's."""
     if target.architecture not in QWEN_ARCHITECTURES:
         return load_mtp_head(path, target, dtype, tp_size)
-    if tp_size > 1:
-        raise ValueError(
-            f"speculative method 'mtp' for {target.architecture} runs at tensor_parallel_size=1 only; "
-            "use tensor_parallel_size=1"
-        )
-    head = load_qwen_mtp_head(path, target, dtype)
+    head = load_qwen_mtp_head(path, target, dtype, tp_size)
     head.share_lm_head(target_model)
     return head
