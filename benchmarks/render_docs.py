@@ -291,8 +291,9 @@ alike, and it has no cost-model figure (a short program's is not the model's).
   one holds a layer's state (512 tokens on 8x H100), and a page's bytes count a request's states
   beside the KV (9.2 MiB of states a request, 12 KiB of KV a token, a chip), so its KV column is
   both; its decode roofline reads and writes each request's states once. On v6e-8 (pages of 272
-  tokens) its bfloat16 weights take 18.7 GiB of a chip's 32, leaving 8.1 GiB of pages: 45k
-  tokens, short of 64 sequences of 2048.
+  tokens) its bfloat16 weights take 18.7 GiB of a chip's 32, leaving 8.1 GiB of pages. Each of
+  the 64 requests holds one page in each of the three state groups, and the other 475 pages hold
+  129k tokens, just short of 64 sequences of 2048.
 - gemma-4-26B-A4B fits one v6e chip only with int8 weights (in bfloat16 they alone take about
   50 GB): 24.95 GiB of weights leave 2.4 GiB of KV, 5266 tokens, since every layer's cache has
   the full layers' head dim of 512 and the sliding layers' 8 KV heads ([models.md](models.md)).
