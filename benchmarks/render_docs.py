@@ -271,12 +271,13 @@ PLANNER_PENDING = """\
 ### Rows planned from few layers
 
 A row marked "(from 2+4 layers)" was planned with `benchmarks/plan.py --depth`, on a machine too
-busy for whole-model compiles: the model's first 2 and 4 layers compiled at full width (past a
-leading run of dense layers, later), the weights and every layer's KV cache exact arithmetic,
-what the steps need beyond them extrapolated to every layer (`tpu_platform/planner/depth.py`, as
-`make test` checks the models it compiles). Its temporary column is that extrapolated need
-(temporaries, outputs not aliasing the cache, code), its decode collectives are extrapolated
-alike, and it has no cost-model figure (a short program's is not the model's).
+busy for whole-model compiles: the model's first 2 and 4 layers compiled at full width (the decode
+step at 6 as well; past a leading run of dense layers, later), the weights and every layer's KV
+cache exact arithmetic, what the steps need beyond them extrapolated to every layer
+(`tpu_platform/planner/depth.py`, as `make test` checks the models it compiles). Its temporary
+column is that extrapolated need (temporaries, outputs not aliasing the cache, code), its decode
+collectives are extrapolated alike, and it has no cost-model figure (a short program's is not the
+model's).
 
 - GPT-OSS is planned with its mxfp4 experts, as released. Before the routed experts ran their
   tiles in chunks, GPT-OSS-120B's 2k-token prefill on v6e-8 gathered and decoded every tile's

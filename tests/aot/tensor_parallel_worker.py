@@ -63,7 +63,9 @@ def fit_case(mode: str, case: str) -> dict:
         for step, tokens in STEPS:
             problems[step] = [
                 f"{depth} layers: {problem}"
-                for depth, program in zip(fit.depths, fit.short.get(step, ()), strict=False)
+                for depth, program in zip(
+                    fit.compiled_depths.get(step, ()), fit.short.get(step, ()), strict=True
+                )
                 for problem in unexpected_collectives(
                     list(program.collectives), expected_collectives(at_depth(setup, depth), tokens)
                 )

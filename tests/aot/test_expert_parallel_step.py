@@ -47,6 +47,16 @@ def test_each_chip_holds_an_eighth_of_the_experts_whole_and_the_step_fits(result
 
 
 @pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
+def test_the_decode_step_is_not_extrapolated_from_a_one_off_step_up(results, case):
+    # On v6e-8 XLA keeps one layer's gathered expert tiles live from 3 layers on, not at 2: the
+    # line through 2 and 4 layers alone put 3.98 GiB beside the weights and cache, where every
+    # layer compiled keeps 0.43 GiB. The decode step's third depth keeps it under a GiB.
+    row = results[case]
+    assert row["step_depths"]["decode"] == [2, 4, 6]
+    assert row["overhead_bytes"]["decode"] < 1 << 30
+
+
+@pytest.mark.parametrize("case", CASES["tpu"] + CASES["cuda"])
 @pytest.mark.parametrize("step", ["decode", "prefill"])
 def test_expert_parallel_step_exchanges_only_activation_sums(results, case, step):
     assert results[case]["unexpected_collectives"][step] == []

@@ -8,7 +8,7 @@ from collections import Counter
 import jax
 import pytest
 
-from tpu_platform.planner.depth import depths_for, extrapolate
+from tpu_platform.planner.depth import depths_for, extrapolate, step_depths
 from tpu_platform.planner.hlo import (
     ExpectedCollectives,
     hlo_collectives,
@@ -331,6 +331,34 @@ def test_one_depth_bounds_what_two_depths_extrapolate_from_above():
         assert extrapolate([beyond[2], beyond[4]], (2, 4), 80) == fixed + per_layer * 80
         assert fixed + per_layer * 80 <= extrapolate([beyond[2]], (2,), 80) == beyond[2] * 40
     assert extrapolate([-5], (2,), 80) == 0 and extrapolate([10, 6], (2, 4), 80) == 10
+
+
+def test_a_step_up_at_the_shallowest_depth_is_not_repeated_for_every_layer():
+    # XLA may keep less live in the shallowest program than in every deeper one (a one-off step
+    # up from 2 to 3 layers and more, not a per-layer growth): the line through 2 and 4 layers
+    # repeats the step for each layer; the slope between the deeper depths does not.
+    fixed, per_layer, step_up, layers = 200, 5, 170, 48
+
+    def beyond(depth: int) -> int:
+        return fixed + per_layer * depth + (step_up if depth > 2 else 0)
+
+    whole = beyond(layers)
+    assert extrapolate([beyond(2), beyond(4)], (2, 4), layers) > whole + step_up * 10
+    depths = step_depths((2, 4), "decode")
+    assert depths == (2, 4, 6)
+    assert extrapolate([beyond(d) for d in depths], depths, layers) == whole
+    # A step down (buffers reused once deep enough) is not extrapolated below any measured depth.
+    assert extrapolate([100, 150, 120], (2, 4, 6), 48) == 150
+    # Three depths on a straight line agree with two.
+    line = [fixed + per_layer * d for d in depths]
+    assert extrapolate(line, depths, layers) == extrapolate(line[:2], depths[:2], layers)
+
+
+def test_the_decode_step_gets_a_third_depth_and_a_one_prefill_the_shallowest():
+    assert step_depths((4, 6), "decode") == (4, 6, 8)  # past DeepSeek-V3's dense prefix
+    assert step_depths((4, 8), "decode") == (4, 8, 12)  # a hybrid's whole runs of its pattern
+    assert step_depths((2, 4), "prefill") == (2, 4)
+    assert step_depths((2, 4), "prefill", one_prefill=True) == (2,)
 
 
 def test_deepseek_v3_needs_more_than_a_v6e_8_in_every_format_and_fits_8_h100s_in_int4():

@@ -11,17 +11,22 @@ with the depth is known:
   (`plan.abstract_model`, `plan.kv_page_bytes`: no compile);
 - what a step needs beyond them (temporaries, outputs not aliasing the donated caches, code, the
   step's inputs) is read from the compiled step at two depths and extrapolated linearly to the
-  model's depth; a slope below zero (XLA reusing buffers across layers) counts as zero.
+  model's depth; a slope below zero (XLA reusing buffers across layers) counts as zero. The
+  decode step is compiled at a third depth as well and the smallest slope between neighbouring
+  depths taken (`extrapolate`): XLA may schedule the shallowest program tighter than every
+  deeper one (Qwen3-30B-A3B at EP=8 on v6e-8 keeps one layer's gathered expert tiles live at 3
+  layers and more, not at 2), a step up once that the slope through two depths would repeat
+  for every layer. Its compile is cheap beside a prefill's.
 
-`fit_by_depth` compiles the sampler once and the prefill and decode steps at both depths with the
-whole model's page count estimate, then sizes the cache as `kv.fit_kv_cache` does from the
-extrapolated figures. With `one_prefill` the prefill step is compiled at the shallower depth
-only and its bytes beyond the weights and cache are scaled by `layers / depth`: an upper bound
-(what a step needs beyond them is a part that does not grow with the depth, never negative, and
-one that grows linearly; the scaling counts the first part `layers / depth` times), for a
-quicker check where the prefill compiles for minutes. `kv.fit_kv_cache` (every layer compiled)
-remains the planner's answer and what `make test-full` runs; `tests/aot/test_model_step.py`
-checks that the two agree.
+`fit_by_depth` compiles the sampler once and the prefill and decode steps at their depths
+(`step_depths`) with the whole model's page count estimate, then sizes the cache as
+`kv.fit_kv_cache` does from the extrapolated figures. With `one_prefill` the prefill step is
+compiled at the shallower depth only and its bytes beyond the weights and cache are scaled by
+`layers / depth`: an upper bound (what a step needs beyond them is a part that does not grow
+with the depth, never negative, and one that grows linearly; the scaling counts the first part
+`layers / depth` times), for a quicker check where the prefill compiles for minutes.
+`kv.fit_kv_cache` (every layer compiled) remains the planner's answer and what `make test-full`
+runs; `tests/aot/test_model_step.py` checks that the two agree.
 """
 
 from __future__ import annotations
@@ -45,6 +50,18 @@ from tpu_platform.planner.plan import (
 # The two depths compiled: small, and for models whose layers alternate (sliding and full
 # attention, dense and sparse MLPs) each a whole number of the pattern.
 DEPTHS = (2, 4)
+# The steps compiled at a third depth, as far past the deeper one (`step_depths`).
+THIRD_DEPTH_STEPS = ("decode",)
+
+
+def step_depths(depths: tuple[int, ...], step: str, one_prefill: bool = False) -> tuple[int, ...]:
+    """The depths `fit_by_depth` compiles `step` at: `depths`, the decode step also one step
+    further (`THIRD_DEPTH_STEPS`), the prefill the shallowest only with `one_prefill`."""
+    if one_prefill and step == "prefill":
+        return depths[:1]
+    if step in THIRD_DEPTH_STEPS and len(depths) == 2:
+        return (*depths, 2 * depths[1] - depths[0])
+    return depths
 
 
 def depths_for(config: ModelConfig) -> tuple[int, int]:
@@ -73,10 +90,11 @@ class DepthFit:
     steps_budget_bytes: int  # the budget less what the sampler needs beside the weights and cache
     overhead_bytes: dict[str, int]  # per step: its bytes beyond the weights and cache, extrapolated
     num_pages: int  # 0 when nothing fits
-    short: dict[str, tuple[ProgramFacts, ...]]  # per step, the compiled programs at `depths`
+    short: dict[str, tuple[ProgramFacts, ...]]  # per step, the compiled programs at `step_depths`
     sampler: ProgramFacts | None
     reason: str = ""
-    short_kv_bytes: tuple[int, ...] = ()  # the cache each short program holds, per depth
+    short_kv_bytes: tuple[int, ...] = ()  # the cache each short program holds, per `depths`
+    compiled_depths: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # per step
 
     @property
     def fits(self) -> bool:
@@ -108,6 +126,7 @@ class DepthFit:
             "short": {step: [facts.as_dict() for facts in programs] for step, programs in self.short.items()},
             "sampler": None if self.sampler is None else self.sampler.as_dict(),
             "short_kv_bytes": list(self.short_kv_bytes),
+            "step_depths": {step: list(depths) for step, depths in self.compiled_depths.items()},
         }  # fmt: skip
 
 
@@ -139,31 +158,36 @@ def fit_by_depth(
     # Each short program's cache has as many pages a layer as the whole model's would without
     # its steps' own bytes: the real per-layer cache, so that what grows with it shows.
     probe_pages = max(1, (steps_budget - weights) // page)
-    short, overhead = {}, {}
+    short, overhead, compiled = {}, {}, {}
     short_kv = tuple(probe_pages * kv_page_bytes(at_depth(setup, depth)) for depth in depths)
     for step, tokens in (("decode", decode_tokens), ("prefill", prefill_tokens)):
         programs, beyond = [], []
-        step_depths = depths[:1] if one_prefill and step == "prefill" else depths
-        for depth, cut_kv in zip(step_depths, short_kv, strict=False):
+        compiled[step] = step_depths(depths, step, one_prefill)
+        for depth in compiled[step]:
             cut = at_depth(setup, depth)
             facts = compile_forward(cut, probe_pages, tokens)
             cut_weights = cut.abstract_model().chip_weight_bytes(cut.mesh())
             programs.append(facts)
-            beyond.append(facts.peak_bytes - cut_weights - cut_kv)
+            beyond.append(facts.peak_bytes - cut_weights - probe_pages * kv_page_bytes(cut))
         short[step] = tuple(programs)
-        overhead[step] = extrapolate(beyond, step_depths, setup.config.num_layers)
+        overhead[step] = extrapolate(beyond, compiled[step], setup.config.num_layers)
     pages = max(0, (steps_budget - weights - max(overhead.values())) // page)
     reason = "" if pages else f"no KV cache fits beside the steps' {max(overhead.values())} B"
     return DepthFit(
-        setup, depths, weights, budget, page, steps_budget, overhead, pages, short, sampler, reason, short_kv
-    )
+        setup, depths, weights, budget, page, steps_budget, overhead, pages, short, sampler, reason, short_kv,
+        compiled,
+    )  # fmt: skip
 
 
 def extrapolate(beyond: list[int], depths: tuple[int, ...], num_layers: int) -> int:
     """A step's bytes beyond the weights and cache for `num_layers` layers, from its bytes at
-    `depths`: linear through two depths (a negative slope counts as zero); from one, scaled by
-    `num_layers / depth`, an upper bound (the module docstring)."""
+    `depths` (ascending): from one, scaled by `num_layers / depth`, an upper bound (the module
+    docstring); from more, a line of the smallest slope between neighbouring depths (a negative
+    one counts as zero) through the highest of them, so that a step up at one depth (XLA
+    scheduling the shallowest program tighter than any deeper one, a one-off and not a per-layer
+    growth) is neither repeated for every layer nor lost."""
     if len(depths) == 1:
         return -(-max(0, beyond[0]) * num_layers // depths[0])
-    slope = max(0.0, (beyond[1] - beyond[0]) / (depths[1] - depths[0]))
-    return int(beyond[0] + slope * (num_layers - depths[0]))
+    pairs = zip(zip(depths, beyond, strict=True), zip(depths[1:], beyond[1:], strict=True), strict=False)
+    slope = max(0.0, min((b1 - b0) / (d1 - d0) for (d0, b0), (d1, b1) in pairs))
+    return int(max(b + slope * (num_layers - d) for d, b in zip(depths, beyond, strict=True)))
