@@ -271,8 +271,10 @@ PLANNER_PENDING = """\
 ### Rows planned from few layers
 
 A row marked "(from 2+4 layers)" was planned with `benchmarks/plan.py --depth`, on a machine too
-busy for whole-model compiles: the model's first 2 and 4 layers compiled at full width (the decode
-step at 6 as well; past a leading run of dense layers, later), the weights and every layer's KV
+busy for whole-model compiles: the model's first 2 and 4 layers compiled at full width (past a
+leading run of dense layers, later; the planner now compiles a routed-experts model's decode step
+at a third depth too, which the committed MoE rows predate, so their decode need may read
+high), the weights and every layer's KV
 cache exact arithmetic, what the steps need beyond them extrapolated to every layer
 (`tpu_platform/planner/depth.py`, as `make test` checks the models it compiles). Its temporary
 column is that extrapolated need (temporaries, outputs not aliasing the cache, code), its decode

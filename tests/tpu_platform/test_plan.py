@@ -354,11 +354,12 @@ def test_a_step_up_at_the_shallowest_depth_is_not_repeated_for_every_layer():
     assert extrapolate(line, depths, layers) == extrapolate(line[:2], depths[:2], layers)
 
 
-def test_the_decode_step_gets_a_third_depth_and_a_one_prefill_the_shallowest():
+def test_an_moe_decode_step_gets_a_third_depth_and_a_one_prefill_the_shallowest():
     assert step_depths((4, 6), "decode") == (4, 6, 8)  # past DeepSeek-V3's dense prefix
     assert step_depths((4, 8), "decode") == (4, 8, 12)  # a hybrid's whole runs of its pattern
     assert step_depths((2, 4), "prefill") == (2, 4)
     assert step_depths((2, 4), "prefill", one_prefill=True) == (2,)
+    assert step_depths((2, 4), "decode", routed_experts=False) == (2, 4)  # a dense model's line
 
 
 def test_deepseek_v3_needs_more_than_a_v6e_8_in_every_format_and_fits_8_h100s_in_int4():

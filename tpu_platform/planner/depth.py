@@ -11,12 +11,13 @@ with the depth is known:
   (`plan.abstract_model`, `plan.kv_page_bytes`: no compile);
 - what a step needs beyond them (temporaries, outputs not aliasing the donated caches, code, the
   step's inputs) is read from the compiled step at two depths and extrapolated linearly to the
-  model's depth; a slope below zero (XLA reusing buffers across layers) counts as zero. The
-  decode step is compiled at a third depth as well and the smallest slope between neighbouring
-  depths taken (`extrapolate`): XLA may schedule the shallowest program tighter than every
-  deeper one (Qwen3-30B-A3B at EP=8 on v6e-8 keeps one layer's gathered expert tiles live at 3
-  layers and more, not at 2), a step up once that the slope through two depths would repeat
-  for every layer. Its compile is cheap beside a prefill's.
+  model's depth; a slope below zero (XLA reusing buffers across layers) counts as zero. A model
+  with routed experts has its decode step compiled at a third depth as well, and the smallest
+  slope between neighbouring depths taken (`extrapolate`): XLA may schedule the shallowest
+  program's expert loop tighter than every deeper one's (Qwen3-30B-A3B at EP=8 on v6e-8 keeps
+  one layer's gathered expert tiles live at 3 layers and more, not at 2), a step up once that
+  the slope through two depths would repeat for every layer. Its compile is cheap beside a
+  prefill's; a dense model's steps grow on a line, and their compile checks run in CI.
 
 `fit_by_depth` compiles the sampler once and the prefill and decode steps at their depths
 (`step_depths`) with the whole model's page count estimate, then sizes the cache as
@@ -50,16 +51,20 @@ from tpu_platform.planner.plan import (
 # The two depths compiled: small, and for models whose layers alternate (sliding and full
 # attention, dense and sparse MLPs) each a whole number of the pattern.
 DEPTHS = (2, 4)
-# The steps compiled at a third depth, as far past the deeper one (`step_depths`).
+# The steps a model with routed experts has compiled at a third depth, as far past the deeper one
+# (`step_depths`).
 THIRD_DEPTH_STEPS = ("decode",)
 
 
-def step_depths(depths: tuple[int, ...], step: str, one_prefill: bool = False) -> tuple[int, ...]:
-    """The depths `fit_by_depth` compiles `step` at: `depths`, the decode step also one step
-    further (`THIRD_DEPTH_STEPS`), the prefill the shallowest only with `one_prefill`."""
+def step_depths(
+    depths: tuple[int, ...], step: str, one_prefill: bool = False, routed_experts: bool = True
+) -> tuple[int, ...]:
+    """The depths `fit_by_depth` compiles `step` at: `depths`, a routed-experts model's decode
+    step also one step further (`THIRD_DEPTH_STEPS`), the prefill the shallowest only with
+    `one_prefill`."""
     if one_prefill and step == "prefill":
         return depths[:1]
-    if step in THIRD_DEPTH_STEPS and len(depths) == 2:
+    if routed_experts and step in THIRD_DEPTH_STEPS and len(depths) == 2:
         return (*depths, 2 * depths[1] - depths[0])
     return depths
 
@@ -162,7 +167,7 @@ def fit_by_depth(
     short_kv = tuple(probe_pages * kv_page_bytes(at_depth(setup, depth)) for depth in depths)
     for step, tokens in (("decode", decode_tokens), ("prefill", prefill_tokens)):
         programs, beyond = [], []
-        compiled[step] = step_depths(depths, step, one_prefill)
+        compiled[step] = step_depths(depths, step, one_prefill, setup.config.num_experts > 0)
         for depth in compiled[step]:
             cut = at_depth(setup, depth)
             facts = compile_forward(cut, probe_pages, tokens)
