@@ -9,6 +9,9 @@ decode programs and its sampler). MODE `depth`: the model's first 2 and 4 layers
 memory extrapolated (`tpu_platform.planner.depth.fit_by_depth`); `depth+full` also compiles the
 prefill and decode steps of every layer with the cache the extrapolation sized, to check it, and
 `depth+full-decode` only the decode step's (on TPU the whole prefill takes several times as long).
+`depth-one-prefill` (and `depth-one-prefill+full-decode`) compiles the prefill at the shallower
+depth only, its memory bounded from above (`fit_by_depth(one_prefill=True)`): on TPU a 2k-token
+prefill compiles for minutes at any depth.
 A case ending in `:int8` plans the model with int8 weights (`StepSetup(quantization="int8")`).
 Weights are abstract: nothing is allocated.
 
@@ -29,7 +32,10 @@ DECODE_TOKENS = 64  # a decode batch of 64 sequences, one token each
 PREFILL_TOKENS = 2048  # one 2k-token prefill chunk
 MAX_MODEL_LEN = 2048
 # Per mode, the steps compiled with every layer beside the short programs.
-WHOLE_STEPS = {"depth": (), "depth+full": ("decode", "prefill"), "depth+full-decode": ("decode",)}
+WHOLE_STEPS = {
+    "depth": (), "depth+full": ("decode", "prefill"), "depth+full-decode": ("decode",),
+    "depth-one-prefill": (), "depth-one-prefill+full-decode": ("decode",),
+}  # fmt: skip
 MODES = ("full", *WHOLE_STEPS)
 STEP_TOKENS = {"decode": DECODE_TOKENS, "prefill": PREFILL_TOKENS}
 
@@ -49,7 +55,8 @@ def fit_case(mode: str, case: str) -> dict:
     if mode == "full":
         fit = fit_kv_cache(setup, DECODE_TOKENS, PREFILL_TOKENS)
     else:
-        fit = fit_by_depth(setup, DECODE_TOKENS, PREFILL_TOKENS)
+        one_prefill = mode.startswith("depth-one-prefill")
+        fit = fit_by_depth(setup, DECODE_TOKENS, PREFILL_TOKENS, one_prefill=one_prefill)
     row = {
         "case": case, "mode": mode, "hbm_bytes": setup.compile_target.hbm_bytes, "backend": setup.backend,
         "num_layers": setup.config.num_layers, **fit.as_dict(),

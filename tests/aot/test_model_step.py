@@ -5,17 +5,21 @@ For each case a worker (`model_step_worker`, one subprocess per platform, both a
 the KV cache of the model on one chip. In `make test` the step is compiled with the model's
 first 2 and 4 layers at full width and its memory extrapolated to every layer
 (`tpu_platform.planner.depth.fit_by_depth`: weights and KV per layer are exact arithmetic, what the
-steps need beyond them is extrapolated from the two depths); one model a target family
-(Llama-3.1-8B on v6e-1 and on an H100) is then compiled with every layer at the cache size the
-extrapolation gave, and must fit as predicted: both steps on the H100, the decode step on v6e-1
-(its whole prefill compiles for minutes on two cores: `make test-full`'s). `make test-full`
-(`-m full`) sizes every case
+steps need beyond them is extrapolated from the two depths); on TPU the 2k-token prefill at 2
+layers only, its memory bounded from above (a TPU prefill compiles for minutes at any depth; its
+two depths are `make test-full`'s). One model a target family (Llama-3.1-8B on v6e-1 and on an
+H100) is then compiled with every layer at the cache size the extrapolation gave, and must fit
+as predicted: both steps on the H100, the decode step on v6e-1 (its whole prefill: `make
+test-full`'s). `make test-full` (`-m full`) sizes every case
 with every layer compiled (`tpu_platform.planner.kv.fit_kv_cache`, the planner's own answer).
 A Mosaic or Triton compile error, or a program that no longer fits its chip, fails here.
 Weights are abstract (`ShapeDtypeStruct`): nothing is allocated.
 
-A small model is also planned with int8 weights beside its bfloat16 twin on a v5e chip: the
-weights about halve and the cache takes what they free.
+In `make test-full` a small model is also planned with int8 weights beside its bfloat16 twin on
+a v5e chip: the weights about halve and the cache takes what they free (`make test` checks the
+planner's int8 weights against the runner's, `tests/tpu_platform/test_plan.py`, and the compiled
+int8 step's peak dropping by what they save, `test_int8_step.py`; the cache taking what the
+steps leave is checked here for every case).
 
 `make test` compiles each model family once a target family (Llama and Gemma 2 on v6e and H100,
 Qwen3 on v5e, its mixture of experts on H100); `make test-full` repeats the path on more models
@@ -44,16 +48,18 @@ FITS = {
 # The same path on more models and chips: `make test-full`.
 MORE_FITS = {"tpu": ["v5e-1:llama-3.2-3b", "v6e-1:qwen3-8b"], "cuda": ["h100x1:qwen3-8b"]}
 TOO_LARGE = {"tpu": ["v5e-1:llama-3.1-8b", "v6e-1:qwen3-30b-a3b"], "cuda": []}
+# `make test`'s worker mode a platform: on TPU the prefill at 2 layers only (bounded from above).
+DEPTH_MODES = {"tpu": "depth-one-prefill", "cuda": "depth"}
 # Compiled with every layer as well, at the extrapolated cache size: one model a target family,
 # the worker's mode saying which steps. The whole prefill on v6e-1 is `make test-full`'s.
-WHOLE_DEPTH = {"v6e-1:llama-3.1-8b": "depth+full-decode", "h100x1:llama-3.1-8b": "depth+full"}
+WHOLE_DEPTH = {"v6e-1:llama-3.1-8b": "depth-one-prefill+full-decode", "h100x1:llama-3.1-8b": "depth+full"}
 # Published parameter counts (model cards): the abstract weights must be these, in bfloat16.
 PARAMETERS = {
     "llama-3.2-3b": 3.21e9, "llama-3.1-8b": 8.03e9, "qwen3-8b": 8.19e9, "gemma-2-9b": 9.24e9,
     "qwen3-30b-a3b": 30.5e9,
 }  # fmt: skip
 BACKEND = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}
-# Planned with bfloat16 and with int8 weights (a model no other case plans: no compile repeated).
+# Planned with bfloat16 and with int8 weights (a model no other case plans), in `make test-full`.
 QUANTIZED = "v5e-1:qwen3-4b"
 # How far the whole model's compiled peak may be from the extrapolation's, of the chip's budget.
 EXTRAPOLATION_TOLERANCE = 0.03
@@ -76,20 +82,20 @@ def _run(mode_of, cases: dict[str, list[str]]) -> dict[str, dict]:
 
 
 def _depth_mode(case: str) -> str:
-    return WHOLE_DEPTH.get(case, "depth")
+    return WHOLE_DEPTH.get(case, DEPTH_MODES[_platform(case)])
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    # The quantized pair rides with the TPU's cases: one worker, beside the GPU's.
-    cases = {p: FITS[p] + TOO_LARGE[p] for p in FITS}
-    cases["tpu"] += [QUANTIZED, f"{QUANTIZED}:int8"]
-    return _run(_depth_mode, cases)
+    return _run(_depth_mode, {p: FITS[p] + TOO_LARGE[p] for p in FITS})
 
 
 @pytest.fixture(scope="module")
 def more_results() -> dict[str, dict]:
-    return _run(_depth_mode, MORE_FITS)
+    # Both depths of every step, the TPU's prefill too; the quantized pair beside the TPU's cases.
+    cases = {p: list(MORE_FITS[p]) for p in MORE_FITS}
+    cases["tpu"] += [QUANTIZED, f"{QUANTIZED}:int8"]
+    return _run(lambda case: "depth", cases)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +139,7 @@ def test_step_compiles_at_two_depths_and_fits_one_chip(request, case):
     row = request.getfixturevalue("results" if case in FITS[_platform(case)] else "more_results")[case]
     assert row["fits"], row["reason"]
     _check_weights(row, case)
-    assert row["depths"] == [2, 4]
+    assert row["depths"] == [2, 4] and len(row["short"]["decode"]) == 2
     for step in ("decode", "prefill"):
         for program in row["short"][step]:
             assert program["alias_bytes"] > 0 and program["peak_bytes"] <= row["budget_bytes"]
@@ -191,8 +197,9 @@ def test_planner_says_what_does_not_fit(results, case):
     assert over > 0 and f"{over} B over" in row["reason"]
 
 
-def test_int8_weights_halve_and_leave_the_cache_the_room(results):
-    bf16, int8 = results[QUANTIZED], results[f"{QUANTIZED}:int8"]
+@pytest.mark.full
+def test_int8_weights_halve_and_leave_the_cache_the_room(more_results):
+    bf16, int8 = more_results[QUANTIZED], more_results[f"{QUANTIZED}:int8"]
     assert bf16["fits"] and int8["fits"], (bf16["reason"], int8["reason"])
     # int8 kernels and their float32 scales; the embedding table stays bfloat16.
     assert 0.45 * bf16["weight_bytes"] < int8["weight_bytes"] < 0.6 * bf16["weight_bytes"]

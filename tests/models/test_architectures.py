@@ -75,7 +75,19 @@ def test_rotations_from_rope_tables_match_transformers(tiny, request):
     assert_ragged_matches(model, config, hf, [5, 16, 33])
 
 
+# Architectures whose engine `make test` runs at TP=2 on the same (native) attention kernel
+# against transformers (tests/plugin_shim/test_tensor_parallel.py): their one-device engine here
+# repeats that path, in `make test-full`.
+SHARDED_ON_THE_NATIVE_KERNEL = ("GptOssForCausalLM", "Llama4ForCausalLM")
+
+
 @pytest.mark.slow  # builds vllm.LLM per architecture
+@pytest.mark.parametrize(
+    "tiny",
+    [pytest.param(a, marks=pytest.mark.full) if a in SHARDED_ON_THE_NATIVE_KERNEL else a for a in ARCHS],
+    ids=ARCHS,
+    indirect=True,
+)
 def test_vllm_greedy_matches_transformers(tiny, request):
     path, _, _, hf = tiny
     stats = vllm_greedy_matches(path, hf, [7, 40, 25])

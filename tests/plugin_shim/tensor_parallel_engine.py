@@ -3,7 +3,8 @@
 their own: XLA fixes the CPU device count when JAX starts, and the rest of the suite keeps one.
 
 `python -m tests.plugin_shim.tensor_parallel_engine JOB.json OUT.json` runs each of the job's
-runs (one engine each, one after another) and writes what the tests check: the generated tokens
+runs (one engine each, one after another; a run's own `model`, else the job's: one process can
+serve several models in turn, started once) and writes what the tests check: the generated tokens
 and their logprobs, the runner's counters, and every parameter's and cache's actual placement
 (its PartitionSpec and the bytes each device holds).
 """
@@ -87,7 +88,7 @@ def vllm_counters(llm) -> dict[str, int]:
 def main(job_path: str, out_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
-    results = [run(job["model"], spec) for spec in job["runs"]]
+    results = [run(spec.get("model", job.get("model")), spec) for spec in job["runs"]]
     with open(out_path, "w") as f:
         json.dump(results, f)
 

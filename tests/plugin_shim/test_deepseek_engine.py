@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """DeepSeek-V2 and V3 through `vllm.LLM` on our platform, at TP=1, 2 and 4 on simulated CPU
-devices (one subprocess a checkpoint and tier, as in test_tensor_parallel.py): greedy tokens equal
+devices (one subprocess for every checkpoint and tier the session runs, as in
+test_tensor_parallel.py): greedy tokens equal
 transformers' fp32 greedy continuation and logprobs agree; vLLM sized the cache from our MLA
 spec, so the latent cache holds `kv_lora_rank + qk_rope_head_dim` values a token a layer, whole
 on every device; the heads' projections are split as the rules table says (at TP=4 one head a
@@ -30,6 +31,7 @@ from tests.models.tiny_deepseek import LATENT_WIDTH, save_tiny_deepseek, save_ti
 from tests.plugin_shim.test_tensor_parallel import (
     ENGINE,
     LOGPROB_ATOL,
+    _case,
     _features_run,
     _greedy_run,
     _hf_reference,
@@ -110,11 +112,13 @@ def _reference_checkpoint(path: str) -> str:
 
 
 class _Served:
-    """Each checkpoint's engine runs (one subprocess a checkpoint, on first use) and transformers'
-    greedy tokens and logprobs for each run's prompts."""
+    """Each checkpoint's engine runs and transformers' greedy tokens and logprobs for each run's
+    prompts. On first use the runs of every case this session selected (`wanted`) run together,
+    one subprocess for all of them."""
 
-    def __init__(self, tmp_path_factory):
+    def __init__(self, tmp_path_factory, wanted: set[tuple[str, bool]]):
         self._tmp = tmp_path_factory
+        self._wanted = wanted
         self._checkpoints: dict[str, tuple] = {}
         self._done: dict[tuple[str, bool], tuple] = {}
 
@@ -125,25 +129,34 @@ class _Served:
             self._checkpoints[name] = (tmp, path, _reference_checkpoint(path))
         return self._checkpoints[name]
 
+    def _runs(self, name: str, more: bool) -> dict[str, dict]:
+        return MORE_RUNS[name] if more else CHECKPOINTS[name][2]
+
     def __call__(self, name: str, more: bool = False) -> tuple[dict, dict, dict, str]:
         if (name, more) not in self._done:
-            architecture, _, runs = CHECKPOINTS[name]
-            runs = MORE_RUNS[name] if more else runs
-            tmp, path, reference_path = self._checkpoint(name)
-            work = tmp / ("more" if more else "runs")
-            work.mkdir()
-            results = dict(zip(runs, _run_engines(work, path, list(runs.values()), "xla"), strict=True))
-            references = {
-                run_name: _hf_reference(architecture, reference_path, run["prompts"])
-                for run_name, run in runs.items()
-            }
-            self._done[(name, more)] = (runs, results, references, reference_path)
+            cases = [(name, more), *sorted(self._wanted - {(name, more)} - set(self._done))]
+            jobs = [
+                {**run, "model": self._checkpoint(n)[1]}
+                for n, m in cases
+                for run in self._runs(n, m).values()
+            ]
+            results = iter(_run_engines(self._tmp.mktemp("runs"), "", jobs, "xla"))
+            for n, m in cases:
+                runs, reference_path = self._runs(n, m), self._checkpoint(n)[2]
+                references = {
+                    run_name: _hf_reference(CHECKPOINTS[n][0], reference_path, run["prompts"])
+                    for run_name, run in runs.items()
+                }
+                done = {run_name: next(results) for run_name in runs}
+                self._done[(n, m)] = (runs, done, references, reference_path)
         return self._done[(name, more)]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> _Served:
-    return _Served(tmp_path_factory)
+def served(request, tmp_path_factory) -> _Served:
+    here = request.node.path
+    wanted = {_case(item) for item in request.session.items if item.path == here} - {None}
+    return _Served(tmp_path_factory, wanted)
 
 
 @pytest.mark.parametrize(("name", "more"), CASES)

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Tensor parallelism through `vllm.LLM` on 8 simulated CPU devices.
 
-The engines run in a subprocess per model (`tensor_parallel_engine`: the device count is fixed
-when JAX starts, and this process keeps one device). Greedy tokens at every TP size equal
+The engines run in a subprocess per attention backend, each of the run's models in turn
+(`tensor_parallel_engine`: the device count is fixed when JAX starts, and this process keeps one
+device; one process a backend spares each model a start of vLLM and JAX). Greedy tokens at every TP size equal
 transformers' fp32 greedy continuation; logprobs agree within 1e-3. Every parameter's actual
 sharding is the rules table's, and each device holds 1/N of a split weight and of the KV cache.
 One TP=4 engine serves, under VLLM_XLA_STRICT_COMPILE=1, a mixed workload with chunked prefill,
@@ -64,6 +65,7 @@ def _features_run(tp: int) -> dict:
 
 
 def _run_engines(tmp_path, model: str, runs: list[dict], backend: str) -> list[dict]:
+    """`runs` of `model` (or of each run's own `model`) in one process on `backend`."""
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     job.write_text(json.dumps({"model": model, "runs": runs}))
     env = {**environment(), "VLLM_XLA_ATTENTION_BACKEND": backend, "VLLM_XLA_STRICT_COMPILE": "1"}
@@ -190,11 +192,13 @@ SHARDED_CASES = [c for c in CASES if not c.values[1] or any(r["tp"] > 1 for r in
 
 
 class _Served:
-    """Each model's engine runs (one subprocess a model and tier, on first use) and their HF
-    references; the checkpoint is built once a model."""
+    """Each model's engine runs and their HF references; the checkpoint is built once a model.
+    On first use the runs of every case this session selected (`wanted`) on the same attention
+    backend run together, one subprocess for all of them."""
 
-    def __init__(self, tmp_path_factory):
+    def __init__(self, tmp_path_factory, wanted: set[tuple[str, bool]]):
         self._tmp = tmp_path_factory
+        self._wanted = wanted
         self._models: dict[str, tuple] = {}
         self._done: dict[tuple[str, bool], tuple] = {}
 
@@ -204,22 +208,36 @@ class _Served:
             self._models[name] = (tmp, MODELS[name][1](str(tmp / "model")))
         return self._models[name]
 
+    def _runs(self, name: str, more: bool) -> list[dict]:
+        return MORE_RUNS[name] if more else MODELS[name][2]
+
     def __call__(self, name: str, more: bool = False) -> tuple[list[dict], list[dict], list[tuple]]:
         if (name, more) not in self._done:
-            architecture, _, runs, backend = MODELS[name]
-            runs = MORE_RUNS[name] if more else runs
-            tmp, path = self._model(name)
-            work = tmp / ("more" if more else "runs")
-            work.mkdir()
-            results = _run_engines(work, path, runs, backend)
-            references = [_hf_reference(architecture, path, run["prompts"]) for run in runs]
-            self._done[(name, more)] = (runs, results, references)
+            backend = MODELS[name][3]
+            others = self._wanted - {(name, more)} - set(self._done)
+            cases = [(name, more), *sorted(case for case in others if MODELS[case[0]][3] == backend)]
+            jobs = [{**run, "model": self._model(n)[1]} for n, m in cases for run in self._runs(n, m)]
+            work = self._tmp.mktemp(f"{backend}_runs")
+            results = iter(_run_engines(work, "", jobs, backend))
+            for n, m in cases:
+                runs = self._runs(n, m)
+                path = self._model(n)[1]
+                references = [_hf_reference(MODELS[n][0], path, run["prompts"]) for run in runs]
+                self._done[(n, m)] = (runs, [next(results) for _ in runs], references)
         return self._done[(name, more)]
 
 
+def _case(item: pytest.Item) -> tuple[str, bool] | None:
+    """The (model, tier) case a test item of this module asks for by its parameters, if any."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return (params["name"], params["more"]) if "more" in params else None
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> _Served:
-    return _Served(tmp_path_factory)
+def served(request, tmp_path_factory) -> _Served:
+    here = request.node.path
+    wanted = {_case(item) for item in request.session.items if item.path == here} - {None}
+    return _Served(tmp_path_factory, wanted)
 
 
 @pytest.mark.parametrize(("name", "more"), CASES)
