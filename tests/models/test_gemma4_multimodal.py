@@ -12,7 +12,7 @@ from safetensors import safe_open
 from models import load_model
 from models.gemma4_config import Gemma4Config
 from models.registry import model_class
-from tests.models.tiny_checkpoints import _COMMON, TINY, VOCAB, assert_prefill_matches
+from tests.models.tiny_checkpoints import _COMMON, TINY, VOCAB, assert_prefill_matches, spread_parameters
 from tests.tiny_models import save_tokenizer
 
 ARCH = "Gemma4ForConditionalGeneration"
@@ -33,12 +33,8 @@ def save_tiny_gemma4_multimodal(path: str, *, seed: int = 0) -> str:
     config.architectures = [ARCH]
     torch.manual_seed(seed)
     model = transformers.Gemma4ForConditionalGeneration(config).to(torch.float32)
+    spread_parameters(model)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.3)
-            else:  # norms and biases away from their 0/1 init, so a wrong mapping shows
-                p.add_(torch.randn_like(p) * 0.2)
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):
                 buffer.uniform_(0.5, 1.5)

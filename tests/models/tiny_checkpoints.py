@@ -179,6 +179,19 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def spread_parameters(model: Any) -> None:
+    """Moves a torch model's parameters away from their init, in place, so that a wrong mapping
+    shows: matrices drawn from N(0, 0.3), norms and biases (vectors) shifted by N(0, 0.2)."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+            else:
+                p.add_(torch.randn_like(p) * 0.2)
+
+
 def save_tiny(architecture: str, path: str, *, seed: int = 0, **overrides: Any) -> str:
     """Saves a random tiny `architecture` checkpoint (fp32 safetensors) with a tokenizer; returns path."""
     import torch
@@ -191,12 +204,8 @@ def save_tiny(architecture: str, path: str, *, seed: int = 0, **overrides: Any) 
     config.architectures = [architecture]
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).to(torch.float32)
+    spread_parameters(model)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.3)
-            else:  # norms and biases: away from their 0/1 init so a wrong mapping shows
-                p.add_(torch.randn_like(p) * 0.2)
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, saved as a buffer
                 buffer.uniform_(0.5, 1.5)
@@ -221,12 +230,7 @@ def save_tiny_llama4_multimodal(path: str) -> str:
     config.architectures = ["Llama4ForConditionalGeneration"]
     torch.manual_seed(1)
     model = transformers.Llama4ForConditionalGeneration(config)  # float32 (its default)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.3)
-            else:
-                p.add_(torch.randn_like(p) * 0.2)
+    spread_parameters(model)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from tests.models.tiny_checkpoints import VOCAB
+from tests.models.tiny_checkpoints import VOCAB, spread_parameters
 from tests.tiny_models import save_tokenizer
 
 _COMMON = dict(
@@ -98,12 +98,8 @@ def _save(architecture: str, config_class: str, overrides: dict, path: str, *, s
     config.architectures = [architecture]
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).to(torch.float32)
+    spread_parameters(model)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.3)
-            else:
-                p.add_(torch.randn_like(p) * 0.2)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.2)

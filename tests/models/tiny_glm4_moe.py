@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from tests.models.tiny_checkpoints import VOCAB
+from tests.models.tiny_checkpoints import VOCAB, spread_parameters
 from tests.tiny_models import save_tokenizer
 
 _COMMON = dict(
@@ -60,12 +60,8 @@ def save_tiny_glm4_moe(variant: str, path: str, *, seed: int = 0, **overrides: o
     config.architectures = ["Glm4MoeForCausalLM"]
     torch.manual_seed(seed)
     model = transformers.Glm4MoeForCausalLM(config).to(torch.float32)
+    spread_parameters(model)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.3)
-            else:
-                p.add_(torch.randn_like(p) * 0.2)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.2)
