@@ -32,6 +32,7 @@ from models.int8 import dequantize
 from models.layers import activation
 from models.linear import Linear
 from models.metadata import AttentionMetadata
+from models.moe_layout import every_token_rows, routed_rows
 from models.mxfp4 import Mxfp4Stack
 from models.sharding import MODEL_AXIS
 
@@ -129,6 +130,7 @@ def experts_routed(
     max_chunk_elements: int = MAX_CHUNK_KERNEL_ELEMENTS,
     offsets: tuple[jax.Array | None, jax.Array | None, jax.Array | None] | None = None,
     input_order: jax.Array | None = None,
+    every_token_tiles: bool = False,
 ) -> jax.Array:
     """The same result as `experts_dense_reference`, computing each token only for its k experts.
 
@@ -148,33 +150,24 @@ def experts_routed(
     `input_order[e, r]`, so each tile's rows are gathered into its expert's order for those two
     products. The tiles run in chunks (`tile_chunks`, a loop over them when more
     than one) so that the expert kernels gathered for one chunk's tiles stay within
-    `max_chunk_elements`, whatever the step's token count.
+    `max_chunk_elements`, whatever the step's token count. `every_token_tiles`: a step of at
+    most `MAX_TILE_ROWS` tokens whose routed tiles would outnumber the experts runs one tile of
+    every token per expert instead (`models.moe_layout`), each expert's kernels read once.
     """
     t, d = x.shape
     e, k = gate.shape[0], experts.shape[1]
     a = t * k
     b = rows or tile_rows(a, e)
     kernel_elements = max(math.prod(w.shape[1:]) for w in (gate, up, down) if w is not None)
-    chunks, per_chunk = tile_chunks(num_tiles(a, e, b), kernel_elements, max_chunk_elements)
-    n = chunks * per_chunk
-    flat = experts.reshape(a)  # [A]
-    order = jnp.argsort(flat, stable=True)  # [A] assignment at each sorted position
-    sizes = jnp.bincount(flat, length=e)  # [E]
-    padded = (sizes + b - 1) // b * b  # [E]
-    padded_end = jnp.cumsum(padded)  # [E]
-    group_start = jnp.cumsum(sizes) - sizes  # [E]
-    sorted_expert = flat[order]  # [A]
-    rank = jnp.arange(a) - group_start[sorted_expert]  # [A] position inside its group
-    dest = padded_end[sorted_expert] - padded[sorted_expert] + rank  # [A] row in the tiled layout
-    src = jnp.full((n * b,), a, jnp.int32).at[dest].set(order.astype(jnp.int32))  # [N*B]; a = empty
-    tile_expert = jnp.searchsorted(padded_end, jnp.arange(n) * b, side="right")  # [N]
-    tile_expert = jnp.minimum(tile_expert, e - 1)  # tiles past the last group hold only empty rows
-    token = jnp.append(jnp.arange(a, dtype=jnp.int32) // k, t)[src]  # [N*B]; t = the zero row
+    tiles = num_tiles(a, e, b)
+    if every_token_tiles and t <= MAX_TILE_ROWS and e < tiles:
+        b, chunks, per_chunk = t, 1, e
+        layout = every_token_rows(weights, experts, e, weights_on_input=weights_on_input)
+    else:
+        chunks, per_chunk = tile_chunks(tiles, kernel_elements, max_chunk_elements)
+        layout = routed_rows(weights, experts, e, b, chunks * per_chunk, weights_on_input=weights_on_input)
+    token, w, row_scale, tile_expert = layout.token, layout.weight, layout.input_scale, layout.tile_expert
     x_padded = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])  # [T + 1, D]
-    w = jnp.append(weights.reshape(a), 0.0)[src]  # [N*B]; 0 on empty rows
-    row_scale = None
-    if weights_on_input:  # each row scaled by its weight before its expert; outputs count once
-        row_scale, w = w, (src < a).astype(jnp.float32)
     scale_of = (None, None, None) if scales is None else scales
     offset_of = (None, None, None) if offsets is None else offsets
 
@@ -377,6 +370,7 @@ def experts_by_index_on_mesh(
         partial = experts_routed(
             x, *stacks, weights, ids, act, scales=scales or None, gate_bias=gate_bias,
             weights_on_input=weights_on_input, offsets=offsets, input_order=input_order,
+            every_token_tiles=True,
         )  # fmt: skip
         if down_bias is not None:
             bias = jnp.einsum("tk,tkd->td", weights, down_bias[ids].astype(jnp.float32))

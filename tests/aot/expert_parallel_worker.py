@@ -2,7 +2,8 @@
 """Compile worker: a mixture of experts' step under expert parallelism, its first layers at full
 width, on a target's chips; prints one JSON line, per case and step: the collectives the rules
 table does not imply (`plan.expected_collectives`), every buffer as large as one whole expert
-stack of a layer (what a gathered expert weight would take), the temporaries, and the chip's
+stack of a layer (what a gathered expert weight would take), the temporaries, the bytes the
+program and its experts' tiles move (`planner.hlo`), and the chip's
 weight bytes as the mesh places them beside `tpu_platform.planner.replicas.chip_weights`.
 
     python -m tests.aot.expert_parallel_worker STEPS TARGET:MODEL:EP:LAYERS [...]
@@ -23,7 +24,7 @@ import jax
 
 from models.sharding import key_path_name
 from tests.aot.step_compile import large_buffers
-from tpu_platform.planner.hlo import summarize_collectives, unexpected_collectives
+from tpu_platform.planner.hlo import hlo_traffic, summarize_collectives, unexpected_collectives
 from tpu_platform.planner.plan import (
     StepSetup,
     expected_collectives,
@@ -37,6 +38,7 @@ from tpu_platform.planner.replicas import chip_weights
 
 NUM_PAGES = 1024
 STEP_TOKENS = {"decode": 64, "prefill": 2048}
+TILE_EINSUMS = ("nbd,ndf->nbf", "nbf,nfd->nbd")  # `models.moe.experts_routed`'s tile matmuls
 
 
 def compile_case(case: str, steps_wanted: list[str]) -> dict:
@@ -53,13 +55,15 @@ def compile_case(case: str, steps_wanted: list[str]) -> dict:
         start = time.perf_counter()
         compiled = program.compile(step_shape(setup, tokens))
         facts = program_facts(compiled, time.perf_counter() - start)
+        text = compiled.as_text()
         steps[step] = {
             "unexpected_collectives": unexpected_collectives(
                 list(facts.collectives), expected_collectives(setup, tokens)
             ),
             "collectives": summarize_collectives(facts.collectives),
-            "expert_sized_buffers": large_buffers(compiled.as_text(), stack),
+            "expert_sized_buffers": large_buffers(text, stack),
             "temp_bytes": facts.temp_bytes, "compile_seconds": facts.compile_seconds,
+            "traffic_bytes": facts.traffic.total_bytes, "expert_traffic_bytes": _expert_traffic(text),
         }  # fmt: skip
     model_state = setup.abstract_model()
     return {
@@ -68,6 +72,18 @@ def compile_case(case: str, steps_wanted: list[str]) -> dict:
         "planned_weight_bytes": chip_weights(setup).total_bytes,
         "chip_expert_bytes": chip_weights(setup).expert_bytes,
     }  # fmt: skip
+
+
+def _expert_traffic(hlo_text: str) -> int:
+    """Bytes the experts' tiles move (`planner.hlo.hlo_traffic`): their matmuls (fused with the
+    kernels they gather, when the compiler fuses them) and the gathers of their rows and kernels
+    inside the experts' `shard_map`. A loop's body counts once."""
+    return sum(
+        moved
+        for _, op_name, moved in hlo_traffic(hlo_text, top=1 << 30).largest
+        if "/shard_map/" in op_name
+        and (any(s in op_name for s in TILE_EINSUMS) or op_name.endswith("/gather"))
+    )
 
 
 def _smallest_expert_stack(setup: StepSetup) -> int:

@@ -40,3 +40,13 @@ def test_the_step_exchanges_activation_sums_and_moves_no_expert_weight(step):
     assert program["unexpected_collectives"] == []
     assert {c["kind"] for c in program["collectives"]} <= {"all-reduce", "all-gather"}
     assert program["expert_sized_buffers"] == []
+
+
+def test_a_decode_step_reads_each_local_expert_about_once(step):
+    # A 64-token decode's routed tiles would number ~48 a chip, most holding other chips'
+    # assignments, each gathering its own copy of its expert's kernels (over 5x the chip's
+    # experts, counting the chunk loop's body once); one tile of every token per local expert
+    # reads each expert's kernels in place (`models.moe_layout`).
+    if step["stage"] != "decode":
+        pytest.skip("a prefill step keeps the routed tiles")
+    assert step["steps"]["decode"]["expert_traffic_bytes"] <= 2 * step["chip_expert_bytes"]
