@@ -39,6 +39,7 @@ import pytest
 
 from tests.aot.model_step_worker import MAX_MODEL_LEN, WHOLE_STEPS
 from tests.aot.toolchains import run_worker
+from tpu_platform.planner.depth import step_depths
 from tpu_platform.planner.plan import model_config
 
 FITS = {
@@ -139,7 +140,12 @@ def test_step_compiles_at_two_depths_and_fits_one_chip(request, case):
     row = request.getfixturevalue("results" if case in FITS[_platform(case)] else "more_results")[case]
     assert row["fits"], row["reason"]
     _check_weights(row, case)
-    assert row["depths"] == [2, 4] and len(row["short"]["decode"]) == 2
+    # A routed-experts model's decode step also compiles at a third depth (`step_depths`).
+    decode_depths = step_depths(
+        (2, 4), "decode", routed_experts=model_config(case.split(":")[1]).num_experts > 0
+    )
+    assert row["depths"] == [2, 4] and row["step_depths"]["decode"] == list(decode_depths)
+    assert len(row["short"]["decode"]) == len(decode_depths)
     for step in ("decode", "prefill"):
         for program in row["short"][step]:
             assert program["alias_bytes"] > 0 and program["peak_bytes"] <= row["budget_bytes"]
