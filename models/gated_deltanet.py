@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from models.fused_outputs import FusedOutputs
 from models.linear import Linear, zeros_param
 from models.metadata import AttentionMetadata
 from models.sharding import MODEL_AXIS
@@ -210,7 +209,7 @@ _QKV = ("in_proj_q", "in_proj_k", "in_proj_v")
 class SplitProjectionGatedDeltaNet(GatedDeltaNet):
     """Qwen3.5's Gated DeltaNet: the same layer with its own projections of q, k and v (which
     checkpoints hold as one, `in_proj_qkv`, in the conv's `[q | k | v]` order, taken apart on
-    load: `split_qkv_tensor`), z, b and a."""
+    load: `fused_qkv`), z, b and a."""
 
     def __init__(self, hidden_size: int, *, dtype: jnp.dtype, **shapes: int | float):
         super().__init__(hidden_size, dtype=dtype, **shapes)
@@ -234,15 +233,9 @@ class SplitProjectionGatedDeltaNet(GatedDeltaNet):
         return jnp.concatenate([q, k, v], axis=-1), z.reshape(z.shape[0], num_value_heads, -1), b, a
 
 
-def split_qkv_tensor(name: str, array: Any, widths: tuple[int, int, int]) -> Iterator[tuple[str, Any]]:
-    """A Qwen3.5 checkpoint tensor as our projections take it: `...linear_attn.in_proj_qkv.X`,
-    whose first axis is the q, k and v features (`widths`) side by side, as three tensors
-    `...in_proj_q.X`, `...in_proj_k.X` and `...in_proj_v.X`; any other as it is."""
-    prefix, found, suffix = name.partition(".linear_attn.in_proj_qkv.")
-    if not found or array.shape[0] != sum(widths):
-        yield name, array
-        return
-    start = 0
-    for projection, width in zip(_QKV, widths, strict=True):
-        yield f"{prefix}.linear_attn.{projection}.{suffix}", array[start : start + width]
-        start += width
+def fused_qkv(keys: int, values: int) -> FusedOutputs:
+    """Qwen3.5's `linear_attn.in_proj_qkv` (`keys`, `keys` and `values` outputs side by side) as
+    our q, k and v projections, cut apart on load in every checkpoint format's own layout
+    (`models.fused_outputs`)."""
+    parts = tuple(f".linear_attn.{projection}" for projection in _QKV)
+    return FusedOutputs(".linear_attn.in_proj_qkv", parts, (keys, keys, values))

@@ -15,7 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import awq_checkpoint, compressed_tensors, fp8_checkpoint, gguf_reader, gptq_checkpoint, int4
+from models import (
+    awq_checkpoint,
+    compressed_tensors,
+    fp8_checkpoint,
+    fused_outputs,
+    gguf_reader,
+    gptq_checkpoint,
+    int4,
+)
 from models.config import ModelConfig
 from models.fp8 import FP8_DTYPE, is_fp8
 from models.int4 import INT4_DTYPE
@@ -122,28 +130,53 @@ def model_name_rule(model: nnx.Module) -> Callable[[str], str | None]:
 
 
 def model_names(model: nnx.Module, names: list[str]) -> list[str]:
-    """`names` (a checkpoint's) as `model` reads them (`model_name_rule`), those it skips left out."""
-    rule = model_name_rule(model)
-    return [renamed for renamed in map(rule, names) if renamed is not None]
+    """`names` (a checkpoint's) as `model` reads them (`model_name_rule`), those it skips
+    (`skips_checkpoint_tensor`) left out, a fused layer's as its parts' (`fused_outputs`)."""
+    rule, skipped = model_name_rule(model), _skip_rule(model)
+    renamed = (ours for ours in map(rule, names) if ours is not None and not skipped(ours))
+    return list(fused_outputs.split_names(renamed, _fused_layers(model)))
+
+
+def _skip_rule(model: nnx.Module) -> Callable[[str], bool]:
+    """Whether `model` leaves a checkpoint tensor (by the name it reads) unread (DeepSeek's
+    multi-token-prediction layers)."""
+    return getattr(model, "skips_checkpoint_tensor", lambda name: False)
+
+
+def _fused_layers(model: nnx.Module) -> tuple[fused_outputs.FusedOutputs, ...]:
+    """The checkpoint layers `model` reads as several projections (Qwen3.5's `in_proj_qkv`)."""
+    return tuple(getattr(model, "fused_outputs", ()))
 
 
 def model_tensors(
-    model: nnx.Module, tensors: Iterator[tuple[str, np.ndarray]]
+    model: nnx.Module,
+    tensors: Iterator[tuple[str, np.ndarray]],
+    units: fused_outputs.OutputUnits | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
     """A checkpoint's `(name, array)` stream as `model`'s map reads it: renamed by
-    `model_name_rule` (those it skips dropped), then split where the model splits tensors
-    (`checkpoint_tensors`: Llama 4's and Gemma 4's stacked experts, Qwen3.5's fused qkv)."""
+    `model_name_rule` (those it skips dropped), a fused layer's tensors cut into its parts' in
+    the checkpoint format's `units` (`fused_outputs`: Qwen3.5's qkv; float when None), then split
+    where the model splits tensors (`checkpoint_tensors`: Llama 4's and Gemma 4's stacked experts)."""
     rule = model_name_rule(model)
     renamed = ((ours, array) for name, array in tensors if (ours := rule(name)) is not None)
+    layers = _fused_layers(model)
+    if layers:
+        renamed = fused_outputs.split_tensors(renamed, layers, units or fused_outputs.OutputUnits())
     split = getattr(model, "checkpoint_tensors", None)
     return renamed if split is None else split(renamed)
 
 
 def g_indices(model: nnx.Module, path: str) -> dict[str, np.ndarray]:
-    """A GPTQ checkpoint's `g_idx` tensors at `path` by the names `model` reads them under."""
-    rule = model_name_rule(model)
+    """A GPTQ checkpoint's `g_idx` tensors at `path` by the names `model` reads them under (a
+    fused layer's given to each of its parts: they share their inputs)."""
+    rule, layers = model_name_rule(model), _fused_layers(model)
     found = {rule(name): g_idx for name, g_idx in read_tensors(path, ".g_idx").items()}
-    return {name: g_idx for name, g_idx in found.items() if name is not None}
+    return {
+        part: g_idx
+        for name, g_idx in found.items()
+        if name is not None
+        for part in fused_outputs.split_names([name], layers)
+    }
 
 
 def _compile_param_map(hf_param_map: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
@@ -165,6 +198,25 @@ def parameter_name_lookup(model: nnx.Module) -> Callable[[str], str | None]:
     def lookup(hf: str) -> str | None:
         renamed = rule(hf)
         return None if renamed is None else (_our_name(renamed, compiled) or (None,))[0]
+
+    return lookup
+
+
+def parameter_names_lookup(model: nnx.Module) -> Callable[[str], list[str]]:
+    """`parameter_name_lookup` for a tensor that may load into several parameters: a fused
+    layer's (`fused_outputs`, Qwen3.5's `in_proj_qkv`) its parts' paths; [] for a name the
+    model does not read (or one of whose parts it does not)."""
+    compiled, rule, layers = (
+        _compile_param_map(type(model).hf_param_map),
+        model_name_rule(model),
+        _fused_layers(model),
+    )
+
+    def lookup(hf: str) -> list[str]:
+        renamed = rule(hf)
+        parts = [] if renamed is None else list(fused_outputs.split_names([renamed], layers))
+        found = [(_our_name(part, compiled) or (None,))[0] for part in parts]
+        return [] if None in found else found
 
     return lookup
 
@@ -328,7 +380,8 @@ def iter_parameters(
     checkpoint tensors to read (a part of a checkpoint: the others are neither read nor matched).
     """
     compiled = _compile_param_map(type(model).hf_param_map)
-    tensors = model_tensors(model, iter_checkpoint(path, only=only))
+    units = fused_outputs.output_units(compressed_tensors.quantization_config(path))
+    tensors = model_tensors(model, iter_checkpoint(path, only=only), units)
 
     def our_name(hf: str) -> str | None:
         return (_our_name(hf, compiled) or (None,))[0]
@@ -356,7 +409,7 @@ def iter_parameters(
     expected = {".".join(str(p) for p in key): var.get_value() for key, var in params.items()}
     tied = getattr(model.config, "tie_word_embeddings", False)
     # A model may leave tensors it does not serve unread (DeepSeek's multi-token-prediction layers).
-    skipped = getattr(model, "skips_checkpoint_tensor", lambda name: False)
+    skipped = _skip_rule(model)
     filled: set[str] = set()
     stacks = _ExpertStacks() if stacks is None else stacks
     for hf, array in tensors:

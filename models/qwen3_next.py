@@ -26,7 +26,6 @@ layer's is a KV cache as usual.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -34,7 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.gated_deltanet import _QKV, GatedDeltaNet, SplitProjectionGatedDeltaNet, split_qkv_tensor
+from models.fused_outputs import FusedOutputs
+from models.gated_deltanet import _QKV, GatedDeltaNet, SplitProjectionGatedDeltaNet, fused_qkv
 from models.layers import (
     ATTENTION_LINEARS,
     MLP_LINEARS,
@@ -51,7 +51,7 @@ from models.moe import SparseMoE
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 _LAYER = "model.layers.{i}"
 # Qwen3-Next's two input projections, Qwen3.5's four, and the output projection.
-# (Qwen3.5's `in_proj_qkv` is read as three: `gated_deltanet.split_qkv_tensor`.)
+# (Qwen3.5's `in_proj_qkv` is read as three: `gated_deltanet.fused_qkv`.)
 _GDN = ("in_proj_qkvz", "in_proj_ba", *_QKV, "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 HF_PARAM_MAP = {
     **decoder_hf_param_map(
@@ -288,15 +288,15 @@ class Qwen3NextForCausalLM(CausalLM):
             return None
         return "model." + name.removeprefix(_MULTIMODAL_TEXT) if name.startswith(_MULTIMODAL_TEXT) else name
 
-    def checkpoint_tensors(self, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """The checkpoint's tensors (renamed by `checkpoint_name`) with Qwen3.5's `in_proj_qkv`
-        as its q, k and v projections (`gated_deltanet.split_qkv_tensor`;
-        `models.loader.model_tensors` calls it)."""
+    @property
+    def fused_outputs(self) -> tuple[FusedOutputs, ...]:
+        """Qwen3.5's `in_proj_qkv`, read as its q, k and v projections in every checkpoint
+        format's layout (`gated_deltanet.fused_qkv`; `models.loader.model_tensors` cuts it)."""
         c = self.config
+        if not c.split_linear_projections:
+            return ()
         keys = c.linear_num_key_heads * c.linear_key_head_dim
-        widths = (keys, keys, c.linear_num_value_heads * c.linear_value_head_dim)
-        for name, array in tensors:
-            yield from split_qkv_tensor(name, array, widths)
+        return (fused_qkv(keys, c.linear_num_value_heads * c.linear_value_head_dim),)
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """The multi-token-prediction weights (`mtp.*`) are not loaded."""

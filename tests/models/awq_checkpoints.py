@@ -23,7 +23,8 @@ import numpy as np
 from tests.models.int4_checkpoints import edit_config
 
 # the projections (Mixtral's experts' w1/w2/w3 too); not lm_head, not a MoE router
-_QUANTIZED = re.compile(r"(_proj|experts\.[0-9]+\.w[123])\.weight$")
+# The projections (Qwen3.5's in_proj_qkv / _z / _b / _a too), Mixtral's experts
+_QUANTIZED = re.compile(r"(_proj(_qkvz?|_ba|_[zba])?|experts\.[0-9]+\.w[123])\.weight$")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -53,14 +54,17 @@ def quantize_awq(w: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
     }
 
 
-def write_awq(source: str, out: str, *, group_size: int) -> tuple[str, dict[str, np.ndarray]]:
+def write_awq(
+    source: str, out: str, *, group_size: int, keep_float: re.Pattern[str] | None = None
+) -> tuple[str, dict[str, np.ndarray]]:
     """`source` (a float transformers checkpoint, one safetensors file) as a 4-bit AWQ checkpoint
-    at `out`; returns it and the dequantized weights."""
+    at `out`; returns it and the dequantized weights. `keep_float`: the weights (by name) a
+    recipe leaves in float."""
     from safetensors.numpy import load_file, save_file
 
     tensors, dequantized = {}, {}
     for name, w in load_file(os.path.join(source, "model.safetensors")).items():
-        if not _QUANTIZED.search(name):
+        if not _QUANTIZED.search(name) or (keep_float is not None and keep_float.search(name)):
             tensors[name] = dequantized[name] = w
             continue
         packed = quantize_awq(w, group_size)

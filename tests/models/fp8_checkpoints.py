@@ -19,7 +19,8 @@ import numpy as np
 BLOCK = 128  # the block fp8 checkpoints' [outputs, inputs] block side
 _FP8_MAX = 448.0
 # What recipes quantize: the projections (experts' too); not lm_head, not a MoE router.
-_QUANTIZED = re.compile(r"_proj(_with_mqa)?\.weight$")  # DeepSeek's kv_a_proj_with_mqa too, as released
+# DeepSeek's kv_a_proj_with_mqa too, as released; Qwen3-Next's and Qwen3.5's linear-attention inputs
+_QUANTIZED = re.compile(r"_proj(_with_mqa|_qkvz?|_ba|_[zba])?\.weight$")
 
 
 def write_compressed_fp8(

@@ -28,7 +28,8 @@ import numpy as np
 
 from tests.models.int4_checkpoints import edit_config
 
-_QUANTIZED = re.compile(r"_proj\.weight$")  # the projections; not lm_head, not a MoE router
+# The projections (Qwen3.5's in_proj_qkv / _z / _b / _a too); not lm_head, not a MoE router
+_QUANTIZED = re.compile(r"_proj(_qkvz?|_ba|_[zba])?\.weight$")
 _SAME_INPUTS = re.compile(r"(q|k|v|gate|up)_proj")
 
 
@@ -89,18 +90,25 @@ def quantize_gptq(
 
 
 def write_gptq(
-    source: str, out: str, *, group_size: int | None, sym: bool = True, act_order: int | None = None
+    source: str,
+    out: str,
+    *,
+    group_size: int | None,
+    sym: bool = True,
+    act_order: int | None = None,
+    keep_float: re.Pattern[str] | None = None,
 ) -> tuple[str, dict[str, np.ndarray]]:
     """`source` (a float transformers checkpoint, one safetensors file) as a 4-bit GPTQ checkpoint
     at `out` (`group_size` None: `-1`, per channel); returns it and the dequantized weights.
     `act_order` (a seed): desc_act true, every projection's groups in a random order of its
     inputs (`act_order_g_idx`), one order for the projections that read the same inputs (q/k/v,
-    gate/up), except o_proj's, left in the trivial order."""
+    gate/up), except o_proj's, left in the trivial order. `keep_float`: the weights (by name) a
+    recipe leaves in float."""
     from safetensors.numpy import load_file, save_file
 
     tensors, dequantized = {}, {}
     for name, w in load_file(os.path.join(source, "model.safetensors")).items():
-        if not _QUANTIZED.search(name):
+        if not _QUANTIZED.search(name) or (keep_float is not None and keep_float.search(name)):
             tensors[name] = dequantized[name] = w
             continue
         g_idx = None

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
+
+# The projections a recipe quantizes (Qwen3.5's in_proj_qkv / _z / _b / _a too).
+PROJECTIONS = re.compile(r"_proj(_qkvz?|_ba|_[zba])?\.weight$")
 
 # What recipes quantize: the projections (experts' too); not lm_head, not a MoE router.
 IGNORED = ["lm_head", "re:.*mlp.gate$"]
@@ -131,7 +135,7 @@ def write_packed_w4a16(
 
     tensors, dequantized = {}, {}
     for name, w in load_file(os.path.join(source, "model.safetensors")).items():
-        if not name.endswith("_proj.weight"):
+        if not PROJECTIONS.search(name):
             tensors[name] = dequantized[name] = w
             continue
         base = name.removesuffix("weight")

@@ -186,3 +186,33 @@ def test_gpt_oss_experts_stay_float_and_are_named(tmp_path, caplog):
     name = "model.layers.0.mlp.experts.gate_up_proj"
     np.testing.assert_array_equal(written[name], floats[name])
     assert "model.layers.0.self_attn.q_proj.weight_packed" in written
+
+
+def test_qwen3_5_fused_qkv_converts_whole_and_loads_cut_into_q_k_and_v(tmp_path):
+    """Qwen3.5's `in_proj_qkv` (q, k and v outputs side by side) is written as one 4-bit layer, as
+    llm-compressor writes it; the load cuts its packed rows and scales into the q, k and v
+    projections (`models.fused_outputs`); the b and a projections (four outputs) convert too."""
+    from safetensors.numpy import load_file
+
+    from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
+
+    source = save_tiny_qwen3_next(str(tmp_path / "source"), architecture="Qwen3_5ForCausalLM")
+    out = str(tmp_path / "int4")
+    assert main(["convert", source, out, "--quantization", "int4", "--group-size", "32"]) == 0
+    written = load_file(os.path.join(out, "model.safetensors"))
+    fused = "model.layers.0.linear_attn.in_proj_qkv"
+    assert f"{fused}.weight" not in written and written[f"{fused}.weight_packed"].shape == (96, 64 // 8)
+    _, model = load_model(out)
+    mixer = model.model.layers[0].linear_attn
+    values = int4.unpack_int32(written[f"{fused}.weight_packed"])  # [out, in]
+    scales = written[f"{fused}.weight_scale"]  # [out, in / 32]
+    for name, rows in (
+        ("in_proj_q", slice(0, 32)),
+        ("in_proj_k", slice(32, 64)),
+        ("in_proj_v", slice(64, 96)),
+    ):
+        projection = getattr(mixer, name)
+        assert projection.kernel[...].dtype == int4.held_dtype()
+        np.testing.assert_array_equal(np.asarray(projection.kernel[...]), values[rows].T.astype(np.int8))
+        np.testing.assert_array_equal(np.asarray(projection.kernel_scale[...]), scales[rows].T)
+    assert mixer.in_proj_b.kernel[...].dtype == int4.held_dtype()

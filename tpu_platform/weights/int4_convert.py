@@ -10,8 +10,10 @@ quantization is done once here, as `vllm-xla convert` does int8's, and the resul
 ordinary 4-bit checkpoint.
 
 Quantized: every projection the model reads into a dense or expert kernel (attention, MLP, MoE
-experts) whose inputs split into groups of `group_size`, with `models.int4.quantize_grouped`
-(`scale = max|w| / 7.5`, compressed-tensors' symmetric range). MoE experts a checkpoint holds
+experts; a layer it reads as several, Qwen3.5's `in_proj_qkv`, whole: one scale a group of
+each output row, cut apart on load, `models.fused_outputs`) whose inputs split into groups of
+`group_size`, with `models.int4.quantize_grouped` (`scale = max|w| / 7.5`, compressed-tensors'
+symmetric range). MoE experts a checkpoint holds
 fused in one 3-D tensor (Llama 4's `experts.gate_up_proj [E, D, 2F]` and `down_proj`, Gemma
 4's) are quantized per expert and per group: the model's own split of such a tensor
 (`checkpoint_tensors`, which its loader runs) gives each expert's gate, up and down `[out, in]`
@@ -24,11 +26,13 @@ embedding, norms, biases, the MoE router (a rounding there changes which experts
 head (tied or not: 4 bits on the layer whose every output is a logit costs tens of percent of
 perplexity where the projections cost a few; served in the model's dtype, and int8 on the
 native CPU kernels when tied, `models.quantization.quantize_tied_head_int8`), and experts in a
-layout of their own (GPT-OSS's interleaved gate/up with biases, which no 4-bit format of its
-own serves here: they stay in float). A group size that does not divide every projection's
-inputs is refused, naming the largest that does: a projection left in float would keep its
-whole size, and one per channel would cost far more than a group. The scales are stored in
-the source weight's dtype, as llm-compressor writes them.
+layout of their own (GPT-OSS's interleaved gate/up with biases: they stay in float, named in a
+warning. vLLM 0.32's GPT-OSS loader reads its experts as mxfp4 blocks, as AMD Quark writes
+them, or in float: there is no W4A16 layout of them to write that vLLM reads, and the released
+GPT-OSS checkpoints are already 4.25-bit mxfp4, served as they are). A group size that does
+not divide every projection's inputs is refused, naming the largest that does: a projection
+left in float would keep its whole size, and one per channel would cost far more than a group.
+The scales are stored in the source weight's dtype, as llm-compressor writes them.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from flax import nnx
 
 from models import ModelConfig, build, int4
 from models.linear import Linear
-from models.loader import checkpoint_files, model_name_rule, parameter_name_lookup
+from models.loader import checkpoint_files, model_name_rule, parameter_name_lookup, parameter_names_lookup
 from models.moe import SparseMoE, StackedLinear
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
@@ -203,13 +207,18 @@ def _projections(source: str) -> _Projections:
         if isinstance(m, (Linear, StackedLinear)) and id(m) not in routers and m is not head
     }
     ours, rule = parameter_name_lookup(model), model_name_rule(model)  # names as the checkpoint holds them
+    reads = parameter_names_lookup(model)  # a fused layer's (Qwen3.5's in_proj_qkv): its parts' kernels
     from safetensors import safe_open
 
     names = []
     for file in checkpoint_files(source):
         with safe_open(file, framework="numpy") as f:
             names += list(f.keys())
-    weights = frozenset(name for name in names if name.endswith(".weight") and ours(name) in kernels)
+    weights = frozenset(
+        name
+        for name in names
+        if name.endswith(".weight") and (paths := reads(name)) and set(paths) <= kernels
+    )
     split = getattr(model, "checkpoint_tensors", None)
     return _Projections(weights, frozenset(kernels), ours, split, lambda name: rule(name) is None)
 
