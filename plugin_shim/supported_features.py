@@ -139,8 +139,8 @@ SUPPORTED: tuple[Supported, ...] = (
         "layer and the MoE experts; the LM head, embedding and MoE router stay in the model dtype; "
         "quantized at load from a float checkpoint (per output channel), or a checkpoint's fp8 "
         "weights as they are: per tensor, per channel or in 128x128 blocks (DeepSeek-V3, "
-        "Qwen3-FP8), the layers it left in float (ignored_layers, ignore) kept float; a W8A8 "
-        "checkpoint's activations (static or dynamic) stay in the model dtype",
+        "Qwen3-FP8, Qwen3.5-FP8), the layers it left in float (ignored_layers, ignore) kept "
+        "float; a W8A8 checkpoint's activations (static or dynamic) stay in the model dtype",
     ),
     Supported(
         "4-bit weights (W4A16)",
@@ -150,10 +150,12 @@ SUPPORTED: tuple[Supported, ...] = (
         "group of inputs (and float32 offsets for zero points or minimums), activations in the "
         "model dtype: compressed-tensors pack-quantized W4A16 (symmetric or with zero points), "
         "GPTQ (bits 4, desc_act served: vLLM's name for it is gptq_act_order), AWQ (GEMM) and "
-        "GGUF Q4 blocks, MoE experts included (zero points and act-order too); int4 two a byte on "
+        "GGUF Q4 blocks, MoE experts included (zero points and act-order too); Qwen3.5's fused "
+        "in_proj_qkv (4-bit or fp8) cut into q, k and v in each format's own layout; int4 two a byte on "
         "TPU and GPU (int8 on CPU); the LM head, embedding and MoE router stay in the model dtype "
         "(on the native CPU kernels a tied head's copy is int8). Refused by name: act-order with "
-        "uneven groups or with an expert's gate and up in different orders, other bit widths",
+        "uneven groups or with an expert's gate and up in different orders, other bit widths, a "
+        "fused layer's part that is not whole fp8 blocks or packed words",
     ),
     Supported(
         "mxfp4 experts (GPT-OSS)",
