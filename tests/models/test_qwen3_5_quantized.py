@@ -140,6 +140,23 @@ def test_4bit_qwen3_5_computes_its_dequantized_model(kind, architecture, tmp_pat
     _assert_computes(model, config, hf)
 
 
+def test_a_quantized_mtp_layer_is_left_to_the_mtp_head(tmp_path):
+    """The target's load leaves the quantized `mtp.*` tensors unread (they once reached the
+    layout's kernel set-up and were refused as matching no layer); the MTP head reads them 4-bit."""
+    import jax.numpy as jnp
+
+    from models.qwen3_next_mtp import load_qwen_mtp_head
+    from tests.models.gptq_checkpoints import write_gptq
+    from tests.models.tiny_qwen3_next import save_tiny_qwen3_next_mtp
+
+    source = save_tiny_qwen3_next_mtp(str(tmp_path / "source"), architecture=DENSE)
+    path, _ = write_gptq(source, str(tmp_path / "gptq"), group_size=32, keep_float=BA)
+    config, model = load_model(path)
+    assert model.model.layers[0].linear_attn.in_proj_q.kernel[...].dtype == int4.held_dtype()
+    head = load_qwen_mtp_head(path, config, jnp.float32)
+    assert head.block.mlp.down_proj.kernel[...].dtype == int4.held_dtype()
+
+
 def _parts(array, units, kind="weight"):
     return [a for _, a in split_tensor(f"x.qkv.{kind}", array, QKV, units)]
 
