@@ -54,10 +54,9 @@ def _assert_computes(model, config, hf, steps: int = 4) -> None:
         logits, kv = run_step(model, kv, [[tokens[-1]]], [len(ids) + i], pages)
         tokens.append(int(np.argmax(logits[-1])))
     with torch.no_grad():
-        expected = hf.generate(
-            torch.tensor([ids]), max_new_tokens=steps, do_sample=False, min_new_tokens=steps
-        )
-    assert tokens == expected[0, len(ids) :].tolist()
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False)
+    expected = expected[0, len(ids) :].tolist()  # up to its end-of-sequence token, if it comes
+    assert expected and tokens[: len(expected)] == expected
 
 
 def test_block_fp8_qwen3_5_as_qwen_ships_it(tmp_path):
