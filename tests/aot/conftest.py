@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.aot.case_rows import CaseRows
 from tests.aot.units import lock_name
 
 _HERE = pathlib.Path(__file__).resolve().parent
@@ -40,3 +41,9 @@ def one_compiling_module_at_a_time(
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def case_rows() -> CaseRows:
+    """The per-case compile workers' rows for the session: a case two modules compile, once."""
+    return CaseRows()

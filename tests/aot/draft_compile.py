@@ -1,11 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Worker: compiles speculative decoding's programs for a compile-only target (one chip).
 
-`python -m tests.aot.draft_compile TARGET` (run by `toolchains.run_worker`) prints one JSON
-line: the verification of k = 4 drafts for Llama-3.1-8B (greedy, and random with filters), the
-draft loop of Llama-3.2-1B as its draft (k = 4), each with its compile seconds, temp, argument
-and aliased bytes, the draft's caches' bytes, and the draft's planner rows (weights, bytes per
-page). Weights are abstract: nothing is allocated, only compiled.
+`python -m tests.aot.draft_compile TARGET [DRAFT_LAYERS]` (run by `toolchains.run_worker`) prints
+one JSON line: the verification of k = 4 drafts for Llama-3.1-8B (greedy, and random with
+filters), the draft loop of Llama-3.2-1B as its draft (k = 4), each with its compile seconds,
+temp, argument and aliased bytes, the draft's caches' bytes, and the draft's planner rows
+(weights, bytes per page) for the whole draft. DRAFT_LAYERS > 0 compiles the loop with the
+draft's first layers at full width (0, the default: all 16), its caches given as many pages more
+as make them the whole draft's bytes: what the loop does to its caches (an in-place update or a
+copy of them) it does layer by layer. Weights are abstract: nothing is allocated, only compiled.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 import sys
 
 from tpu_platform.planner.draft import compile_draft_loop, compile_verify, draft_memory
-from tpu_platform.planner.plan import StepSetup, kv_page_bytes, model_config
+from tpu_platform.planner.plan import StepSetup, first_layers, kv_page_bytes, model_config
 from tpu_platform.sampling import SamplerFlags
 
 K = 4
@@ -32,7 +35,7 @@ def _facts(facts) -> dict:
     }
 
 
-def main(target: str) -> dict:
+def main(target: str, draft_layers: str = "0") -> dict:
     limits = dict(target=target, max_num_seqs=ROWS, max_model_len=4096, max_num_batched_tokens=2048)
     verify_setup = StepSetup(config=model_config("llama-3.1-8b"), **limits)
     draft = StepSetup(config=model_config("llama-3.2-1b"), **limits)
@@ -45,15 +48,18 @@ def main(target: str) -> dict:
             out[name] = _facts(compile_verify(verify_setup, ROWS, K, flags))
         except Exception as e:  # the compiler's message is the answer
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    cut = dataclasses.replace(draft, config=first_layers(draft.config, int(draft_layers)))
+    pages = NUM_PAGES * draft.config.num_layers // cut.config.num_layers
     try:
-        out["draft_loop"] = _facts(compile_draft_loop(draft, NUM_PAGES, ROWS, K))
+        out["draft_loop"] = _facts(compile_draft_loop(cut, pages, ROWS, K))
     except Exception as e:
         out["draft_loop"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
-    out["draft_cache_bytes"] = kv_page_bytes(draft) * NUM_PAGES
+    out["draft_layers"] = cut.config.num_layers
+    out["draft_cache_bytes"] = kv_page_bytes(cut) * pages
     out["draft_memory"] = dataclasses.asdict(draft_memory(draft))
     out["target_page_bytes"] = kv_page_bytes(verify_setup)
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1])))
+    print(json.dumps(main(*sys.argv[1:])))

@@ -2,7 +2,9 @@
 """Speculative decoding's programs compile with the real TPU (v6e-1) and GPU (H100) compilers:
 the verification of k = 4 drafts for Llama-3.1-8B and the draft loop of a Llama-3.2-1B draft
 (`tests.aot.draft_compile`). The loop updates the draft's caches in place and makes no
-temporary of their size; the draft's planner rows are its published size."""
+temporary of their size; the draft's planner rows are its published size. `make test` compiles
+the loop with the draft's first 2 layers at full width, its caches as large as the whole draft's
+(what the loop does to its caches, it does layer by layer); `make test-full` all 16."""
 
 from __future__ import annotations
 
@@ -13,9 +15,14 @@ from tests.aot.toolchains import run_worker
 LLAMA_32_1B_PARAMETERS = 1.24e9  # the model card's count (tied embedding counted once)
 
 
-@pytest.mark.parametrize(("platform", "target"), [("tpu", "v6e-1"), ("cuda", "h100x1")])
-def test_verify_and_draft_loop_compile(platform, target):
-    out = run_worker(platform, "draft_compile", target)
+@pytest.mark.parametrize(
+    ("platform", "target", "draft_layers"),
+    [("tpu", "v6e-1", 2), ("cuda", "h100x1", 2)]
+    + [pytest.param(p, t, 16, marks=pytest.mark.full) for p, t in (("tpu", "v6e-1"), ("cuda", "h100x1"))],
+)
+def test_verify_and_draft_loop_compile(platform, target, draft_layers):
+    out = run_worker(platform, "draft_compile", target, str(draft_layers))
+    assert out["draft_layers"] == draft_layers
     for name in ("verify_greedy", "verify_random", "draft_loop"):
         assert "error" not in out[name], f"{target} {name}: {out[name].get('error')}"
     loop, cache = out["draft_loop"], out["draft_cache_bytes"]

@@ -28,11 +28,9 @@ LAYERS = [pytest.param("2", id="2-layers"), pytest.param("0", marks=pytest.mark.
 
 
 @pytest.fixture(scope="module", params=LAYERS)
-def tpu_results(request) -> dict[str, dict]:
-    return {
-        row["case"]: row
-        for row in run_worker("tpu", "int8_step_worker", request.param, *TPU_CASES, timeout=3500)
-    }
+def tpu_results(request, case_rows) -> dict[str, dict]:
+    # The 2-layer bfloat16 twin is test_int8_step.py's too: compiled once a session.
+    return case_rows.get("tpu", "int8_step_worker", (request.param,), TPU_CASES)
 
 
 @pytest.fixture(scope="module", params=LAYERS)

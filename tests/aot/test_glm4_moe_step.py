@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """A GLM-4.5-Air-shaped step at full width (96 query and 8 KV heads of 128 with q/k/v biases,
 RoPE on 64 of each head's 128 dimensions, 128 routed experts of 1408 and one shared, hidden
-4096, vocabulary 151552) with its first four layers, one dense and three MoE, compiled at TP=4
+4096, vocabulary 151552) with its first two layers, one dense and one MoE (in `make test-full`
+four, one dense and three MoE: what a layer holds and exchanges shows in each), compiled at TP=4
 by XLA's GPU compiler for 4 of 8x H100 (`tensor_parallel_worker`, as
 test_tensor_parallel_step.py does for Llama and Qwen3-MoE). Not on v6e-4: at TP=4 the whole
 model's bfloat16 weights take 53.5 GB a chip, more than a v6e chip holds.
@@ -23,7 +24,8 @@ import pytest
 from tests.aot.model_step_worker import MAX_MODEL_LEN
 from tests.aot.toolchains import run_worker
 
-LAYERS, TP = 4, 4
+TP = 4
+LAYERS = [pytest.param(2, id="2-layers"), pytest.param(4, marks=pytest.mark.full, id="4-layers")]
 TARGETS = {"cuda": "h100x8"}
 BACKEND = {"cuda": "pallas_gpu"}
 
@@ -41,16 +43,19 @@ def _parameters(layers: int) -> int:
     return 2 * v * d + d + layers * (attention + norms) + dense + (layers - 1) * moe
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, dict]:
+@pytest.fixture(scope="module", params=LAYERS)
+def results(request, tmp_path_factory) -> dict[str, dict]:
     """The shipped GLM-4.5-Air config cut to its first layers, every one of them compiled."""
     shipped = resources.files("tpu_platform.planner").joinpath("model_configs", "glm-4.5-air.json")
     config = json.loads(shipped.read_text())
-    config.update(num_hidden_layers=LAYERS)
+    config.update(num_hidden_layers=request.param)
     path = tmp_path_factory.mktemp("glm") / "config.json"
     path.write_text(json.dumps(config))
     return {
-        p: run_worker(p, "tensor_parallel_worker", "full", f"{target}:{path}:{TP}", timeout=3500)[0]
+        p: {
+            **run_worker(p, "tensor_parallel_worker", "full", f"{target}:{path}:{TP}", timeout=3500)[0],
+            "layers": request.param,
+        }
         for p, target in TARGETS.items()
     }
 
@@ -62,7 +67,7 @@ def test_air_shaped_step_compiles_and_fits_each_chip(results, platform):
     assert (row["tp_size"], row["backend"]) == (TP, BACKEND[platform])
     assert row["kv_tokens"] >= MAX_MODEL_LEN
     total = row["total_weight_bytes"]
-    assert total == pytest.approx(2 * _parameters(LAYERS), rel=1e-4)  # bfloat16
+    assert total == pytest.approx(2 * _parameters(row["layers"]), rel=1e-4)  # bfloat16
     # Replicated: norms, routers and their correction biases.
     assert row["replicated_weight_bytes"] <= 0.005 * total
     assert total / TP <= row["weight_bytes"] <= total / TP + row["replicated_weight_bytes"]

@@ -16,20 +16,44 @@ from __future__ import annotations
 import pytest
 
 from tests.aot.kernel_checks import check_compiled
-from tests.aot.mla_compile import plan
+from tests.aot.mla_compile import REALISTIC, V5E_REALISTIC_IN_MAKE_TEST, in_full_only, plan
 from tests.aot.toolchains import run_worker
 
 TPU_PLAN = plan("tpu")
 
 
+def _tpu_results(full_only: bool) -> dict:
+    pairs = [f"{t}/{c.name}" for t, c in TPU_PLAN if in_full_only(t, c) == full_only]
+    return run_worker("tpu", "mla_compile", "tpu", *pairs)
+
+
 @pytest.fixture(scope="module")
 def tpu_results() -> dict:
-    return run_worker("tpu", "mla_compile", "tpu")
+    return _tpu_results(full_only=False)
 
 
-@pytest.mark.parametrize(("target", "case"), TPU_PLAN, ids=[f"{t}-{c.name}" for t, c in TPU_PLAN])
-def test_tpu_compiles_and_fits(tpu_results, target, case):
-    check_compiled(tpu_results, target, case)
+@pytest.fixture(scope="module")
+def tpu_full_results() -> dict:
+    return _tpu_results(full_only=True)
+
+
+@pytest.mark.parametrize(
+    ("target", "case"),
+    [
+        pytest.param(t, c, id=f"{t}-{c.name}", marks=[pytest.mark.full] if in_full_only(t, c) else [])
+        for t, c in TPU_PLAN
+    ],
+)
+def test_tpu_compiles_and_fits(request, target, case):
+    fixture = "tpu_full_results" if in_full_only(target, case) else "tpu_results"
+    check_compiled(request.getfixturevalue(fixture), target, case)
+
+
+def test_make_test_compiles_every_tpu_case_once():
+    """Each case on one chip at least, and the names `make test` keeps on v5e are cases."""
+    assert V5E_REALISTIC_IN_MAKE_TEST <= {c.name for c in REALISTIC}
+    kept = {c.name for t, c in TPU_PLAN if not in_full_only(t, c)}
+    assert kept == {c.name for _, c in TPU_PLAN}
 
 
 GPU_PLAN = plan("cuda")
