@@ -335,8 +335,8 @@ _DENSE_INT4_PREFERENCE = ("avx512_vnni", "avx512_bf16", "avx2", "avx2_float", "p
 
 def dense_int4_isas(library: Path) -> tuple[str, ...]:
     """The instruction sets `library` (from `load`) can run its int4 dense kernel with in this
-    process, best first: "avx512_vnni" (AVX-512 VNNI and VBMI: "avx2"'s fixed point for a few
-    rows of bfloat16 x with VPDPBUSD; more rows as the next path), "avx512_bf16" (AVX-512 BF16: as
+    process, best first: "avx512_vnni" (AVX-512 VNNI and VBMI: "avx2"'s fixed point for up
+    to 16 rows of bfloat16 x with VPDPBUSD; more rows as the next path), "avx512_bf16" (AVX-512 BF16: as
     "avx2" for a few rows; for more, with
     bfloat16 x, each panel widened once to bfloat16 and multiplied with VDPBF16PS; float32 x takes
     "avx2_float"), "avx2" (AVX2: bfloat16 x in 16-bit fixed point, integer products of its

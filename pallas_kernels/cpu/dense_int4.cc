@@ -39,7 +39,7 @@
 //   one error next to the float product is the weights' rounding to bfloat16 (at most 2^-8 of
 //   each |x w| term). Float32 x takes "avx2_float".
 // - "avx512_vnni" (the default for bfloat16 x where the CPU has AVX-512 VNNI and VBMI), up to
-//   `kWidenAheadAbove` rows: the "avx2" path's fixed point with VPDPBUSD (dense_int4_vnni.h);
+//   `kVnniRowsAtMost` rows: the "avx2" path's fixed point with VPDPBUSD (dense_int4_vnni.h);
 //   above, as "avx512_bf16" where the CPU has it, else as "avx2". Float32 x takes "avx2_float".
 // - "portable": plain C++ (vectorized by the compiler), the float product, on any CPU.
 //
@@ -82,6 +82,9 @@ constexpr int64_t kInt16Words = 4;  // packed lines whose byte products an int16
 // float32 kernel's register blocks (at a few rows unpacking in registers costs less than writing
 // and rereading the float32 panel).
 constexpr int64_t kWidenAheadAbove = 8;
+// "avx512_vnni" unpacks in registers for more rows: at 16 rows it still outran the bfloat16 panels,
+// at 64 they outran it (`benchmarks/dense_int4.py`).
+constexpr int64_t kVnniRowsAtMost = 16;
 constexpr float kFixedLevels = 32639.0f;  // |x16| <= 32639: both byte planes fit a signed byte
 constexpr float kSmallestFixedMax = 1e-30f;  // below: sx would lose precision (subnormal)
 
@@ -482,7 +485,7 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   const int64_t M = RowsToMultiply(x, xd[0], K);
   std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
   if (M == 0) return ffi::Error::Success();
-  if (run == kAvx512Vnni && (type != ffi::DataType::BF16 || M > kWidenAheadAbove)) {
+  if (run == kAvx512Vnni && (type != ffi::DataType::BF16 || M > kVnniRowsAtMost)) {
     run = type != ffi::DataType::BF16 ? kAvx2Float : IsaUsable(kAvx512Bf16) ? kAvx512Bf16 : kAvx2;
   }
   if (run == kAvx512Bf16 && (type != ffi::DataType::BF16 || M <= kWidenAheadAbove)) {

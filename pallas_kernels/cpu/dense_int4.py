@@ -139,9 +139,9 @@ def native_dense_int4(
     ("avx512_vnni", "avx512_bf16", "avx2", "avx2_float" or "portable"); None takes the best the CPU has
     (`dense_int4_isas`; float32 x skips the integer and bfloat16 products, whose precision is
     finer than bfloat16's rounding but coarser than float32's: "avx512_bf16" runs it as
-    "avx2_float"; "avx512_vnni" runs more than 8 rows as "avx512_bf16" where the CPU has it, else
-    as "avx2"). On "avx2", and on "avx512_vnni" and "avx512_bf16" up to 8 rows, x is rounded to
-    16-bit fixed point (`fixed_point_error_bound`); a
+    "avx2_float"; "avx512_vnni" runs more than 16 rows as "avx512_bf16" where the CPU has it,
+    else as "avx2"). On "avx2" and "avx512_bf16" up to 8 rows, and on "avx512_vnni" up to 16, x is
+    rounded to 16-bit fixed point (`fixed_point_error_bound`); a
     call with a value of x that is not finite, or a row whose largest magnitude is below 1e-30
     but not zero, runs the float product instead. Trailing rows of x that are all zero are
     written as zero rows without being multiplied, as in `native_dense`.

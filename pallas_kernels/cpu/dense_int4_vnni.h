@@ -120,14 +120,17 @@ struct VnniInt4 {
   }
 
   using BlockKernel = void (*)(const VnniInt4&, int64_t, int64_t);
-  // [rows - 1][blocks - 1]: one row by up to 4 blocks, or two rows by up to 2.
-  static constexpr BlockKernel kKernels[2][kInt4VnniMaxBlocks] = {
+  // [rows - 1][blocks - 1]: one row by up to 4 blocks, two rows by up to 2, or up to 4 rows by one.
+  static constexpr BlockKernel kKernels[4][kInt4VnniMaxBlocks] = {
       {&Block<1, 1>, &Block<1, 2>, &Block<1, 3>, &Block<1, 4>},
       {&Block<2, 1>, &Block<2, 2>, nullptr, nullptr},
+      {&Block<3, 1>, nullptr, nullptr, nullptr},
+      {&Block<4, 1>, nullptr, nullptr, nullptr},
   };
 
   void Run(const Item& item) const {
-    const int block_rows = M == 1 ? 1 : 2, block_cols = M == 1 ? kInt4VnniMaxBlocks : 2;
+    const int block_rows = M <= 2 ? static_cast<int>(M) : 4;
+    const int block_cols = M == 1 ? kInt4VnniMaxBlocks : M == 2 ? 2 : 1;
     WalkRegisterBlocks(item, M, K * 2, block_rows, block_cols,
                        [&](int64_t row, int rows, int64_t block, int blocks) {
                          kKernels[rows - 1][blocks - 1](*this, row, block);

@@ -99,8 +99,8 @@ def test_hand_worked_product(int4_isas):
     np.testing.assert_array_equal(cpu.native_dense_int4_reference(x, packed, scale, offset), expected)
 
 
-# The paths that round bfloat16 x to 16-bit fixed point up to 8 rows.
-_FIXED_POINT = ("avx2", "avx512_bf16", "avx512_vnni")
+# The paths that round bfloat16 x to 16-bit fixed point, up to how many rows.
+_FIXED_POINT = {"avx2": 8, "avx512_bf16": 8, "avx512_vnni": 16}
 ROWS = (1, 2, 3, 9, 130)
 # (depth, width, inputs per scale): hand-picked around the words, panels and groups, then the
 # embedded model's projections (576 -> 1536 in groups of 32) and a GPTQ-like 128-group layer.
@@ -165,7 +165,7 @@ def test_kernel_matches_numpy(int4_isas, x_dtype, affine, rows, depth, width, gr
         # below a few ulps of the sum of |terms| per group; "avx2" at a few rows multiplies x
         # rounded to 16-bit fixed point
         allowed = 4e-7 * (group + depth // group) * bound + 1e-30
-        if isa in _FIXED_POINT and rows <= 8:
+        if rows <= _FIXED_POINT.get(isa, 0):
             allowed = allowed + fixed_point_error_bound(x, q, scale)
         elif widens_to_bf16(isa) and x.dtype == jnp.bfloat16:  # the weights rounded to bfloat16
             per_k = lambda values: np.repeat(np.reshape(values, (-1, width)), group, axis=0)  # noqa: E731
@@ -190,7 +190,7 @@ def test_integer_products_are_the_default_for_bfloat16_x_and_not_for_float32(int
     many_rows = "avx512_bf16" if "avx512_bf16" in int4_isas else "avx2"
     few_rows = "avx512_vnni" if "avx512_vnni" in int4_isas else "avx2"
     for dtype, rows, default in [
-        (jnp.bfloat16, 2, few_rows), (jnp.bfloat16, 16, many_rows), (jnp.float32, 2, "avx2_float"),
+        (jnp.bfloat16, 2, few_rows), (jnp.bfloat16, 24, many_rows), (jnp.float32, 2, "avx2_float"),
         (jnp.float32, 16, "avx2_float"),
     ]:  # fmt: skip
         x = jnp.asarray(rng.standard_normal((rows, 256)), dtype)
