@@ -63,6 +63,7 @@ HEADERS = tuple(
         "dense_avx512_bf16.h",
         "dense_int8_vnni.h",
         "dense_int4_pairs.h",
+        "dense_int4_vnni.h",
     )
 )
 ATTENTION_TARGET = "vllm_xla_ragged_paged_attention"
@@ -328,13 +329,15 @@ def _probe_dense_int8_isas(library: _Library) -> int:
 
 
 # the int4 kernel's paths, by their code in dense_int4.cc
-DENSE_INT4_ISAS = {1: "avx2", 2: "portable", 3: "avx2_float", 4: "avx512_bf16"}
-_DENSE_INT4_PREFERENCE = ("avx512_bf16", "avx2", "avx2_float", "portable")
+DENSE_INT4_ISAS = {1: "avx2", 2: "portable", 3: "avx2_float", 4: "avx512_bf16", 5: "avx512_vnni"}
+_DENSE_INT4_PREFERENCE = ("avx512_vnni", "avx512_bf16", "avx2", "avx2_float", "portable")
 
 
 def dense_int4_isas(library: Path) -> tuple[str, ...]:
     """The instruction sets `library` (from `load`) can run its int4 dense kernel with in this
-    process, best first: "avx512_bf16" (AVX-512 BF16: as "avx2" for a few rows; for more, with
+    process, best first: "avx512_vnni" (AVX-512 VNNI and VBMI: "avx2"'s fixed point for up
+    to 16 rows of bfloat16 x with VPDPBUSD; more rows as the next path), "avx512_bf16" (AVX-512 BF16: as
+    "avx2" for a few rows; for more, with
     bfloat16 x, each panel widened once to bfloat16 and multiplied with VDPBF16PS; float32 x takes
     "avx2_float"), "avx2" (AVX2: bfloat16 x in 16-bit fixed point, integer products of its
     byte planes with the nibbles; float32 x, and a call with values that are not finite, take the

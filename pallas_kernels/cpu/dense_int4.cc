@@ -38,6 +38,9 @@
 //   bfloat16 and every row on the bfloat16 kernel's VDPBF16PS blocks (dense_int4_pairs.h): the
 //   one error next to the float product is the weights' rounding to bfloat16 (at most 2^-8 of
 //   each |x w| term). Float32 x takes "avx2_float".
+// - "avx512_vnni" (the default for bfloat16 x where the CPU has AVX-512 VNNI and VBMI), up to
+//   `kVnniRowsAtMost` rows: the "avx2" path's fixed point with VPDPBUSD (dense_int4_vnni.h);
+//   above, as "avx512_bf16" where the CPU has it, else as "avx2". Float32 x takes "avx2_float".
 // - "portable": plain C++ (vectorized by the compiler), the float product, on any CPU.
 //
 // Work items are runs of 16-column blocks (`RunOverColumnBlocks`), walked in register blocks of a
@@ -54,6 +57,7 @@
 
 #include "dense_f32_block.h"
 #include "dense_int4_pairs.h"
+#include "dense_int4_vnni.h"
 #endif
 
 #include "dense_blocks.h"
@@ -64,7 +68,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 // The `isa` attribute: which path runs (the codes of `DENSE_INT4_ISAS` in build.py).
-enum Int4Isa : int32_t { kBestIsa = 0, kAvx2 = 1, kPortable = 2, kAvx2Float = 3, kAvx512Bf16 = 4 };
+enum Int4Isa : int32_t { kBestIsa = 0, kAvx2 = 1, kPortable = 2, kAvx2Float = 3, kAvx512Bf16 = 4, kAvx512Vnni = 5 };
 
 using vllm_xla::Item;
 using vllm_xla::WalkRegisterBlocks;
@@ -78,6 +82,9 @@ constexpr int64_t kInt16Words = 4;  // packed lines whose byte products an int16
 // float32 kernel's register blocks (at a few rows unpacking in registers costs less than writing
 // and rereading the float32 panel).
 constexpr int64_t kWidenAheadAbove = 8;
+// "avx512_vnni" unpacks in registers for more rows: at 16 rows it still outran the bfloat16 panels,
+// at 64 they outran it (`benchmarks/dense_int4.py`).
+constexpr int64_t kVnniRowsAtMost = 16;
 constexpr float kFixedLevels = 32639.0f;  // |x16| <= 32639: both byte planes fit a signed byte
 constexpr float kSmallestFixedMax = 1e-30f;  // below: sx would lose precision (subnormal)
 
@@ -389,19 +396,22 @@ struct Avx512Bf16Int4 : Int4Problem {
 // Whether this process may run the `isa` path, probed once.
 bool IsaUsable(Int4Isa isa) {
 #if defined(__x86_64__)
-  static const bool avx2 = vllm_xla::Avx2Usable(), bf16 = avx2 && vllm_xla::Avx512Bf16Usable();
+  static const bool avx2 = vllm_xla::Avx2Usable(), bf16 = avx2 && vllm_xla::Avx512Bf16Usable(),
+                    vnni = avx2 && vllm_xla::Avx512VnniUsable();
   if (isa == kAvx2 || isa == kAvx2Float) return avx2;
   if (isa == kAvx512Bf16) return bf16;
+  if (isa == kAvx512Vnni) return vnni;
 #endif
   return isa == kPortable;
 }
 
 // The path an unforced call takes: integer products for bfloat16 x (their 16-bit fixed point is
 // finer than x's own rounding; float32 x asks for more, so it keeps the float product), and for
-// many rows of it VDPBF16PS where the CPU has it.
+// many rows of it VDPBF16PS where the CPU has it. "avx512_vnni" runs many rows as the next path.
 Int4Isa BestIsa(ffi::DataType type) {
   if (!IsaUsable(kAvx2)) return kPortable;
   if (type != ffi::DataType::BF16) return kAvx2Float;
+  if (IsaUsable(kAvx512Vnni)) return kAvx512Vnni;
   return IsaUsable(kAvx512Bf16) ? kAvx512Bf16 : kAvx2;
 }
 
@@ -422,6 +432,19 @@ std::vector<float> GroupSums(const float* x, int64_t M, int64_t K, int64_t group
   std::vector<float> sums(M * (K / group), 0.0f);
   for (int64_t g = 0; g < M * (K / group); ++g) {
     for (int64_t k = g * group; k < (g + 1) * group; ++k) sums[g] += x[k];
+  }
+  return sums;
+}
+
+// Each row's group sums over its fixed-point step sx (`FixedPointRows::inverse`'s rounding), 0 for
+// a row of zeros.
+std::vector<float> SumsOverStep(const float* x, std::vector<float> sums, int64_t M, int64_t K) {
+  const int64_t groups = static_cast<int64_t>(sums.size()) / M;
+  for (int64_t r = 0; r < M; ++r) {
+    float largest = 0.0f;
+    for (int64_t k = 0; k < K; ++k) largest = std::max(largest, std::fabs(x[r * K + k]));
+    const float inverse = largest > 0.0f ? kFixedLevels / largest : 0.0f;
+    for (int64_t g = 0; g < groups; ++g) sums[r * groups + g] *= inverse;
   }
   return sums;
 }
@@ -462,6 +485,9 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   const int64_t M = RowsToMultiply(x, xd[0], K);
   std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
   if (M == 0) return ffi::Error::Success();
+  if (run == kAvx512Vnni && (type != ffi::DataType::BF16 || M > kVnniRowsAtMost)) {
+    run = type != ffi::DataType::BF16 ? kAvx2Float : IsaUsable(kAvx512Bf16) ? kAvx512Bf16 : kAvx2;
+  }
   if (run == kAvx512Bf16 && (type != ffi::DataType::BF16 || M <= kWidenAheadAbove)) {
     run = type == ffi::DataType::BF16 ? kAvx2 : kAvx2Float;  // a few rows: unpacked in registers
   }
@@ -479,13 +505,26 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   std::vector<float> wide;
   const float* rows = FloatRows(x, M, K, wide);
   const std::vector<float> sums = GroupSums(rows, M, K, group);
+  const int64_t max_blocks = std::max<int64_t>(2, vllm_xla::CachedBlocks(K, sizeof(float)));
+#if defined(__x86_64__)
+  if (run == kAvx512Vnni) {
+    vllm_xla::FixedPointRows planes;
+    if (planes.Quantize(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, K)) {
+      const std::vector<float> scaled = SumsOverStep(rows, sums, M, K);
+      const vllm_xla::VnniInt4 problem{&planes, w.typed_data(), scale.typed_data(), offsets, scaled.data(),
+                                       y->typed_data(), M, K, N, group};
+      vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
+      return ffi::Error::Success();
+    }
+    run = kAvx2;  // what the fixed point cannot hold: "avx2" leaves it to the float product
+  }
+#endif
   FixedPointRows fixed;
   // Not finite values (the float product carries them as it would) or rows too small for the fixed
   // point: the float path.
   const bool integer = run == kAvx2 && M <= kWidenAheadAbove && fixed.Quantize(rows, M, K);
   const Int4Problem problem{rows, w.typed_data(), scale.typed_data(), offsets, sums.data(), y->typed_data(),
                             M,    K,            N,                  group,        integer ? &fixed : nullptr};
-  const int64_t max_blocks = std::max<int64_t>(2, vllm_xla::CachedBlocks(K, sizeof(float)));
 #if defined(__x86_64__)
   if (run == kAvx2 || run == kAvx2Float) {
     vllm_xla::RunOverColumnBlocks(Avx2Int4{problem}, N / kCols, max_blocks, pool);
@@ -499,10 +538,12 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
 }  // namespace
 
 // The int4 dense paths this process may run, as a bit mask: bit 1 AVX2 (integer products), bit 2
-// portable, bit 3 AVX2 (float products), bit 4 AVX-512 BF16 (widened panels for many rows).
+// portable, bit 3 AVX2 (float products), bit 4 AVX-512 BF16 (widened panels for many rows), bit 5
+// AVX-512 VNNI (integer products for a few rows).
 extern "C" int VllmXlaDenseInt4Isas() {
   return (IsaUsable(kAvx2) ? 1 << kAvx2 : 0) | (IsaUsable(kPortable) ? 1 << kPortable : 0) |
-         (IsaUsable(kAvx2Float) ? 1 << kAvx2Float : 0) | (IsaUsable(kAvx512Bf16) ? 1 << kAvx512Bf16 : 0);
+         (IsaUsable(kAvx2Float) ? 1 << kAvx2Float : 0) | (IsaUsable(kAvx512Bf16) ? 1 << kAvx512Bf16 : 0) |
+         (IsaUsable(kAvx512Vnni) ? 1 << kAvx512Vnni : 0);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt4, DenseInt4,

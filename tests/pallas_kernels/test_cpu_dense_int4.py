@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The 4-bit-weight dense kernel (`dense_int4.cc`, AVX-512 BF16, AVX2 and portable): its packed layout (two's-
-complement nibbles, eight k a word), a hand-worked product with scales and offsets, then every
-path the CPU has against NumPy's `x @ (q * s + m)` in float64 over hand-picked and random shapes
-(1 to 130 rows around the 3-row register blocks and the rows from which panels are dequantized
-ahead; depths and widths around the 8-k words and 16-column panels; groups of 8, 32 (GGUF), 64,
-128 (GPTQ, AWQ) and one per column), with and without offsets, bfloat16 and float32 activations;
-trailing zero rows; shapes and groups it cannot take refused by name; and a Linear whose int4
-kernel packs for it against the same Linear on XLA."""
+"""The 4-bit-weight dense kernel (`dense_int4.cc`, AVX-512 VNNI and BF16, AVX2 and portable): its
+packed layout (two's-complement nibbles, eight k a word), a hand-worked product with scales and
+offsets, then every path the CPU has against NumPy's `x @ (q * s + m)` in float64 over hand-picked
+and random shapes (1 to 130 rows around the 3-row register blocks and the rows from which panels are
+dequantized ahead; depths and widths around the 8-k words and 16-column panels; groups of 8, 32
+(GGUF), 64, 128 (GPTQ, AWQ) and one per column), with and without offsets, bfloat16 and float32
+activations; trailing zero rows; shapes and groups it cannot take refused by name; and a Linear
+whose int4 kernel packs for it against the same Linear on XLA."""
 
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ def test_isas_list_avx2_and_avx512_bf16_where_the_cpu_has_them(int4_isas):
     flags = open("/proc/cpuinfo").read().split("\n\n")[0].split()
     avx2 = "avx2" in flags and "fma" in flags
     bf16 = avx2 and {"avx512f", "avx512bw", "avx512_bf16"} <= set(flags)
-    expected = ("avx512_bf16",) * bf16 + ("avx2", "avx2_float") * avx2 + ("portable",)
+    vnni = avx2 and {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= set(flags)
+    expected = ("avx512_vnni",) * vnni + ("avx512_bf16",) * bf16
+    expected += ("avx2", "avx2_float") * avx2 + ("portable",)
     assert int4_isas == expected
 
 
@@ -97,8 +99,8 @@ def test_hand_worked_product(int4_isas):
     np.testing.assert_array_equal(cpu.native_dense_int4_reference(x, packed, scale, offset), expected)
 
 
-# The paths that round bfloat16 x to 16-bit fixed point up to 8 rows.
-_FIXED_POINT = ("avx2", "avx512_bf16")
+# The paths that round bfloat16 x to 16-bit fixed point, up to how many rows.
+_FIXED_POINT = {"avx2": 8, "avx512_bf16": 8, "avx512_vnni": 16}
 ROWS = (1, 2, 3, 9, 130)
 # (depth, width, inputs per scale): hand-picked around the words, panels and groups, then the
 # embedded model's projections (576 -> 1536 in groups of 32) and a GPTQ-like 128-group layer.
@@ -151,6 +153,8 @@ def test_kernel_matches_numpy(int4_isas, x_dtype, affine, rows, depth, width, gr
     x, q, scale, offset, expected, bound = _product(rng, rows, depth, width, group, x_dtype, affine)
     packed = jnp.asarray(cpu.pack_dense_kernel_int4(q))
     offset = None if offset is None else jnp.asarray(offset)
+    # "avx512_vnni" runs many rows as "avx512_bf16" where the CPU has it
+    widens_to_bf16 = lambda isa: isa == "avx512_bf16" or (isa == "avx512_vnni" and "avx512_bf16" in int4_isas)  # noqa: E731
     for isa in int4_isas:
         got = jax.jit(cpu.native_dense_int4, static_argnames="isa")(
             x, packed, jnp.asarray(scale), offset, isa=isa
@@ -161,9 +165,9 @@ def test_kernel_matches_numpy(int4_isas, x_dtype, affine, rows, depth, width, gr
         # below a few ulps of the sum of |terms| per group; "avx2" at a few rows multiplies x
         # rounded to 16-bit fixed point
         allowed = 4e-7 * (group + depth // group) * bound + 1e-30
-        if isa in _FIXED_POINT and rows <= 8:
+        if rows <= _FIXED_POINT.get(isa, 0):
             allowed = allowed + fixed_point_error_bound(x, q, scale)
-        elif isa == "avx512_bf16" and x.dtype == jnp.bfloat16:  # the weights rounded to bfloat16
+        elif widens_to_bf16(isa) and x.dtype == jnp.bfloat16:  # the weights rounded to bfloat16
             per_k = lambda values: np.repeat(np.reshape(values, (-1, width)), group, axis=0)  # noqa: E731
             weights = q * per_k(scale) + (0 if offset is None else per_k(offset))
             allowed = allowed + 2.0**-8 * (np.abs(np.asarray(x, np.float64)) @ np.abs(weights))
@@ -184,8 +188,9 @@ def test_integer_products_are_the_default_for_bfloat16_x_and_not_for_float32(int
     packed = cpu.pack_dense_kernel_int4(q)
     product = jax.jit(cpu.native_dense_int4, static_argnames="isa")
     many_rows = "avx512_bf16" if "avx512_bf16" in int4_isas else "avx2"
+    few_rows = "avx512_vnni" if "avx512_vnni" in int4_isas else "avx2"
     for dtype, rows, default in [
-        (jnp.bfloat16, 2, "avx2"), (jnp.bfloat16, 16, many_rows), (jnp.float32, 2, "avx2_float"),
+        (jnp.bfloat16, 2, few_rows), (jnp.bfloat16, 24, many_rows), (jnp.float32, 2, "avx2_float"),
         (jnp.float32, 16, "avx2_float"),
     ]:  # fmt: skip
         x = jnp.asarray(rng.standard_normal((rows, 256)), dtype)

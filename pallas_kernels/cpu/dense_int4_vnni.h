@@ -1,0 +1,143 @@
+// SPDX-License-Identifier: Apache-2.0
+// The int4 kernel's path for a few rows of bfloat16 x on AVX-512 VNNI (dense_int4.cc,
+// "avx512_vnni"): x in the int8 kernel's 16-bit fixed point (`FixedPointRows`, dense_int8_vnni.h),
+// the products in int32 with VPDPBUSD.
+//
+// A packed line (one k-word of a 16-column panel, 64 bytes) is VPDPBUSD's unsigned operand as it
+// lies after an AND (low nibbles: k 0-3 of each column, one column a 32-bit lane) or a shift and
+// an AND (high nibbles: k 4-7), against a broadcast word of four plane bytes: 64 products an
+// instruction, summed four to an int32 lane with no intermediate int16 (the AVX2 path's VPMADDUBSW
+// needs a widening every four lines and twice the instructions for the same products). The fold per
+// group is then cheap enough that GGUF's 32-input groups leave a decode step bound by the weights'
+// bytes rather than by its instructions.
+//
+// The totals count x in units of sx (256 hi + lo), as on "avx2": each run of up to
+// `kInt4VnniRunWords` words of a group is folded into float32 times the group's scales, each row's
+// sum of x over the group (over sx) times the group's base m - 8 s, and the totals times sx at the end. The one error next to the float product
+// is x's rounding to 16 bits, as on "avx2": at most sx / 2 sum_k |u_k s_k| per output.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include "dense_int8_vnni.h"
+
+namespace vllm_xla {
+
+// Packed words (8 k each) whose products an int32 lane holds as 256 hi + lo: |u hi| <= 15 * 127,
+// so 1024 k of them times 256 stay below 2^31.
+constexpr int64_t kInt4VnniRunWords = 128;
+constexpr int kInt4VnniMaxBlocks = 4;  // 16-column blocks of one row in a register block
+
+struct VnniInt4 {
+  const FixedPointRows* rows;  // x's planes, one 32-bit word per 4 k
+  const uint32_t* w;           // [N/16, K/8, 16]
+  const float* scale;          // [K / group, N]
+  const float* offset;         // [K / group, N]: m, or null (0)
+  const float* x_sums;         // [M, K / group]: each row's sum over each group of k, over sx (0: sx 0)
+  float* y;                    // [M, N]
+  int64_t M, K, N, group;
+
+  static void Begin() {}
+  static void End() {}
+
+  // y[row : row + R, block * 16 : (block + C) * 16].
+  template <int R, int C>
+  VLLM_XLA_INT8_VNNI static void Block(const VnniInt4& p, int64_t row, int64_t block) {
+    const int64_t panel = p.K / 8 * 16, x_words = p.rows->words, groups = p.K / p.group;
+    const int64_t group_words = p.group / 8;
+    const uint32_t* w = p.w + block * panel;
+    const int32_t* hi = p.rows->hi.data() + row * x_words;
+    const int32_t* lo = p.rows->lo.data() + row * x_words;
+    const __m512i nibbles = _mm512_set1_epi8(0x0F);
+    __m512 total[R][C];
+    VLLM_XLA_UNROLL
+    for (int r = 0; r < R; ++r)
+      VLLM_XLA_UNROLL
+      for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 s[C];
+      VLLM_XLA_UNROLL
+      for (int c = 0; c < C; ++c) s[c] = _mm512_loadu_ps(p.scale + g * p.N + (block + c) * 16);
+      for (int64_t first = g * group_words; first < (g + 1) * group_words; first += kInt4VnniRunWords) {
+        const int64_t end = std::min(first + kInt4VnniRunWords, (g + 1) * group_words);
+        __m512i high[R][C], low[R][C];
+        VLLM_XLA_UNROLL
+        for (int r = 0; r < R; ++r)
+          VLLM_XLA_UNROLL
+          for (int c = 0; c < C; ++c) high[r][c] = low[r][c] = _mm512_setzero_si512();
+        for (int64_t word = first; word < end; ++word) {
+          __m512i first_four[C], last_four[C];
+          VLLM_XLA_UNROLL
+          for (int c = 0; c < C; ++c) {
+            const __m512i bytes = _mm512_loadu_si512(w + c * panel + word * 16);
+            first_four[c] = _mm512_and_si512(bytes, nibbles);
+            last_four[c] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibbles);
+          }
+          VLLM_XLA_UNROLL
+          for (int r = 0; r < R; ++r) {
+            const int32_t* h = hi + r * x_words + 2 * word;
+            const int32_t* l = lo + r * x_words + 2 * word;
+            const __m512i h0 = _mm512_set1_epi32(h[0]), h1 = _mm512_set1_epi32(h[1]);
+            const __m512i l0 = _mm512_set1_epi32(l[0]), l1 = _mm512_set1_epi32(l[1]);
+            VLLM_XLA_UNROLL
+            for (int c = 0; c < C; ++c) {
+              high[r][c] = DotBytes(DotBytes(high[r][c], first_four[c], h0), last_four[c], h1);
+              low[r][c] = DotBytes(DotBytes(low[r][c], first_four[c], l0), last_four[c], l1);
+            }
+          }
+        }
+        VLLM_XLA_UNROLL
+        for (int r = 0; r < R; ++r)
+          VLLM_XLA_UNROLL
+          for (int c = 0; c < C; ++c) {
+            const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high[r][c], 8), low[r][c]));
+            total[r][c] = _mm512_fmadd_ps(sums, s[c], total[r][c]);
+          }
+      }
+      VLLM_XLA_UNROLL
+      for (int c = 0; c < C; ++c) {
+        const int64_t at = g * p.N + (block + c) * 16;
+        const __m512 m = p.offset != nullptr ? _mm512_loadu_ps(p.offset + at) : _mm512_setzero_ps();
+        const __m512 base = _mm512_fmadd_ps(s[c], _mm512_set1_ps(-8.0f), m);
+        VLLM_XLA_UNROLL
+        for (int r = 0; r < R; ++r) {
+          total[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p.x_sums[(row + r) * groups + g]), base, total[r][c]);
+        }
+      }
+    }
+    VLLM_XLA_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m512 sx = _mm512_set1_ps(p.rows->step[row + r]);
+      VLLM_XLA_UNROLL
+      for (int c = 0; c < C; ++c) {
+        _mm512_storeu_ps(p.y + (row + r) * p.N + (block + c) * 16, _mm512_mul_ps(total[r][c], sx));
+      }
+    }
+  }
+
+  using BlockKernel = void (*)(const VnniInt4&, int64_t, int64_t);
+  // [rows - 1][blocks - 1]: one row by up to 4 blocks, two rows by up to 2, or up to 4 rows by one.
+  static constexpr BlockKernel kKernels[4][kInt4VnniMaxBlocks] = {
+      {&Block<1, 1>, &Block<1, 2>, &Block<1, 3>, &Block<1, 4>},
+      {&Block<2, 1>, &Block<2, 2>, nullptr, nullptr},
+      {&Block<3, 1>, nullptr, nullptr, nullptr},
+      {&Block<4, 1>, nullptr, nullptr, nullptr},
+  };
+
+  void Run(const Item& item) const {
+    const int block_rows = M <= 2 ? static_cast<int>(M) : 4;
+    const int block_cols = M == 1 ? kInt4VnniMaxBlocks : M == 2 ? 2 : 1;
+    WalkRegisterBlocks(item, M, K * 2, block_rows, block_cols,
+                       [&](int64_t row, int rows, int64_t block, int blocks) {
+                         kKernels[rows - 1][blocks - 1](*this, row, block);
+                       });
+  }
+};
+
+}  // namespace vllm_xla
+
+#endif  // __x86_64__
