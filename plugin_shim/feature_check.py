@@ -127,10 +127,6 @@ def _online_patterns(config: VllmConfig) -> bool:
     return bool(getattr(args, "ignore", None) or getattr(args, "targets", None))
 
 
-# Speculative methods served on a hybrid target (a state after each draft, `tpu_platform.state_cache`).
-_HYBRID_DRAFTS = ("ngram", "mtp", "draft_model")
-
-
 def _hybrid(config: VllmConfig) -> bool:
     """Whether the model mixes Gated DeltaNet (state) layers with attention (Qwen3-Next, Qwen3.5)."""
     return bool(_model(config).is_hybrid)
@@ -209,19 +205,6 @@ REFUSED: tuple[Refusal, ...] = (
         lambda c: speculative.unsupported_speculation(c) is not None,
         speculative.INSTEAD,
         speculative.unsupported_speculation,
-    ),
-    Refusal(
-        "speculative_config with a hybrid model",
-        "EAGLE-3 speculation on hybrid models",
-        "method 'eagle3'",
-        lambda c: (
-            _hybrid(c)
-            and c.speculative_config is not None
-            and c.speculative_config.method not in _HYBRID_DRAFTS
-        ),
-        "use method 'mtp' (Qwen3-Next and Qwen3.5 checkpoints carry the layer), 'draft_model' (a "
-        "draft of the target's vocabulary) or 'ngram': an EAGLE-3 head reading a hybrid target's "
-        "hidden states is not built",
     ),
     Refusal(
         "enable_lora with a hybrid model",

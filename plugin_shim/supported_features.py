@@ -118,8 +118,9 @@ SUPPORTED: tuple[Supported, ...] = (
         "",
         "a state per request in each Gated DeltaNet layer, one block of vLLM's hybrid KV-cache manager "
         "(a Mamba-style spec); chunked prefill and preemption; tensor parallelism (key heads split, "
-        "the states with them); speculative decoding with n-gram, MTP or draft-model drafts (1 + k "
-        "blocks a request, a state after each draft); prefix caching is turned off for them (docs/models.md)",
+        "the states with them); speculative decoding with n-gram, MTP, draft-model or EAGLE-3 drafts "
+        "(1 + k blocks a request, a state after each draft); prefix caching is turned off for them "
+        "(docs/models.md)",
     ),
     Supported("Model dtype", "dtype", "float32, bfloat16, float16"),
     Supported(

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """An independent reference of an EAGLE-3 head's greedy drafts, in plain torch on the checkpoint's
 tensors (no vllm-xla code): the target's hidden states from transformers
-(`output_hidden_states`), then the head over the whole sequence with full causal attention at
-every draft step, as vLLM's `Eagle3LlamaForCausalLM` computes it."""
+(`output_hidden_states`: each layer's input, whatever its kind, a Gated DeltaNet layer's too; the
+last layer's output before the final norm), then the head over the whole sequence with full causal
+attention at every draft step, as vLLM's `Eagle3LlamaForCausalLM` computes it."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
 
 
 class Eagle3Reference:
-    """The head of `head_dir` for `target` (a transformers `LlamaForCausalLM`)."""
+    """The head of `head_dir` for `target` (a transformers causal LM: Llama, Qwen3-Next, ...)."""
 
     def __init__(self, head_dir: str, target, aux_layers: tuple[int, ...]):
         with open(os.path.join(head_dir, "config.json")) as f:
@@ -68,11 +69,22 @@ class Eagle3Reference:
         draft = int(logits.argmax())
         return draft + int(self.w["d2t"][draft]) if "d2t" in self.w else draft
 
+    def _layer_inputs(self, tokens: list[int]) -> list[torch.Tensor]:
+        """Each target layer's input, then the last layer's output before the final norm, as
+        vLLM's index `num_layers` reads it (transformers' last hidden state is after the norm)."""
+        final = []
+        hook = self.target.model.norm.register_forward_pre_hook(lambda _, args: final.append(args[0]))
+        try:
+            out = self.target(torch.tensor([tokens]), output_hidden_states=True)
+        finally:
+            hook.remove()
+        return [*out.hidden_states[:-1], final[0]]
+
     @torch.no_grad()
     def drafts(self, tokens: list[int], k: int) -> list[int]:
         """The head's k greedy drafts after `tokens` (the request's whole history)."""
-        out = self.target(torch.tensor([tokens]), output_hidden_states=True)
-        aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layers], -1)[:-1]  # positions 0..L-2
+        states = self._layer_inputs(tokens)
+        aux = torch.cat([states[i][0] for i in self.aux_layers], -1)[:-1]  # positions 0..L-2
         hidden = aux @ self.w["fc.weight"].T
         inputs = list(tokens[1:])  # position p reads the token at p + 1
         drafts = []

@@ -75,10 +75,6 @@ CASES = {
     "watermark_config": ("llama", dict(watermark_config={"key": 7})),
     "enable_return_routed_experts": ("mixtral", dict(enable_return_routed_experts=True)),
     "weight_transfer_config": ("llama", dict(weight_transfer_config={"backend": "nccl"})),
-    "speculative_config with a hybrid model": (  # an EAGLE-3 head (a Llama's) reading its states
-        "qwen3_next",
-        dict(speculative_config={"method": "eagle3", "model": "{eagle3_head}", "num_speculative_tokens": 2}),
-    ),
     "enable_lora with a hybrid model": ("qwen3_next", dict(enable_lora=True)),
     "runner with a hybrid model": ("qwen3_next", dict(runner="pooling", convert="embed")),
     "mamba_cache_dtype / mamba_ssm_cache_dtype": ("qwen3_next", dict(mamba_ssm_cache_dtype="bfloat16")),
@@ -119,8 +115,9 @@ def models(tmp_path_factory) -> dict[str, str]:
         "other_vocab": dict(config, vocab_size=512),
     }  # fmt: skip
     dirs = {"llama": llama, "multimodal": llama, "qwen3_next": save_tiny_qwen3_next(str(root / "qwen3_next"))}
-    head = save_tiny_eagle3_head(str(root / "eagle3_head"), llama, seed=1, aux_layer_ids=(0, 1, 2))
-    dirs["eagle3_head"] = head
+    heads = {"eagle3_head": (llama, (0, 1, 2)), "hybrid_eagle3_head": (dirs["qwen3_next"], (1, 3, 4))}
+    for name, (target, layers) in heads.items():
+        dirs[name] = save_tiny_eagle3_head(str(root / name), target, seed=1, aux_layer_ids=layers)
     for name, variant in variants.items():
         path = root / name
         shutil.copytree(llama, path, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -367,6 +364,21 @@ def test_an_eagle3_head_is_served_without_async_scheduling_and_with_tensor_paral
     assert config.scheduler_config.async_scheduling is False  # vLLM's default turns it on
     split = _config(models, "llama", dict(speculative_config=spec, tensor_parallel_size=2))
     assert feature_check.refusals(split) == []
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "eagle3", "model": "{hybrid_eagle3_head}"},  # a head made for the hybrid
+        {"method": "draft_model", "model": "{llama}"},
+        {"method": "ngram", "prompt_lookup_max": 3},
+    ],
+    ids=lambda spec: spec["method"],
+)
+def test_a_hybrid_target_is_served_with_each_proposer_built_for_it(models, spec):
+    # ('mtp' needs the checkpoint's own layer: `test_mtp_config.py`.)
+    config = _config(models, "qwen3_next", dict(speculative_config={**spec, "num_speculative_tokens": 2}))
+    assert feature_check.refusals(config) == []
 
 
 def test_eagle_one_heads_are_refused_by_name(models):

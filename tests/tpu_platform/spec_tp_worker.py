@@ -2,7 +2,8 @@
 """Run in a process of its own with 2 simulated CPU devices (`test_speculation_tensor_parallel.py`).
 
 `python -m tests.tpu_platform.spec_tp_worker METHOD DIR OUT.json`: builds tiny checkpoints for
-METHOD ('draft_model', 'eagle3', 'mtp', or 'hybrid_mtp': a Qwen3-Next target's own MTP layer)
+METHOD ('draft_model', 'eagle3', 'mtp', 'hybrid_mtp': a Qwen3-Next target's own MTP layer, or
+'hybrid_eagle3': an EAGLE-3 head reading a Qwen3-Next target's Gated DeltaNet and attention layers)
 under DIR, serves them at `tensor_parallel_size=2`
 through the runner (no vLLM), and drives one request with drafts: a prompt prefilled in two
 chunks, then verification steps whose drafts are the proposer's own and drafts made to keep K, 1
@@ -32,6 +33,8 @@ from tpu_platform.step_program import KVLayout
 K = 3
 TP = 2
 AUX = (0, 2, 3)
+HYBRID_AUX = (1, 3, 4)  # two Gated DeltaNet layers' outputs and the full-attention one's
+HYBRID = ("hybrid_mtp", "hybrid_eagle3")
 VOCAB = 384  # the tiny Llama's and the tiny DeepSeek's
 
 
@@ -57,6 +60,20 @@ def checkpoints(method: str, root: str):
         target = Qwen3NextForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
         reference = QwenMtpReference(path, target.eval())
         return path, path, target, lambda history: reference.drafts(history, K)
+    if method == "hybrid_eagle3":
+        import torch
+        from transformers import Qwen3NextForCausalLM
+
+        from tests.eagle3_reference import Eagle3Reference
+        from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
+
+        path = save_tiny_qwen3_next(f"{root}/hybrid", seed=5)
+        head = save_tiny_eagle3_head(
+            f"{root}/head", path, seed=7, aux_layer_ids=HYBRID_AUX, draft_vocab_size=256
+        )
+        target = Qwen3NextForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+        reference = Eagle3Reference(head, target.eval(), HYBRID_AUX)
+        return path, head, target, lambda history: reference.drafts(history, K)
     if method == "mtp":
         import torch
         from transformers import DeepseekV3ForCausalLM
@@ -87,11 +104,14 @@ def checkpoints(method: str, root: str):
 
 
 def build_runner(method: str, target: str, drafter: str) -> Runner:
-    if method != "hybrid_mtp":
+    if method not in HYBRID:
         return speculating_runner(target, method, drafter, K, tensor_parallel_size=TP)
     # The engine's groups for 3 Gated DeltaNet layers and 1 full-attention one: a group each.
     layout = lambda runner: KVLayout.for_model(runner.model_config)  # noqa: E731
-    return speculating_runner(target, "mtp", drafter, K, tensor_parallel_size=TP, num_pages=20, layout=layout)
+    proposer = method.removeprefix("hybrid_")
+    return speculating_runner(
+        target, proposer, drafter, K, tensor_parallel_size=TP, num_pages=20, layout=layout
+    )
 
 
 def drive_request(runner: Runner, target, reference, hybrid: bool) -> dict:
@@ -150,9 +170,9 @@ def state_pools(runner: Runner) -> list[dict]:
 def main(method: str, root: str, out_path: str) -> None:
     target_dir, drafter_dir, target, reference = checkpoints(method, root)
     runner = build_runner(method, target_dir, drafter_dir)
-    result = drive_request(runner, target, reference, method == "hybrid_mtp")
+    result = drive_request(runner, target, reference, method in HYBRID)
     result.update(placements(runner))
-    if method == "hybrid_mtp":
+    if method in HYBRID:
         result["state_pools"] = state_pools(runner)
         result["state_columns"] = runner.step_program.layout.state_columns
     result["compiles_after_warmup"] = runner.programs.compiles_after_warmup

@@ -8,12 +8,13 @@ for token. Every proposal equals the independent reference's (the draft's greedy
 transformers, the torch references of the heads), so the split drafter and its split cache hold
 the right entries. Every drafter parameter is placed as the rules table says, the caches are
 split on the KV heads (a latent cache whole on each device), and nothing compiles after warm-up.
-A hybrid target (Qwen3-Next with its own MTP layer) verifies drafts kept none, one, all and none:
+A hybrid target (Qwen3-Next with its own MTP layer, or with an EAGLE-3 head) verifies drafts kept
+none, one, all and none:
 each Gated DeltaNet layer keeps a state after each verified row in its 1 + k state blocks, its
 pools split on channels and heads as `pallas_kernels.state_partition_specs` says.
 EAGLE-3 runs in `make test`; the draft model, the MTP layer (a DeepSeek block: latent attention,
-experts) and the hybrid target in `make test-full` (their one-device forms in `make test`:
-`test_qwen3_next_mtp.py`, `test_draft_model.py`)."""
+experts) and the hybrid targets in `make test-full` (their one-device forms: `test_qwen3_next_mtp.py`,
+`test_draft_model.py` in `make test`, `test_hybrid_eagle3.py` in `make test-full`)."""
 
 from __future__ import annotations
 
@@ -83,9 +84,7 @@ def test_an_mtp_layer_split_over_two_devices_drafts_as_the_reference(tmp_path):
     assert [cache["spec"] for cache in result["caches"]] == [[]]  # the latent cache, whole on each device
 
 
-@pytest.mark.full  # a hybrid target's programs and the layer's on the mesh: minutes
-def test_a_hybrid_targets_mtp_layer_split_over_two_devices_keeps_a_state_per_verified_row(tmp_path):
-    result = _run("hybrid_mtp", tmp_path)
+def _check_hybrid(result: dict, split: tuple[str, ...]) -> None:
     assert result["outputs"] == result["greedy"]  # drafts kept: none, 1, all 3, none
     assert result["drafts"] == result["reference_drafts"]
     assert result["stats"]["kept"] == 0 + 1 + 3 + 0
@@ -93,12 +92,27 @@ def test_a_hybrid_targets_mtp_layer_split_over_two_devices_keeps_a_state_per_ver
     assert result["state_columns"] == 1 + 3
     params = result["params"]
     assert all(p["spec"] == p["rule"] and p["devices"] == 2 for p in params.values()), params
-    split = ("block.self_attn.qkv_proj.kernel", "block.mlp.experts.gate_proj.kernel", "shared_head.kernel")
     assert all("model" in params[name]["spec"] for name in split), {n: params[n] for n in split}
     assert all(_heads_split(cache) for cache in result["caches"])
+
+
+@pytest.mark.full  # a hybrid target's programs and the layer's on the mesh: minutes
+def test_a_hybrid_targets_mtp_layer_split_over_two_devices_keeps_a_state_per_verified_row(tmp_path):
+    result = _run("hybrid_mtp", tmp_path)
+    split = ("block.self_attn.qkv_proj.kernel", "block.mlp.experts.gate_proj.kernel", "shared_head.kernel")
+    _check_hybrid(result, split)
     pools = result["state_pools"]
     assert len(pools) == 2 * 3  # a conv and a recurrent pool in each of 3 Gated DeltaNet layers
     for pool in pools:  # split as the rules say, each device holding half of the split axis
         assert pool["spec"] == pool["rule"], pool
         axis = pool["spec"].index("model")
         assert pool["shard"][axis] * 2 == pool["shape"][axis], pool
+
+
+@pytest.mark.full  # a hybrid target's programs and the head's on the mesh: minutes
+def test_an_eagle3_head_on_a_hybrid_target_split_over_two_devices_drafts_as_the_reference(tmp_path):
+    """The head reads the split target's Gated DeltaNet and attention layers' outputs (whole on
+    each device) and its cache, split on the KV heads, follows the full-attention group's tables."""
+    result = _run("hybrid_eagle3", tmp_path)
+    _check_hybrid(result, ("layer.self_attn.qkv_proj.kernel", "layer.mlp.down_proj.kernel", "lm_head.kernel"))
+    assert result["params"]["fc.kernel"]["spec"] == []  # small: whole on each device

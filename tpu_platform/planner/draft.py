@@ -45,6 +45,7 @@ from tpu_platform.speculation.draft_model import (
     drafter_page_bytes,
     kv_share,
     make_draft_loop,
+    target_cache_group,
 )
 from tpu_platform.speculation.eagle3 import make_head_programs
 from tpu_platform.speculation.verifier import make_verify
@@ -222,10 +223,12 @@ def _compile_head(
         cache_sharding = NamedSharding(mesh, spec)
     caches = [jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=cache_sharding) for c in caches]
     per_array = caches_per_array(1, num_pages, page_size)
-    shape = DraftCacheShape(target.backend, kv_dtype.name, num_pages, per_array, mesh)
+    # A hybrid target's step carries its groups' tables; the head reads its full-attention group's.
+    group, num_groups = target_cache_group(target.config)
+    shape = DraftCacheShape(target.backend, kv_dtype.name, num_pages, per_array, mesh, group)
     head_pass, loop = make_head_programs(graphdef, state_def, shape)
     ints = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32, sharding=on_chip)  # noqa: E731
-    packed, dims = pack_inputs(padding_inputs(*step_shape(target, num_tokens), 1))
+    packed, dims = pack_inputs(padding_inputs(*step_shape(target, num_tokens), num_groups))
     aux = jax.ShapeDtypeStruct((dims[0], width), dtype, sharding=on_chip)
     feed = target.buckets.max_seqs
     pass_args = (leaves, caches, ints(*packed.shape), aux, ints(feed))
@@ -252,9 +255,10 @@ def eagle3_head_like(target: StepSetup, draft_vocab_size: int = 32000) -> Eagle3
     wide as the target's, reading three of its layers (vLLM's default choice), drafting from a
     `draft_vocab_size`-token vocabulary."""
     config = target.config
-    model = dataclasses.replace(
-        config, architecture="LlamaForCausalLMEagle3", num_layers=1, layer_sliding_windows=(None,)
-    )
+    # The plain fields of the target's configuration (a hybrid's layer kinds are not the head's).
+    plain = {f.name: getattr(config, f.name) for f in dataclasses.fields(ModelConfig) if f.init}
+    plain.update(architecture="LlamaForCausalLMEagle3", num_layers=1, layer_sliding_windows=(None,))
+    model = ModelConfig(**plain)
     return Eagle3Config(
         model=model, draft_vocab_size=draft_vocab_size, target_hidden_size=config.hidden_size,
         num_aux_hidden_states=3, aux_layer_ids=None,

@@ -50,13 +50,19 @@ from tpu_platform.weights.prepared import ShardingFor
 from tpu_platform.weights.source import load_served_weights
 
 
-def check_one_cache_group(method: str, num_groups: int) -> None:
-    """A drafter's cache shares the target's pages: the target's layers must share one group."""
-    if num_groups != 1:
+def check_target_groups(method: str, target_groups: tuple[int, int], num_groups: int) -> None:
+    """A drafter's cache shares the target's pages: the engine's KV-cache groups must be the ones
+    `target_cache_group` counted (`target_groups`), one, or a hybrid's as `KVLayout.for_model`."""
+    expected = target_groups[1]
+    if expected == 1 and num_groups != 1:
         raise ValueError(
-            f"speculative method {method!r} needs a target whose layers share one KV-cache group "
-            f"(this one has {num_groups}: sliding-window or chunked layers beside full ones); "
-            "use method 'ngram' with it"
+            f"speculative method {method!r} needs a target whose layers share one KV-cache group (this "
+            f"one has {num_groups}: sliding-window or chunked layers beside full ones); use method 'ngram'"
+        )
+    if num_groups != expected:
+        raise ValueError(
+            f"speculative method {method!r} expects {expected} KV-cache groups for its hybrid "
+            f"target, the engine made {num_groups}; use method 'ngram'"
         )
 
 
@@ -213,10 +219,9 @@ class DraftModel:
         mesh: Mesh | None = None,
         target_groups: tuple[int, int] = (0, 1),
     ):
-        self.model_config = model_config
-        self.k = k
-        self.mesh = mesh
-        self.cache_group, self._target_groups = target_groups  # `target_cache_group`
+        self.model_config, self.k, self.mesh = model_config, k, mesh
+        self._target_groups = target_groups  # `target_cache_group`
+        self.cache_group = target_groups[0]
         self._graphdef = graphdef
         self._state_leaves, self._state_def = jax.tree.flatten(state)
         self.kv_caches: list[jax.Array] = []
@@ -280,13 +285,7 @@ class DraftModel:
     ) -> None:
         """Allocates the draft's caches (`num_pages` pages, the target's) and builds its forward,
         its layers in the target's group `cache_group` of the `num_groups` the engine made."""
-        if self._target_groups == 1:
-            check_one_cache_group("draft_model", num_groups)
-        elif num_groups != self._target_groups:
-            raise ValueError(
-                f"speculative method 'draft_model' expects {self._target_groups} KV-cache groups for "
-                f"its hybrid target, the engine made {num_groups}; use method 'ngram'"
-            )
+        check_target_groups("draft_model", self._target_groups, num_groups)
         mc = self.model_config
         groups = [range(mc.num_layers) if g == self.cache_group else () for g in range(num_groups)]
         layout = KVLayout.from_groups(groups, mc.num_layers)

@@ -3,9 +3,11 @@
 target's own hidden states, as vLLM's EAGLE proposer does.
 
 The target's step program then has one more output: the residual streams entering the head's
-three chosen target layers, `[T, 3 * D]` (`models.layers.DecoderModel`, `aux_layers`). The head's
-KV cache is one layer's, as many pages as the target's and indexed by its block tables, inside
-the same memory budget (`draft_model.kv_share`); vLLM reserves k lookahead slots per request.
+three chosen target layers, `[T, 3 * D]` (`models.layers.DecoderModel`, `aux_layers`; on a
+hybrid target, Qwen3-Next or Qwen3.5, a Gated DeltaNet layer's output is read as any layer's).
+The head's KV cache is one layer's, as many pages as the target's and indexed by its block
+tables (a hybrid's full-attention group's: `draft_model.target_cache_group`), inside the same
+memory budget (`draft_model.kv_share`); vLLM reserves k lookahead slots per request.
 
 The head's cache entry at position p is computed from the token at p + 1 and the target's hidden
 state at p, so it waits for the step's tokens. Once they are recorded, two programs:
@@ -48,10 +50,11 @@ from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling.ops import first_argmax
 from tpu_platform.speculation.draft_model import (
     DraftCacheShape,
-    check_one_cache_group,
+    check_target_groups,
     draft_caches,
     drafter_page_bytes,
     place_drafter,
+    target_cache_group,
 )
 
 
@@ -161,7 +164,8 @@ def make_head_programs(graphdef: nnx.GraphDef, state_def: jax.tree_util.PyTreeDe
 
 def check_target(model: nnx.Module, target: ModelConfig) -> None:
     """Refuses by name a target whose step cannot hand the head its hidden states: the trunk
-    that collects them is `models.layers.DecoderModel`'s (Llama, Qwen, Mistral families)."""
+    that collects them is `models.layers.DecoderModel`'s (Llama, Qwen, Mistral families,
+    Qwen3-Next and Qwen3.5)."""
     trunk = getattr(model, "model", None)
     if type(model).__call__ is not CausalLM.__call__ or type(trunk).__call__ is not DecoderModel.__call__:
         raise ValueError(
@@ -186,8 +190,6 @@ class Eagle3Proposer:
     """The head's weights, KV cache and programs (see the module docstring)."""
 
     method = "eagle3"
-    # The target's KV-cache group whose block tables the head's cache follows (`DraftCacheShape`).
-    cache_group = 0
 
     def __init__(
         self,
@@ -197,8 +199,12 @@ class Eagle3Proposer:
         k: int,
         device: jax.Device,
         mesh: Mesh | None = None,
+        target_groups: tuple[int, int] = (0, 1),
     ):
         self.config = config
+        # The target's group whose tables the head's cache follows, and its count (`target_cache_group`).
+        self._target_groups = target_groups
+        self.cache_group = target_groups[0]
         self.model_config = config.model
         self.aux_layers = aux_layers
         self.k = k
@@ -223,7 +229,7 @@ class Eagle3Proposer:
         if head.embed_tokens is None:
             head.share_embedding(target_model.model.embed_tokens.embedding[...])
         attach_rope_tables(head, max_model_len)
-        return cls(config, head, aux_layers, k, device, mesh)
+        return cls(config, head, aux_layers, k, device, mesh, target_cache_group(target))
 
     def page_bytes(self, page_size: int, kv_dtype: jnp.dtype, backend: str) -> int:
         """Bytes one page takes in the head's cache (one layer)."""
@@ -241,8 +247,9 @@ class Eagle3Proposer:
         device: jax.Device,
         num_groups: int,
     ) -> None:
-        """Allocates the head's cache (`num_pages` pages, the target's) and its programs."""
-        check_one_cache_group(self.method, num_groups)
+        """Allocates the head's cache (`num_pages` pages, the target's) and its programs; on a
+        hybrid target its one layer is in the target's full-attention group (`cache_group`)."""
+        check_target_groups(self.method, self._target_groups, num_groups)
         self.kv_caches = draft_caches(
             self.model_config, 1, num_pages, page_size, kv_dtype, backend, device, self.mesh
         )

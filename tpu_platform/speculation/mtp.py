@@ -22,11 +22,10 @@ from jax.sharding import Mesh
 
 from models import ModelConfig, attach_rope_tables
 from models.mtp import MtpHead, load_mtp_head
-from models.qwen3_next import FULL_ATTENTION
 from models.qwen3_next_mtp import ARCHITECTURES as QWEN_ARCHITECTURES
 from models.qwen3_next_mtp import load_qwen_mtp_head
+from tpu_platform.speculation.draft_model import target_cache_group
 from tpu_platform.speculation.eagle3 import Eagle3Proposer
-from tpu_platform.step_program import KVLayout
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,7 +44,7 @@ class MtpProposer(Eagle3Proposer):
     def __init__(
         self, config: MtpConfig, head: MtpHead, k: int, device: jax.Device, mesh: Mesh | None = None
     ):
-        super().__init__(config, head, (), k, device, mesh)
+        super().__init__(config, head, (), k, device, mesh, target_cache_group(config.model))
 
     @classmethod
     def load(
@@ -59,20 +58,6 @@ class MtpProposer(Eagle3Proposer):
         head.share_embedding(target_model.model.embed_tokens.embedding[...])
         attach_rope_tables(head, max_model_len)
         return cls(MtpConfig(target, path), head, k, device, mesh)
-
-    def initialize(self, num_pages: int, *, num_groups: int, **facts) -> None:
-        """`Eagle3Proposer.initialize`; a hybrid target's layer takes the group of the target's
-        first full-attention layer (as vLLM's engine groups them: `KVLayout.for_model`)."""
-        if self.model_config.state_layers:
-            layout = KVLayout.for_model(self.model_config)
-            if layout.num_groups != num_groups:
-                raise ValueError(
-                    f"speculative method 'mtp' expects {layout.num_groups} KV-cache groups for "
-                    f"{self.model_config.architecture}, the engine made {num_groups}; use method 'ngram'"
-                )
-            self.cache_group = layout.layer_groups[self.model_config.layer_types.index(FULL_ATTENTION)]
-            num_groups = 1  # the head's cache follows that one group's tables
-        super().initialize(num_pages, num_groups=num_groups, **facts)
 
     def input_width(self) -> int:
         return self.model_config.hidden_size
