@@ -478,7 +478,7 @@ WHAT_MOVES = """\
   of identical layers stacked, the step's small inputs already one buffer) is the lever on it.
   Under async scheduling (`host_cpu_time.py --async-scheduling`, 1-min load average 15 to 21 on
   2 CPUs, 2026-11-29) the figures were 1.07 ms at 64 rows and 1.73 ms at 256, the execute phase
-  unchanged; the rest is some 30 small NumPy operations of input preparation and token
+  about the same; the rest is some 30 small NumPy operations of input preparation and token
   recording, and Python.
 - **Async scheduling on the CPU device** stays off by default (`VLLM_XLA_CPU_ASYNC_SCHEDULING=1`
   turns it on). On the CPU device the "device" is the host's own cores: a decode step of many rows
