@@ -192,6 +192,7 @@ def run_vllm(
         "quantization": quantization,
     }
     result.update(_platform_info(peer), limits=VLLM_LIMITS)
+    result["async_scheduling"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
     result["runner_stats_after_startup"] = _runner_stats(llm, peer)
     vocab = vocab_size(model_dir)
     warm = random_prompts(1, (sizes.warmup_prompt_len,) * 2, vocab, SEED + 1)

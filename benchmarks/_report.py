@@ -136,13 +136,25 @@ def format_runner_stats(results: dict[str, Any]) -> str:
         delta = {k: after[k] - before.get(k, 0) for k in after}
         steps = max(delta["steps"], 1)
         host_ms = 1e3 * delta["host_seconds"] / steps
+        overlapped = 100 * delta.get("overlapped_steps", 0) / steps
+        overlap = f"{overlapped:.0f}% dispatched while the previous step ran"
+        if not _async_scheduling(ours):  # nothing can overlap: each step waits for the previous one's tokens
+            overlap = "async scheduling off (the CPU default; VLLM_XLA_CPU_ASYNC_SCHEDULING=1 turns it on)"
         lines.append(
-            f"ours, {workload}: {delta['steps']} steps, host {host_ms:.2f} ms/step, "
-            f"{100 * delta.get('overlapped_steps', 0) / steps:.0f}% dispatched while the previous step ran "
-            f"(async scheduling), {delta['sampler_steps']} sampler runs, "
-            f"{after['compiles_after_warmup']} compiles after warm-up"
+            f"ours, {workload}: {delta['steps']} steps, host {host_ms:.2f} ms/step, {overlap}, "
+            f"{delta['sampler_steps']} sampler runs, {after['compiles_after_warmup']} compiles after warm-up"
         )
     return "\n".join(lines)
+
+
+def _async_scheduling(result: dict[str, Any]) -> bool:
+    """Whether the engine of `result` ran with vLLM's async scheduling: as recorded, or for a report
+    from before it was, from its environment (`plugin_shim.platform` turns it off on the CPU device
+    unless VLLM_XLA_CPU_ASYNC_SCHEDULING=1)."""
+    if "async_scheduling" in result:
+        return bool(result["async_scheduling"])
+    env = result.get("env", {})
+    return env.get("VLLM_XLA_PLATFORM") != "cpu" or env.get("VLLM_XLA_CPU_ASYNC_SCHEDULING") == "1"
 
 
 def format_failures(results: dict[str, Any]) -> str:

@@ -3,7 +3,7 @@
 machine's load barely moves (a busy neighbour delays the thread but does not add to its CPU time).
 
     .venv/bin/python benchmarks/host_cpu_time.py [--rows 64,256] [--steps 64] [--profile N]
-        [--model-dir DIR] [--out benchmarks/out/host_cpu_time.json]
+        [--async-scheduling] [--model-dir DIR] [--out benchmarks/out/host_cpu_time.json]
 
 Serves the thin model of `host_overhead.py` (the embedded model's structure at a 64-wide trunk,
 so a step's device work is small) in-process with synchronous scheduling: `R` prompts of 16
@@ -14,6 +14,11 @@ engine thread's own CPU seconds: waiting for the device's tokens costs none. Rep
 decode step of R rows (the prefill steps left out), and with `--profile N` the N functions with
 the most own CPU time inside those calls (cProfile; its overhead inflates Python-heavy code, so
 read it for shares, not for absolute time).
+
+`--async-scheduling` runs vLLM's async scheduling (as on an accelerator:
+`VLLM_XLA_CPU_ASYNC_SCHEDULING=1`): each step is dispatched while the previous one computes the
+token it feeds, and the step's output is built when vLLM asks for it (`_AsyncOutput.get_output`,
+timed too).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=64, help="output tokens per request")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row count")
     parser.add_argument("--profile", type=int, default=0, help="print the N costliest functions")
+    parser.add_argument("--async-scheduling", action="store_true", help="vLLM's async scheduling on")
     parser.add_argument("--model-dir", help="default: host_overhead.py's thin model (built once)")
     parser.add_argument("--out", help="JSON path (default benchmarks/out/host_cpu_time.json)")
     return parser.parse_args(argv)
@@ -137,6 +143,7 @@ def measure(model_dir: str, rows: int, args: argparse.Namespace) -> dict:
     import numpy as np
     from vllm import LLM
 
+    from plugin_shim import worker
     from plugin_shim.worker import XlaWorker
 
     # CPU time, not wall time: waiting for the device would otherwise dominate.
@@ -144,9 +151,11 @@ def measure(model_dir: str, rows: int, args: argparse.Namespace) -> dict:
     clock = _WorkerClock(None)
     for name in ("execute_model", "sample_tokens"):
         clock.wrap(XlaWorker, name)
+    if args.async_scheduling:  # the step's output is made when vLLM asks for it
+        clock.wrap(worker._AsyncOutput, "get_output")
     phases = _phase_clocks()
     llm = LLM(
-        model=model_dir, dtype="float32", seed=0, async_scheduling=False, max_model_len=1024,
+        model=model_dir, dtype="float32", seed=0, async_scheduling=args.async_scheduling, max_model_len=1024,
         max_num_seqs=rows, max_num_batched_tokens=max(1024, rows * PROMPT_LEN),
     )  # fmt: skip
     rng = np.random.default_rng(0)
@@ -189,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_XLA_PLATFORM", "cpu")
     os.environ.setdefault("VLLM_XLA_CPU_KV_CACHE_GB", "2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.async_scheduling:
+        os.environ["VLLM_XLA_CPU_ASYNC_SCHEDULING"] = "1"
     model_dir = args.model_dir
     if model_dir is None:
         sys.path.insert(0, str(HERE))
@@ -212,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(OSError):
         report = {
             "steps": args.steps,
+            "async_scheduling": args.async_scheduling,
             "nproc": os.cpu_count(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_average_before_after": [load_before, os.getloadavg()],

@@ -468,10 +468,18 @@ WHAT_MOVES = """\
   are passed as the device array that already reads their reused host buffer
   (`dispatch.HostViews`: the `input transfer` phase, 0.11-0.13 ms, is gone); a step reads the
   runner's phase records once; a greedy step skips the sampler's seeding counts; one host skips the
-  lost-host error context. That is still above the 0.5 ms goal. The runtime's execute call is
-  0.4 ms: an asynchronous launch plus about half a microsecond for each of the forward's ~190
-  arrays, most of them weights (fewer, stacked weight arrays would cut that part); the rest is
-  some 30 small NumPy operations of input preparation and token recording, and Python.
+  lost-host error context. That is still above the 0.5 ms goal. The runtime's execute call
+  (0.4 ms at 64 rows) is the launch alone: a profile of the engine's thread in steady decode
+  (`perf` attached after warm-up, 64 rows) finds no kernel of the program run on it, and a third
+  of the call in PJRT's per-argument preparation, more in per-buffer usage events.
+  [`benchmarks/call_cost.py`](../benchmarks/call_cost.py) times the same call in a loop of its
+  own at about 0.15 us of CPU an argument (35 us for the forward's ~190 arrays); in the engine,
+  between forwards that leave the caches cold, it is ten times that, so fewer arrays (the weights
+  of identical layers stacked, the step's small inputs already one buffer) is the lever on it.
+  Under async scheduling (`host_cpu_time.py --async-scheduling`, 1-min load average 15 to 21 on
+  2 CPUs, 2026-11-29) the figures were 1.07 ms at 64 rows and 1.73 ms at 256, the execute phase
+  about the same; the rest is some 30 small NumPy operations of input preparation and token
+  recording, and Python.
 - **Async scheduling on the CPU device** stays off by default (`VLLM_XLA_CPU_ASYNC_SCHEDULING=1`
   turns it on). On the CPU device the "device" is the host's own cores: a decode step of many rows
   is bound by the dense kernels (the section above), and in a synchronous run of the full batch

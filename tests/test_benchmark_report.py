@@ -1,0 +1,51 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`benchmarks/_report.format_runner_stats`: the overlap of async scheduling is reported only for an
+engine that ran it; an engine with it off (the CPU default) says so, whether the report recorded
+the setting or predates it (read from the run's environment)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("_report", REPO / "benchmarks" / "_report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("_report", module)  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _module()
+
+
+def _results(**recorded) -> dict:
+    before = {"steps": 10, "host_seconds": 0.0, "overlapped_steps": 0, "sampler_steps": 0}
+    after = {"steps": 30, "host_seconds": 0.02, "overlapped_steps": 15, "sampler_steps": 4,
+             "compiles_after_warmup": 0}  # fmt: skip
+    ours = {"status": "ok", "runner_stats_after_startup": before, "runner_stats": after, **recorded}
+    return {"batch": {"xla": ours}}
+
+
+@pytest.mark.parametrize(
+    ("recorded", "overlaps"),
+    [
+        ({"async_scheduling": True}, True),
+        ({"async_scheduling": False}, False),
+        ({"env": {"VLLM_XLA_PLATFORM": "cpu"}}, False),  # a report from before the setting was kept
+        ({"env": {"VLLM_XLA_PLATFORM": "cpu", "VLLM_XLA_CPU_ASYNC_SCHEDULING": "1"}}, True),
+        ({"env": {"VLLM_XLA_PLATFORM": "tpu"}}, True),
+    ],
+)
+def test_overlap_is_reported_only_where_async_scheduling_ran(recorded, overlaps):
+    line = report.format_runner_stats(_results(**recorded))
+    assert line.startswith("ours, batch: 20 steps, host 1.00 ms/step, ")
+    assert ("75% dispatched while the previous step ran" in line) == overlaps
+    assert ("async scheduling off" in line) == (not overlaps)
+    assert line.endswith("4 sampler runs, 0 compiles after warm-up")
