@@ -53,8 +53,8 @@ class TileRows:
 
 
 def every_token_pays(tokens: int, experts: int, tiles: int, rows: int, weight_bits: int) -> tuple[bool, bool]:
-    """Whether the every-token layout beats `tiles` routed tiles of `rows` rows, (on CPU, on a
-    TPU or GPU): it must read fewer kernels (`experts < tiles`) and hold at most MAX_TILE_ROWS
+    """(on CPU, on a TPU or GPU): whether the every-token layout beats `tiles` routed tiles of
+    `rows` rows. It must read fewer kernels (`experts < tiles`) and hold at most MAX_TILE_ROWS
     tokens a tile. On a TPU or GPU its `tokens * experts` rows of compute must also stay under
     the time its kernels take to read (each weight of `weight_bits` bits does two flops per
     token: `16 * tokens / weight_bits` flops per byte); on CPU its rows must stay within
