@@ -160,9 +160,7 @@ def experts_routed(
     e, k = gate.shape[0], experts.shape[1]
     b = rows or tile_rows(t * k, e)
     tiles = num_tiles(t * k, e, b)
-    on_cpu, elsewhere = every_token_pays(t, e, tiles, b, _weight_bits(gate))
-    if every_token_tiles is not None:
-        on_cpu = elsewhere = every_token_tiles and e < tiles and t <= MAX_TILE_ROWS
+    on_cpu, elsewhere = _every_token_layouts(t, e, tiles, b, _weight_bits(gate), every_token_tiles)
     kernel_elements = max(math.prod(w.shape[1:]) for w in (gate, up, down) if w is not None)
     scale_of = (None, None, None) if scales is None else scales
     offset_of = (None, None, None) if offsets is None else offsets
@@ -208,10 +206,12 @@ def experts_routed(
         if layout.input_scale is not None:
             rows_in = (rows_in.astype(jnp.float32) * layout.input_scale.reshape(e, t, 1)).astype(x.dtype)
         h = tiles_hidden(rows_in, slice(None))  # [E, T, F]
-        if isinstance(down, jax.Array) and scale_of[2] is None and offset_of[2] is None:
-            # The weights folded into the down matmul's sum over the experts: no `[E, T, D]`
-            # outputs are made (a scaled or decoded kernel needs each expert's own first).
-            hw = h * w[:, :, None].astype(h.dtype)
+        # The weights folded into the down matmul's sum over the experts: no `[E, T, D]` outputs
+        # are made (a kernel with per-expert output scales or offsets needs each expert's first).
+        hw = h * w[:, :, None].astype(h.dtype)
+        if isinstance(down, Mxfp4Stack):
+            return down.tile_matmul(hw, slice(None), summed=True)
+        if scale_of[2] is None and offset_of[2] is None:
             return jnp.einsum("etf,efd->td", hw, down, preferred_element_type=jnp.float32).astype(x.dtype)
         y = tile_dot("nbf,nfd->nbd", h, slice(None), 2)  # [E, T, D]
         return jnp.einsum("etd,et->td", y.astype(jnp.float32), w).astype(x.dtype)
@@ -227,6 +227,18 @@ def experts_routed(
         return run(on_cpu)
     # Static per step shape: the one branch of the platform lowered is compiled.
     return jax.lax.platform_dependent(cpu=lambda: run(on_cpu), default=lambda: run(elsewhere))
+
+
+def _every_token_layouts(
+    tokens: int, experts: int, tiles: int, rows: int, weight_bits: int, wanted: bool | None
+) -> tuple[bool, bool]:
+    """(on CPU, elsewhere): whether the every-token tiles run, `wanted` (True or False) where
+    they can (fewer tiles than the routed ones, at most MAX_TILE_ROWS tokens), else where they
+    pay (`models.moe_layout.every_token_pays`)."""
+    if wanted is None:
+        return every_token_pays(tokens, experts, tiles, rows, weight_bits)
+    possible = wanted and experts < tiles and tokens <= MAX_TILE_ROWS
+    return possible, possible
 
 
 def _weight_bits(kernel: jax.Array | Mxfp4Stack) -> int:
