@@ -32,11 +32,11 @@ from models.int8 import dequantize
 from models.layers import activation
 from models.linear import Linear
 from models.metadata import AttentionMetadata
-from models.moe_layout import every_token_rows, routed_rows
+from models.moe_layout import MAX_TILE_ROWS, every_token_pays, every_token_rows, routed_rows
+from models.moe_tiles import grouped_tile_dot, tile_offset_product, tiles_sum
 from models.mxfp4 import Mxfp4Stack
 from models.sharding import MODEL_AXIS
 
-MAX_TILE_ROWS = 128
 # Elements of the expert kernels one chunk of tiles gathers (128 MiB in bfloat16): a prefill
 # step's tiles outnumber the experts, and every tile's own copy of its expert's kernels at once
 # would take a few times the whole stack's bytes (dequantized, for 8- and 4-bit experts).
@@ -130,7 +130,7 @@ def experts_routed(
     max_chunk_elements: int = MAX_CHUNK_KERNEL_ELEMENTS,
     offsets: tuple[jax.Array | None, jax.Array | None, jax.Array | None] | None = None,
     input_order: jax.Array | None = None,
-    every_token_tiles: bool = False,
+    every_token_tiles: bool | None = None,
 ) -> jax.Array:
     """The same result as `experts_dense_reference`, computing each token only for its k experts.
 
@@ -150,24 +150,18 @@ def experts_routed(
     `input_order[e, r]`, so each tile's rows are gathered into its expert's order for those two
     products. The tiles run in chunks (`tile_chunks`, a loop over them when more
     than one) so that the expert kernels gathered for one chunk's tiles stay within
-    `max_chunk_elements`, whatever the step's token count. `every_token_tiles`: a step of at
-    most `MAX_TILE_ROWS` tokens whose routed tiles would outnumber the experts runs one tile of
-    every token per expert instead (`models.moe_layout`), each expert's kernels read once.
+    `max_chunk_elements`, whatever the step's token count. A step of at most `MAX_TILE_ROWS`
+    tokens whose routed tiles would outnumber the experts may run one tile of every token per
+    expert instead, each expert's kernels read once: where that pays, by the step's shape and
+    the platform (`models.moe_layout.every_token_pays`); `every_token_tiles` True or False
+    decides it (tests). An expert id of E (another device's expert) adds nothing.
     """
-    t, d = x.shape
+    t = x.shape[0]
     e, k = gate.shape[0], experts.shape[1]
-    a = t * k
-    b = rows or tile_rows(a, e)
+    b = rows or tile_rows(t * k, e)
+    tiles = num_tiles(t * k, e, b)
+    on_cpu, elsewhere = _every_token_layouts(t, e, tiles, b, _weight_bits(gate), every_token_tiles)
     kernel_elements = max(math.prod(w.shape[1:]) for w in (gate, up, down) if w is not None)
-    tiles = num_tiles(a, e, b)
-    if every_token_tiles and t <= MAX_TILE_ROWS and e < tiles:
-        b, chunks, per_chunk = t, 1, e
-        layout = every_token_rows(weights, experts, e, weights_on_input=weights_on_input)
-    else:
-        chunks, per_chunk = tile_chunks(tiles, kernel_elements, max_chunk_elements)
-        layout = routed_rows(weights, experts, e, b, chunks * per_chunk, weights_on_input=weights_on_input)
-    token, w, row_scale, tile_expert = layout.token, layout.weight, layout.input_scale, layout.tile_expert
-    x_padded = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])  # [T + 1, D]
     scale_of = (None, None, None) if scales is None else scales
     offset_of = (None, None, None) if offsets is None else offsets
 
@@ -178,18 +172,18 @@ def experts_routed(
         if scale is None:
             return jnp.einsum(spec, rows_in, kernel[ids])
         if scale.ndim == 3:  # `[E, in / G, out]`: a scale per group of inputs of each column
-            product = _grouped_tile_dot(rows_in, kernel[ids], scale[ids])
+            product = grouped_tile_dot(rows_in, kernel[ids], scale[ids])
         else:
             product = jnp.einsum(
                 spec, rows_in, kernel[ids].astype(x.dtype), preferred_element_type=jnp.float32
             )
             product = product * scale[ids][:, None, :]
         if offset is not None:
-            product = product + _tile_offset_product(rows_in, offset[ids])
+            product = product + tile_offset_product(rows_in, offset[ids])
         return product.astype(x.dtype)
 
-    def tiles_mlp(rows_in: jax.Array, ids: jax.Array) -> jax.Array:
-        """`rows_in [C, B, D]` through the experts `ids [C]` -> `[C, B, D]`."""
+    def tiles_hidden(rows_in: jax.Array, ids: jax.Array | slice) -> jax.Array:
+        """`rows_in [C, B, D]` through the gate and up kernels of the experts `ids [C]` -> `[C, B, F]`."""
         if input_order is not None:  # each tile's inputs in its expert's order of gate/up rows
             rows_in = jax.vmap(lambda rows, order: rows[:, order])(rows_in, input_order[ids])
         h = tile_dot("nbd,ndf->nbf", rows_in, ids, 0)
@@ -198,79 +192,61 @@ def experts_routed(
         h = act(h)
         if up is not None:
             h = h * tile_dot("nbd,ndf->nbf", rows_in, ids, 1)  # [C, B, F]
-        return tile_dot("nbf,nfd->nbd", h, ids, 2)
+        return h
 
-    def add_chunk(out: jax.Array, token_c: jax.Array, ids: jax.Array, w_c: jax.Array, scale_c) -> jax.Array:
-        """`out [T + 1, D]` plus one chunk's tiles (`ids [C]`, rows `token_c [C*B]`) weighted."""
-        rows_in = x_padded[token_c].reshape(-1, b, d)  # [C, B, D]
-        if scale_c is not None:
-            rows_in = (rows_in.astype(jnp.float32) * scale_c.reshape(-1, b, 1)).astype(x.dtype)
-        y = tiles_mlp(rows_in, ids).reshape(-1, d)  # [C*B, D]
-        return out.at[token_c].add(y.astype(jnp.float32) * w_c[:, None])
+    def tiles_mlp(rows_in: jax.Array, ids: jax.Array) -> jax.Array:
+        """`rows_in [C, B, D]` through the experts `ids [C]` -> `[C, B, D]`."""
+        return tile_dot("nbf,nfd->nbd", tiles_hidden(rows_in, ids), ids, 2)
 
-    out = jnp.zeros((t + 1, d), jnp.float32)
-    if chunks == 1:
-        out = add_chunk(out, token, tile_expert, w, row_scale)
-    else:
-        # A loop over the chunks, one chunk's kernels gathered at a time, each chunk's rows
-        # gathered and its outputs added to the tokens' rows inside it: no `[N, B, D]` buffer of
-        # every tile's rows or outputs, which XLA's GPU compiler allocates for every MoE layer of
-        # the step at once.
-        per_chunk_rows = (token, w) + (() if row_scale is None else (row_scale,))
-        token_c, w_c, *scale_c = (v.reshape(chunks, per_chunk * b) for v in per_chunk_rows)
-        ids = tile_expert.reshape(chunks, per_chunk)
+    def every_token_sum() -> jax.Array:
+        """Each expert on every token, in place of a gather of its rows, combined by weight."""
+        layout = every_token_rows(weights, experts, e, weights_on_input=weights_on_input)
+        w = layout.weight.reshape(e, t)  # [E, T]
+        rows_in = jnp.broadcast_to(x, (e, *x.shape))  # [E, T, D]
+        if layout.input_scale is not None:
+            rows_in = (rows_in.astype(jnp.float32) * layout.input_scale.reshape(e, t, 1)).astype(x.dtype)
+        h = tiles_hidden(rows_in, slice(None))  # [E, T, F]
+        # The weights folded into the down matmul's sum over the experts: no `[E, T, D]` outputs
+        # are made (a kernel with per-expert output scales or offsets needs each expert's first).
+        hw = h * w[:, :, None].astype(h.dtype)
+        if isinstance(down, Mxfp4Stack):
+            return down.tile_matmul(hw, slice(None), summed=True)
+        if scale_of[2] is None and offset_of[2] is None:
+            return jnp.einsum("etf,efd->td", hw, down, preferred_element_type=jnp.float32).astype(x.dtype)
+        y = tile_dot("nbf,nfd->nbd", h, slice(None), 2)  # [E, T, D]
+        return jnp.einsum("etd,et->td", y.astype(jnp.float32), w).astype(x.dtype)
 
-        def body(i: jax.Array, out: jax.Array) -> jax.Array:
-            return add_chunk(out, token_c[i], ids[i], w_c[i], scale_c[0][i] if scale_c else None)
+    def run(every_token: bool) -> jax.Array:
+        if every_token:
+            return every_token_sum()
+        chunks, per_chunk = tile_chunks(tiles, kernel_elements, max_chunk_elements)
+        layout = routed_rows(weights, experts, e, b, chunks * per_chunk, weights_on_input=weights_on_input)
+        return tiles_sum(x, layout, b, (chunks, per_chunk), tiles_mlp)
 
-        out = jax.lax.fori_loop(0, chunks, body, out)
-    return out[:t].astype(x.dtype)
-
-
-def _grouped_tile_dot(rows: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
-    """`rows [N, B, in] @ (kernel * scale) [N, in, out]` in float32 for a kernel of 8- or 4-bit
-    values with a scale per group of inputs of each column (`scale [N, in / G, out]`, block fp8
-    and 4-bit experts): on TPU and GPU a partial product per group, each times its scales,
-    summed over the groups, the values converted to the rows' dtype inside the dot and no
-    dequantized weight made. XLA:CPU has no bfloat16 dot batched over two axes (tiles and
-    groups): there each tile's kernel is dequantized in float32 for one dot a tile, as
-    `models.int8.int8_dot_dequantized` does for a dense layer."""
-    return jax.lax.platform_dependent(
-        rows, kernel, scale, cpu=_grouped_tile_dot_dequantized, default=_grouped_tile_dot_per_group
-    )
+    if on_cpu == elsewhere:
+        return run(on_cpu)
+    # Static per step shape: the one branch of the platform lowered is compiled.
+    return jax.lax.platform_dependent(cpu=lambda: run(on_cpu), default=lambda: run(elsewhere))
 
 
-def _grouped_tile_dot_per_group(rows: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
-    n, b, inputs = rows.shape
-    groups = scale.shape[1]
-    size = inputs // groups
-    xg = rows.reshape(n, b, groups, size)
-    kg = kernel.reshape(n, groups, size, kernel.shape[-1]).astype(rows.dtype)
-    partial = jnp.einsum("nbgi,ngif->nbgf", xg, kg, preferred_element_type=jnp.float32)
-    return jnp.einsum("nbgf,ngf->nbf", partial, scale.astype(jnp.float32))
+def _every_token_layouts(
+    tokens: int, experts: int, tiles: int, rows: int, weight_bits: int, wanted: bool | None
+) -> tuple[bool, bool]:
+    """(on CPU, elsewhere): whether the every-token tiles run, `wanted` (True or False) where
+    they can (fewer tiles than the routed ones, at most MAX_TILE_ROWS tokens), else where they
+    pay (`models.moe_layout.every_token_pays`)."""
+    if wanted is None:
+        return every_token_pays(tokens, experts, tiles, rows, weight_bits)
+    possible = wanted and experts < tiles and tokens <= MAX_TILE_ROWS
+    return possible, possible
 
 
-def _grouped_tile_dot_dequantized(rows: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
-    n, inputs, outputs = kernel.shape
-    groups = scale.shape[1]
-    w = kernel.astype(jnp.float32).reshape(n, groups, inputs // groups, outputs)
-    w = (w * scale.astype(jnp.float32)[:, :, None, :]).reshape(n, inputs, outputs)
-    return jnp.einsum("nbi,nif->nbf", rows.astype(jnp.float32), w, preferred_element_type=jnp.float32)
-
-
-def _tile_offset_product(rows: jax.Array, offset: jax.Array) -> jax.Array:
-    """`rows [N, B, in]` times affine offsets in float32 (`models.int4.offset_product` a tile at a
-    time): each group's input sums `[N, B, in / G]` times `offset [N, in / G, out]`, or each
-    row's sum times `offset [N, out]` per channel. At full float32 precision: the offsets may
-    nearly cancel the scaled values' product."""
-    rows, offset = rows.astype(jnp.float32), offset.astype(jnp.float32)
-    if offset.ndim == 2:
-        return jnp.sum(rows, axis=-1, keepdims=True) * offset[:, None, :]
-    n, b, _ = rows.shape
-    sums = rows.reshape(n, b, offset.shape[1], -1).sum(axis=-1)
-    return jnp.einsum(
-        "nbg,ngf->nbf", sums, offset, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
-    )
+def _weight_bits(kernel: jax.Array | Mxfp4Stack) -> int:
+    """Bits a weight of an expert stack takes (4 for mxfp4, int4's 4 as held on TPU and GPU)."""
+    if isinstance(kernel, Mxfp4Stack):
+        return 4
+    dtype = jnp.dtype(kernel.dtype)
+    return jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype).bits
 
 
 def experts_routed_on_mesh(
@@ -354,8 +330,8 @@ def experts_by_index_on_mesh(
     """`experts_routed` under expert parallelism: every expert array split on its expert axis
     over `mesh`'s model axis (`models.sharding.EXPERT_PARALLEL_RULE`), device i holding experts
     `i * E / N ..` whole. The tokens and their routing are on every device (attention's sum left
-    them replicated), so each device runs its own experts on the assignments routed to them, the
-    others' weights zeroed (they go to its first expert and add nothing), and one sum over the
+    them replicated), so each device runs its own experts on the assignments routed to them (the
+    others' sent to expert id E/N, in no tile, weight 0), and one sum over the
     devices combines them: the same `[T, D]` all-reduce as the split experts', and no token or
     weight exchanged before it. `down_bias [E, D]` (GPT-OSS): added once per chosen expert, by
     the device holding it. Other arguments as in `experts_routed_on_mesh`."""
@@ -366,12 +342,12 @@ def experts_by_index_on_mesh(
         ids = experts - jax.lax.axis_index(MODEL_AXIS) * count
         mine = (ids >= 0) & (ids < count)
         weights = jnp.where(mine, weights, 0.0)
-        ids = jnp.where(mine, ids, 0)
         partial = experts_routed(
-            x, *stacks, weights, ids, act, scales=scales or None, gate_bias=gate_bias,
-            weights_on_input=weights_on_input, offsets=offsets, input_order=input_order,
-            every_token_tiles=True,
+            x, *stacks, weights, jnp.where(mine, ids, count), act, scales=scales or None,
+            gate_bias=gate_bias, weights_on_input=weights_on_input, offsets=offsets,
+            input_order=input_order,
         )  # fmt: skip
+        ids = jnp.where(mine, ids, 0)
         if down_bias is not None:
             bias = jnp.einsum("tk,tkd->td", weights, down_bias[ids].astype(jnp.float32))
             partial = (partial.astype(jnp.float32) + bias).astype(x.dtype)

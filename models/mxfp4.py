@@ -74,8 +74,9 @@ class Mxfp4Stack:
         experts, out, groups, _ = self.blocks.shape
         return experts, groups * BLOCK, out
 
-    def tile_matmul(self, rows: jax.Array, experts: jax.Array) -> jax.Array:
-        """`rows [N, B, in] @` the kernels of `experts [N]` -> `[N, B, out]` in the rows' dtype.
+    def tile_matmul(self, rows: jax.Array, experts: jax.Array | slice, *, summed: bool = False) -> jax.Array:
+        """`rows [N, B, in] @` the kernels of `experts [N]` -> `[N, B, out]` in the rows' dtype;
+        `summed`: the N products' sum `[B, out]` instead (every expert's rows weighted already).
 
         The even and odd inputs (low and high nibbles) are two dots, each over values decoded
         and scaled elementwise from the gathered bytes in the rows' dtype (exact: an FP4 value
@@ -89,7 +90,10 @@ class Mxfp4Stack:
         for parity, nibbles in enumerate((blocks & 15, blocks >> 4)):
             values = _fp4_values(nibbles).astype(rows.dtype) * scale  # [N, O, G, 16]
             out = out + jnp.einsum(
-                "nbgj,nogj->nbo", pairs[..., parity], values, preferred_element_type=jnp.float32
+                "nbgj,nogj->bo" if summed else "nbgj,nogj->nbo",
+                pairs[..., parity],
+                values,
+                preferred_element_type=jnp.float32,
             )
         return out.astype(rows.dtype)
 

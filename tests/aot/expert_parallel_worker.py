@@ -6,7 +6,10 @@ stack of a layer (what a gathered expert weight would take), the temporaries, th
 program and its experts' tiles move (`planner.hlo`), and the chip's
 weight bytes as the mesh places them beside `tpu_platform.planner.replicas.chip_weights`.
 
-    python -m tests.aot.expert_parallel_worker STEPS TARGET:MODEL:EP:LAYERS [...]
+    python -m tests.aot.expert_parallel_worker STEPS TARGET:MODEL:EP:LAYERS[:tp] [...]
+
+A case ending in `:tp` keeps the experts split inside each over the same mesh (no expert
+parallelism), the sibling the decode step's expert traffic is compared with.
 
 STEPS: `decode` (64 sequences), `prefill` (a 2k-token chunk) or both, comma-separated.
 
@@ -38,14 +41,14 @@ from tpu_platform.planner.replicas import chip_weights
 
 NUM_PAGES = 1024
 STEP_TOKENS = {"decode": 64, "prefill": 2048}
-TILE_EINSUMS = ("nbd,ndf->nbf", "nbf,nfd->nbd")  # `models.moe.experts_routed`'s tile matmuls
+TILE_EINSUMS = ("nbd,ndf->nbf", "nbf,nfd->nbd", "etf,efd->td")  # `models.moe.experts_routed`'s tile matmuls
 
 
 def compile_case(case: str, steps_wanted: list[str]) -> dict:
-    target_name, model, ep, layers = case.split(":")
+    target_name, model, ep, layers, *placement = case.split(":")
     setup = StepSetup(
         first_layers(model_config(model), int(layers)), target_name, max_num_seqs=64, max_model_len=2048,
-        max_num_batched_tokens=2048, tp_size=int(ep), expert_parallel=True,
+        max_num_batched_tokens=2048, tp_size=int(ep), expert_parallel=placement != ["tp"],
     )  # fmt: skip
     stack = _smallest_expert_stack(setup)
     program = step_program(setup, NUM_PAGES)

@@ -84,18 +84,23 @@ def test_routed_matches_dense_when_one_expert_takes_every_token(rows):
 @pytest.mark.parametrize("tiles_per_chunk", [1, 3, 7])
 def test_tiles_run_in_chunks_give_the_same_result(tiles_per_chunk):
     # A prefill's tiles run in a loop of chunks, a chunk's gathered kernels bounded: the same
-    # sums as the dense reference, the last chunk padded with empty tiles.
+    # sums as the dense reference, the last chunk padded with empty tiles. (50 tokens would
+    # take the every-token tiles: the routed ones are asked for.)
     tokens, top_k, num_experts = 50, 3, 8
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)
     weights, experts = route(jnp.asarray(rng.normal(size=(tokens, num_experts))), top_k, renormalize=True)
     args = (x, *_experts(num_experts, seed=4), weights, experts, jax.nn.silu)
-    routed = jax.jit(experts_routed, static_argnums=6, static_argnames=("rows", "max_chunk_elements"))
-    chunked = routed(*args, rows=4, max_chunk_elements=tiles_per_chunk * D * F)
+    routed = jax.jit(
+        experts_routed, static_argnums=6, static_argnames=("rows", "max_chunk_elements", "every_token_tiles")
+    )
+    chunked = routed(*args, rows=4, max_chunk_elements=tiles_per_chunk * D * F, every_token_tiles=False)
     np.testing.assert_allclose(chunked, _dense(*args), atol=1e-5, rtol=1e-5)
     jaxpr = str(
         jax.make_jaxpr(
-            lambda *a: experts_routed(*a, jax.nn.silu, rows=4, max_chunk_elements=tiles_per_chunk * D * F)
+            lambda *a: experts_routed(
+                *a, jax.nn.silu, rows=4, max_chunk_elements=tiles_per_chunk * D * F, every_token_tiles=False
+            )
         )(*args[:6])
     )
     assert "while" in jaxpr or "scan" in jaxpr  # the chunks are a loop, not one batched gather

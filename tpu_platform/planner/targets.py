@@ -35,6 +35,7 @@ class CompileTarget:
     num_chips: int  # chips a program may use; a TPU topology may hold more (v5e/v6e come in 2x2)
     hbm_bytes: int  # memory per chip
     hbm_bytes_per_second: float  # peak memory bandwidth per chip (the roofline's denominator)
+    bf16_flops_per_second: float  # peak dense bfloat16 matmul rate per chip
     device_facts: str = ""  # GPU only: the GpuTargetConfigProto file in device_facts/
 
     @property
@@ -43,37 +44,38 @@ class CompileTarget:
         return self.name.split("-")[0].split("x")[0]
 
 
-def _tpu(name: str, topology: str, chips: int, hbm_gib: float, gbps: float) -> CompileTarget:
-    return CompileTarget(name, "tpu", topology, chips, int(hbm_gib * GIB), gbps * 1e9)
+def _tpu(name: str, topology: str, chips: int, hbm_gib: float, gbps: float, tflops: float) -> CompileTarget:
+    return CompileTarget(name, "tpu", topology, chips, int(hbm_gib * GIB), gbps * 1e9, tflops * 1e12)
 
 
-def _gpu(name: str, facts: str, chips: int, hbm_bytes: int, gbps: float) -> CompileTarget:
-    return CompileTarget(name, "cuda", f"1x1x{chips}", chips, hbm_bytes, gbps * 1e9, facts)
+def _gpu(name: str, facts: str, chips: int, hbm_bytes: int, gbps: float, tflops: float) -> CompileTarget:
+    return CompileTarget(name, "cuda", f"1x1x{chips}", chips, hbm_bytes, gbps * 1e9, tflops * 1e12, facts)
 
 
-# Chip facts: HBM per chip and its peak bandwidth, from the vendors' published specifications.
+# Chip facts: HBM per chip, its peak bandwidth and peak dense bfloat16 TFLOP/s (no sparsity),
+# from the vendors' published specifications.
 # libtpu builds v5e/v6e topologies from whole 2x2 hosts, so the one-chip targets use one device
 # of a 2x2 topology; v5p and v4 counts are chips (a v5p-8 slice has 4 chips, 8 TensorCores).
 TARGETS: dict[str, CompileTarget] = {
     t.name: t
     for t in (
-        _tpu("v5e-1", "v5e:2x2", 1, 16, 819),
-        _tpu("v5e-4", "v5e:2x2", 4, 16, 819),
-        _tpu("v5e-8", "v5e:2x4", 8, 16, 819),
-        _tpu("v5e-16", "v5e:4x4", 16, 16, 819),
-        _tpu("v6e-1", "v6e:2x2", 1, 32, 1640),
-        _tpu("v6e-4", "v6e:2x2", 4, 32, 1640),
-        _tpu("v6e-8", "v6e:2x4", 8, 32, 1640),
-        _tpu("v6e-16", "v6e:4x4", 16, 32, 1640),
-        _tpu("v5p-8", "v5p:2x2x1", 4, 95, 2765),
-        _tpu("v4-8", "v4:2x2x1", 4, 32, 1200),
-        _gpu("h100x1", "h100.txtpb", 1, 84_942_979_072, 3352),
-        _gpu("h100x8", "h100.txtpb", 8, 84_942_979_072, 3352),
-        _gpu("h200x1", "h200.txtpb", 1, 150_755_278_848, 4800),
-        _gpu("h200x8", "h200.txtpb", 8, 150_755_278_848, 4800),
-        _gpu("a100x1", "a100.txtpb", 1, 85_100_068_864, 2039),
-        _gpu("a100x8", "a100.txtpb", 8, 85_100_068_864, 2039),
-        _gpu("l4x1", "l4.txtpb", 1, 23_670_685_696, 300),
+        _tpu("v5e-1", "v5e:2x2", 1, 16, 819, 197),
+        _tpu("v5e-4", "v5e:2x2", 4, 16, 819, 197),
+        _tpu("v5e-8", "v5e:2x4", 8, 16, 819, 197),
+        _tpu("v5e-16", "v5e:4x4", 16, 16, 819, 197),
+        _tpu("v6e-1", "v6e:2x2", 1, 32, 1640, 918),
+        _tpu("v6e-4", "v6e:2x2", 4, 32, 1640, 918),
+        _tpu("v6e-8", "v6e:2x4", 8, 32, 1640, 918),
+        _tpu("v6e-16", "v6e:4x4", 16, 32, 1640, 918),
+        _tpu("v5p-8", "v5p:2x2x1", 4, 95, 2765, 459),
+        _tpu("v4-8", "v4:2x2x1", 4, 32, 1200, 275),
+        _gpu("h100x1", "h100.txtpb", 1, 84_942_979_072, 3352, 989),
+        _gpu("h100x8", "h100.txtpb", 8, 84_942_979_072, 3352, 989),
+        _gpu("h200x1", "h200.txtpb", 1, 150_755_278_848, 4800, 989),
+        _gpu("h200x8", "h200.txtpb", 8, 150_755_278_848, 4800, 989),
+        _gpu("a100x1", "a100.txtpb", 1, 85_100_068_864, 2039, 312),
+        _gpu("a100x8", "a100.txtpb", 8, 85_100_068_864, 2039, 312),
+        _gpu("l4x1", "l4.txtpb", 1, 23_670_685_696, 300, 121),
     )
 }
 
