@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Run by `test_qwen3_next_on_mesh.py` in a process with 4 simulated CPU devices: a tiny hybrid
-model streamed onto a mesh of each asked size (as the runner loads it: `load_prepared` onto the
-rules table's shardings) with its caches split as the runner allocates them
-(`tpu_platform.state_cache.allocate_layer_caches`), driven directly for two ragged steps: two
-prompts at once (one longer than the gated delta rule's 64-token chunk), then a decode and a
-3-token chunk continuing from the carried states. Writes every row's logits, and
-the placement of a few arrays, as JSON.
+"""Run by `test_qwen3_next_on_mesh.py` in a process with 4 simulated CPU devices (and by
+`test_qwen3_5_quantized_on_mesh.py` with 2): a tiny hybrid model streamed onto a mesh of each
+asked size (as the runner loads it: `load_prepared` onto the rules table's shardings, a
+quantized checkpoint in its own values and layout: `int8_quantization`) with its caches split
+as the runner allocates them (`tpu_platform.state_cache.allocate_layer_caches`), driven
+directly for two ragged steps: two prompts at once (one longer than the gated delta rule's
+64-token chunk), then a decode and a 3-token chunk continuing from the carried states. Writes
+every row's logits, and the placement of a few arrays, as JSON.
 
 `python -m tests.models.qwen3_next_mesh_worker MODEL_DIR TP[,TP..] OUT.json`
 """
@@ -22,12 +23,13 @@ import numpy as np
 from flax import nnx
 
 from models import AttentionMetadata, ModelConfig
+from models.loader import checkpoint_values
 from models.sharding import kv_heads_on_mesh
 from tests.tpu_platform.tensor_parallel_weights_worker import describe, shardings
 from tpu_platform.mesh import tensor_parallel_mesh
 from tpu_platform.state_cache import allocate_layer_caches
 from tpu_platform.step_program import KVLayout
-from tpu_platform.weights.prepared import Preparation, load_prepared
+from tpu_platform.weights.prepared import Preparation, int8_quantization, load_prepared
 
 PAGE, PAGES = 16, 8
 # Each sequence's pages (its first: its state slot in the Gated DeltaNet layers' pools).
@@ -74,7 +76,10 @@ def _step(model, caches, seqs, starts, mesh):
 
 def run(model_dir: str, tp: int) -> dict:
     config = ModelConfig.from_pretrained(model_dir)
-    _, model = load_prepared(model_dir, Preparation("float32", tp_size=tp), shardings(tp))
+    # a quantized checkpoint served as it ships, as the runner prepares it
+    quantization = int8_quantization(model_dir) if checkpoint_values(model_dir) else "none"
+    preparation = Preparation("float32", tp_size=tp, quantization=quantization)
+    _, model = load_prepared(model_dir, preparation, shardings(tp))
     mesh = tensor_parallel_mesh(tp)
     layout = KVLayout.for_model(config)
     heads = kv_heads_on_mesh(config.num_heads, config.num_kv_heads, tp)
