@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Run by `test_expert_parallel.py` in a process with 4 simulated CPU devices, for one tiny model
-directory: its weights streamed onto meshes of 2 and 4 devices with the experts split by index
-(`models.sharding`'s `expert_parallel=True`, as the runner places them under
-`--enable-expert-parallel`), its MoE layers told so (`models.moe.use_expert_parallel`), against
-the same model on one device: prefill logits, greedy tokens, each expert array's per-device shape,
-and the collectives of the compiled prefill. `--more` also compares int8 (per channel and
-grouped) and fp8 experts at 4 devices, and counts the collectives with the MoE layers not told
-(a check that the count sees moved weights); `--layer` compares the first MoE layer alone
-(DeepSeek's latent attention has a cache of its own). Prints `REPORT {json}`."""
+directory: its weights streamed onto meshes of 2 and 4 devices (or the sizes asked for) with the
+experts split by index (`models.sharding`'s `expert_parallel=True`, as the runner places them
+under `--enable-expert-parallel`), its MoE layers told so (`models.moe.use_expert_parallel`),
+against the same model on one device: prefill logits, greedy tokens, each expert array's
+per-device shape, and the collectives of the compiled prefill. `--more` also compares int8 (per
+channel and grouped) and fp8 experts at 4 devices, and counts the collectives with the MoE
+layers not told (a check that the count sees moved weights); `--layer` compares the first MoE
+layer alone (DeepSeek's latent attention has a cache of its own). Prints `REPORT {json}`."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def collectives(model: nnx.Module, config: ModelConfig, ep: int) -> list[tuple[s
     return [(c.kind, sum(c.result_elements)) for c in hlo_collectives(lowered.compile().as_text())]
 
 
-def model_report(model_dir: str, more: bool = False) -> dict:
+def model_report(model_dir: str, more: bool = False, sizes: tuple[int, ...] = (2, 4)) -> dict:
     config = ModelConfig.from_pretrained(model_dir)
     reference = load(model_dir, 1)
     want = prefill_logits(reference, config, 1, PROMPT)
@@ -82,7 +82,7 @@ def model_report(model_dir: str, more: bool = False) -> dict:
         "tokens_1": greedy(reference, config, 1, PROMPT, NEW_TOKENS),
         "scale": float(np.abs(want).max()),
     }
-    for ep in (2, 4):
+    for ep in sizes:
         model = load(model_dir, ep)
         got = prefill_logits(model, config, ep, PROMPT)
         report[f"max_diff_{ep}"] = float(np.abs(got - want).max())
@@ -90,7 +90,7 @@ def model_report(model_dir: str, more: bool = False) -> dict:
         report[f"experts_{ep}"] = expert_shapes(model)
         report[f"collectives_{ep}"] = collectives(model, config, ep)
     if more:  # the check that the count sees moved weights, once
-        report["collectives_unflagged"] = collectives(load(model_dir, 2, flagged=False), config, 2)
+        report["collectives_unflagged"] = collectives(load(model_dir, 4, flagged=False), config, 4)
     if more:  # int8 and fp8 expert stacks with their scales (per channel or group) split alike
         for quantization in ("int8", "fp8", "int8-g16"):
             want = prefill_logits(load(model_dir, 1, quantization=quantization), config, 1, PROMPT)
@@ -103,13 +103,13 @@ def first_moe_layer(model: nnx.Module) -> nnx.Module:
     return next(layer.mlp for layer in model.model.layers if hasattr(type(layer.mlp), "expert_parallel"))
 
 
-def layer_report(model_dir: str) -> dict:
+def layer_report(model_dir: str, sizes: tuple[int, ...] = (2, 4)) -> dict:
     """The first MoE layer (routed and shared experts) on `[T, D]` random hidden states."""
     config = ModelConfig.from_pretrained(model_dir)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(len(PROMPT), config.hidden_size)), jnp.float32)
     want = np.asarray(jax.jit(lambda layer, x: layer(x))(first_moe_layer(load(model_dir, 1)), x))
     report = {"scale": float(np.abs(want).max()), "tokens_by_hidden": len(PROMPT) * config.hidden_size}
-    for ep in (2, 4):
+    for ep in sizes:
         model = load(model_dir, ep)
         _, md = _metadata(0, len(PROMPT), {"mesh": tensor_parallel_mesh(ep)})
         layer = first_moe_layer(model)
@@ -122,11 +122,16 @@ def layer_report(model_dir: str) -> dict:
     return report
 
 
-def main(model_dir: str, mode: str) -> None:
+def main(model_dir: str, mode: str, sizes: tuple[int, ...]) -> None:
     assert len(jax.devices()) == 4, jax.devices()
-    report = layer_report(model_dir) if mode == "--layer" else model_report(model_dir, mode == "--more")
+    if mode == "--layer":
+        report = layer_report(model_dir, sizes)
+    else:
+        report = model_report(model_dir, mode == "--more", sizes)
     print("REPORT " + json.dumps(report))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "--model")
+    # argv: the model directory, the mode, and the mesh sizes as "2,4" (default both)
+    sizes = tuple(int(n) for n in sys.argv[3].split(",")) if len(sys.argv) > 3 else (2, 4)
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "--model", sizes)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Expert parallelism on 2 and 4 simulated CPU devices (a process of their own a model:
+"""Expert parallelism on 4 and (`make test-full`) 2 simulated CPU devices (a process of their own a model:
 `expert_parallel_worker.py`): each device holds E / N whole experts, and the model's logits and
 greedy tokens are the one-device model's (itself checked against transformers in
 `test_architectures.py`), for every MoE architecture we serve: Mixtral, Qwen3-MoE, GPT-OSS
@@ -34,9 +34,25 @@ _MORE = "qwen3_moe"  # also quantized experts, and the layers computing otherwis
 _LAYERS = {"deepseek_v3": lambda path: save_tiny_deepseek("v3_noaux_yarn", path, seed=6)}
 
 
-def _run(model_dir: str, mode: str) -> dict:
+# `make test` splits the experts 4 ways (2 whole ones a device of 8); 2 ways (4 a device) takes
+# the same path with more experts a device, and is `make test-full`'s.
+EP_SIZES = [4, pytest.param(2, marks=pytest.mark.full)]
+
+
+def _sizes(request) -> str:
+    """The mesh sizes this session's selected tests of the module ask for, as the worker's "2,4"."""
+    here = request.node.path
+    asked = {
+        item.callspec.params["ep"]
+        for item in request.session.items
+        if item.path == here and "ep" in getattr(getattr(item, "callspec", None), "params", {})
+    }
+    return ",".join(str(ep) for ep in sorted(asked | {4}))
+
+
+def _run(model_dir: str, mode: str, sizes: str) -> dict:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    worker = [sys.executable, "-m", "tests.models.expert_parallel_worker", model_dir, mode]
+    worker = [sys.executable, "-m", "tests.models.expert_parallel_worker", model_dir, mode, sizes]
     done = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.split("REPORT ", 1)[1])
@@ -46,13 +62,13 @@ def _run(model_dir: str, mode: str) -> dict:
 def report(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(f"ep_{request.param}") / "model")
     mode = "--more" if request.param == _MORE else "--model"
-    return _run(_MODELS[request.param](path), mode)
+    return _run(_MODELS[request.param](path), mode, _sizes(request))
 
 
 @pytest.fixture(scope="module", params=sorted(_LAYERS))
 def layer_report(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(f"ep_{request.param}") / "model")
-    return _run(_LAYERS[request.param](path), "--layer")
+    return _run(_LAYERS[request.param](path), "--layer", _sizes(request))
 
 
 def _experts_split_by_index(shapes: dict, ep: int) -> None:
@@ -61,13 +77,13 @@ def _experts_split_by_index(shapes: dict, ep: int) -> None:
         assert share == [whole[0] // ep, *whole[1:]], name
 
 
-@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("ep", EP_SIZES)
 def test_expert_parallel_logits_and_tokens_equal_one_device(report, ep):
     assert report[f"max_diff_{ep}"] < 1e-4 * max(1.0, report["scale"])
     assert report[f"tokens_{ep}"] == report["tokens_1"]
 
 
-@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("ep", EP_SIZES)
 def test_each_device_holds_whole_experts(report, ep):
     _experts_split_by_index(report[f"experts_{ep}"], ep)
 
@@ -78,7 +94,7 @@ def _moves_weights(collectives: list, expert_elements: int) -> list:
     return [(kind, elements) for kind, elements in collectives if elements >= expert_elements]
 
 
-@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("ep", EP_SIZES)
 def test_no_expert_weights_moved(report, ep):
     assert not _moves_weights(report[f"collectives_{ep}"], report["expert_elements"])
     # the MoE layers sum their outputs over the devices
@@ -97,7 +113,7 @@ def test_quantized_experts_by_index_equal_one_device(report, quantization):
     assert report[f"{quantization}_max_diff_4"] < 1e-4 * max(1.0, report["scale"])
 
 
-@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("ep", EP_SIZES)
 def test_deepseek_moe_layer_by_expert_index(layer_report, ep):
     assert layer_report[f"max_diff_{ep}"] < 1e-4 * max(1.0, layer_report["scale"])
     _experts_split_by_index(layer_report[f"experts_{ep}"], ep)

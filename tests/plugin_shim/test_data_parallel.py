@@ -3,7 +3,8 @@
 model (vLLM runs them as independent engines) and of an MoE model at TP=2 each (vLLM runs those
 in lock step, an idle replica taking dummy steps), every replica its own engine process with its
 own simulated CPU devices. Concurrent requests answer with transformers' greedy tokens and are
-spread over both replicas (vLLM's per-engine request counters)."""
+spread over both replicas (vLLM's per-engine request counters). The dense model's replicas are
+`make test-full`'s."""
 
 from __future__ import annotations
 
@@ -80,6 +81,9 @@ def _requests_per_engine(metrics: str) -> dict[str, float]:
     return served
 
 
+# `make test-full`: the MoE replicas below take every step of our worker's this one takes (each
+# replica's own devices, its requests' tokens against transformers), and the idle one's dummy steps.
+@pytest.mark.full
 def test_two_replicas_of_a_dense_model_answer_with_transformers_tokens(tmp_path):
     model = save_tiny_llama(str(tmp_path / "model"), seed=6)
     _serve_and_check(model, tmp_path, tensor_parallel=1)

@@ -61,7 +61,10 @@ def _greedy_tokens(model, config, prompt: list[int], count: int) -> list[int]:
     return tokens
 
 
+# `make test-full`: the served model runs on the int4 kernel in make test (it says Paris, below),
+# and each Linear packed for it computes what it does on XLA (tests/pallas_kernels/test_cpu_dense_int4.py).
 @pytest.mark.slow
+@pytest.mark.full
 def test_native_int4_kernel_keeps_the_greedy_tokens_of_the_int8_held_path(model_dir, dense_kernels):
     """The embedded model as served on CPU (bfloat16, its Q4_1 blocks as int4 with an offset per
     32 inputs, packed for the native kernels) decodes the same greedy tokens with its projections

@@ -45,6 +45,14 @@ def test_vllm_runs_one_worker_a_host_and_the_mesh_spans_them_all(model):
     assert group == HostGroup("10.0.0.2:29502", num_hosts=2, host_rank=1, timeout_seconds=None)
 
 
+def test_the_distributed_timeout_option_bounds_the_hosts_join(model):
+    """`--distributed-timeout-seconds` reaches the host group, whose seconds are JAX's join and
+    heartbeat bounds (the next test): a host that never joins ends the other within it."""
+    options = dict(MULTI_NODE, node_rank=0, distributed_timeout_seconds=45)
+    config = EngineArgs(model=model, tensor_parallel_size=4, **options).create_engine_config()
+    assert host_group(config) == HostGroup("10.0.0.2:29502", num_hosts=2, host_rank=0, timeout_seconds=45)
+
+
 def test_one_host_keeps_vllms_sizes(model):
     config = EngineArgs(model=model, tensor_parallel_size=1, max_model_len=64).create_engine_config()
     assert MESH_TP_KEY not in config.additional_config

@@ -30,10 +30,11 @@ def checkpoints(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def served(checkpoints, tmp_path_factory):
-    mxfp4, dequantized = checkpoints
-    results = _run_engines(tmp_path_factory.mktemp("mxfp4"), mxfp4, RUNS, "cpu_native")
-    references = _run_engines(tmp_path_factory.mktemp("dequantized"), dequantized, RUNS, "cpu_native")
-    return results, references
+    """Both checkpoints' runs in one subprocess (vLLM and JAX started once): the mxfp4 one's,
+    then the dequantized reference's."""
+    jobs = [{**run, "model": path} for path in checkpoints for run in RUNS]
+    served = _run_engines(tmp_path_factory.mktemp("mxfp4"), "", jobs, "cpu_native")
+    return served[: len(RUNS)], served[len(RUNS) :]
 
 
 def _first_tokens(path: str, prompts: list[list[int]]) -> list[int]:

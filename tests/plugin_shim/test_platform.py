@@ -267,7 +267,10 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("order", "method"), [("jax-first", "spawn"), ("vllm-only", "fork")])
+# The forked start is also every OpenAI server test's (their front end runs no JAX): `make test-full`.
+@pytest.mark.parametrize(
+    ("order", "method"), [("jax-first", "spawn"), pytest.param("vllm-only", "fork", marks=pytest.mark.full)]
+)
 def test_engine_process_starts_and_answers_with_jax_running_or_not(tmp_path, order, method):
     """`vllm.LLM` with its engine in a process of its own: forked when the caller runs no JAX,
     spawned when it does (a fork there deadlocks), and both answer."""

@@ -13,10 +13,10 @@ DeltaNet beside gated attention) at TP=2 equals transformers with its prompts pr
 chunks, its state pools split with the key heads.
 
 `make test` runs each family at one sharded size (TP=2; Qwen3-MoE at EP=4, whose attention also
-repeats KV heads, on the `xla` backend; Llama's TP=4 strict-compile workload on the native
-kernel). The rest of the grid (`MORE_RUNS`: TP=1, where each family's own engine test already
-compares with transformers, and the other sizes) and the sharded engines' equality with the
-one-device engine are `make test-full`'s.
+repeats KV heads, on the `xla` backend; Llama at TP=4 only, its strict-compile workload on the
+native kernel). The rest of the grid (`MORE_RUNS`: TP=1, where each family's own engine test
+already compares with transformers, and the other sizes), the families whose paths others take
+(`REPEATS`) and the sharded engines' equality with the one-device engine are `make test-full`'s.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ MODELS = {
         lambda path: save_tiny_llama(
             path, seed=4, hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2
         ),
-        [_greedy_run(2), _features_run(4)],
+        [_features_run(4)],
         "cpu_native",
     ),
     "gpt_oss": (
@@ -168,7 +168,7 @@ MODELS = {
 # The rest of the grid (`make test-full`): the one-device engine (each family's own engine test
 # compares TP=1 with transformers in `make test`) and sizes repeating the paths above.
 MORE_RUNS = {
-    "llama": [_greedy_run(1), _greedy_run(8)],
+    "llama": [_greedy_run(1), _greedy_run(8), _greedy_run(2)],
     "gpt_oss": [_greedy_run(1)],
     "llama4": [_greedy_run(1)],
     "qwen3_next": [_greedy_run(1)],
@@ -181,8 +181,10 @@ MORE_RUNS = {
 # Runs that repeat, on another architecture, paths the others take (`make test-full`): Qwen3's
 # attention, q/k norms included, is Qwen3-MoE's (split by heads beside its experts) and its MLP
 # is Llama's; Qwen3-Next at TP=4 is its TP=2 run on more devices (the model alone is checked at
-# TP=4 in `make test`: tests/models/test_qwen3_next_on_mesh.py).
-REPEATS = ("qwen3", "qwen3_next_tp4")
+# TP=4 in `make test`: tests/models/test_qwen3_next_on_mesh.py); Mixtral's experts split inside
+# each expert as GPT-OSS's, Llama 4's and Qwen3-Next's are, and Mixtral at TP=2 answers with
+# transformers' greedy tokens through the server in make test (test_data_parallel.py).
+REPEATS = ("qwen3", "qwen3_next_tp4", "mixtral")
 CASES = [
     pytest.param(name, False, id=name, marks=[pytest.mark.full] if name in REPEATS else [])
     for name in sorted(MODELS)
