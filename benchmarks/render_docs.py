@@ -122,7 +122,7 @@ def readme_table(runs: dict[str, dict[str, Any]]) -> str:
     for label in INT8_HEADLINE:
         cells = [_int8_pair(runs[k], label) for k in kinds]
         if any(c != "-" for c in cells):
-            row = f"ours int8 / ours bfloat16: {label} (higher is better)"
+            row = f"ours int8 / ours as the model ships (embedded: Q4_1): {label} (higher is better)"
             lines.append(f"| {row} | " + " | ".join(cells) + " |")
     loads = [f"{_peak_load(runs[k], 'xla')} / {_peak_load(runs[k], 'vllm-cpu')}" for k in kinds]
     lines.append(
