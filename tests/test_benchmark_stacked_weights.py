@@ -1,0 +1,45 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`benchmarks/stacked_weights.py`'s count of weights copied out of a stack, on programs XLA:CPU
+compiles here: none where each weight is its own argument; every kernel of every layer where the
+layers read static slices of one `[L, ...]` array per kind; one per kind (the loop body's dynamic
+slice) under `lax.scan`. The norm weights are smaller than a kernel and are not counted."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+
+import jax
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LAYERS = 2
+
+
+def _stacked_weights():
+    spec = importlib.util.spec_from_file_location(
+        "stacked_weights", REPO / "benchmarks" / "stacked_weights.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+stacked_weights = _stacked_weights()
+
+
+@pytest.mark.parametrize(
+    "variant, copies",
+    [
+        ("per layer", 0),
+        ("static slices", LAYERS * len(stacked_weights.KERNELS)),
+        ("scan", len(stacked_weights.KERNELS)),
+    ],
+)
+def test_weights_copied_out_of_a_stack_are_counted(variant, copies):
+    args = argparse.Namespace(target=None, dense="xla", layers=LAYERS, rows=8)
+    x, per, stacked, dense, weight_elements = stacked_weights._weights(args)
+    function = stacked_weights._programs(LAYERS, dense)[variant]
+    compiled = jax.jit(function).trace(x, per if variant == "per layer" else stacked).lower().compile()
+    assert stacked_weights.materialized_weights(compiled.as_text(), weight_elements) == copies
