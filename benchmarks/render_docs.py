@@ -474,13 +474,14 @@ WHAT_MOVES = """\
   of the call in PJRT's per-argument preparation, more in per-buffer usage events.
   [`benchmarks/call_cost.py`](../benchmarks/call_cost.py) times the same call in a loop of its
   own at about 0.15 us of CPU an argument (35 us for the forward's ~190 arrays); in the engine,
-  between forwards that leave the caches cold, it is ten times that. Fewer arrays cut it, not to
-  nothing: a prototype passing the thin model's 184 weights as 8 arrays stacked by shape (11
-  arguments, not 187) took the execute phase from 0.38-0.50 to 0.26-0.29 ms at 64 rows and from
-  0.55 to 0.30-0.34 ms at 256, the host time from 1.17-1.72 to 1.30-1.33 ms (no clear change
-  against the noise) and from 1.85-1.88 to 1.62-1.65 ms (alternating `host_cpu_time.py` runs,
-  1-min load average 8 to 10 on 2 CPUs, 2026-11-29). It is not served: every way XLA:CPU takes a
-  layer's weights out of a stack copies them
+  between forwards that leave the caches cold, it is ten times that. Fewer arrays cut it: a
+  prototype passing the thin model's 184 weights as 8 arrays stacked by shape (11 arguments, not
+  187) took the host time at 64 rows from 1.21 and 1.28 to 0.92 and 0.98 ms (the execute phase
+  from 0.38-0.39 to 0.18-0.19 ms), at 256 rows from 1.74 and 1.51 to 1.51 and 1.51 ms (execute
+  0.43-0.50 to 0.30 ms), in two alternating pairs of `host_cpu_time.py` runs (medians of 3) at a
+  1-min load average of 5.5 to 7 on 2 CPUs; two pairs at 8 to 10 moved the execute phase alike
+  (0.38-0.50 to 0.26-0.29 ms at 64 rows), the host time within their noise (2026-11-29).
+  It is not served: every way XLA:CPU takes a layer's weights out of a stack copies them
   ([`benchmarks/stacked_weights.py`](../benchmarks/stacked_weights.py), at the embedded model's
   sizes: static slices copy every weight at every step, 2.5 times the step's time; a `lax.scan`
   one layer at a time, 1.2-1.3 times), with XLA's dots and the native dense kernel alike. On the
