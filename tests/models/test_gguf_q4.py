@@ -6,6 +6,7 @@ dequantization, and the served model computes the float model of the dequantized
 file mixing 4-bit projections with another type loads as float, as before, and so does an
 all-4-bit one when a `quantization` is asked (then quantized so)."""
 
+import dataclasses
 import os
 
 import gguf
@@ -13,12 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models import int4, load_model
 from models.gguf_reader import Q4_BLOCK, hf_name, iter_hf_tensors, q4_linear_weights, unpermute_rope_rows
-from models.loader import gguf_4bit_quantization
+from models.linear import Int4Bases
+from models.loader import gguf_4bit_quantization, gguf_float16_scales
 from tests.models.gguf_q4_blocks import Q4_TYPES, quantizer
 from tests.models.test_gguf_q8_0 import _arrays, _logits, write_q8_0_gguf
+from tests.models.tiny_checkpoints import caches, prompts, run_step
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.weights.prepared import Preparation, int8_quantization, load_prepared
 
@@ -89,6 +93,32 @@ def test_q4_gguf_on_the_native_int4_kernel_computes_the_dequantized_model(q4_dir
         panels, words, width = got[name].shape
         assert width == 16 and got[f"{name}_offset"].shape == (words * 8 // 32, panels * 16), name
     np.testing.assert_allclose(_logits(model, config), _logits(reference, config), rtol=1e-3, atol=1e-3)
+
+
+def test_q4_0_and_q4_1_stream_in_with_their_float16_scales_and_bases(q4_dir, dense_kernels):
+    """Prepared with float16 scales (Q4_0 and Q4_1 files: each block's d and minimum are
+    float16), every packed projection holds its scales and bases (`Int4Bases`) in float16, and
+    the model computes bit for bit what it computes from the float32 scales and offsets, on a
+    prefill and on a few rows; Q4_K's scales d sc are not float16 and are refused by name."""
+    plain = Preparation("bfloat16", "native", quantization="int4z-g32")
+    half = dataclasses.replace(plain, float16_scales=True)
+    if "Q4_K" in q4_dir:
+        assert not gguf_float16_scales(q4_dir)
+        with pytest.raises(ValueError, match="float16 would round"):
+            load_prepared(q4_dir, half, _ON_DEVICE)
+        return
+    assert gguf_float16_scales(q4_dir)
+    config, model = load_prepared(q4_dir, half, _ON_DEVICE)
+    _, float32 = load_prepared(q4_dir, plain, _ON_DEVICE)
+    got = _arrays(model)
+    kernels = [n for n in got if n.endswith(".kernel") and got[n].dtype == np.uint32]
+    assert len(kernels) == 4 * config.num_layers
+    assert all(got[f"{n}_scale"].dtype == got[f"{n}_offset"].dtype == np.float16 for n in kernels)
+    halved = [m for _, m in nnx.iter_modules(model) if isinstance(getattr(m, "kernel_offset", 0), Int4Bases)]
+    assert len(halved) == len(kernels)
+    for ids in prompts([24, 3], seed=3):  # a prefill's rows, and a few (the VNNI path's)
+        logits = [run_step(m, caches(config), [ids], [0], [[1, 2]])[0] for m in (model, float32)]
+        np.testing.assert_array_equal(*logits)
 
 
 def test_a_file_mixing_q4_with_other_types_loads_as_float(source, tmp_path):
