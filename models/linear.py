@@ -181,10 +181,9 @@ def matmul(
     A `PackedKernel` runs on the native CPU dense kernel (bfloat16: AMX, AVX-512 BF16 or AVX2;
     float32: AVX2; int8 with `scale`: AVX-512 VNNI, AVX-512 or AVX2; 4-bit values packed two a
     byte with `scale` and `offset`: AVX2 or any CPU, the offsets inside the kernel, or float16
-    scales and `Int4Bases`). Otherwise the
-    float32 result type and the `[in, out]` kernel keep bfloat16 products on XLA:CPU's fast dot
-    path (else both operands are upcast to float32 copies first), and a single bfloat16 row is
-    padded to two for the same reason.
+    scales and `Int4Bases`). Otherwise the float32 result type and the `[in, out]` kernel keep
+    bfloat16 products on XLA:CPU's fast dot path (else both operands are upcast to float32
+    copies first), and a single bfloat16 row is padded to two for the same reason.
     """
     if isinstance(kernel, PackedKernel) and is_packed_int4(kernel[...]):
         if isinstance(offset, Int4Bases):
