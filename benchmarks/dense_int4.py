@@ -2,8 +2,9 @@
 """4-bit weights against int8 and bfloat16 on the CPU device, each on the kernel it is served
 with there (`models.linear.matmul`): bfloat16 on the native bfloat16 dense kernel, int8 (one
 scale per channel) on the native int8 one, 4-bit packed two a byte on the native int4 kernel
-(affine with a scale and an offset per 32 inputs, GGUF Q4_1's layout, and symmetric with a scale
-per 128, GPTQ's, or per 64 where 128 does not divide the inputs), and the same 4-bit values held
+(affine with a scale and an offset per 32 inputs, GGUF Q4_1's layout, in float32 and as the file
+holds them, a float16 scale and base: `int4-g32-f16`; and symmetric with a scale per 128, GPTQ's,
+or per 64 where 128 does not divide the inputs), and the same 4-bit values held
 as int8 on the int8 kernel with the offsets' product on XLA (the path 4-bit weights took before
 the int4 kernel), over a decode step's one row to a prefill's hundreds.
 
@@ -59,13 +60,19 @@ def _int4_as_int8(x, packed, scale, offset):
     return cpu.native_dense_int8(x, packed, scale) + int4.offset_product(x, offset)
 
 
+def _int4_half(x, packed, scale, base):
+    return cpu.native_dense_int4(x, packed, scale, base=base)
+
+
 def _affine(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """4-bit values, scales and offsets of `w` per group of inputs, as GGUF Q4_1 makes them:
     the group's range over 15 steps from its minimum (`w ~ q * s + m`, q in [-8, 7])."""
     k, n = w.shape
     blocks = w.reshape(k // group, group, n)
     low, high = blocks.min(axis=1), blocks.max(axis=1)
-    scale = np.where(high > low, (high - low) / 15, 1).astype(np.float32)
+    # d and the minimum in float16, as a Q4_1 block holds them
+    scale = np.where(high > low, (high - low) / 15, 1).astype(np.float16).astype(np.float32)
+    low = low.astype(np.float16).astype(np.float32)
     u = np.clip(np.round((blocks - low[:, None]) / scale[:, None]), 0, 15)
     return (u - 8).astype(np.int8).reshape(k, n), scale, (low + 8 * scale).astype(np.float32)
 
@@ -84,6 +91,8 @@ def _formats(floats: list[np.ndarray]) -> dict[str, tuple[list[tuple], object]]:
     formats["int4-g32-as-int8"] = (as_int8, _int4_as_int8)
     packed = [(cpu.pack_dense_kernel_int4(q), s, m) for q, s, m in affine]
     formats["int4-g32"] = (packed, cpu.native_dense_int4)
+    halves = [(p, *cpu.float16_scales(s, m)) for p, s, m in packed]
+    formats["int4-g32-f16"] = (halves, _int4_half)
     group = 128 if floats[0].shape[0] % 128 == 0 else 64  # GPTQ's, or the nearest that divides
     symmetric = [(cpu.pack_dense_kernel_int4(q), s) for q, s in (int4.quantize(w, group) for w in floats)]
     formats[f"int4-g{group}"] = (symmetric, cpu.native_dense_int4)

@@ -135,6 +135,15 @@ def q4_linear_weights(source: str | GgufFile) -> list[str]:
     return [n for n, _ in linear]
 
 
+def q4_float16_blocks(source: str | GgufFile) -> bool:
+    """Whether the file's 4-bit projections (`q4_linear_weights`) are all Q4_0 or Q4_1: each
+    block's scale d and base (the weight of u = 0: its minimum, Q4_0's -8 d) are float16, which
+    the native CPU int4 kernel reads as they are (`pallas_kernels.cpu.float16_scales`); Q4_K's
+    scales d sc are not."""
+    kinds = {t.ggml_type for t in _opened(source).tensors if hf_name(t.name).endswith("_proj.weight")}
+    return bool(q4_linear_weights(source)) and kinds <= {_Q4_0, _Q4_1}
+
+
 def iter_hf_tensors(
     source: str | GgufFile, *, int8_q8_0: bool = False, int4_q4: bool = False
 ) -> Iterator[tuple[str, np.ndarray]]:

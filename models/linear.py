@@ -154,6 +154,20 @@ class PackedKernel(nnx.Variable):
     """A `[in, out]` kernel packed for the native CPU dense kernel (`pack_for_native_dense`)."""
 
 
+class Int4Bases(nnx.Variable):
+    """What a packed affine int4 kernel's `kernel_offset` holds once its scales are float16
+    (`halve_int4_scales`): float16 bases `b = m - 8 s`, the weight of stored value 0, which
+    the native int4 kernel takes in place of the offsets (`pallas_kernels.cpu.float16_scales`)."""
+
+
+def halve_int4_scales(linear: Linear) -> None:
+    """A packed affine int4 Linear's float32 scales and offsets as float16 scales and bases
+    (`Int4Bases`): the same weights (`pallas_kernels.cpu.float16_scales`, which refuses scales
+    float16 would round), 4 bytes a group instead of 8 for a decode step to stream."""
+    scale, base = cpu.float16_scales(linear.kernel_scale[...], linear.kernel_offset[...])
+    linear.kernel_scale, linear.kernel_offset = nnx.Param(scale), Int4Bases(base)
+
+
 def matmul(
     x: jax.Array,
     kernel: nnx.Variable,
@@ -166,12 +180,14 @@ def matmul(
 
     A `PackedKernel` runs on the native CPU dense kernel (bfloat16: AMX, AVX-512 BF16 or AVX2;
     float32: AVX2; int8 with `scale`: AVX-512 VNNI, AVX-512 or AVX2; 4-bit values packed two a
-    byte with `scale` and `offset`: AVX2 or any CPU, the offsets inside the kernel). Otherwise the
-    float32 result type and the `[in, out]` kernel keep bfloat16 products on XLA:CPU's fast dot
-    path (else both operands are upcast to float32 copies first), and a single bfloat16 row is
-    padded to two for the same reason.
+    byte with `scale` and `offset`: AVX2 or any CPU, the offsets inside the kernel, or float16
+    scales and `Int4Bases`). Otherwise the float32 result type and the `[in, out]` kernel keep
+    bfloat16 products on XLA:CPU's fast dot path (else both operands are upcast to float32
+    copies first), and a single bfloat16 row is padded to two for the same reason.
     """
     if isinstance(kernel, PackedKernel) and is_packed_int4(kernel[...]):
+        if isinstance(offset, Int4Bases):
+            return cpu.native_dense_int4(x, kernel[...], scale[...], base=offset[...])
         return cpu.native_dense_int4(x, kernel[...], scale[...], None if offset is None else offset[...])
     y = _scaled_product(x, kernel, scale)
     return y if offset is None else y + int4.offset_product(x, offset[...])

@@ -331,6 +331,17 @@ def gguf_4bit_quantization(path: str) -> str | None:
         return None
 
 
+def gguf_float16_scales(path: str) -> bool:
+    """Whether the model at `path` is a GGUF whose projections are all Q4_0 or Q4_1
+    (`gguf_reader.q4_float16_blocks`): their scales and bases are float16, as the native CPU
+    int4 kernel can hold them."""
+    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
+    try:
+        return bool(files) and all(gguf_reader.q4_float16_blocks(file) for file in files)
+    except FileNotFoundError:
+        return False
+
+
 def gguf_q8_0_weights(path: str) -> set[str]:
     """The HF names of the Q8_0 linear weights of the model at `path`'s GGUF files (none for
     safetensors)."""

@@ -11,7 +11,14 @@ from flax import nnx
 
 from models.int8 import group_size
 from models.layers import Embedding, GatedMLP, PagedAttention
-from models.linear import Linear, PackedKernel, native_dense_takes_groups, packed_for_native_dense
+from models.linear import (
+    Linear,
+    PackedKernel,
+    halve_int4_scales,
+    is_packed_int4,
+    native_dense_takes_groups,
+    packed_for_native_dense,
+)
 from models.rope import Rope, RopeTable, rope_table
 
 
@@ -46,7 +53,9 @@ def attach_rope_tables(model: nnx.Module, num_positions: int) -> int:
     return len(tables)
 
 
-def pack_for_native_dense(model: nnx.Module, *, float32: bool = False, int4: bool = False) -> int:
+def pack_for_native_dense(
+    model: nnx.Module, *, float32: bool = False, int4: bool = False, float16_scales: bool = False
+) -> int:
     """Packs every Linear kernel (and a tied head's copy) that the native CPU dense kernel can take
     (`pallas_kernels.cpu.native_dense`): the bfloat16 and int8 ones, and with `float32` the float32 ones;
     returns how many. Run after loading, on a CPU where `pallas_kernels.cpu.dense_isa` is not None
@@ -56,7 +65,9 @@ def pack_for_native_dense(model: nnx.Module, *, float32: bool = False, int4: boo
     a tied head's copy, int8 (`models.quantization.quantize_tied_head_int8`): the int8 kernel.
     A kernel with grouped scales is packed only where its native kernel takes them
     (`linear.native_dense_takes_groups`: an int4 one the int4 kernel refuses goes to the int8
-    kernel where that one takes them); else it stays on XLA's dot."""
+    kernel where that one takes them); else it stays on XLA's dot. `float16_scales`: the packed
+    int4 kernels with offsets hold float16 scales and bases instead (`linear.halve_int4_scales`:
+    a GGUF Q4_0 or Q4_1 file's own, which a host model's values must fit)."""
     packed = 0
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, Linear):
@@ -77,4 +88,7 @@ def pack_for_native_dense(model: nnx.Module, *, float32: bool = False, int4: boo
         if value is not None:
             setattr(module, name, PackedKernel(value))
             packed += 1
+            affine = getattr(module, "kernel_offset", None) is not None
+            if float16_scales and affine and is_packed_int4(value):
+                halve_int4_scales(module)
     return packed

@@ -40,7 +40,7 @@ from jax.sharding import Mesh
 from models import fp8, int4
 from models.config import ModelConfig
 from models.int8 import group_size
-from models.linear import PackedKernel, is_packed_int4, quantizer_for, unpacked_shape
+from models.linear import Int4Bases, PackedKernel, is_packed_int4, quantizer_for, unpacked_shape
 from models.loader import (
     _ExpertStacks,
     give_input_orders,
@@ -51,6 +51,7 @@ from models.loader import (
 from models.mxfp4 import zero_padded
 from models.registry import build
 from models.sharding import MODEL_AXIS, fuse_parts, fused_parts, parameter_sharding
+from pallas_kernels.cpu import float16_scales
 
 # (dotted path of a served parameter, its host value, its abstract served Variable) -> the array
 # on its device(s).
@@ -155,9 +156,13 @@ def _stream(
     stacks = _ExpertStacks()
     placed: dict[str, jax.Array] = {}
 
+    # the scales of kernels served with float16 scales and bases, until their offsets come
+    halved = {n.removesuffix("_offset") + "_scale" for n, var in served.items() if isinstance(var, Int4Bases)}
+    scales: dict[str, np.ndarray] = {}
+
     def waiting_bytes() -> int:
         parts = sum(p.nbytes for ps in pending.values() for p in ps if p is not None)
-        return parts + stacks.held_bytes()
+        return parts + stacks.held_bytes() + sum(s.nbytes for s in scales.values())
 
     offsets = {name for name in served if name.endswith(".kernel_offset")}
     loaded = iter_parameters(model, path, stacks, int8=bool(quantized), int4_blocks=bool(offsets))
@@ -185,6 +190,13 @@ def _stream(
             )
         if ours in padded:  # mxfp4 experts padded to whole blocks a device (`models.gpt_oss`)
             value = zero_padded(value, padded[ours])
+        if ours in halved:  # float16 scales need their offsets: each base is m - 8 s
+            scales[ours] = value
+            continue
+        if isinstance(served[ours], Int4Bases):
+            scale_name = ours.removesuffix("_offset") + "_scale"
+            scale, value = float16_scales(scales.pop(scale_name), value)
+            placed[scale_name] = place(scale_name, scale, served[scale_name])
         placed[ours] = place(ours, value, served[ours])
         if ours in head_copies:
             for name, copy in _with_scales([(head_copies[ours], value.T)], quantized, offsets):

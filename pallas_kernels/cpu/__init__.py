@@ -42,6 +42,7 @@ from pallas_kernels.cpu.dense_int4 import DEPTH_MULTIPLE as INT4_DEPTH_MULTIPLE
 from pallas_kernels.cpu.dense_int4 import (
     can_pack_int4,
     dense_int4_takes_groups,
+    float16_scales,
     native_dense_int4,
     native_dense_int4_reference,
     pack_dense_kernel_int4,
@@ -73,6 +74,7 @@ __all__ = [
     "dense_int8_takes_groups",
     "dense_isa",
     "dense_isas",
+    "float16_scales",
     "is_loaded",
     "load",
     "native_dense",

@@ -3,7 +3,9 @@
 // w = q * s + m, q int4 in [-8, 7] packed two a byte, s a float32 scale per group of G consecutive
 // k and column (scale [K/G, N]; G = K: one per column, scale [N]) and m an optional float32 offset
 // of the scale's layout (affine 4-bit: zero points, GGUF Q4_1's block minimums). x is bfloat16 or
-// float32.
+// float32. Scales and offsets may be float16 instead (both), and the offsets the bases b
+// themselves (attribute `bases`), w = u s + b: a GGUF Q4_1 block's own d and minimum, exact, 4
+// bytes per 32 weights instead of float32's 8 (see `GroupScales`).
 //
 // Decode streams every weight once a step, so its speed is the weights' bytes: half of int8's, a
 // quarter of bfloat16's, as long as unpacking keeps pace. The values are never dequantized to
@@ -55,12 +57,11 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-#include "dense_f32_block.h"
-#include "dense_int4_pairs.h"
 #include "dense_int4_vnni.h"
 #endif
 
 #include "dense_blocks.h"
+#include "dense_int4_avx2.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -70,328 +71,82 @@ namespace {
 // The `isa` attribute: which path runs (the codes of `DENSE_INT4_ISAS` in build.py).
 enum Int4Isa : int32_t { kBestIsa = 0, kAvx2 = 1, kPortable = 2, kAvx2Float = 3, kAvx512Bf16 = 4, kAvx512Vnni = 5 };
 
-using vllm_xla::Item;
-using vllm_xla::WalkRegisterBlocks;
-
-constexpr int64_t kCols = 16;  // columns of a packed panel
-constexpr int64_t kWordDepth = 8;  // k in a packed word
-constexpr int kFloatRows = 3;  // rows in a float register block: 2 x 2 x 3 accumulators and totals
-constexpr int kFixedRows = 2;  // rows in a fixed-point register block
-constexpr int64_t kInt16Words = 4;  // packed lines whose byte products an int16 lane holds
-// Above this many rows each panel is dequantized once per chunk of rows, then multiplied with the
-// float32 kernel's register blocks (at a few rows unpacking in registers costs less than writing
-// and rereading the float32 panel).
-constexpr int64_t kWidenAheadAbove = 8;
-// "avx512_vnni" unpacks in registers for more rows: at 16 rows it still outran the bfloat16 panels,
-// at 64 they outran it (`benchmarks/dense_int4.py`).
-constexpr int64_t kVnniRowsAtMost = 16;
-constexpr float kFixedLevels = 32639.0f;  // |x16| <= 32639: both byte planes fit a signed byte
-constexpr float kSmallestFixedMax = 1e-30f;  // below: sx would lose precision (subnormal)
-
-// The bit at which the k-th value (0 to 7) of a packed word starts: byte k % 4, high nibble from k 4.
-constexpr int NibbleAt(int k) { return (k % 4) * 8 + (k / 4) * 4; }
-
-// The k-th value of a packed word, unsigned (u = q + 8).
-inline uint32_t Nibble(uint32_t word, int k) { return (word >> NibbleAt(k)) & 0xF; }
-
-// x's rows in 16-bit fixed point: x ~ (256 hi + lo) * step, each plane signed bytes [M, K].
-struct FixedPointRows {
-  std::vector<int8_t> hi, lo;
-  std::vector<float> step;  // [M]: sx
-  std::vector<float> inverse;  // [M]: 1 / sx (0 for a row of zeros)
-
-  // false, leaving the rest undone, for a value that is not finite or a row whose largest
-  // magnitude is positive but below `kSmallestFixedMax` (the float path must run).
-  bool Quantize(const float* x, int64_t M, int64_t K) {
-    hi.resize(M * K), lo.resize(M * K), step.resize(M), inverse.resize(M);
-    for (int64_t r = 0; r < M; ++r) {
-      const float* row = x + r * K;
-      float largest = 0.0f;
-      for (int64_t k = 0; k < K; ++k) {
-        if (!std::isfinite(row[k])) return false;
-        largest = std::max(largest, std::fabs(row[k]));
-      }
-      if (largest > 0.0f && largest < kSmallestFixedMax) return false;
-      step[r] = largest / kFixedLevels;
-      inverse[r] = largest > 0.0f ? kFixedLevels / largest : 0.0f;
-      for (int64_t k = 0; k < K; ++k) {
-        const float scaled = std::min(kFixedLevels, std::max(-kFixedLevels, std::nearbyint(row[k] * inverse[r])));
-        const int32_t fixed = static_cast<int32_t>(scaled);
-        const int8_t low = static_cast<int8_t>(static_cast<uint8_t>(fixed & 0xFF));
-        lo[r * K + k] = low;
-        hi[r * K + k] = static_cast<int8_t>((fixed - low) / 256);
-      }
-    }
-    return true;
-  }
-};
-
-struct Int4Problem {
-  const float* x;       // [M, K]
-  const uint32_t* w;    // [N/16, K/8, 16]
-  const float* scale;   // [K / group, N]
-  const float* offset;  // [K / group, N]: m, or null (0)
-  const float* x_sums;  // [M, K / group]: each row's sum over each group of k
-  float* y;             // [M, N]
-  int64_t M, K, N;
-  int64_t group;        // k that share a scale: K, or a multiple of 8 that divides K
-  const FixedPointRows* fixed;  // x in fixed point (the "avx2" path), or null
-
-  static void Begin() {}
-  static void End() {}
-
-  int64_t Groups() const { return K / group; }
-
-  // y[row : row + rows, block * 16 : block * 16 + 16] in plain C++.
-  void PortableBlock(int64_t row, int rows, int64_t block) const {
-    const int64_t words = K / kWordDepth, group_words = group / kWordDepth;
-    const uint32_t* panel = w + block * words * kCols;
-    for (int64_t r = row; r < row + rows; ++r) {
-      const float* xr = x + r * K;
-      float total[kCols] = {};
-      for (int64_t g = 0; g < Groups(); ++g) {
-        float acc[kCols] = {};
-        for (int64_t word = g * group_words; word < (g + 1) * group_words; ++word) {
-          const uint32_t* line = panel + word * kCols;
-          for (int k = 0; k < kWordDepth; ++k) {
-            const float xk = xr[word * kWordDepth + k];
-            for (int c = 0; c < kCols; ++c) acc[c] += xk * static_cast<float>(Nibble(line[c], k));
-          }
-        }
-        const float* s = scale + g * N + block * kCols;
-        const float* m = offset != nullptr ? offset + g * N + block * kCols : nullptr;
-        const float sum = x_sums[r * Groups() + g];
-        for (int c = 0; c < kCols; ++c) total[c] += acc[c] * s[c] + sum * ((m != nullptr ? m[c] : 0.0f) - 8.0f * s[c]);
-      }
-      std::memcpy(y + r * N + block * kCols, total, sizeof(total));
-    }
-  }
-
+using vllm_xla::int4::FixedPointRows;
+using vllm_xla::int4::Int4Problem;
+using vllm_xla::int4::kCols;
+using vllm_xla::int4::kFixedLevels;
+using vllm_xla::int4::kVnniRowsAtMost;
+using vllm_xla::int4::kWidenAheadAbove;
+using vllm_xla::int4::kWordDepth;
+using vllm_xla::int4::PortableInt4;
 #if defined(__x86_64__)
-#define VLLM_XLA_INT4_AVX2 __attribute__((target("avx2,fma")))
-// Register blocks unroll whole: an accumulator array indexed in a loop would live in memory, and
-// a nibble's shift needs its count as an immediate.
-#define VLLM_XLA_UNROLL_INT4 _Pragma("GCC unroll 16")
-
-  // The base m - 8 s of 8 columns from their scales `s` (-8 s without offsets), `at` into the offsets.
-  VLLM_XLA_INT4_AVX2 inline __m256 Base(__m256 s, int64_t at) const {
-    const __m256 m = offset != nullptr ? _mm256_loadu_ps(offset + at) : _mm256_setzero_ps();
-    return _mm256_fmadd_ps(s, _mm256_set1_ps(-8.0f), m);
-  }
-
-  // The k-th value (0 to 7) of each 32-bit lane as float32.
-  VLLM_XLA_INT4_AVX2 static inline __m256 Widen(__m256i words, int k) {
-    const __m256i shifted = _mm256_srli_epi32(words, NibbleAt(k));
-    return _mm256_cvtepi32_ps(NibbleAt(k) == 28 ? shifted : _mm256_and_si256(shifted, _mm256_set1_epi32(0xF)));
-  }
-
-  // y[row : row + R, block * 16 : block * 16 + 16] with AVX2 in float32: each group's products
-  // accumulate apart (two chains per 8-column half for one row, so enough FMAs run at once), then
-  // fold into the totals times the group's scales, plus the row's sum over the group times its base.
-  template <int R>
-  VLLM_XLA_INT4_AVX2 static void FloatBlock(const Int4Problem& p, int64_t row, int64_t block) {
-    constexpr int kChains = R == 1 ? 2 : 1;
-    const int64_t words = p.K / kWordDepth, group_words = p.group / kWordDepth, groups = p.Groups();
-    const uint32_t* panel = p.w + block * words * kCols;
-    const float* x = p.x + row * p.K;
-    __m256 total[R][2];
-    VLLM_XLA_UNROLL_INT4
-    for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256 acc[R][2][kChains];
-      VLLM_XLA_UNROLL_INT4
-      for (int r = 0; r < R; ++r)
-        VLLM_XLA_UNROLL_INT4
-        for (int h = 0; h < 2; ++h)
-          VLLM_XLA_UNROLL_INT4
-          for (int c = 0; c < kChains; ++c) acc[r][h][c] = _mm256_setzero_ps();
-      for (int64_t word = g * group_words; word < (g + 1) * group_words; ++word) {
-        const uint32_t* line = panel + word * kCols;
-        const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
-        const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 8));
-        const float* xk = x + word * kWordDepth;
-        VLLM_XLA_UNROLL_INT4
-        for (int k = 0; k < kWordDepth; ++k) {
-          const __m256 wl = Widen(low, k), wh = Widen(high, k);
-          VLLM_XLA_UNROLL_INT4
-          for (int r = 0; r < R; ++r) {
-            const __m256 xs = _mm256_set1_ps(xk[r * p.K + k]);
-            acc[r][0][k % kChains] = _mm256_fmadd_ps(wl, xs, acc[r][0][k % kChains]);
-            acc[r][1][k % kChains] = _mm256_fmadd_ps(wh, xs, acc[r][1][k % kChains]);
-          }
-        }
-      }
-      VLLM_XLA_UNROLL_INT4
-      for (int h = 0; h < 2; ++h) {
-        const int64_t at = g * p.N + block * kCols + h * 8;
-        const __m256 s = _mm256_loadu_ps(p.scale + at), b = p.Base(s, at);
-        VLLM_XLA_UNROLL_INT4
-        for (int r = 0; r < R; ++r) {
-          __m256 sum = acc[r][h][0];
-          if constexpr (kChains == 2) sum = _mm256_add_ps(sum, acc[r][h][1]);
-          total[r][h] = _mm256_fmadd_ps(sum, s, total[r][h]);
-          total[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(p.x_sums[(row + r) * groups + g]), b, total[r][h]);
-        }
-      }
-    }
-    VLLM_XLA_UNROLL_INT4
-    for (int r = 0; r < R; ++r)
-      VLLM_XLA_UNROLL_INT4
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (row + r) * p.N + block * kCols + h * 8, total[r][h]);
-  }
-
-  // Four bytes of a plane (k .. k + 3) in every 32-bit lane: VBROADCASTSS from memory, a load
-  // alone (a broadcast from a general register takes a shuffle as well).
-  VLLM_XLA_INT4_AVX2 static inline __m256i Broadcast4(const int8_t* bytes) {
-    return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(bytes)));
-  }
-
-  // y[row : row + R, block * 16 : block * 16 + 16] with integer products (the "avx2" path), one
-  // 8-column half at a time: per run of up to 4 lines within a group, each plane's byte products
-  // sum in int16 lanes (VPMADDUBSW, then VPADDW), then widen to int32 (VPMADDWD by ones) and
-  // float32, 256 hi + lo, and fold into the totals times the group's scales. Totals count x in
-  // units of sx: the base's part enters as the row's sum over the group over sx.
-  template <int R>
-  VLLM_XLA_INT4_AVX2 static void FixedPointBlock(const Int4Problem& p, int64_t row, int64_t block) {
-    const int64_t words = p.K / kWordDepth, group_words = p.group / kWordDepth, groups = p.Groups();
-    const uint32_t* panel = p.w + block * words * kCols;
-    const int8_t* hi = p.fixed->hi.data() + row * p.K;
-    const int8_t* lo = p.fixed->lo.data() + row * p.K;
-    const __m256i nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    VLLM_XLA_UNROLL_INT4
-    for (int h = 0; h < 2; ++h) {
-      __m256 total[R];
-      VLLM_XLA_UNROLL_INT4
-      for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t at = g * p.N + block * kCols + h * 8;
-        const __m256 s = _mm256_loadu_ps(p.scale + at);
-        for (int64_t first = g * group_words; first < (g + 1) * group_words; first += kInt16Words) {
-          const int64_t end = std::min(first + kInt16Words, (g + 1) * group_words);
-          __m256i high_sums[R], low_sums[R];
-          VLLM_XLA_UNROLL_INT4
-          for (int r = 0; r < R; ++r) high_sums[r] = low_sums[r] = _mm256_setzero_si256();
-          for (int64_t word = first; word < end; ++word) {
-            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + word * kCols + h * 8));
-            const __m256i first_four = _mm256_and_si256(bytes, nibbles);  // k 0-3 of each column
-            const __m256i last_four = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);  // k 4-7
-            VLLM_XLA_UNROLL_INT4
-            for (int r = 0; r < R; ++r) {
-              const int64_t k = r * p.K + word * kWordDepth;
-              const __m256i high = _mm256_add_epi16(_mm256_maddubs_epi16(first_four, Broadcast4(hi + k)),
-                                                    _mm256_maddubs_epi16(last_four, Broadcast4(hi + k + 4)));
-              const __m256i low = _mm256_add_epi16(_mm256_maddubs_epi16(first_four, Broadcast4(lo + k)),
-                                                   _mm256_maddubs_epi16(last_four, Broadcast4(lo + k + 4)));
-              high_sums[r] = _mm256_add_epi16(high_sums[r], high);
-              low_sums[r] = _mm256_add_epi16(low_sums[r], low);
-            }
-          }
-          VLLM_XLA_UNROLL_INT4
-          for (int r = 0; r < R; ++r) {
-            const __m256 high = _mm256_cvtepi32_ps(_mm256_madd_epi16(high_sums[r], ones));
-            const __m256 low = _mm256_cvtepi32_ps(_mm256_madd_epi16(low_sums[r], ones));
-            total[r] = _mm256_fmadd_ps(_mm256_fmadd_ps(high, _mm256_set1_ps(256.0f), low), s, total[r]);
-          }
-        }
-        const __m256 b = p.Base(s, at);
-        VLLM_XLA_UNROLL_INT4
-        for (int r = 0; r < R; ++r) {
-          const float sum = p.x_sums[(row + r) * groups + g] * p.fixed->inverse[row + r];
-          total[r] = _mm256_fmadd_ps(_mm256_set1_ps(sum), b, total[r]);
-        }
-      }
-      VLLM_XLA_UNROLL_INT4
-      for (int r = 0; r < R; ++r) {
-        _mm256_storeu_ps(p.y + (row + r) * p.N + block * kCols + h * 8,
-                         _mm256_mul_ps(total[r], _mm256_set1_ps(p.fixed->step[row + r])));
-      }
-    }
-  }
-
-  // One packed panel -> its float32 weights [K, 16], u s + m - 8 s (the float32 block's layout).
-  VLLM_XLA_INT4_AVX2 void DequantizePanel(int64_t block, float* to) const {
-    const int64_t words = K / kWordDepth, group_words = group / kWordDepth;
-    const uint32_t* panel = w + block * words * kCols;
-    for (int64_t word = 0; word < words; ++word) {
-      const int64_t at = word / group_words * N + block * kCols;
-      VLLM_XLA_UNROLL_INT4
-      for (int h = 0; h < 2; ++h) {
-        const __m256i words8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + word * kCols + h * 8));
-        const __m256 s = _mm256_loadu_ps(scale + at + h * 8), b = Base(s, at + h * 8);
-        VLLM_XLA_UNROLL_INT4
-        for (int k = 0; k < kWordDepth; ++k) {
-          _mm256_storeu_ps(to + (word * kWordDepth + k) * kCols + h * 8, _mm256_fmadd_ps(Widen(words8, k), s, b));
-        }
-      }
-    }
-  }
-
-  using BlockKernel = void (*)(const Int4Problem&, int64_t, int64_t);
-  static constexpr BlockKernel kFloatKernels[kFloatRows] = {&FloatBlock<1>, &FloatBlock<2>, &FloatBlock<3>};
-  static constexpr BlockKernel kFixedKernels[kFixedRows] = {&FixedPointBlock<1>, &FixedPointBlock<2>};
-#undef VLLM_XLA_UNROLL_INT4
-#undef VLLM_XLA_INT4_AVX2
-#endif  // __x86_64__
-};
-
-struct PortableInt4 : Int4Problem {
-  void Run(const Item& item) const {
-    WalkRegisterBlocks(item, M, K * sizeof(float), kFloatRows, 1,
-                       [&](int64_t row, int rows, int64_t block, int) { PortableBlock(row, rows, block); });
-  }
-};
-
-#if defined(__x86_64__)
-struct Avx2Int4 : Int4Problem {
-  void Run(const Item& item) const {
-    if (M > kWidenAheadAbove) return RunWidened(item);
-    if (fixed != nullptr) {
-      return WalkRegisterBlocks(item, M, K * 2, kFixedRows, 1, [&](int64_t row, int rows, int64_t block, int) {
-        kFixedKernels[rows - 1](*this, row, block);
-      });
-    }
-    WalkRegisterBlocks(item, M, K * sizeof(float), kFloatRows, 1,
-                       [&](int64_t row, int rows, int64_t block, int) { kFloatKernels[rows - 1](*this, row, block); });
-  }
-
-  // Many rows: each column panel dequantized to float32 once per chunk of rows.
-  void RunWidened(const Item& item) const {
-    std::vector<float> panel(K * kCols);
-    int64_t widened = -1;  // the column block `panel` holds
-    WalkRegisterBlocks(item, M, K * sizeof(float), vllm_xla::kF32BlockRows, 1,
-                       [&](int64_t row, int rows, int64_t block, int) {
-                         if (block != widened) {
-                           DequantizePanel(block, panel.data());
-                           widened = block;
-                         }
-                         vllm_xla::F32BlockFor(rows)(x + row * K, panel.data(), K, y + row * N + block * kCols, N);
-                       });
-  }
-};
-
-// Many rows of bfloat16 x on AVX-512 BF16: the item's panels dequantized once to bfloat16 pairs
-// (sized so that they stay in L2), then every row on the bfloat16 kernel's register blocks.
-struct Avx512Bf16Int4 : Int4Problem {
-  const uint16_t* x_bits;  // [M, K] bfloat16
-
-  void Run(const Item& item) const {
-    const int64_t panel = K * kCols;
-    const vllm_xla::AlignedPairs pairs((item.end_block - item.first_block) * panel);
-    for (int64_t block = item.first_block; block < item.end_block; ++block) {
-      const int64_t column = block * kCols;
-      vllm_xla::WidenInt4PanelToPairs(w + block * (K / kWordDepth) * kCols, K, group, scale + column,
-                                      offset != nullptr ? offset + column : nullptr, N,
-                                      pairs.data() + (block - item.first_block) * panel);
-    }
-    WalkRegisterBlocks(item, M, K * sizeof(uint16_t), vllm_xla::kBf16VectorRows, vllm_xla::kBf16VectorBlocks,
-                       [&](int64_t row, int rows, int64_t block, int blocks) {
-                         const uint16_t* widened = pairs.data() + (block - item.first_block) * panel;
-                         vllm_xla::Bf16VectorBlockFor(rows, blocks)(x_bits + row * K, widened, panel, K,
-                                                                     y + row * N + block * kCols, N);
-                       });
-  }
-};
+using vllm_xla::int4::Avx2Int4;
+using vllm_xla::int4::Avx512Bf16Int4;
 #endif
+
+// A float16 value's bits as float32 (exact: every float16 is a float32).
+float HalfToFloat(uint16_t half) {
+  const uint32_t sign = static_cast<uint32_t>(half & 0x8000) << 16;
+  const uint32_t exponent = (half >> 10) & 0x1F, mantissa = half & 0x3FF;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign != 0 ? -magnitude : magnitude;
+  }
+  const uint32_t bits = sign | (exponent == 31 ? 0x7F800000u : (exponent + 112) << 23) | (mantissa << 13);
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+// `count` float16 values' bits as float32, eight an instruction where the CPU has F16C.
+void WidenHalves(const uint16_t* from, int64_t count, float* to) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= count; i += 8) {
+    _mm256_storeu_ps(to + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i))));
+  }
+#endif
+  for (; i < count; ++i) to[i] = HalfToFloat(from[i]);
+}
+
+// The scales and offsets as the paths read them: float32 as given, or float16 bits, which
+// "avx512_vnni" reads as they are and every other path as float32 widened once a call (exact;
+// those paths are for CPUs without VNNI and for many rows, where the products dominate).
+struct GroupScales {
+  const float* scale = nullptr;
+  const float* offset = nullptr;  // null: none
+  const uint16_t* half_scale = nullptr;  // float16 bits (then `scale` and `offset` come from `Widen`)
+  const uint16_t* half_offset = nullptr;
+  float scale_in_base = -8.0f;  // a group's base is offset + scale_in_base * s (0: the offsets are bases)
+  int64_t count = 0;
+  std::vector<float> wide_scale, wide_offset;
+
+  GroupScales(const ffi::AnyBuffer& s, const ffi::AnyBuffer& m, bool bases) : count(s.element_count()) {
+    scale_in_base = bases ? 0.0f : -8.0f;
+    const bool given = m.element_count() > 0;
+    if (s.element_type() == ffi::DataType::F16) {
+      half_scale = reinterpret_cast<const uint16_t*>(s.untyped_data());
+      half_offset = given ? reinterpret_cast<const uint16_t*>(m.untyped_data()) : nullptr;
+      return;
+    }
+    scale = reinterpret_cast<const float*>(s.untyped_data());
+    offset = given ? reinterpret_cast<const float*>(m.untyped_data()) : nullptr;
+  }
+  GroupScales(const GroupScales&) = delete;  // `scale` may point into `wide_scale`
+
+  // Float16 scales and offsets widened to float32 (nothing for float32 ones).
+  void Widen() {
+    if (half_scale == nullptr || scale != nullptr) return;
+    wide_scale.resize(count);
+    WidenHalves(half_scale, count, wide_scale.data());
+    scale = wide_scale.data();
+    if (half_offset == nullptr) return;
+    wide_offset.resize(count);
+    WidenHalves(half_offset, count, wide_offset.data());
+    offset = wide_offset.data();
+  }
+};
+
 
 // Whether this process may run the `isa` path, probed once.
 bool IsaUsable(Int4Isa isa) {
@@ -459,8 +214,18 @@ int64_t RowsToMultiply(const ffi::AnyBuffer& x, int64_t rows, int64_t K) {
                                                 0x7fffffffu);
 }
 
-ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> w, ffi::Buffer<ffi::F32> scale,
-                     ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y, int32_t isa) {
+// Whether the scales are float32 or float16 and the offsets none or of the scales' shape and type.
+bool ScalesFit(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset) {
+  const auto sd = scale.dimensions();
+  const auto type = scale.element_type();
+  if (type != ffi::DataType::F32 && type != ffi::DataType::F16) return false;
+  return offset.element_count() == 0 ||
+         (offset.element_type() == type && offset.dimensions().size() == sd.size() &&
+          std::equal(sd.begin(), sd.end(), offset.dimensions().begin()));
+}
+
+ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> w, ffi::AnyBuffer scale,
+                     ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y, int32_t isa, int32_t bases) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto sd = scale.dimensions();
@@ -469,12 +234,10 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
                           (sd.size() == 1 || sd.size() == 2) && sd.back() == wd[0] * kCols;
   const int64_t groups = shapes_fit && sd.size() == 2 ? sd[0] : 1;
   const bool groups_fit = shapes_fit && groups > 0 && xd[1] % groups == 0 && xd[1] / groups % kWordDepth == 0;
-  const bool offset_fits = offset.element_count() == 0 || (offset.dimensions().size() == sd.size() &&
-                                                           std::equal(sd.begin(), sd.end(), offset.dimensions().begin()));
-  if (!groups_fit || !offset_fits || (type != ffi::DataType::BF16 && type != ffi::DataType::F32)) {
+  if (!groups_fit || !ScalesFit(scale, offset) || (type != ffi::DataType::BF16 && type != ffi::DataType::F32)) {
     return ffi::Error::InvalidArgument(
-        "expected x [M, K] (bfloat16 or float32), a packed int4 weight [N/16, K/8, 16] (uint32), float32 scales "
-        "[N] or [K/G, N] with G a multiple of 8, and offsets of the scales' shape or none");
+        "expected x [M, K] (bfloat16 or float32), a packed int4 weight [N/16, K/8, 16] (uint32), float32 or "
+        "float16 scales [N] or [K/G, N] with G a multiple of 8, and offsets of the scales' shape and type or none");
   }
   Int4Isa run = isa == kBestIsa ? BestIsa(type) : static_cast<Int4Isa>(isa);
   if (!IsaUsable(run)) {
@@ -491,11 +254,12 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   if (run == kAvx512Bf16 && (type != ffi::DataType::BF16 || M <= kWidenAheadAbove)) {
     run = type == ffi::DataType::BF16 ? kAvx2 : kAvx2Float;  // a few rows: unpacked in registers
   }
-  const float* offsets = offset.element_count() > 0 ? offset.typed_data() : nullptr;
+  GroupScales scales(scale, offset, bases != 0);
+  if (run != kAvx512Vnni) scales.Widen();
 #if defined(__x86_64__)
   if (run == kAvx512Bf16) {  // x as it is: neither float32 rows nor their group sums
-    const Int4Problem operands{nullptr, w.typed_data(), scale.typed_data(), offsets, nullptr, y->typed_data(),
-                               M,       K,            N,                  group,   nullptr};
+    const Int4Problem operands{nullptr, w.typed_data(), scales.scale, scales.offset, nullptr, y->typed_data(),
+                               M,       K,            N,            group,         nullptr, scales.scale_in_base};
     const Avx512Bf16Int4 widened{operands, reinterpret_cast<const uint16_t*>(x.untyped_data())};
     const int64_t cached = vllm_xla::CachedBlocks(K, sizeof(uint16_t));  // in L2 as bfloat16
     vllm_xla::RunOverColumnBlocks(widened, N / kCols, std::max<int64_t>(vllm_xla::kBf16VectorBlocks, cached), pool);
@@ -511,20 +275,29 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
     vllm_xla::FixedPointRows planes;
     if (planes.Quantize(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, K)) {
       const std::vector<float> scaled = SumsOverStep(rows, sums, M, K);
-      const vllm_xla::VnniInt4 problem{&planes, w.typed_data(), scale.typed_data(), offsets, scaled.data(),
-                                       y->typed_data(), M, K, N, group};
-      vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
+      if (scales.half_scale != nullptr) {  // float16: read as they are
+        const vllm_xla::VnniInt4<uint16_t> problem{&planes, w.typed_data(), scales.half_scale, scales.half_offset,
+                                                   scaled.data(), y->typed_data(), M, K, N, group,
+                                                   scales.scale_in_base};
+        vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
+      } else {
+        const vllm_xla::VnniInt4<float> problem{&planes, w.typed_data(), scales.scale, scales.offset, scaled.data(),
+                                                y->typed_data(), M, K, N, group, scales.scale_in_base};
+        vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
+      }
       return ffi::Error::Success();
     }
     run = kAvx2;  // what the fixed point cannot hold: "avx2" leaves it to the float product
   }
 #endif
+  scales.Widen();
   FixedPointRows fixed;
   // Not finite values (the float product carries them as it would) or rows too small for the fixed
   // point: the float path.
   const bool integer = run == kAvx2 && M <= kWidenAheadAbove && fixed.Quantize(rows, M, K);
-  const Int4Problem problem{rows, w.typed_data(), scale.typed_data(), offsets, sums.data(), y->typed_data(),
-                            M,    K,            N,                  group,        integer ? &fixed : nullptr};
+  const Int4Problem problem{rows, w.typed_data(), scales.scale, scales.offset, sums.data(), y->typed_data(),
+                            M,    K,            N,            group,         integer ? &fixed : nullptr,
+                            scales.scale_in_base};
 #if defined(__x86_64__)
   if (run == kAvx2 || run == kAvx2Float) {
     vllm_xla::RunOverColumnBlocks(Avx2Int4{problem}, N / kCols, max_blocks, pool);
@@ -551,7 +324,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt4, DenseInt4,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("isa"));
+                                  .Attr<int32_t>("isa")
+                                  .Attr<int32_t>("bases"));

@@ -4,6 +4,14 @@
 or `[N]`: one group of all of K) and m an optional float32 offset of the scale's layout (affine
 4-bit: AWQ, asymmetric GPTQ, GGUF Q4_1 and Q4_K, `models.int4`). x stays bfloat16 or float32.
 
+Scales and offsets may come as float16 instead, and the offsets as each group's base b (the
+weight of stored value 0, m - 8 s: `w = (q + 8) s + b`): GGUF Q4_0 and Q4_1 blocks hold d and
+their minimum (Q4_0: -8 d) in float16, exactly such a scale and base, where m = minimum + 8 d
+would not be exact in float16. `float16_scales` converts float32 scales and offsets to that form,
+refusing any it would round; the kernel then computes the weights the float32 form gives
+(bitwise where the bases are exact), streaming 0.625 bytes a weight at 32 inputs a group
+instead of 0.75.
+
 XLA:CPU holds int4 one value a byte and converts a quantized kernel to a float copy in memory
 before its dot; the native kernel reads the values packed two a byte and unpacks them in
 registers, so a decode step reads each weight as half a byte. The kernel is packed once
@@ -87,17 +95,49 @@ def unpack_dense_kernel_int4(packed: jax.Array) -> jax.Array:
     return values.transpose(1, 2, 0, 3).reshape(words * DEPTH_MULTIPLE, blocks * cols).astype(jnp.int8)
 
 
+def float16_scales(scale, offset=None) -> tuple:
+    """float32 scales `s` and offsets `m` (None: 0) -> float16 `s` and bases `b = m - 8 s` (the
+    weight of stored value 0, computed in float32 as the kernel computes it from `m`), for
+    `native_dense_int4(..., base=b)`: the same weights in 4 bytes a group instead of 8 (NumPy in,
+    NumPy out). Host arrays are checked: every scale must be exact in float16, and every base
+    within one float32 ulp of its `m` (the rounding `m` itself carries: a Q4_1 block's minimum
+    + 8 d rounded to float32 gives back its float16 minimum but where the two differ by more than
+    2^13 times, and then the float32 form is off from the file by as much); any other is refused,
+    naming how many (AWQ's and GPTQ's `z s`, Q4_K's `d sc`: those stay float32)."""
+    xp = _xp(scale)
+    scale = scale.astype(xp.float32)
+    offset = xp.zeros_like(scale) if offset is None else offset.astype(xp.float32)
+    base = scale * xp.float32(-8) + offset
+    halves = scale.astype(xp.float16), base.astype(xp.float16)
+    if isinstance(scale, np.ndarray):  # a traced one is taken as fitting: its host load checks it
+        scales = int(np.sum(halves[0].astype(np.float32) != scale))
+        bases = int(np.sum(np.abs(halves[1].astype(np.float32) - base) > np.spacing(np.abs(offset))))
+        if scales or bases:
+            raise ValueError(
+                f"float16 would round {scales} of {scale.size} int4 scales and {bases} bases (m - 8 s) "
+                "by more than their float32 form carries: keep these scales in float32"
+            )
+    return halves
+
+
 def _grouped(values: jax.Array) -> jax.Array:
     """Scales or offsets `[N]` or `[K/G, N]` as float32 `[groups, N]`."""
     return values.astype(jnp.float32).reshape(-1, values.shape[-1])
 
 
 def native_dense_int4_reference(
-    x: jax.Array, packed: jax.Array, scale: jax.Array, offset: jax.Array | None = None
+    x: jax.Array,
+    packed: jax.Array,
+    scale: jax.Array,
+    offset: jax.Array | None = None,
+    *,
+    base: jax.Array | None = None,
 ) -> jax.Array:
     """`x [M, K] @ (q * s + m)`, float32, from the packed kernel, in plain JAX: each group of
     k's product with its values times its scales, plus each row's sum over the group times the
-    group's offsets."""
+    group's offsets (`base`: `m = b + 8 s`, in float32)."""
+    if base is not None:
+        offset = _grouped(base) + 8 * _grouped(scale)
     q = unpack_dense_kernel_int4(packed).astype(jnp.float32)
     scale = _grouped(scale)
     groups, (rows, depth) = scale.shape[0], x.shape
@@ -129,11 +169,15 @@ def native_dense_int4(
     scale: jax.Array,
     offset: jax.Array | None = None,
     *,
+    base: jax.Array | None = None,
     isa: str | None = None,
 ) -> jax.Array:
     """`x [M, K] @ (q * s + m)` in float32, `packed` from `pack_dense_kernel_int4`, `scale [N]`
     (one per column) or `[K/G, N]` (one per group of G consecutive k and column, G a multiple of
-    8 that divides K: GGUF's 32, GPTQ's and AWQ's 128), `offset` None or of the scale's shape.
+    8 that divides K: GGUF's 32, GPTQ's and AWQ's 128), `offset` None or of the scale's shape;
+    or instead of `offset`, `base` (`b = m - 8 s`, the weight of stored value 0: `w = (q + 8) s + b`).
+    float16 scales with float16 offsets or bases (or none) are read as they are (`float16_scales`);
+    other dtypes are converted to float32.
 
     x is bfloat16 or another float dtype (converted to float32). `isa` picks the path
     ("avx512_vnni", "avx512_bf16", "avx2", "avx2_float" or "portable"); None takes the best the CPU has
@@ -155,6 +199,10 @@ def native_dense_int4(
     blocks, words, cols = packed.shape
     depth, width = words * DEPTH_MULTIPLE, blocks * cols
     groups = scale.shape[0] if scale.ndim == 2 else 1
+    if offset is not None and base is not None:
+        raise ValueError("give native_dense_int4 an offset m or a base m - 8 s, not both")
+    bases = base is not None
+    offset = base if bases else offset
     if (
         x.ndim != 2
         or x.shape[1] != depth
@@ -175,6 +223,10 @@ def native_dense_int4(
             f"k that divide K = {depth}: [K/G, N] with G % {DEPTH_MULTIPLE} == 0"
         )
     x = x if x.dtype == jnp.bfloat16 else x.astype(jnp.float32)
-    offset = jnp.zeros((0,), jnp.float32) if offset is None else offset.astype(jnp.float32)
+    half = scale.dtype == jnp.float16 and (offset is None or offset.dtype == jnp.float16)
+    dtype = jnp.float16 if half else jnp.float32
+    offset = jnp.zeros((0,), dtype) if offset is None else offset.astype(dtype)
     call = jax.ffi.ffi_call(DENSE_INT4_TARGET, jax.ShapeDtypeStruct((x.shape[0], width), jnp.float32))
-    return call(x, packed, scale.astype(jnp.float32), offset, isa=np.int32(codes.get(isa, 0)))
+    return call(
+        x, packed, scale.astype(dtype), offset, isa=np.int32(codes.get(isa, 0)), bases=np.int32(bases)
+    )

@@ -42,16 +42,18 @@ VLLM_XLA_AVX512BF16 inline __m512i Int4PairAt(__m512i words, __m512 s, __m512 ba
 
 // One packed panel [K/8, 16] (uint32 words of eight k) -> its dequantized values q s + m in
 // bfloat16 pairs [K/2, 16, 2]. `scale` and `offset` (null: none) point at the panel's first
-// column of group 0, `stride` floats from one group to the next; `group` k share them.
+// column of group 0, `stride` floats from one group to the next; `group` k share them. Each
+// group's base (the weight of u = 0) is offset + scale_in_base * s: -8 for offsets m, 0 for bases.
 VLLM_XLA_AVX512BF16 inline void WidenInt4PanelToPairs(const uint32_t* panel, int64_t K, int64_t group,
-                                                      const float* scale, const float* offset, int64_t stride,
+                                                      const float* scale, const float* offset,
+                                                      float scale_in_base, int64_t stride,
                                                       uint16_t* to) {
   const int64_t group_words = group / 8;
   for (int64_t word = 0; word < K / 8; ++word) {
     const int64_t at = word / group_words * stride;
     const __m512 s = _mm512_loadu_ps(scale + at);
     const __m512 m = offset != nullptr ? _mm512_loadu_ps(offset + at) : _mm512_setzero_ps();
-    const __m512 base = _mm512_fmadd_ps(s, _mm512_set1_ps(-8.0f), m);  // u s + m - 8 s = q s + m
+    const __m512 base = _mm512_fmadd_ps(s, _mm512_set1_ps(scale_in_base), m);  // u s + m - 8 s = q s + m
     const __m512i words = _mm512_loadu_si512(panel + word * kInt4PanelCols);
     uint16_t* out = to + word * 8 * kInt4PanelCols;
     _mm512_storeu_si512(out, Int4PairAt<0>(words, s, base));

@@ -13,8 +13,15 @@
 //
 // The totals count x in units of sx (256 hi + lo), as on "avx2": each run of up to
 // `kInt4VnniRunWords` words of a group is folded into float32 times the group's scales, each row's
-// sum of x over the group (over sx) times the group's base m - 8 s, and the totals times sx at the end. The one error next to the float product
-// is x's rounding to 16 bits, as on "avx2": at most sx / 2 sum_k |u_k s_k| per output.
+// sum of x over the group (over sx) times the group's base m - 8 s, and the totals times sx at
+// the end. The one error next to the float product is x's rounding to 16 bits, as on "avx2": at
+// most sx / 2 sum_k |u_k s_k| per output.
+//
+// Scales and offsets are float32, or float16 (`Scale` uint16_t: their bits) read as they are and
+// widened in registers (VCVTPH2PS, exact): a GGUF Q4_1 block's own d and minimum, 4 bytes per 32
+// weights instead of 8, so a decode step streams 0.625 bytes a weight instead of 0.75. With
+// `scale_in_base` 0 the offsets are the bases themselves (the weight of u = 0: Q4_1's minimum,
+// exact in float16 where m = minimum + 8 d is not); -8: offsets m.
 #pragma once
 
 #include <algorithm>
@@ -32,14 +39,22 @@ namespace vllm_xla {
 constexpr int64_t kInt4VnniRunWords = 128;
 constexpr int kInt4VnniMaxBlocks = 4;  // 16-column blocks of one row in a register block
 
+// 16 scales (or offsets) from float32, or from float16 bits widened exactly.
+VLLM_XLA_INT8_VNNI inline __m512 LoadScales(const float* at) { return _mm512_loadu_ps(at); }
+VLLM_XLA_INT8_VNNI inline __m512 LoadScales(const uint16_t* at) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+}
+
+template <typename Scale>  // float, or uint16_t: float16 bits
 struct VnniInt4 {
   const FixedPointRows* rows;  // x's planes, one 32-bit word per 4 k
   const uint32_t* w;           // [N/16, K/8, 16]
-  const float* scale;          // [K / group, N]
-  const float* offset;         // [K / group, N]: m, or null (0)
+  const Scale* scale;          // [K / group, N]
+  const Scale* offset;         // [K / group, N]: m (or the bases: `scale_in_base` 0), or null (0)
   const float* x_sums;         // [M, K / group]: each row's sum over each group of k, over sx (0: sx 0)
   float* y;                    // [M, N]
   int64_t M, K, N, group;
+  float scale_in_base;         // a group's base is offset + scale_in_base * s
 
   static void Begin() {}
   static void End() {}
@@ -61,7 +76,7 @@ struct VnniInt4 {
     for (int64_t g = 0; g < groups; ++g) {
       __m512 s[C];
       VLLM_XLA_UNROLL
-      for (int c = 0; c < C; ++c) s[c] = _mm512_loadu_ps(p.scale + g * p.N + (block + c) * 16);
+      for (int c = 0; c < C; ++c) s[c] = LoadScales(p.scale + g * p.N + (block + c) * 16);
       for (int64_t first = g * group_words; first < (g + 1) * group_words; first += kInt4VnniRunWords) {
         const int64_t end = std::min(first + kInt4VnniRunWords, (g + 1) * group_words);
         __m512i high[R][C], low[R][C];
@@ -101,8 +116,8 @@ struct VnniInt4 {
       VLLM_XLA_UNROLL
       for (int c = 0; c < C; ++c) {
         const int64_t at = g * p.N + (block + c) * 16;
-        const __m512 m = p.offset != nullptr ? _mm512_loadu_ps(p.offset + at) : _mm512_setzero_ps();
-        const __m512 base = _mm512_fmadd_ps(s[c], _mm512_set1_ps(-8.0f), m);
+        const __m512 m = p.offset != nullptr ? LoadScales(p.offset + at) : _mm512_setzero_ps();
+        const __m512 base = _mm512_fmadd_ps(s[c], _mm512_set1_ps(p.scale_in_base), m);
         VLLM_XLA_UNROLL
         for (int r = 0; r < R; ++r) {
           total[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p.x_sums[(row + r) * groups + g]), base, total[r][c]);

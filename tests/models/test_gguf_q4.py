@@ -6,6 +6,7 @@ dequantization, and the served model computes the float model of the dequantized
 file mixing 4-bit projections with another type loads as float, as before, and so does an
 all-4-bit one when a `quantization` is asked (then quantized so)."""
 
+import dataclasses
 import os
 
 import gguf
@@ -13,14 +14,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models import int4, load_model
 from models.gguf_reader import Q4_BLOCK, hf_name, iter_hf_tensors, q4_linear_weights, unpermute_rope_rows
-from models.loader import gguf_4bit_quantization
+from models.linear import Int4Bases
+from models.loader import gguf_4bit_quantization, gguf_float16_scales
 from tests.models.gguf_q4_blocks import Q4_TYPES, quantizer
 from tests.models.test_gguf_q8_0 import _arrays, _logits, write_q8_0_gguf
+from tests.models.tiny_checkpoints import caches, prompts, run_step
 from tests.tiny_models import save_tiny_llama
-from tpu_platform.weights.prepared import Preparation, int8_quantization, load_prepared
+from tpu_platform.weights.prepared import (
+    Preparation,
+    UnusableCheckpoint,
+    int8_quantization,
+    load_prepared,
+    metadata_for,
+    restore_prepared,
+    save_prepared,
+)
 
 _ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 _WIDTHS = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
@@ -89,6 +101,38 @@ def test_q4_gguf_on_the_native_int4_kernel_computes_the_dequantized_model(q4_dir
         panels, words, width = got[name].shape
         assert width == 16 and got[f"{name}_offset"].shape == (words * 8 // 32, panels * 16), name
     np.testing.assert_allclose(_logits(model, config), _logits(reference, config), rtol=1e-3, atol=1e-3)
+
+
+def test_q4_0_and_q4_1_stream_in_with_their_float16_scales_and_bases(q4_dir, dense_kernels, tmp_path):
+    """Prepared with float16 scales (Q4_0 and Q4_1 files: each block's d and minimum are
+    float16), every packed projection holds its scales and bases (`Int4Bases`) in float16, and
+    the model computes bit for bit what it computes from the float32 scales and offsets, on a
+    prefill and on a few rows, and so does its prepared-weights checkpoint restored (the float32
+    preparation's name refuses it); Q4_K's scales d sc are not float16 and are refused by name."""
+    plain = Preparation("bfloat16", "native", quantization="int4z-g32")
+    half = dataclasses.replace(plain, float16_scales=True)
+    if "Q4_K" in q4_dir:
+        assert not gguf_float16_scales(q4_dir)
+        with pytest.raises(ValueError, match="float16 would round"):
+            load_prepared(q4_dir, half, _ON_DEVICE)
+        return
+    assert gguf_float16_scales(q4_dir)
+    config, model = load_prepared(q4_dir, half, _ON_DEVICE)
+    _, float32 = load_prepared(q4_dir, plain, _ON_DEVICE)
+    got = _arrays(model)
+    kernels = [n for n in got if n.endswith(".kernel") and got[n].dtype == np.uint32]
+    assert len(kernels) == 4 * config.num_layers
+    assert all(got[f"{n}_scale"].dtype == got[f"{n}_offset"].dtype == np.float16 for n in kernels)
+    halved = [m for _, m in nnx.iter_modules(model) if isinstance(getattr(m, "kernel_offset", 0), Int4Bases)]
+    assert len(halved) == len(kernels)
+    save_prepared(str(tmp_path / "ckpt"), nnx.state(model), metadata_for(config, half, nnx.state(model)))
+    restored = restore_prepared(str(tmp_path / "ckpt"), config, half, _ON_DEVICE)
+    with pytest.raises(UnusableCheckpoint, match="f16scales"):
+        restore_prepared(str(tmp_path / "ckpt"), config, plain, _ON_DEVICE)
+    for ids in prompts([24, 3], seed=3):  # a prefill's rows, and a few (the VNNI path's)
+        logits = [run_step(m, caches(config), [ids], [0], [[1, 2]])[0] for m in (model, float32, restored)]
+        np.testing.assert_array_equal(logits[0], logits[1])
+        np.testing.assert_array_equal(logits[0], logits[2])
 
 
 def test_a_file_mixing_q4_with_other_types_loads_as_float(source, tmp_path):

@@ -50,6 +50,25 @@ def test_the_embedded_gguf_is_kept_with_its_4bit_blocks(model_dir):
     assert gguf_4bit_quantization(model_dir) == "int4z-g32"
 
 
+@pytest.mark.slow
+def test_the_embedded_q4_1_blocks_fit_float16_scales_exactly(model_dir):
+    """Served on CPU, its Q4_1 blocks keep their d and minimum in float16 (`gguf_float16_scales`):
+    every block's float16 base is its float32 `m - 8 d` exactly, so the int4 kernel computes bit
+    for bit what the float32 scales and offsets give (tests/pallas_kernels/test_cpu_dense_int4_float16.py)."""
+    from models.gguf_reader import iter_hf_tensors, q4_linear_weights
+    from models.loader import gguf_float16_scales
+    from pallas_kernels.cpu import float16_scales
+
+    assert gguf_float16_scales(model_dir)
+    path = os.path.join(model_dir, "model.gguf")
+    tensors = dict(iter_hf_tensors(path, int4_q4=True))
+    for name in q4_linear_weights(path):
+        scale, offset = tensors[f"{name}_scale"], tensors[f"{name}_offset"]
+        half, base = float16_scales(scale, offset)
+        np.testing.assert_array_equal(half, scale)
+        np.testing.assert_array_equal(base, offset - 8 * scale)
+
+
 def _greedy_tokens(model, config, prompt: list[int], count: int) -> list[int]:
     """`count` greedy tokens after `prompt`, a prefill then one decode step a token."""
     pages = [list(range(1, 2 + (len(prompt) + count) // PAGE))]

@@ -82,6 +82,9 @@ class Preparation:
     an offset per scale (`kernel_offset`, `models.int4`: a checkpoint with zero points or group
     minimums, AWQ, asymmetric GPTQ, GGUF Q4). Packed for the native CPU kernels, a 4-bit
     preparation holds a tied head's copy in int8 (`quantize_tied_head_int8`), in the same groups.
+    `float16_scales`: packed so, the int4z kernels hold float16 scales and bases instead of
+    float32 scales and offsets (`models.linear.halve_int4_scales`: a GGUF whose projections are
+    all Q4_0 or Q4_1, `models.loader.gguf_float16_scales`, whose blocks hold exactly those).
     """
 
     dtype: str
@@ -89,8 +92,14 @@ class Preparation:
     tp_size: int = 1
     quantization: str = "none"
     backend: str | None = None  # the platform int4 values are held for (`int4.held_dtype`)
+    float16_scales: bool = False
 
     def __post_init__(self) -> None:
+        if self.float16_scales and not (self.quantization.startswith("int4z") and self.packing != "none"):
+            raise ValueError(
+                f"float16 scales are for int4z kernels packed for the native CPU int4 kernel, not "
+                f"{self.quantization!r} weights packed {self.packing!r}"
+            )
         if self.packing not in _PACKINGS:
             raise ValueError(f"packing {self.packing!r} is not one of {_PACKINGS}")
         if self.quantization not in _QUANTIZATIONS and not _GROUPED.fullmatch(self.quantization):
@@ -120,16 +129,24 @@ class Preparation:
 
     @classmethod
     def for_dense_isa(
-        cls, dtype: str, dense_isa: str | None, tp_size: int = 1, quantization: str = "none"
+        cls,
+        dtype: str,
+        dense_isa: str | None,
+        tp_size: int = 1,
+        quantization: str = "none",
+        *,
+        float16_scales: bool = False,
     ) -> Preparation:
         """The preparation of a runner whose native dense kernel runs `dense_isa` (None: XLA's
-        dots), on `tp_size` devices."""
+        dots), on `tp_size` devices; `float16_scales` where the weights allow them and the
+        kernels are packed (else ignored)."""
         packing = "none" if dense_isa is None else "native+f32" if dense_isa == "avx2" else "native"
-        return cls(jnp.dtype(dtype).name, packing, tp_size, quantization)
+        halves = float16_scales and packing != "none" and quantization.startswith("int4z")
+        return cls(jnp.dtype(dtype).name, packing, tp_size, quantization, float16_scales=halves)
 
     @property
     def name(self) -> str:
-        int8 = f"-{self.quantization}" if self.int8 else ""
+        int8 = f"-{self.quantization}" + ("-f16scales" if self.float16_scales else "") if self.int8 else ""
         return f"{self.dtype}-{self.packing}{int8}" + (f"-tp{self.tp_size}" if self.tp_size > 1 else "")
 
     def apply(self, model: nnx.Module) -> int:
@@ -145,7 +162,9 @@ class Preparation:
                 (quantize_fp8 if self.fp8 else quantize_int8)(model, self.int8_group_size)
         if self.packing == "none":
             return 0
-        return pack_for_native_dense(model, float32=self.packing == "native+f32", int4=self.int4)
+        return pack_for_native_dense(
+            model, float32=self.packing == "native+f32", int4=self.int4, float16_scales=self.float16_scales
+        )
 
     def served_value(self, value: np.ndarray, served: nnx.Variable) -> np.ndarray:
         """One parameter as `prepare_for_serving` leaves it, as this preparation has it: packed
