@@ -31,16 +31,18 @@ import pytest
 from tests.aot.model_step_worker import MAX_MODEL_LEN
 from tests.aot.toolchains import run_worker
 
-# `make test`: a dense model on a TPU slice, and each family with its own layers (experts,
-# sinks and sliding layers, chunked attention) on 8x H100.
+# `make test`: a dense model on a TPU slice, one KV head a chip (Llama-3.1-8B at TP=8: the
+# 70B's rules, collectives and kernel at a narrower width, which the TPU compiler compiles
+# sooner), and each family with its own layers (experts, sinks and sliding layers, chunked
+# attention) on 8x H100.
 CASES = {
-    "tpu": ["v6e-8:llama-3.1-70b:8"],
+    "tpu": ["v6e-8:llama-3.1-8b:8"],
     "cuda": ["h100x8:qwen3-30b-a3b:8", "h100x8:gpt-oss-120b:8", "h100x8:llama-4-scout:8"],
 }
-# The same paths on more chips and sizes (`make test-full`): two KV heads a chip
-# (TP=4 of 8 KV heads), v5e, and the dense model on GPUs.
+# The same paths on more chips and sizes (`make test-full`): the 70B on v6e-8 (its prefill at 2
+# and 4 layers), two KV heads a chip (TP=4 of 8 KV heads), v5e, and the dense model on GPUs.
 MORE_CASES = {
-    "tpu": ["v5e-4:llama-3.1-8b:4", "v6e-4:llama-3.1-8b:4"],
+    "tpu": ["v6e-8:llama-3.1-70b:8", "v5e-4:llama-3.1-8b:4", "v6e-4:llama-3.1-8b:4"],
     "cuda": ["h100x8:llama-3.1-70b:8"],
 }
 ALL_CASES = {p: CASES[p] + MORE_CASES[p] for p in CASES}
