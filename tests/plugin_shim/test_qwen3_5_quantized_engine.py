@@ -34,9 +34,11 @@ pytestmark = pytest.mark.slow  # engines
 NEW_TOKENS = 6
 # Steps of 32 tokens: the 37-token prompt is prefilled in two chunks.
 _ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16, seed=0)
-# bfloat16 activations through three recurrent layers: each logprob within this of float32's.
+# Each served logprob against transformers' float32 one on the same weights: bfloat16 activations
+# carried through three recurrent layers drift by a few hundredths (about a tenth at worst here);
+# float32 ones differ only in summation order.
 BF16_LOGPROB_ATOL = 0.15
-F32_LOGPROB_ATOL = 2e-3
+F32_LOGPROB_ATOL = 1e-4
 _QKV = "model.layers.0.linear_attn.in_proj_qkv"
 _BA_IGNORED = tuple(f"model.layers.{i}.linear_attn.in_proj_{p}" for i in range(3) for p in "ba")
 
