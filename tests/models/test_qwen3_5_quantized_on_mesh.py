@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Quantized Qwen3.5 (the dense tiny model) split over two simulated CPU devices, served as its
 checkpoint ships: `quant_method: fp8` in 128x128 blocks (`in_proj_b` / `in_proj_a` left in
-float, as Qwen's FP8 release has them) and compressed-tensors W4A16 in groups of 16 with zero
-points. The mesh worker (`qwen3_next_mesh_worker.py`, a process of its own) streams each onto
+float, as Qwen's FP8 release has them), compressed-tensors W4A16 in groups of 16 with zero
+points, asymmetric GPTQ with activation order and AWQ (groups of 16, `in_proj_b` / `in_proj_a`
+in float). The mesh worker (`qwen3_next_mesh_worker.py`, a process of its own) streams each onto
 one device and onto two as the runner does and drives two ragged steps through the Gated
 DeltaNet states; the two-device logits equal one device's (up to summation order) and
 transformers' on the dequantized weights, the greedy tokens alike, and every quantized Gated
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.models.fp8_checkpoints import dequantized_weights, write_block_fp8
-from tests.models.test_qwen3_5_quantized import DENSE, _reference
+from tests.models.test_qwen3_5_quantized import BA, DENSE, _reference
 from tests.models.test_qwen3_next_on_mesh import ATOL, RTOL, _expected
 from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
 
@@ -47,7 +48,35 @@ def _w4a16(root) -> tuple[str, dict[str, np.ndarray], str]:
     return path, dequantized, source
 
 
-_WRITERS = {"fp8": _fp8, "w4a16": _w4a16}
+def _gptq(root) -> tuple[str, dict[str, np.ndarray], str]:
+    from tests.models.gptq_checkpoints import write_gptq
+
+    # asymmetric, activation order: each part's input order whole on each device, its qzeros
+    # cut by words of eight outputs (one q/k/v part's 16 per device: two words)
+    source = save_tiny_qwen3_next(str(root / "source"), seed=6, architecture=DENSE)
+    path, dequantized = write_gptq(
+        source, str(root / "gptq"), group_size=16, sym=False, act_order=5, keep_float=BA
+    )
+    return path, dequantized, source
+
+
+def _awq(root) -> tuple[str, dict[str, np.ndarray], str]:
+    from tests.models.awq_checkpoints import write_awq
+
+    # AWQ's `qweight [in, out / 8]`: eight outputs a word on the axis the devices split
+    source = save_tiny_qwen3_next(str(root / "source"), seed=6, architecture=DENSE)
+    path, dequantized = write_awq(source, str(root / "awq"), group_size=16, keep_float=BA)
+    return path, dequantized, source
+
+
+_WRITERS = {"fp8": _fp8, "w4a16": _w4a16, "gptq": _gptq, "awq": _awq}
+# The quantized leaves of a projection that split like its kernel (GPTQ's input order is whole).
+_LEAVES = {
+    "fp8": ("kernel", "kernel_scale"),
+    "w4a16": ("kernel", "kernel_scale", "kernel_offset"),
+    "gptq": ("kernel", "kernel_scale", "kernel_offset"),
+    "awq": ("kernel", "kernel_scale", "kernel_offset"),
+}
 
 
 def _run_worker(path: str, sizes: str, out) -> subprocess.CompletedProcess:
@@ -59,7 +88,13 @@ def _run_worker(path: str, sizes: str, out) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "kind", [pytest.param("fp8", marks=pytest.mark.slow), pytest.param("w4a16", marks=pytest.mark.full)]
+    "kind",
+    [
+        pytest.param("fp8", marks=pytest.mark.slow),
+        pytest.param("w4a16", marks=pytest.mark.full),
+        pytest.param("gptq", marks=pytest.mark.full),
+        pytest.param("awq", marks=pytest.mark.full),
+    ],
 )
 def test_quantized_qwen3_5_on_two_devices_equals_one(kind, tmp_path):
     path, dequantized, source = _WRITERS[kind](tmp_path)
@@ -73,8 +108,7 @@ def test_quantized_qwen3_5_on_two_devices_equals_one(kind, tmp_path):
         np.testing.assert_allclose(two, expected, atol=ATOL, rtol=RTOL, err_msg=step)
         np.testing.assert_array_equal(two.argmax(-1), expected.argmax(-1), err_msg=step)
     placed = report["2"]["placed"]
-    leaves = ("kernel", "kernel_scale") + (("kernel_offset",) if kind == "w4a16" else ())
-    for name in (f"model.layers.0.linear_attn.{p}.{leaf}" for p in _PROJECTIONS for leaf in leaves):
+    for name in (f"model.layers.0.linear_attn.{p}.{leaf}" for p in _PROJECTIONS for leaf in _LEAVES[kind]):
         kernel = placed[name.rsplit(".", 1)[0] + ".kernel"]
         assert placed[name]["spec"] == kernel["spec"] and "model" in kernel["spec"], name
         assert placed[name]["device_bytes"] == [placed[name]["bytes"] // 2] * 2, name
