@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from plugin_shim.parallel import mesh_tensor_parallel_size
 from tpu_platform.speculation import MAX_SPECULATIVE_TOKENS, SpeculationConfig
 from tpu_platform.speculation.config import METHODS, MODEL_METHODS, MTP_ARCHITECTURES, QWEN_MTP_ARCHITECTURES
 
@@ -94,9 +95,10 @@ def _unsupported_draft(config: VllmConfig) -> str | None:
 
 def _unsupported_draft_tp(config: VllmConfig) -> str | None:
     """Why the drafter cannot run at its `draft_tensor_parallel_size` (None when it can): it is
-    split on the target's mesh, as the target is, so only the target's size is served."""
+    split on the target's mesh, as the target is, so only the target's size is served. Across
+    hosts that is the mesh's size, not vLLM's one rank a host (`plugin_shim.parallel`)."""
     draft_tp = getattr(config.speculative_config, "draft_tensor_parallel_size", None)
-    target_tp = config.parallel_config.tensor_parallel_size
+    target_tp = mesh_tensor_parallel_size(config)
     if draft_tp is not None and draft_tp != target_tp:
         return f"draft_tensor_parallel_size={draft_tp} with tensor_parallel_size={target_tp}"
     return None

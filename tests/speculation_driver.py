@@ -100,3 +100,25 @@ def drive(
     record["drafts"].append(drafts)
     record["reference_drafts"].append(reference(history))
     return record
+
+
+def assert_verified_like_reference(
+    runner: Runner,
+    target,
+    reference: Callable[[list[int]], list[int]],
+    prompt: list[int],
+    k: int,
+    *,
+    keeps: Sequence[int | None],
+    vocab: int,
+    blocks: list[list[int]] | None = None,
+) -> None:
+    """`drive`s request "a" (the same arguments) and asserts what every proposer must do: the
+    partial prefill chunk samples and drafts nothing (the drafter's pass only), every later step
+    gives the target's greedy tokens however many drafts it kept, the proposer's drafts are the
+    reference's, and nothing compiled after warm-up."""
+    record = drive(runner, target, reference, prompt, k, keeps=keeps, vocab=vocab, blocks=blocks)
+    assert record["partial"] == ([], [])
+    assert record["outputs"] == record["greedy"]
+    assert record["drafts"] == record["reference_drafts"]
+    assert runner.programs.compiles_after_warmup == 0

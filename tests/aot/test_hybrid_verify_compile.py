@@ -14,7 +14,8 @@ MoE layer's own temporaries for a 20-row step, over 2 GB, outweigh the pools tha
 weights, so no pool-sized buffer could be told from them.) The cheap points in `make test`: the
 Gated DeltaNet ops' verification on H100 (`test_gated_delta_compile.py`) and the planner's
 hybrid verification program equal to the runner's (`test_plan_hybrid.py`). With an EAGLE-3 head
-(its three layers an output of the step, its pass and loop compiled beside it) on the H100 too."""
+(its three layers an output of the step, its pass and loop compiled beside it) on the H100 and
+v6e-1 too."""
 
 from __future__ import annotations
 
@@ -52,13 +53,14 @@ def test_the_verify_step_keeps_1_plus_k_states_in_place(platform, target, layers
     assert growth < (large["cache_bytes"] - small["cache_bytes"]) / 1000, (small, large)
 
 
-def test_the_verify_step_hands_an_eagle3_head_its_layers_and_the_heads_programs_compile():
-    """The same step on the H100 (one layer of each kind, dense MLPs, 2048 block ids) with an
-    EAGLE-3 head's three layers as an output (`tests.aot.hybrid_eagle3_compile`: a Gated DeltaNet
-    layer's input and output, the attention layer's output), then the head's pass over that step,
-    its tables the full-attention group's, and its loop: every cache updated in place, no
-    temporary of a cache's size."""
-    out = run_worker("cuda", "hybrid_eagle3_compile", "h100x1", *map(str, (K, ROWS, PAGES[1])), timeout=3000)
+@pytest.mark.parametrize(("platform", "target"), [("cuda", "h100x1"), ("tpu", "v6e-1")], ids=["h100", "v6e"])
+def test_the_verify_step_hands_an_eagle3_head_its_layers_and_the_heads_programs_compile(platform, target):
+    """The same step (one layer of each kind, dense MLPs, 2048 block ids) with an EAGLE-3 head's
+    three layers as an output (`tests.aot.hybrid_eagle3_compile`: a Gated DeltaNet layer's input
+    and output, the attention layer's output), then the head's pass over that step, its tables
+    the full-attention group's, and its loop: every cache updated in place, no temporary of a
+    cache's size."""
+    out = run_worker(platform, "hybrid_eagle3_compile", target, *map(str, (K, ROWS, PAGES[1])), timeout=3000)
     assert out["state_columns"] == 1 + K
     assert out["step"]["alias_bytes"] >= out["cache_bytes"], "the step's caches not updated in place"
     assert out["large_buffers"] == []

@@ -94,8 +94,9 @@ def wait_healthy(port: int, procs: list[subprocess.Popen], logs: list[pathlib.Pa
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for proc, log in zip(procs, logs, strict=True):
-            if proc.poll() is not None:
-                raise AssertionError(f"{log.name} exited {proc.returncode}:\n{log.read_text()[-6000:]}")
+            if proc.poll() is not None:  # every host's log: the other host may have died first
+                tails = "\n".join(f"--- {other.name}:\n{other.read_text()[-4000:]}" for other in logs)
+                raise AssertionError(f"{log.name} exited {proc.returncode}:\n{tails}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
                 if response.status == 200:

@@ -3,18 +3,26 @@
 through the path a pod's hosts take (vLLM's multi-node options, `jax.distributed`, gloo
 collectives), one tiny model at TP=4 across both: vLLM's OpenAI server on host 0 answers
 completions with the greedy tokens of a one-process TP=1 engine, also under chunked prefill and
-preemption. Killing host 1 ends host 0 with a clear error, non-zero, within the bound; a host that
-never joins ends the other within `--distributed-timeout-seconds` (`make test-full`).
+preemption; two hosts verifying n-gram drafts (a draft model's in `make test-full`) answer with
+transformers' greedy tokens, under chunked prefill and preemption too.
+Killing host 1 ends host 0 with a clear error, non-zero, within the bound; a host that never
+joins ends the other within `--distributed-timeout-seconds` (`make test-full`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
+from collections.abc import Iterator
 
 import pytest
+import torch
+from transformers import LlamaForCausalLM
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
+from tests.greedy_reference import hf_greedy
 from tests.models.tiny_checkpoints import prompts
 from tests.plugin_shim.multihost_launch import (
     completions,
@@ -24,7 +32,7 @@ from tests.plugin_shim.multihost_launch import (
     start_host,
     wait_healthy,
 )
-from tests.tiny_models import save_tiny_llama
+from tests.tiny_models import save_damped_tiny_llama, save_tiny_llama
 
 pytestmark = pytest.mark.slow  # four vLLM processes and two JAX hosts
 
@@ -37,6 +45,11 @@ TIMEOUT_S = 60
 CROWDED_TOKENS = 12
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, seed=0)
 KV = dict(block_size=16, num_gpu_blocks_override=8)
+SPECULATION = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
+}
+SPECULATED_TOKENS = 24  # enough for the looping model's text to repeat itself
 GREEDY = prompts([5, 13, 2], seed=3)
 CROWDED = [prompts([40], seed=7)[0] + tail[1:] for tail in prompts([3, 9, 6, 12], seed=8)]
 
@@ -80,19 +93,61 @@ def reference(model) -> dict[str, list[list[int]]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def hosts(model, tmp_path_factory):
-    """Host 1 (headless) and host 0 (the OpenAI server on `port`), both serving at TP=4."""
-    tmp = tmp_path_factory.mktemp("hosts")
+@contextlib.contextmanager
+def _two_hosts(model: str, serve: list[str], tmp) -> Iterator[tuple[int, list, list]]:
+    """Host 1 (headless) and host 0 (the OpenAI server on the port given), both with `serve`'s
+    options; the port, the processes and the logs (host 0's first), killed when the block ends."""
     master, port = free_port(), free_port()
-    started = [start_host(1, model, SERVE, master, tmp, None), start_host(0, model, SERVE, master, tmp, port)]
-    procs, logs = [p for p, _ in started], [log for _, log in started]
+    started = [start_host(1, model, serve, master, tmp, None), start_host(0, model, serve, master, tmp, port)]
+    procs, logs = [p for p, _ in started[::-1]], [log for _, log in started[::-1]]
     try:
-        wait_healthy(port, procs[::-1], logs[::-1], timeout=800)
-        yield {"port": port, "host0": procs[1], "host1": procs[0], "log0": logs[1]}
+        wait_healthy(port, procs, logs, timeout=800)
+        yield port, procs, logs
     finally:
         for proc in procs:
             kill_host(proc)
+
+
+@pytest.fixture(scope="module")
+def looping_model(tmp_path_factory) -> str:
+    """A tiny Llama whose layers' outputs are damped: its greedy text falls into loops that n-gram
+    drafts predict, while every layer still changes the logits (some drafts fail)."""
+    return save_damped_tiny_llama(str(tmp_path_factory.mktemp("looping")), seed=2, scale=0.02)
+
+
+@pytest.fixture(params=["ngram", pytest.param("draft_model", marks=pytest.mark.full)])
+def speculating_hosts(request, looping_model, tmp_path):
+    """Both hosts at TP=4 serving `looping_model` with drafts of `request.param`'s method (the
+    draft model: the target itself); a pair of its own, up only for its test."""
+    drafter = {} if request.param == "ngram" else {"model": looping_model}
+    spec = {**SPECULATION[request.param], **drafter}
+    serve = [*SERVE, f"--speculative-config={json.dumps(spec)}"]
+    with _two_hosts(looping_model, serve, tmp_path) as (port, _, _):
+        yield request.param, port
+
+
+def test_two_hosts_verify_drafts_to_the_tokens_of_no_speculation(speculating_hosts, looping_model):
+    """Runs first, before the module's hosts start. Host 0's scheduler sends its worker's drafts
+    to both hosts in the step's inputs; both run the verification (and the draft model's
+    programs) on the global mesh. Greedy tokens: transformers', decoding without drafts."""
+    method, port = speculating_hosts
+    hf = LlamaForCausalLM.from_pretrained(looping_model, dtype=torch.float32).eval()
+    for batch, new in ((GREEDY, SPECULATED_TOKENS), (CROWDED, CROWDED_TOKENS)):
+        assert completions(port, looping_model, batch, new) == [hf_greedy(hf, p, new) for p in batch]
+    drafted = metric(port, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = metric(port, "vllm:spec_decode_num_accepted_tokens_total")
+    print(f"{method}: {accepted:.0f} of {drafted:.0f} drafts kept")
+    assert 0 < accepted <= drafted
+    if method == "ngram":  # drafts kept and drafts rejected; a crowded request preempted
+        assert accepted < drafted
+        assert metric(port, "vllm:num_preemptions_total") > 0
+
+
+@pytest.fixture(scope="module")
+def hosts(model, tmp_path_factory):
+    """Host 1 (headless) and host 0 (the OpenAI server on `port`), both serving at TP=4."""
+    with _two_hosts(model, SERVE, tmp_path_factory.mktemp("hosts")) as (port, procs, logs):
+        yield {"port": port, "host0": procs[0], "host1": procs[1], "log0": logs[0]}
 
 
 def test_two_hosts_at_tp4_answer_with_the_one_device_tokens(hosts, model, reference):

@@ -15,6 +15,7 @@ from vllm.engine.arg_utils import EngineArgs
 from plugin_shim.cli import serve_argv
 from plugin_shim.hosts import host_group, naming_lost_hosts
 from plugin_shim.parallel import MESH_TP_KEY, configure_parallel, mesh_tensor_parallel_size
+from plugin_shim.speculative import unsupported_speculation
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.hosts import HostGroup
 
@@ -127,3 +128,17 @@ def test_a_step_failure_names_lost_hosts_only_across_hosts(num_hosts):
         raise failure
     assert (raised.value is failure) == (num_hosts == 1)
     assert ("another host died" in str(raised.value)) == (num_hosts > 1)
+
+
+def test_a_drafter_across_hosts_is_split_on_the_whole_mesh(model):
+    """vLLM's `draft_tensor_parallel_size` defaults to the TP size asked for (the mesh's), which
+    is what the drafter is split on, though vLLM's own TP size becomes one rank a host."""
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
+    config = EngineArgs(
+        model=model, tensor_parallel_size=4, speculative_config=spec, **MULTI_NODE
+    ).create_engine_config()
+    assert config.speculative_config.draft_tensor_parallel_size == 4
+    assert config.parallel_config.tensor_parallel_size == 2
+    assert unsupported_speculation(config) is None  # as vLLM's hook finds it if it runs again
+    config.speculative_config.draft_tensor_parallel_size = 2  # one host's devices: not the mesh
+    assert unsupported_speculation(config) == "draft_tensor_parallel_size=2 with tensor_parallel_size=4"

@@ -20,7 +20,7 @@ from models.config import ModelConfig
 from models.eagle3 import Eagle3Config, default_aux_layers
 from tests.eagle3_reference import Eagle3Reference
 from tests.models.tiny_checkpoints import prompts
-from tests.speculation_driver import CHUNK, PROMPT_LEN, drive, speculating_runner
+from tests.speculation_driver import CHUNK, PROMPT_LEN, assert_verified_like_reference, speculating_runner
 from tests.speculation_statistics import check_follows_target
 from tests.tiny_models import save_tiny_eagle3_head, save_tiny_llama
 from tpu_platform.sampling import SamplingOptions
@@ -54,21 +54,12 @@ def test_the_head_proposes_what_the_reference_head_does_through_verification(run
     (prompt,) = prompts([PROMPT_LEN], seed=5)
     # The head's own drafts first, then drafts made to keep 3, 1 and 2 tokens (a random head's
     # are rarely kept): the head proposes from the right cache entries whatever was kept.
-    record = drive(
-        runner,
-        target,
-        lambda history: reference.drafts(history, K),
-        prompt,
-        K,
-        keeps=(None, K, 1, 2),
+    assert_verified_like_reference(
+        runner, target, lambda history: reference.drafts(history, K), prompt, K, keeps=(None, K, 1, 2),
         vocab=384,
-    )
-    assert record["partial"] == ([], [])  # a partial prefill chunk: the head's pass only
-    assert record["outputs"] == record["greedy"]  # the target's greedy tokens, however many drafts held
-    assert record["drafts"] == record["reference_drafts"]
+    )  # fmt: skip
     assert runner.speculation.stats.draft_tokens == 4 * K
     assert runner.speculation.stats.accepted_tokens >= K + 1 + 2
-    assert runner.programs.compiles_after_warmup == 0
 
 
 def _config(tmp_path, **fields):

@@ -19,7 +19,7 @@ import transformers
 from tests.eagle3_reference import Eagle3Reference
 from tests.models.tiny_checkpoints import VOCAB, prompts
 from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
-from tests.speculation_driver import PROMPT_LEN, drive, speculating_runner
+from tests.speculation_driver import PROMPT_LEN, assert_verified_like_reference, speculating_runner
 from tests.tiny_models import save_tiny_eagle3_head
 from tpu_platform.runner import Runner, RunnerConfig
 from tpu_platform.speculation import SpeculationConfig
@@ -77,12 +77,8 @@ def test_an_eagle3_head_drafts_what_the_reference_does_for_a_hybrid_target(tmp_p
     (prompt,) = prompts([PROMPT_LEN], seed=6)
     # The full group's KV pages; each state group's 1 + K state slots.
     blocks = [[1 + g + 4 * j for j in range(1 + K)] for g in range(4)]
-    record = drive(
+    assert_verified_like_reference(
         runner, target, lambda history: reference.drafts(history, K), prompt, K, keeps=(0, 1, K, 0),
         vocab=VOCAB, blocks=blocks,
     )  # fmt: skip
-    assert record["partial"] == ([], [])  # a partial prefill chunk: the head's pass only
-    assert record["outputs"] == record["greedy"]  # the drafts kept, and the target's next token
-    assert record["drafts"] == record["reference_drafts"]
     assert runner.speculation.stats.accepted_tokens == 0 + 1 + K + 0
-    assert runner.programs.compiles_after_warmup == 0

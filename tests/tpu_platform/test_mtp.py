@@ -14,7 +14,7 @@ from transformers import DeepseekV3ForCausalLM
 from tests.models.tiny_checkpoints import VOCAB, prompts
 from tests.models.tiny_deepseek import save_tiny_deepseek_mtp
 from tests.mtp_reference import MtpReference
-from tests.speculation_driver import PROMPT_LEN, drive, speculating_runner
+from tests.speculation_driver import PROMPT_LEN, assert_verified_like_reference, speculating_runner
 
 pytestmark = pytest.mark.slow  # a DeepSeek target's programs, and the layer's two a step shape
 
@@ -40,18 +40,9 @@ def test_the_layer_proposes_what_the_reference_does_through_verification(runner,
     (prompt,) = prompts([PROMPT_LEN], seed=6)
     # The layer's own drafts first, then drafts made to keep 3, 1 and 2 tokens (a random layer's
     # are rarely kept): it proposes from the right cache entries whatever was kept.
-    record = drive(
-        runner,
-        target,
-        lambda history: reference.drafts(history, K),
-        prompt,
-        K,
-        keeps=(None, K, 1, 2),
+    assert_verified_like_reference(
+        runner, target, lambda history: reference.drafts(history, K), prompt, K, keeps=(None, K, 1, 2),
         vocab=VOCAB,
-    )
-    assert record["partial"] == ([], [])  # a partial prefill chunk: the layer's pass only
-    assert record["outputs"] == record["greedy"]  # the target's greedy tokens, however many drafts held
-    assert record["drafts"] == record["reference_drafts"]
+    )  # fmt: skip
     assert runner.speculation.stats.draft_tokens == 4 * K
     assert runner.speculation.stats.accepted_tokens >= K + 1 + 2
-    assert runner.programs.compiles_after_warmup == 0

@@ -17,7 +17,7 @@ from transformers import Qwen3NextForCausalLM
 from tests.models.tiny_checkpoints import VOCAB, prompts
 from tests.models.tiny_qwen3_next import save_tiny_qwen3_next_mtp
 from tests.qwen_mtp_reference import QwenMtpReference
-from tests.speculation_driver import PROMPT_LEN, drive, speculating_runner
+from tests.speculation_driver import PROMPT_LEN, assert_verified_like_reference, speculating_runner
 
 pytestmark = pytest.mark.slow  # a hybrid target's programs, and the layer's two a step shape
 
@@ -55,12 +55,8 @@ def test_the_layer_proposes_what_the_reference_does_through_verification(runner,
     (prompt,) = prompts([PROMPT_LEN], seed=6)
     # The full group's KV pages; each state group's 1 + K state slots.
     blocks = [[1 + g, 5 + g, 9 + g] for g in range(4)]
-    record = drive(
+    assert_verified_like_reference(
         runner, target, lambda history: reference.drafts(history, K), prompt, K, keeps=(0, 1, K, 0),
         vocab=VOCAB, blocks=blocks,
     )  # fmt: skip
-    assert record["partial"] == ([], [])  # a partial prefill chunk: the layer's pass only
-    assert record["outputs"] == record["greedy"]  # the drafts kept, and the target's next token
-    assert record["drafts"] == record["reference_drafts"]
     assert runner.speculation.stats.accepted_tokens == 0 + 1 + K + 0
-    assert runner.programs.compiles_after_warmup == 0
