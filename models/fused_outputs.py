@@ -32,6 +32,7 @@ the parts' sum.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -160,3 +161,18 @@ def split_tensor(name: str, array: Any, layer: FusedOutputs, units: OutputUnits)
         )
     bounds = np.cumsum([w // unit for w in widths])[:-1]
     return list(zip(names, np.split(array, bounds, axis=axis), strict=True))
+
+
+def named_as_checkpoint(error: ValueError, layers: tuple[FusedOutputs, ...]) -> ValueError:
+    """`error` (raised while reading the parts of a fused layer) with the checkpoint tensor each
+    part it names was cut from: a user searching the file finds `in_proj_qkv`, not our `in_proj_q`."""
+    message = str(error)
+    sources = {}
+    for layer in layers:
+        for part in layer.parts:
+            for prefix, kind in re.findall(rf"([\w.]*?){re.escape(part)}\.(\w+)", message):
+                sources[f"{prefix}{part}.{kind}"] = f"{prefix}{layer.layer}.{kind}"
+    if not sources:
+        return error
+    cuts = "; ".join(f"{part} is cut from the checkpoint's {whole}" for part, whole in sources.items())
+    return ValueError(f"{message} ({cuts}: vllm-xla reads that fused layer as its parts)")

@@ -362,6 +362,19 @@ def read_into(model: nnx.Module, path: str, **options: Any) -> None:
 
 
 def iter_parameters(
+    model: nnx.Module, path: str, stacks: _ExpertStacks | None = None, **options: Any
+) -> Iterator[tuple[str, np.ndarray]]:
+    """`_iter_parameters`, its errors about a fused layer's parts naming the checkpoint's tensor."""
+    try:
+        yield from _iter_parameters(model, path, stacks, **options)
+    except ValueError as error:
+        named = fused_outputs.named_as_checkpoint(error, _fused_layers(model))
+        if named is error:
+            raise
+        raise named from error
+
+
+def _iter_parameters(
     model: nnx.Module,
     path: str,
     stacks: _ExpertStacks | None = None,

@@ -87,6 +87,24 @@ def test_a_qkv_width_inside_an_fp8_block_is_refused_by_name(tmp_path):
         load_model(path)
 
 
+def test_a_missing_scale_of_a_fused_layer_names_the_checkpoints_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = save_tiny_qwen3_next(str(tmp_path / "source"), architecture=DENSE, **FP8_WIDTHS)
+    path = write_block_fp8(source, str(tmp_path / "fp8"))
+    file = f"{path}/model.safetensors"
+    tensors = load_file(file)
+    del tensors["model.layers.0.linear_attn.in_proj_qkv.weight_scale_inv"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    # the part's name is what the format's reader sees; the checkpoint holds only the fused layer
+    message = (
+        r"'model\.layers\.0\.linear_attn\.in_proj_q\.weight' .* without a scale.*"
+        r"in_proj_q\.weight is cut from the checkpoint's model\.layers\.0\.linear_attn\.in_proj_qkv\.weight\b"
+    )
+    with pytest.raises(ValueError, match=message):
+        load_model(path)
+
+
 def _gptq(source: str, out: str):
     from tests.models.gptq_checkpoints import write_gptq
 

@@ -150,11 +150,13 @@ _MALFORMED = {
     "block_cut": (_cut_block, rf"'{re.escape(_QKV)}\.weight_scale_inv'.*\[64, 64, 128\].*multiples of 128"),
     "fp8_scale_missing": (
         _missing_fp8_scale,
-        r"'model\.layers\.0\.linear_attn\.in_proj_q\.weight' .* holds fp8 values without a scale",
+        r"'model\.layers\.0\.linear_attn\.in_proj_q\.weight' .* holds fp8 values without a scale.*"
+        r"cut from the checkpoint.s model\.layers\.0\.linear_attn\.in_proj_qkv\.weight\b",
     ),
     "w4a16_scale_missing": (
         _missing_w4a16_scale,
-        r"lacks model\.layers\.0\.linear_attn\.in_proj_q\.weight_scale",
+        r"lacks model\.layers\.0\.linear_attn\.in_proj_q\.weight_scale .*"
+        r"cut from the checkpoint.s model\.layers\.0\.linear_attn\.in_proj_qkv\.weight_scale",
     ),
 }
 
