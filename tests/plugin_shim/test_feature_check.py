@@ -51,7 +51,7 @@ CASES = {
     ),
     # vLLM wants tensor parallelism beyond the KV heads (2) for it: both are refused.
     "decode_context_parallel_size": ("llama", dict(decode_context_parallel_size=2, tensor_parallel_size=4)),
-    "enable_expert_parallel with data_parallel_size or nnodes": (
+    "enable_expert_parallel with data_parallel_size": (
         "mixtral", dict(enable_expert_parallel=True, data_parallel_size=2),
     ),
     "enable_eplb / expert_placement_strategy": (
