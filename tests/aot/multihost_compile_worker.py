@@ -43,7 +43,17 @@ def compile_step(
     seconds = time.perf_counter() - start
     text = compiled.as_text()
     memory = compiled.memory_analysis()
-    weight_bytes = setup.abstract_model().weight_bytes
+    model = setup.abstract_model()
+    weight_bytes = model.weight_bytes
+    experts = config.num_experts or 0
+    # each chip's share of the expert stacks (`[E, ...]`): whole experts, or each split inside
+    expert_shares = sorted(
+        {
+            tuple(leaf.sharding.shard_shape(leaf.shape))
+            for leaf in model.placed(mesh, None)
+            if experts and leaf.ndim == 3 and leaf.shape[0] == experts
+        }
+    )
     return {
         "target": target, "model": model_name, "tp": tp, "backend": backend,
         "hosts": len({d.process_index for d in mesh.devices.flat}),
@@ -53,6 +63,8 @@ def compile_step(
         "all_gathers": len(re.findall(r"= \S+ all-gather(?:-start)?\(", text)),
         "all_to_alls": len(re.findall(r"= \S+ (?:ragged-)?all-to-all(?:-start)?\(", text)),
         "num_layers": config.num_layers,
+        "num_experts": experts,
+        "expert_shares": expert_shares,
         "weight_bytes": weight_bytes,
         "argument_bytes": memory.argument_size_in_bytes,
         "temp_bytes": memory.temp_size_in_bytes,

@@ -69,7 +69,10 @@ def test_experts_by_index_across_four_hosts_compile_to_one_program(compiled_ep):
 
 
 @pytest.mark.full
-def test_each_chip_holds_a_sixteenth_of_the_experts(compiled_ep):
+def test_each_chip_holds_a_sixteenth_of_the_experts_whole(compiled_ep):
+    # 8 of the 128 experts a chip, each whole (split inside each expert, the first axis stays 128)
+    shares = compiled_ep["expert_shares"]
+    assert shares and all(share[0] == compiled_ep["num_experts"] // 16 for share in shares), shares
     share = compiled_ep["weight_bytes"] / 16
     # a chip's experts (8 of 128) and the rest of its share, beside its KV pages; experts
     # replicated or split inside each expert but gathered would hold far more
