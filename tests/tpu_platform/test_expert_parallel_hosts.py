@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # two JAX processes joining
 
 WORKER = os.path.join(os.path.dirname(__file__), "expert_parallel_hosts_worker.py")
 NEW_TOKENS = 4
-PROMPTS = prompts([4, 9], seed=11)
+PROMPTS = prompts([9, 9], seed=11)  # one length: one prefill program to compile
 
 
 def _run_hosts(model: str) -> list[dict]:
