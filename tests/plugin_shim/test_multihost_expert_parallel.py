@@ -80,4 +80,7 @@ def test_experts_split_over_two_hosts_answer_with_transformers_tokens(
 ):
     assert one_device_tokens == transformers_tokens
     assert completions(hosts["port"], model, GREEDY, NEW_TOKENS) == transformers_tokens
-    assert "drives JAX devices: cpu:0, cpu:1 (of 4 on 2 hosts)" in hosts["log0"].read_text()
+    log0, log1 = hosts["log0"].read_text(), hosts["log1"].read_text()
+    assert "drives JAX devices: cpu:0, cpu:1 (of 4 on 2 hosts)" in log0
+    for log in (log0, log1):  # both hosts' runners placed the experts by index
+        assert "x4 (tensor parallel, experts by index)" in log, log[-3000:]
