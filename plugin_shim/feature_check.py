@@ -304,15 +304,13 @@ REFUSED: tuple[Refusal, ...] = (
         _NO_PARALLELISM,
     ),
     Refusal(
-        "enable_expert_parallel with data_parallel_size or nnodes",
-        "expert parallelism over data-parallel replicas or across hosts",
-        "True with data_parallel_size > 1 or nnodes > 1",
-        lambda c: (
-            bool(_parallel(c).enable_expert_parallel)
-            and (_parallel(c).data_parallel_size > 1 or _parallel(c).nnodes > 1)
-        ),
-        "split the experts over one host's devices (--enable-expert-parallel with "
-        "--tensor-parallel-size N on one host); data-parallel replicas each hold all the experts",
+        "enable_expert_parallel with data_parallel_size",
+        "expert parallelism over data-parallel replicas",
+        "True with data_parallel_size > 1",
+        lambda c: bool(_parallel(c).enable_expert_parallel) and _parallel(c).data_parallel_size > 1,
+        "split the experts over one replica's devices (--enable-expert-parallel with "
+        "--tensor-parallel-size N, on one host or across hosts with --nnodes); data-parallel "
+        "replicas each hold all the experts",
     ),
     Refusal(
         "enable_eplb / expert_placement_strategy",

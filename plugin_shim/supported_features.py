@@ -41,11 +41,12 @@ SUPPORTED: tuple[Supported, ...] = (
         "is refused",
     ),
     Supported(
-        "Expert parallelism on one host",
-        "enable_expert_parallel with tensor_parallel_size",
+        "Expert parallelism on one host or across hosts",
+        "enable_expert_parallel with tensor_parallel_size (and nnodes)",
         "each device holds E / N whole experts and runs them on the tokens routed to them, one "
-        "sum over the devices a layer (models/moe.py); attention stays tensor-parallel; an "
-        "expert count the TP size does not divide is refused",
+        "sum over the devices a layer (models/moe.py); attention stays tensor-parallel; across "
+        "hosts the same placement on the hosts' one mesh, each host holding its own devices' "
+        "experts; an expert count the TP size does not divide is refused",
     ),
     Supported(
         "Data parallelism on one host",

@@ -129,10 +129,17 @@ class Runner:
         logger.info(
             "loaded %s (%s) in %.1f s on %s%s from %s, attention backend %s, %d dense kernels on %s",
             self.model_config.architecture, self.dtype.name, time.perf_counter() - start,
-            self.device.device_kind, f" x{self.tp_size} (tensor parallel)" if self.mesh else "",
+            self.device.device_kind, self._split_described(),
             self.loaded.source, self.backend, self.loaded.packed_kernels, self.dense_isa or "XLA",
         )  # fmt: skip
         return self.model_config
+
+    def _split_described(self) -> str:
+        """How the model is split over the mesh, for the load's log line ("" on one device)."""
+        if self.mesh is None:
+            return ""
+        experts = ", experts by index" if self.config.expert_parallel and self.loaded.has_experts else ""
+        return f" x{self.tp_size} (tensor parallel{experts})"
 
     @property
     def kv_heads(self) -> int:

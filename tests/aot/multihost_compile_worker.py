@@ -5,9 +5,10 @@ devices carry their host, as `jax.devices()` does on a pod), weights abstract: t
 `step_program`, which is the runner's own builder. Prints one JSON line: the mesh's hosts, the
 compiled program's partitions, collectives and bytes per chip.
 
-    python -m tests.aot.multihost_compile_worker TARGET MODEL TP BACKEND [NUM_LAYERS]
+    python -m tests.aot.multihost_compile_worker TARGET MODEL TP BACKEND [NUM_LAYERS [ep]]
 
-NUM_LAYERS (default: the model's) compiles the model cut to its first layers (`plan.first_layers`).
+NUM_LAYERS (default: the model's) compiles the model cut to its first layers (`plan.first_layers`);
+`ep` splits a mixture of experts' experts by index over the TP chips (`--enable-expert-parallel`).
 Run through `tests.aot.toolchains.run_worker` (the compiler's toolchain on the path, JAX on CPU).
 """
 
@@ -25,11 +26,13 @@ MAX_NUM_SEQS = 64  # a decode step of 64 sequences, one token each
 NUM_PAGES = 1024
 
 
-def compile_step(target: str, model_name: str, tp: int, backend: str, num_layers: int = 0) -> dict:
+def compile_step(
+    target: str, model_name: str, tp: int, backend: str, num_layers: int = 0, *, expert_parallel: bool = False
+) -> dict:
     config = first_layers(model_config(model_name), num_layers)
     setup = StepSetup(
         config, target, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=MAX_NUM_SEQS, tp_size=tp,
+        max_num_batched_tokens=MAX_NUM_SEQS, tp_size=tp, expert_parallel=expert_parallel,
     )  # fmt: skip
     if setup.backend != backend:
         raise ValueError(f"{target} serves with {setup.backend}, not {backend}")
@@ -40,7 +43,17 @@ def compile_step(target: str, model_name: str, tp: int, backend: str, num_layers
     seconds = time.perf_counter() - start
     text = compiled.as_text()
     memory = compiled.memory_analysis()
-    weight_bytes = setup.abstract_model().weight_bytes
+    model = setup.abstract_model()
+    weight_bytes = model.weight_bytes
+    experts = config.num_experts or 0
+    # each chip's share of the expert stacks (`[E, ...]`): whole experts, or each split inside
+    expert_shares = sorted(
+        {
+            tuple(leaf.sharding.shard_shape(leaf.shape))
+            for leaf in model.placed(mesh, None)
+            if experts and leaf.ndim == 3 and leaf.shape[0] == experts
+        }
+    )
     return {
         "target": target, "model": model_name, "tp": tp, "backend": backend,
         "hosts": len({d.process_index for d in mesh.devices.flat}),
@@ -48,7 +61,10 @@ def compile_step(target: str, model_name: str, tp: int, backend: str, num_layers
         "num_partitions": int(re.search(r"num_partitions=(\d+)", text).group(1)),
         "all_reduces": len(re.findall(r"= \S+ all-reduce(?:-start)?\(", text)),
         "all_gathers": len(re.findall(r"= \S+ all-gather(?:-start)?\(", text)),
+        "all_to_alls": len(re.findall(r"= \S+ (?:ragged-)?all-to-all(?:-start)?\(", text)),
         "num_layers": config.num_layers,
+        "num_experts": experts,
+        "expert_shares": expert_shares,
         "weight_bytes": weight_bytes,
         "argument_bytes": memory.argument_size_in_bytes,
         "temp_bytes": memory.temp_size_in_bytes,
@@ -57,5 +73,8 @@ def compile_step(target: str, model_name: str, tp: int, backend: str, num_layers
 
 
 if __name__ == "__main__":
-    target, model, tp, backend, *layers = sys.argv[1:]
-    print(json.dumps(compile_step(target, model, int(tp), backend, int(layers[0]) if layers else 0)))
+    target, model, tp, backend, *rest = sys.argv[1:]
+    layers = int(rest[0]) if rest else 0
+    print(
+        json.dumps(compile_step(target, model, int(tp), backend, layers, expert_parallel=rest[1:] == ["ep"]))
+    )

@@ -46,3 +46,34 @@ def test_each_chip_holds_its_share_of_the_weights(compiled):
     # Arguments per chip: its weight share (norms and RoPE tables replicated) and its KV pages.
     assert share < compiled["argument_bytes"] < 2 * share
     assert compiled["argument_bytes"] + compiled["temp_bytes"] < V5E_HBM_BYTES
+
+
+# Expert parallelism across the hosts is the same placement on the same mesh: Qwen3-235B-A22B's
+# first 2 layers at full width, its 128 experts split by index over the 16 chips of a v6e-16
+# (4 hosts), 8 whole experts a chip. `make test-full`: minutes of compile on a busy machine.
+@pytest.fixture(scope="module")
+def compiled_ep() -> dict:
+    return run_worker(
+        "tpu", "multihost_compile_worker", "v6e-16", "qwen3-235b-a22b", "16", "pallas_tpu", "2", "ep"
+    )
+
+
+@pytest.mark.full
+def test_experts_by_index_across_four_hosts_compile_to_one_program(compiled_ep):
+    assert compiled_ep["mesh_hosts"] == [h for h in range(4) for _ in range(4)]
+    assert compiled_ep["num_partitions"] == 16
+    # every chip holds every token after attention's all-reduce: nothing is sent to the experts
+    assert compiled_ep["all_to_alls"] == 0
+    # attention's and each MoE layer's `[T, D]` sums
+    assert compiled_ep["all_reduces"] >= 2 * compiled_ep["num_layers"]
+
+
+@pytest.mark.full
+def test_each_chip_holds_a_sixteenth_of_the_experts_whole(compiled_ep):
+    # 8 of the 128 experts a chip, each whole (split inside each expert, the first axis stays 128)
+    shares = compiled_ep["expert_shares"]
+    assert shares and all(share[0] == compiled_ep["num_experts"] // 16 for share in shares), shares
+    share = compiled_ep["weight_bytes"] / 16
+    # a chip's experts (8 of 128) and the rest of its share, beside its KV pages; experts
+    # replicated or split inside each expert but gathered would hold far more
+    assert share < compiled_ep["argument_bytes"] < 2 * share

@@ -51,7 +51,7 @@ CASES = {
     ),
     # vLLM wants tensor parallelism beyond the KV heads (2) for it: both are refused.
     "decode_context_parallel_size": ("llama", dict(decode_context_parallel_size=2, tensor_parallel_size=4)),
-    "enable_expert_parallel with data_parallel_size or nnodes": (
+    "enable_expert_parallel with data_parallel_size": (
         "mixtral", dict(enable_expert_parallel=True, data_parallel_size=2),
     ),
     "enable_eplb / expert_placement_strategy": (
@@ -277,10 +277,24 @@ def test_expert_parallelism_on_one_host_is_accepted(models, tp):
     assert config.parallel_config.enable_expert_parallel
 
 
-def test_expert_parallelism_refuses_experts_that_do_not_split(models):
+_ACROSS_HOSTS = dict(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=29501)
+
+
+def test_expert_parallelism_across_hosts_is_accepted_over_every_hosts_devices(models):
+    config = _config(
+        models, "mixtral", dict(enable_expert_parallel=True, tensor_parallel_size=4, **_ACROSS_HOSTS)
+    )
+    assert feature_check.refusals(config) == []
+    # one worker a host; the experts split over the 4 devices of both (`parallel.MESH_TP_KEY`)
+    assert config.parallel_config.tensor_parallel_size == 2
+    assert config.additional_config["xla_tensor_parallel_size"] == 4
+
+
+@pytest.mark.parametrize("hosts", [{}, _ACROSS_HOSTS], ids=["one_host", "two_hosts"])
+def test_expert_parallelism_refuses_experts_that_do_not_split(models, hosts):
     # the tiny Mixtral's 4 experts over 8 devices (8 heads of its width: they split 8 ways)
     with pytest.raises(ValueError, match="cannot split this model's 4 experts by index"):
-        _config(models, "mixtral_8_heads", dict(enable_expert_parallel=True, tensor_parallel_size=8))
+        _config(models, "mixtral_8_heads", dict(enable_expert_parallel=True, tensor_parallel_size=8, **hosts))
 
 
 def test_docs_table_is_the_list():

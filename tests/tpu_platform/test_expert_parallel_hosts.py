@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Expert parallelism across hosts is the one-host placement on the hosts' mesh: two JAX hosts
+(processes on this machine, 2 simulated CPU devices each, gloo collectives) load a tiny Qwen3-MoE
+with its 8 experts split by index over the 4 devices (`expert_parallel_hosts_worker.py`, the
+runner's placement). Each host holds its own devices' experts only (0-3 on host 0, 4-7 on host
+1, 2 a device), and both give transformers' greedy tokens and the one-device model's. The same
+through `vllm-xla serve` on two hosts: `tests/plugin_shim/test_multihost_expert_parallel.py`
+(`make test-full`)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.models.tiny_checkpoints import prompts, save_tiny
+from tests.plugin_shim.multihost_launch import free_port
+
+pytestmark = pytest.mark.slow  # two JAX processes joining
+
+WORKER = os.path.join(os.path.dirname(__file__), "expert_parallel_hosts_worker.py")
+NEW_TOKENS = 4
+PROMPTS = prompts([9, 9], seed=11)  # one length: one prefill program to compile
+
+
+def _run_hosts(model: str) -> list[dict]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.getcwd(),
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    }
+    argv = [model, str(NEW_TOKENS), json.dumps(PROMPTS)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, str(rank), str(port), *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    reports = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=300)
+            lines = [line for line in out.splitlines() if line.startswith("REPORT ")]
+            assert proc.returncode == 0 and lines, out[-3000:]
+            reports.append(json.loads(lines[-1].removeprefix("REPORT ")))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return reports
+
+
+def _transformers_tokens(model: str) -> list[list[int]]:
+    import transformers
+
+    from tests.greedy_reference import hf_greedy
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype="float32").eval()
+    return [hf_greedy(hf, prompt, NEW_TOKENS) for prompt in PROMPTS]
+
+
+def _one_device_tokens(model: str) -> list[list[int]]:
+    """The same checkpoint on one device, no expert parallelism, in this process."""
+    import jax
+
+    from models import ModelConfig
+    from tests.tpu_platform.tensor_parallel_weights_worker import greedy
+    from tpu_platform.weights.prepared import Preparation, load_prepared
+
+    config = ModelConfig.from_pretrained(model)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    _, loaded = load_prepared(model, Preparation("float32", tp_size=1), device)
+    return [greedy(loaded, config, 1, prompt, NEW_TOKENS) for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    # 8 experts; 4 query and 2 KV heads (repeated at TP=4); layer 1 a dense MLP
+    model = save_tiny("Qwen3MoeForCausalLM", str(tmp_path_factory.mktemp("ep_hosts") / "model"), seed=2)
+    return {
+        "hosts": _run_hosts(model),
+        "transformers": _transformers_tokens(model),
+        "one": _one_device_tokens(model),
+    }
+
+
+def test_both_hosts_give_transformers_and_one_device_tokens(run):
+    assert run["one"] == run["transformers"]
+    for report in run["hosts"]:
+        assert report["flagged"] == 2  # the two MoE layers compute by expert index
+        assert report["tokens"] == run["transformers"]
+
+
+def test_each_host_holds_only_its_own_devices_experts(run):
+    host0, host1 = (report["experts"] for report in run["hosts"])
+    assert host0.keys() == host1.keys() and len(host0) == 6  # gate, up, down of 2 MoE layers
+    for name in host0:
+        assert host0[name]["held"] == [[0, 1], [2, 3]], name
+        assert host1[name]["held"] == [[4, 5], [6, 7]], name
+        for share in host0[name]["shares"] + host1[name]["shares"]:
+            assert share[0] == 2, name  # 2 whole experts a device
