@@ -227,6 +227,11 @@ def native_dense_int4(
     call with a value of x that is not finite, or a row whose largest magnitude is below 1e-30
     but not zero, runs the float product instead. Trailing rows of x that are all zero are
     written as zero rows without being multiplied, as in `native_dense`.
+    `x_bits` 8 runs "avx512_vnni" with x in one signed byte a value per block of 32 k (16 or 8
+    where the groups do not split into 32s: `quantize_x_blocks`, llama.cpp's Q8_1): half the
+    integer products of the two planes, its error at most `block_int8_error_bound`; 16 keeps the
+    two planes; None leaves the choice to the kernel (the two planes). A block it cannot hold (a
+    largest magnitude below 1e-30) runs on the two planes.
     Needs the native kernels loaded (`pallas_kernels.cpu.load`); a path the CPU lacks fails when
     the program runs.
     """
