@@ -18,6 +18,10 @@ tokens. Each configuration runs in its own subprocess (this script with `--worke
 probability comes through the served step (the engine's own prefill, logits and log-softmax).
 Perplexity is `exp(-mean log p(token | tokens before))` over every token but the first.
 Reported: each configuration's perplexity and its ratio to the dequantized bfloat16 model's.
+
+`--chunk 16` prefills in chunks of 16 rows, so the int4 kernel's few-row path ("avx512_vnni")
+computes every projection; `q4_1_x16` and `q4_1_x8` force its x to two byte planes a row or one
+8-bit plane a 32-block (`native_dense_int4(x_bits=...)`), each with an executable cache of its own.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ CONFIGS = {
     "int4_converted_g64": ("int4_g64", None),
 }
 REFERENCE = "bfloat16_dequantized"
+X_BITS = {"q4_1_x16": 16, "q4_1_x8": 8}  # configurations that force `native_dense_int4(x_bits=...)`
 
 
 def float_copy(gguf_dir: str, out: str) -> str:
@@ -74,6 +79,19 @@ def _force_x_bits(x_bits: int) -> None:
     from pallas_kernels import cpu
 
     cpu.native_dense_int4 = functools.partial(cpu.native_dense_int4, x_bits=x_bits)
+
+
+def _own_executables(name: str, cache_dir: str, scratch: str) -> dict:
+    """The environment of a configuration that forces `x_bits`: a cache directory of its own
+    (sharing the native kernels and the model) so that no executable serialized for another
+    configuration (keyed by the code, not by the forced argument) serves it."""
+    if name not in X_BITS:
+        return {}
+    own = os.path.join(scratch, f"cache-{name}")
+    os.makedirs(own, exist_ok=True)
+    for shared in ("native", "models"):
+        os.symlink(os.path.join(cache_dir, shared), os.path.join(own, shared))
+    return {"VLLM_XLA_CACHE_DIR": own}
 
 
 def worker(model: str, quantization: str | None, tokens: int, chunk: int, x_bits: int | None) -> dict:
@@ -128,7 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         model, quantization = args.worker
-        x_bits = {"q4_1_x16": 16, "q4_1_x8": 8}.get(args.worker_name)
+        x_bits = X_BITS.get(args.worker_name)
         result = worker(
             model, None if quantization == "none" else quantization, args.tokens, args.chunk, x_bits
         )
@@ -154,7 +172,8 @@ def main() -> None:
                 continue
             command = [sys.executable, __file__, "--tokens", str(args.tokens), "--chunk", str(args.chunk)]
             command += ["--worker-name", name, "--worker", dirs[which]]
-            done = subprocess.run([*command, quantization or "none"], capture_output=True, text=True)
+            env = os.environ | _own_executables(name, read_env().cache_dir, scratch)
+            done = subprocess.run([*command, quantization or "none"], capture_output=True, text=True, env=env)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode != 0 or not lines:
                 results[name] = {"status": "failed", "error": done.stderr[-2000:]}
