@@ -61,7 +61,11 @@ def _int4_as_int8(x, packed, scale, offset):
 
 
 def _int4_half(x, packed, scale, base):
-    return cpu.native_dense_int4(x, packed, scale, base=base)
+    return cpu.native_dense_int4(x, packed, scale, base=base, x_bits=16)
+
+
+def _int4_half_x8(x, packed, scale, base):
+    return cpu.native_dense_int4(x, packed, scale, base=base, x_bits=8)
 
 
 def _affine(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -93,6 +97,7 @@ def _formats(floats: list[np.ndarray]) -> dict[str, tuple[list[tuple], object]]:
     formats["int4-g32"] = (packed, cpu.native_dense_int4)
     halves = [(p, *cpu.float16_scales(s, m)) for p, s, m in packed]
     formats["int4-g32-f16"] = (halves, _int4_half)
+    formats["int4-g32-f16-x8"] = (halves, _int4_half_x8)
     group = 128 if floats[0].shape[0] % 128 == 0 else 64  # GPTQ's, or the nearest that divides
     symmetric = [(cpu.pack_dense_kernel_int4(q), s) for q, s in (int4.quantize(w, group) for w in floats)]
     formats[f"int4-g{group}"] = (symmetric, cpu.native_dense_int4)
@@ -113,13 +118,16 @@ def _medians(times: dict[str, list[float]], base: str) -> dict[str, float]:
     }
 
 
-def measure(depth: int, width: int, rows: list[int], calls: int = 7) -> list[dict]:
+def measure(
+    depth: int, width: int, rows: list[int], calls: int = 7, only: set[str] | None = None
+) -> list[dict]:
     rng = np.random.default_rng(0)
     copies = max(2, int(STREAMED_BYTES // (depth * width * 2)))
     floats = [rng.standard_normal((depth, width)).astype(np.float32) for _ in range(copies)]
     placed = {
         name: ([tuple(jax.device_put(a) for a in arrays) for arrays in weights], _chain(product))
         for name, (weights, product) in _formats(floats).items()
+        if only is None or name in only or name in ("bfloat16", "int8")
     }
     results = []
     for t in rows:
@@ -135,6 +143,7 @@ def measure(depth: int, width: int, rows: list[int], calls: int = 7) -> list[dic
             "fastest_ms": {n: min(v) * 1e3 for n, v in times.items()},
             "bf16_over": _medians(times, "bfloat16"),
             "int8_over": _medians(times, "int8"),
+            **({"two_plane_over_one": _medians(times, "int4-g32-f16")} if "int4-g32-f16-x8" in times else {}),
             "loadavg": _loadavg(),
         }
         results.append(row)
@@ -154,11 +163,14 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,128")
     parser.add_argument("--shape", default="576x1536")
     parser.add_argument("--out", default=str(HERE / "out" / "dense_int4.json"))
+    parser.add_argument("--calls", type=int, default=7, help="timed calls of each format per row count")
+    parser.add_argument("--formats", help="comma-separated formats to run (bfloat16 and int8 always run)")
     args = parser.parse_args()
     depth, width = (int(v) for v in args.shape.split("x"))
     cache = os.environ.get("VLLM_XLA_CACHE_DIR", str(HERE.parent / ".cache" / "vllm-xla"))
     cpu.load(os.path.join(cache, "native"))  # the native dense kernels
-    results = measure(depth, width, [int(r) for r in args.rows.split(",")])
+    only = set(args.formats.split(",")) if args.formats else None
+    results = measure(depth, width, [int(r) for r in args.rows.split(",")], args.calls, only)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"shape": [depth, width], "results": results}, indent=1))

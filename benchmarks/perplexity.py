@@ -18,6 +18,10 @@ tokens. Each configuration runs in its own subprocess (this script with `--worke
 probability comes through the served step (the engine's own prefill, logits and log-softmax).
 Perplexity is `exp(-mean log p(token | tokens before))` over every token but the first.
 Reported: each configuration's perplexity and its ratio to the dequantized bfloat16 model's.
+
+`--chunk 16` prefills in chunks of 16 rows, so the int4 kernel's few-row path ("avx512_vnni")
+computes every projection; `q4_1_x16` and `q4_1_x8` force its x to two byte planes a row or one
+8-bit plane a 32-block (`native_dense_int4(x_bits=...)`), each with an executable cache of its own.
 """
 
 from __future__ import annotations
@@ -40,12 +44,17 @@ TEXT = HERE.parent / "tests" / "data" / "alice.txt"
 # name -> (which model directory, vLLM's `quantization`)
 CONFIGS = {
     "q4_1_as_shipped": ("gguf", None),
+    # the int4 kernel's few-row path with x forced to two byte planes a row or one a 32-block
+    # (`native_dense_int4(x_bits=...)`); only prefill chunks of at most 16 rows (`--chunk 16`) take it
+    "q4_1_x16": ("gguf", None),
+    "q4_1_x8": ("gguf", None),
     "bfloat16_dequantized": ("float", None),
     "int8_online": ("float", "int8_per_channel_weight_only"),
     "fp8_online": ("float", "fp8"),
     "int4_converted_g64": ("int4_g64", None),
 }
 REFERENCE = "bfloat16_dequantized"
+X_BITS = {"q4_1_x16": 16, "q4_1_x8": 8}  # configurations that force `native_dense_int4(x_bits=...)`
 
 
 def float_copy(gguf_dir: str, out: str) -> str:
@@ -63,9 +72,33 @@ def float_copy(gguf_dir: str, out: str) -> str:
     return out
 
 
-def worker(model: str, quantization: str | None, tokens: int) -> dict:
+def _force_x_bits(x_bits: int) -> None:
+    """Every int4 product of this process with x in `x_bits` (the models call through the module)."""
+    import functools
+
+    from pallas_kernels import cpu
+
+    cpu.native_dense_int4 = functools.partial(cpu.native_dense_int4, x_bits=x_bits)
+
+
+def _own_executables(name: str, cache_dir: str, scratch: str) -> dict:
+    """The environment of a configuration that forces `x_bits`: a cache directory of its own
+    (sharing the native kernels and the model) so that no executable serialized for another
+    configuration (keyed by the code, not by the forced argument) serves it."""
+    if name not in X_BITS:
+        return {}
+    own = os.path.join(scratch, f"cache-{name}")
+    os.makedirs(own, exist_ok=True)
+    for shared in ("native", "models"):
+        os.symlink(os.path.join(cache_dir, shared), os.path.join(own, shared))
+    return {"VLLM_XLA_CACHE_DIR": own}
+
+
+def worker(model: str, quantization: str | None, tokens: int, chunk: int, x_bits: int | None) -> dict:
     from plugin_shim.devices import detect_device_kind
 
+    if x_bits:
+        _force_x_bits(x_bits)
     os.environ.setdefault("VLLM_XLA_PLATFORM", detect_device_kind())  # the plugin, on JAX's device
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_XLA_CPU_KV_CACHE_GB", "0.25")
@@ -76,7 +109,7 @@ def worker(model: str, quantization: str | None, tokens: int) -> dict:
     ids = AutoTokenizer.from_pretrained(model)(TEXT.read_text())["input_ids"][:tokens]
     llm = LLM(
         model=model, quantization=quantization, dtype="bfloat16", max_model_len=512, max_num_seqs=1,
-        max_num_batched_tokens=512, seed=0,
+        max_num_batched_tokens=chunk, seed=0,
     )  # fmt: skip
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
@@ -99,14 +132,24 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results" / "perplexity.json"))
     parser.add_argument("--tokens", type=int, default=320)
     parser.add_argument(
+        "--chunk",
+        type=int,
+        default=512,
+        help="prefill chunk (max_num_batched_tokens): 16 runs the few-row paths",
+    )
+    parser.add_argument(
         "--configs", nargs="+", choices=sorted(CONFIGS), default=sorted(CONFIGS),
         help=f"the configurations to run ({REFERENCE} always runs: the ratios' reference)",
     )  # fmt: skip
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "QUANTIZATION"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker-name", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         model, quantization = args.worker
-        result = worker(model, None if quantization == "none" else quantization, args.tokens)
+        x_bits = X_BITS.get(args.worker_name)
+        result = worker(
+            model, None if quantization == "none" else quantization, args.tokens, args.chunk, x_bits
+        )
         print("RESULT " + json.dumps(result), flush=True)
         return
 
@@ -118,16 +161,19 @@ def main() -> None:
     scratch = tempfile.mkdtemp(prefix="perplexity-")
     try:
         dirs = {"gguf": gguf_dir, "float": float_copy(gguf_dir, os.path.join(scratch, "float"))}
+        chosen = {REFERENCE, *args.configs}
         for group in (64,):  # the model's 576-wide inputs split into 64s, not 128s
             dirs[f"int4_g{group}"] = os.path.join(scratch, f"int4_g{group}")
-            convert_int4(dirs["float"], dirs[f"int4_g{group}"], group)
+            if f"int4_converted_g{group}" in chosen:
+                convert_int4(dirs["float"], dirs[f"int4_g{group}"], group)
         results = {}
-        chosen = {REFERENCE, *args.configs}
         for name, (which, quantization) in CONFIGS.items():
             if name not in chosen:
                 continue
-            command = [sys.executable, __file__, "--tokens", str(args.tokens), "--worker", dirs[which]]
-            done = subprocess.run([*command, quantization or "none"], capture_output=True, text=True)
+            command = [sys.executable, __file__, "--tokens", str(args.tokens), "--chunk", str(args.chunk)]
+            command += ["--worker-name", name, "--worker", dirs[which]]
+            env = os.environ | _own_executables(name, read_env().cache_dir, scratch)
+            done = subprocess.run([*command, quantization or "none"], capture_output=True, text=True, env=env)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode != 0 or not lines:
                 results[name] = {"status": "failed", "error": done.stderr[-2000:]}
@@ -145,6 +191,7 @@ def main() -> None:
         "model": "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",
         "text": "tests/data/alice.txt",
         "dtype": "bfloat16",
+        "prefill_chunk": args.chunk,
         "machine": _machine(),
         "results": results,
     }

@@ -79,6 +79,10 @@ using vllm_xla::int4::kVnniRowsAtMost;
 using vllm_xla::int4::kWidenAheadAbove;
 using vllm_xla::int4::kWordDepth;
 using vllm_xla::int4::PortableInt4;
+
+// Rows up to which "avx512_vnni" takes x in one byte plane a block by default (0: never; see
+// docs/kernels.md for what it measured).
+constexpr int64_t kOnePlaneRowsAtMost = 0;
 #if defined(__x86_64__)
 using vllm_xla::int4::Avx2Int4;
 using vllm_xla::int4::Avx512Bf16Int4;
@@ -170,6 +174,10 @@ Int4Isa BestIsa(ffi::DataType type) {
   return IsaUsable(kAvx512Bf16) ? kAvx512Bf16 : kAvx2;
 }
 
+// Whether "avx512_vnni" takes x in one byte plane per block of k (`x_bits` 8) rather than 16-bit
+// fixed point per row (16); 0: the default for M rows.
+bool OnePlane(int32_t x_bits, int64_t M) { return x_bits == 8 || (x_bits == 0 && M <= kOnePlaneRowsAtMost); }
+
 // x's first M rows as float32 (bfloat16 values are the high halves of float32s).
 const float* FloatRows(const ffi::AnyBuffer& x, int64_t M, int64_t K, std::vector<float>& wide) {
   if (x.element_type() == ffi::DataType::F32) return reinterpret_cast<const float*>(x.untyped_data());
@@ -225,7 +233,8 @@ bool ScalesFit(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset) {
 }
 
 ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> w, ffi::AnyBuffer scale,
-                     ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y, int32_t isa, int32_t bases) {
+                     ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y, int32_t isa, int32_t bases,
+                     int32_t x_bits) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto sd = scale.dimensions();
@@ -271,6 +280,22 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   const std::vector<float> sums = GroupSums(rows, M, K, group);
   const int64_t max_blocks = std::max<int64_t>(2, vllm_xla::CachedBlocks(K, sizeof(float)));
 #if defined(__x86_64__)
+  if (run == kAvx512Vnni && OnePlane(x_bits, M)) {
+    vllm_xla::BlockInt8Rows blocks;
+    if (blocks.Quantize(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, group)) {
+      if (scales.half_scale != nullptr) {  // float16: read as they are
+        const vllm_xla::VnniInt4Q8<uint16_t> problem{&blocks, w.typed_data(), scales.half_scale, scales.half_offset,
+                                                     sums.data(), y->typed_data(), M, K, N, group,
+                                                     scales.scale_in_base};
+        vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
+      } else {
+        const vllm_xla::VnniInt4Q8<float> problem{&blocks, w.typed_data(), scales.scale, scales.offset, sums.data(),
+                                                  y->typed_data(), M, K, N, group, scales.scale_in_base};
+        vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
+      }
+      return ffi::Error::Success();
+    }  // a block of tiny values, or one not finite: the two planes below (or the float product)
+  }
   if (run == kAvx512Vnni) {
     vllm_xla::FixedPointRows planes;
     if (planes.Quantize(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, K)) {
@@ -328,4 +353,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt4, DenseInt4,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("isa")
-                                  .Attr<int32_t>("bases"));
+                                  .Attr<int32_t>("bases")
+                                  .Attr<int32_t>("x_bits"));

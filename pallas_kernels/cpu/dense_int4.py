@@ -45,6 +45,7 @@ DEPTH_MULTIPLE = 8  # K, and a group of k: one packed word holds 8 consecutive k
 INT4_MIN, INT4_MAX = -8, 7
 NIBBLE_AT = (0, 8, 16, 24, 4, 12, 20, 28)  # the bit where the k-th value of a word starts
 FIXED_POINT_LEVELS = 32639  # |x16| <= 32639: 256 hi + lo with both planes signed bytes
+BLOCK_LEVELS = 127  # the one-plane path's |x8| per block
 
 
 def _xp(array):  # NumPy for host arrays (a streamed or host load), jax.numpy for everything else
@@ -163,6 +164,42 @@ def fixed_point_error_bound(x, q, scale) -> np.ndarray:
     return step / 2 * weights.sum(axis=0)
 
 
+def x_block_size(group: int) -> int:
+    """The k of one 8-bit block of x on the one-plane path (`x_bits=8`) for weights grouped by
+    `group` k: 32 (llama.cpp's Q8_1), or 16 or 8 where the groups do not split into 32s."""
+    return 32 if group % 32 == 0 else 16 if group % 16 == 0 else 8
+
+
+def quantize_x_blocks(x, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """x `[M, K]` as the one-plane path rounds it, on the host: each block of `x_block_size(group)`
+    k to `dx = max|x_block| / 127` (float32) and `x8 = rint(x / dx)` (ties to even; 0 for a block
+    of zeros). Returns x8 `[M, K]` int8 and dx `[M, K / block]` float32."""
+    x = np.asarray(x, np.float32)
+    rows, depth = x.shape
+    blocks = x.reshape(rows, depth // x_block_size(group), -1)
+    largest = np.abs(blocks).max(axis=2)
+    inverse = np.where(largest > 0, np.float32(BLOCK_LEVELS) / np.where(largest > 0, largest, 1), 0)
+    levels = np.clip(np.rint(blocks * inverse.astype(np.float32)[:, :, None]), -BLOCK_LEVELS, BLOCK_LEVELS)
+    step = (largest / np.float32(BLOCK_LEVELS)).astype(np.float32)
+    return levels.astype(np.int8).reshape(rows, depth), step
+
+
+def block_int8_error_bound(x, q, scale) -> np.ndarray:
+    """How far x's rounding to 8 bits a block (`quantize_x_blocks`) moves the one-plane path's
+    `[M, N]` result from the float product, in float64 on the host: at most dx_b / 2 a value of x
+    in block b times `sum_{k in b} |u_k s_k|` (u = q + 8; the base meets x's exact sums).
+    `q` is the `[K, N]` kernel's values, `scale` `[N]` or `[K/G, N]`; float32 rounding comes on
+    top."""
+    depth = np.shape(q)[0]
+    scale = np.abs(np.asarray(scale, np.float64)).reshape(-1, np.shape(q)[1])
+    group = depth // scale.shape[0]
+    weights = (np.asarray(q, np.float64) + 8) * np.repeat(scale, group, axis=0)
+    block = x_block_size(group)
+    x = np.abs(np.asarray(x, np.float64))
+    step = x.reshape(x.shape[0], depth // block, block).max(axis=2) / BLOCK_LEVELS
+    return step / 2 @ weights.reshape(depth // block, block, -1).sum(axis=1)
+
+
 def native_dense_int4(
     x: jax.Array,
     packed: jax.Array,
@@ -171,6 +208,7 @@ def native_dense_int4(
     *,
     base: jax.Array | None = None,
     isa: str | None = None,
+    x_bits: int | None = None,
 ) -> jax.Array:
     """`x [M, K] @ (q * s + m)` in float32, `packed` from `pack_dense_kernel_int4`, `scale [N]`
     (one per column) or `[K/G, N]` (one per group of G consecutive k and column, G a multiple of
@@ -189,10 +227,17 @@ def native_dense_int4(
     call with a value of x that is not finite, or a row whose largest magnitude is below 1e-30
     but not zero, runs the float product instead. Trailing rows of x that are all zero are
     written as zero rows without being multiplied, as in `native_dense`.
+    `x_bits` 8 runs "avx512_vnni" with x in one signed byte a value per block of 32 k (16 or 8
+    where the groups do not split into 32s: `quantize_x_blocks`, llama.cpp's Q8_1): half the
+    integer products of the two planes, its error at most `block_int8_error_bound`; 16 keeps the
+    two planes; None leaves the choice to the kernel (the two planes). A block it cannot hold (a
+    largest magnitude below 1e-30) runs on the two planes.
     Needs the native kernels loaded (`pallas_kernels.cpu.load`); a path the CPU lacks fails when
     the program runs.
     """
     require_loaded()
+    if x_bits not in (None, 8, 16):
+        raise ValueError(f"x_bits must be 8, 16 or None, not {x_bits!r}")
     codes = {name: code for code, name in DENSE_INT4_ISAS.items()}
     if isa is not None and isa not in codes:
         raise ValueError(f"isa must be one of {sorted(codes)} or None, not {isa!r}")
@@ -228,5 +273,11 @@ def native_dense_int4(
     offset = jnp.zeros((0,), dtype) if offset is None else offset.astype(dtype)
     call = jax.ffi.ffi_call(DENSE_INT4_TARGET, jax.ShapeDtypeStruct((x.shape[0], width), jnp.float32))
     return call(
-        x, packed, scale.astype(dtype), offset, isa=np.int32(codes.get(isa, 0)), bases=np.int32(bases)
+        x,
+        packed,
+        scale.astype(dtype),
+        offset,
+        isa=np.int32(codes.get(isa, 0)),
+        bases=np.int32(bases),
+        x_bits=np.int32(x_bits or 0),
     )
