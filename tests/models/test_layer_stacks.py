@@ -36,7 +36,10 @@ def _logits(config, model) -> np.ndarray:
     return run_step(model, caches(config), [ids_a, ids_b], [0, 0], [[1, 2], [3]])[0]
 
 
-@pytest.mark.parametrize("quantize", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize(
+    "quantize",
+    ["bfloat16", pytest.param("int8", marks=pytest.mark.slow), pytest.param("int4", marks=pytest.mark.slow)],
+)
 def test_stacked_layers_give_the_per_layer_logits_through_fewer_arguments(dense_kernels, quantize, tmp_path):
     path = save_tiny("Qwen3ForCausalLM", str(tmp_path / "qwen3"))  # q and k norms in every layer too
     config, per_layer = _prepared(path, quantize)
