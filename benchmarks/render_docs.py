@@ -494,7 +494,11 @@ WHAT_MOVES = """\
   device a uniform decoder's packed projections and norms are served stacked
   (`models.layer_stacks`: bfloat16, int8 and int4 kernels; a tensor-parallel split keeps
   per-layer arrays): the embedded model's step takes 42 arguments instead of 216, 30 of them its
-  KV caches.
+  KV caches. The thin model in bfloat16 (`host_cpu_time.py --dtype bfloat16`, its 121 kernels
+  native) went from 1.42 and 1.32 to 1.12 and 1.09 ms at 64 rows (execute 0.43-0.45 to
+  0.22-0.24 ms), from 1.73 and 1.47 to 1.58 and 1.18 ms at 256 rows (execute 0.39-0.46 to
+  0.23-0.29 ms), in alternating
+  runs (medians of 3) at a 1-min load average of 8 to 41 on 2 CPUs (2026-11-29).
   Under async scheduling (`host_cpu_time.py --async-scheduling`, 1-min load average 15 to 21 on
   2 CPUs, 2026-11-29) the figures were 1.07 ms at 64 rows and 1.73 ms at 256, the execute phase
   about the same; the rest is some 30 small NumPy operations of input preparation and token
