@@ -58,6 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", type=int, default=0, help="print the N costliest functions")
     parser.add_argument("--async-scheduling", action="store_true", help="vLLM's async scheduling on")
     parser.add_argument("--model-dir", help="default: host_overhead.py's thin model (built once)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="bfloat16: the native dense kernels' layers, stacked (models.layer_stacks)",
+    )
     parser.add_argument("--out", help="JSON path (default benchmarks/out/host_cpu_time.json)")
     return parser.parse_args(argv)
 
@@ -155,7 +160,7 @@ def measure(model_dir: str, rows: int, args: argparse.Namespace) -> dict:
         clock.wrap(worker._AsyncOutput, "get_output")
     phases = _phase_clocks()
     llm = LLM(
-        model=model_dir, dtype="float32", seed=0, async_scheduling=args.async_scheduling, max_model_len=1024,
+        model=model_dir, dtype=args.dtype, seed=0, async_scheduling=args.async_scheduling, max_model_len=1024,
         max_num_seqs=rows, max_num_batched_tokens=max(1024, rows * PROMPT_LEN),
     )  # fmt: skip
     rng = np.random.default_rng(0)

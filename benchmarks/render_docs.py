@@ -481,13 +481,24 @@ WHAT_MOVES = """\
   0.43-0.50 to 0.30 ms), in two alternating pairs of `host_cpu_time.py` runs (medians of 3) at a
   1-min load average of 5.5 to 7 on 2 CPUs; two pairs at 8 to 10 moved the execute phase alike
   (0.38-0.50 to 0.26-0.29 ms at 64 rows), the host time within their noise (2026-11-29).
-  It is not served: every way XLA:CPU takes a layer's weights out of a stack copies them
+  Every way XLA:CPU takes a layer's weights out of a stack copies them
   ([`benchmarks/stacked_weights.py`](../benchmarks/stacked_weights.py), at the embedded model's
   sizes: static slices copy every weight at every step, 2.5 times the step's time; a `lax.scan`
   one layer at a time, 1.2-1.3 times), with XLA's dots and the native dense kernel alike. On the
   compile-only targets a scan fuses its slices on TPU but copies each layer on GPU, where static
-  slices fuse into the matmuls and compile eight times slower. A copy-free stack on CPU needs the
-  native kernels to take the stack and a layer index (an offset into the buffer).
+  slices fuse into the matmuls and compile eight times slower. So the native dense kernels take
+  the stack and the layer's index (`layer=`) and read the layer in place: `stacked_weights.py`'s
+  `stack + index` program copies no weight and needs the temp memory of per-layer arguments, and
+  30 such layers at 64 rows took the same CPU time a step as per-layer arguments (82 and 84 ms,
+  medians of 30 alternating steps, 1-min load average 27 to 47 on 2 CPUs, 2026-11-29). On one
+  device a uniform decoder's packed projections and norms are served stacked
+  (`models.layer_stacks`: bfloat16, int8 and int4 kernels; a tensor-parallel split keeps
+  per-layer arrays): the embedded model's step takes 42 arguments instead of 216, 30 of them its
+  KV caches. The thin model in bfloat16 (`host_cpu_time.py --dtype bfloat16`, its 121 kernels
+  native) went from 1.42 and 1.32 to 1.12 and 1.09 ms at 64 rows (execute 0.43-0.45 to
+  0.22-0.24 ms), from 1.73 and 1.47 to 1.58 and 1.18 ms at 256 rows (execute 0.39-0.46 to
+  0.23-0.29 ms), in alternating
+  runs (medians of 3) at a 1-min load average of 8 to 41 on 2 CPUs (2026-11-29).
   Under async scheduling (`host_cpu_time.py --async-scheduling`, 1-min load average 15 to 21 on
   2 CPUs, 2026-11-29) the figures were 1.07 ms at 64 rows and 1.73 ms at 256, the execute phase
   about the same; the rest is some 30 small NumPy operations of input preparation and token

@@ -10,7 +10,10 @@ the fused QKV projection, the output projection, the fused gate/up projection, S
 projection; no attention) is compiled three ways:
 - `per layer`: every weight its own argument, as the runner passes them today;
 - `static slices`: one `[L, ...]` argument per kind of weight, layer i reading `stacked[i]`;
-- `scan`: the same stacked arguments, the layers a `lax.scan` (one layer's program in a loop).
+- `scan`: the same stacked arguments, the layers a `lax.scan` (one layer's program in a loop);
+- `stack + index` (`--dense native` only): the same stacked arguments, each layer's native dense
+  calls given the whole stack and the layer's index (`layer=`: the kernel reads layer i in
+  place), the small norm weights sliced by XLA.
 
 For each: the program's argument count, compile seconds, temp bytes, and the weight-sized arrays
 its optimized HLO materializes (a slice, dynamic slice or copy of weight size outside a fusion, or
@@ -18,7 +21,8 @@ a fusion of weight-sized output that multiplies nothing: a weight copied out of 
 TPU's staging of weights into its on-chip memory, as it prefetches separate weights too, is
 not counted). On the local CPU also the run time of a step of `--rows` rows and the calling
 thread's CPU time of the call (`dispatch.FlatCall`, as the runner calls its forward), with
-XLA's dots (`--dense xla`) or the native dense kernel (`--dense native`, float32). With
+XLA's dots (`--dense xla`) or the native dense kernel (`--dense native`, bfloat16 where the CPU
+runs it, else float32: `--native-dtype`). With
 `--target` the program is compiled for that compile-only target (bfloat16, abstract weights);
 the target's compiler must be importable (`make aot-toolchains`, then its `.aot/` folder on
 PYTHONPATH).
@@ -55,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dense", choices=("xla", "native"), default="xla", help="local CPU only")
     parser.add_argument("--target", help="a compile-only target (tpu_platform.planner.targets)")
     parser.add_argument("--reps", type=int, default=200, help="timed calls (local CPU)")
+    parser.add_argument("--native-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     return parser.parse_args(argv)
 
 
@@ -122,7 +127,24 @@ def _programs(layers: int, dense):
     def scan(x, stacked):
         return (jax.lax.scan(lambda x, w: (layer(x, w), None), x, stacked)[0],)
 
-    return {"per layer": per_layer, "static slices": static_slices, "scan": scan}
+    programs = {"per layer": per_layer, "static slices": static_slices, "scan": scan}
+    if getattr(dense, "takes_layer", False):
+
+        def stack_and_index(x, stacked):
+            for i in range(layers):
+                kernels = {k: _Layer(a, i) for k, a in stacked.items() if k != "norm"}
+                x = layer(x, kernels | {"norm": stacked["norm"][i]})
+            return (x,)
+
+        programs["stack + index"] = stack_and_index
+    return programs
+
+
+class _Layer:
+    """Layer `index` of a stack of packed kernels, as the native dense call takes it."""
+
+    def __init__(self, stack, index: int):
+        self.stack, self.index = stack, index
 
 
 def _weights(args: argparse.Namespace):
@@ -143,21 +165,39 @@ def _weights(args: argparse.Namespace):
         per = [layer] * args.layers
         stacked = {kind: spec((args.layers, *s.shape)) for kind, s in layer.items()}
         return spec((args.rows, HIDDEN)), per, stacked, jnp.matmul, HIDDEN * HIDDEN
-    dense, pack = jnp.matmul, jnp.asarray
+    dense, pack, dtype = jnp.matmul, jnp.asarray, jnp.float32
     if args.dense == "native":
-        from pallas_kernels import cpu
-        from tpu_platform.attention_backend import native_build_dir
-
-        cpu.load(native_build_dir(None))
-        dense, pack = cpu.native_dense, lambda k: jnp.asarray(cpu.pack_dense_kernel_f32(k))
+        dense, pack, dtype = _native_dense(args.native_dtype)
 
     def one_layer():
         kernels = {k: pack(0.02 * rng.standard_normal(s, np.float32)) for k, s in KERNELS.items()}
-        return kernels | {"norm": jnp.ones(HIDDEN, jnp.float32)}
+        return kernels | {"norm": jnp.ones(HIDDEN, dtype)}
 
     per = [one_layer() for _ in range(args.layers)]
     stacked = {kind: jnp.stack([w[kind] for w in per]) for kind in per[0]}
-    return jnp.ones((args.rows, HIDDEN), jnp.float32), per, stacked, dense, HIDDEN * HIDDEN
+    return jnp.ones((args.rows, HIDDEN), dtype), per, stacked, dense, HIDDEN * HIDDEN
+
+
+def _native_dense(dtype: str):
+    """(dense op, packing, activations' dtype) of the native kernel: a `_Layer` operand is read
+    from its stack in place."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import cpu
+    from tpu_platform.attention_backend import native_build_dir
+
+    library = cpu.load(native_build_dir(None))
+    half = dtype == "bfloat16" and bool(cpu.dense_isas(library))
+    pack = cpu.pack_dense_kernel if half else cpu.pack_dense_kernel_f32
+    width = jnp.bfloat16 if half else jnp.float32
+
+    def dense(x, kernel):
+        if isinstance(kernel, _Layer):
+            return cpu.native_dense(x, kernel.stack, layer=kernel.index)
+        return cpu.native_dense(x, kernel)
+
+    dense.takes_layer = True
+    return dense, lambda k: jnp.asarray(pack(jnp.asarray(k, width))), width
 
 
 def _timed(compiled, leaves: list, reps: int) -> tuple[float, float]:

@@ -92,7 +92,9 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        w = self.weight[...].astype(jnp.float32)
+        w = self.weight[...]
+        layer = getattr(self, "layer_index", None)  # the layers' weights stacked: `models.layer_stacks`
+        w = (w if layer is None else w[layer]).astype(jnp.float32)
         return (x32 * (1.0 + w if self.unit_offset else w)).astype(x.dtype)
 
 

@@ -50,7 +50,8 @@ class Linear(nnx.Module):
         """`x @ kernel` in float32, without the bias; plus each token's LoRA update when the
         projection carries adapter slots (`models.lora`)."""
         rows = x if self.input_order is None else jnp.take(x, self.input_order[...], axis=-1)
-        y = matmul(rows, self.kernel, self.kernel_scale, self.kernel_offset)
+        layer = getattr(self, "layer_index", None)  # set where the layers' kernels are stacked
+        y = matmul(rows, self.kernel, self.kernel_scale, self.kernel_offset, layer=layer)
         return y if self.lora is None else self.lora.add_update(y, x)
 
     @classmethod
@@ -173,6 +174,8 @@ def matmul(
     kernel: nnx.Variable,
     scale: nnx.Variable | None = None,
     offset: nnx.Variable | None = None,
+    *,
+    layer: int | None = None,
 ) -> jax.Array:
     """`x [T, in] @ kernel [in, out]`, accumulated and returned in float32; with `scale`, an int8
     kernel converted to x's dtype in the program, the product times the per-column scale; with
@@ -184,12 +187,15 @@ def matmul(
     scales and `Int4Bases`). Otherwise the float32 result type and the `[in, out]` kernel keep
     bfloat16 products on XLA:CPU's fast dot path (else both operands are upcast to float32
     copies first), and a single bfloat16 row is padded to two for the same reason.
+    `layer`: a packed kernel (and its scale and offset) is the stack of every layer's
+    (`models.layer_stacks`), of which the native kernel reads this layer in place.
     """
     if isinstance(kernel, PackedKernel) and is_packed_int4(kernel[...]):
         if isinstance(offset, Int4Bases):
-            return cpu.native_dense_int4(x, kernel[...], scale[...], base=offset[...])
-        return cpu.native_dense_int4(x, kernel[...], scale[...], None if offset is None else offset[...])
-    y = _scaled_product(x, kernel, scale)
+            return cpu.native_dense_int4(x, kernel[...], scale[...], base=offset[...], layer=layer)
+        m = None if offset is None else offset[...]
+        return cpu.native_dense_int4(x, kernel[...], scale[...], m, layer=layer)
+    y = _scaled_product(x, kernel, scale, layer)
     return y if offset is None else y + int4.offset_product(x, offset[...])
 
 
@@ -206,11 +212,13 @@ def is_packed_int4(packed: jax.Array) -> bool:
     return packed.dtype == jnp.uint32
 
 
-def _scaled_product(x: jax.Array, kernel: nnx.Variable, scale: nnx.Variable | None) -> jax.Array:
+def _scaled_product(
+    x: jax.Array, kernel: nnx.Variable, scale: nnx.Variable | None, layer: int | None
+) -> jax.Array:
     if isinstance(kernel, PackedKernel):
         if scale is not None:  # int8 panels: the native int8 kernel
-            return cpu.native_dense_int8(x, kernel[...], scale[...])
-        return cpu.native_dense(x, kernel[...])
+            return cpu.native_dense_int8(x, kernel[...], scale[...], layer=layer)
+        return cpu.native_dense(x, kernel[...], layer=layer)
     single_bf16_row = x.shape[0] == 1 and x.dtype == jnp.bfloat16
     if single_bf16_row:
         x = jnp.concatenate([x, x])

@@ -24,6 +24,7 @@ from flax import nnx
 
 from models import ModelConfig, PackedKernel, attach_rope_tables
 from models.expert_load import has_experts
+from models.layer_stacks import stack_layer_weights
 from models.lora import attach_lora
 from models.moe import use_expert_parallel
 from models.sharding import parameter_sharding, place_state
@@ -175,6 +176,8 @@ def load_runner_model(
         config, dtype, dense_isa, placement.weight_shardings, memo_dir
     )
     packed = len(jax.tree.leaves(nnx.state(model, PackedKernel)))
+    if mesh is None:  # one array per kind of weight of a uniform decoder: fewer arguments a step
+        stack_layer_weights(model)
     attach_rope_tables(model, config.max_model_len)
     if config.expert_parallel and mesh is not None:
         use_expert_parallel(model)  # the experts placed by index: `weight_sharding`

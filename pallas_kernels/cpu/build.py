@@ -58,6 +58,7 @@ HEADERS = tuple(
         "fast_math.h",
         "attention_blocks.h",
         "dense_blocks.h",
+        "layer_stack.h",
         "dense_f32_block.h",
         "dense_avx2.h",
         "dense_avx512_bf16.h",

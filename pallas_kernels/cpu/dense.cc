@@ -31,6 +31,7 @@
 #include "dense_blocks.h"
 #include "dense_avx2.h"
 #include "dense_avx512_bf16.h"
+#include "layer_stack.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -224,13 +225,15 @@ void RunVector(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, i
 }
 
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                 ffi::ResultBuffer<ffi::F32> y, int32_t isa) {
+                 ffi::ResultBuffer<ffi::F32> y, int32_t isa, int32_t layer) {
   const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || wd[2] != 16 || wd[3] != 2 || wd[1] * 2 != xd[1] ||
+  const auto weight = vllm_xla::LayerOf(w.dimensions(), w.dimensions().size() == 5, layer);
+  const auto wd = weight.dims;
+  if (!weight.ok || xd.size() != 2 || wd.size() != 4 || wd[2] != 16 || wd[3] != 2 || wd[1] * 2 != xd[1] ||
       xd[1] % kTileDepth != 0) {
     return ffi::Error::InvalidArgument(
-        "expected x [M, K] and a packed weight [N/16, K/2, 16, 2] with K a multiple of 32");
+        "expected x [M, K] and a packed weight [N/16, K/2, 16, 2] (or a stack of them holding `layer`) with K a "
+        "multiple of 32");
   }
   DenseIsa run = static_cast<DenseIsa>(isa);
   if (run == kBestIsa) run = IsaUsable(kAmx) ? kAmx : IsaUsable(kAvx512Bf16) ? kAvx512Bf16 : kAvx2;
@@ -244,7 +247,7 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
   const int64_t M = vllm_xla::RowsBeforeZeroTail<uint16_t>(x_bits, xd[0], K, 0x7fff);
   std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
   if (M == 0) return ffi::Error::Success();
-  const auto* w_bits = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  const auto* w_bits = reinterpret_cast<const uint16_t*>(w.untyped_data()) + weight.offset;
   if (run == kAmx) {
     RunAmx(x_bits, w_bits, y->typed_data(), M, K, N, pool);
   } else if (run == kAvx512Bf16) {
@@ -260,7 +263,7 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
 bool IsaUsable(DenseIsa) { return false; }
 
 ffi::Error Dense(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>, ffi::ResultBuffer<ffi::F32>,
-                 int32_t) {
+                 int32_t, int32_t) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "the native dense layers need an x86-64 CPU");
 }
 
@@ -280,4 +283,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDense, Dense,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("isa"));
+                                  .Attr<int32_t>("isa")
+                                  .Attr<int32_t>("layer"));

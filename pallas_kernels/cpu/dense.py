@@ -79,8 +79,27 @@ def native_dense_reference(x: jax.Array, packed: jax.Array) -> jax.Array:
     return jnp.einsum("mk,kn->mn", x, unpack_dense_kernel(packed), preferred_element_type=jnp.float32)
 
 
-def native_dense(x: jax.Array, packed: jax.Array, *, isa: str | None = None) -> jax.Array:
-    """`x [M, K] @ kernel` in float32, `packed` from `pack_dense_kernel`.
+def layer_shape(
+    operand: jax.Array, layer: int | None, rank: int, name: str = "packed kernel"
+) -> tuple[int, ...]:
+    """The shape of the one layer a native dense call reads from `operand`: its own (`layer`
+    None), or for a stack of every layer's (`[L, ...]`, `rank + 1` dimensions), layer `layer`'s.
+    The kernel reads that layer in place (an offset into the stack): no copy of its weights."""
+    if layer is None:
+        return tuple(operand.shape)
+    if operand.ndim != rank + 1 or not 0 <= layer < operand.shape[0]:
+        raise ValueError(
+            f"layer {layer} of a stacked {name} needs a [L, ...] stack of {rank + 1} dimensions with "
+            f"L > {layer}, not {tuple(operand.shape)}; pass layer=None for a single layer's"
+        )
+    return tuple(operand.shape[1:])
+
+
+def native_dense(
+    x: jax.Array, packed: jax.Array, *, isa: str | None = None, layer: int | None = None
+) -> jax.Array:
+    """`x [M, K] @ kernel` in float32, `packed` from `pack_dense_kernel`, or with `layer` the
+    stack `[L, ...]` of every layer's packed kernels, of which layer `layer` is read in place.
 
     `isa` picks the path ("amx", "avx512_bf16" or "avx2"); None takes the best one `dense_isa` reports.
     A float32 kernel (from `pack_dense_kernel_f32`) runs on AVX2 FMA, its only path.
@@ -90,23 +109,28 @@ def native_dense(x: jax.Array, packed: jax.Array, *, isa: str | None = None) -> 
     None; a path the CPU lacks fails when the program runs.
     """
     require_loaded()
-    if packed.ndim == 3:
-        return _native_dense_f32(x, packed, isa)
+    if packed.ndim == 3 or (layer is not None and packed.ndim == 4 and packed.dtype == jnp.float32):
+        return _native_dense_f32(x, packed, isa, layer)
     codes = {name: code for code, name in DENSE_ISAS.items()}
     if isa is not None and isa not in codes:
         raise ValueError(f"isa must be one of {sorted(codes)} or None, not {isa!r}")
-    blocks, pairs, cols, two = packed.shape
+    blocks, pairs, cols, two = layer_shape(packed, layer, 4)
     if x.ndim != 2 or x.shape[1] != pairs * two or cols != COLUMN_MULTIPLE or two != 2:
         raise ValueError(f"x {tuple(x.shape)} does not match a packed kernel {tuple(packed.shape)}")
     call = jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((x.shape[0], blocks * cols), jnp.float32))
-    return call(x.astype(jnp.bfloat16), packed.astype(jnp.bfloat16), isa=np.int32(codes.get(isa, 0)))
+    return call(
+        x.astype(jnp.bfloat16),
+        packed.astype(jnp.bfloat16),
+        isa=np.int32(codes.get(isa, 0)),
+        layer=np.int32(layer or 0),
+    )
 
 
-def _native_dense_f32(x: jax.Array, packed: jax.Array, isa: str | None) -> jax.Array:
+def _native_dense_f32(x: jax.Array, packed: jax.Array, isa: str | None, layer: int | None) -> jax.Array:
     if isa not in (None, "avx2"):
         raise ValueError(f"a float32 kernel runs on the avx2 path only, not {isa!r}")
-    blocks, depth, cols = packed.shape
+    blocks, depth, cols = layer_shape(packed, layer, 3)
     if x.ndim != 2 or x.shape[1] != depth or cols != COLUMN_MULTIPLE or packed.dtype != jnp.float32:
         raise ValueError(f"x {tuple(x.shape)} does not match a packed float32 kernel {tuple(packed.shape)}")
     call = jax.ffi.ffi_call(DENSE_F32_TARGET, jax.ShapeDtypeStruct((x.shape[0], blocks * cols), jnp.float32))
-    return call(x.astype(jnp.float32), packed)
+    return call(x.astype(jnp.float32), packed, layer=np.int32(layer or 0))

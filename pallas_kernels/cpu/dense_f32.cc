@@ -16,6 +16,7 @@
 
 #include "dense_blocks.h"
 #include "dense_f32_block.h"
+#include "layer_stack.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -52,11 +53,13 @@ bool Usable() {
 }
 
 ffi::Error DenseF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                    ffi::ResultBuffer<ffi::F32> y) {
+                    ffi::ResultBuffer<ffi::F32> y, int32_t layer) {
   const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || wd[2] != kF32BlockCols) {
-    return ffi::Error::InvalidArgument("expected x [M, K] and a packed weight [N/16, K, 16]");
+  const auto weight = vllm_xla::LayerOf(w.dimensions(), w.dimensions().size() == 4, layer);
+  const auto wd = weight.dims;
+  if (!weight.ok || xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || wd[2] != kF32BlockCols) {
+    return ffi::Error::InvalidArgument(
+        "expected x [M, K] and a packed weight [N/16, K, 16] (or a stack of them holding `layer`)");
   }
   if (!Usable()) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented, "the float32 dense kernel needs AVX2 with FMA");
@@ -67,7 +70,7 @@ ffi::Error DenseF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
   if (M == 0) return ffi::Error::Success();
   const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(float));
-  vllm_xla::RunOverColumnBlocks(F32Problem{x.typed_data(), w.typed_data(), y->typed_data(), M, K, N},
+  vllm_xla::RunOverColumnBlocks(F32Problem{x.typed_data(), w.typed_data() + weight.offset, y->typed_data(), M, K, N},
                                 N / kF32BlockCols, std::max<int64_t>(2, cached_blocks), pool);
   return ffi::Error::Success();
 }
@@ -76,7 +79,8 @@ ffi::Error DenseF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 
 bool Usable() { return false; }
 
-ffi::Error DenseF32(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>, ffi::ResultBuffer<ffi::F32>) {
+ffi::Error DenseF32(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>, ffi::ResultBuffer<ffi::F32>,
+                    int32_t) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "the float32 dense kernel needs an x86-64 CPU");
 }
 
@@ -92,4 +96,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseF32, DenseF32,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("layer"));

@@ -62,6 +62,7 @@
 
 #include "dense_blocks.h"
 #include "dense_int4_avx2.h"
+#include "layer_stack.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -125,16 +126,18 @@ struct GroupScales {
   int64_t count = 0;
   std::vector<float> wide_scale, wide_offset;
 
-  GroupScales(const ffi::AnyBuffer& s, const ffi::AnyBuffer& m, bool bases) : count(s.element_count()) {
+  // `first`: the elements of the scales (and offsets) before the layer's, `layer_count` its own.
+  GroupScales(const ffi::AnyBuffer& s, const ffi::AnyBuffer& m, bool bases, int64_t first, int64_t layer_count)
+      : count(layer_count) {
     scale_in_base = bases ? 0.0f : -8.0f;
     const bool given = m.element_count() > 0;
     if (s.element_type() == ffi::DataType::F16) {
-      half_scale = reinterpret_cast<const uint16_t*>(s.untyped_data());
-      half_offset = given ? reinterpret_cast<const uint16_t*>(m.untyped_data()) : nullptr;
+      half_scale = reinterpret_cast<const uint16_t*>(s.untyped_data()) + first;
+      half_offset = given ? reinterpret_cast<const uint16_t*>(m.untyped_data()) + first : nullptr;
       return;
     }
-    scale = reinterpret_cast<const float*>(s.untyped_data());
-    offset = given ? reinterpret_cast<const float*>(m.untyped_data()) : nullptr;
+    scale = reinterpret_cast<const float*>(s.untyped_data()) + first;
+    offset = given ? reinterpret_cast<const float*>(m.untyped_data()) + first : nullptr;
   }
   GroupScales(const GroupScales&) = delete;  // `scale` may point into `wide_scale`
 
@@ -234,19 +237,23 @@ bool ScalesFit(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset) {
 
 ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> w, ffi::AnyBuffer scale,
                      ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y, int32_t isa, int32_t bases,
-                     int32_t x_bits) {
+                     int32_t x_bits, int32_t layer) {
   const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  const auto sd = scale.dimensions();
+  const bool stacked = w.dimensions().size() == 4;  // then the scales and offsets (if any) are stacks too
+  const auto weight = vllm_xla::LayerOf(w.dimensions(), stacked, layer);
+  const auto scales_of_layer = vllm_xla::LayerOf(scale.dimensions(), stacked, layer);
+  const auto wd = weight.dims;
+  const auto sd = scales_of_layer.dims;
   const auto type = x.element_type();
-  const bool shapes_fit = xd.size() == 2 && wd.size() == 3 && wd[2] == kCols && wd[1] * kWordDepth == xd[1] &&
+  const bool shapes_fit = weight.ok && scales_of_layer.ok && xd.size() == 2 && wd.size() == 3 && wd[2] == kCols && wd[1] * kWordDepth == xd[1] &&
                           (sd.size() == 1 || sd.size() == 2) && sd.back() == wd[0] * kCols;
   const int64_t groups = shapes_fit && sd.size() == 2 ? sd[0] : 1;
   const bool groups_fit = shapes_fit && groups > 0 && xd[1] % groups == 0 && xd[1] / groups % kWordDepth == 0;
   if (!groups_fit || !ScalesFit(scale, offset) || (type != ffi::DataType::BF16 && type != ffi::DataType::F32)) {
     return ffi::Error::InvalidArgument(
         "expected x [M, K] (bfloat16 or float32), a packed int4 weight [N/16, K/8, 16] (uint32), float32 or "
-        "float16 scales [N] or [K/G, N] with G a multiple of 8, and offsets of the scales' shape and type or none");
+        "float16 scales [N] or [K/G, N] with G a multiple of 8, and offsets of the scales' shape and type or none "
+        "(or stacks of each holding `layer`)");
   }
   Int4Isa run = isa == kBestIsa ? BestIsa(type) : static_cast<Int4Isa>(isa);
   if (!IsaUsable(run)) {
@@ -263,11 +270,12 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   if (run == kAvx512Bf16 && (type != ffi::DataType::BF16 || M <= kWidenAheadAbove)) {
     run = type == ffi::DataType::BF16 ? kAvx2 : kAvx2Float;  // a few rows: unpacked in registers
   }
-  GroupScales scales(scale, offset, bases != 0);
+  GroupScales scales(scale, offset, bases != 0, scales_of_layer.offset, groups * N);
+  const uint32_t* w_words = w.typed_data() + weight.offset;
   if (run != kAvx512Vnni) scales.Widen();
 #if defined(__x86_64__)
   if (run == kAvx512Bf16) {  // x as it is: neither float32 rows nor their group sums
-    const Int4Problem operands{nullptr, w.typed_data(), scales.scale, scales.offset, nullptr, y->typed_data(),
+    const Int4Problem operands{nullptr, w_words, scales.scale, scales.offset, nullptr, y->typed_data(),
                                M,       K,            N,            group,         nullptr, scales.scale_in_base};
     const Avx512Bf16Int4 widened{operands, reinterpret_cast<const uint16_t*>(x.untyped_data())};
     const int64_t cached = vllm_xla::CachedBlocks(K, sizeof(uint16_t));  // in L2 as bfloat16
@@ -284,12 +292,12 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
     vllm_xla::BlockInt8Rows blocks;
     if (blocks.Quantize(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, group)) {
       if (scales.half_scale != nullptr) {  // float16: read as they are
-        const vllm_xla::VnniInt4Q8<uint16_t> problem{&blocks, w.typed_data(), scales.half_scale, scales.half_offset,
+        const vllm_xla::VnniInt4Q8<uint16_t> problem{&blocks, w_words, scales.half_scale, scales.half_offset,
                                                      sums.data(), y->typed_data(), M, K, N, group,
                                                      scales.scale_in_base};
         vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
       } else {
-        const vllm_xla::VnniInt4Q8<float> problem{&blocks, w.typed_data(), scales.scale, scales.offset, sums.data(),
+        const vllm_xla::VnniInt4Q8<float> problem{&blocks, w_words, scales.scale, scales.offset, sums.data(),
                                                   y->typed_data(), M, K, N, group, scales.scale_in_base};
         vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
       }
@@ -301,12 +309,12 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
     if (planes.Quantize(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, K)) {
       const std::vector<float> scaled = SumsOverStep(rows, sums, M, K);
       if (scales.half_scale != nullptr) {  // float16: read as they are
-        const vllm_xla::VnniInt4<uint16_t> problem{&planes, w.typed_data(), scales.half_scale, scales.half_offset,
+        const vllm_xla::VnniInt4<uint16_t> problem{&planes, w_words, scales.half_scale, scales.half_offset,
                                                    scaled.data(), y->typed_data(), M, K, N, group,
                                                    scales.scale_in_base};
         vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
       } else {
-        const vllm_xla::VnniInt4<float> problem{&planes, w.typed_data(), scales.scale, scales.offset, scaled.data(),
+        const vllm_xla::VnniInt4<float> problem{&planes, w_words, scales.scale, scales.offset, scaled.data(),
                                                 y->typed_data(), M, K, N, group, scales.scale_in_base};
         vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
       }
@@ -320,7 +328,7 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   // Not finite values (the float product carries them as it would) or rows too small for the fixed
   // point: the float path.
   const bool integer = run == kAvx2 && M <= kWidenAheadAbove && fixed.Quantize(rows, M, K);
-  const Int4Problem problem{rows, w.typed_data(), scales.scale, scales.offset, sums.data(), y->typed_data(),
+  const Int4Problem problem{rows, w_words, scales.scale, scales.offset, sums.data(), y->typed_data(),
                             M,    K,            N,            group,         integer ? &fixed : nullptr,
                             scales.scale_in_base};
 #if defined(__x86_64__)
@@ -354,4 +362,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt4, DenseInt4,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("isa")
                                   .Attr<int32_t>("bases")
-                                  .Attr<int32_t>("x_bits"));
+                                  .Attr<int32_t>("x_bits")
+                                  .Attr<int32_t>("layer"));

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.cpu.build import DENSE_INT4_ISAS, DENSE_INT4_TARGET, require_loaded
+from pallas_kernels.cpu.dense import layer_shape
 
 COLUMN_MULTIPLE = 16  # N: one packed line holds 16 columns
 DEPTH_MULTIPLE = 8  # K, and a group of k: one packed word holds 8 consecutive k
@@ -209,6 +210,7 @@ def native_dense_int4(
     base: jax.Array | None = None,
     isa: str | None = None,
     x_bits: int | None = None,
+    layer: int | None = None,
 ) -> jax.Array:
     """`x [M, K] @ (q * s + m)` in float32, `packed` from `pack_dense_kernel_int4`, `scale [N]`
     (one per column) or `[K/G, N]` (one per group of G consecutive k and column, G a multiple of
@@ -232,6 +234,8 @@ def native_dense_int4(
     integer products of the two planes, its error at most `block_int8_error_bound`; 16 keeps the
     two planes; None leaves the choice to the kernel (the two planes). A block it cannot hold (a
     largest magnitude below 1e-30) runs on the two planes.
+    With `layer`, `packed`, `scale` and `offset` (or `base`) are the stacks `[L, ...]` of every
+    layer's, of which layer `layer`'s are read in place (`dense.layer_shape`).
     Needs the native kernels loaded (`pallas_kernels.cpu.load`); a path the CPU lacks fails when
     the program runs.
     """
@@ -241,9 +245,10 @@ def native_dense_int4(
     codes = {name: code for code, name in DENSE_INT4_ISAS.items()}
     if isa is not None and isa not in codes:
         raise ValueError(f"isa must be one of {sorted(codes)} or None, not {isa!r}")
-    blocks, words, cols = packed.shape
+    blocks, words, cols = layer_shape(packed, layer, 3)
     depth, width = words * DEPTH_MULTIPLE, blocks * cols
-    groups = scale.shape[0] if scale.ndim == 2 else 1
+    scale_shape = layer_shape(scale, layer, max(scale.ndim - (layer is not None), 1), "int4 scale")
+    groups = scale_shape[0] if len(scale_shape) == 2 else 1
     if offset is not None and base is not None:
         raise ValueError("give native_dense_int4 an offset m or a base m - 8 s, not both")
     bases = base is not None
@@ -253,7 +258,7 @@ def native_dense_int4(
         or x.shape[1] != depth
         or cols != COLUMN_MULTIPLE
         or packed.dtype != jnp.uint32
-        or scale.shape not in ((width,), (groups, width))
+        or scale_shape not in ((width,), (groups, width))
         or (offset is not None and offset.shape != scale.shape)
     ):
         raise ValueError(
@@ -280,4 +285,5 @@ def native_dense_int4(
         isa=np.int32(codes.get(isa, 0)),
         bases=np.int32(bases),
         x_bits=np.int32(x_bits or 0),
+        layer=np.int32(layer or 0),
     )

@@ -45,6 +45,7 @@
 #include "dense_avx512_bf16.h"
 #include "dense_blocks.h"
 #include "dense_int8_vnni.h"
+#include "layer_stack.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -311,20 +312,23 @@ int64_t RowsToMultiply(const ffi::AnyBuffer& x, int64_t rows, int64_t K) {
 }
 
 ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                     ffi::ResultBuffer<ffi::F32> y, int32_t isa) {
+                     ffi::ResultBuffer<ffi::F32> y, int32_t isa, int32_t layer) {
   const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  const auto sd = scale.dimensions();
+  const bool stacked = w.dimensions().size() == 4;
+  const auto weight = vllm_xla::LayerOf(w.dimensions(), stacked, layer);
+  const auto scales = vllm_xla::LayerOf(scale.dimensions(), stacked, layer);
+  const auto wd = weight.dims;
+  const auto sd = scales.dims;
   const auto type = x.element_type();
   // Scales [N] (per column) or [K / G, N] (per group of G consecutive k, G a multiple of 4).
   const int64_t groups = sd.size() == 2 ? sd[0] : 1;
   const bool scales_fit = (sd.size() == 1 || sd.size() == 2) && sd.back() == wd[0] * kCols && groups > 0 &&
                           xd.size() == 2 && xd[1] % groups == 0 && (groups == 1 || xd[1] / groups % 4 == 0);
-  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || wd[2] != kCols || !scales_fit ||
+  if (!weight.ok || !scales.ok || xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || wd[2] != kCols || !scales_fit ||
       (type != ffi::DataType::BF16 && type != ffi::DataType::F32)) {
     return ffi::Error::InvalidArgument(
         "expected x [M, K] (bfloat16 or float32), a packed int8 weight [N/16, K, 16] and float32 scales [N] or "
-        "[K/G, N] with G a multiple of 4");
+        "[K/G, N] with G a multiple of 4 (or stacks of weights and scales holding `layer`)");
   }
   Int8Isa run = static_cast<Int8Isa>(isa);
   if (run == kBestIsa) run = BestIsa(type);
@@ -337,9 +341,11 @@ ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8
   const int64_t M = RowsToMultiply(x, xd[0], K);
   std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
   if (M == 0) return ffi::Error::Success();
+  const int8_t* w_values = w.typed_data() + weight.offset;
+  const float* s_values = scale.typed_data() + scales.offset;
   const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(int8_t));
   if (run == kAvx512Bf16 && type == ffi::DataType::BF16 && K % 2 == 0 && M > kWidenAheadAbove && groups == 1) {
-    const WidenedInt8 widened{{nullptr, w.typed_data(), scale.typed_data(), y->typed_data(), M, K, N, K},
+    const WidenedInt8 widened{{nullptr, w_values, s_values, y->typed_data(), M, K, N, K},
                               reinterpret_cast<const uint16_t*>(x.untyped_data())};
     const int64_t widened_blocks = vllm_xla::CachedBlocks(K, sizeof(uint16_t));  // in L2 as bfloat16
     vllm_xla::RunOverColumnBlocks(widened, N / kCols,
@@ -353,7 +359,7 @@ ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8
         (type == ffi::DataType::BF16 ? rows.Quantize(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, group)
                                      : rows.Quantize(reinterpret_cast<const float*>(x.untyped_data()), M, K, group));
     if (quantized) {
-      const vllm_xla::VnniInt8 problem{&rows, w.typed_data(), scale.typed_data(), y->typed_data(), M, K, N};
+      const vllm_xla::VnniInt8 problem{&rows, w_values, s_values, y->typed_data(), M, K, N};
       vllm_xla::RunOverColumnBlocks(problem, N / kCols, std::max<int64_t>(kAvx512Blocks, cached_blocks), pool);
       return ffi::Error::Success();
     }
@@ -367,7 +373,7 @@ ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8
     x_values = wide.data();
   }
   if (run == kAvx512Bf16 || run == kAvx512Vnni) run = kAvx512;  // widened in registers
-  const Int8Problem problem{x_values, w.typed_data(), scale.typed_data(), y->typed_data(), M, K, N, group};
+  const Int8Problem problem{x_values, w_values, s_values, y->typed_data(), M, K, N, group};
   if (run == kAvx512) {
     vllm_xla::RunOverColumnBlocks(Avx512Int8{problem}, N / kCols, std::max<int64_t>(kAvx512Blocks, cached_blocks),
                                   pool);
@@ -382,7 +388,7 @@ ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8
 bool IsaUsable(Int8Isa) { return false; }
 
 ffi::Error DenseInt8(ffi::ThreadPool, ffi::AnyBuffer, ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>,
-                     ffi::ResultBuffer<ffi::F32>, int32_t) {
+                     ffi::ResultBuffer<ffi::F32>, int32_t, int32_t) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "the int8 dense kernel needs an x86-64 CPU");
 }
 
@@ -404,4 +410,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt8, DenseInt8,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("isa"));
+                                  .Attr<int32_t>("isa")
+                                  .Attr<int32_t>("layer"));

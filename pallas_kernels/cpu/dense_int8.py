@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.cpu.build import DENSE_INT8_ISAS, DENSE_INT8_TARGET, require_loaded
+from pallas_kernels.cpu.dense import layer_shape
 
 COLUMN_MULTIPLE = 16  # N: one packed row holds 16 columns
 FIXED_POINT_LEVELS = 32639  # |x16| <= 32639: 256 hi + lo with both planes signed bytes
@@ -133,7 +134,7 @@ def fixed_point_error_bound(x, q, scale) -> np.ndarray:
 
 
 def native_dense_int8(
-    x: jax.Array, packed: jax.Array, scale: jax.Array, *, isa: str | None = None
+    x: jax.Array, packed: jax.Array, scale: jax.Array, *, isa: str | None = None, layer: int | None = None
 ) -> jax.Array:
     """`(x [M, K] @ q) * s` in float32, `packed` from `pack_dense_kernel_int8`, `scale [N]` (one
     per column), or `[K/G, N]`: one per group of G consecutive k and column (G a multiple of 4 that
@@ -146,6 +147,8 @@ def native_dense_int8(
     finite, a row whose largest magnitude is below 1e-30 but not zero, or K past 131072 runs the
     float product instead ("avx512"). Trailing rows of x that are all zero are written as zero rows without
     being multiplied, as in `native_dense`.
+    With `layer`, `packed` and `scale` are the stacks `[L, ...]` of every layer's, of which
+    layer `layer`'s are read in place (`dense.layer_shape`).
     Needs the native kernels loaded (`pallas_kernels.cpu.load`); a path the CPU lacks fails when
     the program runs.
     """
@@ -153,20 +156,21 @@ def native_dense_int8(
     codes = {name: code for code, name in DENSE_INT8_ISAS.items()}
     if isa is not None and isa not in codes:
         raise ValueError(f"isa must be one of {sorted(codes)} or None, not {isa!r}")
-    blocks, depth, cols = packed.shape
-    groups = scale.shape[0] if scale.ndim == 2 else 1
+    blocks, depth, cols = layer_shape(packed, layer, 3)
+    scale_shape = layer_shape(scale, layer, max(scale.ndim - (layer is not None), 1), "int8 scale")
+    groups = scale_shape[0] if len(scale_shape) == 2 else 1
     if (
         x.ndim != 2
         or x.shape[1] != depth
         or cols != COLUMN_MULTIPLE
         or packed.dtype != jnp.int8
-        or scale.shape not in ((blocks * cols,), (groups, blocks * cols))
+        or scale_shape not in ((blocks * cols,), (groups, blocks * cols))
     ):
         raise ValueError(
             f"x {tuple(x.shape)} and scale {tuple(scale.shape)} do not match a packed int8 kernel "
             f"{packed.dtype} {tuple(packed.shape)}: scale is [N] or [K/G, N]"
         )
-    if scale.ndim == 2 and (
+    if len(scale_shape) == 2 and (
         groups < 1 or depth % groups or (groups > 1 and not dense_int8_takes_groups(depth // groups))
     ):
         raise ValueError(
@@ -175,4 +179,6 @@ def native_dense_int8(
         )
     x = x if x.dtype == jnp.bfloat16 else x.astype(jnp.float32)
     call = jax.ffi.ffi_call(DENSE_INT8_TARGET, jax.ShapeDtypeStruct((x.shape[0], blocks * cols), jnp.float32))
-    return call(x, packed, scale.astype(jnp.float32), isa=np.int32(codes.get(isa, 0)))
+    return call(
+        x, packed, scale.astype(jnp.float32), isa=np.int32(codes.get(isa, 0)), layer=np.int32(layer or 0)
+    )

@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from models import ModelConfig, attach_rope_tables, build, int4, prepare_for_serving
 from models.expert_load import has_experts
+from models.layer_stacks import stack_layer_weights
 from models.lora import attach_lora
 from models.moe import use_expert_parallel
 from models.sharding import MODEL_AXIS, kv_heads_on_mesh, state_shardings, vocab_parallel
@@ -367,6 +368,8 @@ def abstract_model(
     # Prepared from abstract arguments: built inside, the placeholders would be concrete host
     # zeros, which the fused projections' concatenation would then really fill.
     model = nnx.eval_shape(prepared, nnx.eval_shape(lambda: build(config, jnp.dtype(dtype))))
+    if tp_size == 1:  # as the runner stacks them (`runner_state.load_runner_model`)
+        stack_layer_weights(model)
     attach_rope_tables(model, max_model_len)
     expert_parallel = expert_parallel and tp_size > 1
     if expert_parallel:
