@@ -21,23 +21,25 @@ namespace vllm_xla {
 constexpr int64_t kInt4PanelCols = 16;
 
 // The k-th (0 to 7) unsigned value of each 32-bit word as float32 (its bit position as the
-// packing puts it: byte k % 4, high nibble from k 4).
+// packing puts it: byte k % 4, high nibble from k 4). VPERMPS reads only an index's low four bits,
+// so looking the nibble up in a table of 0 to 15 masks and converts it in one instruction.
 template <int k>
 VLLM_XLA_AVX512BF16 inline __m512 Int4ValueAt(__m512i words) {
   constexpr int bit = (k % 4) * 8 + (k / 4) * 4;
-  const __m512i shifted = _mm512_srli_epi32(words, bit);
-  return _mm512_cvtepi32_ps(bit == 28 ? shifted : _mm512_and_si512(shifted, _mm512_set1_epi32(0xF)));
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_permutexvar_ps(bit == 0 ? words : _mm512_srli_epi32(words, bit), values);
 }
 
 // Values k and k + 1 of each word dequantized (u s + base) and rounded to bfloat16 (to nearest
-// even), as one pair a 32-bit lane: k in the low half, k + 1 in the high one.
+// even), as one pair a 32-bit lane: k in the low half, k + 1 in the high one. VCVTNE2PS2BF16
+// rounds both vectors at once (k's 16 values, then k + 1's) and VPERMW interleaves them.
 template <int k>
 VLLM_XLA_AVX512BF16 inline __m512i Int4PairAt(__m512i words, __m512 s, __m512 base) {
   const __m512 even = _mm512_fmadd_ps(Int4ValueAt<k>(words), s, base);
   const __m512 odd = _mm512_fmadd_ps(Int4ValueAt<k + 1>(words), s, base);
-  const __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
-  const __m512i high = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
-  return _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
 // One packed panel [K/8, 16] (uint32 words of eight k) -> its dequantized values q s + m in
