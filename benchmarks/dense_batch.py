@@ -5,7 +5,7 @@ SmolLM2-135M's projection shapes, in one run.
 
     .venv/bin/python benchmarks/dense_batch.py [--rows 16,64,128,256,512]
         [--shapes 576x960,576x576,576x3072,1536x576,576x49152] [--calls 3]
-        [--out benchmarks/out/dense_batch.json]
+        [--torch-threads 2] [--out benchmarks/out/dense_batch.json]
 
 Formats: bfloat16 on the native bfloat16 kernel, int8 (a scale per channel) on the native int8
 kernel, and 4-bit as the embedded model is served from its GGUF Q4_1 blocks (a float16 scale and
@@ -16,7 +16,10 @@ formats alternate call by call. Reported per shape and row count: GFLOP/s of eac
 fastest call in wall time (every format runs on all cores: ours on XLA's pool, torch on its OpenMP
 threads) and per second of process CPU time (a core's efficiency, which other processes' time
 slices do not stretch; OpenMP's spinning threads count in torch's), and the median over calls of
-torch's wall time over each of ours (above 1: ours is faster).
+torch's wall time over each of ours (above 1: ours is faster). On a loaded machine OpenMP's
+threads wait on each other at every barrier for a peer that lost its core, and torch's figures
+collapse (measured at load 30 on two cores: 2-25 GFLOP/s on two threads, 45-66 on one); there
+`--torch-threads 1` and the per-CPU-second figures compare a core's work with a core's.
 Only the ratios mean much on a shared machine: the load (`/proc/loadavg`) is recorded beside them.
 """
 
@@ -169,11 +172,12 @@ def main() -> None:
     parser.add_argument("--rows", default="16,64,128,256,512")
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", default=str(HERE / "out" / "dense_batch.json"))
     args = parser.parse_args()
     cache = os.environ.get("VLLM_XLA_CACHE_DIR", str(HERE.parent / ".cache" / "vllm-xla"))
     cpu.load(os.path.join(cache, "native"))  # the native dense kernels
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.torch_threads)
     rows = [int(r) for r in args.rows.split(",")]
     results = []
     for shape in args.shapes.split(","):
@@ -181,7 +185,8 @@ def main() -> None:
         results += measure(depth, width, rows, args.calls)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": os.cpu_count(), "results": results}, indent=1))
+    summary = {"cpus": os.cpu_count(), "torch_threads": args.torch_threads, "results": results}
+    out.write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
