@@ -42,26 +42,36 @@ VLLM_XLA_AVX512BF16 inline __m512i Int4PairAt(__m512i words, __m512 s, __m512 ba
   return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
+// 16 scales (or offsets) of a panel from float32, or from float16 bits widened exactly (GGUF
+// Q4_1's own d and minimum, read as they are: widening all of a weight's to float32 first would
+// be a serial pass over them before the threads start, a few percent of a 64-row call).
+VLLM_XLA_AVX512BF16 inline __m512 LoadPanelScales(const float* at) { return _mm512_loadu_ps(at); }
+VLLM_XLA_AVX512BF16 inline __m512 LoadPanelScales(const uint16_t* at) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+}
+
 // One packed panel [K/8, 16] (uint32 words of eight k) -> its dequantized values q s + m in
-// bfloat16 pairs [K/2, 16, 2]. `scale` and `offset` (null: none) point at the panel's first
-// column of group 0, `stride` floats from one group to the next; `group` k share them. Each
-// group's base (the weight of u = 0) is offset + scale_in_base * s: -8 for offsets m, 0 for bases.
-VLLM_XLA_AVX512BF16 inline void WidenInt4PanelToPairs(const uint32_t* panel, int64_t K, int64_t group,
-                                                      const float* scale, const float* offset,
-                                                      float scale_in_base, int64_t stride,
-                                                      uint16_t* to) {
+// bfloat16 pairs [K/2, 16, 2]. `scale` and `offset` (null: none; float32, or float16 bits) point
+// at the panel's first column of group 0, `stride` values from one group to the next; `group` k
+// share them. Each group's base (the weight of u = 0) is offset + scale_in_base * s: -8 for
+// offsets m, 0 for bases.
+template <typename Scale>
+VLLM_XLA_AVX512BF16 void WidenInt4PanelToPairs(const uint32_t* panel, int64_t K, int64_t group, const Scale* scale,
+                                               const Scale* offset, float scale_in_base, int64_t stride,
+                                               uint16_t* to) {
   const int64_t group_words = group / 8;
-  for (int64_t word = 0; word < K / 8; ++word) {
-    const int64_t at = word / group_words * stride;
-    const __m512 s = _mm512_loadu_ps(scale + at);
-    const __m512 m = offset != nullptr ? _mm512_loadu_ps(offset + at) : _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / group; ++g) {
+    const __m512 s = LoadPanelScales(scale + g * stride);
+    const __m512 m = offset != nullptr ? LoadPanelScales(offset + g * stride) : _mm512_setzero_ps();
     const __m512 base = _mm512_fmadd_ps(s, _mm512_set1_ps(scale_in_base), m);  // u s + m - 8 s = q s + m
-    const __m512i words = _mm512_loadu_si512(panel + word * kInt4PanelCols);
-    uint16_t* out = to + word * 8 * kInt4PanelCols;
-    _mm512_storeu_si512(out, Int4PairAt<0>(words, s, base));
-    _mm512_storeu_si512(out + 32, Int4PairAt<2>(words, s, base));
-    _mm512_storeu_si512(out + 64, Int4PairAt<4>(words, s, base));
-    _mm512_storeu_si512(out + 96, Int4PairAt<6>(words, s, base));
+    for (int64_t word = g * group_words; word < (g + 1) * group_words; ++word) {
+      const __m512i words = _mm512_loadu_si512(panel + word * kInt4PanelCols);
+      uint16_t* out = to + word * 8 * kInt4PanelCols;
+      _mm512_storeu_si512(out, Int4PairAt<0>(words, s, base));
+      _mm512_storeu_si512(out + 32, Int4PairAt<2>(words, s, base));
+      _mm512_storeu_si512(out + 64, Int4PairAt<4>(words, s, base));
+      _mm512_storeu_si512(out + 96, Int4PairAt<6>(words, s, base));
+    }
   }
 }
 
