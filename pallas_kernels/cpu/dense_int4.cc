@@ -115,8 +115,8 @@ void WidenHalves(const uint16_t* from, int64_t count, float* to) {
 }
 
 // The scales and offsets as the paths read them: float32 as given, or float16 bits, which
-// "avx512_vnni" reads as they are and every other path as float32 widened once a call (exact;
-// those paths are for CPUs without VNNI and for many rows, where the products dominate).
+// "avx512_vnni" and "avx512_bf16" read as they are and every other path as float32 widened once a
+// call (exact; those paths are for CPUs without AVX-512 VNNI or BF16).
 struct GroupScales {
   const float* scale = nullptr;
   const float* offset = nullptr;  // null: none
@@ -272,12 +272,13 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   }
   GroupScales scales(scale, offset, bases != 0, scales_of_layer.offset, groups * N);
   const uint32_t* w_words = w.typed_data() + weight.offset;
-  if (run != kAvx512Vnni) scales.Widen();
+  if (run != kAvx512Vnni && run != kAvx512Bf16) scales.Widen();  // those two read float16 as it is
 #if defined(__x86_64__)
   if (run == kAvx512Bf16) {  // x as it is: neither float32 rows nor their group sums
     const Int4Problem operands{nullptr, w_words, scales.scale, scales.offset, nullptr, y->typed_data(),
                                M,       K,            N,            group,         nullptr, scales.scale_in_base};
-    const Avx512Bf16Int4 widened{operands, reinterpret_cast<const uint16_t*>(x.untyped_data())};
+    const Avx512Bf16Int4 widened{operands, reinterpret_cast<const uint16_t*>(x.untyped_data()), scales.half_scale,
+                                 scales.half_offset};
     const int64_t cached = vllm_xla::CachedBlocks(K, sizeof(uint16_t));  // in L2 as bfloat16
     vllm_xla::RunOverColumnBlocks(widened, N / kCols, std::max<int64_t>(vllm_xla::kBf16VectorBlocks, cached), pool);
     return ffi::Error::Success();

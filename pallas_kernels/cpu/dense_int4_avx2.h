@@ -329,16 +329,24 @@ struct Avx2Int4 : Int4Problem {
 // Many rows of bfloat16 x on AVX-512 BF16: the item's panels dequantized once to bfloat16 pairs
 // (sized so that they stay in L2), then every row on the bfloat16 kernel's register blocks.
 struct Avx512Bf16Int4 : Int4Problem {
-  const uint16_t* x_bits;  // [M, K] bfloat16
+  const uint16_t* x_bits;       // [M, K] bfloat16
+  const uint16_t* half_scale;   // float16 bits of the scales (then `scale` and `offset` are null), or null
+  const uint16_t* half_offset;  // float16 bits of the offsets, or null
 
   void Run(const Item& item) const {
     const int64_t panel = K * kCols;
     const vllm_xla::AlignedPairs pairs((item.end_block - item.first_block) * panel);
     for (int64_t block = item.first_block; block < item.end_block; ++block) {
       const int64_t column = block * kCols;
-      vllm_xla::WidenInt4PanelToPairs(w + block * (K / kWordDepth) * kCols, K, group, scale + column,
-                                      offset != nullptr ? offset + column : nullptr, scale_in_base, N,
-                                      pairs.data() + (block - item.first_block) * panel);
+      const uint32_t* packed = w + block * (K / kWordDepth) * kCols;
+      uint16_t* to = pairs.data() + (block - item.first_block) * panel;
+      if (half_scale != nullptr) {
+        vllm_xla::WidenInt4PanelToPairs(packed, K, group, half_scale + column,
+                                        half_offset != nullptr ? half_offset + column : nullptr, scale_in_base, N, to);
+      } else {
+        vllm_xla::WidenInt4PanelToPairs(packed, K, group, scale + column, offset != nullptr ? offset + column : nullptr,
+                                        scale_in_base, N, to);
+      }
     }
     WalkRegisterBlocks(item, M, K * sizeof(uint16_t), vllm_xla::kBf16VectorRows, vllm_xla::kBf16VectorBlocks,
                        [&](int64_t row, int rows, int64_t block, int blocks) {

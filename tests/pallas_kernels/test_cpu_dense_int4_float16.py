@@ -61,12 +61,13 @@ def test_q4_1_blocks_in_float16_match_float32_and_numpy(native_kernels, rows):
     np.testing.assert_allclose(reference, expected, rtol=1e-5, atol=1e-5 * np.sqrt(depth))
 
 
-def test_q4_0_scales_alone_in_float16(native_kernels):
+@pytest.mark.parametrize("rows", [2, 20])  # 20: panels widened to bfloat16 from the float16 scales
+def test_q4_0_scales_alone_in_float16(native_kernels, rows):
     """Q4_0: `w = d (u - 8)`, d float16 and no offset; the kernel's base is -8 d."""
     rng = np.random.default_rng(7)
     u, d, _, scale, _ = _q4_1_blocks(rng, 96, 32)
     packed = cpu.pack_dense_kernel_int4((u - 8).astype(np.int8))
-    x = jnp.asarray(rng.standard_normal((2, 96)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.bfloat16)
     product = jax.jit(cpu.native_dense_int4, static_argnames="isa")
     for isa in cpu.dense_int4_isas(native_kernels):
         np.testing.assert_array_equal(
