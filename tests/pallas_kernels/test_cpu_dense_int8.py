@@ -30,6 +30,7 @@ from pallas_kernels.cpu.dense_int8 import (
     split_fixed_point,
     unpack_dense_kernel_int8,
 )
+from tests.grids import cover, split_product
 from tests.models.tiny_checkpoints import caches, prompts, run_step, save_tiny
 
 
@@ -105,11 +106,23 @@ def test_hand_worked_product(int8_isas):
 
 ROWS = (1, 2, 3, 5, 6, 7, 8, 9, 13, 31, 64, 130)
 KERNELS = ((1, 16), (7, 48), (33, 80), (96, 112), (576, 960), (1535, 64), (1536, 48))
+# Each point runs every path the CPU has. The fast tier takes every row count and every kernel
+# once for each type of x (paired differently for the two); the slow tier the whole product.
+BFLOAT16_GRID = split_product(ROWS, KERNELS, cover(ROWS, KERNELS))
+FLOAT32_GRID = split_product(ROWS, KERNELS, cover(ROWS, KERNELS, shift=3))
 
 
-@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
-@pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize(("depth", "width"), KERNELS)
+@pytest.mark.parametrize(
+    ("x_dtype", "rows", "depth", "width"),
+    [
+        pytest.param(jnp.bfloat16, *p.values, marks=p.marks, id="-".join(map(str, ("bfloat16", *p.values))))
+        for p in BFLOAT16_GRID
+    ]
+    + [
+        pytest.param(jnp.float32, *p.values, marks=p.marks, id="-".join(map(str, ("float32", *p.values))))
+        for p in FLOAT32_GRID
+    ],
+)
 def test_kernel_matches_numpy(int8_isas, x_dtype, rows, depth, width):
     rng = np.random.default_rng(rows * 7919 + depth + width)
     x = jnp.asarray(rng.standard_normal((rows, depth)), x_dtype)
@@ -218,8 +231,13 @@ def test_grouped_scales_reference_on_a_hand_worked_case():
 GROUPED = ((32, 48, 4), (64, 80, 32), (576, 96, 32), (96, 16, 96), (1536, 64, 128))
 
 
-@pytest.mark.parametrize("rows", (1, 2, 5, 7, 13, 64))
-@pytest.mark.parametrize(("depth", "width", "group"), GROUPED)
+GROUPED_ROWS = (1, 2, 5, 7, 13, 64)
+
+
+# The fast tier: every row count and every grouping once; the slow tier the whole product.
+@pytest.mark.parametrize(
+    ("rows", "depth", "width", "group"), split_product(GROUPED_ROWS, GROUPED, cover(GROUPED_ROWS, GROUPED))
+)
 def test_grouped_scales_match_numpy(int8_isas, rows, depth, width, group):
     rng = np.random.default_rng(rows * 31 + depth + group)
     x = jnp.asarray(rng.standard_normal((rows, depth)), jnp.bfloat16)
