@@ -32,7 +32,7 @@ MESH_TP_KEY = "xla_tensor_parallel_size"
 
 def mesh_tensor_parallel_size(vllm_config: VllmConfig) -> int:
     """The devices the model is split over: all hosts' together (vLLM's own TP size on one host)."""
-    extra = vllm_config.additional_config
+    extra = getattr(vllm_config, "additional_config", None)  # a config built by hand may lack it
     if isinstance(extra, dict) and MESH_TP_KEY in extra:
         return int(extra[MESH_TP_KEY])
     return vllm_config.parallel_config.tensor_parallel_size
@@ -92,7 +92,7 @@ def _one_worker_per_host(vllm_config: VllmConfig) -> None:
             "(--nnodes, --node-rank, --master-addr, --headless on hosts other than 0); leave "
             "--distributed-executor-backend unset"
         )
-    extra = vllm_config.additional_config
+    extra = getattr(vllm_config, "additional_config", None)  # a config built by hand may lack it
     if not isinstance(extra, dict):
         raise ValueError("vllm-xla across hosts needs --additional-config to be a JSON object")
     if MESH_TP_KEY not in extra:

@@ -67,9 +67,14 @@ def prompts(checkpoint):
 
 def _int4_kernels(worker) -> int:
     """How many of the engine's kernels hold 4-bit values: packed two a byte for the native int4
-    kernel (`models.linear.is_packed_int4`), or int8 ones (`int4.held_dtype`) each in [-8, 7]."""
+    kernel (`models.linear.is_packed_int4`), or int8 ones (`int4.held_dtype`) each in [-8, 7]. A
+    stack of every layer's packed kernels (`models.layer_stacks`, `[L, N/16, K/8, 16]`) counts L."""
     leaves = jax.tree.leaves(worker.runner.state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    packed = sum(isinstance(v, PackedKernel) and is_packed_int4(v[...]) for v in leaves)
+    packed = sum(
+        (v[...].shape[0] if v[...].ndim == 4 else 1)
+        for v in leaves
+        if isinstance(v, PackedKernel) and is_packed_int4(v[...])
+    )
     held = [np.asarray(v[...]) for v in leaves if v[...].dtype == int4.held_dtype()]
     return packed + sum(int(a.min()) >= -8 and int(a.max()) <= 7 for a in held)
 
