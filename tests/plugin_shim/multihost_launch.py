@@ -132,3 +132,34 @@ def metric(port: int, name: str) -> float:
         for line in text.splitlines()
         if line.startswith(name) and (line[len(name)] in "{ ")
     )
+
+
+def run_jax_hosts(
+    worker: str, argv_of_host: list[list[str]], *, env: dict[str, str], timeout: float
+) -> list[dict]:
+    """Runs `worker RANK PORT *argv` as one JAX host per entry of `argv_of_host` (processes on
+    this machine joining at a free port) and returns each host's last `REPORT {json}` line, in
+    host order; a host that fails or reports nothing fails the test with its output's tail."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, str(rank), port, *argv],
+            env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.getcwd(), **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank, argv in enumerate(argv_of_host)
+    ]
+    reports = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            lines = [line for line in out.splitlines() if line.startswith("REPORT ")]
+            assert proc.returncode == 0 and lines, out[-3000:]
+            reports.append(json.loads(lines[-1].removeprefix("REPORT ")))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return reports

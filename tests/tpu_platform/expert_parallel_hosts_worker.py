@@ -18,25 +18,16 @@ def held_experts(array) -> list[list[int]]:
 
 
 def greedy_across_hosts(model, config, prompt: list[int], new_tokens: int) -> list[int]:
-    """Greedy tokens after `prompt` at TP=4: one prefill, one decode step a token (the
-    logits, split over the vocabulary, gathered to every host)."""
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
+    """Greedy tokens after `prompt` at TP=4 (the logits, split over the vocabulary, gathered to
+    every host)."""
+    import functools
+
     from jax.experimental.multihost_utils import process_allgather
 
-    from tests.tpu_platform.tensor_parallel_weights_worker import _caches, _forward, _metadata
+    from tests.tpu_platform.tensor_parallel_weights_worker import greedy
 
-    kv, stacked = _caches(config, 4)
-    graphdef, state = nnx.split(model)
-    done, new, out = 0, list(prompt), []
-    for _ in range(new_tokens):
-        positions, md = _metadata(done, len(new), stacked)
-        logits, kv = _forward(graphdef, state, kv, jnp.asarray(new, jnp.int32), jnp.asarray(positions), md)
-        done += len(new)
-        new = [int(np.argmax(process_allgather(logits, tiled=True)[-1]))]
-        out.append(new[0])
-    return out
+    gathered = functools.partial(process_allgather, tiled=True)
+    return greedy(model, config, 4, prompt, new_tokens, to_host=gathered)
 
 
 def main(rank: int, port: int, model_dir: str, new_tokens: int, prompts: list[list[int]]) -> None:

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -102,8 +103,16 @@ def prefill_logits(model: nnx.Module, config: ModelConfig, tp: int, prompt: list
     return np.asarray(logits, np.float32)
 
 
-def greedy(model: nnx.Module, config: ModelConfig, tp: int, prompt: list[int], new_tokens: int) -> list[int]:
-    """Greedy tokens after `prompt`: one prefill, then one decode step a token."""
+def greedy(
+    model: nnx.Module,
+    config: ModelConfig,
+    tp: int,
+    prompt: list[int],
+    new_tokens: int,
+    to_host: Callable[[jax.Array], np.ndarray] = np.asarray,
+) -> list[int]:
+    """Greedy tokens after `prompt`: one prefill, then one decode step a token (`to_host`: the
+    logits as this host reads them; across hosts, gathered from every host's devices)."""
     kv, stacked = _caches(config, tp)
     graphdef, state = nnx.split(model)
     done, new, out = 0, list(prompt), []
@@ -111,7 +120,7 @@ def greedy(model: nnx.Module, config: ModelConfig, tp: int, prompt: list[int], n
         positions, md = _metadata(done, len(new), stacked)
         logits, kv = _forward(graphdef, state, kv, jnp.asarray(new, jnp.int32), jnp.asarray(positions), md)
         done += len(new)
-        new = [int(np.argmax(np.asarray(logits)[-1]))]
+        new = [int(np.argmax(to_host(logits)[-1]))]
         out.append(new[0])
     return out
 

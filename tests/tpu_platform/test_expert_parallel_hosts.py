@@ -9,13 +9,11 @@ through `vllm-xla serve` on two hosts: `tests/plugin_shim/test_multihost_expert_
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.models.tiny_checkpoints import prompts, save_tiny
-from tests.plugin_shim.multihost_launch import free_port
+from tests.plugin_shim.multihost_launch import run_jax_hosts
 
 pytestmark = pytest.mark.slow  # two JAX processes joining
 
@@ -25,36 +23,9 @@ PROMPTS = prompts([9, 9], seed=11)  # one length: one prefill program to compile
 
 
 def _run_hosts(model: str) -> list[dict]:
-    port = free_port()
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.getcwd(),
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-    }
     argv = [model, str(NEW_TOKENS), json.dumps(PROMPTS)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, str(rank), str(port), *argv],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    reports = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=300)
-            lines = [line for line in out.splitlines() if line.startswith("REPORT ")]
-            assert proc.returncode == 0 and lines, out[-3000:]
-            reports.append(json.loads(lines[-1].removeprefix("REPORT ")))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return reports
+    devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    return run_jax_hosts(WORKER, [argv, argv], env=devices, timeout=300)
 
 
 def _transformers_tokens(model: str) -> list[list[int]]:

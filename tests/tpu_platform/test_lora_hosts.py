@@ -5,13 +5,11 @@ writes a slot, so a file missing on one host, or other files on one, is refused 
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.plugin_shim.multihost_launch import free_port
+from tests.plugin_shim.multihost_launch import run_jax_hosts
 from tests.tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.slow  # two JAX processes joining
@@ -47,25 +45,7 @@ def _adapter(path: str, seed: int) -> str:
 
 
 def _run_hosts(model: str, good: str, per_host: list[list[str]]) -> list[dict]:
-    port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.getcwd()}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, str(rank), str(port), model, good, *per_host[rank]],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    reports = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=240)
-        lines = [line for line in out.splitlines() if line.startswith("REPORT ")]
-        assert proc.returncode == 0 and lines, out[-3000:]
-        reports.append(json.loads(lines[-1].removeprefix("REPORT ")))
-    return reports
+    return run_jax_hosts(WORKER, [[model, good, *argv] for argv in per_host], env={}, timeout=240)
 
 
 def test_an_adapter_one_host_cannot_read_alike_is_refused_on_both(tmp_path):
