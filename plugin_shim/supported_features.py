@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The vLLM features vllm-xla serves, each with the options that ask for it: the supported half of
-`docs/features.md` (the refused half, and the checks that refuse, are `plugin_shim.feature_check`,
-which renders both)."""
+`docs/features.md` (the refused half is `plugin_shim.refused_features`; `plugin_shim.feature_check`
+refuses and renders both)."""
 
 from __future__ import annotations
 
