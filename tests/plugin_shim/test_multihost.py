@@ -3,8 +3,9 @@
 through the path a pod's hosts take (vLLM's multi-node options, `jax.distributed`, gloo
 collectives), one tiny model at TP=4 across both: vLLM's OpenAI server on host 0 answers
 completions with the greedy tokens of a one-process TP=1 engine, also under chunked prefill and
-preemption; two hosts verifying n-gram drafts (a draft model's in `make test-full`) answer with
-transformers' greedy tokens, under chunked prefill and preemption too.
+preemption; two hosts verifying n-gram drafts (a draft model's, an EAGLE-3 head's and an MTP
+layer's in `make test-full`) answer with transformers' greedy tokens, under chunked prefill and
+preemption too, with drafts kept.
 Killing host 1 ends host 0 with a clear error, non-zero, within the bound; a host that never
 joins ends the other within `--distributed-timeout-seconds` (`make test-full`).
 """
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -31,6 +32,10 @@ from tests.plugin_shim.multihost_launch import (
     metric,
     start_host,
     wait_healthy,
+)
+from tests.plugin_shim.predictive_drafters import (
+    save_damped_deepseek_with_mtp_layer,
+    save_damped_llama_with_eagle3_head,
 )
 from tests.tiny_models import save_damped_tiny_llama, save_tiny_llama
 
@@ -48,6 +53,8 @@ KV = dict(block_size=16, num_gpu_blocks_override=8)
 SPECULATION = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 2},
+    "mtp": {"method": "mtp", "num_speculative_tokens": 2},
 }
 SPECULATED_TOKENS = 24  # enough for the looping model's text to repeat itself
 GREEDY = prompts([5, 13, 2], seed=3)
@@ -115,25 +122,44 @@ def looping_model(tmp_path_factory) -> str:
     return save_damped_tiny_llama(str(tmp_path_factory.mktemp("looping")), seed=2, scale=0.02)
 
 
-@pytest.fixture(params=["ngram", pytest.param("draft_model", marks=pytest.mark.full)])
+def _speculating_checkpoints(method: str, looping_model: str, tmp) -> tuple[str, dict, object]:
+    """The target, the speculative config's drafter options and the target's transformers
+    reference for `method`: the looping model (drafting for itself as the draft model), or a
+    damped target whose EAGLE-3 head or MTP layer drafts tokens it often keeps."""
+    if method == "eagle3":
+        target, head = save_damped_llama_with_eagle3_head(str(tmp / "target"), str(tmp / "head"), seed=5)
+        return target, {"model": head}, LlamaForCausalLM.from_pretrained(target, dtype=torch.float32)
+    if method == "mtp":
+        target = save_damped_deepseek_with_mtp_layer(str(tmp / "target"), seed=21)
+        hf = DeepseekV3ForCausalLM.from_pretrained(target, dtype=torch.float32, attn_implementation="eager")
+        return target, {}, hf
+    drafter = {} if method == "ngram" else {"model": looping_model}
+    return looping_model, drafter, LlamaForCausalLM.from_pretrained(looping_model, dtype=torch.float32)
+
+
+# `make test-full`: a drafter that runs on the global mesh (every host calls its programs in step)
+@pytest.fixture(
+    params=["ngram", *(pytest.param(m, marks=pytest.mark.full) for m in ("draft_model", "eagle3", "mtp"))]
+)
 def speculating_hosts(request, looping_model, tmp_path):
-    """Both hosts at TP=4 serving `looping_model` with drafts of `request.param`'s method (the
-    draft model: the target itself); a pair of its own, up only for its test."""
-    drafter = {} if request.param == "ngram" else {"model": looping_model}
+    """Both hosts at TP=4 serving a target with drafts of `request.param`'s method; a pair of
+    its own, up only for its test. Yields the method, host 0's port, the target and its
+    transformers reference."""
+    target, drafter, hf = _speculating_checkpoints(request.param, looping_model, tmp_path)
     spec = {**SPECULATION[request.param], **drafter}
     serve = [*SERVE, f"--speculative-config={json.dumps(spec)}"]
-    with _two_hosts(looping_model, serve, tmp_path) as (port, _, _):
-        yield request.param, port
+    with _two_hosts(target, serve, tmp_path) as (port, _, _):
+        yield request.param, port, target, hf.eval()
 
 
-def test_two_hosts_verify_drafts_to_the_tokens_of_no_speculation(speculating_hosts, looping_model):
+def test_two_hosts_verify_drafts_to_the_tokens_of_no_speculation(speculating_hosts):
     """Runs first, before the module's hosts start. Host 0's scheduler sends its worker's drafts
-    to both hosts in the step's inputs; both run the verification (and the draft model's
-    programs) on the global mesh. Greedy tokens: transformers', decoding without drafts."""
-    method, port = speculating_hosts
-    hf = LlamaForCausalLM.from_pretrained(looping_model, dtype=torch.float32).eval()
+    to both hosts in the step's inputs; both run the verification (and the drafter's programs:
+    draft model, EAGLE-3 head, MTP layer) on the global mesh. Greedy tokens: transformers',
+    decoding without drafts."""
+    method, port, target, hf = speculating_hosts
     for batch, new in ((GREEDY, SPECULATED_TOKENS), (CROWDED, CROWDED_TOKENS)):
-        assert completions(port, looping_model, batch, new) == [hf_greedy(hf, p, new) for p in batch]
+        assert completions(port, target, batch, new) == [hf_greedy(hf, p, new) for p in batch]
     drafted = metric(port, "vllm:spec_decode_num_draft_tokens_total")
     accepted = metric(port, "vllm:spec_decode_num_accepted_tokens_total")
     print(f"{method}: {accepted:.0f} of {drafted:.0f} drafts kept")
