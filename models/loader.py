@@ -25,6 +25,7 @@ from models import (
     int4,
 )
 from models.config import ModelConfig
+from models.expert_stacks import ExpertStacks
 from models.fp8 import FP8_DTYPE, is_fp8
 from models.int4 import INT4_DTYPE
 from models.int8 import checkpoint_scale
@@ -180,13 +181,15 @@ def g_indices(model: nnx.Module, path: str) -> dict[str, np.ndarray]:
 
 
 def _compile_param_map(hf_param_map: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
-    compiled = []
-    for hf, ours in hf_param_map.items():
-        pattern = re.escape(hf)
-        for key in ("i", "e"):
-            pattern = pattern.replace(re.escape(f"{{{key}}}"), rf"(?P<{key}>\d+)")
-        compiled.append((re.compile(pattern + "$"), ours))
-    return compiled
+    return [(re.compile(_hf_pattern(hf) + "$"), ours) for hf, ours in hf_param_map.items()]
+
+
+def _hf_pattern(hf: str) -> str:
+    """The regular expression of an HF name with `{i}` (layer) and `{e}` (expert) fields."""
+    pattern = re.escape(hf)
+    for key in ("i", "e"):
+        pattern = pattern.replace(re.escape(f"{{{key}}}"), rf"(?P<{key}>\d+)")
+    return pattern
 
 
 def parameter_name_lookup(model: nnx.Module) -> Callable[[str], str | None]:
@@ -233,40 +236,35 @@ def _our_name(hf: str, compiled: list[tuple[re.Pattern[str], str]]) -> tuple[str
     return None
 
 
-class _ExpertStacks:
-    """Host buffers of expert-stacked `[E, ...]` parameters, filled one expert tensor at a time;
-    each is handed over (and dropped here) as soon as its last expert arrives."""
+def _reads(
+    only: Callable[[str], bool] | None, model: nnx.Module, stacks: ExpertStacks
+) -> Callable[[str], bool] | None:
+    """The checkpoint tensors to read: those `only` accepts, less every tensor of an expert's
+    module (`...experts.{e}.down_proj.`: its weight and whatever a quantized format keeps beside
+    it, scales, zero points, packed values) that no device of this process holds (`stacks.holds`)."""
+    if stacks.local is None:
+        return only
+    rule, modules = model_name_rule(model), _expert_modules(type(model).hf_param_map)
 
-    def __init__(self) -> None:
-        self.buffers: dict[str, np.ndarray] = {}
-        self.experts: dict[str, set[int]] = {}
+    def read(hf: str) -> bool:
+        if only is not None and not only(hf):
+            return False
+        renamed = rule(hf)
+        for pattern, ours in modules if renamed is not None else ():
+            match = pattern.match(renamed)
+            if match:
+                ours = ours.replace("{i}", match["i"]) if "i" in match.groupdict() else ours
+                return stacks.holds(ours, int(match["e"]))
+        return True
 
-    def put(
-        self, ours: str, expert: int, value: np.ndarray, shape: tuple, dtype, hf: str
-    ) -> np.ndarray | None:
-        """Fills slot `expert` of `ours` (of `shape`); the whole stack once it is complete."""
-        if value.shape != shape[1:] or not 0 <= expert < shape[0]:
-            raise ValueError(
-                f"checkpoint tensor {hf!r} has shape {value.shape} for expert {expert}, "
-                f"expected {shape[1:]} for one of {shape[0]} experts"
-            )
-        if ours not in self.buffers:
-            self.buffers[ours] = np.zeros(shape, dtype)
-            self.experts[ours] = set()
-        self.buffers[ours][expert] = value.astype(dtype)
-        self.experts[ours].add(expert)
-        if len(self.experts[ours]) < shape[0]:
-            return None
-        del self.experts[ours]
-        return self.buffers.pop(ours)
+    return read
 
-    def held_bytes(self) -> int:
-        return sum(buffer.nbytes for buffer in self.buffers.values())
 
-    def check_complete(self, path: str) -> None:
-        for ours, array in self.buffers.items():
-            absent = sorted(set(range(array.shape[0])) - self.experts[ours])
-            raise ValueError(f"checkpoint {path!r} lacks experts {absent[:8]} of {ours!r}")
+def _expert_modules(hf_param_map: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
+    """The module prefix of each per-expert HF name (`...experts.{e}.down_proj.weight` ->
+    `...experts.{e}.down_proj.`), matching any tensor of that module, with our stack's path."""
+    modules = {hf.rsplit(".", 1)[0] + ".": ours for hf, ours in hf_param_map.items() if "{e}" in hf}
+    return [(re.compile(_hf_pattern(module)), ours) for module, ours in modules.items()]
 
 
 def int8_group_size(path: str) -> int | None:
@@ -362,7 +360,7 @@ def read_into(model: nnx.Module, path: str, **options: Any) -> None:
 
 
 def iter_parameters(
-    model: nnx.Module, path: str, stacks: _ExpertStacks | None = None, **options: Any
+    model: nnx.Module, path: str, stacks: ExpertStacks | None = None, **options: Any
 ) -> Iterator[tuple[str, np.ndarray]]:
     """`_iter_parameters`, its errors about a fused layer's parts naming the checkpoint's tensor."""
     try:
@@ -377,7 +375,7 @@ def iter_parameters(
 def _iter_parameters(
     model: nnx.Module,
     path: str,
-    stacks: _ExpertStacks | None = None,
+    stacks: ExpertStacks | None = None,
     *,
     int8: bool = False,
     int4_blocks: bool = False,
@@ -405,7 +403,7 @@ def _iter_parameters(
     """
     compiled = _compile_param_map(type(model).hf_param_map)
     units = fused_outputs.output_units(compressed_tensors.quantization_config(path))
-    tensors = model_tensors(model, iter_checkpoint(path, only=only), units)
+    gguf: dict[str, bool] = {}  # a GGUF's quantized blocks read as they are
 
     def our_name(hf: str) -> str | None:
         return (_our_name(hf, compiled) or (None,))[0]
@@ -418,24 +416,26 @@ def _iter_parameters(
         or awq_checkpoint.awq_layout(model, path, names, our_name)
     )
     if layout is not None:
-        compiled, tensors = _compile_param_map(layout.param_map), layout.tensors(tensors)
+        compiled = _compile_param_map(layout.param_map)
     elif int4_blocks and (q4 := gguf_q4_weights(path)):
         param_map = compressed_tensors.int8_kernels_for(
             model, q4, our_name, path, gguf_reader.Q4_BLOCK, int4.held_dtype(), offsets=True
         )
-        compiled = _compile_param_map(param_map)
-        tensors = model_tensors(model, iter_checkpoint(path, int4_q4=True))
+        compiled, gguf = _compile_param_map(param_map), {"int4_q4": True}
     elif int8 and (q8_0 := gguf_q8_0_weights(path)):
         param_map = compressed_tensors.int8_kernels_for(model, q8_0, our_name, path, gguf_reader.Q8_0_BLOCK)
-        compiled = _compile_param_map(param_map)
-        tensors = model_tensors(model, iter_checkpoint(path, int8_q8_0=True))
+        compiled, gguf = _compile_param_map(param_map), {"int8_q8_0": True}
+    stacks = ExpertStacks() if stacks is None else stacks
+    read = _reads(only, model, stacks)
+    tensors = model_tensors(model, iter_checkpoint(path, only=read, **gguf), None if gguf else units)
+    if layout is not None:
+        tensors = layout.tensors(tensors)
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     expected = {".".join(str(p) for p in key): var.get_value() for key, var in params.items()}
     tied = getattr(model.config, "tie_word_embeddings", False)
     # A model may leave tensors it does not serve unread (DeepSeek's multi-token-prediction layers).
     skipped = _skip_rule(model)
     filled: set[str] = set()
-    stacks = _ExpertStacks() if stacks is None else stacks
     for hf, array in tensors:
         found = _our_name(hf, compiled)
         if found is None or found[0] not in expected:

@@ -199,6 +199,16 @@ def parameter_sharding(
     return NamedSharding(mesh, spec)
 
 
+def addressable_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> frozenset[int] | None:
+    """The indices along the first axis of an array of `shape` placed with `sharding` that this
+    process's devices hold (an expert stack's experts, one host of several); None when they hold
+    every row."""
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows.update(range(*index[0].indices(shape[0])) if index else range(shape[0]))
+    return None if len(rows) == shape[0] else frozenset(rows)
+
+
 def state_shardings(state: nnx.State, mesh: Mesh, *, expert_parallel: bool = False):
     """A `NamedSharding` for every leaf of a model's `state` (same tree), for placing or
     restoring it onto `mesh`."""

@@ -40,7 +40,7 @@ from models.quantization import (
     quantize_int8,
     quantize_tied_head_int8,
 )
-from models.sharding import fused_layout, fused_parts
+from models.sharding import addressable_rows, fused_layout, fused_parts
 from models.weight_stream import HostBytes, served_abstract, stream_model
 
 FORMAT = "vllm-xla prepared weights"
@@ -204,15 +204,22 @@ def load_prepared(
 ) -> tuple[ModelConfig, nnx.Module]:
     """The model at `path` (safetensors or GGUF) prepared so, each tensor streamed from the
     checkpoint straight onto its sharding (`models.weight_stream`): quantized and packed on the
-    host on its way where the preparation does, and never the whole model on the host at once."""
+    host on its way where the preparation does, and never the whole model on the host at once.
+    An expert stack's experts that no device of this process holds (one host of several under
+    expert parallelism) are not read: their slots are zeros that `device_put` never sends."""
 
     def place(name: str, value: np.ndarray, served: nnx.Variable) -> jax.Array:
         value = preparation.served_value(value, served)
         return jax.device_put(value, _sharding(shardings, tuple(name.split(".")), value))
 
+    def local_experts(name: str, served: nnx.Variable) -> frozenset[int] | None:
+        value = served.get_value()
+        return addressable_rows(_sharding(shardings, tuple(name.split(".")), value), value.shape)
+
     return stream_model(
         path, jnp.dtype(preparation.dtype), tp_size=preparation.tp_size, prepare=preparation.apply,
         place=place, host_bytes=host_bytes,
+        local_experts=local_experts if jax.process_count() > 1 else None,  # one host holds them all
     )  # fmt: skip
 
 
