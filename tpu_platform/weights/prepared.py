@@ -210,7 +210,12 @@ def load_prepared(
 
     def place(name: str, value: np.ndarray, served: nnx.Variable) -> jax.Array:
         value = preparation.served_value(value, served)
-        return jax.device_put(value, _sharding(shardings, tuple(name.split(".")), value))
+        sharding = _sharding(shardings, tuple(name.split(".")), value)
+        if sharding.is_fully_addressable:
+            return jax.device_put(value, sharding)
+        # Each host its own shards: `device_put` would first check, across the hosts, that they
+        # hold the same whole value, which they do not (each read only its own experts).
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
     def local_experts(name: str, served: nnx.Variable) -> frozenset[int] | None:
         value = served.get_value()
