@@ -48,6 +48,7 @@ from models.loader import (
     keep_checkpoint_float_layers,
     prepare_for_serving,
 )
+from models.local_reads import Box
 from models.mxfp4 import zero_padded
 from models.registry import build
 from models.sharding import MODEL_AXIS, fuse_parts, fused_parts, parameter_sharding
@@ -59,6 +60,9 @@ Place = Callable[[str, np.ndarray, nnx.Variable], jax.Array]
 # (dotted path of a served expert-stacked `[E, ...]` parameter, its abstract served Variable) ->
 # the experts this process's devices hold of it (`models.sharding.addressable_rows`), None for all.
 LocalExperts = Callable[[str, nnx.Variable], Collection[int] | None]
+# (dotted path of a served parameter, its abstract served Variable) -> the box of it this
+# process's devices hold (`models.sharding.addressable_box`), None for all of it.
+LocalBox = Callable[[str, nnx.Variable], Box | None]
 
 
 @dataclasses.dataclass
@@ -111,6 +115,7 @@ def stream_model(
     place: Place | None = None,
     host_bytes: HostBytes | None = None,
     local_experts: LocalExperts | None = None,
+    local_box: LocalBox | None = None,
 ) -> tuple[ModelConfig, nnx.Module]:
     """The model at `path` prepared for serving at `tp_size` (default: `mesh`'s size, else 1),
     each weight streamed to its device(s) by `place` (default: `default_place(mesh)`).
@@ -121,7 +126,9 @@ def stream_model(
     `PackedKernel`, say). `host_bytes` records the most host bytes held at once.
     `local_experts` (a host of several under expert parallelism): the experts whose tensors are
     read, the others' left unread on disk and their slots zeros in what `place` receives (it
-    must then send each device only experts it names)."""
+    must then send each device only experts it names). `local_box` alike: the part of a split
+    weight this host's devices hold, read alone (a slice read) where the checkpoint's tensor is
+    the served parameter as it is (not fused, quantized, packed, padded or repeated here)."""
     config = ModelConfig.from_pretrained(path)
     if tp_size is None:
         tp_size = 1 if mesh is None else mesh.shape[MODEL_AXIS]
@@ -132,8 +139,9 @@ def stream_model(
     served = {".".join(map(str, key)): var for key, var in nnx.to_flat_state(abstract)}
     stacks = ExpertStacks(None if local_experts is None else _by_loaded_name(local_experts, served))
     placed = _stream(
-        model, config, path, served, tp_size, place or default_place(mesh), host_bytes or HostBytes(), stacks
-    )
+        model, config, path, served, tp_size, place or default_place(mesh), host_bytes or HostBytes(), stacks,
+        local_box,
+    )  # fmt: skip
     for name, var in served.items():
         var.set_value(placed[name])
     return config, nnx.merge(graphdef, abstract)
@@ -148,6 +156,7 @@ def _stream(
     place: Place,
     host_bytes: HostBytes,
     stacks: ExpertStacks,
+    local_box: LocalBox | None = None,
 ) -> dict[str, jax.Array]:
     """Every served parameter placed, from the checkpoint's tensors in their order."""
     part_of = {part: (name, i) for name in served for i, part in enumerate(fused_parts(name))}
@@ -173,8 +182,11 @@ def _stream(
         return parts + stacks.held_bytes() + sum(s.nbytes for s in scales.values())
 
     offsets = {name for name in served if name.endswith(".kernel_offset")}
-    loaded = iter_parameters(model, path, stacks, int8=bool(quantized), int4_blocks=bool(offsets))
     offsets |= {part for name in offsets for part in fused_parts(name)}
+    made_here = set(part_of) | set(quantized) | set(padded) | set(head_copies) | halved | offsets
+    parts = None if local_box is None else _as_stored(local_box, model, served, made_here)
+    int8, int4_blocks = bool(quantized), bool(offsets)
+    loaded = iter_parameters(model, path, stacks, int8=int8, int4_blocks=int4_blocks, parts=parts)
     for ours, value in _with_scales(loaded, quantized, offsets):
         if ours in part_of:
             name, index = part_of[ours]
@@ -224,6 +236,25 @@ def _by_loaded_name(
         return local_experts(name, served[name]) if name in served else None
 
     return local
+
+
+def _as_stored(
+    local_box: LocalBox, model: nnx.Module, served: dict[str, nnx.Variable], made_here: set[str]
+) -> Callable[[str], Box | None]:
+    """`local_box` by a loaded parameter's path, for those served as they are loaded (same
+    shape, no packing, no expert stack, none `made_here`: fused, quantized, padded or copied);
+    None (read whole) for the others."""
+    loaded = {".".join(map(str, key)): var for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+    def part(ours: str) -> Box | None:
+        var = served.get(ours)
+        if var is None or ours in made_here or ".experts." in f".{ours}" or isinstance(var, PackedKernel):
+            return None
+        if tuple(var.get_value().shape) != tuple(loaded[ours].get_value().shape):
+            return None  # KV heads repeated for the mesh
+        return local_box(ours, var)
+
+    return part
 
 
 def _padded_parameters(model: nnx.Module, served: dict[str, nnx.Variable]) -> dict[str, tuple[int, ...]]:

@@ -40,7 +40,7 @@ from models.quantization import (
     quantize_int8,
     quantize_tied_head_int8,
 )
-from models.sharding import addressable_rows, fused_layout, fused_parts
+from models.sharding import addressable_box, addressable_rows, fused_layout, fused_parts
 from models.weight_stream import HostBytes, served_abstract, stream_model
 
 FORMAT = "vllm-xla prepared weights"
@@ -205,8 +205,9 @@ def load_prepared(
     """The model at `path` (safetensors or GGUF) prepared so, each tensor streamed from the
     checkpoint straight onto its sharding (`models.weight_stream`): quantized and packed on the
     host on its way where the preparation does, and never the whole model on the host at once.
-    An expert stack's experts that no device of this process holds (one host of several under
-    expert parallelism) are not read: their slots are zeros that `device_put` never sends."""
+    One host of several reads only what its devices hold: an expert stack's own experts (under
+    expert parallelism) and a split weight's own box (`models.weight_stream.stream_model`); the
+    rest is zeros that no device receives."""
 
     def place(name: str, value: np.ndarray, served: nnx.Variable) -> jax.Array:
         value = preparation.served_value(value, served)
@@ -217,14 +218,18 @@ def load_prepared(
         # hold the same whole value, which they do not (each read only its own experts).
         return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
-    def local_experts(name: str, served: nnx.Variable) -> frozenset[int] | None:
-        value = served.get_value()
-        return addressable_rows(_sharding(shardings, tuple(name.split(".")), value), value.shape)
+    def local(held: Callable) -> Callable[[str, nnx.Variable], Any]:
+        def of(name: str, served: nnx.Variable) -> Any:
+            value = served.get_value()
+            return held(_sharding(shardings, tuple(name.split(".")), value), value.shape)
 
+        return of
+
+    hosts = jax.process_count() > 1  # one host holds every weight whole: it reads them whole
     return stream_model(
         path, jnp.dtype(preparation.dtype), tp_size=preparation.tp_size, prepare=preparation.apply,
-        place=place, host_bytes=host_bytes,
-        local_experts=local_experts if jax.process_count() > 1 else None,  # one host holds them all
+        place=place, host_bytes=host_bytes, local_experts=local(addressable_rows) if hosts else None,
+        local_box=local(addressable_box) if hosts else None,
     )  # fmt: skip
 
 

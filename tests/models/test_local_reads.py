@@ -6,7 +6,10 @@ every other tensor whole and, of the experts, only 2-5's weights and their scale
 `weight_scale_inv`, AWQ's `qzeros` and `scales`), counted from outside the loader
 (`counted_reads`). Those experts' slots hold what the whole read gives, the others zeros. The
 two-host proof (host 0 reads experts 0-3, host 1 4-7, transformers' tokens) is
-`tests/tpu_platform/test_expert_parallel_hosts.py`."""
+`tests/tpu_platform/test_expert_parallel_hosts.py`. A weight split across hosts alike: with
+`local_box` naming half of each matrix, a tensor that is its parameter as it is (o_proj,
+down_proj, the embedding, the head, the router) is read in half (a slice read), the fused and
+the expert ones whole, and that half holds what the whole read gives."""
 
 from __future__ import annotations
 
@@ -47,27 +50,27 @@ def _checkpoint(kind: str, source: str, tmp_path) -> str:
 
 
 def _streamed(
-    path: str, quantization: str, local: frozenset[int] | None
+    path: str, quantization: str, local: frozenset[int] | None, local_box=None
 ) -> tuple[dict[str, int], dict[str, np.ndarray]]:
-    """The bytes read of each tensor, and the expert stacks, of `path` streamed as the runner
-    prepares it (`quantization`), on one device."""
+    """The bytes read of each tensor, and every array, of `path` streamed as the runner prepares
+    it (`quantization`), on one device."""
     preparation = Preparation("float32", quantization=quantization)
     place = lambda name, value, served: jax.device_put(preparation.served_value(value, served))  # noqa: E731
     held = None if local is None else (lambda name, served: local)
     with counting_reads() as read:
-        _, model = stream_model(path, prepare=preparation.apply, place=place, local_experts=held)
-    stacks = _expert_arrays(model)
-    return read, stacks
+        _, model = stream_model(
+            path, prepare=preparation.apply, place=place, local_experts=held, local_box=local_box
+        )
+    return read, _arrays(model)
 
 
-def _expert_arrays(model) -> dict[str, np.ndarray]:
+def _arrays(model, experts: bool = True) -> dict[str, np.ndarray]:
     from flax import nnx
 
     flat = nnx.to_flat_state(nnx.state(model))
+    names = {".".join(map(str, key)): var for key, var in flat}
     return {
-        ".".join(map(str, key)): np.asarray(var.get_value())
-        for key, var in flat
-        if ".experts." in "." + ".".join(map(str, key)) + "."
+        name: np.asarray(var.get_value()) for name, var in names.items() if (".experts." in name) == experts
     }
 
 
@@ -106,3 +109,28 @@ def test_addressable_rows_on_one_host_are_all_of_them():
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model"))
     assert addressable_rows(sharding, (8, 4, 4)) is None
     assert addressable_rows(jax.sharding.SingleDeviceSharding(jax.devices()[0]), (8, 4)) is None
+
+
+def _first_half_of_columns(name: str, served) -> tuple[slice, ...] | None:
+    shape = served.get_value().shape
+    return (slice(None), slice(0, shape[1] // 2)) if len(shape) == 2 else None
+
+
+def test_a_host_reads_only_its_box_of_a_split_weight(source):
+    sizes = tensor_bytes(source)
+    read, _ = _streamed(source, "none", None, local_box=_first_half_of_columns)
+    halved = {name for name, size in read.items() if size != sizes[name]}
+    assert read.keys() == sizes.keys() and all(2 * read[name] == sizes[name] for name in halved)
+    layers = range(3)  # 0 and 2 MoE, 1 dense
+    assert halved == {
+        "model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.down_proj.weight",
+        *(f"model.layers.{i}.self_attn.o_proj.weight" for i in layers),
+        "model.layers.0.mlp.gate.weight", "model.layers.2.mlp.gate.weight",  # the routers
+    }  # fmt: skip
+    # the box holds the whole read's values (the rest zeros, which no device receives here)
+    _, whole = stream_model(source)
+    _, part = stream_model(source, local_box=_first_half_of_columns)
+    want, got = _arrays(whole, experts=False), _arrays(part, experts=False)
+    for name in want:
+        half = (slice(None), slice(0, want[name].shape[1] // 2)) if want[name].ndim == 2 else ...
+        np.testing.assert_array_equal(got[name][half], want[name][half], err_msg=name)
