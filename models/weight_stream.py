@@ -242,13 +242,15 @@ def _as_stored(
     local_box: LocalBox, model: nnx.Module, served: dict[str, nnx.Variable], made_here: set[str]
 ) -> Callable[[str], Box | None]:
     """`local_box` by a loaded parameter's path, for those served as they are loaded (same
-    shape, no packing, no expert stack, none `made_here`: fused, quantized, padded or copied);
-    None (read whole) for the others."""
+    shape, no packing, none `made_here`: fused, quantized, padded or copied); None (read whole)
+    for the others. A checkpoint's stacked `[E, ...]` experts are such parameters (their box, by
+    expert under expert parallelism); per-expert tensors are skipped whole instead
+    (`local_experts`)."""
     loaded = {".".join(map(str, key)): var for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
     def part(ours: str) -> Box | None:
         var = served.get(ours)
-        if var is None or ours in made_here or ".experts." in f".{ours}" or isinstance(var, PackedKernel):
+        if var is None or ours in made_here or isinstance(var, PackedKernel):
             return None
         if tuple(var.get_value().shape) != tuple(loaded[ours].get_value().shape):
             return None  # KV heads repeated for the mesh

@@ -134,3 +134,27 @@ def test_a_host_reads_only_its_box_of_a_split_weight(source):
     for name in want:
         half = (slice(None), slice(0, want[name].shape[1] // 2)) if want[name].ndim == 2 else ...
         np.testing.assert_array_equal(got[name][half], want[name][half], err_msg=name)
+
+
+def _experts_two_to_five(name: str, served) -> tuple[slice, ...] | None:
+    return (slice(2, 6),) if ".experts." in name else None
+
+
+@pytest.mark.parametrize("kind", ["mxfp4", pytest.param("dequantized", marks=pytest.mark.full)])
+def test_a_host_reads_only_its_experts_of_stacked_expert_tensors(kind, tmp_path):
+    """GPT-OSS keeps its experts stacked (`[E, ...]` tensors: mxfp4 blocks and their scales, or
+    float): a host holding experts 2-5 reads those rows of each (slice reads), blocks and scales
+    alike, and they hold what the whole read gives."""
+    from tests.models.mxfp4_checkpoint import save_tiny_gpt_oss_mxfp4
+
+    paths = dict(zip(("mxfp4", "dequantized"), save_tiny_gpt_oss_mxfp4(str(tmp_path), seed=3), strict=True))
+    path = paths[kind]
+    sizes = tensor_bytes(path)
+    read, part = _streamed(path, "none", None, local_box=_experts_two_to_five)
+    _, whole = _streamed(path, "none", None)
+    stacked = {name for name in sizes if ".experts." in name}
+    assert stacked and read == {n: s // 2 if n in stacked else s for n, s in sizes.items()}
+    assert part.keys() == whole.keys()
+    for name, stack in whole.items():
+        np.testing.assert_array_equal(part[name][2:6], stack[2:6], err_msg=name)
+        assert not part[name][:2].any() and not part[name][6:].any(), name
