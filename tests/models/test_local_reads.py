@@ -2,14 +2,15 @@
 """A host that holds only some experts (one of several under expert parallelism: the runner's
 `load_prepared` asks the shardings which, `models.sharding.addressable_rows`) reads only those
 experts' tensors: a tiny Qwen3-MoE streamed with `local_experts` naming experts 2-5 of 8 reads
-every other tensor whole and, of the experts, only 2-5's weights and their scales (fp8 blocks'
-`weight_scale_inv`, AWQ's `qzeros` and `scales`), counted from outside the loader
+every other tensor whole and, of the experts, only 2-5's weights and their scales (fp8's
+`weight_scale`, AWQ's `qzeros` and `scales`), counted from outside the loader
 (`counted_reads`). Those experts' slots hold what the whole read gives, the others zeros. The
 two-host proof (host 0 reads experts 0-3, host 1 4-7, transformers' tokens) is
 `tests/tpu_platform/test_expert_parallel_hosts.py`. A weight split across hosts alike: with
 `local_box` naming half of each matrix, a tensor that is its parameter as it is (o_proj,
-down_proj, the embedding, the head, the router) is read in half (a slice read), the fused and
-the expert ones whole, and that half holds what the whole read gives."""
+down_proj, the embedding, the head, the routers) is read in half (a slice read), the fused ones
+and the per-expert ones whole, and that half holds what the whole read gives; GPT-OSS's stacked
+`[E, ...]` experts (mxfp4 blocks and scales, or float) are read in their local experts' rows."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def _arrays(model, experts: bool = True) -> dict[str, np.ndarray]:
 
 # float as it is and quantized to int8 on the host as it is read; fp8 and AWQ as they ship. AWQ's
 # expert modules hold three tensors each (values, zero points, scales); the other two take the
-# same skip (`models.loader._reads`) and are `make test-full`'s.
+# same skip (`models.local_reads.expert_reads`) and are `make test-full`'s.
 _KINDS = [
     "float",
     pytest.param("int8_at_load", marks=pytest.mark.full),
