@@ -25,10 +25,13 @@ from models import (
     int4,
 )
 from models.config import ModelConfig
+from models.expert_stacks import ExpertStacks
 from models.fp8 import FP8_DTYPE, is_fp8
 from models.int4 import INT4_DTYPE
 from models.int8 import checkpoint_scale
 from models.linear import keep_float_layers
+from models.local_reads import Box, expert_reads, part_reader, read_box
+from models.param_names import compile_param_map, our_name
 from models.registry import build
 from models.serving_passes import fuse_projections, repeat_kv_heads_for_mesh
 from models.sharding import kv_heads_on_mesh
@@ -69,12 +72,18 @@ def checkpoint_names(path: str, only: Callable[[str], bool] | None = None) -> li
 
 
 def iter_checkpoint(
-    path: str, *, int8_q8_0: bool = False, int4_q4: bool = False, only: Callable[[str], bool] | None = None
+    path: str,
+    *,
+    int8_q8_0: bool = False,
+    int4_q4: bool = False,
+    only: Callable[[str], bool] | None = None,
+    part: Callable[[str], Box | None] | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(hf_name, host array)` over every tensor of the model at `path` (`int8_q8_0`: a
     GGUF's Q8_0 linear weights as int8 weights and scales; `int4_q4`: an all-4-bit GGUF's
     projections as int4 values, scales and offsets: `gguf_reader.iter_hf_tensors`); `only`: the
-    safetensors tensors it accepts, the others left unread."""
+    safetensors tensors it accepts, the others left unread; `part`: the box of a safetensors
+    tensor to read (None: all of it), the rest of its array zeros, never read."""
     for file in checkpoint_files(path):
         if file.endswith(".gguf"):
             yield from gguf_reader.iter_hf_tensors(file, int8_q8_0=int8_q8_0, int4_q4=int4_q4)
@@ -85,8 +94,11 @@ def iter_checkpoint(
             for name in f.keys():
                 if only is not None and not only(name):
                     continue
+                box = None if part is None else part(name)
                 if f.get_slice(name).get_dtype() == _FP8_SAFETENSORS_DTYPE:
                     yield name, _fp8_tensor(file, name)
+                elif box is not None:
+                    yield name, read_box(f, name, box)
                 else:
                     yield name, f.get_tensor(name)
 
@@ -143,6 +155,12 @@ def _skip_rule(model: nnx.Module) -> Callable[[str], bool]:
     return getattr(model, "skips_checkpoint_tensor", lambda name: False)
 
 
+def _reads_as_stored(model: nnx.Module) -> bool:
+    """Whether `model` reads each checkpoint tensor under one name as it is stored: it neither
+    splits (`checkpoint_tensors`: Llama 4's stacked experts) nor cuts (`fused_outputs`) any."""
+    return not _fused_layers(model) and not hasattr(model, "checkpoint_tensors")
+
+
 def _fused_layers(model: nnx.Module) -> tuple[fused_outputs.FusedOutputs, ...]:
     """The checkpoint layers `model` reads as several projections (Qwen3.5's `in_proj_qkv`)."""
     return tuple(getattr(model, "fused_outputs", ()))
@@ -179,25 +197,15 @@ def g_indices(model: nnx.Module, path: str) -> dict[str, np.ndarray]:
     }
 
 
-def _compile_param_map(hf_param_map: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
-    compiled = []
-    for hf, ours in hf_param_map.items():
-        pattern = re.escape(hf)
-        for key in ("i", "e"):
-            pattern = pattern.replace(re.escape(f"{{{key}}}"), rf"(?P<{key}>\d+)")
-        compiled.append((re.compile(pattern + "$"), ours))
-    return compiled
-
-
 def parameter_name_lookup(model: nnx.Module) -> Callable[[str], str | None]:
     """The parameter path of `model` (with `{i}` filled; an expert's tensor names its stack) that
     a checkpoint tensor's HF name (as the checkpoint holds it: `model_name_rule` applied here)
     loads into, None for a name the model does not read."""
-    compiled, rule = _compile_param_map(type(model).hf_param_map), model_name_rule(model)
+    compiled, rule = compile_param_map(type(model).hf_param_map), model_name_rule(model)
 
     def lookup(hf: str) -> str | None:
         renamed = rule(hf)
-        return None if renamed is None else (_our_name(renamed, compiled) or (None,))[0]
+        return None if renamed is None else (our_name(renamed, compiled) or (None,))[0]
 
     return lookup
 
@@ -207,7 +215,7 @@ def parameter_names_lookup(model: nnx.Module) -> Callable[[str], list[str]]:
     layer's (`fused_outputs`, Qwen3.5's `in_proj_qkv`) its parts' paths; [] for a name the
     model does not read (or one of whose parts it does not)."""
     compiled, rule, layers = (
-        _compile_param_map(type(model).hf_param_map),
+        compile_param_map(type(model).hf_param_map),
         model_name_rule(model),
         _fused_layers(model),
     )
@@ -215,58 +223,10 @@ def parameter_names_lookup(model: nnx.Module) -> Callable[[str], list[str]]:
     def lookup(hf: str) -> list[str]:
         renamed = rule(hf)
         parts = [] if renamed is None else list(fused_outputs.split_names([renamed], layers))
-        found = [(_our_name(part, compiled) or (None,))[0] for part in parts]
+        found = [(our_name(part, compiled) or (None,))[0] for part in parts]
         return [] if None in found else found
 
     return lookup
-
-
-def _our_name(hf: str, compiled: list[tuple[re.Pattern[str], str]]) -> tuple[str, int | None] | None:
-    """Our parameter path for `hf`, and the expert slot it fills (None: the whole parameter)."""
-    for pattern, ours in compiled:
-        match = pattern.match(hf)
-        if match:
-            groups = match.groupdict()
-            if "i" in groups:
-                ours = ours.replace("{i}", groups["i"])
-            return ours, int(groups["e"]) if "e" in groups else None
-    return None
-
-
-class _ExpertStacks:
-    """Host buffers of expert-stacked `[E, ...]` parameters, filled one expert tensor at a time;
-    each is handed over (and dropped here) as soon as its last expert arrives."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[str, np.ndarray] = {}
-        self.experts: dict[str, set[int]] = {}
-
-    def put(
-        self, ours: str, expert: int, value: np.ndarray, shape: tuple, dtype, hf: str
-    ) -> np.ndarray | None:
-        """Fills slot `expert` of `ours` (of `shape`); the whole stack once it is complete."""
-        if value.shape != shape[1:] or not 0 <= expert < shape[0]:
-            raise ValueError(
-                f"checkpoint tensor {hf!r} has shape {value.shape} for expert {expert}, "
-                f"expected {shape[1:]} for one of {shape[0]} experts"
-            )
-        if ours not in self.buffers:
-            self.buffers[ours] = np.zeros(shape, dtype)
-            self.experts[ours] = set()
-        self.buffers[ours][expert] = value.astype(dtype)
-        self.experts[ours].add(expert)
-        if len(self.experts[ours]) < shape[0]:
-            return None
-        del self.experts[ours]
-        return self.buffers.pop(ours)
-
-    def held_bytes(self) -> int:
-        return sum(buffer.nbytes for buffer in self.buffers.values())
-
-    def check_complete(self, path: str) -> None:
-        for ours, array in self.buffers.items():
-            absent = sorted(set(range(array.shape[0])) - self.experts[ours])
-            raise ValueError(f"checkpoint {path!r} lacks experts {absent[:8]} of {ours!r}")
 
 
 def int8_group_size(path: str) -> int | None:
@@ -362,7 +322,7 @@ def read_into(model: nnx.Module, path: str, **options: Any) -> None:
 
 
 def iter_parameters(
-    model: nnx.Module, path: str, stacks: _ExpertStacks | None = None, **options: Any
+    model: nnx.Module, path: str, stacks: ExpertStacks | None = None, **options: Any
 ) -> Iterator[tuple[str, np.ndarray]]:
     """`_iter_parameters`, its errors about a fused layer's parts naming the checkpoint's tensor."""
     try:
@@ -377,11 +337,12 @@ def iter_parameters(
 def _iter_parameters(
     model: nnx.Module,
     path: str,
-    stacks: _ExpertStacks | None = None,
+    stacks: ExpertStacks | None = None,
     *,
     int8: bool = False,
     int4_blocks: bool = False,
     only: Callable[[str], bool] | None = None,
+    parts: Callable[[str], Box | None] | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(our dotted parameter path, host value)` for every parameter of `model` (built,
     unprepared: its values are read for their shapes and dtypes only) from the checkpoint at
@@ -402,42 +363,51 @@ def _iter_parameters(
     `int4_blocks` (the model is served with affine int4 weights): an all-4-bit GGUF's
     projections load as int4 kernels with a scale and an offset per such block. `only`: the
     checkpoint tensors to read (a part of a checkpoint: the others are neither read nor matched).
+    `parts` (a host of several): the box of a whole parameter (by our path, in our orientation)
+    that this process's devices hold, read alone where the tensor is the parameter as it is
+    (`models.local_reads.part_reader`); the rest of the value is zeros, which must reach no device.
     """
-    compiled = _compile_param_map(type(model).hf_param_map)
+    compiled = compile_param_map(type(model).hf_param_map)
     units = fused_outputs.output_units(compressed_tensors.quantization_config(path))
-    tensors = model_tensors(model, iter_checkpoint(path, only=only), units)
+    gguf: dict[str, bool] = {}  # a GGUF's quantized blocks read as they are
 
-    def our_name(hf: str) -> str | None:
-        return (_our_name(hf, compiled) or (None,))[0]
+    def ours_of(hf: str) -> str | None:
+        return (our_name(hf, compiled) or (None,))[0]
 
     names = lambda: model_names(model, checkpoint_names(path, only))  # noqa: E731
     layout = (
-        compressed_tensors.int8_layout(model, path, names, our_name)
-        or fp8_checkpoint.fp8_layout(model, path, names, our_name)
-        or gptq_checkpoint.gptq_layout(model, path, names, our_name, lambda: g_indices(model, path))
-        or awq_checkpoint.awq_layout(model, path, names, our_name)
+        compressed_tensors.int8_layout(model, path, names, ours_of)
+        or fp8_checkpoint.fp8_layout(model, path, names, ours_of)
+        or gptq_checkpoint.gptq_layout(model, path, names, ours_of, lambda: g_indices(model, path))
+        or awq_checkpoint.awq_layout(model, path, names, ours_of)
     )
     if layout is not None:
-        compiled, tensors = _compile_param_map(layout.param_map), layout.tensors(tensors)
+        compiled = compile_param_map(layout.param_map)
     elif int4_blocks and (q4 := gguf_q4_weights(path)):
         param_map = compressed_tensors.int8_kernels_for(
-            model, q4, our_name, path, gguf_reader.Q4_BLOCK, int4.held_dtype(), offsets=True
+            model, q4, ours_of, path, gguf_reader.Q4_BLOCK, int4.held_dtype(), offsets=True
         )
-        compiled = _compile_param_map(param_map)
-        tensors = model_tensors(model, iter_checkpoint(path, int4_q4=True))
+        compiled, gguf = compile_param_map(param_map), {"int4_q4": True}
     elif int8 and (q8_0 := gguf_q8_0_weights(path)):
-        param_map = compressed_tensors.int8_kernels_for(model, q8_0, our_name, path, gguf_reader.Q8_0_BLOCK)
-        compiled = _compile_param_map(param_map)
-        tensors = model_tensors(model, iter_checkpoint(path, int8_q8_0=True))
+        param_map = compressed_tensors.int8_kernels_for(model, q8_0, ours_of, path, gguf_reader.Q8_0_BLOCK)
+        compiled, gguf = compile_param_map(param_map), {"int8_q8_0": True}
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     expected = {".".join(str(p) for p in key): var.get_value() for key, var in params.items()}
+    stacks = ExpertStacks() if stacks is None else stacks
+    rule = model_name_rule(model)
+    read = expert_reads(only, rule, type(model).hf_param_map, stacks)
+    as_stored = layout is None and not gguf and _reads_as_stored(model)  # a float tensor as it is
+    part = part_reader(rule, compiled, expected, parts) if as_stored else None
+    reading = iter_checkpoint(path, only=read, part=part, **gguf)
+    tensors = model_tensors(model, reading, None if gguf else units)
+    if layout is not None:
+        tensors = layout.tensors(tensors)
     tied = getattr(model.config, "tie_word_embeddings", False)
     # A model may leave tensors it does not serve unread (DeepSeek's multi-token-prediction layers).
     skipped = _skip_rule(model)
     filled: set[str] = set()
-    stacks = _ExpertStacks() if stacks is None else stacks
     for hf, array in tensors:
-        found = _our_name(hf, compiled)
+        found = our_name(hf, compiled)
         if found is None or found[0] not in expected:
             if any(p.match(hf) for p in _IGNORED) or (tied and hf == "lm_head.weight") or skipped(hf):
                 continue
@@ -480,9 +450,9 @@ def give_input_orders(model: nnx.Module, path: str) -> None:
     """Gives the layers a GPTQ checkpoint with activation order at `path` reorders their input
     orders (`models.gptq_checkpoint.give_input_orders`), before a served structure is derived
     from `model`; nothing for any other checkpoint."""
-    compiled = _compile_param_map(type(model).hf_param_map)
+    compiled = compile_param_map(type(model).hf_param_map)
     gptq_checkpoint.give_input_orders(
-        model, path, lambda hf: (_our_name(hf, compiled) or (None,))[0], lambda: g_indices(model, path)
+        model, path, lambda hf: (our_name(hf, compiled) or (None,))[0], lambda: g_indices(model, path)
     )
 
 
@@ -495,11 +465,11 @@ def keep_checkpoint_float_layers(model: nnx.Module, path: str) -> list[str]:
     if checkpoint_values(path) is None:
         return []
     names = set(model_names(model, checkpoint_names(path)))
-    compiled = _compile_param_map(type(model).hf_param_map)
+    compiled = compile_param_map(type(model).hf_param_map)
     modules = {".".join(map(str, p)): m for p, m in nnx.iter_modules(model)}
     scaled: dict[str, set[bool]] = {}
     for hf in names:
-        ours = (_our_name(hf, compiled) or (None,))[0] if hf.endswith(".weight") else None
+        ours = (our_name(hf, compiled) or (None,))[0] if hf.endswith(".weight") else None
         if ours is not None and ours.endswith(".kernel") and ours.removesuffix(".kernel") in modules:
             has_scale = any(f"{hf}{suffix}" in names for suffix in ("_scale", "_scale_inv"))
             scaled.setdefault(ours.removesuffix(".kernel"), set()).add(has_scale)

@@ -199,6 +199,33 @@ def parameter_sharding(
     return NamedSharding(mesh, spec)
 
 
+def addressable_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> frozenset[int] | None:
+    """The indices along the first axis of an array of `shape` placed with `sharding` that this
+    process's devices hold (an expert stack's experts, one host of several); None when they hold
+    every row."""
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows.update(range(*index[0].indices(shape[0])) if index else range(shape[0]))
+    return None if len(rows) == shape[0] else frozenset(rows)
+
+
+def addressable_box(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+    """The part of an array of `shape` placed with `sharding` that this process's devices hold,
+    as one slice an axis, when their shares tile exactly such a box smaller than the array (one
+    host's devices on one split axis); None otherwise (read it whole)."""
+    shares = {
+        tuple(index[axis].indices(size)[:2] for axis, size in enumerate(shape))
+        for index in sharding.addressable_devices_indices_map(shape).values()
+    }
+    if not shape or not shares:
+        return None
+    box = tuple((min(s[a][0] for s in shares), max(s[a][1] for s in shares)) for a in range(len(shape)))
+    volume = lambda ranges: int(np.prod([stop - start for start, stop in ranges]))  # noqa: E731
+    if volume(box) == int(np.prod(shape)) or sum(map(volume, shares)) != volume(box):
+        return None
+    return tuple(slice(start, stop) for start, stop in box)
+
+
 def state_shardings(state: nnx.State, mesh: Mesh, *, expert_parallel: bool = False):
     """A `NamedSharding` for every leaf of a model's `state` (same tree), for placing or
     restoring it onto `mesh`."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -39,15 +39,16 @@ from jax.sharding import Mesh
 
 from models import fp8, int4
 from models.config import ModelConfig
+from models.expert_stacks import ExpertStacks
 from models.int8 import group_size
 from models.linear import Int4Bases, PackedKernel, is_packed_int4, quantizer_for, unpacked_shape
 from models.loader import (
-    _ExpertStacks,
     give_input_orders,
     iter_parameters,
     keep_checkpoint_float_layers,
     prepare_for_serving,
 )
+from models.local_reads import Box
 from models.mxfp4 import zero_padded
 from models.registry import build
 from models.sharding import MODEL_AXIS, fuse_parts, fused_parts, parameter_sharding
@@ -56,6 +57,12 @@ from pallas_kernels.cpu import float16_scales
 # (dotted path of a served parameter, its host value, its abstract served Variable) -> the array
 # on its device(s).
 Place = Callable[[str, np.ndarray, nnx.Variable], jax.Array]
+# (dotted path of a served expert-stacked `[E, ...]` parameter, its abstract served Variable) ->
+# the experts this process's devices hold of it (`models.sharding.addressable_rows`), None for all.
+LocalExperts = Callable[[str, nnx.Variable], Collection[int] | None]
+# (dotted path of a served parameter, its abstract served Variable) -> the box of it this
+# process's devices hold (`models.sharding.addressable_box`), None for all of it.
+LocalBox = Callable[[str, nnx.Variable], Box | None]
 
 
 @dataclasses.dataclass
@@ -107,6 +114,8 @@ def stream_model(
     prepare: Callable[[nnx.Module], object] | None = None,
     place: Place | None = None,
     host_bytes: HostBytes | None = None,
+    local_experts: LocalExperts | None = None,
+    local_box: LocalBox | None = None,
 ) -> tuple[ModelConfig, nnx.Module]:
     """The model at `path` prepared for serving at `tp_size` (default: `mesh`'s size, else 1),
     each weight streamed to its device(s) by `place` (default: `default_place(mesh)`).
@@ -114,7 +123,12 @@ def stream_model(
     `prepare`: a further preparation of the served model (e.g. packing kernels), applied here to
     its abstract structure only; `place` then receives each parameter as `load_model` leaves it
     and returns it as that preparation has it (its abstract Variable says which: a
-    `PackedKernel`, say). `host_bytes` records the most host bytes held at once."""
+    `PackedKernel`, say). `host_bytes` records the most host bytes held at once.
+    `local_experts` (a host of several under expert parallelism): the experts whose tensors are
+    read, the others' left unread on disk and their slots zeros in what `place` receives (it
+    must then send each device only experts it names). `local_box` alike: the part of a split
+    weight this host's devices hold, read alone (a slice read) where the checkpoint's tensor is
+    the served parameter as it is (not fused, quantized, packed, padded or repeated here)."""
     config = ModelConfig.from_pretrained(path)
     if tp_size is None:
         tp_size = 1 if mesh is None else mesh.shape[MODEL_AXIS]
@@ -123,9 +137,11 @@ def stream_model(
     keep_checkpoint_float_layers(model, path)  # and the float layers of a quantized one
     graphdef, abstract = served_abstract(model, config, tp_size, prepare)
     served = {".".join(map(str, key)): var for key, var in nnx.to_flat_state(abstract)}
+    stacks = ExpertStacks(None if local_experts is None else _by_loaded_name(local_experts, served))
     placed = _stream(
-        model, config, path, served, tp_size, place or default_place(mesh), host_bytes or HostBytes()
-    )
+        model, config, path, served, tp_size, place or default_place(mesh), host_bytes or HostBytes(), stacks,
+        local_box,
+    )  # fmt: skip
     for name, var in served.items():
         var.set_value(placed[name])
     return config, nnx.merge(graphdef, abstract)
@@ -139,6 +155,8 @@ def _stream(
     tp_size: int,
     place: Place,
     host_bytes: HostBytes,
+    stacks: ExpertStacks,
+    local_box: LocalBox | None = None,
 ) -> dict[str, jax.Array]:
     """Every served parameter placed, from the checkpoint's tensors in their order."""
     part_of = {part: (name, i) for name in served for i, part in enumerate(fused_parts(name))}
@@ -153,7 +171,6 @@ def _stream(
     padded = _padded_parameters(model, served)
     heads = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim}
     pending: dict[str, list[np.ndarray | None]] = {}
-    stacks = _ExpertStacks()
     placed: dict[str, jax.Array] = {}
 
     # the scales of kernels served with float16 scales and bases, until their offsets come
@@ -165,8 +182,11 @@ def _stream(
         return parts + stacks.held_bytes() + sum(s.nbytes for s in scales.values())
 
     offsets = {name for name in served if name.endswith(".kernel_offset")}
-    loaded = iter_parameters(model, path, stacks, int8=bool(quantized), int4_blocks=bool(offsets))
     offsets |= {part for name in offsets for part in fused_parts(name)}
+    made_here = set(part_of) | set(quantized) | set(padded) | set(head_copies) | halved | offsets
+    parts = None if local_box is None else _as_stored(local_box, model, served, made_here)
+    int8, int4_blocks = bool(quantized), bool(offsets)
+    loaded = iter_parameters(model, path, stacks, int8=int8, int4_blocks=int4_blocks, parts=parts)
     for ours, value in _with_scales(loaded, quantized, offsets):
         if ours in part_of:
             name, index = part_of[ours]
@@ -202,6 +222,41 @@ def _stream(
             for name, copy in _with_scales([(head_copies[ours], value.T)], quantized, offsets):
                 placed[name] = place(name, copy, served[name])
     return placed
+
+
+def _by_loaded_name(
+    local_experts: LocalExperts, served: dict[str, nnx.Variable]
+) -> Callable[[str], Collection[int] | None]:
+    """`local_experts` by a loaded stack's path: a fused stack's parts (`fused_parts`) are split
+    by expert like the stack they make; a path served under no name of its own reads every expert."""
+    part_of = {part: name for name in served for part in fused_parts(name)}
+
+    def local(ours: str) -> Collection[int] | None:
+        name = part_of.get(ours, ours)
+        return local_experts(name, served[name]) if name in served else None
+
+    return local
+
+
+def _as_stored(
+    local_box: LocalBox, model: nnx.Module, served: dict[str, nnx.Variable], made_here: set[str]
+) -> Callable[[str], Box | None]:
+    """`local_box` by a loaded parameter's path, for those served as they are loaded (same
+    shape, no packing, none `made_here`: fused, quantized, padded or copied); None (read whole)
+    for the others. A checkpoint's stacked `[E, ...]` experts are such parameters (their box, by
+    expert under expert parallelism); per-expert tensors are skipped whole instead
+    (`local_experts`)."""
+    loaded = {".".join(map(str, key)): var for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+    def part(ours: str) -> Box | None:
+        var = served.get(ours)
+        if var is None or ours in made_here or isinstance(var, PackedKernel):
+            return None
+        if tuple(var.get_value().shape) != tuple(loaded[ours].get_value().shape):
+            return None  # KV heads repeated for the mesh
+        return local_box(ours, var)
+
+    return part
 
 
 def _padded_parameters(model: nnx.Module, served: dict[str, nnx.Variable]) -> dict[str, tuple[int, ...]]:

@@ -3,8 +3,9 @@
 collectives) serving one tiny MoE checkpoint with its experts split by index over the 4 devices
 of both (`test_expert_parallel_hosts.py`): the runner's placement (`weight_sharding` with
 `expert_parallel=True`, the layers told by `use_expert_parallel`) on the mesh the hosts build
-(`tensor_parallel_mesh`). Prints `REPORT {json}`: the greedy tokens of each prompt and, for each
-expert array, the expert indices this host's devices hold and each device's share's shape.
+(`tensor_parallel_mesh`). Prints `REPORT {json}`: the greedy tokens of each prompt, the bytes
+this host read of each checkpoint tensor (`tests.models.counted_reads`) and, for each expert
+array, the expert indices this host's devices hold and each device's share's shape.
 
 Usage: expert_parallel_hosts_worker.py RANK PORT MODEL_DIR NEW_TOKENS PROMPTS_JSON"""
 
@@ -35,6 +36,7 @@ def main(rank: int, port: int, model_dir: str, new_tokens: int, prompts: list[li
 
     from models import ModelConfig
     from models.moe import use_expert_parallel
+    from tests.models.counted_reads import counting_reads
     from tests.tpu_platform.tensor_parallel_weights_worker import arrays
     from tpu_platform.hosts import HostGroup, join_hosts
     from tpu_platform.mesh import tensor_parallel_mesh
@@ -43,8 +45,9 @@ def main(rank: int, port: int, model_dir: str, new_tokens: int, prompts: list[li
 
     join_hosts(HostGroup(f"127.0.0.1:{port}", 2, rank, timeout_seconds=60), "cpu")
     sharding = functools.partial(weight_sharding, tensor_parallel_mesh(4), expert_parallel=True)
-    _, model = load_prepared(model_dir, Preparation("float32", tp_size=4), sharding)
-    report = {"flagged": use_expert_parallel(model)}
+    with counting_reads() as read:
+        _, model = load_prepared(model_dir, Preparation("float32", tp_size=4), sharding)
+    report = {"flagged": use_expert_parallel(model), "read": read}
     config = ModelConfig.from_pretrained(model_dir)
     report["tokens"] = [greedy_across_hosts(model, config, prompt, new_tokens) for prompt in prompts]
     report["experts"] = {

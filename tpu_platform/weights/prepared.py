@@ -40,7 +40,7 @@ from models.quantization import (
     quantize_int8,
     quantize_tied_head_int8,
 )
-from models.sharding import fused_layout, fused_parts
+from models.sharding import addressable_box, addressable_rows, fused_layout, fused_parts
 from models.weight_stream import HostBytes, served_abstract, stream_model
 
 FORMAT = "vllm-xla prepared weights"
@@ -204,15 +204,32 @@ def load_prepared(
 ) -> tuple[ModelConfig, nnx.Module]:
     """The model at `path` (safetensors or GGUF) prepared so, each tensor streamed from the
     checkpoint straight onto its sharding (`models.weight_stream`): quantized and packed on the
-    host on its way where the preparation does, and never the whole model on the host at once."""
+    host on its way where the preparation does, and never the whole model on the host at once.
+    One host of several reads only what its devices hold: an expert stack's own experts (under
+    expert parallelism) and a split weight's own box (`models.weight_stream.stream_model`); the
+    rest is zeros that no device receives."""
 
     def place(name: str, value: np.ndarray, served: nnx.Variable) -> jax.Array:
         value = preparation.served_value(value, served)
-        return jax.device_put(value, _sharding(shardings, tuple(name.split(".")), value))
+        sharding = _sharding(shardings, tuple(name.split(".")), value)
+        if sharding.is_fully_addressable:
+            return jax.device_put(value, sharding)
+        # Each host its own shards: `device_put` would first check, across the hosts, that they
+        # hold the same whole value, which they do not (each read only its own experts).
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
+    def local(held: Callable) -> Callable[[str, nnx.Variable], Any]:
+        def of(name: str, served: nnx.Variable) -> Any:
+            value = served.get_value()
+            return held(_sharding(shardings, tuple(name.split(".")), value), value.shape)
+
+        return of
+
+    hosts = jax.process_count() > 1  # one host holds every weight whole: it reads them whole
     return stream_model(
         path, jnp.dtype(preparation.dtype), tp_size=preparation.tp_size, prepare=preparation.apply,
-        place=place, host_bytes=host_bytes,
+        place=place, host_bytes=host_bytes, local_experts=local(addressable_rows) if hosts else None,
+        local_box=local(addressable_box) if hosts else None,
     )  # fmt: skip
 
 
