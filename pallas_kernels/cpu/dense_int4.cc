@@ -37,7 +37,8 @@
 //   [K, 16] (u s + m - 8 s), the rows then on the float32 kernel's 6x16 register blocks.
 // - "avx512_bf16" (the default for bfloat16 x where the CPU has AVX-512 BF16): as "avx2" up to
 //   `kWidenAheadAbove` rows; above, each panel of a work item dequantized once to q s + m in
-//   bfloat16 and every row on the bfloat16 kernel's VDPBF16PS blocks (dense_int4_pairs.h): the
+//   bfloat16 by the first register block over it (which multiplies the pairs as it writes them)
+//   and the other rows on the bfloat16 kernel's VDPBF16PS blocks (dense_int4_pairs.h): the
 //   one error next to the float product is the weights' rounding to bfloat16 (at most 2^-8 of
 //   each |x w| term). Float32 x takes "avx2_float".
 // - "avx512_vnni" (the default for bfloat16 x where the CPU has AVX-512 VNNI and VBMI), up to

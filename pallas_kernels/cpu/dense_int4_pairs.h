@@ -109,7 +109,15 @@ VLLM_XLA_AVX512BF16 void WidenInt4Block(const Int4Panels<Scale>& p, const uint16
     }
     for (int64_t word = g * group_words; word < (g + 1) * group_words; ++word) {
       __m512i words[C];
-      for (int c = 0; c < C; ++c) words[c] = _mm512_loadu_si512(p.packed + c * words_apart + word * kInt4PanelCols);
+      for (int c = 0; c < C; ++c) {
+        words[c] = _mm512_loadu_si512(p.packed + c * words_apart + word * kInt4PanelCols);
+        // The same line of the next column group's panels into L2: the walk reaches them after this
+        // group's other row blocks, which interrupt the stream the hardware prefetcher follows. A
+        // prefetch past the weight's end does not fault.
+        _mm_prefetch(reinterpret_cast<const char*>(p.packed + (c + kBf16VectorBlocks) * words_apart +
+                                                   word * kInt4PanelCols),
+                     _MM_HINT_T1);
+      }
       uint16_t* out = to + word * 8 * kInt4PanelCols;
       const uint16_t* xk = x + word * 8;
       WidenPairAndMultiply<0>(words, s, base, xk, p.K, out, panel, acc);
