@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <new>
 
 #if defined(__x86_64__)
@@ -43,6 +44,21 @@ class AlignedPairs {
  private:
   uint16_t* data_;
 };
+
+// This thread's scratch of at least `values` bfloat16 values (contents undefined), kept from one
+// work item and call to the next: allocated afresh, an item's half megabyte of widened panels
+// came back from the allocator as pages handed back to the kernel, faulted in and zeroed on first
+// write, for every item of every call. Per thread, so the pool's threads never share one.
+inline uint16_t* ThreadPairs(int64_t values) {
+  thread_local std::unique_ptr<AlignedPairs> pairs;
+  thread_local int64_t capacity = 0;
+  if (values > capacity) {
+    pairs.reset();  // the old one first: the two need not fit at once
+    pairs = std::make_unique<AlignedPairs>(values);
+    capacity = values;
+  }
+  return pairs->data();
+}
 
 // y[0 : R, 0 : 16 C] (row stride `y_stride`) = x[0 : R, 0 : K] (bfloat16, row stride K) @ C
 // column panels [K/2, 16, 2] (bfloat16 pairs, `panel` uint16 values apart), accumulated over all

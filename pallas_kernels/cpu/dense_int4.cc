@@ -37,7 +37,8 @@
 //   [K, 16] (u s + m - 8 s), the rows then on the float32 kernel's 6x16 register blocks.
 // - "avx512_bf16" (the default for bfloat16 x where the CPU has AVX-512 BF16): as "avx2" up to
 //   `kWidenAheadAbove` rows; above, each panel of a work item dequantized once to q s + m in
-//   bfloat16 and every row on the bfloat16 kernel's VDPBF16PS blocks (dense_int4_pairs.h): the
+//   bfloat16 by the first register block over it (which multiplies the pairs as it writes them)
+//   and the other rows on the bfloat16 kernel's VDPBF16PS blocks (dense_int4_pairs.h): the
 //   one error next to the float product is the weights' rounding to bfloat16 (at most 2^-8 of
 //   each |x w| term). Float32 x takes "avx2_float".
 // - "avx512_vnni" (the default for bfloat16 x where the CPU has AVX-512 VNNI and VBMI), up to
@@ -235,6 +236,24 @@ bool ScalesFit(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset) {
           std::equal(sd.begin(), sd.end(), offset.dimensions().begin()));
 }
 
+#if defined(__x86_64__)
+// Runs an "avx512_vnni" path (`Problem`: `VnniInt4` on `FixedPointRows`, `VnniInt4Q8` on
+// `BlockInt8Rows`) with the scales as given: float16 bits read as they are, or float32.
+template <template <typename> class Problem, typename Rows>
+void RunVnni(const Rows& rows, const GroupScales& scales, const uint32_t* w, const float* x_sums, float* y, int64_t M,
+             int64_t K, int64_t N, int64_t group, int64_t max_blocks, ffi::ThreadPool& pool) {
+  if (scales.half_scale != nullptr) {
+    const Problem<uint16_t> problem{&rows, w, scales.half_scale, scales.half_offset, x_sums, y, M, K, N, group,
+                                    scales.scale_in_base};
+    vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
+    return;
+  }
+  const Problem<float> problem{&rows, w, scales.scale, scales.offset, x_sums, y, M, K, N, group,
+                               scales.scale_in_base};
+  vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
+}
+#endif
+
 ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> w, ffi::AnyBuffer scale,
                      ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y, int32_t isa, int32_t bases,
                      int32_t x_bits, int32_t layer) {
@@ -292,16 +311,8 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   if (run == kAvx512Vnni && OnePlane(x_bits, M)) {
     vllm_xla::BlockInt8Rows blocks;
     if (blocks.Quantize(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, group)) {
-      if (scales.half_scale != nullptr) {  // float16: read as they are
-        const vllm_xla::VnniInt4Q8<uint16_t> problem{&blocks, w_words, scales.half_scale, scales.half_offset,
-                                                     sums.data(), y->typed_data(), M, K, N, group,
-                                                     scales.scale_in_base};
-        vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
-      } else {
-        const vllm_xla::VnniInt4Q8<float> problem{&blocks, w_words, scales.scale, scales.offset, sums.data(),
-                                                  y->typed_data(), M, K, N, group, scales.scale_in_base};
-        vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
-      }
+      RunVnni<vllm_xla::VnniInt4Q8>(blocks, scales, w_words, sums.data(), y->typed_data(), M, K, N, group,
+                                    max_blocks, pool);
       return ffi::Error::Success();
     }  // a block of tiny values, or one not finite: the two planes below (or the float product)
   }
@@ -309,16 +320,8 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
     vllm_xla::FixedPointRows planes;
     if (planes.Quantize(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, K)) {
       const std::vector<float> scaled = SumsOverStep(rows, sums, M, K);
-      if (scales.half_scale != nullptr) {  // float16: read as they are
-        const vllm_xla::VnniInt4<uint16_t> problem{&planes, w_words, scales.half_scale, scales.half_offset,
-                                                   scaled.data(), y->typed_data(), M, K, N, group,
-                                                   scales.scale_in_base};
-        vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
-      } else {
-        const vllm_xla::VnniInt4<float> problem{&planes, w_words, scales.scale, scales.offset, scaled.data(),
-                                                y->typed_data(), M, K, N, group, scales.scale_in_base};
-        vllm_xla::RunOverColumnBlocks(problem, N / kCols, max_blocks, pool);
-      }
+      RunVnni<vllm_xla::VnniInt4>(planes, scales, w_words, scaled.data(), y->typed_data(), M, K, N, group,
+                                  max_blocks, pool);
       return ffi::Error::Success();
     }
     run = kAvx2;  // what the fixed point cannot hold: "avx2" leaves it to the float product

@@ -326,34 +326,53 @@ struct Avx2Int4 : Int4Problem {
   }
 };
 
-// Many rows of bfloat16 x on AVX-512 BF16: the item's panels dequantized once to bfloat16 pairs
-// (sized so that they stay in L2), then every row on the bfloat16 kernel's register blocks.
+// Many rows of bfloat16 x on AVX-512 BF16: each panel of the item dequantized once to bfloat16
+// pairs into the thread's scratch (the item sized so that they stay in L2) by the first register
+// block over its column group (`WidenInt4Block`, which multiplies them as it goes), then the other
+// rows on the bfloat16 kernel's register blocks over the pairs.
 struct Avx512Bf16Int4 : Int4Problem {
   const uint16_t* x_bits;       // [M, K] bfloat16
   const uint16_t* half_scale;   // float16 bits of the scales (then `scale` and `offset` are null), or null
   const uint16_t* half_offset;  // float16 bits of the offsets, or null
 
   void Run(const Item& item) const {
+    if (half_scale != nullptr) return RunWith(item, half_scale, half_offset);
+    RunWith(item, scale, offset);
+  }
+
+  template <typename Scale>
+  void RunWith(const Item& item, const Scale* scales, const Scale* offsets) const {
     const int64_t panel = K * kCols;
-    const vllm_xla::AlignedPairs pairs((item.end_block - item.first_block) * panel);
-    for (int64_t block = item.first_block; block < item.end_block; ++block) {
-      const int64_t column = block * kCols;
-      const uint32_t* packed = w + block * (K / kWordDepth) * kCols;
-      uint16_t* to = pairs.data() + (block - item.first_block) * panel;
-      if (half_scale != nullptr) {
-        vllm_xla::WidenInt4PanelToPairs(packed, K, group, half_scale + column,
-                                        half_offset != nullptr ? half_offset + column : nullptr, scale_in_base, N, to);
-      } else {
-        vllm_xla::WidenInt4PanelToPairs(packed, K, group, scale + column, offset != nullptr ? offset + column : nullptr,
-                                        scale_in_base, N, to);
-      }
-    }
+    uint16_t* pairs = vllm_xla::ThreadPairs((item.end_block - item.first_block) * panel);
+    int64_t widened_end = item.first_block;  // blocks before it are in `pairs`
     WalkRegisterBlocks(item, M, K * sizeof(uint16_t), vllm_xla::kBf16VectorRows, vllm_xla::kBf16VectorBlocks,
                        [&](int64_t row, int rows, int64_t block, int blocks) {
-                         const uint16_t* widened = pairs.data() + (block - item.first_block) * panel;
-                         vllm_xla::Bf16VectorBlockFor(rows, blocks)(x_bits + row * K, widened, panel, K,
-                                                                     y + row * N + block * kCols, N);
+                         if (block < widened_end) {
+                           return vllm_xla::Bf16VectorBlockFor(rows, blocks)(
+                               x_bits + row * K, pairs + (block - item.first_block) * panel, panel, K,
+                               y + row * N + block * kCols, N);
+                         }
+                         while (widened_end < block + blocks) {  // the first rows over these blocks
+                           const int widening = static_cast<int>(
+                               std::min<int64_t>(vllm_xla::kInt4WidenBlocks, block + blocks - widened_end));
+                           WidenAndMultiply<Scale>(widened_end, widening, row, rows, scales, offsets,
+                                                   pairs + (widened_end - item.first_block) * panel);
+                           widened_end += widening;
+                         }
                        });
+  }
+
+  // Rows [row, row + rows) times column blocks [block, block + blocks) (up to kInt4WidenBlocks),
+  // their panels widened into `to` on the way (`WidenInt4Block`).
+  template <typename Scale>
+  void WidenAndMultiply(int64_t block, int blocks, int64_t row, int rows, const Scale* scales, const Scale* offsets,
+                        uint16_t* to) const {
+    const int64_t column = block * kCols;
+    const vllm_xla::Int4Panels<Scale> panels{w + block * (K / kWordDepth) * kCols, scales + column,
+                                             offsets != nullptr ? offsets + column : nullptr, scale_in_base, N, K,
+                                             group};
+    vllm_xla::WidenInt4BlockFor<Scale>(rows, blocks)(panels, x_bits + row * K, to, K * kCols,
+                                                     y + row * N + column, N);
   }
 };
 #endif

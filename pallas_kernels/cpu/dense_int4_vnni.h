@@ -48,6 +48,27 @@ VLLM_XLA_INT8_VNNI inline __m512 LoadScales(const uint16_t* at) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
 
+// Walks a work item of `Problem` (`VnniInt4` or `VnniInt4Q8`) in its register blocks: one row, two
+// rows by up to `block_cols` (at most 2) column blocks, or up to 4 rows by one. `x_row_bytes`: a
+// row of x as the path holds it (`WalkRegisterBlocks`).
+template <typename Problem>
+void WalkVnniInt4Blocks(const Problem& problem, const Item& item, int64_t x_row_bytes, int block_cols) {
+  using BlockKernel = void (*)(const Problem&, int64_t, int64_t);
+  // [rows - 1][blocks - 1]
+  static constexpr BlockKernel kKernels[4][kInt4VnniMaxBlocks] = {
+      {&Problem::template Block<1, 1>, &Problem::template Block<1, 2>, &Problem::template Block<1, 3>,
+       &Problem::template Block<1, 4>},
+      {&Problem::template Block<2, 1>, &Problem::template Block<2, 2>, nullptr, nullptr},
+      {&Problem::template Block<3, 1>, nullptr, nullptr, nullptr},
+      {&Problem::template Block<4, 1>, nullptr, nullptr, nullptr},
+  };
+  const int block_rows = problem.M <= 2 ? static_cast<int>(problem.M) : 4;
+  WalkRegisterBlocks(item, problem.M, x_row_bytes, block_rows, block_cols,
+                     [&](int64_t row, int rows, int64_t block, int blocks) {
+                       kKernels[rows - 1][blocks - 1](problem, row, block);
+                     });
+}
+
 template <typename Scale>  // float, or uint16_t: float16 bits
 struct VnniInt4 {
   const FixedPointRows* rows;  // x's planes, one 32-bit word per 4 k
@@ -137,23 +158,7 @@ struct VnniInt4 {
     }
   }
 
-  using BlockKernel = void (*)(const VnniInt4&, int64_t, int64_t);
-  // [rows - 1][blocks - 1]: one row by up to 4 blocks, two rows by up to 2, or up to 4 rows by one.
-  static constexpr BlockKernel kKernels[4][kInt4VnniMaxBlocks] = {
-      {&Block<1, 1>, &Block<1, 2>, &Block<1, 3>, &Block<1, 4>},
-      {&Block<2, 1>, &Block<2, 2>, nullptr, nullptr},
-      {&Block<3, 1>, nullptr, nullptr, nullptr},
-      {&Block<4, 1>, nullptr, nullptr, nullptr},
-  };
-
-  void Run(const Item& item) const {
-    const int block_rows = M <= 2 ? static_cast<int>(M) : 4;
-    const int block_cols = M == 2 ? 2 : 1;
-    WalkRegisterBlocks(item, M, K * 2, block_rows, block_cols,
-                       [&](int64_t row, int rows, int64_t block, int blocks) {
-                         kKernels[rows - 1][blocks - 1](*this, row, block);
-                       });
-  }
+  void Run(const Item& item) const { WalkVnniInt4Blocks(*this, item, K * 2, M == 2 ? 2 : 1); }
 };
 
 // x in one signed byte plane per block of k (llama.cpp's Q8_1, which its Q4_1 dot products take):
@@ -298,22 +303,7 @@ struct VnniInt4Q8 {
       for (int c = 0; c < C; ++c) _mm512_storeu_ps(p.y + (row + r) * p.N + (block + c) * 16, total[r][c]);
   }
 
-  using BlockKernel = void (*)(const VnniInt4Q8&, int64_t, int64_t);
-  // As `VnniInt4`: one row by up to 4 blocks, two rows by up to 2, or up to 4 rows by one.
-  static constexpr BlockKernel kKernels[4][kInt4VnniMaxBlocks] = {
-      {&Block<1, 1>, &Block<1, 2>, &Block<1, 3>, &Block<1, 4>},
-      {&Block<2, 1>, &Block<2, 2>, nullptr, nullptr},
-      {&Block<3, 1>, nullptr, nullptr, nullptr},
-      {&Block<4, 1>, nullptr, nullptr, nullptr},
-  };
-
-  void Run(const Item& item) const {
-    const int block_rows = M <= 2 ? static_cast<int>(M) : 4;
-    const int block_cols = M == 1 ? 1 : 1;
-    WalkRegisterBlocks(item, M, K, block_rows, block_cols, [&](int64_t row, int rows, int64_t block, int blocks) {
-      kKernels[rows - 1][blocks - 1](*this, row, block);
-    });
-  }
+  void Run(const Item& item) const { WalkVnniInt4Blocks(*this, item, K, 1); }
 };
 
 }  // namespace vllm_xla
