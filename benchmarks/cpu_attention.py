@@ -135,7 +135,9 @@ def main() -> None:
             for w in workloads(_ints(args.rows), _ints(args.contexts), _ints(args.prefill)):
                 row = measure(w, dtype, kv_dtype, args.iters, args.layers)
                 roof = min(peak, row["flops"] / row["kv_bytes"] * bandwidth)
-                row.update(case=w.name, dtype=dtype.name, kv_dtype=kv_dtype.name, roofline_gflops=roof / 1e9)
+                mode = f"{args.layers} layers" if args.layers else "streamed"
+                row.update(case=w.name, dtype=dtype.name, kv_dtype=kv_dtype.name, mode=mode)
+                row["roofline_gflops"] = roof / 1e9
                 results.append(row)
                 gflops = row["gflops_per_cpu_s"]
                 print(
