@@ -32,6 +32,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import _report  # noqa: E402
+from _attention_section import attention_kernel_section  # noqa: E402
 from _device_section import device_sections  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -39,6 +40,7 @@ README = REPO / "README.md"
 PERFORMANCE = REPO / "docs" / "performance.md"
 PLAN_JSON = RESULTS / "plan.json"
 STEP_PROFILE_JSON = RESULTS / "step_profile.json"
+CPU_ATTENTION_JSON = RESULTS / "cpu_attention.json"
 HOST_CPU_JSON = RESULTS / "host_cpu_time.json"
 PLAN_TP_JSON = RESULTS / "plan-tp.json"
 PLAN_DRAFT_JSON = RESULTS / "plan-draft.json"
@@ -529,7 +531,8 @@ def performance_page(
         sections.append("## Latest figures, all machine kinds\n\n" + readme_table(runs) + "\n")
     sections += [machine_section(kind, report) for kind, report in runs.items()]
     sections += device_sections(RESULTS)
-    sections += [step_time_section(), planner_section(planner, planner_tp, planner_draft), WHAT_MOVES]
+    sections += [step_time_section(), attention_kernel_section(CPU_ATTENTION_JSON)]
+    sections += [planner_section(planner, planner_tp, planner_draft), WHAT_MOVES]
     return "\n".join(s.rstrip("\n") + "\n" for s in sections)
 
 

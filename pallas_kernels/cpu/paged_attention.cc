@@ -108,6 +108,7 @@ struct Problem {
   const float* sinks;  // [H], or nullptr: none
   void* out;  // same type as q
   bool bf16_rows;
+  bool bf16_dots;  // decode scores of bfloat16 rows against a bfloat16 cache with VDPBF16PS
 
   int64_t HeadDim() const { return kD > 0 ? kD : s.head_dim; }
   float QueryValue(int64_t i) const {
@@ -125,11 +126,16 @@ struct Problem {
 
   // Online-softmax update of one row's G query heads (q, acc: [G, D]; m, denom: [G]) with keys
   // j0..j1 of one page; each key and value is converted once for all G heads.
-  void Update(const float* q_row, const T* k_page, const T* v_page, float* acc, float* m,
+  // `q_bits`: the G heads' unscaled bfloat16 query when `bf16_dots`, else unused.
+  void Update(const float* q_row, const uint16_t* q_bits, const T* k_page, const T* v_page, float* acc, float* m,
               float* denom, int64_t j0, int64_t j1, int64_t G, float* sc) const {
 #if defined(__AVX512F__)
     if constexpr (kD > 0 && kD % 16 == 0) {
-      UpdateVectors<Avx512>(q_row, k_page, v_page, acc, m, denom, j0, j1, G, sc);
+      if (s.page_size % 16 == 0) {
+        UpdateDecode(q_row, q_bits, k_page, v_page, acc, m, denom, j0, j1, G, sc);
+      } else {
+        UpdateVectors<Avx512>(q_row, k_page, v_page, acc, m, denom, j0, j1, G, sc);
+      }
       return;
     }
 #elif defined(VLLM_XLA_AVX2_DECODE)
@@ -170,18 +176,7 @@ struct Problem {
                      float* denom, int64_t j0, int64_t j1, int64_t G, float* sc) const {
     constexpr int kW = V::kLanes, kC = kD / kW;
     const int64_t S = s.page_size;
-    for (int64_t j = j0; j < j1; ++j) {
-      typename V::Reg key[kC];
-      for (int c = 0; c < kC; ++c) key[c] = V::Load(k_page + j * kD + kW * c);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q_row + g * kD;
-        typename V::Reg dot = V::Mul(V::LoadF(qg), key[0]);
-        for (int c = 1; c < kC; ++c) dot = V::Fmadd(V::LoadF(qg + kW * c), key[c], dot);
-        float score = V::Sum(dot);
-        if (prm.soft_cap > 0.0f) score = prm.soft_cap * std::tanh(score / prm.soft_cap);
-        sc[g * S + j] = score;
-      }
-    }
+    ScoreByKey<V>(q_row, k_page, j0, j1, G, sc);
     Rescale(acc, m, denom, j0, j1, G, sc, S);
     for (int64_t g = 0; g < G; ++g) {
       const float* pg = sc + g * S;
@@ -195,7 +190,75 @@ struct Problem {
       for (int c = 0; c < kC; ++c) V::Store(ag + kW * c, sum[c]);
     }
   }
+
+  // Scores sc[g * S + j] (soft cap applied) of G heads against keys j0..j1, a key at a time: each
+  // key widened once for all heads.
+  template <class V>
+  void ScoreByKey(const float* q_row, const T* k_page, int64_t j0, int64_t j1, int64_t G, float* sc) const {
+    constexpr int kW = V::kLanes, kC = kD / kW;
+    const int64_t S = s.page_size;
+    for (int64_t j = j0; j < j1; ++j) {
+      typename V::Reg key[kC];
+      for (int c = 0; c < kC; ++c) key[c] = V::Load(k_page + j * kD + kW * c);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q_row + g * kD;
+        typename V::Reg dot = V::Mul(V::LoadF(qg), key[0]);
+        for (int c = 1; c < kC; ++c) dot = V::Fmadd(V::LoadF(qg + kW * c), key[c], dot);
+        float score = V::Sum(dot);
+        if (prm.soft_cap > 0.0f) score = prm.soft_cap * std::tanh(score / prm.soft_cap);
+        sc[g * S + j] = score;
+      }
+    }
+  }
 #endif
+
+#if defined(__AVX512F__)
+  // `Update` for pages of whole 16-key groups: float32 and bfloat16 keys scored a head and 16 keys
+  // at a time (`Dots16`, one cross-lane sum for the 16; bfloat16 queries against a bfloat16 cache
+  // by VDPBF16PS, unwidened), float8 keys a key at a time (widened once for all heads); each value
+  // row widened once for all heads. Keys of a group past j1 are scored and never read.
+  void UpdateDecode(const float* q_row, const uint16_t* q_bits, const T* k_page, const T* v_page, float* acc,
+                    float* m, float* denom, int64_t j0, int64_t j1, int64_t G, float* sc) const {
+    const int64_t S = s.page_size;
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>) {
+      vllm_xla::DecodeScores<kD>(q_row, q_bits, prm.sm_scale, k_page, j0, j1, G, sc, S);
+      if (prm.soft_cap > 0.0f) {
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t j = j0; j < j1; ++j) sc[g * S + j] = prm.soft_cap * std::tanh(sc[g * S + j] / prm.soft_cap);
+        }
+      }
+    } else {
+      ScoreByKey<Avx512>(q_row, k_page, j0, j1, G, sc);
+    }
+    Rescale(acc, m, denom, j0, j1, G, sc, S);
+    AccumulateHeads(sc, S, v_page, j0, j1, G, acc);
+  }
+#endif
+
+  // acc[g * D + d] += sum over keys j0..j1 of p[g * stride + j] * values[j * D + d] for G heads;
+  // with AVX-512 in blocks of heads that share each value row (`values`: float32, or a page as
+  // stored, whose rows are widened once a block).
+  template <typename U>
+  void AccumulateHeads(const float* p, int64_t stride, const U* values, int64_t j0, int64_t j1, int64_t G,
+                       float* acc) const {
+    const int64_t D = HeadDim();
+    int64_t g = 0;
+#if defined(__AVX512F__)
+    // Heads in threes, else pairs, while their accumulators and a value row fit in 32 registers.
+    if constexpr (kD > 0 && kD % 16 == 0 && kD <= 64) {
+      for (; g + 3 <= G; g += 3) vllm_xla::AccumulateValueHeads<3, kD>(p + g * stride, stride, values, j0, j1, acc + g * D);
+    }
+    if constexpr (kD > 0 && kD % 16 == 0 && kD <= 128) {
+      for (; g + 2 <= G; g += 2) vllm_xla::AccumulateValueHeads<2, kD>(p + g * stride, stride, values, j0, j1, acc + g * D);
+    }
+    if constexpr (kD > 0 && kD % 16 == 0) {
+      for (; g < G; ++g) vllm_xla::AccumulateValueHeads<1, kD>(p + g * stride, stride, values, j0, j1, acc + g * D);
+    }
+#endif
+    if constexpr (std::is_same_v<U, float>) {
+      for (; g < G; ++g) AccumulateValues(p + g * stride, values, j0, j1, acc + g * D);
+    }
+  }
 
   // Softmax bookkeeping shared by both updates: scores `sc[g * stride + j]` for keys j0..j1 (soft cap
   // applied) become probabilities; each head's running max, sum and accumulator are rescaled.
@@ -219,23 +282,10 @@ struct Problem {
     }
   }
 
-  // acc[d] += sum over keys j0..j1 of p[j] * values[j * D + d]; the accumulator stays in registers
-  // when the head dim is a compile-time multiple of 16.
+  // acc[d] += sum over keys j0..j1 of p[j] * values[j * D + d] (AVX-512: `AccumulateHeads`); with
+  // AVX2 the accumulator stays in registers when the head dim is a compile-time multiple of 64.
   void AccumulateValues(const float* p, const float* values, int64_t j0, int64_t j1, float* acc) const {
-#if defined(__AVX512F__)
-    if constexpr (kD > 0 && kD % 16 == 0) {
-      __m512 sum[kD / 16];
-      for (int k = 0; k < kD / 16; ++k) sum[k] = _mm512_loadu_ps(acc + 16 * k);
-      for (int64_t j = j0; j < j1; ++j) {
-        const __m512 pj = _mm512_set1_ps(p[j]);
-        for (int k = 0; k < kD / 16; ++k) {
-          sum[k] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(values + j * kD + 16 * k), sum[k]);
-        }
-      }
-      for (int k = 0; k < kD / 16; ++k) _mm512_storeu_ps(acc + 16 * k, sum[k]);
-      return;
-    }
-#elif defined(VLLM_XLA_AVX2_DECODE)
+#if defined(VLLM_XLA_AVX2_DECODE)
     if constexpr (kD > 0 && kD % 64 == 0) {  // 64 columns at a time: 8 accumulators in registers
       for (int64_t c0 = 0; c0 < kD; c0 += 64) {
         __m256 sum[8];
@@ -286,14 +336,27 @@ struct Problem {
   int64_t PaddedPageSize() const { return (s.page_size + 15) / 16 * 16; }
 
   // Converts keys 0..n of a page to float32 16-key panels `[S16 / 16, D, 16]` and values to
-  // `[S, D]`, once for a block.
+  // `[S, D]` (float32 values are read in place: not copied), once for a block; with AVX-512, whole
+  // 16-key groups by register transposes.
   void ConvertPage(const T* k_page, const T* v_page, int64_t n, float* keys, float* values) const {
+    constexpr bool kCopyValues = !std::is_same_v<T, float>;
+#if defined(__AVX512F__)
+    if constexpr (kD > 0 && kD % 16 == 0) {
+      if (s.page_size % 16 == 0) {  // a group past n still lies in the page
+        for (int64_t j = 0; j < n; j += 16) vllm_xla::KeyPanel16<kD>(k_page + j * kD, keys + j * kD);
+        if constexpr (kCopyValues) {
+          for (int64_t i = 0; i < n * kD; i += 16) _mm512_storeu_ps(values + i, vllm_xla::Load16(v_page + i));
+        }
+        return;
+      }
+    }
+#endif
     const int64_t D = HeadDim();
     for (int64_t j = 0; j < n; ++j) {
       float* key_column = keys + (j / 16) * D * 16 + j % 16;
-      for (int64_t d = 0; d < D; ++d) {
-        key_column[d * 16] = Load(k_page + j * D, d);
-        values[j * D + d] = Load(v_page + j * D, d);
+      for (int64_t d = 0; d < D; ++d) key_column[d * 16] = Load(k_page + j * D, d);
+      if constexpr (kCopyValues) {
+        for (int64_t d = 0; d < D; ++d) values[j * D + d] = Load(v_page + j * D, d);
       }
     }
   }
@@ -325,7 +388,7 @@ struct Problem {
   // `Update` from a converted page whose scores `sc` ([G, S16]) are computed.
   void UpdateScored(const float* values, float* acc, float* m, float* denom, int64_t j0, int64_t j1, int64_t G,
                     float* sc) const {
-    const int64_t D = HeadDim(), S16 = PaddedPageSize();
+    const int64_t S16 = PaddedPageSize();
     if (prm.soft_cap > 0.0f) {
       for (int64_t g = 0; g < G; ++g) {
         float* scg = sc + g * S16;
@@ -333,17 +396,7 @@ struct Problem {
       }
     }
     Rescale(acc, m, denom, j0, j1, G, sc, S16);
-    int64_t g = 0;
-#if defined(__AVX512F__)
-    // Heads in threes, else pairs, while their accumulators and a value row fit in 32 registers.
-    if constexpr (kD > 0 && kD % 16 == 0 && kD <= 64) {
-      for (; g + 3 <= G; g += 3) vllm_xla::AccumulateValueHeads<3, kD>(sc + g * S16, S16, values, j0, j1, acc + g * D);
-    }
-    if constexpr (kD > 0 && kD % 16 == 0 && kD <= 128) {
-      for (; g + 2 <= G; g += 2) vllm_xla::AccumulateValueHeads<2, kD>(sc + g * S16, S16, values, j0, j1, acc + g * D);
-    }
-#endif
-    for (; g < G; ++g) AccumulateValues(sc + g * S16, values, j0, j1, acc + g * D);
+    AccumulateHeads(sc, S16, values, j0, j1, G, acc);
   }
 
   // Rows first_row..end_row of one sequence, for kv heads first_head..end_head. A single row
@@ -418,9 +471,13 @@ struct Problem {
           float* m = w.m.data() + i * G;
           float* denom = w.denom.data() + i * G;
           if (rows > 1) {
-            UpdateScored(w.values.data(), acc, m, denom, j0, j1, G, w.scores.data() + r * G * S16);
+            const float* values = std::is_same_v<T, float> ? reinterpret_cast<const float*>(v_page) : w.values.data();
+            UpdateScored(values, acc, m, denom, j0, j1, G, w.scores.data() + r * G * S16);
           } else {
-            Update(q_head, k_page, v_page, acc, m, denom, j0, j1, G, w.scores.data());
+            const uint16_t* q_bits =
+                bf16_dots ? static_cast<const uint16_t*>(q) + (item.first_row * s.num_heads + (item.first_head + h) * G) * D
+                          : nullptr;
+            Update(q_head, q_bits, k_page, v_page, acc, m, denom, j0, j1, G, w.scores.data());
           }
         }
       }
@@ -487,12 +544,18 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   if (work->items.empty()) return ffi::Error::Success();
   Params prm{sm_scale, sliding_window, soft_cap, attention_chunk};
   const int32_t* lens = kv_lens.typed_data();
+#if defined(__AVX512F__)
+  static const bool bf16_dots_usable = vllm_xla::Avx512Bf16Usable();  // a cpuid query: once
+#else
+  constexpr bool bf16_dots_usable = false;
+#endif
   const int32_t* table = page_indices.typed_data();
   auto run = [&](auto tag, auto dim) {
     using T = decltype(tag);
     Problem<T, decltype(dim)::value> p{s,     prm,   q.untyped_data(), static_cast<const T*>(kv_cache.untyped_data()),
                                        lens,  table, cu,               sink_logits,
-                                       out->untyped_data(), bf16_rows};
+                                       out->untyped_data(), bf16_rows,
+                                       bf16_rows && std::is_same_v<T, uint16_t> && bf16_dots_usable};
     vllm_xla::RunAll(p, work, pool, workers);
   };
   auto run_dims = [&](auto tag) {

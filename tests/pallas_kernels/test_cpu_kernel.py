@@ -35,6 +35,10 @@ EXTRA = (
     Case("prefill_p16_d64_g3_blocks", (45, 17, 1), (60, 17, 300), 4, 16, 64, 3, 3,
          sliding_window=10),
     Case("mixed_p8_d128_g1_f32_cap", (3, 1, 2), (3, 99, 2), 3, 8, 128, 2, 1, soft_cap=5.0),
+    # The embedded model's decode as served: 128-token pages, 3 query heads a kv head, bfloat16
+    # rows and cache (VDPBF16PS scores), contexts ending mid 16-key group and past a page.
+    Case("decode_p128_d64_g3_bf16_model", (1,) * 5, (1, 17, 128, 300, 700), 6, 128, 64, 3, 3,
+         jnp.bfloat16, sinks=True),
 )
 # fmt: on
 
