@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Serving across two hosts, each a process on this machine with 2 simulated CPU devices, joined
 through the path a pod's hosts take (vLLM's multi-node options, `jax.distributed`, gloo
-collectives), one tiny model at TP=4 across both: vLLM's OpenAI server on host 0 answers
-completions with the greedy tokens of a one-process TP=1 engine, also under chunked prefill and
-preemption; two hosts verifying n-gram drafts (a draft model's in `make test-full`) answer with
-transformers' greedy tokens, under chunked prefill and preemption too.
+collectives), one tiny model at TP=4 across both, verifying n-gram drafts on the global mesh:
+vLLM's OpenAI server on host 0 answers completions with transformers' greedy tokens (one device,
+decoding without drafts), also under chunked prefill and preemption. One pair of hosts serves the
+module (a draft model's drafts, on a pair of their own, in `make test-full`).
 Killing host 1 ends host 0 with a clear error, non-zero, within the bound; a host that never
 joins ends the other within `--distributed-timeout-seconds` (`make test-full`).
 """
@@ -19,8 +19,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 from transformers import LlamaForCausalLM
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
 
 from tests.greedy_reference import hf_greedy
 from tests.models.tiny_checkpoints import prompts
@@ -32,7 +30,7 @@ from tests.plugin_shim.multihost_launch import (
     start_host,
     wait_healthy,
 )
-from tests.tiny_models import save_damped_tiny_llama, save_tiny_llama
+from tests.tiny_models import save_damped_tiny_llama
 
 pytestmark = pytest.mark.slow  # four vLLM processes and two JAX hosts
 
@@ -74,23 +72,20 @@ LONE_TIMEOUT_S = 10
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    return save_tiny_llama(
-        str(tmp_path_factory.mktemp("multihost") / "model"),
-        seed=4, hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
-    )  # fmt: skip
+    """A tiny Llama whose layers' outputs are damped: its greedy text falls into loops that n-gram
+    drafts predict, while every layer still changes the logits (some drafts fail)."""
+    return save_damped_tiny_llama(str(tmp_path_factory.mktemp("looping")), seed=2, scale=0.02)
 
 
 @pytest.fixture(scope="module")
 def reference(model) -> dict[str, list[list[int]]]:
-    """One process, one device (TP=1), in-process vLLM: the tokens both hosts must give."""
-    llm = LLM(model=model, **ENGINE)
-    out = {}
-    for name, batch, new in (("greedy", GREEDY, NEW_TOKENS), ("crowded", CROWDED, CROWDED_TOKENS)):
-        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-        done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
-        out[name] = [list(o.outputs[0].token_ids) for o in done]
-    del llm
-    return out
+    """Transformers' greedy decoding in one process on one device, without drafts: the tokens
+    both hosts must give."""
+    hf = LlamaForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    return {
+        "greedy": [hf_greedy(hf, p, SPECULATED_TOKENS) for p in GREEDY],
+        "crowded": [hf_greedy(hf, p, CROWDED_TOKENS) for p in CROWDED],
+    }
 
 
 @contextlib.contextmanager
@@ -108,52 +103,47 @@ def _two_hosts(model: str, serve: list[str], tmp) -> Iterator[tuple[int, list, l
             kill_host(proc)
 
 
-@pytest.fixture(scope="module")
-def looping_model(tmp_path_factory) -> str:
-    """A tiny Llama whose layers' outputs are damped: its greedy text falls into loops that n-gram
-    drafts predict, while every layer still changes the logits (some drafts fail)."""
-    return save_damped_tiny_llama(str(tmp_path_factory.mktemp("looping")), seed=2, scale=0.02)
+def _speculating(method: str, model: str) -> list[str]:
+    """`SERVE` with drafts of `method` (the draft model: the target itself)."""
+    drafter = {} if method == "ngram" else {"model": model}
+    return [*SERVE, f"--speculative-config={json.dumps({**SPECULATION[method], **drafter})}"]
 
 
-@pytest.fixture(params=["ngram", pytest.param("draft_model", marks=pytest.mark.full)])
-def speculating_hosts(request, looping_model, tmp_path):
-    """Both hosts at TP=4 serving `looping_model` with drafts of `request.param`'s method (the
-    draft model: the target itself); a pair of its own, up only for its test."""
-    drafter = {} if request.param == "ngram" else {"model": looping_model}
-    spec = {**SPECULATION[request.param], **drafter}
-    serve = [*SERVE, f"--speculative-config={json.dumps(spec)}"]
-    with _two_hosts(looping_model, serve, tmp_path) as (port, _, _):
-        yield request.param, port
-
-
-def test_two_hosts_verify_drafts_to_the_tokens_of_no_speculation(speculating_hosts, looping_model):
-    """Runs first, before the module's hosts start. Host 0's scheduler sends its worker's drafts
-    to both hosts in the step's inputs; both run the verification (and the draft model's
-    programs) on the global mesh. Greedy tokens: transformers', decoding without drafts."""
-    method, port = speculating_hosts
-    hf = LlamaForCausalLM.from_pretrained(looping_model, dtype=torch.float32).eval()
-    for batch, new in ((GREEDY, SPECULATED_TOKENS), (CROWDED, CROWDED_TOKENS)):
-        assert completions(port, looping_model, batch, new) == [hf_greedy(hf, p, new) for p in batch]
+def _drafts_kept(port: int, method: str) -> tuple[float, float]:
     drafted = metric(port, "vllm:spec_decode_num_draft_tokens_total")
     accepted = metric(port, "vllm:spec_decode_num_accepted_tokens_total")
     print(f"{method}: {accepted:.0f} of {drafted:.0f} drafts kept")
+    return accepted, drafted
+
+
+@pytest.mark.full  # make test verifies n-gram drafts across the same two hosts (below)
+def test_two_hosts_verify_a_draft_models_drafts_to_the_tokens_of_no_speculation(model, reference, tmp_path):
+    """Runs first, before the module's hosts start: a pair of its own. Both hosts run the draft
+    model's programs on the global mesh and verify its drafts."""
+    with _two_hosts(model, _speculating("draft_model", model), tmp_path) as (port, _, _):
+        for name, batch, new in (("greedy", GREEDY, SPECULATED_TOKENS), ("crowded", CROWDED, CROWDED_TOKENS)):
+            assert completions(port, model, batch, new) == reference[name]
+        accepted, drafted = _drafts_kept(port, "draft_model")
     assert 0 < accepted <= drafted
-    if method == "ngram":  # drafts kept and drafts rejected; a crowded request preempted
-        assert accepted < drafted
-        assert metric(port, "vllm:num_preemptions_total") > 0
 
 
 @pytest.fixture(scope="module")
 def hosts(model, tmp_path_factory):
-    """Host 1 (headless) and host 0 (the OpenAI server on `port`), both serving at TP=4."""
-    with _two_hosts(model, SERVE, tmp_path_factory.mktemp("hosts")) as (port, procs, logs):
+    """Host 1 (headless) and host 0 (the OpenAI server on `port`), both serving at TP=4 and
+    verifying n-gram drafts: one pair for the module, its tokens those of decoding without drafts
+    on one device."""
+    serve, tmp = _speculating("ngram", model), tmp_path_factory.mktemp("hosts")
+    with _two_hosts(model, serve, tmp) as (port, procs, logs):
         yield {"port": port, "host0": procs[0], "host1": procs[1], "log0": logs[0]}
 
 
-def test_two_hosts_at_tp4_answer_with_the_one_device_tokens(hosts, model, reference):
-    assert completions(hosts["port"], model, GREEDY, NEW_TOKENS) == reference["greedy"]
-    log = hosts["log0"].read_text()
-    assert "drives JAX devices: cpu:0, cpu:1 (of 4 on 2 hosts)" in log
+def test_two_hosts_at_tp4_verify_ngram_drafts_to_the_one_device_tokens(hosts, model, reference):
+    """Host 0's scheduler sends its worker's drafts to both hosts in the step's inputs; both run
+    the verification on the global mesh. Drafts kept and drafts rejected."""
+    assert completions(hosts["port"], model, GREEDY, SPECULATED_TOKENS) == reference["greedy"]
+    assert "drives JAX devices: cpu:0, cpu:1 (of 4 on 2 hosts)" in hosts["log0"].read_text()
+    accepted, drafted = _drafts_kept(hosts["port"], "ngram")
+    assert 0 < accepted < drafted
 
 
 def test_two_hosts_under_chunked_prefill_and_preemption(hosts, model, reference):
