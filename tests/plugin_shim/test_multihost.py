@@ -3,8 +3,9 @@
 through the path a pod's hosts take (vLLM's multi-node options, `jax.distributed`, gloo
 collectives), one tiny model at TP=4 across both, verifying n-gram drafts on the global mesh:
 vLLM's OpenAI server on host 0 answers completions with transformers' greedy tokens (one device,
-decoding without drafts), also under chunked prefill and preemption. One pair of hosts serves the
-module (a draft model's drafts, on a pair of their own, in `make test-full`).
+decoding without drafts), also under chunked prefill and preemption; one pair of hosts serves the
+module. Two hosts verifying a draft model's drafts (a pair of their own, `make test-full`) answer
+with the same tokens.
 Killing host 1 ends host 0 with a clear error, non-zero, within the bound; a host that never
 joins ends the other within `--distributed-timeout-seconds` (`make test-full`).
 """
@@ -70,24 +71,6 @@ SERVE = _serve(TIMEOUT_S)
 LONE_TIMEOUT_S = 10
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    """A tiny Llama whose layers' outputs are damped: its greedy text falls into loops that n-gram
-    drafts predict, while every layer still changes the logits (some drafts fail)."""
-    return save_damped_tiny_llama(str(tmp_path_factory.mktemp("looping")), seed=2, scale=0.02)
-
-
-@pytest.fixture(scope="module")
-def reference(model) -> dict[str, list[list[int]]]:
-    """Transformers' greedy decoding in one process on one device, without drafts: the tokens
-    both hosts must give."""
-    hf = LlamaForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    return {
-        "greedy": [hf_greedy(hf, p, SPECULATED_TOKENS) for p in GREEDY],
-        "crowded": [hf_greedy(hf, p, CROWDED_TOKENS) for p in CROWDED],
-    }
-
-
 @contextlib.contextmanager
 def _two_hosts(model: str, serve: list[str], tmp) -> Iterator[tuple[int, list, list]]:
     """Host 1 (headless) and host 0 (the OpenAI server on the port given), both with `serve`'s
@@ -103,9 +86,27 @@ def _two_hosts(model: str, serve: list[str], tmp) -> Iterator[tuple[int, list, l
             kill_host(proc)
 
 
-def _speculating(method: str, model: str) -> list[str]:
+@pytest.fixture(scope="module")
+def looping_model(tmp_path_factory) -> str:
+    """A tiny Llama whose layers' outputs are damped: its greedy text falls into loops that n-gram
+    drafts predict, while every layer still changes the logits (some drafts fail)."""
+    return save_damped_tiny_llama(str(tmp_path_factory.mktemp("looping")), seed=2, scale=0.02)
+
+
+@pytest.fixture(scope="module")
+def reference(looping_model) -> dict[str, list[list[int]]]:
+    """Transformers' greedy decoding in one process (one device), without drafts: the tokens
+    every pair of hosts must give."""
+    hf = LlamaForCausalLM.from_pretrained(looping_model, dtype=torch.float32).eval()
+    return {
+        "greedy": [hf_greedy(hf, p, SPECULATED_TOKENS) for p in GREEDY],
+        "crowded": [hf_greedy(hf, p, CROWDED_TOKENS) for p in CROWDED],
+    }
+
+
+def _speculating(method: str, looping_model: str) -> list[str]:
     """`SERVE` with drafts of `method` (the draft model: the target itself)."""
-    drafter = {} if method == "ngram" else {"model": model}
+    drafter = {} if method == "ngram" else {"model": looping_model}
     return [*SERVE, f"--speculative-config={json.dumps({**SPECULATION[method], **drafter})}"]
 
 
@@ -116,48 +117,57 @@ def _drafts_kept(port: int, method: str) -> tuple[float, float]:
     return accepted, drafted
 
 
-@pytest.mark.full  # make test verifies n-gram drafts across the same two hosts (below)
-def test_two_hosts_verify_a_draft_models_drafts_to_the_tokens_of_no_speculation(model, reference, tmp_path):
-    """Runs first, before the module's hosts start: a pair of its own. Both hosts run the draft
-    model's programs on the global mesh and verify its drafts."""
-    with _two_hosts(model, _speculating("draft_model", model), tmp_path) as (port, _, _):
-        for name, batch, new in (("greedy", GREEDY, SPECULATED_TOKENS), ("crowded", CROWDED, CROWDED_TOKENS)):
-            assert completions(port, model, batch, new) == reference[name]
-        accepted, drafted = _drafts_kept(port, "draft_model")
+# n-gram drafts: the module's own pair of hosts (`hosts`, below).
+@pytest.fixture(params=[pytest.param("draft_model", marks=pytest.mark.full)])
+def speculating_hosts(request, looping_model, tmp_path):
+    """Both hosts at TP=4 serving `looping_model` with drafts of `request.param`'s method (the
+    draft model: the target itself); a pair of its own, up only for its test."""
+    serve = _speculating(request.param, looping_model)
+    with _two_hosts(looping_model, serve, tmp_path) as (port, _, _):
+        yield request.param, port
+
+
+def test_two_hosts_verify_drafts_to_the_tokens_of_no_speculation(speculating_hosts, looping_model, reference):
+    """Runs first, before the module's hosts start. Host 0's scheduler sends its worker's drafts
+    to both hosts in the step's inputs; both run the verification and the draft model's programs
+    on the global mesh. Greedy tokens: transformers', decoding without drafts."""
+    method, port = speculating_hosts
+    for name, batch, new in (("greedy", GREEDY, SPECULATED_TOKENS), ("crowded", CROWDED, CROWDED_TOKENS)):
+        assert completions(port, looping_model, batch, new) == reference[name]
+    accepted, drafted = _drafts_kept(port, method)
     assert 0 < accepted <= drafted
 
 
 @pytest.fixture(scope="module")
-def hosts(model, tmp_path_factory):
-    """Host 1 (headless) and host 0 (the OpenAI server on `port`), both serving at TP=4 and
-    verifying n-gram drafts: one pair for the module, its tokens those of decoding without drafts
-    on one device."""
-    serve, tmp = _speculating("ngram", model), tmp_path_factory.mktemp("hosts")
-    with _two_hosts(model, serve, tmp) as (port, procs, logs):
+def hosts(looping_model, tmp_path_factory):
+    """Host 1 (headless) and host 0 (the OpenAI server on `port`), both serving `looping_model`
+    at TP=4 and verifying n-gram drafts: one pair for the module's tests."""
+    serve, tmp = _speculating("ngram", looping_model), tmp_path_factory.mktemp("hosts")
+    with _two_hosts(looping_model, serve, tmp) as (port, procs, logs):
         yield {"port": port, "host0": procs[0], "host1": procs[1], "log0": logs[0]}
 
 
-def test_two_hosts_at_tp4_verify_ngram_drafts_to_the_one_device_tokens(hosts, model, reference):
+def test_two_hosts_at_tp4_verify_ngram_drafts_to_the_one_device_tokens(hosts, looping_model, reference):
     """Host 0's scheduler sends its worker's drafts to both hosts in the step's inputs; both run
     the verification on the global mesh. Drafts kept and drafts rejected."""
-    assert completions(hosts["port"], model, GREEDY, SPECULATED_TOKENS) == reference["greedy"]
+    assert completions(hosts["port"], looping_model, GREEDY, SPECULATED_TOKENS) == reference["greedy"]
     assert "drives JAX devices: cpu:0, cpu:1 (of 4 on 2 hosts)" in hosts["log0"].read_text()
     accepted, drafted = _drafts_kept(hosts["port"], "ngram")
     assert 0 < accepted < drafted
 
 
-def test_two_hosts_under_chunked_prefill_and_preemption(hosts, model, reference):
+def test_two_hosts_under_chunked_prefill_and_preemption(hosts, looping_model, reference):
     before = metric(hosts["port"], "vllm:num_preemptions_total")
-    assert completions(hosts["port"], model, CROWDED, CROWDED_TOKENS) == reference["crowded"]
+    assert completions(hosts["port"], looping_model, CROWDED, CROWDED_TOKENS) == reference["crowded"]
     assert metric(hosts["port"], "vllm:num_preemptions_total") > before
 
 
-def test_killing_host_1_ends_host_0_with_a_clear_error_in_bounded_time(hosts, model):
+def test_killing_host_1_ends_host_0_with_a_clear_error_in_bounded_time(hosts, looping_model):
     """Runs last: it ends the hosts."""
     kill_host(hosts["host1"])
     start = time.monotonic()
     with pytest.raises(Exception, match="500"):
-        completions(hosts["port"], model, GREEDY[:1], NEW_TOKENS)  # a step that needs host 1
+        completions(hosts["port"], looping_model, GREEDY[:1], NEW_TOKENS)  # a step that needs host 1
     code = hosts["host0"].wait(timeout=TIMEOUT_S + 60)
     elapsed = time.monotonic() - start
     log = hosts["log0"].read_text()
@@ -169,8 +179,8 @@ def test_killing_host_1_ends_host_0_with_a_clear_error_in_bounded_time(hosts, mo
 # `make test-full`: JAX's own join bound; make test checks that vLLM's option reaches it
 # (tests/plugin_shim/test_multihost_config.py) and host 0 ending when host 1 dies (above).
 @pytest.mark.full
-def test_a_host_that_never_joins_ends_the_other_within_the_timeout(model, tmp_path):
-    proc, log = start_host(0, model, _serve(LONE_TIMEOUT_S), free_port(), tmp_path, free_port())
+def test_a_host_that_never_joins_ends_the_other_within_the_timeout(looping_model, tmp_path):
+    proc, log = start_host(0, looping_model, _serve(LONE_TIMEOUT_S), free_port(), tmp_path, free_port())
     start = time.monotonic()
     try:
         code = proc.wait(timeout=LONE_TIMEOUT_S + 240)  # the timeout after vLLM's and JAX's start
@@ -184,12 +194,12 @@ def test_a_host_that_never_joins_ends_the_other_within_the_timeout(model, tmp_pa
 
 
 @pytest.mark.full  # two more hosts started; make test ends host 0 when host 1 dies mid-step
-def test_killing_host_0_ends_the_headless_host_within_the_timeout(model, tmp_path):
+def test_killing_host_0_ends_the_headless_host_within_the_timeout(looping_model, tmp_path):
     """Host 1 idles between steps: JAX's coordination service (host 0's) stops answering, and
     after `--distributed-timeout-seconds` of silence host 1's worker is ended, then its host."""
     master, port = free_port(), free_port()
-    host1, log1 = start_host(1, model, SERVE, master, tmp_path, None)
-    host0, log0 = start_host(0, model, SERVE, master, tmp_path, port)
+    host1, log1 = start_host(1, looping_model, SERVE, master, tmp_path, None)
+    host0, log0 = start_host(0, looping_model, SERVE, master, tmp_path, port)
     try:
         wait_healthy(port, [host0, host1], [log0, log1], timeout=800)
         kill_host(host0)
