@@ -70,7 +70,9 @@ def _prompts() -> list[list[int]]:
 def served(tmp_path_factory, plugin_site, checkpoints) -> dict:
     out_dir = tmp_path_factory.mktemp("flax_plugin_run")
     job, out = out_dir / "job.json", out_dir / "out.json"
-    engine = {"max_model_len": 128, "max_num_seqs": 4, "block_size": 16, "seed": 0}
+    # 64-token steps hold the three prompts at once; warm-up compiles 5 forwards, not the 8 of
+    # vLLM's default 512-token step budget.
+    engine = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, block_size=16, seed=0)
     job.write_text(json.dumps({
         "model": checkpoints["plugin"], "unserved_model": checkpoints["unserved"], "prompts": _prompts(),
         "new_tokens": NEW_TOKENS, "llm": engine,

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Serving across two hosts, each a process on this machine with 2 simulated CPU devices, joined
 through the path a pod's hosts take (vLLM's multi-node options, `jax.distributed`, gloo
-collectives), one tiny model at TP=4 across both: vLLM's OpenAI server on host 0 answers
-completions with the greedy tokens of a one-process TP=1 engine, also under chunked prefill and
-preemption; two hosts verifying n-gram drafts (a draft model's, an EAGLE-3 head's and an MTP
-layer's in `make test-full`) answer with transformers' greedy tokens, under chunked prefill and
-preemption too, with drafts kept.
+collectives), one tiny model at TP=4 across both, verifying n-gram drafts on the global mesh:
+vLLM's OpenAI server on host 0 answers completions with transformers' greedy tokens (one device,
+decoding without drafts), also under chunked prefill and preemption; one pair of hosts serves the
+module. Two hosts verifying a draft model's, an EAGLE-3 head's or an MTP layer's drafts (a pair of
+their own each, `make test-full`) answer with their target's transformers greedy tokens, drafts kept.
 Killing host 1 ends host 0 with a clear error, non-zero, within the bound; a host that never
 joins ends the other within `--distributed-timeout-seconds` (`make test-full`).
 """
@@ -20,8 +20,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
 
 from tests.greedy_reference import hf_greedy
 from tests.models.tiny_checkpoints import prompts
@@ -37,7 +35,7 @@ from tests.plugin_shim.predictive_drafters import (
     save_damped_deepseek_with_mtp_layer,
     save_damped_llama_with_eagle3_head,
 )
-from tests.tiny_models import save_damped_tiny_llama, save_tiny_llama
+from tests.tiny_models import save_damped_tiny_llama
 
 pytestmark = pytest.mark.slow  # four vLLM processes and two JAX hosts
 
@@ -79,27 +77,6 @@ SERVE = _serve(TIMEOUT_S)
 LONE_TIMEOUT_S = 10
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return save_tiny_llama(
-        str(tmp_path_factory.mktemp("multihost") / "model"),
-        seed=4, hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def reference(model) -> dict[str, list[list[int]]]:
-    """One process, one device (TP=1), in-process vLLM: the tokens both hosts must give."""
-    llm = LLM(model=model, **ENGINE)
-    out = {}
-    for name, batch, new in (("greedy", GREEDY, NEW_TOKENS), ("crowded", CROWDED, CROWDED_TOKENS)):
-        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-        done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
-        out[name] = [list(o.outputs[0].token_ids) for o in done]
-    del llm
-    return out
-
-
 @contextlib.contextmanager
 def _two_hosts(model: str, serve: list[str], tmp) -> Iterator[tuple[int, list, list]]:
     """Host 1 (headless) and host 0 (the OpenAI server on the port given), both with `serve`'s
@@ -122,6 +99,30 @@ def looping_model(tmp_path_factory) -> str:
     return save_damped_tiny_llama(str(tmp_path_factory.mktemp("looping")), seed=2, scale=0.02)
 
 
+@pytest.fixture(scope="module")
+def reference(looping_model) -> dict[str, list[list[int]]]:
+    """Transformers' greedy decoding in one process (one device), without drafts: the tokens
+    every pair of hosts must give."""
+    hf = LlamaForCausalLM.from_pretrained(looping_model, dtype=torch.float32).eval()
+    return {
+        "greedy": [hf_greedy(hf, p, SPECULATED_TOKENS) for p in GREEDY],
+        "crowded": [hf_greedy(hf, p, CROWDED_TOKENS) for p in CROWDED],
+    }
+
+
+def _speculating(method: str, looping_model: str) -> list[str]:
+    """`SERVE` with drafts of `method` (the draft model: the target itself)."""
+    drafter = {} if method == "ngram" else {"model": looping_model}
+    return [*SERVE, f"--speculative-config={json.dumps({**SPECULATION[method], **drafter})}"]
+
+
+def _drafts_kept(port: int, method: str) -> tuple[float, float]:
+    drafted = metric(port, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = metric(port, "vllm:spec_decode_num_accepted_tokens_total")
+    print(f"{method}: {accepted:.0f} of {drafted:.0f} drafts kept")
+    return accepted, drafted
+
+
 def _speculating_checkpoints(method: str, looping_model: str, tmp) -> tuple[str, dict, object]:
     """The target, the speculative config's drafter options and the target's transformers
     reference for `method`: the looping model (drafting for itself as the draft model), or a
@@ -133,67 +134,68 @@ def _speculating_checkpoints(method: str, looping_model: str, tmp) -> tuple[str,
         target = save_damped_deepseek_with_mtp_layer(str(tmp / "target"), seed=21)
         hf = DeepseekV3ForCausalLM.from_pretrained(target, dtype=torch.float32, attn_implementation="eager")
         return target, {}, hf
-    drafter = {} if method == "ngram" else {"model": looping_model}
-    return looping_model, drafter, LlamaForCausalLM.from_pretrained(looping_model, dtype=torch.float32)
+    return (
+        looping_model,
+        {"model": looping_model},
+        LlamaForCausalLM.from_pretrained(looping_model, dtype=torch.float32),
+    )
 
 
-# `make test-full`: a drafter that runs on the global mesh (every host calls its programs in step)
-@pytest.fixture(
-    params=["ngram", *(pytest.param(m, marks=pytest.mark.full) for m in ("draft_model", "eagle3", "mtp"))]
-)
+# n-gram drafts: the module's own pair of hosts (`hosts`, below). The others, `make test-full`: a
+# drafter that runs on the global mesh (every host calls its programs in step).
+@pytest.fixture(params=[pytest.param(m, marks=pytest.mark.full) for m in ("draft_model", "eagle3", "mtp")])
 def speculating_hosts(request, looping_model, tmp_path):
     """Both hosts at TP=4 serving a target with drafts of `request.param`'s method; a pair of
     its own, up only for its test. Yields the method, host 0's port, the target and its
     transformers reference."""
     target, drafter, hf = _speculating_checkpoints(request.param, looping_model, tmp_path)
-    spec = {**SPECULATION[request.param], **drafter}
-    serve = [*SERVE, f"--speculative-config={json.dumps(spec)}"]
+    serve = [*SERVE, f"--speculative-config={json.dumps({**SPECULATION[request.param], **drafter})}"]
     with _two_hosts(target, serve, tmp_path) as (port, _, _):
         yield request.param, port, target, hf.eval()
 
 
 def test_two_hosts_verify_drafts_to_the_tokens_of_no_speculation(speculating_hosts):
     """Runs first, before the module's hosts start. Host 0's scheduler sends its worker's drafts
-    to both hosts in the step's inputs; both run the verification (and the drafter's programs:
-    draft model, EAGLE-3 head, MTP layer) on the global mesh. Greedy tokens: transformers',
+    to both hosts in the step's inputs; both run the verification and the drafter's programs
+    (draft model, EAGLE-3 head, MTP layer) on the global mesh. Greedy tokens: transformers',
     decoding without drafts."""
     method, port, target, hf = speculating_hosts
     for batch, new in ((GREEDY, SPECULATED_TOKENS), (CROWDED, CROWDED_TOKENS)):
         assert completions(port, target, batch, new) == [hf_greedy(hf, p, new) for p in batch]
-    drafted = metric(port, "vllm:spec_decode_num_draft_tokens_total")
-    accepted = metric(port, "vllm:spec_decode_num_accepted_tokens_total")
-    print(f"{method}: {accepted:.0f} of {drafted:.0f} drafts kept")
+    accepted, drafted = _drafts_kept(port, method)
     assert 0 < accepted <= drafted
-    if method == "ngram":  # drafts kept and drafts rejected; a crowded request preempted
-        assert accepted < drafted
-        assert metric(port, "vllm:num_preemptions_total") > 0
 
 
 @pytest.fixture(scope="module")
-def hosts(model, tmp_path_factory):
-    """Host 1 (headless) and host 0 (the OpenAI server on `port`), both serving at TP=4."""
-    with _two_hosts(model, SERVE, tmp_path_factory.mktemp("hosts")) as (port, procs, logs):
+def hosts(looping_model, tmp_path_factory):
+    """Host 1 (headless) and host 0 (the OpenAI server on `port`), both serving `looping_model`
+    at TP=4 and verifying n-gram drafts: one pair for the module's tests."""
+    serve, tmp = _speculating("ngram", looping_model), tmp_path_factory.mktemp("hosts")
+    with _two_hosts(looping_model, serve, tmp) as (port, procs, logs):
         yield {"port": port, "host0": procs[0], "host1": procs[1], "log0": logs[0]}
 
 
-def test_two_hosts_at_tp4_answer_with_the_one_device_tokens(hosts, model, reference):
-    assert completions(hosts["port"], model, GREEDY, NEW_TOKENS) == reference["greedy"]
-    log = hosts["log0"].read_text()
-    assert "drives JAX devices: cpu:0, cpu:1 (of 4 on 2 hosts)" in log
+def test_two_hosts_at_tp4_verify_ngram_drafts_to_the_one_device_tokens(hosts, looping_model, reference):
+    """Host 0's scheduler sends its worker's drafts to both hosts in the step's inputs; both run
+    the verification on the global mesh. Drafts kept and drafts rejected."""
+    assert completions(hosts["port"], looping_model, GREEDY, SPECULATED_TOKENS) == reference["greedy"]
+    assert "drives JAX devices: cpu:0, cpu:1 (of 4 on 2 hosts)" in hosts["log0"].read_text()
+    accepted, drafted = _drafts_kept(hosts["port"], "ngram")
+    assert 0 < accepted < drafted
 
 
-def test_two_hosts_under_chunked_prefill_and_preemption(hosts, model, reference):
+def test_two_hosts_under_chunked_prefill_and_preemption(hosts, looping_model, reference):
     before = metric(hosts["port"], "vllm:num_preemptions_total")
-    assert completions(hosts["port"], model, CROWDED, CROWDED_TOKENS) == reference["crowded"]
+    assert completions(hosts["port"], looping_model, CROWDED, CROWDED_TOKENS) == reference["crowded"]
     assert metric(hosts["port"], "vllm:num_preemptions_total") > before
 
 
-def test_killing_host_1_ends_host_0_with_a_clear_error_in_bounded_time(hosts, model):
+def test_killing_host_1_ends_host_0_with_a_clear_error_in_bounded_time(hosts, looping_model):
     """Runs last: it ends the hosts."""
     kill_host(hosts["host1"])
     start = time.monotonic()
     with pytest.raises(Exception, match="500"):
-        completions(hosts["port"], model, GREEDY[:1], NEW_TOKENS)  # a step that needs host 1
+        completions(hosts["port"], looping_model, GREEDY[:1], NEW_TOKENS)  # a step that needs host 1
     code = hosts["host0"].wait(timeout=TIMEOUT_S + 60)
     elapsed = time.monotonic() - start
     log = hosts["log0"].read_text()
@@ -205,8 +207,8 @@ def test_killing_host_1_ends_host_0_with_a_clear_error_in_bounded_time(hosts, mo
 # `make test-full`: JAX's own join bound; make test checks that vLLM's option reaches it
 # (tests/plugin_shim/test_multihost_config.py) and host 0 ending when host 1 dies (above).
 @pytest.mark.full
-def test_a_host_that_never_joins_ends_the_other_within_the_timeout(model, tmp_path):
-    proc, log = start_host(0, model, _serve(LONE_TIMEOUT_S), free_port(), tmp_path, free_port())
+def test_a_host_that_never_joins_ends_the_other_within_the_timeout(looping_model, tmp_path):
+    proc, log = start_host(0, looping_model, _serve(LONE_TIMEOUT_S), free_port(), tmp_path, free_port())
     start = time.monotonic()
     try:
         code = proc.wait(timeout=LONE_TIMEOUT_S + 240)  # the timeout after vLLM's and JAX's start
@@ -220,12 +222,12 @@ def test_a_host_that_never_joins_ends_the_other_within_the_timeout(model, tmp_pa
 
 
 @pytest.mark.full  # two more hosts started; make test ends host 0 when host 1 dies mid-step
-def test_killing_host_0_ends_the_headless_host_within_the_timeout(model, tmp_path):
+def test_killing_host_0_ends_the_headless_host_within_the_timeout(looping_model, tmp_path):
     """Host 1 idles between steps: JAX's coordination service (host 0's) stops answering, and
     after `--distributed-timeout-seconds` of silence host 1's worker is ended, then its host."""
     master, port = free_port(), free_port()
-    host1, log1 = start_host(1, model, SERVE, master, tmp_path, None)
-    host0, log0 = start_host(0, model, SERVE, master, tmp_path, port)
+    host1, log1 = start_host(1, looping_model, SERVE, master, tmp_path, None)
+    host0, log0 = start_host(0, looping_model, SERVE, master, tmp_path, port)
     try:
         wait_healthy(port, [host0, host1], [log0, log1], timeout=800)
         kill_host(host0)
