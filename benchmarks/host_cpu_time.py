@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "steps": args.steps,
             "async_scheduling": args.async_scheduling,
+            "dtype": args.dtype,
             "nproc": os.cpu_count(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_average_before_after": [load_before, os.getloadavg()],

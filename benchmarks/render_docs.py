@@ -431,7 +431,8 @@ def step_time_section(
             "",
             "Our host path per decode step through vLLM's engine, as CPU time of the engine's thread "
             "([`benchmarks/host_cpu_time.py`](../benchmarks/host_cpu_time.py): the thin model of "
-            f"`host_overhead.py`, synchronous scheduling; {_measured_under(host)}):",
+            f"`host_overhead.py` in {host.get('dtype', 'float32')}, synchronous scheduling; "
+            f"{_measured_under(host)}):",
             "",
             "| rows | host CPU ms | " + " | ".join(host["results"][0]["phases_ms"]) + " |",
             "|" + "---|" * (len(host["results"][0]["phases_ms"]) + 2),
@@ -495,8 +496,10 @@ WHAT_MOVES = """\
   medians of 30 alternating steps, 1-min load average 27 to 47 on 2 CPUs, 2026-11-29). On one
   device a uniform decoder's packed projections and norms are served stacked
   (`models.layer_stacks`: bfloat16, int8 and int4 kernels; a tensor-parallel split keeps
-  per-layer arrays): the embedded model's step takes 42 arguments instead of 216, 30 of them its
-  KV caches. The thin model in bfloat16 (`host_cpu_time.py --dtype bfloat16`, its 121 kernels
+  per-layer arrays): the thin model's step takes 13 arguments instead of 187 (10 weight arrays,
+  one KV-cache array that every layer has shared since the caches were stacked, the packed
+  inputs, the fed tokens), so the execute call has few arguments left to drop. The thin model
+  in bfloat16 (`host_cpu_time.py --dtype bfloat16`, its 121 kernels
   native) went from 1.42 and 1.32 to 1.12 and 1.09 ms at 64 rows (execute 0.43-0.45 to
   0.22-0.24 ms), from 1.73 and 1.47 to 1.58 and 1.18 ms at 256 rows (execute 0.39-0.46 to
   0.23-0.29 ms), in alternating
@@ -504,7 +507,17 @@ WHAT_MOVES = """\
   Under async scheduling (`host_cpu_time.py --async-scheduling`, 1-min load average 15 to 21 on
   2 CPUs, 2026-11-29) the figures were 1.07 ms at 64 rows and 1.73 ms at 256, the execute phase
   about the same; the rest is some 30 small NumPy operations of input preparation and token
-  recording, and Python.
+  recording, and Python. Each of those costs several times its time in a loop of its own: a
+  64-element scatter of the sampled tokens into the history took 30-130 us in the engine (no
+  page fault, no context switch) and 4 us in a loop; a `perf` profile of the engine's thread in
+  steady decode (1-min load average 20-30, memory pressure on the machine) spent 22% of its CPU
+  in the kernel (reclaim, file read-ahead of evicted pages), 57% in the Python interpreter.
+  Fewer NumPy operations a decode step (no feed comparison while no token is in flight, block
+  rows and lengths written in place) took the table work of a 64-row step from 113-149 to
+  88-112 us in a loop that evicts the caches between steps (3 alternating pairs). In the engine
+  it is within the noise of alternating runs (1-min load average 18 to 35 on 2 CPUs); the trees
+  run side by side at 256 rows took 1.42 against 1.48 ms, input preparation 0.19 against 0.22 ms
+  and the unchanged phases alike (1-min load average 27, 2026-11-29).
 - **Async scheduling on the CPU device** stays off by default (`VLLM_XLA_CPU_ASYNC_SCHEDULING=1`
   turns it on). On the CPU device the "device" is the host's own cores: a decode step of many rows
   is bound by the dense kernels (the section above), and in a synchronous run of the full batch

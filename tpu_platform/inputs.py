@@ -139,22 +139,30 @@ def _decode_from(
     progress = table.progress[rows]
     start = progress[:, NUM_COMPUTED]
     packed[offsets["token_ids"] : offsets["token_ids"] + n] = table.token_ids[rows, start]
-    feed = feed_from(progress, start)
-    packed[offsets["feed"] : offsets["feed"] + n] = feed
+    fed = table.tokens_in_flight  # else every row's feed is -1: no comparison to make
+    if fed:
+        feed = feed_from(progress, start)
+        packed[offsets["feed"] : offsets["feed"] + n] = feed
+        fed = bool(feed.max() >= 0)
+    else:
+        packed[offsets["feed"] : offsets["feed"] + n] = -1
     packed[offsets["positions"] : offsets["positions"] + n] = start
     packed[offsets["lora_slots"] : offsets["lora_slots"] + n] = progress[:, LORA_SLOT]
     slots = _slots(table.block_table, rows, start, page_size)
     packed[offsets["slot_mapping"] : offsets["slot_mapping"] + g * t].reshape(g, t)[:, :n] = slots
-    kv_lens = start + 1
-    packed[offsets["kv_lens"] : offsets["kv_lens"] + n] = kv_lens
-    width = min(p, table.block_table.shape[2])
+    kv_lens = packed[offsets["kv_lens"] : offsets["kv_lens"] + n]
+    np.add(start, 1, out=kv_lens)
     page_indices = packed[offsets["page_indices"] : offsets["page_indices"] + g * r * p].reshape(g, r, p)
-    page_indices[:, :n, :width] = table.block_table[:, rows, :width]
+    if p == table.block_table.shape[2]:  # whole block table rows: one gather, in place
+        np.take(table.block_table, rows, axis=1, out=page_indices[:, :n], mode="clip")
+    else:
+        width = min(p, table.block_table.shape[2])
+        page_indices[:, :n, :width] = table.block_table[:, rows, :width]
     columns = progress[:, NUM_TOKENS]
     emits = kv_lens >= columns
     appends = table.appends_of(rows, emits, columns, progress[:, OCCUPANT])
-    all_emit = bool(emits.all())
-    return StepPlan(rows, emits, dims[:3], packed, dims, all_emit, appends, bool(feed.max() >= 0))
+    all_emit = appends.index is None or bool(emits.all())  # no row left out: every row emits
+    return StepPlan(rows, emits, dims[:3], packed, dims, all_emit, appends, fed)
 
 
 def _prepare(

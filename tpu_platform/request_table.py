@@ -190,7 +190,8 @@ class RequestTable:
         `fill`, and each row remembers its column and token index (`pending_column`,
         `pending_index`) so the next step can take the token on the device. Only the newest
         reserving step is remembered: the caller fills older ones before the next `reserve`."""
-        self.pending_column[self._pending_rows] = -1
+        if self._newest_reserved is not None:  # else `fill` has reset its rows already
+            self.pending_column[self._pending_rows] = -1
         index = np.arange(appends.rows.size) if appends.index is None else appends.index
         self.token_ids[appends.rows, appends.columns] = -1
         self.num_tokens[appends.rows] = appends.counts
@@ -213,6 +214,12 @@ class RequestTable:
         if appends is self._newest_reserved:  # (a row reused since holds no reservation yet)
             self.pending_column[appends.rows] = -1
             self._newest_reserved = None
+
+    @property
+    def tokens_in_flight(self) -> bool:
+        """Whether some row waits for a reserved token (`reserve`d, not yet `fill`ed): without,
+        every `pending_column` is -1 and no step input takes a token on the device."""
+        return self._newest_reserved is not None
 
     def feed_index(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """For tokens at `positions` of `rows`: the index of the token in the newest in-flight

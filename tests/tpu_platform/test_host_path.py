@@ -312,6 +312,7 @@ def test_inputs_prepared_before_the_previous_tokens_arrive_take_them_on_the_devi
     for row in range(4):
         np.testing.assert_array_equal(overlapped.output_token_ids(row), serial.output_token_ids(row))
     assert (overlapped.pending_column == -1).all()
+    assert not overlapped.tokens_in_flight and not serial.tokens_in_flight  # every token filled
 
 
 def test_a_token_arriving_after_its_request_left_does_not_touch_the_rows_next_request():
