@@ -3,7 +3,8 @@
 the native dense kernels, attention, the other XLA ops, and our host path.
 
     .venv/bin/python benchmarks/step_profile.py [--rows 1,16,64] [--context 128] [--steps 16]
-        [--dtype float32] [--out benchmarks/out/step_profile.json]
+        [--dtype float32] [--weights as-shipped|int8|float] [--top-ops N]
+        [--out benchmarks/out/step_profile.json]
 
 The runner serves the embedded SmolLM2-135M directly (no vLLM engine: its scheduling is not ours
 to profile): for each row count R, R requests of `--context` random prompt tokens are prefilled
@@ -16,6 +17,9 @@ projections and the LM head), `attention` (the native paged attention), `rope+kv
 `activation` (SiLU-and-multiply), `other XLA` (norms, residual adds, the embedding gather, the
 argmax, copies), and `host` (the engine thread's CPU time in `Runner.execute` and `Runner.sample`,
 `time.thread_time`). A greedy step runs no sampler program: the forward's argmax serves it.
+`--weights` serves the model from its GGUF's own Q4_1 blocks (as it ships), as int8 weights
+quantized at load, or from the dequantized float32 copy (`throughput.py`'s) in `--dtype`;
+`--top-ops N` also prints the N busiest operations with their custom-call targets.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ sys.path.insert(0, str(HERE))
 
 # Custom-call targets by part (`pallas_kernels.cpu`); anything else XLA runs is "other XLA".
 PARTS = (("dense", "dense"), ("attention", "attention"), ("rope+kv write", "rope"), ("activation", "silu"))
+WEIGHTS = ("as-shipped", "int8", "float")
 CUSTOM_CALL = re.compile(r"%?([\w.\-]+) = .*custom-call\(.*custom_call_target=\"([^\"]+)\"")
 
 
@@ -47,17 +52,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=16, help="profiled decode steps per row count")
     parser.add_argument("--dtype", default="float32", help="the model's dtype")
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        default="as-shipped",
+        help="as-shipped: the GGUF's own Q4_1 blocks; int8: quantized at load (int8 per channel); "
+        "float: the dequantized float32 safetensors copy served in --dtype",
+    )
+    parser.add_argument("--top-ops", type=int, default=0, help="also print the N busiest operations")
     parser.add_argument("--out", help="JSON path (default benchmarks/out/step_profile.json)")
     return parser.parse_args(argv)
 
 
-def _runner(model_dir: str, rows: int, context: int, dtype: str):
+def _runner(model_dir: str, rows: int, context: int, dtype: str, quantization: str | None):
     from tpu_platform.envs import read_env
     from tpu_platform.runner import Runner, RunnerConfig
 
     config = RunnerConfig(
-        model_path=model_dir, dtype=dtype, max_model_len=2 * context + 64, max_num_seqs=rows,
-        max_num_batched_tokens=max(context, rows), page_size=128, cache_dir=read_env().cache_dir,
+        model_path=model_dir, dtype=dtype, quantization=quantization, max_model_len=2 * context + 64,
+        max_num_seqs=rows, max_num_batched_tokens=max(context, rows), page_size=128,
+        cache_dir=read_env().cache_dir,
     )  # fmt: skip
     runner = Runner(config)
     runner.load_model()
@@ -137,8 +151,8 @@ def _part(op: str, targets: dict[str, str]) -> str:
     return next((part for part, key in PARTS if key in target.lower()), "other XLA")
 
 
-def _busy_ms(trace_dir: str, targets: dict[str, str], steps: int) -> dict[str, float]:
-    """Busy milliseconds per decode step of each part, from the trace's operation events."""
+def _op_busy_ms(trace_dir: str, steps: int) -> dict[str, float]:
+    """Busy milliseconds per decode step of each HLO operation, from the trace's events."""
     path = next(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"))
     events = json.load(gzip.open(path))
     events = events["traceEvents"] if isinstance(events, dict) else events
@@ -146,33 +160,53 @@ def _busy_ms(trace_dir: str, targets: dict[str, str], steps: int) -> dict[str, f
     for event in events:
         op = event.get("args", {}).get("hlo_op")
         if event.get("ph") == "X" and op and not event["name"].startswith("end: "):
-            busy[_part(op, targets)] += event.get("dur", 0.0) / 1e3 / steps
+            busy[op] += event.get("dur", 0.0) / 1e3 / steps
     return dict(busy)
+
+
+def _parts(ops: dict[str, float], targets: dict[str, str]) -> dict[str, float]:
+    busy: dict[str, float] = collections.defaultdict(float)
+    for op, ms in ops.items():
+        busy[_part(op, targets)] += ms
+    return dict(busy)
+
+
+def _weights_source(weights: str, gguf_dir: str) -> tuple[str, str | None]:
+    """(model directory, vLLM quantization) serving the embedded model with `weights`."""
+    import _peers
+
+    if weights == "float":
+        return _peers.hf_model_dir(gguf_dir), None
+    return gguf_dir, "int8_per_channel_weight_only" if weights == "int8" else None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import _peers
 
-    model_dir = _peers.gguf_model_dir()
+    model_dir, quantization = _weights_source(args.weights, _peers.gguf_model_dir())
     load_before = os.getloadavg()
     report = []
     for rows in (int(r) for r in args.rows.split(",")):
-        runner, pages_each = _runner(model_dir, rows, args.context, args.dtype)
+        runner, pages_each = _runner(model_dir, rows, args.context, args.dtype, quantization)
         wall, _ = _serve(runner, rows, args.context, pages_each, args.steps, None)  # untraced
         with tempfile.TemporaryDirectory() as trace_dir:
             _, host = _serve(runner, rows, args.context, pages_each, args.steps, trace_dir)
-            busy = _busy_ms(trace_dir, _targets(runner), args.steps)
+            ops, targets = _op_busy_ms(trace_dir, args.steps), _targets(runner)
+        busy = _parts(ops, targets)
         row = {"rows": rows, "wall_ms": 1e3 * wall, "host_cpu_ms": 1e3 * host, "busy_ms": busy}
         report.append(row)
         parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(busy.items(), key=lambda kv: -kv[1]))
         print(
             f"{rows:4d} rows: {1e3 * wall:.1f} ms a step (untraced); busy ms: {parts}; host {1e3 * host:.2f}"
         )
+        for op, ms in sorted(ops.items(), key=lambda kv: -kv[1])[: args.top_ops]:
+            print(f"    {ms:7.3f} ms  {op}  {targets.get(op, '')}")
         del runner
     out = pathlib.Path(args.out or HERE / "out" / "step_profile.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    info = {"dtype": args.dtype, "context": args.context, "steps": args.steps, "nproc": os.cpu_count(),
+    info = {"weights": args.weights, "dtype": args.dtype, "context": args.context, "steps": args.steps,
+            "nproc": os.cpu_count(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_average_before_after": [load_before, os.getloadavg()]}  # fmt: skip
     out.write_text(json.dumps({**info, "results": report}, indent=2))

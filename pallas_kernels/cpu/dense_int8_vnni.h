@@ -264,10 +264,12 @@ struct VnniInt8 {
 
   using BlockKernel = void (*)(const VnniInt8&, int64_t, int64_t);
 
-  // Register blocks of up to 3 rows by 4 column blocks for up to 3 rows (a decode step: the
-  // weights stream from memory once, and 8 accumulators for one row hide VPDPBUSD's latency), else
-  // 6 rows by 2 (fewer weight permutations per product); both hold 24 accumulators (two planes).
-  // Grouped scales add float32 sums: 1 row by 4 blocks, else 3 by 2.
+  // Register blocks of one row by one column block for one row (a decode step: the weights
+  // stream from memory once, and one panel at a time is one stream of them; four panels at once,
+  // four streams 16 K bytes apart, left the row waiting on memory, as on the int4 kernel), of up to
+  // 3 rows by 4 column blocks for 2 or 3 rows, else 6 rows by 2 (fewer weight permutations per
+  // product); those hold 24 accumulators (two planes). Grouped scales add float32 sums: 1 row by
+  // 1 block, else 3 by 2.
   static BlockKernel KernelFor(bool grouped, int rows, int blocks) {
 #define VLLM_XLA_WIDE(R) {&Block<R, 1>, &Block<R, 2>, &Block<R, 3>, &Block<R, 4>}
 #define VLLM_XLA_TALL(R) {&Block<R, 1>, &Block<R, 2>, nullptr, nullptr}
@@ -287,7 +289,10 @@ struct VnniInt8 {
     if (Grouped()) return M <= 1 ? 1 : 3;
     return M <= 3 ? 3 : kVnniRows;
   }
-  int BlockCols() const { return (Grouped() ? M <= 1 : M <= 3) ? kVnniBlocks : 2; }
+  int BlockCols() const {
+    if (M == 1) return 1;
+    return !Grouped() && M <= 3 ? kVnniBlocks : 2;
+  }
 
   void Run(const Item& item) const {
     const bool grouped = Grouped();
