@@ -76,6 +76,11 @@ def _hidden(graphdef, state, caches, ids, positions, md):
     return nnx.merge(graphdef, state)(ids, positions, caches, md)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _with_aux(graphdef, state, caches, ids, positions, md, aux_layers):
+    return nnx.merge(graphdef, state)(ids, positions, caches, md, aux_layers=aux_layers)
+
+
 def _caches(config, stacked=False, backend="xla"):
     """One float32 cache of 32 pages a layer: an array each, or all in one array (the runner's)."""
     count, pages = (1, 32 * config.num_layers) if stacked else (config.num_layers, 32)
@@ -96,8 +101,10 @@ def test_the_trunk_hands_an_eagle3_head_the_residual_stream_entering_its_layers(
         num_seqs=jnp.asarray([1], jnp.int32),
     )  # fmt: skip
     tokens, positions = jnp.asarray(ids, jnp.int32), jnp.arange(len(ids), dtype=jnp.int32)
-    hidden, _, aux = model(tokens, positions, _caches(config), md, aux_layers=(0, 1, 2))
-    assert len(model(tokens, positions, _caches(config), md)) == 2  # nothing more unless asked
+    graphdef, state = nnx.split(model)
+    hidden, _, aux = _with_aux(graphdef, state, _caches(config), tokens, positions, md, (0, 1, 2))
+    plain = jax.eval_shape(_hidden, graphdef, state, _caches(config), tokens, positions, md)
+    assert len(plain) == 2  # nothing more unless asked
     with torch.no_grad():
         expected = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
     d = config.hidden_size
@@ -107,7 +114,13 @@ def test_the_trunk_hands_an_eagle3_head_the_residual_stream_entering_its_layers(
     np.testing.assert_allclose(hidden, expected[2][0].numpy(), atol=1e-4, rtol=1e-4)  # HF's last: normed
 
 
-@pytest.mark.parametrize("stacked", [False, True], ids=["cache_per_layer", "stacked_caches"])
+# Stacked caches: the fast tier checks them in `test_layers_split_over_stacked_arrays_...` (two layers
+# in one array, a third in another); the ragged batch over them is the slow tier's.
+@pytest.mark.parametrize(
+    "stacked",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["cache_per_layer", "stacked_caches"],
+)
 def test_ragged_prefill_then_mixed_decode_match_transformers(tiny, stacked):
     _, config, model, hf = tiny
     rng = np.random.default_rng(0)
@@ -264,7 +277,8 @@ def test_packed_float32_model_computes_what_transformers_does(native_kernels, tm
     np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("backend", ["xla", "cpu_native"])
+# The fast tier checks the backend whose dense kernels rely on the zeros; XLA's is the slow tier's.
+@pytest.mark.parametrize("backend", [pytest.param("xla", marks=pytest.mark.slow), "cpu_native"])
 def test_padding_tokens_stay_zero_through_every_layer(tiny, request, backend):
     """A step's padding tokens (past `cu_q_lens[num_seqs]`) have zero hidden states out of every
     layer, on which the CPU's dense kernels skip them; the real tokens' states are those of the
