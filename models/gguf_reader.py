@@ -144,6 +144,13 @@ def q4_float16_blocks(source: str | GgufFile) -> bool:
     return bool(q4_linear_weights(source)) and kinds <= {_Q4_0, _Q4_1}
 
 
+def q8_0_embedding(source: str | GgufFile) -> bool:
+    """Whether the file's token embedding is Q8_0: a tied head's int8 copy quantized from it in
+    the same groups of 32 (`models.quantization.quantize_tied_head_int8`) gets back each block's
+    float16 d (its largest |q| is 127, as Q8_0 writers make it), so float16 holds its scales."""
+    return any(t.name == "token_embd.weight" and t.ggml_type == _Q8_0 for t in _opened(source).tensors)
+
+
 def iter_hf_tensors(
     source: str | GgufFile, *, int8_q8_0: bool = False, int4_q4: bool = False
 ) -> Iterator[tuple[str, np.ndarray]]:

@@ -302,6 +302,17 @@ def gguf_float16_scales(path: str) -> bool:
         return False
 
 
+def gguf_q8_0_embedding(path: str) -> bool:
+    """Whether the model at `path` is a GGUF whose token embedding is Q8_0
+    (`gguf_reader.q8_0_embedding`): a tied head's int8 copy in groups of 32 holds its scales in
+    float16 exactly."""
+    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
+    try:
+        return bool(files) and any(gguf_reader.q8_0_embedding(file) for file in files)
+    except FileNotFoundError:
+        return False
+
+
 def gguf_q8_0_weights(path: str) -> set[str]:
     """The HF names of the Q8_0 linear weights of the model at `path`'s GGUF files (none for
     safetensors)."""

@@ -78,3 +78,43 @@ def test_scales_float16_would_round_are_refused():
     scale[1, 3] = 0.01  # float32's 0.01: float16 would round it
     with pytest.raises(ValueError, match=r"round 1 of 32 int8 scales.*float32"):
         cpu.float16_int8_scales(scale)
+
+
+def test_a_q8_0_embedding_requantized_gives_back_its_d():
+    """A tied head's copy is quantized from the dequantized table (`quantize_tied_head_int8`), in
+    the same groups of 32: each block's scale comes back as its float16 d, and its values as q."""
+    from gguf.quants import dequantize, quantize
+
+    from models.int8 import quantize_grouped
+
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((64, 96)).astype(np.float32) * 0.05  # [V, D]: blocks along D
+    table[3] = 0  # an all-zero row: Q8_0 writes d = 0, requantized it gets scale 1 and q 0
+    raw = quantize(table, 8)  # GGMLQuantizationType.Q8_0
+    q, scale = quantize_grouped(dequantize(raw, 8).astype(np.float32).T, 32)
+    d = raw.reshape(64, 3, 34)[..., :2].copy().view("<f2")[..., 0]  # [V, D / 32]
+    np.testing.assert_array_equal(cpu.float16_int8_scales(scale), np.where(d.T == 0, 1, d.T))
+    np.testing.assert_array_equal(q.T, raw.reshape(64, 3, 34)[..., 2:].copy().view(np.int8).reshape(64, 96))
+
+
+def test_a_packed_tied_head_halves_its_grouped_scales(dense_kernels):
+    from flax import nnx
+
+    from models import pack_for_native_dense
+    from models.layers import Embedding, HeadCopy
+
+    rng = np.random.default_rng(6)
+    q, d = _q8_0_blocks(rng, 96, 64)
+
+    def packed_head(float16_head_scales: bool) -> Embedding:
+        embedding = Embedding(64, 96, dtype=jnp.bfloat16)
+        embedding.head_kernel, embedding.head_scale = HeadCopy(q), HeadCopy(d.astype(np.float32))
+        assert pack_for_native_dense(embedding, float16_head_scales=float16_head_scales) == 1
+        return embedding
+
+    halved, kept = packed_head(True), packed_head(False)
+    assert isinstance(halved.head_scale, HeadCopy) and halved.head_scale[...].dtype == np.float16
+    np.testing.assert_array_equal(halved.head_scale[...], d)
+    assert kept.head_scale[...].dtype == np.float32
+    x = jnp.asarray(rng.standard_normal((1, 96)), jnp.bfloat16)
+    np.testing.assert_array_equal(nnx.jit(Embedding.attend)(halved, x), nnx.jit(Embedding.attend)(kept, x))
