@@ -31,7 +31,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import ModelConfig, PackedKernel, build, pack_for_native_dense
-from models.layers import HeadCopy
 from models.linear import is_packed_int4, keep_float_layers, packed_for_native_dense
 from models.loader import checkpoint_values, int8_group_size
 from models.quantization import (
@@ -43,7 +42,6 @@ from models.quantization import (
 )
 from models.sharding import addressable_box, addressable_rows, fused_layout, fused_parts
 from models.weight_stream import HostBytes, served_abstract, stream_model
-from pallas_kernels.cpu import float16_int8_scales
 
 FORMAT = "vllm-xla prepared weights"
 # The prepared layout's version: a change to how the state is derived (fusion order, packing)
@@ -195,14 +193,7 @@ class Preparation:
 
     def served_value(self, value: np.ndarray, served: nnx.Variable) -> np.ndarray:
         """One parameter as `prepare_for_serving` leaves it, as this preparation has it: packed
-        when its abstract served Variable is a `PackedKernel` (`stream_model`'s `place`), a head's
-        scales in float16 where they are served so (`float16_head_scales`)."""
-        if (
-            isinstance(served, HeadCopy)
-            and served.get_value().dtype == np.float16
-            and value.dtype != np.float16
-        ):
-            return float16_int8_scales(value)
+        when its abstract served Variable is a `PackedKernel` (`stream_model`'s `place`)."""
         if not isinstance(served, PackedKernel):
             return value
         four_bit = is_packed_int4(served.get_value())  # the abstract served value: how it was packed
