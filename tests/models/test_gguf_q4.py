@@ -135,12 +135,11 @@ def test_q4_0_and_q4_1_stream_in_with_their_float16_scales_and_bases(q4_dir, den
         np.testing.assert_array_equal(logits[0], logits[2])
 
 
+@pytest.mark.slow  # 7 s: a load and a step (the fast ones: test_cpu_dense_int8_float16.py)
 def test_a_tied_q8_0_embedding_streams_its_head_scales_in_float16(tmp_path, dense_kernels):
     """A Q4_1 file with a tied Q8_0 embedding (the embedded model's layout), prepared with float16
     head scales: the head's packed int8 copy is the file's own blocks, each block's float16 d
-    and values, and the model computes bit for bit what float32 copies of those scales give, and
-    close to the float32-scales preparation (whose head is quantized again from the embedding in
-    the model's dtype)."""
+    and values, and the model computes bit for bit what float32 copies of those scales give."""
     from models.layers import HeadCopy
     from pallas_kernels.cpu.dense_int8 import unpack_dense_kernel_int8
 
@@ -152,10 +151,8 @@ def test_a_tied_q8_0_embedding_streams_its_head_scales_in_float16(tmp_path, dens
     half = dataclasses.replace(plain, float16_head_scales=True)
     assert half.name.endswith("-f16scales-f16head")
     config, model = load_prepared(path, half, _ON_DEVICE)
-    _, requantized = load_prepared(path, plain, _ON_DEVICE)
     head = model.model.embed_tokens
     assert head.head_scale[...].dtype == np.float16
-    assert requantized.model.embed_tokens.head_scale[...].dtype == np.float32
     table = gguf.GGUFReader(os.path.join(path, "model.gguf")).get_tensor(0)
     assert table.name == "token_embd.weight"
     blocks = np.asarray(table.data).reshape(config.vocab_size, -1, 34)
@@ -164,11 +161,9 @@ def test_a_tied_q8_0_embedding_streams_its_head_scales_in_float16(tmp_path, dens
     np.testing.assert_array_equal(unpack_dense_kernel_int8(head.head_kernel[...]), values.T)
     widened = nnx.clone(model)
     widened.model.embed_tokens.head_scale = HeadCopy(np.asarray(head.head_scale[...], np.float32))
-    for ids in prompts([24, 1], seed=3):  # a prefill's rows, and one (the VNNI path's)
-        logits = [run_step(m, caches(config), [ids], [0], [[1, 2]])[0] for m in (model, widened, requantized)]
-        np.testing.assert_array_equal(logits[0], logits[1])
-        # the requantized head is off by the embedding's bfloat16 rounding (2^-9 of a weight)
-        np.testing.assert_allclose(logits[0], logits[2], rtol=0, atol=5e-3 * np.abs(logits[2]).max())
+    (ids,) = prompts([3], seed=3)  # a few rows (the kernel's tests take the others)
+    logits = [run_step(m, caches(config), [ids], [0], [[1, 2]])[0] for m in (model, widened)]
+    np.testing.assert_array_equal(logits[0], logits[1])
 
 
 def test_a_file_mixing_q4_with_other_types_loads_as_float(source, tmp_path):
