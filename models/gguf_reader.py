@@ -144,6 +144,21 @@ def q4_float16_blocks(source: str | GgufFile) -> bool:
     return bool(q4_linear_weights(source)) and kinds <= {_Q4_0, _Q4_1}
 
 
+def q8_0_embedding(source: str | GgufFile) -> bool:
+    """Whether the file's token embedding is Q8_0 (`q8_0_embedding_blocks`)."""
+    return any(t.name == "token_embd.weight" and t.ggml_type == _Q8_0 for t in _opened(source).tensors)
+
+
+def q8_0_embedding_blocks(source: str | GgufFile) -> tuple[np.ndarray, np.ndarray] | None:
+    """The file's token embedding's Q8_0 blocks as they are: int8 values `[V, D]` and float16
+    scales `[V, D / 32]` (a tied head's int8 copy, `[D, V]` transposed, in the same groups of
+    32 as `models.quantization.quantize_tied_head_int8` makes it); None if it is not Q8_0."""
+    for tensor in _opened(source).tensors:
+        if tensor.name == "token_embd.weight" and tensor.ggml_type == _Q8_0:
+            return q8_0_blocks(tensor.data, np.float16)
+    return None
+
+
 def iter_hf_tensors(
     source: str | GgufFile, *, int8_q8_0: bool = False, int4_q4: bool = False
 ) -> Iterator[tuple[str, np.ndarray]]:
@@ -184,13 +199,14 @@ def _hf_rows(name: str, array: np.ndarray, num_heads: int, num_kv_heads: int) ->
     return array
 
 
-def q8_0_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def q8_0_blocks(data: np.ndarray, scale_dtype=SCALE_DTYPE) -> tuple[np.ndarray, np.ndarray]:
     """A Q8_0 tensor's raw bytes `[rows, blocks * 34]` (each block a float16 scale, then 32 int8
-    values) -> its int8 values `[rows, blocks * 32]` and float32 scales `[rows, blocks]`."""
+    values) -> its int8 values `[rows, blocks * 32]` and scales `[rows, blocks]` (float32, or
+    `scale_dtype`: float16 keeps the file's own)."""
     raw = np.ascontiguousarray(data, np.uint8)
     rows = raw.reshape(-1, raw.shape[-1]).shape[0]
     blocks = raw.reshape(rows, -1, 2 + Q8_0_BLOCK)
-    scale = blocks[..., :2].copy().view("<f2")[..., 0].astype(SCALE_DTYPE)
+    scale = blocks[..., :2].copy().view("<f2")[..., 0].astype(scale_dtype)
     q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
     return q, scale
 

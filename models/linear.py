@@ -169,6 +169,13 @@ def halve_int4_scales(linear: Linear) -> None:
     linear.kernel_scale, linear.kernel_offset = nnx.Param(scale), Int4Bases(base)
 
 
+def halve_int8_scales(scale: nnx.Variable) -> nnx.Variable:
+    """A grouped int8 kernel's float32 scales as float16 (`pallas_kernels.cpu.float16_int8_scales`,
+    which refuses scales float16 would round: a GGUF Q8_0 block's d fits), in a Variable of the
+    same kind: half the bytes a decode step streams for them, the same product."""
+    return type(scale)(cpu.float16_int8_scales(scale.get_value()))
+
+
 def matmul(
     x: jax.Array,
     kernel: nnx.Variable,

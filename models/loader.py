@@ -302,6 +302,26 @@ def gguf_float16_scales(path: str) -> bool:
         return False
 
 
+def gguf_q8_0_embedding(path: str) -> bool:
+    """Whether the model at `path` is a GGUF whose token embedding is Q8_0."""
+    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
+    try:
+        return any(gguf_reader.q8_0_embedding(f) for f in files)
+    except FileNotFoundError:
+        return False
+
+
+def gguf_q8_0_embedding_blocks(path: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """The Q8_0 blocks of the token embedding of the model at `path`, a GGUF
+    (`gguf_reader.q8_0_embedding`: int8 values `[V, D]`, float16 scales `[V, D / 32]`, a tied
+    head's copy as the file holds it); None for another type or checkpoint."""
+    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
+    try:
+        return next((b for f in files if (b := gguf_reader.q8_0_embedding_blocks(f)) is not None), None)
+    except FileNotFoundError:
+        return None
+
+
 def gguf_q8_0_weights(path: str) -> set[str]:
     """The HF names of the Q8_0 linear weights of the model at `path`'s GGUF files (none for
     safetensors)."""

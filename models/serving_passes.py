@@ -15,6 +15,7 @@ from models.linear import (
     Linear,
     PackedKernel,
     halve_int4_scales,
+    halve_int8_scales,
     is_packed_int4,
     native_dense_takes_groups,
     packed_for_native_dense,
@@ -54,7 +55,12 @@ def attach_rope_tables(model: nnx.Module, num_positions: int) -> int:
 
 
 def pack_for_native_dense(
-    model: nnx.Module, *, float32: bool = False, int4: bool = False, float16_scales: bool = False
+    model: nnx.Module,
+    *,
+    float32: bool = False,
+    int4: bool = False,
+    float16_scales: bool = False,
+    float16_head_scales: bool = False,
 ) -> int:
     """Packs every Linear kernel (and a tied head's copy) that the native CPU dense kernel can take
     (`pallas_kernels.cpu.native_dense`): the bfloat16 and int8 ones, and with `float32` the float32 ones;
@@ -67,7 +73,9 @@ def pack_for_native_dense(
     (`linear.native_dense_takes_groups`: an int4 one the int4 kernel refuses goes to the int8
     kernel where that one takes them); else it stays on XLA's dot. `float16_scales`: the packed
     int4 kernels with offsets hold float16 scales and bases instead (`linear.halve_int4_scales`:
-    a GGUF Q4_0 or Q4_1 file's own, which a host model's values must fit)."""
+    a GGUF Q4_0 or Q4_1 file's own, which a host model's values must fit). `float16_head_scales`:
+    a tied head's packed int8 copy with grouped scales holds them in float16
+    (`linear.halve_int8_scales`: a GGUF Q8_0 embedding's own d)."""
     packed = 0
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, Linear):
@@ -91,4 +99,6 @@ def pack_for_native_dense(
             affine = getattr(module, "kernel_offset", None) is not None
             if float16_scales and affine and is_packed_int4(value):
                 halve_int4_scales(module)
+            if float16_head_scales and name == "head_kernel" and grouped:
+                module.head_scale = halve_int8_scales(module.head_scale)
     return packed

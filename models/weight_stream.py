@@ -43,6 +43,7 @@ from models.expert_stacks import ExpertStacks
 from models.int8 import group_size
 from models.linear import Int4Bases, PackedKernel, is_packed_int4, quantizer_for, unpacked_shape
 from models.loader import (
+    gguf_q8_0_embedding_blocks,
     give_input_orders,
     iter_parameters,
     keep_checkpoint_float_layers,
@@ -219,7 +220,9 @@ def _stream(
             placed[scale_name] = place(scale_name, scale, served[scale_name])
         placed[ours] = place(ours, value, served[ours])
         if ours in head_copies:
-            for name, copy in _with_scales([(head_copies[ours], value.T)], quantized, offsets):
+            for name, copy in _with_scales(
+                _tied_head(path, head_copies[ours], value, served), quantized, offsets
+            ):
                 placed[name] = place(name, copy, served[name])
     return placed
 
@@ -303,6 +306,22 @@ def _quantized_kernels(
                 shapes = (unpacked_shape(kernel), shapes[1])
             found[name] = (group_size(*shapes), dtype)
     return found | {part: found[name] for part, (name, _) in part_of.items() if name in found}
+
+
+def _tied_head(
+    path: str, head: str, embedding: np.ndarray, served: dict[str, nnx.Variable]
+) -> list[tuple[str, np.ndarray]]:
+    """A tied head's `[D, V]` copy from the loaded embedding, to be quantized as served; or, where
+    its scales are served in float16 (`Preparation.float16_head_scales`), the file's own Q8_0
+    blocks as they are (the embedding's values rounded to the model's dtype would not give back
+    each block's float16 d)."""
+    scale = head.removesuffix("head_kernel") + "head_scale"
+    if scale in served and served[scale].get_value().dtype == np.float16:
+        blocks = gguf_q8_0_embedding_blocks(path)
+        if blocks is None:
+            raise ValueError(f"{path}: a tied head with float16 scales needs a GGUF whose embedding is Q8_0")
+        return [(head, blocks[0].T), (scale, blocks[1].T)]
+    return [(head, embedding.T)]
 
 
 def _with_scales(

@@ -155,7 +155,8 @@ SUPPORTED: tuple[Supported, ...] = (
         "GGUF Q4 blocks, MoE experts included (zero points and act-order too); Qwen3.5's fused "
         "in_proj_qkv (4-bit or fp8) cut into q, k and v in each format's own layout; int4 two a byte on "
         "TPU and GPU (int8 on CPU); the LM head, embedding and MoE router stay in the model dtype "
-        "(on the native CPU kernels a tied head's copy is int8, and GGUF Q4_0 and Q4_1 blocks keep "
+        "(on the native CPU kernels a tied head's copy is int8, a GGUF's Q8_0 embedding's own "
+        "blocks with their float16 d, and GGUF Q4_0 and Q4_1 blocks keep "
         "their float16 d and minimum as the int4 kernel's scales). Refused by name: act-order with "
         "uneven groups or with an expert's gate and up in different orders, other bit widths, a "
         "fused layer's part that is not whole fp8 blocks or packed words",

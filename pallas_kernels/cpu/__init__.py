@@ -50,6 +50,7 @@ from pallas_kernels.cpu.dense_int4 import (
 from pallas_kernels.cpu.dense_int8 import (
     can_pack_int8,
     dense_int8_takes_groups,
+    float16_int8_scales,
     native_dense_int8,
     native_dense_int8_fixed_point_reference,
     native_dense_int8_reference,
@@ -74,6 +75,7 @@ __all__ = [
     "dense_int8_takes_groups",
     "dense_isa",
     "dense_isas",
+    "float16_int8_scales",
     "float16_scales",
     "is_loaded",
     "load",

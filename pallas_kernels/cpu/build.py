@@ -62,6 +62,7 @@ HEADERS = tuple(
         "dense_f32_block.h",
         "dense_avx2.h",
         "dense_avx512_bf16.h",
+        "float16.h",
         "dense_int8_vnni.h",
         "dense_int4_avx2.h",
         "dense_int4_pairs.h",

@@ -63,6 +63,7 @@
 
 #include "dense_blocks.h"
 #include "dense_int4_avx2.h"
+#include "float16.h"
 #include "layer_stack.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -90,30 +91,7 @@ using vllm_xla::int4::Avx2Int4;
 using vllm_xla::int4::Avx512Bf16Int4;
 #endif
 
-// A float16 value's bits as float32 (exact: every float16 is a float32).
-float HalfToFloat(uint16_t half) {
-  const uint32_t sign = static_cast<uint32_t>(half & 0x8000) << 16;
-  const uint32_t exponent = (half >> 10) & 0x1F, mantissa = half & 0x3FF;
-  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
-    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
-    return sign != 0 ? -magnitude : magnitude;
-  }
-  const uint32_t bits = sign | (exponent == 31 ? 0x7F800000u : (exponent + 112) << 23) | (mantissa << 13);
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
-// `count` float16 values' bits as float32, eight an instruction where the CPU has F16C.
-void WidenHalves(const uint16_t* from, int64_t count, float* to) {
-  int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= count; i += 8) {
-    _mm256_storeu_ps(to + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i))));
-  }
-#endif
-  for (; i < count; ++i) to[i] = HalfToFloat(from[i]);
-}
+using vllm_xla::WidenHalves;
 
 // The scales and offsets as the paths read them: float32 as given, or float16 bits, which
 // "avx512_vnni" and "avx512_bf16" read as they are and every other path as float32 widened once a

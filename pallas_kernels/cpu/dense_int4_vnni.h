@@ -42,11 +42,7 @@ namespace vllm_xla {
 constexpr int64_t kInt4VnniRunWords = 128;
 constexpr int kInt4VnniMaxBlocks = 4;  // 16-column blocks of one row in a register block
 
-// 16 scales (or offsets) from float32, or from float16 bits widened exactly.
-VLLM_XLA_INT8_VNNI inline __m512 LoadScales(const float* at) { return _mm512_loadu_ps(at); }
-VLLM_XLA_INT8_VNNI inline __m512 LoadScales(const uint16_t* at) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-}
+// `LoadScales` (dense_int8_vnni.h) reads scales and offsets, float32 or float16 bits.
 
 // Walks a work item of `Problem` (`VnniInt4` or `VnniInt4Q8`) in its register blocks: one row, two
 // rows by up to `block_cols` (at most 2) column blocks, or up to 4 rows by one. `x_row_bytes`: a

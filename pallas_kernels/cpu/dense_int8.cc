@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // int8-weight dense layers (W8A16) as an XLA FFI handler: y[M, N] (float32) = (x[M, K] @ q) * s,
 // q int8 with one float32 scale per output column (or per group of G consecutive k and column,
-// scale [K/G, N]), x bfloat16 or float32.
+// scale [K/G, N]), x bfloat16 or float32. The scales may be float16 instead (GGUF Q8_0's d): the
+// VNNI path reads them as they are, the others widen them once a call; either way the result is
+// bit for bit what float32 copies of the same values give.
 //
 // Decode streams every weight once a step and does little else, so its speed is the weights'
 // bytes over the memory bandwidth: int8 halves bfloat16's bytes. XLA:CPU converts an int8 kernel
@@ -45,6 +47,7 @@
 #include "dense_avx512_bf16.h"
 #include "dense_blocks.h"
 #include "dense_int8_vnni.h"
+#include "float16.h"
 #include "layer_stack.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -311,7 +314,16 @@ int64_t RowsToMultiply(const ffi::AnyBuffer& x, int64_t rows, int64_t K) {
                                                 0x7fffffffu);
 }
 
-ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+// The layer's scales as float32: as given, or float16 ones widened once a call into `wide` (exact;
+// the VNNI path reads float16 ones as they are instead).
+const float* FloatScales(const ffi::AnyBuffer& scale, int64_t first, int64_t count, std::vector<float>& wide) {
+  if (scale.element_type() == ffi::DataType::F32) return reinterpret_cast<const float*>(scale.untyped_data()) + first;
+  wide.resize(count);
+  vllm_xla::WidenHalves(reinterpret_cast<const uint16_t*>(scale.untyped_data()) + first, count, wide.data());
+  return wide.data();
+}
+
+ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::AnyBuffer scale,
                      ffi::ResultBuffer<ffi::F32> y, int32_t isa, int32_t layer) {
   const auto xd = x.dimensions();
   const bool stacked = w.dimensions().size() == 4;
@@ -323,12 +335,13 @@ ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8
   // Scales [N] (per column) or [K / G, N] (per group of G consecutive k, G a multiple of 4).
   const int64_t groups = sd.size() == 2 ? sd[0] : 1;
   const bool scales_fit = (sd.size() == 1 || sd.size() == 2) && sd.back() == wd[0] * kCols && groups > 0 &&
-                          xd.size() == 2 && xd[1] % groups == 0 && (groups == 1 || xd[1] / groups % 4 == 0);
+                          xd.size() == 2 && xd[1] % groups == 0 && (groups == 1 || xd[1] / groups % 4 == 0) &&
+                          (scale.element_type() == ffi::DataType::F32 || scale.element_type() == ffi::DataType::F16);
   if (!weight.ok || !scales.ok || xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || wd[2] != kCols || !scales_fit ||
       (type != ffi::DataType::BF16 && type != ffi::DataType::F32)) {
     return ffi::Error::InvalidArgument(
-        "expected x [M, K] (bfloat16 or float32), a packed int8 weight [N/16, K, 16] and float32 scales [N] or "
-        "[K/G, N] with G a multiple of 4 (or stacks of weights and scales holding `layer`)");
+        "expected x [M, K] (bfloat16 or float32), a packed int8 weight [N/16, K, 16] and float32 or float16 "
+        "scales [N] or [K/G, N] with G a multiple of 4 (or stacks of weights and scales holding `layer`)");
   }
   Int8Isa run = static_cast<Int8Isa>(isa);
   if (run == kBestIsa) run = BestIsa(type);
@@ -342,9 +355,11 @@ ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8
   std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
   if (M == 0) return ffi::Error::Success();
   const int8_t* w_values = w.typed_data() + weight.offset;
-  const float* s_values = scale.typed_data() + scales.offset;
+  const int64_t scale_count = groups * N;
   const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(int8_t));
   if (run == kAvx512Bf16 && type == ffi::DataType::BF16 && K % 2 == 0 && M > kWidenAheadAbove && groups == 1) {
+    std::vector<float> wide_scales;
+    const float* s_values = FloatScales(scale, scales.offset, scale_count, wide_scales);
     const WidenedInt8 widened{{nullptr, w_values, s_values, y->typed_data(), M, K, N, K},
                               reinterpret_cast<const uint16_t*>(x.untyped_data())};
     const int64_t widened_blocks = vllm_xla::CachedBlocks(K, sizeof(uint16_t));  // in L2 as bfloat16
@@ -358,15 +373,24 @@ ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8
         K <= vllm_xla::kMaxVnniDepth &&
         (type == ffi::DataType::BF16 ? rows.Quantize(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, group)
                                      : rows.Quantize(reinterpret_cast<const float*>(x.untyped_data()), M, K, group));
+    const int64_t blocks = std::max<int64_t>(kAvx512Blocks, cached_blocks);
+    if (quantized && scale.element_type() == ffi::DataType::F16) {  // read as they are
+      const auto* halves = reinterpret_cast<const uint16_t*>(scale.untyped_data()) + scales.offset;
+      const vllm_xla::VnniInt8<uint16_t> problem{&rows, w_values, halves, y->typed_data(), M, K, N};
+      vllm_xla::RunOverColumnBlocks(problem, N / kCols, blocks, pool);
+      return ffi::Error::Success();
+    }
     if (quantized) {
-      const vllm_xla::VnniInt8 problem{&rows, w_values, s_values, y->typed_data(), M, K, N};
-      vllm_xla::RunOverColumnBlocks(problem, N / kCols, std::max<int64_t>(kAvx512Blocks, cached_blocks), pool);
+      const auto* floats = reinterpret_cast<const float*>(scale.untyped_data()) + scales.offset;
+      const vllm_xla::VnniInt8<float> problem{&rows, w_values, floats, y->typed_data(), M, K, N};
+      vllm_xla::RunOverColumnBlocks(problem, N / kCols, blocks, pool);
       return ffi::Error::Success();
     }
     // Not finite values (the float product carries them as it would), rows too small for the
     // fixed point, or a depth past int32's reach: the float path.
   }
-  std::vector<float> wide;
+  std::vector<float> wide, wide_scales;
+  const float* s_values = FloatScales(scale, scales.offset, scale_count, wide_scales);
   const float* x_values = reinterpret_cast<const float*>(x.untyped_data());
   if (type == ffi::DataType::BF16) {
     WidenRows(x, M, K, wide);
@@ -387,7 +411,7 @@ ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8
 
 bool IsaUsable(Int8Isa) { return false; }
 
-ffi::Error DenseInt8(ffi::ThreadPool, ffi::AnyBuffer, ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>,
+ffi::Error DenseInt8(ffi::ThreadPool, ffi::AnyBuffer, ffi::Buffer<ffi::S8>, ffi::AnyBuffer,
                      ffi::ResultBuffer<ffi::F32>, int32_t, int32_t) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "the int8 dense kernel needs an x86-64 CPU");
 }
@@ -408,7 +432,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt8, DenseInt8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("isa")
                                   .Attr<int32_t>("layer"));

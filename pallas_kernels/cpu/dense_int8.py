@@ -65,6 +65,22 @@ def unpack_dense_kernel_int8(packed: jax.Array) -> jax.Array:
     return packed.transpose(1, 0, 2).reshape(depth, blocks * cols)
 
 
+def float16_int8_scales(scale):
+    """float32 int8 scales -> float16 ones for `native_dense_int8` (NumPy in, NumPy out): the same
+    product in half the scales' bytes. Host arrays are checked: every scale must be exact in
+    float16 (a GGUF Q8_0 block's d is, and so is its requantization from the file's values), else
+    this refuses, naming how many; a traced one is taken as fitting (its host load checks it)."""
+    xp = _xp(scale)
+    halves = scale.astype(xp.float16)
+    if isinstance(scale, np.ndarray):
+        rounded = int(np.sum(halves.astype(np.float32) != scale.astype(np.float32)))
+        if rounded:
+            raise ValueError(
+                f"float16 would round {rounded} of {scale.size} int8 scales: keep these scales in float32"
+            )
+    return halves
+
+
 def _grouped_scale(scale: jax.Array) -> jax.Array:
     """Scales `[N]` or `[K/G, N]` as `[groups, N]`."""
     return scale.astype(jnp.float32).reshape(-1, scale.shape[-1])
@@ -138,7 +154,10 @@ def native_dense_int8(
 ) -> jax.Array:
     """`(x [M, K] @ q) * s` in float32, `packed` from `pack_dense_kernel_int8`, `scale [N]` (one
     per column), or `[K/G, N]`: one per group of G consecutive k and column (G a multiple of 4 that
-    divides K; GGUF Q8_0's G is 32), each group's products scaled before they are summed.
+    divides K; GGUF Q8_0's G is 32), each group's products scaled before they are summed. Scales
+    are float32, or float16 (GGUF Q8_0's own d, half the bytes) read as they are: the result is
+    bit for bit what float32 copies of them give (`float16_int8_scales`); any other float dtype
+    is converted to float32.
 
     x is bfloat16 (read as it is) or another float dtype (converted to float32). `isa` picks the
     path ("avx512_vnni", "avx512_bf16", "avx512" or "avx2"); None takes the best the CPU has
@@ -178,7 +197,6 @@ def native_dense_int8(
             f"K = {depth}: [K/G, N] with G % 4 == 0"
         )
     x = x if x.dtype == jnp.bfloat16 else x.astype(jnp.float32)
+    scale = scale if scale.dtype == jnp.float16 else scale.astype(jnp.float32)
     call = jax.ffi.ffi_call(DENSE_INT8_TARGET, jax.ShapeDtypeStruct((x.shape[0], blocks * cols), jnp.float32))
-    return call(
-        x, packed, scale.astype(jnp.float32), isa=np.int32(codes.get(isa, 0)), layer=np.int32(layer or 0)
-    )
+    return call(x, packed, scale, isa=np.int32(codes.get(isa, 0)), layer=np.int32(layer or 0))

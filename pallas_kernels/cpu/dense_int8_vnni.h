@@ -147,10 +147,18 @@ VLLM_XLA_INT8_VNNI inline __m512i DotBytes(__m512i acc, __m512i u, __m512i s) {
   return acc;
 }
 
+// 16 scales from `at` as float32: float32 ones as they are, float16 bits (`Scale` uint16_t: GGUF
+// Q8_0's own d) widened exactly (VCVTPH2PS), half the bytes a decode step streams for them.
+VLLM_XLA_INT8_VNNI inline __m512 LoadScales(const float* at) { return _mm512_loadu_ps(at); }
+VLLM_XLA_INT8_VNNI inline __m512 LoadScales(const uint16_t* at) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+}
+
+template <typename Scale>
 struct VnniInt8 {
   const FixedPointRows* rows;
   const int8_t* w;     // [N/16, K, 16]
-  const float* scale;  // [N], or [groups, N] (`FixedPointRows::groups`)
+  const Scale* scale;  // [N], or [groups, N] (`FixedPointRows::groups`): float32, or float16 bits
   float* y;            // [M, N]
   int64_t M, K, N;
 
@@ -224,7 +232,7 @@ struct VnniInt8 {
       const __m512 step = _mm512_set1_ps(p.rows->step[row + r]);
       VLLM_XLA_UNROLL
       for (int c = 0; c < C; ++c) {
-        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(p.scale + (block + c) * 16), step);
+        const __m512 s = _mm512_mul_ps(LoadScales(p.scale + (block + c) * 16), step);
         _mm512_storeu_ps(p.y + (row + r) * p.N + (block + c) * 16, _mm512_mul_ps(Combine<R, C>(p, row, 0, r, c, acc), s));
       }
     }
@@ -249,7 +257,7 @@ struct VnniInt8 {
       Accumulate<R, C>(p, row, block, g * group_words, (g + 1) * group_words, acc);
       VLLM_XLA_UNROLL
       for (int c = 0; c < C; ++c) {
-        const __m512 s = _mm512_loadu_ps(p.scale + g * p.N + (block + c) * 16);
+        const __m512 s = LoadScales(p.scale + g * p.N + (block + c) * 16);
         VLLM_XLA_UNROLL
         for (int r = 0; r < R; ++r) total[r][c] = _mm512_fmadd_ps(Combine<R, C>(p, row, g, r, c, acc), s, total[r][c]);
       }

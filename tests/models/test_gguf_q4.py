@@ -19,7 +19,7 @@ from flax import nnx
 from models import int4, load_model
 from models.gguf_reader import Q4_BLOCK, hf_name, iter_hf_tensors, q4_linear_weights, unpermute_rope_rows
 from models.linear import Int4Bases
-from models.loader import gguf_4bit_quantization, gguf_float16_scales
+from models.loader import gguf_4bit_quantization, gguf_float16_scales, gguf_q8_0_embedding
 from tests.models.gguf_q4_blocks import Q4_TYPES, quantizer
 from tests.models.test_gguf_q8_0 import _arrays, _logits, write_q8_0_gguf
 from tests.models.tiny_checkpoints import caches, prompts, run_step
@@ -133,6 +133,37 @@ def test_q4_0_and_q4_1_stream_in_with_their_float16_scales_and_bases(q4_dir, den
         logits = [run_step(m, caches(config), [ids], [0], [[1, 2]])[0] for m in (model, float32, restored)]
         np.testing.assert_array_equal(logits[0], logits[1])
         np.testing.assert_array_equal(logits[0], logits[2])
+
+
+@pytest.mark.slow  # 7 s: a load and a step (the fast ones: test_cpu_dense_int8_float16.py)
+def test_a_tied_q8_0_embedding_streams_its_head_scales_in_float16(tmp_path, dense_kernels):
+    """A Q4_1 file with a tied Q8_0 embedding (the embedded model's layout), prepared with float16
+    head scales: the head's packed int8 copy is the file's own blocks, each block's float16 d
+    and values, and the model computes bit for bit what float32 copies of those scales give."""
+    from models.layers import HeadCopy
+    from pallas_kernels.cpu.dense_int8 import unpack_dense_kernel_int8
+
+    source = save_tiny_llama(str(tmp_path / "source"), seed=6, tie_word_embeddings=True, **_WIDTHS)
+    path = str(tmp_path / "gguf")
+    write_q8_0_gguf(source, path, quantize=quantizer(gguf.GGMLQuantizationType.Q4_1), q8_0_embedding=True)
+    assert gguf_q8_0_embedding(path) and not gguf_q8_0_embedding(source)
+    plain = Preparation("bfloat16", "native", quantization="int4z-g32", float16_scales=True)
+    half = dataclasses.replace(plain, float16_head_scales=True)
+    assert half.name.endswith("-f16scales-f16head")
+    config, model = load_prepared(path, half, _ON_DEVICE)
+    head = model.model.embed_tokens
+    assert head.head_scale[...].dtype == np.float16
+    table = gguf.GGUFReader(os.path.join(path, "model.gguf")).get_tensor(0)
+    assert table.name == "token_embd.weight"
+    blocks = np.asarray(table.data).reshape(config.vocab_size, -1, 34)
+    np.testing.assert_array_equal(head.head_scale[...], blocks[..., :2].copy().view("<f2")[..., 0].T)
+    values = blocks[..., 2:].copy().view(np.int8).reshape(config.vocab_size, -1)
+    np.testing.assert_array_equal(unpack_dense_kernel_int8(head.head_kernel[...]), values.T)
+    widened = nnx.clone(model)
+    widened.model.embed_tokens.head_scale = HeadCopy(np.asarray(head.head_scale[...], np.float32))
+    (ids,) = prompts([3], seed=3)  # a few rows (the kernel's tests take the others)
+    logits = [run_step(m, caches(config), [ids], [0], [[1, 2]])[0] for m in (model, widened)]
+    np.testing.assert_array_equal(logits[0], logits[1])
 
 
 def test_a_file_mixing_q4_with_other_types_loads_as_float(source, tmp_path):

@@ -53,10 +53,10 @@ def _q8_0(w: np.ndarray) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
     return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
 
 
-def write_q8_0_gguf(source: str, out: str, quantize=_q8_0) -> None:
+def write_q8_0_gguf(source: str, out: str, quantize=_q8_0, *, q8_0_embedding: bool = False) -> None:
     """`source` (a tiny HF Llama) as a GGUF at `out/model.gguf` and its config: linear weights
     Q8_0 (the `gguf` package's quantizer; or as `quantize(w)` gives them: raw blocks and their
-    type), the embedding and norms float32."""
+    type), the embedding (Q8_0 with `q8_0_embedding`, as the embedded model's) and norms float32."""
     config = ModelConfig.from_pretrained(source)
     os.makedirs(out)
     writer = gguf.GGUFWriter(os.path.join(out, "model.gguf"), "llama")
@@ -75,7 +75,8 @@ def write_q8_0_gguf(source: str, out: str, quantize=_q8_0) -> None:
         for name in f.keys():
             w = f.get_tensor(name).astype(np.float32)
             if name == "model.embed_tokens.weight":
-                writer.add_tensor("token_embd.weight", w)
+                blocks, kind = _q8_0(w) if q8_0_embedding else (w, None)
+                writer.add_tensor("token_embd.weight", blocks, raw_dtype=kind)
                 continue
             if name == "model.norm.weight":
                 writer.add_tensor("output_norm.weight", w)

@@ -42,16 +42,17 @@ def test_model_dir_is_an_hf_directory(model_dir):
 
 
 def test_the_embedded_gguf_is_kept_with_its_4bit_blocks(model_dir):
-    """Its projections are all Q4_1: the directory holds the file itself (served from its blocks),
-    and the served preparation is int4 with an offset per 32 inputs."""
+    """Its projections are all Q4_1 and its embedding Q8_0: the directory holds the file itself
+    (served from its blocks), and the served preparation is int4 with an offset per 32 inputs."""
     import filecmp
 
-    from models.loader import gguf_4bit_quantization
+    from models.loader import gguf_4bit_quantization, gguf_q8_0_embedding
     from plugin_shim.model_dir import embedded_gguf_path
 
     assert filecmp.cmp(os.path.join(model_dir, "model.gguf"), embedded_gguf_path(), shallow=False)
     assert not os.path.exists(os.path.join(model_dir, "model.safetensors"))
     assert gguf_4bit_quantization(model_dir) == "int4z-g32"
+    assert gguf_q8_0_embedding(model_dir)  # its tied head served as the file's Q8_0 blocks, float16 d
 
 
 @pytest.mark.slow

@@ -85,6 +85,8 @@ class Preparation:
     `float16_scales`: packed so, the int4z kernels hold float16 scales and bases instead of
     float32 scales and offsets (`models.linear.halve_int4_scales`: a GGUF whose projections are
     all Q4_0 or Q4_1, `models.loader.gguf_float16_scales`, whose blocks hold exactly those).
+    `float16_head_scales`: packed so, a tied head's grouped int8 copy holds float16 scales (a GGUF
+    whose embedding is Q8_0, `models.loader.gguf_q8_0_embedding`: each block's own d).
     """
 
     dtype: str
@@ -93,8 +95,14 @@ class Preparation:
     quantization: str = "none"
     backend: str | None = None  # the platform int4 values are held for (`int4.held_dtype`)
     float16_scales: bool = False
+    float16_head_scales: bool = False
 
     def __post_init__(self) -> None:
+        if self.float16_head_scales and (self.packing == "none" or self.fp8 or self.int8_group_size is None):
+            raise ValueError(
+                f"float16 head scales are for a grouped int8 head packed for the native CPU int8 kernel, "
+                f"not {self.quantization!r} weights packed {self.packing!r}"
+            )
         if self.float16_scales and not (self.quantization.startswith("int4z") and self.packing != "none"):
             raise ValueError(
                 f"float16 scales are for int4z kernels packed for the native CPU int4 kernel, not "
@@ -136,17 +144,30 @@ class Preparation:
         quantization: str = "none",
         *,
         float16_scales: bool = False,
+        float16_head_scales: bool = False,
     ) -> Preparation:
         """The preparation of a runner whose native dense kernel runs `dense_isa` (None: XLA's
-        dots), on `tp_size` devices; `float16_scales` where the weights allow them and the
-        kernels are packed (else ignored)."""
+        dots), on `tp_size` devices; `float16_scales` and `float16_head_scales` where the
+        weights allow them and the kernels are packed (else ignored)."""
         packing = "none" if dense_isa is None else "native+f32" if dense_isa == "avx2" else "native"
         halves = float16_scales and packing != "none" and quantization.startswith("int4z")
-        return cls(jnp.dtype(dtype).name, packing, tp_size, quantization, float16_scales=halves)
+        grouped = _GROUPED.fullmatch(quantization) is not None and not quantization.startswith("fp8")
+        heads = float16_head_scales and packing != "none" and grouped
+        return cls(
+            jnp.dtype(dtype).name,
+            packing,
+            tp_size,
+            quantization,
+            float16_scales=halves,
+            float16_head_scales=heads,
+        )
 
     @property
     def name(self) -> str:
-        int8 = f"-{self.quantization}" + ("-f16scales" if self.float16_scales else "") if self.int8 else ""
+        halves = ("-f16scales" if self.float16_scales else "") + (
+            "-f16head" if self.float16_head_scales else ""
+        )
+        int8 = f"-{self.quantization}{halves}" if self.int8 else ""
         return f"{self.dtype}-{self.packing}{int8}" + (f"-tp{self.tp_size}" if self.tp_size > 1 else "")
 
     def apply(self, model: nnx.Module) -> int:
@@ -163,7 +184,11 @@ class Preparation:
         if self.packing == "none":
             return 0
         return pack_for_native_dense(
-            model, float32=self.packing == "native+f32", int4=self.int4, float16_scales=self.float16_scales
+            model,
+            float32=self.packing == "native+f32",
+            int4=self.int4,
+            float16_scales=self.float16_scales,
+            float16_head_scales=self.float16_head_scales,
         )
 
     def served_value(self, value: np.ndarray, served: nnx.Variable) -> np.ndarray:

@@ -16,7 +16,7 @@ from flax import nnx
 
 from models import ModelConfig
 from models.compressed_tensors import quantization_config
-from models.loader import gguf_4bit_quantization, gguf_float16_scales
+from models.loader import gguf_4bit_quantization, gguf_float16_scales, gguf_q8_0_embedding
 from models.mxfp4 import METHODS as MXFP4_METHODS
 from models.mxfp4 import is_mxfp4
 from tpu_platform.runner_config import RunnerConfig
@@ -66,9 +66,11 @@ def load_served_weights(
         quantized = "int8" if converted else int8_quantization(path, config.quantization)
     elif converted is None:  # a GGUF's 4-bit blocks as they are, when nothing is asked
         quantized = gguf_4bit_quantization(path) or "none"
+    as_shipped = converted is None and config.quantization is None  # a GGUF's own blocks' scales
     preparation = Preparation.for_dense_isa(
         dtype.name, dense_isa, config.tensor_parallel_size, quantized,
-        float16_scales=converted is None and config.quantization is None and gguf_float16_scales(path),
+        float16_scales=as_shipped and gguf_float16_scales(path),
+        float16_head_scales=as_shipped and gguf_q8_0_embedding(path),
     )  # fmt: skip
     if converted is not None:
         model_config = ModelConfig.from_pretrained(path)
