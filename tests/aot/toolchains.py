@@ -28,8 +28,8 @@ def toolchain_path(platform: str) -> pathlib.Path:
     return path
 
 
-def run_worker(platform: str, module: str, *args: str, timeout: float = 1200) -> object:
-    """Runs `python -m tests.aot.<module> *args` with `platform`'s compiler; its JSON answer."""
+def worker_env(platform: str) -> dict[str, str]:
+    """This process's environment with `platform`'s compiler on the path and JAX on the CPU."""
     env = dict(os.environ)
     env.update(
         PYTHONPATH=os.pathsep.join([str(toolchain_path(platform)), str(REPO)]),
@@ -41,9 +41,14 @@ def run_worker(platform: str, module: str, *args: str, timeout: float = 1200) ->
         TF_CPP_MIN_LOG_LEVEL="2",
     )
     env.pop("VLLM_XLA_PLATFORM", None)
+    return env
+
+
+def run_worker(platform: str, module: str, *args: str, timeout: float = 1200) -> object:
+    """Runs `python -m tests.aot.<module> *args` with `platform`'s compiler; its JSON answer."""
     proc = subprocess.run(
         [sys.executable, "-m", f"tests.aot.{module}", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO, env=worker_env(platform), capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
