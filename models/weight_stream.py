@@ -38,12 +38,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from models import fp8, int4
+from models.checkpoint_kinds import gguf_q8_0_embedding_blocks
 from models.config import ModelConfig
 from models.expert_stacks import ExpertStacks
 from models.int8 import group_size
 from models.linear import Int4Bases, PackedKernel, is_packed_int4, quantizer_for, unpacked_shape
 from models.loader import (
-    gguf_q8_0_embedding_blocks,
     give_input_orders,
     iter_parameters,
     keep_checkpoint_float_layers,

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """What a load reads from a safetensors checkpoint, counted from outside the loader: within
 `counting_reads()`, every tensor read whole (`safe_open(...).get_tensor`), in part (a
-`get_slice(...)[...]`) or as raw fp8 bytes (`models.loader._fp8_tensor`) adds its bytes under its
-name. Headers (names, shapes, dtypes) are not counted: they hold no weights."""
+`get_slice(...)[...]`) or as raw fp8 bytes (`models.checkpoint_reads._fp8_tensor`) adds its bytes
+under its name. Headers (names, shapes, dtypes) are not counted: they hold no weights."""
 
 from __future__ import annotations
 
@@ -53,10 +53,10 @@ def counting_reads() -> Iterator[dict[str, int]]:
     """The bytes read of each checkpoint tensor, by name, while the block runs."""
     import safetensors
 
-    from models import loader
+    from models import checkpoint_reads
 
     read: dict[str, int] = {}
-    opened, fp8_tensor = safetensors.safe_open, loader._fp8_tensor
+    opened, fp8_tensor = safetensors.safe_open, checkpoint_reads._fp8_tensor
 
     def fp8_counted(file: str, name: str) -> np.ndarray:
         value = fp8_tensor(file, name)
@@ -64,11 +64,11 @@ def counting_reads() -> Iterator[dict[str, int]]:
         return value
 
     safetensors.safe_open = lambda *args, **kwargs: _CountedFile(opened(*args, **kwargs), read)
-    loader._fp8_tensor = fp8_counted
+    checkpoint_reads._fp8_tensor = fp8_counted
     try:
         yield read
     finally:
-        safetensors.safe_open, loader._fp8_tensor = opened, fp8_tensor
+        safetensors.safe_open, checkpoint_reads._fp8_tensor = opened, fp8_tensor
 
 
 def tensor_bytes(path: str) -> dict[str, int]:
@@ -77,7 +77,7 @@ def tensor_bytes(path: str) -> dict[str, int]:
     import json
     import struct
 
-    from models.loader import checkpoint_files
+    from models.checkpoint_reads import checkpoint_files
 
     sizes = {}
     for file in checkpoint_files(path):

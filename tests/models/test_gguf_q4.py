@@ -17,9 +17,9 @@ import pytest
 from flax import nnx
 
 from models import int4, load_model
+from models.checkpoint_kinds import gguf_4bit_quantization, gguf_float16_scales, gguf_q8_0_embedding
 from models.gguf_reader import Q4_BLOCK, hf_name, iter_hf_tensors, q4_linear_weights, unpermute_rope_rows
 from models.linear import Int4Bases
-from models.loader import gguf_4bit_quantization, gguf_float16_scales, gguf_q8_0_embedding
 from tests.models.gguf_q4_blocks import Q4_TYPES, quantizer
 from tests.models.test_gguf_q8_0 import _arrays, _logits, write_q8_0_gguf
 from tests.models.tiny_checkpoints import caches, prompts, run_step
