@@ -18,11 +18,7 @@ def int8_group_size(path: str) -> int | None:
     GGUF's Q8_0 blocks (`gguf_reader.Q8_0_BLOCK`), a compressed-tensors `group` checkpoint's
     `group_size`; None when they are per channel (or there are none: quantized at load per
     channel). What `models.quantization.quantize_int8` takes to prepare a model that loads them."""
-    try:
-        q8_0 = gguf_q8_0_weights(path)
-    except FileNotFoundError:  # no weights there (a converted directory): none held as they are
-        q8_0 = set()
-    if q8_0:
+    if gguf_q8_0_weights(path):  # none where it holds no weights (a converted directory)
         return gguf_reader.Q8_0_BLOCK
     config = compressed_tensors.quantization_config(path)
     block = fp8_checkpoint.block_of(config)
@@ -57,11 +53,19 @@ def checkpoint_values(path: str) -> str | None:
     return None
 
 
+def gguf_files(path: str) -> list[str]:
+    """The GGUF files of the model at `path`: none for safetensors, or where it holds no weights
+    (a converted directory)."""
+    try:
+        return [f for f in checkpoint_files(path) if f.endswith(".gguf")]
+    except FileNotFoundError:
+        return []
+
+
 def gguf_q4_weights(path: str) -> set[str]:
     """The HF names of the projection weights of the model at `path`'s GGUF files when they are
     all 4-bit (`gguf_reader.q4_linear_weights`: served as int4 as they are); none otherwise."""
-    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
-    return {name for file in files for name in gguf_reader.q4_linear_weights(file)}
+    return {name for file in gguf_files(path) for name in gguf_reader.q4_linear_weights(file)}
 
 
 def gguf_4bit_quantization(path: str) -> str | None:
@@ -69,45 +73,31 @@ def gguf_4bit_quantization(path: str) -> str | None:
     set: "int4z-g32" for a GGUF whose projections are all 4-bit (int4 values with a scale and an
     offset per 32 inputs, `models.int4`), else None (its weights load in the model's dtype). With
     a `quantization` asked, its weights are dequantized and quantized so, as before."""
-    try:
-        return f"int4z-g{gguf_reader.Q4_BLOCK}" if gguf_q4_weights(path) else None
-    except FileNotFoundError:
-        return None
+    return f"int4z-g{gguf_reader.Q4_BLOCK}" if gguf_q4_weights(path) else None
 
 
 def gguf_float16_scales(path: str) -> bool:
     """Whether the model at `path` is a GGUF whose projections are all Q4_0 or Q4_1
     (`gguf_reader.q4_float16_blocks`): their scales and bases are float16, as the native CPU
     int4 kernel can hold them."""
-    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
-    try:
-        return bool(files) and all(gguf_reader.q4_float16_blocks(file) for file in files)
-    except FileNotFoundError:
-        return False
+    files = gguf_files(path)
+    return bool(files) and all(gguf_reader.q4_float16_blocks(file) for file in files)
 
 
 def gguf_q8_0_embedding(path: str) -> bool:
     """Whether the model at `path` is a GGUF whose token embedding is Q8_0."""
-    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
-    try:
-        return any(gguf_reader.q8_0_embedding(f) for f in files)
-    except FileNotFoundError:
-        return False
+    return any(gguf_reader.q8_0_embedding(f) for f in gguf_files(path))
 
 
 def gguf_q8_0_embedding_blocks(path: str) -> tuple[np.ndarray, np.ndarray] | None:
     """The Q8_0 blocks of the token embedding of the model at `path`, a GGUF
     (`gguf_reader.q8_0_embedding`: int8 values `[V, D]`, float16 scales `[V, D / 32]`, a tied
     head's copy as the file holds it); None for another type or checkpoint."""
-    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
-    try:
-        return next((b for f in files if (b := gguf_reader.q8_0_embedding_blocks(f)) is not None), None)
-    except FileNotFoundError:
-        return None
+    blocks = (gguf_reader.q8_0_embedding_blocks(f) for f in gguf_files(path))
+    return next((b for b in blocks if b is not None), None)
 
 
 def gguf_q8_0_weights(path: str) -> set[str]:
     """The HF names of the Q8_0 linear weights of the model at `path`'s GGUF files (none for
     safetensors)."""
-    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
-    return {name for file in files for name in gguf_reader.q8_0_linear_weights(file)}
+    return {name for file in gguf_files(path) for name in gguf_reader.q8_0_linear_weights(file)}

@@ -55,15 +55,19 @@ def iter_checkpoint(
     int4_q4: bool = False,
     only: Callable[[str], bool] | None = None,
     part: Callable[[str], Box | None] | None = None,
+    q8_0_embedding: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(hf_name, host array)` over every tensor of the model at `path` (`int8_q8_0`: a
     GGUF's Q8_0 linear weights as int8 weights and scales; `int4_q4`: an all-4-bit GGUF's
     projections as int4 values, scales and offsets: `gguf_reader.iter_hf_tensors`); `only`: the
     safetensors tensors it accepts, the others left unread; `part`: the box of a safetensors
-    tensor to read (None: all of it), the rest of its array zeros, never read."""
+    tensor to read (None: all of it), the rest of its array zeros, never read; `q8_0_embedding`: a
+    GGUF's embedding blocks, read already (`gguf_reader.iter_hf_tensors`)."""
     for file in checkpoint_files(path):
         if file.endswith(".gguf"):
-            yield from gguf_reader.iter_hf_tensors(file, int8_q8_0=int8_q8_0, int4_q4=int4_q4)
+            yield from gguf_reader.iter_hf_tensors(
+                file, int8_q8_0=int8_q8_0, int4_q4=int4_q4, q8_0_embedding=q8_0_embedding
+            )
             continue
         from safetensors import safe_open
 

@@ -169,6 +169,7 @@ def _iter_parameters(
     int4_blocks: bool = False,
     only: Callable[[str], bool] | None = None,
     parts: Callable[[str], Box | None] | None = None,
+    q8_0_embedding: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(our dotted parameter path, host value)` for every parameter of `model` (built,
     unprepared: its values are read for their shapes and dtypes only) from the checkpoint at
@@ -192,6 +193,8 @@ def _iter_parameters(
     `parts` (a host of several): the box of a whole parameter (by our path, in our orientation)
     that this process's devices hold, read alone where the tensor is the parameter as it is
     (`models.local_reads.part_reader`); the rest of the value is zeros, which must reach no device.
+    `q8_0_embedding`: a GGUF's Q8_0 embedding blocks, read already (for a tied head's copy): the
+    embedding is made from them, not read again.
     """
     compiled = compile_param_map(type(model).hf_param_map)
     units = fused_outputs.output_units(compressed_tensors.quantization_config(path))
@@ -224,7 +227,7 @@ def _iter_parameters(
     read = expert_reads(only, rule, type(model).hf_param_map, stacks)
     as_stored = layout is None and not gguf and _reads_as_stored(model)  # a float tensor as it is
     part = part_reader(rule, compiled, expected, parts) if as_stored else None
-    reading = iter_checkpoint(path, only=read, part=part, **gguf)
+    reading = iter_checkpoint(path, only=read, part=part, q8_0_embedding=q8_0_embedding, **gguf)
     tensors = model_tensors(model, reading, None if gguf else units)
     if layout is not None:
         tensors = layout.tensors(tensors)
