@@ -17,7 +17,10 @@ tokens. Each configuration runs in its own subprocess (this script with `--worke
 `LLM` in-process, one request of the text with `prompt_logprobs=0`, so every token's log
 probability comes through the served step (the engine's own prefill, logits and log-softmax).
 Perplexity is `exp(-mean log p(token | tokens before))` over every token but the first.
-Reported: each configuration's perplexity and its ratio to the dequantized bfloat16 model's.
+Reported: each configuration's perplexity, its ratio to the dequantized bfloat16 model's and that
+ratio's 95% interval (`paired_bootstrap.ratio_interval`: a paired bootstrap over blocks of 16
+tokens of the two configurations' per-token negative log-likelihoods; the text is short, so a
+ratio whose interval holds 1.01 is not told apart from +1%).
 
 `--chunk 16` prefills in chunks of 16 rows, so the int4 kernel's few-row path ("avx512_vnni")
 computes every projection; `q4_1_x16` and `q4_1_x8` force its x to two byte planes a row or one
@@ -39,6 +42,8 @@ import tempfile
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from paired_bootstrap import ratio_interval  # noqa: E402
 
 TEXT = HERE.parent / "tests" / "data" / "alice.txt"
 # name -> (which model directory, vLLM's `quantization`)
@@ -54,6 +59,7 @@ CONFIGS = {
     "int4_converted_g64": ("int4_g64", None),
 }
 REFERENCE = "bfloat16_dequantized"
+BOOTSTRAP_BLOCK = 16  # tokens a resampled block holds: neighbouring tokens' losses are correlated
 X_BITS = {"q4_1_x16": 16, "q4_1_x8": 8}  # configurations that force `native_dense_int4(x_bits=...)`
 
 
@@ -114,7 +120,20 @@ def worker(model: str, quantization: str | None, tokens: int, chunk: int, x_bits
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
     logprobs = [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
-    return {"tokens": len(ids), "perplexity": math.exp(-sum(logprobs) / len(logprobs))}
+    nll = [-logprob for logprob in logprobs]
+    return {"tokens": len(ids), "perplexity": math.exp(sum(nll) / len(nll)), "nll": nll}
+
+
+def _add_ratios(results: dict) -> None:
+    """Each measured configuration's ratio to `REFERENCE` and its 95% interval (paired block
+    bootstrap over the same tokens' losses); the per-token losses are then dropped."""
+    reference = results[REFERENCE].get("nll")
+    for entry in results.values():
+        nll = entry.pop("nll", None)
+        if reference and nll is not None:
+            entry["ratio_to_bfloat16"] = entry["perplexity"] / results[REFERENCE]["perplexity"]
+            interval = ratio_interval(nll, reference, block=BOOTSTRAP_BLOCK)
+            entry["ratio_interval_95"] = [round(bound, 4) for bound in interval]
 
 
 def _machine() -> dict:
@@ -182,10 +201,7 @@ def main() -> None:
             print(name, json.dumps(results[name])[:300], flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    reference = results[REFERENCE].get("perplexity")
-    for entry in results.values():
-        if reference and "perplexity" in entry:
-            entry["ratio_to_bfloat16"] = entry["perplexity"] / reference
+    _add_ratios(results)
     report = {
         "benchmark": "perplexity",
         "model": "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",

@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.checkpoint_reads import checkpoint_names
 from models.config import ModelConfig
 from models.layers import ATTENTION_LINEARS, MLP_LINEARS, Embedding, GatedMLP, PagedAttention, RMSNorm
 from models.linear import Linear, zeros_param
-from models.loader import checkpoint_names, read_into
+from models.loader import read_into
 from models.metadata import AttentionMetadata
 from models.serving_passes import fuse_projections, repeat_kv_heads_for_mesh
 from models.sharding import kv_heads_on_mesh

@@ -160,12 +160,17 @@ def q8_0_embedding_blocks(source: str | GgufFile) -> tuple[np.ndarray, np.ndarra
 
 
 def iter_hf_tensors(
-    source: str | GgufFile, *, int8_q8_0: bool = False, int4_q4: bool = False
+    source: str | GgufFile,
+    *,
+    int8_q8_0: bool = False,
+    int4_q4: bool = False,
+    q8_0_embedding: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(hf_name, float32 array)` for every tensor of the GGUF file (a path, or a file
     already read); with `int8_q8_0`, each of `q8_0_linear_weights` as its int8 values and block
     scales; with `int4_q4`, each of `q4_linear_weights` as its int4 values, block scales and
-    offsets (see the module docstring)."""
+    offsets (see the module docstring). `q8_0_embedding`: the file's embedding blocks, read
+    already (`q8_0_embedding_blocks`), whose values the embedding is made from, not read again."""
     from gguf.quants import dequantize
 
     gguf = _opened(source)
@@ -176,6 +181,9 @@ def iter_hf_tensors(
     int4_names = set(q4_linear_weights(gguf)) if int4_q4 else set()
     for tensor in gguf.tensors:
         name = hf_name(tensor.name)
+        if q8_0_embedding is not None and tensor.name == "token_embd.weight":
+            yield name, q8_0_values(*q8_0_embedding)
+            continue
         if name in int4_names:
             q, scale, offset = q4_blocks(tensor.data, int(tensor.ggml_type))
             for suffix, value in (("", q), ("_scale", scale), ("_offset", offset)):
@@ -209,6 +217,14 @@ def q8_0_blocks(data: np.ndarray, scale_dtype=SCALE_DTYPE) -> tuple[np.ndarray, 
     scale = blocks[..., :2].copy().view("<f2")[..., 0].astype(scale_dtype)
     q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
     return q, scale
+
+
+def q8_0_values(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks' float32 weights `[rows, in]` from their int8 values `[rows, in]` and scales
+    `[rows, in / 32]`: each value times its block's scale, as the `gguf` package dequantizes them."""
+    rows = q.shape[0]
+    blocks = q.reshape(rows, -1, Q8_0_BLOCK).astype(np.float32) * scale.astype(np.float32)[..., None]
+    return blocks.reshape(q.shape)
 
 
 def q4_blocks(data: np.ndarray, ggml_type: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,11 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Weight loading: HF safetensors (single file or sharded index) and GGUF, into a built model."""
+"""Weight loading: a checkpoint's tensors (`checkpoint_reads`; HF safetensors, single file or
+sharded index, and GGUF) mapped onto a built model's parameters, and the model made ready to serve."""
 
 from __future__ import annotations
 
-import glob
-import json
-import os
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,13 +22,14 @@ from models import (
     gptq_checkpoint,
     int4,
 )
+from models.checkpoint_kinds import checkpoint_values, gguf_q4_weights, gguf_q8_0_weights
+from models.checkpoint_reads import checkpoint_names, iter_checkpoint, read_tensors
 from models.config import ModelConfig
 from models.expert_stacks import ExpertStacks
-from models.fp8 import FP8_DTYPE, is_fp8
-from models.int4 import INT4_DTYPE
+from models.fp8 import is_fp8
 from models.int8 import checkpoint_scale
 from models.linear import keep_float_layers
-from models.local_reads import Box, expert_reads, part_reader, read_box
+from models.local_reads import Box, expert_reads, part_reader
 from models.param_names import compile_param_map, our_name
 from models.registry import build
 from models.serving_passes import fuse_projections, repeat_kv_heads_for_mesh
@@ -38,99 +37,6 @@ from models.sharding import kv_heads_on_mesh
 
 # Checkpoint tensors that carry no parameter of ours (recomputed or duplicated).
 _IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
-
-
-def checkpoint_files(path: str) -> list[str]:
-    """The weight files of a model directory (or a single file), in load order."""
-    if os.path.isfile(path):
-        return [path]
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, s) for s in shards]
-    for pattern in ("*.safetensors", "*.gguf"):
-        found = sorted(glob.glob(os.path.join(path, pattern)))
-        if found:
-            return found
-    raise FileNotFoundError(
-        f"no weights in {path!r}: expected *.safetensors, a safetensors index or a *.gguf"
-    )
-
-
-def checkpoint_names(path: str, only: Callable[[str], bool] | None = None) -> list[str]:
-    """The names of the safetensors tensors of the model at `path` (read from the headers only);
-    `only`: those it accepts."""
-    from safetensors import safe_open
-
-    names: list[str] = []
-    for file in checkpoint_files(path):
-        if file.endswith(".safetensors"):
-            with safe_open(file, framework="numpy") as f:
-                names.extend(name for name in f.keys() if only is None or only(name))
-    return names
-
-
-def iter_checkpoint(
-    path: str,
-    *,
-    int8_q8_0: bool = False,
-    int4_q4: bool = False,
-    only: Callable[[str], bool] | None = None,
-    part: Callable[[str], Box | None] | None = None,
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields `(hf_name, host array)` over every tensor of the model at `path` (`int8_q8_0`: a
-    GGUF's Q8_0 linear weights as int8 weights and scales; `int4_q4`: an all-4-bit GGUF's
-    projections as int4 values, scales and offsets: `gguf_reader.iter_hf_tensors`); `only`: the
-    safetensors tensors it accepts, the others left unread; `part`: the box of a safetensors
-    tensor to read (None: all of it), the rest of its array zeros, never read."""
-    for file in checkpoint_files(path):
-        if file.endswith(".gguf"):
-            yield from gguf_reader.iter_hf_tensors(file, int8_q8_0=int8_q8_0, int4_q4=int4_q4)
-            continue
-        from safetensors import safe_open
-
-        with safe_open(file, framework="numpy") as f:
-            for name in f.keys():
-                if only is not None and not only(name):
-                    continue
-                box = None if part is None else part(name)
-                if f.get_slice(name).get_dtype() == _FP8_SAFETENSORS_DTYPE:
-                    yield name, _fp8_tensor(file, name)
-                elif box is not None:
-                    yield name, read_box(f, name, box)
-                else:
-                    yield name, f.get_tensor(name)
-
-
-def read_tensors(path: str, suffix: str) -> dict[str, np.ndarray]:
-    """The safetensors tensors of the model at `path` whose names end in `suffix` (small ones a
-    loader reads before the rest: GPTQ's `g_idx`), by name."""
-    from safetensors import safe_open
-
-    found = {}
-    for file in checkpoint_files(path):
-        if file.endswith(".safetensors"):
-            with safe_open(file, framework="numpy") as f:
-                found |= {name: f.get_tensor(name) for name in f.keys() if name.endswith(suffix)}
-    return found
-
-
-# safetensors' name of float8_e4m3fn, which its NumPy reader cannot give (NumPy has no such type).
-_FP8_SAFETENSORS_DTYPE = "F8_E4M3"
-
-
-def _fp8_tensor(file: str, name: str) -> np.ndarray:
-    """The float8_e4m3fn tensor `name` of the safetensors `file`, read from its bytes (the
-    format's header: an 8-byte little-endian length, then JSON giving each tensor's shape and
-    byte range after the header)."""
-    with open(file, "rb") as f:
-        (length,) = np.frombuffer(f.read(8), "<u8")
-        entry = json.loads(f.read(int(length)))[name]
-        start, end = entry["data_offsets"]
-        f.seek(8 + int(length) + start)
-        raw = np.frombuffer(f.read(end - start), np.uint8)
-    return raw.view(FP8_DTYPE).reshape(entry["shape"])
 
 
 def model_name_rule(model: nnx.Module) -> Callable[[str], str | None]:
@@ -229,106 +135,6 @@ def parameter_names_lookup(model: nnx.Module) -> Callable[[str], list[str]]:
     return lookup
 
 
-def int8_group_size(path: str) -> int | None:
-    """The inputs per scale of the int8 weights the checkpoint at `path` holds as they are: a
-    GGUF's Q8_0 blocks (`gguf_reader.Q8_0_BLOCK`), a compressed-tensors `group` checkpoint's
-    `group_size`; None when they are per channel (or there are none: quantized at load per
-    channel). What `models.quantization.quantize_int8` takes to prepare a model that loads them."""
-    try:
-        q8_0 = gguf_q8_0_weights(path)
-    except FileNotFoundError:  # no weights there (a converted directory): none held as they are
-        q8_0 = set()
-    if q8_0:
-        return gguf_reader.Q8_0_BLOCK
-    config = compressed_tensors.quantization_config(path)
-    block = fp8_checkpoint.block_of(config)
-    if block is not None:
-        return block[1]
-    return (
-        compressed_tensors.group_size(config)
-        or gptq_checkpoint.group_size(config)
-        or awq_checkpoint.group_size(config)
-    )
-
-
-def checkpoint_values(path: str) -> str | None:
-    """The values of the quantized weights the checkpoint at `path` holds as they are: "fp8" (a
-    compressed-tensors FP8 or a `quant_method: fp8` checkpoint), "int8" (a compressed-tensors
-    int8 one), "int4" (a compressed-tensors 4-bit one, a symmetric GPTQ one), "int4z" (4-bit with
-    zero points: AWQ, asymmetric GPTQ and compressed-tensors), None for any other (its weights
-    are quantized at load when asked; a GGUF's 4-bit blocks are served as they are when nothing
-    is asked: `gguf_4bit_quantization`)."""
-    config = compressed_tensors.quantization_config(path) or {}
-    if config.get("quant_method") == fp8_checkpoint.METHOD:
-        return "fp8"
-    if config.get("quant_method") == gptq_checkpoint.METHOD:
-        return "int4" if config.get("sym", True) else "int4z"
-    if config.get("quant_method") == awq_checkpoint.METHOD:
-        return "int4z"
-    if config.get("quant_method") == compressed_tensors.METHOD:
-        values = compressed_tensors.values_dtype(config)
-        if values == INT4_DTYPE:
-            return "int4z" if compressed_tensors.has_zero_points(config) else "int4"
-        return "fp8" if values == FP8_DTYPE else "int8"
-    return None
-
-
-def gguf_q4_weights(path: str) -> set[str]:
-    """The HF names of the projection weights of the model at `path`'s GGUF files when they are
-    all 4-bit (`gguf_reader.q4_linear_weights`: served as int4 as they are); none otherwise."""
-    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
-    return {name for file in files for name in gguf_reader.q4_linear_weights(file)}
-
-
-def gguf_4bit_quantization(path: str) -> str | None:
-    """The preparation serving the model at `path` as it ships when vLLM's `quantization` is not
-    set: "int4z-g32" for a GGUF whose projections are all 4-bit (int4 values with a scale and an
-    offset per 32 inputs, `models.int4`), else None (its weights load in the model's dtype). With
-    a `quantization` asked, its weights are dequantized and quantized so, as before."""
-    try:
-        return f"int4z-g{gguf_reader.Q4_BLOCK}" if gguf_q4_weights(path) else None
-    except FileNotFoundError:
-        return None
-
-
-def gguf_float16_scales(path: str) -> bool:
-    """Whether the model at `path` is a GGUF whose projections are all Q4_0 or Q4_1
-    (`gguf_reader.q4_float16_blocks`): their scales and bases are float16, as the native CPU
-    int4 kernel can hold them."""
-    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
-    try:
-        return bool(files) and all(gguf_reader.q4_float16_blocks(file) for file in files)
-    except FileNotFoundError:
-        return False
-
-
-def gguf_q8_0_embedding(path: str) -> bool:
-    """Whether the model at `path` is a GGUF whose token embedding is Q8_0."""
-    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
-    try:
-        return any(gguf_reader.q8_0_embedding(f) for f in files)
-    except FileNotFoundError:
-        return False
-
-
-def gguf_q8_0_embedding_blocks(path: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """The Q8_0 blocks of the token embedding of the model at `path`, a GGUF
-    (`gguf_reader.q8_0_embedding`: int8 values `[V, D]`, float16 scales `[V, D / 32]`, a tied
-    head's copy as the file holds it); None for another type or checkpoint."""
-    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
-    try:
-        return next((b for f in files if (b := gguf_reader.q8_0_embedding_blocks(f)) is not None), None)
-    except FileNotFoundError:
-        return None
-
-
-def gguf_q8_0_weights(path: str) -> set[str]:
-    """The HF names of the Q8_0 linear weights of the model at `path`'s GGUF files (none for
-    safetensors)."""
-    files = [f for f in checkpoint_files(path) if f.endswith(".gguf")]
-    return {name for file in files for name in gguf_reader.q8_0_linear_weights(file)}
-
-
 def read_into(model: nnx.Module, path: str, **options: Any) -> None:
     """Sets `model`'s parameters from the checkpoint at `path` (`iter_parameters` and its
     `options`). They are looked up once the first tensor is out: a quantized checkpoint's layout
@@ -363,6 +169,7 @@ def _iter_parameters(
     int4_blocks: bool = False,
     only: Callable[[str], bool] | None = None,
     parts: Callable[[str], Box | None] | None = None,
+    q8_0_embedding: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(our dotted parameter path, host value)` for every parameter of `model` (built,
     unprepared: its values are read for their shapes and dtypes only) from the checkpoint at
@@ -386,6 +193,8 @@ def _iter_parameters(
     `parts` (a host of several): the box of a whole parameter (by our path, in our orientation)
     that this process's devices hold, read alone where the tensor is the parameter as it is
     (`models.local_reads.part_reader`); the rest of the value is zeros, which must reach no device.
+    `q8_0_embedding`: a GGUF's Q8_0 embedding blocks, read already (for a tied head's copy): the
+    embedding is made from them, not read again.
     """
     compiled = compile_param_map(type(model).hf_param_map)
     units = fused_outputs.output_units(compressed_tensors.quantization_config(path))
@@ -418,7 +227,7 @@ def _iter_parameters(
     read = expert_reads(only, rule, type(model).hf_param_map, stacks)
     as_stored = layout is None and not gguf and _reads_as_stored(model)  # a float tensor as it is
     part = part_reader(rule, compiled, expected, parts) if as_stored else None
-    reading = iter_checkpoint(path, only=read, part=part, **gguf)
+    reading = iter_checkpoint(path, only=read, part=part, q8_0_embedding=q8_0_embedding, **gguf)
     tensors = model_tensors(model, reading, None if gguf else units)
     if layout is not None:
         tensors = layout.tensors(tensors)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.checkpoint_reads import checkpoint_names
 from models.config import ModelConfig
 from models.deepseek import HF_PARAM_MAP as DEEPSEEK_HF_PARAM_MAP
 from models.deepseek import deepseek_decoder_layer
@@ -37,7 +38,7 @@ from models.glm4_moe import HF_PARAM_MAP as GLM4_MOE_HF_PARAM_MAP
 from models.glm4_moe import glm4_moe_decoder_layer
 from models.layers import Embedding, RMSNorm
 from models.linear import Linear
-from models.loader import checkpoint_names, read_into
+from models.loader import read_into
 from models.metadata import AttentionMetadata
 from models.serving_passes import fuse_projections, repeat_kv_heads_for_mesh
 from models.sharding import kv_heads_on_mesh

@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.checkpoint_reads import checkpoint_names
 from models.layers import RMSNorm
 from models.linear import Linear
-from models.loader import checkpoint_names, read_into
+from models.loader import read_into
 from models.metadata import AttentionMetadata
 from models.mtp import MtpHead
 from models.qwen3_next import FULL_ATTENTION, HF_PARAM_MAP, Qwen3NextConfig, Qwen3NextDecoderLayer

@@ -38,12 +38,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from models import fp8, int4
+from models.checkpoint_kinds import gguf_q8_0_embedding_blocks
 from models.config import ModelConfig
 from models.expert_stacks import ExpertStacks
 from models.int8 import group_size
 from models.linear import Int4Bases, PackedKernel, is_packed_int4, quantizer_for, unpacked_shape
 from models.loader import (
-    gguf_q8_0_embedding_blocks,
     give_input_orders,
     iter_parameters,
     keep_checkpoint_float_layers,
@@ -187,7 +187,10 @@ def _stream(
     made_here = set(part_of) | set(quantized) | set(padded) | set(head_copies) | halved | offsets
     parts = None if local_box is None else _as_stored(local_box, model, served, made_here)
     int8, int4_blocks = bool(quantized), bool(offsets)
-    loaded = iter_parameters(model, path, stacks, int8=int8, int4_blocks=int4_blocks, parts=parts)
+    blocks = _float16_head_blocks(path, head_copies, served)
+    loaded = iter_parameters(
+        model, path, stacks, int8=int8, int4_blocks=int4_blocks, parts=parts, q8_0_embedding=blocks
+    )
     for ours, value in _with_scales(loaded, quantized, offsets):
         if ours in part_of:
             name, index = part_of[ours]
@@ -221,7 +224,7 @@ def _stream(
         placed[ours] = place(ours, value, served[ours])
         if ours in head_copies:
             for name, copy in _with_scales(
-                _tied_head(path, head_copies[ours], value, served), quantized, offsets
+                _tied_head(head_copies[ours], value, served, blocks), quantized, offsets
             ):
                 placed[name] = place(name, copy, served[name])
     return placed
@@ -308,19 +311,36 @@ def _quantized_kernels(
     return found | {part: found[name] for part, (name, _) in part_of.items() if name in found}
 
 
+def _float16_head_blocks(
+    path: str, head_copies: dict[str, str], served: dict[str, nnx.Variable]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The GGUF's Q8_0 embedding blocks where a tied head's scales are served in float16
+    (`Preparation.float16_head_scales`), read once: the head's copy is them as they are (the
+    embedding's values rounded to the model's dtype would not give back each block's float16 d)
+    and the embedding is made from them. None for any other head."""
+    if not any(_float16_scales(head, served) for head in head_copies.values()):
+        return None
+    blocks = gguf_q8_0_embedding_blocks(path)
+    if blocks is None:
+        raise ValueError(f"{path}: a tied head with float16 scales needs a GGUF whose embedding is Q8_0")
+    return blocks
+
+
+def _float16_scales(head: str, served: dict[str, nnx.Variable]) -> bool:
+    scale = _scale_name(head)
+    return scale in served and served[scale].get_value().dtype == np.float16
+
+
 def _tied_head(
-    path: str, head: str, embedding: np.ndarray, served: dict[str, nnx.Variable]
+    head: str,
+    embedding: np.ndarray,
+    served: dict[str, nnx.Variable],
+    blocks: tuple[np.ndarray, np.ndarray] | None,
 ) -> list[tuple[str, np.ndarray]]:
     """A tied head's `[D, V]` copy from the loaded embedding, to be quantized as served; or, where
-    its scales are served in float16 (`Preparation.float16_head_scales`), the file's own Q8_0
-    blocks as they are (the embedding's values rounded to the model's dtype would not give back
-    each block's float16 d)."""
-    scale = head.removesuffix("head_kernel") + "head_scale"
-    if scale in served and served[scale].get_value().dtype == np.float16:
-        blocks = gguf_q8_0_embedding_blocks(path)
-        if blocks is None:
-            raise ValueError(f"{path}: a tied head with float16 scales needs a GGUF whose embedding is Q8_0")
-        return [(head, blocks[0].T), (scale, blocks[1].T)]
+    its scales are served in float16, the file's own Q8_0 `blocks` (`_float16_head_blocks`)."""
+    if _float16_scales(head, served):
+        return [(head, blocks[0].T), (_scale_name(head), blocks[1].T)]
     return [(head, embedding.T)]
 
 

@@ -165,8 +165,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """Writes the prepared weights of `args.model` into `args.out`, a model directory to serve."""
     import jax.numpy as jnp
 
+    from models.checkpoint_kinds import checkpoint_values
     from models.compressed_tensors import METHOD, quantization_config
-    from models.loader import checkpoint_values
     from tpu_platform.weights.converted import convert
     from tpu_platform.weights.prepared import Preparation, int8_quantization
 

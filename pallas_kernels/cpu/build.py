@@ -57,6 +57,7 @@ HEADERS = tuple(
         "kv_values.h",
         "fast_math.h",
         "attention_blocks.h",
+        "attention_page.h",
         "dense_blocks.h",
         "layer_stack.h",
         "dense_f32_block.h",

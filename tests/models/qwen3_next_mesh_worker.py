@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from models import AttentionMetadata, ModelConfig
-from models.loader import checkpoint_values
+from models.checkpoint_kinds import checkpoint_values
 from models.sharding import kv_heads_on_mesh
 from tests.tpu_platform.tensor_parallel_weights_worker import describe, shardings
 from tpu_platform.mesh import tensor_parallel_mesh

@@ -17,9 +17,10 @@ import pytest
 from flax import nnx
 
 from models import int4, load_model
+from models.checkpoint_kinds import gguf_4bit_quantization, gguf_float16_scales, gguf_q8_0_embedding
 from models.gguf_reader import Q4_BLOCK, hf_name, iter_hf_tensors, q4_linear_weights, unpermute_rope_rows
 from models.linear import Int4Bases
-from models.loader import gguf_4bit_quantization, gguf_float16_scales, gguf_q8_0_embedding
+from tests.models.counted_reads import counting_gguf_reads, gguf_tensor_bytes
 from tests.models.gguf_q4_blocks import Q4_TYPES, quantizer
 from tests.models.test_gguf_q8_0 import _arrays, _logits, write_q8_0_gguf
 from tests.models.tiny_checkpoints import caches, prompts, run_step
@@ -150,7 +151,9 @@ def test_a_tied_q8_0_embedding_streams_its_head_scales_in_float16(tmp_path, dens
     plain = Preparation("bfloat16", "native", quantization="int4z-g32", float16_scales=True)
     half = dataclasses.replace(plain, float16_head_scales=True)
     assert half.name.endswith("-f16scales-f16head")
-    config, model = load_prepared(path, half, _ON_DEVICE)
+    with counting_gguf_reads() as read:  # each tensor once: the embedding and its head from one read
+        config, model = load_prepared(path, half, _ON_DEVICE)
+    assert read == gguf_tensor_bytes(os.path.join(path, "model.gguf"))
     head = model.model.embed_tokens
     assert head.head_scale[...].dtype == np.float16
     table = gguf.GGUFReader(os.path.join(path, "model.gguf")).get_tensor(0)
@@ -159,6 +162,8 @@ def test_a_tied_q8_0_embedding_streams_its_head_scales_in_float16(tmp_path, dens
     np.testing.assert_array_equal(head.head_scale[...], blocks[..., :2].copy().view("<f2")[..., 0].T)
     values = blocks[..., 2:].copy().view(np.int8).reshape(config.vocab_size, -1)
     np.testing.assert_array_equal(unpack_dense_kernel_int8(head.head_kernel[...]), values.T)
+    dequantized = gguf.quants.dequantize(table.data, table.tensor_type).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(head.embedding[...], dequantized)  # made from the same blocks
     widened = nnx.clone(model)
     widened.model.embed_tokens.head_scale = HeadCopy(np.asarray(head.head_scale[...], np.float32))
     (ids,) = prompts([3], seed=3)  # a few rows (the kernel's tests take the others)

@@ -46,7 +46,7 @@ def test_the_embedded_gguf_is_kept_with_its_4bit_blocks(model_dir):
     (served from its blocks), and the served preparation is int4 with an offset per 32 inputs."""
     import filecmp
 
-    from models.loader import gguf_4bit_quantization, gguf_q8_0_embedding
+    from models.checkpoint_kinds import gguf_4bit_quantization, gguf_q8_0_embedding
     from plugin_shim.model_dir import embedded_gguf_path
 
     assert filecmp.cmp(os.path.join(model_dir, "model.gguf"), embedded_gguf_path(), shallow=False)
@@ -60,8 +60,8 @@ def test_the_embedded_q4_1_blocks_fit_float16_scales_exactly(model_dir):
     """Served on CPU, its Q4_1 blocks keep their d and minimum in float16 (`gguf_float16_scales`):
     every block's float16 base is its float32 `m - 8 d` exactly, so the int4 kernel computes bit
     for bit what the float32 scales and offsets give (tests/pallas_kernels/test_cpu_dense_int4_float16.py)."""
+    from models.checkpoint_kinds import gguf_float16_scales
     from models.gguf_reader import iter_hf_tensors, q4_linear_weights
-    from models.loader import gguf_float16_scales
     from pallas_kernels.cpu import float16_scales
 
     assert gguf_float16_scales(model_dir)

@@ -32,8 +32,8 @@ import jax
 from flax import nnx
 
 from models import ModelConfig
+from models.checkpoint_reads import checkpoint_files
 from models.linear import Linear, float_layers
-from models.loader import checkpoint_files
 from models.moe import StackedLinear
 from tpu_platform.disk_cache import UNUSED_ENTRY_SECONDS, mark_used, remove_unused, source_fingerprint
 from tpu_platform.private_files import make_private_dir, make_tree_private, unsafe_tree_reason

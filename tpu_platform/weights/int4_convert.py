@@ -50,8 +50,9 @@ import numpy as np
 from flax import nnx
 
 from models import ModelConfig, build, int4
+from models.checkpoint_reads import checkpoint_files
 from models.linear import Linear
-from models.loader import checkpoint_files, model_name_rule, parameter_name_lookup, parameter_names_lookup
+from models.loader import model_name_rule, parameter_name_lookup, parameter_names_lookup
 from models.moe import SparseMoE, StackedLinear
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")

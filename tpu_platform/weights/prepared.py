@@ -31,8 +31,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import ModelConfig, PackedKernel, build, pack_for_native_dense
+from models.checkpoint_kinds import checkpoint_values, int8_group_size
 from models.linear import is_packed_int4, keep_float_layers, packed_for_native_dense
-from models.loader import checkpoint_values, int8_group_size
 from models.quantization import (
     FP8_METHODS,
     quantize_fp8,
@@ -84,9 +84,10 @@ class Preparation:
     preparation holds a tied head's copy in int8 (`quantize_tied_head_int8`), in the same groups.
     `float16_scales`: packed so, the int4z kernels hold float16 scales and bases instead of
     float32 scales and offsets (`models.linear.halve_int4_scales`: a GGUF whose projections are
-    all Q4_0 or Q4_1, `models.loader.gguf_float16_scales`, whose blocks hold exactly those).
+    all Q4_0 or Q4_1, `models.checkpoint_kinds.gguf_float16_scales`, whose blocks hold exactly
+    those).
     `float16_head_scales`: packed so, a tied head's grouped int8 copy holds float16 scales (a GGUF
-    whose embedding is Q8_0, `models.loader.gguf_q8_0_embedding`: each block's own d).
+    whose embedding is Q8_0, `models.checkpoint_kinds.gguf_q8_0_embedding`: each block's own d).
     """
 
     dtype: str
@@ -202,11 +203,11 @@ class Preparation:
 
 def int8_quantization(path: str, method: str | None = None) -> str:
     """The `Preparation.quantization` serving the model at `path` with vLLM's `quantization`
-    `method`: the values its checkpoint holds quantized (`models.loader.checkpoint_values`), else
-    fp8 for an fp8 method (`models.quantization.FP8_METHODS`) and int8 for the others; in its own
-    quantized weights' layout where it holds them as they are (`models.loader.int8_group_size`: a
-    GGUF's Q8_0 blocks, a compressed-tensors `group` checkpoint, a block-fp8 checkpoint), else
-    per channel."""
+    `method`: the values its checkpoint holds quantized (`models.checkpoint_kinds.checkpoint_values`),
+    else fp8 for an fp8 method (`models.quantization.FP8_METHODS`) and int8 for the others; in its
+    own quantized weights' layout where it holds them as they are
+    (`models.checkpoint_kinds.int8_group_size`: a GGUF's Q8_0 blocks, a compressed-tensors `group`
+    checkpoint, a block-fp8 checkpoint), else per channel."""
     values = checkpoint_values(path) or ("fp8" if method in FP8_METHODS else "int8")
     size = int8_group_size(path)
     return values if size is None else f"{values}-g{size}"

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import ModelConfig
+from models.checkpoint_kinds import gguf_4bit_quantization, gguf_float16_scales, gguf_q8_0_embedding
 from models.compressed_tensors import quantization_config
-from models.loader import gguf_4bit_quantization, gguf_float16_scales, gguf_q8_0_embedding
 from models.mxfp4 import METHODS as MXFP4_METHODS
 from models.mxfp4 import is_mxfp4
 from tpu_platform.runner_config import RunnerConfig
