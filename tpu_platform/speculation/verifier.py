@@ -262,7 +262,9 @@ class SpeculativeDecoding:
         plan, step_drafts, tensors = pending.plan, pending.drafts, pending.tensors
         k, num = self.config.num_tokens, step_drafts.num_drafts
         r_pad = next(r for r in self.row_buckets if r >= num.size)
-        tensors = jax.tree.map(lambda x: x[:r_pad], tensors)  # prepared for the forward's rows
+        # Prepared for the forward's rows, which a verify bucket's step has as many of (no slicing
+        # ops to dispatch then).
+        tensors = jax.tree.map(lambda x: x if x.shape[0] == r_pad else x[:r_pad], tensors)
         n = num.size
         known = plan.inputs().cu_q_lens[1 : n + 1] - 1 - num  # each request's last known token
         index = np.zeros((r_pad, k + 1), np.intp)
