@@ -34,6 +34,22 @@ def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, 
     return tuple(sorted(sizes))
 
 
+def request_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Request-count buckets of the verification program: powers of two, then `max_num_seqs`.
+
+    Each request brings 1 + k rows to its LM head, so padding 5 requests to 16 (as the token
+    buckets' coarse steps would) computes 80 rows for 25; the programs are small, so finer steps
+    cost little at warm-up.
+    """
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes, size = {max_num_seqs}, 1
+    while size < max_num_seqs:
+        sizes.add(size)
+        size *= 2
+    return tuple(sorted(sizes))
+
+
 def round_up(value: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket >= value."""
     i = bisect.bisect_left(buckets, value)

@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from tpu_platform.buckets import StepBuckets, round_up, token_buckets
+from tpu_platform.buckets import StepBuckets, request_buckets, round_up, token_buckets
 from tpu_platform.inputs import exercise_inputs, pack_inputs, padding_inputs, prepare_step, unpack_inputs
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplingOptions
@@ -75,6 +75,13 @@ def test_speculation_adds_verify_shapes_and_steps_take_the_smallest_that_holds_t
             )
     with pytest.raises(ValueError, match="exceed max_num_seqs"):
         spec.shape_for(max_seqs + 1, max_seqs + 1)
+
+
+@pytest.mark.parametrize("max_seqs", [1, 3, 16, 24])
+def test_verification_request_buckets_pad_to_the_next_power_of_two(max_seqs):
+    buckets = request_buckets(max_seqs)
+    for n in range(1, max_seqs + 1):
+        assert round_up(n, buckets) == min(1 << (n - 1).bit_length(), max_seqs)
 
 
 def test_prefill_and_decode_mix():
