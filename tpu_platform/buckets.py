@@ -66,8 +66,9 @@ def verify_shapes(
     count that holds r (so no sampler shape is added).
 
     A verify step would otherwise round up to the next token bucket and its sequence rows (one
-    request's 5 rows to 16 tokens and 16 logits rows; 16 requests' 80 to 128): on the CPU the
-    dense kernels compute every padded row, so that padding costs about what real rows do.
+    request's 5 rows to 16 tokens and 16 logits rows; 16 requests' 80 to 128). The CPU's dense
+    kernels skip the trailing zero rows of padding tokens, but the LM head still runs on every
+    sequence row and the row-wise XLA ops on every token row.
     """
     if query_rows < 2:
         raise ValueError(f"query_rows is 1 + the drafts a request, at least 2; got {query_rows}")
