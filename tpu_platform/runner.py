@@ -102,6 +102,7 @@ class Runner:
             max_model_len=config.max_model_len,
             page_size=config.page_size,
             min_pages=state_columns(config.speculation),
+            spec_tokens=config.speculation.num_tokens if config.speculation else 0,
         )
         self.programs = Programs(strict=config.strict_compile, cache=executables)
         self._pending: DispatchedStep | None = None

@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from tpu_platform.buckets import StepBuckets, round_up, token_buckets
+from tpu_platform.buckets import StepBuckets, request_buckets, round_up, token_buckets
 from tpu_platform.inputs import exercise_inputs, pack_inputs, padding_inputs, prepare_step, unpack_inputs
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplingOptions
@@ -42,6 +42,46 @@ def test_buckets():
     assert buckets.shape_for(33, 2) == (64, 8, 8)
     with pytest.raises(ValueError, match="exceed max_num_seqs"):
         buckets.shape_for(16, 9)
+
+
+@pytest.mark.parametrize(
+    "max_tokens, max_seqs, k", [(1024, 16, 4), (64, 8, 3), (64, 3, 4), (32, 6, 3), (256, 32, 2)]
+)
+def test_speculation_adds_verify_shapes_and_steps_take_the_smallest_that_holds_them(max_tokens, max_seqs, k):
+    """Against a brute-force reference: every step takes, of all the compiled shapes, the one of
+    fewest tokens (then fewest sequence rows) that holds its tokens and sequences."""
+    plain = StepBuckets.for_limits(
+        max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs, max_model_len=64, page_size=PAGE
+    )
+    spec = StepBuckets.for_limits(
+        max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs, max_model_len=64, page_size=PAGE,
+        spec_tokens=k,
+    )  # fmt: skip
+    assert plain.verify == () and spec.tokens == plain.tokens
+    plain_rows = {r for _, r, _ in plain.shapes()}
+    assert {r for _, r in spec.verify} <= plain_rows  # no new sampler shapes
+    # One request's 1 + k rows, and a full batch's, have a shape of their own.
+    assert spec.shape_for(1 + k, 1) == (1 + k, 1, spec.max_pages)
+    full = max_seqs * (1 + k)
+    if full <= max_tokens and max_seqs & (max_seqs - 1) == 0:
+        assert spec.shape_for(full, max_seqs)[:2] == (full, max_seqs)
+    shapes = spec.shapes()
+    for seqs in range(1, max_seqs + 1):
+        for tokens in range(seqs, min(max_tokens, 2 * full) + 1):
+            fitting = [s for s in shapes if s[0] >= tokens and s[1] >= seqs]
+            assert spec.shape_for(tokens, seqs) == min(fitting)
+            assert plain.shape_for(tokens, seqs) == min(
+                s for s in plain.shapes() if s[0] >= tokens and s[1] >= seqs
+            )
+    with pytest.raises(ValueError, match="exceed max_num_seqs"):
+        spec.shape_for(max_seqs + 1, max_seqs + 1)
+
+
+@pytest.mark.parametrize("max_seqs", [1, 3, 16, 24])
+def test_verification_request_buckets_pad_to_the_next_power_of_two(max_seqs):
+    buckets = request_buckets(max_seqs)
+    for n in range(1, max_seqs + 1):
+        assert round_up(n, buckets) == min(1 << (n - 1).bit_length(), max_seqs)
 
 
 def test_prefill_and_decode_mix():

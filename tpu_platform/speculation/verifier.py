@@ -24,7 +24,7 @@ from flax import nnx
 
 from models import ModelConfig
 from models.registry import architecture_fingerprint
-from tpu_platform.buckets import token_buckets
+from tpu_platform.buckets import request_buckets
 from tpu_platform.inputs import StepPlan
 from tpu_platform.programs import Programs, ProgramSpec, structure_text
 from tpu_platform.request_table import RequestTable
@@ -130,10 +130,10 @@ class SpeculativeDecoding:
         # The proposer of method 'draft_model' (`draft_model`), 'eagle3' (`eagle3`) or 'mtp' (`mtp`).
         self.draft: DraftModel | Eagle3Proposer | None = None
         self._draft_warm_up: tuple = ()  # the draft's warm-up arguments, once its cache is there
-        # Request rows of the programs: the forward's buckets up to `max_num_seqs`, by requests
-        # rather than tokens (the LM head runs on 1 + k rows a request: a lone drafted request
-        # would otherwise take the row bucket of its 1 + k tokens).
-        self.row_buckets = token_buckets(feed_width, feed_width)
+        # Request rows of the programs, by requests rather than tokens (the LM head runs on 1 + k
+        # rows a request: a lone drafted request would otherwise take the row bucket of its 1 + k
+        # tokens), in powers of two (`request_buckets`).
+        self.row_buckets = request_buckets(feed_width)
 
     @classmethod
     def for_runner(
@@ -262,7 +262,9 @@ class SpeculativeDecoding:
         plan, step_drafts, tensors = pending.plan, pending.drafts, pending.tensors
         k, num = self.config.num_tokens, step_drafts.num_drafts
         r_pad = next(r for r in self.row_buckets if r >= num.size)
-        tensors = jax.tree.map(lambda x: x[:r_pad], tensors)  # prepared for the forward's rows
+        # Prepared for the forward's rows, which a verify bucket's step has as many of (no slicing
+        # ops to dispatch then).
+        tensors = jax.tree.map(lambda x: x if x.shape[0] == r_pad else x[:r_pad], tensors)
         n = num.size
         known = plan.inputs().cu_q_lens[1 : n + 1] - 1 - num  # each request's last known token
         index = np.zeros((r_pad, k + 1), np.intp)
