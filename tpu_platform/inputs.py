@@ -48,7 +48,9 @@ class StepInputs:
     lora_slots: np.ndarray
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# Made every step, so not frozen (a frozen dataclass's __init__ sets each field through
+# `object.__setattr__`, several times the cost); read-only all the same.
+@dataclasses.dataclass(slots=True)
 class StepPlan:
     """Host-side facts about a prepared step."""
 

@@ -23,7 +23,9 @@ PROGRESS_COLUMNS = (
 _FEW_ROWS = 2
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# Made every step, so not frozen (a frozen dataclass's __init__ sets each field through
+# `object.__setattr__`, several times the cost); read-only all the same.
+@dataclasses.dataclass(slots=True)
 class Appends:
     """Where a step's sampled tokens go: token `index[k]` (k when None) to `rows[k]`, `columns[k]`."""
 
