@@ -219,6 +219,25 @@ WHAT_MOVES = """\
   it is within the noise of alternating runs (1-min load average 18 to 35 on 2 CPUs); the trees
   run side by side at 256 rows took 1.42 against 1.48 ms, input preparation 0.19 against 0.22 ms
   and the unchanged phases alike (1-min load average 27, 2026-11-29).
+  The execute call is already the runtime's own (`FlatCall`: the loaded executable's
+  `execute_sharded` on the forward's 13 device arrays, no JAX Python between); a `perf` profile of
+  the engine's thread in steady decode puts its 0.2 ms in PJRT's C++ (argument preparation, usage
+  events, output buffers): nothing is left on our side of it but fewer arguments and outputs.
+  The 64-token scatter of the sampled tokens into the history took 66-84 us in the engine: huge
+  pages under the history left it at 77 us, a scatter by flat index took 95 against 66 us
+  (alternating steps), and waiting and copying the tokens in one runtime call 158 against 106 us.
+  The cost looks to be each NumPy operation's cold code path rather than its data, so the lever
+  is fewer operations: a reserved step's pending columns (where the next step takes its token on the
+  device) are written only when a step is prepared while that token is in flight
+  (`RequestTable.mark_in_flight`), which synchronous scheduling never does (three scattered writes
+  and an `arange` a step fewer), and the six records a step makes are plain slots dataclasses (a
+  frozen one sets each field through `object.__setattr__`: 2.6-3.4 against 0.4-0.7 us for eight
+  fields in a loop). In five alternating pairs of runs (each the median of 3; 1-min load average
+  6.5 to 22 on 2 CPUs, 2026-11-29 and 30) token recording went from 0.21 to 0.19 ms at 64 rows
+  and from 0.29 to 0.25 ms at 256 (medians of the five); the host time, 1.10 against 1.11 ms at
+  64 rows and 1.46 against 1.45 ms at 256, stayed within the runs' noise (0.95 to 1.32 ms at 64
+  rows for the same tree). The same profile puts 7% of the engine thread's CPU in glibc's
+  allocator (`unlink_chunk`, `malloc_consolidate`); whose allocations those are is not measured.
 - **Async scheduling on the CPU device** stays off by default (`VLLM_XLA_CPU_ASYNC_SCHEDULING=1`
   turns it on). On the CPU device the "device" is the host's own cores: a decode step of many rows
   is bound by the dense kernels (the section above), and in a synchronous run of the full batch

@@ -48,7 +48,9 @@ class StepInputs:
     lora_slots: np.ndarray
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# Made every step, so not frozen (a frozen dataclass's __init__ sets each field through
+# `object.__setattr__`, several times the cost); read-only all the same.
+@dataclasses.dataclass(slots=True)
 class StepPlan:
     """Host-side facts about a prepared step."""
 
@@ -136,10 +138,10 @@ def _decode_from(
     t, r, p, g = dims
     offsets = _offsets(dims)
     n = rows.size
+    fed = table.mark_in_flight()  # else every row's feed is -1: no comparison to make
     progress = table.progress[rows]
     start = progress[:, NUM_COMPUTED]
     packed[offsets["token_ids"] : offsets["token_ids"] + n] = table.token_ids[rows, start]
-    fed = table.tokens_in_flight  # else every row's feed is -1: no comparison to make
     if fed:
         feed = feed_from(progress, start)
         packed[offsets["feed"] : offsets["feed"] + n] = feed

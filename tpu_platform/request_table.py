@@ -23,7 +23,9 @@ PROGRESS_COLUMNS = (
 _FEW_ROWS = 2
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# Made every step, so not frozen (a frozen dataclass's __init__ sets each field through
+# `object.__setattr__`, several times the cost); read-only all the same.
+@dataclasses.dataclass(slots=True)
 class Appends:
     """Where a step's sampled tokens go: token `index[k]` (k when None) to `rows[k]`, `columns[k]`."""
 
@@ -58,7 +60,7 @@ class RequestTable:
         self.block_table = np.zeros((num_groups, capacity, max_pages), np.int32)
         self.num_pages = np.zeros((num_groups, capacity), np.int32)
         self.departures = 0  # requests removed so far
-        self._pending_rows = np.zeros(0, np.intp)
+        self._pending_rows: np.ndarray | None = None  # the rows `mark_in_flight` marked
         self._newest_reserved: Appends | None = None
         self.row_of: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
@@ -187,18 +189,38 @@ class RequestTable:
 
     def reserve(self, appends: Appends) -> None:
         """Counts a dispatched step's tokens before they are known: their columns hold -1 until
-        `fill`, and each row remembers its column and token index (`pending_column`,
-        `pending_index`) so the next step can take the token on the device. Only the newest
-        reserving step is remembered: the caller fills older ones before the next `reserve`."""
-        if self._newest_reserved is not None:  # else `fill` has reset its rows already
-            self.pending_column[self._pending_rows] = -1
-        index = np.arange(appends.rows.size) if appends.index is None else appends.index
+        `fill`. Only the newest reserving step is remembered: the caller fills older ones before
+        the next `reserve`. Its rows' `pending_column` and `pending_index` (where the next step
+        takes the token on the device) are written only when a step is prepared while it is in
+        flight (`mark_in_flight`): under synchronous scheduling it is filled first, and they stay -1."""
+        self._unmark()
         self.token_ids[appends.rows, appends.columns] = -1
         self.num_tokens[appends.rows] = appends.counts
-        self.pending_column[appends.rows] = appends.columns
-        self.pending_index[appends.rows] = index
-        self._pending_rows = appends.rows
         self._newest_reserved = appends
+
+    def mark_in_flight(self) -> bool:
+        """Whether some row waits for a reserved token (`reserve`d, not yet `fill`ed); if so, its
+        rows still held by the same requests get their `pending_column` and `pending_index`.
+        Without, every `pending_column` is -1 and no step input takes a token on the device."""
+        appends = self._newest_reserved
+        if appends is None:
+            return False
+        if self._pending_rows is None:
+            rows, columns = appends.rows, appends.columns
+            index = np.arange(rows.size) if appends.index is None else appends.index
+            if appends.departures != self.departures:  # a row reused since holds no reservation
+                stayed = self.occupant[rows] == appends.occupants
+                rows, columns, index = rows[stayed], columns[stayed], index[stayed]
+            self.pending_column[rows] = columns
+            self.pending_index[rows] = index
+            self._pending_rows = rows
+        return True
+
+    def _unmark(self) -> None:
+        """Resets the rows `mark_in_flight` marked (-1: no token in flight)."""
+        if self._pending_rows is not None:
+            self.pending_column[self._pending_rows] = -1
+            self._pending_rows = None
 
     def fill(self, appends: Appends, tokens: np.ndarray) -> None:
         """Writes the tokens of a `reserve`d step (one per row planned, in the planned rows' order)
@@ -211,19 +233,19 @@ class RequestTable:
             stayed = self.occupant[rows] == appends.occupants
             rows, columns, tokens = rows[stayed], columns[stayed], tokens[stayed]
         self.token_ids[rows, columns] = tokens
-        if appends is self._newest_reserved:  # (a row reused since holds no reservation yet)
-            self.pending_column[appends.rows] = -1
+        if appends is self._newest_reserved:
+            self._unmark()
             self._newest_reserved = None
 
     @property
     def tokens_in_flight(self) -> bool:
-        """Whether some row waits for a reserved token (`reserve`d, not yet `fill`ed): without,
-        every `pending_column` is -1 and no step input takes a token on the device."""
+        """Whether some row waits for a reserved token (`reserve`d, not yet `fill`ed)."""
         return self._newest_reserved is not None
 
     def feed_index(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """For tokens at `positions` of `rows`: the index of the token in the newest in-flight
         step's output when that position is the one it reserved, else -1."""
+        self.mark_in_flight()
         return feed_from(self.progress[rows], positions)
 
     def output_token_ids(self, row: int) -> np.ndarray:

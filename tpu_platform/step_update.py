@@ -41,7 +41,9 @@ class CachedRequest:
     num_output_tokens: int
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# Made every step, so not frozen (a frozen dataclass's __init__ sets each field through
+# `object.__setattr__`, several times the cost); read-only all the same.
+@dataclasses.dataclass(slots=True)
 class CachedRequests:
     """Every continuing or resumed request of a step, column by column (index i is one request).
 
@@ -70,7 +72,9 @@ class CachedRequests:
         return len(self.req_ids)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# Made every step, so not frozen (a frozen dataclass's __init__ sets each field through
+# `object.__setattr__`, several times the cost); read-only all the same.
+@dataclasses.dataclass(slots=True)
 class StepUpdate:
     """One engine step: state changes, then `num_scheduled_tokens` in batch order."""
 
@@ -94,7 +98,9 @@ class StepLogprobs:
     ranks: np.ndarray
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# Made every step, so not frozen (a frozen dataclass's __init__ sets each field through
+# `object.__setattr__`, several times the cost); read-only all the same.
+@dataclasses.dataclass(slots=True)
 class StepResult:
     """Tokens emitted by one step, in batch order; `[]` for a partial prefill chunk."""
 

@@ -315,16 +315,23 @@ def test_inputs_prepared_before_the_previous_tokens_arrive_take_them_on_the_devi
     assert not overlapped.tokens_in_flight and not serial.tokens_in_flight  # every token filled
 
 
-def test_a_token_arriving_after_its_request_left_does_not_touch_the_rows_next_request():
+@pytest.mark.parametrize("marked", ["before the abort", "after the newcomer"])
+def test_a_token_arriving_after_its_request_left_does_not_touch_the_rows_next_request(marked):
     table = RequestTable(4, 32, 8)
     rows = np.array(
         [table.add(NewRequest(f"r{i}", [1, 2, 3 + i], [[i]], 3, SamplingOptions())) for i in range(3)]
     )
     in_flight = table.plan_appends(rows, np.ones(3, bool))
     table.reserve(in_flight)
+    assert (table.pending_column == -1).all()  # marked only when a step is prepared in flight
+    if marked == "before the abort":
+        assert table.mark_in_flight()
     table.remove("r1")  # aborted while its token is on the device; a new request takes the row
     newcomer = table.add(NewRequest("n", [7, 8, 9, 10, 11], [[5]], 5, SamplingOptions()))
     assert newcomer == rows[1] and table.pending_column[newcomer] == -1
+    # The next step's feed: the staying rows take their token on the device, the newcomer its own.
+    feed = table.feed_index(rows, np.array([3, 3, 3]))
+    assert feed.tolist() == [0, -1, 2]
     table.fill(in_flight, np.array([40, 41, 42], np.int32))
     assert table.output_token_ids(rows[0]).tolist() == [40] and table.output_token_ids(rows[2]).tolist() == [
         42
