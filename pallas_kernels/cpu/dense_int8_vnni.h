@@ -202,7 +202,22 @@ struct VnniInt8 {
       acc[0][1] = _mm512_add_epi32(acc[0][1], other[0][1]);
     }
     for (; word < end; ++word) {
-      Word<R, C>(w, hi, lo, words, panel, word, word < full ? ~0ULL : last, order, offset, acc);
+      const __mmask64 present = word < full ? ~0ULL : last;
+      __m512i weights[C];
+      VLLM_XLA_UNROLL
+      for (int c = 0; c < C; ++c) {
+        const __m512i bytes = _mm512_maskz_loadu_epi8(present, w + c * panel + word * 64);
+        weights[c] = _mm512_xor_si512(_mm512_permutexvar_epi8(order, bytes), offset);
+      }
+      VLLM_XLA_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m512i h = _mm512_set1_epi32(hi[r * words + word]);
+        VLLM_XLA_UNROLL
+        for (int c = 0; c < C; ++c) acc[r][c] = DotBytes(acc[r][c], weights[c], h);
+        const __m512i l = _mm512_set1_epi32(lo[r * words + word]);
+        VLLM_XLA_UNROLL
+        for (int c = 0; c < C; ++c) acc[r][C + c] = DotBytes(acc[r][C + c], weights[c], l);
+      }
     }
   }
 
