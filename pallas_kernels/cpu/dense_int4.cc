@@ -173,7 +173,7 @@ const float* FloatRows(const ffi::AnyBuffer& x, int64_t M, int64_t K, std::vecto
 }
 
 // Groups whose sums `GroupSums` adds side by side: one group's adds are a chain (each waits for the
-// last), so a group at a time left 16 rows of x taking longer than a third of their products.
+// last), and a group at a time made this serial step, before the threads start, grow with the rows.
 constexpr int64_t kSideBySideGroups = 16;
 
 // Each row's sums of x over its groups of `group` k: [M, K / group], each group's k added in order.

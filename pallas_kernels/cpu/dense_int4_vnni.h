@@ -46,10 +46,10 @@ constexpr int kInt4VnniMaxBlocks = 4;  // 16-column blocks of one row in a regis
 
 // Walks a work item of `Problem` (`VnniInt4` or `VnniInt4Q8`) in its register blocks: one row, two
 // rows by up to `block_cols` (at most 2) column blocks, or the rows split as evenly as they go into
-// blocks of up to 4 by one (5 rows: 3 + 2). Each row costs about the same in any block of two or
+// blocks of up to 4 by one (5 rows: 3 + 2). A row costs about the same in any block of two or
 // more, but a block of one waits on its panel's loads (a single stream, as a decode step's lone
-// row does), so 4 + 1 cost a fifth more than 3 + 2. x is at most `kVnniRowsAtMost` rows, which
-// stay in cache while the item's panels pass over them.
+// row does), so 4 + 1 ran slower than 3 + 2. x is at most `kVnniRowsAtMost` rows, which stay in
+// cache while the item's panels pass over them.
 template <typename Problem>
 void WalkVnniInt4Blocks(const Problem& problem, const Item& item, int block_cols) {
   using BlockKernel = void (*)(const Problem&, int64_t, int64_t);

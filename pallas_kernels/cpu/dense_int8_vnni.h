@@ -192,7 +192,8 @@ struct VnniInt8 {
     if constexpr (kTwoChains && R * C == 1) {
       // One row by one block over all of K: a second set of accumulators for alternate words
       // (int32: exact in any order), else each plane's sums are one chain of four-cycle products,
-      // one a word (a group's few words gain nothing: the fold waits anyway).
+      // one a word. Not per group: over a group's few words the second set's zeroing and adds cost
+      // more than it gains.
       __m512i other[R][2 * C] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}};
       for (; word + 2 <= end; word += 2) {
         Word<R, C>(w, hi, lo, words, panel, word, word < full ? ~0ULL : last, order, offset, acc);
