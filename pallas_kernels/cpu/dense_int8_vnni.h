@@ -173,9 +173,9 @@ struct VnniInt8 {
     return _mm512_load_si512(order);
   }
 
-  // The int32 sums of a register block over words [first, end), plane by plane; `kTwoChains`: a
-  // second set of accumulators for alternate words.
-  template <int R, int C, bool kTwoChains = false>
+  // y[row : row + R, block * 16 : (block + C) * 16].
+  // The int32 sums of a register block over words [first, end), plane by plane.
+  template <int R, int C>
   VLLM_XLA_INT8_VNNI static void Accumulate(const VnniInt8& p, int64_t row, int64_t block, int64_t first,
                                             int64_t end, __m512i (&acc)[R][2 * C]) {
     const int64_t panel = p.K * 16, words = p.rows->words;
@@ -188,21 +188,7 @@ struct VnniInt8 {
     // zero planes.
     const int64_t full = p.K / 4;
     const __mmask64 last = full < words ? (~0ULL) >> (64 - 16 * (p.K - 4 * full)) : ~0ULL;
-    int64_t word = first;
-    if constexpr (kTwoChains && R * C == 1) {
-      // One row by one block over all of K: a second set of accumulators for alternate words
-      // (int32: exact in any order), else each plane's sums are one chain of four-cycle products,
-      // one a word. Not per group: over a group's few words the second set's zeroing and adds cost
-      // more than it gains.
-      __m512i other[R][2 * C] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}};
-      for (; word + 2 <= end; word += 2) {
-        Word<R, C>(w, hi, lo, words, panel, word, word < full ? ~0ULL : last, order, offset, acc);
-        Word<R, C>(w, hi, lo, words, panel, word + 1, word + 1 < full ? ~0ULL : last, order, offset, other);
-      }
-      acc[0][0] = _mm512_add_epi32(acc[0][0], other[0][0]);
-      acc[0][1] = _mm512_add_epi32(acc[0][1], other[0][1]);
-    }
-    for (; word < end; ++word) {
+    for (int64_t word = first; word < end; ++word) {
       const __mmask64 present = word < full ? ~0ULL : last;
       __m512i weights[C];
       VLLM_XLA_UNROLL
@@ -219,28 +205,6 @@ struct VnniInt8 {
         VLLM_XLA_UNROLL
         for (int c = 0; c < C; ++c) acc[r][C + c] = DotBytes(acc[r][C + c], weights[c], l);
       }
-    }
-  }
-
-  // The int32 sums of a register block over word `word` (4 k, `present` its bytes), added to `acc`.
-  template <int R, int C>
-  VLLM_XLA_INT8_VNNI static void Word(const int8_t* w, const int32_t* hi, const int32_t* lo, int64_t words,
-                                      int64_t panel, int64_t word, __mmask64 present, __m512i order,
-                                      __m512i offset, __m512i (&acc)[R][2 * C]) {
-    __m512i weights[C];
-    VLLM_XLA_UNROLL
-    for (int c = 0; c < C; ++c) {
-      const __m512i bytes = _mm512_maskz_loadu_epi8(present, w + c * panel + word * 64);
-      weights[c] = _mm512_xor_si512(_mm512_permutexvar_epi8(order, bytes), offset);
-    }
-    VLLM_XLA_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const __m512i h = _mm512_set1_epi32(hi[r * words + word]);
-      VLLM_XLA_UNROLL
-      for (int c = 0; c < C; ++c) acc[r][c] = DotBytes(acc[r][c], weights[c], h);
-      const __m512i l = _mm512_set1_epi32(lo[r * words + word]);
-      VLLM_XLA_UNROLL
-      for (int c = 0; c < C; ++c) acc[r][C + c] = DotBytes(acc[r][C + c], weights[c], l);
     }
   }
 
@@ -262,7 +226,7 @@ struct VnniInt8 {
     for (int r = 0; r < R; ++r)
       VLLM_XLA_UNROLL
       for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm512_setzero_si512();
-    Accumulate<R, C, true>(p, row, block, 0, p.rows->words, acc);
+    Accumulate<R, C>(p, row, block, 0, p.rows->words, acc);
     VLLM_XLA_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m512 step = _mm512_set1_ps(p.rows->step[row + r]);
