@@ -172,13 +172,37 @@ const float* FloatRows(const ffi::AnyBuffer& x, int64_t M, int64_t K, std::vecto
   return wide.data();
 }
 
-// Each row's sums of x over its groups of `group` k: [M, K / group].
+// Groups whose sums `GroupSums` adds side by side: one group's adds are a chain (each waits for the
+// last), and a group at a time made this serial step, before the threads start, grow with the rows.
+constexpr int64_t kSideBySideGroups = 16;
+
+// Each row's sums of x over its groups of `group` k: [M, K / group], each group's k added in order.
 std::vector<float> GroupSums(const float* x, int64_t M, int64_t K, int64_t group) {
-  std::vector<float> sums(M * (K / group), 0.0f);
-  for (int64_t g = 0; g < M * (K / group); ++g) {
+  const int64_t count = M * (K / group);  // the groups of all rows, x + g * group each
+  std::vector<float> sums(count, 0.0f);
+  int64_t g = 0;
+  for (; g + kSideBySideGroups <= count; g += kSideBySideGroups) {
+    float chain[kSideBySideGroups] = {};
+    for (int64_t k = 0; k < group; ++k) {
+      for (int64_t j = 0; j < kSideBySideGroups; ++j) chain[j] += x[(g + j) * group + k];
+    }
+    std::copy(chain, chain + kSideBySideGroups, sums.begin() + g);
+  }
+  for (; g < count; ++g) {
     for (int64_t k = g * group; k < (g + 1) * group; ++k) sums[g] += x[k];
   }
   return sums;
+}
+
+// max |row| (exact in any order: 16 maxima side by side).
+float Largest(const float* row, int64_t K) {
+  float lanes[kSideBySideGroups] = {};
+  int64_t k = 0;
+  for (; k + kSideBySideGroups <= K; k += kSideBySideGroups) {
+    for (int64_t j = 0; j < kSideBySideGroups; ++j) lanes[j] = std::max(lanes[j], std::fabs(row[k + j]));
+  }
+  for (; k < K; ++k) lanes[0] = std::max(lanes[0], std::fabs(row[k]));
+  return *std::max_element(lanes, lanes + kSideBySideGroups);
 }
 
 // Each row's group sums over its fixed-point step sx (`FixedPointRows::inverse`'s rounding), 0 for
@@ -186,8 +210,7 @@ std::vector<float> GroupSums(const float* x, int64_t M, int64_t K, int64_t group
 std::vector<float> SumsOverStep(const float* x, std::vector<float> sums, int64_t M, int64_t K) {
   const int64_t groups = static_cast<int64_t>(sums.size()) / M;
   for (int64_t r = 0; r < M; ++r) {
-    float largest = 0.0f;
-    for (int64_t k = 0; k < K; ++k) largest = std::max(largest, std::fabs(x[r * K + k]));
+    const float largest = Largest(x + r * K, K);
     const float inverse = largest > 0.0f ? kFixedLevels / largest : 0.0f;
     for (int64_t g = 0; g < groups; ++g) sums[r * groups + g] *= inverse;
   }

@@ -45,10 +45,13 @@ constexpr int kInt4VnniMaxBlocks = 4;  // 16-column blocks of one row in a regis
 // `LoadScales` (dense_int8_vnni.h) reads scales and offsets, float32 or float16 bits.
 
 // Walks a work item of `Problem` (`VnniInt4` or `VnniInt4Q8`) in its register blocks: one row, two
-// rows by up to `block_cols` (at most 2) column blocks, or up to 4 rows by one. `x_row_bytes`: a
-// row of x as the path holds it (`WalkRegisterBlocks`).
+// rows by up to `block_cols` (at most 2) column blocks, or the rows split as evenly as they go into
+// blocks of up to 4 by one (5 rows: 3 + 2). A row costs about the same in any block of two or
+// more, but a block of one waits on its panel's loads (a single stream, as a decode step's lone
+// row does), so 4 + 1 ran slower than 3 + 2. x is at most `kVnniRowsAtMost` rows, which stay in
+// cache while the item's panels pass over them.
 template <typename Problem>
-void WalkVnniInt4Blocks(const Problem& problem, const Item& item, int64_t x_row_bytes, int block_cols) {
+void WalkVnniInt4Blocks(const Problem& problem, const Item& item, int block_cols) {
   using BlockKernel = void (*)(const Problem&, int64_t, int64_t);
   // [rows - 1][blocks - 1]
   static constexpr BlockKernel kKernels[4][kInt4VnniMaxBlocks] = {
@@ -58,11 +61,15 @@ void WalkVnniInt4Blocks(const Problem& problem, const Item& item, int64_t x_row_
       {&Problem::template Block<3, 1>, nullptr, nullptr, nullptr},
       {&Problem::template Block<4, 1>, nullptr, nullptr, nullptr},
   };
-  const int block_rows = problem.M <= 2 ? static_cast<int>(problem.M) : 4;
-  WalkRegisterBlocks(item, problem.M, x_row_bytes, block_rows, block_cols,
-                     [&](int64_t row, int rows, int64_t block, int blocks) {
-                       kKernels[rows - 1][blocks - 1](problem, row, block);
-                     });
+  const int64_t row_blocks = (problem.M + 3) / 4;
+  for (int64_t col = item.first_block; col < item.end_block; col += block_cols) {
+    const int cols = static_cast<int>(std::min<int64_t>(block_cols, item.end_block - col));
+    for (int64_t b = 0, row = 0; b < row_blocks; ++b) {
+      const int rows = static_cast<int>(problem.M / row_blocks + (b < problem.M % row_blocks ? 1 : 0));
+      kKernels[rows - 1][cols - 1](problem, row, col);
+      row += rows;
+    }
+  }
 }
 
 template <typename Scale>  // float, or uint16_t: float16 bits
@@ -154,7 +161,7 @@ struct VnniInt4 {
     }
   }
 
-  void Run(const Item& item) const { WalkVnniInt4Blocks(*this, item, K * 2, M == 2 ? 2 : 1); }
+  void Run(const Item& item) const { WalkVnniInt4Blocks(*this, item, M == 2 ? 2 : 1); }
 };
 
 // x in one signed byte plane per block of k (llama.cpp's Q8_1, which its Q4_1 dot products take):
@@ -299,7 +306,7 @@ struct VnniInt4Q8 {
       for (int c = 0; c < C; ++c) _mm512_storeu_ps(p.y + (row + r) * p.N + (block + c) * 16, total[r][c]);
   }
 
-  void Run(const Item& item) const { WalkVnniInt4Blocks(*this, item, K, 1); }
+  void Run(const Item& item) const { WalkVnniInt4Blocks(*this, item, 1); }
 };
 
 }  // namespace vllm_xla
