@@ -118,6 +118,7 @@ def test_tiles_run_in_chunks_give_the_same_result(tiles_per_chunk):
     assert "while" in jaxpr or "scan" in jaxpr  # the chunks are a loop, not one batched gather
 
 
+@pytest.mark.slow  # mxfp4 experts: the fast tier serves them whole in test_mxfp4.py
 def test_mxfp4_tiles_run_in_chunks_equal_the_dequantized_experts():
     # Each chunk decodes only its own tiles' experts: the same as the whole stacks dequantized.
     num_experts, width, tokens, top_k = 4, 64, 24, 2

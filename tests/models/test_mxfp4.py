@@ -92,6 +92,7 @@ def test_in_bfloat16_the_mxfp4_model_equals_the_dequantized_checkpoint(checkpoin
     np.testing.assert_array_equal(*logits)
 
 
+@pytest.mark.slow  # a second mxfp4 model
 def test_experts_padded_to_whole_blocks_a_device_serve_the_same(checkpoints, served):
     # F = 64 is two blocks of 32: for 4 devices it is padded to 128 (one block a device) with
     # zero gate/up pairs and down inputs, which add nothing.
