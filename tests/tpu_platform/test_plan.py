@@ -202,6 +202,7 @@ def test_moe_decode_reads_the_experts_a_batch_touches():
     assert weight_bytes_read(setup, 4096) == pytest.approx(total, rel=1e-6)
 
 
+@pytest.mark.slow  # a 120B model's abstract shapes; the fast tier's planner weights are int8's
 def test_gpt_oss_weights_are_its_mxfp4_experts_and_bfloat16_rest():
     # gpt-oss-120b as released: 116.83e9 parameters (model card), of which the 36 layers' 128
     # experts' kernels (3 * 2880 * 2880 each) are mxfp4, 17 bytes per 32 values; the rest bfloat16.
@@ -256,6 +257,7 @@ def test_unknown_quantization_is_refused_by_name():
         StepSetup(model_config("llama-3.1-8b"), "v5e-1", quantization="int2")
 
 
+@pytest.mark.slow  # the same arithmetic as int8's (fast) on fp8 bytes
 def test_fp8_weights_are_fp8_bytes_and_scales_with_a_bfloat16_head():
     """Llama 3.1 8B in fp8: each projection one byte a weight plus a float32 scale per output
     channel, or per 128 inputs of each (block checkpoints); the untied head, the embedding and
