@@ -275,6 +275,7 @@ def test_fp8_weights_are_fp8_bytes_and_scales_with_a_bfloat16_head():
     assert blocks.weight_bytes - channel.weight_bytes == 4 * (kernels // 128 - scales)
 
 
+@pytest.mark.slow  # a quantized format's expert reads: the fast tier's MoE decode read is bfloat16's
 def test_moe_fp8_block_decode_reads_fp8_experts_and_their_group_scales():
     fp8 = StepSetup(model_config("qwen3-30b-a3b"), "h100x1", quantization="fp8-g128")
     total = fp8.abstract_model().weight_bytes
@@ -282,6 +283,7 @@ def test_moe_fp8_block_decode_reads_fp8_experts_and_their_group_scales():
     assert weight_bytes_read(fp8, 1) == pytest.approx(total - 48 * 120 * expert, rel=1e-9)
 
 
+@pytest.mark.slow  # a quantized format's expert reads: the fast tier's MoE decode read is bfloat16's
 def test_moe_int8_decode_reads_int8_experts():
     int8 = StepSetup(model_config("qwen3-30b-a3b"), "h100x1", quantization="int8")
     total = int8.abstract_model().weight_bytes
@@ -289,6 +291,7 @@ def test_moe_int8_decode_reads_int8_experts():
     assert weight_bytes_read(int8, 1) == pytest.approx(total - 48 * 120 * expert, rel=1e-9)
 
 
+@pytest.mark.slow  # the same arithmetic as int8's (fast) with offsets
 def test_affine_int4_weights_add_an_offset_beside_each_dense_scale():
     """Llama 3.2 3B as an AWQ checkpoint serves it (`int4z-g128`): the symmetric 4-bit layout's
     bytes plus a float32 offset per scale of every dense projection (the head stays bfloat16)."""
@@ -307,6 +310,7 @@ def test_affine_int4_weights_add_an_offset_beside_each_dense_scale():
     assert bf16 - symmetric.weight_bytes == 2 * kernels - (kernels // 2 + 4 * kernels // 128)
 
 
+@pytest.mark.slow  # a quantized format's expert reads: the fast tier's MoE decode read is bfloat16's
 def test_moe_affine_int4_decode_reads_4_bit_experts():
     int4z = StepSetup(model_config("qwen3-30b-a3b"), "h100x1", quantization="int4z-g128")
     total = int4z.abstract_model().weight_bytes
