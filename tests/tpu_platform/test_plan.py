@@ -368,6 +368,7 @@ def test_an_moe_decode_step_gets_a_third_depth_and_a_one_prefill_the_shallowest(
     assert step_depths((2, 4), "decode", routed_experts=False) == (2, 4)  # a dense model's line
 
 
+@pytest.mark.slow  # the abstract 671B model in every format takes seconds to trace
 def test_deepseek_v3_needs_more_than_a_v6e_8_in_every_format_and_fits_8_h100s_in_int4():
     """DeepSeek-V3's weights split over 8 chips (each chip holds at least an eighth): in int4
     with a scale per 128 inputs, the fewest bytes of any format the planner knows, more than a
