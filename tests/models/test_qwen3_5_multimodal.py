@@ -51,6 +51,7 @@ def test_the_text_model_of_the_multimodal_checkpoint_is_served(tiny):
     np.testing.assert_array_equal(np.asarray(model.model.embed_tokens.embedding[...]), embedding)
 
 
+@pytest.mark.slow  # Qwen3-Next's module: its forward is test_qwen3_next.py's fast prefill
 def test_logits_match_transformers_multimodal_class_on_text(tiny):
     _, _, config, model, hf = tiny
     (ids,) = prompts([40], seed=40)
