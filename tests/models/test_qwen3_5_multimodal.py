@@ -17,8 +17,8 @@ from tests.models.test_qwen3_next import ATOL, _caches
 from tests.models.tiny_checkpoints import RTOL, hf_logits, prompts, run_step
 from tests.models.tiny_qwen3_next import RELEASED, save_tiny_qwen3_5_multimodal
 
-# The fast tier builds the dense release (Qwen3.5's family check: the same layers as Qwen3-Next's
-# with the multimodal checkpoint's names); the MoE release is the slow tier's.
+# The fast tier loads the dense release (Qwen3-Next's layers under the multimodal checkpoint's
+# names); the MoE release is the slow tier's.
 _FAST = "Qwen3_5ForConditionalGeneration"
 
 
