@@ -41,7 +41,7 @@ def _forward(path, backend, t_pad, r_pad, num_seqs, packed_dense=False):
     return np.asarray(logits), np.asarray(greedy), np.asarray(hidden)
 
 
-@pytest.mark.parametrize("backend", ["xla", "cpu_native"])
+@pytest.mark.parametrize("backend", [pytest.param("xla", marks=pytest.mark.slow), "cpu_native"])  # xla: slow
 def test_padding_rows_are_zero_and_real_rows_unchanged(tiny, request, backend):
     packed_dense = backend == "cpu_native"
     if packed_dense:
