@@ -131,6 +131,7 @@ def test_ragged_batches_against_token_by_token_numpy(
     assert not np.any(o[cu[-1] :]), "padding rows are zero"
 
 
+@pytest.mark.slow  # two programs; the fast tier's ragged batches check the rule against NumPy
 def test_prompt_in_two_steps_equals_one():
     # Qwen3-Next's chunk of 64, crossed twice; every step padded to the same 150 rows (one compile).
     rng = np.random.default_rng(3)
