@@ -108,6 +108,7 @@ def test_awq_loads_as_affine_int4_and_computes_the_dequantized_model(mistral, tm
     _assert_computes_the_dequantized_model(path, float_path, 128 // 32)
 
 
+@pytest.mark.slow  # a second load into the affine layout (fast: AWQ's)
 @pytest.mark.parametrize("group_size", [32, None])
 def test_asymmetric_gptq_loads_as_affine_int4(mistral, group_size, tmp_path):
     w = np.random.default_rng(3).normal(size=(8, 32)).astype(np.float32) + 0.3  # skewed: zeros != 8
@@ -159,6 +160,7 @@ def test_malformed_affine_checkpoints_are_refused_by_name(mistral, tmp_path):
         load_model(path)
 
 
+@pytest.mark.slow  # a second load; the fast tier loads AWQ's affine layout
 def test_a_float_checkpoint_streams_into_the_affine_layout_with_zero_offsets(mistral):
     """A projection the checkpoint holds in float, served in the affine layout (`int4z`), is
     quantized on its way like a symmetric int4 one and gets zero offsets: the same logits as the
@@ -188,6 +190,7 @@ def test_a_float_checkpoint_streams_into_the_affine_layout_with_zero_offsets(mis
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the fast tier's int4 model on the native kernel: test_gguf_q4.py
 def test_a_float_checkpoint_streams_onto_the_native_int4_kernel(mistral, dense_kernels):
     """Prepared for the native CPU kernels, the float projections are quantized to 4-bit values on
     their way (int4's scales, max|w| / 7.5 per group: int8's range could not pack two a byte) and
@@ -214,6 +217,7 @@ def test_a_float_checkpoint_streams_onto_the_native_int4_kernel(mistral, dense_k
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # a load and a step; the int8 head's kernel is in the fast kernel tests
 def test_a_tied_head_is_int8_on_the_native_kernels_in_the_4_bit_preparation(tmp_path, dense_kernels):
     """Packed for the native CPU kernels, a 4-bit preparation holds a tied head's copy as int8 in
     the projections' groups (int8's `max|w| / 127` scales, as a GGUF's Q8_0 embedding is), for

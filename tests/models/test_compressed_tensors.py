@@ -105,8 +105,11 @@ def test_hand_packing_is_the_format_s_own():
     [
         ("MistralForCausalLM", "pack-quantized", "channel"),  # W8A16
         ("MistralForCausalLM", "int-quantized", "tensor"),  # W8A8 weights, one scale a tensor
-        ("Qwen3MoeForCausalLM", "pack-quantized", "channel"),  # experts stacked from int8 tensors
-        ("MistralForCausalLM", "pack-quantized", "group"),  # W8A16, a scale per 16 inputs a row
+        # experts stacked from int8 tensors; a grouped scale: programs of their own, the slow tier's
+        pytest.param("Qwen3MoeForCausalLM", "pack-quantized", "channel", marks=pytest.mark.slow),
+        pytest.param(
+            "MistralForCausalLM", "pack-quantized", "group", marks=pytest.mark.slow
+        ),  # W8A16, a scale per 16 inputs a row
     ],
 )
 def test_compressed_checkpoint_loads_as_it_is(arch, fmt, strategy, tmp_path):

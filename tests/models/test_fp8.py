@@ -81,7 +81,8 @@ def _writer(kind: str):
     [
         ("LlamaForCausalLM", "FP8_DYNAMIC"),  # compressed-tensors: a scale per channel
         ("LlamaForCausalLM", "FP8"),  # per tensor, static activation scales (dropped)
-        ("LlamaForCausalLM", "FP8_BLOCK"),  # compressed-tensors' 128x128 blocks
+        # compressed-tensors' 128x128 blocks: programs of their own; the fast tier's blocks are below
+        pytest.param("LlamaForCausalLM", "FP8_BLOCK", marks=pytest.mark.slow),
         ("LlamaForCausalLM", "block"),  # quant_method fp8, weight_block_size [128, 128]
         # each compiles programs of its own: the slow tier
         pytest.param("Qwen3ForCausalLM", "block_static", marks=pytest.mark.slow),  # a tied head, q/k norms
@@ -300,6 +301,7 @@ def test_deepseek_v3_as_released_keeps_its_latent_up_projection_fp8(tmp_path):
         np.testing.assert_allclose(got, expected, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.slow  # a streamed load; the fast tier loads fp8 checkpoints whole
 def test_layers_the_checkpoint_keeps_float_stay_float_when_streamed(tmp_path):
     """A block-fp8 checkpoint's `ignored_layers` hold float weights. Streamed tensor by tensor onto
     the served structure (the runner's load, its preparation quantizing to fp8) they stay float,

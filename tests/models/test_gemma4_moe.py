@@ -77,6 +77,7 @@ def test_router_weights_and_choices_match_transformers(tiny):
         assert not np.allclose(weights.sum(-1), 1.0, atol=1e-3)
 
 
+@pytest.mark.slow  # Gemma 4's module: its forward is test_architectures.py's; the router below stays fast
 def test_ragged_prefill_then_mixed_decode_match_transformers(tiny):
     _, config, model, hf = tiny
     assert_ragged_matches(model, config, hf, [5, 16, 33])

@@ -72,6 +72,7 @@ def test_the_text_model_of_the_multimodal_checkpoint_is_served(tiny):
     np.testing.assert_array_equal(np.asarray(model.model.embed_tokens.embedding[...]), embedding)
 
 
+@pytest.mark.slow  # a second Gemma 4 forward (fast: test_architectures.py)
 def test_logits_match_transformers_multimodal_class_on_text(tiny):
     _, config, model, hf = tiny
     assert_prefill_matches(model, config, hf, 24)

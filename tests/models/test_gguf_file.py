@@ -63,6 +63,7 @@ def test_every_metadata_type_and_tensor_kind_read_as_the_gguf_package_reads_them
     assert gguf_file.tensors[2].shape == (4, 64)
 
 
+@pytest.mark.slow  # the embedded model's whole file; every metadata type and tensor kind stays fast
 def test_embedded_model_read_as_the_gguf_package_reads_it():
     _assert_same_as_gguf_reader(embedded_gguf_path())
 

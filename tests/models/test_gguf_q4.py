@@ -104,6 +104,7 @@ def test_q4_gguf_on_the_native_int4_kernel_computes_the_dequantized_model(q4_dir
     np.testing.assert_allclose(_logits(model, config), _logits(reference, config), rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.slow  # a load and a step per type (fast: the same files served and on the native kernel)
 def test_q4_0_and_q4_1_stream_in_with_their_float16_scales_and_bases(q4_dir, dense_kernels, tmp_path):
     """Prepared with float16 scales (Q4_0 and Q4_1 files: each block's d and minimum are
     float16), every packed projection holds its scales and bases (`Int4Bases`) in float16, and

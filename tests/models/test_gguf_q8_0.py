@@ -174,6 +174,7 @@ def test_int8_logits_equal_the_dequantized_q8_0_model(gguf_dir):
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # a second Q8_0 model (fast: its int8 logits against the dequantized one)
 def test_a_tied_head_is_quantized_in_the_same_groups(tmp_path):
     """A GGUF without `output.weight` (tied head, float embedding table): its head's `[D, V]`
     copy is quantized at load in groups of 32 inputs, like the Q8_0 kernels beside it, and the

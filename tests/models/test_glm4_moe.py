@@ -62,6 +62,7 @@ def test_ragged_prefill_then_mixed_decode_match_transformers(tiny):
     assert_ragged_matches(model, config, hf, [5, 16, 33])
 
 
+@pytest.mark.slow  # the fast tier's GLM forward is the prefill above, on the variant without q/k norms
 @pytest.mark.parametrize("tiny", ["qk_norm"], indirect=True)
 def test_partial_rotations_from_rope_tables_match_transformers(tiny):
     # What the runner runs: one table of the rotated dimensions' cosines and sines (8 of 16).
@@ -72,6 +73,10 @@ def test_partial_rotations_from_rope_tables_match_transformers(tiny):
     assert_ragged_matches(model, config, hf, [5, 16, 33])
 
 
+# The fast tier builds the one variant it runs a forward on.
+@pytest.mark.parametrize(
+    "tiny", ["no_qk_norm", pytest.param("qk_norm", marks=pytest.mark.slow)], indirect=True
+)
 def test_config_reads_attention_and_routing(tiny):
     variant, path, config, model, _ = tiny
     assert isinstance(config, Glm4MoeConfig)
@@ -87,6 +92,7 @@ def test_config_reads_attention_and_routing(tiny):
         assert ModelConfig.from_hf_dict(json.load(f)) == config
 
 
+@pytest.mark.slow  # the abstract 106B model's shapes take seconds to trace
 def test_glm_4_5_air_config_parses_as_published():
     text = resources.files("tpu_platform.planner").joinpath("model_configs", "glm-4.5-air.json").read_text()
     config = ModelConfig.from_hf_dict(json.loads(text))

@@ -139,6 +139,7 @@ def test_a_4_bit_weight_of_the_wrong_shape_is_refused_by_name(mistral, tmp_path)
         load_model(out)
 
 
+@pytest.mark.slow  # routed int4 experts load in test_int4_moe.py's fast tests
 def test_moe_experts_load_as_int4_with_group_scales(tmp_path):
     """Qwen3-MoE W4A16: each expert's 4-bit values and group scales stacked `[E, in / G, out]`,
     the routed experts computing what the float model of the dequantized weights does."""

@@ -75,6 +75,7 @@ def test_asymmetric_gptq_moe_experts_load_with_zero_points(qwen3_moe, group_size
     _assert_experts_compute_the_dequantized_model(path, float_path, group_size)
 
 
+@pytest.mark.slow  # a third load of the routed experts (fast: AWQ's, compressed-tensors')
 def test_act_order_gptq_moe_experts_load_each_in_its_own_order(qwen3_moe, tmp_path):
     """Asymmetric GPTQ with desc_act, every expert's gate/up rows and down rows reordered (groups
     of 16 of 64 and 32 inputs): the gate stack holds each expert's own order, down none (gate's
@@ -112,7 +113,8 @@ def test_compressed_tensors_asymmetric_moe_experts_load_with_zero_points(qwen3_m
     _assert_experts_compute_the_dequantized_model(path, float_path, 16)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+# bfloat16: the same program in another dtype, the slow tier's
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_routed_affine_experts_equal_the_dense_reference(dtype):
     """The routed tiles' offset products (per group and per channel) against every expert run
     on the dequantized weights `q * s + m`; in bfloat16 too (XLA:CPU has no bfloat16 dot batched

@@ -236,9 +236,9 @@ def _dequantized_copy(model: nnx.Module) -> None:
             module.head_scale = None
 
 
-# The fast tier keeps a dense model, a mixture of experts (routers stay float) and a tied head;
-# the other architectures are the slow tier's.
-_FAST_ARCHS = {"MistralForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"}
+# The fast tier keeps a dense model; a mixture of experts (routers stay float), a tied head and the
+# other architectures are the slow tier's.
+_FAST_ARCHS = {"MistralForCausalLM"}
 _SLOW = pytest.mark.slow
 
 

@@ -90,6 +90,7 @@ def _caches(config, stacked=False, backend="xla"):
     ]
 
 
+@pytest.mark.slow  # the head's capture is checked in tpu_platform/test_eagle3.py's fast tests
 def test_the_trunk_hands_an_eagle3_head_the_residual_stream_entering_its_layers(tiny):
     """`aux_layers` (EAGLE-3): the hidden states entering layers 0 and 1 (transformers'
     `hidden_states[0]` and `[1]`) and the last layer's output before the norm, side by side."""
@@ -141,6 +142,7 @@ def test_ragged_prefill_then_mixed_decode_match_transformers(tiny, stacked):
         np.testing.assert_allclose(logits[rows[i]], _hf_logits(hf, p + new[i])[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # the fast tier's bfloat16 model: the packed one below
 def test_bf16_serving_dtype_close_to_fp32(tiny):
     path, config, _, hf = tiny
     model = build(config, jnp.bfloat16)
@@ -200,6 +202,7 @@ def test_sharded_checkpoint_and_half_precision_load(tmp_path):
     assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max()
 
 
+@pytest.mark.slow  # every served model's projections are fused: the fast tier's runner tests serve them
 def test_fused_projections_replace_the_checkpoint_ones_and_compute_the_same(tiny):
     """`load_model` fuses q/k/v and gate/up; a model only built and loaded keeps the checkpoint's
     projections. Both match transformers."""
@@ -234,7 +237,7 @@ def test_host_load_then_packing_gives_the_device_load_weights(tmp_path, tied):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.slow)])  # tied: the slow tier's
 def test_packed_bf16_model_computes_what_the_unpacked_one_does(dense_kernels, tmp_path, tied):
     """`pack_for_native_dense` moves every Linear (and a tied head's copy) onto the native dense
     kernel (its best path here); the logits
@@ -257,7 +260,7 @@ def test_packed_bf16_model_computes_what_the_unpacked_one_does(dense_kernels, tm
     assert np.abs(got - _hf_logits(hf, ids)).max() < 0.05 * scale
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.slow)])  # tied: the slow tier's
 def test_packed_float32_model_computes_what_transformers_does(native_kernels, tmp_path, tied):
     """With `float32`, `pack_for_native_dense` moves a float32 model's Linears (and a tied head's
     copy) onto the float32 native kernel; bfloat16 packing alone leaves them on XLA."""

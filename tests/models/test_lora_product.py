@@ -60,7 +60,13 @@ def _slot_patterns():
     }
 
 
-@pytest.mark.parametrize("name", list(_slot_patterns()))
+# One program a pattern: the fast tier keeps a mixed batch and the skewed one.
+_FAST_PATTERNS = ("mixed, 64 tokens", "skewed: one token of slot 4 among slot 1")
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in _FAST_PATTERNS else pytest.param(n, marks=pytest.mark.slow) for n in _slot_patterns()]
+)
 def test_each_token_gets_its_own_adapters_update(name):
     slots = _slot_patterns()[name]
     linear = _linear(seed=len(slots))
@@ -88,7 +94,7 @@ def test_tiles_hold_one_slots_tokens_each_and_no_base_token(name):
     assert tokens.tile_tokens.size <= t + min(SLOTS - 1, t) * (tokens.rows - 1)
 
 
-@pytest.mark.parametrize("nan_in", ["a", "b"])
+@pytest.mark.parametrize("nan_in", ["a", pytest.param("b", marks=pytest.mark.slow)])
 def test_a_nan_slot_reaches_only_its_own_tokens(nan_in):
     """Slot 2 all NaN (in A or in B): tokens without an adapter and other adapters' tokens
     equal the reference (finite); only slot 2's own tokens are NaN."""

@@ -37,7 +37,12 @@ _routed = jax.jit(experts_routed, static_argnums=6, static_argnames="rows")
 
 @pytest.mark.parametrize(
     "tokens,top_k,num_experts,renormalize",
-    [(1, 2, 8, True), (17, 2, 8, False), (200, 3, 8, True), (5, 8, 8, False), (33, 4, 64, True)],
+    # one program a shape: the fast tier keeps one with and one without renormalization
+    [(1, 2, 8, True), (17, 2, 8, False)]
+    + [
+        pytest.param(*case, marks=pytest.mark.slow)
+        for case in [(200, 3, 8, True), (5, 8, 8, False), (33, 4, 64, True)]
+    ],
 )
 def test_routed_matches_dense(tokens, top_k, num_experts, renormalize):
     rng = np.random.default_rng(tokens)
@@ -49,7 +54,10 @@ def test_routed_matches_dense(tokens, top_k, num_experts, renormalize):
     np.testing.assert_allclose(_routed(*args), _dense(*args), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tokens,top_k,num_experts", [(1, 1, 16), (17, 1, 4), (40, 2, 8)])
+@pytest.mark.parametrize(
+    "tokens,top_k,num_experts",
+    [(40, 2, 8)] + [pytest.param(*case, marks=pytest.mark.slow) for case in [(1, 1, 16), (17, 1, 4)]],
+)
 def test_weights_on_the_experts_inputs_match_numpy(tokens, top_k, num_experts):
     # Llama 4: each chosen expert runs on its token scaled by the routing weight, outputs summed.
     rng = np.random.default_rng(tokens)
@@ -69,7 +77,9 @@ def test_weights_on_the_experts_inputs_match_numpy(tokens, top_k, num_experts):
     np.testing.assert_allclose(dense(*args, weights_on_input=True), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 128])
+@pytest.mark.parametrize(
+    "rows", [8, pytest.param(1, marks=pytest.mark.slow), pytest.param(128, marks=pytest.mark.slow)]
+)
 def test_routed_matches_dense_when_one_expert_takes_every_token(rows):
     # Every token's first choice is expert 3: it gets 45 of the 80 rows, the others 4-6 each.
     tokens, top_k, num_experts = 40, 2, 8
@@ -81,7 +91,9 @@ def test_routed_matches_dense_when_one_expert_takes_every_token(rows):
     np.testing.assert_allclose(_routed(*args, rows=rows), _dense(*args), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tiles_per_chunk", [1, 3, 7])
+@pytest.mark.parametrize(
+    "tiles_per_chunk", [3, pytest.param(1, marks=pytest.mark.slow), pytest.param(7, marks=pytest.mark.slow)]
+)
 def test_tiles_run_in_chunks_give_the_same_result(tiles_per_chunk):
     # A prefill's tiles run in a loop of chunks, a chunk's gathered kernels bounded: the same
     # sums as the dense reference, the last chunk padded with empty tiles. (50 tokens would
@@ -106,6 +118,7 @@ def test_tiles_run_in_chunks_give_the_same_result(tiles_per_chunk):
     assert "while" in jaxpr or "scan" in jaxpr  # the chunks are a loop, not one batched gather
 
 
+@pytest.mark.slow  # mxfp4 experts: the fast tier serves them whole in test_mxfp4.py
 def test_mxfp4_tiles_run_in_chunks_equal_the_dequantized_experts():
     # Each chunk decodes only its own tiles' experts: the same as the whole stacks dequantized.
     num_experts, width, tokens, top_k = 4, 64, 24, 2

@@ -41,8 +41,19 @@ _routed = jax.jit(
 )
 
 
-@pytest.mark.parametrize("tokens,top_k,devices", [(1, 8, 8), (64, 8, 8), (13, 4, 2), (64, 2, 1)])
-@pytest.mark.parametrize("every_token_tiles", [True, False, None], ids=["every-token", "routed", "chosen"])
+# One program a point: the fast tier keeps each layout once, at a shape of its own.
+_LAYOUT_FAST = {"every-token-13-4-2", "routed-64-8-8", "chosen-1-8-8"}
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,devices,every_token_tiles",
+    [
+        pytest.param(*shape, layout, id=name, marks=() if name in _LAYOUT_FAST else pytest.mark.slow)
+        for layout, kind in ((True, "every-token"), (False, "routed"), (None, "chosen"))
+        for shape in ((1, 8, 8), (64, 8, 8), (13, 4, 2), (64, 2, 1))
+        for name in [f"{kind}-{'-'.join(map(str, shape))}"]
+    ],
+)
 def test_either_layout_equals_the_dense_reference(tokens, top_k, devices, every_token_tiles):
     weights, experts = _one_device_share(tokens, top_k, devices, seed=tokens)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(tokens, D)), jnp.float32)
@@ -51,6 +62,7 @@ def test_either_layout_equals_the_dense_reference(tokens, top_k, devices, every_
     np.testing.assert_allclose(got, experts_dense_reference(*args), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # an eight-device layout's program; the fast tier checks the layouts' results above
 def test_other_devices_assignments_take_no_tile_and_the_used_tiles_come_first():
     tokens, top_k, rows = 40, 4, 2
     weights, experts = _one_device_share(tokens, top_k, 4, seed=3)

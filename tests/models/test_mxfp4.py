@@ -74,6 +74,7 @@ def test_served_mxfp4_model_matches_transformers_on_the_dequantized_checkpoint(s
     assert_ragged_matches(model, config, hf, [5, 9, 3])  # every position of three prefills, then a mixed step
 
 
+@pytest.mark.slow  # the served model's check again in bfloat16
 def test_in_bfloat16_the_mxfp4_model_equals_the_dequantized_checkpoint(checkpoints):
     # Every FP4 value times its power-of-two scale is a bfloat16: the experts dequantized tile by
     # tile are exactly the float checkpoint's weights cast to bfloat16.
@@ -91,6 +92,7 @@ def test_in_bfloat16_the_mxfp4_model_equals_the_dequantized_checkpoint(checkpoin
     np.testing.assert_array_equal(*logits)
 
 
+@pytest.mark.slow  # a second mxfp4 model
 def test_experts_padded_to_whole_blocks_a_device_serve_the_same(checkpoints, served):
     # F = 64 is two blocks of 32: for 4 devices it is padded to 128 (one block a device) with
     # zero gate/up pairs and down inputs, which add nothing.

@@ -59,6 +59,7 @@ def _assert_computes(model, config, hf, steps: int = 4) -> None:
     assert expected and tokens[: len(expected)] == expected
 
 
+@pytest.mark.slow  # a load and a step of fp8 programs of its own (fast fp8 loads: test_fp8.py)
 def test_block_fp8_qwen3_5_as_qwen_ships_it(tmp_path):
     source = save_tiny_qwen3_next(str(tmp_path / "source"), architecture=DENSE, **FP8_WIDTHS)
     ignored = tuple(f"model.layers.{i}.linear_attn.in_proj_{p}" for i in range(3) for p in "ba")

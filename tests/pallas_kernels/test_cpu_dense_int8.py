@@ -289,7 +289,10 @@ def test_trailing_zero_rows_give_zero_rows(int8_isas):
     np.testing.assert_array_equal(np.asarray(got)[5:], 0.0)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+# A whole model a dtype: float32's is the slow tier's (the kernel grid above covers both dtypes)
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16], ids=["float32", "bfloat16"]
+)
 def test_packed_int8_model_equals_the_xla_int8_model(dense_kernels, int8_isas, dtype, tmp_path):
     """Every int8 Linear packs for the native kernel (scales beside them) and the logits equal
     those of the same int8 weights on XLA's dots: both multiply the same int8 values by the same

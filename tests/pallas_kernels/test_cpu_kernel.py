@@ -21,7 +21,7 @@ import pytest
 
 from pallas_kernels import api, cpu
 from pallas_kernels.cpu import build
-from tests.pallas_kernels.conftest import Case
+from tests.pallas_kernels.conftest import GRID, Case
 from tpu_platform.attention_backend import select_backend
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
@@ -43,11 +43,27 @@ EXTRA = (
 # fmt: on
 
 
-def test_matches_reference(case, compare_with_reference):
-    compare_with_reference(case, "cpu_native")
+# One program a case: the fast tier keeps a cover of the grid's features (bfloat16 and float32,
+# both float8 caches, window, soft cap, sinks, chunks, pages of 16, 32 and 128, head dims 64, 128
+# and 512, decode, prefill and mixed batches, the empty batch) and the served decode below; the
+# other cases are the slow tier's.
+FAST_CASES = {
+    "mixed_p16_d64_g1_bf16_window_cap", "mixed_p32_d64_g3_e5m2_window", "decode_p32_d128_g4_fp8",
+    "mixed_p16_d64_g8_bf16_sinks_window", "mixed_p16_d128_g4_bf16_chunk", "mixed_p16_d512_g4_bf16",
+    "prefill_p128_d64_g4_cap", "empty_batch", "decode_p128_d64_g3_bf16_model",
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("extra", EXTRA, ids=[c.name for c in EXTRA])
+def _cover(cases: tuple[Case, ...]) -> list:
+    return [pytest.param(c, id=c.name, marks=() if c.name in FAST_CASES else pytest.mark.slow) for c in cases]
+
+
+@pytest.mark.parametrize("grid_case", _cover(GRID))
+def test_matches_reference(grid_case, compare_with_reference):
+    compare_with_reference(grid_case, "cpu_native")
+
+
+@pytest.mark.parametrize("extra", _cover(EXTRA))
 def test_matches_reference_on_larger_batches(extra, compare_with_reference):
     compare_with_reference(extra, "cpu_native")
 

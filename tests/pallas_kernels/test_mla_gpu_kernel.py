@@ -17,6 +17,7 @@ def test_small_mixed_batch_matches_reference():
     assert_matches_reference(SMALL, "pallas_gpu", interpret=True, **dict(SMALL.gpu_tuning))
 
 
+@pytest.mark.slow  # a second interpret-mode run (fast: the small mixed batch above)
 def test_default_tuning_matches_reference():
     # Production defaults: one token a work item and KV splits in a decode step.
     assert_matches_reference(GRID[0], "pallas_gpu", interpret=True)
@@ -28,6 +29,7 @@ def test_matches_reference(mla_case):
     assert_matches_reference(mla_case, "pallas_gpu", interpret=True, **dict(mla_case.gpu_tuning))
 
 
+@pytest.mark.slow  # a second interpret-mode run (fast: the small mixed batch above)
 def test_hopper_decode_tuning_matches_reference():
     # Hopper's decode default (64-key blocks, KV splits) at DeepSeek's widths, which only real
     # GPUs pick: the interpreter checks the same tiling here.

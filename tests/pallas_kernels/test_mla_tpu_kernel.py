@@ -23,6 +23,7 @@ def test_small_mixed_batch_matches_reference():
     assert_matches_reference(SMALL, "pallas_tpu", interpret=True, **dict(SMALL.tpu_tuning))
 
 
+@pytest.mark.slow  # a second interpret-mode run (fast: the small mixed batch above)
 def test_default_tuning_matches_reference():
     # Production defaults: one token a block in a decode step, 256-key DMA rounds.
     case = GRID[0]

@@ -96,6 +96,7 @@ def _fused_as_llama4(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return fused
 
 
+@pytest.mark.slow  # a second conversion (fast: a dense model's, served)
 def test_fused_3d_experts_convert_per_expert_in_int4_groups(tmp_path):
     """Llama 4's experts fused in 3-D tensors (`gate_up_proj [E, D, 2F]`, `down_proj [E, F, D]`)
     are written per expert in 4-bit groups (as llm-compressor names them) and load as int4

@@ -28,6 +28,8 @@ def hf(tiny_dir):
     return LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
 
 
+# The fast tier's one engine start through vLLM: the two unmarked tests below (the engine's start,
+# our platform active, one greedy prompt against transformers); the rest of the file is `slow`.
 @pytest.fixture(scope="module")
 def llm(tiny_dir):
     # 16-token pages (the CPU's default is 128): sequences span several pages, and a 50-token
@@ -62,7 +64,6 @@ def _token_ids(outputs):
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.mark.slow
 def test_plugin_is_the_active_platform(llm):
     assert_active()
     from vllm.platforms import current_platform
@@ -70,7 +71,6 @@ def test_plugin_is_the_active_platform(llm):
     assert current_platform.is_out_of_tree()
 
 
-@pytest.mark.slow
 def test_single_prompt_matches_transformers(llm, hf):
     (prompt,) = _prompts([7])
     out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], _greedy())

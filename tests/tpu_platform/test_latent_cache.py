@@ -6,6 +6,7 @@ have their published sizes."""
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from models.deepseek_config import DeepseekConfig
 from tpu_platform.kv_cache import allocate_stacked_caches, model_kv_bytes_per_token
@@ -39,6 +40,7 @@ def test_deepseek_v3_latent_page_is_576_values_a_token_on_gpu():
     assert kv_page_bytes(setup) == 61 * 16 * 576 * 2
 
 
+@pytest.mark.slow  # the abstract shapes of 671B-class models take seconds to trace
 def test_shipped_deepseek_configs_have_their_published_parameter_counts():
     # Model cards: DeepSeek-V2-Lite 15.7B, DeepSeek-V3 671B (without its 14B MTP module).
     for name, billions in (("deepseek-v2-lite", 15.7), ("deepseek-v3", 671.0)):

@@ -202,6 +202,7 @@ def test_moe_decode_reads_the_experts_a_batch_touches():
     assert weight_bytes_read(setup, 4096) == pytest.approx(total, rel=1e-6)
 
 
+@pytest.mark.slow  # a 120B model's abstract shapes; the fast tier's planner weights are int8's
 def test_gpt_oss_weights_are_its_mxfp4_experts_and_bfloat16_rest():
     # gpt-oss-120b as released: 116.83e9 parameters (model card), of which the 36 layers' 128
     # experts' kernels (3 * 2880 * 2880 each) are mxfp4, 17 bytes per 32 values; the rest bfloat16.
@@ -256,6 +257,7 @@ def test_unknown_quantization_is_refused_by_name():
         StepSetup(model_config("llama-3.1-8b"), "v5e-1", quantization="int2")
 
 
+@pytest.mark.slow  # the same arithmetic as int8's (fast) on fp8 bytes
 def test_fp8_weights_are_fp8_bytes_and_scales_with_a_bfloat16_head():
     """Llama 3.1 8B in fp8: each projection one byte a weight plus a float32 scale per output
     channel, or per 128 inputs of each (block checkpoints); the untied head, the embedding and
@@ -273,6 +275,7 @@ def test_fp8_weights_are_fp8_bytes_and_scales_with_a_bfloat16_head():
     assert blocks.weight_bytes - channel.weight_bytes == 4 * (kernels // 128 - scales)
 
 
+@pytest.mark.slow  # a quantized format's expert reads: the fast tier's MoE decode read is bfloat16's
 def test_moe_fp8_block_decode_reads_fp8_experts_and_their_group_scales():
     fp8 = StepSetup(model_config("qwen3-30b-a3b"), "h100x1", quantization="fp8-g128")
     total = fp8.abstract_model().weight_bytes
@@ -280,6 +283,7 @@ def test_moe_fp8_block_decode_reads_fp8_experts_and_their_group_scales():
     assert weight_bytes_read(fp8, 1) == pytest.approx(total - 48 * 120 * expert, rel=1e-9)
 
 
+@pytest.mark.slow  # a quantized format's expert reads: the fast tier's MoE decode read is bfloat16's
 def test_moe_int8_decode_reads_int8_experts():
     int8 = StepSetup(model_config("qwen3-30b-a3b"), "h100x1", quantization="int8")
     total = int8.abstract_model().weight_bytes
@@ -287,6 +291,7 @@ def test_moe_int8_decode_reads_int8_experts():
     assert weight_bytes_read(int8, 1) == pytest.approx(total - 48 * 120 * expert, rel=1e-9)
 
 
+@pytest.mark.slow  # the same arithmetic as int8's (fast) with offsets
 def test_affine_int4_weights_add_an_offset_beside_each_dense_scale():
     """Llama 3.2 3B as an AWQ checkpoint serves it (`int4z-g128`): the symmetric 4-bit layout's
     bytes plus a float32 offset per scale of every dense projection (the head stays bfloat16)."""
@@ -305,6 +310,7 @@ def test_affine_int4_weights_add_an_offset_beside_each_dense_scale():
     assert bf16 - symmetric.weight_bytes == 2 * kernels - (kernels // 2 + 4 * kernels // 128)
 
 
+@pytest.mark.slow  # a quantized format's expert reads: the fast tier's MoE decode read is bfloat16's
 def test_moe_affine_int4_decode_reads_4_bit_experts():
     int4z = StepSetup(model_config("qwen3-30b-a3b"), "h100x1", quantization="int4z-g128")
     total = int4z.abstract_model().weight_bytes
@@ -362,6 +368,7 @@ def test_an_moe_decode_step_gets_a_third_depth_and_a_one_prefill_the_shallowest(
     assert step_depths((2, 4), "decode", routed_experts=False) == (2, 4)  # a dense model's line
 
 
+@pytest.mark.slow  # the abstract 671B model in every format takes seconds to trace
 def test_deepseek_v3_needs_more_than_a_v6e_8_in_every_format_and_fits_8_h100s_in_int4():
     """DeepSeek-V3's weights split over 8 chips (each chip holds at least an eighth): in int4
     with a scale per 128 inputs, the fewest bytes of any format the planner knows, more than a

@@ -47,6 +47,7 @@ def test_80b_page_holds_a_state_and_counts_every_layer(target, tokens, smaller):
     )
 
 
+@pytest.mark.slow  # the abstract 80B model's shapes take seconds to trace
 def test_80b_shipped_config_has_the_model_cards_size_and_pattern():
     config = model_config("qwen3-next-80b-a3b")
     assert config.state_layers == tuple(i for i in range(48) if i % 4 != 3)

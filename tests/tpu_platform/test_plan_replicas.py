@@ -74,6 +74,7 @@ def test_replicas_that_do_not_fit_the_target_or_split_the_experts_are_refused_by
         plan_replicas(StepSetup(model_config("llama-3.1-8b"), "v6e-8"), 8, 0, experts_over_replicas=True)
 
 
+@pytest.mark.slow  # a second expert-parallel plan (fast: Qwen3-30B's replicas)
 def test_qwen3_235b_over_a_16_chip_v6e_slice_holds_a_sixteenth_of_its_experts_a_chip():
     """Qwen3-235B-A22B (`model_configs/qwen3-235b-a22b.json`, the released config): 94 layers of
     128 experts of 1536 over a hidden size of 4096, 235.09e9 parameters; at EP=16 a chip holds 8

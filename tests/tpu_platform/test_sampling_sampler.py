@@ -83,7 +83,12 @@ def _mixed_batch(logprobs_mode="raw_logprobs"):
     return batch, history, rows, grammar
 
 
-@pytest.mark.parametrize("logprobs_mode", LOGPROBS_MODES)
+# One program a mode: the fast tier keeps processed logprobs (the sampler's filters and penalties
+# before the log-softmax); the other modes are the slow tier's.
+@pytest.mark.parametrize(
+    "logprobs_mode",
+    [m if m == "processed_logprobs" else pytest.param(m, marks=pytest.mark.slow) for m in LOGPROBS_MODES],
+)
 def test_mixed_batch_matches_reference(logprobs_mode):
     batch, history, rows, grammar = _mixed_batch(logprobs_mode)
     tensors, flags = batch.prepare(rows, 10, history, step_seed=3, grammar_bitmasks=grammar)
@@ -309,6 +314,7 @@ def test_new_parameter_values_never_recompile():
     assert cache_sizes == [cache_sizes[0]] * 4
 
 
+@pytest.mark.slow  # a program a flag set; the fast tier's mixed batch runs the sampler's paths
 def test_warmup_flag_sets_cover_plain_batches():
     jitted = jax.jit(sample, static_argnames="flags")
     for flags in warmup_flag_sets(4):
