@@ -147,3 +147,27 @@ def test_tensor_parallel_engine_verifies_drafts_to_the_same_greedy_tokens(tiny_d
     assert result["tokens"] == [hf_greedy(hf, p, 24) for p in prompts]
     assert result["stats"]["accepted_tokens"] > 0
     assert result["stats"]["compiles_after_warmup"] == 0
+
+
+@pytest.mark.full  # an engine of its own; tests/tpu_platform/test_speculation.py checks the proposer
+def test_a_per_batch_size_schedule_drafts_a_lone_request_and_not_a_batch(tiny_dir, hf):
+    # vLLM's schedule: k=3 for one request, none from two up. Its own engine (the shared one's
+    # batches must be drafted); prompts that fit the pages at once, so no preemption thins a batch.
+    schedule = [(1, 1, 3), (2, 4, 0)]
+    speculative = {**SPECULATIVE, "num_speculative_tokens_per_batch_size": schedule}
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, *span, *span, *span[:2]] for span in ([7, 8, 9, 10], [20, 21, 22, 23], [40, 41, 42, 43])]
+    with strict_compile_engine(
+        model=tiny_dir, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
+        seed=0, speculative_config=speculative, disable_log_stats=False,
+    ) as engine:  # fmt: skip
+        batch = _generate(engine, prompts, greedy)
+        after_batch = spec_counters(engine)
+        alone = _generate(engine, prompts[:1], greedy)
+        after_alone = spec_counters(engine)
+        stats = _stats(engine)
+    assert batch == [hf_greedy(hf, p, 12) for p in prompts]
+    assert alone == batch[:1]
+    assert after_batch[0] == 0  # the batch of three: no drafts
+    assert after_alone[0] > 0 and after_alone[1] > 0  # the lone request: drafted and kept
+    assert stats["compiles_after_warmup"] == 0

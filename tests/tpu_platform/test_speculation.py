@@ -171,3 +171,57 @@ def test_the_planner_fits_a_draft_beside_its_target(kv_bytes, target_page, draft
 
     assert used(pages) <= kv_bytes or pages == 0
     assert used(pages + 1) > kv_bytes  # the most that fit
+
+
+def _speculation(k, draft=None):
+    from tpu_platform.speculation.verifier import SpeculativeDecoding
+
+    speculation = SpeculativeDecoding(
+        SpeculationConfig(num_tokens=k, min_n=1, max_n=3), None, None, hidden_size=8, max_model_len=64,
+        feed_width=4, sharding=None, context="",
+    )  # fmt: skip
+    speculation.draft = draft
+    return speculation
+
+
+def _step(req_ids, num_spec_tokens):
+    from tpu_platform.sampling import SamplingOptions
+    from tpu_platform.step_update import CachedRequests, NewRequest, StepUpdate
+
+    new = [NewRequest(r, [1], [[0]], 0, SamplingOptions(temperature=0.0)) for r in req_ids]
+    cached = CachedRequests([], [], set(), [], [])
+    return StepUpdate(new, cached, set(), dict.fromkeys(req_ids, 1), num_spec_tokens=num_spec_tokens)
+
+
+def _looping_table():
+    """Two requests whose histories repeat a span: the n-gram proposer finds k drafts for each."""
+    import types
+
+    tokens = np.zeros((2, 64), np.int32)
+    tokens[0, :24] = np.tile([5, 6, 7, 8, 9, 10], 4)
+    tokens[1, :21] = np.tile([11, 12, 13], 7)
+    return types.SimpleNamespace(token_ids=tokens, num_tokens=np.array([24, 21]), row_of={"a": 0, "b": 1})
+
+
+@pytest.mark.parametrize("per_step", [None, 4, 2, 1, 0])
+def test_ngram_proposes_at_most_the_steps_scheduled_drafts(per_step):
+    table, k = _looping_table(), 4
+    full = propose_ngram(table.token_ids, table.num_tokens, k=k, min_n=1, max_n=3, max_model_len=64)
+    assert [len(d) for d in full] == [k, k]
+    speculation = _speculation(k)
+    speculation.apply(_step(["a", "b"], per_step))
+    got = speculation.propose(table, ["a", "b"], [[1], [1]])
+    limit = k if per_step is None else per_step
+    assert got == [d[:limit] for d in full]
+
+
+def test_a_model_proposers_drafts_are_cut_to_the_steps_count():
+    class FixedDraft:  # a proposer whose k drafts are known
+        def propose(self, programs, table, rows, max_model_len):
+            return np.array([[3, 4, 5, 6]] * rows.size, np.int32) + rows[:, None]
+
+    speculation = _speculation(4, FixedDraft())
+    speculation.apply(_step(["a", "b"], 2))
+    assert speculation.propose(_looping_table(), ["a", "b"], [[1], [1]]) == [[3, 4], [4, 5]]
+    speculation.apply(_step(["a", "b"], 0))
+    assert speculation.propose(_looping_table(), ["a", "b"], [[1], [1]]) == [[], []]

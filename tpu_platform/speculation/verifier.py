@@ -127,6 +127,9 @@ class SpeculativeDecoding:
         self._sharding = sharding
         self._context = context
         self._draftable: dict[str, bool] = {}
+        # Drafts a request for the next step: k, or less where vLLM's per-batch-size schedule says
+        # (`StepUpdate.num_spec_tokens`); set by each step's update.
+        self.step_tokens = config.num_tokens
         # The proposer of method 'draft_model' (`draft_model`), 'eagle3' (`eagle3`) or 'mtp' (`mtp`).
         self.draft: DraftModel | Eagle3Proposer | None = None
         self._draft_warm_up: tuple = ()  # the draft's warm-up arguments, once its cache is there
@@ -187,7 +190,10 @@ class SpeculativeDecoding:
             self.draft.forward(self.programs, plan.packed, plan.dims, fed)
 
     def apply(self, update: StepUpdate) -> None:
-        """Tracks which of the live requests may be drafted (`config.draftable`)."""
+        """Tracks which of the live requests may be drafted (`config.draftable`) and how many
+        drafts the scheduler takes a request after this step (vLLM's per-batch-size schedule)."""
+        k, wanted = self.config.num_tokens, update.num_spec_tokens
+        self.step_tokens = k if wanted is None else min(max(wanted, 0), k)
         for req_id in update.finished_req_ids:
             self._draftable.pop(req_id, None)
         for request in update.new_requests:
@@ -197,27 +203,30 @@ class SpeculativeDecoding:
         self, table: RequestTable, req_ids: Sequence[str], sampled: Sequence[list[int]]
     ) -> list[list[int]]:
         """The drafts of each request of a finished step, the draft model's or the n-gram's (none
-        for a request that emitted nothing or may not be drafted)."""
+        for a request that emitted nothing or may not be drafted), at most `step_tokens` each: a
+        model proposer's k drafts are cut to their first ones (each follows only those before it,
+        so they are the drafts it would make with that k)."""
         wanted = [i for i, r in enumerate(req_ids) if sampled[i] and self._draftable.get(r, False)]
         drafts: list[list[int]] = [[] for _ in req_ids]
+        limit = self.step_tokens
         if isinstance(self.draft, Eagle3Proposer):  # its pass runs on every step
             proposed = self.draft.propose(
                 self.programs, table, np.array(wanted, np.intp), self._max_model_len
             )
-            for i, tokens in zip(wanted, proposed.tolist(), strict=True):
+            for i, tokens in zip(wanted, proposed[:, :limit].tolist(), strict=True):
                 drafts[i] = [t for t in tokens if t >= 0]
             return drafts
-        if not wanted:
+        if not wanted or limit == 0:
             return drafts
         rows = np.fromiter((table.row_of[req_ids[i]] for i in wanted), np.intp, len(wanted))
         c = self.config
         if self.draft is not None:
             proposed = self.draft.propose(self.programs, table, rows, self._max_model_len)
-            for i, tokens in zip(wanted, proposed.tolist(), strict=True):
+            for i, tokens in zip(wanted, proposed[:, :limit].tolist(), strict=True):
                 drafts[i] = [t for t in tokens if t >= 0]
             return drafts
         proposed = propose_ngram(
-            table.token_ids[rows], table.num_tokens[rows], k=c.num_tokens, min_n=c.min_n, max_n=c.max_n,
+            table.token_ids[rows], table.num_tokens[rows], k=limit, min_n=c.min_n, max_n=c.max_n,
             max_model_len=self._max_model_len,
         )  # fmt: skip
         for i, tokens in zip(wanted, proposed, strict=True):
