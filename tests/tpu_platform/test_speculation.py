@@ -144,6 +144,8 @@ def test_a_seeded_rows_draws_depend_on_its_seed_and_progress_only():
         (dict(num_tokens=2, min_n=3, max_n=2), "prompt_lookup_min"),
         (dict(num_tokens=2, method="draft_model"), "checkpoint directory"),
         (dict(num_tokens=2, draft_model="/some/draft"), "checkpoint directory"),
+        (dict(num_tokens=2, schedule_tokens=(2,)), "schedule_tokens"),
+        (dict(num_tokens=2, schedule_tokens=(0,)), "schedule_tokens"),
     ],
 )
 def test_speculation_config_refuses_what_is_not_served(kwargs, named):
@@ -174,14 +176,17 @@ def test_the_planner_fits_a_draft_beside_its_target(kv_bytes, target_page, draft
 
 
 def _speculation(k, draft=None):
-    from tpu_platform.speculation.verifier import SpeculativeDecoding
-
-    speculation = SpeculativeDecoding(
-        SpeculationConfig(num_tokens=k, min_n=1, max_n=3), None, None, hidden_size=8, max_model_len=64,
-        feed_width=4, sharding=None, context="",
-    )  # fmt: skip
+    speculation = _speculation_with(SpeculationConfig(num_tokens=k, min_n=1, max_n=3))
     speculation.draft = draft
     return speculation
+
+
+def _speculation_with(config):
+    from tpu_platform.speculation.verifier import SpeculativeDecoding
+
+    return SpeculativeDecoding(
+        config, None, None, hidden_size=8, max_model_len=64, feed_width=4, sharding=None, context=""
+    )
 
 
 def _step(req_ids, num_spec_tokens):
@@ -225,3 +230,23 @@ def test_a_model_proposers_drafts_are_cut_to_the_steps_count():
     assert speculation.propose(_looping_table(), ["a", "b"], [[1], [1]]) == [[3, 4], [4, 5]]
     speculation.apply(_step(["a", "b"], 0))
     assert speculation.propose(_looping_table(), ["a", "b"], [[1], [1]]) == [[], []]
+
+
+def test_the_schedules_smaller_k_values_get_verification_programs():
+    import types
+
+    from plugin_shim.speculative import runner_speculation
+
+    def config(schedule):
+        spec = types.SimpleNamespace(
+            method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
+            num_speculative_tokens_per_batch_size=schedule,
+        )  # fmt: skip
+        return types.SimpleNamespace(speculative_config=spec, model_config=None)
+
+    # vLLM caps a range's k at num_speculative_tokens; 0 (no drafts) needs no program.
+    schedule = [(1, 2, 6), (3, 8, 2), (9, 16, 1), (17, 32, 2), (33, 64, 0)]
+    assert runner_speculation(config(schedule)).schedule_tokens == (1, 2)
+    assert runner_speculation(config(None)).schedule_tokens == ()
+    speculation = _speculation_with(runner_speculation(config(schedule)))
+    assert speculation.verify_tokens == (1, 2, 4)

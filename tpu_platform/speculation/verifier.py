@@ -130,6 +130,8 @@ class SpeculativeDecoding:
         # Drafts a request for the next step: k, or less where vLLM's per-batch-size schedule says
         # (`StepUpdate.num_spec_tokens`); set by each step's update.
         self.step_tokens = config.num_tokens
+        # The drafts a request each verification program takes: k, and the schedule's smaller ones.
+        self.verify_tokens = (*config.schedule_tokens, config.num_tokens)
         # The proposer of method 'draft_model' (`draft_model`), 'eagle3' (`eagle3`) or 'mtp' (`mtp`).
         self.draft: DraftModel | Eagle3Proposer | None = None
         self._draft_warm_up: tuple = ()  # the draft's warm-up arguments, once its cache is there
@@ -269,7 +271,8 @@ class SpeculativeDecoding:
             self.stats.unverified_steps += 1
             return None
         plan, step_drafts, tensors = pending.plan, pending.drafts, pending.tensors
-        k, num = self.config.num_tokens, step_drafts.num_drafts
+        num = step_drafts.num_drafts
+        k = next(t for t in self.verify_tokens if t >= num.max())
         r_pad = next(r for r in self.row_buckets if r >= num.size)
         # Prepared for the forward's rows, which a verify bucket's step has as many of (no slicing
         # ops to dispatch then).
@@ -280,21 +283,23 @@ class SpeculativeDecoding:
         index[:n] = known[:, None] + np.minimum(np.arange(k + 1)[None, :], num[:, None])
         hidden_rows = np.asarray(pending.hidden)[index.reshape(-1)]
         drafts = np.full((r_pad, k), -1, np.int32)
-        drafts[:n] = step_drafts.drafts
+        drafts[:n] = step_drafts.drafts[:, :k]
         num_drafts = np.zeros(r_pad, np.int32)
         num_drafts[:n] = num
         vflags = SamplerFlags(all_greedy=flags.all_greedy, filters=flags.filters)
-        key = self._key(r_pad, vflags, hidden_rows.dtype)
-        spec = lambda: self._spec(state, r_pad, vflags, hidden_rows.dtype, tensors)  # noqa: E731
+        key = self._key(r_pad, k, vflags, hidden_rows.dtype)
+        spec = lambda: self._spec(state, r_pad, k, vflags, hidden_rows.dtype, tensors)  # noqa: E731
         first, tokens, counts = self.programs.call(key, spec, state, hidden_rows, drafts, num_drafts, tensors)
         self.stats.verified_steps += 1
         return Verification(SamplerOutput(first), tokens, counts, step_drafts, self.stats)
 
     def warm_up_specs(self, state: nnx.State, sampling: SamplingBatch, dtype: np.dtype) -> list[ProgramSpec]:
-        """The verification programs of every row bucket and flag set, and a draft model's."""
+        """The verification programs of every row bucket, draft count and flag set, and a draft
+        model's."""
         specs = [
-            self._spec(state, r_pad, flags, dtype, sampling.dummy_tensors(flags, r_pad))
+            self._spec(state, r_pad, k, flags, dtype, sampling.dummy_tensors(flags, r_pad))
             for r_pad in self.row_buckets
+            for k in self.verify_tokens
             for flags in VERIFY_FLAGS
         ]
         if isinstance(self.draft, Eagle3Proposer):  # the head takes the target's activations
@@ -303,15 +308,21 @@ class SpeculativeDecoding:
             specs += self.draft.warm_up_specs(*self._draft_warm_up)
         return specs
 
-    def _key(self, r_pad: int, flags: SamplerFlags, dtype: np.dtype) -> tuple:
-        return ("verify", r_pad, self.config.num_tokens, flags, np.dtype(dtype).name)
+    def _key(self, r_pad: int, k: int, flags: SamplerFlags, dtype: np.dtype) -> tuple:
+        return ("verify", r_pad, k, flags, np.dtype(dtype).name)
 
     def _spec(
-        self, state: nnx.State, r_pad: int, flags: SamplerFlags, dtype: np.dtype, tensors: SamplingTensors
+        self,
+        state: nnx.State,
+        r_pad: int,
+        k: int,
+        flags: SamplerFlags,
+        dtype: np.dtype,
+        tensors: SamplingTensors,
     ) -> ProgramSpec:
-        k, whole = self.config.num_tokens, self._sharding
+        whole = self._sharding
         return ProgramSpec(
-            key=self._key(r_pad, flags, dtype),
+            key=self._key(r_pad, k, flags, dtype),
             jitted=self._jitted,
             args=(
                 state,
