@@ -17,7 +17,11 @@ untrained head, whose drafts the target rarely keeps) for the same tiny target, 
 `--aux-layers`; the figures show the head's costs per step, not an EAGLE-3 speed-up.
 
     .venv/bin/python benchmarks/spec_decode.py [--method ngram|draft_model|eagle3] [--out FILE]
-        [--tokens 128] [--k 4] [--min-n 2] [--max-n 4] [--batch 16]
+        [--tokens 128] [--k 4] [--min-n 2] [--max-n 4] [--batch 16] [--per-batch-size "1-4:4,5-64:1"]
+
+`--per-batch-size` adds a configuration (`<method>_per_batch`): the method with vLLM's
+`num_speculative_tokens_per_batch_size` schedule, `first-last:k` ranges of the step's batch size
+(k capped at `--k`), run beside fixed k.
 
 Each configuration (no speculation; n-gram with k drafts) runs in its own subprocess (this script
 with `--worker`): vLLM's `LLM` in-process, greedy chat prompts (`ignore_eos` off: each stops at its
@@ -45,6 +49,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 CONFIGS = ("off", "ngram", "draft_model", "eagle3")
+PER_BATCH = "_per_batch"  # a method's configuration with `--per-batch-size`
 TINY = ("draft_model", "eagle3")  # methods benchmarked on tiny random models
 
 _TEXTS = [
@@ -116,6 +121,18 @@ def prompts(tokenizer, count: int) -> list[list[int]]:
     return out
 
 
+def per_batch_size(text: str) -> list[list[int]]:
+    """vLLM's `num_speculative_tokens_per_batch_size` for "1-4:4,5-64:1"."""
+    schedule = []
+    for part in text.split(","):
+        sizes, _, k = part.partition(":")
+        first, _, last = sizes.partition("-")
+        if not (k and first and last):
+            raise ValueError(f"--per-batch-size takes first-last:k ranges, e.g. 1-4:4,5-64:1; got {part!r}")
+        schedule.append([int(first), int(last), int(k)])
+    return schedule
+
+
 def _spec_metrics(llm) -> dict[str, float]:
     values = {}
     for m in llm.get_metrics():
@@ -153,15 +170,20 @@ def worker(args: argparse.Namespace) -> dict:
         seed=0,
         disable_log_stats=False,
     )
-    if args.worker == "ngram":
+    method = args.worker.removesuffix(PER_BATCH)
+    if method == "ngram":
         engine["speculative_config"] = {
             "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.min_n,
             "prompt_lookup_max": args.max_n,
         }  # fmt: skip
-    if args.worker in TINY:
+    if method in TINY:
         engine["speculative_config"] = {
-            "method": args.worker, "model": args.draft, "num_speculative_tokens": args.k
+            "method": method, "model": args.draft, "num_speculative_tokens": args.k
         }  # fmt: skip
+    if args.worker.endswith(PER_BATCH):
+        engine["speculative_config"]["num_speculative_tokens_per_batch_size"] = per_batch_size(
+            args.per_batch_size
+        )
     start = time.perf_counter()
     llm = LLM(model=args.model, **engine)
     startup = time.perf_counter() - start
@@ -218,7 +240,12 @@ def main() -> None:
     parser.add_argument("--max-n", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--single", type=int, default=4, help="prompts run one after another")
-    parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--per-batch-size", help='a k schedule by batch size beside fixed k, e.g. "1-4:4,5-64:1"'
+    )
+    parser.add_argument(
+        "--worker", choices=(*CONFIGS, *(c + PER_BATCH for c in CONFIGS[1:])), help=argparse.SUPPRESS
+    )
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--draft", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -244,8 +271,11 @@ def main() -> None:
     else:
         model, draft = gguf_model_dir(), ""
     results = []
-    for config in ("off", args.method):
+    configs = ("off", args.method) + ((args.method + PER_BATCH,) if args.per_batch_size else ())
+    for config in configs:
         command = [sys.executable, __file__, "--worker", config, "--model", model, "--draft", draft]
+        if args.per_batch_size:
+            command += ["--per-batch-size", args.per_batch_size]
         for name in ("method", "tokens", "k", "min_n", "max_n", "batch", "single"):
             command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
         done = subprocess.run(command, capture_output=True, text=True)
@@ -256,9 +286,9 @@ def main() -> None:
         results.append(json.loads(lines[-1].removeprefix("RESULT ")))
         print(f"{config}: done", flush=True)
     by_config = {r["config"]: r for r in results}
-    off, ngram = by_config.get("off"), by_config.get(args.method)
+    off = by_config.get("off")
     summary = {}
-    print(f"{'config':<8} {'workload':<8} {'out tok/s':>10} {'vs off':>7} {'accept':>7} {'mean len':>9}")
+    print(f"{'config':<16} {'workload':<8} {'out tok/s':>10} {'vs off':>7} {'accept':>7} {'mean len':>9}")
     for r in results:
         for workload in ("single", "batch"):
             w = r[workload]
@@ -266,14 +296,18 @@ def main() -> None:
             nan = float("nan")
             rate, length = w["acceptance_rate"] or nan, w["mean_acceptance_length"] or nan
             print(
-                f"{r['config']:<8} {workload:<8} {w['output_tokens_per_s']:>10.1f} {ratio:>7.2f} "
+                f"{r['config']:<16} {workload:<8} {w['output_tokens_per_s']:>10.1f} {ratio:>7.2f} "
                 f"{rate:>7.2f} {length:>9.2f}"
             )
             summary[f"{r['config']}_{workload}_speedup"] = ratio
-    if off and ngram:
-        for workload in ("single", "batch"):
-            summary[f"{workload}_outputs_identical"] = off["outputs"][workload] == ngram["outputs"][workload]
-        print(f"greedy outputs identical: {summary}")
+    for config in configs[1:]:
+        spec = by_config.get(config)
+        if off and spec:
+            prefix = "" if config == args.method else f"{config}_"  # the fixed k's keys as before
+            for workload in ("single", "batch"):
+                same = off["outputs"][workload] == spec["outputs"][workload]
+                summary[f"{prefix}{workload}_outputs_identical"] = same
+    print(f"summary: {summary}")
     for r in results:
         r.pop("outputs", None)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -22,12 +22,15 @@ def runner_speculation(config: VllmConfig) -> SpeculationConfig | None:
         draft = config.model_config.model
     else:
         draft = spec.draft_model_config.model if spec.method in MODEL_METHODS else None
+    k, schedule = spec.num_speculative_tokens, spec.num_speculative_tokens_per_batch_size or ()
     return SpeculationConfig(
         num_tokens=spec.num_speculative_tokens,
         min_n=spec.prompt_lookup_min or 1,
         max_n=spec.prompt_lookup_max or spec.prompt_lookup_min or 1,
         method=spec.method,
         draft_model=draft,
+        # vLLM caps each range's k at num_speculative_tokens (`build_dynamic_sd_schedule_lookup`).
+        schedule_tokens=tuple(sorted({min(t, k) for _, _, t in schedule} - {0, k})),
     )
 
 

@@ -74,7 +74,8 @@ SUPPORTED: tuple[Supported, ...] = (
     Supported("Structured outputs", "structured_outputs", "vLLM's grammar bitmasks, applied in the step"),
     Supported(
         "Speculative decoding: n-gram (prompt lookup)",
-        "speculative_config method='ngram', num_speculative_tokens, prompt_lookup_min/max",
+        "speculative_config method='ngram', num_speculative_tokens, prompt_lookup_min/max, "
+        "num_speculative_tokens_per_batch_size",
         "drafts verified in the same ragged step; greedy output equal to no speculation, random "
         "sampling by vLLM's rejection rule (temperature, top-k/p, min-p, seeds); requests with "
         "logprobs, penalties, bad words, min_tokens, logit_bias, allowed ids or a grammar get no "
@@ -82,7 +83,8 @@ SUPPORTED: tuple[Supported, ...] = (
     ),
     Supported(
         "Speculative decoding: draft model, EAGLE-3",
-        "speculative_config method='draft_model' or 'eagle3', model, num_speculative_tokens",
+        "speculative_config method='draft_model' or 'eagle3', model, num_speculative_tokens, "
+        "num_speculative_tokens_per_batch_size",
         "a draft of the target's vocabulary, or an EAGLE-3 head (vLLM's LlamaForCausalLMEagle3 "
         "layout) reading the target's hidden states of its three chosen layers; each proposer's "
         "k steps in one compiled program, its KV cache inside the same memory budget; under "
@@ -90,7 +92,7 @@ SUPPORTED: tuple[Supported, ...] = (
     ),
     Supported(
         "Speculative decoding: MTP",
-        "speculative_config method='mtp', num_speculative_tokens",
+        "speculative_config method='mtp', num_speculative_tokens, num_speculative_tokens_per_batch_size",
         "the multi-token-prediction layer of a DeepSeek-V3 or GLM-4.5 checkpoint "
         "(num_nextn_predict_layers=1) drafts from the target's final hidden states, applied k "
         "times in one compiled program; its KV cache inside the same memory budget; under tensor "

@@ -101,6 +101,7 @@ def step_update(so: SchedulerOutput) -> StepUpdate:
         num_scheduled_tokens=so.num_scheduled_tokens,
         preempted_req_ids=so.preempted_req_ids or frozenset(),
         spec_tokens=so.scheduled_spec_decode_tokens,
+        num_spec_tokens=so.num_spec_tokens_to_schedule,
     )
 
 

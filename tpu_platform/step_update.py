@@ -87,6 +87,10 @@ class StepUpdate:
     # Speculative decoding: request id -> its draft tokens, the last of its scheduled tokens
     # (-1: a placeholder the scheduler pads with, never accepted).
     spec_tokens: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
+    # The most drafts a request the proposer may propose after this step (vLLM's
+    # `num_spec_tokens_to_schedule`, set by speculative_config's
+    # `num_speculative_tokens_per_batch_size`; 0: none); None: k.
+    num_spec_tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

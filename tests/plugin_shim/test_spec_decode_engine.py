@@ -147,3 +147,40 @@ def test_tensor_parallel_engine_verifies_drafts_to_the_same_greedy_tokens(tiny_d
     assert result["tokens"] == [hf_greedy(hf, p, 24) for p in prompts]
     assert result["stats"]["accepted_tokens"] > 0
     assert result["stats"]["compiles_after_warmup"] == 0
+
+
+@pytest.mark.full  # an engine of its own; tests/tpu_platform/test_speculation.py checks the proposer
+def test_a_per_batch_size_schedule_sets_the_drafts_of_each_step(tiny_dir, hf):
+    # vLLM's schedule: k=3 for one request, 1 for two, none from three up. Its own engine (the
+    # shared one's batches must be drafted k at a time); prompts of one length that fit the pages
+    # at once, so a batch stays together from its first step to its last.
+    schedule = [(1, 1, 3), (2, 2, 1), (3, 4, 0)]
+    speculative = {**SPECULATIVE, "num_speculative_tokens_per_batch_size": schedule}
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, *span, *span, *span[:2]] for span in ([7, 8, 9, 10], [20, 21, 22, 23], [40, 41, 42, 43])]
+    with strict_compile_engine(
+        model=tiny_dir, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
+        seed=0, speculative_config=speculative, disable_log_stats=False,
+    ) as engine:  # fmt: skip
+        three = _generate(engine, prompts, greedy)
+        after_three = _by_position(engine)
+        two = _generate(engine, prompts[:2], greedy)
+        after_two = _by_position(engine)
+        one = _generate(engine, prompts[:1], greedy)
+        after_one = _by_position(engine)
+        stats = _stats(engine)
+    assert three == [hf_greedy(hf, p, 12) for p in prompts]
+    assert two == three[:2] and one == three[:1]
+    assert after_three == (0, [0, 0, 0])  # three requests: no drafts
+    drafted, kept = after_two[0], np.subtract(after_two[1], after_three[1])
+    assert drafted > 0 and kept[0] > 0 and kept[1:].sum() == 0  # two: one draft a step, verified
+    assert np.subtract(after_one[1], after_two[1])[1:].sum() > 0  # one: drafts past the first kept
+    assert stats["compiles_after_warmup"] == 0
+
+
+def _by_position(llm):
+    """vLLM's draft tokens so far and its accepted tokens at each draft position."""
+    metrics = {m.name: m for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")}
+    by_position = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    drafted = metrics["vllm:spec_decode_num_draft_tokens"].value if metrics else 0
+    return drafted, list(by_position.values) if by_position is not None else [0, 0, 0]

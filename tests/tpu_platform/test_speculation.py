@@ -144,6 +144,8 @@ def test_a_seeded_rows_draws_depend_on_its_seed_and_progress_only():
         (dict(num_tokens=2, min_n=3, max_n=2), "prompt_lookup_min"),
         (dict(num_tokens=2, method="draft_model"), "checkpoint directory"),
         (dict(num_tokens=2, draft_model="/some/draft"), "checkpoint directory"),
+        (dict(num_tokens=2, schedule_tokens=(2,)), "schedule_tokens"),
+        (dict(num_tokens=2, schedule_tokens=(0,)), "schedule_tokens"),
     ],
 )
 def test_speculation_config_refuses_what_is_not_served(kwargs, named):
@@ -171,3 +173,80 @@ def test_the_planner_fits_a_draft_beside_its_target(kv_bytes, target_page, draft
 
     assert used(pages) <= kv_bytes or pages == 0
     assert used(pages + 1) > kv_bytes  # the most that fit
+
+
+def _speculation(k, draft=None):
+    speculation = _speculation_with(SpeculationConfig(num_tokens=k, min_n=1, max_n=3))
+    speculation.draft = draft
+    return speculation
+
+
+def _speculation_with(config):
+    from tpu_platform.speculation.verifier import SpeculativeDecoding
+
+    return SpeculativeDecoding(
+        config, None, None, hidden_size=8, max_model_len=64, feed_width=4, sharding=None, context=""
+    )
+
+
+def _step(req_ids, num_spec_tokens):
+    from tpu_platform.sampling import SamplingOptions
+    from tpu_platform.step_update import CachedRequests, NewRequest, StepUpdate
+
+    new = [NewRequest(r, [1], [[0]], 0, SamplingOptions(temperature=0.0)) for r in req_ids]
+    cached = CachedRequests([], [], set(), [], [])
+    return StepUpdate(new, cached, set(), dict.fromkeys(req_ids, 1), num_spec_tokens=num_spec_tokens)
+
+
+def _looping_table():
+    """Two requests whose histories repeat a span: the n-gram proposer finds k drafts for each."""
+    import types
+
+    tokens = np.zeros((2, 64), np.int32)
+    tokens[0, :24] = np.tile([5, 6, 7, 8, 9, 10], 4)
+    tokens[1, :21] = np.tile([11, 12, 13], 7)
+    return types.SimpleNamespace(token_ids=tokens, num_tokens=np.array([24, 21]), row_of={"a": 0, "b": 1})
+
+
+@pytest.mark.parametrize("per_step", [None, 4, 2, 1, 0])
+def test_ngram_proposes_at_most_the_steps_scheduled_drafts(per_step):
+    table, k = _looping_table(), 4
+    full = propose_ngram(table.token_ids, table.num_tokens, k=k, min_n=1, max_n=3, max_model_len=64)
+    assert [len(d) for d in full] == [k, k]
+    speculation = _speculation(k)
+    speculation.apply(_step(["a", "b"], per_step))
+    got = speculation.propose(table, ["a", "b"], [[1], [1]])
+    limit = k if per_step is None else per_step
+    assert got == [d[:limit] for d in full]
+
+
+def test_a_model_proposers_drafts_are_cut_to_the_steps_count():
+    class FixedDraft:  # a proposer whose k drafts are known
+        def propose(self, programs, table, rows, max_model_len):
+            return np.array([[3, 4, 5, 6]] * rows.size, np.int32) + rows[:, None]
+
+    speculation = _speculation(4, FixedDraft())
+    speculation.apply(_step(["a", "b"], 2))
+    assert speculation.propose(_looping_table(), ["a", "b"], [[1], [1]]) == [[3, 4], [4, 5]]
+    speculation.apply(_step(["a", "b"], 0))
+    assert speculation.propose(_looping_table(), ["a", "b"], [[1], [1]]) == [[], []]
+
+
+def test_the_schedules_smaller_k_values_get_verification_programs():
+    import types
+
+    from plugin_shim.speculative import runner_speculation
+
+    def config(schedule):
+        spec = types.SimpleNamespace(
+            method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
+            num_speculative_tokens_per_batch_size=schedule,
+        )  # fmt: skip
+        return types.SimpleNamespace(speculative_config=spec, model_config=None)
+
+    # vLLM caps a range's k at num_speculative_tokens; 0 (no drafts) needs no program.
+    schedule = [(1, 2, 6), (3, 8, 2), (9, 16, 1), (17, 32, 2), (33, 64, 0)]
+    assert runner_speculation(config(schedule)).schedule_tokens == (1, 2)
+    assert runner_speculation(config(None)).schedule_tokens == ()
+    speculation = _speculation_with(runner_speculation(config(schedule)))
+    assert speculation.verify_tokens == (1, 2, 4)

@@ -25,13 +25,16 @@ class SpeculationConfig:
     """vLLM's `speculative_config`: `method`, `num_speculative_tokens` (k), the n-gram
     proposer's `prompt_lookup_min`/`prompt_lookup_max` (the shortest and longest suffix matched)
     and, for `draft_model`, `eagle3` and `mtp`, the checkpoint directory of the draft, of the
-    EAGLE-3 head or of the target whose MTP layer drafts (`model`)."""
+    EAGLE-3 head or of the target whose MTP layer drafts (`model`); `schedule_tokens`: the
+    smaller k values of vLLM's `num_speculative_tokens_per_batch_size` (each gets verification
+    programs of its own, so a step of fewer drafts is not verified on 1 + k rows a request)."""
 
     num_tokens: int
     min_n: int = 1
     max_n: int = 4
     method: str = "ngram"
     draft_model: str | None = None
+    schedule_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -47,6 +50,11 @@ class SpeculationConfig:
                 "speculative methods 'draft_model', 'eagle3' and 'mtp' take the drafter's checkpoint "
                 f"directory (model=...), and only they do; got method={self.method!r}, "
                 f"model={self.draft_model!r}"
+            )
+        if any(not 1 <= t < self.num_tokens for t in self.schedule_tokens):
+            raise ValueError(
+                f"schedule_tokens={self.schedule_tokens} must lie between 1 and "
+                f"num_speculative_tokens={self.num_tokens} - 1"
             )
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(

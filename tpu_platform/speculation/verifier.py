@@ -127,6 +127,11 @@ class SpeculativeDecoding:
         self._sharding = sharding
         self._context = context
         self._draftable: dict[str, bool] = {}
+        # Drafts a request for the next step: k, or less where vLLM's per-batch-size schedule says
+        # (`StepUpdate.num_spec_tokens`); set by each step's update.
+        self.step_tokens = config.num_tokens
+        # The drafts a request each verification program takes: k, and the schedule's smaller ones.
+        self.verify_tokens = (*config.schedule_tokens, config.num_tokens)
         # The proposer of method 'draft_model' (`draft_model`), 'eagle3' (`eagle3`) or 'mtp' (`mtp`).
         self.draft: DraftModel | Eagle3Proposer | None = None
         self._draft_warm_up: tuple = ()  # the draft's warm-up arguments, once its cache is there
@@ -187,7 +192,10 @@ class SpeculativeDecoding:
             self.draft.forward(self.programs, plan.packed, plan.dims, fed)
 
     def apply(self, update: StepUpdate) -> None:
-        """Tracks which of the live requests may be drafted (`config.draftable`)."""
+        """Tracks which of the live requests may be drafted (`config.draftable`) and how many
+        drafts the scheduler takes a request after this step (vLLM's per-batch-size schedule)."""
+        k, wanted = self.config.num_tokens, update.num_spec_tokens
+        self.step_tokens = k if wanted is None else min(max(wanted, 0), k)
         for req_id in update.finished_req_ids:
             self._draftable.pop(req_id, None)
         for request in update.new_requests:
@@ -197,27 +205,30 @@ class SpeculativeDecoding:
         self, table: RequestTable, req_ids: Sequence[str], sampled: Sequence[list[int]]
     ) -> list[list[int]]:
         """The drafts of each request of a finished step, the draft model's or the n-gram's (none
-        for a request that emitted nothing or may not be drafted)."""
+        for a request that emitted nothing or may not be drafted), at most `step_tokens` each: a
+        model proposer's k drafts are cut to their first ones (each follows only those before it,
+        so they are the drafts it would make with that k)."""
         wanted = [i for i, r in enumerate(req_ids) if sampled[i] and self._draftable.get(r, False)]
         drafts: list[list[int]] = [[] for _ in req_ids]
+        limit = self.step_tokens
         if isinstance(self.draft, Eagle3Proposer):  # its pass runs on every step
             proposed = self.draft.propose(
                 self.programs, table, np.array(wanted, np.intp), self._max_model_len
             )
-            for i, tokens in zip(wanted, proposed.tolist(), strict=True):
+            for i, tokens in zip(wanted, proposed[:, :limit].tolist(), strict=True):
                 drafts[i] = [t for t in tokens if t >= 0]
             return drafts
-        if not wanted:
+        if not wanted or limit == 0:
             return drafts
         rows = np.fromiter((table.row_of[req_ids[i]] for i in wanted), np.intp, len(wanted))
         c = self.config
         if self.draft is not None:
             proposed = self.draft.propose(self.programs, table, rows, self._max_model_len)
-            for i, tokens in zip(wanted, proposed.tolist(), strict=True):
+            for i, tokens in zip(wanted, proposed[:, :limit].tolist(), strict=True):
                 drafts[i] = [t for t in tokens if t >= 0]
             return drafts
         proposed = propose_ngram(
-            table.token_ids[rows], table.num_tokens[rows], k=c.num_tokens, min_n=c.min_n, max_n=c.max_n,
+            table.token_ids[rows], table.num_tokens[rows], k=limit, min_n=c.min_n, max_n=c.max_n,
             max_model_len=self._max_model_len,
         )  # fmt: skip
         for i, tokens in zip(wanted, proposed, strict=True):
@@ -260,7 +271,8 @@ class SpeculativeDecoding:
             self.stats.unverified_steps += 1
             return None
         plan, step_drafts, tensors = pending.plan, pending.drafts, pending.tensors
-        k, num = self.config.num_tokens, step_drafts.num_drafts
+        num = step_drafts.num_drafts
+        k = next(t for t in self.verify_tokens if t >= num.max())
         r_pad = next(r for r in self.row_buckets if r >= num.size)
         # Prepared for the forward's rows, which a verify bucket's step has as many of (no slicing
         # ops to dispatch then).
@@ -271,21 +283,23 @@ class SpeculativeDecoding:
         index[:n] = known[:, None] + np.minimum(np.arange(k + 1)[None, :], num[:, None])
         hidden_rows = np.asarray(pending.hidden)[index.reshape(-1)]
         drafts = np.full((r_pad, k), -1, np.int32)
-        drafts[:n] = step_drafts.drafts
+        drafts[:n] = step_drafts.drafts[:, :k]
         num_drafts = np.zeros(r_pad, np.int32)
         num_drafts[:n] = num
         vflags = SamplerFlags(all_greedy=flags.all_greedy, filters=flags.filters)
-        key = self._key(r_pad, vflags, hidden_rows.dtype)
-        spec = lambda: self._spec(state, r_pad, vflags, hidden_rows.dtype, tensors)  # noqa: E731
+        key = self._key(r_pad, k, vflags, hidden_rows.dtype)
+        spec = lambda: self._spec(state, r_pad, k, vflags, hidden_rows.dtype, tensors)  # noqa: E731
         first, tokens, counts = self.programs.call(key, spec, state, hidden_rows, drafts, num_drafts, tensors)
         self.stats.verified_steps += 1
         return Verification(SamplerOutput(first), tokens, counts, step_drafts, self.stats)
 
     def warm_up_specs(self, state: nnx.State, sampling: SamplingBatch, dtype: np.dtype) -> list[ProgramSpec]:
-        """The verification programs of every row bucket and flag set, and a draft model's."""
+        """The verification programs of every row bucket, draft count and flag set, and a draft
+        model's."""
         specs = [
-            self._spec(state, r_pad, flags, dtype, sampling.dummy_tensors(flags, r_pad))
+            self._spec(state, r_pad, k, flags, dtype, sampling.dummy_tensors(flags, r_pad))
             for r_pad in self.row_buckets
+            for k in self.verify_tokens
             for flags in VERIFY_FLAGS
         ]
         if isinstance(self.draft, Eagle3Proposer):  # the head takes the target's activations
@@ -294,15 +308,21 @@ class SpeculativeDecoding:
             specs += self.draft.warm_up_specs(*self._draft_warm_up)
         return specs
 
-    def _key(self, r_pad: int, flags: SamplerFlags, dtype: np.dtype) -> tuple:
-        return ("verify", r_pad, self.config.num_tokens, flags, np.dtype(dtype).name)
+    def _key(self, r_pad: int, k: int, flags: SamplerFlags, dtype: np.dtype) -> tuple:
+        return ("verify", r_pad, k, flags, np.dtype(dtype).name)
 
     def _spec(
-        self, state: nnx.State, r_pad: int, flags: SamplerFlags, dtype: np.dtype, tensors: SamplingTensors
+        self,
+        state: nnx.State,
+        r_pad: int,
+        k: int,
+        flags: SamplerFlags,
+        dtype: np.dtype,
+        tensors: SamplingTensors,
     ) -> ProgramSpec:
-        k, whole = self.config.num_tokens, self._sharding
+        whole = self._sharding
         return ProgramSpec(
-            key=self._key(r_pad, flags, dtype),
+            key=self._key(r_pad, k, flags, dtype),
             jitted=self._jitted,
             args=(
                 state,
