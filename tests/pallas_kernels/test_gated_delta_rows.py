@@ -25,7 +25,11 @@ _NAMES = ("q", "k", "v", "g", "beta")
 
 
 # One sequence slot: chunks of `chunk_size` rows; two: the two rows are taken one a round.
-@pytest.mark.parametrize("chunk_size, seq_slots", [(2, 1), (64, 1), (64, 2)])
+# (64, 1) runs the one-slot path as (2, 1) does, with the rows padded in a longer chunk: the slow
+# tier's.
+@pytest.mark.parametrize(
+    "chunk_size, seq_slots", [(2, 1), pytest.param(64, 1, marks=pytest.mark.slow), (64, 2)]
+)
 def test_hand_worked_state_after_each_row(chunk_size, seq_slots):
     # `_HAND`'s two tokens from S = 2 (test_gated_delta): S = 1.5 after row 0, 4 after row 1.
     # Slots [1, 2, 3] (P = 3) hold 2: the rule starts from slot 1, leaves 1.5 in slot 1 and 4 in

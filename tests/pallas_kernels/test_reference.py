@@ -20,6 +20,10 @@ from pallas_kernels import api, reference
 from tests.pallas_kernels.conftest import numpy_causal_attention
 
 BACKENDS = ["xla", "pallas_tpu", "pallas_gpu", "cpu_native"]
+# Interpret mode runs a Pallas kernel's grid in Python, seconds a case: the fast tier runs each
+# Pallas kernel on the first case (prefill with padding rows), the slow tier on every case (and
+# test_tpu_kernel.py / test_gpu_kernel.py over the whole grid); xla and cpu_native run all of them.
+PALLAS_IN_SLOW = [pytest.param(b, marks=pytest.mark.slow) if b.startswith("pallas") else b for b in BACKENDS]
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +79,7 @@ def test_prefill_two_tokens_and_padding_rows(backend):
     assert np.all(out[2:] == 0.0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", PALLAS_IN_SLOW)
 def test_gqa_query_heads_share_consecutive_kv_head(backend):
     # 4 query heads over 2 kv heads: query heads 0, 1 use kv head 0; heads 2, 3 use kv head 1.
     # All keys are 0, so the weights are uniform over the 2 cached tokens: out = mean of v.
@@ -87,7 +91,7 @@ def test_gqa_query_heads_share_consecutive_kv_head(backend):
     np.testing.assert_allclose(out[0], [[3, 0], [3, 0], [0, 15], [0, 15]], atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", PALLAS_IN_SLOW)
 def test_sliding_window(backend):
     # Window 2: a query at position p sees keys at positions p - 1 and p. Keys are 0 (uniform).
     # v at positions 0..3 = [0, 0], [10, 0], [20, 0], [40, 0]; a second sequence decodes at
@@ -103,7 +107,7 @@ def test_sliding_window(backend):
     np.testing.assert_allclose(full[0, 0], [17.5, 0], atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", PALLAS_IN_SLOW)
 def test_chunked_attention(backend):
     # Chunks of 2 positions: a row at position p sees keys p // 2 * 2 .. p only.
     # Sequence 0, positions 0..3: k = [1,0], [0,1], [1,0], [0,1]; v = [4,0], [0,8], [8,0], [0,4].
@@ -131,7 +135,7 @@ def test_chunked_attention_rejects_a_chunk_that_is_not_positive():
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", PALLAS_IN_SLOW)
 def test_soft_cap(backend):
     # q = [100, 0]; k0 = [1, 0], k1 = [0, 0] -> scores [100, 0].
     # cap 1: [tanh(100), tanh(0)] = [1, 0] -> softmax [e / (e + 1), 1 / (e + 1)] = [0.7311, 0.2689];
@@ -146,7 +150,7 @@ def test_soft_cap(backend):
     np.testing.assert_allclose(plain[0, 0], [1.0, 0.0], atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", PALLAS_IN_SLOW)
 def test_attention_sinks(backend):
     # Two query heads on one kv head, both q = [ln 3, 0]; k0 = [1, 0], k1 = [0, 1] -> scores
     # [ln 3, 0], exp [3, 1]. Head 0's sink ln 4 adds exp 4 to the denominator only:
@@ -161,7 +165,7 @@ def test_attention_sinks(backend):
     assert np.all(out[1] == 0.0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", PALLAS_IN_SLOW)
 def test_write_kv_negative_slot_writes_nothing(backend):
     # Writing tokens at slots [-1, 11, -8] must equal writing only the middle token at slot 11.
     k = jnp.arange(3 * 2 * 4, dtype=jnp.float32).reshape(3, 2, 4) + 1

@@ -72,7 +72,9 @@ def test_80b_requests_hold_their_state_blocks_before_tokens_1_plus_k_under_specu
     assert fit(llama).kv_tokens == 10_000 * llama.tokens_per_page  # no state: one group, every page
 
 
-@pytest.mark.parametrize("k", [0, 2], ids=["plain", "2_drafts"])
+# Two programs of seconds each: the fast tier keeps the verification's (the state groups' 1 + k
+# blocks a request beside the plain step's layers); the plain step is the slow tier's.
+@pytest.mark.parametrize("k", [pytest.param(0, marks=pytest.mark.slow), 2], ids=["plain", "2_drafts"])
 def test_the_runner_serves_the_hybrid_program_the_planner_compiles(tmp_path, k):
     model_dir = save_tiny_qwen3_next(str(tmp_path / "qwen3_next"), seed=2)
     limits = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=32)
