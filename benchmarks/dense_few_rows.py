@@ -9,12 +9,11 @@ channel and per 32 inputs (GGUF Q8_0, the tied head's) on the int8 kernel.
 
 Each figure is one jitted chain of distinct weights of one shape and format, enough of them to
 stream past the last-level cache as a model step does (at most `MAX_COPIES`), timed in process
-CPU time (all threads; `us`) and wall time (`wall_us`) per product; the row counts alternate
-call by call and the median of `--calls` calls is kept. Reported per format and shape:
-microseconds at each row count and the per-row ratio t(k) / (k t(1)) (1: k rows cost k single
-rows; the lower, the more the rows share each decoded panel). `--native` names the kernels' build
-directory, so that two checkouts (each on `PYTHONPATH` in turn, one process each) keep their own
-builds.
+CPU time (all threads) per product; the row counts alternate call by call and the median of
+`--calls` calls is kept. Reported per format and shape: microseconds at each row count and the
+per-row ratio t(k) / (k t(1)) (1: k rows cost k single rows; the lower, the more the rows share
+each decoded panel). `--native` names the kernels' build directory, so that two checkouts (each on
+`PYTHONPATH` in turn, one process each) keep their own builds.
 """
 
 from __future__ import annotations
@@ -88,11 +87,10 @@ def _chain(product):
     return jax.jit(run)
 
 
-def _seconds(program, *args) -> tuple[float, float]:
-    """(process CPU, wall) seconds of one call."""
-    cpu_start, wall_start = time.process_time(), time.perf_counter()
+def _cpu_seconds(program, *args) -> float:
+    start = time.process_time()
     program(*args).block_until_ready()
-    return time.process_time() - cpu_start, time.perf_counter() - wall_start
+    return time.process_time() - start
 
 
 def measure(fmt: str, shape: tuple[int, int], rows: list[int], calls: int, rng) -> dict:
@@ -106,13 +104,12 @@ def measure(fmt: str, shape: tuple[int, int], rows: list[int], calls: int, rng) 
     xs = {t: jnp.asarray(rng.standard_normal((t, depth)), jnp.bfloat16) for t in rows}
     for x in xs.values():
         program(x, weights).block_until_ready()  # compile
-    times: dict[int, list[tuple[float, float]]] = {t: [] for t in rows}
+    times: dict[int, list[float]] = {t: [] for t in rows}
     for _ in range(calls):
         for t, x in xs.items():
-            times[t].append(_seconds(program, x, weights))
-    us = {t: statistics.median(c for c, _ in v) * 1e6 / copies for t, v in times.items()}
-    wall_us = {t: statistics.median(w for _, w in v) * 1e6 / copies for t, v in times.items()}
-    return {"us": us, "wall_us": wall_us, "per_row": {t: us[t] / (t * us[rows[0]]) for t in rows}}
+            times[t].append(_cpu_seconds(program, x, weights) / copies)
+    us = {t: statistics.median(v) * 1e6 for t, v in times.items()}
+    return {"us": us, "per_row": {t: us[t] / (t * us[rows[0]]) for t in rows}}
 
 
 def main() -> None:

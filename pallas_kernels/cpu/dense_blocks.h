@@ -73,7 +73,7 @@ void RunOverColumnBlocks(const Problem& problem, int64_t blocks, int64_t max_ite
   for (int64_t first = 0; first < blocks; first += per_item) {
     work->items.push_back({first, std::min(blocks, first + per_item)});
   }
-  RunAll(problem, work, pool, ThreadsFor(threads, problem.M * problem.K * problem.N));
+  RunAll(problem, work, pool, threads);
 }
 
 #if defined(__x86_64__)

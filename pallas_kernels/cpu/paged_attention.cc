@@ -228,11 +228,10 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   const int64_t used = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, s.num_slots);
   // An item takes all kv heads of its rows (one stream through each page) when there are enough
   // items to keep every thread busy, else one head each.
-  int64_t row_blocks = 0, products = 0;  // products: the scores' and the values' multiply-adds
+  int64_t row_blocks = 0;
   for (int32_t seq = 0; seq < used; ++seq) {
     const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(cu[seq + 1], s.num_tokens) - std::max(cu[seq], 0));
     row_blocks += (rows + kRowsPerItem - 1) / kRowsPerItem;
-    products += 2 * rows * std::max<int64_t>(0, kv_lens.typed_data()[seq]) * s.num_heads * s.head_dim;
   }
   const int64_t workers = vllm_xla::Workers(pool, s.num_tokens);
   const int32_t heads_per_item =
@@ -263,7 +262,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
                                        lens,     table,            cu,
                                        sink_logits, out->untyped_data(), bf16_rows,
                                        bf16_rows && std::is_same_v<T, uint16_t> && bf16_dots_usable};
-    vllm_xla::RunAll(p, work, pool, vllm_xla::ThreadsFor(workers, products));
+    vllm_xla::RunAll(p, work, pool, workers);
   };
   auto run_dims = [&](auto tag) {
     if (s.head_dim == 64) return run(tag, std::integral_constant<int, 64>());

@@ -37,23 +37,7 @@ inline int64_t Workers(xla::ffi::ThreadPool& pool, int64_t rows) {
   return rows >= kOversubscribedRows ? cores + 1 : cores;
 }
 
-// Calls of fewer multiply-adds than this run on the caller's thread alone, however their items are
-// split: waking a pool thread and waiting for it then costs more wall time than the second core
-// saves, and the helper's spinning takes CPU time from the engine's host thread. Measured at one
-// row on two cores (docs/kernels-few-rows.md, "Small calls"): the caller alone was faster for
-// every layer projection of the embedded model (up to ~1.8e6 multiply-adds) and level with the
-// helpers from 576 x 3072 on, and a one-row step was faster with it; the LM head (~2.8e7) keeps
-// them.
-constexpr int64_t kCallerAloneProducts = int64_t{1} << 21;
-
-// The threads that run a call of `products` multiply-adds whose items were split for `workers`
-// threads: the caller alone below `kCallerAloneProducts`. The split stays as it was, so the
-// outputs do not change.
-inline int64_t ThreadsFor(int64_t workers, int64_t products) {
-  return products < kCallerAloneProducts ? 1 : workers;
-}
-
-// Runs `problem.Run(item)` for every item on `workers` threads (`Workers`, `ThreadsFor`): the caller and
+// Runs `problem.Run(item)` for every item on `workers` threads (`Workers`): the caller and
 // helpers from `pool`, taking items from a shared counter, and returns when all ran. A thread
 // that takes an item calls `Problem::Begin()` first and `Problem::End()` when none is left
 // (static: per-thread state such as a tile configuration); helpers that start after the last item
