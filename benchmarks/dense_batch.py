@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from _dense_timing import chain
 
 from models import int8
 from pallas_kernels import cpu
@@ -43,16 +44,6 @@ from pallas_kernels import cpu
 HERE = pathlib.Path(__file__).resolve().parent
 STREAMED_BYTES = 64e6  # bfloat16 weights a chain applies: past the last-level cache
 SHAPES = "576x960,576x576,576x3072,1536x576,576x49152"  # fused qkv, o, gate_up, down, head
-
-
-def _chain(product):
-    def run(x, weights):
-        for arrays in weights:
-            y = product(x, *arrays)
-            x = x + (y[0, 0] * 0).astype(x.dtype)  # a dependency: the products run in order
-        return x
-
-    return jax.jit(run)
 
 
 def _q4_1(w: np.ndarray, group: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -83,7 +74,7 @@ def _placed(floats: list[np.ndarray]) -> dict[str, object]:
     calls = {}
     for name, (weights, product) in _ours(floats).items():
         on_device = [tuple(jax.device_put(a) for a in arrays) for arrays in weights]
-        program = _chain(product)
+        program = chain(product)
 
         def timed(x, on_device=on_device, program=program):
             x = jnp.asarray(x, jnp.bfloat16)

@@ -23,11 +23,11 @@ import json
 import os
 import pathlib
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _dense_timing import chain, cpu_seconds
 
 from pallas_kernels import cpu
 
@@ -77,22 +77,6 @@ def _product(fmt: str):
     return cpu.native_dense_int8
 
 
-def _chain(product):
-    def run(x, weights):
-        for arrays in weights:
-            y = product(x, *arrays)
-            x = x + (y[0, 0] * 0).astype(x.dtype)  # a dependency: the products run in order
-        return x
-
-    return jax.jit(run)
-
-
-def _cpu_seconds(program, *args) -> float:
-    start = time.process_time()
-    program(*args).block_until_ready()
-    return time.process_time() - start
-
-
 def measure(fmt: str, shape: tuple[int, int], rows: list[int], calls: int, rng) -> dict:
     depth, width = shape
     copies = int(min(MAX_COPIES, max(2, STREAMED_BYTES // (depth * width * FORMATS[fmt]))))
@@ -100,14 +84,14 @@ def measure(fmt: str, shape: tuple[int, int], rows: list[int], calls: int, rng) 
     weights = [
         tuple(jax.device_put(a) for a in _weights(fmt, base * (1 + i / copies))) for i in range(copies)
     ]
-    program = _chain(_product(fmt))
+    program = chain(_product(fmt))
     xs = {t: jnp.asarray(rng.standard_normal((t, depth)), jnp.bfloat16) for t in rows}
     for x in xs.values():
         program(x, weights).block_until_ready()  # compile
     times: dict[int, list[float]] = {t: [] for t in rows}
     for _ in range(calls):
         for t, x in xs.items():
-            times[t].append(_cpu_seconds(program, x, weights) / copies)
+            times[t].append(cpu_seconds(program, x, weights) / copies)
     us = {t: statistics.median(v) * 1e6 for t, v in times.items()}
     return {"us": us, "per_row": {t: us[t] / (t * us[rows[0]]) for t in rows}}
 

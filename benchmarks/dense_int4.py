@@ -25,27 +25,17 @@ import json
 import os
 import pathlib
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _dense_timing import chain, cpu_seconds
 
 from models import int4, int8
 from pallas_kernels import cpu
 
 HERE = pathlib.Path(__file__).resolve().parent
 STREAMED_BYTES = 64e6
-
-
-def _chain(product):
-    def run(x, weights):
-        for arrays in weights:
-            y = product(x, *arrays)
-            x = x + (y[0, 0] * 0).astype(x.dtype)  # a dependency: the products run in order
-        return x
-
-    return jax.jit(run)
 
 
 def _bf16_native(x, packed):
@@ -104,12 +94,6 @@ def _formats(floats: list[np.ndarray]) -> dict[str, tuple[list[tuple], object]]:
     return formats
 
 
-def _cpu_seconds(program, *args) -> float:
-    start = time.process_time()
-    program(*args).block_until_ready()
-    return time.process_time() - start
-
-
 def _medians(times: dict[str, list[float]], base: str) -> dict[str, float]:
     return {
         n: statistics.median(b / o for b, o in zip(times[base], v, strict=True))
@@ -125,7 +109,7 @@ def measure(
     copies = max(2, int(STREAMED_BYTES // (depth * width * 2)))
     floats = [rng.standard_normal((depth, width)).astype(np.float32) for _ in range(copies)]
     placed = {
-        name: ([tuple(jax.device_put(a) for a in arrays) for arrays in weights], _chain(product))
+        name: ([tuple(jax.device_put(a) for a in arrays) for arrays in weights], chain(product))
         for name, (weights, product) in _formats(floats).items()
         if only is None or name in only or name in ("bfloat16", "int8")
     }
@@ -137,7 +121,7 @@ def measure(
             program(x, weights).block_until_ready()  # compile
         for _ in range(calls):
             for name, (weights, program) in placed.items():
-                times[name].append(_cpu_seconds(program, x, weights) / copies)
+                times[name].append(cpu_seconds(program, x, weights) / copies)
         row = {
             "rows": t,
             "fastest_ms": {n: min(v) * 1e3 for n, v in times.items()},

@@ -23,11 +23,11 @@ import argparse
 import json
 import os
 import pathlib
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _dense_timing import cpu_seconds
 
 from pallas_kernels import cpu
 
@@ -43,12 +43,6 @@ def _chain(product):
         return x
 
     return jax.jit(run)
-
-
-def _cpu_seconds(program, *args) -> float:
-    start = time.process_time()
-    program(*args).block_until_ready()
-    return time.process_time() - start
 
 
 def measure(depth: int, width: int, rows: list[int], isas: list[str], rng: np.random.Generator) -> list[dict]:
@@ -67,13 +61,13 @@ def measure(depth: int, width: int, rows: list[int], isas: list[str], rng: np.ra
     results = []
     for count in rows:
         x = jnp.asarray(rng.standard_normal((count, depth)), jnp.bfloat16)
-        _cpu_seconds(run_bf16, x, bf16)  # compile, warm up
+        cpu_seconds(run_bf16, x, bf16)  # compile, warm up
         for run in runs_int8:
-            _cpu_seconds(run, x, int8, scales)
-        calls = max(7, min(40, int(1.5 / max(_cpu_seconds(run_bf16, x, bf16), 1e-6))))
+            cpu_seconds(run, x, int8, scales)
+        calls = max(7, min(40, int(1.5 / max(cpu_seconds(run_bf16, x, bf16), 1e-6))))
         times = np.array(
             [
-                [_cpu_seconds(run_bf16, x, bf16), *(_cpu_seconds(run, x, int8, scales) for run in runs_int8)]
+                [cpu_seconds(run_bf16, x, bf16), *(cpu_seconds(run, x, int8, scales) for run in runs_int8)]
                 for _ in range(calls)
             ]
         )
