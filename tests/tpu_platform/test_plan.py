@@ -22,7 +22,7 @@ from tpu_platform.planner.kv import decode_roofline, kv_bytes_read, weight_bytes
 from tpu_platform.planner.plan import StepSetup, known_models, model_config
 from tpu_platform.planner.targets import target
 from tpu_platform.step_program import KVLayout
-from tpu_platform.weights.prepared import Preparation, abstract_prepared
+from tpu_platform.weights.preparation import Preparation, abstract_prepared
 
 HLO = """HloModule m
 

@@ -23,7 +23,7 @@ from models.lora import attach_lora
 from models.moe import use_expert_parallel
 from models.sharding import state_shardings
 from tpu_platform.lora_slots import LoraConfig
-from tpu_platform.weights.prepared import Preparation
+from tpu_platform.weights.preparation import Preparation
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ program, the compile time and the collectives of its optimized HLO. The abstract
 
 With `StepSetup.quantization = "int8"` the weights are the runner's int8 ones
 (`--quantization int8_per_channel_weight_only`: every dense kernel int8 with one float32 scale
-per output channel, `models.quantization`), prepared as `tpu_platform.weights.prepared` does.
+per output channel, `models.quantization`), prepared as `tpu_platform.weights.preparation` does.
 
 With `StepSetup.tp_size = N` the programs are the runner's tensor-parallel ones on its mesh of N
 compile-only chips (`tpu_platform.mesh`): the weights placed by the rules table
