@@ -148,7 +148,7 @@ WHAT_MOVES = """\
 ## What moves the figures
 
 - **Dense layers.** On CPU a bfloat16 model's projections run in a native kernel on AMX tiles,
-  AVX-512 BF16 or AVX2 (the best the CPU has; [kernels.md](kernels.md#native-dense-layers)); a
+  AVX-512 BF16 or AVX2 (the best the CPU has; [dense-kernels.md](dense-kernels.md)); a
   float32 model's run natively on AVX2-only CPUs. Decode steps of many rows and prefill are bound
   by these. Without a C++ compiler everything stays on XLA's dots and attention
   ([troubleshooting.md](troubleshooting.md#no-c-compiler)).

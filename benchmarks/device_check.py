@@ -41,8 +41,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from models import ModelConfig
 from pallas_kernels import api
 from tpu_platform.inputs import StepInputs, pack_inputs
+from tpu_platform.planner.compiled import program_facts
 from tpu_platform.planner.kv import decode_roofline, xla_decode_estimate
-from tpu_platform.planner.plan import StepSetup, model_config, program_facts, step_program, step_shape
+from tpu_platform.planner.plan import StepSetup, model_config, step_program, step_shape
 
 # The planner's target whose chip facts (memory, bandwidth) describe a device kind.
 TARGET_FOR_KIND = {

@@ -25,6 +25,8 @@ ratio whose interval holds 1.01 is not told apart from +1%).
 `--chunk 16` prefills in chunks of 16 rows, so the int4 kernel's few-row path ("avx512_vnni")
 computes every projection; `q4_1_x16` and `q4_1_x8` force its x to two byte planes a row or one
 8-bit plane a 32-block (`native_dense_int4(x_bits=...)`), each with an executable cache of its own.
+They run only with `--chunk 16` or less: a larger chunk's products take the many-row path, where
+x_bits does not apply (named, they are refused; by default, left out).
 """
 
 from __future__ import annotations
@@ -61,6 +63,26 @@ CONFIGS = {
 REFERENCE = "bfloat16_dequantized"
 BOOTSTRAP_BLOCK = 16  # tokens a resampled block holds: neighbouring tokens' losses are correlated
 X_BITS = {"q4_1_x16": 16, "q4_1_x8": 8}  # configurations that force `native_dense_int4(x_bits=...)`
+# The int4 kernel's "avx512_vnni" path, the one `x_bits` picks a width on, takes products of at most
+# this many rows; a larger chunk runs "avx512_bf16", where x_bits does not apply, so a forced
+# x_bits configuration run there is the as-shipped one under another name.
+X_BITS_ROWS_AT_MOST = 16
+
+
+def chosen_configs(requested: list[str] | None, chunk: int) -> set[str]:
+    """The configurations to run: `requested` (all when None, less those that `chunk` cannot
+    measure) and `REFERENCE`. A forced-x_bits configuration named with a chunk past the few-row
+    path is refused, naming the chunk that measures it."""
+    if requested is None:
+        requested = [name for name in CONFIGS if name not in X_BITS or chunk <= X_BITS_ROWS_AT_MOST]
+    unreachable = sorted(name for name in requested if name in X_BITS and chunk > X_BITS_ROWS_AT_MOST)
+    if unreachable:
+        raise ValueError(
+            f"{', '.join(unreachable)}: x_bits is forced on the int4 kernel's few-row path (at most "
+            f"{X_BITS_ROWS_AT_MOST} rows), which --chunk {chunk} never takes: run with "
+            f"--chunk {X_BITS_ROWS_AT_MOST}"
+        )
+    return {REFERENCE, *requested}
 
 
 def float_copy(gguf_dir: str, out: str) -> str:
@@ -157,8 +179,9 @@ def main() -> None:
         help="prefill chunk (max_num_batched_tokens): 16 runs the few-row paths",
     )
     parser.add_argument(
-        "--configs", nargs="+", choices=sorted(CONFIGS), default=sorted(CONFIGS),
-        help=f"the configurations to run ({REFERENCE} always runs: the ratios' reference)",
+        "--configs", nargs="+", choices=sorted(CONFIGS),
+        help=f"the configurations to run (default: all that --chunk measures; {REFERENCE} always "
+        "runs: the ratios' reference)",
     )  # fmt: skip
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "QUANTIZATION"), help=argparse.SUPPRESS)
     parser.add_argument("--worker-name", help=argparse.SUPPRESS)
@@ -172,6 +195,10 @@ def main() -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
 
+    try:
+        chosen = chosen_configs(args.configs, args.chunk)
+    except ValueError as error:
+        parser.error(str(error))
     from plugin_shim.model_dir import materialize
     from tpu_platform.envs import read_env
     from tpu_platform.weights.int4_convert import convert_int4
@@ -180,7 +207,6 @@ def main() -> None:
     scratch = tempfile.mkdtemp(prefix="perplexity-")
     try:
         dirs = {"gguf": gguf_dir, "float": float_copy(gguf_dir, os.path.join(scratch, "float"))}
-        chosen = {REFERENCE, *args.configs}
         for group in (64,):  # the model's 576-wide inputs split into 64s, not 128s
             dirs[f"int4_g{group}"] = os.path.join(scratch, f"int4_g{group}")
             if f"int4_converted_g{group}" in chosen:

@@ -55,12 +55,12 @@ from _soak_hostile import (
     write_hostile_adapters,
     write_lora_adapters,
 )
+from _soak_requests import MODEL_NAME, invalid_request, valid_request
+from _soak_watch import health, rss_growth, sampler, scrape_or_error, wait_idle
 
-MODEL_NAME = "soak"
 MALFORMED_SHARE = 0.05
 DROP_SHARE = 0.2  # of the streamed requests
 LORA_SHARE = 0.3  # of the valid requests, while an adapter is loaded
-WORDS = "the of a river mountain city light north sea old new quiet bright story road".split()
 
 
 def cli() -> str:
@@ -86,76 +86,6 @@ def server_command(port: int, args: argparse.Namespace) -> list[str]:
         "--disable-uvicorn-access-log",
         *([] if args.no_lora else LORA_SERVER_ARGS),
     ]
-
-
-def random_text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def sampling_options(rng: random.Random) -> dict[str, Any]:
-    options: dict[str, Any] = {"max_tokens": rng.randint(1, 48)}
-    if rng.random() < 0.4:
-        options["temperature"] = 0.0
-    else:
-        options["temperature"] = rng.choice([0.5, 0.8, 1.0, 1.3])
-        options["top_p"] = rng.choice([1.0, 0.9, 0.5])
-        options["top_k"] = rng.choice([-1, 1, 20, 50])
-        if rng.random() < 0.3:
-            options["min_p"] = rng.choice([0.05, 0.1])
-    if rng.random() < 0.3:
-        options["presence_penalty"] = rng.uniform(-1, 1)
-        options["frequency_penalty"] = rng.uniform(-1, 1)
-    if rng.random() < 0.2:
-        options["repetition_penalty"] = rng.uniform(1.0, 1.5)
-    if rng.random() < 0.3:
-        options["seed"] = rng.randint(0, 2**31 - 1)
-    if rng.random() < 0.15:
-        options["stop"] = [rng.choice(WORDS)]
-    return options
-
-
-def invalid_request(rng: random.Random, max_model_len: int) -> tuple[str, str, bytes]:
-    """(name, path, body) of a request the server must refuse with a 4xx."""
-    valid = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4}
-    kind = rng.choice(
-        [
-            "broken_json",
-            "negative_max_tokens",
-            "negative_temperature",
-            "unknown_model",
-            "prompt_too_long",
-            "missing_prompt",
-        ]
-    )
-    body: Any = dict(valid)
-    if kind == "broken_json":
-        return kind, "/v1/completions", b'{"model": "soak", "prompt": "hel'
-    if kind == "negative_max_tokens":
-        body["max_tokens"] = -3
-    elif kind == "negative_temperature":
-        body["temperature"] = -1.0
-    elif kind == "unknown_model":
-        body["model"] = "no-such-model"
-    elif kind == "prompt_too_long":
-        body["prompt"] = random_text(rng, 2 * max_model_len)
-    else:
-        del body["prompt"]
-    return kind, "/v1/completions", json.dumps(body).encode()
-
-
-def valid_request(rng: random.Random, max_model_len: int) -> tuple[str, str, dict[str, Any], bool]:
-    """(kind, path, body, stream) of a request with random length, options and streaming."""
-    options = sampling_options(rng)
-    words = rng.randint(1, max(1, (max_model_len - options["max_tokens"]) // 3))
-    stream = rng.random() < 0.5
-    if rng.random() < 0.3:
-        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": random_text(rng, words)}]}
-        path, kind = "/v1/chat/completions", "chat"
-    else:
-        body = {"model": MODEL_NAME, "prompt": random_text(rng, words)}
-        path, kind = "/v1/completions", "completion"
-    body.update(options, stream=stream)
-    return kind, path, body, stream
 
 
 class Tally:
@@ -219,60 +149,6 @@ async def one_request(session, base: str, rng: random.Random, args, tally: Tally
         tally.add(kind, type(error).__name__)
 
 
-def process_rss(pid: int) -> dict[str, float]:
-    """Resident memory (MiB) of the server process and of each process under it."""
-    import psutil
-
-    try:
-        server = psutil.Process(pid)
-        out = {"server": server.memory_info().rss / 2**20}
-        for child in server.children(recursive=True):
-            try:
-                if child.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped: holds no memory
-                    continue
-                out[f"{child.name()}:{child.pid}"] = child.memory_info().rss / 2**20
-            except psutil.Error:
-                continue
-        return out
-    except psutil.Error:
-        return {}
-
-
-def metric_values(text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    wanted = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted or sample.name.startswith("vllm_xla:"):
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
-
-
-async def scrape(session, base: str) -> dict[str, float]:
-    async with session.get(f"{base}/metrics") as response:
-        return metric_values(await response.text())
-
-
-async def scrape_or_error(session, base: str) -> dict[str, Any]:
-    """`scrape`, or the error that stopped it (a server that died is a finding, not a crash)."""
-    try:
-        return await scrape(session, base)
-    except Exception as error:  # noted, the soak goes on
-        return {"error": repr(error)}
-
-
-async def sampler(session, base: str, pid: int, every: float, samples: list, stop: asyncio.Event, t0):
-    while not stop.is_set():
-        metrics = await scrape_or_error(session, base)
-        samples.append({"t": time.monotonic() - t0, "rss_mib": process_rss(pid), "metrics": metrics})
-        try:
-            await asyncio.wait_for(stop.wait(), every)
-        except TimeoutError:
-            pass
-
-
 async def traffic(session, base: str, args, tally: Tally, deadline: float, lora=None) -> int:
     """Runs the clients and the bursts until `deadline` or `--max-requests`; returns how many went."""
     rng = random.Random(args.seed)
@@ -304,21 +180,6 @@ async def traffic(session, base: str, args, tally: Tally, deadline: float, lora=
         clients.append(lora.cycle(session, base, tally, deadline, args.lora_every, args.seed))
     await asyncio.gather(bursts(), *clients)
     return args.max_requests - budget[0]
-
-
-async def wait_idle(session, base: str, timeout: float) -> dict[str, float]:
-    """The metrics once nothing runs or waits (vLLM's gauges update on its logging interval)."""
-    deadline = time.monotonic() + timeout
-    metrics: dict[str, float] = {}
-    while time.monotonic() < deadline:
-        metrics = await scrape_or_error(session, base)
-        if "error" in metrics:
-            return metrics
-        idle = metrics.get("vllm:num_requests_running", 1) + metrics.get("vllm:num_requests_waiting", 1) == 0
-        if idle and metrics.get("vllm:kv_cache_usage_perc", 1) == 0:
-            return metrics
-        await asyncio.sleep(2.0)
-    return metrics
 
 
 async def soak(args, port: int, proc, adapters: dict[str, dict[str, str]]) -> dict[str, Any]:
@@ -365,33 +226,6 @@ async def soak(args, port: int, proc, adapters: dict[str, dict[str, str]]) -> di
         "idle_metrics": idle,
         "healthy": healthy,
         "engine_alive_at_end": alive,
-    }
-
-
-async def health(session, base: str) -> bool:
-    import aiohttp
-
-    try:
-        async with session.get(f"{base}/health", timeout=aiohttp.ClientTimeout(total=30)) as response:
-            return response.status == 200
-    except (TimeoutError, aiohttp.ClientError):
-        return False
-
-
-def rss_growth(samples: list[dict], after_seconds: float) -> dict[str, dict[str, float]]:
-    """Per process: RSS at the first sample after `after_seconds`, at the end, and the growth (%)."""
-    later = [s for s in samples if s["t"] >= after_seconds and s["rss_mib"]]
-    if len(later) < 2:
-        return {}
-    first, last = later[0]["rss_mib"], later[-1]["rss_mib"]
-    return {
-        name: {
-            "after_1min_mib": first[name],
-            "end_mib": last[name],
-            "growth_pct": 100 * (last[name] / first[name] - 1),
-        }
-        for name in first
-        if name in last and first[name] > 0
     }
 
 

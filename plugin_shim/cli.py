@@ -168,7 +168,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from models.checkpoint_kinds import checkpoint_values
     from models.compressed_tensors import METHOD, quantization_config
     from tpu_platform.weights.converted import convert
-    from tpu_platform.weights.prepared import Preparation, int8_quantization
+    from tpu_platform.weights.preparation import Preparation, int8_quantization
 
     # A compressed-tensors int8 source is int8 as it is (vLLM serves it so): kept, never dequantized.
     source_method = (quantization_config(args.model) or {}).get("quant_method")

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`benchmarks/plan.py`'s report handling, no compiler needed: `--update` replaces the rows planned
-again and keeps the others in place, and a row planned from the model's first layers (`--depth`)
-renders its depths, its extrapolated step memory and no cost-model estimate; a checkpoint's mxfp4
-experts are named beside the weights' dtype."""
+"""`benchmarks/plan.py`'s report handling (`benchmarks/_plan_report.py`), no compiler needed:
+`--update` replaces the rows planned again and keeps the others in place, and a row planned from
+the model's first layers (`--depth`) renders its depths, its extrapolated step memory and no
+cost-model estimate; a checkpoint's mxfp4 experts are named beside the weights' dtype."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 
 
-def _plan():
-    spec = importlib.util.spec_from_file_location("plan", REPO / "benchmarks" / "plan.py")
+def _benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-plan = _plan()
+plan = _benchmark("plan")
+plan_report = _benchmark("_plan_report")
 
 
 def _row(model: str, target: str, quantization: str = "none", tp_size: int = 1, **extra) -> dict:
@@ -48,14 +49,14 @@ def test_a_row_planned_from_few_layers_renders_its_depths_and_extrapolated_memor
         roofline={"seconds": 0.005, "tokens_per_second": 12800.0},
         decode_collectives={"count": 74, "bytes": 90 << 20}, short={"decode": [{}, {}], "prefill": [{}, {}]},
     )  # fmt: skip
-    table = plan.render_markdown({"results": [row]})
+    table = plan_report.render_markdown({"results": [row]})
     assert (
         "| gpt-oss-120b (from 2+4 layers) | v6e-8 | 8 | bfloat16 | 8.00 | 19.00 (1000000) | 0.25 / 0.50 | "
         "64 x 2048: fits | 5.0 (12800) | - | 74 (90.0) |"
     ) in table
-    mxfp4 = plan.render_markdown({"results": [{**row, "mxfp4_experts": True}]})
+    mxfp4 = plan_report.render_markdown({"results": [{**row, "mxfp4_experts": True}]})
     assert "| gpt-oss-120b (from 2+4 layers) | v6e-8 | 8 | bfloat16, mxfp4 experts | 8.00 |" in mxfp4
-    one_chip = plan.markdown([{**row, "tp_size": 1}])
+    one_chip = plan_report.markdown([{**row, "tp_size": 1}])
     assert (
         "| gpt-oss-120b (from 2+4 layers) | v6e-8 | bfloat16 | 8.00 | 19.00 (1000000) | 0.25 / 0.50 |"
         in one_chip
@@ -65,7 +66,7 @@ def test_a_row_planned_from_few_layers_renders_its_depths_and_extrapolated_memor
     too_large = {**row, "fits": False, "short": {}, "budget_bytes": 28 * GIB, "weight_bytes": 42 * GIB}
     assert (
         "| gpt-oss-120b | v6e-8 | 8 | bfloat16 | 42.00 | does not fit: weights 14.00 GiB over"
-        in plan.render_markdown({"results": [too_large]})
+        in plan_report.render_markdown({"results": [too_large]})
     )
 
 
@@ -81,14 +82,14 @@ def test_data_parallel_rows_render_a_replicas_chip_and_the_tokens_of_all():
         overhead_bytes={"decode": GIB // 4, "prefill": GIB // 2}, decode_collectives={"count": 0, "bytes": 0},
         short={"decode": [{}, {}]}, dp_size=8, replicas=replicas,
     )  # fmt: skip
-    table = plan.render_markdown({"results": [row]})
+    table = plan_report.render_markdown({"results": [row]})
     assert (
         "| llama-3.1-8b (from 2+4 layers) | v6e-8 | DP 8 x TP 1 | bfloat16 | 15.00 | 13.00 (105184 a "
         "replica, 841472 in all) | 0.25 / 0.50 | 64 x 2048 a replica: no | 20.0 (25600 all replicas) | - | "
         "0 (0.0) |"
     ) in table
     experts = {**replicas, "tp_size": 2, "dp_size": 4, "experts_over_replicas": True}
-    over = plan.render_markdown({"results": [{**row, "tp_size": 8, "replicas": experts}]})
+    over = plan_report.render_markdown({"results": [{**row, "tp_size": 8, "replicas": experts}]})
     assert "| DP 4 x TP 2, EP 8 | bfloat16 |" in over
     assert over.endswith("| - | - | not compiled: not served |")
     # A row of replicas is its own plan beside the same model on one chip.

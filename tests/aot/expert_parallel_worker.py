@@ -27,13 +27,13 @@ import jax
 
 from models.sharding import key_path_name
 from tests.aot.step_compile import large_buffers
+from tpu_platform.planner.compiled import program_facts
 from tpu_platform.planner.hlo import hlo_traffic, summarize_collectives, unexpected_collectives
 from tpu_platform.planner.plan import (
     StepSetup,
     expected_collectives,
     first_layers,
     model_config,
-    program_facts,
     step_program,
     step_shape,
 )

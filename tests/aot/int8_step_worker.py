@@ -29,11 +29,11 @@ import numpy as np
 
 from models import fp8, int4
 from tests.aot.step_compile import large_buffers
+from tpu_platform.planner.compiled import program_facts
 from tpu_platform.planner.plan import (
     StepSetup,
     first_layers,
     model_config,
-    program_facts,
     step_program,
     step_shape,
 )

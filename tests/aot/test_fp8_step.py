@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 
 from tests.aot.toolchains import run_worker
-from tpu_platform.planner.plan import abstract_model, model_config
+from tpu_platform.planner.abstract_weights import abstract_model
+from tpu_platform.planner.plan import model_config
 
 pytestmark = pytest.mark.timeout(3600)  # compiles of a multi-billion-parameter step
 

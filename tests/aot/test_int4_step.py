@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from tests.aot.toolchains import run_worker
-from tpu_platform.planner.plan import abstract_model, first_layers, model_config
+from tpu_platform.planner.abstract_weights import abstract_model
+from tpu_platform.planner.plan import first_layers, model_config
 
 TPU_CASES = ("v6e-1:llama-3.1-8b:int4-g128", "v6e-1:llama-3.1-8b:int4")
 # Per channel on v6e is `make test-full`'s: `make test` compiles it on the H100 and the grouped

@@ -33,7 +33,8 @@ from tests.tpu_platform.tensor_parallel_weights_worker import (
 from tpu_platform.mesh import tensor_parallel_mesh
 from tpu_platform.planner.hlo import hlo_collectives
 from tpu_platform.runner_state import weight_sharding
-from tpu_platform.weights.prepared import Preparation, load_prepared
+from tpu_platform.weights.preparation import Preparation
+from tpu_platform.weights.prepared import load_prepared
 
 DTYPE = "float32"
 PROMPT = [1, 5, 9, 17, 33, 65, 100, 7, 3, 250, 12]

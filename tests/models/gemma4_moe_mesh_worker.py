@@ -19,7 +19,8 @@ from models.moe import use_expert_parallel
 from tests.tpu_platform.tensor_parallel_weights_worker import arrays, greedy, prefill_logits
 from tpu_platform.mesh import tensor_parallel_mesh
 from tpu_platform.runner_state import weight_sharding as _weight_sharding
-from tpu_platform.weights.prepared import Preparation, load_prepared
+from tpu_platform.weights.preparation import Preparation
+from tpu_platform.weights.prepared import load_prepared
 
 PROMPT = [1, 5, 9, 17, 33, 65, 100, 7, 3, 250, 12, 40, 41, 300, 8, 77, 19, 23]  # longer than the window
 NEW_TOKENS = 6

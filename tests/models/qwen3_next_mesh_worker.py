@@ -29,7 +29,8 @@ from tests.tpu_platform.tensor_parallel_weights_worker import describe, sharding
 from tpu_platform.mesh import tensor_parallel_mesh
 from tpu_platform.state_cache import allocate_layer_caches
 from tpu_platform.step_program import KVLayout
-from tpu_platform.weights.prepared import Preparation, int8_quantization, load_prepared
+from tpu_platform.weights.preparation import Preparation, int8_quantization
+from tpu_platform.weights.prepared import load_prepared
 
 PAGE, PAGES = 16, 8
 # Each sequence's pages (its first: its state slot in the Gated DeltaNet layers' pools).

@@ -167,7 +167,8 @@ def test_a_float_checkpoint_streams_into_the_affine_layout_with_zero_offsets(mis
     symmetric layout's."""
     import jax
 
-    from tpu_platform.weights.prepared import Preparation, load_prepared
+    from tpu_platform.weights.preparation import Preparation
+    from tpu_platform.weights.prepared import load_prepared
 
     on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     config, affine = load_prepared(mistral, Preparation("float32", quantization="int4z-g32"), on_device)
@@ -197,7 +198,8 @@ def test_a_float_checkpoint_streams_onto_the_native_int4_kernel(mistral, dense_k
     packed for the int4 kernel, which computes what XLA's dots compute from the same values."""
     import jax
 
-    from tpu_platform.weights.prepared import Preparation, load_prepared
+    from tpu_platform.weights.preparation import Preparation
+    from tpu_platform.weights.prepared import load_prepared
 
     on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     native = Preparation("float32", "native+f32", quantization="int4z-g32")
@@ -228,7 +230,8 @@ def test_a_tied_head_is_int8_on_the_native_kernels_in_the_4_bit_preparation(tmp_
     from models import int8
     from models.layers import HeadCopy
     from pallas_kernels.cpu.dense_int8 import unpack_dense_kernel_int8
-    from tpu_platform.weights.prepared import Preparation, load_prepared
+    from tpu_platform.weights.preparation import Preparation
+    from tpu_platform.weights.prepared import load_prepared
 
     path = save_tiny("Qwen3ForCausalLM", str(tmp_path / "qwen3"))  # tied embeddings
     on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -25,10 +25,9 @@ from tests.models.gguf_q4_blocks import Q4_TYPES, quantizer
 from tests.models.test_gguf_q8_0 import _arrays, _logits, write_q8_0_gguf
 from tests.models.tiny_checkpoints import caches, prompts, run_step
 from tests.tiny_models import save_tiny_llama
+from tpu_platform.weights.preparation import Preparation, int8_quantization
 from tpu_platform.weights.prepared import (
-    Preparation,
     UnusableCheckpoint,
-    int8_quantization,
     load_prepared,
     metadata_for,
     restore_prepared,

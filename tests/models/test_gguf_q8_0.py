@@ -28,7 +28,8 @@ from models.gguf_reader import (
 from models.int8 import dequantize
 from tests.models.tiny_checkpoints import caches, prompts, run_step
 from tests.tiny_models import save_tiny_llama
-from tpu_platform.weights.prepared import Preparation, int8_quantization, load_prepared
+from tpu_platform.weights.preparation import Preparation, int8_quantization
+from tpu_platform.weights.prepared import load_prepared
 
 _ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 _LAYER = {

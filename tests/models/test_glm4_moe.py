@@ -27,7 +27,7 @@ from models import ModelConfig, attach_rope_tables, load_model
 from models.glm4_moe import Glm4MoeConfig
 from tests.models.tiny_checkpoints import assert_prefill_matches, assert_ragged_matches
 from tests.models.tiny_glm4_moe import VARIANTS, save_tiny_glm4_moe
-from tpu_platform.planner.plan import abstract_model
+from tpu_platform.planner.abstract_weights import abstract_model
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

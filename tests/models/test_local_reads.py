@@ -26,7 +26,7 @@ from tests.models.awq_checkpoints import write_awq
 from tests.models.counted_reads import counting_reads, tensor_bytes
 from tests.models.fp8_checkpoints import write_compressed_fp8
 from tests.models.tiny_checkpoints import save_tiny
-from tpu_platform.weights.prepared import Preparation, int8_quantization
+from tpu_platform.weights.preparation import Preparation, int8_quantization
 
 LOCAL = frozenset({2, 3, 4, 5})
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")

@@ -22,7 +22,7 @@ from plugin_shim.model_dir import embedded_gguf_path
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.programs import ExecutableCache, ProgramSpec
 from tpu_platform.weights.cache import WeightsCache
-from tpu_platform.weights.prepared import Preparation
+from tpu_platform.weights.preparation import Preparation
 
 _START_SCRIPT = """
 import hashlib, json, os, sys, time
@@ -31,7 +31,7 @@ import jax, jax.numpy as jnp
 from models import load_model
 from plugin_shim.model_dir import materialize
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
-from tpu_platform.weights.prepared import Preparation
+from tpu_platform.weights.preparation import Preparation
 from tpu_platform.weights.cache import WeightsCache
 while time.time() < start_at:  # both processes go at the same moment, imports done
     time.sleep(0.005)

@@ -14,7 +14,8 @@ from plugin_shim.cli import main
 from tests.models.test_compressed_tensors import write_compressed
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.weights.converted import converted_weights, restore_converted
-from tpu_platform.weights.prepared import Preparation, load_prepared, read_metadata
+from tpu_platform.weights.preparation import Preparation
+from tpu_platform.weights.prepared import load_prepared, read_metadata
 
 _ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 _INT8 = Preparation("bfloat16", quantization="int8")

@@ -19,7 +19,8 @@ from plugin_shim.active import assert_active
 from plugin_shim.model_dir import materialize
 from tests.models.tiny_checkpoints import PAGE, caches, run_step
 from tpu_platform.envs import read_env
-from tpu_platform.weights.prepared import Preparation, load_prepared
+from tpu_platform.weights.preparation import Preparation
+from tpu_platform.weights.prepared import load_prepared
 
 # Steps of up to 16 tokens: the prompt prefills in one, and warm-up compiles the 30-layer
 # forward for 3 token buckets (1, 4, 16) instead of 7 (up to 256).

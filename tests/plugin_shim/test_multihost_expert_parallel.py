@@ -53,7 +53,8 @@ def one_device_tokens(model) -> list[list[int]]:
 
     from models import ModelConfig
     from tests.tpu_platform.tensor_parallel_weights_worker import greedy
-    from tpu_platform.weights.prepared import Preparation, load_prepared
+    from tpu_platform.weights.preparation import Preparation
+    from tpu_platform.weights.prepared import load_prepared
 
     config = ModelConfig.from_pretrained(model)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -41,7 +41,8 @@ def main(rank: int, port: int, model_dir: str, new_tokens: int, prompts: list[li
     from tpu_platform.hosts import HostGroup, join_hosts
     from tpu_platform.mesh import tensor_parallel_mesh
     from tpu_platform.runner_state import weight_sharding
-    from tpu_platform.weights.prepared import Preparation, load_prepared
+    from tpu_platform.weights.preparation import Preparation
+    from tpu_platform.weights.prepared import load_prepared
 
     join_hosts(HostGroup(f"127.0.0.1:{port}", 2, rank, timeout_seconds=60), "cpu")
     sharding = functools.partial(weight_sharding, tensor_parallel_mesh(4), expert_parallel=True)

@@ -29,7 +29,8 @@ from models.quantization import quantize_int8
 from models.weight_stream import HostBytes
 from tests.tpu_platform.tensor_parallel_weights_worker import arrays, describe, prefill_logits, shardings
 from tpu_platform.weights.converted import convert, converted_weights, restore_converted
-from tpu_platform.weights.prepared import Preparation, int8_quantization, load_prepared
+from tpu_platform.weights.preparation import Preparation, int8_quantization
+from tpu_platform.weights.prepared import load_prepared
 
 DTYPE = "float32"
 PROMPT = [1, 5, 9, 17, 33, 65, 100, 7]

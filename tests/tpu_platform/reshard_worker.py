@@ -16,7 +16,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import load_model
-from tpu_platform.weights.prepared import Preparation, metadata_for, restore_prepared, save_prepared
+from tpu_platform.weights.preparation import Preparation
+from tpu_platform.weights.prepared import metadata_for, restore_prepared, save_prepared
 
 
 def output_axis_sharding(ways: int):

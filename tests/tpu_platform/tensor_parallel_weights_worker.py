@@ -29,7 +29,8 @@ from tpu_platform.kv_cache import allocate_stacked_caches, caches_per_array
 from tpu_platform.mesh import tensor_parallel_mesh
 from tpu_platform.runner_state import weight_sharding
 from tpu_platform.weights.converted import PREPARED_DIR, converted_weights, restore_converted
-from tpu_platform.weights.prepared import Preparation, load_prepared, metadata_for, save_prepared
+from tpu_platform.weights.preparation import Preparation
+from tpu_platform.weights.prepared import load_prepared, metadata_for, save_prepared
 
 DTYPE = "float32"
 PAGE = 16

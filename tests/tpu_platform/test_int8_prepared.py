@@ -17,7 +17,8 @@ from tpu_platform.runner import Runner
 from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.weights.cache import WeightsCache
 from tpu_platform.weights.converted import _stored_preparation
-from tpu_platform.weights.prepared import Preparation, abstract_prepared, load_prepared, structure_digest
+from tpu_platform.weights.preparation import Preparation, abstract_prepared
+from tpu_platform.weights.prepared import load_prepared, structure_digest
 
 _ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 INT8 = Preparation("bfloat16", quantization="int8")

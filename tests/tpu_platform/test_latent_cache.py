@@ -10,8 +10,9 @@ import pytest
 
 from models.deepseek_config import DeepseekConfig
 from tpu_platform.kv_cache import allocate_stacked_caches, model_kv_bytes_per_token
+from tpu_platform.planner.abstract_weights import abstract_model
 from tpu_platform.planner.kv import kv_bytes_read
-from tpu_platform.planner.plan import StepSetup, abstract_model, kv_page_bytes, model_config
+from tpu_platform.planner.plan import StepSetup, kv_page_bytes, model_config
 
 
 def test_latent_caches_stack_one_row_a_token():

@@ -8,6 +8,7 @@ from collections import Counter
 import jax
 import pytest
 
+from tpu_platform.planner.abstract_weights import abstract_model
 from tpu_platform.planner.depth import depths_for, extrapolate, step_depths
 from tpu_platform.planner.hlo import (
     ExpectedCollectives,
@@ -18,10 +19,10 @@ from tpu_platform.planner.hlo import (
     unexpected_collectives,
 )
 from tpu_platform.planner.kv import decode_roofline, kv_bytes_read, weight_bytes_read
-from tpu_platform.planner.plan import StepSetup, abstract_model, known_models, model_config
+from tpu_platform.planner.plan import StepSetup, known_models, model_config
 from tpu_platform.planner.targets import target
 from tpu_platform.step_program import KVLayout
-from tpu_platform.weights.prepared import Preparation, abstract_prepared
+from tpu_platform.weights.preparation import Preparation, abstract_prepared
 
 HLO = """HloModule m
 

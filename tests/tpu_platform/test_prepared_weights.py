@@ -16,7 +16,8 @@ from flax import nnx
 from models import ModelConfig, PackedKernel, load_model
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.weights.converted import PREPARED_DIR, convert, converted_weights, restore_converted
-from tpu_platform.weights.prepared import Preparation, load_prepared
+from tpu_platform.weights.preparation import Preparation
+from tpu_platform.weights.prepared import load_prepared
 
 _ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 

@@ -25,7 +25,7 @@ from tpu_platform.attention_backend import native_build_dir
 from tpu_platform.private_files import UnsafeCacheError, check_private
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
 from tpu_platform.weights.cache import WeightsCache
-from tpu_platform.weights.prepared import Preparation
+from tpu_platform.weights.preparation import Preparation
 
 _SCALE = 1.0 + random.random()  # programs no JAX cache has seen
 _AS_ROOT = pytest.mark.skipif(os.getuid() != 0, reason="giving a file away needs root")

@@ -17,7 +17,7 @@ from tpu_platform.runner_state import PhaseNotRun
 from tpu_platform.sampling import SamplingOptions
 from tpu_platform.step_update import CachedRequests, NewRequest, StepUpdate
 from tpu_platform.weights.converted import convert
-from tpu_platform.weights.prepared import Preparation
+from tpu_platform.weights.preparation import Preparation
 from tpu_platform.weights.source import CACHED, CHECKPOINT, CONVERTED, load_served_weights
 
 _ON_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -20,13 +20,8 @@ from tpu_platform.programs import structure_text
 from tpu_platform.runner import Runner
 from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.weights.cache import WeightsCache
-from tpu_platform.weights.prepared import (
-    Preparation,
-    int8_quantization,
-    load_prepared,
-    metadata_for,
-    save_prepared,
-)
+from tpu_platform.weights.preparation import Preparation, int8_quantization
+from tpu_platform.weights.prepared import load_prepared, metadata_for, save_prepared
 
 
 @pytest.fixture(scope="module")

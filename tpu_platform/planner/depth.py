@@ -8,7 +8,7 @@ shows them as one of forty does, in less memory and, on GPU, in less compile tim
 with the depth is known:
 
 - the weights and the KV cache per layer are arithmetic on the abstract model of every layer
-  (`plan.abstract_model`, `plan.kv_page_bytes`: no compile);
+  (`abstract_weights.abstract_model`, `plan.kv_page_bytes`: no compile);
 - what a step needs beyond them (temporaries, outputs not aliasing the donated caches, code, the
   step's inputs) is read from the compiled step at two depths and extrapolated linearly to the
   model's depth; a slope below zero (XLA reusing buffers across layers) counts as zero. A model
@@ -36,11 +36,11 @@ import dataclasses
 from typing import Any
 
 from models import ModelConfig
+from tpu_platform.planner.compiled import ProgramFacts
 from tpu_platform.planner.hybrid import cache_tokens
 from tpu_platform.planner.kv import MEMORY_UTILIZATION
 from tpu_platform.planner.plan import (
     SAMPLING_FLAGS,
-    ProgramFacts,
     StepSetup,
     compile_forward,
     compile_sampler,

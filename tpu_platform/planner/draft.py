@@ -28,15 +28,8 @@ from pallas_kernels import kv_cache_partition_spec, latent_cache_partition_spec
 from tpu_platform.inputs import pack_inputs, padding_inputs
 from tpu_platform.kv_cache import allocate_stacked_caches, caches_per_array, kv_cache_dtype
 from tpu_platform.mesh import replicated
-from tpu_platform.planner.plan import (
-    ProgramFacts,
-    StepSetup,
-    _abstract_caches,
-    _measured,
-    compile_with_text,
-    kv_page_bytes,
-    step_shape,
-)
+from tpu_platform.planner.compiled import ProgramFacts, compile_with_text, measured
+from tpu_platform.planner.plan import StepSetup, _abstract_caches, kv_page_bytes, step_shape
 from tpu_platform.planner.targets import compile_only_devices
 from tpu_platform.sampling import SamplerFlags, dummy_tensors
 from tpu_platform.speculation.draft_model import (
@@ -105,7 +98,7 @@ def compile_draft_loop(draft: StepSetup, num_pages: int, rows: int, k: int) -> P
         ints(rows, draft.buckets.max_pages), ints(1),
     )  # fmt: skip
     static = {"k": k, "page_size": draft.tokens_per_page, "max_position": draft.max_model_len - 1}
-    return _measured(lambda: compile_with_text(loop, device, *args, **static))
+    return measured(lambda: compile_with_text(loop, device, *args, **static))
 
 
 def compile_verify(target: StepSetup, rows: int, k: int, flags: SamplerFlags) -> ProgramFacts:
@@ -128,7 +121,7 @@ def compile_verify(target: StepSetup, rows: int, k: int, flags: SamplerFlags) ->
     )  # fmt: skip
     verify = make_verify(model.graphdef)
     static = {"flags": flags, "feed_width": target.max_num_seqs}
-    return _measured(lambda: compile_with_text(verify, device, *args, **static))
+    return measured(lambda: compile_with_text(verify, device, *args, **static))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -238,8 +231,8 @@ def _compile_head(
     )  # fmt: skip
     static = {"steps": k - 1, "page_size": page_size, "max_position": target.max_model_len - 1}
     return Eagle3Programs(
-        head_pass=_measured(lambda: compile_with_text(head_pass, device, *pass_args, dims=dims)),
-        loop=_measured(lambda: compile_with_text(loop, device, *loop_args, **static)),
+        head_pass=measured(lambda: compile_with_text(head_pass, device, *pass_args, dims=dims)),
+        loop=measured(lambda: compile_with_text(loop, device, *loop_args, **static)),
         cache_bytes=sum(_chip_bytes(c) for c in caches),
         weight_bytes=sum(_chip_bytes(x) for x in leaves),
     )

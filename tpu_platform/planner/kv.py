@@ -19,11 +19,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from tpu_platform.planner.compiled import ProgramFacts, ProgramTooLarge
 from tpu_platform.planner.hybrid import cache_tokens
 from tpu_platform.planner.plan import (
     SAMPLING_FLAGS,
-    ProgramFacts,
-    ProgramTooLarge,
     StepSetup,
     compile_forward,
     compile_sampler,

@@ -7,13 +7,14 @@ runner uses too, `tpu_platform.step_program`, with the attention backend the run
 device and caches from `kv_cache.allocate_stacked_caches`) from `ShapeDtypeStruct` weights and
 caches, so nothing is allocated; `compile_forward` compiles it with the target's real
 compiler; `compile_sampler` does the same for the sampling program. Both return
-`ProgramFacts`: XLA's memory and cost analyses of the compiled program, the compile time and
-the collectives of its optimized HLO.
+`ProgramFacts` (`tpu_platform.planner.compiled`): XLA's memory and cost analyses of the compiled
+program, the compile time and the collectives of its optimized HLO. The abstract weights are
+`tpu_platform.planner.abstract_weights`'s.
 `kv.fit_kv_cache` sizes the KV cache from them.
 
 With `StepSetup.quantization = "int8"` the weights are the runner's int8 ones
 (`--quantization int8_per_channel_weight_only`: every dense kernel int8 with one float32 scale
-per output channel, `models.quantization`), prepared as `tpu_platform.weights.prepared` does.
+per output channel, `models.quantization`), prepared as `tpu_platform.weights.preparation` does.
 
 With `StepSetup.tp_size = N` the programs are the runner's tensor-parallel ones on its mesh of N
 compile-only chips (`tpu_platform.mesh`): the weights placed by the rules table
@@ -28,28 +29,18 @@ Compiling for a TPU or GPU target needs its toolchain importable (`make aot-tool
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import math
 import os
-import re
-import time
-from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding
 
-from models import ModelConfig, attach_rope_tables, build, int4, prepare_for_serving
-from models.expert_load import has_experts
-from models.layer_stacks import stack_layer_weights
-from models.lora import attach_lora
-from models.moe import use_expert_parallel
-from models.sharding import MODEL_AXIS, kv_heads_on_mesh, state_shardings, vocab_parallel
+from models import ModelConfig
+from models.sharding import MODEL_AXIS, kv_heads_on_mesh, vocab_parallel
 from pallas_kernels import kv_cache_partition_spec, latent_cache_partition_spec
 from pallas_kernels.backend import resolve_backend
 from tpu_platform.buckets import StepBuckets
@@ -57,14 +48,15 @@ from tpu_platform.hosts import per_host_devices
 from tpu_platform.kv_cache import allocate_stacked_caches, kv_cache_dtype
 from tpu_platform.lora_slots import LoraConfig
 from tpu_platform.mesh import check_model_fits_mesh, replicated, tensor_parallel_mesh
-from tpu_platform.planner.hlo import (
-    Collective,
-    ExpectedCollectives,
-    Traffic,
-    hlo_collectives,
-    hlo_traffic,
-    summarize_collectives,
+from tpu_platform.planner.abstract_weights import (
+    AbstractModel,
+    abstract_leaf,
+    abstract_model,
+    device_bytes,
+    placed_on,
 )
+from tpu_platform.planner.compiled import ProgramFacts, compile_with_text, measured
+from tpu_platform.planner.hlo import ExpectedCollectives
 from tpu_platform.planner.hybrid import abstract_hybrid_caches, hybrid_page_bytes
 from tpu_platform.planner.targets import CompileTarget, compile_only_devices, target
 from tpu_platform.runner_config import default_page_size
@@ -72,7 +64,6 @@ from tpu_platform.sampling import SamplerFlags, dummy_tensors
 from tpu_platform.state_cache import page_size_holding_a_state
 from tpu_platform.step import make_sampler
 from tpu_platform.step_program import KVLayout, StepProgram, build_step_program
-from tpu_platform.weights.prepared import Preparation
 
 # The sampler program the planner compiles: random sampling with top-k/top-p filters (the most
 # work a step without penalties, logprobs or grammar does).
@@ -251,165 +242,12 @@ class StepSetup:
         )  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ProgramFacts:
-    """One compiled program: XLA's memory analysis (bytes per chip), its cost analysis (its
-    model of the program, not a measurement) and the seconds lowering and compiling took."""
-
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int  # outputs that reuse a donated argument's buffer (the KV caches)
-    temp_bytes: int
-    code_bytes: int
-    flops: float
-    bytes_accessed: float
-    optimal_seconds: float | None  # XLA's own time estimate; negative on TPU with Mosaic calls
-    compile_seconds: float
-    traffic: Traffic  # bytes the optimized HLO's instructions move (`hlo`)
-    collectives: tuple[Collective, ...] = ()  # the cross-chip exchanges of a sharded program
-
-    @property
-    def peak_bytes(self) -> int:
-        """Memory the program needs while it runs: arguments, outputs not aliasing a donated
-        argument, temporaries and its code."""
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
-
-    def as_dict(self) -> dict[str, Any]:
-        facts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        facts.update(traffic=self.traffic.as_dict(), collectives=summarize_collectives(self.collectives))
-        return {**facts, "peak_bytes": self.peak_bytes}
-
-
-def program_facts(compiled: jax.stages.Compiled, compile_seconds: float) -> ProgramFacts:
-    memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}
-    if isinstance(cost, list | tuple):  # older JAX: one dict per computation
-        cost = cost[0] if cost else {}
-    optimal = cost.get("optimal_seconds")
-    text = compiled.as_text()
-    return ProgramFacts(
-        argument_bytes=int(memory.argument_size_in_bytes),
-        output_bytes=int(memory.output_size_in_bytes),
-        alias_bytes=int(memory.alias_size_in_bytes),
-        temp_bytes=int(memory.temp_size_in_bytes),
-        code_bytes=int(memory.generated_code_size_in_bytes),
-        flops=float(cost.get("flops", 0.0)),
-        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-        optimal_seconds=None if optimal is None else float(optimal),
-        compile_seconds=compile_seconds,
-        traffic=hlo_traffic(text),
-        collectives=tuple(hlo_collectives(text)),
-    )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AbstractModel:
-    """A model's program structure and its weights as `ShapeDtypeStruct`s (no memory), and the
-    abstract state they come from (its paths are what the rules table matches)."""
-
-    graphdef: nnx.GraphDef
-    state_def: jax.tree_util.PyTreeDef
-    leaves: tuple[jax.ShapeDtypeStruct, ...]
-    state: nnx.State  # the abstract state itself, for the rules table's shardings
-    expert_parallel: bool = False  # the experts placed by index (`models.sharding`)
-    has_experts: bool = False  # a mixture of experts: its step counts the load per expert
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of the model's state as the runner holds it (weights and RoPE tables)."""
-        return sum(_bytes(leaf.shape, leaf.dtype) for leaf in self.leaves)
-
-    def placed(self, mesh: Mesh | None, device: jax.Device) -> list[jax.ShapeDtypeStruct]:
-        """The leaves as the runner places them: on `device`, or on `mesh` with the shardings of
-        `models.sharding`'s rules table (`state_shardings`, as `place_state` puts them)."""
-        if mesh is None:
-            return _on(device, list(self.leaves))
-        shardings = jax.tree.leaves(state_shardings(self.state, mesh, expert_parallel=self.expert_parallel))
-        return [_abstract(leaf, sharding) for leaf, sharding in zip(self.leaves, shardings, strict=True)]
-
-    def chip_weight_bytes(self, mesh: Mesh | None) -> int:
-        """Bytes of the state one chip holds: all of it, or on `mesh` its shard of each weight."""
-        if mesh is None:
-            return self.weight_bytes
-        return sum(
-            _bytes(leaf.sharding.shard_shape(leaf.shape), leaf.dtype) for leaf in self.placed(mesh, None)
-        )
-
-
-@functools.cache
-def abstract_model(
-    config: ModelConfig,
-    dtype: str,
-    max_model_len: int,
-    tp_size: int = 1,
-    quantization: str = "none",
-    lora: LoraConfig | None = None,
-    expert_parallel: bool = False,
-    backend: str | None = None,
-) -> AbstractModel:
-    """The model the runner would load, weights abstract: built under `nnx.eval_shape` and
-    prepared as `models.load_model` prepares it for `tp_size` devices (KV heads repeated up to
-    the TP size when fewer, the tied head's copy, fused projections in one block a device), then
-    quantized as the runner's `Preparation` does ("int8": int8 kernels and their scales), with
-    the RoPE tables the runner attaches for `max_model_len` positions and, with `lora`, the
-    adapter slots `Runner.load_model` attaches; `expert_parallel`: its MoE layers flagged and
-    their experts placed by index, as the runner does under `--enable-expert-parallel`.
-    `backend`: the platform served ("tpu", "cuda"; None: JAX's default backend), which holds
-    int4 values as int4 or int8 (`models.int4`)."""
-    preparation = Preparation(
-        jnp.dtype(dtype).name, tp_size=tp_size, quantization=quantization, backend=backend
-    )
-
-    def prepared(model: nnx.Module) -> nnx.Module:
-        prepare_for_serving(model, config, tp_size)
-        preparation.apply(model)
-        return model
-
-    # Prepared from abstract arguments: built inside, the placeholders would be concrete host
-    # zeros, which the fused projections' concatenation would then really fill.
-    model = nnx.eval_shape(prepared, nnx.eval_shape(lambda: build(config, jnp.dtype(dtype))))
-    if tp_size == 1:  # as the runner stacks them (`runner_state.load_runner_model`)
-        stack_layer_weights(model)
-    attach_rope_tables(model, max_model_len)
-    expert_parallel = expert_parallel and tp_size > 1
-    if expert_parallel:
-        use_expert_parallel(model)
-    if lora is not None:
-        lora_dtype = jnp.dtype(lora.dtype or dtype)
-        attach_lora(
-            model, max_loras=lora.max_loras, max_rank=lora.max_lora_rank, dtype=lora_dtype, blocks=tp_size
-        )
-    graphdef, state = nnx.split(model)
-    leaves, state_def = jax.tree.flatten(state)
-    return AbstractModel(
-        graphdef, state_def, tuple(_abstract(leaf) for leaf in leaves), state, expert_parallel,
-        has_experts=has_experts(model),
-    )  # fmt: skip
-
-
-def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
-    """An array's device bytes: int4 two values a byte (as TPU and GPU store it)."""
-    if int4.is_int4(dtype):
-        return -(-math.prod(shape) // 2)
-    return math.prod(shape) * np.dtype(dtype).itemsize
-
-
-def _abstract(x: Any, sharding: jax.sharding.Sharding | None = None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-
-
-def _on(device: jax.Device, tree: Any) -> Any:
-    """`tree`'s leaves as `ShapeDtypeStruct`s placed on `device`."""
-    sharding = SingleDeviceSharding(device)
-    return jax.tree.map(lambda x: _abstract(x, sharding), tree)
-
-
 def _everywhere(mesh: Mesh | None, device: jax.Device, tree: Any) -> Any:
     """`tree`'s leaves on `device`, or replicated on `mesh` (the runner's step inputs)."""
     if mesh is None:
-        return _on(device, tree)
+        return placed_on(device, tree)
     whole = replicated(mesh)
-    return jax.tree.map(lambda x: _abstract(x, whole), tree)
+    return jax.tree.map(lambda x: abstract_leaf(x, whole), tree)
 
 
 def _abstract_caches(setup: StepSetup, num_pages: int, mesh: Mesh | None) -> list[jax.ShapeDtypeStruct]:
@@ -436,7 +274,7 @@ def _abstract_caches(setup: StepSetup, num_pages: int, mesh: Mesh | None) -> lis
         else kv_cache_partition_spec(setup.backend, MODEL_AXIS)
     )
     split = NamedSharding(mesh, spec)
-    return [_abstract(cache, split) for cache in caches]
+    return [abstract_leaf(cache, split) for cache in caches]
 
 
 def kv_page_bytes(setup: StepSetup) -> int:
@@ -455,7 +293,7 @@ def kv_page_bytes(setup: StepSetup) -> int:
             kv_cache_dtype(setup.cache_dtype), setup.backend, latent_width=config.latent_cache_width,
         )
     )  # fmt: skip
-    return sum(_bytes(c.shape, c.dtype) for c in caches) // 2
+    return sum(device_bytes(c.shape, c.dtype) for c in caches) // 2
 
 
 def step_program(
@@ -473,7 +311,7 @@ def step_program(
     model = setup.abstract_model()
     caches = _abstract_caches(setup, num_pages, mesh)
     if mesh is None:
-        caches = _on(device, caches)
+        caches = placed_on(device, caches)
     return build_step_program(
         setup.config, model.graphdef, model.state_def, model.placed(mesh, device), caches,
         backend=setup.backend, layout=setup.kv_layout, kv_dtype=kv_cache_dtype(setup.cache_dtype).name,
@@ -518,7 +356,7 @@ def expected_collectives(setup: StepSetup, num_tokens: int, num_seqs: int = 0) -
         activation_elements=t_pad * config.hidden_size,
         all_reduces=2 * config.num_layers + shared_sums + split_vocab,
         logits_elements=r_pad * config.vocab_size if split_vocab else 0,
-        weight_floor_bytes=min((_bytes(leaf.shape, leaf.dtype) for leaf in split), default=0),
+        weight_floor_bytes=min((device_bytes(leaf.shape, leaf.dtype) for leaf in split), default=0),
     )
 
 
@@ -529,45 +367,10 @@ def compile_sampler(setup: StepSetup, rows: int, flags: SamplerFlags = SAMPLING_
     vocab = setup.config.vocab_size
     logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
     args = _everywhere(mesh, device, (logits, dummy_tensors(flags, rows, vocab)))
-    return _measured(
+    return measured(
         lambda: compile_with_text(make_sampler(setup.max_num_seqs, mesh), device, *args, flags=flags)
     )
 
 
-def compile_with_text(jitted: Any, device: jax.Device, *args: Any, **static: Any) -> jax.stages.Compiled:
-    """The compiled program (its `as_text()` holds the optimized HLO), for a closer look."""
-    with jax.default_device(device):  # the Pallas backends lower for the target's platform
-        return jitted.trace(*args, **static).lower().compile()
-
-
-class ProgramTooLarge(Exception):
-    """The target's compiler refused the program: it needs more memory than the chip has."""
-
-    def __init__(self, message: str, needed_bytes: int):
-        super().__init__(message)
-        self.needed_bytes = needed_bytes
-
-
-# XLA's TPU compiler: "... the total memory required for HLO temporaries (40.46G) exceeds
-# available HBM (31.25G)".
-_OUT_OF_MEMORY = re.compile(r"Ran out of memory.*?required[^(]*\(([\d.]+)([KMGT]?)\)", re.S)
-
-
 def _compile(program: StepProgram, shape: tuple[int, int, int]) -> ProgramFacts:
-    return _measured(lambda: program.compile(shape))
-
-
-def _measured(compile_program: Callable[[], jax.stages.Compiled]) -> ProgramFacts:
-    """The facts of the program `compile_program` compiles, or `ProgramTooLarge` when the target's
-    compiler refuses it for the chip's memory."""
-    start = time.perf_counter()
-    try:
-        compiled = compile_program()
-    except jax.errors.JaxRuntimeError as error:
-        found = _OUT_OF_MEMORY.search(str(error))
-        if found is None:
-            raise
-        number, unit = found.groups()
-        scale = 1 << (10 * "_KMGT".index(unit or "_")) if unit else 1
-        raise ProgramTooLarge(str(error).splitlines()[0], int(float(number) * scale)) from error
-    return program_facts(compiled, time.perf_counter() - start)
+    return measured(lambda: program.compile(shape))

@@ -19,15 +19,13 @@ building it would give.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Any
 
 import jax
-import numpy as np
 
-from models import int4
 from models.sharding import EXPERT_PARALLEL_RULE, MODEL_AXIS, key_path_name, parameter_spec
+from tpu_platform.planner.abstract_weights import device_bytes
 from tpu_platform.planner.kv import MEMORY_UTILIZATION
 from tpu_platform.planner.plan import StepSetup, kv_page_bytes
 
@@ -63,17 +61,10 @@ def chip_weights(setup: StepSetup, ep_size: int = 0) -> ChipWeights:
             split = zip(leaf.shape, axes, strict=True)
             shard = tuple(d // setup.tp_size if a == MODEL_AXIS else d for d, a in split)
         if routed:
-            experts += _bytes(shard, leaf.dtype)
+            experts += device_bytes(shard, leaf.dtype)
         else:
-            other += _bytes(shard, leaf.dtype)
+            other += device_bytes(shard, leaf.dtype)
     return ChipWeights(experts, other)
-
-
-def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
-    """An array's device bytes, int4 two values a byte (as `plan` counts them)."""
-    if int4.is_int4(dtype):
-        return -(-math.prod(shape) // 2)
-    return math.prod(shape) * np.dtype(dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

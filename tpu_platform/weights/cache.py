@@ -37,8 +37,8 @@ from models.linear import Linear, float_layers
 from models.moe import StackedLinear
 from tpu_platform.disk_cache import UNUSED_ENTRY_SECONDS, mark_used, remove_unused, source_fingerprint
 from tpu_platform.private_files import make_private_dir, make_tree_private, unsafe_tree_reason
+from tpu_platform.weights.preparation import Preparation
 from tpu_platform.weights.prepared import (
-    Preparation,
     ShardingFor,
     UnusableCheckpoint,
     metadata_for,

@@ -24,8 +24,8 @@ from flax import nnx
 
 from models import ModelConfig
 from models.linear import float_layers
+from tpu_platform.weights.preparation import Preparation
 from tpu_platform.weights.prepared import (
-    Preparation,
     ShardingFor,
     UnusableCheckpoint,
     load_prepared,

@@ -22,7 +22,8 @@ from models.mxfp4 import is_mxfp4
 from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.weights.cache import WeightsCache
 from tpu_platform.weights.converted import converted_weights, restore_converted
-from tpu_platform.weights.prepared import Preparation, ShardingFor, int8_quantization, load_prepared
+from tpu_platform.weights.preparation import Preparation, int8_quantization
+from tpu_platform.weights.prepared import ShardingFor, load_prepared
 
 
 @dataclasses.dataclass(frozen=True)
