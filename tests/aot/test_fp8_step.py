@@ -10,7 +10,8 @@ those buffers are fp8 and share memory, the temporaries staying below one kernel
 
 The programs hold the models' first 2 layers at full width (a wider copy of a weight would be
 made in each layer; the weights' bytes are checked for the whole models, the compiled programs'
-arguments for the layers they hold); `make test-full` (`-m full`) compiles every layer."""
+arguments for the layers they hold); `make test-full` (`-m full`) compiles the TPU cases, and
+every layer."""
 
 from __future__ import annotations
 
@@ -61,12 +62,16 @@ def _assert_fp8_program(row: dict, model: str, group: int | None) -> None:
     assert wider == []
 
 
+# The TPU's fp8 programs are `make test-full`'s: the same class (a wider weight-sized copy) is
+# checked on TPU by test_int8_step.py's int8 decode step, and fp8's own convert on the H100 below.
+@pytest.mark.full
 @pytest.mark.parametrize("case", [c for c in TPU_CASES if "fp8" in c])
 def test_tpu_fp8_step_holds_fp8_weights_without_a_wider_copy(tpu_results, case):
     _, model, variant = case.split(":")
     _assert_fp8_program(tpu_results[case], model, 128 if variant == "fp8-g128" else None)
 
 
+@pytest.mark.full
 def test_tpu_fp8_step_arguments_shrink_by_the_weights_saved(tpu_results):
     fp8, bf16 = tpu_results[TPU_CASES[0]], tpu_results[TPU_CASES[1]]
     saved = bf16["weight_bytes"] - fp8["weight_bytes"]

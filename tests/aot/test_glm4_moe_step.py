@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """A GLM-4.5-Air-shaped step at full width (96 query and 8 KV heads of 128 with q/k/v biases,
 RoPE on 64 of each head's 128 dimensions, 128 routed experts of 1408 and one shared, hidden
-4096, vocabulary 151552) with its first two layers, one dense and one MoE (in `make test-full`
-four, one dense and three MoE: what a layer holds and exchanges shows in each), compiled at TP=4
+4096, vocabulary 151552) with its first two layers, one dense and one MoE, and four, one dense
+and three MoE (what a layer holds and exchanges shows in each; both in `make test-full`), compiled at TP=4
 by XLA's GPU compiler for 4 of 8x H100 (`tensor_parallel_worker`, as
 test_tensor_parallel_step.py does for Llama and Qwen3-MoE). Not on v6e-4: at TP=4 the whole
 model's bfloat16 weights take 53.5 GB a chip, more than a v6e chip holds.
@@ -25,7 +25,13 @@ from tests.aot.model_step_worker import MAX_MODEL_LEN
 from tests.aot.toolchains import run_worker
 
 TP = 4
-LAYERS = [pytest.param(2, id="2-layers"), pytest.param(4, marks=pytest.mark.full, id="4-layers")]
+# Both depths are `make test-full`'s: the same rules (row-parallel sums, a mixture of experts split
+# inside each expert) compile for 8x H100 in test_tensor_parallel_step.py (Qwen3-30B-A3B), and
+# GLM-4.5's placement at TP=2 runs on simulated devices (tests/plugin_shim/test_glm4_moe_engine.py).
+LAYERS = [
+    pytest.param(2, marks=pytest.mark.full, id="2-layers"),
+    pytest.param(4, marks=pytest.mark.full, id="4-layers"),
+]
 TARGETS = {"cuda": "h100x8"}
 BACKEND = {"cuda": "pallas_gpu"}
 

@@ -11,7 +11,7 @@ and the per-group partial products are fused into their dots alike (no weight-si
 The programs hold the model's first 2 layers at full width (a copy of a weight would be made in
 each layer; the weights' bytes are checked for the whole model, the compiled programs' bytes for
 the layers they hold), all of them compiled by one worker. `make test-full` (`-m full`) compiles
-every layer of the decode step, for a v5e and a v6e chip."""
+the prefill chunk, and every layer of the decode step for a v5e and a v6e chip."""
 
 from __future__ import annotations
 
@@ -37,7 +37,12 @@ def _run(num_layers: int, cases: list[str]) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def results(case_rows) -> dict[str, dict]:
     # The bfloat16 decode twin is test_fp8_step.py's too: compiled once a session.
-    return case_rows.get("tpu", "int8_step_worker", (str(LAYERS),), (*DECODE_CASES, *PREFILL_CASES))
+    return case_rows.get("tpu", "int8_step_worker", (str(LAYERS),), DECODE_CASES)
+
+
+@pytest.fixture(scope="module")
+def prefill_results(case_rows) -> dict[str, dict]:
+    return case_rows.get("tpu", "int8_step_worker", (str(LAYERS),), PREFILL_CASES)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +67,12 @@ def test_int8_step_compiles_with_weight_bytes_halved(results):
     _assert_weight_bytes_halved(bf16, int8)
 
 
-def test_int8_prefill_compiles_with_weight_bytes_halved(results):
-    bf16, int8 = (results[case] for case in PREFILL_CASES)
+# `full`: two TPU programs of minutes each; the decode step above checks the int8 convert fused
+# into its dots on v5e, and a prefill's temporaries per layer are checked on 8x H100
+# (test_moe_step_temps.py).
+@pytest.mark.full
+def test_int8_prefill_compiles_with_weight_bytes_halved(prefill_results):
+    bf16, int8 = (prefill_results[case] for case in PREFILL_CASES)
     assert bf16["tokens"] == int8["tokens"] == 512
     _assert_weight_bytes_halved(bf16, int8)
 

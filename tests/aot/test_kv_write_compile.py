@@ -10,9 +10,16 @@ from tests.aot.toolchains import run_worker
 
 
 # The whole grid where the cache is served (v5e, v6e); its first two cases (bf16 decode, float8)
-# for the other generations, which only adds compile time.
+# for the other generations, which only adds compile time (`make test-full`: the same kernel
+# and cases as v5e's and v6e's, for another chip).
 @pytest.mark.parametrize(
-    ("target", "cases"), [("v5e-1", ()), ("v6e-1", ()), ("v5p-8", ("2",)), ("v4-8", ("2",))]
+    ("target", "cases"),
+    [
+        ("v5e-1", ()),
+        ("v6e-1", ()),
+        pytest.param("v5p-8", ("2",), marks=pytest.mark.full),
+        pytest.param("v4-8", ("2",), marks=pytest.mark.full),
+    ],
 )
 def test_kv_write_compiles(target, cases):
     for case in run_worker("tpu", "kv_write_compile", target, *cases):

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A projection carrying LoRA slots compiles for a v6e chip and an H100 (`lora_product_worker`)
-with temporaries well under its weight at a few tokens, and at a prefill's 2048 tokens within a
-few copies of its `[T, out]` float32 output: no per-token copy of adapter weights (`[T, in, r]`,
-`[T, r, out]`, 16 outputs' bytes here) and no `[T, slots, out]` product (4); on a mesh, the slot
-arrays split like their projections compile without gathering any of them."""
+"""A projection carrying LoRA slots compiles for an H100 (and a v6e chip, `make test-full`)
+(`lora_product_worker`) with temporaries well under its weight at a few tokens, and at a prefill's
+2048 tokens within a few copies of its `[T, out]` float32 output: no per-token copy of adapter
+weights (`[T, in, r]`, `[T, r, out]`, 16 outputs' bytes here) and no `[T, slots, out]` product (4);
+on a mesh, the slot arrays split like their projections compile without gathering any of them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ import pytest
 from tests.aot.toolchains import run_worker
 
 
-@pytest.mark.parametrize("platform, target", [("tpu", "v6e-1"), ("cuda", "h100x1")])
+# The TPU's compiles are `make test-full`'s: the same program's temporaries (the class a per-token
+# copy of adapter weights belongs to) are checked on the H100, and what the TPU compiler makes of
+# a wider copy of a weight on test_int8_step.py's v5e step.
+@pytest.mark.parametrize(
+    "platform, target", [pytest.param("tpu", "v6e-1", marks=pytest.mark.full), ("cuda", "h100x1")]
+)
 def test_lora_projection_temporaries_stay_small(platform, target):
     got = run_worker(platform, "lora_product_worker", target, "8,64,512,2048", timeout=900)
     for tokens in ("8", "64", "512"):
@@ -20,7 +25,10 @@ def test_lora_projection_temporaries_stay_small(platform, target):
     assert got["2048"]["per_output"] < 3, got
 
 
-@pytest.mark.parametrize("platform, target", [("tpu", "v6e-4"), ("cuda", "h100x8")])
+# On v6e-4 in `make test-full`: the H100s' compile checks the same sharding rules' collectives.
+@pytest.mark.parametrize(
+    "platform, target", [pytest.param("tpu", "v6e-4", marks=pytest.mark.full), ("cuda", "h100x8")]
+)
 def test_lora_slots_split_like_their_projection_need_no_gather(platform, target):
     """Under tensor parallelism (`models.sharding`'s rules), a column-parallel projection's
     update needs no collective at all (each device its own B columns); a row-parallel one's sums

@@ -21,10 +21,10 @@ planner's int8 weights against the runner's, `tests/tpu_platform/test_plan.py`, 
 int8 step's peak dropping by what they save, `test_int8_step.py`; the cache taking what the
 steps leave is checked here for every case).
 
-`make test` compiles Llama on v6e and H100, Gemma 2 and Qwen3's mixture of experts on H100 (a
-model family's step on one target family: its kernels compile for the others in
-test_compile_kernels_*.py); `make test-full` repeats the path on more models and chips
-(Llama-3.2-3B on v5e, Qwen3-8B on v6e and H100, Gemma 2 on v6e). All of a run's cases of one platform
+`make test` compiles Llama on v6e and H100 (one model a target family; the other families'
+kernels compile for both in test_compile_kernels_*.py); `make test-full` repeats the path on
+more models and chips (Llama-3.2-3B on v5e, Qwen3-8B on v6e and H100, Gemma 2 on v6e and H100,
+Qwen3's mixture of experts on H100). All of a run's cases of one platform
 go to one worker process a mode, the TPU's and the GPU's side by side.
 
 No one-chip TPU case has a mixture of experts: the smallest one the project runs,
@@ -45,14 +45,15 @@ from tpu_platform.planner.plan import model_config
 
 FITS = {
     "tpu": ["v6e-1:llama-3.1-8b"],
-    "cuda": ["h100x1:llama-3.1-8b", "h100x1:gemma-2-9b", "h100x1:qwen3-30b-a3b"],
+    "cuda": ["h100x1:llama-3.1-8b"],
 }
-# The same path on more models and chips: `make test-full`. Gemma 2 on v6e-1 repeats there what
-# `make test` proves on the H100 (its step) and on v5e (its windowed, capped kernels at head dim 256,
-# test_compile_kernels_tpu.py).
+# The same path on more models and chips: `make test-full`. Each repeats a class of check `make
+# test` makes on Llama: Gemma 2's windowed, capped kernels compile for v5e and H100 in
+# test_compile_kernels_*.py; Qwen3's routed experts (and their third depth) at TP=8 on 8x H100 in
+# test_tensor_parallel_step.py.
 MORE_FITS = {
     "tpu": ["v5e-1:llama-3.2-3b", "v6e-1:qwen3-8b", "v6e-1:gemma-2-9b"],
-    "cuda": ["h100x1:qwen3-8b"],
+    "cuda": ["h100x1:qwen3-8b", "h100x1:gemma-2-9b", "h100x1:qwen3-30b-a3b"],
 }
 TOO_LARGE = {"tpu": ["v5e-1:llama-3.1-8b", "v6e-1:qwen3-30b-a3b"], "cuda": []}
 # `make test`'s worker mode a platform: on TPU the prefill at 2 layers only (bounded from above).

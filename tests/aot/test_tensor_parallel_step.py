@@ -2,25 +2,22 @@
 """The runner's tensor-parallel step compiled by the real TPU and GPU compilers for real-size
 models split over the chips of a target.
 
-For each case a worker (`tensor_parallel_worker`, one subprocess per platform, both at once)
-sizes the KV cache per chip on the runner's mesh (`StepSetup.tp_size`): in `make test` from the
-model's first 2 and 4 layers at full width, the memory extrapolated to every layer
-(`tpu_platform.planner.depth`; the collectives a layer makes show in each short program; on TPU
-the prefill at 2 layers only, its memory bounded from above), in
-`make test-full` (`-m full`) with every layer compiled (`tpu_platform.planner.kv.fit_kv_cache`):
-the weights abstract and placed by the rules table (`models.sharding`), the caches split on KV
-heads (replicated in groups where the model has fewer KV heads than chips), attention per chip
-under `shard_map` (Mosaic on TPU, Triton on GPU). It compiles the prefill step (a 2k-token
-chunk) and the decode step (64 sequences) and the sampler, and reads the compiled programs'
-collectives. A compile error, a sharding that makes the compiler gather
-a whole weight or exchange anything the rules table does not imply, or a model that does not
-fit its chips fails here. GPT-OSS-120B's short programs hold its real shapes (128 experts,
-attention sinks, a sliding and a full layer in turn); on v6e-8 its prefill's temporaries are
-checked in test_moe_step_temps.py.
-Llama-4-Scout's short programs hold three chunked-attention layers and a NoPE one, each a
-mixture of 16 experts and a shared one (on 8x H100; its chunked kernels compile for v6e in
-test_compile_kernels_tpu.py).
-"""
+For each case a worker (`tensor_parallel_worker`, one subprocess per platform, both at once) sizes
+the KV cache per chip on the runner's mesh (`StepSetup.tp_size`): in `make test` from the model's
+first 2 and 4 layers at full width, the memory extrapolated to every layer
+(`tpu_platform.planner.depth`; the collectives a layer makes show in each short program; on TPU the
+prefill at 2 layers only, its memory bounded from above), in `make test-full` (`-m full`) with
+every layer compiled (`tpu_platform.planner.kv.fit_kv_cache`): the weights abstract and placed by
+the rules table (`models.sharding`), the caches split on KV heads (replicated in groups where the
+model has fewer KV heads than chips), attention per chip under `shard_map` (Mosaic on TPU, Triton
+on GPU). It compiles the prefill step (a 2k-token chunk) and the decode step (64 sequences) and the
+sampler, and reads the compiled programs' collectives. A compile error, a sharding that makes the
+compiler gather a whole weight or exchange anything the rules table does not imply, or a model that
+does not fit its chips fails here. In `make test-full`, GPT-OSS-120B's short programs hold its real
+shapes (128 experts, attention sinks, a sliding and a full layer in turn; on v6e-8 its prefill's
+temporaries are checked in test_moe_step_temps.py), and Llama-4-Scout's hold three
+chunked-attention layers and a NoPE one, each a mixture of 16 experts and a shared one (on 8x H100;
+its chunked kernels compile for v6e in test_compile_kernels_tpu.py)."""
 
 from __future__ import annotations
 
@@ -33,17 +30,21 @@ from tests.aot.toolchains import run_worker
 
 # `make test`: a dense model on a TPU slice, one KV head a chip (Llama-3.1-8B at TP=8: the
 # 70B's rules, collectives and kernel at a narrower width, which the TPU compiler compiles
-# sooner), and each family with its own layers (experts, sinks and sliding layers, chunked
-# attention) on 8x H100.
+# sooner), and a mixture of experts split inside each expert on 8x H100 (its routed layers'
+# rules, and the third depth a routed model's decode step compiles at).
 CASES = {
     "tpu": ["v6e-8:llama-3.1-8b:8"],
-    "cuda": ["h100x8:qwen3-30b-a3b:8", "h100x8:gpt-oss-120b:8", "h100x8:llama-4-scout:8"],
+    "cuda": ["h100x8:qwen3-30b-a3b:8"],
 }
-# The same paths on more chips and sizes (`make test-full`): the 70B on v6e-8 (its prefill at 2
-# and 4 layers), two KV heads a chip (TP=4 of 8 KV heads), v5e, and the dense model on GPUs.
+# The same paths on more chips, sizes and families (`make test-full`): the 70B on v6e-8 (its
+# prefill at 2 and 4 layers), two KV heads a chip (TP=4 of 8 KV heads), v5e, the dense model on
+# GPUs, and the families whose layers differ (GPT-OSS's sinks and sliding layers, Llama 4's
+# chunked attention and shared expert: the rules table's same rules, their kernels compiled in
+# test_compile_kernels_*.py, their placement on simulated devices in
+# tests/plugin_shim/test_tensor_parallel.py).
 MORE_CASES = {
     "tpu": ["v6e-8:llama-3.1-70b:8", "v5e-4:llama-3.1-8b:4", "v6e-4:llama-3.1-8b:4"],
-    "cuda": ["h100x8:llama-3.1-70b:8"],
+    "cuda": ["h100x8:llama-3.1-70b:8", "h100x8:gpt-oss-120b:8", "h100x8:llama-4-scout:8"],
 }
 ALL_CASES = {p: CASES[p] + MORE_CASES[p] for p in CASES}
 # `make test`'s worker mode a platform: on TPU the prefill at 2 layers only, its memory bounded

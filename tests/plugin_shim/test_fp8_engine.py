@@ -139,6 +139,9 @@ def test_block_fp8_generates_what_the_dequantized_model_does(block_checkpoint, s
     _assert_greedy_of(reference, prompts, generated)
 
 
+# `make test-full`: block-fp8 kernels and scales split on 2 devices equal to one device in make
+# test on Qwen3.5 (tests/models/test_qwen3_5_quantized_on_mesh.py, the same split rules).
+@pytest.mark.full
 def test_block_fp8_on_two_devices_equals_one(block_checkpoint, prompts, tmp_path):
     """Tensor parallelism over 2 simulated devices (a subprocess: the device count is fixed when
     JAX starts): the fp8 kernels and their block scales split with their columns (o_proj's and

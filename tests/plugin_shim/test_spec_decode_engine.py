@@ -128,6 +128,10 @@ def test_seeded_sampling_with_drafts_is_reproducible_alone_or_in_a_batch(llm):
     assert after["compiles_after_warmup"] == 0
 
 
+# `make test-full`: a second engine of its own; n-gram drafts are verified at TP=4 across two hosts
+# against one device's greedy tokens in make test (tests/plugin_shim/test_multihost.py), the LM
+# head split over the vocabulary as here.
+@pytest.mark.full
 def test_tensor_parallel_engine_verifies_drafts_to_the_same_greedy_tokens(tiny_dir, hf, tmp_path):
     # Two simulated devices, in a process of their own: the verification program's LM head is
     # split over the vocabulary like the forward's.

@@ -183,8 +183,10 @@ MORE_RUNS = {
 # is Llama's; Qwen3-Next at TP=4 is its TP=2 run on more devices (the model alone is checked at
 # TP=4 in `make test`: tests/models/test_qwen3_next_on_mesh.py); Mixtral's experts split inside
 # each expert as GPT-OSS's, Llama 4's and Qwen3-Next's are, and Mixtral at TP=2 answers with
-# transformers' greedy tokens through the server in make test (test_data_parallel.py).
-REPEATS = ("qwen3", "qwen3_next_tp4", "mixtral")
+# transformers' greedy tokens through the server in make test (test_data_parallel.py); Gemma 2's
+# layers split by Llama's rules (q/k/v and gate/up by columns, o and down by rows), its windows
+# and soft caps computed per device on its own heads as at TP=1.
+REPEATS = ("qwen3", "qwen3_next_tp4", "mixtral", "gemma2")
 CASES = [
     pytest.param(name, False, id=name, marks=[pytest.mark.full] if name in REPEATS else [])
     for name in sorted(MODELS)
