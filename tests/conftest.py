@@ -34,7 +34,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", default=None):
         return
-    build_dir = os.path.join(os.environ["VLLM_XLA_CACHE_DIR"], "native")
+    build_dir = os.path.abspath(os.path.join(os.environ["VLLM_XLA_CACHE_DIR"], "native"))
+    # absolute: the subprocess runs in the checkout, the workers where pytest was started
     command = [sys.executable, "-m", "pallas_kernels.cpu", build_dir]
     quiet = subprocess.DEVNULL
     config.stash[_NATIVE_BUILD] = subprocess.Popen(command, cwd=_REPO, stdout=quiet, stderr=quiet)
