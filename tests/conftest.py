@@ -3,6 +3,8 @@
 
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -18,6 +20,43 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The engine tests run what TPU and GPU run by default: vLLM's async scheduling (our platform turns
 # it off on the CPU device otherwise; tests/plugin_shim/test_platform.py checks that rule).
 os.environ.setdefault("VLLM_XLA_CPU_ASYNC_SCHEDULING", "1")
+
+
+_NATIVE_BUILD = pytest.StashKey[subprocess.Popen]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under pytest-xdist with workers (the Makefile's `-n 2`), the controller starts building the
+    native kernels at once, beside the workers' collection: else the first worker to need them
+    builds while the other waits on the build lock, one core idle through the build's tail. The
+    workers' `native_kernels` take the library as built, or wait on the same lock; a failed build
+    is left to them to report."""
+    config = session.config
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", default=None):
+        return
+    build_dir = os.path.abspath(os.path.join(os.environ["VLLM_XLA_CACHE_DIR"], "native"))
+    # absolute: the subprocess runs in the checkout, the workers where pytest was started
+    command = [sys.executable, "-m", "pallas_kernels.cpu", build_dir]
+    quiet = subprocess.DEVNULL
+    config.stash[_NATIVE_BUILD] = subprocess.Popen(command, cwd=_REPO, stdout=quiet, stderr=quiet)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    build = session.config.stash.get(_NATIVE_BUILD, None)
+    if build is not None:
+        build.wait()  # a run that never needed the kernels still leaves no compiler behind
+
+
+@pytest.fixture(scope="session", autouse=True)
+def jax_compilation_cache() -> None:
+    """JAX's persistent compilation cache, in the test cache directory, from each test process's
+    start: a second run (the edit loop) loads the programs an unchanged test compiled before
+    instead of compiling them again. The runner turns the same cache on when it starts
+    (`programs.enable_persistent_cache`), so without this the tests after a process's first engine
+    already ran under it and those before did not."""
+    from tpu_platform.programs import enable_persistent_cache
+
+    enable_persistent_cache(os.environ["VLLM_XLA_CACHE_DIR"])
 
 
 @pytest.fixture(scope="session")
