@@ -10,8 +10,8 @@ those buffers are fp8 and share memory, the temporaries staying below one kernel
 
 The programs hold the models' first 2 layers at full width (a wider copy of a weight would be
 made in each layer; the weights' bytes are checked for the whole models, the compiled programs'
-arguments for the layers they hold); `make test-full` (`-m full`) compiles the TPU cases, and
-every layer."""
+arguments for the layers they hold); `make test-full` (`-m full`) compiles v6e's grouped case,
+and every layer."""
 
 from __future__ import annotations
 
@@ -24,15 +24,19 @@ from tpu_platform.planner.plan import model_config
 pytestmark = pytest.mark.timeout(3600)  # compiles of a multi-billion-parameter step
 
 TPU_CASES = ("v5e-1:llama-3.2-3b:fp8", "v5e-1:llama-3.2-3b:bfloat16", "v6e-1:llama-3.1-8b:fp8-g128")
+# v6e's grouped case is `make test-full`'s: v5e (no fp8 dots: the convert must stay inside the dot)
+# keeps the TPU's fp8 path in `make test`, and the H100 case below fp8's own convert.
+TPU_IN_FULL_ONLY = ("v6e-1:llama-3.1-8b:fp8-g128",)
 GPU_CASES = ("h100x1:llama-3.1-8b:fp8",)
 # Compiled layers: 2, and (`full`) every one, where the arguments are the whole model's bytes.
 LAYERS = [pytest.param("2", id="2-layers"), pytest.param("0", marks=pytest.mark.full, id="every-layer")]
 
 
 @pytest.fixture(scope="module", params=LAYERS)
-def tpu_results(request, case_rows) -> dict[str, dict]:
-    # The 2-layer bfloat16 twin is test_int8_step.py's too: compiled once a session.
-    return case_rows.get("tpu", "int8_step_worker", (request.param,), TPU_CASES)
+def tpu_rows(request, case_rows):
+    """The rows of the TPU cases a test names, compiled once a session at the layers' param (the
+    2-layer bfloat16 twin is test_int8_step.py's too)."""
+    return lambda *cases: case_rows.get("tpu", "int8_step_worker", (request.param,), cases)
 
 
 @pytest.fixture(scope="module", params=LAYERS)
@@ -62,18 +66,23 @@ def _assert_fp8_program(row: dict, model: str, group: int | None) -> None:
     assert wider == []
 
 
-# The TPU's fp8 programs are `make test-full`'s: the same class (a wider weight-sized copy) is
-# checked on TPU by test_int8_step.py's int8 decode step, and fp8's own convert on the H100 below.
-@pytest.mark.full
-@pytest.mark.parametrize("case", [c for c in TPU_CASES if "fp8" in c])
-def test_tpu_fp8_step_holds_fp8_weights_without_a_wider_copy(tpu_results, case):
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=[pytest.mark.full] if c in TPU_IN_FULL_ONLY else [])
+        for c in TPU_CASES
+        if "fp8" in c
+    ],
+)
+def test_tpu_fp8_step_holds_fp8_weights_without_a_wider_copy(tpu_rows, case):
     _, model, variant = case.split(":")
-    _assert_fp8_program(tpu_results[case], model, 128 if variant == "fp8-g128" else None)
+    rows = tpu_rows(case, TPU_CASES[1])  # with the bfloat16 twin the next test reads: one compile run
+    _assert_fp8_program(rows[case], model, 128 if variant == "fp8-g128" else None)
 
 
-@pytest.mark.full
-def test_tpu_fp8_step_arguments_shrink_by_the_weights_saved(tpu_results):
-    fp8, bf16 = tpu_results[TPU_CASES[0]], tpu_results[TPU_CASES[1]]
+def test_tpu_fp8_step_arguments_shrink_by_the_weights_saved(tpu_rows):
+    rows = tpu_rows(*TPU_CASES[:2])
+    fp8, bf16 = rows[TPU_CASES[0]], rows[TPU_CASES[1]]
     saved = bf16["weight_bytes"] - fp8["weight_bytes"]
     assert saved > 0.25 * bf16["weight_bytes"]  # the tied head's copy and the embedding stay bfloat16
     compiled_saved = bf16["compiled_weight_bytes"] - fp8["compiled_weight_bytes"]
