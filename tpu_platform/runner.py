@@ -40,7 +40,7 @@ from tpu_platform.state_cache import keep_accepted_states, state_columns
 from tpu_platform.step_program import KVLayout
 from tpu_platform.step_record import DispatchedStep, InFlightStep, record_step
 from tpu_platform.step_update import StepLogprobs, StepResult, StepUpdate
-from tpu_platform.warm_up import run_once, warm_up_specs
+from tpu_platform.warm_up import run_once, time_speculation, warm_up_specs
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
@@ -199,6 +199,8 @@ class Runner:
         loaded = self.programs.loaded
         built = self.programs.build_all(specs)
         run_once(self, specs)
+        if self.speculation is not None:  # the draft counts' step costs, on the programs just built
+            self.speculation.costs = time_speculation(self)
         logger.info(
             "warm-up built %d programs in %.1f s (%d from the executable cache)",
             built, time.perf_counter() - start, self.programs.loaded - loaded,

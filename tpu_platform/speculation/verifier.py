@@ -31,6 +31,7 @@ from tpu_platform.request_table import RequestTable
 from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, SamplingTensors
 from tpu_platform.sampling.uniform import has_extras
+from tpu_platform.speculation.adaptive import AcceptanceEstimate, StepCosts, choose_draft_count
 from tpu_platform.speculation.config import SpeculationConfig, draftable
 from tpu_platform.speculation.draft_model import DraftModel
 from tpu_platform.speculation.eagle3 import Eagle3Proposer
@@ -74,6 +75,7 @@ class Verification:
     counts: jax.Array  # int32[R]
     step_drafts: StepDrafts
     stats: SpeculationStats
+    acceptance: AcceptanceEstimate
 
     def record(self, table: RequestTable, rows: np.ndarray, emits: np.ndarray) -> list[list[int]]:
         """Writes each row's kept tokens after its first (which the step reserved) into the
@@ -82,6 +84,7 @@ class Verification:
         tokens, counts = np.asarray(self.tokens)[:n], np.asarray(self.counts)[:n]
         self.stats.draft_tokens += int(self.step_drafts.num_drafts.sum())
         self.stats.accepted_tokens += int((counts - 1).sum())
+        self.acceptance.record(self.step_drafts.num_drafts[:n], counts - 1)
         for i in np.flatnonzero(counts > 1):
             for token in tokens[i, 1 : counts[i]].tolist():
                 table.append_token(int(rows[i]), token)
@@ -120,6 +123,10 @@ class SpeculativeDecoding:
         self.config = config
         self.programs = programs
         self.stats = SpeculationStats()
+        self.acceptance = AcceptanceEstimate(config.num_tokens)
+        # The step shapes' seconds timed at warm-up (`warm_up.time_speculation`); None: not timed
+        # (or vLLM's per-batch-size schedule decides), each step then takes `step_tokens`.
+        self.costs: StepCosts | None = None
         self._jitted = make_verify(graphdef)
         self._hidden_size = hidden_size
         self._max_model_len = max_model_len
@@ -207,11 +214,16 @@ class SpeculativeDecoding:
         """The drafts of each request of a finished step, the draft model's or the n-gram's (none
         for a request that emitted nothing or may not be drafted), at most `step_tokens` each: a
         model proposer's k drafts are cut to their first ones (each follows only those before it,
-        so they are the drafts it would make with that k)."""
+        so they are the drafts it would make with that k). Where the step shapes were timed, the
+        count is the one expected to emit the most tokens a second (`adaptive`), decided before a
+        model proposer runs (none: its draft loop does not run) and after the n-gram's drafts."""
         wanted = [i for i, r in enumerate(req_ids) if sampled[i] and self._draftable.get(r, False)]
         drafts: list[list[int]] = [[] for _ in req_ids]
         limit = self.step_tokens
-        if isinstance(self.draft, Eagle3Proposer):  # its pass runs on every step
+        if self.draft is not None and wanted and limit:
+            limit = self._adapted(limit, len(req_ids), len(wanted))
+        if isinstance(self.draft, Eagle3Proposer):  # its pass runs on every step (the head's cache)
+            wanted = wanted if limit else []  # its draft loop only for drafts wanted
             proposed = self.draft.propose(
                 self.programs, table, np.array(wanted, np.intp), self._max_model_len
             )
@@ -231,9 +243,22 @@ class SpeculativeDecoding:
             table.token_ids[rows], table.num_tokens[rows], k=limit, min_n=c.min_n, max_n=c.max_n,
             max_model_len=self._max_model_len,
         )  # fmt: skip
+        limit = self._adapted(limit, len(req_ids), sum(1 for tokens in proposed if tokens))
         for i, tokens in zip(wanted, proposed, strict=True):
-            drafts[i] = tokens
+            drafts[i] = tokens[:limit]
         return drafts
+
+    def _adapted(self, limit: int, num_requests: int, num_drafted: int) -> int:
+        """The drafts a request for the next step: `choose_draft_count` over the counts with
+        verification programs up to `limit`, or `limit` itself where steps were not timed."""
+        if self.costs is None or self.config.per_batch_size:
+            return limit
+        timed = self.costs.for_requests(num_requests)
+        seconds = {k: s for k, s in timed.items() if k <= limit}
+        chosen = choose_draft_count(num_requests, num_drafted, seconds, self.acceptance.prefix_rates())
+        if chosen == 0 and num_drafted:  # drafts forgone: the estimate gets no evidence
+            self.acceptance.relax()
+        return chosen
 
     def write_drafts(
         self,
@@ -291,7 +316,20 @@ class SpeculativeDecoding:
         spec = lambda: self._spec(state, r_pad, k, vflags, hidden_rows.dtype, tensors)  # noqa: E731
         first, tokens, counts = self.programs.call(key, spec, state, hidden_rows, drafts, num_drafts, tensors)
         self.stats.verified_steps += 1
-        return Verification(SamplerOutput(first), tokens, counts, step_drafts, self.stats)
+        return Verification(SamplerOutput(first), tokens, counts, step_drafts, self.stats, self.acceptance)
+
+    def run_verification(
+        self, state: nnx.State, r_pad: int, k: int, sampling: SamplingBatch, dtype: np.dtype
+    ) -> tuple:
+        """Runs the greedy verification program of `r_pad` requests of k drafts on zeros (for
+        warm-up timing, `warm_up.time_speculation`) and returns its outputs, without waiting."""
+        flags = VERIFY_FLAGS[0]
+        tensors = sampling.dummy_tensors(flags, r_pad)
+        hidden = np.zeros((r_pad * (k + 1), self._hidden_size), dtype)
+        drafts, num_drafts = np.full((r_pad, k), -1, np.int32), np.zeros(r_pad, np.int32)
+        spec = lambda: self._spec(state, r_pad, k, flags, dtype, tensors)  # noqa: E731
+        key = self._key(r_pad, k, flags, dtype)
+        return self.programs.call(key, spec, state, hidden, drafts, num_drafts, tensors)
 
     def warm_up_specs(self, state: nnx.State, sampling: SamplingBatch, dtype: np.dtype) -> list[ProgramSpec]:
         """The verification programs of every row bucket, draft count and flag set, and a draft
