@@ -200,7 +200,7 @@ class Runner:
         built = self.programs.build_all(specs)
         run_once(self, specs)
         if self.speculation is not None:  # the draft counts' step costs, on the programs just built
-            self.speculation.costs = time_speculation(self)
+            self.speculation.draft_count.use_costs(time_speculation(self))
         logger.info(
             "warm-up built %d programs in %.1f s (%d from the executable cache)",
             built, time.perf_counter() - start, self.programs.loaded - loaded,

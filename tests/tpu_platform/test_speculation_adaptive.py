@@ -8,7 +8,10 @@ from tpu_platform.speculation.adaptive import (
     DECAY,
     PRIOR_RATE,
     PRIOR_WEIGHT,
+    SERVED_WEIGHT,
     AcceptanceEstimate,
+    DraftCount,
+    ServedCosts,
     StepCosts,
     choose_draft_count,
     expected_accepted,
@@ -101,7 +104,8 @@ def _speculation(costs, *, per_batch_size=False, draft=None):
 
     config = SpeculationConfig(num_tokens=4, min_n=1, max_n=3, per_batch_size=per_batch_size)
     speculation = _speculation_with(config)
-    speculation.costs, speculation.draft = costs, draft
+    speculation.draft_count.use_costs(costs)
+    speculation.draft = draft
     return speculation
 
 
@@ -131,9 +135,14 @@ def test_ngram_drafts_follow_the_step_costs():
 
 
 def test_the_users_per_batch_size_schedule_wins_over_the_step_costs():
-    from tests.tpu_platform.test_speculation import _looping_table
+    import types
 
-    assert _propose(_speculation(DEAR_DRAFTS, per_batch_size=True)) == _propose_full(_looping_table())
+    from tests.tpu_platform.test_speculation import _looping_table
+    from tpu_platform.warm_up import time_speculation
+
+    speculation = _speculation(None, per_batch_size=True)
+    assert time_speculation(types.SimpleNamespace(speculation=speculation, mesh=None)) is None
+    assert _propose(speculation) == _propose_full(_looping_table())
 
 
 def test_a_model_proposer_does_not_run_on_a_step_that_drafts_nothing():
@@ -176,3 +185,36 @@ def test_an_estimate_that_stopped_drafting_drifts_back_to_the_prior():
     for _ in range(1000):  # steps without drafts
         estimate.relax()
     np.testing.assert_allclose(estimate.prefix_rates(), [PRIOR_RATE, PRIOR_RATE**2], rtol=0.01)
+
+
+def test_served_walls_refine_the_warm_up_costs():
+    costs = ServedCosts(StepCosts({16: {0: 0.10, 4: 0.40}}))
+    assert costs.seconds(16) == {0: 0.10, 4: 0.40}
+    # A plain step served in 0.13 s: 0.03 s of host work the warm-up missed, added to k = 4 too.
+    costs.record(16, 0, 0, 0.13)
+    assert costs.seconds(16) == pytest.approx({0: 0.13, 4: 0.43})
+    # 8 of 16 drafted took 0.33 s: all 16 would take 0.13 + (0.33 - 0.13) * 2 = 0.53 s; the first
+    # wall of a shape is taken as it is.
+    costs.record(16, 8, 4, 0.33)
+    assert costs.seconds(16) == pytest.approx({0: 0.13, 4: 0.53})
+    # Later walls move the mean by SERVED_WEIGHT of the difference.
+    costs.record(16, 0, 0, 0.23)
+    assert costs.seconds(16)[0] == pytest.approx(0.13 + SERVED_WEIGHT * 0.10)
+    # Fewer than half drafted: not recorded (its extrapolation would magnify the noise).
+    before = costs.seconds(16)
+    costs.record(16, 7, 4, 1.0)
+    assert costs.seconds(16) == before
+
+
+def test_the_walls_recorded_are_those_of_decode_only_steps():
+    count = DraftCount(4, (4,))
+    count.use_costs(StepCosts({2: {0: 0.10, 4: 0.40}}))
+    count.step_done(1.0, ["a", "b"], True)  # nothing before it
+    count.proposed(1.0, ["a", "b"], [[5, 6], [7]])  # both drafted: the k = 4 program verifies
+    count.step_done(1.5, ["a", "b"], True)
+    assert count.costs.walls == {(2, 4): 0.5}
+    count.proposed(1.5, ["a", "b"], [[], []])
+    count.step_done(1.6, ["a", "c"], True)  # another request: its prompt was in the step
+    count.proposed(1.6, ["a", "c"], [[], []])
+    count.step_done(1.7, ["a", "c"], False)  # one still prefilling
+    assert count.costs.walls == {(2, 4): 0.5}

@@ -26,6 +26,8 @@ DECAY = 0.98
 # The estimate before any draft is verified: each draft kept with probability one half (the first
 # j all kept: 1 / 2^j), worth this many drafts of evidence (the first verified steps move it).
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0
+# A served step's weight in its shape's decaying mean wall.
+SERVED_WEIGHT = 0.1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,13 +37,50 @@ class StepCosts:
 
     seconds: Mapping[int, Mapping[int, float]]
 
-    def for_requests(self, num_requests: int) -> Mapping[int, float]:
-        """The costs of the smallest timed bucket holding `num_requests` (the largest timed one
-        beyond it: the policy reads only the ratios between k values, which change slowly with r)."""
+    def bucket_for(self, num_requests: int) -> int:
+        """The smallest timed bucket holding `num_requests` (the largest timed one beyond it: the
+        policy reads only the ratios between k values, which change slowly with r)."""
         buckets = sorted(self.seconds)
         if not buckets:
             raise ValueError("StepCosts has no timed bucket; build it from at least one timed shape")
-        return self.seconds[next((r for r in buckets if r >= num_requests), buckets[-1])]
+        return next((r for r in buckets if r >= num_requests), buckets[-1])
+
+    def for_requests(self, num_requests: int) -> Mapping[int, float]:
+        """The costs of `bucket_for(num_requests)`."""
+        return self.seconds[self.bucket_for(num_requests)]
+
+
+class ServedCosts:
+    """The warm-up's step costs refined by the walls of the steps served (from one proposal to
+    the next: the step, its sampling, vLLM's scheduling and the proposing), which the warm-up's
+    timing misses: attention over real contexts (a verify row attends to all of it), the host's
+    work a step. A cost not served yet is the warm-up's plus the bucket's mean extra so far (host
+    work adds about the same to every step)."""
+
+    def __init__(self, warm: StepCosts):
+        self.warm = warm
+        self.walls: dict[tuple[int, int], float] = {}  # (bucket, k) -> a decaying mean
+
+    def seconds(self, num_requests: int) -> dict[int, float]:
+        """Each timed k's seconds for a step of `num_requests` (every one drafted)."""
+        bucket = self.warm.bucket_for(num_requests)
+        warm = self.warm.seconds[bucket]
+        served = {k: self.walls[bucket, k] for k in warm if (bucket, k) in self.walls}
+        extra = float(np.mean([served[k] - warm[k] for k in served])) if served else 0.0
+        return {k: served.get(k, warm[k] + extra) for k in warm}
+
+    def record(self, num_requests: int, num_drafted: int, k: int, wall: float) -> None:
+        """Adds a served step of `num_requests` requests, `num_drafted` of them with up to k drafts
+        (their verify program's), that took `wall` seconds; the step of every request drafted is
+        read off it by the policy's own linear rule (when at least half were: less says little)."""
+        bucket = self.warm.bucket_for(num_requests)
+        if k not in self.warm.seconds[bucket] or (k and 2 * num_drafted < num_requests):
+            return
+        if k:
+            plain = self.seconds(num_requests)[0]
+            wall = plain + (wall - plain) * num_requests / num_drafted
+        old = self.walls.get((bucket, k))
+        self.walls[bucket, k] = wall if old is None else old + SERVED_WEIGHT * (wall - old)
 
 
 class AcceptanceEstimate:
@@ -99,3 +138,46 @@ def choose_draft_count(
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k
+
+
+class DraftCount:
+    """A runner's choice of each step's drafts a request: `choose_draft_count` over the costs
+    timed at warm-up (`use_costs`; none: every step takes the limit it is given) as served steps
+    refine them, and the acceptance so far (`acceptance`, fed by each verified step)."""
+
+    def __init__(self, max_drafts: int, verify_tokens: Sequence[int]):
+        self.acceptance = AcceptanceEstimate(max_drafts)
+        self.costs: ServedCosts | None = None
+        self._verify_tokens = tuple(sorted(verify_tokens))
+        # The last proposal's start, requests, drafted requests and verify k (None: not a step
+        # of decoding requests only, whose wall would say nothing of the shape's).
+        self._last: tuple[float, tuple[str, ...], int, int] | None = None
+
+    def use_costs(self, costs: StepCosts | None) -> None:
+        self.costs = None if costs is None else ServedCosts(costs)
+
+    def choose(self, limit: int, num_requests: int, num_drafted: int) -> int:
+        """The drafts a request for the next step, at most `limit`."""
+        if self.costs is None or num_drafted == 0 or limit == 0:
+            return limit if self.costs is None else 0
+        seconds = {k: s for k, s in self.costs.seconds(num_requests).items() if k <= limit}
+        chosen = choose_draft_count(num_requests, num_drafted, seconds, self.acceptance.prefix_rates())
+        if chosen == 0:  # drafts forgone: the estimate gets no evidence
+            self.acceptance.relax()
+        return chosen
+
+    def step_done(self, now: float, req_ids: Sequence[str], every_sampled: bool) -> None:
+        """At the start of a proposal: the step since the last one took `now - start`, recorded
+        when both proposals saw the same requests, every one of them with a new token (the step
+        decoded and verified them only: no prompt, no request joining or leaving)."""
+        last, self._last = self._last, None
+        if self.costs is None or last is None or not every_sampled or last[1] != tuple(req_ids):
+            return
+        start, _, drafted, k = last
+        self.costs.record(len(req_ids), drafted, k, now - start)
+
+    def proposed(self, start: float, req_ids: Sequence[str], drafts: Sequence[Sequence[int]]) -> None:
+        """At the end of a proposal that started at `start` with every request sampled."""
+        most = max((len(d) for d in drafts), default=0)
+        k = next((t for t in self._verify_tokens if t >= most), 0) if most else 0
+        self._last = (start, tuple(req_ids), sum(1 for d in drafts if d), k)

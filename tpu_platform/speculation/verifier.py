@@ -15,6 +15,7 @@ shape is fixed per row bucket: the rows are gathered from the step's hidden stat
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -31,7 +32,7 @@ from tpu_platform.request_table import RequestTable
 from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, SamplingTensors
 from tpu_platform.sampling.uniform import has_extras
-from tpu_platform.speculation.adaptive import AcceptanceEstimate, StepCosts, choose_draft_count
+from tpu_platform.speculation.adaptive import AcceptanceEstimate, DraftCount
 from tpu_platform.speculation.config import SpeculationConfig, draftable
 from tpu_platform.speculation.draft_model import DraftModel
 from tpu_platform.speculation.eagle3 import Eagle3Proposer
@@ -123,10 +124,6 @@ class SpeculativeDecoding:
         self.config = config
         self.programs = programs
         self.stats = SpeculationStats()
-        self.acceptance = AcceptanceEstimate(config.num_tokens)
-        # The step shapes' seconds timed at warm-up (`warm_up.time_speculation`); None: not timed
-        # (or vLLM's per-batch-size schedule decides), each step then takes `step_tokens`.
-        self.costs: StepCosts | None = None
         self._jitted = make_verify(graphdef)
         self._hidden_size = hidden_size
         self._max_model_len = max_model_len
@@ -139,6 +136,9 @@ class SpeculativeDecoding:
         self.step_tokens = config.num_tokens
         # The drafts a request each verification program takes: k, and the schedule's smaller ones.
         self.verify_tokens = (*config.schedule_tokens, config.num_tokens)
+        # Each step's drafts a request, from the step costs timed at warm-up
+        # (`warm_up.time_speculation`; untimed: `step_tokens`) and the acceptance so far.
+        self.draft_count = DraftCount(config.num_tokens, self.verify_tokens)
         # The proposer of method 'draft_model' (`draft_model`), 'eagle3' (`eagle3`) or 'mtp' (`mtp`).
         self.draft: DraftModel | Eagle3Proposer | None = None
         self._draft_warm_up: tuple = ()  # the draft's warm-up arguments, once its cache is there
@@ -211,6 +211,17 @@ class SpeculativeDecoding:
     def propose(
         self, table: RequestTable, req_ids: Sequence[str], sampled: Sequence[list[int]]
     ) -> list[list[int]]:
+        """`drafts`, timing the steps between proposals for `draft_count`."""
+        start, every_sampled = time.perf_counter(), all(sampled)
+        self.draft_count.step_done(start, req_ids, every_sampled)
+        drafts = self.drafts(table, req_ids, sampled)
+        if every_sampled:
+            self.draft_count.proposed(start, req_ids, drafts)
+        return drafts
+
+    def drafts(
+        self, table: RequestTable, req_ids: Sequence[str], sampled: Sequence[list[int]]
+    ) -> list[list[int]]:
         """The drafts of each request of a finished step, the draft model's or the n-gram's (none
         for a request that emitted nothing or may not be drafted), at most `step_tokens` each: a
         model proposer's k drafts are cut to their first ones (each follows only those before it,
@@ -221,7 +232,7 @@ class SpeculativeDecoding:
         drafts: list[list[int]] = [[] for _ in req_ids]
         limit = self.step_tokens
         if self.draft is not None and wanted and limit:
-            limit = self._adapted(limit, len(req_ids), len(wanted))
+            limit = self.draft_count.choose(limit, len(req_ids), len(wanted))
         if isinstance(self.draft, Eagle3Proposer):  # its pass runs on every step (the head's cache)
             wanted = wanted if limit else []  # its draft loop only for drafts wanted
             proposed = self.draft.propose(
@@ -243,22 +254,10 @@ class SpeculativeDecoding:
             table.token_ids[rows], table.num_tokens[rows], k=limit, min_n=c.min_n, max_n=c.max_n,
             max_model_len=self._max_model_len,
         )  # fmt: skip
-        limit = self._adapted(limit, len(req_ids), sum(1 for tokens in proposed if tokens))
+        limit = self.draft_count.choose(limit, len(req_ids), sum(1 for tokens in proposed if tokens))
         for i, tokens in zip(wanted, proposed, strict=True):
             drafts[i] = tokens[:limit]
         return drafts
-
-    def _adapted(self, limit: int, num_requests: int, num_drafted: int) -> int:
-        """The drafts a request for the next step: `choose_draft_count` over the counts with
-        verification programs up to `limit`, or `limit` itself where steps were not timed."""
-        if self.costs is None or self.config.per_batch_size:
-            return limit
-        timed = self.costs.for_requests(num_requests)
-        seconds = {k: s for k, s in timed.items() if k <= limit}
-        chosen = choose_draft_count(num_requests, num_drafted, seconds, self.acceptance.prefix_rates())
-        if chosen == 0 and num_drafted:  # drafts forgone: the estimate gets no evidence
-            self.acceptance.relax()
-        return chosen
 
     def write_drafts(
         self,
@@ -316,7 +315,8 @@ class SpeculativeDecoding:
         spec = lambda: self._spec(state, r_pad, k, vflags, hidden_rows.dtype, tensors)  # noqa: E731
         first, tokens, counts = self.programs.call(key, spec, state, hidden_rows, drafts, num_drafts, tensors)
         self.stats.verified_steps += 1
-        return Verification(SamplerOutput(first), tokens, counts, step_drafts, self.stats, self.acceptance)
+        acceptance = self.draft_count.acceptance
+        return Verification(SamplerOutput(first), tokens, counts, step_drafts, self.stats, acceptance)
 
     def run_verification(
         self, state: nnx.State, r_pad: int, k: int, sampling: SamplingBatch, dtype: np.dtype
