@@ -91,7 +91,9 @@ def time_speculation(runner: Runner) -> StepCosts | None:
     timed: without speculation, under vLLM's per-batch-size schedule (the user's choice), or on a
     mesh (every host must pick the same k, and simulated devices' times mean little)."""
     speculation = runner.speculation
-    if speculation is None or speculation.config.per_batch_size or runner.mesh is not None:
+    if speculation is None or speculation.config.per_batch_size:
+        return None
+    if runner.mesh is not None or jax.process_count() > 1:
         return None
     seconds: dict[int, dict[int, float]] = {}
     for r in speculation.row_buckets:
