@@ -6,8 +6,9 @@ nearly free (one request on a CPU; hundreds of rows on an accelerator) drafting 
 modest acceptance; where the step is already compute-bound (a CPU batch of 16) a verify step costs
 about as much as decoding its rows one step at a time, so even well-accepted drafts lose. Neither
 a fixed k nor a batch-size schedule knows which holds on the machine at hand, so the runner times
-its own step shapes at warm-up (`StepCosts`) and keeps a running estimate of how often the drafts
-at each position are kept (`AcceptanceEstimate`); `choose_draft_count` weighs the two.
+its own step shapes at warm-up (`StepCosts`), refines them with the walls of the decode steps it
+serves (`ServedCosts`), and keeps a running estimate of how often the drafts at each position are
+kept (`AcceptanceEstimate`); `choose_draft_count` weighs the two, each step (`DraftCount`).
 
 The choice changes only how many drafts a step carries, never which tokens are emitted: greedy
 output stays identical to no speculation.
