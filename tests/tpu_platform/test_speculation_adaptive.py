@@ -105,6 +105,9 @@ def _speculation(costs, *, per_batch_size=False, draft=None):
     config = SpeculationConfig(num_tokens=4, min_n=1, max_n=3, per_batch_size=per_batch_size)
     speculation = _speculation_with(config)
     speculation.draft_count.use_costs(costs)
+    if costs is not None:  # plain steps served as timed (else the first step of a bucket has none)
+        for bucket, seconds in costs.seconds.items():
+            speculation.draft_count.costs.record(bucket, 0, 0, seconds[0])
     speculation.draft = draft
     return speculation
 
@@ -218,3 +221,11 @@ def test_the_walls_recorded_are_those_of_decode_only_steps():
     count.proposed(1.6, ["a", "c"], [[], []])
     count.step_done(1.7, ["a", "c"], False)  # one still prefilling
     assert count.costs.walls == {(2, 4): 0.5}
+
+
+def test_a_bucket_drafts_only_once_its_plain_step_was_served():
+    count = DraftCount(4, (4,))
+    count.use_costs(CHEAP_DRAFTS)
+    assert count.choose(4, 2, 2) == 0  # no plain step of 2 requests timed while serving yet
+    count.costs.record(2, 0, 0, 0.010)
+    assert count.choose(4, 2, 2) == 4

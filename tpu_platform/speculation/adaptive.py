@@ -70,6 +70,10 @@ class ServedCosts:
         extra = float(np.mean([served[k] - warm[k] for k in served])) if served else 0.0
         return {k: served.get(k, warm[k] + extra) for k in warm}
 
+    def served(self, num_requests: int, k: int) -> bool:
+        """Whether a step of `num_requests`' bucket with k drafts has been served (and timed)."""
+        return (self.warm.bucket_for(num_requests), k) in self.walls
+
     def record(self, num_requests: int, num_drafted: int, k: int, wall: float) -> None:
         """Adds a served step of `num_requests` requests, `num_drafted` of them with up to k drafts
         (their verify program's), that took `wall` seconds; the step of every request drafted is
@@ -161,6 +165,10 @@ class DraftCount:
         """The drafts a request for the next step, at most `limit`."""
         if self.costs is None or num_drafted == 0 or limit == 0:
             return limit if self.costs is None else 0
+        if not self.costs.served(num_requests, 0):
+            # The plain step first: a verify step's extra wall over its warm-up time would
+            # otherwise count as host work that every step pays, the plain one too.
+            return 0
         seconds = {k: s for k, s in self.costs.seconds(num_requests).items() if k <= limit}
         chosen = choose_draft_count(num_requests, num_drafted, seconds, self.acceptance.prefix_rates())
         if chosen == 0:  # drafts forgone: the estimate gets no evidence
