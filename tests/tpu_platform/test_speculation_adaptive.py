@@ -6,6 +6,7 @@ import pytest
 
 from tpu_platform.speculation.adaptive import (
     DECAY,
+    DRAFT_MARGIN,
     PRIOR_RATE,
     PRIOR_WEIGHT,
     SERVED_WEIGHT,
@@ -46,13 +47,16 @@ def test_the_best_rate_among_several_counts():
 
 
 def test_only_the_drafted_share_pays_for_drafts():
-    # 16 requests, 4 of them drafted: time 0.1 + (4/16) * (0.45 - 0.1) = 0.1875 s for
-    # 16 + 4 * 2.2 = 24.8 tokens: 132/s against 160/s; with all 16 drafted it would lose more.
-    # At E[kept] = 3.4: 16 + 4 * 3.4 = 29.6 tokens: 158/s, still below 160/s.
-    assert choose_draft_count(16, 4, {0: 0.1, 4: 0.45}, [0.8, 0.6, 0.5, 0.3]) == 0
-    assert choose_draft_count(16, 4, {0: 0.1, 4: 0.45}, [1.0, 1.0, 1.0, 0.4]) == 0
-    # At E[kept] = 4 (every draft kept): 32 tokens / 0.1875 s = 171/s: drafts win.
-    assert choose_draft_count(16, 4, {0: 0.1, 4: 0.45}, [1.0, 1.0, 1.0, 1.0]) == 4
+    # 16 requests, 4 of them drafted: time 0.1 + (4/16) * (0.40 - 0.1) = 0.175 s. Plain: 160/s;
+    # drafting must promise DRAFT_MARGIN (1.1) times that, 176/s.
+    costs = {0: 0.1, 4: 0.40}
+    assert DRAFT_MARGIN == 1.1
+    # E[kept] = 2.2: 16 + 4 * 2.2 = 24.8 tokens / 0.175 s = 142/s: no drafts.
+    assert choose_draft_count(16, 4, costs, [0.8, 0.6, 0.5, 0.3]) == 0
+    # E[kept] = 3.4: 29.6 tokens: 169/s, above the plain step's rate but within the margin.
+    assert choose_draft_count(16, 4, costs, [1.0, 1.0, 1.0, 0.4]) == 0
+    # E[kept] = 4 (every draft kept): 32 tokens: 183/s: drafts win.
+    assert choose_draft_count(16, 4, costs, [1.0, 1.0, 1.0, 1.0]) == 4
 
 
 def test_no_drafted_request_means_no_drafts():
