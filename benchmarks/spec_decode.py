@@ -21,18 +21,16 @@ untrained head, whose drafts the target rarely keeps) for the same tiny target, 
 
 `--per-batch-size` adds a configuration (`<method>_per_batch`): the method with vLLM's
 `num_speculative_tokens_per_batch_size` schedule, `first-last:k` ranges of the step's batch size
-(k capped at `--k`), run beside the runner's own choice.
+(k capped at `--k`), run beside fixed k.
 
-Each configuration (no speculation; n-gram with up to k drafts, each step's count chosen by the
-runner from its timed step costs, `tpu_platform/speculation/adaptive.py`) runs in its own
-subprocess (this script with `--worker`): vLLM's `LLM` in-process, greedy chat prompts
-(`ignore_eos` off: each stops at its end of turn or `--tokens`). Workloads: `single`, the prompts
-one after another (one stream), and `batch`, `--batch` of them in one `generate` call. Reported:
-output tokens/s and its ratio to no speculation; the draft acceptance rate (accepted / drafted
-tokens) and the mean acceptance length (1 + accepted tokens per drafting step of a request, vLLM's
-definition) from vLLM's spec-decode metrics; whether the greedy outputs equal those without
-speculation; compiles after warm-up. The machine's noise applies: compare ratios from the same
-run.
+Each configuration (no speculation; n-gram with k drafts) runs in its own subprocess (this script
+with `--worker`): vLLM's `LLM` in-process, greedy chat prompts (`ignore_eos` off: each stops at its
+end of turn or `--tokens`). Workloads: `single`, the prompts one after another (one stream), and
+`batch`, `--batch` of them in one `generate` call. Reported: output tokens/s and its ratio to no
+speculation; the draft acceptance rate (accepted / drafted tokens) and the mean acceptance length
+(1 + accepted tokens per drafting step of a request, vLLM's definition) from vLLM's spec-decode
+metrics; whether the greedy outputs equal those without speculation; compiles after warm-up. The
+machine's noise applies: compare ratios from the same run.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ def runner_speculation(config: VllmConfig) -> SpeculationConfig | None:
         draft_model=draft,
         # vLLM caps each range's k at num_speculative_tokens (`build_dynamic_sd_schedule_lookup`).
         schedule_tokens=tuple(sorted({min(t, k) for _, _, t in schedule} - {0, k})),
-        per_batch_size=bool(schedule),
     )
 
 

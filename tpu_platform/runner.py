@@ -40,7 +40,7 @@ from tpu_platform.state_cache import keep_accepted_states, state_columns
 from tpu_platform.step_program import KVLayout
 from tpu_platform.step_record import DispatchedStep, InFlightStep, record_step
 from tpu_platform.step_update import StepLogprobs, StepResult, StepUpdate
-from tpu_platform.warm_up import run_once, time_speculation, warm_up_specs
+from tpu_platform.warm_up import run_once, warm_up_specs
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
 
@@ -192,16 +192,13 @@ class Runner:
         inputs that attend and write only the first pages (no request holds pages yet), because
         on XLA:CPU an executable's first run sets up every YNNPACK fusion it reaches (which would
         otherwise land on the first short request); larger prefill programs pay that on first use.
-        With speculation and every bucket, the step shapes of each draft count are then timed
-        (`warm_up.time_speculation`). Returns the number of programs built.
+        Returns the number of programs built.
         """
         start = time.perf_counter()
         specs = warm_up_specs(self, shapes or self.buckets.shapes())
         loaded = self.programs.loaded
         built = self.programs.build_all(specs)
         run_once(self, specs)
-        if self.speculation is not None and shapes is None:  # every shape built: time the draft counts
-            self.speculation.draft_count.use_costs(time_speculation(self))
         logger.info(
             "warm-up built %d programs in %.1f s (%d from the executable cache)",
             built, time.perf_counter() - start, self.programs.loaded - loaded,

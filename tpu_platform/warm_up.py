@@ -4,8 +4,6 @@ and those it runs once on harmless inputs (`run_once`), reading the runner's sta
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import TYPE_CHECKING
 
 import jax
@@ -15,12 +13,9 @@ import numpy as np
 from tpu_platform.inputs import exercise_inputs, pack_inputs, padding_inputs
 from tpu_platform.programs import ProgramSpec
 from tpu_platform.sampling.uniform import uniform_warmup_flag_sets
-from tpu_platform.speculation.adaptive import StepCosts
 
 if TYPE_CHECKING:
     from tpu_platform.runner import Runner
-
-logger = logging.getLogger(f"vllm_xla.{__name__}")
 
 # Forward programs up to this many tokens run once at warm-up (see `Runner.warm_up`).
 FIRST_RUN_TOKENS = 64
@@ -75,61 +70,3 @@ def run_once(runner: Runner, specs: list[ProgramSpec]) -> None:
                 logits[rows] = jax.device_put(zeros, None if runner.mesh is None else runner._whole)
             runner.programs.call(spec.key, lambda spec=spec: spec, logits[rows], spec.args[1])
     jax.block_until_ready(runner.kv_caches)
-
-
-# Timing a step shape for speculation: one untimed run (a program's first run sets up its
-# fusions), then this many timed ones, of which the median counts.
-TIMING_RUNS = 3
-# Larger request buckets are not timed once a step of this many seconds is met: they would
-# lengthen the warm-up, and the policy reads only ratios, which the largest timed bucket gives.
-TIMING_LIMIT_S = 0.5
-
-
-def time_speculation(runner: Runner) -> StepCosts | None:
-    """The seconds of the plain decode step and of each verify step (the forward and the
-    verification program) a request bucket, for `speculation.adaptive`; None where steps are not
-    timed: without speculation, under vLLM's per-batch-size schedule (the user's choice), or on a
-    mesh (every host must pick the same k, and simulated devices' times mean little)."""
-    speculation = runner.speculation
-    if speculation is None or speculation.config.per_batch_size:
-        return None
-    if runner.mesh is not None or jax.process_count() > 1:
-        return None
-    seconds: dict[int, dict[int, float]] = {}
-    for r in speculation.row_buckets:
-        by_k = {}
-        for k in (0, *speculation.verify_tokens):
-            if r * (1 + k) > runner.config.max_num_batched_tokens:
-                break
-            by_k[k] = _median_seconds(lambda r=r, k=k: _run_step(runner, r, k))
-        if len(by_k) < 2:
-            break
-        seconds[r] = by_k
-        if max(by_k.values()) > TIMING_LIMIT_S:
-            break
-    logger.info("speculation: step seconds by requests and drafts a request: %s", seconds)
-    return StepCosts(seconds) if seconds else None
-
-
-def _median_seconds(run) -> float:
-    run()
-    times = []
-    for _ in range(TIMING_RUNS):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def _run_step(runner: Runner, num_requests: int, k: int) -> None:
-    """One step of `num_requests` requests of 1 + k tokens each, on warm-up inputs, waited for."""
-    t_pad, r_pad, p_pad = runner.buckets.shape_for(num_requests * (1 + k), num_requests)
-    inputs = exercise_inputs(
-        t_pad, r_pad, p_pad, runner.num_groups, runner.num_pages,
-        page_size=runner.config.page_size, num_seqs=num_requests,
-    )  # fmt: skip
-    outputs = runner._run_forward(*pack_inputs(inputs), runner._no_feed)
-    if k:
-        state, sampling = runner._whole_state(), runner.sampling
-        outputs = runner.speculation.run_verification(state, num_requests, k, sampling, runner.dtype)
-    jax.block_until_ready(outputs)

@@ -45,10 +45,7 @@ def llm(dirs):
     with strict_compile_engine(
         model=target, tokenizer=target, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
         block_size=16, seed=0, disable_log_stats=False, num_gpu_blocks_override=12,
-        # K drafts every step (a one-range schedule): a random head's drafts are rejected, on
-        # which the runner's own per-step count would soon stop drafting.
-        speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": K,
-                            "num_speculative_tokens_per_batch_size": [(1, 4, K)]},
+        speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": K},
     ) as engine:  # fmt: skip
         yield engine
 

@@ -31,10 +31,7 @@ def llm(checkpoint):
     with strict_compile_engine(
         model=checkpoint, tokenizer=checkpoint, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16,
         block_size=16, seed=0, disable_log_stats=False,
-        # K drafts every step (a one-range schedule): a random layer's drafts are rejected, on
-        # which the runner's own per-step count would soon stop drafting.
-        speculative_config={"method": "mtp", "num_speculative_tokens": K,
-                            "num_speculative_tokens_per_batch_size": [(1, 2, K)]},
+        speculative_config={"method": "mtp", "num_speculative_tokens": K},
     ) as engine:  # fmt: skip
         yield engine
 

@@ -23,13 +23,7 @@ from tests.tiny_models import save_damped_tiny_llama
 pytestmark = pytest.mark.slow  # builds vllm.LLM
 
 NEW_TOKENS = 40
-# k = 3 on every step (a one-range per-batch-size schedule, the user's choice): these tests are
-# about verification, which the runner's own per-step count (`speculation.adaptive`) would skip
-# on the tiny model's steps where its drafts are mostly rejected.
-SPECULATIVE = {
-    "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-    "num_speculative_tokens_per_batch_size": [(1, 4, 3)],
-}  # fmt: skip
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ then adds one token of its own. vLLM's scheduler rolls back the rejected positio
 Modules: `config` (the engine's choice), `ngram` (the prompt-lookup proposer, vectorized NumPy
 with vLLM's min/max n semantics), `draft_model` (a smaller model's k-step draft loop),
 `eagle3` (an EAGLE-3 head fed with the target's hidden states), `rejection` (the jitted
-verification), `adaptive` (each step's draft count from timed step costs and the acceptance so
-far), `verifier` (the program around it, its warm-up and the host bookkeeping the runner calls).
+verification), `verifier` (the program around it, its warm-up and the host bookkeeping the
+runner calls).
 
 No vLLM and no torch here.
 """

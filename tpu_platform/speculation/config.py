@@ -27,9 +27,7 @@ class SpeculationConfig:
     and, for `draft_model`, `eagle3` and `mtp`, the checkpoint directory of the draft, of the
     EAGLE-3 head or of the target whose MTP layer drafts (`model`); `schedule_tokens`: the
     smaller k values of vLLM's `num_speculative_tokens_per_batch_size` (each gets verification
-    programs of its own, so a step of fewer drafts is not verified on 1 + k rows a request);
-    `per_batch_size`: whether that schedule was given (it then sets each step's k; otherwise the
-    runner picks each step's k from its timed step shapes, `speculation.adaptive`)."""
+    programs of its own, so a step of fewer drafts is not verified on 1 + k rows a request)."""
 
     num_tokens: int
     min_n: int = 1
@@ -37,7 +35,6 @@ class SpeculationConfig:
     method: str = "ngram"
     draft_model: str | None = None
     schedule_tokens: tuple[int, ...] = ()
-    per_batch_size: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -15,7 +15,6 @@ shape is fixed per row bucket: the rows are gathered from the step's hidden stat
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -32,7 +31,6 @@ from tpu_platform.request_table import RequestTable
 from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, SamplingTensors
 from tpu_platform.sampling.uniform import has_extras
-from tpu_platform.speculation.adaptive import AcceptanceEstimate, DraftCount
 from tpu_platform.speculation.config import SpeculationConfig, draftable
 from tpu_platform.speculation.draft_model import DraftModel
 from tpu_platform.speculation.eagle3 import Eagle3Proposer
@@ -76,7 +74,6 @@ class Verification:
     counts: jax.Array  # int32[R]
     step_drafts: StepDrafts
     stats: SpeculationStats
-    acceptance: AcceptanceEstimate
 
     def record(self, table: RequestTable, rows: np.ndarray, emits: np.ndarray) -> list[list[int]]:
         """Writes each row's kept tokens after its first (which the step reserved) into the
@@ -85,7 +82,6 @@ class Verification:
         tokens, counts = np.asarray(self.tokens)[:n], np.asarray(self.counts)[:n]
         self.stats.draft_tokens += int(self.step_drafts.num_drafts.sum())
         self.stats.accepted_tokens += int((counts - 1).sum())
-        self.acceptance.record(self.step_drafts.num_drafts[:n], counts - 1)
         for i in np.flatnonzero(counts > 1):
             for token in tokens[i, 1 : counts[i]].tolist():
                 table.append_token(int(rows[i]), token)
@@ -136,9 +132,6 @@ class SpeculativeDecoding:
         self.step_tokens = config.num_tokens
         # The drafts a request each verification program takes: k, and the schedule's smaller ones.
         self.verify_tokens = (*config.schedule_tokens, config.num_tokens)
-        # Each step's drafts a request, from the step costs timed at warm-up
-        # (`warm_up.time_speculation`; untimed: `step_tokens`) and the acceptance so far.
-        self.draft_count = DraftCount(config.num_tokens, self.verify_tokens)
         # The proposer of method 'draft_model' (`draft_model`), 'eagle3' (`eagle3`) or 'mtp' (`mtp`).
         self.draft: DraftModel | Eagle3Proposer | None = None
         self._draft_warm_up: tuple = ()  # the draft's warm-up arguments, once its cache is there
@@ -211,30 +204,14 @@ class SpeculativeDecoding:
     def propose(
         self, table: RequestTable, req_ids: Sequence[str], sampled: Sequence[list[int]]
     ) -> list[list[int]]:
-        """`drafts`, timing the steps between proposals for `draft_count`."""
-        start, every_sampled = time.perf_counter(), all(sampled)
-        self.draft_count.step_done(start, req_ids, every_sampled)
-        drafts = self.drafts(table, req_ids, sampled)
-        if every_sampled:
-            self.draft_count.proposed(start, req_ids, drafts)
-        return drafts
-
-    def drafts(
-        self, table: RequestTable, req_ids: Sequence[str], sampled: Sequence[list[int]]
-    ) -> list[list[int]]:
         """The drafts of each request of a finished step, the draft model's or the n-gram's (none
         for a request that emitted nothing or may not be drafted), at most `step_tokens` each: a
         model proposer's k drafts are cut to their first ones (each follows only those before it,
-        so they are the drafts it would make with that k). Where the step shapes were timed, the
-        count is the one expected to emit the most tokens a second (`adaptive`), decided before a
-        model proposer runs (none: its draft loop does not run) and after the n-gram's drafts."""
+        so they are the drafts it would make with that k)."""
         wanted = [i for i, r in enumerate(req_ids) if sampled[i] and self._draftable.get(r, False)]
         drafts: list[list[int]] = [[] for _ in req_ids]
         limit = self.step_tokens
-        if self.draft is not None and wanted and limit:
-            limit = self.draft_count.choose(limit, len(req_ids), len(wanted))
-        if isinstance(self.draft, Eagle3Proposer):  # its pass runs on every step (the head's cache)
-            wanted = wanted if limit else []  # its draft loop only for drafts wanted
+        if isinstance(self.draft, Eagle3Proposer):  # its pass runs on every step
             proposed = self.draft.propose(
                 self.programs, table, np.array(wanted, np.intp), self._max_model_len
             )
@@ -254,9 +231,8 @@ class SpeculativeDecoding:
             table.token_ids[rows], table.num_tokens[rows], k=limit, min_n=c.min_n, max_n=c.max_n,
             max_model_len=self._max_model_len,
         )  # fmt: skip
-        limit = self.draft_count.choose(limit, len(req_ids), sum(1 for tokens in proposed if tokens))
         for i, tokens in zip(wanted, proposed, strict=True):
-            drafts[i] = tokens[:limit]
+            drafts[i] = tokens
         return drafts
 
     def write_drafts(
@@ -315,21 +291,7 @@ class SpeculativeDecoding:
         spec = lambda: self._spec(state, r_pad, k, vflags, hidden_rows.dtype, tensors)  # noqa: E731
         first, tokens, counts = self.programs.call(key, spec, state, hidden_rows, drafts, num_drafts, tensors)
         self.stats.verified_steps += 1
-        acceptance = self.draft_count.acceptance
-        return Verification(SamplerOutput(first), tokens, counts, step_drafts, self.stats, acceptance)
-
-    def run_verification(
-        self, state: nnx.State, r_pad: int, k: int, sampling: SamplingBatch, dtype: np.dtype
-    ) -> tuple:
-        """Runs the greedy verification program of `r_pad` requests of k drafts on zeros (for
-        warm-up timing, `warm_up.time_speculation`) and returns its outputs, without waiting."""
-        flags = VERIFY_FLAGS[0]
-        tensors = sampling.dummy_tensors(flags, r_pad)
-        hidden = np.zeros((r_pad * (k + 1), self._hidden_size), dtype)
-        drafts, num_drafts = np.full((r_pad, k), -1, np.int32), np.zeros(r_pad, np.int32)
-        spec = lambda: self._spec(state, r_pad, k, flags, dtype, tensors)  # noqa: E731
-        key = self._key(r_pad, k, flags, dtype)
-        return self.programs.call(key, spec, state, hidden, drafts, num_drafts, tensors)
+        return Verification(SamplerOutput(first), tokens, counts, step_drafts, self.stats)
 
     def warm_up_specs(self, state: nnx.State, sampling: SamplingBatch, dtype: np.dtype) -> list[ProgramSpec]:
         """The verification programs of every row bucket, draft count and flag set, and a draft
