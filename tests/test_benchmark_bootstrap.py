@@ -6,24 +6,12 @@ too narrow)."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from tests.benchmark_scripts import load_benchmark
 
-
-def _bootstrap():
-    path = REPO / "benchmarks" / "paired_bootstrap.py"
-    spec = importlib.util.spec_from_file_location("paired_bootstrap", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ratio_interval = _bootstrap().ratio_interval
+ratio_interval = load_benchmark("paired_bootstrap").ratio_interval
 TOKENS = 320
 
 

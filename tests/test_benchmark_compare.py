@@ -5,23 +5,13 @@ repeated runs merge into a baseline carrying their spread, and the baseline is f
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from tests.benchmark_scripts import load_benchmark
 
-
-def _compare():
-    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-compare = _compare()
+compare = load_benchmark("compare")
 
 
 def report(ours_tok_s=200.0, theirs_tok_s=100.0, first_token_s=0.030, cpu="AMD EPYC", cpus=2):

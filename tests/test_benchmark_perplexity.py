@@ -6,26 +6,14 @@ under the configurations' names."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import cpu
+from tests.benchmark_scripts import load_benchmark
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _perplexity():
-    spec = importlib.util.spec_from_file_location("perplexity", REPO / "benchmarks" / "perplexity.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-perplexity = _perplexity()
+perplexity = load_benchmark("perplexity")
 FEW_ROWS = perplexity.X_BITS_ROWS_AT_MOST
 
 

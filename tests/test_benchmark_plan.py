@@ -6,22 +6,13 @@ cost-model estimate; a checkpoint's mxfp4 experts are named beside the weights' 
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
+from tests.benchmark_scripts import load_benchmark
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 
 
-def _benchmark(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-plan = _benchmark("plan")
-plan_report = _benchmark("_plan_report")
+plan = load_benchmark("plan")
+plan_report = load_benchmark("_plan_report")
 
 
 def _row(model: str, target: str, quantization: str = "none", tp_size: int = 1, **extra) -> dict:

@@ -5,24 +5,11 @@ the setting or predates it (read from the run's environment)."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from tests.benchmark_scripts import load_benchmark
 
-
-def _module():
-    spec = importlib.util.spec_from_file_location("_report", REPO / "benchmarks" / "_report.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("_report", module)  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-report = _module()
+report = load_benchmark("_report", register=True)  # its dataclasses look their module up by name
 
 
 def _results(**recorded) -> dict:

@@ -8,26 +8,16 @@ index. The norm weights are smaller than a kernel and are not counted."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import pathlib
 
 import jax
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from tests.benchmark_scripts import load_benchmark
+
 LAYERS = 2
 
 
-def _stacked_weights():
-    spec = importlib.util.spec_from_file_location(
-        "stacked_weights", REPO / "benchmarks" / "stacked_weights.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-stacked_weights = _stacked_weights()
+stacked_weights = load_benchmark("stacked_weights")
 
 
 @pytest.mark.parametrize(

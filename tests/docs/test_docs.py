@@ -4,24 +4,18 @@ relative link in README.md and docs/ reaches a file (and heading) that exists.""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import re
 
 import pytest
+
+from tests.benchmark_scripts import load_benchmark
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 CODE_SPAN = re.compile(r"`[^`\n]*`")
-
-
-def _render_docs():
-    spec = importlib.util.spec_from_file_location("render_docs", REPO / "benchmarks" / "render_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def github_anchors(markdown: str) -> set[str]:
@@ -78,12 +72,12 @@ def test_relative_links_reach_files_and_headings(page: pathlib.Path):
 
 def test_readme_and_performance_page_match_the_committed_benchmark_json():
     """Both are rendered by benchmarks/render_docs.py; rerun it after changing the JSON or the script."""
-    for path, text in _render_docs().render().items():
+    for path, text in load_benchmark("render_docs").render().items():
         assert path.read_text() == text, f"{path.relative_to(REPO)} is stale: run benchmarks/render_docs.py"
 
 
 def test_every_committed_result_names_its_machine_and_run():
-    results = _render_docs().load_runs()
+    results = load_benchmark("render_docs").load_runs()
     assert results, "no benchmarks/results/throughput-<machine kind>.json committed"
     for kind, report in results.items():
         assert report["machine"]["cpu_model"] and report["machine"]["nproc"], kind
