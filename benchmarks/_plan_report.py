@@ -139,13 +139,17 @@ def _estimates(row: dict) -> tuple[str, str]:
     return "n/a" if not xla_seconds else f"{xla_seconds * 1e3:.1f}", f"{row['hlo']['seconds'] * 1e3:.1f}"
 
 
+def _table_head(*columns: str) -> list[str]:
+    """A markdown table's header row and its separator, one cell a column."""
+    return ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+
+
 def markdown(rows: list[dict]) -> str:
     """One table of a results JSON: what fits and the decode estimates beside the roofline."""
-    out = [
-        "| model | target | weights | weights GiB | KV GiB (tokens) | temp GiB decode / prefill | "
-        "batch x context | decode roofline ms (tok/s) | XLA cost model ms | HLO bytes ms (upper bound) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    out = _table_head(
+        "model", "target", "weights", "weights GiB", "KV GiB (tokens)", "temp GiB decode / prefill",
+        "batch x context", "decode roofline ms (tok/s)", "XLA cost model ms", "HLO bytes ms (upper bound)",
+    )  # fmt: skip
     for r in rows:
         head = f"| {_model_cell(r)} | {r['target']} | {_weights(r)} | {_gib(r['weight_bytes'])} |"
         if not r["fits"]:
@@ -163,12 +167,11 @@ def markdown(rows: list[dict]) -> str:
 def tensor_parallel_markdown(rows: list[dict]) -> str:
     """One table of a results JSON planned at several TP sizes: per chip, what fits and the
     decode estimates, and what the decode step exchanges between the chips."""
-    out = [
-        "| model | target | TP | weights | weights GiB per chip | KV GiB per chip (tokens) | "
-        "temp GiB decode / prefill | batch x context | decode roofline ms (tok/s) | XLA cost model ms | "
-        "decode collectives (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    out = _table_head(
+        "model", "target", "TP", "weights", "weights GiB per chip", "KV GiB per chip (tokens)",
+        "temp GiB decode / prefill", "batch x context", "decode roofline ms (tok/s)", "XLA cost model ms",
+        "decode collectives (MiB)",
+    )  # fmt: skip
     for r in rows:
         if r.get("replicas"):
             out.append(_replicas_markdown_row(r))
@@ -231,11 +234,10 @@ def render_markdown(report: dict) -> str:
 
 def draft_markdown(rows: list[dict]) -> str:
     """The rows planned with `--draft`: what the draft takes a chip and the KV it leaves."""
-    out = [
-        "| model | target | weights | draft | draft weights GiB | draft KV bytes a page (target's) | "
-        "KV tokens alone | KV tokens with the draft |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    out = _table_head(
+        "model", "target", "weights", "draft", "draft weights GiB", "draft KV bytes a page (target's)",
+        "KV tokens alone", "KV tokens with the draft",
+    )  # fmt: skip
     for r in rows:
         d = r["draft"]
         out.append(

@@ -65,7 +65,8 @@ BOOTSTRAP_BLOCK = 16  # tokens a resampled block holds: neighbouring tokens' los
 X_BITS = {"q4_1_x16": 16, "q4_1_x8": 8}  # configurations that force `native_dense_int4(x_bits=...)`
 # The int4 kernel's "avx512_vnni" path, the one `x_bits` picks a width on, takes products of at most
 # this many rows; a larger chunk runs "avx512_bf16", where x_bits does not apply, so a forced
-# x_bits configuration run there is the as-shipped one under another name.
+# x_bits configuration run there is the as-shipped one under another name. (The kernel's own
+# `kVnniRowsAtMost`, dense_int4_avx2.h; tests/test_benchmark_perplexity.py checks the two agree.)
 X_BITS_ROWS_AT_MOST = 16
 
 
