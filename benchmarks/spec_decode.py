@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Speculative decoding against none, in one run.
+"""Speculative decoding against none, in one run, configurations interleaved.
 
 `--method ngram` (default): n-gram drafts on an input-grounded workload, the embedded
 SmolLM2-135M-Instruct asked to repeat, rewrite or edit a text it is given (outputs that copy spans
@@ -17,61 +17,49 @@ untrained head, whose drafts the target rarely keeps) for the same tiny target, 
 `--aux-layers`; the figures show the head's costs per step, not an EAGLE-3 speed-up.
 
     .venv/bin/python benchmarks/spec_decode.py [--method ngram|draft_model|eagle3] [--out FILE]
-        [--tokens 128] [--k 4] [--min-n 2] [--max-n 4] [--batch 16] [--per-batch-size "1-4:4,5-64:1"]
+        [--dtype auto] [--tokens 128] [--k 4] [--min-n 2] [--max-n 4] [--batch 16] [--queue 48]
+        [--single 12] [--repeats 5] [--per-batch-size "1-4:4,5-64:1"]
 
 `--per-batch-size` adds a configuration (`<method>_per_batch`): the method with vLLM's
 `num_speculative_tokens_per_batch_size` schedule, `first-last:k` ranges of the step's batch size
 (k capped at `--k`), run beside fixed k.
 
-Each configuration (no speculation; n-gram with k drafts) runs in its own subprocess (this script
-with `--worker`): vLLM's `LLM` in-process, greedy chat prompts (`ignore_eos` off: each stops at its
-end of turn or `--tokens`). Workloads: `single`, the prompts one after another (one stream), and
-`batch`, `--batch` of them in one `generate` call. Reported: output tokens/s and its ratio to no
-speculation; the draft acceptance rate (accepted / drafted tokens) and the mean acceptance length
-(1 + accepted tokens per drafting step of a request, vLLM's definition) from vLLM's spec-decode
-metrics; whether the greedy outputs equal those without speculation; compiles after warm-up. The
-machine's noise applies: compare ratios from the same run.
+Each configuration (no speculation; the method with k drafts; the schedule) is served by its own
+process (`_spec_decode_worker.py`: vLLM's `LLM` in-process, greedy chat prompts, `ignore_eos` off:
+each stops at its end of turn or `--tokens`), all started first, then told one workload at a time:
+`--repeats` rounds, each running every workload on every configuration in turn (the order rotated
+each round), so that the machine's drift between minutes falls on all of them alike. Workloads:
+`single`, `--single` prompts one after another (one stream); `batch`, `--batch` prompts in one
+`generate` call (`max_num_seqs = --batch`: they start together and finish at their own lengths);
+`queue`, `--queue` prompts in one call (`--batch` of them running at once until the queue drains).
+Reported per workload: output tokens/s at the median wall time, the ratio to no speculation (the
+median and range of each round's ratio); the draft acceptance rate (accepted / drafted tokens) and
+the mean acceptance length (1 + accepted tokens per drafting step of a request) from vLLM's
+spec-decode metrics; how many requests' greedy outputs differ from those without speculation, and
+the control: how many differ without speculation between running alone and in the batch (16-bit
+activations round differently in steps of other shapes); compiles after warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-CONFIGS = ("off", "ngram", "draft_model", "eagle3")
-PER_BATCH = "_per_batch"  # a method's configuration with `--per-batch-size`
-TINY = ("draft_model", "eagle3")  # methods benchmarked on tiny random models
+from _spec_decode_worker import PER_BATCH, WORKLOADS, per_batch_size  # noqa: E402
 
-_TEXTS = [
-    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, "
-    "polished the great lens and wrote the weather in a leather book: wind from the north-west, "
-    "sea moderate, two fishing boats returning before dark.",
-    "To reset the router, unplug it from the wall, wait thirty seconds, and plug it back in. When "
-    "the front light turns green, open the settings page, choose the network tab and enter the new "
-    "password twice before saving.",
-    "Our quarterly meeting is moved to Thursday at ten o'clock in the large conference room on the "
-    "third floor. Please bring the budget summary, the hiring plan and your questions for the "
-    "product team.",
-    "def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n        subtotal "
-    "+= item.price * item.quantity\n    tax = subtotal * tax_rate\n    return subtotal + tax\n",
-]
-_ASKS = [
-    "Repeat the following text exactly, word for word:\n\n{}",
-    "Copy this text and fix any typos, changing nothing else:\n\n{}",
-    "Rewrite the following text in the same words, as one paragraph:\n\n{}",
-    "Here is some text. Write it out again, unchanged:\n\n{}",
-]
-_CODE_ASK = "Rename the variable `subtotal` to `net` in this function and show the whole function:\n\n{}"
+CONFIGS = ("off", "ngram", "draft_model", "eagle3")
+WORKER = HERE / "_spec_decode_worker.py"
 
 
 def tiny_models(root: str, target_layers: int, draft_layers: int) -> tuple[str, str]:
@@ -102,49 +90,6 @@ def tiny_models(root: str, target_layers: int, draft_layers: int) -> tuple[str, 
     return target, draft
 
 
-def random_prompts(count: int, vocab: int = 384) -> list[list[int]]:
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    return [[1, *rng.integers(3, vocab, int(rng.integers(20, 60))).tolist()] for _ in range(count)]
-
-
-def prompts(tokenizer, count: int) -> list[list[int]]:
-    """`count` chat prompts (token ids) asking to repeat, rewrite or edit a given text."""
-    asks = [(a, t) for t in _TEXTS[:3] for a in _ASKS] + [(_CODE_ASK, _TEXTS[3]), (_ASKS[0], _TEXTS[3])]
-    out = []
-    for i in range(count):
-        ask, text = asks[i % len(asks)]
-        messages = [{"role": "user", "content": ask.format(text)}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        out.append(tokenizer.encode(text, add_special_tokens=False))
-    return out
-
-
-def per_batch_size(text: str) -> list[list[int]]:
-    """vLLM's `num_speculative_tokens_per_batch_size` for "1-4:4,5-64:1"."""
-    schedule = []
-    for part in text.split(","):
-        sizes, _, k = part.partition(":")
-        first, _, last = sizes.partition("-")
-        if not (k and first and last):
-            raise ValueError(f"--per-batch-size takes first-last:k ranges, e.g. 1-4:4,5-64:1; got {part!r}")
-        schedule.append([int(first), int(last), int(k)])
-    return schedule
-
-
-def _spec_metrics(llm) -> dict[str, float]:
-    values = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
-            values[m.name.removeprefix("vllm:spec_decode_num_")] = m.value
-    return values
-
-
-def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0) for k, v in after.items()}
-
-
 def _acceptance(spec: dict[str, float]) -> dict[str, float | None]:
     drafts, drafted, accepted = (
         spec.get("drafts", 0),
@@ -159,74 +104,154 @@ def _acceptance(spec: dict[str, float]) -> dict[str, float | None]:
     }
 
 
-def worker(args: argparse.Namespace) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def _differing(outputs: list[list[int]], reference: list[list[int]]) -> int:
+    """How many requests' greedy tokens differ from the reference's."""
+    return sum(a != b for a, b in zip(outputs, reference, strict=True))
 
-    engine = dict(
-        max_model_len=1024,
-        max_num_seqs=args.batch,
-        max_num_batched_tokens=1024,
-        seed=0,
-        disable_log_stats=False,
-    )
-    method = args.worker.removesuffix(PER_BATCH)
-    if method == "ngram":
-        engine["speculative_config"] = {
-            "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.min_n,
-            "prompt_lookup_max": args.max_n,
-        }  # fmt: skip
-    if method in TINY:
-        engine["speculative_config"] = {
-            "method": method, "model": args.draft, "num_speculative_tokens": args.k
-        }  # fmt: skip
-    if args.worker.endswith(PER_BATCH):
-        engine["speculative_config"]["num_speculative_tokens_per_batch_size"] = per_batch_size(
-            args.per_batch_size
+
+class _Worker:
+    """A configuration's process: started (it warms up, then says `READY`), then told which
+    workload to run, one at a time. Its log goes to `log`."""
+
+    def __init__(self, config: str, options: dict, log):
+        self.config, self.log = config, log.name
+        command = [sys.executable, str(WORKER), config, json.dumps(options)]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
         )
-    start = time.perf_counter()
-    llm = LLM(model=args.model, **engine)
-    startup = time.perf_counter() - start
-    tiny = args.method in TINY
-    ids = random_prompts(args.batch) if tiny else prompts(llm.get_tokenizer(), args.batch)
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=tiny)
-    # Every prompt once first: each step shape's program has run before the timing (the first run
-    # of a large program sets up its kernels).
-    llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in ids], SamplingParams(max_tokens=8), use_tqdm=False
+        self.startup = self._read("READY ")["startup_s"]
+
+    def _read(self, prefix: str) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(prefix):
+                return json.loads(line.removeprefix(prefix))
+        raise RuntimeError(f"{self.config} exited with {self.process.wait()}; see {self.log}")
+
+    def run(self, workload: str) -> dict:
+        self.process.stdin.write(workload + "\n")
+        self.process.stdin.flush()
+        return self._read("RESULT ")
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def _start(configs: tuple[str, ...], options: dict, log_dir: str) -> dict[str, _Worker]:
+    """Each configuration's worker, started one after another (a failing one is reported and left
+    out)."""
+    workers = {}
+    for config in configs:
+        try:
+            with open(os.path.join(log_dir, f"{config}.log"), "w") as log:
+                workers[config] = _Worker(config, options, log)
+        except RuntimeError as error:
+            print(f"{config} failed: {error}", flush=True)
+    return workers
+
+
+def _rounds(workers: dict[str, _Worker], workloads: list[str], repeats: int) -> dict:
+    """`runs[config][workload]`: each round's result, the configurations' order rotated a round."""
+    runs: dict = collections.defaultdict(lambda: collections.defaultdict(list))
+    names = list(workers)
+    for r in range(repeats):
+        for workload in workloads:
+            for config in names[r % len(names) :] + names[: r % len(names)]:
+                runs[config][workload].append(workers[config].run(workload))
+        print(f"round {r + 1}/{repeats} done", flush=True)
+    return runs
+
+
+def _figures(runs: list[dict], off_runs: list[dict] | None) -> dict:
+    """A workload's figures for one configuration from its rounds (and no speculation's)."""
+    walls = [run["wall_s"] for run in runs]
+    tokens = runs[0]["output_tokens"]
+    spec: dict[str, float] = collections.Counter()
+    for run in runs:
+        spec.update(run["spec"])
+    figures = {
+        "requests": len(runs[0]["outputs"]), "output_tokens": tokens, "walls_s": walls,
+        "wall_s": statistics.median(walls), "output_tokens_per_s": tokens / statistics.median(walls),
+        "outputs_same_each_round": all(run["outputs"] == runs[0]["outputs"] for run in runs),
+        **_acceptance(spec),
+    }  # fmt: skip
+    if off_runs:
+        ratios = [
+            (run["output_tokens"] / run["wall_s"]) / (off["output_tokens"] / off["wall_s"])
+            for run, off in zip(runs, off_runs, strict=True)
+        ]
+        figures.update(speedup=statistics.median(ratios), speedup_range=[min(ratios), max(ratios)])
+    return figures
+
+
+def _row(config: str, workload: str, w: dict | None) -> str:
+    """A line of the printed table (its header when `w` is None)."""
+    if w is None:
+        columns = f"{'out tok/s':>10} {'vs off':>7} {'range':>11} {'accept':>7} {'mean len':>8}"
+        return f"{config:<16} {workload:<8} {columns}"
+    nan = float("nan")
+    low, high = w.get("speedup_range", (nan, nan))
+    rate, length = w["acceptance_rate"] or nan, w["mean_acceptance_length"] or nan
+    return (
+        f"{config:<16} {workload:<8} {w['output_tokens_per_s']:>10.1f} {w.get('speedup', nan):>7.2f} "
+        f"{low:>5.2f}-{high:<5.2f} {rate:>7.2f} {length:>8.2f}"
     )
-    results, outputs = {"config": args.worker, "startup_s": startup}, {}
-    for workload in ("single", "batch"):
-        before = _spec_metrics(llm)
-        start = time.perf_counter()
-        if workload == "single":
-            done = [
-                llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0]
-                for p in ids[: args.single]
-            ]
-        else:
-            done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
-        wall = time.perf_counter() - start
-        generated = sum(len(o.outputs[0].token_ids) for o in done)
-        outputs[workload] = [list(o.outputs[0].token_ids) for o in done]
-        results[workload] = {
-            "requests": len(done), "output_tokens": generated, "wall_s": wall,
-            "output_tokens_per_s": generated / wall,
-            **_acceptance(_delta(_spec_metrics(llm), before)),
-        }  # fmt: skip
-    stats = llm.collective_rpc("runner_stats")[0]
-    results["compiles_after_warmup"] = stats["compiles_after_warmup"]
-    results["outputs"] = outputs
-    results["sample_text"] = llm.get_tokenizer().decode(outputs["batch"][0])
-    return results
 
 
-def main() -> None:
+def _summarize(runs: dict, configs: tuple[str, ...], method: str) -> tuple[dict, list[dict]]:
+    """Prints each configuration's figures; returns the summary (each workload's median speed-up
+    over no speculation, requests whose greedy outputs differ from its, the control) and the
+    per-configuration results."""
+    off = runs.get("off")
+    results, summary = [], {}
+    print(_row("config", "workload", None))
+    for config in (c for c in configs if c in runs):
+        result = {"config": config}
+        prefix = "" if config == method else f"{config}_"  # the fixed k's keys as before
+        for workload, workload_runs in runs[config].items():
+            off_runs = off[workload] if off else None
+            w = result[workload] = _figures(workload_runs, off_runs)
+            print(_row(config, workload, w))
+            summary[f"{config}_{workload}_speedup"] = w.get("speedup")
+            if off and config != "off":
+                summary[f"{config}_{workload}_speedup_range"] = w["speedup_range"]
+                differing = _differing(workload_runs[0]["outputs"], off_runs[0]["outputs"])
+                summary[f"{prefix}{workload}_outputs_identical"] = not differing
+                summary[f"{prefix}{workload}_outputs_differing"] = differing
+        result["sample_text"] = runs[config]["batch"][0]["sample_text"]
+        results.append(result)
+    if off:
+        # The control: without speculation, do the same prompts' greedy outputs depend on the
+        # step's shape (alone or among others)? Rounding in 16-bit activations can flip a near-tie.
+        single = off["single"][0]["outputs"]
+        batch = off["batch"][0]["outputs"][: len(single)]
+        summary["off_single_vs_batch_differing"] = _differing(single, batch)
+    return summary, results
+
+
+def _models(args: argparse.Namespace) -> tuple[str, str]:
+    """(target, draft) directories: the embedded model's (no draft), or tiny ones built here."""
+    if args.method == "draft_model":
+        root = tempfile.mkdtemp(prefix="spec_decode_")
+        return tiny_models(root, args.target_layers, args.draft_layers)
+    if args.method == "eagle3":
+        from tests.tiny_models import save_tiny_eagle3_head
+
+        root = tempfile.mkdtemp(prefix="spec_decode_")
+        model, _ = tiny_models(root, args.target_layers, args.target_layers)
+        layers = tuple(int(i) for i in args.aux_layers.split(","))
+        return model, save_tiny_eagle3_head(os.path.join(root, "head"), model, seed=6, aux_layer_ids=layers)
+    from _peers import gguf_model_dir
+
+    return gguf_model_dir(), ""
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--method", choices=CONFIGS[1:], default="ngram")
-    parser.add_argument("--out", help="default: benchmarks/results/spec_decode[_draft_model].json")
+    parser.add_argument("--out", help="default: benchmarks/results/spec_decode[_<method>].json")
     parser.add_argument("--target-layers", type=int, default=6, help="draft_model: the target's layers")
     parser.add_argument(
         "--draft-layers", type=int, default=1, help="draft_model: the draft's (the target's first ones)"
@@ -234,88 +259,63 @@ def main() -> None:
     parser.add_argument(
         "--aux-layers", default="1,3,5", help="eagle3: the target layers the head reads (comma-separated)"
     )
+    parser.add_argument(
+        "--dtype", default="auto", help="the model's dtype (auto: its config's; the embedded model's float32)"
+    )
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--min-n", type=int, default=2)
     parser.add_argument("--max-n", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--single", type=int, default=4, help="prompts run one after another")
+    parser.add_argument(
+        "--batch", type=int, default=16, help="prompts of the batch workload, and max_num_seqs"
+    )
+    parser.add_argument("--queue", type=int, default=48, help="prompts of the queue workload (0: none)")
+    parser.add_argument("--single", type=int, default=12, help="prompts run one after another")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="rounds of every workload on every configuration"
+    )
     parser.add_argument(
         "--per-batch-size", help='a k schedule by batch size beside fixed k, e.g. "1-4:4,5-64:1"'
     )
-    parser.add_argument(
-        "--worker", choices=(*CONFIGS, *(c + PER_BATCH for c in CONFIGS[1:])), help=argparse.SUPPRESS
-    )
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--draft", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.per_batch_size:
+        per_batch_size(args.per_batch_size)  # refused here, before any engine starts
     suffix = "" if args.method == "ngram" else f"_{args.method}"
     args.out = args.out or str(HERE / "results" / f"spec_decode{suffix}.json")
-    if args.worker:
-        print("RESULT " + json.dumps(worker(args)), flush=True)
-        return
-    from _peers import gguf_model_dir
-
     os.environ.setdefault("VLLM_XLA_PLATFORM", "cpu")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if args.method == "draft_model":
-        root = tempfile.mkdtemp(prefix="spec_decode_")
-        model, draft = tiny_models(root, args.target_layers, args.draft_layers)
-    elif args.method == "eagle3":
-        from tests.tiny_models import save_tiny_eagle3_head
-
-        root = tempfile.mkdtemp(prefix="spec_decode_")
-        model, _ = tiny_models(root, args.target_layers, args.target_layers)
-        layers = tuple(int(i) for i in args.aux_layers.split(","))
-        draft = save_tiny_eagle3_head(os.path.join(root, "head"), model, seed=6, aux_layer_ids=layers)
-    else:
-        model, draft = gguf_model_dir(), ""
-    results = []
+    model, draft = _models(args)
     configs = ("off", args.method) + ((args.method + PER_BATCH,) if args.per_batch_size else ())
-    for config in configs:
-        command = [sys.executable, __file__, "--worker", config, "--model", model, "--draft", draft]
-        if args.per_batch_size:
-            command += ["--per-batch-size", args.per_batch_size]
-        for name in ("method", "tokens", "k", "min_n", "max_n", "batch", "single"):
-            command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-        done = subprocess.run(command, capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode or not lines:
-            print(f"{config} failed:\n{done.stderr[-3000:]}")
-            continue
-        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
-        print(f"{config}: done", flush=True)
-    by_config = {r["config"]: r for r in results}
-    off = by_config.get("off")
-    summary = {}
-    print(f"{'config':<16} {'workload':<8} {'out tok/s':>10} {'vs off':>7} {'accept':>7} {'mean len':>9}")
-    for r in results:
-        for workload in ("single", "batch"):
-            w = r[workload]
-            ratio = w["output_tokens_per_s"] / off[workload]["output_tokens_per_s"] if off else float("nan")
-            nan = float("nan")
-            rate, length = w["acceptance_rate"] or nan, w["mean_acceptance_length"] or nan
-            print(
-                f"{r['config']:<16} {workload:<8} {w['output_tokens_per_s']:>10.1f} {ratio:>7.2f} "
-                f"{rate:>7.2f} {length:>9.2f}"
-            )
-            summary[f"{r['config']}_{workload}_speedup"] = ratio
-    for config in configs[1:]:
-        spec = by_config.get(config)
-        if off and spec:
-            prefix = "" if config == args.method else f"{config}_"  # the fixed k's keys as before
-            for workload in ("single", "batch"):
-                same = off["outputs"][workload] == spec["outputs"][workload]
-                summary[f"{prefix}{workload}_outputs_identical"] = same
+    options = dict(vars(args), model=model, draft=draft)
+    log_dir = tempfile.mkdtemp(prefix="spec_decode_logs_")
+    workers = _start(configs, options, log_dir)
+    if "off" not in workers:
+        raise SystemExit(f"no speculation's engine did not start; see {log_dir}")
+    workloads = list(WORKLOADS if args.queue else WORKLOADS[:2])
+    try:
+        runs = _rounds(workers, workloads, args.repeats)
+        compiles = {
+            config: worker.run("stats")["compiles_after_warmup"] for config, worker in workers.items()
+        }
+    finally:
+        for worker in workers.values():
+            worker.close()
+    summary, results = _summarize(runs, configs, args.method)
+    for result in results:
+        result.update(
+            startup_s=workers[result["config"]].startup, compiles_after_warmup=compiles[result["config"]]
+        )
     print(f"summary: {summary}")
-    for r in results:
-        r.pop("outputs", None)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         # Paths as the repository names them (the tiny models' temporary directory is not kept).
-        recorded = dict(vars(args), out=os.path.relpath(args.out, HERE.parent), model=None, draft=None)
+        recorded = dict(vars(args), out=os.path.relpath(args.out, HERE.parent))
         json.dump({"args": recorded, "summary": summary, "results": results}, f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} (workers' logs in {log_dir})")
 
 
 if __name__ == "__main__":
