@@ -68,5 +68,6 @@ test-full: venv aot-toolchains
 lint: venv
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
+# .cache: what the tests build and keep (native kernels, compiled programs, the embedded model's directory).
 clean:
-	rm -rf $(VENV) $(AOT)
+	rm -rf $(VENV) $(AOT) .cache

@@ -84,7 +84,7 @@ using vllm_xla::int4::kWordDepth;
 using vllm_xla::int4::PortableInt4;
 
 // Rows up to which "avx512_vnni" takes x in one byte plane a block by default (0: never; see
-// docs/kernels.md for what it measured).
+// docs/dense-kernels.md for what it measured).
 constexpr int64_t kOnePlaneRowsAtMost = 0;
 #if defined(__x86_64__)
 using vllm_xla::int4::Avx2Int4;

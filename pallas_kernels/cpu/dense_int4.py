@@ -232,7 +232,8 @@ def native_dense_int4(
     `x_bits` 8 runs "avx512_vnni" with x in one signed byte a value per block of 32 k (16 or 8
     where the groups do not split into 32s: `quantize_x_blocks`, llama.cpp's Q8_1): half the
     integer products of the two planes, its error at most `block_int8_error_bound`; 16 keeps the
-    two planes; None leaves the choice to the kernel (the two planes). A block it cannot hold (a
+    two planes; None leaves the choice to the kernel (`kOnePlaneRowsAtMost` in `dense_int4.cc`,
+    0: the two planes at every row count). A block it cannot hold (a
     largest magnitude below 1e-30) runs on the two planes.
     With `layer`, `packed`, `scale` and `offset` (or `base`) are the stacks `[L, ...]` of every
     layer's, of which layer `layer`'s are read in place (`dense.layer_shape`).
