@@ -7,7 +7,7 @@ with every scale a little larger (as precise, other roundings), against int8 per
 LM head and the embedding stay in bfloat16 in each, as served. Reported: each one's perplexity
 ratio to bfloat16 and its projections' relative squared weight error.
 
-    .venv/bin/python benchmarks/fp8_rounding.py [--out benchmarks/results/fp8_rounding.json]
+    .venv/bin/python benchmarks/fp8_rounding.py [--out benchmarks/results/fp8_rounding.json] [--draws N]
 
 Not the served path (`perplexity.py` is): float32 arithmetic on bfloat16 weights, so that only
 the weights' rounding differs between the rows.
@@ -52,6 +52,19 @@ ROUNDINGS = {
 }
 
 
+def _draws(perplexity, reference: float, count: int) -> dict:
+    """Per-channel fp8 with every scale times 2^(j/count), j < count: equally precise layouts whose
+    values fall on other points of e4m3's grid (the largest still within 224-448), so the spread
+    of their perplexity is the rounding's luck and their mean what fp8 costs this model."""
+    ratios = []
+    for j in range(count):
+        factor = 2 ** (j / count)
+        value, _ = perplexity(lambda w, f=factor: _fp8(w, np.abs(w).max(axis=1, keepdims=True) / 448 * f))
+        ratios.append(value / reference)
+    mean = float(np.mean(ratios))
+    return {"draws": count, "ratios": ratios, "mean": mean, "range": [min(ratios), max(ratios)]}
+
+
 def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -64,6 +77,9 @@ def main() -> None:
     )
     parser.add_argument("--out", default=str(HERE / "results" / "fp8_rounding.json"))
     parser.add_argument("--tokens", type=int, default=320)
+    parser.add_argument(
+        "--draws", type=int, default=0, help="also N per-channel roundings, scales x 2^(j/N) (0: none)"
+    )
     args = parser.parse_args()
     model_dir = float_copy(materialize(read_env().cache_dir), tempfile.mkdtemp(prefix="fp8-rounding-"))
     ids = torch.tensor(
@@ -93,6 +109,9 @@ def main() -> None:
         value, error = perplexity(round_weight)
         results[name] = {"perplexity": value, "ratio_to_bfloat16": value / reference, "weight_error": error}
         print(name, json.dumps(results[name]), flush=True)
+    if args.draws:
+        results["fp8_per_channel_draws"] = _draws(perplexity, reference, args.draws)
+        print("fp8_per_channel_draws", json.dumps(results["fp8_per_channel_draws"]), flush=True)
     report = {"benchmark": "fp8_rounding", "text": "tests/data/alice.txt", "tokens": int(ids.shape[1])}
     pathlib.Path(args.out).write_text(json.dumps(report | {"results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")
