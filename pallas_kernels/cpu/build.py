@@ -59,6 +59,7 @@ HEADERS = tuple(
         "attention_blocks.h",
         "attention_page.h",
         "dense_blocks.h",
+        "dense_amx.h",
         "layer_stack.h",
         "dense_f32_block.h",
         "dense_avx2.h",
@@ -311,15 +312,18 @@ def _probe_dense_f32(library: _Library) -> bool:
 
 
 # the int8 kernel's paths, by their code in dense_int8.cc
-DENSE_INT8_ISAS = {1: "avx512", 2: "avx512_bf16", 3: "avx2", 4: "avx512_vnni"}
-_DENSE_INT8_PREFERENCE = ("avx512_vnni", "avx512_bf16", "avx512", "avx2")
+DENSE_INT8_ISAS = {1: "avx512", 2: "avx512_bf16", 3: "avx2", 4: "avx512_vnni", 5: "amx"}
+_DENSE_INT8_PREFERENCE = ("avx512_vnni", "amx", "avx512_bf16", "avx512", "avx2")
 
 
 def dense_int8_isas(library: Path) -> tuple[str, ...]:
     """The instruction sets `library` (from `load`) can run its int8 dense kernel with in this
     process, best first: "avx512_vnni" (AVX-512 VNNI with VBMI: bfloat16 x in 16-bit fixed point,
     int8 products in int32 with VPDPBUSD; float32 x, and a call with values that are not finite,
-    take the next path), "avx512_bf16" (as "avx512" for a few rows; for more, with bfloat16 x,
+    take the next path; past 16 rows of bfloat16 x with scales per column, "amx" where the CPU
+    has it), "amx" (AMX bfloat16 tiles: as "avx512_bf16", each int8 panel widened once to
+    bfloat16, the rows then multiplied on tiles, for K a multiple of 32 and scales per column;
+    else as "avx512_bf16"), "avx512_bf16" (as "avx512" for a few rows; for more, with bfloat16 x,
     each int8 panel widened once to bfloat16 and multiplied with VDPBF16PS), "avx512" (AVX-512F:
     int8 widened to float32 in registers) and "avx2" (the same with AVX2 and FMA)."""
     mask = _probe_dense_int8_isas(_Library(library.name, library))
@@ -333,14 +337,16 @@ def _probe_dense_int8_isas(library: _Library) -> int:
 
 
 # the int4 kernel's paths, by their code in dense_int4.cc
-DENSE_INT4_ISAS = {1: "avx2", 2: "portable", 3: "avx2_float", 4: "avx512_bf16", 5: "avx512_vnni"}
-_DENSE_INT4_PREFERENCE = ("avx512_vnni", "avx512_bf16", "avx2", "avx2_float", "portable")
+DENSE_INT4_ISAS = {1: "avx2", 2: "portable", 3: "avx2_float", 4: "avx512_bf16", 5: "avx512_vnni", 6: "amx"}
+_DENSE_INT4_PREFERENCE = ("avx512_vnni", "amx", "avx512_bf16", "avx2", "avx2_float", "portable")
 
 
 def dense_int4_isas(library: Path) -> tuple[str, ...]:
     """The instruction sets `library` (from `load`) can run its int4 dense kernel with in this
     process, best first: "avx512_vnni" (AVX-512 VNNI and VBMI: "avx2"'s fixed point for up
-    to 16 rows of bfloat16 x with VPDPBUSD; more rows as the next path), "avx512_bf16" (AVX-512 BF16: as
+    to 16 rows of bfloat16 x with VPDPBUSD; more rows as the next path), "amx" (AMX bfloat16
+    tiles: as "avx512_bf16", each panel widened once, the rows then multiplied on tiles, for K a
+    multiple of 32), "avx512_bf16" (AVX-512 BF16: as
     "avx2" for a few rows; for more, with
     bfloat16 x, each panel widened once to bfloat16 and multiplied with VDPBF16PS; float32 x takes
     "avx2_float"), "avx2" (AVX2: bfloat16 x in 16-bit fixed point, integer products of its

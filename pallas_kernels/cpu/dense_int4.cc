@@ -41,9 +41,15 @@
 //   and the other rows on the bfloat16 kernel's VDPBF16PS blocks (dense_int4_pairs.h): the
 //   one error next to the float product is the weights' rounding to bfloat16 (at most 2^-8 of
 //   each |x w| term). Float32 x takes "avx2_float".
+// - "amx" (where the CPU has AMX bfloat16 tiles): as "avx2" up to `kWidenAheadAbove` rows; above,
+//   each panel of a work item dequantized once to the same bfloat16 pairs as "avx512_bf16", then
+//   every row multiplied on AMX tiles (dense_int4_amx.h): the same one error, several times the
+//   throughput at many rows. K must be a multiple of 32, else "avx512_bf16" runs. Float32 x
+//   takes "avx2_float".
 // - "avx512_vnni" (the default for bfloat16 x where the CPU has AVX-512 VNNI and VBMI), up to
 //   `kVnniRowsAtMost` rows: the "avx2" path's fixed point with VPDPBUSD (dense_int4_vnni.h);
-//   above, as "avx512_bf16" where the CPU has it, else as "avx2". Float32 x takes "avx2_float".
+//   above, as "amx" where the CPU has it, else "avx512_bf16", else "avx2". Float32 x takes
+//   "avx2_float".
 // - "portable": plain C++ (vectorized by the compiler), the float product, on any CPU.
 //
 // Work items are runs of 16-column blocks (`RunOverColumnBlocks`), walked in register blocks of a
@@ -58,6 +64,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
+#include "dense_int4_amx.h"
 #include "dense_int4_vnni.h"
 #endif
 
@@ -72,7 +79,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 // The `isa` attribute: which path runs (the codes of `DENSE_INT4_ISAS` in build.py).
-enum Int4Isa : int32_t { kBestIsa = 0, kAvx2 = 1, kPortable = 2, kAvx2Float = 3, kAvx512Bf16 = 4, kAvx512Vnni = 5 };
+enum Int4Isa : int32_t { kBestIsa = 0, kAvx2 = 1, kPortable = 2, kAvx2Float = 3, kAvx512Bf16 = 4, kAvx512Vnni = 5,
+                       kAmx = 6 };
 
 using vllm_xla::int4::FixedPointRows;
 using vllm_xla::int4::Int4Problem;
@@ -81,6 +89,7 @@ using vllm_xla::int4::kFixedLevels;
 using vllm_xla::int4::kVnniRowsAtMost;
 using vllm_xla::int4::kWidenAheadAbove;
 using vllm_xla::int4::kWordDepth;
+constexpr int64_t kAmxDepth = 32;  // k in an AMX tile (dense_amx.h)
 using vllm_xla::int4::PortableInt4;
 
 // Rows up to which "avx512_vnni" takes x in one byte plane a block by default (0: never; see
@@ -88,6 +97,7 @@ using vllm_xla::int4::PortableInt4;
 constexpr int64_t kOnePlaneRowsAtMost = 0;
 #if defined(__x86_64__)
 using vllm_xla::int4::Avx2Int4;
+using vllm_xla::int4::AmxInt4;
 using vllm_xla::int4::Avx512Bf16Int4;
 #endif
 
@@ -138,7 +148,8 @@ struct GroupScales {
 bool IsaUsable(Int4Isa isa) {
 #if defined(__x86_64__)
   static const bool avx2 = vllm_xla::Avx2Usable(), bf16 = avx2 && vllm_xla::Avx512Bf16Usable(),
-                    vnni = avx2 && vllm_xla::Avx512VnniUsable();
+                    vnni = avx2 && vllm_xla::Avx512VnniUsable(), amx = bf16 && vllm_xla::AmxUsable();
+  if (isa == kAmx) return amx;
   if (isa == kAvx2 || isa == kAvx2Float) return avx2;
   if (isa == kAvx512Bf16) return bf16;
   if (isa == kAvx512Vnni) return vnni;
@@ -153,6 +164,13 @@ Int4Isa BestIsa(ffi::DataType type) {
   if (!IsaUsable(kAvx2)) return kPortable;
   if (type != ffi::DataType::BF16) return kAvx2Float;
   if (IsaUsable(kAvx512Vnni)) return kAvx512Vnni;
+  return IsaUsable(kAvx512Bf16) ? kAvx512Bf16 : kAvx2;
+}
+
+// The path for many rows of bfloat16 x: AMX tiles where the CPU has them (K a multiple of their
+// depth), else VDPBF16PS, else AVX2's integer products.
+Int4Isa ManyRowsIsa(int64_t K) {
+  if (IsaUsable(kAmx) && K % kAmxDepth == 0) return kAmx;
   return IsaUsable(kAvx512Bf16) ? kAvx512Bf16 : kAvx2;
 }
 
@@ -285,15 +303,28 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
   if (M == 0) return ffi::Error::Success();
   if (run == kAvx512Vnni && (type != ffi::DataType::BF16 || M > kVnniRowsAtMost)) {
-    run = type != ffi::DataType::BF16 ? kAvx2Float : IsaUsable(kAvx512Bf16) ? kAvx512Bf16 : kAvx2;
+    run = type != ffi::DataType::BF16 ? kAvx2Float : ManyRowsIsa(K);
   }
-  if (run == kAvx512Bf16 && (type != ffi::DataType::BF16 || M <= kWidenAheadAbove)) {
+  if (run == kAmx && K % kAmxDepth != 0) run = kAvx512Bf16;  // AMX tiles are 32 k deep
+  if ((run == kAvx512Bf16 || run == kAmx) && (type != ffi::DataType::BF16 || M <= kWidenAheadAbove)) {
     run = type == ffi::DataType::BF16 ? kAvx2 : kAvx2Float;  // a few rows: unpacked in registers
   }
   GroupScales scales(scale, offset, bases != 0, scales_of_layer.offset, groups * N);
   const uint32_t* w_words = w.typed_data() + weight.offset;
-  if (run != kAvx512Vnni && run != kAvx512Bf16) scales.Widen();  // those two read float16 as it is
+  if (run != kAvx512Vnni && run != kAvx512Bf16 && run != kAmx) scales.Widen();  // those read float16 as it is
 #if defined(__x86_64__)
+  if (run == kAmx) {  // x as it is, its rows padded to whole tiles
+    std::vector<uint16_t> padded;
+    int64_t Mp = M;
+    const uint16_t* x_rows =
+        vllm_xla::AmxRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, padded, Mp);
+    const Int4Problem operands{nullptr, w_words, scales.scale, scales.offset, nullptr, y->typed_data(),
+                               M,       K,            N,            group,         nullptr, scales.scale_in_base};
+    const AmxInt4 tiles{operands, x_rows, Mp, scales.half_scale, scales.half_offset};
+    const int64_t cached = vllm_xla::CachedBlocks(K, sizeof(uint16_t));  // in L2 as bfloat16
+    vllm_xla::RunOverColumnBlocks(tiles, N / kCols, std::max<int64_t>(2, cached), pool);
+    return ffi::Error::Success();
+  }
   if (run == kAvx512Bf16) {  // x as it is: neither float32 rows nor their group sums
     const Int4Problem operands{nullptr, w_words, scales.scale, scales.offset, nullptr, y->typed_data(),
                                M,       K,            N,            group,         nullptr, scales.scale_in_base};
@@ -350,11 +381,11 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
 
 // The int4 dense paths this process may run, as a bit mask: bit 1 AVX2 (integer products), bit 2
 // portable, bit 3 AVX2 (float products), bit 4 AVX-512 BF16 (widened panels for many rows), bit 5
-// AVX-512 VNNI (integer products for a few rows).
+// AVX-512 VNNI (integer products for a few rows), bit 6 AMX (widened panels for many rows).
 extern "C" int VllmXlaDenseInt4Isas() {
   return (IsaUsable(kAvx2) ? 1 << kAvx2 : 0) | (IsaUsable(kPortable) ? 1 << kPortable : 0) |
          (IsaUsable(kAvx2Float) ? 1 << kAvx2Float : 0) | (IsaUsable(kAvx512Bf16) ? 1 << kAvx512Bf16 : 0) |
-         (IsaUsable(kAvx512Vnni) ? 1 << kAvx512Vnni : 0);
+         (IsaUsable(kAvx512Vnni) ? 1 << kAvx512Vnni : 0) | (IsaUsable(kAmx) ? 1 << kAmx : 0);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt4, DenseInt4,

@@ -29,7 +29,9 @@ stage, so 32-input groups leave a decode step bound by the weights' bytes; "avx2
 "portable" compute the float product.
 With more rows of bfloat16 x, "avx512_bf16" (the default where the CPU has it) widens each panel
 once to its unsigned values in bfloat16 (exact) and multiplies on VDPBF16PS: the float product at
-bfloat16's throughput, where the AVX2 paths dequantize to float32.
+bfloat16's throughput, where the AVX2 paths dequantize to float32; "amx" (where the CPU has AMX
+bfloat16 tiles, the default past 16 rows there) widens each panel the same way and multiplies
+every row on AMX tiles.
 """
 
 from __future__ import annotations

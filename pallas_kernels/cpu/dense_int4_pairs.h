@@ -130,6 +130,27 @@ VLLM_XLA_AVX512BF16 void WidenInt4Block(const Int4Panels<Scale>& p, const uint16
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + r * y_stride + c * 16, acc[r][c]);
 }
 
+// A column group's one packed panel [K/8, 16] dequantized to q s + m in bfloat16 pairs [K/2, 16, 2]
+// at `to`, nothing multiplied: the same pairs `WidenInt4Block` writes, for a product that reads
+// whole panels (the AMX path, dense_int4_amx.h).
+template <typename Scale>
+VLLM_XLA_AVX512BF16 void WidenInt4Panel(const Int4Panels<Scale>& p, uint16_t* to) {
+  const int64_t group_words = p.group / 8;
+  for (int64_t g = 0; g < p.K / p.group; ++g) {
+    const __m512 s = LoadPanelScales(p.scale + g * p.stride);
+    const __m512 m = p.offset != nullptr ? LoadPanelScales(p.offset + g * p.stride) : _mm512_setzero_ps();
+    const __m512 base = _mm512_fmadd_ps(s, _mm512_set1_ps(p.scale_in_base), m);
+    for (int64_t word = g * group_words; word < (g + 1) * group_words; ++word) {
+      const __m512i words = _mm512_loadu_si512(p.packed + word * kInt4PanelCols);
+      uint16_t* out = to + word * 8 * kInt4PanelCols;
+      _mm512_storeu_si512(out, Int4PairAt<0>(words, s, base));
+      _mm512_storeu_si512(out + 32, Int4PairAt<2>(words, s, base));
+      _mm512_storeu_si512(out + 64, Int4PairAt<4>(words, s, base));
+      _mm512_storeu_si512(out + 96, Int4PairAt<6>(words, s, base));
+    }
+  }
+}
+
 constexpr int kInt4WidenBlocks = 2;  // column blocks a widening register block holds (registers)
 
 template <typename Scale>

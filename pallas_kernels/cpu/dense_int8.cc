@@ -33,6 +33,11 @@
 // near the weights' bytes; with many rows it keeps pace with VDPBF16PS on panels widened ahead, without
 // widening them, so it serves every row count. The price is x's rounding to 16 bits (below its
 // bfloat16 rounding), so float32 x keeps the float product unless the path is asked for.
+//
+// With AMX bfloat16 tiles, more than 16 rows of bfloat16 x (scales per column, K a multiple of 32)
+// take "amx" by default: each panel widened once to bfloat16 pairs (exact) and every row multiplied
+// on the bfloat16 kernel's tiles (dense_amx.h), several times VPDPBUSD's throughput at those rows
+// and the float product of x and q.
 
 #include <algorithm>
 #include <cstdint>
@@ -44,6 +49,7 @@
 #include <immintrin.h>
 #endif
 
+#include "dense_amx.h"
 #include "dense_avx512_bf16.h"
 #include "dense_blocks.h"
 #include "dense_int8_vnni.h"
@@ -56,7 +62,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 // The `isa` attribute: which path runs (the codes of `DENSE_INT8_ISAS` in build.py).
-enum Int8Isa : int32_t { kBestIsa = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAvx2 = 3, kAvx512Vnni = 4 };
+enum Int8Isa : int32_t { kBestIsa = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAvx2 = 3, kAvx512Vnni = 4, kAmx = 5 };
 
 #if defined(__x86_64__)
 using vllm_xla::Item;
@@ -279,11 +285,38 @@ struct WidenedInt8 : Int8Problem {
   }
 };
 
+// Many rows of bfloat16 x on AMX: as `WidenedInt8`, the item's panels widened once to bfloat16
+// pairs (exact), then every row multiplied on AMX tiles (`AmxProduct`, the bfloat16 kernel's),
+// then the scales: the float product of x and q.
+struct AmxInt8 : Int8Problem {
+  const uint16_t* x_bits;  // [Mp, K] bfloat16, rows padded to a multiple of 16 (`AmxRows`)
+  int64_t Mp;
+
+  static void Begin() { vllm_xla::AmxBegin(); }
+  static void End() { vllm_xla::AmxEnd(); }
+
+  void Run(const Item& item) const {
+    const int64_t panel = K * kCols, blocks = item.end_block - item.first_block;
+    uint16_t* pairs = vllm_xla::ThreadPairs(blocks * panel);
+    for (int64_t block = item.first_block; block < item.end_block; ++block) {
+      WidenPanelToPairs(w + block * panel, K, pairs + (block - item.first_block) * panel);
+    }
+    const vllm_xla::AmxProduct product{x_bits, y, M, Mp, K, N};
+    product.Multiply(pairs, item.first_block, item.end_block, /*from_memory=*/false);
+    float* out = y + item.first_block * kCols;
+    ScaleOutputs(out, static_cast<int>(M), static_cast<int>(blocks), scale + item.first_block * kCols, N);
+  }
+};
+
+// Above this many rows, bfloat16 x with per-column scales runs on AMX tiles where the CPU has them
+// (the default's integer products up to it: a decode step streams the weights).
+constexpr int64_t kAmxAbove = 16;
+
 // Whether this process may run the `isa` path, probed once.
 bool IsaUsable(Int8Isa isa) {
   static const bool avx512 = Avx512Usable(), bf16 = vllm_xla::Avx512Bf16Usable(), avx2 = vllm_xla::Avx2Usable(),
-                    vnni = vllm_xla::Avx512VnniUsable();
-  return (isa == kAvx512 && avx512) || (isa == kAvx512Bf16 && bf16) || (isa == kAvx2 && avx2) ||
+                    vnni = vllm_xla::Avx512VnniUsable(), amx = bf16 && vllm_xla::AmxUsable();
+  return (isa == kAmx && amx) || (isa == kAvx512 && avx512) || (isa == kAvx512Bf16 && bf16) || (isa == kAvx2 && avx2) ||
          (isa == kAvx512Vnni && vnni);
 }
 
@@ -357,6 +390,21 @@ ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8
   const int8_t* w_values = w.typed_data() + weight.offset;
   const int64_t scale_count = groups * N;
   const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(int8_t));
+  const bool tiles_fit = type == ffi::DataType::BF16 && K % vllm_xla::kAmxTileDepth == 0 && groups == 1;
+  if (isa == kBestIsa && run == kAvx512Vnni && M > kAmxAbove && tiles_fit && IsaUsable(kAmx)) run = kAmx;
+  if (run == kAmx && !(tiles_fit && M > kWidenAheadAbove)) run = kAvx512Bf16;  // as that path runs them
+  if (run == kAmx) {
+    std::vector<float> wide_scales;
+    const float* s_values = FloatScales(scale, scales.offset, scale_count, wide_scales);
+    std::vector<uint16_t> padded;
+    int64_t Mp = M;
+    const uint16_t* x_rows =
+        vllm_xla::AmxRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, padded, Mp);
+    const AmxInt8 tiles{{nullptr, w_values, s_values, y->typed_data(), M, K, N, K}, x_rows, Mp};
+    const int64_t widened_blocks = vllm_xla::CachedBlocks(K, sizeof(uint16_t));  // in L2 as bfloat16
+    vllm_xla::RunOverColumnBlocks(tiles, N / kCols, std::max<int64_t>(2, widened_blocks), pool);
+    return ffi::Error::Success();
+  }
   if (run == kAvx512Bf16 && type == ffi::DataType::BF16 && K % 2 == 0 && M > kWidenAheadAbove && groups == 1) {
     std::vector<float> wide_scales;
     const float* s_values = FloatScales(scale, scales.offset, scale_count, wide_scales);
@@ -421,10 +469,11 @@ ffi::Error DenseInt8(ffi::ThreadPool, ffi::AnyBuffer, ffi::Buffer<ffi::S8>, ffi:
 }  // namespace
 
 // The int8 dense paths this process may run, as a bit mask: bit 1 AVX-512, bit 2 AVX-512 BF16,
-// bit 3 AVX2, bit 4 AVX-512 VNNI.
+// bit 3 AVX2, bit 4 AVX-512 VNNI, bit 5 AMX.
 extern "C" int VllmXlaDenseInt8Isas() {
   return (IsaUsable(kAvx512) ? 1 << kAvx512 : 0) | (IsaUsable(kAvx512Bf16) ? 1 << kAvx512Bf16 : 0) |
-         (IsaUsable(kAvx2) ? 1 << kAvx2 : 0) | (IsaUsable(kAvx512Vnni) ? 1 << kAvx512Vnni : 0);
+         (IsaUsable(kAvx2) ? 1 << kAvx2 : 0) | (IsaUsable(kAvx512Vnni) ? 1 << kAvx512Vnni : 0) |
+         (IsaUsable(kAmx) ? 1 << kAmx : 0);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt8, DenseInt8,

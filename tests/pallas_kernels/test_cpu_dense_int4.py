@@ -37,7 +37,8 @@ def test_isas_list_avx2_and_avx512_bf16_where_the_cpu_has_them(int4_isas):
     avx2 = "avx2" in flags and "fma" in flags
     bf16 = avx2 and {"avx512f", "avx512bw", "avx512_bf16"} <= set(flags)
     vnni = avx2 and {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= set(flags)
-    expected = ("avx512_vnni",) * vnni + ("avx512_bf16",) * bf16
+    amx = bf16 and {"amx_tile", "amx_bf16"} <= set(flags)  # Linux grants the tiles on request
+    expected = ("avx512_vnni",) * vnni + ("amx",) * amx + ("avx512_bf16",) * bf16
     expected += ("avx2", "avx2_float") * avx2 + ("portable",)
     assert int4_isas == expected
 
@@ -100,7 +101,7 @@ def test_hand_worked_product(int4_isas):
 
 
 # The paths that round bfloat16 x to 16-bit fixed point, up to how many rows.
-_FIXED_POINT = {"avx2": 8, "avx512_bf16": 8, "avx512_vnni": 16}
+_FIXED_POINT = {"avx2": 8, "avx512_bf16": 8, "amx": 8, "avx512_vnni": 16}
 # 5 and 13: "avx512_vnni" splits them into register blocks of 3 + 2 and 4 + 3 + 3 + 3 rows.
 ROWS = (1, 2, 5, 13, 130)
 # (depth, width, inputs per scale): hand-picked around the words, panels and groups, then the
@@ -154,8 +155,9 @@ def test_kernel_matches_numpy(int4_isas, x_dtype, affine, rows, depth, width, gr
     x, q, scale, offset, expected, bound = _product(rng, rows, depth, width, group, x_dtype, affine)
     packed = jnp.asarray(cpu.pack_dense_kernel_int4(q))
     offset = None if offset is None else jnp.asarray(offset)
-    # "avx512_vnni" runs many rows as "avx512_bf16" where the CPU has it
-    widens_to_bf16 = lambda isa: isa == "avx512_bf16" or (isa == "avx512_vnni" and "avx512_bf16" in int4_isas)  # noqa: E731
+    # "avx512_vnni" runs many rows as "amx" or "avx512_bf16" where the CPU has them
+    bf16_paths = ("avx512_bf16", "amx", "avx512_vnni") if "avx512_bf16" in int4_isas else ()
+    widens_to_bf16 = lambda isa: isa in bf16_paths  # noqa: E731
     for isa in int4_isas:
         got = jax.jit(cpu.native_dense_int4, static_argnames="isa")(
             x, packed, jnp.asarray(scale), offset, isa=isa
@@ -188,7 +190,7 @@ def test_integer_products_are_the_default_for_bfloat16_x_and_not_for_float32(int
     )
     packed = cpu.pack_dense_kernel_int4(q)
     product = jax.jit(cpu.native_dense_int4, static_argnames="isa")
-    many_rows = "avx512_bf16" if "avx512_bf16" in int4_isas else "avx2"
+    many_rows = next((isa for isa in ("amx", "avx512_bf16") if isa in int4_isas), "avx2")
     few_rows = "avx512_vnni" if "avx512_vnni" in int4_isas else "avx2"
     for dtype, rows, default in [
         (jnp.bfloat16, 2, few_rows), (jnp.bfloat16, 24, many_rows), (jnp.float32, 2, "avx2_float"),

@@ -17,7 +17,7 @@ from models.linear import Int4Bases, Linear
 from pallas_kernels import cpu
 from pallas_kernels.cpu.dense_int4 import fixed_point_error_bound
 
-_FIXED_POINT = {"avx2": 8, "avx512_bf16": 8, "avx512_vnni": 16}  # rows x is rounded to 16 bits for
+_FIXED_POINT = {"avx2": 8, "avx512_bf16": 8, "amx": 8, "avx512_vnni": 16}  # rows x is rounded to 16 bits for
 
 
 def _q4_1_blocks(rng, depth, width, group=32):
@@ -54,7 +54,7 @@ def test_q4_1_blocks_in_float16_match_float32_and_numpy(native_kernels, rows):
         allowed = 4e-7 * (group + depth // group) * terms + 1e-30
         if rows <= _FIXED_POINT.get(isa, 0):
             allowed = allowed + fixed_point_error_bound(x, u - 8, scale)
-        elif isa in ("avx512_bf16", "avx512_vnni") and "avx512_bf16" in isas:  # weights in bfloat16
+        elif isa in ("avx512_bf16", "amx", "avx512_vnni") and "avx512_bf16" in isas:  # weights in bfloat16
             allowed = allowed + 2.0**-8 * (np.abs(np.asarray(x, np.float64)) @ np.abs(weights))
         assert np.all(np.abs(got - expected) <= allowed), isa
     reference = cpu.native_dense_int4_reference(x, packed, jnp.asarray(half), base=jnp.asarray(base))

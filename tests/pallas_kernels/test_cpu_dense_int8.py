@@ -170,6 +170,25 @@ def test_vnni_is_the_default_for_bfloat16_x_and_not_for_float32(vnni):
     assert not np.array_equal(run(x, packed, scale, isa="avx512_vnni"), run(x, packed, scale, isa="avx512"))
 
 
+def test_many_rows_of_bfloat16_x_default_to_amx_tiles_where_the_cpu_has_them(int8_isas):
+    flags = set(open("/proc/cpuinfo").read().split("\n\n")[0].split())
+    assert ("amx" in int8_isas) == ({"amx_tile", "amx_bf16", "avx512_bf16"} <= flags)
+    if "amx" not in int8_isas:
+        pytest.skip("this CPU (or its kernel) has no AMX bfloat16 tiles")
+    rng = np.random.default_rng(13)
+    q = rng.integers(-127, 128, (96, 48)).astype(np.int8)
+    packed, scale = jnp.asarray(cpu.pack_dense_kernel_int8(q)), jnp.asarray(rng.random(48), jnp.float32)
+    run = jax.jit(cpu.native_dense_int8, static_argnames="isa")
+    for rows, default in [(16, "avx512_vnni"), (17, "amx"), (40, "amx")]:  # a decode step's rows: VNNI
+        x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.bfloat16)
+        np.testing.assert_array_equal(
+            run(x, packed, scale), run(x, packed, scale, isa=default), err_msg=str(rows)
+        )
+    # the float product of x and q: the "avx512_bf16" path's panels, summed in another order
+    tiles, vectors = (np.asarray(run(x, packed, scale, isa=isa)) for isa in ("amx", "avx512_bf16"))
+    np.testing.assert_allclose(tiles, vectors, rtol=0, atol=1e-5 * np.abs(vectors).max())
+
+
 def test_vnni_error_bound_is_far_below_bfloat16_rounding(vnni):
     """x's 16-bit rounding bounds the error at a small part of the error bfloat16 x already carries
     (its rounding, half an ulp: 2^-8 relative, of every product): a fortieth on rows of normal
