@@ -25,7 +25,7 @@ from tpu_platform.envs import PREFIX, read_env, unknown_variables
 from tpu_platform.runner_config import default_page_size
 
 if TYPE_CHECKING:
-    from vllm.config import SchedulerConfig, VllmConfig
+    from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
 
 WORKER_CLASS = "plugin_shim.worker.XlaWorker"
 
@@ -117,6 +117,7 @@ class XlaPlatform(Platform):
             parallel.distributed_executor_backend = "uni"
         async_scheduling_off_for_draft_model(vllm_config)
         refuse_unsupported(vllm_config)  # the one list of features vllm-xla does not implement
+        _refuse_strict_compile_without_warm_up(vllm_config.model_config)
         refuse_unsupported_architecture(vllm_config)  # before the worker: with the list we serve
         configure_parallel(vllm_config)  # tensor parallelism: one worker over a mesh
         record_local_replicas(vllm_config)  # data parallelism: each replica's devices, in its worker
@@ -211,6 +212,16 @@ def _async_scheduling_off_on_cpu(scheduler: SchedulerConfig) -> None:
         "overlap, and it would delay each new request's first token by a step); "
         "VLLM_XLA_CPU_ASYNC_SCHEDULING=1 keeps it on"
     )
+
+
+def _refuse_strict_compile_without_warm_up(model_config: ModelConfig | None) -> None:
+    """`VLLM_XLA_STRICT_COMPILE=1` makes a compile after warm-up an error; `enforce_eager` skips
+    warm-up, so every program compiles while serving: the two cannot both hold."""
+    if model_config is not None and model_config.enforce_eager and read_env().strict_compile:
+        raise ValueError(
+            "enforce_eager skips warm-up (each step program compiles when first needed), and "
+            "VLLM_XLA_STRICT_COMPILE=1 makes any compile after warm-up an error: drop one of them"
+        )
 
 
 def _engine_start_method() -> None:

@@ -202,8 +202,17 @@ SUPPORTED: tuple[Supported, ...] = (
         "vllm_xla:* gauges beside vLLM's",
     ),
     Supported(
+        "Compilation at first use",
+        "enforce_eager",
+        "no warm-up: each step program (forward per padded shape, sampler variant) compiles when a "
+        "step first needs it, or loads from the executable cache; a faster start for development and "
+        "notebooks, and the first request of each shape waits for its compile. Without it every "
+        "program is built before serving and nothing compiles while serving; refused with "
+        "VLLM_XLA_STRICT_COMPILE=1",
+    ),
+    Supported(
         "Accepted, no effect",
-        "enforce_eager, compilation_config, cudagraph options, numa_bind",
+        "compilation_config, cudagraph options, numa_bind",
         "torch compilation and CUDA graphs do not apply: XLA compiles each step program once",
     ),
     Supported(

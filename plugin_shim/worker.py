@@ -248,8 +248,14 @@ class XlaWorker(WorkerBase):
         self.runner.initialize_kv_cache(kv_cache_config.num_blocks, layout)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
+        """Builds every step program before serving (`Runner.warm_up`), or none with vLLM's
+        `enforce_eager`: then each program compiles when a step first needs it (a faster start,
+        and a first request of each step shape that waits for its compile)."""
         start = time.perf_counter()
-        self.runner.warm_up()
+        if self.model_config.enforce_eager:
+            logger.info("enforce_eager: no warm-up; each step program compiles when first needed")
+        else:
+            self.runner.warm_up()
         self.metrics = MetricsPublisher(
             metrics_path(
                 self.env.cache_dir,

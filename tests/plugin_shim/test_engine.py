@@ -167,6 +167,16 @@ def test_vllm_config_on_the_cpu_device_schedules_in_step(tiny_dir, monkeypatch, 
     assert config.scheduler_config.async_scheduling is expected
 
 
+def test_enforce_eager_with_strict_compile_is_refused_by_name(tiny_dir, monkeypatch):
+    # Strict compile makes a compile after warm-up an error, and enforce_eager has no warm-up.
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_XLA_STRICT_COMPILE", "1")
+    EngineArgs(model=tiny_dir, max_model_len=128).create_engine_config()
+    with pytest.raises(ValueError, match=r"enforce_eager skips warm-up.*VLLM_XLA_STRICT_COMPILE=1"):
+        EngineArgs(model=tiny_dir, max_model_len=128, enforce_eager=True).create_engine_config()
+
+
 @pytest.mark.parametrize(("block_size", "expected"), [(None, 128), (16, 16)])
 def test_pages_on_the_cpu_device_hold_128_tokens_unless_given(tiny_dir, block_size, expected):
     # vLLM's own CPU backend's default; decode attention reads longer runs of a page.
@@ -177,22 +187,34 @@ def test_pages_on_the_cpu_device_hold_128_tokens_unless_given(tiny_dir, block_si
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_chunked_prefill_and_preemption_match_transformers(tiny_dir, hf, async_scheduling):
+@pytest.mark.parametrize(("async_scheduling", "enforce_eager"), [(True, False), (False, True)])
+def test_chunked_prefill_and_preemption_match_transformers(tiny_dir, hf, async_scheduling, enforce_eager):
     # A tiny step budget forces chunked prefill; 10 pages of 16 tokens cannot hold the four
     # 48-token sequences at once, so the scheduler must preempt and recompute. With async
     # scheduling (vLLM's default) every step is dispatched before the previous one's tokens
-    # reach the host, across chunk boundaries, preemptions and resumptions.
+    # reach the host, across chunk boundaries, preemptions and resumptions. The in-step engine
+    # also skips warm-up (`enforce_eager`): its programs compile as its steps first need them.
     small = LLM(
         model=tiny_dir, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
         block_size=16, num_gpu_blocks_override=10, seed=0, async_scheduling=async_scheduling,
+        enforce_eager=enforce_eager,
     )  # fmt: skip
+    built_at_start = small.collective_rpc("runner_stats")[0]["compiles"]
     prompts = _prompts([40, 37, 45, 42], seed=4)
     out = small.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], _greedy(max_tokens=24))
     stats = small.collective_rpc("runner_stats")[0]
+    again = small.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], _greedy(max_tokens=24))
+    built_again = small.collective_rpc("runner_stats")[0]["compiles"] - stats["compiles"]
     del small
     gc.collect()
-    assert _token_ids(out) == [hf_greedy(hf, p, 24) for p in prompts]
+    assert _token_ids(out) == _token_ids(again) == [hf_greedy(hf, p, 24) for p in prompts]
+    # Warm-up builds every program before serving; without it the first run builds what it
+    # needs, and the same workload again builds nothing new either way.
+    if enforce_eager:
+        assert built_at_start == 0 < stats["compiles"]
+    else:
+        assert built_at_start == stats["compiles"]
+    assert built_again == 0 and stats["compiles_after_warmup"] == 0
     assert stats["partial_prefill_steps"] > 0
     assert stats["preempted_requests"] > 0 and stats["resumed_requests"] > 0
     # Decode steps take the previous step's tokens on the device only under async scheduling.
