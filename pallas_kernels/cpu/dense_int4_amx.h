@@ -28,10 +28,7 @@ struct AmxInt4 : Int4Problem {
   static void Begin() { AmxBegin(); }
   static void End() { AmxEnd(); }
 
-  void Run(const Item& item) const {
-    if (half_scale != nullptr) return RunWith(item, half_scale, half_offset);
-    RunWith(item, scale, offset);
-  }
+  void Run(const Item& item) const { RunWithScales(*this, item); }
 
   template <typename Scale>
   void RunWith(const Item& item, const Scale* scales, const Scale* offsets) const {

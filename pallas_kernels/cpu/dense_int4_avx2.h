@@ -330,15 +330,20 @@ struct Avx2Int4 : Int4Problem {
 // pairs into the thread's scratch (the item sized so that they stay in L2) by the first register
 // block over its column group (`WidenInt4Block`, which multiplies them as it goes), then the other
 // rows on the bfloat16 kernel's register blocks over the pairs.
+// Runs `problem.RunWith(item, scales, offsets)` on the scales as the call holds them: float16 bits
+// (`half_scale`, `half_offset`), read as they are, or float32.
+template <typename Problem>
+void RunWithScales(const Problem& problem, const Item& item) {
+  if (problem.half_scale != nullptr) return problem.RunWith(item, problem.half_scale, problem.half_offset);
+  problem.RunWith(item, problem.scale, problem.offset);
+}
+
 struct Avx512Bf16Int4 : Int4Problem {
   const uint16_t* x_bits;       // [M, K] bfloat16
   const uint16_t* half_scale;   // float16 bits of the scales (then `scale` and `offset` are null), or null
   const uint16_t* half_offset;  // float16 bits of the offsets, or null
 
-  void Run(const Item& item) const {
-    if (half_scale != nullptr) return RunWith(item, half_scale, half_offset);
-    RunWith(item, scale, offset);
-  }
+  void Run(const Item& item) const { RunWithScales(*this, item); }
 
   template <typename Scale>
   void RunWith(const Item& item, const Scale* scales, const Scale* offsets) const {
