@@ -42,7 +42,6 @@ using vllm_xla::Item;
 using vllm_xla::RunOverColumnBlocks;
 using vllm_xla::WalkRegisterBlocks;
 
-constexpr int64_t kTileDepth = 32;  // K's multiple: the depth of an AMX tile (dense_amx.h)
 constexpr int64_t kBlockCols = 16;  // columns of one packed panel
 
 // The `isa` attribute: which path runs (the codes of `DENSE_ISAS` in build.py).
@@ -53,16 +52,14 @@ enum DenseIsa : int32_t { kBestIsa = 0, kAvx512Bf16 = 1, kAmx = 2, kAvx2 = 3 };
 using vllm_xla::Avx2Usable;
 
 // The AMX product over a work item's panels, read in place from the packed weight.
-struct AmxProblem {
-  vllm_xla::AmxProduct product;
+struct AmxProblem : vllm_xla::AmxProduct {
   const uint16_t* w;  // [N/16, K/2, 16, 2]
-  int64_t M;
 
   static void Begin() { vllm_xla::AmxBegin(); }
   static void End() { vllm_xla::AmxEnd(); }
   void Run(const Item& item) const {
-    const uint16_t* panels = w + item.first_block * product.K * vllm_xla::kAmxTileCols;
-    product.Multiply(panels, item.first_block, item.end_block, /*from_memory=*/true);
+    const uint16_t* panels = w + item.first_block * K * vllm_xla::kAmxTileCols;
+    Multiply(panels, item.first_block, item.end_block, /*from_memory=*/true);
   }
 };
 
@@ -104,7 +101,7 @@ void RunAmx(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, int6
   int64_t Mp = M;
   const uint16_t* rows = vllm_xla::AmxRows(x_bits, M, K, padded, Mp);
   const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(uint16_t));
-  RunOverColumnBlocks(AmxProblem{{rows, y, M, Mp, K, N}, w, M}, N / kBlockCols, cached_blocks, pool);
+  RunOverColumnBlocks(AmxProblem{{rows, y, M, Mp, K, N}, w}, N / kBlockCols, cached_blocks, pool);
 }
 
 void RunVector(const uint16_t* x_bits, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
@@ -120,7 +117,7 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
   const auto weight = vllm_xla::LayerOf(w.dimensions(), w.dimensions().size() == 5, layer);
   const auto wd = weight.dims;
   if (!weight.ok || xd.size() != 2 || wd.size() != 4 || wd[2] != 16 || wd[3] != 2 || wd[1] * 2 != xd[1] ||
-      xd[1] % kTileDepth != 0) {
+      xd[1] % vllm_xla::kAmxTileDepth != 0) {
     return ffi::Error::InvalidArgument(
         "expected x [M, K] and a packed weight [N/16, K/2, 16, 2] (or a stack of them holding `layer`) with K a "
         "multiple of 32");

@@ -9,6 +9,14 @@
 #include <cstring>
 #include <vector>
 
+namespace vllm_xla {
+
+constexpr int64_t kAmxTileRows = 16;
+constexpr int64_t kAmxTileDepth = 32;  // bfloat16 values in a 64-byte tile row
+constexpr int64_t kAmxTileCols = 16;   // float32 results in a 64-byte tile row
+
+}  // namespace vllm_xla
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -18,9 +26,6 @@
 
 namespace vllm_xla {
 
-constexpr int64_t kAmxTileRows = 16;
-constexpr int64_t kAmxTileDepth = 32;  // bfloat16 values in a 64-byte tile row
-constexpr int64_t kAmxTileCols = 16;   // float32 results in a 64-byte tile row
 constexpr int64_t kAmxPrefetchDepth = 4 * kAmxTileDepth;  // how far ahead a panel's weights are fetched
 
 // Whether this CPU has AMX tiles with bfloat16 and the kernel lets this process use them.

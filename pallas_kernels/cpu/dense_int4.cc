@@ -68,6 +68,7 @@
 #include "dense_int4_vnni.h"
 #endif
 
+#include "dense_amx.h"
 #include "dense_blocks.h"
 #include "dense_int4_avx2.h"
 #include "float16.h"
@@ -89,7 +90,6 @@ using vllm_xla::int4::kFixedLevels;
 using vllm_xla::int4::kVnniRowsAtMost;
 using vllm_xla::int4::kWidenAheadAbove;
 using vllm_xla::int4::kWordDepth;
-constexpr int64_t kAmxDepth = 32;  // k in an AMX tile (dense_amx.h)
 using vllm_xla::int4::PortableInt4;
 
 // Rows up to which "avx512_vnni" takes x in one byte plane a block by default (0: never; see
@@ -170,7 +170,7 @@ Int4Isa BestIsa(ffi::DataType type) {
 // The path for many rows of bfloat16 x: AMX tiles where the CPU has them (K a multiple of their
 // depth), else VDPBF16PS, else AVX2's integer products.
 Int4Isa ManyRowsIsa(int64_t K) {
-  if (IsaUsable(kAmx) && K % kAmxDepth == 0) return kAmx;
+  if (IsaUsable(kAmx) && K % vllm_xla::kAmxTileDepth == 0) return kAmx;
   return IsaUsable(kAvx512Bf16) ? kAvx512Bf16 : kAvx2;
 }
 
@@ -305,7 +305,7 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   if (run == kAvx512Vnni && (type != ffi::DataType::BF16 || M > kVnniRowsAtMost)) {
     run = type != ffi::DataType::BF16 ? kAvx2Float : ManyRowsIsa(K);
   }
-  if (run == kAmx && K % kAmxDepth != 0) run = kAvx512Bf16;  // AMX tiles are 32 k deep
+  if (run == kAmx && K % vllm_xla::kAmxTileDepth != 0) run = kAvx512Bf16;  // AMX tiles are 32 k deep
   if ((run == kAvx512Bf16 || run == kAmx) && (type != ffi::DataType::BF16 || M <= kWidenAheadAbove)) {
     run = type == ffi::DataType::BF16 ? kAvx2 : kAvx2Float;  // a few rows: unpacked in registers
   }
