@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The AVX-512 BF16 register block of the bfloat16 dense kernel (dense.cc), shared with the int8
 // and int4 kernels (dense_int8.cc, dense_int4_pairs.h), which widen their panels to this layout
-// once for many rows; the CPU probe and the aligned scratch they share.
+// once for many rows; the CPU probe, the rounding to pairs and the aligned scratch they share.
 #pragma once
 
 #include <cstdint>
@@ -58,6 +58,23 @@ inline uint16_t* ThreadPairs(int64_t values) {
     capacity = values;
   }
   return pairs->data();
+}
+
+// Two float32 vectors (the 16 columns of k and of k + 1) rounded to bfloat16 (to nearest even) as
+// one pair a 32-bit lane, k in the low half: a row of the pairs layout [K/2, 16, 2].
+// VCVTNE2PS2BF16 rounds both vectors at once (k's 16 values, then k + 1's) and VPERMW interleaves them.
+VLLM_XLA_AVX512BF16 inline __m512i RoundToPairs(__m512 even, __m512 odd) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+
+// 16 scales (or offsets) of a panel from float32, or from float16 bits widened exactly (GGUF's
+// own d and minimum, read as they are: widening all of a weight's to float32 first would be a
+// serial pass over them before the threads start, a few percent of a 64-row call).
+VLLM_XLA_AVX512BF16 inline __m512 LoadPanelScales(const float* at) { return _mm512_loadu_ps(at); }
+VLLM_XLA_AVX512BF16 inline __m512 LoadPanelScales(const uint16_t* at) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
 
 // y[0 : R, 0 : 16 C] (row stride `y_stride`) = x[0 : R, 0 : K] (bfloat16, row stride K) @ C

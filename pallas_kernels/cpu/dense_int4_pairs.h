@@ -32,24 +32,12 @@ VLLM_XLA_AVX512BF16 inline __m512 Int4ValueAt(__m512i words) {
   return _mm512_permutexvar_ps(bit == 0 ? words : _mm512_srli_epi32(words, bit), values);
 }
 
-// Values k and k + 1 of each word dequantized (u s + base) and rounded to bfloat16 (to nearest
-// even), as one pair a 32-bit lane: k in the low half, k + 1 in the high one. VCVTNE2PS2BF16
-// rounds both vectors at once (k's 16 values, then k + 1's) and VPERMW interleaves them.
+// Values k and k + 1 of each word dequantized (u s + base) and rounded to bfloat16 pairs
+// (`RoundToPairs`: k in the low half of each 32-bit lane, k + 1 in the high one).
 template <int k>
 VLLM_XLA_AVX512BF16 inline __m512i Int4PairAt(__m512i words, __m512 s, __m512 base) {
-  const __m512 even = _mm512_fmadd_ps(Int4ValueAt<k>(words), s, base);
-  const __m512 odd = _mm512_fmadd_ps(Int4ValueAt<k + 1>(words), s, base);
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
-}
-
-// 16 scales (or offsets) of a panel from float32, or from float16 bits widened exactly (GGUF
-// Q4_1's own d and minimum, read as they are: widening all of a weight's to float32 first would
-// be a serial pass over them before the threads start, a few percent of a 64-row call).
-VLLM_XLA_AVX512BF16 inline __m512 LoadPanelScales(const float* at) { return _mm512_loadu_ps(at); }
-VLLM_XLA_AVX512BF16 inline __m512 LoadPanelScales(const uint16_t* at) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+  return RoundToPairs(_mm512_fmadd_ps(Int4ValueAt<k>(words), s, base),
+                      _mm512_fmadd_ps(Int4ValueAt<k + 1>(words), s, base));
 }
 
 // A column group's packed panels [K/8, 16] (uint32 words of eight k) and their scales: `group` k

@@ -34,15 +34,17 @@
 // widening them, so it serves every row count. The price is x's rounding to 16 bits (below its
 // bfloat16 rounding), so float32 x keeps the float product unless the path is asked for.
 //
-// With AMX bfloat16 tiles, more than 16 rows of bfloat16 x (scales per column, K a multiple of 32)
-// take "amx" by default: each panel widened once to bfloat16 pairs (exact) and every row multiplied
-// on the bfloat16 kernel's tiles (dense_amx.h), several times VPDPBUSD's throughput at those rows
-// and the float product of x and q.
+// With AMX bfloat16 tiles, more than 16 rows of bfloat16 x (K a multiple of 32) take "amx" by
+// default: each panel widened once to bfloat16 pairs and every row multiplied on the bfloat16
+// kernel's tiles (dense_amx.h), several times VPDPBUSD's throughput at those rows. With scales per
+// column the pairs are exact and the result the float product of x and q; with scales per group
+// they hold q s rounded to bfloat16 (`AmxScaledInt8`).
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -308,8 +310,52 @@ struct AmxInt8 : Int8Problem {
   }
 };
 
-// Above this many rows, bfloat16 x with per-column scales runs on AMX tiles where the CPU has them
-// (the default's integer products up to it: a decode step streams the weights).
+// An int8 panel [K, 16] with a scale per group of `group` k (16 scales a group, `stride` apart:
+// float32, or float16 bits) -> q s rounded to bfloat16 pairs [K/2, 16, 2]. `group` is even, so both
+// k of a pair share their scales.
+template <typename Scale>
+VLLM_XLA_AVX512BF16 void WidenScaledPanelToPairs(const int8_t* panel, int64_t K, int64_t group, const Scale* scales,
+                                                 int64_t stride, uint16_t* to) {
+  for (int64_t g = 0; g < K / group; ++g) {
+    const __m512 s = vllm_xla::LoadPanelScales(scales + g * stride);
+    for (int64_t pair = g * group / 2; pair < (g + 1) * group / 2; ++pair) {
+      const __m512 even = _mm512_mul_ps(_mm512_castsi512_ps(WidenToFloatBits(panel + 2 * pair * kCols)), s);
+      const __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(WidenToFloatBits(panel + (2 * pair + 1) * kCols)), s);
+      _mm512_storeu_si512(to + pair * 2 * kCols, vllm_xla::RoundToPairs(even, odd));
+    }
+  }
+}
+
+// Many rows of bfloat16 x with a scale per group of k (GGUF Q8_0's blocks) on AMX: a group's
+// scale cannot wait for the output as a column's does, so each panel is widened once to q s
+// rounded to bfloat16 pairs (the weights as a bfloat16 checkpoint would hold them, as the int4
+// kernel's AMX path widens its blocks), then every row multiplied on AMX tiles. Keeping q exact
+// would need each group's 32-deep product stored and scaled apart, a tile store per tile product.
+template <typename Scale>
+struct AmxScaledInt8 {
+  const int8_t* w;       // [N/16, K, 16]
+  const Scale* scales;   // [K / group, N]
+  const uint16_t* x_bits;  // [Mp, K] bfloat16, rows padded to a multiple of 16 (`AmxRows`)
+  float* y;              // [M, N]
+  int64_t M, Mp, K, N, group;
+
+  static void Begin() { vllm_xla::AmxBegin(); }
+  static void End() { vllm_xla::AmxEnd(); }
+
+  void Run(const Item& item) const {
+    const int64_t panel = K * kCols;
+    uint16_t* pairs = vllm_xla::ThreadPairs((item.end_block - item.first_block) * panel);
+    for (int64_t block = item.first_block; block < item.end_block; ++block) {
+      WidenScaledPanelToPairs(w + block * panel, K, group, scales + block * kCols, N,
+                              pairs + (block - item.first_block) * panel);
+    }
+    const vllm_xla::AmxProduct product{x_bits, y, M, Mp, K, N};
+    product.Multiply(pairs, item.first_block, item.end_block, /*from_memory=*/false);
+  }
+};
+
+// Above this many rows, bfloat16 x runs on AMX tiles where the CPU has them (the default's integer
+// products up to it: a decode step streams the weights).
 constexpr int64_t kAmxAbove = 16;
 
 // Whether this process may run the `isa` path, probed once.
@@ -390,19 +436,32 @@ ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8
   const int8_t* w_values = w.typed_data() + weight.offset;
   const int64_t scale_count = groups * N;
   const int64_t cached_blocks = vllm_xla::CachedBlocks(K, sizeof(int8_t));
-  const bool tiles_fit = type == ffi::DataType::BF16 && K % vllm_xla::kAmxTileDepth == 0 && groups == 1;
+  const bool tiles_fit = type == ffi::DataType::BF16 && K % vllm_xla::kAmxTileDepth == 0;
   if (isa == kBestIsa && run == kAvx512Vnni && M > kAmxAbove && tiles_fit && IsaUsable(kAmx)) run = kAmx;
   if (run == kAmx && !(tiles_fit && M > kWidenAheadAbove)) run = kAvx512Bf16;  // as that path runs them
   if (run == kAmx) {
-    std::vector<float> wide_scales;
-    const float* s_values = FloatScales(scale, scales.offset, scale_count, wide_scales);
     std::vector<uint16_t> padded;
     int64_t Mp = M;
     const uint16_t* x_rows =
         vllm_xla::AmxRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, padded, Mp);
-    const AmxInt8 tiles{{nullptr, w_values, s_values, y->typed_data(), M, K, N, K}, x_rows, Mp};
-    const int64_t widened_blocks = vllm_xla::CachedBlocks(K, sizeof(uint16_t));  // in L2 as bfloat16
-    vllm_xla::RunOverColumnBlocks(tiles, N / kCols, std::max<int64_t>(2, widened_blocks), pool);
+    const int64_t widened_blocks = std::max<int64_t>(2, vllm_xla::CachedBlocks(K, sizeof(uint16_t)));  // in L2
+    if (groups == 1) {
+      std::vector<float> wide_scales;
+      const float* s_values = FloatScales(scale, scales.offset, scale_count, wide_scales);
+      const AmxInt8 tiles{{nullptr, w_values, s_values, y->typed_data(), M, K, N, K}, x_rows, Mp};
+      vllm_xla::RunOverColumnBlocks(tiles, N / kCols, widened_blocks, pool);
+      return ffi::Error::Success();
+    }
+    auto run_scaled = [&](const auto* values) {  // float16 scales read as they are (GGUF's d)
+      using Scale = std::remove_const_t<std::remove_pointer_t<decltype(values)>>;
+      const AmxScaledInt8<Scale> tiles{w_values, values + scales.offset, x_rows, y->typed_data(), M, Mp, K, N, group};
+      vllm_xla::RunOverColumnBlocks(tiles, N / kCols, widened_blocks, pool);
+    };
+    if (scale.element_type() == ffi::DataType::F16) {
+      run_scaled(reinterpret_cast<const uint16_t*>(scale.untyped_data()));
+    } else {
+      run_scaled(reinterpret_cast<const float*>(scale.untyped_data()));
+    }
     return ffi::Error::Success();
   }
   if (run == kAvx512Bf16 && type == ffi::DataType::BF16 && K % 2 == 0 && M > kWidenAheadAbove && groups == 1) {

@@ -189,6 +189,31 @@ def test_many_rows_of_bfloat16_x_default_to_amx_tiles_where_the_cpu_has_them(int
     np.testing.assert_allclose(tiles, vectors, rtol=0, atol=1e-5 * np.abs(vectors).max())
 
 
+@pytest.mark.parametrize("scale_dtype", [np.float16, np.float32])
+def test_many_rows_with_group_scales_default_to_amx_tiles_on_rounded_weights(int8_isas, scale_dtype):
+    """GGUF Q8_0's blocks (a float16 scale per 32 k; the embedded model's LM head): past 16 rows the
+    default runs them on AMX tiles, each value times its group's scale rounded to bfloat16, as a
+    bfloat16 checkpoint of the same weights holds them; up to 16 rows, VNNI's integer products."""
+    if "amx" not in int8_isas:
+        pytest.skip("this CPU (or its kernel) has no AMX bfloat16 tiles")
+    rng = np.random.default_rng(17)
+    depth, width, group = 576, 96, 32
+    q = rng.integers(-127, 128, (depth, width)).astype(np.int8)
+    scale = (rng.random((depth // group, width)) * 0.02 + 1e-3).astype(scale_dtype)
+    weights = q.astype(np.float32) * np.repeat(scale.astype(np.float32), group, axis=0)  # exact
+    packed = jnp.asarray(cpu.pack_dense_kernel_int8(q))
+    run = jax.jit(cpu.native_dense_int8, static_argnames="isa")
+    for rows, default in [(16, "avx512_vnni"), (17, "amx"), (64, "amx")]:
+        x = jnp.asarray(rng.standard_normal((rows, depth)), jnp.bfloat16)
+        got = np.asarray(run(x, packed, jnp.asarray(scale)), np.float64)
+        np.testing.assert_array_equal(got, run(x, packed, jnp.asarray(scale), isa=default), err_msg=str(rows))
+    x64 = np.asarray(x, np.float64)
+    bound = np.abs(x64) @ np.abs(weights.astype(np.float64))
+    rounded = x64 @ _bfloat16_values(weights)
+    assert np.all(np.abs(got - rounded) <= 2e-7 * depth * bound)
+    assert not np.array_equal(got, np.asarray(run(x, packed, jnp.asarray(scale), isa="avx512")))
+
+
 def test_vnni_error_bound_is_far_below_bfloat16_rounding(vnni):
     """x's 16-bit rounding bounds the error at a small part of the error bfloat16 x already carries
     (its rounding, half an ulp: 2^-8 relative, of every product): a fortieth on rows of normal
@@ -253,6 +278,14 @@ def test_grouped_scales_reference_on_a_hand_worked_case():
 
 
 GROUPED = ((32, 48, 4), (64, 80, 32), (576, 96, 32), (96, 16, 96), (1536, 64, 128))
+# Rows above which the "amx" path (and "avx512_bf16" with scales per column) widens panels ahead;
+# at fewer, "amx" runs as "avx512_bf16" does.
+WIDENED_AHEAD_ABOVE = 8
+
+
+def _bfloat16_values(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (to nearest even), as float64."""
+    return np.asarray(jnp.asarray(values, jnp.float32).astype(jnp.bfloat16), np.float64)
 
 
 GROUPED_ROWS = (1, 2, 5, 7, 13, 64)
@@ -283,6 +316,12 @@ def test_grouped_scales_match_numpy(int8_isas, rows, depth, width, group):
             assert np.all(error <= fixed_point_error_bound(x, q, scale) + 1e-30), isa
             fixed_point = native_dense_int8_fixed_point_reference(x, packed, jnp.asarray(scale))
             np.testing.assert_allclose(got, fixed_point, rtol=2e-6, atol=1e-6 * np.abs(expected).max())
+        elif isa == "amx" and rows > WIDENED_AHEAD_ABOVE and depth % 32 == 0 and group < depth:
+            # on the tiles, scales per group (one group is a scale per column: exact): q s rounded
+            # to bfloat16 (to nearest even), then the float product
+            rounded = x64 @ _bfloat16_values(q.astype(np.float32) * np.repeat(scale, group, axis=0))
+            assert np.all(np.abs(np.asarray(got, np.float64) - rounded) <= 2e-7 * depth * bound + 1e-30), isa
+            assert np.all(error <= 2.0**-8 * bound + 2e-7 * depth * bound + 1e-30), isa
         else:
             assert np.all(error <= 2e-7 * depth * bound + 1e-30), isa
     reference = cpu.native_dense_int8_reference(x, packed, jnp.asarray(scale))

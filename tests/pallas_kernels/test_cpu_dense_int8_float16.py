@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The int8 dense kernel with float16 grouped scales (GGUF Q8_0's own d, `float16_int8_scales`)
 on every path the CPU has: equal bit for bit to float32 copies of the same scales and within the
-kernel's bounds of NumPy's `x @ (q d)` in float64; layers of a stack read in place; scales
+kernel's bounds of NumPy's `x @ (q d)` in float64 (on AMX tiles, of `x @ q d` with `q d` rounded
+to bfloat16); layers of a stack read in place; scales
 float16 would round refused by name."""
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def _check(native_kernels, rows, depth, width, group, x_dtype, seed):
         got = np.asarray(product(x, packed, jnp.asarray(d), isa=isa))
         np.testing.assert_array_equal(got, product(x, packed, jnp.asarray(scale), isa=isa), err_msg=isa)
         allowed = float_rounding + (fixed_point_error_bound(x64, q, scale) if isa == "avx512_vnni" else 0)
+        if isa == "amx" and x_dtype == jnp.bfloat16 and rows > 8 and depth % 32 == 0 and group < depth:
+            # on the tiles: each q d rounded to bfloat16 (to nearest even), at most 2^-9 of it
+            rounded = np.asarray(jnp.asarray(weights, jnp.float32).astype(jnp.bfloat16), np.float64)
+            assert np.all(np.abs(got - x64 @ rounded) <= float_rounding), isa
+            allowed = float_rounding + 2.0**-9 * (np.abs(x64) @ np.abs(weights))
         assert np.all(np.abs(got - expected) <= allowed), isa
 
 
