@@ -53,9 +53,10 @@ def _start_native_build(env: XlaEnv) -> threading.Thread | None:
     return thread
 
 
-def _generate_dtype(requested: str, env: XlaEnv, build: threading.Thread | None) -> str:
-    """`auto` is bfloat16 where the native dense kernel runs (AMX, AVX-512 BF16 or AVX2: faster to
-    run a single prompt and to compile), else vLLM's own choice (float32 on CPU)."""
+def _auto_dtype(requested: str, env: XlaEnv, build: threading.Thread | None) -> str:
+    """`generate`'s and `serve`'s `auto`: bfloat16 where the native dense kernel runs (AMX, AVX-512
+    BF16 or AVX2: faster to run and to compile; vLLM's own `auto` keeps a float32 checkpoint, the
+    embedded model's among them, in float32 on CPU), else vLLM's own choice."""
     if requested != "auto" or build is None:
         return requested
     from tpu_platform.attention_backend import native_dense_isa, select_backend
@@ -91,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     max_num_seqs = args.max_num_seqs or min(len(args.prompts), 16)
     model = args.model or _default_model()
-    dtype = _generate_dtype(args.dtype, env, build)
+    dtype = _auto_dtype(args.dtype, env, build)
     llm = LLM(
         model=model,
         max_model_len=args.max_model_len,
@@ -231,10 +232,14 @@ def start_detached(command: list[str]) -> None:
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     _ensure_platform()
     env = read_env()
-    if _builds_native_kernels(env):  # in a process of its own: this one becomes vLLM's server
-        start_detached([sys.executable, "-m", "pallas_kernels.cpu", native_build_dir(env.cache_dir)])
+    if _passes_option("--dtype", extra):
+        if _builds_native_kernels(env):  # in a process of its own: this one becomes vLLM's server
+            start_detached([sys.executable, "-m", "pallas_kernels.cpu", native_build_dir(env.cache_dir)])
+    else:  # as `generate`'s auto: the build tells whether the native dense kernel runs here
+        dtype = _auto_dtype("auto", env, _start_native_build(env))
+        extra = extra if dtype == "auto" else ["--dtype", dtype, *extra]
     model = args.model or _default_model()
-    if args.model is None and not any(arg.split("=")[0] == "--load-format" for arg in extra):
+    if args.model is None and not _passes_option("--load-format", extra):
         extra = ["--load-format", "npcache", *extra]  # the embedded model's prepared weights kept
     # vLLM's server entry point starts its engine process with spawn unless told otherwise, which
     # imports vLLM, torch and JAX a second time (most of a server's start). JAX never runs in the front
@@ -243,6 +248,11 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     os.execv(sys.executable, serve_argv(model, extra))
     return 0
+
+
+def _passes_option(name: str, extra: list[str]) -> bool:
+    """Whether vLLM's arguments `extra` set `name` (`--name value` or `--name=value`)."""
+    return any(arg.split("=")[0] == name for arg in extra)
 
 
 # Options that may spread a server over hosts (data-parallel replicas join a liveness link).
@@ -291,7 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM's model dtype; auto: bfloat16 on CPUs with AMX, AVX-512 BF16 or AVX2 (the dense "
         "layers then run on the native kernel), else float32 on CPU",
     )
-    p = sub.add_parser("serve", help="start vLLM's OpenAI-compatible server on the XLA platform")
+    p = sub.add_parser(
+        "serve",
+        help="start vLLM's OpenAI-compatible server on the XLA platform (vLLM's options pass through; "
+        "without --dtype, generate's auto)",
+    )
     p.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M-Instruct)")
     p = sub.add_parser(
         "convert",

@@ -161,6 +161,25 @@ def test_serve_keeps_the_embedded_models_weights_prepared_unless_told(monkeypatc
     assert started[0][3:] == ["--model", "/embedded", *load_format, *argv]
 
 
+@pytest.mark.parametrize("argv", [[], ["--dtype", "float32"], ["--dtype=float16"]])
+def test_serve_picks_generates_dtype_unless_told(monkeypatch, tmp_path, native_kernels, argv):
+    """Without `--dtype`, `serve` runs bfloat16 where the native dense kernel runs (vLLM's own
+    auto keeps a float32 checkpoint such as the embedded model's in float32 on CPU), as `generate`
+    does; a given dtype passes through alone."""
+    from plugin_shim import cli
+
+    monkeypatch.setenv("VLLM_XLA_PLATFORM", "cpu")
+    monkeypatch.setenv("VLLM_XLA_ATTENTION_BACKEND", "cpu_native")
+    started, detached = [], []
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: started.append(argv))
+    monkeypatch.setattr(cli, "start_detached", detached.append)
+    cli.main(["serve", "--model", str(tmp_path), *argv])
+    native = cpu.dense_isa(native_kernels) is not None
+    chosen = ["--dtype", "bfloat16"] if native and not argv else []
+    assert started[0][3:] == ["--model", str(tmp_path), *chosen, *argv]
+    assert len(detached) == (1 if argv else 0)  # given a dtype, the build runs beside the server
+
+
 def test_the_serve_commands_native_build_is_no_child_of_the_server(tmp_path):
     """The server `serve` execs into never waits for a child it did not start: the build must
     not be one (it would stay a zombie once done)."""
