@@ -101,9 +101,9 @@ def server(setup):
         PYTHONPATH=os.pathsep.join([REPO, str(site)]),
     )
     args = [
-        "--model", model_dir, "--max-model-len", "128", "--max-num-seqs", "4",
+        "--model", model_dir, "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "64", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-    ]  # fmt: skip
+    ]  # fmt: skip  (float32: the adapters' texts are transformers' float32 greedy ones)
     log_path = root / "server.log"
     with serving(args, env, log_path, startup_seconds=400) as base:
         yield base, log_path
