@@ -100,10 +100,11 @@ def server(setup):
         TEST_LORA_RESOLVER_DIR=str(dirs["mine"]),
         PYTHONPATH=os.pathsep.join([REPO, str(site)]),
     )
+    # float32: the adapters' expected texts are transformers' float32 greedy ones
     args = [
         "--model", model_dir, "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "64", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-    ]  # fmt: skip  (float32: the adapters' texts are transformers' float32 greedy ones)
+    ]  # fmt: skip
     log_path = root / "server.log"
     with serving(args, env, log_path, startup_seconds=400) as base:
         yield base, log_path
