@@ -209,7 +209,7 @@ def test_many_rows_with_group_scales_default_to_amx_tiles_on_rounded_weights(int
         np.testing.assert_array_equal(got, run(x, packed, jnp.asarray(scale), isa=default), err_msg=str(rows))
     x64 = np.asarray(x, np.float64)
     bound = np.abs(x64) @ np.abs(weights.astype(np.float64))
-    rounded = x64 @ _bfloat16_values(weights)
+    rounded = x64 @ bfloat16_values(weights)
     assert np.all(np.abs(got - rounded) <= 2e-7 * depth * bound)
     assert not np.array_equal(got, np.asarray(run(x, packed, jnp.asarray(scale), isa="avx512")))
 
@@ -278,12 +278,16 @@ def test_grouped_scales_reference_on_a_hand_worked_case():
 
 
 GROUPED = ((32, 48, 4), (64, 80, 32), (576, 96, 32), (96, 16, 96), (1536, 64, 128))
-# Rows above which the "amx" path (and "avx512_bf16" with scales per column) widens panels ahead;
-# at fewer, "amx" runs as "avx512_bf16" does.
-WIDENED_AHEAD_ABOVE = 8
 
 
-def _bfloat16_values(values: np.ndarray) -> np.ndarray:
+def amx_rounds_weights(rows: int, depth: int, group: int) -> bool:
+    """Whether an "amx" call of bfloat16 x multiplies `q s` rounded to bfloat16: scales per group
+    (one group is a scale per column: exact), K a multiple of the tile depth (32), and more than 8
+    rows (from which it widens panels ahead; at fewer it runs as "avx512_bf16" does)."""
+    return rows > 8 and depth % 32 == 0 and group < depth
+
+
+def bfloat16_values(values: np.ndarray) -> np.ndarray:
     """float32 values rounded to bfloat16 (to nearest even), as float64."""
     return np.asarray(jnp.asarray(values, jnp.float32).astype(jnp.bfloat16), np.float64)
 
@@ -316,10 +320,9 @@ def test_grouped_scales_match_numpy(int8_isas, rows, depth, width, group):
             assert np.all(error <= fixed_point_error_bound(x, q, scale) + 1e-30), isa
             fixed_point = native_dense_int8_fixed_point_reference(x, packed, jnp.asarray(scale))
             np.testing.assert_allclose(got, fixed_point, rtol=2e-6, atol=1e-6 * np.abs(expected).max())
-        elif isa == "amx" and rows > WIDENED_AHEAD_ABOVE and depth % 32 == 0 and group < depth:
-            # on the tiles, scales per group (one group is a scale per column: exact): q s rounded
-            # to bfloat16 (to nearest even), then the float product
-            rounded = x64 @ _bfloat16_values(q.astype(np.float32) * np.repeat(scale, group, axis=0))
+        elif isa == "amx" and amx_rounds_weights(rows, depth, group):
+            # on the tiles: q s rounded to bfloat16, then the float product
+            rounded = x64 @ bfloat16_values(q.astype(np.float32) * np.repeat(scale, group, axis=0))
             assert np.all(np.abs(np.asarray(got, np.float64) - rounded) <= 2e-7 * depth * bound + 1e-30), isa
             assert np.all(error <= 2.0**-8 * bound + 2e-7 * depth * bound + 1e-30), isa
         else:

@@ -14,6 +14,7 @@ import pytest
 
 from pallas_kernels import cpu
 from pallas_kernels.cpu.dense_int8 import fixed_point_error_bound
+from tests.pallas_kernels.test_cpu_dense_int8 import amx_rounds_weights, bfloat16_values
 
 
 def _q8_0_blocks(rng, depth, width, group=32):
@@ -43,10 +44,9 @@ def _check(native_kernels, rows, depth, width, group, x_dtype, seed):
         got = np.asarray(product(x, packed, jnp.asarray(d), isa=isa))
         np.testing.assert_array_equal(got, product(x, packed, jnp.asarray(scale), isa=isa), err_msg=isa)
         allowed = float_rounding + (fixed_point_error_bound(x64, q, scale) if isa == "avx512_vnni" else 0)
-        if isa == "amx" and x_dtype == jnp.bfloat16 and rows > 8 and depth % 32 == 0 and group < depth:
+        if isa == "amx" and x_dtype == jnp.bfloat16 and amx_rounds_weights(rows, depth, group):
             # on the tiles: each q d rounded to bfloat16 (to nearest even), at most 2^-9 of it
-            rounded = np.asarray(jnp.asarray(weights, jnp.float32).astype(jnp.bfloat16), np.float64)
-            assert np.all(np.abs(got - x64 @ rounded) <= float_rounding), isa
+            assert np.all(np.abs(got - x64 @ bfloat16_values(weights)) <= float_rounding), isa
             allowed = float_rounding + 2.0**-9 * (np.abs(x64) @ np.abs(weights))
         assert np.all(np.abs(got - expected) <= allowed), isa
 
