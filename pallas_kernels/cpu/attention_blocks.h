@@ -34,8 +34,11 @@ inline void ScoreBlock(const float* q, int64_t D, const float* panel, float* sc,
 // acc[h * kD + d] += sum over keys j0..j1 of p[h * stride + j] * values[j * kD + d], for kH heads;
 // their accumulators stay in registers (kH * kD / 16 of them, plus kD / 16 for a value row), and
 // each value row is widened once for all kH heads (`values`: float32 scratch, or a page as stored).
+// `upcoming` (or none): a block of the values' shape that the caller reads next, loaded into L2 a
+// row with each key, so its loads spread over the loop instead of filling the miss queue at once.
 template <int kH, int kD, typename T>
-void AccumulateValueHeads(const float* p, int64_t stride, const T* values, int64_t j0, int64_t j1, float* acc) {
+void AccumulateValueHeads(const float* p, int64_t stride, const T* values, int64_t j0, int64_t j1, float* acc,
+                          const T* upcoming = nullptr) {
   static_assert(kD % 16 == 0 && (kH + 1) * kD / 16 <= 32, "the block must fit in the 32 vector registers");
   constexpr int kC = kD / 16;
   __m512 sum[kH][kC];
@@ -45,6 +48,11 @@ void AccumulateValueHeads(const float* p, int64_t stride, const T* values, int64
   for (int64_t j = j0; j < j1; ++j) {
     __m512 probability[kH];
     for (int h = 0; h < kH; ++h) probability[h] = _mm512_set1_ps(p[h * stride + j]);
+    if (upcoming != nullptr) {
+      for (int64_t b = 0; b < kD * static_cast<int64_t>(sizeof(T)); b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(upcoming + j * kD) + b, 0, 2);
+      }
+    }
     for (int c = 0; c < kC; ++c) {
       const __m512 v = Load16(values + j * kD + 16 * c);
       for (int h = 0; h < kH; ++h) sum[h][c] = _mm512_fmadd_ps(probability[h], v, sum[h][c]);
@@ -152,12 +160,18 @@ VLLM_XLA_AVX512BF16 inline __m512 Bf16Dots16(const uint16_t* q, const uint16_t* 
 
 // Decode scores sc[g * stride + j] of G query heads (`q`: [G, kD] float32, scaled) against the
 // keys of a page ([S, kD] as stored) in whole 16-key groups from j0's to j1's; with `q_bits`
-// (bfloat16 keys only: [G, kD] unscaled bfloat16 queries) by VDPBF16PS, then scaled.
+// (bfloat16 keys only: [G, kD] unscaled bfloat16 queries) by VDPBF16PS, then scaled. `upcoming` (or
+// none): a block of the keys' shape read next, loaded into L2 16 rows with the first head's 16 keys.
 template <int kD, typename T>
 void DecodeScores(const float* q, const uint16_t* q_bits, float scale, const T* keys, int64_t j0, int64_t j1,
-                  int64_t G, float* sc, int64_t stride) {
+                  int64_t G, float* sc, int64_t stride, const T* upcoming = nullptr) {
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t j = j0 / 16 * 16; j < j1; j += 16) {
+      if (g == 0 && upcoming != nullptr) {
+        for (int64_t b = 0; b < 16 * kD * static_cast<int64_t>(sizeof(T)); b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(upcoming + j * kD) + b, 0, 2);
+        }
+      }
       __m512 dots;
       if constexpr (std::is_same_v<T, uint16_t>) {
         dots = q_bits != nullptr

@@ -50,13 +50,17 @@ struct PageUpdate {
 
   // Online-softmax update of one row's G query heads (q, acc: [G, D]; m, denom: [G]) with keys
   // j0..j1 of one page; each key and value is converted once for all G heads.
-  // `q_bits`: the G heads' unscaled bfloat16 query when `bf16_dots`, else unused.
+  // `q_bits`: the G heads' unscaled bfloat16 query when `bf16_dots`, else unused. `after_keys`,
+  // `after_values`: the blocks of a page's shape that the walk reads after these keys and after
+  // these values, loaded ahead while they are read (the decode update of whole 16-key groups), or
+  // none.
   void Update(const float* q_row, const uint16_t* q_bits, const T* k_page, const T* v_page, float* acc, float* m,
-              float* denom, int64_t j0, int64_t j1, int64_t G, float* sc) const {
+              float* denom, int64_t j0, int64_t j1, int64_t G, float* sc, const T* after_keys = nullptr,
+              const T* after_values = nullptr) const {
 #if defined(__AVX512F__)
     if constexpr (kD > 0 && kD % 16 == 0) {
       if (s.page_size % 16 == 0) {
-        UpdateDecode(q_row, q_bits, k_page, v_page, acc, m, denom, j0, j1, G, sc);
+        UpdateDecode(q_row, q_bits, k_page, v_page, acc, m, denom, j0, j1, G, sc, after_keys, after_values);
       } else {
         UpdateVectors<Avx512>(q_row, k_page, v_page, acc, m, denom, j0, j1, G, sc);
       }
@@ -142,10 +146,11 @@ struct PageUpdate {
   // by VDPBF16PS, unwidened), float8 keys a key at a time (widened once for all heads); each value
   // row widened once for all heads. Keys of a group past j1 are scored and never read.
   void UpdateDecode(const float* q_row, const uint16_t* q_bits, const T* k_page, const T* v_page, float* acc,
-                    float* m, float* denom, int64_t j0, int64_t j1, int64_t G, float* sc) const {
+                    float* m, float* denom, int64_t j0, int64_t j1, int64_t G, float* sc, const T* after_keys,
+                    const T* after_values) const {
     const int64_t S = s.page_size;
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>) {
-      DecodeScores<kD>(q_row, q_bits, prm.sm_scale, k_page, j0, j1, G, sc, S);
+      DecodeScores<kD>(q_row, q_bits, prm.sm_scale, k_page, j0, j1, G, sc, S, after_keys);
       if (prm.soft_cap > 0.0f) {
         for (int64_t g = 0; g < G; ++g) {
           for (int64_t j = j0; j < j1; ++j) sc[g * S + j] = prm.soft_cap * std::tanh(sc[g * S + j] / prm.soft_cap);
@@ -155,28 +160,36 @@ struct PageUpdate {
       ScoreByKey<Avx512>(q_row, k_page, j0, j1, G, sc);
     }
     Rescale(acc, m, denom, j0, j1, G, sc, S);
-    AccumulateHeads(sc, S, v_page, j0, j1, G, acc);
+    AccumulateHeads(sc, S, v_page, j0, j1, G, acc, after_values);
   }
 #endif
 
   // acc[g * D + d] += sum over keys j0..j1 of p[g * stride + j] * values[j * D + d] for G heads;
   // with AVX-512 in blocks of heads that share each value row (`values`: float32, or a page as
-  // stored, whose rows are widened once a block).
+  // stored, whose rows are widened once a block); `upcoming`: a block of the values' shape that the
+  // walk reads next, loaded ahead as the values are summed (`AccumulateValueHeads`), or none.
   template <typename U>
   void AccumulateHeads(const float* p, int64_t stride, const U* values, int64_t j0, int64_t j1, int64_t G,
-                       float* acc) const {
+                       float* acc, const U* upcoming = nullptr) const {
     const int64_t D = HeadDim();
     int64_t g = 0;
 #if defined(__AVX512F__)
     // Heads in threes, else pairs, while their accumulators and a value row fit in 32 registers.
+    const U* ahead = upcoming;  // loaded by the first block only: each block reads every value row
     if constexpr (kD > 0 && kD % 16 == 0 && kD <= 64) {
-      for (; g + 3 <= G; g += 3) AccumulateValueHeads<3, kD>(p + g * stride, stride, values, j0, j1, acc + g * D);
+      for (; g + 3 <= G; g += 3, ahead = nullptr) {
+        AccumulateValueHeads<3, kD>(p + g * stride, stride, values, j0, j1, acc + g * D, ahead);
+      }
     }
     if constexpr (kD > 0 && kD % 16 == 0 && kD <= 128) {
-      for (; g + 2 <= G; g += 2) AccumulateValueHeads<2, kD>(p + g * stride, stride, values, j0, j1, acc + g * D);
+      for (; g + 2 <= G; g += 2, ahead = nullptr) {
+        AccumulateValueHeads<2, kD>(p + g * stride, stride, values, j0, j1, acc + g * D, ahead);
+      }
     }
     if constexpr (kD > 0 && kD % 16 == 0) {
-      for (; g < G; ++g) AccumulateValueHeads<1, kD>(p + g * stride, stride, values, j0, j1, acc + g * D);
+      for (; g < G; ++g, ahead = nullptr) {
+        AccumulateValueHeads<1, kD>(p + g * stride, stride, values, j0, j1, acc + g * D, ahead);
+      }
     }
 #endif
     if constexpr (std::is_same_v<U, float>) {

@@ -48,8 +48,7 @@ using vllm_xla::Shapes;
 
 constexpr int64_t kRowsPerItem = 16;
 constexpr int64_t kItemsPerThread = 4;  // whole-page items when there are at least this many a thread
-// How far ahead in a sequence's block table an item prefetches (measured on 64 decode rows of
-// 208-512 tokens: 2 pages ahead beat 1 and 3).
+// How far ahead in a sequence's block table a block of rows (prefill) prefetches: 2 pages.
 constexpr int64_t kPrefetchPages = 2;
 
 // The first position a row at `position` sees: its sliding window's and its chunk's bounds.
@@ -102,6 +101,15 @@ struct Problem : vllm_xla::PageUpdate<T, kD> {
       static_cast<float*>(out)[i] = x;
     }
   }
+  // The page `ahead` slots after `slot` in a sequence's block table, or none past its `last`
+  // position.
+  const T* PageAfter(const int32_t* table, int64_t slot, int64_t last, int64_t ahead) const {
+    const int64_t next = slot + ahead;
+    if (next > last / s.page_size || next >= s.pages_per_seq) return nullptr;
+    const int64_t page = std::clamp<int64_t>(table[next], 0, s.num_pages - 1);
+    return cache + page * 2 * s.num_kv_heads * s.page_size * HeadDim();
+  }
+
   static void Begin() {}
   static void End() {}
 
@@ -143,19 +151,18 @@ struct Problem : vllm_xla::PageUpdate<T, kD> {
       const int64_t page = std::clamp<int64_t>(table[slot], 0, s.num_pages - 1);
       const int64_t n = std::min<int64_t>(S, last - slot * S + 1);
       const T* page_base = cache + page * 2 * K * S * D;
-      const int64_t ahead = slot + kPrefetchPages;
-      const bool has_next = ahead <= last / S && ahead < s.pages_per_seq;
-      const T* next_base =
-          cache + std::clamp<int64_t>(has_next ? table[ahead] : page, 0, s.num_pages - 1) * 2 * K * S * D;
+      // Pages are scattered, so the hardware prefetcher cannot guess the next one: a block of rows
+      // loads a later page's part for each head in one burst as it starts the head (its scoring
+      // takes long enough); a single row's update loads the part the walk reads next, a few lines
+      // with each key (`Update`: a burst there fills the core's miss queue and stalls the loads).
+      const T* next_page = PageAfter(table, slot, last, 1);
+      const T* prefetched_page = rows > 1 ? PageAfter(table, slot, last, kPrefetchPages) : nullptr;
       for (int64_t h = 0; h < heads; ++h) {
         const T* k_page = page_base + (item.first_head + h) * S * D;
         const T* v_page = page_base + (K + item.first_head + h) * S * D;
-        if (has_next) {
-          // Start loading this head's part of a later page: pages are scattered, so the
-          // hardware prefetcher cannot guess it. A head at a time keeps the requests in flight
-          // within what the core can track.
-          const char* next_k = reinterpret_cast<const char*>(next_base + (item.first_head + h) * S * D);
-          const char* next_v = reinterpret_cast<const char*>(next_base + (K + item.first_head + h) * S * D);
+        if (prefetched_page != nullptr) {
+          const char* next_k = reinterpret_cast<const char*>(prefetched_page + (item.first_head + h) * S * D);
+          const char* next_v = reinterpret_cast<const char*>(prefetched_page + (K + item.first_head + h) * S * D);
           for (int64_t b = 0; b < S * D * static_cast<int64_t>(sizeof(T)); b += 64) {
             __builtin_prefetch(next_k + b);
             __builtin_prefetch(next_v + b);
@@ -183,7 +190,10 @@ struct Problem : vllm_xla::PageUpdate<T, kD> {
             const uint16_t* q_bits =
                 bf16_dots ? static_cast<const uint16_t*>(q) + (item.first_row * s.num_heads + (item.first_head + h) * G) * D
                           : nullptr;
-            Update(q_head, q_bits, k_page, v_page, acc, m, denom, j0, j1, G, w.scores.data());
+            // What the walk reads after this head's values: the next head's keys, else the next page's.
+            const T* after_values =
+                h + 1 < heads ? k_page + S * D : next_page == nullptr ? nullptr : next_page + item.first_head * S * D;
+            Update(q_head, q_bits, k_page, v_page, acc, m, denom, j0, j1, G, w.scores.data(), v_page, after_values);
           }
         }
       }
