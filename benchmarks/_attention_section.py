@@ -16,10 +16,12 @@ embedded model's shapes (9 query heads, 3 kv heads, head dim 64, 128-token pages
 chain of calls over distinct layers' caches. GFLOP/s are per second of process CPU time (what a
 core does; other jobs' time slices do not stretch it), against a core's roofline: min(peak,
 FLOPs a byte x the bytes a CPU second one thread reads of a 256 MB buffer). "streamed": enough
-layers to pass 96 MB of cache, so the pages come from memory as in a model step; "2 layers": the
-pages stay in cache, which shows the kernel's arithmetic apart from memory. "before": the same
-case on the kernel before its last change, run in the same session alternating with it (wall
-times on a loaded machine vary several-fold; the CPU-second figures much less).
+layers to pass 96 MB of cache, so the pages come from memory as in a model step (from the
+last-level cache where it holds more: the Xeon kind's holds 300 MB); "2 layers": the pages stay
+in cache, which shows the kernel's arithmetic apart from memory. "before": the same case on the
+kernel before its last change, run in the same session alternating with it, each side the run
+with the median CPU-second figure of three (wall times on a loaded machine vary several-fold; the
+CPU-second figures less, but a prefill case's still by up to 1.3x between runs of one build).
 """
 
 
