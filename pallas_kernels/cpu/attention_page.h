@@ -122,10 +122,17 @@ struct PageUpdate {
   // Scores sc[g * S + j] (soft cap applied) of G heads against keys j0..j1, a key at a time: each
   // key widened once for all heads.
   template <class V>
-  void ScoreByKey(const float* q_row, const T* k_page, int64_t j0, int64_t j1, int64_t G, float* sc) const {
+  // `upcoming` (or none): a block of the keys' shape read next, loaded into L2 a row with each key.
+  void ScoreByKey(const float* q_row, const T* k_page, int64_t j0, int64_t j1, int64_t G, float* sc,
+                  const T* upcoming = nullptr) const {
     constexpr int kW = V::kLanes, kC = kD / kW;
     const int64_t S = s.page_size;
     for (int64_t j = j0; j < j1; ++j) {
+      if (upcoming != nullptr) {
+        for (int64_t b = 0; b < kD * static_cast<int64_t>(sizeof(T)); b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(upcoming + j * kD) + b, 0, 2);
+        }
+      }
       typename V::Reg key[kC];
       for (int c = 0; c < kC; ++c) key[c] = V::Load(k_page + j * kD + kW * c);
       for (int64_t g = 0; g < G; ++g) {
@@ -157,7 +164,7 @@ struct PageUpdate {
         }
       }
     } else {
-      ScoreByKey<Avx512>(q_row, k_page, j0, j1, G, sc);
+      ScoreByKey<Avx512>(q_row, k_page, j0, j1, G, sc, after_keys);
     }
     Rescale(acc, m, denom, j0, j1, G, sc, S);
     AccumulateHeads(sc, S, v_page, j0, j1, G, acc, after_values);
