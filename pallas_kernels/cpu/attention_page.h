@@ -120,9 +120,9 @@ struct PageUpdate {
   }
 
   // Scores sc[g * S + j] (soft cap applied) of G heads against keys j0..j1, a key at a time: each
-  // key widened once for all heads.
+  // key widened once for all heads. `upcoming` (or none): a block of the keys' shape read next,
+  // loaded into L2 a row with each key.
   template <class V>
-  // `upcoming` (or none): a block of the keys' shape read next, loaded into L2 a row with each key.
   void ScoreByKey(const float* q_row, const T* k_page, int64_t j0, int64_t j1, int64_t G, float* sc,
                   const T* upcoming = nullptr) const {
     constexpr int kW = V::kLanes, kC = kD / kW;

@@ -101,13 +101,15 @@ struct Problem : vllm_xla::PageUpdate<T, kD> {
       static_cast<float*>(out)[i] = x;
     }
   }
-  // The page `ahead` slots after `slot` in a sequence's block table, or none past its `last`
-  // position.
+  // The page at `slot` of a sequence's block table (an index outside the cache clamped into it).
+  const T* PageAt(const int32_t* table, int64_t slot) const {
+    const int64_t page = std::clamp<int64_t>(table[slot], 0, s.num_pages - 1);
+    return cache + page * 2 * s.num_kv_heads * s.page_size * HeadDim();
+  }
+  // The page `ahead` slots after `slot`, or none past the sequence's `last` position.
   const T* PageAfter(const int32_t* table, int64_t slot, int64_t last, int64_t ahead) const {
     const int64_t next = slot + ahead;
-    if (next > last / s.page_size || next >= s.pages_per_seq) return nullptr;
-    const int64_t page = std::clamp<int64_t>(table[next], 0, s.num_pages - 1);
-    return cache + page * 2 * s.num_kv_heads * s.page_size * HeadDim();
+    return next > last / s.page_size || next >= s.pages_per_seq ? nullptr : PageAt(table, next);
   }
 
   static void Begin() {}
@@ -148,9 +150,8 @@ struct Problem : vllm_xla::PageUpdate<T, kD> {
     const int64_t S16 = PaddedPageSize();
     const int32_t* table = page_indices + item.seq * s.pages_per_seq;
     for (int64_t slot = lo_block / S; slot <= last / S && slot < s.pages_per_seq; ++slot) {
-      const int64_t page = std::clamp<int64_t>(table[slot], 0, s.num_pages - 1);
       const int64_t n = std::min<int64_t>(S, last - slot * S + 1);
-      const T* page_base = cache + page * 2 * K * S * D;
+      const T* page_base = PageAt(table, slot);
       // Pages are scattered, so the hardware prefetcher cannot guess the next one: a block of rows
       // loads a later page's part for each head in one burst as it starts the head (its scoring
       // takes long enough); a single row's update loads the part the walk reads next, a few lines
