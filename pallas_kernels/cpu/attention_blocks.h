@@ -48,11 +48,7 @@ void AccumulateValueHeads(const float* p, int64_t stride, const T* values, int64
   for (int64_t j = j0; j < j1; ++j) {
     __m512 probability[kH];
     for (int h = 0; h < kH; ++h) probability[h] = _mm512_set1_ps(p[h * stride + j]);
-    if (upcoming != nullptr) {
-      for (int64_t b = 0; b < kD * static_cast<int64_t>(sizeof(T)); b += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(upcoming + j * kD) + b, 0, 2);
-      }
-    }
+    if (upcoming != nullptr) LoadIntoL2(upcoming + j * kD, kD);
     for (int c = 0; c < kC; ++c) {
       const __m512 v = Load16(values + j * kD + 16 * c);
       for (int h = 0; h < kH; ++h) sum[h][c] = _mm512_fmadd_ps(probability[h], v, sum[h][c]);
@@ -167,11 +163,7 @@ void DecodeScores(const float* q, const uint16_t* q_bits, float scale, const T* 
                   int64_t G, float* sc, int64_t stride, const T* upcoming = nullptr) {
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t j = j0 / 16 * 16; j < j1; j += 16) {
-      if (g == 0 && upcoming != nullptr) {
-        for (int64_t b = 0; b < 16 * kD * static_cast<int64_t>(sizeof(T)); b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(upcoming + j * kD) + b, 0, 2);
-        }
-      }
+      if (g == 0 && upcoming != nullptr) LoadIntoL2(upcoming + j * kD, 16 * kD);
       __m512 dots;
       if constexpr (std::is_same_v<T, uint16_t>) {
         dots = q_bits != nullptr

@@ -128,11 +128,7 @@ struct PageUpdate {
     constexpr int kW = V::kLanes, kC = kD / kW;
     const int64_t S = s.page_size;
     for (int64_t j = j0; j < j1; ++j) {
-      if (upcoming != nullptr) {
-        for (int64_t b = 0; b < kD * static_cast<int64_t>(sizeof(T)); b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(upcoming + j * kD) + b, 0, 2);
-        }
-      }
+      if (upcoming != nullptr) LoadIntoL2(upcoming + j * kD, kD);
       typename V::Reg key[kC];
       for (int c = 0; c < kC; ++c) key[c] = V::Load(k_page + j * kD + kW * c);
       for (int64_t g = 0; g < G; ++g) {

@@ -89,6 +89,15 @@ inline uint8_t FloatToFloat8(float f, float max_finite) {
   return static_cast<uint8_t>(sign | (rounded - (static_cast<uint32_t>(127 - kBias) << kM)));
 }
 
+// Starts loading `count` consecutive elements at `at` into L2, a software prefetch a 64-byte line:
+// how the decode update reads ahead, a few lines with each key (a burst would fill the core's miss
+// queue and stall the loads behind it).
+template <typename T>
+inline void LoadIntoL2(const T* at, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(at);
+  for (int64_t b = 0; b < count * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b, 0, 2);
+}
+
 // What a call whose cache fails `WithCacheType` is told.
 inline constexpr char kCacheTypeError[] =
     "kv_cache must be float32 (cache_format 0), uint16 bfloat16 bits (1) or uint8 float8 bits (2: e4m3fn, 3: e5m2)";
