@@ -67,6 +67,7 @@ HEADERS = tuple(
         "float16.h",
         "dense_int8_vnni.h",
         "dense_int4_avx2.h",
+        "dense_int4_avx512_float.h",
         "dense_int4_pairs.h",
         "dense_int4_vnni.h",
     )
@@ -337,8 +338,10 @@ def _probe_dense_int8_isas(library: _Library) -> int:
 
 
 # the int4 kernel's paths, by their code in dense_int4.cc
-DENSE_INT4_ISAS = {1: "avx2", 2: "portable", 3: "avx2_float", 4: "avx512_bf16", 5: "avx512_vnni", 6: "amx"}
-_DENSE_INT4_PREFERENCE = ("avx512_vnni", "amx", "avx512_bf16", "avx2", "avx2_float", "portable")
+DENSE_INT4_ISAS = {
+    1: "avx2", 2: "portable", 3: "avx2_float", 4: "avx512_bf16", 5: "avx512_vnni", 6: "amx", 7: "avx512_float"
+}
+_DENSE_INT4_PREFERENCE = ("avx512_vnni", "amx", "avx512_bf16", "avx2", "avx512_float", "avx2_float", "portable")
 
 
 def dense_int4_isas(library: Path) -> tuple[str, ...]:
@@ -349,9 +352,11 @@ def dense_int4_isas(library: Path) -> tuple[str, ...]:
     multiple of 32), "avx512_bf16" (AVX-512 BF16: as
     "avx2" for a few rows; for more, with
     bfloat16 x, each panel widened once to bfloat16 and multiplied with VDPBF16PS; float32 x takes
-    "avx2_float"), "avx2" (AVX2: bfloat16 x in 16-bit fixed point, integer products of its
-    byte planes with the nibbles; float32 x, and a call with values that are not finite, take the
-    next path), "avx2_float" (AVX2 with FMA: nibbles widened to float32 in registers) and
+    the float product), "avx2" (AVX2: bfloat16 x in 16-bit fixed point, integer products of its
+    byte planes with the nibbles; a call with values that are not finite takes "avx2_float"),
+    "avx512_float" (AVX-512: "avx2_float"'s float product with a whole 16-column line a register and
+    up to 8 rows sharing each widened line; the default for float32 x), "avx2_float" (AVX2 with
+    FMA: nibbles widened to float32 in registers; float32 x's default without AVX-512) and
     "portable" (plain C++, on any CPU)."""
     mask = _probe_dense_int4_isas(_Library(library.name, library))
     codes = {name: code for code, name in DENSE_INT4_ISAS.items()}

@@ -31,8 +31,9 @@
 //   (finer than bfloat16's own): at most sx / 2 sum_k |u_k s_k| per output. A call with a value of
 //   x that is not finite, or a row whose largest magnitude is below 1e-30 but not zero, takes
 //   "avx2_float" instead.
-// - "avx2_float" (the default for float32 x): the same walk with the nibbles widened to float32 in
-//   registers (a shift, an AND and a convert) against x in float32: the float product.
+// - "avx2_float" (the default for float32 x without AVX-512): the same walk with the nibbles
+//   widened to float32 in registers (a shift, an AND and a convert) against x in float32: the
+//   float product.
 // - both, above `kWidenAheadAbove` rows: each panel dequantized once per chunk of rows to float32
 //   [K, 16] (u s + m - 8 s), the rows then on the float32 kernel's 6x16 register blocks.
 // - "avx512_bf16" (the default for bfloat16 x where the CPU has AVX-512 BF16): as "avx2" up to
@@ -40,16 +41,19 @@
 //   bfloat16 by the first register block over it (which multiplies the pairs as it writes them)
 //   and the other rows on the bfloat16 kernel's VDPBF16PS blocks (dense_int4_pairs.h): the
 //   one error next to the float product is the weights' rounding to bfloat16 (at most 2^-8 of
-//   each |x w| term). Float32 x takes "avx2_float".
+//   each |x w| term). Float32 x takes the float product.
 // - "amx" (where the CPU has AMX bfloat16 tiles): as "avx2" up to `kWidenAheadAbove` rows; above,
 //   each panel of a work item dequantized once to the same bfloat16 pairs as "avx512_bf16", then
 //   every row multiplied on AMX tiles (dense_int4_amx.h): the same one error, several times the
 //   throughput at many rows. K must be a multiple of 32, else "avx512_bf16" runs. Float32 x
-//   takes "avx2_float".
+//   takes the float product.
 // - "avx512_vnni" (the default for bfloat16 x where the CPU has AVX-512 VNNI and VBMI), up to
 //   `kVnniRowsAtMost` rows: the "avx2" path's fixed point with VPDPBUSD (dense_int4_vnni.h);
 //   above, as "amx" where the CPU has it, else "avx512_bf16", else "avx2". Float32 x takes
-//   "avx2_float".
+//   the float product.
+// - "avx512_float" (the default for float32 x where the CPU has AVX-512): "avx2_float"'s float
+//   product with a whole panel line a register, up to 8 rows sharing each widened line
+//   (dense_int4_avx512_float.h); many rows as "avx2_float".
 // - "portable": plain C++ (vectorized by the compiler), the float product, on any CPU.
 //
 // Work items are runs of 16-column blocks (`RunOverColumnBlocks`), walked in register blocks of a
@@ -65,6 +69,7 @@
 #include <immintrin.h>
 
 #include "dense_int4_amx.h"
+#include "dense_int4_avx512_float.h"
 #include "dense_int4_vnni.h"
 #endif
 
@@ -81,7 +86,7 @@ namespace {
 
 // The `isa` attribute: which path runs (the codes of `DENSE_INT4_ISAS` in build.py).
 enum Int4Isa : int32_t { kBestIsa = 0, kAvx2 = 1, kPortable = 2, kAvx2Float = 3, kAvx512Bf16 = 4, kAvx512Vnni = 5,
-                       kAmx = 6 };
+                       kAmx = 6, kAvx512Float = 7 };
 
 using vllm_xla::int4::FixedPointRows;
 using vllm_xla::int4::Int4Problem;
@@ -99,6 +104,7 @@ constexpr int64_t kOnePlaneRowsAtMost = 0;
 using vllm_xla::int4::Avx2Int4;
 using vllm_xla::int4::AmxInt4;
 using vllm_xla::int4::Avx512Bf16Int4;
+using vllm_xla::int4::Avx512FloatInt4;
 #endif
 
 using vllm_xla::WidenHalves;
@@ -148,8 +154,10 @@ struct GroupScales {
 bool IsaUsable(Int4Isa isa) {
 #if defined(__x86_64__)
   static const bool avx2 = vllm_xla::Avx2Usable(), bf16 = avx2 && vllm_xla::Avx512Bf16Usable(),
-                    vnni = avx2 && vllm_xla::Avx512VnniUsable(), amx = bf16 && vllm_xla::AmxUsable();
+                    vnni = avx2 && vllm_xla::Avx512VnniUsable(), amx = bf16 && vllm_xla::AmxUsable(),
+                    avx512 = avx2 && vllm_xla::int4::Avx512FloatUsable();
   if (isa == kAmx) return amx;
+  if (isa == kAvx512Float) return avx512;
   if (isa == kAvx2 || isa == kAvx2Float) return avx2;
   if (isa == kAvx512Bf16) return bf16;
   if (isa == kAvx512Vnni) return vnni;
@@ -157,12 +165,15 @@ bool IsaUsable(Int4Isa isa) {
   return isa == kPortable;
 }
 
+// The float product for float32 x: a whole panel line a register where the CPU has AVX-512.
+Int4Isa FloatIsa() { return IsaUsable(kAvx512Float) ? kAvx512Float : kAvx2Float; }
+
 // The path an unforced call takes: integer products for bfloat16 x (their 16-bit fixed point is
 // finer than x's own rounding; float32 x asks for more, so it keeps the float product), and for
 // many rows of it VDPBF16PS where the CPU has it. "avx512_vnni" runs many rows as the next path.
 Int4Isa BestIsa(ffi::DataType type) {
   if (!IsaUsable(kAvx2)) return kPortable;
-  if (type != ffi::DataType::BF16) return kAvx2Float;
+  if (type != ffi::DataType::BF16) return FloatIsa();
   if (IsaUsable(kAvx512Vnni)) return kAvx512Vnni;
   return IsaUsable(kAvx512Bf16) ? kAvx512Bf16 : kAvx2;
 }
@@ -303,11 +314,11 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
   std::memset(y->typed_data() + M * N, 0, sizeof(float) * (xd[0] - M) * N);
   if (M == 0) return ffi::Error::Success();
   if (run == kAvx512Vnni && (type != ffi::DataType::BF16 || M > kVnniRowsAtMost)) {
-    run = type != ffi::DataType::BF16 ? kAvx2Float : ManyRowsIsa(K);
+    run = type != ffi::DataType::BF16 ? FloatIsa() : ManyRowsIsa(K);
   }
   if (run == kAmx && K % vllm_xla::kAmxTileDepth != 0) run = kAvx512Bf16;  // AMX tiles are 32 k deep
   if ((run == kAvx512Bf16 || run == kAmx) && (type != ffi::DataType::BF16 || M <= kWidenAheadAbove)) {
-    run = type == ffi::DataType::BF16 ? kAvx2 : kAvx2Float;  // a few rows: unpacked in registers
+    run = type == ffi::DataType::BF16 ? kAvx2 : FloatIsa();  // a few rows: unpacked in registers
   }
   GroupScales scales(scale, offset, bases != 0, scales_of_layer.offset, groups * N);
   const uint32_t* w_words = w.typed_data() + weight.offset;
@@ -368,6 +379,10 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
                             M,    K,            N,            group,         integer ? &fixed : nullptr,
                             scales.scale_in_base};
 #if defined(__x86_64__)
+  if (run == kAvx512Float) {
+    vllm_xla::RunOverColumnBlocks(Avx512FloatInt4{Avx2Int4{problem}}, N / kCols, max_blocks, pool);
+    return ffi::Error::Success();
+  }
   if (run == kAvx2 || run == kAvx2Float) {
     vllm_xla::RunOverColumnBlocks(Avx2Int4{problem}, N / kCols, max_blocks, pool);
     return ffi::Error::Success();
@@ -381,11 +396,13 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
 
 // The int4 dense paths this process may run, as a bit mask: bit 1 AVX2 (integer products), bit 2
 // portable, bit 3 AVX2 (float products), bit 4 AVX-512 BF16 (widened panels for many rows), bit 5
-// AVX-512 VNNI (integer products for a few rows), bit 6 AMX (widened panels for many rows).
+// AVX-512 VNNI (integer products for a few rows), bit 6 AMX (widened panels for many rows), bit 7
+// AVX-512 (float products).
 extern "C" int VllmXlaDenseInt4Isas() {
   return (IsaUsable(kAvx2) ? 1 << kAvx2 : 0) | (IsaUsable(kPortable) ? 1 << kPortable : 0) |
          (IsaUsable(kAvx2Float) ? 1 << kAvx2Float : 0) | (IsaUsable(kAvx512Bf16) ? 1 << kAvx512Bf16 : 0) |
-         (IsaUsable(kAvx512Vnni) ? 1 << kAvx512Vnni : 0) | (IsaUsable(kAmx) ? 1 << kAmx : 0);
+         (IsaUsable(kAvx512Vnni) ? 1 << kAvx512Vnni : 0) | (IsaUsable(kAmx) ? 1 << kAmx : 0) |
+         (IsaUsable(kAvx512Float) ? 1 << kAvx512Float : 0);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(VllmXlaDenseInt4, DenseInt4,

@@ -25,8 +25,9 @@ With bfloat16 x the AVX2 path multiplies integers: each row of x in 16-bit fixed
 values, the one error next to the float product x's rounding, at most `sx / 2 sum_k |u_k s_k|`
 per output (`fixed_point_error_bound`); "avx512_vnni" (the default where the CPU has AVX-512 VNNI
 and VBMI) takes the same fixed point to VPDPBUSD, four products to an int32 lane and no int16
-stage, so 32-input groups leave a decode step bound by the weights' bytes; "avx2_float" and
-"portable" compute the float product.
+stage, so 32-input groups leave a decode step bound by the weights' bytes; "avx512_float" (the
+default for float32 x where the CPU has AVX-512), "avx2_float" and "portable" compute the float
+product.
 With more rows of bfloat16 x, "avx512_bf16" (the default where the CPU has it) widens each panel
 once to its unsigned values in bfloat16 (exact) and multiplies on VDPBF16PS: the float product at
 bfloat16's throughput, where the AVX2 paths dequantize to float32; "amx" (where the CPU has AMX
@@ -222,10 +223,11 @@ def native_dense_int4(
     other dtypes are converted to float32.
 
     x is bfloat16 or another float dtype (converted to float32). `isa` picks the path
-    ("avx512_vnni", "avx512_bf16", "avx2", "avx2_float" or "portable"); None takes the best the CPU has
-    (`dense_int4_isas`; float32 x skips the integer and bfloat16 products, whose precision is
-    finer than bfloat16's rounding but coarser than float32's: "avx512_bf16" runs it as
-    "avx2_float"; "avx512_vnni" runs more than 16 rows as "avx512_bf16" where the CPU has it,
+    ("avx512_vnni", "amx", "avx512_bf16", "avx2", "avx512_float", "avx2_float" or "portable"); None
+    takes the best the CPU has (`dense_int4_isas`; float32 x skips the integer and bfloat16
+    products, whose precision is finer than bfloat16's rounding but coarser than float32's:
+    "avx512_bf16" runs it as "avx512_float" where the CPU has it, else "avx2_float"; "avx512_vnni"
+    runs more than 16 rows as "avx512_bf16" where the CPU has it,
     else as "avx2"). On "avx2" and "avx512_bf16" up to 8 rows, and on "avx512_vnni" up to 16, x is
     rounded to 16-bit fixed point (`fixed_point_error_bound`); a
     call with a value of x that is not finite, or a row whose largest magnitude is below 1e-30

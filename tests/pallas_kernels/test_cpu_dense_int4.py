@@ -38,8 +38,9 @@ def test_isas_list_avx2_and_avx512_bf16_where_the_cpu_has_them(int4_isas):
     bf16 = avx2 and {"avx512f", "avx512bw", "avx512_bf16"} <= set(flags)
     vnni = avx2 and {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= set(flags)
     amx = bf16 and {"amx_tile", "amx_bf16"} <= set(flags)  # Linux grants the tiles on request
+    avx512 = avx2 and "avx512f" in flags
     expected = ("avx512_vnni",) * vnni + ("amx",) * amx + ("avx512_bf16",) * bf16
-    expected += ("avx2", "avx2_float") * avx2 + ("portable",)
+    expected += ("avx2",) * avx2 + ("avx512_float",) * avx512 + ("avx2_float",) * avx2 + ("portable",)
     assert int4_isas == expected
 
 
@@ -192,9 +193,10 @@ def test_integer_products_are_the_default_for_bfloat16_x_and_not_for_float32(int
     product = jax.jit(cpu.native_dense_int4, static_argnames="isa")
     many_rows = next((isa for isa in ("amx", "avx512_bf16") if isa in int4_isas), "avx2")
     few_rows = "avx512_vnni" if "avx512_vnni" in int4_isas else "avx2"
+    floats = "avx512_float" if "avx512_float" in int4_isas else "avx2_float"
     for dtype, rows, default in [
-        (jnp.bfloat16, 2, few_rows), (jnp.bfloat16, 24, many_rows), (jnp.float32, 2, "avx2_float"),
-        (jnp.float32, 16, "avx2_float"),
+        (jnp.bfloat16, 2, few_rows), (jnp.bfloat16, 24, many_rows), (jnp.float32, 2, floats),
+        (jnp.float32, 16, floats),
     ]:  # fmt: skip
         x = jnp.asarray(rng.standard_normal((rows, 256)), dtype)
         got = np.asarray(product(x, packed, scale, offset))
