@@ -296,6 +296,7 @@ def main() -> None:
     if "off" not in workers:
         raise SystemExit(f"no speculation's engine did not start; see {log_dir}")
     workloads = list(WORKLOADS if args.queue else WORKLOADS[:2])
+    load_before = os.getloadavg()  # the workers started: their own start-up is not the machine's load
     try:
         runs = _rounds(workers, workloads, args.repeats)
         compiles = {
@@ -314,7 +315,8 @@ def main() -> None:
     with open(args.out, "w") as f:
         # Paths as the repository names them (the tiny models' temporary directory is not kept).
         recorded = dict(vars(args), out=os.path.relpath(args.out, HERE.parent))
-        json.dump({"args": recorded, "summary": summary, "results": results}, f, indent=1)
+        machine = {"cpus": os.cpu_count(), "load_average_before_after": [load_before, os.getloadavg()]}
+        json.dump({"args": recorded, "machine": machine, "summary": summary, "results": results}, f, indent=1)
     print(f"wrote {args.out} (workers' logs in {log_dir})")
 
 

@@ -339,9 +339,17 @@ def _probe_dense_int8_isas(library: _Library) -> int:
 
 # the int4 kernel's paths, by their code in dense_int4.cc
 DENSE_INT4_ISAS = {
-    1: "avx2", 2: "portable", 3: "avx2_float", 4: "avx512_bf16", 5: "avx512_vnni", 6: "amx", 7: "avx512_float"
+    1: "avx2",
+    2: "portable",
+    3: "avx2_float",
+    4: "avx512_bf16",
+    5: "avx512_vnni",
+    6: "amx",
+    7: "avx512_float",
 }
-_DENSE_INT4_PREFERENCE = ("avx512_vnni", "amx", "avx512_bf16", "avx2", "avx512_float", "avx2_float", "portable")
+_DENSE_INT4_PREFERENCE = (
+    "avx512_vnni", "amx", "avx512_bf16", "avx2", "avx512_float", "avx2_float", "portable"
+)  # fmt: skip
 
 
 def dense_int4_isas(library: Path) -> tuple[str, ...]:
