@@ -82,6 +82,12 @@ inline bool Avx2Usable() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
+
+// Whether this CPU has AVX-512 F (and the operating system saves the AVX-512 state).
+inline bool Avx512Usable() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
 #endif
 
 }  // namespace vllm_xla

@@ -155,7 +155,7 @@ bool IsaUsable(Int4Isa isa) {
 #if defined(__x86_64__)
   static const bool avx2 = vllm_xla::Avx2Usable(), bf16 = avx2 && vllm_xla::Avx512Bf16Usable(),
                     vnni = avx2 && vllm_xla::Avx512VnniUsable(), amx = bf16 && vllm_xla::AmxUsable(),
-                    avx512 = avx2 && vllm_xla::int4::Avx512FloatUsable();
+                    avx512 = avx2 && vllm_xla::Avx512Usable();
   if (isa == kAmx) return amx;
   if (isa == kAvx512Float) return avx512;
   if (isa == kAvx2 || isa == kAvx2Float) return avx2;

@@ -26,12 +26,6 @@ constexpr int kFloat512Rows = 8;  // rows in a register block: 8 accumulators an
 // a nibble's shift needs its count as an immediate.
 #define VLLM_XLA_UNROLL_INT4_512 _Pragma("GCC unroll 16")
 
-// Whether this CPU has AVX-512 F (and the operating system saves the AVX-512 state).
-inline bool Avx512FloatUsable() {
-  __builtin_cpu_init();
-  return Avx2Usable() && __builtin_cpu_supports("avx512f");
-}
-
 struct Avx512FloatInt4 : Avx2Int4 {
   void Run(const Item& item) const {
     if (M > kWidenAheadAbove) return RunWidened(item);

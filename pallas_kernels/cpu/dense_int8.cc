@@ -77,11 +77,6 @@ constexpr int kAvx512Blocks = 4;  // 16-column blocks in an AVX-512 register blo
 #define VLLM_XLA_INT8_AVX512 __attribute__((target("avx512f")))
 #define VLLM_XLA_INT8_AVX2 __attribute__((target("avx2,fma")))
 
-bool Avx512Usable() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
-}
-
 // Above this many rows of bfloat16 x, the AVX-512 BF16 path widens each int8 panel once to
 // bfloat16 pairs and multiplies with VDPBF16PS (two products an instruction, no widening per row
 // block); at fewer rows the weights stream from memory and widen in registers (`Avx512Block`).
@@ -360,8 +355,9 @@ constexpr int64_t kAmxAbove = 16;
 
 // Whether this process may run the `isa` path, probed once.
 bool IsaUsable(Int8Isa isa) {
-  static const bool avx512 = Avx512Usable(), bf16 = vllm_xla::Avx512Bf16Usable(), avx2 = vllm_xla::Avx2Usable(),
-                    vnni = vllm_xla::Avx512VnniUsable(), amx = bf16 && vllm_xla::AmxUsable();
+  static const bool avx512 = vllm_xla::Avx512Usable(), bf16 = vllm_xla::Avx512Bf16Usable(),
+                    avx2 = vllm_xla::Avx2Usable(), vnni = vllm_xla::Avx512VnniUsable(),
+                    amx = bf16 && vllm_xla::AmxUsable();
   return (isa == kAmx && amx) || (isa == kAvx512 && avx512) || (isa == kAvx512Bf16 && bf16) || (isa == kAvx2 && avx2) ||
          (isa == kAvx512Vnni && vnni);
 }
