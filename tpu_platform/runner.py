@@ -248,6 +248,7 @@ class Runner:
             packed,
             fed_tokens,
         )
+        aux = jax.tree.leaves(aux)  # as the flat call returns them: a verify shape's pair is two
         if key not in self._flat_forwards:  # decided once per program
             # A hybrid's step read back from the executable cache crashes under the flat call:
             # JAX's own call runs its state pools (`tpu_platform.state_cache`).
@@ -310,7 +311,11 @@ class Runner:
                 self.stats.fed_steps += 1
         dispatch_start = time.perf_counter()
         logits, greedy, hidden, *aux = self._run_forward(plan.packed, plan.dims, fed)
-        load = aux.pop() if self.steps.program.counts_expert_load else None
+        program = self.steps.program
+        load = aux.pop() if program.counts_expert_load else None
+        verify_rows = None  # a verify shape's every row: logits and greedy tokens (`step.forward_logits`)
+        if program.verify_shapes is not None and plan.shape[:2] in program.verify_shapes:
+            verify_rows, aux = tuple(aux[:2]), aux[2:]
         if load is not None:  # read when the step's tokens are (`_finish_through`), copied by then
             load.copy_to_host_async()
         if loaded.speculation is not None:
@@ -328,7 +333,7 @@ class Runner:
             )
         self._pending = DispatchedStep(
             plan, req_ids, logits, greedy, prompt, tensors, flags, dispatched_at,
-            hidden=hidden, drafts=drafts, expert_load=load,
+            hidden=hidden, drafts=drafts, expert_load=load, verify_rows=verify_rows,
         )  # fmt: skip
 
     def pool(self) -> tuple[list[str], list[np.ndarray | None]]:

@@ -276,7 +276,7 @@ def build_step_state(
         backend=backend, layout=layout, kv_dtype=kv_dtype.name, num_pages=num_pages,
         page_size=config.page_size, feed_width=buckets.max_seqs, device=placement.device,
         mesh=mesh, aux_layers=speculation.aux_layers if speculation else (),
-        count_expert_load=loaded.has_experts,
+        count_expert_load=loaded.has_experts, verify_shapes=buckets.verify if speculation else None,
     )  # fmt: skip
     return StepState(program=program, table=table), caches
 

@@ -38,19 +38,25 @@ def forward_logits(
     aux_layers: tuple[int, ...] = (),
     count_expert_load: bool = False,
     state_columns: int = 1,
+    verify_shapes: frozenset[tuple[int, int]] | None = None,
 ) -> tuple:
     """Runs the model on all scheduled tokens (`packed` by `pack_inputs`, padded to `dims`).
 
     `fed_tokens` (`[F]` int32) are the previous step's sampled tokens, still on the device: a token
     whose `inputs.feed` index is not -1 is taken from there (async scheduling).
 
-    Returns the `[R, V]` float32 logits of the rows to sample (rows past the real sequences are
-    the head's output for a zero hidden state), their greedy tokens (an all-greedy step needs no
-    sampler program) padded to `[F]` (the next step's `fed_tokens`), the `[T, D]` hidden states of
-    every token (for prompt logprobs; zeros for padding tokens) and the new caches; with
-    `aux_layers` (speculative method 'eagle3') also the `[T, A * D]` hidden states the EAGLE-3
-    head reads (`models.layers.DecoderModel`); with `count_expert_load` also the `[L, E]` int32
-    tokens each MoE layer routed to each expert (`models.expert_load`), last.
+    Returns the `[R, V]` float32 logits of the rows to sample (rows past the real sequences hold
+    nothing meaningful), their greedy tokens (an all-greedy step needs no sampler program)
+    padded to `[F]` (the next step's `fed_tokens`), the `[T, D]` hidden states of every token
+    (for prompt logprobs; zeros for padding tokens) and the new caches. With `verify_shapes`
+    (speculative decoding's step shapes, `buckets.verify_shapes`; None: no speculation) one more
+    output follows the caches: in a step of one of those `(T, R)` shapes the head runs on every
+    token row and the output is the `[T, V]` logits and `[T]` greedy tokens of every row, which
+    verify the step's drafts (`speculation.verdict`), the sampled rows' taken from them; in a
+    step of any other shape it is `()`. With `aux_layers` (speculative method 'eagle3') also the
+    `[T, A * D]` hidden states the EAGLE-3 head reads (`models.layers.DecoderModel`); with
+    `count_expert_load` also the `[L, E]` int32 tokens each MoE layer routed to each expert
+    (`models.expert_load`), last.
     """
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
     inputs = unpack_inputs(packed, dims)
@@ -79,16 +85,29 @@ def forward_logits(
     hidden, kv_caches, *extra = model(token_ids, inputs.positions, kv_caches, md, **aux)
     if cache_def is not None:
         kv_caches = jax.tree.leaves(kv_caches)
-    rows = hidden[inputs.logits_indices]
-    # Rows past the real sequences enter the head as zeros: the CPU's dense kernel then skips
-    # them, which would otherwise cost as much per row as a decode row's.
-    real_rows = jnp.arange(rows.shape[0]) < inputs.num_seqs[0]
-    logits = model.compute_logits(jnp.where(real_rows[:, None], rows, jnp.zeros((), rows.dtype)))
-    if mesh is not None:
-        logits = gather_logits(logits, mesh)
+    if verify_shapes is not None and dims[:2] in verify_shapes:
+        row_logits = head_logits(model, hidden, inputs.cu_q_lens[inputs.num_seqs[0]], mesh)
+        row_greedy = greedy_sample(row_logits)
+        logits, greedy = row_logits[inputs.logits_indices], row_greedy[inputs.logits_indices]
+        extra.insert(0, (row_logits, row_greedy))
+    else:
+        logits = head_logits(model, hidden[inputs.logits_indices], inputs.num_seqs[0], mesh)
+        greedy = greedy_sample(logits)
+        if verify_shapes is not None:
+            extra.insert(0, ())
     if count_expert_load:
         extra.append(expert_load.collect(model))
-    return logits, pad_tokens(greedy_sample(logits), fed_tokens.shape[0]), hidden, kv_caches, *extra
+    return logits, pad_tokens(greedy, fed_tokens.shape[0]), hidden, kv_caches, *extra
+
+
+def head_logits(model: nnx.Module, rows: jax.Array, num_real: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """The `[N, V]` float32 logits of hidden `rows`, whole on every device of a `mesh`.
+
+    Rows from `num_real` on enter the head as zeros: the CPU's dense kernel then skips them,
+    which would otherwise cost as much per row as a decode row's."""
+    real_rows = jnp.arange(rows.shape[0]) < num_real
+    logits = model.compute_logits(jnp.where(real_rows[:, None], rows, jnp.zeros((), rows.dtype)))
+    return logits if mesh is None else gather_logits(logits, mesh)
 
 
 def gather_logits(logits: jax.Array, mesh: Mesh) -> jax.Array:
@@ -124,6 +143,7 @@ def make_forward(
     aux_layers: tuple[int, ...] = (),
     count_expert_load: bool = False,
     state_columns: int = 1,
+    verify_shapes: frozenset[tuple[int, int]] | None = None,
 ) -> Callable:
     """`forward(state_leaves, kv_caches, packed, fed_tokens, dims=...) -> (logits, greedy, hidden,
     kv_caches)`, jitted (and the EAGLE-3 head's hidden states last, with `aux_layers`).
@@ -144,7 +164,8 @@ def make_forward(
     hybrid model's state pools, `tpu_platform.state_cache`).
     `count_expert_load`: a MoE model's program also returns its load per expert, last
     (`forward_logits`). `state_columns`: a state layer's slots a sequence
-    (`models.AttentionMetadata`).
+    (`models.AttentionMetadata`). `verify_shapes`: speculative decoding's step shapes, whose
+    programs also return every token row's logits and greedy tokens (`forward_logits`).
     """
     step = functools.partial(
         forward_logits,
@@ -161,13 +182,14 @@ def make_forward(
         aux_layers=aux_layers,
         count_expert_load=count_expert_load,
         state_columns=state_columns,
+        verify_shapes=verify_shapes,
     )
     if mesh is None:
         return jax.jit(step, donate_argnums=(1,), static_argnames=("dims",))
     # The arguments come placed (the inputs replicated); the outputs are fixed here, so that
     # every program leaves the caches split as the next one takes them.
     whole = NamedSharding(mesh, PartitionSpec())
-    extra_outputs = bool(aux_layers) + count_expert_load
+    extra_outputs = (verify_shapes is not None) + bool(aux_layers) + count_expert_load
     return jax.jit(
         step,
         donate_argnums=(1,),

@@ -157,6 +157,9 @@ class StepProgram:
     context: str
     # The forward's last output is the step's `[L, E]` load per expert (`step.forward_logits`).
     counts_expert_load: bool = False
+    # Speculative decoding's step shapes: their programs return every row's logits, after the
+    # caches (`step.forward_logits`); None: no speculation, no such output.
+    verify_shapes: frozenset[tuple[int, int]] | None = None
 
     def abstract_args(self, shape: tuple[int, int, int]) -> tuple[tuple[Any, ...], tuple[int, int, int, int]]:
         """The program's abstract arguments for a step padded to `shape` (T, R, P), and its static
@@ -199,6 +202,7 @@ def build_step_program(
     mesh: Mesh | None = None,
     aux_layers: tuple[int, ...] = (),
     count_expert_load: bool = False,
+    verify_shapes: tuple[tuple[int, int], ...] | None = None,
 ) -> StepProgram:
     """The step program of the model (`graphdef`, `state_def`) over `state_leaves` and `caches`,
     each a `jax.Array` or a `ShapeDtypeStruct` with its sharding (the runner's placed weights and
@@ -207,29 +211,33 @@ def build_step_program(
     `mesh`; on a tensor-parallel `mesh` the caches leave the program split as they came.
     `aux_layers`: the target layers an EAGLE-3 head reads, an output of the program (none: the
     program has no such output). `count_expert_load`: the program also returns the step's load
-    per expert of a MoE model, last."""
+    per expert of a MoE model, last. `verify_shapes`: speculative decoding's `(T, R)` step shapes
+    (`StepBuckets.verify`; None without speculation), whose programs also return every token
+    row's logits (`step.forward_logits`)."""
     state = tuple(_abstract(leaf) for leaf in state_leaves)
     abstract_caches = tuple(_abstract(cache) for cache in caches)
     per_array = caches_per_array(layout.num_caches, num_pages, page_size)
     stacked_pages = 0 if layout.state_layers else num_pages  # a hybrid's caches: one per layer
+    verify = None if verify_shapes is None else frozenset(verify_shapes)
     forward = make_forward(
         graphdef, state_def, backend, layout.layer_groups, layout.layer_caches, kv_dtype,
         cache_pages=stacked_pages, caches_per_array=per_array, mesh=mesh,
         cache_shardings=None if mesh is None else [cache.sharding for cache in abstract_caches],
         cache_def=layout.caches_def, aux_layers=aux_layers, count_expert_load=count_expert_load,
-        state_columns=layout.state_columns,
+        state_columns=layout.state_columns, verify_shapes=verify,
     )  # fmt: skip
     tp_size = 1 if mesh is None else mesh.size
     context = repr(
         (model_config, backend, layout.layer_groups, layout.layer_caches, kv_dtype, num_pages, per_array,
          structure_text(graphdef), tp_size, architecture_fingerprint(model_config.architecture),
          *([aux_layers] if aux_layers else []), *(["expert load"] if count_expert_load else []),
-         *([f"state columns {layout.state_columns}"] if layout.state_columns > 1 else []))
+         *([f"state columns {layout.state_columns}"] if layout.state_columns > 1 else []),
+         *([f"verify shapes {sorted(verify)}"] if verify is not None else []))
     )  # fmt: skip
     whole = None if mesh is None else replicated(mesh)
     return StepProgram(
         forward, device, state, abstract_caches, whole, feed_width, layout, num_pages, context,
-        counts_expert_load=count_expert_load,
+        counts_expert_load=count_expert_load, verify_shapes=verify,
     )  # fmt: skip
 
 

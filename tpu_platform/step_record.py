@@ -16,7 +16,7 @@ from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingTensors
 from tpu_platform.step_update import StepLogprobs, StepResult
 
 if TYPE_CHECKING:
-    from tpu_platform.speculation.verifier import StepDrafts, Verification
+    from tpu_platform.speculation.verdict import StepDrafts, Verification
 
 
 # Made every step, so not frozen (a frozen dataclass's __init__ sets each field through
@@ -37,6 +37,8 @@ class DispatchedStep:
     hidden: jax.Array | None = None  # `[T, D]` hidden states of every token (a pooling runner's)
     drafts: StepDrafts | None = None  # the step's draft tokens (speculative decoding)
     expert_load: jax.Array | None = None  # `[L, E]` tokens routed per expert (a MoE model's)
+    # A verify shape's `[T, V]` logits and `[T]` greedy tokens of every token row (`step.forward_logits`).
+    verify_rows: tuple[jax.Array, jax.Array] | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -44,7 +44,9 @@ def warm_up_specs(runner: Runner, shapes: list[tuple[int, int, int]]) -> list[Pr
             tensors = runner.sampling.dummy_tensors(flags, r_pad, **runner._extra_widths)
             specs.append(runner._sampler_spec(logits, tensors, flags))
     if runner.speculation is not None:
-        specs += runner.speculation.warm_up_specs(runner._whole_state(), runner.sampling, runner.dtype)
+        specs += runner.speculation.warm_up_specs(
+            runner._whole_state(), runner.sampling, runner.dtype, runner.buckets.verify
+        )
     return specs + runner._prompt_logprobs.warm_up_specs(runner._whole_state())
 
 

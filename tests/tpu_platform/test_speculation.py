@@ -185,7 +185,15 @@ def _speculation_with(config):
     from tpu_platform.speculation.verifier import SpeculativeDecoding
 
     return SpeculativeDecoding(
-        config, None, None, hidden_size=8, max_model_len=64, feed_width=4, sharding=None, context=""
+        config,
+        None,
+        None,
+        hidden_size=8,
+        vocab_size=16,
+        max_model_len=64,
+        feed_width=4,
+        sharding=None,
+        context="",
     )
 
 

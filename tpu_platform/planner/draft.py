@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Speculative decoding's programs and memory for a compile-only target: the verification of k
-drafts a request (`speculation.verifier.make_verify`), a draft model's k-step draft loop
+drafts a request (from a verify shape's rows, `speculation.verdict.make_verify_rows`, or from
+hidden states, `make_verify`), a draft model's k-step draft loop
 (`speculation.draft_model.make_draft_loop`), an EAGLE-3 head's or MTP layer's pass and loop
 (`speculation.eagle3.make_head_programs`), each the runner's own builder compiled over abstract
 weights and caches, and the bytes a draft adds per KV page and in weights (the planner's rows
@@ -41,7 +42,7 @@ from tpu_platform.speculation.draft_model import (
     target_cache_group,
 )
 from tpu_platform.speculation.eagle3 import make_head_programs
-from tpu_platform.speculation.verifier import make_verify
+from tpu_platform.speculation.verdict import make_verify, make_verify_rows
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,6 +123,25 @@ def compile_verify(target: StepSetup, rows: int, k: int, flags: SamplerFlags) ->
     verify = make_verify(model.graphdef)
     static = {"flags": flags, "feed_width": target.max_num_seqs}
     return measured(lambda: compile_with_text(verify, device, *args, **static))
+
+
+def compile_verify_rows(target: StepSetup, rows: int, k: int, flags: SamplerFlags) -> ProgramFacts:
+    """Compiles the verification of a verify shape's step of `rows` requests' k drafts each from
+    its forward's logits of every row (`speculation.verdict.make_verify_rows`: the rows gathered
+    and the rejection rule) on one chip of the target."""
+    if target.tp_size != 1:
+        raise ValueError("compile_verify_rows compiles the one-chip program: use tp_size=1")
+    device = compile_only_devices(target.target)[0]
+    on_chip = SingleDeviceSharding(device)
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32, sharding=on_chip)  # noqa: E731
+    vocab = target.config.vocab_size
+    tensors = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_chip), dummy_tensors(flags, rows, vocab)
+    )
+    row_logits = jax.ShapeDtypeStruct((rows * (k + 1), vocab), np.float32, sharding=on_chip)
+    args = (row_logits, ints(rows, k + 1), ints(rows, k), ints(rows), tensors)
+    verify = make_verify_rows(target.max_num_seqs)
+    return measured(lambda: compile_with_text(verify, device, *args, flags=flags))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -193,6 +193,7 @@ class StepSetup:
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             page_size=self.tokens_per_page,
+            spec_tokens=self.speculative_tokens,
         )
 
     @property
@@ -317,6 +318,7 @@ def step_program(
         backend=setup.backend, layout=setup.kv_layout, kv_dtype=kv_cache_dtype(setup.cache_dtype).name,
         num_pages=num_pages, page_size=setup.tokens_per_page, feed_width=setup.buckets.max_seqs,
         device=device, mesh=mesh, aux_layers=aux_layers, count_expert_load=model.has_experts,
+        verify_shapes=setup.buckets.verify if setup.speculative_tokens else None,
     )  # fmt: skip
 
 

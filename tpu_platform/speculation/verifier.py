@@ -1,20 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The runner's speculative decoding: which requests get drafts, the drafts of a step, their
-verification program and the recording of the tokens it keeps.
+"""The runner's speculative decoding: which requests get drafts, the drafts of a step and their
+verification (`verdict`).
 
 A step with drafts runs the forward as any other; its logits row for a drafted request is the
 request's last known token (what it would sample without speculation), so the ordinary sampler can
 still serve the step (every draft then counts as rejected). When every request of the step can be
 verified (no per-token logprobs, grammar, logits processor or history-reading option among them),
-the verification program takes the hidden states of each request's 1 + k rows instead: LM head,
-the sampler's temperature and filters at every position, and `rejection.verify_drafts`. Its
-shape is fixed per row bucket: the rows are gathered from the step's hidden states on the host
-(gathering on the device would be one program per token bucket).
+the step's verdict comes from the logits at each request's 1 + k rows instead. A step of one of
+speculative decoding's shapes (the common one: decode rows and their drafts) has those from its
+forward, and a greedy step needs no program more (`verdict.greedy_verdict`); a step of another
+shape has the hidden states of every row, and a verification program of its request bucket runs
+the LM head on the rows gathered on the host (gathering on the device would be one program per
+token bucket).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -36,70 +38,24 @@ from tpu_platform.speculation.draft_model import DraftModel
 from tpu_platform.speculation.eagle3 import Eagle3Proposer
 from tpu_platform.speculation.mtp import MtpProposer
 from tpu_platform.speculation.ngram import propose_ngram
-from tpu_platform.speculation.rejection import verify_drafts
-from tpu_platform.step import pad_tokens
+from tpu_platform.speculation.verdict import (
+    SpeculationStats,
+    StepDrafts,
+    Verification,
+    draft_rows,
+    greedy_verdict,
+    make_verify,
+    make_verify_rows,
+    on_host,
+)
 from tpu_platform.step_record import DispatchedStep
 from tpu_platform.step_update import StepUpdate
 from tpu_platform.weights.prepared import ShardingFor
 
-# The sampler flags a verification program is built for: greedy, random, random with filters.
+# The sampler flags a verification program is built for: greedy, random, random with filters
+# (a verify shape's greedy steps need none: `verdict.greedy_verdict`).
 VERIFY_FLAGS = (SamplerFlags(all_greedy=True), SamplerFlags(), SamplerFlags(filters=True))
-
-
-@dataclasses.dataclass(slots=True)
-class SpeculationStats:
-    """Running totals: drafts verified, drafts accepted, steps verified and steps whose drafts
-    the ordinary sampler served (all rejected)."""
-
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    verified_steps: int = 0
-    unverified_steps: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepDrafts:
-    """A step's drafts in batch order: `drafts[i, :num_drafts[i]]` for request i (-1 padded)."""
-
-    drafts: np.ndarray  # int32[n, K]
-    num_drafts: np.ndarray  # int32[n]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Verification:
-    """A verified step's output on the device, recorded by `record` once the step is finished."""
-
-    output: SamplerOutput  # each row's first token, padded to the feed width
-    tokens: jax.Array  # int32[R, K + 1]
-    counts: jax.Array  # int32[R]
-    step_drafts: StepDrafts
-    stats: SpeculationStats
-
-    def record(self, table: RequestTable, rows: np.ndarray, emits: np.ndarray) -> list[list[int]]:
-        """Writes each row's kept tokens after its first (which the step reserved) into the
-        history and returns every row's output tokens (`[]` where the row emits nothing)."""
-        n = rows.size
-        tokens, counts = np.asarray(self.tokens)[:n], np.asarray(self.counts)[:n]
-        self.stats.draft_tokens += int(self.step_drafts.num_drafts.sum())
-        self.stats.accepted_tokens += int((counts - 1).sum())
-        for i in np.flatnonzero(counts > 1):
-            for token in tokens[i, 1 : counts[i]].tolist():
-                table.append_token(int(rows[i]), token)
-        return [tokens[i, : counts[i]].tolist() if emits[i] else [] for i in range(n)]
-
-
-def make_verify(graphdef: nnx.GraphDef):
-    """`fn(state, hidden[R * (K + 1), D], drafts[R, K], num_drafts[R], tensors, flags=, feed_width=)
-    -> (first tokens [feed_width], tokens [R, K + 1], counts [R])`, jitted."""
-
-    def run(state, hidden, drafts, num_drafts, tensors, flags: SamplerFlags, feed_width: int):
-        model = nnx.merge(graphdef, state)
-        rows, k = drafts.shape
-        logits = model.compute_logits(hidden).reshape(rows, k + 1, -1)
-        tokens, counts = verify_drafts(logits, drafts, num_drafts, tensors, flags=flags)
-        return pad_tokens(tokens[:, 0], feed_width), tokens, counts
-
-    return jax.jit(run, static_argnames=("flags", "feed_width"))
+RANDOM_FLAGS = VERIFY_FLAGS[1:]
 
 
 class SpeculativeDecoding:
@@ -112,6 +68,7 @@ class SpeculativeDecoding:
         programs: Programs,
         *,
         hidden_size: int,
+        vocab_size: int,
         max_model_len: int,
         feed_width: int,
         sharding: jax.sharding.Sharding | None,
@@ -121,7 +78,8 @@ class SpeculativeDecoding:
         self.programs = programs
         self.stats = SpeculationStats()
         self._jitted = make_verify(graphdef)
-        self._hidden_size = hidden_size
+        self._jitted_rows = make_verify_rows(feed_width)
+        self._hidden_size, self._vocab_size = hidden_size, vocab_size
         self._max_model_len = max_model_len
         self._feed_width = feed_width
         self._sharding = sharding
@@ -159,8 +117,8 @@ class SpeculativeDecoding:
         context = repr((model_config, structure_text(graphdef), config.tensor_parallel_size, fingerprint))
         speculation = cls(
             config.speculation, graphdef, programs, hidden_size=model_config.hidden_size,
-            max_model_len=config.max_model_len, feed_width=config.max_num_seqs, sharding=sharding,
-            context=context,
+            vocab_size=model_config.vocab_size, max_model_len=config.max_model_len,
+            feed_width=config.max_num_seqs, sharding=sharding, context=context,
         )  # fmt: skip
         if config.speculation.draft_model is not None:
             speculation.draft = load_draft(config.speculation.draft_model)
@@ -262,45 +220,79 @@ class SpeculativeDecoding:
         return StepDrafts(drafts, num_drafts) if num_drafts.any() else None
 
     def try_verify(self, state: nnx.State, pending: DispatchedStep, other: bool) -> Verification | None:
-        """Dispatches the verification of a step's drafts; None when the program cannot serve the
-        step (some row wants logprobs or a history-reading option, or `other`: a grammar or a
-        logits processor rewrites the logits): the sampler then serves it and every draft counts
-        as rejected."""
+        """Dispatches the verification of a step's drafts; None when it cannot serve the step
+        (some row wants logprobs or a history-reading option, or `other`: a grammar or a logits
+        processor rewrites the logits): the sampler then serves it and every draft counts as
+        rejected."""
         flags = pending.flags
         if has_extras(flags) or flags.num_logprobs is not None or other:
             self.stats.unverified_steps += 1
             return None
-        plan, step_drafts, tensors = pending.plan, pending.drafts, pending.tensors
-        num = step_drafts.num_drafts
+        num = pending.drafts.num_drafts
         k = next(t for t in self.verify_tokens if t >= num.max())
+        known = pending.plan.inputs().cu_q_lens[1 : num.size + 1] - 1 - num  # each last known token
+        vflags = SamplerFlags(all_greedy=flags.all_greedy, filters=flags.filters)
+        self.stats.verified_steps += 1
+        if pending.verify_rows is not None:
+            return self._verify_rows(pending, known, k, vflags)
+        return self._verify_hidden(state, pending, known, k, vflags)
+
+    def _verify_rows(
+        self, pending: DispatchedStep, known: np.ndarray, k: int, flags: SamplerFlags
+    ) -> Verification:
+        """A verify shape's step: its forward's logits at every row (module docstring)."""
+        row_logits, row_greedy = pending.verify_rows
+        t_pad, r_pad = pending.plan.shape[:2]  # the sampling tensors have the forward's R rows
+        index = draft_rows(known, pending.drafts.num_drafts, k, r_pad)
+        drafts, num_drafts = pending.drafts.padded(r_pad, k)
+        if flags.all_greedy:  # the forward's greedy tokens are each row's first and the verdict's
+            verdict = functools.partial(greedy_verdict, row_greedy, index, drafts, num_drafts)
+            return Verification(SamplerOutput(pending.greedy), verdict, pending.drafts, self.stats)
+        key = ("verify rows", t_pad, r_pad, k, flags)
+        spec = lambda: self._rows_spec(t_pad, r_pad, k, flags, pending.tensors)  # noqa: E731
+        first, tokens, counts = self.programs.call(
+            key, spec, row_logits, index, drafts, num_drafts, pending.tensors
+        )
+        return Verification(SamplerOutput(first), on_host(tokens, counts), pending.drafts, self.stats)
+
+    def _verify_hidden(
+        self, state: nnx.State, pending: DispatchedStep, known: np.ndarray, k: int, flags: SamplerFlags
+    ) -> Verification:
+        """A step of another shape: the LM head again on its rows' hidden states (module docstring)."""
+        num = pending.drafts.num_drafts
         r_pad = next(r for r in self.row_buckets if r >= num.size)
         # Prepared for the forward's rows, which a verify bucket's step has as many of (no slicing
         # ops to dispatch then).
-        tensors = jax.tree.map(lambda x: x if x.shape[0] == r_pad else x[:r_pad], tensors)
-        n = num.size
-        known = plan.inputs().cu_q_lens[1 : n + 1] - 1 - num  # each request's last known token
-        index = np.zeros((r_pad, k + 1), np.intp)
-        index[:n] = known[:, None] + np.minimum(np.arange(k + 1)[None, :], num[:, None])
+        tensors = jax.tree.map(lambda x: x if x.shape[0] == r_pad else x[:r_pad], pending.tensors)
+        index = draft_rows(known, num, k, r_pad)
         hidden_rows = np.asarray(pending.hidden)[index.reshape(-1)]
-        drafts = np.full((r_pad, k), -1, np.int32)
-        drafts[:n] = step_drafts.drafts[:, :k]
-        num_drafts = np.zeros(r_pad, np.int32)
-        num_drafts[:n] = num
-        vflags = SamplerFlags(all_greedy=flags.all_greedy, filters=flags.filters)
-        key = self._key(r_pad, k, vflags, hidden_rows.dtype)
-        spec = lambda: self._spec(state, r_pad, k, vflags, hidden_rows.dtype, tensors)  # noqa: E731
+        drafts, num_drafts = pending.drafts.padded(r_pad, k)
+        key = self._key(r_pad, k, flags, hidden_rows.dtype)
+        spec = lambda: self._spec(state, r_pad, k, flags, hidden_rows.dtype, tensors)  # noqa: E731
         first, tokens, counts = self.programs.call(key, spec, state, hidden_rows, drafts, num_drafts, tensors)
-        self.stats.verified_steps += 1
-        return Verification(SamplerOutput(first), tokens, counts, step_drafts, self.stats)
+        return Verification(SamplerOutput(first), on_host(tokens, counts), pending.drafts, self.stats)
 
-    def warm_up_specs(self, state: nnx.State, sampling: SamplingBatch, dtype: np.dtype) -> list[ProgramSpec]:
-        """The verification programs of every row bucket, draft count and flag set, and a draft
-        model's."""
+    def warm_up_specs(
+        self,
+        state: nnx.State,
+        sampling: SamplingBatch,
+        dtype: np.dtype,
+        verify_shapes: Sequence[tuple[int, int]],
+    ) -> list[ProgramSpec]:
+        """The verification programs: of every row bucket, draft count and flag set from hidden
+        states, of every verify shape (`verify_shapes`), draft count and random flag set from
+        the forward's rows; and a draft model's."""
         specs = [
             self._spec(state, r_pad, k, flags, dtype, sampling.dummy_tensors(flags, r_pad))
             for r_pad in self.row_buckets
             for k in self.verify_tokens
             for flags in VERIFY_FLAGS
+        ]
+        specs += [
+            self._rows_spec(t_pad, r_pad, k, flags, sampling.dummy_tensors(flags, r_pad))
+            for t_pad, r_pad in verify_shapes
+            for k in self.verify_tokens
+            for flags in RANDOM_FLAGS
         ]
         if isinstance(self.draft, Eagle3Proposer):  # the head takes the target's activations
             specs += self.draft.warm_up_specs(*self._draft_warm_up[:4], dtype)
@@ -333,6 +325,25 @@ class SpeculativeDecoding:
             ),
             static={"flags": flags, "feed_width": self._feed_width},
             context=self._context,
+        )
+
+    def _rows_spec(
+        self, t_pad: int, r_pad: int, k: int, flags: SamplerFlags, tensors: SamplingTensors
+    ) -> ProgramSpec:
+        whole = self._sharding
+        ints = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32, sharding=whole)  # noqa: E731
+        return ProgramSpec(
+            key=("verify rows", t_pad, r_pad, k, flags),
+            jitted=self._jitted_rows,
+            args=(
+                jax.ShapeDtypeStruct((t_pad, self._vocab_size), np.float32, sharding=whole),
+                ints(r_pad, k + 1),
+                ints(r_pad, k),
+                ints(r_pad),
+                tensors,
+            ),
+            static={"flags": flags},
+            context=f"verify rows, tokens padded to {self._feed_width}",
         )
 
 
