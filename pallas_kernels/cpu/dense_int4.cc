@@ -53,7 +53,8 @@
 //   the float product.
 // - "avx512_float" (the default for float32 x where the CPU has AVX-512): "avx2_float"'s float
 //   product with a whole panel line a register, up to 8 rows sharing each widened line
-//   (dense_int4_avx512_float.h); many rows as "avx2_float".
+//   (dense_int4_avx512_float.h); many rows as "avx2_float", on 12x16 AVX-512 register blocks
+//   instead of its 6x16 AVX2 ones.
 // - "portable": plain C++ (vectorized by the compiler), the float product, on any CPU.
 //
 // Work items are runs of 16-column blocks (`RunOverColumnBlocks`), walked in register blocks of a

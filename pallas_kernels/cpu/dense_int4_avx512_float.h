@@ -4,16 +4,18 @@
 // AVX-512 register. The float product, a few rows at a time: each widened line serves every row
 // of a register block (up to `kFloat512Rows`), so a row more costs one FMA a value where
 // "avx2_float" (3 rows a block, half a line a register) widens the line again every 3 rows.
-// Many rows take "avx2_float"'s path (each panel dequantized once to float32, then the float32
-// kernel's blocks).
+// Many rows take "avx2_float"'s path (each panel dequantized once to float32), on the float32
+// kernel's AVX-512 blocks (`F32Block512`).
 #pragma once
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "dense_blocks.h"
+#include "dense_f32_block.h"
 #include "dense_int4_avx2.h"
 
 namespace vllm_xla {
@@ -28,10 +30,32 @@ constexpr int kFloat512Rows = 8;  // rows in a register block: 8 accumulators an
 
 struct Avx512FloatInt4 : Avx2Int4 {
   void Run(const Item& item) const {
-    if (M > kWidenAheadAbove) return RunWidened(item);
+    if (M > kWidenAheadAbove) return RunWidened512(item);
     WalkRegisterBlocks(item, M, K * sizeof(float), kFloat512Rows, 1, [&](int64_t row, int rows, int64_t block, int) {
       kBlocks[rows - 1](*this, row, block);
     });
+  }
+
+  // Many rows: each column panel dequantized to float32 once per chunk of rows, as "avx2_float"
+  // does, then the rows on the AVX-512 float32 blocks, two panels a block.
+  void RunWidened512(const Item& item) const {
+    std::vector<float> panels(2 * K * kCols);
+    float* const second = panels.data() + K * kCols;
+    int64_t widened = -1;  // the first column block `panels` holds
+    WalkRegisterBlocks(item, M, K * sizeof(float), vllm_xla::kF32Block512Rows, 2,
+                       [&](int64_t row, int rows, int64_t block, int cols) {
+                         if (block != widened) {
+                           DequantizePanel(block, panels.data());
+                           if (cols == 2) DequantizePanel(block + 1, second);
+                           widened = block;
+                         }
+                         float* out = y + row * N + block * kCols;
+                         if (cols == 2) {
+                           vllm_xla::F32Block512PairFor(rows)(x + row * K, panels.data(), second, K, out, N);
+                         } else {
+                           vllm_xla::F32Block512For(rows)(x + row * K, panels.data(), K, out, N);
+                         }
+                       });
   }
 
   // The base m - 8 s of the panel's 16 columns from their scales `s` (-8 s without offsets; the

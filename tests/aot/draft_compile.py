@@ -4,10 +4,10 @@
 `python -m tests.aot.draft_compile TARGET [DRAFT_LAYERS]` (run by `toolchains.run_worker`) prints
 one JSON line: the verification of k = 4 drafts for Llama-3.1-8B: the verify step itself (the
 step program at its verify shape, 64 requests of 1 + k rows, the head on every row; DRAFT_LAYERS
-layers as for the draft, with its caches' bytes over `VERIFY_PAGES` pages), the random rows' program over its rows'
-logits, and from hidden states (a step of another shape: greedy, and random with filters), the
-draft loop of Llama-3.2-1B as its draft (k = 4), each with its compile seconds,
-temp, argument and aliased bytes, the draft's caches' bytes, and the draft's planner rows
+layers as for the draft, with its caches' bytes over `VERIFY_PAGES` pages), the random rows'
+program over its rows' logits, and from hidden states (a step of another shape: greedy, and
+random with filters), the draft loop of Llama-3.2-1B as its draft (k = 4), each with its compile
+seconds, temp, argument and aliased bytes, the draft's caches' bytes, and the draft's planner rows
 (weights, bytes per page) for the whole draft. DRAFT_LAYERS > 0 compiles the loop with the
 draft's first layers at full width (0, the default: all 16), its caches given as many pages more
 as make them the whole draft's bytes: what the loop does to its caches (an in-place update or a
