@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The forward program on a padded step: padding tokens and padding sequence rows come out as
 zeros (the CPU's dense kernels skip such rows), and the real rows are those of the same step
-padded less."""
+padded less; in a verify shape (speculative decoding) it also returns every token row's logits."""
 
 import jax
 import jax.numpy as jnp
