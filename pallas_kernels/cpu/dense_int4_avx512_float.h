@@ -49,12 +49,8 @@ struct Avx512FloatInt4 : Avx2Int4 {
                            if (cols == 2) DequantizePanel(block + 1, second);
                            widened = block;
                          }
-                         float* out = y + row * N + block * kCols;
-                         if (cols == 2) {
-                           vllm_xla::F32Block512PairFor(rows)(x + row * K, panels.data(), second, K, out, N);
-                         } else {
-                           vllm_xla::F32Block512For(rows)(x + row * K, panels.data(), K, out, N);
-                         }
+                         vllm_xla::F32Block512For(rows, cols)(x + row * K, panels.data(), second, K,
+                                                              y + row * N + block * kCols, N);
                        });
   }
 
