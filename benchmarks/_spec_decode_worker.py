@@ -15,7 +15,7 @@ import time
 
 WORKLOADS = ("single", "batch", "queue")
 PER_BATCH = "_per_batch"  # a method's configuration with `--per-batch-size`
-TINY = ("draft_model", "eagle3")  # methods benchmarked on tiny random models
+TINY = ("draft_model", "eagle", "eagle3")  # methods benchmarked on tiny random models
 
 _TEXTS = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, "

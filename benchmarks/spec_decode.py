@@ -14,9 +14,11 @@ draft far smaller than its target.
 
 `--method eagle3`: an EAGLE-3 head (vLLM's `LlamaForCausalLMEagle3` layout, random weights: an
 untrained head, whose drafts the target rarely keeps) for the same tiny target, reading its layers
-`--aux-layers`; the figures show the head's costs per step, not an EAGLE-3 speed-up.
+`--aux-layers`; the figures show the head's costs per step, not an EAGLE-3 speed-up. `--method
+eagle`: an EAGLE-1 head (vLLM's `EagleLlamaForCausalLM`, random weights, the target's embedding
+and LM head) reading the same target's final hidden states; the same caveat.
 
-    .venv/bin/python benchmarks/spec_decode.py [--method ngram|draft_model|eagle3] [--out FILE]
+    .venv/bin/python benchmarks/spec_decode.py [--method ngram|draft_model|eagle|eagle3] [--out FILE]
         [--dtype auto] [--tokens 128] [--k 4] [--min-n 2] [--max-n 4] [--batch 16] [--queue 48]
         [--single 12] [--repeats 5] [--per-batch-size "1-4:4,5-64:1"]
 
@@ -58,7 +60,7 @@ sys.path.insert(0, str(HERE))
 
 from _spec_decode_worker import PER_BATCH, WORKLOADS, per_batch_size  # noqa: E402
 
-CONFIGS = ("off", "ngram", "draft_model", "eagle3")
+CONFIGS = ("off", "ngram", "draft_model", "eagle", "eagle3")
 WORKER = HERE / "_spec_decode_worker.py"
 
 
@@ -241,6 +243,12 @@ def _models(args: argparse.Namespace) -> tuple[str, str]:
         model, _ = tiny_models(root, args.target_layers, args.target_layers)
         layers = tuple(int(i) for i in args.aux_layers.split(","))
         return model, save_tiny_eagle3_head(os.path.join(root, "head"), model, seed=6, aux_layer_ids=layers)
+    if args.method == "eagle":
+        from tests.tiny_models import save_tiny_eagle_head
+
+        root = tempfile.mkdtemp(prefix="spec_decode_")
+        model, _ = tiny_models(root, args.target_layers, args.target_layers)
+        return model, save_tiny_eagle_head(os.path.join(root, "head"), model, seed=6)
     from _peers import gguf_model_dir
 
     return gguf_model_dir(), ""

@@ -194,7 +194,7 @@ REFUSED: tuple[Refusal, ...] = (
     ),
     Refusal(
         "speculative_config",
-        "speculative decoding beyond n-gram, draft-model, EAGLE-3 and MTP drafts",
+        "speculative decoding beyond n-gram, draft-model, EAGLE, EAGLE-3 and MTP drafts",
         speculative.REFUSED_VALUES,
         lambda c: speculative.unsupported_speculation(c) is not None,
         speculative.INSTEAD,

@@ -35,10 +35,10 @@ def runner_speculation(config: VllmConfig) -> SpeculationConfig | None:
 
 
 def async_scheduling_off_for_draft_model(config: VllmConfig) -> None:
-    """Turns async scheduling off for a draft model, an EAGLE-3 head or an MTP layer, as vLLM
-    does for its proposers that read the step before's tokens on the host: vLLM turns it on by
-    default for 'draft_model', 'eagle3' and 'mtp', whose drafts our runner proposes from the
-    recorded tokens."""
+    """Turns async scheduling off for a draft model, an EAGLE or EAGLE-3 head or an MTP layer, as
+    vLLM does for its proposers that read the step before's tokens on the host: vLLM turns it on
+    by default for 'draft_model', 'eagle', 'eagle3' and 'mtp', whose drafts our runner proposes
+    from the recorded tokens."""
     spec, scheduler = config.speculative_config, config.scheduler_config
     if spec is None or spec.method not in MODEL_METHODS:
         return
@@ -108,18 +108,19 @@ def _unsupported_draft_tp(config: VllmConfig) -> str | None:
 
 
 REFUSED_VALUES = (
-    f"methods other than {', '.join(METHODS)} (eagle, suffix, ...); "
+    f"methods other than {', '.join(METHODS)} (suffix, dflash, ...); "
     f"num_speculative_tokens above {MAX_SPECULATIVE_TOKENS}; async scheduling with drafts "
     "(the proposers read the tokens of the step before); a draft model of another vocabulary "
-    "(use_heterogeneous_vocab, or another vocab_size); a draft model, EAGLE-3 head or MTP layer "
+    "(use_heterogeneous_vocab, or another vocab_size); a draft model, EAGLE head or MTP layer "
     "at a draft_tensor_parallel_size other than the target's tensor_parallel_size; 'mtp' on a "
     "checkpoint without exactly one "
     f"multi-token-prediction layer, or of an architecture other than {', '.join(MTP_ARCHITECTURES)}"
 )
 INSTEAD = (
     f"use method='ngram' (prompt_lookup_min/max), 'draft_model' (a draft of the target's "
-    "tokenizer), 'eagle3' (a head of vLLM's LlamaForCausalLMEagle3 layout made for the target) "
-    "or 'mtp' (a DeepSeek-V3 or GLM-4.5 checkpoint with its MTP layer), the last three with "
+    "tokenizer), 'eagle' or 'eagle3' (a head of vLLM's EagleLlamaForCausalLM or "
+    "LlamaForCausalLMEagle3 layout made for the target) or 'mtp' (a DeepSeek-V3 or GLM-4.5 "
+    "checkpoint with its MTP layer), the last four with "
     "draft_tensor_parallel_size unset or equal to tensor_parallel_size (the drafter is split "
     f"as the target is), with num_speculative_tokens 1 to {MAX_SPECULATIVE_TOKENS}, with "
     "async scheduling off (--no-async-scheduling), or leave speculative_config unset"

@@ -82,11 +82,12 @@ SUPPORTED: tuple[Supported, ...] = (
         "drafts (docs/configuration.md)",
     ),
     Supported(
-        "Speculative decoding: draft model, EAGLE-3",
-        "speculative_config method='draft_model' or 'eagle3', model, num_speculative_tokens, "
+        "Speculative decoding: draft model, EAGLE, EAGLE-3",
+        "speculative_config method='draft_model', 'eagle' or 'eagle3', model, num_speculative_tokens, "
         "num_speculative_tokens_per_batch_size",
-        "a draft of the target's vocabulary, or an EAGLE-3 head (vLLM's LlamaForCausalLMEagle3 "
-        "layout) reading the target's hidden states of its three chosen layers; each proposer's "
+        "a draft of the target's vocabulary, an EAGLE head (vLLM's EagleLlamaForCausalLM, one "
+        "layer) reading the target's final hidden states, or an EAGLE-3 head (vLLM's "
+        "LlamaForCausalLMEagle3 layout) reading those of its three chosen layers; each proposer's "
         "k steps in one compiled program, its KV cache inside the same memory budget; under "
         "tensor parallelism split on the target's mesh as the target is (docs/configuration.md)",
     ),
@@ -121,7 +122,7 @@ SUPPORTED: tuple[Supported, ...] = (
         "",
         "a state per request in each Gated DeltaNet layer, one block of vLLM's hybrid KV-cache manager "
         "(a Mamba-style spec); chunked prefill and preemption; tensor parallelism (key heads split, "
-        "the states with them); speculative decoding with n-gram, MTP, draft-model or EAGLE-3 drafts "
+        "the states with them); speculative decoding with n-gram, MTP, draft-model, EAGLE or EAGLE-3 drafts "
         "(1 + k blocks a request, a state after each draft); prefix caching is turned off for them "
         "(docs/models.md)",
     ),

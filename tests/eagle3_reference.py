@@ -28,6 +28,29 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
     return x * cos + torch.cat([-second, first], -1) * sin
 
 
+def layer_after_attention_input(
+    x: torch.Tensor, residual: torch.Tensor, w: dict, p: str, c: dict
+) -> torch.Tensor:
+    """A Llama decoder layer from its attention's input `x [T, *]` on: causal attention over
+    the T positions (RoPE at 0..T-1), added to `residual`, then the post-attention norm and the
+    gated MLP added (tensors `w[p + ...]`, hyper-parameters `c`)."""
+    heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c["hidden_size"] // heads
+    t = x.shape[0]
+    positions = torch.arange(t)
+    q = _rope((x @ w[p + "self_attn.q_proj.weight"].T).view(t, heads, hd), positions, c["rope_theta"])
+    k = _rope((x @ w[p + "self_attn.k_proj.weight"].T).view(t, kv, hd), positions, c["rope_theta"])
+    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(t, kv, hd)
+    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+    scores = torch.einsum("qnh,knh->nqk", q, k) * hd**-0.5
+    scores = scores.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
+    attn = torch.einsum("nqk,knh->qnh", scores.softmax(-1), v).reshape(t, heads * hd)
+    residual = residual + attn @ w[p + "self_attn.o_proj.weight"].T
+    y = _rms(residual, w[p + "post_attention_layernorm.weight"], c["rms_norm_eps"])
+    mlp = torch.nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)
+    return residual + mlp @ w[p + "mlp.down_proj.weight"].T
+
+
 class Eagle3Reference:
     """The head of `head_dir` for `target` (a transformers causal LM: Llama, Qwen3-Next, ...)."""
 
@@ -43,26 +66,11 @@ class Eagle3Reference:
     def _layer(self, tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
         """The head's output before its norm at every position, causal over the sequence."""
         c, w, p = self.config, self.w, "midlayer."
-        eps, heads, kv = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"]
-        hd = c["hidden_size"] // heads
+        eps = c["rms_norm_eps"]
         embeds = w["embed_tokens.weight"][torch.tensor(tokens)]
         x = torch.cat([_rms(embeds, w[p + "input_layernorm.weight"], eps),
                        _rms(hidden, w[p + "hidden_norm.weight"], eps)], -1)  # fmt: skip
-        t = len(tokens)
-        positions = torch.arange(t)
-        q = _rope((x @ w[p + "self_attn.q_proj.weight"].T).view(t, heads, hd), positions, c["rope_theta"])
-        k = _rope((x @ w[p + "self_attn.k_proj.weight"].T).view(t, kv, hd), positions, c["rope_theta"])
-        v = (x @ w[p + "self_attn.v_proj.weight"].T).view(t, kv, hd)
-        k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
-        scores = torch.einsum("qnh,knh->nqk", q, k) * hd**-0.5
-        scores = scores.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
-        attn = torch.einsum("nqk,knh->qnh", scores.softmax(-1), v).reshape(t, heads * hd)
-        residual = hidden + attn @ w[p + "self_attn.o_proj.weight"].T
-        y = _rms(residual, w[p + "post_attention_layernorm.weight"], eps)
-        mlp = torch.nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (
-            y @ w[p + "mlp.up_proj.weight"].T
-        )
-        return residual + mlp @ w[p + "mlp.down_proj.weight"].T
+        return layer_after_attention_input(x, hidden, w, p, c)
 
     def _draft(self, hidden: torch.Tensor) -> int:
         logits = _rms(hidden, self.w["norm.weight"], self.config["rms_norm_eps"]) @ self.w["lm_head.weight"].T

@@ -162,3 +162,70 @@ def save_tiny_eagle3_head(
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return path
+
+
+def save_tiny_eagle_head(
+    path: str,
+    target_dir: str,
+    *,
+    seed: int,
+    own_embedding: bool = False,
+    own_lm_head: bool = False,
+    fc_bias: bool = False,
+    nested: bool = False,
+) -> str:
+    """Saves a random EAGLE-1 head for the tiny Llama at `target_dir`: a one-layer Llama
+    `config.json` (with `nested`, vLLM's `model_type: eagle` with the layer's config under
+    `model`), `fc` (with a bias: `fc_bias`) and `layers.0.*` with an input norm the head must not
+    apply (SafeAILab's heads have none; some conversions keep one); `embed_tokens` and `lm_head`
+    only when asked for (else the target's serve). Returns path."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(target_dir, "config.json")) as f:
+        target = json.load(f)
+    d, vocab, inter = target["hidden_size"], target["vocab_size"], target["intermediate_size"]
+    heads, kv_heads = target["num_attention_heads"], target["num_key_value_heads"]
+    head_dim = d // heads
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, std=0.3):
+        return torch.randn(*shape, generator=generator) * std
+
+    p = "layers.0."
+    tensors = {
+        "fc.weight": normal(d, 2 * d, std=0.15),
+        f"{p}input_layernorm.weight": 1 + normal(d),
+        f"{p}post_attention_layernorm.weight": 1 + normal(d, std=0.1),
+        f"{p}self_attn.q_proj.weight": normal(heads * head_dim, d),
+        f"{p}self_attn.k_proj.weight": normal(kv_heads * head_dim, d),
+        f"{p}self_attn.v_proj.weight": normal(kv_heads * head_dim, d),
+        f"{p}self_attn.o_proj.weight": normal(d, heads * head_dim),
+        f"{p}mlp.gate_proj.weight": normal(inter, d),
+        f"{p}mlp.up_proj.weight": normal(inter, d),
+        f"{p}mlp.down_proj.weight": normal(d, inter),
+    }
+    if fc_bias:
+        tensors["fc.bias"] = normal(d, std=0.1)
+    if own_embedding:
+        tensors["embed_tokens.weight"] = normal(vocab, d)
+    if own_lm_head:
+        tensors["lm_head.weight"] = normal(vocab, d)
+    os.makedirs(path, exist_ok=True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, os.path.join(path, "model.safetensors"))
+    layer = {
+        key: target[key]
+        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                    "vocab_size", "rms_norm_eps", "max_position_embeddings")
+    }  # fmt: skip
+    layer.update(
+        architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
+        tie_word_embeddings=False, rope_theta=target.get("rope_theta", 10000.0), bos_token_id=1,
+        eos_token_id=2, torch_dtype="float32",
+    )  # fmt: skip
+    config = {"model_type": "eagle", "architectures": ["EAGLEModel"], "model": layer} if nested else layer
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return path

@@ -13,7 +13,7 @@ from vllm.engine.arg_utils import EngineArgs
 from plugin_shim import feature_check
 from plugin_shim.data_parallel import LINK_KEY
 from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
-from tests.tiny_models import save_tiny_eagle3_head, save_tiny_llama
+from tests.tiny_models import save_tiny_eagle3_head, save_tiny_eagle_head, save_tiny_llama
 
 _DOC = pathlib.Path(__file__).parents[2] / "docs" / "features.md"
 
@@ -118,6 +118,7 @@ def models(tmp_path_factory) -> dict[str, str]:
     heads = {"eagle3_head": (llama, (0, 1, 2)), "hybrid_eagle3_head": (dirs["qwen3_next"], (1, 3, 4))}
     for name, (target, layers) in heads.items():
         dirs[name] = save_tiny_eagle3_head(str(root / name), target, seed=1, aux_layer_ids=layers)
+    dirs["eagle_head"] = save_tiny_eagle_head(str(root / "eagle_head"), llama, seed=1)
     for name, variant in variants.items():
         path = root / name
         shutil.copytree(llama, path, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -371,8 +372,9 @@ def test_a_draft_model_of_the_targets_vocabulary_is_served_without_async_schedul
     assert config.scheduler_config.async_scheduling is False  # vLLM's default turns it on
 
 
-def test_an_eagle3_head_is_served_without_async_scheduling_and_with_tensor_parallelism(models):
-    spec = {"method": "eagle3", "model": models["eagle3_head"], "num_speculative_tokens": 3}
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_an_eagle_head_is_served_without_async_scheduling_and_with_tensor_parallelism(models, method):
+    spec = {"method": method, "model": models[f"{method}_head"], "num_speculative_tokens": 3}
     config = _config(models, "llama", dict(speculative_config=spec))
     assert feature_check.refusals(config) == []
     assert config.scheduler_config.async_scheduling is False  # vLLM's default turns it on
@@ -395,11 +397,11 @@ def test_a_hybrid_target_is_served_with_each_proposer_built_for_it(models, spec)
     assert feature_check.refusals(config) == []
 
 
-def test_eagle_one_heads_are_refused_by_name(models):
-    spec = {"method": "eagle", "model": models["llama"], "num_speculative_tokens": 3}
+def test_a_method_not_built_is_refused_by_name(models):
+    spec = {"method": "ngram_gpu", "prompt_lookup_max": 3, "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="not supported by vllm-xla") as raised:
         _config(models, "llama", dict(speculative_config=spec))
-    assert "method='eagle'" in str(raised.value)
+    assert "method='ngram_gpu'" in str(raised.value)
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused_by_name(models):

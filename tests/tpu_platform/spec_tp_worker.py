@@ -2,7 +2,7 @@
 """Run in a process of its own with 2 simulated CPU devices (`test_speculation_tensor_parallel.py`).
 
 `python -m tests.tpu_platform.spec_tp_worker METHOD DIR OUT.json`: builds tiny checkpoints for
-METHOD ('draft_model', 'eagle3', 'mtp', 'hybrid_mtp': a Qwen3-Next target's own MTP layer, or
+METHOD ('draft_model', 'eagle', 'eagle3', 'mtp', 'hybrid_mtp': a Qwen3-Next target's own MTP layer, or
 'hybrid_eagle3': an EAGLE-3 head reading a Qwen3-Next target's Gated DeltaNet and attention layers)
 under DIR, serves them at `tensor_parallel_size=2`
 through the runner (no vLLM), and drives one request with drafts: a prompt prefilled in two
@@ -86,6 +86,13 @@ def checkpoints(method: str, root: str):
         reference = MtpReference(path, target.eval())
         return path, path, target, lambda history: reference.drafts(history, K)
     target_dir = save_tiny_llama(f"{root}/target", seed=3, num_hidden_layers=4)
+    if method == "eagle":
+        from tests.eagle_reference import EagleReference
+        from tests.tiny_models import save_tiny_eagle_head
+
+        head = save_tiny_eagle_head(f"{root}/head", target_dir, seed=7, fc_bias=True)
+        reference = EagleReference(head, _llama(target_dir))
+        return target_dir, head, _llama(target_dir), lambda history: reference.drafts(history, K)
     if method == "eagle3":
         from tests.eagle3_reference import Eagle3Reference
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Draft models, EAGLE-3 heads and MTP layers at `tensor_parallel_size=2`, on 2 simulated CPU
+"""Draft models, EAGLE and EAGLE-3 heads and MTP layers at `tensor_parallel_size=2`, on 2 simulated CPU
 devices in a subprocess each (`spec_tp_worker.py`: the device count is fixed when JAX starts),
 through the runner (no vLLM): a prompt prefilled in two chunks, then verification steps whose
 drafts were the proposer's own or made to keep 3, 1 and 2 tokens. Every step's output is the
@@ -12,9 +12,10 @@ A hybrid target (Qwen3-Next with its own MTP layer, or with an EAGLE-3 head) ver
 none, one, all and none:
 each Gated DeltaNet layer keeps a state after each verified row in its 1 + k state blocks, its
 pools split on channels and heads as `pallas_kernels.state_partition_specs` says.
-EAGLE-3 runs in `make test`; the draft model, the MTP layer (a DeepSeek block: latent attention,
-experts) and the hybrid targets in `make test-full` (their one-device forms: `test_qwen3_next_mtp.py`,
-`test_draft_model.py` in `make test`, `test_hybrid_eagle3.py` in `make test-full`)."""
+The EAGLE and EAGLE-3 heads run in `make test`; the draft model, the MTP layer (a DeepSeek
+block: latent attention, experts) and the hybrid targets in `make test-full` (their one-device
+forms: `test_qwen3_next_mtp.py`, `test_draft_model.py` in `make test`, `test_hybrid_eagle3.py`
+in `make test-full`)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,15 @@ def test_an_eagle3_head_split_over_two_devices_drafts_as_the_reference(tmp_path)
     result = _run("eagle3", tmp_path)
     split = ("layer.self_attn.qkv_proj.kernel", "layer.mlp.down_proj.kernel", "lm_head.kernel")
     _check(result, (*split, "embed_tokens.embedding"))  # the target's shared table, vocab-parallel
+    assert result["params"]["fc.kernel"]["spec"] == []  # small: whole on each device
+    assert all(_heads_split(cache) for cache in result["caches"])
+
+
+def test_an_eagle_head_split_over_two_devices_drafts_as_the_reference(tmp_path):
+    result = _run("eagle", tmp_path)
+    split = ("layer.self_attn.qkv_proj.kernel", "layer.mlp.down_proj.kernel")
+    # The target's embedding and LM head, shared: vocab-parallel as the target's.
+    _check(result, (*split, "embed_tokens.embedding", "lm_head.kernel"))
     assert result["params"]["fc.kernel"]["spec"] == []  # small: whole on each device
     assert all(_heads_split(cache) for cache in result["caches"])
 

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from models import ModelConfig, attach_rope_tables
+from models.eagle import EagleHead
 from models.eagle3 import Eagle3Config, Eagle3Head
 from models.layers import Embedding
 from models.mtp import BLOCKS, MtpHead
@@ -171,6 +172,24 @@ def compile_eagle3(
 
     width = head.num_aux_hidden_states * head.target_hidden_size
     return _compile_head(target, built, head.model, width, num_pages, num_tokens, rows, k)
+
+
+def compile_eagle(target: StepSetup, num_pages: int, num_tokens: int, rows: int, k: int) -> Eagle3Programs:
+    """Compiles an EAGLE-1 head for `target`'s model (one Llama layer as wide as the target's,
+    reading its final hidden states; the embedding and LM head copies of the target's, as the
+    runner shares them): its pass and its loop, as `compile_eagle3` does an EAGLE-3 head's."""
+    dtype = jnp.dtype(target.dtype)
+    plain = {f.name: getattr(target.config, f.name) for f in dataclasses.fields(ModelConfig) if f.init}
+    plain.update(architecture="EagleLlamaForCausalLM", num_layers=1, layer_sliding_windows=(None,))
+    mc = ModelConfig(**plain)
+
+    def built() -> EagleHead:
+        model = EagleHead(mc, dtype=dtype, own_embedding=True, own_lm_head=True, fc_bias=False)
+        repeat_kv_heads_for_mesh(model, kv_heads_on_mesh(mc.num_heads, mc.num_kv_heads, target.tp_size))
+        fuse_projections(model, target.tp_size)
+        return model
+
+    return _compile_head(target, built, mc, mc.hidden_size, num_pages, num_tokens, rows, k)
 
 
 def compile_mtp(target: StepSetup, num_pages: int, num_tokens: int, rows: int, k: int) -> Eagle3Programs:

@@ -9,9 +9,10 @@ then adds one token of its own. vLLM's scheduler rolls back the rejected positio
 
 Modules: `config` (the engine's choice), `ngram` (the prompt-lookup proposer, vectorized NumPy
 with vLLM's min/max n semantics), `draft_model` (a smaller model's k-step draft loop),
-`eagle3` (an EAGLE-3 head fed with the target's hidden states), `rejection` (the jitted
-verification), `verifier` (the program around it, its warm-up and the host bookkeeping the
-runner calls).
+`eagle3` (an EAGLE-3 head fed with the target's hidden states), `eagle` (an EAGLE-1 head fed
+with its final ones), `mtp` (the target's own multi-token-prediction layer), `rejection` (the
+jitted verification), `verdict` (a verify step's rows and their verdict), `verifier` (the program
+around it, its warm-up and the host bookkeeping the runner calls).
 
 No vLLM and no torch here.
 """

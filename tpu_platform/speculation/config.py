@@ -9,11 +9,11 @@ from models.mtp import BLOCKS
 from models.qwen3_next_mtp import ARCHITECTURES as QWEN_MTP_ARCHITECTURES
 from tpu_platform.sampling import SamplingOptions
 
-# Methods built; vLLM's others (eagle, suffix, ...) are refused at start.
-METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+# Methods built; vLLM's others (suffix, dflash, ...) are refused at start.
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # Methods whose proposer is read from a checkpoint (`SpeculationConfig.draft_model`): the draft's,
-# the EAGLE-3 head's, or for 'mtp' the target's own (its multi-token-prediction layer).
-MODEL_METHODS = ("draft_model", "eagle3", "mtp")
+# the EAGLE or EAGLE-3 head's, or for 'mtp' the target's own (its multi-token-prediction layer).
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 # Targets whose multi-token-prediction layer drafts for method 'mtp'.
 MTP_ARCHITECTURES = (*BLOCKS, *QWEN_MTP_ARCHITECTURES)
 # Drafts per request per step: the verification's logits are `[max_num_seqs * (1 + k), V]`.
@@ -24,8 +24,8 @@ MAX_SPECULATIVE_TOKENS = 8
 class SpeculationConfig:
     """vLLM's `speculative_config`: `method`, `num_speculative_tokens` (k), the n-gram
     proposer's `prompt_lookup_min`/`prompt_lookup_max` (the shortest and longest suffix matched)
-    and, for `draft_model`, `eagle3` and `mtp`, the checkpoint directory of the draft, of the
-    EAGLE-3 head or of the target whose MTP layer drafts (`model`); `schedule_tokens`: the
+    and, for `draft_model`, `eagle`, `eagle3` and `mtp`, the checkpoint directory of the draft,
+    of the EAGLE or EAGLE-3 head or of the target whose MTP layer drafts (`model`); `schedule_tokens`: the
     smaller k values of vLLM's `num_speculative_tokens_per_batch_size` (each gets verification
     programs of its own, so a step of fewer drafts is not verified on 1 + k rows a request)."""
 
@@ -47,8 +47,8 @@ class SpeculationConfig:
             )
         if (self.method in MODEL_METHODS) != (self.draft_model is not None):
             raise ValueError(
-                "speculative methods 'draft_model', 'eagle3' and 'mtp' take the drafter's checkpoint "
-                f"directory (model=...), and only they do; got method={self.method!r}, "
+                "speculative methods 'draft_model', 'eagle', 'eagle3' and 'mtp' take the drafter's "
+                f"checkpoint directory (model=...), and only they do; got method={self.method!r}, "
                 f"model={self.draft_model!r}"
             )
         if any(not 1 <= t < self.num_tokens for t in self.schedule_tokens):

@@ -35,6 +35,7 @@ from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, Sa
 from tpu_platform.sampling.uniform import has_extras
 from tpu_platform.speculation.config import SpeculationConfig, draftable
 from tpu_platform.speculation.draft_model import DraftModel
+from tpu_platform.speculation.eagle import EagleProposer
 from tpu_platform.speculation.eagle3 import Eagle3Proposer
 from tpu_platform.speculation.mtp import MtpProposer
 from tpu_platform.speculation.ngram import propose_ngram
@@ -90,7 +91,8 @@ class SpeculativeDecoding:
         self.step_tokens = config.num_tokens
         # The drafts a request each verification program takes: k, and the schedule's smaller ones.
         self.verify_tokens = (*config.schedule_tokens, config.num_tokens)
-        # The proposer of method 'draft_model' (`draft_model`), 'eagle3' (`eagle3`) or 'mtp' (`mtp`).
+        # The proposer of method 'draft_model' (`draft_model`), 'eagle' (`eagle`), 'eagle3'
+        # (`eagle3`) or 'mtp' (`mtp`).
         self.draft: DraftModel | Eagle3Proposer | None = None
         self._draft_warm_up: tuple = ()  # the draft's warm-up arguments, once its cache is there
         # Request rows of the programs, by requests rather than tokens (the LM head runs on 1 + k
@@ -360,12 +362,13 @@ def load_proposer(
     mesh: jax.sharding.Mesh | None = None,
 ) -> DraftModel | Eagle3Proposer:
     """The proposer at `path` for the runner's speculation method: a draft model (`DraftModel.load`),
-    an EAGLE-3 head (`Eagle3Proposer.load`, reading `target_model`'s hidden states) or the MTP
+    an EAGLE-3 head (`Eagle3Proposer.load`, reading `target_model`'s hidden states), an EAGLE
+    head (`EagleProposer.load`, reading its final ones) or the MTP
     layer of the target's own checkpoint (`MtpProposer.load`: `path` is the target's), on
     `device` or split on the target's tensor-parallel `mesh` as the target is."""
     method = config.speculation.method
-    if method in ("eagle3", "mtp"):
-        proposer = MtpProposer if method == "mtp" else Eagle3Proposer
+    if method in ("eagle", "eagle3", "mtp"):
+        proposer = {"eagle": EagleProposer, "eagle3": Eagle3Proposer, "mtp": MtpProposer}[method]
         return proposer.load(
             path, k=config.speculation.num_tokens, target=target, target_model=target_model, dtype=dtype,
             max_model_len=config.max_model_len, device=device, mesh=mesh,
