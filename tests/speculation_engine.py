@@ -44,13 +44,15 @@ def strict_compile_engine(**engine_args) -> Iterator[LLM]:
         mp.undo()
 
 
-def greedy_run_equals_reference(llm: LLM, hf, new_tokens: int) -> dict:
-    """Three prompts (9, 15 and 26 tokens: the last prefilled in chunks) decoded greedily through
-    `llm` equal `hf`'s greedy decoding token for token; vLLM's accepted count equals the runner's,
-    it drafted at least as many, a prefill was chunked and nothing compiled after warm-up. Returns
-    the runner's stats."""
+def greedy_run_equals_reference(
+    llm: LLM, hf, new_tokens: int, lengths: tuple[int, ...] = (9, 15, 26)
+) -> dict:
+    """Prompts of `lengths` tokens (under a 16-token step budget, 26 and more prefilled in chunks)
+    decoded greedily through `llm` equal `hf`'s greedy decoding token for token; vLLM's accepted
+    count equals the runner's, it drafted at least as many, a prefill was chunked and nothing
+    compiled after warm-up. Returns the runner's stats."""
     rng = np.random.default_rng(0)
-    prompts = [[1, *rng.integers(3, 384, n - 1).tolist()] for n in (9, 15, 26)]
+    prompts = [[1, *rng.integers(3, 384, n - 1).tolist()] for n in lengths]
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
     expected = [hf_greedy(hf.eval(), p, new_tokens) for p in prompts]
