@@ -290,14 +290,15 @@ class Runner:
         drafts = loaded.speculation and loaded.speculation.write_drafts(table, rows, num_scheduled, update)
         page_size, drafted = self.config.page_size, None if drafts is None else drafts.num_drafts
         plan = prepare_step(table, rows, num_scheduled, self.buckets, page_size, self._buffers, drafted)
-        tensors, flags = self._widened(
-            *loaded.sampling.prepare(
-                rows=rows,
-                padded_rows=plan.shape[1],
-                history=table,
-                step_seed=self.config.seed * 1_000_003 + self._step_index,
+        step_seed = self.config.seed * 1_000_003 + self._step_index
+        tensors, flags = loaded.sampling.prepare(rows, plan.shape[1], table, step_seed)
+        positions = None  # a verify shape's drafts under history-reading options: per position
+        verify_shapes = self.steps.program.verify_shapes
+        if drafts is not None and verify_shapes is not None and plan.shape[:2] in verify_shapes:
+            positions = loaded.speculation.position_tensors(
+                loaded.sampling, table, rows, drafts, plan.shape[1], flags, step_seed, self._extra_widths
             )
-        )
+        tensors, flags = self._widened(tensors, flags)
         table.reserve(plan.appends)
         self._step_index += 1
         self.stats.steps += 1
@@ -333,7 +334,7 @@ class Runner:
             )
         self._pending = DispatchedStep(
             plan, req_ids, logits, greedy, prompt, tensors, flags, dispatched_at,
-            hidden=hidden, drafts=drafts, expert_load=load, verify_rows=verify_rows,
+            hidden=hidden, drafts=drafts, expert_load=load, verify_rows=verify_rows, positions=positions,
         )  # fmt: skip
 
     def pool(self) -> tuple[list[str], list[np.ndarray | None]]:

@@ -39,6 +39,9 @@ class DispatchedStep:
     expert_load: jax.Array | None = None  # `[L, E]` tokens routed per expert (a MoE model's)
     # A verify shape's `[T, V]` logits and `[T]` greedy tokens of every token row (`step.forward_logits`).
     verify_rows: tuple[jax.Array, jax.Array] | None = None
+    # Its sampling tensors per verified position, where its requests use penalties, bad words,
+    # min_tokens, logit biases or allowed ids (`SpeculativeDecoding.position_tensors`).
+    positions: tuple[SamplingTensors, SamplerFlags] | None = None
 
 
 @dataclasses.dataclass(slots=True)

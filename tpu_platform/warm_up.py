@@ -45,7 +45,7 @@ def warm_up_specs(runner: Runner, shapes: list[tuple[int, int, int]]) -> list[Pr
             specs.append(runner._sampler_spec(logits, tensors, flags))
     if runner.speculation is not None:
         specs += runner.speculation.warm_up_specs(
-            runner._whole_state(), runner.sampling, runner.dtype, runner.buckets.verify
+            runner._whole_state(), runner.sampling, runner.dtype, runner.buckets.verify, runner._extra_widths
         )
     return specs + runner._prompt_logprobs.warm_up_specs(runner._whole_state())
 

@@ -2,7 +2,8 @@
 """Speculative decoding's programs compile with the real TPU (v6e-1) and GPU (H100) compilers: the
 verification of k = 4 drafts for Llama-3.1-8B (the verify step, the step program at its own shape
 with the head on every row, cut to the draft's layer count; the random rows' program; the
-programs from hidden states) and the draft loop of a Llama-3.2-1B draft
+programs from hidden states; the rows' program with penalties, bad words, min_tokens, biases and
+allowed ids per position) and the draft loop of a Llama-3.2-1B draft
 (`tests.aot.draft_compile`). The loop updates the draft's caches in place and makes no temporary of
 their size; the draft's planner rows are its published size. `make test` compiles for the H100 (the
 v6e-1's in `make test-full`) the loop with the draft's first 2 layers at full width, its caches as
@@ -28,7 +29,8 @@ LLAMA_32_1B_PARAMETERS = 1.24e9  # the model card's count (tied embedding counte
 def test_verify_and_draft_loop_compile(platform, target, draft_layers):
     out = run_worker(platform, "draft_compile", target, str(draft_layers))
     assert out["draft_layers"] == draft_layers
-    for name in ("verify_step", "verify_rows_random", "verify_greedy", "verify_random", "draft_loop"):
+    names = ("verify_step", "verify_rows_random", "verify_rows_options", "verify_greedy", "verify_random")
+    for name in (*names, "draft_loop"):
         assert "error" not in out[name], f"{target} {name}: {out[name].get('error')}"
     # The verify step: 64 requests of 1 + 4 rows, a shape of its own; its caches updated in place.
     assert out["verify_step_shape"][:2] == [320, 64]

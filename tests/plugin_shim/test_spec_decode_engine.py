@@ -15,10 +15,11 @@ from transformers import LlamaForCausalLM
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
-from tests.greedy_reference import hf_greedy
+from tests.greedy_reference import hf_greedy, hf_greedy_with
 from tests.plugin_shim.tensor_parallel_engine import environment
 from tests.speculation_engine import spec_counters, strict_compile_engine
 from tests.tiny_models import save_damped_tiny_llama
+from tpu_platform.sampling import SamplingOptions
 
 pytestmark = pytest.mark.slow  # builds vllm.LLM
 
@@ -96,9 +97,39 @@ def test_vllms_spec_decode_metrics_count_the_drafts_verified_and_kept(llm):
     assert vllm_after[0] - vllm_before[0] >= after["draft_tokens"] - before["draft_tokens"]
 
 
+def test_penalties_and_allowed_ids_apply_at_every_drafted_position(llm, hf):
+    # Requests with penalties or allowed ids are drafted and their drafts verified with those
+    # options at every position: greedy output equals greedy decoding with them (transformers'
+    # logits through the NumPy reference of vLLM's sampler). vLLM refuses logit_bias and min_p
+    # with speculative decoding; each position's history (the drafts before it), bad words and
+    # min_tokens: `tests/tpu_platform/test_verify_options.py`.
+    prompts = _prompts(seed=4, count=3)
+    options = [
+        SamplingOptions(temperature=0.0, presence_penalty=0.2, frequency_penalty=0.1, repetition_penalty=1.1),
+        SamplingOptions(temperature=0.0, repetition_penalty=1.3),
+        SamplingOptions(temperature=0.0, allowed_token_ids=tuple(range(3, 300)), frequency_penalty=0.3),
+    ]
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, presence_penalty=o.presence_penalty,
+            frequency_penalty=o.frequency_penalty, repetition_penalty=o.repetition_penalty,
+            allowed_token_ids=list(o.allowed_token_ids) if o.allowed_token_ids else None,
+        )
+        for o in options
+    ]  # fmt: skip
+    before = _stats(llm)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    expected = [hf_greedy_with(hf, p, NEW_TOKENS, o) for p, o in zip(prompts, options, strict=True)]
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    after = _stats(llm)
+    assert after["accepted_tokens"] > before["accepted_tokens"]
+    assert after["unverified_steps"] == before["unverified_steps"]
+    assert after["compiles_after_warmup"] == 0
+
+
 def test_requests_that_cannot_be_drafted_are_served_beside_drafted_ones(llm, hf):
-    # Logprobs and a penalty are not applied at drafted positions: those requests get no drafts,
-    # and a step holding them is sampled as without speculation (its drafts all rejected).
+    # Logprobs are not computed at drafted positions: such a request gets no drafts, and a step
+    # holding it is sampled as without speculation (its drafts all rejected).
     prompts = _prompts(seed=1, count=3)
     params = [
         SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),

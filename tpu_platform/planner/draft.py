@@ -33,7 +33,7 @@ from tpu_platform.mesh import replicated
 from tpu_platform.planner.compiled import ProgramFacts, compile_with_text, measured
 from tpu_platform.planner.plan import StepSetup, _abstract_caches, kv_page_bytes, step_shape
 from tpu_platform.planner.targets import compile_only_devices
-from tpu_platform.sampling import SamplerFlags, dummy_tensors
+from tpu_platform.sampling import SamplerFlags, SamplingBatch, dummy_tensors
 from tpu_platform.speculation.draft_model import (
     DraftCacheShape,
     drafter_kv_heads,
@@ -129,16 +129,22 @@ def compile_verify(target: StepSetup, rows: int, k: int, flags: SamplerFlags) ->
 def compile_verify_rows(target: StepSetup, rows: int, k: int, flags: SamplerFlags) -> ProgramFacts:
     """Compiles the verification of a verify shape's step of `rows` requests' k drafts each from
     its forward's logits of every row (`speculation.verdict.make_verify_rows`: the rows gathered
-    and the rejection rule) on one chip of the target."""
+    and the rejection rule) on one chip of the target. `flags` with penalties, sparse entries
+    and allowed ids: the program of sampling tensors per position at the runner's fixed widths
+    (`SpeculativeDecoding.position_tensors`)."""
     if target.tp_size != 1:
         raise ValueError("compile_verify_rows compiles the one-chip program: use tp_size=1")
     device = compile_only_devices(target.target)[0]
     on_chip = SingleDeviceSharding(device)
     ints = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32, sharding=on_chip)  # noqa: E731
     vocab = target.config.vocab_size
-    tensors = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_chip), dummy_tensors(flags, rows, vocab)
-    )
+    if flags.penalties or flags.sparse or flags.allowed:
+        sampling = SamplingBatch(1, vocab, target.max_model_len)
+        widths = dict(penalty_width=sampling.penalty_widths[-1], sparse_width=sampling.sparse_widths[-1])
+        dummy = sampling.dummy_tensors(flags, rows * (k + 1), **widths)
+    else:
+        dummy = dummy_tensors(flags, rows, vocab)
+    tensors = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_chip), dummy)
     row_logits = jax.ShapeDtypeStruct((rows * (k + 1), vocab), np.float32, sharding=on_chip)
     args = (row_logits, ints(rows, k + 1), ints(rows, k), ints(rows), tensors)
     verify = make_verify_rows(target.max_num_seqs)

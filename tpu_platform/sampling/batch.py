@@ -222,6 +222,42 @@ class SamplingBatch:
             return self.with_grammar(tensors, flags, grammar_bitmasks, rows.size)
         return tensors, flags
 
+    def prepare_positions(
+        self,
+        rows: np.ndarray,
+        num_drafts: np.ndarray,
+        width: int,
+        padded_rows: int,
+        history: TokenHistory,
+        step_seed: int,
+    ) -> tuple[SamplingTensors, SamplerFlags]:
+        """`prepare` for each of `rows`' `width` verified positions (a draft's verification):
+        row i's position j, at `i * width + j` of `padded_rows * width`, is sampled as if its
+        history already held its first j drafts (written after its known tokens: `num_tokens + j`
+        tokens), so penalties count them, bad words and min_tokens see them, and its draw is that
+        of output token `num_generated + j`. Positions past row i's `num_drafts[i]` (never read)
+        repeat its last one. No logprobs and no grammar: those steps are not verified."""
+        rows = np.asarray(rows, np.int64)
+        offsets = np.minimum(np.arange(width)[None, :], num_drafts[: rows.size, None]).reshape(-1)
+        each = np.repeat(rows, width)
+        padded = padded_rows * width
+        part = self._make_rows_part(each, padded)
+        num_prompt = history.num_prompt_tokens[each].astype(np.int64)
+        num_tokens = history.num_tokens[each].astype(np.int64) + offsets
+        random = None
+        if not part.flags.all_greedy:
+            random = self._random(each, padded, num_tokens - num_prompt, step_seed)
+        penalties = sparse = None
+        if part.penalties:
+            penalties = self._penalties(each, padded, history.token_ids, num_prompt, num_tokens)
+        if part.sparse:
+            sparse = self._sparse(each, padded, history.token_ids, num_prompt, num_tokens)
+        tensors = SamplingTensors(
+            temperature=part.temperature, random=random, filters=part.filters, penalties=penalties,
+            sparse=sparse, allowed_bitmask=part.allowed_bitmask,
+        )  # fmt: skip
+        return tensors, dataclasses.replace(part.flags, sparse=sparse is not None, num_logprobs=None)
+
     def reads_history(self, rows: np.ndarray, padded_rows: int) -> bool:
         """Whether `prepare` for `rows` reads their token ids, not only their counts: some row has
         a penalty or sparse entries (bad words, min_tokens stop ids, logit bias)."""

@@ -64,16 +64,8 @@ class SpeculationConfig:
 
 
 def draftable(options: SamplingOptions) -> bool:
-    """Whether a request's tokens may be drafted: its sampling options must mean the same at every
-    drafted position. Options that read the token history (penalties, bad words, min_tokens),
-    per-token outputs (logprobs), grammars and token masks are not applied at drafted positions
-    yet, so such a request gets no drafts and is sampled as without speculation."""
-    return not (
-        options.has_penalties
-        or options.logit_bias
-        or options.allowed_token_ids is not None
-        or options.bad_words_token_ids
-        or options.min_tokens > 0
-        or options.logprobs is not None
-        or options.structured_output
-    )
+    """Whether a request's tokens may be drafted. Penalties, bad words, min_tokens, logit biases
+    and allowed ids apply at every drafted position (with the drafts before it in the history:
+    `SamplingBatch.prepare_positions`); per-token outputs (logprobs) and grammars do not yet, so
+    such a request gets no drafts and is sampled as without speculation."""
+    return not (options.logprobs is not None or options.structured_output)

@@ -14,6 +14,11 @@ p_j, after temperature, min-p and top-k/top-p, exactly as `sampling.sample` prep
 Position j of a request draws with the key of its (num_generated + j)-th output token, so a
 seeded request's draws depend on its seed and progress only; the acceptance test takes its
 uniform from a key folded once more (independent of the draw at the same position).
+
+With penalties, bad words, min_tokens, logit biases or allowed ids among the requests, the
+sampling tensors come per position (`SamplingBatch.prepare_positions`: position j's history holds
+the j drafts before it, as vLLM's rejection sampler counts them) and those transforms apply to
+each position's logits before the argmax and the distribution p_j.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import jax.numpy as jnp
 
 from tpu_platform.sampling import SAMPLING_EPS, SamplerFlags, SamplingTensors, noise
 from tpu_platform.sampling.ops import first_argmax
-from tpu_platform.sampling.sampler import random_logits
+from tpu_platform.sampling.sampler import process_logits, random_logits
 
 # Folded into a position's key for its acceptance uniform.
 _ACCEPT_SALT = 0x5EC0DE
@@ -65,9 +70,10 @@ def verify_drafts(
       logits: float[R, K + 1, V], row r's logits at its last known token and after each draft.
       drafts: int32[R, K] drafted ids (< 0: a placeholder, never accepted).
       num_drafts: int32[R] how many of row r's drafts are real (the rest are ignored).
-      tensors: per-row sampling tensors (`SamplingBatch.prepare`, leading dim R); only
-        temperature, the random keys and the filters are read.
-      flags: static; only `all_greedy` and `filters` are read.
+      tensors: per-row sampling tensors (`SamplingBatch.prepare`, leading dim R; only
+        temperature, the random keys and the filters are read), or per position (`prepare_positions`,
+        leading dim R * (K + 1)) when `flags` turn on penalties, sparse entries or allowed ids.
+      flags: static; `all_greedy`, `filters`, `penalties`, `sparse` and `allowed` are read.
 
     Returns:
       tokens int32[R, K + 1]: row r's output is `tokens[r, :counts[r]]` (its accepted drafts,
@@ -80,10 +86,13 @@ def verify_drafts(
     real = jnp.arange(k)[None, :] < num_drafts[:, None]
     # The draft at each position (-1: none, at the bonus position too).
     drafted = jnp.concatenate([jnp.where(real, drafts, -1), jnp.full((rows, 1), -1, drafts.dtype)], axis=1)
+    extras = flags.penalties or flags.sparse or flags.allowed
+    if extras:  # the tensors are per position already
+        flat = process_logits(flat, tensors, flags)
     greedy = first_argmax(flat).reshape(rows, width)
     accept, token = greedy == drafted, greedy
     if not flags.all_greedy:
-        expanded = per_position(tensors, width)
+        expanded = tensors if extras else per_position(tensors, width)
         processed = random_logits(flat, expanded, SamplerFlags(filters=flags.filters))
         probs = jax.nn.softmax(processed, axis=-1)
         draft_flat = drafted.reshape(-1)
@@ -95,7 +104,7 @@ def verify_drafts(
         vocab_ids = jax.lax.broadcasted_iota(jnp.int32, processed.shape, 1)
         without_draft = jnp.where(vocab_ids == draft_flat[:, None], -jnp.inf, processed)
         drawn = noise.random_sample(without_draft, keys).reshape(rows, width)
-        is_greedy = (tensors.temperature < SAMPLING_EPS)[:, None]
+        is_greedy = (expanded.temperature < SAMPLING_EPS).reshape(rows, width)
         accept = jnp.where(is_greedy, accept, accepted_random.reshape(rows, width))
         token = jnp.where(is_greedy, greedy, drawn)
     # Drafts kept: the leading accepted ones.

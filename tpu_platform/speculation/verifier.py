@@ -5,8 +5,10 @@ verification (`verdict`).
 A step with drafts runs the forward as any other; its logits row for a drafted request is the
 request's last known token (what it would sample without speculation), so the ordinary sampler can
 still serve the step (every draft then counts as rejected). When every request of the step can be
-verified (no per-token logprobs, grammar, logits processor or history-reading option among them),
-the step's verdict comes from the logits at each request's 1 + k rows instead. A step of one of
+verified (no per-token logprobs, grammar or logits processor among them), the step's verdict comes
+from the logits at each request's 1 + k rows instead, with penalties, bad words, min_tokens,
+logit biases and allowed ids applied at each of them (sampling tensors per position:
+`position_tensors`; a verify shape's step only). A step of one of
 speculative decoding's shapes (the common one: decode rows and their drafts) has those from its
 forward, and a greedy step needs no program more (`verdict.greedy_verdict`); a step of another
 shape has the hidden states of every row, and a verification program of its request bucket runs
@@ -16,6 +18,7 @@ token bucket).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -32,7 +35,7 @@ from tpu_platform.programs import Programs, ProgramSpec, structure_text
 from tpu_platform.request_table import RequestTable
 from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, SamplingTensors
-from tpu_platform.sampling.uniform import has_extras
+from tpu_platform.sampling.uniform import POSITION_EXTRAS, has_extras, with_all_extras
 from tpu_platform.speculation.config import SpeculationConfig, draftable
 from tpu_platform.speculation.draft_model import DraftModel
 from tpu_platform.speculation.eagle import EagleProposer
@@ -57,6 +60,11 @@ from tpu_platform.weights.prepared import ShardingFor
 # (a verify shape's greedy steps need none: `verdict.greedy_verdict`).
 VERIFY_FLAGS = (SamplerFlags(all_greedy=True), SamplerFlags(), SamplerFlags(filters=True))
 RANDOM_FLAGS = VERIFY_FLAGS[1:]
+# A verify shape's steps whose requests use penalties, bad words, min_tokens, logit biases or
+# allowed ids: every one of those on (neutral where unused), per position (`position_tensors`).
+POSITION_FLAGS = tuple(
+    dataclasses.replace(flags, **dict.fromkeys(POSITION_EXTRAS, True)) for flags in VERIFY_FLAGS
+)
 
 
 class SpeculativeDecoding:
@@ -221,40 +229,76 @@ class SpeculativeDecoding:
             table.token_ids[row, end - count : end] = np.maximum(drafts[i, :count], 0)
         return StepDrafts(drafts, num_drafts) if num_drafts.any() else None
 
+    def position_tensors(
+        self,
+        sampling: SamplingBatch,
+        table: RequestTable,
+        rows: np.ndarray,
+        drafts: StepDrafts,
+        padded_rows: int,
+        flags: SamplerFlags,
+        step_seed: int,
+        widths: dict[str, int],
+    ) -> tuple[SamplingTensors, SamplerFlags] | None:
+        """The sampling tensors of a verify shape's step per verified position, where its requests
+        use penalties, bad words, min_tokens, logit biases or allowed ids (`flags`, the step's
+        own): `SamplingBatch.prepare_positions` with every one of those on at the fixed `widths`
+        (`POSITION_FLAGS`). None when they use none of them, or some row wants logprobs (such a
+        step is not verified)."""
+        if flags.num_logprobs is not None or not (flags.penalties or flags.sparse or flags.allowed):
+            return None
+        k = self._verify_k(drafts.num_drafts)
+        tensors, raw = sampling.prepare_positions(
+            rows, drafts.num_drafts, k + 1, padded_rows, table, step_seed
+        )
+        return with_all_extras(
+            tensors, raw, self._vocab_size, logprobs_width=None, features=POSITION_EXTRAS, **widths
+        )
+
+    def _verify_k(self, num_drafts: np.ndarray) -> int:
+        """The drafts a request of the verification program that serves `num_drafts` takes."""
+        return next(t for t in self.verify_tokens if t >= num_drafts.max())
+
     def try_verify(self, state: nnx.State, pending: DispatchedStep, other: bool) -> Verification | None:
         """Dispatches the verification of a step's drafts; None when it cannot serve the step
-        (some row wants logprobs or a history-reading option, or `other`: a grammar or a logits
-        processor rewrites the logits): the sampler then serves it and every draft counts as
-        rejected."""
+        (some row wants logprobs, a history-reading option outside a verify shape's step, or
+        `other`: a grammar or a logits processor rewrites the logits): the sampler then serves
+        it and every draft counts as rejected."""
         flags = pending.flags
-        if has_extras(flags) or flags.num_logprobs is not None or other:
+        if other or (has_extras(flags) and pending.positions is None):
             self.stats.unverified_steps += 1
             return None
         num = pending.drafts.num_drafts
-        k = next(t for t in self.verify_tokens if t >= num.max())
+        k = self._verify_k(num)
         known = pending.plan.inputs().cu_q_lens[1 : num.size + 1] - 1 - num  # each last known token
-        vflags = SamplerFlags(all_greedy=flags.all_greedy, filters=flags.filters)
         self.stats.verified_steps += 1
+        if pending.positions is not None:
+            return self._verify_rows(pending, known, k, *reversed(pending.positions))
+        vflags = SamplerFlags(all_greedy=flags.all_greedy, filters=flags.filters)
         if pending.verify_rows is not None:
-            return self._verify_rows(pending, known, k, vflags)
+            return self._verify_rows(pending, known, k, vflags, pending.tensors)
         return self._verify_hidden(state, pending, known, k, vflags)
 
     def _verify_rows(
-        self, pending: DispatchedStep, known: np.ndarray, k: int, flags: SamplerFlags
+        self,
+        pending: DispatchedStep,
+        known: np.ndarray,
+        k: int,
+        flags: SamplerFlags,
+        tensors: SamplingTensors,
     ) -> Verification:
-        """A verify shape's step: its forward's logits at every row (module docstring)."""
+        """A verify shape's step: its forward's logits at every row (module docstring); `tensors`
+        per request, or per position with `POSITION_FLAGS`."""
         row_logits, row_greedy = pending.verify_rows
         t_pad, r_pad = pending.plan.shape[:2]  # the sampling tensors have the forward's R rows
         index = draft_rows(known, pending.drafts.num_drafts, k, r_pad)
         drafts, num_drafts = pending.drafts.padded(r_pad, k)
-        if flags.all_greedy:  # the forward's greedy tokens are each row's first and the verdict's
+        if flags.argmax_only:  # the forward's greedy tokens are each row's first and the verdict's
             verdict = functools.partial(greedy_verdict, row_greedy, index, drafts, num_drafts)
             return Verification(SamplerOutput(pending.greedy), verdict, pending.drafts, self.stats)
         key = ("verify rows", t_pad, r_pad, k, flags)
-        spec = lambda: self._rows_spec(t_pad, r_pad, k, flags, pending.tensors)  # noqa: E731
-        first, tokens, counts = self.programs.call(
-            key, spec, row_logits, index, drafts, num_drafts, pending.tensors
-        )
+        spec = lambda: self._rows_spec(t_pad, r_pad, k, flags, tensors)  # noqa: E731
+        first, tokens, counts = self.programs.call(key, spec, row_logits, index, drafts, num_drafts, tensors)
         return Verification(SamplerOutput(first), on_host(tokens, counts), pending.drafts, self.stats)
 
     def _verify_hidden(
@@ -280,10 +324,12 @@ class SpeculativeDecoding:
         sampling: SamplingBatch,
         dtype: np.dtype,
         verify_shapes: Sequence[tuple[int, int]],
+        widths: dict[str, int],
     ) -> list[ProgramSpec]:
         """The verification programs: of every row bucket, draft count and flag set from hidden
         states, of every verify shape (`verify_shapes`), draft count and random flag set from
-        the forward's rows; and a draft model's."""
+        the forward's rows, and the same per position (`POSITION_FLAGS`, tensors of the fixed
+        `widths`); and a draft model's."""
         specs = [
             self._spec(state, r_pad, k, flags, dtype, sampling.dummy_tensors(flags, r_pad))
             for r_pad in self.row_buckets
@@ -295,6 +341,12 @@ class SpeculativeDecoding:
             for t_pad, r_pad in verify_shapes
             for k in self.verify_tokens
             for flags in RANDOM_FLAGS
+        ]
+        specs += [
+            self._rows_spec(t_pad, r_pad, k, flags, sampling.dummy_tensors(flags, r_pad * (k + 1), **widths))
+            for t_pad, r_pad in verify_shapes
+            for k in self.verify_tokens
+            for flags in POSITION_FLAGS
         ]
         if isinstance(self.draft, Eagle3Proposer):  # the head takes the target's activations
             specs += self.draft.warm_up_specs(*self._draft_warm_up[:4], dtype)
