@@ -78,8 +78,8 @@ SUPPORTED: tuple[Supported, ...] = (
         "num_speculative_tokens_per_batch_size",
         "drafts verified in the same ragged step; greedy output equal to no speculation, random "
         "sampling by vLLM's rejection rule (temperature, top-k/p, min-p, seeds); penalties, bad "
-        "words, min_tokens, logit_bias and allowed ids applied at every drafted position; requests "
-        "with logprobs or a grammar get no drafts (docs/configuration.md)",
+        "words, min_tokens, logit_bias, allowed ids, grammars and logprobs at every drafted "
+        "position (docs/configuration.md)",
     ),
     Supported(
         "Speculative decoding: draft model, EAGLE, EAGLE-3",

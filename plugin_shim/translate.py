@@ -105,11 +105,20 @@ def step_update(so: SchedulerOutput) -> StepUpdate:
     )
 
 
-def grammar_bitmasks(grammar: GrammarOutput | None) -> dict[str, np.ndarray]:
-    """Request id -> packed allowed-token bitmask row."""
+def grammar_bitmasks(
+    grammar: GrammarOutput | None, spec_tokens: dict[str, list[int]] | None = None
+) -> dict[str, np.ndarray]:
+    """Request id -> its packed allowed-token bitmask rows, `[1 + n, W]` for a request with n
+    scheduled drafts (`spec_tokens`, the step's): vLLM's scheduler fills one row for each draft's
+    position and one after them, request after request."""
     if grammar is None:
         return {}
-    return {rid: grammar.grammar_bitmask[i] for i, rid in enumerate(grammar.structured_output_request_ids)}
+    spec_tokens, masks, start = spec_tokens or {}, {}, 0
+    for rid in grammar.structured_output_request_ids:
+        end = start + 1 + len(spec_tokens.get(rid, ()))
+        masks[rid] = grammar.grammar_bitmask[start:end]
+        start = end
+    return masks
 
 
 def model_runner_output(result: StepResult) -> ModelRunnerOutput:
@@ -119,7 +128,7 @@ def model_runner_output(result: StepResult) -> ModelRunnerOutput:
     logprobs = None
     if result.logprobs is not None:
         lp = result.logprobs
-        logprobs = LogprobsLists(lp.token_ids, lp.logprobs, lp.ranks)
+        logprobs = LogprobsLists(lp.token_ids, lp.logprobs, lp.ranks, lp.cu_num_generated)
     return ModelRunnerOutput(
         req_ids=result.req_ids,
         req_id_to_index=dict(zip(result.req_ids, range(len(result.req_ids)), strict=True)),

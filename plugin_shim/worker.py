@@ -126,6 +126,8 @@ class XlaWorker(WorkerBase):
         self.env = env
         self.metrics: MetricsPublisher | None = None  # set once warm-up is done
         self.failures: dict[str, str] = {}  # the executed step's failed requests, until it is sampled
+        # The executed step's drafts: its grammar bitmask rows follow them.
+        self.spec_tokens: dict[str, list[int]] = {}
         self.drafts: DraftTokenIds | None = None  # the last step's n-gram drafts, until vLLM takes them
         self.device = torch.device("cpu")
         # Before JAX starts a backend: a data-parallel replica's own devices; across hosts, JAX's
@@ -269,6 +271,7 @@ class XlaWorker(WorkerBase):
     def execute_model(self, scheduler_output):
         start = time.perf_counter()
         update, failures = translate.step_update(scheduler_output), {}
+        self.spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         if self.runner.lora is not None:
             update, failures = lora.admit_requested(self.runner, scheduler_output, update)
         self.runner.stats.host_seconds += time.perf_counter() - start
@@ -291,7 +294,8 @@ class XlaWorker(WorkerBase):
         bridge = self.logits_bridge
         with hosts.naming_lost_hosts(self.num_hosts):
             step = self.runner.sample_async(
-                translate.grammar_bitmasks(grammar_output), logits_transform=bridge.apply if bridge else None
+                translate.grammar_bitmasks(grammar_output, self.spec_tokens),
+                logits_transform=bridge.apply if bridge else None,
             )
         failures, self.failures = self.failures, {}
         if self.vllm_config.scheduler_config.async_scheduling and bridge is None:

@@ -364,8 +364,10 @@ class Runner:
     ) -> InFlightStep:
         """Dispatches the sampling of the pending step's logits; `finish` records its tokens.
 
-        `logits_transform(logits, table_rows, all_greedy)`, when given, rewrites the logits
-        before sampling (the hook for host-side logits processors).
+        `grammar_bitmasks`: request id -> its packed grammar bitmask, one row, or with drafts
+        `[1 + n, W]` rows (its known token's, then the grammar's state after each of its n drafts:
+        vLLM's layout). `logits_transform(logits, table_rows, all_greedy)`, when given, rewrites
+        the logits before sampling (the hook for host-side logits processors).
         """
         pending, self._pending = self._pending, None
         if pending is None:
@@ -373,15 +375,20 @@ class Runner:
         plan = pending.plan
         start = time.perf_counter()
         tensors, flags = pending.tensors, pending.flags
-        if grammar_bitmasks:
+        if grammar_bitmasks:  # each request's rows: its known token's, then one a draft
             masks = [grammar_bitmasks.get(r) for r in pending.req_ids]
-            tensors, flags = self._widened(*self.sampling.with_grammar(tensors, flags, masks, len(masks)))
+            known = [m if m is None else np.atleast_2d(m)[0] for m in masks]
+            tensors, flags = self._widened(*self.sampling.with_grammar(tensors, flags, known, len(masks)))
+            if pending.positions is not None:
+                width = pending.positions[0].temperature.shape[0] // plan.shape[1]
+                pending.positions = self.speculation.with_position_grammars(pending.positions, masks, width)
         logits = pending.logits
         if logits_transform is not None:  # user code: not counted as our host time
             self.stats.host_seconds += time.perf_counter() - start
             logits = logits_transform(logits, plan.rows, flags.all_greedy)
             start = time.perf_counter()
-        other = bool(grammar_bitmasks) or logits_transform is not None  # the sampler then rejects drafts
+        # A grammar outside the per-position tensors, or a logits processor: the sampler rejects drafts.
+        other = logits_transform is not None or (bool(grammar_bitmasks) and pending.positions is None)
         verification = pending.drafts and self.speculation.try_verify(self._whole_state(), pending, other)
         if verification is not None:
             out = verification.output

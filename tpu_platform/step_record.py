@@ -73,7 +73,9 @@ def record_step(table: RequestTable, step: InFlightStep) -> StepResult:
         emits = plan.emits_token.tolist()
         sampled = [[t] if e else [] for t, e in zip(tokens.tolist(), emits, strict=True)]
     logprobs = None
-    if out.logprob_token_ids is not None:
+    if step.verification is not None and step.verification.logprobs is not None:
+        logprobs = step.verification.step_logprobs(sampled)
+    elif out.logprob_token_ids is not None:
         logprobs = StepLogprobs(
             token_ids=np.asarray(out.logprob_token_ids)[:n],
             logprobs=np.asarray(out.logprobs)[:n],

@@ -95,11 +95,14 @@ class StepUpdate:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepLogprobs:
-    """Per request row (batch order): `[N + 1]` ids and logprobs, sampled token first, and its rank."""
+    """Per request row (batch order): `[N + 1]` ids and logprobs, sampled token first, and its
+    rank; with `cu_num_generated` (a step that verified drafts), per output token instead:
+    request i's tokens' rows from `cu_num_generated[i]` to `cu_num_generated[i + 1]`."""
 
     token_ids: np.ndarray
     logprobs: np.ndarray
     ranks: np.ndarray
+    cu_num_generated: list[int] | None = None
 
 
 # Made every step, so not frozen (a frozen dataclass's __init__ sets each field through

@@ -30,7 +30,7 @@ from tpu_platform.planner.plan import (
     step_shape,
 )
 from tpu_platform.sampling import SamplerFlags
-from tpu_platform.speculation.verifier import POSITION_FLAGS
+from tpu_platform.speculation.verifier import position_flags
 
 K = 4
 ROWS = 64
@@ -85,7 +85,10 @@ def _verify_step(target: StepSetup, layers: int) -> dict:
     for name, compile_it in (
         ("verify_step", lambda: compile_forward(setup, VERIFY_PAGES, ROWS * (1 + K), ROWS)),
         ("verify_rows_random", lambda: compile_verify_rows(target, ROWS, K, SamplerFlags(filters=True))),
-        ("verify_rows_options", lambda: compile_verify_rows(target, ROWS, K, POSITION_FLAGS[2])),
+        (
+            "verify_rows_options",
+            lambda: compile_verify_rows(target, ROWS, K, position_flags(20, "raw_logprobs")[2]),
+        ),
     ):
         try:
             out[name] = _facts(compile_it())

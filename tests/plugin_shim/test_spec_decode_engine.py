@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaForCausalLM
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
+from vllm.sampling_params import StructuredOutputsParams
 
 from tests.greedy_reference import hf_greedy, hf_greedy_with
 from tests.plugin_shim.tensor_parallel_engine import environment
@@ -127,9 +128,9 @@ def test_penalties_and_allowed_ids_apply_at_every_drafted_position(llm, hf):
     assert after["compiles_after_warmup"] == 0
 
 
-def test_requests_that_cannot_be_drafted_are_served_beside_drafted_ones(llm, hf):
-    # Logprobs are not computed at drafted positions: such a request gets no drafts, and a step
-    # holding it is sampled as without speculation (its drafts all rejected).
+def test_logprobs_are_those_of_every_drafted_position(llm, hf):
+    # A request with logprobs is drafted; each of its tokens, kept drafts too, carries the
+    # target's log-probabilities at its position (transformers', raw: vLLM's default mode).
     prompts = _prompts(seed=1, count=3)
     params = [
         SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
@@ -138,10 +139,46 @@ def test_requests_that_cannot_be_drafted_are_served_beside_drafted_ones(llm, hf)
     ]
     before = _stats(llm)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    assert len(outputs[1].outputs[0].logprobs) == NEW_TOKENS
-    assert _stats(llm)["unverified_steps"] > before["unverified_steps"]
-    assert _stats(llm)["compiles_after_warmup"] == 0
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    assert tokens == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    after = _stats(llm)
+    assert after["accepted_tokens"] > before["accepted_tokens"]
+    assert after["unverified_steps"] == before["unverified_steps"]
+    with torch.no_grad():
+        sequence = torch.tensor([prompts[1] + tokens[1]])
+        expected = torch.log_softmax(hf(sequence).logits[0, len(prompts[1]) - 1 : -1].float(), -1).numpy()
+    logprobs = outputs[1].outputs[0].logprobs
+    assert len(logprobs) == NEW_TOKENS
+    for position, (token, entry) in enumerate(zip(tokens[1], logprobs, strict=True)):
+        top = np.argsort(-expected[position], kind="stable")[:2].tolist()
+        assert set(entry) == {token, *top}
+        for t, logprob in entry.items():
+            assert logprob.logprob == pytest.approx(float(expected[position, t]), abs=1e-4)
+    assert after["compiles_after_warmup"] == 0
+
+
+def test_a_grammars_drafts_are_verified_with_its_state_at_each_position(llm, tiny_dir):
+    # A request with a grammar is drafted; each verified position is masked by the grammar's
+    # state after the drafts before it (vLLM's bitmask rows): its greedy output equals an engine's
+    # without speculation, where vLLM accepts every token it emits.
+    prompts = _prompts(seed=5, count=2)
+    grammar = StructuredOutputsParams(regex="[ab]{30}")  # many steps, loops n-grams predict
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, structured_outputs=grammar),
+    ]
+    before = _stats(llm)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    after = _stats(llm)
+    assert after["accepted_tokens"] > before["accepted_tokens"]
+    assert after["compiles_after_warmup"] == 0
+    assert outputs[1].outputs[0].finish_reason == "stop"  # the grammar ended it, no token refused
+    with strict_compile_engine(
+        model=tiny_dir, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, block_size=16,
+        num_gpu_blocks_override=10, seed=0,
+    ) as plain:  # fmt: skip
+        expected = plain.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [list(o.outputs[0].token_ids) for o in expected]
 
 
 def test_seeded_sampling_with_drafts_is_reproducible_alone_or_in_a_batch(llm):

@@ -361,7 +361,7 @@ def test_sampler_lowers_for_accelerators(platform):
     assert exported.platforms == (platform,)
 
 
-@pytest.mark.parametrize("extra", [*uniform._EXTRAS, "num_logprobs"])
+@pytest.mark.parametrize("extra", [*uniform.EXTRAS, "num_logprobs"])
 def test_every_extra_turns_the_widened_variant_on(extra):
     value = 2 if extra == "num_logprobs" else True
     assert not uniform.has_extras(SamplerFlags())

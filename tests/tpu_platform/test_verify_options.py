@@ -1,18 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sampling options that read a request's history (penalties, bad words, min_tokens) or mask its
-logits (logit bias, allowed ids) at every drafted position, against the NumPy reference of vLLM's
-sampler (`sampling.reference`): position j of a request is sampled as if its history held the j
-drafts before it (`SamplingBatch.prepare_positions`), and the verification applies them before
-the argmax and before the distribution random rows draw from (`rejection.verify_drafts`)."""
+logits (logit bias, allowed ids, a grammar's bitmask row for each position) at every drafted
+position, against the NumPy reference of vLLM's sampler (`sampling.reference`): position j of a
+request is sampled as if its history held the j drafts before it
+(`SamplingBatch.prepare_positions`), and the verification applies them before the argmax and
+before the distribution random rows draw from (`rejection.verify_drafts`); each position's
+logprobs are the sampler's for its output token (`rejection.position_logprobs`)."""
 
 import dataclasses
 
 import numpy as np
+import pytest
 
 from tpu_platform.sampling import SamplerFlags, SamplingBatch, SamplingOptions
-from tpu_platform.sampling.reference import reference_row
+from tpu_platform.sampling.reference import log_softmax, logprobs_reference, reference_row
 from tpu_platform.sampling.sampler import process_logits
-from tpu_platform.speculation.rejection import verify_drafts
+from tpu_platform.sampling.uniform import with_all_extras
+from tpu_platform.speculation.rejection import position_logprobs, verify_drafts
+from tpu_platform.speculation.verifier import SpeculativeDecoding
 
 VOCAB = 40
 WIDTH = 4  # three drafts a request, then the bonus position
@@ -151,3 +156,60 @@ def test_a_request_without_drafts_samples_its_known_row_as_the_sampler_does():
     expected = _expected(history, rows, num_drafts, logits)
     assert np.asarray(tokens)[:, 0].tolist() == [expected[i][0].greedy for i in range(3)]
     assert flags == SamplerFlags(all_greedy=True, penalties=True, sparse=True, allowed=True)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_each_positions_logprobs_are_the_samplers_for_its_output_token(mode):
+    batch, history, rows, _ = _requests(seed=8)
+    num_drafts = np.array([3, 3, 2], np.int32)
+    logits = np.random.default_rng(9).normal(0, 2, (3 * WIDTH, VOCAB)).astype(np.float32)
+    keeps = (1, 3, 0)
+    drafts = _drafts_keeping(history, rows, num_drafts, logits, keeps, OPTIONS)
+    expected = _expected(history, rows, num_drafts, logits)
+    tensors, flags = batch.prepare_positions(rows, num_drafts, WIDTH, 3, history, step_seed=1)
+    flags = dataclasses.replace(flags, num_logprobs=3, logprobs_mode=mode)
+    shaped = logits.reshape(3, WIDTH, VOCAB)
+    tokens, counts = verify_drafts(shaped, drafts, num_drafts, tensors, flags=flags)
+    ids, values, ranks = (np.asarray(x) for x in position_logprobs(shaped, tokens, tensors, flags=flags))
+    for i, count in enumerate(np.asarray(counts).tolist()):
+        for j in range(count):
+            want = expected[i][j]
+            source = want.raw_logprobs if mode == "raw_logprobs" else log_softmax(want.sampled_logits)
+            want_ids, want_values, want_rank = logprobs_reference(source, int(np.asarray(tokens)[i, j]), 3)
+            at = i * WIDTH + j
+            assert ids[at].tolist() == want_ids
+            np.testing.assert_allclose(values[at], want_values, rtol=1e-5, atol=1e-5)
+            assert ranks[at] == want_rank
+
+
+def test_each_position_is_masked_by_its_own_grammar_row():
+    # vLLM's rows for a request with n drafts: the grammar's state before them, then after each.
+    batch, history, rows, _ = _requests(seed=10)
+    for row, options in zip(rows, OPTIONS, strict=True):
+        batch.add_request(int(row), dataclasses.replace(options, structured_output=True))
+    num_drafts = np.array([3, 3, 2], np.int32)
+    rng = np.random.default_rng(11)
+    logits = rng.normal(0, 2, (3 * WIDTH, VOCAB)).astype(np.float32)
+    words = -(-VOCAB // 32)
+    masks = [rng.integers(-(2**31), 2**31, (1 + n, words)).astype(np.int32) for n in num_drafts]
+    masks[1] = None  # a request without a grammar beside them
+    tensors, flags = batch.prepare_positions(rows, num_drafts, WIDTH, 3, history, step_seed=1)
+    tensors, flags = with_all_extras(
+        tensors, flags, VOCAB, penalty_width=64, sparse_width=16, logprobs_width=None
+    )
+    tensors, flags = SpeculativeDecoding.with_position_grammars((tensors, flags), masks, WIDTH)
+    # Drafts: each position's masked, processed argmax, so every one is kept.
+    drafts = np.full((3, WIDTH - 1), -1, np.int32)
+    want = []
+    for i, row in enumerate(rows):
+        n, p = int(history.num_tokens[row]), int(history.num_prompt_tokens[row])
+        for j in range(num_drafts[i] + 1):
+            seen = history.token_ids[row, : n + j].tolist()
+            mask = None if masks[i] is None else masks[i][j]
+            greedy = reference_row(logits[i * WIDTH + j], OPTIONS[i], seen[:p], seen[p:], mask).greedy
+            if j < num_drafts[i]:
+                drafts[i, j] = history.token_ids[row, n + j] = greedy
+        want.append([*drafts[i, : num_drafts[i]].tolist(), greedy])
+    tokens, counts = verify_drafts(logits.reshape(3, WIDTH, VOCAB), drafts, num_drafts, tensors, flags=flags)
+    assert np.asarray(counts).tolist() == [4, 4, 3]
+    assert [np.asarray(tokens)[i, : len(w)].tolist() for i, w in enumerate(want)] == want

@@ -236,7 +236,7 @@ class SamplingBatch:
         history already held its first j drafts (written after its known tokens: `num_tokens + j`
         tokens), so penalties count them, bad words and min_tokens see them, and its draw is that
         of output token `num_generated + j`. Positions past row i's `num_drafts[i]` (never read)
-        repeat its last one. No logprobs and no grammar: those steps are not verified."""
+        repeat its last one. Logprobs and grammar bitmasks are the caller's to add."""
         rows = np.asarray(rows, np.int64)
         offsets = np.minimum(np.arange(width)[None, :], num_drafts[: rows.size, None]).reshape(-1)
         each = np.repeat(rows, width)
@@ -257,6 +257,10 @@ class SamplingBatch:
             sparse=sparse, allowed_bitmask=part.allowed_bitmask,
         )  # fmt: skip
         return tensors, dataclasses.replace(part.flags, sparse=sparse is not None, num_logprobs=None)
+
+    def any_structured(self, rows: np.ndarray) -> bool:
+        """Whether some of `rows` follows a grammar (its bitmasks come with the step's sampling)."""
+        return bool(self._arrays["structured"][np.asarray(rows, np.int64)].any())
 
     def reads_history(self, rows: np.ndarray, padded_rows: int) -> bool:
         """Whether `prepare` for `rows` reads their token ids, not only their counts: some row has

@@ -25,14 +25,11 @@ from tpu_platform.sampling.tensors import (
     warmup_flag_sets,
 )
 
-_EXTRAS = ("penalties", "sparse", "allowed", "grammar")
-# The extras a draft's verification applies at every position (`speculation.rejection`): those
-# that read the request's history or a fixed mask, not a grammar's state or logprobs.
-POSITION_EXTRAS = ("penalties", "sparse", "allowed")
+EXTRAS = ("penalties", "sparse", "allowed", "grammar")
 
 
 def has_extras(flags: SamplerFlags) -> bool:
-    """Whether `flags` turn on any of `_EXTRAS` or logprobs (spelled out: asked every step)."""
+    """Whether `flags` turn on any of `EXTRAS` or logprobs (spelled out: asked every step)."""
     return bool(
         flags.num_logprobs is not None or flags.penalties or flags.sparse or flags.allowed or flags.grammar
     )
@@ -53,16 +50,14 @@ def with_all_extras(
     penalty_width: int,
     sparse_width: int,
     logprobs_width: int | None,
-    features: tuple[str, ...] = _EXTRAS,
 ) -> tuple[SamplingTensors, SamplerFlags]:
-    """`tensors` with every extra group of `features` (all of them, or `POSITION_EXTRAS`: all but
-    the grammar) present, neutral where unused, at the fixed widths, and logprobs at
-    `logprobs_width` unless the step asks for more."""
+    """`tensors` with every extra group present (neutral where unused) at the fixed widths, and
+    logprobs at `logprobs_width` unless the step asks for more."""
     rows = tensors.temperature.shape[0]
     num_logprobs = flags.num_logprobs
     if logprobs_width is not None and (num_logprobs is None or num_logprobs <= logprobs_width):
         num_logprobs = logprobs_width
-    all_on = dataclasses.replace(flags, num_logprobs=num_logprobs, **dict.fromkeys(features, True))
+    all_on = dataclasses.replace(flags, num_logprobs=num_logprobs, **dict.fromkeys(EXTRAS, True))
     neutral = dummy_tensors(all_on, rows, vocab_size, penalty_width=penalty_width, sparse_width=sparse_width)
     penalties = (
         neutral.penalties if tensors.penalties is None else _widen_penalties(tensors.penalties, penalty_width)
@@ -77,15 +72,11 @@ def with_all_extras(
         allowed_bitmask=neutral.allowed_bitmask
         if tensors.allowed_bitmask is None
         else tensors.allowed_bitmask,
+        grammar_bitmask=neutral.grammar_bitmask
+        if tensors.grammar_bitmask is None
+        else tensors.grammar_bitmask,
+        grammar_rows=neutral.grammar_rows if tensors.grammar_rows is None else tensors.grammar_rows,
     )
-    if "grammar" in features:
-        widened = dataclasses.replace(
-            widened,
-            grammar_bitmask=neutral.grammar_bitmask
-            if tensors.grammar_bitmask is None
-            else tensors.grammar_bitmask,
-            grammar_rows=neutral.grammar_rows if tensors.grammar_rows is None else tensors.grammar_rows,
-        )
     return widened, all_on
 
 
@@ -95,7 +86,7 @@ def uniform_warmup_flag_sets(
     """Greedy / random / random with filters, each plain and with every extra on (logprobs at
     `logprobs_width`): all that uniform mode ever runs."""
     base = warmup_flag_sets(None, logprobs_mode=logprobs_mode)
-    extras = dict.fromkeys(_EXTRAS, True)
+    extras = dict.fromkeys(EXTRAS, True)
     return base + [dataclasses.replace(f, num_logprobs=logprobs_width, **extras) for f in base]
 
 

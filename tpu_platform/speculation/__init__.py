@@ -17,7 +17,7 @@ around it, its warm-up and the host bookkeeping the runner calls).
 No vLLM and no torch here.
 """
 
-from tpu_platform.speculation.config import MAX_SPECULATIVE_TOKENS, SpeculationConfig, draftable
+from tpu_platform.speculation.config import MAX_SPECULATIVE_TOKENS, SpeculationConfig
 from tpu_platform.speculation.ngram import propose_ngram
 
-__all__ = ["MAX_SPECULATIVE_TOKENS", "SpeculationConfig", "draftable", "propose_ngram"]
+__all__ = ["MAX_SPECULATIVE_TOKENS", "SpeculationConfig", "propose_ngram"]

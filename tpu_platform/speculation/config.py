@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The speculative-decoding configuration the runner serves, and which requests may be drafted."""
+"""The speculative-decoding configuration the runner serves."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import dataclasses
 
 from models.mtp import BLOCKS
 from models.qwen3_next_mtp import ARCHITECTURES as QWEN_MTP_ARCHITECTURES
-from tpu_platform.sampling import SamplingOptions
 
 # Methods built; vLLM's others (suffix, dflash, ...) are refused at start.
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
@@ -61,11 +60,3 @@ class SpeculationConfig:
                 f"prompt_lookup_min={self.min_n} and prompt_lookup_max={self.max_n} must satisfy "
                 "1 <= prompt_lookup_min <= prompt_lookup_max"
             )
-
-
-def draftable(options: SamplingOptions) -> bool:
-    """Whether a request's tokens may be drafted. Penalties, bad words, min_tokens, logit biases
-    and allowed ids apply at every drafted position (with the drafts before it in the history:
-    `SamplingBatch.prepare_positions`); per-token outputs (logprobs) and grammars do not yet, so
-    such a request gets no drafts and is sampled as without speculation."""
-    return not (options.logprobs is not None or options.structured_output)

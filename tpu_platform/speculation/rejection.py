@@ -15,10 +15,11 @@ Position j of a request draws with the key of its (num_generated + j)-th output 
 seeded request's draws depend on its seed and progress only; the acceptance test takes its
 uniform from a key folded once more (independent of the draw at the same position).
 
-With penalties, bad words, min_tokens, logit biases or allowed ids among the requests, the
-sampling tensors come per position (`SamplingBatch.prepare_positions`: position j's history holds
-the j drafts before it, as vLLM's rejection sampler counts them) and those transforms apply to
-each position's logits before the argmax and the distribution p_j.
+With penalties, bad words, min_tokens, logit biases, allowed ids or grammars among the requests,
+the sampling tensors come per position (`SamplingBatch.prepare_positions`: position j's history
+holds the j drafts before it, as vLLM's rejection sampler counts them; a grammar's bitmask row is
+its state after them, as vLLM's scheduler computes it) and those transforms apply to each
+position's logits before the argmax and the distribution p_j.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tpu_platform.sampling import SAMPLING_EPS, SamplerFlags, SamplingTensors, noise
+from tpu_platform.sampling import SAMPLING_EPS, SamplerFlags, SamplingTensors, noise, ops
 from tpu_platform.sampling.ops import first_argmax
 from tpu_platform.sampling.sampler import process_logits, random_logits
 
@@ -72,8 +73,9 @@ def verify_drafts(
       num_drafts: int32[R] how many of row r's drafts are real (the rest are ignored).
       tensors: per-row sampling tensors (`SamplingBatch.prepare`, leading dim R; only
         temperature, the random keys and the filters are read), or per position (`prepare_positions`,
-        leading dim R * (K + 1)) when `flags` turn on penalties, sparse entries or allowed ids.
-      flags: static; `all_greedy`, `filters`, `penalties`, `sparse` and `allowed` are read.
+        leading dim R * (K + 1)) when `flags` turn on penalties, sparse entries, allowed ids or
+        grammars.
+      flags: static; `all_greedy`, `filters`, `penalties`, `sparse`, `allowed` and `grammar` are read.
 
     Returns:
       tokens int32[R, K + 1]: row r's output is `tokens[r, :counts[r]]` (its accepted drafts,
@@ -86,7 +88,9 @@ def verify_drafts(
     real = jnp.arange(k)[None, :] < num_drafts[:, None]
     # The draft at each position (-1: none, at the bonus position too).
     drafted = jnp.concatenate([jnp.where(real, drafts, -1), jnp.full((rows, 1), -1, drafts.dtype)], axis=1)
-    extras = flags.penalties or flags.sparse or flags.allowed
+    extras = flags.penalties or flags.sparse or flags.allowed or flags.grammar
+    if flags.grammar:  # first, as `sampling.sample` applies it
+        flat = ops.apply_grammar_bitmask(flat, tensors.grammar_bitmask, tensors.grammar_rows)
     if extras:  # the tensors are per position already
         flat = process_logits(flat, tensors, flags)
     greedy = first_argmax(flat).reshape(rows, width)
@@ -112,3 +116,34 @@ def verify_drafts(
     position = jnp.arange(width)[None, :]
     tokens = jnp.where(position < kept[:, None], drafted, token)
     return tokens.astype(jnp.int32), (kept + 1).astype(jnp.int32)
+
+
+def position_logprobs(
+    logits: jax.Array, tokens: jax.Array, tensors: SamplingTensors, *, flags: SamplerFlags
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each verified position's logprobs of its output token, as `sampling.sample` gives a sampled
+    row's: from the logits as they come (`raw_*` modes) or as processed for the draw
+    (`processed_*`: the options, then temperature and the filters), as log-probabilities or
+    logits; per position tensors (`prepare_positions`).
+
+    Args:
+      logits: float[R, K + 1, V], as `verify_drafts` takes them.
+      tokens: int32[R, K + 1], `verify_drafts`' output tokens (past a row's count: ignored).
+      tensors: per-position sampling tensors (leading dim R * (K + 1)).
+      flags: static; `num_logprobs` (N) set, and the options `verify_drafts` applies.
+
+    Returns:
+      ids int32[R * (K + 1), N + 1], logprobs float32[R * (K + 1), N + 1] (the token first) and
+      its ranks int32[R * (K + 1)], row r's position j at r * (K + 1) + j.
+    """
+    rows, width, vocab = logits.shape
+    source = logits.reshape(rows * width, vocab).astype(jnp.float32)
+    if flags.grammar:
+        source = ops.apply_grammar_bitmask(source, tensors.grammar_bitmask, tensors.grammar_rows)
+    if not flags.logprobs_mode.startswith("raw"):
+        source = process_logits(source, tensors, flags)
+        if not flags.all_greedy:
+            source = random_logits(source, tensors, SamplerFlags(filters=flags.filters))
+    if flags.logprobs_mode.endswith("logprobs"):
+        source = ops.compute_logprobs(source)
+    return ops.gather_logprobs(source, tokens.reshape(-1), flags.num_logprobs)

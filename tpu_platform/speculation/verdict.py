@@ -21,8 +21,9 @@ from flax import nnx
 
 from tpu_platform.request_table import RequestTable
 from tpu_platform.sampling import SamplerFlags, SamplerOutput
-from tpu_platform.speculation.rejection import verify_drafts
+from tpu_platform.speculation.rejection import position_logprobs, verify_drafts
 from tpu_platform.step import pad_tokens
+from tpu_platform.step_update import StepLogprobs
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,6 +64,8 @@ class Verification:
     verdict: Callable[[], tuple[np.ndarray, np.ndarray]]
     step_drafts: StepDrafts
     stats: SpeculationStats
+    # Every verified position's logprobs (`rejection.position_logprobs`), where the step wants them.
+    logprobs: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
     def record(self, table: RequestTable, rows: np.ndarray, emits: np.ndarray) -> list[list[int]]:
         """Writes each row's kept tokens after its first (which the step reserved) into the
@@ -76,6 +79,16 @@ class Verification:
             for token in tokens[i, 1 : counts[i]].tolist():
                 table.append_token(int(rows[i]), token)
         return [tokens[i, : counts[i]].tolist() if emits[i] else [] for i in range(n)]
+
+    def step_logprobs(self, sampled: list[list[int]]) -> StepLogprobs:
+        """The logprobs of each row's output tokens (`record`'s `sampled`), one row a token in
+        batch order, request i's from `cu_num_generated[i]` (vLLM's layout for drafted steps)."""
+        ids, values, ranks = (np.asarray(x) for x in self.logprobs)
+        width = self.verdict()[0].shape[1]  # K + 1 positions a request
+        counts = np.fromiter(map(len, sampled), np.int64, len(sampled))
+        index = np.flatnonzero(np.arange(width)[None, :] < counts[:, None])  # request i's at i * width + j
+        cu = [0, *np.cumsum(counts).tolist()]
+        return StepLogprobs(ids[index], values[index], ranks[index], cu_num_generated=cu)
 
 
 def on_host(tokens: jax.Array, counts: jax.Array) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
@@ -110,13 +123,17 @@ def greedy_verdict(
 def make_verify_rows(feed_width: int) -> Callable:
     """`fn(row_logits[T, V], index[R, K + 1], drafts[R, K], num_drafts[R], tensors, flags=) ->
     (first tokens [feed_width], tokens [R, K + 1], counts [R])`, jitted: the rows' logits at
-    `index` (`draft_rows`) through `rejection.verify_drafts`."""
+    `index` (`draft_rows`) through `rejection.verify_drafts`; with `flags.num_logprobs`, every
+    position's logprobs (`rejection.position_logprobs`) last."""
 
     def run(row_logits, index, drafts, num_drafts, tensors, flags: SamplerFlags):
         rows, width = index.shape
         logits = row_logits[index.reshape(-1)].reshape(rows, width, -1)
         tokens, counts = verify_drafts(logits, drafts, num_drafts, tensors, flags=flags)
-        return pad_tokens(tokens[:, 0], feed_width), tokens, counts
+        out = (pad_tokens(tokens[:, 0], feed_width), tokens, counts)
+        if flags.num_logprobs is None:
+            return out
+        return (*out, position_logprobs(logits, tokens, tensors, flags=flags))
 
     return jax.jit(run, static_argnames=("flags",))
 

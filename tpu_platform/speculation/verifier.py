@@ -4,10 +4,10 @@ verification (`verdict`).
 
 A step with drafts runs the forward as any other; its logits row for a drafted request is the
 request's last known token (what it would sample without speculation), so the ordinary sampler can
-still serve the step (every draft then counts as rejected). When every request of the step can be
-verified (no per-token logprobs, grammar or logits processor among them), the step's verdict comes
-from the logits at each request's 1 + k rows instead, with penalties, bad words, min_tokens,
-logit biases and allowed ids applied at each of them (sampling tensors per position:
+still serve the step (every draft then counts as rejected). When the step can be verified (no
+logits processor among its requests), the step's verdict comes from the logits at each request's
+1 + k rows instead, with penalties, bad words, min_tokens, logit biases, allowed ids and grammars
+applied at each of them and logprobs computed there (sampling tensors per position:
 `position_tensors`; a verify shape's step only). A step of one of
 speculative decoding's shapes (the common one: decode rows and their drafts) has those from its
 forward, and a greedy step needs no program more (`verdict.greedy_verdict`); a step of another
@@ -35,8 +35,8 @@ from tpu_platform.programs import Programs, ProgramSpec, structure_text
 from tpu_platform.request_table import RequestTable
 from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, SamplingTensors
-from tpu_platform.sampling.uniform import POSITION_EXTRAS, has_extras, with_all_extras
-from tpu_platform.speculation.config import SpeculationConfig, draftable
+from tpu_platform.sampling.uniform import EXTRAS, has_extras, warm_logprobs_width, with_all_extras
+from tpu_platform.speculation.config import SpeculationConfig
 from tpu_platform.speculation.draft_model import DraftModel
 from tpu_platform.speculation.eagle import EagleProposer
 from tpu_platform.speculation.eagle3 import Eagle3Proposer
@@ -60,11 +60,18 @@ from tpu_platform.weights.prepared import ShardingFor
 # (a verify shape's greedy steps need none: `verdict.greedy_verdict`).
 VERIFY_FLAGS = (SamplerFlags(all_greedy=True), SamplerFlags(), SamplerFlags(filters=True))
 RANDOM_FLAGS = VERIFY_FLAGS[1:]
-# A verify shape's steps whose requests use penalties, bad words, min_tokens, logit biases or
-# allowed ids: every one of those on (neutral where unused), per position (`position_tensors`).
-POSITION_FLAGS = tuple(
-    dataclasses.replace(flags, **dict.fromkeys(POSITION_EXTRAS, True)) for flags in VERIFY_FLAGS
-)
+# A verify shape's steps whose requests use penalties, bad words, min_tokens, logit biases,
+# allowed ids, grammars or logprobs: every one of those on (neutral where unused), per position
+# (`position_tensors`; logprobs at the runner's width: `position_flags`).
+POSITION_FLAGS = tuple(dataclasses.replace(flags, **dict.fromkeys(EXTRAS, True)) for flags in VERIFY_FLAGS)
+
+
+def position_flags(logprobs_width: int | None, logprobs_mode: str) -> tuple[SamplerFlags, ...]:
+    """`POSITION_FLAGS` with logprobs at `logprobs_width` (None: none) in `logprobs_mode`."""
+    return tuple(
+        dataclasses.replace(flags, num_logprobs=logprobs_width, logprobs_mode=logprobs_mode)
+        for flags in POSITION_FLAGS
+    )
 
 
 class SpeculativeDecoding:
@@ -82,6 +89,8 @@ class SpeculativeDecoding:
         feed_width: int,
         sharding: jax.sharding.Sharding | None,
         context: str,
+        logprobs_width: int | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ):
         self.config = config
         self.programs = programs
@@ -93,7 +102,8 @@ class SpeculativeDecoding:
         self._feed_width = feed_width
         self._sharding = sharding
         self._context = context
-        self._draftable: dict[str, bool] = {}
+        self._logprobs_width = logprobs_width
+        self.position_flags = position_flags(logprobs_width, logprobs_mode)
         # Drafts a request for the next step: k, or less where vLLM's per-batch-size schedule says
         # (`StepUpdate.num_spec_tokens`); set by each step's update.
         self.step_tokens = config.num_tokens
@@ -129,6 +139,8 @@ class SpeculativeDecoding:
             config.speculation, graphdef, programs, hidden_size=model_config.hidden_size,
             vocab_size=model_config.vocab_size, max_model_len=config.max_model_len,
             feed_width=config.max_num_seqs, sharding=sharding, context=context,
+            logprobs_width=warm_logprobs_width(config.max_logprobs, model_config.vocab_size),
+            logprobs_mode=config.logprobs_mode,
         )  # fmt: skip
         if config.speculation.draft_model is not None:
             speculation.draft = load_draft(config.speculation.draft_model)
@@ -160,23 +172,19 @@ class SpeculativeDecoding:
             self.draft.forward(self.programs, plan.packed, plan.dims, fed)
 
     def apply(self, update: StepUpdate) -> None:
-        """Tracks which of the live requests may be drafted (`config.draftable`) and how many
-        drafts the scheduler takes a request after this step (vLLM's per-batch-size schedule)."""
+        """Tracks how many drafts the scheduler takes a request after this step (vLLM's
+        per-batch-size schedule)."""
         k, wanted = self.config.num_tokens, update.num_spec_tokens
         self.step_tokens = k if wanted is None else min(max(wanted, 0), k)
-        for req_id in update.finished_req_ids:
-            self._draftable.pop(req_id, None)
-        for request in update.new_requests:
-            self._draftable[request.req_id] = draftable(request.sampling)
 
     def propose(
         self, table: RequestTable, req_ids: Sequence[str], sampled: Sequence[list[int]]
     ) -> list[list[int]]:
         """The drafts of each request of a finished step, the draft model's or the n-gram's (none
-        for a request that emitted nothing or may not be drafted), at most `step_tokens` each: a
+        for a request that emitted nothing), at most `step_tokens` each: a
         model proposer's k drafts are cut to their first ones (each follows only those before it,
         so they are the drafts it would make with that k)."""
-        wanted = [i for i, r in enumerate(req_ids) if sampled[i] and self._draftable.get(r, False)]
+        wanted = [i for i in range(len(req_ids)) if sampled[i]]
         drafts: list[list[int]] = [[] for _ in req_ids]
         limit = self.step_tokens
         if isinstance(self.draft, Eagle3Proposer):  # its pass runs on every step
@@ -241,19 +249,37 @@ class SpeculativeDecoding:
         widths: dict[str, int],
     ) -> tuple[SamplingTensors, SamplerFlags] | None:
         """The sampling tensors of a verify shape's step per verified position, where its requests
-        use penalties, bad words, min_tokens, logit biases or allowed ids (`flags`, the step's
-        own): `SamplingBatch.prepare_positions` with every one of those on at the fixed `widths`
-        (`POSITION_FLAGS`). None when they use none of them, or some row wants logprobs (such a
-        step is not verified)."""
-        if flags.num_logprobs is not None or not (flags.penalties or flags.sparse or flags.allowed):
+        use penalties, bad words, min_tokens, logit biases, allowed ids, logprobs (`flags`, the
+        step's own) or grammars: `SamplingBatch.prepare_positions` with every one of those on at
+        the fixed `widths` and the runner's logprobs width (`position_flags`), the grammars
+        neutral until the step's bitmasks come (`with_position_grammars`). None when they use none."""
+        plain = flags.num_logprobs is None and not (flags.penalties or flags.sparse or flags.allowed)
+        if plain and not sampling.any_structured(rows):
             return None
         k = self._verify_k(drafts.num_drafts)
         tensors, raw = sampling.prepare_positions(
             rows, drafts.num_drafts, k + 1, padded_rows, table, step_seed
         )
-        return with_all_extras(
-            tensors, raw, self._vocab_size, logprobs_width=None, features=POSITION_EXTRAS, **widths
-        )
+        raw = dataclasses.replace(raw, num_logprobs=flags.num_logprobs, logprobs_mode=flags.logprobs_mode)
+        return with_all_extras(tensors, raw, self._vocab_size, logprobs_width=self._logprobs_width, **widths)
+
+    @staticmethod
+    def with_position_grammars(
+        positions: tuple[SamplingTensors, SamplerFlags], masks: Sequence[np.ndarray | None], width: int
+    ) -> tuple[SamplingTensors, SamplerFlags]:
+        """`positions` with the step's grammar bitmasks: request i's `masks[i]` (`[1 + n, W]`, vLLM's
+        rows for its n drafts and the position after them, or None without a grammar) at its
+        positions i * width + j, the last row again past them."""
+        tensors, flags = positions
+        bitmask, rows = tensors.grammar_bitmask.copy(), tensors.grammar_rows.copy()
+        for i, mask in enumerate(masks):
+            if mask is None:
+                continue
+            mask = np.atleast_2d(mask)
+            at = np.minimum(np.arange(width), mask.shape[0] - 1)
+            bitmask[i * width : (i + 1) * width] = mask[at]
+            rows[i * width : (i + 1) * width] = True
+        return dataclasses.replace(tensors, grammar_bitmask=bitmask, grammar_rows=rows), flags
 
     def _verify_k(self, num_drafts: np.ndarray) -> int:
         """The drafts a request of the verification program that serves `num_drafts` takes."""
@@ -261,9 +287,9 @@ class SpeculativeDecoding:
 
     def try_verify(self, state: nnx.State, pending: DispatchedStep, other: bool) -> Verification | None:
         """Dispatches the verification of a step's drafts; None when it cannot serve the step
-        (some row wants logprobs, a history-reading option outside a verify shape's step, or
-        `other`: a grammar or a logits processor rewrites the logits): the sampler then serves
-        it and every draft counts as rejected."""
+        (outside a verify shape's step, some row wants logprobs or a history-reading option, or
+        `other`: a grammar there, or a logits processor rewrites the logits): the sampler then
+        serves it and every draft counts as rejected."""
         flags = pending.flags
         if other or (has_extras(flags) and pending.positions is None):
             self.stats.unverified_steps += 1
@@ -273,7 +299,8 @@ class SpeculativeDecoding:
         known = pending.plan.inputs().cu_q_lens[1 : num.size + 1] - 1 - num  # each last known token
         self.stats.verified_steps += 1
         if pending.positions is not None:
-            return self._verify_rows(pending, known, k, *reversed(pending.positions))
+            tensors, position_flags = pending.positions
+            return self._verify_rows(pending, known, k, position_flags, tensors)
         vflags = SamplerFlags(all_greedy=flags.all_greedy, filters=flags.filters)
         if pending.verify_rows is not None:
             return self._verify_rows(pending, known, k, vflags, pending.tensors)
@@ -298,8 +325,11 @@ class SpeculativeDecoding:
             return Verification(SamplerOutput(pending.greedy), verdict, pending.drafts, self.stats)
         key = ("verify rows", t_pad, r_pad, k, flags)
         spec = lambda: self._rows_spec(t_pad, r_pad, k, flags, tensors)  # noqa: E731
-        first, tokens, counts = self.programs.call(key, spec, row_logits, index, drafts, num_drafts, tensors)
-        return Verification(SamplerOutput(first), on_host(tokens, counts), pending.drafts, self.stats)
+        first, tokens, counts, *logprobs = self.programs.call(
+            key, spec, row_logits, index, drafts, num_drafts, tensors
+        )
+        verdict = on_host(tokens, counts)
+        return Verification(SamplerOutput(first), verdict, pending.drafts, self.stats, *logprobs)
 
     def _verify_hidden(
         self, state: nnx.State, pending: DispatchedStep, known: np.ndarray, k: int, flags: SamplerFlags
@@ -346,7 +376,7 @@ class SpeculativeDecoding:
             self._rows_spec(t_pad, r_pad, k, flags, sampling.dummy_tensors(flags, r_pad * (k + 1), **widths))
             for t_pad, r_pad in verify_shapes
             for k in self.verify_tokens
-            for flags in POSITION_FLAGS
+            for flags in self.position_flags
         ]
         if isinstance(self.draft, Eagle3Proposer):  # the head takes the target's activations
             specs += self.draft.warm_up_specs(*self._draft_warm_up[:4], dtype)

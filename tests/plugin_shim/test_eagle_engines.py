@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""EAGLE-3 speculative decoding through vLLM's real engine: vLLM reads the head's config and
-schedules its drafts; greedy output equals transformers' greedy decoding token for token (so
-equals decoding without speculation), for prompts prefilled at once and in chunks, under
-preemption; the head drafts for every request (a random head: its drafts are rarely kept) and
-vLLM's spec-decode counters agree with ours; nothing compiles after warm-up."""
+"""EAGLE-3 and EAGLE-1 speculative decoding through vLLM's real engine: vLLM reads the head's config
+(`LlamaForCausalLMEagle3`; a one-layer Llama config, vLLM's `EagleLlamaForCausalLM`) and schedules
+its drafts; greedy output equals transformers' greedy decoding token for token (so equals
+decoding without speculation), for prompts prefilled at once and in chunks, under preemption;
+the head drafts for every request (a random head: its drafts are rarely kept) and vLLM's
+spec-decode counters agree with ours; nothing compiles after warm-up. Each head has its own
+embedding here (the EAGLE-1 head its own LM head too; `tests/tpu_platform/test_eagle.py` and
+`test_eagle3.py` share the target's and check the drafts against torch references)."""
 
 import json
 import subprocess
@@ -17,7 +20,7 @@ from transformers import LlamaForCausalLM
 from tests.greedy_reference import hf_greedy
 from tests.plugin_shim.tensor_parallel_engine import environment
 from tests.speculation_engine import greedy_run_equals_reference, strict_compile_engine
-from tests.tiny_models import save_tiny_eagle3_head, save_tiny_llama
+from tests.tiny_models import save_tiny_eagle3_head, save_tiny_eagle_head, save_tiny_llama
 
 pytestmark = pytest.mark.slow  # builds vllm.LLM
 
@@ -35,20 +38,29 @@ def dirs(tmp_path_factory):
     return target, head
 
 
+@pytest.fixture(scope="module", params=["eagle3", "eagle"])
+def method(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def llm(dirs):
+def llm(dirs, method, tmp_path_factory):
     target, head = dirs
+    if method == "eagle":
+        head = save_tiny_eagle_head(
+            str(tmp_path_factory.mktemp("eagle_head")), target, seed=12, own_embedding=True, own_lm_head=True
+        )
     # A 16-token step budget chunks every prompt; 12 pages of 16 tokens cannot hold four
     # sequences of ~50 tokens (and their lookahead slots) at once: the scheduler preempts.
     with strict_compile_engine(
         model=target, tokenizer=target, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
         block_size=16, seed=0, disable_log_stats=False, num_gpu_blocks_override=12,
-        speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": K},
+        speculative_config={"method": method, "model": head, "num_speculative_tokens": K},
     ) as engine:  # fmt: skip
         yield engine
 
 
-def test_greedy_with_an_eagle3_head_equals_greedy_decoding(llm, dirs):
+def test_greedy_with_a_head_equals_greedy_decoding(llm, dirs):
     hf = LlamaForCausalLM.from_pretrained(dirs[0], dtype=torch.float32)
     # Prompts within the 16-token step budget prefill at once, the others in chunks.
     stats = greedy_run_equals_reference(llm, hf, NEW_TOKENS, lengths=(9, 15, 26, 31))
