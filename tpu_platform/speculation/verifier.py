@@ -272,12 +272,14 @@ class SpeculativeDecoding:
         positions i * width + j, the last row again past them."""
         tensors, flags = positions
         bitmask, rows = tensors.grammar_bitmask.copy(), tensors.grammar_rows.copy()
+        words = bitmask.shape[1]
         for i, mask in enumerate(masks):
             if mask is None:
                 continue
-            mask = np.atleast_2d(mask)
+            # Words past the logits' vocabulary only describe tokens the model cannot emit.
+            mask = np.atleast_2d(np.asarray(mask, np.int32))[:, :words]
             at = np.minimum(np.arange(width), mask.shape[0] - 1)
-            bitmask[i * width : (i + 1) * width] = mask[at]
+            bitmask[i * width : (i + 1) * width, : mask.shape[1]] = mask[at]
             rows[i * width : (i + 1) * width] = True
         return dataclasses.replace(tensors, grammar_bitmask=bitmask, grammar_rows=rows), flags
 
