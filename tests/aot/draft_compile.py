@@ -87,7 +87,7 @@ def _verify_step(target: StepSetup, layers: int) -> dict:
         ("verify_rows_random", lambda: compile_verify_rows(target, ROWS, K, SamplerFlags(filters=True))),
         (
             "verify_rows_options",
-            lambda: compile_verify_rows(target, ROWS, K, position_flags(20, "raw_logprobs")[2]),
+            lambda: compile_verify_rows(target, ROWS, K, position_flags(20, "raw_logprobs")[1]),
         ),
     ):
         try:

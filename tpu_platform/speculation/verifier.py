@@ -34,7 +34,7 @@ from tpu_platform.inputs import StepPlan
 from tpu_platform.programs import Programs, ProgramSpec, structure_text
 from tpu_platform.request_table import RequestTable
 from tpu_platform.runner_config import RunnerConfig
-from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, SamplingTensors
+from tpu_platform.sampling import SamplerFlags, SamplerOutput, SamplingBatch, SamplingTensors, dummy_tensors
 from tpu_platform.sampling.uniform import EXTRAS, has_extras, warm_logprobs_width, with_all_extras
 from tpu_platform.speculation.config import SpeculationConfig
 from tpu_platform.speculation.draft_model import DraftModel
@@ -62,8 +62,11 @@ VERIFY_FLAGS = (SamplerFlags(all_greedy=True), SamplerFlags(), SamplerFlags(filt
 RANDOM_FLAGS = VERIFY_FLAGS[1:]
 # A verify shape's steps whose requests use penalties, bad words, min_tokens, logit biases,
 # allowed ids, grammars or logprobs: every one of those on (neutral where unused), per position
-# (`position_tensors`; logprobs at the runner's width: `position_flags`).
-POSITION_FLAGS = tuple(dataclasses.replace(flags, **dict.fromkeys(EXTRAS, True)) for flags in VERIFY_FLAGS)
+# (`position_tensors`; logprobs at the runner's width: `position_flags`). Greedy, or random with
+# the filters on (neutral where unused): two programs a verify shape and k, not three.
+POSITION_FLAGS = tuple(
+    dataclasses.replace(flags, **dict.fromkeys(EXTRAS, True)) for flags in (VERIFY_FLAGS[0], VERIFY_FLAGS[2])
+)
 
 
 def position_flags(logprobs_width: int | None, logprobs_mode: str) -> tuple[SamplerFlags, ...]:
@@ -261,6 +264,11 @@ class SpeculativeDecoding:
             rows, drafts.num_drafts, k + 1, padded_rows, table, step_seed
         )
         raw = dataclasses.replace(raw, num_logprobs=flags.num_logprobs, logprobs_mode=flags.logprobs_mode)
+        if not raw.all_greedy and not raw.filters:  # the random variant has the filters on
+            rows = tensors.temperature.shape[0]
+            neutral = dummy_tensors(SamplerFlags(filters=True), rows, self._vocab_size).filters
+            tensors = dataclasses.replace(tensors, filters=neutral)
+            raw = dataclasses.replace(raw, filters=True)
         return with_all_extras(tensors, raw, self._vocab_size, logprobs_width=self._logprobs_width, **widths)
 
     @staticmethod
