@@ -292,7 +292,7 @@ class Runner:
         plan = prepare_step(table, rows, num_scheduled, self.buckets, page_size, self._buffers, drafted)
         step_seed = self.config.seed * 1_000_003 + self._step_index
         tensors, flags = loaded.sampling.prepare(rows, plan.shape[1], table, step_seed)
-        positions = None  # a verify shape's drafts under history-reading options: per position
+        positions = None  # a verify shape's drafted step: its options' tensors per position, if any
         verify_shapes = self.steps.program.verify_shapes
         if drafts is not None and verify_shapes is not None and plan.shape[:2] in verify_shapes:
             positions = loaded.speculation.position_tensors(
