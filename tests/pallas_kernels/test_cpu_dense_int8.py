@@ -33,6 +33,11 @@ from pallas_kernels.cpu.dense_int8 import (
 from tests.grids import split_product
 from tests.models.tiny_checkpoints import caches, prompts, run_step, save_tiny
 
+# A grid's points are shapes of their own: run eagerly, a reference would compile each of its
+# operations at each shape, many times the cost of one program a shape.
+jitted_fixed_point_reference = jax.jit(native_dense_int8_fixed_point_reference)
+jitted_float_reference = jax.jit(cpu.native_dense_int8_reference)
+
 
 @pytest.fixture(scope="module")
 def int8_isas(native_kernels):
@@ -144,11 +149,11 @@ def test_kernel_matches_numpy(int8_isas, x_dtype, rows, depth, width):
         error = np.abs(np.asarray(got, np.float64) - expected)
         if isa == "avx512_vnni":  # exact integer products: x's 16-bit rounding, then float32 rounding
             assert np.all(error <= fixed_point_error_bound(x, q, scale) + 1e-30), isa
-            fixed_point = native_dense_int8_fixed_point_reference(x, packed, jnp.asarray(scale))
+            fixed_point = jitted_fixed_point_reference(x, packed, jnp.asarray(scale))
             np.testing.assert_allclose(got, fixed_point, rtol=5e-7, atol=1e-30)
         else:  # float32 accumulation: an error below depth ulps of the sum of |products|
             assert np.all(error <= 2e-7 * depth * bound + 1e-30), isa
-    reference = cpu.native_dense_int8_reference(x, packed, jnp.asarray(scale))
+    reference = jitted_float_reference(x, packed, jnp.asarray(scale))
     np.testing.assert_allclose(reference, expected, rtol=1e-5, atol=1e-5 * np.sqrt(depth))
 
 
@@ -318,7 +323,7 @@ def test_grouped_scales_match_numpy(int8_isas, rows, depth, width, group):
         error = np.abs(np.asarray(got, np.float64) - expected)
         if isa == "avx512_vnni":
             assert np.all(error <= fixed_point_error_bound(x, q, scale) + 1e-30), isa
-            fixed_point = native_dense_int8_fixed_point_reference(x, packed, jnp.asarray(scale))
+            fixed_point = jitted_fixed_point_reference(x, packed, jnp.asarray(scale))
             np.testing.assert_allclose(got, fixed_point, rtol=2e-6, atol=1e-6 * np.abs(expected).max())
         elif isa == "amx" and amx_rounds_weights(rows, depth, group):
             # on the tiles: q s rounded to bfloat16, then the float product
@@ -327,7 +332,7 @@ def test_grouped_scales_match_numpy(int8_isas, rows, depth, width, group):
             assert np.all(error <= 2.0**-8 * bound + 2e-7 * depth * bound + 1e-30), isa
         else:
             assert np.all(error <= 2e-7 * depth * bound + 1e-30), isa
-    reference = cpu.native_dense_int8_reference(x, packed, jnp.asarray(scale))
+    reference = jitted_float_reference(x, packed, jnp.asarray(scale))
     np.testing.assert_allclose(reference, expected, rtol=1e-5, atol=1e-5 * np.sqrt(depth))
 
 
