@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.xla_flags import with_test_flags
+
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -20,6 +22,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The engine tests run what TPU and GPU run by default: vLLM's async scheduling (our platform turns
 # it off on the CPU device otherwise; tests/plugin_shim/test_platform.py checks that rule).
 os.environ.setdefault("VLLM_XLA_CPU_ASYNC_SCHEDULING", "1")
+# XLA:CPU programs compiled without LLVM's optimizations: a quarter of the compile time the suite is
+# mostly made of (tests/xla_flags.py says what stays as served).
+os.environ["XLA_FLAGS"] = with_test_flags(os.environ.get("XLA_FLAGS", ""))
 
 
 _NATIVE_BUILD = pytest.StashKey[subprocess.Popen]()

@@ -15,6 +15,8 @@ import zipfile
 
 import pytest
 
+from tests.xla_flags import without_test_flags
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("plugin_shim", "tpu_platform", "models", "pallas_kernels")
 _NOT_SOURCES = shutil.ignore_patterns(
@@ -64,6 +66,7 @@ def test_the_installed_wheel_generates_from_its_own_files(dist, tmp_path):
     [wheel] = dist.glob("vllm_xla-*-py3-none-any.whl")
     # Nothing of the repository on the path: it would count as vllm-xla installed already.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    env["XLA_FLAGS"] = without_test_flags(env.get("XLA_FLAGS", ""))  # generates as a user's install does
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path, env=env)
     python = venv / "bin" / "python"

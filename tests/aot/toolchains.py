@@ -15,6 +15,8 @@ import pathlib
 import subprocess
 import sys
 
+from tests.xla_flags import without_test_flags
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 AOT_DIR = pathlib.Path(os.environ.get("VLLM_XLA_AOT_DIR", REPO / ".aot"))
 _MARKERS = {"tpu": "libtpu", "cuda": "jax_plugins"}
@@ -41,6 +43,7 @@ def worker_env(platform: str) -> dict[str, str]:
         TF_CPP_MIN_LOG_LEVEL="2",
     )
     env.pop("VLLM_XLA_PLATFORM", None)
+    env["XLA_FLAGS"] = without_test_flags(env.get("XLA_FLAGS", ""))  # the compilers as served
     return env
 
 

@@ -20,6 +20,7 @@ import pytest
 from tests.models.tiny_checkpoints import save_tiny
 from tests.models.tiny_deepseek import save_tiny_deepseek
 from tests.models.tiny_glm4_moe import save_tiny_glm4_moe
+from tests.xla_flags import with_host_devices
 
 pytestmark = pytest.mark.slow  # 4 simulated devices in a subprocess per model
 
@@ -51,7 +52,7 @@ def _sizes(request) -> str:
 
 
 def _run(model_dir: str, mode: str, sizes: str) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(4), "JAX_PLATFORMS": "cpu"}
     worker = [sys.executable, "-m", "tests.models.expert_parallel_worker", model_dir, mode, sizes]
     done = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -19,6 +19,7 @@ from tests.greedy_reference import hf_greedy
 from tests.models.gemma4_moe_mesh_worker import NEW_TOKENS, PROMPT
 from tests.models.test_gemma4_moe import ARCH, save_tiny_gemma4_moe
 from tests.models.tiny_checkpoints import ATOL, RTOL, hf_logits, load_pair
+from tests.xla_flags import with_host_devices
 
 # The engine test (tests/plugin_shim/test_gemma4_moe_engine.py) serves TP=2 and EP=2 against
 # transformers in `make test`; this model-level grid repeats it (`make test-full`).
@@ -28,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.full]  # simulated devices in a subp
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     path = save_tiny_gemma4_moe(str(tmp_path_factory.mktemp("gemma4_moe_mesh") / "model"), seed=7)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(2), "JAX_PLATFORMS": "cpu"}
     worker = [sys.executable, "-m", "tests.models.gemma4_moe_mesh_worker", path]
     done = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]

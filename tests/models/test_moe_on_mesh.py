@@ -14,13 +14,14 @@ import sys
 import pytest
 
 from tests.models.moe_mesh_worker import HIDDEN, TOKENS
+from tests.xla_flags import with_host_devices
 
 pytestmark = pytest.mark.slow  # 4 simulated devices in a subprocess
 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(4), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.models.moe_mesh_worker"],
         env=env,

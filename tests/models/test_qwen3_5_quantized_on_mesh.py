@@ -24,6 +24,7 @@ from tests.models.fp8_checkpoints import dequantized_weights, write_block_fp8
 from tests.models.test_qwen3_5_quantized import BA, DENSE, _reference
 from tests.models.test_qwen3_next_on_mesh import ATOL, RTOL, _expected
 from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
+from tests.xla_flags import with_host_devices
 
 # Whole 128-wide fp8 blocks on both sides of every projection at two devices: q and k 2 x 64
 # outputs (one key head a device), out_proj's 4 x 64 and o_proj's 4 x 64 inputs (two blocks).
@@ -80,7 +81,7 @@ _LEAVES = {
 
 
 def _run_worker(path: str, sizes: str, out) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(2), "JAX_PLATFORMS": "cpu"}
     return subprocess.run(
         [sys.executable, "-m", "tests.models.qwen3_next_mesh_worker", path, sizes, str(out)],
         env=env, capture_output=True, text=True, timeout=900,

@@ -23,6 +23,7 @@ import pytest
 from tests.models.qwen3_next_mesh_worker import CONTINUATIONS, prompts
 from tests.models.tiny_checkpoints import hf_logits
 from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
+from tests.xla_flags import with_host_devices
 
 pytestmark = pytest.mark.slow  # a subprocess on simulated devices
 
@@ -44,7 +45,7 @@ def case(request, tmp_path_factory):
     architecture, overrides, sizes = MODELS[request.param]
     root = tmp_path_factory.mktemp(request.param)
     path = save_tiny_qwen3_next(str(root / "model"), seed=6, architecture=architecture, **overrides)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(4), "JAX_PLATFORMS": "cpu"}
     out = root / "report.json"
     done = subprocess.run(
         [sys.executable, "-m", "tests.models.qwen3_next_mesh_worker", path, sizes, str(out)],

@@ -17,6 +17,7 @@ import pytest
 from tests.models.counted_reads import tensor_bytes
 from tests.models.tiny_checkpoints import prompts, save_tiny
 from tests.plugin_shim.multihost_launch import run_jax_hosts
+from tests.xla_flags import with_host_devices
 
 pytestmark = pytest.mark.slow  # two JAX processes joining
 
@@ -27,7 +28,7 @@ PROMPTS = prompts([9, 9], seed=11)  # one length: one prefill program to compile
 
 def _run_hosts(model: str) -> list[dict]:
     argv = [model, str(NEW_TOKENS), json.dumps(PROMPTS)]
-    devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    devices = {"XLA_FLAGS": with_host_devices(2)}
     return run_jax_hosts(WORKER, [argv, argv], env=devices, timeout=300)
 
 

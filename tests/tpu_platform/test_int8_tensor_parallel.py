@@ -23,6 +23,7 @@ from tests.models.test_compressed_tensors import write_compressed
 from tests.models.test_gguf_q8_0 import write_q8_0_gguf
 from tests.models.tiny_checkpoints import save_tiny
 from tests.tiny_models import save_tiny_llama
+from tests.xla_flags import with_host_devices
 
 pytestmark = pytest.mark.slow  # 8 simulated devices in a subprocess per model
 
@@ -52,7 +53,7 @@ _MODELS = {
 def report(request, tmp_path_factory):
     scratch = tmp_path_factory.mktemp(f"int8_tp_{request.param}")
     model_dir = _MODELS[request.param](str(scratch / "model"))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(8), "JAX_PLATFORMS": "cpu"}
     worker = [sys.executable, "-m", "tests.tpu_platform.int8_tensor_parallel_worker", model_dir, str(scratch)]
     done = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

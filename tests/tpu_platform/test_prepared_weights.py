@@ -15,6 +15,7 @@ from flax import nnx
 
 from models import ModelConfig, PackedKernel, load_model
 from tests.tiny_models import save_tiny_llama
+from tests.xla_flags import with_host_devices
 from tpu_platform.weights.converted import PREPARED_DIR, convert, converted_weights, restore_converted
 from tpu_platform.weights.preparation import Preparation
 from tpu_platform.weights.prepared import load_prepared
@@ -29,7 +30,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.mark.slow  # 8 simulated devices in a subprocess
 def test_a_checkpoint_saved_two_way_restores_one_way_and_four_way_bit_for_bit(tiny_dir, tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(8), "JAX_PLATFORMS": "cpu"}
     worker = [sys.executable, "-m", "tests.tpu_platform.reshard_worker", tiny_dir, str(tmp_path / "ckpt")]
     done = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -15,6 +15,7 @@ import pytest
 
 from tests.models.tiny_checkpoints import save_tiny
 from tests.tiny_models import save_tiny_llama
+from tests.xla_flags import with_host_devices
 
 # A subprocess per model on 8 simulated devices: slow tier.
 pytestmark = pytest.mark.slow
@@ -31,7 +32,7 @@ _MODELS = {
 def report(request, tmp_path_factory):
     scratch = tmp_path_factory.mktemp(f"tp_weights_{request.param}")
     model_dir = _MODELS[request.param](str(scratch / "model"))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(8), "JAX_PLATFORMS": "cpu"}
     worker = [
         sys.executable,
         "-m",

@@ -1,0 +1,30 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The suite's XLA flags: LLVM's optimizations off for XLA:CPU, the served compilers elsewhere."""
+
+import os
+
+import pytest
+
+from tests.aot.toolchains import AOT_DIR, worker_env
+from tests.xla_flags import LLVM_OPTIMIZATIONS_OFF, with_host_devices, with_test_flags, without_test_flags
+
+
+def test_this_process_compiles_with_the_suites_flag():
+    assert LLVM_OPTIMIZATIONS_OFF in os.environ["XLA_FLAGS"].split()
+
+
+def test_a_level_the_developer_set_is_kept():
+    assert with_test_flags("--xla_backend_optimization_level=2") == "--xla_backend_optimization_level=2"
+    assert with_test_flags("--xla_dump_to=/tmp/x") == f"--xla_dump_to=/tmp/x {LLVM_OPTIMIZATIONS_OFF}"
+
+
+def test_simulated_devices_keep_the_suites_flag():
+    flags = with_host_devices(4).split()
+    assert LLVM_OPTIMIZATIONS_OFF in flags and "--xla_force_host_platform_device_count=4" in flags
+
+
+def test_the_tpu_and_gpu_compile_workers_compile_as_served():
+    assert without_test_flags(f"--a {LLVM_OPTIMIZATIONS_OFF} --b") == "--a --b"
+    if not (AOT_DIR / "cuda" / "jax_plugins").is_dir():
+        pytest.skip("no compile toolchains here (`make aot-toolchains`)")
+    assert LLVM_OPTIMIZATIONS_OFF not in worker_env("cuda")["XLA_FLAGS"].split()

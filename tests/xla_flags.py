@@ -1,0 +1,38 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The test processes' `XLA_FLAGS`: XLA:CPU programs compiled without LLVM's optimizations.
+
+Most of a clean run's time is XLA compiling small CPU programs, and a quarter of that is LLVM
+optimizing machine code the tests run once or a few times. `tests/conftest.py` therefore adds
+`--xla_backend_optimization_level=0` to every test process's `XLA_FLAGS` (unless the flag is
+already set: `XLA_FLAGS=--xla_backend_optimization_level=2 make test` compiles as served). Only
+LLVM's level changes: XLA's HLO passes (fusion, layouts, buffer assignment, the collectives of a
+sharded program) are the served program's, and the results are the same within the tests'
+tolerances. Two things run as shipped: the real TPU and GPU compilers of `tests/aot/` (their
+workers drop the flag, `without_test_flags`) and the installed wheel's generation
+(`tests/test_packaging.py`).
+"""
+
+from __future__ import annotations
+
+import os
+
+LLVM_OPTIMIZATIONS_OFF = "--xla_backend_optimization_level=0"
+_LEVEL = "--xla_backend_optimization_level="
+
+
+def with_test_flags(flags: str) -> str:
+    """`flags` with LLVM's optimizations off, unless `flags` sets a level of its own."""
+    if _LEVEL in flags:
+        return flags
+    return f"{flags} {LLVM_OPTIMIZATIONS_OFF}".strip()
+
+
+def without_test_flags(flags: str) -> str:
+    """`flags` without the suite's own flag: programs compiled as served."""
+    return " ".join(flag for flag in flags.split() if flag != LLVM_OPTIMIZATIONS_OFF)
+
+
+def with_host_devices(count: int) -> str:
+    """This process's `XLA_FLAGS` (the suite's) with `count` simulated CPU devices."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return f"{flags} --xla_force_host_platform_device_count={count}".strip()
