@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The test processes' `XLA_FLAGS`: XLA:CPU programs compiled without LLVM's optimizations.
 
-Most of a clean run's time is XLA compiling small CPU programs, and a quarter of that is LLVM
+Most of a clean run's time is XLA compiling small CPU programs, and over a quarter of that is LLVM
 optimizing machine code the tests run once or a few times. `tests/conftest.py` therefore adds
 `--xla_backend_optimization_level=0` to every test process's `XLA_FLAGS` (unless the flag is
 already set: `XLA_FLAGS=--xla_backend_optimization_level=2 make test` compiles as served). Only
