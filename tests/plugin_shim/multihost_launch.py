@@ -17,6 +17,8 @@ import time
 import urllib.error
 import urllib.request
 
+from tests.xla_flags import with_host_devices
+
 DEVICES_PER_HOST = 2
 
 
@@ -32,10 +34,9 @@ def free_port() -> int:
 
 
 def host_environment(cache_dir: pathlib.Path) -> dict[str, str]:
-    flags = os.environ.get("XLA_FLAGS", "")
     env = {
         **os.environ,
-        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={DEVICES_PER_HOST}".strip(),
+        "XLA_FLAGS": with_host_devices(DEVICES_PER_HOST),
         "JAX_PLATFORMS": "cpu",
         "VLLM_XLA_PLATFORM": "cpu",
         "VLLM_XLA_CACHE_DIR": str(cache_dir),

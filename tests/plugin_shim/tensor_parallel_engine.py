@@ -16,6 +16,8 @@ import json
 import os
 import sys
 
+from tests.xla_flags import with_host_devices
+
 DEVICES = 8
 
 
@@ -95,10 +97,9 @@ def main(job_path: str, out_path: str) -> None:
 
 def environment() -> dict[str, str]:
     """This process's environment for a run: 8 CPU devices, vLLM in-process."""
-    flags = os.environ.get("XLA_FLAGS", "")
     return {
         **os.environ,
-        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip(),
+        "XLA_FLAGS": with_host_devices(DEVICES),
         "JAX_PLATFORMS": "cpu",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_XLA_PLATFORM": "cpu",

@@ -19,6 +19,7 @@ from tests.greedy_reference import hf_greedy
 from tests.models.tiny_checkpoints import prompts, save_tiny
 from tests.plugin_shim.served import REPO, get, post, serving
 from tests.tiny_models import save_tiny_llama
+from tests.xla_flags import with_host_devices
 
 pytestmark = pytest.mark.slow  # two servers of two engine processes each
 
@@ -27,10 +28,9 @@ PROMPTS = prompts([5, 9, 3, 12, 7, 4, 10, 6], seed=11)
 
 
 def _environment(devices: int) -> dict[str, str]:
-    flags = os.environ.get("XLA_FLAGS", "")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_WORKER_MULTIPROC_METHOD"}
     env.update(
-        XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
+        XLA_FLAGS=with_host_devices(devices),
         JAX_PLATFORMS="cpu",
         VLLM_XLA_PLATFORM="cpu",
         VLLM_ENABLE_V1_MULTIPROCESSING="1",

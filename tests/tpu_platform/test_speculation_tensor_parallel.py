@@ -26,13 +26,15 @@ import sys
 
 import pytest
 
+from tests.xla_flags import with_host_devices
+
 pytestmark = pytest.mark.slow  # 2 simulated devices in a subprocess, a minute or more each
 
 
 def _run(method: str, tmp_path) -> dict:
     env = {
         **os.environ,
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip(),
+        "XLA_FLAGS": with_host_devices(2),
         "JAX_PLATFORMS": "cpu",
     }
     out = tmp_path / "out.json"
