@@ -2,6 +2,8 @@
 """The suite's XLA flags: LLVM's optimizations off for XLA:CPU, the served compilers elsewhere."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -28,3 +30,28 @@ def test_the_tpu_and_gpu_compile_workers_compile_as_served():
     if not (AOT_DIR / "cuda" / "jax_plugins").is_dir():
         pytest.skip("no compile toolchains here (`make aot-toolchains`)")
     assert LLVM_OPTIMIZATIONS_OFF not in worker_env("cuda")["XLA_FLAGS"].split()
+
+
+_OPTIMIZED_HLO = """
+import jax
+import jax.numpy as jnp
+
+def layer(x, w):
+    return jax.nn.softmax(jnp.tanh(x @ w) * 3.0, axis=-1).sum(axis=0)
+
+shapes = (jax.ShapeDtypeStruct((16, 64), jnp.float32), jax.ShapeDtypeStruct((64, 32), jnp.float32))
+print(jax.jit(layer).lower(*shapes).compile().as_text())
+"""
+
+
+def test_the_flag_leaves_xlas_optimized_program_as_served():
+    """LLVM's level is all the flag changes: the optimized HLO (fusions, layouts) is XLA's
+    default's, text for text."""
+    texts = []
+    for flags in ("", LLVM_OPTIMIZATIONS_OFF):
+        env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+        command = [sys.executable, "-c", _OPTIMIZED_HLO]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        texts.append(done.stdout)
+    assert "fusion" in texts[0] and texts[0] == texts[1]

@@ -4,9 +4,10 @@
 Most of a clean run's time is XLA compiling small CPU programs, and over a quarter of that is LLVM
 optimizing machine code the tests run once or a few times. `tests/conftest.py` therefore adds
 `--xla_backend_optimization_level=0` to every test process's `XLA_FLAGS` (unless the flag is
-already set: `XLA_FLAGS=--xla_backend_optimization_level=2 make test` compiles as served). Only
-LLVM's level changes: XLA's HLO passes (fusion, layouts, buffer assignment, the collectives of a
-sharded program) are the served program's, and the results are the same within the tests'
+already set: `XLA_FLAGS=--xla_backend_optimization_level=3 make test`, XLA's default, compiles as
+served). Only LLVM's level changes: XLA's HLO passes (fusion, layouts, buffer assignment, the
+collectives of a sharded program) are the served program's (`tests/test_xla_flags.py` compares an
+optimized program's text both ways), and the results are the same within the tests'
 tolerances. Two things run as shipped: the real TPU and GPU compilers of `tests/aot/` (their
 workers drop the flag, `without_test_flags`) and the installed wheel's generation
 (`tests/test_packaging.py`).
