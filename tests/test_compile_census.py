@@ -24,7 +24,8 @@ def test_two_programs():  # NumPy in and out: no other program is compiled
 def test_the_census_names_each_file_and_counts_its_compiles(tmp_path):
     (tmp_path / "test_compiles.py").write_text(_TWO_PROGRAMS)
     census = tmp_path / "census"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # one process
+    env.update(PYTHONPATH=str(REPO), JAX_ENABLE_COMPILATION_CACHE="false")
     plugin = ["-p", "tests.compile_census", "--compile-census", str(census)]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, "test_compiles.py"]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
