@@ -16,9 +16,13 @@ workers drop the flag, `without_test_flags`) and the installed wheel's generatio
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 LLVM_OPTIMIZATIONS_OFF = "--xla_backend_optimization_level=0"
 _LEVEL = "--xla_backend_optimization_level="
+# XLA's default level, for the programs whose run costs more than their compile (`jit_kernel_run`).
+AS_SERVED = {"xla_backend_optimization_level": 3}
 
 
 def with_test_flags(flags: str) -> str:
@@ -37,3 +41,18 @@ def with_host_devices(count: int) -> str:
     """This process's `XLA_FLAGS` (the suite's) with `count` simulated CPU devices."""
     flags = os.environ.get("XLA_FLAGS", "")
     return f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def jit_kernel_run(
+    fun: Callable[..., Any], *, interpret: object = False, **jit_kwargs: Any
+) -> Callable[..., Any]:
+    """`jax.jit(fun)` for a kernel test's program; compiled at XLA's default level when a Pallas
+    kernel in it runs in interpret mode (`interpret` truthy), whatever the process's `XLA_FLAGS`.
+
+    Interpret mode runs a kernel's grid as compiled loops that call back into Python at every DMA
+    and semaphore: there the run, not the compile, is the cost, and LLVM-unoptimized loops run it
+    several times slower. `jax.jit`'s `compiler_options` set the level for this program alone."""
+    import jax  # not at import: `tests/conftest.py` reads this module before JAX starts
+
+    options = AS_SERVED if interpret else None
+    return jax.jit(fun, compiler_options=options, **jit_kwargs)

@@ -21,6 +21,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import api
+from tests.xla_flags import jit_kernel_run
 
 # Largest |kernel - reference| allowed, relative to max |reference| (outputs are O(1)).
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -209,7 +210,7 @@ def run_backend(case: Case, batch: Batch, backend: str, **kwargs) -> jax.Array:
             **kwargs,
         )
 
-    return jax.jit(step)(
+    return jit_kernel_run(step, interpret=kwargs.get("interpret"))(
         batch.q,
         batch.k,
         batch.v,

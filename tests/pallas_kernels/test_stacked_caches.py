@@ -17,6 +17,7 @@ import pytest
 
 from pallas_kernels import api
 from tests.pallas_kernels.conftest import GRID, build_batch, run_backend
+from tests.xla_flags import jit_kernel_run
 
 CASES = [c for c in GRID if c.name in ("mixed_p16_d64_g1_bf16_window_cap", "decode_p32_d128_g4_fp8")]
 # The float8 decode with its longest sequence cut from 1000 tokens to 100: still four sequences
@@ -77,7 +78,7 @@ def _stacked_step(case, batch, backend, kwargs):
             )
         return outs, cache
 
-    return jax.jit(step)(
+    return jit_kernel_run(step, interpret=kwargs.get("interpret"))(
         batch.q, batch.k, batch.v, batch.slot_mapping, batch.kv_lens, batch.page_indices,
         batch.cu_q_lens, batch.num_seqs,
     )  # fmt: skip
