@@ -27,29 +27,35 @@ os.environ.setdefault("VLLM_XLA_CPU_ASYNC_SCHEDULING", "1")
 os.environ["XLA_FLAGS"] = with_test_flags(os.environ.get("XLA_FLAGS", ""))
 
 
-_NATIVE_BUILD = pytest.StashKey[subprocess.Popen]()
+_HEAD_START = pytest.StashKey[list[subprocess.Popen]]()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Under pytest-xdist with workers (the Makefile's `-n 2`), the controller starts building the
-    native kernels at once, beside the workers' collection: else the first worker to need them
-    builds while the other waits on the build lock, one core idle through the build's tail. The
-    workers' `native_kernels` take the library as built, or wait on the same lock; a failed build
-    is left to them to report."""
+    """Under pytest-xdist with workers (the Makefile's `-n 2`), the controller starts two jobs at
+    once, beside the workers' collection, that tests would otherwise each start on their own time:
+    building the native kernels (else the first worker to need them builds while the other waits
+    on the build lock, one core idle through the build's tail; the workers' `native_kernels` take
+    the library as built, or wait on the same lock; a failed build is left to them to report),
+    and reading vLLM's facts about every architecture the tests serve into vLLM's cache
+    (`tests/vllm_model_facts.py`: one process, where a clean machine would start one for each)."""
     config = session.config
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", default=None):
         return
     build_dir = os.path.abspath(os.path.join(os.environ["VLLM_XLA_CACHE_DIR"], "native"))
     # absolute: the subprocess runs in the checkout, the workers where pytest was started
-    command = [sys.executable, "-m", "pallas_kernels.cpu", build_dir]
+    commands = (
+        [sys.executable, "-m", "pallas_kernels.cpu", build_dir],
+        [sys.executable, "-m", "tests.vllm_model_facts"],
+    )
     quiet = subprocess.DEVNULL
-    config.stash[_NATIVE_BUILD] = subprocess.Popen(command, cwd=_REPO, stdout=quiet, stderr=quiet)
+    config.stash[_HEAD_START] = [
+        subprocess.Popen(command, cwd=_REPO, stdout=quiet, stderr=quiet) for command in commands
+    ]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    build = session.config.stash.get(_NATIVE_BUILD, None)
-    if build is not None:
-        build.wait()  # a run that never needed the kernels still leaves no compiler behind
+    for job in session.config.stash.get(_HEAD_START, []):
+        job.wait()  # a run that never needed them still leaves no process behind
 
 
 @pytest.fixture(scope="session", autouse=True)
