@@ -10,6 +10,8 @@ whose int4 kernel packs for it against the same Linear on XLA."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -145,6 +147,18 @@ def _product(rng, rows, depth, width, group, x_dtype, affine):
     return x, q, scale, offset, expected, bound
 
 
+@functools.cache
+def _every_path(isas: tuple[str, ...]):
+    """One program a grid point's shape: every path's product and the reference's (a compile is
+    mostly a fixed price, and each point's shape is compiled once)."""
+
+    def run(x, packed, scale, offset):
+        products = [cpu.native_dense_int4(x, packed, scale, offset, isa=isa) for isa in isas]
+        return products, cpu.native_dense_int4_reference(x, packed, scale, offset)
+
+    return jax.jit(run)
+
+
 @pytest.mark.parametrize(
     ("x_dtype", "affine"),
     [(jnp.bfloat16, True), (jnp.float32, False)],
@@ -159,10 +173,8 @@ def test_kernel_matches_numpy(int4_isas, x_dtype, affine, rows, depth, width, gr
     # "avx512_vnni" runs many rows as "amx" or "avx512_bf16" where the CPU has them
     bf16_paths = ("avx512_bf16", "amx", "avx512_vnni") if "avx512_bf16" in int4_isas else ()
     widens_to_bf16 = lambda isa: isa in bf16_paths  # noqa: E731
-    for isa in int4_isas:
-        got = jax.jit(cpu.native_dense_int4, static_argnames="isa")(
-            x, packed, jnp.asarray(scale), offset, isa=isa
-        )
+    products, reference = _every_path(int4_isas)(x, packed, jnp.asarray(scale), offset)
+    for isa, got in zip(int4_isas, products, strict=True):
         assert got.shape == (rows, width) and got.dtype == jnp.float32
         error = np.abs(np.asarray(got, np.float64) - expected)
         # float32 accumulation (and, from 9 rows, the weights rounded to float32 once): an error
@@ -176,8 +188,6 @@ def test_kernel_matches_numpy(int4_isas, x_dtype, affine, rows, depth, width, gr
             weights = q * per_k(scale) + (0 if offset is None else per_k(offset))
             allowed = allowed + 2.0**-8 * (np.abs(np.asarray(x, np.float64)) @ np.abs(weights))
         assert np.all(error <= allowed), isa
-    # one program a grid point's shape, not one for each of the reference's operations
-    reference = jax.jit(cpu.native_dense_int4_reference)(x, packed, jnp.asarray(scale), offset)
     np.testing.assert_allclose(reference, expected, rtol=1e-5, atol=1e-5 * np.sqrt(depth))
 
 

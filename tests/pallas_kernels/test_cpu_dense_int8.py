@@ -11,6 +11,8 @@ dots."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,10 +35,18 @@ from pallas_kernels.cpu.dense_int8 import (
 from tests.grids import split_product
 from tests.models.tiny_checkpoints import caches, prompts, run_step, save_tiny
 
-# A grid's points are shapes of their own: run eagerly, a reference would compile each of its
-# operations at each shape, many times the cost of one program a shape.
-jitted_fixed_point_reference = jax.jit(native_dense_int8_fixed_point_reference)
-jitted_float_reference = jax.jit(cpu.native_dense_int8_reference)
+
+@functools.cache
+def _every_path(isas: tuple[str, ...]):
+    """One program a grid point's shape: every path's product and both references (a compile is
+    mostly a fixed price; run eagerly, a reference would compile each of its operations)."""
+
+    def run(x, packed, scale):
+        products = [cpu.native_dense_int8(x, packed, scale, isa=isa) for isa in isas]
+        fixed_point = native_dense_int8_fixed_point_reference(x, packed, scale)
+        return products, fixed_point, cpu.native_dense_int8_reference(x, packed, scale)
+
+    return jax.jit(run)
 
 
 @pytest.fixture(scope="module")
@@ -143,17 +153,15 @@ def test_kernel_matches_numpy(int8_isas, x_dtype, rows, depth, width):
     expected = np.asarray(x, np.float64) @ (q.astype(np.float64) * scale.astype(np.float64))
     bound = np.abs(np.asarray(x, np.float64)) @ (np.abs(q.astype(np.float64)) * scale)
     packed = jnp.asarray(cpu.pack_dense_kernel_int8(q))
-    for isa in int8_isas:
-        got = jax.jit(cpu.native_dense_int8, static_argnames="isa")(x, packed, jnp.asarray(scale), isa=isa)
+    products, fixed_point, reference = _every_path(int8_isas)(x, packed, jnp.asarray(scale))
+    for isa, got in zip(int8_isas, products, strict=True):
         assert got.shape == (rows, width) and got.dtype == jnp.float32
         error = np.abs(np.asarray(got, np.float64) - expected)
         if isa == "avx512_vnni":  # exact integer products: x's 16-bit rounding, then float32 rounding
             assert np.all(error <= fixed_point_error_bound(x, q, scale) + 1e-30), isa
-            fixed_point = jitted_fixed_point_reference(x, packed, jnp.asarray(scale))
             np.testing.assert_allclose(got, fixed_point, rtol=5e-7, atol=1e-30)
         else:  # float32 accumulation: an error below depth ulps of the sum of |products|
             assert np.all(error <= 2e-7 * depth * bound + 1e-30), isa
-    reference = jitted_float_reference(x, packed, jnp.asarray(scale))
     np.testing.assert_allclose(reference, expected, rtol=1e-5, atol=1e-5 * np.sqrt(depth))
 
 
@@ -318,12 +326,11 @@ def test_grouped_scales_match_numpy(int8_isas, rows, depth, width, group):
     x64 = np.asarray(x, np.float64)
     expected, bound = x64 @ weights, np.abs(x64) @ np.abs(weights)
     packed = jnp.asarray(cpu.pack_dense_kernel_int8(q))
-    for isa in int8_isas:
-        got = jax.jit(cpu.native_dense_int8, static_argnames="isa")(x, packed, jnp.asarray(scale), isa=isa)
+    products, fixed_point, reference = _every_path(int8_isas)(x, packed, jnp.asarray(scale))
+    for isa, got in zip(int8_isas, products, strict=True):
         error = np.abs(np.asarray(got, np.float64) - expected)
         if isa == "avx512_vnni":
             assert np.all(error <= fixed_point_error_bound(x, q, scale) + 1e-30), isa
-            fixed_point = jitted_fixed_point_reference(x, packed, jnp.asarray(scale))
             np.testing.assert_allclose(got, fixed_point, rtol=2e-6, atol=1e-6 * np.abs(expected).max())
         elif isa == "amx" and amx_rounds_weights(rows, depth, group):
             # on the tiles: q s rounded to bfloat16, then the float product
@@ -332,7 +339,6 @@ def test_grouped_scales_match_numpy(int8_isas, rows, depth, width, group):
             assert np.all(error <= 2.0**-8 * bound + 2e-7 * depth * bound + 1e-30), isa
         else:
             assert np.all(error <= 2e-7 * depth * bound + 1e-30), isa
-    reference = jitted_float_reference(x, packed, jnp.asarray(scale))
     np.testing.assert_allclose(reference, expected, rtol=1e-5, atol=1e-5 * np.sqrt(depth))
 
 
