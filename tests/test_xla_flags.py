@@ -57,3 +57,49 @@ def test_the_flag_leaves_xlas_optimized_program_as_served():
         assert done.returncode == 0, done.stderr[-2000:]
         texts.append(done.stdout)
     assert "fusion" in texts[0] and texts[0] == texts[1]
+
+
+_THREE_LEVELS = """
+import jax
+import jax.numpy as jnp
+from tests.xla_flags import jit_kernel_run
+
+def layer(x, w):
+    return jax.nn.softmax(jnp.tanh(x @ w) * 3.0, axis=-1).sum(axis=0)
+
+def suite(x, w):
+    return layer(x, w)
+
+def interpreted(x, w):
+    return layer(x, w)
+
+def compiled(x, w):
+    return layer(x, w)
+
+shapes = (jax.ShapeDtypeStruct((16, 64), jnp.float32), jax.ShapeDtypeStruct((64, 32), jnp.float32))
+jax.jit(suite).lower(*shapes).compile()
+jit_kernel_run(interpreted, interpret=True).lower(*shapes).compile()
+jit_kernel_run(compiled, interpret=False).lower(*shapes).compile()
+"""
+
+
+def test_interpret_mode_programs_compile_at_xlas_default_level(tmp_path):
+    """`jit_kernel_run` with a kernel in interpret mode: the program's own options set XLA's default
+    level, under the suite's flag; without interpret mode the suite's level stays. XLA writes each
+    program's options beside its dump, the non-default ones only."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{LLVM_OPTIMIZATIONS_OFF} --xla_dump_to={tmp_path}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", _THREE_LEVELS], cwd=repo, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    levels = {}
+    for path in tmp_path.glob("module_*.jit_*.debug_options"):
+        name = path.name.split(".jit_")[1].removesuffix(".debug_options")
+        lines = [line for line in path.read_text().splitlines() if "xla_backend_optimization_level" in line]
+        levels[name] = lines[0].split(":")[1].strip() if lines else "XLA's default"
+    assert levels == {"suite": "0", "interpreted": "XLA's default", "compiled": "0"}

@@ -10,7 +10,8 @@ collectives of a sharded program) are the served program's (`tests/test_xla_flag
 optimized program's text both ways), and the results are the same within the tests'
 tolerances. Two things run as shipped: the real TPU and GPU compilers of `tests/aot/` (their
 workers drop the flag, `without_test_flags`) and the installed wheel's generation
-(`tests/test_packaging.py`).
+(`tests/test_packaging.py`). Programs whose run costs more than their compile, the Pallas kernels
+in interpret mode, compile at XLA's default level by options of their own (`jit_kernel_run`).
 """
 
 from __future__ import annotations
