@@ -70,22 +70,22 @@ def layer(x, w):
 def suite(x, w):
     return layer(x, w)
 
-def interpreted(x, w):
+def long(x, w):
     return layer(x, w)
 
-def compiled(x, w):
+def short(x, w):
     return layer(x, w)
 
 shapes = (jax.ShapeDtypeStruct((16, 64), jnp.float32), jax.ShapeDtypeStruct((64, 32), jnp.float32))
 jax.jit(suite).lower(*shapes).compile()
-jit_kernel_run(interpreted, interpret=True).lower(*shapes).compile()
-jit_kernel_run(compiled, interpret=False).lower(*shapes).compile()
+jit_kernel_run(long, long_run=True).lower(*shapes).compile()
+jit_kernel_run(short, long_run=False).lower(*shapes).compile()
 """
 
 
-def test_interpret_mode_programs_compile_at_xlas_default_level(tmp_path):
-    """`jit_kernel_run` with a kernel in interpret mode: the program's own options set XLA's default
-    level, under the suite's flag; without interpret mode the suite's level stays. XLA writes each
+def test_long_running_kernel_programs_compile_at_xlas_default_level(tmp_path):
+    """`jit_kernel_run` of a program whose run is the cost: its own options set XLA's default level,
+    under the suite's flag; of another, the suite's level stays. XLA writes each
     program's options beside its dump, the non-default ones only."""
     env = {
         **os.environ,
@@ -102,4 +102,4 @@ def test_interpret_mode_programs_compile_at_xlas_default_level(tmp_path):
         name = path.name.split(".jit_")[1].removesuffix(".debug_options")
         lines = [line for line in path.read_text().splitlines() if "xla_backend_optimization_level" in line]
         levels[name] = lines[0].split(":")[1].strip() if lines else "XLA's default"
-    assert levels == {"suite": "0", "interpreted": "XLA's default", "compiled": "0"}
+    assert levels == {"suite": "0", "long": "XLA's default", "short": "0"}

@@ -10,8 +10,8 @@ collectives of a sharded program) are the served program's (`tests/test_xla_flag
 optimized program's text both ways), and the results are the same within the tests'
 tolerances. Two things run as shipped: the real TPU and GPU compilers of `tests/aot/` (their
 workers drop the flag, `without_test_flags`) and the installed wheel's generation
-(`tests/test_packaging.py`). Programs whose run costs more than their compile, the Pallas kernels
-in interpret mode, compile at XLA's default level by options of their own (`jit_kernel_run`).
+(`tests/test_packaging.py`). Programs whose run costs more than their compile (the TPU attention
+kernel in interpret mode) compile at XLA's default level by options of their own (`jit_kernel_run`).
 """
 
 from __future__ import annotations
@@ -45,15 +45,19 @@ def with_host_devices(count: int) -> str:
 
 
 def jit_kernel_run(
-    fun: Callable[..., Any], *, interpret: object = False, **jit_kwargs: Any
+    fun: Callable[..., Any], *, long_run: bool = False, **jit_kwargs: Any
 ) -> Callable[..., Any]:
-    """`jax.jit(fun)` for a kernel test's program; compiled at XLA's default level when a Pallas
-    kernel in it runs in interpret mode (`interpret` truthy), whatever the process's `XLA_FLAGS`.
+    """`jax.jit(fun)` for a kernel test's program; compiled at XLA's default level when its run,
+    not its compile, is the cost (`long_run`), whatever the process's `XLA_FLAGS`.
 
-    Interpret mode runs a kernel's grid as compiled loops that call back into Python at every DMA
-    and semaphore: there the run, not the compile, is the cost, and LLVM-unoptimized loops run it
-    several times slower. `jax.jit`'s `compiler_options` set the level for this program alone."""
+    The TPU attention kernel in interpret mode is such a program: the TPU interpreter runs the
+    kernel's grid as compiled loops that call back into Python at every DMA and semaphore, and
+    LLVM-unoptimized loops ran a mixed batch with a window and a soft cap several times slower
+    (its stacked-cache check took ten times as long). The other interpret-mode programs (the TPU
+    KV write, the MLA kernels, the GPU kernels' interpreter) ran faster at the suite's level: their
+    compile outweighs their run. `jax.jit`'s `compiler_options` set the level for this program
+    alone."""
     import jax  # not at import: `tests/conftest.py` reads this module before JAX starts
 
-    options = AS_SERVED if interpret else None
+    options = AS_SERVED if long_run else None
     return jax.jit(fun, compiler_options=options, **jit_kwargs)

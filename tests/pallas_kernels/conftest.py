@@ -210,7 +210,8 @@ def run_backend(case: Case, batch: Batch, backend: str, **kwargs) -> jax.Array:
             **kwargs,
         )
 
-    return jit_kernel_run(step, interpret=kwargs.get("interpret"))(
+    long_run = backend == "pallas_tpu" and bool(kwargs.get("interpret"))  # `jit_kernel_run` says why
+    return jit_kernel_run(step, long_run=long_run)(
         batch.q,
         batch.k,
         batch.v,

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import allocate_latent_cache, mla_paged_attention, write_latent
-from tests.xla_flags import jit_kernel_run
 
 # Largest |kernel - reference| allowed, relative to max |reference| (outputs are O(1)).
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -147,7 +146,7 @@ def run_backend(case: MlaCase, batch: MlaBatch, backend: str, **kwargs) -> jax.A
             sm_scale=width**-0.5, latent_dim=case.latent_dim, **common, **kwargs,
         )  # fmt: skip
 
-    return jit_kernel_run(step, interpret=kwargs.get("interpret"))(
+    return jax.jit(step)(
         batch.q, batch.latent, batch.k_rope, batch.slot_mapping, batch.kv_lens, batch.page_indices,
         batch.cu_q_lens, batch.num_seqs,
     )  # fmt: skip

@@ -51,7 +51,7 @@ def _attend(backend, q, k, v, q_lens, kv_lens, *, num_slots=None, num_seqs=None,
     if backend.startswith("pallas"):
         kwargs["interpret"] = True
 
-    @functools.partial(jit_kernel_run, interpret=kwargs.get("interpret"))
+    @functools.partial(jit_kernel_run, long_run=backend == "pallas_tpu")  # `jit_kernel_run` says why
     def step(q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
         cache = api.allocate_kv_cache(2 * num_slots, PAGE_SIZE, k.shape[1], 2, jnp.float32, backend=backend)
         interpret = backend.startswith("pallas")

@@ -78,7 +78,8 @@ def _stacked_step(case, batch, backend, kwargs):
             )
         return outs, cache
 
-    return jit_kernel_run(step, interpret=kwargs.get("interpret"))(
+    long_run = backend == "pallas_tpu" and bool(kwargs.get("interpret"))  # `jit_kernel_run` says why
+    return jit_kernel_run(step, long_run=long_run)(
         batch.q, batch.k, batch.v, batch.slot_mapping, batch.kv_lens, batch.page_indices,
         batch.cu_q_lens, batch.num_seqs,
     )  # fmt: skip

@@ -9,7 +9,6 @@ row it was not asked to write. Compiling the kernels for real TPUs: tests/aot/te
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,6 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import api, tpu
 from pallas_kernels.tpu import kv_write
 from pallas_kernels.tpu.kv_write import NO_TILE, tile_plan
-from tests.xla_flags import jit_kernel_run
 
 
 def test_reference_interleaves_k_and_v_and_pads_lanes():
@@ -102,10 +100,9 @@ def _write(case: WriteCase, interpret, cache, k, v, slots):
     if interpret is None:  # the reference
         slots = jnp.where(slots >= 0, slots + case.first_page * case.page_size, slots)
         return tpu.write_kv_reference(cache, k, v, slots)
-    write = functools.partial(
-        api.write_kv, backend="pallas_tpu", first_page=case.first_page, interpret=interpret
+    return api.write_kv(
+        cache, k, v, slots, backend="pallas_tpu", first_page=case.first_page, interpret=interpret
     )
-    return jit_kernel_run(write, interpret=interpret)(cache, k, v, slots)
 
 
 def _check(case: WriteCase, interpret) -> None:
