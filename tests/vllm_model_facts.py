@@ -14,6 +14,8 @@ here, is left to vLLM.
 
 from __future__ import annotations
 
+import json
+
 from models.architectures import SUPPORTED_ARCHITECTURES
 
 # vLLM's classes the tests meet besides the served architectures: speculative decoding's heads and
@@ -51,4 +53,4 @@ def fill(architectures: tuple[str, ...]) -> list[str]:
 
 
 if __name__ == "__main__":
-    fill(tuple(SUPPORTED_ARCHITECTURES) + OTHER_CLASSES)
+    print(json.dumps(fill(tuple(SUPPORTED_ARCHITECTURES) + OTHER_CLASSES)))
