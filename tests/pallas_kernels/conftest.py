@@ -180,6 +180,12 @@ def build_batch(case: Case) -> Batch:
     )
 
 
+def jit_for_backend(step, backend: str, kwargs: dict):
+    """`step` jitted for a kernel check on `backend` with its `kwargs`: the TPU kernel's
+    interpret-mode programs at XLA's default level (their run is the cost: `jit_kernel_run`)."""
+    return jit_kernel_run(step, long_run=backend == "pallas_tpu" and bool(kwargs.get("interpret")))
+
+
 def run_backend(case: Case, batch: Batch, backend: str, **kwargs) -> jax.Array:
     """Writes the batch's K/V through `backend`'s own write_kv, then runs its attention (one jit)."""
 
@@ -210,8 +216,7 @@ def run_backend(case: Case, batch: Batch, backend: str, **kwargs) -> jax.Array:
             **kwargs,
         )
 
-    long_run = backend == "pallas_tpu" and bool(kwargs.get("interpret"))  # `jit_kernel_run` says why
-    return jit_kernel_run(step, long_run=long_run)(
+    return jit_for_backend(step, backend, kwargs)(
         batch.q,
         batch.k,
         batch.v,

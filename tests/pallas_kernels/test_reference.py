@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import api, reference
-from tests.pallas_kernels.conftest import numpy_causal_attention
-from tests.xla_flags import jit_kernel_run
+from tests.pallas_kernels.conftest import jit_for_backend, numpy_causal_attention
 
 BACKENDS = ["xla", "pallas_tpu", "pallas_gpu", "cpu_native"]
 # Interpret mode runs a Pallas kernel's grid in Python, seconds a case: the fast tier runs each
@@ -51,7 +50,7 @@ def _attend(backend, q, k, v, q_lens, kv_lens, *, num_slots=None, num_seqs=None,
     if backend.startswith("pallas"):
         kwargs["interpret"] = True
 
-    @functools.partial(jit_kernel_run, long_run=backend == "pallas_tpu")  # `jit_kernel_run` says why
+    @functools.partial(jit_for_backend, backend=backend, kwargs=kwargs)
     def step(q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
         cache = api.allocate_kv_cache(2 * num_slots, PAGE_SIZE, k.shape[1], 2, jnp.float32, backend=backend)
         interpret = backend.startswith("pallas")

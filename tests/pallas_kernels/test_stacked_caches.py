@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import api
-from tests.pallas_kernels.conftest import GRID, build_batch, run_backend
-from tests.xla_flags import jit_kernel_run
+from tests.pallas_kernels.conftest import GRID, build_batch, jit_for_backend, run_backend
 
 CASES = [c for c in GRID if c.name in ("mixed_p16_d64_g1_bf16_window_cap", "decode_p32_d128_g4_fp8")]
 # The float8 decode with its longest sequence cut from 1000 tokens to 100: still four sequences
@@ -78,8 +77,7 @@ def _stacked_step(case, batch, backend, kwargs):
             )
         return outs, cache
 
-    long_run = backend == "pallas_tpu" and bool(kwargs.get("interpret"))  # `jit_kernel_run` says why
-    return jit_kernel_run(step, long_run=long_run)(
+    return jit_for_backend(step, backend, kwargs)(
         batch.q, batch.k, batch.v, batch.slot_mapping, batch.kv_lens, batch.page_indices,
         batch.cu_q_lens, batch.num_seqs,
     )  # fmt: skip
