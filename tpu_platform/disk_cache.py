@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from tpu_platform.collector import collector_paused
 from tpu_platform.private_files import open_private
 
 logger = logging.getLogger(f"vllm_xla.{__name__}")
@@ -55,7 +56,12 @@ def source_fingerprint(
 
 def _syntax_digest(source: bytes) -> str:
     """The hash of a module's syntax tree, docstrings removed."""
-    tree = ast.parse(source)
+    # Python 3.11 counts the syntax-tree constructor's depth per interpreter, not per thread: a
+    # collection inside the parse can run finalizers that switch threads, and another thread's
+    # parse then makes this one fail with "AST constructor recursion depth mismatch". Without the
+    # collector the parse runs to its end before another thread's Python runs.
+    with collector_paused():
+        tree = ast.parse(source)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and _is_docstring(body[0]):

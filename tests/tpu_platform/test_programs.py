@@ -229,6 +229,25 @@ def test_source_fingerprint_memo_parses_only_changed_modules(tmp_path, monkeypat
     assert fingerprint() == changed
 
 
+def test_a_modules_syntax_tree_is_built_with_the_collector_off(tmp_path, monkeypatch):
+    """Python 3.11's syntax-tree constructor keeps its depth per interpreter: a collection inside
+    the parse can run finalizers that switch threads, and another thread's parse then fails this
+    one ("AST constructor recursion depth mismatch", seen in a full run). Without the collector
+    nothing switches threads until the tree is built."""
+    import gc
+
+    collector_on = []
+    real_parse = ast.parse
+    monkeypatch.setattr(
+        ast,
+        "parse",
+        lambda source, *a, **k: collector_on.append(gc.isenabled()) or real_parse(source, *a, **k),
+    )
+    assert gc.isenabled()
+    source_fingerprint.__wrapped__(_package(tmp_path, "def f(x):\n    return x + 1\n"), ("pkg",))
+    assert collector_on == [False] and gc.isenabled()
+
+
 def test_the_collector_is_paused_inside_and_left_as_it_was():
     import gc
 
