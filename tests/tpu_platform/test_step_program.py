@@ -20,6 +20,7 @@ import pytest
 
 from tests.models.tiny_checkpoints import save_tiny
 from tests.models.tiny_deepseek import save_tiny_deepseek
+from tests.program_text import program_text
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.inputs import pack_inputs, padding_inputs
 from tpu_platform.lora_slots import LoraConfig
@@ -64,11 +65,8 @@ def _served_text(runner: Runner, shape: tuple[int, int, int]) -> str:
     allocated caches, host inputs, its feed."""
     packed, dims = pack_inputs(padding_inputs(*shape, runner.num_groups))
     forward = runner.step_program.forward
-    return (
-        forward.trace(runner._state_leaves, runner.kv_caches, packed, runner._no_feed, dims=dims)
-        .lower()
-        .as_text()
-    )
+    traced = forward.trace(runner._state_leaves, runner.kv_caches, packed, runner._no_feed, dims=dims)
+    return program_text(traced.lower())
 
 
 @pytest.mark.parametrize("lora", [None, LORA], ids=["base", "lora"])
@@ -79,7 +77,7 @@ def test_the_runner_serves_the_program_the_planner_compiles(model_dir, lora):
     for tokens, seqs in ((4, 4), (32, 1)):  # a decode batch and a prefill chunk
         shape = step_shape(setup, tokens, seqs)
         assert shape == runner.buckets.shape_for(tokens, seqs)
-        assert planned.lower(shape).as_text() == _served_text(runner, shape)
+        assert program_text(planned.lower(shape)) == _served_text(runner, shape)
 
 
 @pytest.mark.parametrize("kind", ["deepseek", "gpt-oss"])
@@ -99,7 +97,7 @@ def test_latent_and_sliding_models_serve_the_program_the_planner_compiles(tmp_pa
     assert [(c.shape, c.dtype) for c in planned.caches] == [(c.shape, c.dtype) for c in runner.kv_caches]
     assert planned.context == runner.step_program.context
     shape = step_shape(setup, 4, 4)
-    assert planned.lower(shape).as_text() == _served_text(runner, shape)
+    assert program_text(planned.lower(shape)) == _served_text(runner, shape)
 
 
 def test_lora_adds_the_adapter_slots_to_the_program(model_dir):
@@ -110,7 +108,7 @@ def test_lora_adds_the_adapter_slots_to_the_program(model_dir):
     slots = [leaf for leaf in lora.state if leaf.shape[0] == LORA.max_loras + 1 and leaf.ndim == 3]
     assert len(slots) == extra
     shape = (8, 4, 4)
-    assert lora.lower(shape).as_text() != base.lower(shape).as_text()
+    assert program_text(lora.lower(shape)) != program_text(base.lower(shape))
 
 
 def test_kv_layout_from_groups():
