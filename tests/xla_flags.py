@@ -51,9 +51,8 @@ def jit_kernel_run(
     not its compile, is the cost (`long_run`), whatever the process's `XLA_FLAGS`.
 
     The TPU attention kernel in interpret mode is such a program: the TPU interpreter runs the
-    kernel's grid as compiled loops that call back into Python at every DMA and semaphore, and
-    LLVM-unoptimized loops ran a mixed batch with a window and a soft cap several times slower
-    (its stacked-cache check took ten times as long). The other interpret-mode programs (the TPU
+    kernel's grid as compiled loops that call back into Python at every DMA and semaphore, which
+    LLVM-unoptimized loops run several times slower. The other interpret-mode programs (the TPU
     KV write, the MLA kernels, the GPU kernels' interpreter) ran faster at the suite's level: their
     compile outweighs their run. `jax.jit`'s `compiler_options` set the level for this program
     alone."""
