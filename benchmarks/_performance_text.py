@@ -69,11 +69,11 @@ model's).
 - gemma-4-26B-A4B fits one v6e chip only with int8 weights (in bfloat16 they alone take about
   50 GB): 24.95 GiB of weights leave 2.4 GiB of KV, 5266 tokens, since every layer's cache has
   the full layers' head dim of 512 and the sliding layers' 8 KV heads ([models.md](models.md)).
-- Qwen3-235B-A22B at EP=16 on a v6e-16 slice (4 hosts; expert parallelism across hosts is refused
-  at start, so this is the program such a slice would run): in bfloat16 its weights take 27.6 GiB
-  a chip (8 whole experts a layer, 26.4 GiB of them), and the 1.2 GiB left of the budget is less
-  than the 1.9 GiB its steps need beyond weights and cache, so no KV cache fits; with int8 weights
-  13.9 GiB a chip leave 11.5 GiB of KV cache (257k tokens).
+- Qwen3-235B-A22B at EP=16 on a v6e-16 slice (4 hosts, one mesh: `--enable-expert-parallel`
+  with `--nnodes 4`, [multihost.md](multihost.md#expert-parallelism-across-hosts)): in bfloat16
+  its weights take 27.6 GiB a chip (8 whole experts a layer, 26.4 GiB of them), and the 1.2 GiB
+  left of the budget is less than the 1.9 GiB its steps need beyond weights and cache, so no KV
+  cache fits; with int8 weights 13.9 GiB a chip leave 11.5 GiB of KV cache (257k tokens).
 - DeepSeek-V3 fits a v6e-8 in no format: in int4 with a scale per 128 inputs, the fewest bytes,
   its weights alone take 42.6 GiB a chip. Its step with block-fp8 weights (as released), cut to
   four layers at full width (one dense, three MoE), compiles for v6e-8 at TP=8 and fits
