@@ -27,6 +27,11 @@ SEED = 0
 OURS = ("xla", "xla-int8", "xla-bf16")  # the peers that run vLLM on vllm-xla
 
 
+def quantization_of(peer: str) -> str | None:
+    """vLLM's `quantization` for `peer`: int8 weights quantized at load for our int8 peer."""
+    return "int8_per_channel_weight_only" if peer == "xla-int8" else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Sizes:
     """The sizes of every workload (full run or `--quick`)."""
@@ -184,7 +189,7 @@ def run_vllm(
 ) -> dict[str, Any]:
     """`batch` or `single` on one vLLM peer; start-up, warm-up and the timed run reported apart."""
     start = time.perf_counter()
-    quantization = "int8_per_channel_weight_only" if peer == "xla-int8" else None
+    quantization = quantization_of(peer)
     llm = _llm(model_dir, dtype, kv_cache_dtype, quantization)
     result: dict[str, Any] = {
         "startup_seconds": time.perf_counter() - start,

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 import numpy as np
-from _peers import SEED, VLLM_LIMITS, Sizes, random_prompts, vocab_size
+from _peers import SEED, VLLM_LIMITS, Sizes, quantization_of, random_prompts, vocab_size
 
 HOST = "127.0.0.1"
 HEALTH_TIMEOUT_S = 300.0
@@ -47,12 +47,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def server_command(model_dir: str, port: int, dtype: str, kv_cache_dtype: str = "auto") -> list[str]:
+def server_command(
+    model_dir: str, port: int, dtype: str, kv_cache_dtype: str = "auto", quantization: str | None = None
+) -> list[str]:
     limits = [f"--{k.replace('_', '-')}={v}" for k, v in VLLM_LIMITS.items()]
+    quantized = ["--quantization", quantization] if quantization else []
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
         "--served-model-name", "bench", "--host", HOST, "--port", str(port), "--dtype", dtype,
         "--kv-cache-dtype", kv_cache_dtype, "--seed", str(SEED), "--disable-uvicorn-access-log", *limits,
+        *quantized,
     ]  # fmt: skip
 
 
@@ -211,7 +215,7 @@ def run_serve(
 ) -> dict[str, Any]:
     """Starts the server, drives the clients, stops the server; raises with the log tail on failure."""
     port = free_port()
-    command = server_command(model_dir, port, dtype, kv_cache_dtype)
+    command = server_command(model_dir, port, dtype, kv_cache_dtype, quantization_of(peer))
     prompts = random_prompts(sizes.serve_requests, sizes.serve_prompt_len, vocab_size(model_dir), SEED + 3)
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = start_server(command, log)
