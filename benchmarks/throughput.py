@@ -235,7 +235,7 @@ def prepare_models(peers: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     dirs["xla"] = dirs["xla-int8"] = gguf_dir
     if {"vllm-cpu", "hf", "xla-bf16"} & set(peers):
         if not _peers.hf_model_dir_ready():
-            print("writing the safetensors copy for vLLM's CPU backend and transformers...", flush=True)
+            print("writing the float32 safetensors copy (vllm-cpu, hf and xla-bf16 load it)...", flush=True)
         try:
             hf_dir = _peers.hf_model_dir(gguf_dir)
             dirs.update({"vllm-cpu": hf_dir, "hf": hf_dir, "xla-bf16": hf_dir})
