@@ -88,14 +88,26 @@ class RMSNorm(nnx.Module):
         self.weight = zeros_param((size,), dtype)
         self.eps = eps
         self.unit_offset = unit_offset
+        self.native = False  # one native call (`pallas_kernels.cpu.rms_norm`): `use_native_norms`
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        w = self.weight[...]
-        layer = getattr(self, "layer_index", None)  # the layers' weights stacked: `models.layer_stacks`
-        w = (w if layer is None else w[layer]).astype(jnp.float32)
-        return (x32 * (1.0 + w if self.unit_offset else w)).astype(x.dtype)
+        norm = cpu.rms_norm if self._runs_native(x) else cpu.rms_norm_reference
+        return norm(x, self.weight[...], **self._options())
+
+    def add_and_norm(self, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`(self(x + residual), x + residual)`: a pre-norm block's residual add and the next norm,
+        one native call where the norm runs native."""
+        if self._runs_native(x) and residual.dtype == x.dtype:
+            return cpu.add_rms_norm(x, residual, self.weight[...], **self._options())
+        total = x + residual
+        return self(total), total
+
+    def _options(self) -> dict:
+        # the layers' weights stacked: `models.layer_stacks`
+        return dict(eps=self.eps, unit_offset=self.unit_offset, layer=getattr(self, "layer_index", None))
+
+    def _runs_native(self, x: jax.Array) -> bool:
+        return self.native and cpu.norm_takes(x, self.weight[...])
 
 
 class PagedAttention(nnx.Module):
@@ -326,8 +338,8 @@ class DecoderLayer(nnx.Module):
         self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
     ) -> tuple[jax.Array, jax.Array]:
         attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x), md), kv_cache
+        normed, x = self.post_attention_layernorm.add_and_norm(x, attn)
+        return x + self.mlp(normed, md), kv_cache
 
 
 class SandwichDecoderLayer(nnx.Module):

@@ -1,16 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """Whole-model passes run once a model is built and loaded, before it serves: fusing projections
 and repeating KV heads for a mesh (`loader.prepare_for_serving`), attaching RoPE tables (the
-runner), packing kernels for the native CPU dense kernel (prepared weights). Each walks the model's
-modules and rewrites the ones it applies to; the building blocks themselves are `models.layers`.
+runner), packing kernels for the native CPU dense kernel (prepared weights), running the norms
+as native calls beside them (the runner). Each walks the model's modules and rewrites the ones
+it applies to; the building blocks themselves are `models.layers`.
 """
 
 from __future__ import annotations
 
+import jax
 from flax import nnx
 
 from models.int8 import group_size
-from models.layers import Embedding, GatedMLP, PagedAttention
+from models.layers import Embedding, GatedMLP, PagedAttention, RMSNorm
 from models.linear import (
     Linear,
     PackedKernel,
@@ -102,3 +104,17 @@ def pack_for_native_dense(
             if float16_head_scales and name == "head_kernel" and grouped:
                 module.head_scale = halve_int8_scales(module.head_scale)
     return packed
+
+
+def use_native_norms(model: nnx.Module) -> int:
+    """Runs every RMSNorm of `model` as one native call (`pallas_kernels.cpu.rms_norm`, the residual
+    add before a pre-norm block's second norm in the same call) where its dense layers run on the
+    native CPU kernels (packed: `pack_for_native_dense`, on one device); returns how many. Each norm
+    is several small XLA ops otherwise, each dispatched on its own, which at a few rows costs more
+    than the norm's arithmetic."""
+    if not jax.tree.leaves(nnx.state(model, PackedKernel)):
+        return 0
+    norms = [module for _, module in nnx.iter_modules(model) if isinstance(module, RMSNorm)]
+    for norm in norms:
+        norm.native = True
+    return len(norms)

@@ -27,6 +27,7 @@ from models.expert_load import has_experts
 from models.layer_stacks import stack_layer_weights
 from models.lora import attach_lora
 from models.moe import use_expert_parallel
+from models.serving_passes import use_native_norms
 from models.sharding import parameter_sharding, place_state
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.kv_cache import allocate_stacked_caches
@@ -178,6 +179,7 @@ def load_runner_model(
     packed = len(jax.tree.leaves(nnx.state(model, PackedKernel)))
     if mesh is None:  # one array per kind of weight of a uniform decoder: fewer arguments a step
         stack_layer_weights(model)
+        use_native_norms(model)
     attach_rope_tables(model, config.max_model_len)
     if config.expert_parallel and mesh is not None:
         use_expert_parallel(model)  # the experts placed by index: `weight_sharding`

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Native CPU backend: a page-major KV cache (`layout.py`), attention in C++ via XLA FFI, RoPE
-with the KV write in one call (`rope_kv.py`), SwiGLU's `silu(gate) * up` (`activation.py`), and
-dense layers (`dense.py`): bfloat16 on AMX, AVX-512 BF16 or AVX2, float32 on AVX2, int8 weights
-on AVX-512 or AVX2 (`dense_int8.py`), 4-bit weights packed two a byte on AVX2 or any CPU
-(`dense_int4.py`).
+with the KV write in one call (`rope_kv.py`), SwiGLU's `silu(gate) * up` (`activation.py`),
+RMSNorm with its residual add (`norm.py`), and dense layers (`dense.py`): bfloat16 on AMX, AVX-512
+BF16 or AVX2, float32 on AVX2, int8 weights on AVX-512 or AVX2 (`dense_int8.py`), 4-bit weights
+packed two a byte on AVX2 or any CPU (`dense_int4.py`).
 
 XLA:CPU has no fast formulation of paged attention (a page gather is slow there, and so is every
 pure-XLA variant tried: docs/kernels.md), so on CPU
@@ -57,12 +57,21 @@ from pallas_kernels.cpu.dense_int8 import (
     pack_dense_kernel_int8,
 )
 from pallas_kernels.cpu.layout import CACHE_FORMATS, allocate_kv_cache, write_kv
+from pallas_kernels.cpu.norm import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
+from pallas_kernels.cpu.norm import takes as norm_takes
 from pallas_kernels.cpu.rope_kv import rope_write_kv
 from pallas_kernels.reference import value_dtype
 
 __all__ = [
     "INT4_DEPTH_MULTIPLE",
     "NativeKernelError",
+    "add_rms_norm",
+    "add_rms_norm_reference",
     "allocate_kv_cache",
     "can_pack",
     "can_pack_f32",
@@ -86,11 +95,14 @@ __all__ = [
     "native_dense_int8_fixed_point_reference",
     "native_dense_int8_reference",
     "native_dense_reference",
+    "norm_takes",
     "pack_dense_kernel",
     "pack_dense_kernel_f32",
     "pack_dense_kernel_int4",
     "pack_dense_kernel_int8",
     "ragged_paged_attention",
+    "rms_norm",
+    "rms_norm_reference",
     "rope_write_kv",
     "silu_and_mul",
     "silu_and_mul_reference",

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Builds the native CPU kernels (`paged_attention.cc`, `rope_kv.cc`, `silu_mul.cc`, `dense.cc`,
-`dense_f32.cc`, `dense_int8.cc`, `dense_int4.cc`) and registers them with XLA.
+"""Builds the native CPU kernels (`paged_attention.cc`, `rope_kv.cc`, `silu_mul.cc`, `rms_norm.cc`,
+`dense.cc`, `dense_f32.cc`, `dense_int8.cc`, `dense_int4.cc`) and registers them with XLA.
 
 The sources are compiled on the machine that runs it, with `-march=native`, by the C++ compiler
 in `$CXX` (else `g++`, `c++` or `clang++` on the PATH), against the XLA FFI headers that jaxlib
@@ -44,6 +44,7 @@ SOURCES = tuple(
         "paged_attention.cc",
         "rope_kv.cc",
         "silu_mul.cc",
+        "rms_norm.cc",
         "dense.cc",
         "dense_f32.cc",
         "dense_int8.cc",
@@ -75,6 +76,8 @@ HEADERS = tuple(
 ATTENTION_TARGET = "vllm_xla_ragged_paged_attention"
 ROPE_KV_TARGET = "vllm_xla_rope_write_kv"
 SILU_MUL_TARGET = "vllm_xla_silu_mul"
+RMS_NORM_TARGET = "vllm_xla_rms_norm"
+ADD_RMS_NORM_TARGET = "vllm_xla_add_rms_norm"
 DENSE_TARGET = "vllm_xla_dense"
 DENSE_F32_TARGET = "vllm_xla_dense_f32"
 DENSE_INT8_TARGET = "vllm_xla_dense_int8"
@@ -83,6 +86,8 @@ _HANDLERS = {
     ATTENTION_TARGET: "VllmXlaRaggedPagedAttention",
     ROPE_KV_TARGET: "VllmXlaRopeWriteKv",
     SILU_MUL_TARGET: "VllmXlaSiluMul",
+    RMS_NORM_TARGET: "VllmXlaRmsNorm",
+    ADD_RMS_NORM_TARGET: "VllmXlaAddRmsNorm",
     DENSE_TARGET: "VllmXlaDense",
     DENSE_F32_TARGET: "VllmXlaDenseF32",
     DENSE_INT8_TARGET: "VllmXlaDenseInt8",

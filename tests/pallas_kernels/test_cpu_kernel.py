@@ -165,8 +165,8 @@ def test_build_errors_name_the_cause(tmp_path, monkeypatch):
     monkeypatch.delenv("CXX")
     sources = [source.name for source in build.SOURCES]
     assert sources == [
-        "paged_attention.cc", "rope_kv.cc", "silu_mul.cc", "dense.cc", "dense_f32.cc", "dense_int8.cc",
-        "dense_int4.cc",
+        "paged_attention.cc", "rope_kv.cc", "silu_mul.cc", "rms_norm.cc", "dense.cc", "dense_f32.cc",
+        "dense_int8.cc", "dense_int4.cc",
     ]  # fmt: skip
     # One good and one broken source, side by side as the kernels build (the real sources take
     # the compiler tens of seconds): the error names what was built and quotes the failing command.

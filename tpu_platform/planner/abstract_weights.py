@@ -21,6 +21,7 @@ from models.expert_load import has_experts
 from models.layer_stacks import stack_layer_weights
 from models.lora import attach_lora
 from models.moe import use_expert_parallel
+from models.serving_passes import use_native_norms
 from models.sharding import state_shardings
 from tpu_platform.lora_slots import LoraConfig
 from tpu_platform.weights.preparation import Preparation
@@ -93,6 +94,7 @@ def abstract_model(
     model = nnx.eval_shape(prepared, nnx.eval_shape(lambda: build(config, jnp.dtype(dtype))))
     if tp_size == 1:  # as the runner stacks them (`runner_state.load_runner_model`)
         stack_layer_weights(model)
+        use_native_norms(model)
     attach_rope_tables(model, max_model_len)
     expert_parallel = expert_parallel and tp_size > 1
     if expert_parallel:
