@@ -152,6 +152,19 @@ WHAT_MOVES = """\
   float32 model's run natively on AVX2-only CPUs. Decode steps of many rows and prefill are bound
   by these. Without a C++ compiler everything stays on XLA's dots and attention
   ([troubleshooting.md](troubleshooting.md#no-c-compiler)).
+- **How far the batch workload can pull ahead of vLLM's CPU backend.** Both engines multiply
+  the same matrices: the workload's 9358 prompt tokens and 64 x 127 fed-back tokens through the
+  embedded model's 106.2 M layer weights, and 8192 sampled rows through its 28.3 M head weights,
+  are 4.18 TFLOP of dense products, whatever the weights' format (4-bit and int8 weights are
+  multiplied as bfloat16 pairs or 16-bit fixed point at the same rate: dense-kernels.md). On the
+  EPYC kind two cores peak at about 450 GFLOP/s of `VDPBF16PS`, 9.3 s for those products alone;
+  vLLM's CPU backend ran the workload in 19.3 s (2026-12-01), so 1.5x its rate (12.9 s) asks our
+  dense products for 325 GFLOP/s with no time at all for attention, norms, sampling or either
+  engine's host path. A 64-row decode step's dense calls ran at 345 GFLOP/s (74% of that peak,
+  2026-12-01; vLLM's oneDNN product ran within 10% of our kernel per CPU second at 64 to 256
+  rows, `benchmarks/dense_batch.py`), which would leave 0.7 s for the rest where decode
+  attention alone takes about 1.6 s. The ratio is bound by the products both engines share, not
+  by what either adds around them.
 - **Memory traffic.** A single stream reads every weight once a token, and decode attention reads
   each sequence's KV pages: both run near the memory system's rate. Fewer bytes move them: a
   bfloat16 model, a float8 KV cache (`--kv-cache-dtype fp8`), 128-token pages on CPU.

@@ -82,7 +82,8 @@ def fit_case(mode: str, case: str) -> dict:
 
 
 def _experts(setup, abstract, placed) -> dict:
-    """The experts' bytes, whole and on one chip (`.experts.` arrays: the rules table's paths)."""
+    """The experts' bytes, whole and on one chip (`.experts.` arrays: the rules table's paths), and
+    each distinct expert array's shape beside a chip's shard of it."""
     paths = [key_path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(abstract.state)[0]]
     experts = [leaf for path, leaf in zip(paths, placed, strict=True) if ".experts." in path]
     return {
@@ -90,6 +91,9 @@ def _experts(setup, abstract, placed) -> dict:
         "expert_bytes": sum(leaf.size * leaf.dtype.itemsize for leaf in experts),
         "chip_expert_bytes": sum(
             math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in experts
+        ),
+        "expert_shards": sorted(
+            {(tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape))) for leaf in experts}
         ),
     }
 
