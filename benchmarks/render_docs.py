@@ -167,7 +167,7 @@ def _sizes_line(report: dict[str, Any]) -> str:
         f"batch: {s['batch_prompts']} prompts of {lo}-{hi} random tokens, "
         f"{s['batch_output']} greedy tokens each",
         f"single: one stream of {s['single_output']} tokens after a {s['single_prompt_len']}-token prompt, "
-        f"median of {s['single_repeats']}",
+        f"median of {s['single_repeats']} (the first token: of {s['single_repeats']} one-token requests)",
     ]
     if "serve" in report["config"]["workloads"]:
         parts.append(
