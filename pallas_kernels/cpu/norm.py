@@ -3,8 +3,8 @@
 
 On XLA:CPU a decoder layer's `x = x + attn; norm(x)` runs as five or six small ops (the add, the
 squares, the mean, the rsqrt, the scaling), each dispatched on its own, which at a few rows costs
-more than their arithmetic. The native calls compute the same values in one
-pass over each row, in float32, rounding once to the activations' dtype as the jnp form does.
+more than their arithmetic. The native calls compute the same values in one pass over each row,
+in float32, rounding once to the activations' dtype as the jnp form does.
 """
 
 from __future__ import annotations
