@@ -167,7 +167,7 @@ def _sizes_line(report: dict[str, Any]) -> str:
         f"batch: {s['batch_prompts']} prompts of {lo}-{hi} random tokens, "
         f"{s['batch_output']} greedy tokens each",
         f"single: one stream of {s['single_output']} tokens after a {s['single_prompt_len']}-token prompt, "
-        f"median of {s['single_repeats']} (the first token: of {s['single_repeats']} one-token requests)",
+        f"median of {s['single_repeats']} {_first_token_runs(report, s['single_repeats'])}",
     ]
     if "serve" in report["config"]["workloads"]:
         parts.append(
@@ -175,6 +175,14 @@ def _sizes_line(report: dict[str, Any]) -> str:
             f"{s['serve_output']} tokens"
         )
     return "; ".join(parts)
+
+
+def _first_token_runs(report: dict[str, Any], repeats: int) -> str:
+    """How the run timed the first token: a median of one-token requests, or (older runs) one."""
+    single = report.get("results", {}).get("single", {}).values()
+    if any("first_token_run_seconds" in result for result in single):
+        return f"(the first token: of {repeats} one-token requests)"
+    return "(the first token: one one-token request)"
 
 
 def _load_line(report: dict[str, Any]) -> str:

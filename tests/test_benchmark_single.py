@@ -38,3 +38,11 @@ def test_first_token_is_the_median_of_one_token_requests_on_new_prompts(peers):
     assert result["first_token_run_seconds"] == [0.050, 0.020, 0.030]
     assert result["seconds"] == 1.1 and result["tok_s"] == pytest.approx(5 / 1.1)
     assert result["decode_tok_s"] == pytest.approx(4 / (1.1 - 0.030))
+
+
+def test_the_docs_say_how_each_run_timed_its_first_token():
+    render = load_benchmark("render_docs")
+    median = {"results": {"single": {"xla": {"first_token_run_seconds": [0.03, 0.02, 0.04]}}}}
+    older = {"results": {"single": {"xla": {"first_token_seconds": 0.03}}}}
+    assert render._first_token_runs(median, 3) == "(the first token: of 3 one-token requests)"
+    assert render._first_token_runs(older, 3) == "(the first token: one one-token request)"
