@@ -29,8 +29,9 @@ step that exchanges anything else). The roofline and XLA's cost model leave that
 A "DP D x TP N" row is D data-parallel replicas of N chips each (`--dp D`, the runner's
 `--data-parallel-size`): each replica compiles the N-chip program, so the row is that program's
 chip, with one replica's KV tokens and those of all D, and the throughput of all D. With ", EP"
-the experts are split over all D x N chips with attention per replica: refused at start
-([architecture.md](architecture.md#data-parallelism)), so its chip is arithmetic
+the experts are split over all D x N chips with attention per replica
+([architecture.md](architecture.md#data-parallelism)): at N = 1 the row is the replicas' own
+compiled program (`tpu_platform/replica_step.py`); at N > 1 (not built) its chip is arithmetic
 (`tpu_platform/planner/replicas.py`) and its steps' memory that of the program compiled with the
 experts over the same chips and attention split over them too.
 """

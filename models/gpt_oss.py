@@ -31,7 +31,13 @@ from models.config import ModelConfig
 from models.layers import ATTENTION_LINEARS, CausalLM, DecoderLayer, PagedAttention, decoder_hf_param_map
 from models.linear import Linear
 from models.metadata import AttentionMetadata
-from models.moe import experts_by_index_on_mesh, experts_routed, experts_routed_on_mesh, route
+from models.moe import (
+    experts_by_index_on_mesh,
+    experts_by_index_over_replicas,
+    experts_routed,
+    experts_routed_on_mesh,
+    route,
+)
 from models.mxfp4 import BLOCK, Mxfp4Stack, blocks_on_mesh, is_mxfp4, zero_padded
 
 _LAYER = "model.layers.{i}"
@@ -167,16 +173,20 @@ class GptOssMoE(nnx.Module):
         (gate_up, down), gate_up_bias = ex.kernels(), ex.gate_up_proj_bias[...]
         expert_load.record(self, experts, gate_up_bias.shape[0], md)
         act = functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit)
-        if md is not None and md.mesh is not None and self.expert_parallel:
+        if md is not None and (md.mesh is not None or md.replicas > 1) and self.expert_parallel:
             if ex.mxfp4:
                 raise ValueError(
                     "--enable-expert-parallel with GPT-OSS's mxfp4 experts is not supported yet; "
                     "serve it tensor parallel (without --enable-expert-parallel)"
                 )
+            by_index = dict(gate_bias=gate_up_bias, down_bias=ex.down_proj_bias[...])
+            if md.replicas > 1:
+                return experts_by_index_over_replicas(
+                    x, (gate_up, None, down), weights, experts, act, **by_index
+                )
             return experts_by_index_on_mesh(
-                md.mesh, x, (gate_up, None, down), weights, experts, act, gate_bias=gate_up_bias,
-                down_bias=ex.down_proj_bias[...],
-            )  # fmt: skip
+                md.mesh, x, (gate_up, None, down), weights, experts, act, **by_index
+            )
         split = down.shape[1] // (BLOCK if ex.mxfp4 else 1)  # the units a device holds whole
         if md is not None and md.mesh is not None and split % md.tp_size == 0:
             y = experts_routed_on_mesh(

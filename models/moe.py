@@ -35,7 +35,7 @@ from models.metadata import AttentionMetadata
 from models.moe_layout import MAX_TILE_ROWS, every_token_pays, every_token_rows, routed_rows
 from models.moe_tiles import grouped_tile_dot, tile_offset_product, tiles_sum
 from models.mxfp4 import Mxfp4Stack
-from models.sharding import MODEL_AXIS
+from models.sharding import DATA_AXIS, MODEL_AXIS
 
 # Elements of the expert kernels one chunk of tiles gathers (128 MiB in bfloat16): a prefill
 # step's tiles outnumber the experts, and every tile's own copy of its expert's kernels at once
@@ -336,21 +336,11 @@ def experts_by_index_on_mesh(
     weight exchanged before it. `down_bias [E, D]` (GPT-OSS): added once per chosen expert, by
     the device holding it. Other arguments as in `experts_routed_on_mesh`."""
     split, whole = PartitionSpec(MODEL_AXIS), PartitionSpec()
+    own = _own_experts(act, weights_on_input)
 
     def local(x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, *scales):
-        count = stacks[0].shape[0]
-        ids = experts - jax.lax.axis_index(MODEL_AXIS) * count
-        mine = (ids >= 0) & (ids < count)
-        weights = jnp.where(mine, weights, 0.0)
-        partial = experts_routed(
-            x, *stacks, weights, jnp.where(mine, ids, count), act, scales=scales or None,
-            gate_bias=gate_bias, weights_on_input=weights_on_input, offsets=offsets,
-            input_order=input_order,
-        )  # fmt: skip
-        ids = jnp.where(mine, ids, 0)
-        if down_bias is not None:
-            bias = jnp.einsum("tk,tkd->td", weights, down_bias[ids].astype(jnp.float32))
-            partial = (partial.astype(jnp.float32) + bias).astype(x.dtype)
+        device = jax.lax.axis_index(MODEL_AXIS)
+        partial = own(device, x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, scales)
         return jax.lax.psum(partial, MODEL_AXIS)
 
     extra = scales if scales is not None else ()
@@ -362,6 +352,64 @@ def experts_by_index_on_mesh(
         out_specs=whole,
         check_vma=False,
     )(x, stacks, weights, experts, gate_bias, down_bias, tuple(offsets), input_order, *extra)
+
+
+def experts_by_index_over_replicas(
+    x: jax.Array,
+    stacks: tuple[jax.Array, jax.Array | None, jax.Array],
+    weights: jax.Array,
+    experts: jax.Array,
+    act: Callable[[jax.Array], jax.Array],
+    scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    gate_bias: jax.Array | None = None,
+    weights_on_input: bool = False,
+    down_bias: jax.Array | None = None,
+    offsets: tuple[jax.Array | None, jax.Array | None, jax.Array | None] | None = None,
+    input_order: jax.Array | None = None,
+) -> jax.Array:
+    """`experts_by_index_on_mesh` for data-parallel replicas of one device each, run inside a
+    `shard_map` manual over `DATA_AXIS` (`tpu_platform.replica_step`): `x [T, D]` and its
+    routing are this replica's own tokens, the arrays of `stacks` (and its scales, biases,
+    offsets, orders) this device's E / D experts, replica r holding experts `r * E / D ..`.
+
+    Every replica's tokens and routing are gathered, each device runs its own experts on the
+    assignments routed to them, and the sums are scattered back, each replica keeping its own
+    rows: an all-gather and a reduce-scatter of `[T, D]` a replica. A ragged all-to-all would
+    move each token's k routed rows out and back, 2k rows a token against the gather's and the
+    scatter's 2 (D - 1) / D each way: never less for the k of the models served (k >= 2 moves
+    as much at D = k + 1, more below it, and top-k routing sends a token's rows to k devices)."""
+    x, weights, experts = (jax.lax.all_gather(a, DATA_AXIS, tiled=True) for a in (x, weights, experts))
+    device = jax.lax.axis_index(DATA_AXIS)
+    offsets = (None, None, None) if offsets is None else tuple(offsets)
+    partial = _own_experts(act, weights_on_input)(
+        device, x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, scales or ()
+    )
+    return jax.lax.psum_scatter(partial, DATA_AXIS, scatter_dimension=0, tiled=True)
+
+
+def _own_experts(act: Callable[[jax.Array], jax.Array], weights_on_input: bool) -> Callable:
+    """One device's part of the experts split by index: `(device, x, stacks, ...)` runs the
+    device's `count` experts (ids `device * count ..`) on the assignments routed to them (the
+    others' sent to id `count`, in no tile, weight 0), its down bias added once per chosen
+    expert it holds; the `[T, D]` partial sum, to be summed over the devices."""
+
+    def own(device, x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, scales):
+        count = stacks[0].shape[0]
+        ids = experts - device * count
+        mine = (ids >= 0) & (ids < count)
+        weights = jnp.where(mine, weights, 0.0)
+        partial = experts_routed(
+            x, *stacks, weights, jnp.where(mine, ids, count), act, scales=scales or None,
+            gate_bias=gate_bias, weights_on_input=weights_on_input, offsets=offsets,
+            input_order=input_order,
+        )  # fmt: skip
+        if down_bias is not None:
+            ids = jnp.where(mine, ids, 0)
+            bias = jnp.einsum("tk,tkd->td", weights, down_bias[ids].astype(jnp.float32))
+            partial = (partial.astype(jnp.float32) + bias).astype(x.dtype)
+        return partial
+
+    return own
 
 
 class StackedLinear(nnx.Module):
@@ -468,6 +516,8 @@ class SparseMoE(nnx.Module):
         scales = tuple(s.kernel_scale[...] for s in stacks) if int8 else None
         kernels = tuple(s.kernel[...] for s in stacks)
         options = dict(weights_on_input=self.weights_on_input, offsets=offsets, input_order=order)
+        if md is not None and md.replicas > 1 and self.expert_parallel:
+            return experts_by_index_over_replicas(x, kernels, weights, experts, act, scales, **options)
         if md is not None and md.mesh is not None and self.expert_parallel:
             return experts_by_index_on_mesh(md.mesh, x, kernels, weights, experts, act, scales, **options)
         if md is not None and md.mesh is not None and kernels[0].shape[2] % md.tp_size == 0:

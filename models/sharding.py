@@ -61,6 +61,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from models.config import ModelConfig
 
 MODEL_AXIS = "model"
+# Data-parallel replicas in one program (`tpu_platform.replica_step`): a mesh of D x N devices,
+# each replica's N on the model axis. Only expert-parallel experts are split over it.
+DATA_AXIS = "data"
 
 _COLUMN = PartitionSpec(None, MODEL_AXIS)
 _ROW = PartitionSpec(MODEL_AXIS, None)
@@ -180,21 +183,33 @@ def parameter_spec(
     return spec
 
 
-def check_expert_parallel(num_experts: int, ep_size: int) -> None:
-    """A ValueError naming the fix when `num_experts` do not split into `ep_size` equal shares."""
+def check_expert_parallel(num_experts: int, ep_size: int, *, replicas: int = 1) -> None:
+    """A ValueError naming the fix when `num_experts` do not split into `ep_size` equal shares
+    (`replicas`: the data-parallel replicas among them, `ep_size / replicas` devices each)."""
     if num_experts % ep_size:
         sizes = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
+        group, fix = f"tensor_parallel_size={ep_size}", f"--tensor-parallel-size one of {sizes}"
+        if replicas > 1:
+            group = f"data_parallel_size={replicas} x tensor_parallel_size={ep_size // replicas}"
+            fix = f"sizes whose product is one of {sizes}"
         raise ValueError(
-            f"--enable-expert-parallel with tensor_parallel_size={ep_size} cannot split this "
-            f"model's {num_experts} experts by index: {num_experts} does not divide by {ep_size}; "
-            f"use --tensor-parallel-size one of {sizes}, or leave expert parallelism off"
+            f"--enable-expert-parallel with {group} cannot split this model's {num_experts} "
+            f"experts by index: {num_experts} does not divide by {ep_size}; use {fix}, or leave "
+            "expert parallelism off"
         )
 
 
 def parameter_sharding(
     path: str, shape: tuple[int, ...], mesh: Mesh, *, expert_parallel: bool = False
 ) -> NamedSharding:
-    """`parameter_spec` on `mesh` (its `MODEL_AXIS` size is the TP size)."""
+    """`parameter_spec` on `mesh` (its `MODEL_AXIS` size is the TP size). On a mesh with a
+    `DATA_AXIS` of D replicas, every parameter is whole in each replica and placed within it as
+    on its own N devices, except the experts under `expert_parallel`: split by index over all
+    D x N devices, replica by replica (replica r's device i holds share r * N + i)."""
+    replicas = dict(mesh.shape).get(DATA_AXIS, 1)
+    if replicas > 1 and expert_parallel and _EXPERTS.search(path):
+        check_expert_parallel(shape[0], replicas * mesh.shape[MODEL_AXIS], replicas=replicas)
+        return NamedSharding(mesh, PartitionSpec((DATA_AXIS, MODEL_AXIS)))
     spec = parameter_spec(path, shape, mesh.shape[MODEL_AXIS], expert_parallel=expert_parallel)
     return NamedSharding(mesh, spec)
 

@@ -16,6 +16,7 @@ from models import AttentionMetadata, expert_load
 from models.lora import set_lora_tokens
 from models.sharding import MODEL_AXIS, vocab_parallel
 from tpu_platform.inputs import unpack_inputs
+from tpu_platform.replica_step import num_replicas, over_replicas_step
 from tpu_platform.sampling import SamplerFlags, greedy_sample, sample
 
 
@@ -39,6 +40,7 @@ def forward_logits(
     count_expert_load: bool = False,
     state_columns: int = 1,
     verify_shapes: frozenset[tuple[int, int]] | None = None,
+    replicas: int = 1,
 ) -> tuple:
     """Runs the model on all scheduled tokens (`packed` by `pack_inputs`, padded to `dims`).
 
@@ -56,7 +58,8 @@ def forward_logits(
     step of any other shape it is `()`. With `aux_layers` (speculative method 'eagle3') also the
     `[T, A * D]` hidden states the EAGLE-3 head reads (`models.layers.DecoderModel`); with
     `count_expert_load` also the `[L, E]` int32 tokens each MoE layer routed to each expert
-    (`models.expert_load`), last.
+    (`models.expert_load`), last. `replicas`: this is one of that many data-parallel replicas'
+    steps, run together (`tpu_platform.replica_step`).
     """
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
     inputs = unpack_inputs(packed, dims)
@@ -78,6 +81,7 @@ def forward_logits(
         mesh=mesh,
         count_expert_load=count_expert_load,
         state_columns=state_columns,
+        replicas=replicas,
     )
     if cache_def is not None:  # a hybrid's caches come flat; its state layers take pairs
         kv_caches = jax.tree.unflatten(cache_def, kv_caches)
@@ -144,6 +148,7 @@ def make_forward(
     count_expert_load: bool = False,
     state_columns: int = 1,
     verify_shapes: frozenset[tuple[int, int]] | None = None,
+    state_shardings: list[NamedSharding] | None = None,
 ) -> Callable:
     """`forward(state_leaves, kv_caches, packed, fed_tokens, dims=...) -> (logits, greedy, hidden,
     kv_caches)`, jitted (and the EAGLE-3 head's hidden states last, with `aux_layers`).
@@ -166,6 +171,9 @@ def make_forward(
     (`forward_logits`). `state_columns`: a state layer's slots a sequence
     (`models.AttentionMetadata`). `verify_shapes`: speculative decoding's step shapes, whose
     programs also return every token row's logits and greedy tokens (`forward_logits`).
+    A `mesh` of data-parallel replicas (`tpu_platform.replica_step`) runs each replica's step on
+    its own rows of the inputs, caches and outputs; the weights come placed with
+    `state_shardings`.
     """
     step = functools.partial(
         forward_logits,
@@ -186,10 +194,14 @@ def make_forward(
     )
     if mesh is None:
         return jax.jit(step, donate_argnums=(1,), static_argnames=("dims",))
+    extra_outputs = (verify_shapes is not None) + bool(aux_layers) + count_expert_load
+    if num_replicas(mesh) > 1:
+        if state_shardings is None:
+            raise ValueError("a step over data-parallel replicas needs its weights' state_shardings")
+        return over_replicas_step(step, mesh, state_shardings, cache_shardings, extra_outputs)
     # The arguments come placed (the inputs replicated); the outputs are fixed here, so that
     # every program leaves the caches split as the next one takes them.
     whole = NamedSharding(mesh, PartitionSpec())
-    extra_outputs = (verify_shapes is not None) + bool(aux_layers) + count_expert_load
     return jax.jit(
         step,
         donate_argnums=(1,),

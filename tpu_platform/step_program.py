@@ -23,14 +23,16 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from models import ModelConfig
 from models.registry import architecture_fingerprint
+from models.sharding import DATA_AXIS
 from tpu_platform.inputs import pack_inputs, padding_inputs
 from tpu_platform.kv_cache import caches_per_array
 from tpu_platform.mesh import replicated
 from tpu_platform.programs import structure_text
+from tpu_platform.replica_step import num_replicas
 from tpu_platform.step import make_forward
 
 
@@ -142,7 +144,8 @@ class StepProgram:
 
     `state` and `caches` are its first two arguments as `ShapeDtypeStruct`s with the shardings
     they have (or will have) where it runs. The step's packed inputs come replicated on a mesh
-    (`inputs_sharding`), else as host arrays (None: committed to no device, as the runner passes
+    (`inputs_sharding`; on a mesh of data-parallel replicas, each replica's inputs its own rows,
+    `tpu_platform.replica_step`), else as host arrays (None: committed to no device, as the runner passes
     them). `context` is everything the program closes over, for naming its cached
     executables."""
 
@@ -166,9 +169,12 @@ class StepProgram:
         `dims`: the state, the caches, the packed inputs of a step that holds no sequence, the fed
         tokens."""
         packed, dims = pack_inputs(padding_inputs(*shape, self.layout.num_groups))
-        packed = jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=self.inputs_sharding)
+        replicas = num_replicas(getattr(self.inputs_sharding, "mesh", None))  # side by side
+        packed = jax.ShapeDtypeStruct(
+            (replicas * packed.shape[0],), packed.dtype, sharding=self.inputs_sharding
+        )
         # The feed (the previous step's tokens) is a device array where the inputs are.
-        fed = jax.ShapeDtypeStruct((self.feed_width,), np.int32, sharding=self.feed_sharding)
+        fed = jax.ShapeDtypeStruct((replicas * self.feed_width,), np.int32, sharding=self.feed_sharding)
         return (list(self.state), list(self.caches), packed, fed), dims
 
     @property
@@ -225,16 +231,21 @@ def build_step_program(
         cache_shardings=None if mesh is None else [cache.sharding for cache in abstract_caches],
         cache_def=layout.caches_def, aux_layers=aux_layers, count_expert_load=count_expert_load,
         state_columns=layout.state_columns, verify_shapes=verify,
+        state_shardings=None if mesh is None else [leaf.sharding for leaf in state],
     )  # fmt: skip
-    tp_size = 1 if mesh is None else mesh.size
+    replicas = num_replicas(mesh)
+    tp_size = 1 if mesh is None else mesh.size // replicas
     context = repr(
         (model_config, backend, layout.layer_groups, layout.layer_caches, kv_dtype, num_pages, per_array,
          structure_text(graphdef), tp_size, architecture_fingerprint(model_config.architecture),
          *([aux_layers] if aux_layers else []), *(["expert load"] if count_expert_load else []),
          *([f"state columns {layout.state_columns}"] if layout.state_columns > 1 else []),
-         *([f"verify shapes {sorted(verify)}"] if verify is not None else []))
+         *([f"verify shapes {sorted(verify)}"] if verify is not None else []),
+         *([f"replicas {replicas}"] if replicas > 1 else []))
     )  # fmt: skip
     whole = None if mesh is None else replicated(mesh)
+    if replicas > 1:  # each replica's inputs its own rows (`replica_step`)
+        whole = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
     return StepProgram(
         forward, device, state, abstract_caches, whole, feed_width, layout, num_pages, context,
         counts_expert_load=count_expert_load, verify_shapes=verify,

@@ -9,7 +9,10 @@ weight bytes as the mesh places them beside `tpu_platform.planner.replicas.chip_
     python -m tests.aot.expert_parallel_worker STEPS TARGET:MODEL:EP:LAYERS[:tp] [...]
 
 A case ending in `:tp` keeps the experts split inside each over the same mesh (no expert
-parallelism), the sibling the decode step's expert traffic is compared with.
+parallelism), the sibling the decode step's expert traffic is compared with; one ending in `:dp`
+compiles EP data-parallel replicas of one chip each instead (`tpu_platform.replica_step`: each
+chip attends to its own requests), whose collectives are the experts' gathers and scatters
+alone (listed, none of them "unexpected": the rules table's expectations are tensor parallelism's).
 
 STEPS: `decode` (64 sequences), `prefill` (a 2k-token chunk) or both, comma-separated.
 
@@ -46,9 +49,11 @@ TILE_EINSUMS = ("nbd,ndf->nbf", "nbf,nfd->nbd", "etf,efd->td")  # `models.moe.ex
 
 def compile_case(case: str, steps_wanted: list[str]) -> dict:
     target_name, model, ep, layers, *placement = case.split(":")
+    replicas = placement == ["dp"]
     setup = StepSetup(
         first_layers(model_config(model), int(layers)), target_name, max_num_seqs=64, max_model_len=2048,
-        max_num_batched_tokens=2048, tp_size=int(ep), expert_parallel=placement != ["tp"],
+        max_num_batched_tokens=2048, tp_size=1 if replicas else int(ep), expert_parallel=placement != ["tp"],
+        dp_size=int(ep) if replicas else 1,
     )  # fmt: skip
     stack = _smallest_expert_stack(setup)
     program = step_program(setup, NUM_PAGES)
@@ -60,7 +65,7 @@ def compile_case(case: str, steps_wanted: list[str]) -> dict:
         facts = program_facts(compiled, time.perf_counter() - start)
         text = compiled.as_text()
         steps[step] = {
-            "unexpected_collectives": unexpected_collectives(
+            "unexpected_collectives": [] if replicas else unexpected_collectives(
                 list(facts.collectives), expected_collectives(setup, tokens)
             ),
             "collectives": summarize_collectives(facts.collectives),
@@ -72,8 +77,8 @@ def compile_case(case: str, steps_wanted: list[str]) -> dict:
     return {
         "case": case, "smallest_expert_stack_bytes": stack, "steps": steps,
         "placed_weight_bytes": model_state.chip_weight_bytes(setup.mesh()),
-        "planned_weight_bytes": chip_weights(setup).total_bytes,
-        "chip_expert_bytes": chip_weights(setup).expert_bytes,
+        "planned_weight_bytes": chip_weights(setup, int(ep) if replicas else 0).total_bytes,
+        "chip_expert_bytes": chip_weights(setup, int(ep) if replicas else 0).expert_bytes,
     }  # fmt: skip
 
 

@@ -70,6 +70,7 @@ def abstract_model(
     lora: LoraConfig | None = None,
     expert_parallel: bool = False,
     backend: str | None = None,
+    replicas: int = 1,
 ) -> AbstractModel:
     """The model the runner would load, weights abstract: built under `nnx.eval_shape` and
     prepared as `models.load_model` prepares it for `tp_size` devices (KV heads repeated up to
@@ -77,7 +78,8 @@ def abstract_model(
     quantized as the runner's `Preparation` does ("int8": int8 kernels and their scales), with
     the RoPE tables the runner attaches for `max_model_len` positions and, with `lora`, the
     adapter slots `Runner.load_model` attaches; `expert_parallel`: its MoE layers flagged and
-    their experts placed by index, as the runner does under `--enable-expert-parallel`.
+    their experts placed by index, as the runner does under `--enable-expert-parallel` (over the
+    `tp_size` chips, or over `replicas` data-parallel replicas of one chip each).
     `backend`: the platform served ("tpu", "cuda"; None: JAX's default backend), which holds
     int4 values as int4 or int8 (`models.int4`)."""
     preparation = Preparation(
@@ -96,7 +98,7 @@ def abstract_model(
         stack_layer_weights(model)
         use_native_norms(model)
     attach_rope_tables(model, max_model_len)
-    expert_parallel = expert_parallel and tp_size > 1
+    expert_parallel = expert_parallel and tp_size * replicas > 1
     if expert_parallel:
         use_expert_parallel(model)
     if lora is not None:

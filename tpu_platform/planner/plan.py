@@ -37,10 +37,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import ModelConfig
-from models.sharding import MODEL_AXIS, kv_heads_on_mesh, vocab_parallel
+from models.sharding import DATA_AXIS, MODEL_AXIS, check_expert_parallel, kv_heads_on_mesh, vocab_parallel
 from pallas_kernels import kv_cache_partition_spec, latent_cache_partition_spec
 from pallas_kernels.backend import resolve_backend
 from tpu_platform.buckets import StepBuckets
@@ -59,6 +59,7 @@ from tpu_platform.planner.compiled import ProgramFacts, compile_with_text, measu
 from tpu_platform.planner.hlo import ExpectedCollectives
 from tpu_platform.planner.hybrid import abstract_hybrid_caches, hybrid_page_bytes
 from tpu_platform.planner.targets import CompileTarget, compile_only_devices, target
+from tpu_platform.replica_step import num_replicas, replica_mesh
 from tpu_platform.runner_config import default_page_size
 from tpu_platform.sampling import SamplerFlags, dummy_tensors
 from tpu_platform.state_cache import page_size_holding_a_state
@@ -146,6 +147,9 @@ class StepSetup:
     attention_backend: str = "auto"  # as the runner's: "auto" picks by the target's device kind
     expert_parallel: bool = False  # vLLM's enable_expert_parallel: experts split by index
     speculative_tokens: int = 0  # vLLM's num_speculative_tokens: k drafts a request (0: none)
+    # Data-parallel replicas of one chip each in one step program (`tpu_platform.replica_step`),
+    # the experts split by index over them under `expert_parallel`; 1: none.
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         chips = target(self.target).num_chips  # an unknown name fails here, listing the known ones
@@ -167,6 +171,22 @@ class StepSetup:
                 f"use a tp_size from 1 to {chips} or a larger target"
             )
         check_model_fits_mesh(self.config, self.tp_size, expert_parallel=self.expert_parallel)
+        if self.dp_size > 1:
+            self._check_replicas(chips)
+
+    def _check_replicas(self, chips: int) -> None:
+        if self.tp_size > 1:
+            raise ValueError(
+                f"dp_size={self.dp_size} with tp_size={self.tp_size}: replicas in one step program "
+                "are one chip each (attention tensor-parallel inside a replica is not built); use tp_size=1"
+            )
+        if self.dp_size > chips:
+            raise ValueError(
+                f"dp_size={self.dp_size} does not fit target {self.target!r} of {chips} chip(s); "
+                f"use a dp_size from 1 to {chips} or a larger target"
+            )
+        if self.expert_parallel and self.config.num_experts:
+            check_expert_parallel(self.config.num_experts, self.dp_size, replicas=self.dp_size)
 
     @property
     def compile_target(self) -> CompileTarget:
@@ -217,6 +237,8 @@ class StepSetup:
         """The runner's mesh over the first `tp_size` compile-only chips (None at TP=1); on a
         multi-host target, as the joined hosts build it (`hosts.per_host_devices`: a compile-only
         pod topology's devices carry their hosts)."""
+        if self.dp_size > 1:  # a chip a replica (`tpu_platform.replica_step`)
+            return replica_mesh(self.dp_size, compile_only_devices(self.target))
         if self.tp_size == 1:  # one chip of a target of several hosts too (a data-parallel replica)
             return None
         devices = compile_only_devices(self.target)
@@ -239,7 +261,7 @@ class StepSetup:
         """The model as the runner would serve it with this setup, weights abstract."""
         return abstract_model(
             self.config, self.dtype, self.max_model_len, self.tp_size, self.quantization, self.lora,
-            expert_parallel=self.expert_parallel, backend=target(self.target).platform,
+            expert_parallel=self.expert_parallel, backend=target(self.target).platform, replicas=self.dp_size,
         )  # fmt: skip
 
 
@@ -253,7 +275,16 @@ def _everywhere(mesh: Mesh | None, device: jax.Device, tree: Any) -> Any:
 
 def _abstract_caches(setup: StepSetup, num_pages: int, mesh: Mesh | None) -> list[jax.ShapeDtypeStruct]:
     """The runner's stacked caches (`allocate_stacked_caches`), abstract: on a mesh of all KV
-    heads (`StepSetup.kv_heads`), split on them as the runner allocates them."""
+    heads (`StepSetup.kv_heads`), split on them as the runner allocates them; over data-parallel
+    replicas, one chip's caches a replica, side by side (`replica_step.over_replicas`)."""
+    if num_replicas(mesh) > 1:
+        rows = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+        return [
+            jax.ShapeDtypeStruct(
+                (setup.dp_size * cache.shape[0], *cache.shape[1:]), cache.dtype, sharding=rows
+            )
+            for cache in _abstract_caches(setup, num_pages, None)
+        ]
     layout, config = setup.kv_layout, setup.config
     if config.state_layers:  # a hybrid: state pools beside KV pages, one cache a layer
         return abstract_hybrid_caches(
@@ -366,6 +397,8 @@ def compile_sampler(setup: StepSetup, rows: int, flags: SamplerFlags = SAMPLING_
     """Compiles the runner's sampler for `rows` padded rows of logits with `flags` on one chip
     (on a mesh: replicated, as the runner's, the logits arriving gathered)."""
     device, mesh = compile_only_devices(setup.target)[0], setup.mesh()
+    if num_replicas(mesh) > 1:  # each replica samples its own rows on its chip
+        mesh = None
     vocab = setup.config.vocab_size
     logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
     args = _everywhere(mesh, device, (logits, dummy_tensors(flags, rows, vocab)))
