@@ -5,8 +5,12 @@ host's devices (N x TP of them), the front end spreading requests over the repli
 
 vLLM runs the replicas of a dense model as independent engines (a DP rank of one each) and those
 of an MoE model in lock step (an idle rank runs a dummy step while another works, so that
-expert-parallel collectives line up). Our step has no collective across replicas (experts are
-split within a replica, by tensor parallelism), so a dummy step does nothing.
+expert-parallel collectives line up). Without `--enable-expert-parallel` our step has no
+collective across replicas (each holds every expert), so a dummy step does nothing. With it,
+each replica is one device and every replica's step is one program over all of them, the experts
+split by index over the replicas (`tpu_platform.replica_step`): the ranks' processes join one
+JAX job at start (`join_replicas`), every step agrees on the padded shape, and an idle rank's
+dummy step takes its part (`Runner.dummy_step`).
 
 Which devices a replica drives is fixed before its JAX starts a backend: GPUs by JAX's
 `jax_cuda_visible_devices`, TPU chips by the runtime's per-process variables (chip bounds, visible
@@ -95,3 +99,26 @@ def claim_devices(rep: Replica, platform: str | None) -> dict[str, str]:
     }
     os.environ.update(runtime)
     return runtime
+
+
+def expert_replicas(vllm_config: VllmConfig) -> int:
+    """The data-parallel replicas this engine's step runs with in one program: vLLM's
+    `data_parallel_size` when the experts are split over them (`--enable-expert-parallel`; vLLM
+    keeps it only for an MoE model's replicas), else 1."""
+    parallel = vllm_config.parallel_config
+    if parallel.data_parallel_size > 1 and parallel.enable_expert_parallel:
+        return parallel.data_parallel_size
+    return 1
+
+
+def join_replicas(vllm_config: VllmConfig, platform: str | None) -> None:
+    """Joins this rank's process to the other ranks' in one JAX job (before any JAX backend
+    starts), rank 0's process the coordinator on vLLM's next data-parallel port (each rank takes
+    the same one: vLLM hands its ranks the ports in the same order)."""
+    from tpu_platform.hosts import HostGroup, join_hosts
+
+    parallel = vllm_config.parallel_config
+    address = f"{parallel.data_parallel_master_ip}:{parallel.get_next_dp_init_port()}"
+    seconds = parallel.distributed_timeout_seconds
+    group = HostGroup(address, parallel.data_parallel_size, parallel.data_parallel_rank, seconds)
+    join_hosts(group, platform)

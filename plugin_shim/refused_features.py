@@ -100,6 +100,16 @@ def _dp_across_hosts(parallel) -> bool:
     return parallel.nnodes > 1 or parallel.data_parallel_size_local != size
 
 
+def _experts_over_replicas(config: VllmConfig) -> bool:
+    parallel = _parallel(config)
+    return bool(parallel.enable_expert_parallel) and parallel.data_parallel_size > 1
+
+
+def _replicas_with_others(config: VllmConfig) -> bool:
+    pooling = getattr(_model(config), "runner_type", "generate") == "pooling"
+    return bool(config.lora_config or config.speculative_config or pooling or _hybrid(config))
+
+
 _NO_PARALLELISM = (
     "use --tensor-parallel-size to split the model over this host's devices (one process per "
     "host behind a load balancer scales out)"
@@ -298,13 +308,24 @@ REFUSED: tuple[Refusal, ...] = (
         _NO_PARALLELISM,
     ),
     Refusal(
-        "enable_expert_parallel with data_parallel_size",
-        "expert parallelism over data-parallel replicas",
-        "True with data_parallel_size > 1",
-        lambda c: bool(_parallel(c).enable_expert_parallel) and _parallel(c).data_parallel_size > 1,
-        "split the experts over one replica's devices (--enable-expert-parallel with "
-        "--tensor-parallel-size N, on one host or across hosts with --nnodes); data-parallel "
-        "replicas each hold all the experts",
+        "enable_expert_parallel with data_parallel_size and tensor_parallel_size",
+        "expert parallelism over data-parallel replicas of several devices each (attention "
+        "tensor-parallel inside each replica; not built)",
+        "tensor_parallel_size > 1",
+        lambda c: _experts_over_replicas(c) and _parallel(c).tensor_parallel_size > 1,
+        "use --tensor-parallel-size 1 (one device a replica, the experts split over all of them), "
+        "or split the experts inside each replica (--enable-expert-parallel without "
+        "--data-parallel-size)",
+    ),
+    Refusal(
+        "enable_expert_parallel with data_parallel_size, with LoRA, speculative decoding or pooling",
+        "LoRA adapters, speculative decoding, pooling or a hybrid model's state layers with the "
+        "experts split over data-parallel replicas (each runs programs of its own beside the "
+        "replicas' one step)",
+        "enable_lora, speculative_config, runner='pooling' or a hybrid model",
+        lambda c: _experts_over_replicas(c) and _replicas_with_others(c),
+        "leave them off, or split the experts inside each replica (without --enable-expert-parallel "
+        "over --data-parallel-size)",
     ),
     Refusal(
         "enable_eplb / expert_placement_strategy",

@@ -135,6 +135,9 @@ class XlaWorker(WorkerBase):
         replica = data_parallel.replica(self.vllm_config, mesh_tensor_parallel_size(self.vllm_config))
         if replica is not None:
             data_parallel.claim_devices(replica, env.platform)
+        replicas = data_parallel.expert_replicas(self.vllm_config)
+        if replicas > 1:  # every replica's step one program: the ranks in one JAX job
+            data_parallel.join_replicas(self.vllm_config, env.platform)
         hosts.join(self.vllm_config, self.rank, self.local_rank, self.distributed_init_method)
         self.num_hosts = self.parallel_config.nnodes
         self.replies = hosts.replies(self.vllm_config, self.rank)  # else vLLM drops the outputs
@@ -164,6 +167,7 @@ class XlaWorker(WorkerBase):
                 logits_processors=self.logits_bridge is not None,
                 tensor_parallel_size=mesh_tensor_parallel_size(self.vllm_config),
                 expert_parallel=bool(self.vllm_config.parallel_config.enable_expert_parallel),
+                data_parallel_size=replicas,
                 quantization=mc.quantization,
                 pooling=pooling_config(self.vllm_config),
                 lora=lora.runner_lora_config(self.vllm_config),
@@ -176,7 +180,11 @@ class XlaWorker(WorkerBase):
             if mesh is None
             else [d for d in mesh.devices.flat if d in jax.local_devices()]
         )
-        across = f" (of {mesh.size} on {jax.process_count()} hosts)" if jax.process_count() > 1 else ""
+        replicas = self.runner.placement.replicas
+        if replicas is not None:
+            across = f" (replica {jax.process_index()} of {replicas.size}, one step program)"
+        else:
+            across = f" (of {mesh.size} on {jax.process_count()} hosts)" if jax.process_count() > 1 else ""
         logger.info("vllm-xla worker drives JAX devices: %s%s", ", ".join(str(d) for d in used), across)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
@@ -354,7 +362,9 @@ class XlaWorker(WorkerBase):
 
     def execute_dummy_batch(self) -> None:
         """vLLM's step for an idle data-parallel replica of an MoE model, which keeps the replicas'
-        expert-parallel collectives in line: our step has none across replicas, so nothing."""
+        expert-parallel collectives in line: with the experts split over the replicas, its part
+        in their one step program (`Runner.dummy_step`); else nothing (no exchange)."""
+        self.runner.dummy_step()
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         drafts, self.drafts = self.drafts, None

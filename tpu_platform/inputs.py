@@ -106,16 +106,19 @@ def prepare_step(
     page_size: int,
     buffers: StepBuffers | None = None,
     num_drafts: np.ndarray | None = None,
+    min_tokens: int = 0,
 ) -> StepPlan:
     """Builds the padded inputs for sequences `rows` scheduled for `num_scheduled` tokens each,
     in one packed buffer (`plan.packed`, laid out as `pack_inputs` does; `plan.inputs()` views it).
 
     `num_drafts[i]` of sequence i's scheduled tokens are drafts (speculative decoding): its
     logits row is then its last token before them, what it samples without speculation.
+    `min_tokens`: pad to the bucket of at least that many tokens (data-parallel replicas in one
+    program all take the bucket of the largest step, `tpu_platform.replica_step`).
     """
     num_seqs = rows.size
     total = sum(num_scheduled.tolist())  # (NumPy's reduction is far slower on a cold cache)
-    t_pad, r_pad, p_pad = buckets.shape_for(total, num_seqs)
+    t_pad, r_pad, p_pad = buckets.shape_for(max(total, min_tokens), num_seqs)
     dims = (t_pad, r_pad, p_pad, table.block_table.shape[0])
     size = _layout(dims)[0]
     packed = buffers.take(size) if buffers is not None else _aligned_empty(size)

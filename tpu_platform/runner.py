@@ -21,10 +21,11 @@ from tpu_platform.attention_backend import native_dense_isa, select_backend
 from tpu_platform.buckets import StepBuckets
 from tpu_platform.collector import collector_paused
 from tpu_platform.dispatch import FlatCall, HostViews
-from tpu_platform.inputs import StepBuffers, prepare_step
+from tpu_platform.inputs import StepBuffers, pack_inputs, padding_inputs, prepare_step
 from tpu_platform.kv_cache import available_kv_bytes, kv_cache_dtype, page_bytes_per_device
 from tpu_platform.pooling import PoolingRequests, pooled_outputs
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
+from tpu_platform.replica_step import agreed_tokens, fewest, own_rows, side_by_side
 from tpu_platform.runner_config import RunnerConfig, RunnerStats
 from tpu_platform.runner_state import (
     LoadedModel,
@@ -86,12 +87,13 @@ class Runner:
         self.backend = select_backend(config.attention_backend, self.device.platform, config.cache_dir)
         # The native dense kernel's instruction set here ("amx", "avx512_bf16", "avx2"), or None:
         # XLA's dots (always on a mesh: XLA splits its dots, not the native kernel's calls).
-        native = config.native_dense and self.mesh is None
+        one_device = self.mesh is None and self.placement.replicas is None
+        native = config.native_dense and one_device
         self.dense_isa = native_dense_isa(self.backend, config.cache_dir) if native else None
         executables = None
         if config.cache_dir:
             enable_persistent_cache(config.cache_dir)
-            if self.mesh is None:  # serialized executables are loaded for one device
+            if one_device:  # serialized executables are loaded for one device
                 executables = ExecutableCache(os.path.join(config.cache_dir, "executables"), self.device)
         self.dtype = jnp.dtype(config.dtype)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype or config.dtype)
@@ -137,6 +139,9 @@ class Runner:
 
     def _split_described(self) -> str:
         """How the model is split over the mesh, for the load's log line ("" on one device)."""
+        replicas = self.placement.replicas
+        if replicas is not None:
+            return f" (experts by index over {replicas.size} data-parallel replicas, one program)"
         if self.mesh is None:
             return ""
         experts = ", experts by index" if self.config.expert_parallel and self.loaded.has_experts else ""
@@ -164,9 +169,11 @@ class Runner:
     def available_kv_bytes(
         self, memory_utilization: float, cpu_kv_cache_gb: float, explicit_bytes: int | None = None
     ) -> int:
-        """Bytes the KV cache may take on this runner's device (`kv_cache.available_kv_bytes`)."""
+        """Bytes the KV cache may take on this runner's device (`kv_cache.available_kv_bytes`);
+        data-parallel replicas in one program take the fewest any of them may (one global cache)."""
         budget = {"memory_utilization": memory_utilization, "cpu_kv_cache_gb": cpu_kv_cache_gb}
-        return available_kv_bytes(self.device, explicit_bytes=explicit_bytes, **budget)
+        own = available_kv_bytes(self.device, explicit_bytes=explicit_bytes, **budget)
+        return own if self.placement.replicas is None else fewest(own)
 
     @collector_paused()
     def initialize_kv_cache(self, num_pages: int, layout: KVLayout | None = None) -> None:
@@ -207,10 +214,13 @@ class Runner:
         return built
 
     def _forward_spec(self, packed: np.ndarray | jax.Array, dims: tuple[int, int, int, int]) -> ProgramSpec:
+        fed = self._no_feed
+        if self.placement.replicas is not None:  # every replica's rows (`replica_step`)
+            fed = side_by_side(fed, self.placement.replicas)
         return ProgramSpec(
             key=("forward", *dims),
             jitted=self.step_program.forward,
-            args=(self._state_leaves, self.kv_caches, packed, self._no_feed),
+            args=(self._state_leaves, self.kv_caches, packed, fed),
             static={"dims": dims},
             context=self.step_program.context,
         )
@@ -231,6 +241,8 @@ class Runner:
         keeping the donated caches' successors; returns its other outputs (logits, greedy tokens,
         hidden states, and an EAGLE-3 head's hidden states). After its first run a program is
         called on its flat arguments (`FlatCall`)."""
+        if self.placement.replicas is not None:
+            return self._run_replicas_forward(packed, dims, fed_tokens)
         key = ("forward", *dims)
         flat = self._flat_forwards.get(key)  # None too when the program needs JAX's own call
         if flat is not None:
@@ -257,6 +269,32 @@ class Runner:
             self._flat_forwards[key] = program and FlatCall.of(program, num_args)
         return logits, greedy, hidden, *aux
 
+    def _run_replicas_forward(
+        self, packed: np.ndarray, dims: tuple[int, int, int, int], fed_tokens: jax.Array
+    ) -> tuple[jax.Array, ...]:
+        """`_run_forward` as one of the data-parallel replicas of one program
+        (`tpu_platform.replica_step`): this replica's inputs and fed tokens as its rows of the
+        replicas', its own rows of the outputs back, on its device."""
+        replicas = self.placement.replicas
+        packed = jax.make_array_from_process_local_data(self.step_program.inputs_sharding, packed)
+        fed_tokens = side_by_side(fed_tokens, replicas)
+        logits, greedy, hidden, self.kv_caches, *aux = self.programs.call(
+            ("forward", *dims), lambda: self._forward_spec(packed, dims), self._state_leaves, self.kv_caches,
+            packed, fed_tokens,
+        )  # fmt: skip
+        return tuple(own_rows(out) for out in (logits, greedy, hidden, *jax.tree.leaves(aux)))
+
+    def dummy_step(self) -> None:
+        """vLLM's step for an idle data-parallel replica (its dummy batch): with the replicas in one
+        program, it takes its part in the step's shape and, when another replica has tokens, runs
+        the step on padding alone (which writes no cache slot). Else nothing."""
+        if self.placement.replicas is None:
+            return
+        tokens = agreed_tokens(0)
+        if tokens:
+            shape = self.buckets.shape_for(tokens, 1)
+            self._run_forward(*pack_inputs(padding_inputs(*shape, self.num_groups)), self._no_feed)
+
     # -- one engine step ------------------------------------------------------------------------
 
     def execute(self, update: StepUpdate) -> None:
@@ -281,15 +319,19 @@ class Runner:
         req_ids = list(update.num_scheduled_tokens)
         rows = np.fromiter(map(table.row_of.__getitem__, req_ids), np.int32, len(req_ids))
         num_scheduled = np.fromiter(update.num_scheduled_tokens.values(), np.int32, len(req_ids))
+        # Replicas in one program: every replica's step padded to the largest one's bucket.
+        least = 0 if self.placement.replicas is None else agreed_tokens(sum(num_scheduled.tolist()))
         if loaded.lora is not None:  # the step's adapters into device slots, each row's slot
             table.lora_slot[rows] = loaded.lora.slots_for(table.lora_id[rows])
         if self._in_flight:
-            padded_rows = self.buckets.shape_for(sum(num_scheduled.tolist()), rows.size)[1]
+            padded_rows = self.buckets.shape_for(max(sum(num_scheduled.tolist()), least), rows.size)[1]
             if loaded.sampling.reads_history(rows, padded_rows):  # `prepare` then reuses its answer
                 self._finish_through(self._in_flight[-1])
         drafts = loaded.speculation and loaded.speculation.write_drafts(table, rows, num_scheduled, update)
         page_size, drafted = self.config.page_size, None if drafts is None else drafts.num_drafts
-        plan = prepare_step(table, rows, num_scheduled, self.buckets, page_size, self._buffers, drafted)
+        plan = prepare_step(
+            table, rows, num_scheduled, self.buckets, page_size, self._buffers, drafted, least
+        )
         step_seed = self.config.seed * 1_000_003 + self._step_index
         tensors, flags = loaded.sampling.prepare(rows, plan.shape[1], table, step_seed)
         positions = None  # a verify shape's drafted step: its options' tensors per position, if any
@@ -453,8 +495,13 @@ class Runner:
         )
 
     def _whole_state(self) -> nnx.State:
-        """The model's state as the forward sees it (LoRA slots rewrite its leaves)."""
-        return jax.tree.unflatten(self._state_def, self._state_leaves)
+        """The model's state as the forward sees it (LoRA slots rewrite its leaves); as one of
+        data-parallel replicas in one program, its device's part of each weight (the programs
+        beside the step run there: prompt logprobs need the head and the norms, whole on it)."""
+        leaves = self._state_leaves
+        if self.placement.replicas is not None:
+            leaves = [own_rows(leaf) for leaf in leaves]
+        return jax.tree.unflatten(self._state_def, leaves)
 
     def _lora_handle(self, lora_id: int) -> int:
         if self.lora is None:

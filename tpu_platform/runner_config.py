@@ -87,6 +87,11 @@ class RunnerConfig:
     # vLLM's `enable_expert_parallel`: the experts split by index over those devices, each whole
     # (`models.sharding`), instead of inside each expert.
     expert_parallel: bool = False
+    # vLLM's `data_parallel_size` with the experts split over the replicas (`expert_parallel`):
+    # this process drives one replica of one device, and every replica's step is one program
+    # over all of them (`tpu_platform.replica_step`), the processes joined in one JAX job
+    # beforehand. 1: a replica of its own (no exchange with other replicas, if any).
+    data_parallel_size: int = 1
     # vLLM's `quantization`: None, or a method serving int8, fp8, int4 or mxfp4 weights
     # (`QUANTIZATION_METHODS`).
     quantization: str | None = None
@@ -102,6 +107,25 @@ class RunnerConfig:
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported; supported: {QUANTIZATION_METHODS}"
             )
+        if self.data_parallel_size > 1:
+            self._check_replicas()
+
+    def _check_replicas(self) -> None:
+        """Replicas in one program: one device each, the experts over them, and nothing that
+        runs programs of its own beside the step (each would need the replicas in lock step)."""
+        if not self.expert_parallel or self.tensor_parallel_size != 1:
+            raise ValueError(
+                "data-parallel replicas in one step program take expert parallelism and one device "
+                f"a replica; got expert_parallel={self.expert_parallel}, tensor_parallel_size="
+                f"{self.tensor_parallel_size}"
+            )
+        for name, value in (
+            ("pooling", self.pooling),
+            ("lora", self.lora),
+            ("speculation", self.speculation),
+        ):
+            if value is not None:
+                raise ValueError(f"{name} is not served with the experts split over data-parallel replicas")
 
 
 @dataclasses.dataclass(slots=True)

@@ -36,6 +36,7 @@ from tpu_platform.mesh import replicated, tensor_parallel_mesh
 from tpu_platform.pooled_step import PoolingPrograms
 from tpu_platform.programs import Programs
 from tpu_platform.prompt_logprobs import PromptLogprobs, PromptLogprobsProgram
+from tpu_platform.replica_step import replica_devices, replica_mesh, side_by_side
 from tpu_platform.request_table import RequestTable
 from tpu_platform.runner_config import RunnerConfig
 from tpu_platform.sampling import SamplingBatch
@@ -94,12 +95,20 @@ class Placement:
     mesh: jax.sharding.Mesh | None
     whole: jax.Device | jax.sharding.Sharding
     weight_shardings: ShardingFor
+    # Data-parallel replicas of one device each in one step program (`tpu_platform.replica_step`):
+    # their mesh, this process's device among them; the step alone runs on it, everything else
+    # on `device`. None: none.
+    replicas: jax.sharding.Mesh | None = None
 
     @classmethod
     def for_config(cls, config: RunnerConfig) -> Placement:
         """This host's first device (with several hosts too) and, with tensor parallelism, the
         mesh over `config.tensor_parallel_size` of its devices."""
         device = jax.local_devices()[0]
+        if config.data_parallel_size > 1:  # the experts over the replicas: `models.sharding`
+            replicas = replica_mesh(config.data_parallel_size, replica_devices())
+            shardings = functools.partial(weight_sharding, replicas, expert_parallel=True)
+            return cls(device, None, device, shardings, replicas)
         mesh = tensor_parallel_mesh(config.tensor_parallel_size)
         if mesh is None:
             return cls(device, None, device, jax.sharding.SingleDeviceSharding(device))
@@ -177,11 +186,12 @@ def load_runner_model(
         config, dtype, dense_isa, placement.weight_shardings, memo_dir
     )
     packed = len(jax.tree.leaves(nnx.state(model, PackedKernel)))
-    if mesh is None:  # one array per kind of weight of a uniform decoder: fewer arguments a step
+    replicas = placement.replicas
+    if mesh is None and replicas is None:  # one array per kind of weight of a uniform decoder
         stack_layer_weights(model)
         use_native_norms(model)
     attach_rope_tables(model, config.max_model_len)
-    if config.expert_parallel and mesh is not None:
+    if config.expert_parallel and (mesh is not None or replicas is not None):
         use_expert_parallel(model)  # the experts placed by index: `weight_sharding`
     lora, sites = config.lora, None
     if lora is not None:  # zeroed adapter slots: `models.lora`
@@ -191,7 +201,9 @@ def load_runner_model(
             blocks=config.tensor_parallel_size,
         )  # fmt: skip
     graphdef, state = nnx.split(model)
-    if mesh is None:
+    if replicas is not None:  # every weight whole on each replica's device but the experts
+        state = place_state(state, replicas, expert_parallel=True)
+    elif mesh is None:
         state = jax.device_put(state, placement.device)
     else:  # leaf by leaf to its sharding (`models.sharding`)
         state = place_state(state, mesh, expert_parallel=config.expert_parallel)
@@ -271,13 +283,17 @@ def build_step_state(
         )
     # Committed to the device like the step's outputs, so warm-up and serving share programs.
     caches = jax.device_put(caches, placement.device) if mesh is None else caches
+    if placement.replicas is not None:  # this replica's rows of the replicas' caches
+        if layout.state_layers:
+            raise ValueError("a hybrid model's state pools are not served over data-parallel replicas")
+        caches = [side_by_side(cache, placement.replicas) for cache in caches]
     table = RequestTable(config.max_num_seqs, config.max_model_len, buckets.max_pages, layout.num_groups)
     speculation = loaded.speculation
     program = build_step_program(
         mc, loaded.graphdef, loaded.state_def, loaded.state_leaves, caches,
         backend=backend, layout=layout, kv_dtype=kv_dtype.name, num_pages=num_pages,
         page_size=config.page_size, feed_width=buckets.max_seqs, device=placement.device,
-        mesh=mesh, aux_layers=speculation.aux_layers if speculation else (),
+        mesh=placement.replicas or mesh, aux_layers=speculation.aux_layers if speculation else (),
         count_expert_load=loaded.has_experts, verify_shapes=buckets.verify if speculation else None,
     )  # fmt: skip
     return StepState(program=program, table=table), caches

@@ -51,8 +51,11 @@ CASES = {
     ),
     # vLLM wants tensor parallelism beyond the KV heads (2) for it: both are refused.
     "decode_context_parallel_size": ("llama", dict(decode_context_parallel_size=2, tensor_parallel_size=4)),
-    "enable_expert_parallel with data_parallel_size": (
-        "mixtral", dict(enable_expert_parallel=True, data_parallel_size=2),
+    "enable_expert_parallel with data_parallel_size and tensor_parallel_size": (
+        "mixtral", dict(enable_expert_parallel=True, data_parallel_size=2, tensor_parallel_size=2),
+    ),
+    "enable_expert_parallel with data_parallel_size, with LoRA, speculative decoding or pooling": (
+        "mixtral", dict(enable_expert_parallel=True, data_parallel_size=2, enable_lora=True),
     ),
     "enable_eplb / expert_placement_strategy": (
         "mixtral", dict(enable_expert_parallel=True, expert_placement_strategy="round_robin"),
@@ -276,6 +279,11 @@ def test_expert_parallelism_on_one_host_is_accepted(models, tp):
     config = _config(models, "mixtral", dict(enable_expert_parallel=True, tensor_parallel_size=tp))
     assert feature_check.refusals(config) == []
     assert config.parallel_config.enable_expert_parallel
+
+
+def test_expert_parallelism_over_data_parallel_replicas_of_one_device_is_accepted(models):
+    config = _config(models, "mixtral", dict(enable_expert_parallel=True, data_parallel_size=2))
+    assert feature_check.refusals(config) == []
 
 
 _ACROSS_HOSTS = dict(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=29501)

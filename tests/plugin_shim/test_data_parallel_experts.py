@@ -1,0 +1,71 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Expert parallelism across data-parallel replicas through vLLM's OpenAI server:
+`--data-parallel-size 2 --enable-expert-parallel` on a tiny Qwen3-MoE, each replica its own
+engine process with one simulated CPU device, the two processes one JAX job whose step program
+runs both replicas' steps, the experts split by index over the two devices
+(`tpu_platform.replica_step`). Concurrent requests answer with transformers' greedy tokens and
+are spread over both replicas, and a request alone (its replica busy, the other taking its part
+in each step by vLLM's dummy batches) too; prompt logprobs (a program beside the step, on the
+replica's device) are transformers'; each replica's log says it holds half of the experts."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from tests.greedy_reference import hf_greedy
+from tests.models.tiny_checkpoints import save_tiny
+from tests.plugin_shim.served import get, post, serving
+from tests.plugin_shim.test_data_parallel import (
+    NEW_TOKENS,
+    PROMPTS,
+    _completion_ids,
+    _environment,
+    _requests_per_engine,
+)
+
+pytestmark = pytest.mark.slow  # one server of two engine processes joined in one JAX job
+
+
+def test_two_replicas_with_the_experts_split_over_them_answer_with_transformers_tokens(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = save_tiny("Qwen3MoeForCausalLM", str(tmp_path / "model"), seed=7)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+    args = [
+        "--model", model, "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "32", "--data-parallel-size", "2", "--enable-expert-parallel",
+    ]  # fmt: skip
+    log = tmp_path / "server.log"
+    with serving(args, _environment(1), log, startup_seconds=600) as base:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: _completion_ids(base, model, p), PROMPTS))
+        alone = _completion_ids(base, model, PROMPTS[0])  # one replica busy, the other idle
+        # A program beside the step (prompt logprobs, on the replica's own device)
+        prompt_logprobs = _prompt_logprobs(base, model, PROMPTS[1])
+        metrics = get(f"{base}/metrics", timeout=30).decode()
+    assert got == want
+    assert alone == want[0]
+    np.testing.assert_allclose(prompt_logprobs, _hf_prompt_logprobs(hf, PROMPTS[1]), rtol=1e-4, atol=1e-4)
+    served = _requests_per_engine(metrics)
+    assert set(served) == {"0", "1"} and all(n > 0 for n in served.values()), served
+    text = log.read_text()
+    assert text.count("experts by index over 2 data-parallel replicas") == 2, text[-3000:]
+
+
+def _prompt_logprobs(base: str, model: str, prompt: list[int]) -> list[float]:
+    """The served logprob of each prompt token after the first, given the tokens before it."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+    entries = post(f"{base}/v1/completions", body)["choices"][0]["prompt_logprobs"]
+    return [entry[str(token)]["logprob"] for entry, token in zip(entries[1:], prompt[1:], strict=True)]
+
+
+def _hf_prompt_logprobs(hf, prompt: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(logprobs[i, token]) for i, token in enumerate(prompt[1:])]
