@@ -206,6 +206,8 @@ class Runner:
         loaded = self.programs.loaded
         built = self.programs.build_all(specs)
         run_once(self, specs)
+        if self.placement.replicas is not None:  # the steps' agreement, compiled before serving
+            agreed_tokens(0)
         logger.info(
             "warm-up built %d programs in %.1f s (%d from the executable cache)",
             built, time.perf_counter() - start, self.programs.loaded - loaded,
@@ -330,7 +332,7 @@ class Runner:
         drafts = loaded.speculation and loaded.speculation.write_drafts(table, rows, num_scheduled, update)
         page_size, drafted = self.config.page_size, None if drafts is None else drafts.num_drafts
         plan = prepare_step(
-            table, rows, num_scheduled, self.buckets, page_size, self._buffers, drafted, least
+            table, rows, num_scheduled, self.buckets, page_size, self._buffers, drafted, min_tokens=least
         )
         step_seed = self.config.seed * 1_000_003 + self._step_index
         tensors, flags = loaded.sampling.prepare(rows, plan.shape[1], table, step_seed)

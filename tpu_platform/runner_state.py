@@ -103,7 +103,8 @@ class Placement:
     @classmethod
     def for_config(cls, config: RunnerConfig) -> Placement:
         """This host's first device (with several hosts too) and, with tensor parallelism, the
-        mesh over `config.tensor_parallel_size` of its devices."""
+        mesh over `config.tensor_parallel_size` of its devices; with `data_parallel_size`, the
+        replicas' mesh over the first device of each process of the job."""
         device = jax.local_devices()[0]
         if config.data_parallel_size > 1:  # the experts over the replicas: `models.sharding`
             replicas = replica_mesh(config.data_parallel_size, replica_devices())

@@ -64,7 +64,8 @@ def serving(args: list[str], env: dict[str, str], log_path: Path, *, startup_sec
                 time.sleep(1)
             yield base
         finally:
-            os.killpg(process.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):  # a test may have ended it already
+                os.killpg(process.pid, signal.SIGTERM)
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:

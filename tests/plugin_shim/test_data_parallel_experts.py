@@ -6,13 +6,19 @@ runs both replicas' steps, the experts split by index over the two devices
 (`tpu_platform.replica_step`). Concurrent requests answer with transformers' greedy tokens and
 are spread over both replicas, and a request alone (its replica busy, the other taking its part
 in each step by vLLM's dummy batches) too; prompt logprobs (a program beside the step, on the
-replica's device) are transformers'; each replica's log says it holds half of the experts."""
+replica's device) are transformers'; each replica's log says it holds half of the experts; and
+killing one rank's process ends the other's and the server."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -48,6 +54,18 @@ def test_two_replicas_with_the_experts_split_over_them_answer_with_transformers_
         # A program beside the step (prompt logprobs, on the replica's own device)
         prompt_logprobs = _prompt_logprobs(base, model, PROMPTS[1])
         metrics = get(f"{base}/metrics", timeout=30).decode()
+        ranks = {
+            int(rank): int(pid)
+            for rank, pid in re.findall(r"\(EngineCore_DP(\d) pid=(\d+)\)", log.read_text())
+        }
+        # A rank that dies ends the other and the server (vLLM's watch of its engine processes).
+        os.kill(ranks[1], signal.SIGKILL)
+        deadline = time.time() + 120
+        while psutil.pid_exists(ranks[0]) and time.time() < deadline:
+            time.sleep(1)
+        assert not psutil.pid_exists(ranks[0]), "rank 0 outlived rank 1 by 120 s"
+        with pytest.raises(OSError):
+            get(f"{base}/health", timeout=5)
     assert got == want
     assert alone == want[0]
     np.testing.assert_allclose(prompt_logprobs, _hf_prompt_logprobs(hf, PROMPTS[1]), rtol=1e-4, atol=1e-4)
