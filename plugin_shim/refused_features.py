@@ -267,26 +267,11 @@ REFUSED: tuple[Refusal, ...] = (
         "--data-parallel-start-rank), each replica on one host's devices",
     ),
     Refusal(
-        "data_parallel_size_local below data_parallel_size, for a mixture of experts",
-        "an MoE model's data-parallel replicas across hosts (vLLM runs them in lock step through a "
-        "process group over the hosts; not built)",
-        "a replica on another host",
-        lambda c: _dp_across_hosts(_parallel(c)) and _model(c).is_moe,
-        "run an MoE model's replicas on one host (--data-parallel-size N with N x "
-        "--tensor-parallel-size devices), one such server a host behind a load balancer; a dense "
-        "model's replicas may span hosts",
-    ),
-    Refusal(
-        "data_parallel_size_local below data_parallel_size, without vllm-xla serve",  # dense models
+        "data_parallel_size_local below data_parallel_size, without vllm-xla serve",
         "data-parallel replicas across hosts without the hosts' liveness link (`vllm serve` or "
         "vllm.LLM: a host that died would not end the others)",
         "a replica on another host",
-        lambda c: (
-            _dp_across_hosts(_parallel(c))
-            and _parallel(c).nnodes <= 1
-            and not _model(c).is_moe
-            and not _has_link(c)
-        ),
+        lambda c: _dp_across_hosts(_parallel(c)) and _parallel(c).nnodes <= 1 and not _has_link(c),
         "start every host with `vllm-xla serve` and the same options: it joins the hosts' liveness "
         "link (docs/multihost.md)",
     ),

@@ -55,6 +55,14 @@ SUPPORTED: tuple[Supported, ...] = (
         "(plugin_shim/data_parallel.py); vLLM's front end spreads the requests",
     ),
     Supported(
+        "Expert parallelism over data-parallel replicas",
+        "enable_expert_parallel with data_parallel_size (tensor_parallel_size 1)",
+        "each replica one device attending to its own requests, the experts split by index over "
+        "all of them; the ranks' processes are one JAX job and every step one program over them, "
+        "padded to the largest rank's bucket, idle ranks taking their part by vLLM's dummy batches "
+        "(tpu_platform/replica_step.py)",
+    ),
+    Supported(
         "Data-parallel replicas of a dense model across hosts",
         "data_parallel_size_local below data_parallel_size, headless, data_parallel_start_rank",
         "each host's replicas on its own devices, joined to host 0's front end; `vllm-xla serve` "

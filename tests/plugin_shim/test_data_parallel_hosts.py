@@ -47,10 +47,10 @@ def model(tmp_path_factory) -> str:
     return save_tiny_llama(str(tmp_path_factory.mktemp("dp_hosts") / "model"), seed=6)
 
 
-def _start_hosts(model: str, tmp) -> dict:
+def _start_hosts(model: str, tmp, options: list[str] = SERVE) -> dict:
     rpc, port = free_port(), free_port()
-    host1, log1 = start_replica_host(1, model, SERVE, rpc, tmp, None)
-    host0, log0 = start_replica_host(0, model, SERVE, rpc, tmp, port)
+    host1, log1 = start_replica_host(1, model, options, rpc, tmp, None)
+    host0, log0 = start_replica_host(0, model, options, rpc, tmp, port)
     hosts = {"port": port, "host0": host0, "host1": host1, "log0": log0, "log1": log1}
     try:
         wait_healthy(port, [host0, host1], [log0, log1], timeout=800)

@@ -39,11 +39,8 @@ CASES = {
     "data_parallel_size with nnodes": (
         "llama", dict(data_parallel_size=2, nnodes=2, tensor_parallel_size=2, master_addr="127.0.0.1"),
     ),
-    "data_parallel_size_local below data_parallel_size, for a mixture of experts": (
-        "mixtral", dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="10.0.0.2"),
-    ),
     "data_parallel_size_local below data_parallel_size, without vllm-xla serve": (
-        "llama", dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="10.0.0.2"),
+        "mixtral", dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="10.0.0.2"),
     ),
     # vLLM itself refuses external load balancing for a dense model.
     "data_parallel_external_lb / data_parallel_hybrid_lb / data_parallel_rank": (
@@ -281,8 +278,22 @@ def test_expert_parallelism_on_one_host_is_accepted(models, tp):
     assert config.parallel_config.enable_expert_parallel
 
 
-def test_expert_parallelism_over_data_parallel_replicas_of_one_device_is_accepted(models):
-    config = _config(models, "mixtral", dict(enable_expert_parallel=True, data_parallel_size=2))
+@pytest.mark.parametrize(
+    "hosts",
+    [
+        {},
+        dict(data_parallel_size_local=1, data_parallel_address="10.0.0.2", additional_config={LINK_KEY: "x"}),
+    ],
+    ids=["one_host", "two_hosts"],
+)
+def test_expert_parallelism_over_data_parallel_replicas_of_one_device_is_accepted(models, hosts):
+    config = _config(models, "mixtral", dict(enable_expert_parallel=True, data_parallel_size=2, **hosts))
+    assert feature_check.refusals(config) == []
+
+
+def test_a_mixture_of_experts_replicas_across_hosts_are_accepted_under_vllm_xla_serve(models):
+    across = dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="10.0.0.2")
+    config = _config(models, "mixtral", dict(**across, additional_config={LINK_KEY: "10.0.0.2:29551"}))
     assert feature_check.refusals(config) == []
 
 
