@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -122,3 +123,25 @@ def join_replicas(vllm_config: VllmConfig, platform: str | None) -> None:
     seconds = parallel.distributed_timeout_seconds
     group = HostGroup(address, parallel.data_parallel_size, parallel.data_parallel_rank, seconds)
     join_hosts(group, platform)
+
+
+def replica_agreement(vllm_config: VllmConfig) -> Callable[[int], int]:
+    """`most(value)`: the largest of every rank's `value`, over a gloo group of the ranks'
+    processes (on vLLM's next data-parallel port, after `join_replicas`'s). On the host, not a
+    JAX program: a collective program of its own, with no input from the step in flight, could
+    run beside that step's program, and their exchanges would interleave."""
+    import torch
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    parallel = vllm_config.parallel_config
+    group = stateless_init_torch_distributed_process_group(
+        parallel.data_parallel_master_ip, parallel.get_next_dp_init_port(), parallel.data_parallel_rank,
+        parallel.data_parallel_size, backend="gloo",
+    )  # fmt: skip
+
+    def most(value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
+        return int(tensor.item())
+
+    return most

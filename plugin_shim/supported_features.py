@@ -60,10 +60,10 @@ SUPPORTED: tuple[Supported, ...] = (
         "each replica one device attending to its own requests, the experts split by index over "
         "all of them; the ranks' processes are one JAX job and every step one program over them, "
         "padded to the largest rank's bucket, idle ranks taking their part by vLLM's dummy batches "
-        "(tpu_platform/replica_step.py)",
+        "(tpu_platform/replica_step.py), on one host or across hosts",
     ),
     Supported(
-        "Data-parallel replicas of a dense model across hosts",
+        "Data-parallel replicas across hosts",
         "data_parallel_size_local below data_parallel_size, headless, data_parallel_start_rank",
         "each host's replicas on its own devices, joined to host 0's front end; `vllm-xla serve` "
         "links the hosts so that a host that dies ends the others non-zero (docs/multihost.md)",

@@ -135,9 +135,10 @@ class XlaWorker(WorkerBase):
         replica = data_parallel.replica(self.vllm_config, mesh_tensor_parallel_size(self.vllm_config))
         if replica is not None:
             data_parallel.claim_devices(replica, env.platform)
-        replicas = data_parallel.expert_replicas(self.vllm_config)
+        replicas, agreement = data_parallel.expert_replicas(self.vllm_config), None
         if replicas > 1:  # every replica's step one program: the ranks in one JAX job
             data_parallel.join_replicas(self.vllm_config, env.platform)
+            agreement = data_parallel.replica_agreement(self.vllm_config)
         hosts.join(self.vllm_config, self.rank, self.local_rank, self.distributed_init_method)
         self.num_hosts = self.parallel_config.nnodes
         self.replies = hosts.replies(self.vllm_config, self.rank)  # else vLLM drops the outputs
@@ -172,7 +173,8 @@ class XlaWorker(WorkerBase):
                 pooling=pooling_config(self.vllm_config),
                 lora=lora.runner_lora_config(self.vllm_config),
                 speculation=runner_speculation(self.vllm_config),
-            )
+            ),
+            agreement=agreement,
         )
         mesh = self.runner.mesh
         used = (

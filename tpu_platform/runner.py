@@ -78,8 +78,13 @@ class Runner:
     num_pages = RecordField("steps", "num_pages")
     num_groups = RecordField("steps", "num_groups")
 
-    def __init__(self, config: RunnerConfig):
+    def __init__(self, config: RunnerConfig, agreement: Callable[[int], int] | None = None):
+        """`agreement(value)`: the largest of every data-parallel replica's `value` (replicas in
+        one program: each step's tokens, to pad to one bucket); default: a gather over the JAX
+        job, run once this runner's step in flight is done (a collective program beside the
+        step's could interleave their exchanges)."""
         self.config = config
+        self._agreement = agreement
         self.placement = Placement.for_config(config)
         self.tp_size = config.tensor_parallel_size
         self.loaded: LoadedModel | None = None
@@ -206,8 +211,8 @@ class Runner:
         loaded = self.programs.loaded
         built = self.programs.build_all(specs)
         run_once(self, specs)
-        if self.placement.replicas is not None:  # the steps' agreement, compiled before serving
-            agreed_tokens(0)
+        if self.placement.replicas is not None:  # the steps' agreement, made before serving
+            self._agree(0)
         logger.info(
             "warm-up built %d programs in %.1f s (%d from the executable cache)",
             built, time.perf_counter() - start, self.programs.loaded - loaded,
@@ -292,10 +297,17 @@ class Runner:
         the step on padding alone (which writes no cache slot). Else nothing."""
         if self.placement.replicas is None:
             return
-        tokens = agreed_tokens(0)
+        tokens = self._agree(0)
         if tokens:
             shape = self.buckets.shape_for(tokens, 1)
             self._run_forward(*pack_inputs(padding_inputs(*shape, self.num_groups)), self._no_feed)
+
+    def _agree(self, tokens: int) -> int:
+        """The most tokens any data-parallel replica's step has (`agreement`)."""
+        if self._agreement is not None:
+            return self._agreement(tokens)
+        jax.block_until_ready(self.kv_caches)  # no step of ours in flight beside the gather
+        return agreed_tokens(tokens)
 
     # -- one engine step ------------------------------------------------------------------------
 
@@ -322,7 +334,7 @@ class Runner:
         rows = np.fromiter(map(table.row_of.__getitem__, req_ids), np.int32, len(req_ids))
         num_scheduled = np.fromiter(update.num_scheduled_tokens.values(), np.int32, len(req_ids))
         # Replicas in one program: every replica's step padded to the largest one's bucket.
-        least = 0 if self.placement.replicas is None else agreed_tokens(sum(num_scheduled.tolist()))
+        least = 0 if self.placement.replicas is None else self._agree(sum(num_scheduled.tolist()))
         if loaded.lora is not None:  # the step's adapters into device slots, each row's slot
             table.lora_slot[rows] = loaded.lora.slots_for(table.lora_id[rows])
         if self._in_flight:
