@@ -174,11 +174,6 @@ class GptOssMoE(nnx.Module):
         expert_load.record(self, experts, gate_up_bias.shape[0], md)
         act = functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit)
         if md is not None and (md.mesh is not None or md.replicas > 1) and self.expert_parallel:
-            if ex.mxfp4:
-                raise ValueError(
-                    "--enable-expert-parallel with GPT-OSS's mxfp4 experts is not supported yet; "
-                    "serve it tensor parallel (without --enable-expert-parallel)"
-                )
             by_index = dict(gate_bias=gate_up_bias, down_bias=ex.down_proj_bias[...])
             if md.replicas > 1:
                 return experts_by_index_over_replicas(

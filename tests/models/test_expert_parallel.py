@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Expert parallelism on 4 and (`make test-full`) 2 simulated CPU devices (a process of their own a model:
-`expert_parallel_worker.py`): each device holds E / N whole experts, and the model's logits and
-greedy tokens are the one-device model's (itself checked against transformers in
+"""Expert parallelism on 4 and (`make test-full`) 2 simulated CPU devices (a process of their own a
+model: `expert_parallel_worker.py`): each device holds E / N whole experts, and the model's logits
+and greedy tokens are the one-device model's (itself checked against transformers in
 `test_architectures.py`), for every MoE architecture we serve: Mixtral, Qwen3-MoE, GPT-OSS
-(biases, clamped SwiGLU), Llama 4 (shared expert, weights on the inputs), GLM-4.5 (V3 routing,
-shared experts) as whole models; DeepSeek-V3's MoE layer alone; Qwen3-MoE's int8 (per channel
-and grouped) and fp8 experts too. The compiled prefill gathers no
-expert weights: each device computes its own experts where they are."""
+(biases, clamped SwiGLU; bfloat16 experts, and mxfp4 ones as released), Llama 4 (shared expert,
+weights on the inputs), GLM-4.5 (V3 routing, shared experts) as whole models; DeepSeek-V3's MoE
+layer alone; Qwen3-MoE's int8 (per channel and grouped) and fp8 experts too. The compiled prefill
+gathers no expert weights: each device computes its own experts where they are."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from tests.models.mxfp4_checkpoint import save_tiny_gpt_oss_mxfp4
 from tests.models.tiny_checkpoints import save_tiny
 from tests.models.tiny_deepseek import save_tiny_deepseek
 from tests.models.tiny_glm4_moe import save_tiny_glm4_moe
@@ -28,6 +29,7 @@ _MODELS = {
     "mixtral": lambda path: save_tiny("MixtralForCausalLM", path, seed=1),
     "qwen3_moe": lambda path: save_tiny("Qwen3MoeForCausalLM", path, seed=2),
     "gpt_oss": lambda path: save_tiny("GptOssForCausalLM", path, seed=3),
+    "gpt_oss_mxfp4": lambda path: save_tiny_gpt_oss_mxfp4(path, seed=5)[0],  # its experts as released
     "llama4": lambda path: save_tiny("Llama4ForCausalLM", path, seed=4),
     "glm4_moe": lambda path: save_tiny_glm4_moe("qk_norm", path, seed=5),
 }
