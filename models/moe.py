@@ -374,10 +374,11 @@ def experts_by_index_over_replicas(
 
     Every replica's tokens and routing are gathered, each device runs its own experts on the
     assignments routed to them, and the sums are scattered back, each replica keeping its own
-    rows: an all-gather and a reduce-scatter of `[T, D]` a replica. A ragged all-to-all would
-    move each token's k routed rows out and back, 2k rows a token against the gather's and the
-    scatter's 2 (D - 1) / D each way: never less for the k of the models served (k >= 2 moves
-    as much at D = k + 1, more below it, and top-k routing sends a token's rows to k devices)."""
+    rows: an all-gather and a reduce-scatter of `[T, D]` a replica. Per token of a replica they
+    move 2 (D - 1) rows (to each other device and back); a ragged all-to-all would move its k
+    routed rows out and back, those on other devices: 2k (D - 1) / D. So D / k times the
+    all-to-all's bytes: the same at D = k (top-8 models over 8 chips), fewer below, more above,
+    with no ragged sizes to exchange first and no device waiting on the busiest expert's rows."""
     x, weights, experts = (jax.lax.all_gather(a, DATA_AXIS, tiled=True) for a in (x, weights, experts))
     device = jax.lax.axis_index(DATA_AXIS)
     offsets = (None, None, None) if offsets is None else tuple(offsets)
