@@ -16,7 +16,7 @@ does not take.
 
 Every per-replica array of the program (inputs, caches, outputs) is the replicas' arrays side by
 side on its first axis: replica r's is rows `r * n .. (r + 1) * n` of the global array, held by
-replica r's device (`over_replicas`). Every replica's step has the same padded shape.
+replica r's device (`side_by_side`). Every replica's step has the same padded shape.
 """
 
 from __future__ import annotations
@@ -48,15 +48,6 @@ def num_replicas(mesh: Mesh | None) -> int:
     return 1 if mesh is None else dict(mesh.shape).get(DATA_AXIS, 1)
 
 
-def over_replicas(sharding: NamedSharding) -> NamedSharding:
-    """Where a per-replica array placed with `sharding` (within a replica, on `mesh`'s model axis)
-    lies when the replicas' arrays are side by side on its first axis."""
-    spec = list(sharding.spec) or [None]
-    first = spec[0] if isinstance(spec[0], tuple) else (() if spec[0] is None else (spec[0],))
-    spec[0] = (DATA_AXIS, *first) if first else DATA_AXIS
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
-
-
 def over_replicas_step(
     step: Callable,
     mesh: Mesh,
@@ -67,7 +58,7 @@ def over_replicas_step(
     """`step(state_leaves, kv_caches, packed, fed_tokens, dims=..., mesh=..., replicas=...)` (one
     replica's, `tpu_platform.step.forward_logits`) run by every replica of `mesh` on its own rows
     of the inputs, caches and outputs, jitted with the caches donated; the weights come placed
-    with `state_shardings`, the caches with `cache_shardings` (`over_replicas`)."""
+    with `state_shardings`, the caches with `cache_shardings` (`side_by_side`)."""
     replicas, devices = num_replicas(mesh), mesh.shape[MODEL_AXIS]
     if devices != 1:
         raise ValueError(
@@ -109,7 +100,8 @@ def replica_devices() -> list[jax.Device]:
 
 def side_by_side(local: jax.Array, mesh: Mesh) -> jax.Array:
     """This process's replica array `local` (on its device) as its rows of the replicas' global
-    array (`over_replicas`), without a copy; a global array is returned as it is."""
+    array (the replicas' arrays side by side on the first axis), without a copy; a global array
+    is returned as it is."""
     if len(local.sharding.device_set) == mesh.size:
         return local
     shape = (num_replicas(mesh) * local.shape[0], *local.shape[1:])

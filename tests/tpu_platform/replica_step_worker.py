@@ -26,11 +26,11 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from models import ModelConfig
 from models.moe import use_expert_parallel
-from models.sharding import DATA_AXIS, MODEL_AXIS
-from pallas_kernels import allocate_kv_cache, kv_cache_partition_spec
+from models.sharding import DATA_AXIS
+from pallas_kernels import allocate_kv_cache
 from tpu_platform.inputs import exercise_inputs, pack_inputs
 from tpu_platform.planner.hlo import hlo_collectives
-from tpu_platform.replica_step import over_replicas, replica_mesh
+from tpu_platform.replica_step import replica_mesh
 from tpu_platform.runner_state import weight_sharding
 from tpu_platform.step import make_forward
 from tpu_platform.weights.preparation import Preparation
@@ -73,9 +73,8 @@ def run(model_dir: str, config: ModelConfig, mesh, replicas: int, expert_paralle
     local = allocate_kv_cache(PAGES, PAGE, config.num_kv_heads, config.head_dim, jnp.float32, backend=BACKEND)
     if mesh is None:
         cache_sharding = SingleDeviceSharding(jax.devices()[0])
-    else:
-        cache_sharding = NamedSharding(mesh, kv_cache_partition_spec(BACKEND, MODEL_AXIS))
-        cache_sharding = over_replicas(cache_sharding)
+    else:  # the replicas' caches side by side, as the runner holds them
+        cache_sharding = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
     shape = (replicas * local.shape[0], *local.shape[1:])
     caches = [jax.device_put(np.zeros(shape, np.float32), cache_sharding) for _ in range(config.num_layers)]
     forward = make_forward(

@@ -20,7 +20,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh
 
 from models.sharding import DATA_AXIS, MODEL_AXIS, check_expert_parallel
 from tests.models.tiny_checkpoints import save_tiny
@@ -30,7 +30,6 @@ from tpu_platform.replica_step import (
     agreed_tokens,
     fewest,
     num_replicas,
-    over_replicas,
     over_replicas_step,
     replica_mesh,
 )
@@ -86,15 +85,6 @@ def test_replicas_exchange_only_the_experts_tokens_and_sums(report, form, replic
         [("all-gather", [[gathered, hidden]]), ("reduce-scatter", [[STEP_TOKENS, hidden]])] * MOE_LAYERS
         + [("all-gather", [[gathered, 2]])] * 2 * MOE_LAYERS  # the routing weights and expert ids (top 2)
     )
-
-
-def test_over_replicas_puts_the_replicas_side_by_side_on_the_first_axis():
-    mesh = AbstractMesh((2, 1), (DATA_AXIS, MODEL_AXIS))
-    assert over_replicas(NamedSharding(mesh, PartitionSpec())).spec == PartitionSpec(DATA_AXIS)
-    heads_first = NamedSharding(mesh, PartitionSpec(MODEL_AXIS, None))
-    assert over_replicas(heads_first).spec == PartitionSpec((DATA_AXIS, MODEL_AXIS), None)
-    heads_second = NamedSharding(mesh, PartitionSpec(None, MODEL_AXIS))
-    assert over_replicas(heads_second).spec == PartitionSpec(DATA_AXIS, MODEL_AXIS)
 
 
 def test_replica_mesh_is_a_device_a_replica_and_needs_the_devices():

@@ -276,7 +276,7 @@ def _everywhere(mesh: Mesh | None, device: jax.Device, tree: Any) -> Any:
 def _abstract_caches(setup: StepSetup, num_pages: int, mesh: Mesh | None) -> list[jax.ShapeDtypeStruct]:
     """The runner's stacked caches (`allocate_stacked_caches`), abstract: on a mesh of all KV
     heads (`StepSetup.kv_heads`), split on them as the runner allocates them; over data-parallel
-    replicas, one chip's caches a replica, side by side (`replica_step.over_replicas`)."""
+    replicas, one chip's caches a replica, side by side (`replica_step.side_by_side`)."""
     if num_replicas(mesh) > 1:
         rows = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
         return [
