@@ -26,13 +26,8 @@ def warm_up_specs(runner: Runner, shapes: list[tuple[int, int, int]]) -> list[Pr
     specs, rows = [], []
     for t_pad, r_pad, p_pad in sorted(shapes, reverse=True):
         packed, dims = pack_inputs(padding_inputs(t_pad, r_pad, p_pad, runner.num_groups))
-        if runner.mesh is not None:  # replicated, as each step's inputs arrive
-            packed = jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=runner._whole)
-        elif runner.placement.replicas is not None:  # every replica's rows, as each step's arrive
-            sharding = runner.step_program.inputs_sharding
-            packed = jax.ShapeDtypeStruct(
-                (sharding.mesh.size * packed.shape[0],), packed.dtype, sharding=sharding
-            )
+        if runner.step_program.inputs_sharding is not None:  # on a mesh, as each step's arrive
+            packed = runner.step_program.abstract_args((t_pad, r_pad, p_pad))[0][2]
         specs.append(runner._forward_spec(packed, dims))
         rows.append(r_pad)
     if runner._pooling is not None:  # a pooling engine never samples (the forward's argmax serves)
