@@ -255,17 +255,23 @@ def _passes_option(name: str, extra: list[str]) -> bool:
     return any(arg.split("=")[0] == name for arg in extra)
 
 
-# Options that may spread a server over hosts (data-parallel replicas join a liveness link).
-_ACROSS_HOSTS = ("--nnodes", "--data-parallel-size-local", "-dpl")
+# Options that may spread a server over hosts, or start its data-parallel replicas one by one
+# (external or hybrid load balancing): the replicas' processes join a liveness link.
+_ACROSS_HOSTS = (
+    "--nnodes", "--data-parallel-size-local", "-dpl", "--data-parallel-rank", "-dpn",
+    "--data-parallel-start-rank", "-dpr", "--data-parallel-external-lb", "-dpe",
+    "--data-parallel-hybrid-lb", "-dph",
+)  # fmt: skip
 
 
 def serve_argv(model: str, extra: list[str]) -> list[str]:
     """The vLLM command `serve` becomes. vLLM's own options pass through untouched, the multi-node
     ones too (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`, docs/multihost.md). Across
-    hosts, vLLM's `serve` subcommand (`--headless`: no API server, only the host's worker) through
-    `plugin_shim.vllm_serve`, which ends non-zero when a host died and joins data-parallel replicas'
-    hosts by a liveness link (which `vllm serve` lacks); on one host, vLLM's OpenAI server, as a
-    module (works for every vLLM distribution name)."""
+    hosts, or for data-parallel ranks started one by one, vLLM's `serve` subcommand (`--headless`:
+    no API server, only the host's worker) through `plugin_shim.vllm_serve`, which ends non-zero
+    when a host died and joins data-parallel replicas' processes by a liveness link (which
+    `vllm serve` lacks); on one host, vLLM's OpenAI server, as a module (works for every vLLM
+    distribution name)."""
     if "--headless" in extra or any(arg.split("=")[0] in _ACROSS_HOSTS for arg in extra):
         return [sys.executable, "-m", "plugin_shim.vllm_serve", model, *extra]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra]

@@ -12,11 +12,16 @@ split by index over the replicas (`tpu_platform.replica_step`): the ranks' proce
 JAX job at start (`join_replicas`), every step agrees on the padded shape, and an idle rank's
 dummy step takes its part (`Runner.dummy_step`).
 
-Which devices a replica drives is fixed before its JAX starts a backend: GPUs by JAX's
-`jax_cuda_visible_devices`, TPU chips by the runtime's per-process variables (chip bounds, visible
-chips, a port of its own), simulated CPU devices by nothing (each process has its own). vLLM
-resets a dense replica's DP size to one, so the replicas on this host are counted at start
-(`DP_LOCAL_KEY`, in vLLM's `additional_config`).
+Which devices an engine process drives is vLLM's choice (`assigned_physical_gpu_ids`: each local
+DP rank's slice of the host's devices, or of `--device-ids`), fixed before its JAX starts a
+backend: GPUs by JAX's `jax_cuda_visible_devices`, TPU chips by the runtime's per-process
+variables (chip bounds, visible chips, a port of its own), simulated CPU devices by nothing (each
+process has its own). Replicas started one by one (`--data-parallel-rank`: external load
+balancing; `--data-parallel-start-rank` on a host with its own API server: hybrid) are vLLM's
+too; `vllm-xla serve` links their servers so that one that dies ends the others
+(`plugin_shim.vllm_serve`). vLLM resets a dense replica's DP size to one, so the replicas on this
+host are counted at start (`DP_LOCAL_KEY`, in vLLM's `additional_config`) for a configuration
+that lacks vLLM's assignment.
 """
 
 from __future__ import annotations
@@ -36,20 +41,15 @@ DP_LOCAL_KEY = "xla_data_parallel_size_local"
 LINK_KEY = "xla_data_parallel_liveness_link"
 # A TPU process's chips, by their count: the bounds of the box they form on one host.
 _TPU_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
-_TPU_FIRST_PORT = 8476  # the TPU runtime's own default, one more for each replica of a host
+_TPU_FIRST_PORT = 8476  # the TPU runtime's own default, offset by a replica's first chip
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Replica:
-    """One DP replica of a host: its index among the host's, and the devices it drives."""
+    """The devices one engine process drives: a DP replica's share of its host's, or the ones
+    `--device-ids` names."""
 
-    local_index: int
-    devices_per_replica: int
-
-    @property
-    def device_ids(self) -> list[int]:
-        first = self.local_index * self.devices_per_replica
-        return list(range(first, first + self.devices_per_replica))
+    device_ids: tuple[int, ...]
 
 
 def record_local_replicas(vllm_config: VllmConfig) -> None:
@@ -63,18 +63,24 @@ def record_local_replicas(vllm_config: VllmConfig) -> None:
 
 
 def replica(vllm_config: VllmConfig, devices_per_replica: int) -> Replica | None:
-    """This engine process's replica, or None without data parallelism."""
+    """This engine process's devices, or None: all of the host's. vLLM's own assignment first
+    (`assigned_physical_gpu_ids`: each local DP rank's slice of the host's devices, or of
+    `--device-ids`), else this replica's share by its index among the host's replicas."""
+    assigned = getattr(vllm_config.parallel_config, "assigned_physical_gpu_ids", None)
+    if assigned:
+        return Replica(device_ids=tuple(int(i) for i in assigned))
     extra = vllm_config.additional_config
     local = int(extra.get(DP_LOCAL_KEY, 1)) if isinstance(extra, dict) else 1
     if local <= 1:
         return None
-    index = vllm_config.parallel_config.data_parallel_index
-    return Replica(local_index=index % local, devices_per_replica=devices_per_replica)
+    first = vllm_config.parallel_config.data_parallel_index % local * devices_per_replica
+    return Replica(device_ids=tuple(range(first, first + devices_per_replica)))
 
 
 def claim_devices(rep: Replica, platform: str | None) -> dict[str, str]:
     """Makes this process see only `rep`'s devices (before any JAX backend starts); the TPU
-    runtime variables it set, for the log. On CPU (simulated devices) there is nothing to do."""
+    runtime variables it set, for the log. On CPU nothing needs doing: a process's simulated
+    devices are its own, so no two processes ever share one."""
     if platform == "cpu":
         return {}
     ids = ",".join(str(i) for i in rep.device_ids)
@@ -84,13 +90,13 @@ def claim_devices(rep: Replica, platform: str | None) -> dict[str, str]:
         jax.config.update("jax_cuda_visible_devices", ids)
     if platform not in (None, "tpu"):
         return {}
-    bounds = _TPU_CHIP_BOUNDS.get(rep.devices_per_replica)
+    bounds = _TPU_CHIP_BOUNDS.get(len(rep.device_ids))
     if bounds is None:
         raise ValueError(
-            f"a data-parallel replica of {rep.devices_per_replica} TPU chips is not a box of one "
+            f"a data-parallel replica of {len(rep.device_ids)} TPU chips is not a box of one "
             f"host; use --tensor-parallel-size 1, 2, 4 or 8 with --data-parallel-size"
         )
-    port = _TPU_FIRST_PORT + rep.local_index
+    port = _TPU_FIRST_PORT + min(rep.device_ids)  # the first chip's own: disjoint replicas differ
     runtime = {
         "TPU_CHIPS_PER_PROCESS_BOUNDS": bounds,
         "TPU_PROCESS_BOUNDS": "1,1,1",

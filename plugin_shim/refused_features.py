@@ -95,9 +95,10 @@ def _has_link(config: VllmConfig) -> bool:
 
 def _dp_across_hosts(parallel) -> bool:
     size = parallel.data_parallel_size
-    if size <= 1 or parallel.data_parallel_external_lb or parallel.data_parallel_hybrid_lb:
-        return False  # refused as replicas started one by one
-    return parallel.nnodes > 1 or parallel.data_parallel_size_local != size
+    if size <= 1:
+        return False
+    started_alone = parallel.data_parallel_external_lb or parallel.data_parallel_hybrid_lb
+    return bool(started_alone) or parallel.nnodes > 1 or parallel.data_parallel_size_local != size
 
 
 def _experts_over_replicas(config: VllmConfig) -> bool:
@@ -267,23 +268,14 @@ REFUSED: tuple[Refusal, ...] = (
         "--data-parallel-start-rank), each replica on one host's devices",
     ),
     Refusal(
-        "data_parallel_size_local below data_parallel_size, without vllm-xla serve",
-        "data-parallel replicas across hosts without the hosts' liveness link (`vllm serve` or "
-        "vllm.LLM: a host that died would not end the others)",
-        "a replica on another host",
+        "data_parallel_size_local below data_parallel_size, or data_parallel_rank "
+        "(external / hybrid load balancing), without vllm-xla serve",
+        "data-parallel replicas across hosts or started one by one without the replicas' liveness "
+        "link (`vllm serve` or vllm.LLM: a replica that died would not end the others)",
+        "a replica in another process group",
         lambda c: _dp_across_hosts(_parallel(c)) and _parallel(c).nnodes <= 1 and not _has_link(c),
-        "start every host with `vllm-xla serve` and the same options: it joins the hosts' liveness "
-        "link (docs/multihost.md)",
-    ),
-    Refusal(
-        "data_parallel_external_lb / data_parallel_hybrid_lb / data_parallel_rank",
-        "data-parallel replicas started one by one (external or hybrid load balancing)",
-        "True",
-        lambda c: (
-            _parallel(c).data_parallel_size > 1
-            and (bool(_parallel(c).data_parallel_external_lb) or bool(_parallel(c).data_parallel_hybrid_lb))
-        ),
-        "start the replicas together with --data-parallel-size N (vLLM's internal load balancer)",
+        "start every host (every rank) with `vllm-xla serve` and the same options: it joins the "
+        "replicas' liveness link (docs/multihost.md)",
     ),
     Refusal(
         "decode_context_parallel_size",

@@ -69,6 +69,14 @@ SUPPORTED: tuple[Supported, ...] = (
         "links the hosts so that a host that dies ends the others non-zero (docs/multihost.md)",
     ),
     Supported(
+        "Data-parallel replicas started one by one",
+        "data_parallel_rank, data_parallel_external_lb, data_parallel_hybrid_lb, device_ids",
+        "each rank (external load balancing, MoE models) or each host's ranks (hybrid) its own API "
+        "server, the engines as when one server starts them (experts over the replicas too); "
+        "`vllm-xla serve` links the servers so that one that dies ends the others; an engine "
+        "drives the devices vLLM assigns it (its local rank's slice of the host's or of --device-ids)",
+    ),
+    Supported(
         "Tensor parallelism across hosts",
         "nnodes, node_rank, master_addr, master_port, headless, distributed_timeout_seconds",
         "one worker a host, one JAX mesh over every host's devices (docs/multihost.md); "

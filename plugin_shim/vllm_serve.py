@@ -8,10 +8,12 @@ vLLM's `vllm` console script reads its version from the distribution named `vllm
 point, and a host whose peer died must end non-zero, where vLLM's server and headless executor
 return normally once they have shut down after a dead engine or worker (they log it as an error).
 
-Data-parallel replicas across hosts (`--data-parallel-size-local` below `--data-parallel-size`)
-share no JAX job, and vLLM's front end watches only its own host's engines: this process joins
-the hosts' liveness link (`tpu_platform.liveness`), and a lost host ends it and its engines with
-status 1.
+Data-parallel replicas across hosts (`--data-parallel-size-local` below `--data-parallel-size`),
+or started one by one, each with its own API server (`--data-parallel-rank`: vLLM's external load
+balancing; `--data-parallel-start-rank` without `--headless`: hybrid), share no JAX job or are
+one only for the step, and vLLM's front end watches only its own engines: this process joins the
+replicas' liveness link (`tpu_platform.liveness`), and a lost peer ends it and its engines with
+status 1. Rank 0's process (host 0's, the one without a start rank) listens; the others join it.
 """
 
 from __future__ import annotations
@@ -58,13 +60,14 @@ _ENGINE_STOP_SECONDS = 10
 
 
 def liveness_link(args: argparse.Namespace) -> LinkConfig | None:
-    """The hosts' liveness link for vLLM's parsed serve options: None unless this host runs some
-    of the data-parallel replicas and another host the rest."""
+    """The replicas' liveness link for vLLM's parsed serve options: None unless this process runs
+    some of the data-parallel replicas and another process the rest (another host's, or one
+    started on its own: external or hybrid load balancing)."""
     size, local = args.data_parallel_size, args.data_parallel_size_local
-    if size <= 1 or local is None or local >= size:
+    if size <= 1 or args.nnodes > 1:
+        return None  # nnodes with data parallelism: refused by name when vLLM's configuration is made
+    if not _external_lb(args) and (local is None or local >= size):
         return None
-    if args.nnodes > 1 or args.data_parallel_external_lb or args.data_parallel_hybrid_lb:
-        return None  # refused by name when vLLM's configuration is made
     seconds = args.distributed_timeout_seconds
     return LinkConfig(
         address=args.data_parallel_address or _DP_ADDRESS,
@@ -72,6 +75,20 @@ def liveness_link(args: argparse.Namespace) -> LinkConfig | None:
         silence_seconds=seconds or DEFAULT_SILENCE_SECONDS,
         join_seconds=seconds or DEFAULT_JOIN_SECONDS,
     )
+
+
+def _external_lb(args: argparse.Namespace) -> bool:
+    """Whether this process is one rank started on its own (vLLM's rule: a rank given names it)."""
+    return bool(args.data_parallel_external_lb) or args.data_parallel_rank is not None
+
+
+def is_link_head(args: argparse.Namespace) -> bool:
+    """Whether this process listens for the others: rank 0's, or host 0's (its API server, no
+    start rank: the others are `--headless`, or start at a rank of their own under hybrid load
+    balancing)."""
+    if _external_lb(args):
+        return args.data_parallel_rank == 0
+    return not args.headless and not args.data_parallel_start_rank
 
 
 def end_host(reason: str) -> None:
@@ -100,10 +117,10 @@ def _join_link(args: argparse.Namespace, lost: threading.Event) -> bool:
         lost.set()  # before the engines stop: vLLM's launcher may return as they do
         end_host(reason)
 
-    if args.headless:
-        join_head(config, on_lost)
-    else:
+    if is_link_head(args):
         HeadLink(config, on_lost)
+    else:
+        join_head(config, on_lost)
     # What the platform's feature check looks for: replicas across hosts have their link.
     args.additional_config = {**(args.additional_config or {}), LINK_KEY: f"{config.address}:{config.port}"}
     return True

@@ -64,16 +64,32 @@ def start_host(
 
 
 def start_replica_host(
-    rank: int, model: str, options: list[str], rpc_port: int, tmp: pathlib.Path, http_port: int | None
+    rank: int,
+    model: str,
+    options: list[str],
+    rpc_port: int,
+    tmp: pathlib.Path,
+    http_port: int | None,
+    *,
+    external_lb: bool = False,
 ) -> tuple[subprocess.Popen, pathlib.Path]:
     """`vllm-xla serve` as the host of data-parallel rank `rank` of 2 (one replica a host, vLLM's
     multi-node data-parallel options): rank 0 serves the OpenAI API on `http_port`, rank 1 runs
-    `--headless` and joins rank 0's front end at `rpc_port`; its process and log file."""
+    `--headless` and joins rank 0's front end at `rpc_port`; or (`external_lb`) each rank its own
+    API server on `http_port` (vLLM's external load balancing: `--data-parallel-rank`). Its
+    process and log file."""
     log = tmp / f"replica{rank}.log"
     argv = [sys.executable, "-m", "plugin_shim.cli", "serve", "--model", model, *options]
-    argv += ["--data-parallel-size=2", "--data-parallel-size-local=1", "--data-parallel-address=127.0.0.1"]
-    argv += [f"--data-parallel-rpc-port={rpc_port}"]
-    argv += ["--headless", f"--data-parallel-start-rank={rank}"] if rank else ["--port", str(http_port)]
+    argv += [
+        "--data-parallel-size=2",
+        "--data-parallel-address=127.0.0.1",
+        f"--data-parallel-rpc-port={rpc_port}",
+    ]
+    if external_lb:
+        argv += [f"--data-parallel-rank={rank}", "--port", str(http_port)]
+    else:
+        argv += ["--data-parallel-size-local=1"]
+        argv += ["--headless", f"--data-parallel-start-rank={rank}"] if rank else ["--port", str(http_port)]
     with open(log, "w") as out:
         proc = subprocess.Popen(
             argv, env=host_environment(tmp / f"cache{rank}"), stdout=out, stderr=subprocess.STDOUT,

@@ -4,6 +4,7 @@ configuration path, by name; what works stays accepted; docs/features.md is the 
 
 import json
 import pathlib
+import re
 import shutil
 import types
 
@@ -16,6 +17,11 @@ from tests.models.tiny_qwen3_next import save_tiny_qwen3_next
 from tests.tiny_models import save_tiny_eagle3_head, save_tiny_eagle_head, save_tiny_llama
 
 _DOC = pathlib.Path(__file__).parents[2] / "docs" / "features.md"
+
+_WITHOUT_LINK = (
+    "data_parallel_size_local below data_parallel_size, or data_parallel_rank (external / hybrid "
+    "load balancing), without vllm-xla serve"
+)
 
 # Refused option -> (model variant, EngineArgs keywords that ask for it).
 CASES = {
@@ -39,12 +45,8 @@ CASES = {
     "data_parallel_size with nnodes": (
         "llama", dict(data_parallel_size=2, nnodes=2, tensor_parallel_size=2, master_addr="127.0.0.1"),
     ),
-    "data_parallel_size_local below data_parallel_size, without vllm-xla serve": (
+    _WITHOUT_LINK: (
         "mixtral", dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="10.0.0.2"),
-    ),
-    # vLLM itself refuses external load balancing for a dense model.
-    "data_parallel_external_lb / data_parallel_hybrid_lb / data_parallel_rank": (
-        "mixtral", dict(data_parallel_size=2, data_parallel_external_lb=True, data_parallel_rank=0),
     ),
     # vLLM wants tensor parallelism beyond the KV heads (2) for it: both are refused.
     "decode_context_parallel_size": ("llama", dict(decode_context_parallel_size=2, tensor_parallel_size=4)),
@@ -295,6 +297,26 @@ def test_a_mixture_of_experts_replicas_across_hosts_are_accepted_under_vllm_xla_
     across = dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="10.0.0.2")
     config = _config(models, "mixtral", dict(**across, additional_config={LINK_KEY: "10.0.0.2:29551"}))
     assert feature_check.refusals(config) == []
+
+
+# vLLM's own launch modes for replicas started one by one (it refuses external load balancing
+# for a dense model itself): each rank its own API server, or each host's ranks.
+_STARTED_ALONE = {
+    "external_lb": dict(data_parallel_size=2, data_parallel_rank=1, enable_expert_parallel=True),
+    "hybrid_lb": dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(_STARTED_ALONE))
+def test_replicas_started_one_by_one_are_accepted_under_vllm_xla_serve_only(models, mode):
+    options = _STARTED_ALONE[mode]
+    linked = _config(models, "mixtral", dict(**options, additional_config={LINK_KEY: "127.0.0.1:29551"}))
+    assert feature_check.refusals(linked) == []
+    parallel = linked.parallel_config
+    assert parallel.data_parallel_external_lb == (mode == "external_lb")
+    assert parallel.data_parallel_hybrid_lb == (mode == "hybrid_lb")
+    with pytest.raises(ValueError, match=re.escape(_WITHOUT_LINK)):
+        _config(models, "mixtral", options)
 
 
 _ACROSS_HOSTS = dict(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=29501)
