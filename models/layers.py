@@ -164,18 +164,22 @@ class PagedAttention(nnx.Module):
         inv_freq = self.rope.inverse_frequencies(self.rotary_dim)
         table, rows = step_rope_table(positions, inv_freq, self.rope_table, self.rope.attention_factor)
         sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)  # [N]
+        # The q and k norms go in as arguments, not read from `self` inside: a per-device body
+        # that closes over a weight cannot run inside another `shard_map` (data-parallel replicas
+        # of several devices each, `tpu_platform.replica_step`).
+        norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
         if md.mesh is None:
-            o, kv_cache = self._attend(qkv, rows, table, kv_cache, md, sinks, dtype=x.dtype)
+            o, kv_cache = self._attend(qkv, rows, table, kv_cache, md, sinks, norms, dtype=x.dtype)
         else:  # each device: its own heads (the fused projection's block, their sinks) and its cache shard
             heads, cache = PartitionSpec(None, MODEL_AXIS), kv_cache_partition_spec(md.backend, MODEL_AXIS)
             whole = PartitionSpec()
             o, kv_cache = jax.shard_map(
                 functools.partial(self._attend, dtype=x.dtype, devices=md.tp_size),
                 mesh=md.mesh,
-                in_specs=(heads, whole, whole, cache, whole, PartitionSpec(MODEL_AXIS)),
+                in_specs=(heads, whole, whole, cache, whole, PartitionSpec(MODEL_AXIS), whole),
                 out_specs=(heads, cache),
                 check_vma=False,
-            )(qkv, rows, table, kv_cache, dataclasses.replace(md, mesh=None), sinks)
+            )(qkv, rows, table, kv_cache, dataclasses.replace(md, mesh=None), sinks, norms)
         return self.o_proj(self.gate_output(o, x)), kv_cache  # [T, D]
 
     def gate_output(self, o: jax.Array, x: jax.Array) -> jax.Array:
@@ -191,24 +195,26 @@ class PagedAttention(nnx.Module):
         kv_cache: jax.Array,
         md: AttentionMetadata,
         sinks: jax.Array | None = None,
+        norms: tuple[RMSNorm, RMSNorm] | None = None,
         *,
         dtype: jnp.dtype,
         devices: int = 1,
     ) -> tuple[jax.Array, jax.Array]:
         """RoPE, the KV write and attention on `qkv`'s heads: all of them, or (`devices > 1`)
-        one device's `[q_i, k_i, v_i]` block and cache shard. Returns `[T, n * H]` and the cache."""
+        one device's `[q_i, k_i, v_i]` block and cache shard; `norms`: the q and k heads' RMSNorms
+        before the rotation. Returns `[T, n * H]` and the cache."""
         t, h = qkv.shape[0], self.head_dim
         n, k = self.num_heads // devices, self.num_kv_heads // devices
         heads = dict(num_heads=n, num_kv_heads=k)
         cache_args = dict(backend=md.backend, kv_dtype=md.kv_dtype, first_page=md.first_page)
-        if self.q_norm is None and self.rotary_dim == h:
+        if norms is None and self.rotary_dim == h:
             q, kv_cache = rope_write_kv(
                 qkv, rows, table, kv_cache, md.slot_mapping, dtype=dtype, **heads, **cache_args
             )
         else:  # RMSNorm of each q and k head before the rotation, or a partial rotation
             q, key, v = split_heads(qkv, head_dim=h, dtype=dtype, **heads)
-            if self.q_norm is not None:
-                q, key = self.q_norm(q), self.k_norm(key)
+            if norms is not None:
+                q, key = norms[0](q), norms[1](key)
             cos, sin = table_rows(table, rows)
             q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
             kv_cache = write_kv(kv_cache, key, v, md.slot_mapping, **cache_args)

@@ -13,7 +13,7 @@ or started one by one, each with its own API server (`--data-parallel-rank`: vLL
 balancing; `--data-parallel-start-rank` without `--headless`: hybrid), share no JAX job or are
 one only for the step, and vLLM's front end watches only its own engines: this process joins the
 replicas' liveness link (`tpu_platform.liveness`), and a lost peer ends it and its engines with
-status 1. Rank 0's process (host 0's, the one without a start rank) listens; the others join it.
+status 1. Rank 0's process (host 0's) listens; the others join it.
 """
 
 from __future__ import annotations
@@ -83,9 +83,8 @@ def _external_lb(args: argparse.Namespace) -> bool:
 
 
 def is_link_head(args: argparse.Namespace) -> bool:
-    """Whether this process listens for the others: rank 0's, or host 0's (its API server, no
-    start rank: the others are `--headless`, or start at a rank of their own under hybrid load
-    balancing)."""
+    """Whether this process listens for the others: rank 0's, or host 0's (not `--headless`, and
+    its start rank, if any, 0: under hybrid load balancing each host's starts its own ranks)."""
     if _external_lb(args):
         return args.data_parallel_rank == 0
     return not args.headless and not args.data_parallel_start_rank

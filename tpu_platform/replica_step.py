@@ -1,22 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Data-parallel replicas in one step program: a mesh of D devices (`DATA_AXIS`, and a model
-axis of 1), each running one replica's step on its own requests.
+"""Data-parallel replicas in one step program: a mesh of D x N devices (`DATA_AXIS` of D
+replicas, a model axis of N devices each), each replica running its step on its own requests.
 
-This is the form expert parallelism across replicas takes (vLLM's expert-parallel group of D
-devices, attention data-parallel, as DeepSeek-V3 and Qwen3-MoE are served at scale): the
-one-device step of a replica under a `shard_map` manual over the replicas, so each replica sees
-its own packed inputs, fed tokens and KV cache, and attention, the KV write and the logits never
-leave its device; the only exchange between replicas is the experts'
-(`models.moe.experts_by_index_over_replicas`: a gather of the replicas' tokens and a scatter of
-their sums). Every other weight is whole on each device; the experts are split by index over
-the D devices (`models.sharding.parameter_sharding`). Replicas of several devices each
-(attention tensor-parallel inside a replica) are not built: the replica's own step would then
-be a `shard_map` inside this one, and its per-device code closes over weights the nested form
-does not take.
+This is the form expert parallelism across replicas takes (vLLM's expert-parallel group of
+D x N devices, attention data-parallel, as DeepSeek-V3 and Qwen3-MoE are served at scale): a
+replica's step under a `shard_map` manual over the replicas only, so each replica sees its own
+packed inputs, fed tokens and KV cache, and attention, the KV write and the logits never leave
+its devices; inside, the model axis stays automatic and the replica's step is the N-device
+tensor-parallel one (its per-device `shard_map`s nested in this one: their bodies take every
+weight they use as an argument, since a weight closed over would be typed on the outer mesh).
+The only exchange between replicas is the experts' (`models.moe.experts_by_index_over_replicas`:
+a gather of the replicas' tokens and a scatter of their sums). Every other weight is whole in
+each replica (split over its N devices as tensor parallelism splits it); the experts are split by
+index over all D x N devices (`models.sharding.parameter_sharding`).
 
 Every per-replica array of the program (inputs, caches, outputs) is the replicas' arrays side by
 side on its first axis: replica r's is rows `r * n .. (r + 1) * n` of the global array, held by
-replica r's device (`side_by_side`). Every replica's step has the same padded shape.
+replica r's devices (`side_by_side`). Every replica's step has the same padded shape.
 """
 
 from __future__ import annotations
@@ -28,24 +28,40 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.sharding import DATA_AXIS, MODEL_AXIS
+from pallas_kernels import kv_cache_partition_spec
 from tpu_platform.mesh import check_devices
 
 _BY_REPLICA = PartitionSpec(DATA_AXIS)
 
 
-def replica_mesh(num_replicas: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A `[num_replicas, 1]` mesh over the first `num_replicas` devices (of this host:
-    `jax.local_devices()` by default), replica r on device r."""
+def replica_mesh(
+    num_replicas: int, devices: Sequence[jax.Device] | None = None, devices_per_replica: int = 1
+) -> Mesh:
+    """A `[num_replicas, devices_per_replica]` mesh over the first of `devices` (this host's
+    `jax.local_devices()` by default), replica r on devices `r * N .. (r + 1) * N`."""
     devices = list(jax.local_devices() if devices is None else devices)
-    if num_replicas < 1:
-        raise ValueError(f"data_parallel_size must be >= 1, got {num_replicas}")
-    check_devices(num_replicas, devices)
-    return Mesh(np.array(devices[:num_replicas]).reshape(num_replicas, 1), (DATA_AXIS, MODEL_AXIS))
+    if num_replicas < 1 or devices_per_replica < 1:
+        raise ValueError(
+            f"data_parallel_size and tensor_parallel_size must be >= 1, got {num_replicas} and "
+            f"{devices_per_replica}"
+        )
+    count = num_replicas * devices_per_replica
+    check_devices(count, devices)
+    grid = np.array(devices[:count]).reshape(num_replicas, devices_per_replica)
+    return Mesh(grid, (DATA_AXIS, MODEL_AXIS))
 
 
 def num_replicas(mesh: Mesh | None) -> int:
     """The data-parallel replicas of `mesh` (1: none, or no mesh)."""
     return 1 if mesh is None else dict(mesh.shape).get(DATA_AXIS, 1)
+
+
+def replica_cache_spec(backend: str) -> PartitionSpec:
+    """How the replicas' caches side by side split: by replica on the first axis, and inside a
+    replica of several devices on the KV heads, as tensor parallelism splits one cache."""
+    spec = list(kv_cache_partition_spec(backend, MODEL_AXIS))
+    spec[0] = DATA_AXIS if spec[0] is None else (DATA_AXIS, spec[0])
+    return PartitionSpec(*spec)
 
 
 def over_replicas_step(
@@ -60,23 +76,23 @@ def over_replicas_step(
     of the inputs, caches and outputs, jitted with the caches donated; the weights come placed
     with `state_shardings`, the caches with `cache_shardings` (`side_by_side`)."""
     replicas, devices = num_replicas(mesh), mesh.shape[MODEL_AXIS]
-    if devices != 1:
-        raise ValueError(
-            f"data-parallel replicas of {devices} devices each in one step program (attention "
-            "tensor-parallel inside each) are not built; use one device a replica"
-        )
-    state_specs = [sharding.spec for sharding in state_shardings]
-    cache_specs = [sharding.spec for sharding in cache_shardings]
+    # The outer `shard_map` is manual over the replicas alone: each replica's arrays arrive as
+    # its own rows, still split over its devices (the model axis stays automatic inside).
+    state_specs = [_over_replicas(sharding.spec) for sharding in state_shardings]
+    cache_specs = [_over_replicas(sharding.spec) for sharding in cache_shardings]
 
     def replicas_step(state_leaves, kv_caches, packed, fed_tokens, dims):
         def replica(state_leaves, kv_caches, packed, fed_tokens):
-            return step(state_leaves, kv_caches, packed, fed_tokens, dims=dims, mesh=None, replicas=replicas)
+            # Its tensor-parallel mesh: the context's, the replicas' axis manual there already.
+            inner = jax.sharding.get_abstract_mesh() if devices > 1 else None
+            return step(state_leaves, kv_caches, packed, fed_tokens, dims=dims, mesh=inner, replicas=replicas)
 
         return jax.shard_map(
             replica,
             mesh=mesh,
             in_specs=(state_specs, cache_specs, _BY_REPLICA, _BY_REPLICA),
             out_specs=(_BY_REPLICA, _BY_REPLICA, _BY_REPLICA, cache_specs, *[_BY_REPLICA] * extra_outputs),
+            axis_names={DATA_AXIS},
             check_vma=False,
         )(list(state_leaves), list(kv_caches), packed, fed_tokens)
 
@@ -89,13 +105,24 @@ def over_replicas_step(
     )
 
 
-def replica_devices() -> list[jax.Device]:
-    """The first device of each process of this JAX job, in process order: the replicas' devices
-    when each data-parallel rank's process drives one (`Runner` with `data_parallel_size`)."""
-    firsts: dict[int, jax.Device] = {}
+def _over_replicas(spec: PartitionSpec) -> PartitionSpec:
+    """`spec` with only its replicas' axis: what the replicas' `shard_map` splits by hand."""
+
+    def replicas_only(entry):
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        return DATA_AXIS if DATA_AXIS in axes else None
+
+    return PartitionSpec(*(replicas_only(entry) for entry in spec))
+
+
+def replica_devices(devices_per_replica: int = 1) -> list[jax.Device]:
+    """The first `devices_per_replica` devices of each process of this JAX job, in process order:
+    the replicas' devices when each data-parallel rank's process drives one replica (`Runner`
+    with `data_parallel_size`)."""
+    by_process: dict[int, list[jax.Device]] = {}
     for device in jax.devices():
-        firsts.setdefault(device.process_index, device)
-    return [firsts[index] for index in sorted(firsts)]
+        by_process.setdefault(device.process_index, []).append(device)
+    return [d for index in sorted(by_process) for d in by_process[index][:devices_per_replica]]
 
 
 def side_by_side(local: jax.Array, mesh: Mesh) -> jax.Array:

@@ -71,24 +71,23 @@ def start_replica_host(
     tmp: pathlib.Path,
     http_port: int | None,
     *,
-    external_lb: bool = False,
+    launch: str = "headless",
 ) -> tuple[subprocess.Popen, pathlib.Path]:
-    """`vllm-xla serve` as the host of data-parallel rank `rank` of 2 (one replica a host, vLLM's
-    multi-node data-parallel options): rank 0 serves the OpenAI API on `http_port`, rank 1 runs
-    `--headless` and joins rank 0's front end at `rpc_port`; or (`external_lb`) each rank its own
-    API server on `http_port` (vLLM's external load balancing: `--data-parallel-rank`). Its
-    process and log file."""
+    """`vllm-xla serve` as host `rank` of 2 with vLLM's multi-node data-parallel options, by
+    `launch`: "headless" (one replica a host; rank 0 serves the OpenAI API on `http_port`, rank 1
+    runs `--headless` and joins rank 0's front end at `rpc_port`), "external" (vLLM's external
+    load balancing: rank `rank` of 2 with its own API server on `http_port`) or "hybrid" (two
+    replicas a host, each host's API server on `http_port` over its own). Its process and log."""
     log = tmp / f"replica{rank}.log"
     argv = [sys.executable, "-m", "plugin_shim.cli", "serve", "--model", model, *options]
-    argv += [
-        "--data-parallel-size=2",
-        "--data-parallel-address=127.0.0.1",
-        f"--data-parallel-rpc-port={rpc_port}",
-    ]
-    if external_lb:
-        argv += [f"--data-parallel-rank={rank}", "--port", str(http_port)]
+    argv += ["--data-parallel-address=127.0.0.1", f"--data-parallel-rpc-port={rpc_port}"]
+    if launch == "external":
+        argv += ["--data-parallel-size=2", f"--data-parallel-rank={rank}", "--port", str(http_port)]
+    elif launch == "hybrid":
+        argv += ["--data-parallel-size=4", "--data-parallel-size-local=2", "--port", str(http_port)]
+        argv += [f"--data-parallel-start-rank={2 * rank}"]
     else:
-        argv += ["--data-parallel-size-local=1"]
+        argv += ["--data-parallel-size=2", "--data-parallel-size-local=1"]
         argv += ["--headless", f"--data-parallel-start-rank={rank}"] if rank else ["--port", str(http_port)]
     with open(log, "w") as out:
         proc = subprocess.Popen(

@@ -45,7 +45,7 @@ def test_ranks_started_one_by_one_answer_on_their_own_servers_and_end_together(t
     rpc, ports = free_port(), [free_port(), free_port()]
     options = [*SERVE, "--enable-expert-parallel"]
     ranks = [
-        start_replica_host(r, model, options, rpc, tmp_path, ports[r], external_lb=True) for r in (1, 0)
+        start_replica_host(r, model, options, rpc, tmp_path, ports[r], launch="external") for r in (1, 0)
     ][::-1]
     procs, logs = [proc for proc, _ in ranks], [log for _, log in ranks]
     try:

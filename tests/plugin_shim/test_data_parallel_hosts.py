@@ -98,6 +98,32 @@ def test_killing_the_headless_host_ends_host_0(hosts):
     _ends_with_the_lost_host_named(hosts["host0"], hosts["log0"])
 
 
+def test_hosts_of_two_replicas_each_behind_their_own_server_answer_and_end_together(model, tmp_path):
+    """vLLM's hybrid load balancing: each host's API server over its own two replicas (4 in all),
+    a load balancer (here: the test) in front of the hosts; the servers are linked all the same."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+    rpc, ports = free_port(), [free_port(), free_port()]
+    started = [start_replica_host(r, model, SERVE, rpc, tmp_path, ports[r], launch="hybrid") for r in (1, 0)]
+    procs, logs = [proc for proc, _ in started[::-1]], [log for _, log in started[::-1]]
+    try:
+        for port in ports:
+            wait_healthy(port, procs, logs, timeout=800)
+        half = len(PROMPTS) // 2
+        for host, port in enumerate(ports):
+            mine = PROMPTS[:half] if host == 0 else PROMPTS[half:]
+            assert completions(port, model, mine, NEW_TOKENS) == (want[:half] if host == 0 else want[half:])
+            served = _requests_per_engine(get(f"http://127.0.0.1:{port}/metrics", timeout=30).decode())
+            assert set(served) == {str(2 * host), str(2 * host + 1)}, served  # its own replicas only
+        kill_host(procs[1])
+        _ends_with_the_lost_host_named(procs[0], logs[0])
+    finally:
+        for proc in procs:
+            kill_host(proc)
+
+
 def test_killing_host_0_ends_the_headless_host(model, tmp_path):
     hosts = _start_hosts(model, tmp_path)
     try:

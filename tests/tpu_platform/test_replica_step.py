@@ -12,6 +12,7 @@ placement helpers and the refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec
 
 from models.sharding import DATA_AXIS, MODEL_AXIS, check_expert_parallel
 from tests.models.tiny_checkpoints import save_tiny
@@ -30,7 +31,7 @@ from tpu_platform.replica_step import (
     agreed_tokens,
     fewest,
     num_replicas,
-    over_replicas_step,
+    replica_cache_spec,
     replica_mesh,
 )
 from tpu_platform.runner_config import RunnerConfig
@@ -49,42 +50,58 @@ def report(tmp_path_factory) -> dict:
     return json.loads(done.stdout.split("REPORT ", 1)[1])
 
 
-FORMS = [("dp2_ep", 2, True), ("dp4_ep", 4, True), ("dp2", 2, False)]
+# (form, replicas, devices a replica, experts split over the replicas)
+FORMS = [("dp2_ep", 2, 1, True), ("dp4_ep", 4, 1, True), ("dp2", 2, 1, False), ("dp2_tp2_ep", 2, 2, True)]
+ARGS = ("form", "replicas", "devices", "expert_parallel")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("form", "replicas", "expert_parallel"), FORMS)
-def test_each_replica_computes_its_own_batch_as_one_device_does(report, form, replicas, expert_parallel):
+@pytest.mark.parametrize(ARGS, FORMS)
+def test_each_replica_computes_its_own_batch_as_one_device_does(
+    report, form, replicas, devices, expert_parallel
+):
     got = report[form]
     assert got["max_diff"] <= 1e-5 * report["scale"], got["max_diff"]
     assert got["greedy"] == got["greedy_alone"]
     assert len({tuple(tokens) for tokens in got["greedy"]}) == replicas  # the batches differ
-    assert got["cache_scale"] > 0 and got["cache_diff"] <= 1e-5 * got["cache_scale"]
+    assert got["cache_scale"] > 0
+    if devices == 1:  # split over a replica's devices, a cache has the tensor-parallel layout
+        assert got["cache_diff"] <= 1e-5 * got["cache_scale"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("form", "replicas", "expert_parallel"), FORMS)
-def test_each_device_holds_its_share_of_the_experts(report, form, replicas, expert_parallel):
+@pytest.mark.parametrize(ARGS, FORMS)
+def test_each_device_holds_its_share_of_the_experts(report, form, replicas, devices, expert_parallel):
     experts = report[form]["experts"]
     assert len(experts) == 3 * MOE_LAYERS  # gate, up, down of each MoE layer
-    share = NUM_EXPERTS // replicas if expert_parallel else NUM_EXPERTS
+    share = NUM_EXPERTS // (replicas * devices) if expert_parallel else NUM_EXPERTS
     for name, (whole, local) in experts.items():
         assert whole[0] == NUM_EXPERTS and local == [share, *whole[1:]], name
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("form", "replicas", "expert_parallel"), FORMS)
-def test_replicas_exchange_only_the_experts_tokens_and_sums(report, form, replicas, expert_parallel):
+@pytest.mark.parametrize(ARGS, FORMS)
+def test_replicas_exchange_only_the_experts_tokens_and_sums(report, form, replicas, devices, expert_parallel):
     hidden = report["tokens_by_hidden"][1]
     kinds = [(kind, shapes) for kind, shapes in report[form]["collectives"]]
     if not expert_parallel:
         assert kinds == []  # each replica's step on its own device: nothing crosses replicas
         return
     gathered = replicas * STEP_TOKENS
-    assert sorted(kinds) == sorted(
-        [("all-gather", [[gathered, hidden]]), ("reduce-scatter", [[STEP_TOKENS, hidden]])] * MOE_LAYERS
-        + [("all-gather", [[gathered, 2]])] * 2 * MOE_LAYERS  # the routing weights and expert ids (top 2)
-    )
+    expected = [
+        ("all-gather", [[gathered, hidden]]),
+        ("reduce-scatter", [[STEP_TOKENS, hidden]]),
+    ] * MOE_LAYERS
+    expected += [("all-gather", [[gathered, 2]])] * 2 * MOE_LAYERS  # the routing weights and ids (top 2)
+    if devices > 1:  # the gathered tokens' sums over the replica's devices, before the scatter
+        expected += [("all-reduce", [[gathered, hidden]])] * MOE_LAYERS
+    across = [
+        (kind, shapes) for kind, shapes in kinds if shapes[0][0] == gathered or kind == "reduce-scatter"
+    ]
+    assert sorted(across) == sorted(expected)
+    # The rest is tensor parallelism inside each replica: its own step's rows, no other replica's.
+    inside = [shapes for kind, shapes in kinds if (kind, shapes) not in expected]
+    assert (devices > 1) == bool(inside) and all(shapes[0][0] <= STEP_TOKENS for shapes in inside), inside
 
 
 def test_replica_mesh_is_a_device_a_replica_and_needs_the_devices():
@@ -93,14 +110,24 @@ def test_replica_mesh_is_a_device_a_replica_and_needs_the_devices():
     assert num_replicas(None) == 1
     with pytest.raises(ValueError, match="needs 9 devices"):
         replica_mesh(9, jax.devices()[:1])
-    with pytest.raises(ValueError, match="data_parallel_size must be >= 1"):
+    with pytest.raises(ValueError, match="must be >= 1, got 0 and 1"):
         replica_mesh(0)
 
 
-def test_replicas_of_several_devices_each_are_refused_by_name():
-    mesh = AbstractMesh((2, 2), (DATA_AXIS, MODEL_AXIS))
-    with pytest.raises(ValueError, match=r"replicas of 2 devices each .* use one device a replica"):
-        over_replicas_step(lambda *a, **k: a, mesh, [], [], 0)
+@dataclasses.dataclass(frozen=True)
+class _Device:
+    id: int
+
+
+def test_replicas_of_several_devices_are_each_a_block_of_the_devices_and_split_their_caches():
+    devices = [_Device(i) for i in range(8)]  # `replica_mesh` only lays them out
+    mesh = replica_mesh(2, devices, devices_per_replica=3)
+    assert dict(mesh.shape) == {DATA_AXIS: 2, MODEL_AXIS: 3}
+    assert [[d.id for d in row] for row in mesh.devices] == [[0, 1, 2], [3, 4, 5]]
+    # the replicas side by side on the first axis, each replica's KV heads over its devices: in
+    # the xla layout the heads are that first axis (replica-major), in the TPU kernel's the second
+    assert replica_cache_spec("xla") == PartitionSpec((DATA_AXIS, MODEL_AXIS))
+    assert replica_cache_spec("pallas_tpu") == PartitionSpec(DATA_AXIS, MODEL_AXIS)
 
 
 def test_experts_that_do_not_split_over_the_replicas_name_the_sizes_that_do():
