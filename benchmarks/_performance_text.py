@@ -30,12 +30,10 @@ A "DP D x TP N" row is D data-parallel replicas of N chips each (`--dp D`, the r
 `--data-parallel-size`): each replica compiles the N-chip program, so the row is that program's
 chip, with one replica's KV tokens and those of all D, and the throughput of all D. With ", EP"
 the experts are split over all D x N chips with attention per replica
-([architecture.md](architecture.md#data-parallelism)): at N = 1 the row is the replicas' own
-compiled program (`tpu_platform/replica_step.py`), whose collectives are per MoE layer the gathers
-of every replica's tokens and routing and the scatter of their sums (one compiler combines the
-gathers); at N > 1 (not built) its chip is arithmetic
-(`tpu_platform/planner/replicas.py`) and its steps' memory that of the program compiled with the
-experts over the same chips and attention split over them too.
+([architecture.md](architecture.md#data-parallelism)): the row is the replicas' own compiled
+program (`tpu_platform/replica_step.py`), whose collectives across replicas are per MoE layer the
+gathers of every replica's tokens and routing and the scatter of their sums (one compiler
+combines the gathers), and at N > 1 each replica's own tensor parallelism's besides.
 """
 
 

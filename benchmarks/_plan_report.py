@@ -46,10 +46,8 @@ def _replicas_report(row: dict) -> str:
     replicas = row.get("replicas")
     if replicas is None:
         return ""
-    if replicas["experts_over_replicas"] and replicas["tp_size"] == 1:
-        form = "experts split over their chips, attention per replica (the program above)"
-    elif replicas["experts_over_replicas"]:
-        form = "experts split over all their chips, attention per replica (arithmetic: not built)"
+    if replicas["experts_over_replicas"]:
+        form = "experts split over all their chips, attention per replica (the program above)"
     else:
         form = "each the program above, nothing exchanged between them"
     return (
@@ -196,17 +194,13 @@ def tensor_parallel_markdown(rows: list[dict]) -> str:
 
 def _replicas_markdown_row(r: dict) -> str:
     """A `--dp` row: a replica's chip and cache, the tokens of all replicas, and the decode
-    throughput of all of them (the experts over replicas of one chip: their own program's);
-    with the experts over replicas of several chips each (not built), only the arithmetic: the
-    program compiled was the one with attention split over them all."""
+    throughput of all of them (with the experts over the replicas: their own program's)."""
     rep = r["replicas"]
     over = rep["experts_over_replicas"]
     split = f"DP {rep['dp_size']} x TP {rep['tp_size']}" + (f", EP {rep['chips']}" if over else "")
     head = f"| {_model_cell(r)} | {r['target']} | {split} | {_weights(r)} | {_gib(rep['weight_bytes'])} |"
     cache = f"{_gib(rep['kv_bytes'])} ({rep['kv_tokens']} a replica, {rep['total_kv_tokens']} in all)"
     fits = f"{r['batch']} x {r['context']} a replica: {'fits' if rep['batch_fits'] else 'no'}"
-    if over and rep["tp_size"] > 1:
-        return f"{head} {cache} | {_step_memory(r)} | {fits} | - | - | not compiled: not built |"
     roof, (xla, _), exchanged = r["roofline"], _estimates(r), r["decode_collectives"]
     total = rep["dp_size"] * roof["tokens_per_second"]
     return (

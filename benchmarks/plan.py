@@ -38,11 +38,9 @@ A model too large for its chips is reported as not fitting, by how much.
 compiles the program of its `--tp` chips, so the row is that program's, with a replica's KV
 tokens, those of all D, and D times its throughput. With `--ep` too the experts are split over all
 D x TP chips and attention stays on each replica's (vLLM's expert-parallel group under data
-parallelism, `docs/architecture.md`): at `--tp 1` the planner compiles the replicas' own program
-(`tpu_platform.replica_step`: each chip attends to its replica's requests, the experts split by
-index over the D chips); replicas of several chips each are not built, and the planner compiles
-the program with the experts and attention over all D x TP chips and gives that form's chip by
-arithmetic (`tpu_platform.planner.replicas`).
+parallelism, `docs/architecture.md`): the planner compiles the replicas' own program
+(`tpu_platform.replica_step`: each replica's chips attend to its requests, tensor-parallel over
+them, the experts split by index over all D x TP chips).
 
 `--depth` plans each row from the model's first 2 and 4 layers at full width
 (`tpu_platform.planner.depth`: weights and KV per layer are arithmetic, what the steps need beyond
@@ -87,15 +85,12 @@ def plan_one(model: str, target: str, tp_size: int, quantization: str, args: arg
     quantized so (in a process with its toolchain); every byte and time is per chip."""
     from tpu_platform.planner.plan import StepSetup, model_config
 
-    # Experts over `--dp` replicas of one chip: the program compiled is the replicas' own
-    # (`tpu_platform.replica_step`). Of several chips (not built): the served one with its
-    # experts split over all their chips (attention tensor-parallel over them too), and
-    # `_with_replicas` moves attention back to each replica's chips by arithmetic.
-    replicas = args.dp if args.ep and tp_size == 1 else 1
-    compiled_tp = tp_size * args.dp if args.ep and replicas == 1 else tp_size
+    # Experts over `--dp` replicas: the program compiled is the replicas' own
+    # (`tpu_platform.replica_step`); without `--ep`, one replica's.
+    replicas = args.dp if args.ep else 1
     setup = StepSetup(
         model_config(model), target, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.batch,
-        max_model_len=args.context, max_num_batched_tokens=args.prefill, tp_size=compiled_tp,
+        max_model_len=args.context, max_num_batched_tokens=args.prefill, tp_size=tp_size,
         quantization=quantization, expert_parallel=args.ep, speculative_tokens=_drafts(args),
         dp_size=replicas,
     )  # fmt: skip
@@ -132,7 +127,7 @@ def _with_replicas(row: dict, setup, args: argparse.Namespace, tp_size: int) -> 
     """`row` as `--dp` replicas of `tp_size` chips (`tpu_platform.planner.replicas`): a chip's
     weights and a replica's KV tokens, the steps keeping what the compiled program's keep beside
     its weights and cache. Without `--ep` the compiled program is the replica's own; with it the
-    experts are split over every replica's chips (at `tp_size` 1, the replicas' own program)."""
+    replicas' own, the experts split over every replica's chips."""
     row["dp_size"] = args.dp
     if args.dp == 1 or not row["fits"]:
         return row

@@ -177,7 +177,7 @@ class GptOssMoE(nnx.Module):
             by_index = dict(gate_bias=gate_up_bias, down_bias=ex.down_proj_bias[...])
             if md.replicas > 1:
                 return experts_by_index_over_replicas(
-                    x, (gate_up, None, down), weights, experts, act, **by_index
+                    x, (gate_up, None, down), weights, experts, act, mesh=md.mesh, **by_index
                 )
             return experts_by_index_on_mesh(
                 md.mesh, x, (gate_up, None, down), weights, experts, act, **by_index

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from models import expert_load
 from models.config import ModelConfig
@@ -366,25 +366,48 @@ def experts_by_index_over_replicas(
     down_bias: jax.Array | None = None,
     offsets: tuple[jax.Array | None, jax.Array | None, jax.Array | None] | None = None,
     input_order: jax.Array | None = None,
+    mesh: AbstractMesh | None = None,
 ) -> jax.Array:
-    """`experts_by_index_on_mesh` for data-parallel replicas of one device each, run inside a
-    `shard_map` manual over `DATA_AXIS` (`tpu_platform.replica_step`): `x [T, D]` and its
-    routing are this replica's own tokens, the arrays of `stacks` (and its scales, biases,
-    offsets, orders) this device's E / D experts, replica r holding experts `r * E / D ..`.
+    """`experts_by_index_on_mesh` for data-parallel replicas, run inside a `shard_map` manual
+    over `DATA_AXIS` (`tpu_platform.replica_step`): `x [T, D]` and its routing are this
+    replica's own tokens, the arrays of `stacks` (and its scales, biases, offsets, orders) this
+    replica's E / R experts, replica r holding experts `r * E / R ..`; `mesh`: the replica's own
+    devices' mesh (the context's, its model axis of N devices each holding E / (R * N) of them),
+    None for a device a replica.
 
     Every replica's tokens and routing are gathered, each device runs its own experts on the
-    assignments routed to them, and the sums are scattered back, each replica keeping its own
-    rows: an all-gather and a reduce-scatter of `[T, D]` a replica. Per token of a replica they
-    move 2 (D - 1) rows (to each other device and back); a ragged all-to-all would move its k
-    routed rows out and back, those on other devices: 2k (D - 1) / D. So D / k times the
-    all-to-all's bytes: the same at D = k (top-8 models over 8 chips), fewer below, more above,
-    with no ragged sizes to exchange first and no device waiting on the busiest expert's rows."""
+    assignments routed to them (those of a replica's N devices summed over them), and the sums
+    are scattered back, each replica keeping its own rows: an all-gather and a reduce-scatter of
+    `[T, D]` a replica. Per token of a replica they move 2 (R - 1) rows (to each other replica
+    and back); a ragged all-to-all would move its k routed rows out and back, those on other
+    replicas: 2k (R - 1) / R. So R / k times the all-to-all's bytes: the same at R = k (top-8
+    models over 8 replicas), fewer below, more above, with no ragged sizes to exchange first and
+    no device waiting on the busiest expert's rows."""
     x, weights, experts = (jax.lax.all_gather(a, DATA_AXIS, tiled=True) for a in (x, weights, experts))
-    device = jax.lax.axis_index(DATA_AXIS)
+    replica = jax.lax.axis_index(DATA_AXIS)
     offsets = (None, None, None) if offsets is None else tuple(offsets)
-    partial = _own_experts(act, weights_on_input)(
-        device, x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, scales or ()
-    )
+    own = _own_experts(act, weights_on_input)
+    extra = scales or ()
+    if mesh is None:
+        partial = own(replica, x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, extra)
+    else:  # each of the replica's devices its own experts, by hand: one sum over them
+        devices = mesh.shape[MODEL_AXIS]
+
+        def local(replica, x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, *scales):
+            device = replica * devices + jax.lax.axis_index(MODEL_AXIS)
+            partial = own(
+                device, x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, scales
+            )
+            return jax.lax.psum(partial, MODEL_AXIS)
+
+        split, whole = PartitionSpec(MODEL_AXIS), PartitionSpec()
+        partial = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(whole, whole, split, whole, whole, split, split, split, split, *(split for _ in extra)),
+            out_specs=whole,
+            check_vma=False,
+        )(replica, x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, *extra)
     return jax.lax.psum_scatter(partial, DATA_AXIS, scatter_dimension=0, tiled=True)
 
 
@@ -518,7 +541,9 @@ class SparseMoE(nnx.Module):
         kernels = tuple(s.kernel[...] for s in stacks)
         options = dict(weights_on_input=self.weights_on_input, offsets=offsets, input_order=order)
         if md is not None and md.replicas > 1 and self.expert_parallel:
-            return experts_by_index_over_replicas(x, kernels, weights, experts, act, scales, **options)
+            return experts_by_index_over_replicas(
+                x, kernels, weights, experts, act, scales, mesh=md.mesh, **options
+            )
         if md is not None and md.mesh is not None and self.expert_parallel:
             return experts_by_index_on_mesh(md.mesh, x, kernels, weights, experts, act, scales, **options)
         if md is not None and md.mesh is not None and kernels[0].shape[2] % md.tp_size == 0:

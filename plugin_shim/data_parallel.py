@@ -7,8 +7,8 @@ vLLM runs the replicas of a dense model as independent engines (a DP rank of one
 of an MoE model in lock step (an idle rank runs a dummy step while another works, so that
 expert-parallel collectives line up). Without `--enable-expert-parallel` our step has no
 collective across replicas (each holds every expert), so a dummy step does nothing. With it,
-each replica is one device and every replica's step is one program over all of them, the experts
-split by index over the replicas (`tpu_platform.replica_step`): the ranks' processes join one
+every replica's step (on its TP devices) is one program over all of them, the experts split by
+index over every replica's devices (`tpu_platform.replica_step`): the ranks' processes join one
 JAX job at start (`join_replicas`), every step agrees on the padded shape, and an idle rank's
 dummy step takes its part (`Runner.dummy_step`).
 

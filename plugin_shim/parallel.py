@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from models.config import ModelConfig
-from models.sharding import check_tensor_parallel
+from models.sharding import check_expert_parallel, check_tensor_parallel
+from plugin_shim.data_parallel import expert_replicas
 from tpu_platform.mesh import check_model_fits_mesh
 
 if TYPE_CHECKING:
@@ -65,7 +66,8 @@ def _check_splits(vllm_config: VllmConfig, tp_size: int) -> None:
     splits (the MLP's or the experts' intermediate size) do not divide (`check_model_fits_mesh`)."""
     model = vllm_config.model_config
     hf = getattr(model, "hf_text_config", None) if model is not None else None
-    if hf is None or tp_size <= 1:
+    replicas = expert_replicas(vllm_config)
+    if hf is None or tp_size * replicas <= 1:
         return
     try:
         fields = hf.to_dict()
@@ -79,6 +81,8 @@ def _check_splits(vllm_config: VllmConfig, tp_size: int) -> None:
         return
     expert_parallel = bool(vllm_config.parallel_config.enable_expert_parallel)
     check_model_fits_mesh(config, tp_size, expert_parallel=expert_parallel)
+    if replicas > 1 and config.num_experts:  # the experts split over every replica's devices
+        check_expert_parallel(config.num_experts, replicas * tp_size, replicas=replicas)
 
 
 def _one_worker_per_host(vllm_config: VllmConfig) -> None:

@@ -285,16 +285,6 @@ REFUSED: tuple[Refusal, ...] = (
         _NO_PARALLELISM,
     ),
     Refusal(
-        "enable_expert_parallel with data_parallel_size and tensor_parallel_size",
-        "expert parallelism over data-parallel replicas of several devices each (attention "
-        "tensor-parallel inside each replica; not built)",
-        "tensor_parallel_size > 1",
-        lambda c: _experts_over_replicas(c) and _parallel(c).tensor_parallel_size > 1,
-        "use --tensor-parallel-size 1 (one device a replica, the experts split over all of them), "
-        "or split the experts inside each replica (--enable-expert-parallel without "
-        "--data-parallel-size)",
-    ),
-    Refusal(
         "enable_expert_parallel with data_parallel_size, with LoRA, speculative decoding or pooling",
         "LoRA adapters, speculative decoding, pooling or a hybrid model's state layers with the "
         "experts split over data-parallel replicas (each runs programs of its own beside the "

@@ -56,11 +56,12 @@ SUPPORTED: tuple[Supported, ...] = (
     ),
     Supported(
         "Expert parallelism over data-parallel replicas",
-        "enable_expert_parallel with data_parallel_size (tensor_parallel_size 1)",
-        "each replica one device attending to its own requests, the experts split by index over "
-        "all of them; the ranks' processes are one JAX job and every step one program over them, "
-        "padded to the largest rank's bucket, idle ranks taking their part by vLLM's dummy batches "
-        "(tpu_platform/replica_step.py), on one host or across hosts",
+        "enable_expert_parallel with data_parallel_size (and tensor_parallel_size)",
+        "each replica attending to its own requests on its own devices (tensor-parallel over them), "
+        "the experts split by index over all replicas' devices; the ranks' processes are one JAX "
+        "job and every step one program over them, padded to the largest rank's bucket, idle ranks "
+        "taking their part by vLLM's dummy batches (tpu_platform/replica_step.py), on one host or "
+        "across hosts",
     ),
     Supported(
         "Data-parallel replicas across hosts",

@@ -79,17 +79,16 @@ def test_data_parallel_rows_render_a_replicas_chip_and_the_tokens_of_all():
         "replica, 841472 in all) | 0.25 / 0.50 | 64 x 2048 a replica: no | 20.0 (25600 all replicas) | - | "
         "0 (0.0) |"
     ) in table
-    experts = {**replicas, "tp_size": 2, "dp_size": 4, "experts_over_replicas": True}
-    over = plan_report.render_markdown({"results": [{**row, "tp_size": 8, "replicas": experts}]})
-    assert "| DP 4 x TP 2, EP 8 | bfloat16 |" in over
-    assert over.endswith("| - | - | not compiled: not built |")
-    # Over replicas of one chip the row is the replicas' own compiled program, with its exchanges.
-    one_chip = {**replicas, "experts_over_replicas": True}
+    # With the experts over the replicas the row is the replicas' own compiled program, with its
+    # exchanges, whatever a replica's chips.
     exchanged = {"count": 192, "bytes": 110 << 20}
-    compiled = plan_report.render_markdown(
-        {"results": [{**row, "replicas": one_chip, "decode_collectives": exchanged}]}
-    )
-    assert "| DP 8 x TP 1, EP 8 | bfloat16 |" in compiled
-    assert compiled.endswith("| 20.0 (25600 all replicas) | - | 192 (110.0) |")
+    for dp, tp in ((8, 1), (4, 2)):
+        experts = {**replicas, "tp_size": tp, "dp_size": dp, "experts_over_replicas": True}
+        compiled = plan_report.render_markdown(
+            {"results": [{**row, "tp_size": tp, "replicas": experts, "decode_collectives": exchanged}]}
+        )
+        assert f"| DP {dp} x TP {tp}, EP 8 | bfloat16 |" in compiled
+        total = dp * 25600 // 8
+        assert compiled.endswith(f"| 20.0 ({total} all replicas) | - | 192 (110.0) |")
     # A row of replicas is its own plan beside the same model on one chip.
     assert plan.updated([_row("llama-3.1-8b", "v6e-8")], [row]) == [_row("llama-3.1-8b", "v6e-8"), row]

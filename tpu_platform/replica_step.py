@@ -28,7 +28,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.sharding import DATA_AXIS, MODEL_AXIS
-from pallas_kernels import kv_cache_partition_spec
 from tpu_platform.mesh import check_devices
 
 _BY_REPLICA = PartitionSpec(DATA_AXIS)
@@ -56,10 +55,10 @@ def num_replicas(mesh: Mesh | None) -> int:
     return 1 if mesh is None else dict(mesh.shape).get(DATA_AXIS, 1)
 
 
-def replica_cache_spec(backend: str) -> PartitionSpec:
-    """How the replicas' caches side by side split: by replica on the first axis, and inside a
-    replica of several devices on the KV heads, as tensor parallelism splits one cache."""
-    spec = list(kv_cache_partition_spec(backend, MODEL_AXIS))
+def replica_rows_spec(replica_spec: PartitionSpec) -> PartitionSpec:
+    """How the replicas' arrays side by side split: by replica on the first axis, and inside a
+    replica as `replica_spec` splits one replica's over its devices (a cache on its KV heads)."""
+    spec = list(replica_spec) or [None]
     spec[0] = DATA_AXIS if spec[0] is None else (DATA_AXIS, spec[0])
     return PartitionSpec(*spec)
 
@@ -92,7 +91,9 @@ def over_replicas_step(
             mesh=mesh,
             in_specs=(state_specs, cache_specs, _BY_REPLICA, _BY_REPLICA),
             out_specs=(_BY_REPLICA, _BY_REPLICA, _BY_REPLICA, cache_specs, *[_BY_REPLICA] * extra_outputs),
-            axis_names={DATA_AXIS},
+            # A device a replica: manual over every axis (the model axis is 1), so that a kernel
+            # (Mosaic's) runs as it is, which no compiler partitions on its own.
+            axis_names={DATA_AXIS} if devices > 1 else {DATA_AXIS, MODEL_AXIS},
             check_vma=False,
         )(list(state_leaves), list(kv_caches), packed, fed_tokens)
 
@@ -126,18 +127,42 @@ def replica_devices(devices_per_replica: int = 1) -> list[jax.Device]:
 
 
 def side_by_side(local: jax.Array, mesh: Mesh) -> jax.Array:
-    """This process's replica array `local` (on its device) as its rows of the replicas' global
-    array (the replicas' arrays side by side on the first axis), without a copy; a global array
-    is returned as it is."""
+    """This process's replica array `local` (on its device, or split over its devices as their
+    tensor-parallel mesh splits it) as its rows of the replicas' global array (the replicas'
+    arrays side by side on the first axis), without a copy of what its devices hold (an array on
+    one device is copied to the replica's others); a global array is returned as it is."""
     if len(local.sharding.device_set) == mesh.size:
         return local
+    spec = local.sharding.spec if isinstance(local.sharding, NamedSharding) else PartitionSpec()
+    held = {shard.device: shard.data for shard in local.addressable_shards}
+    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    parts = [held[d] if d in held else jax.device_put(local, d) for d in mine]
     shape = (num_replicas(mesh) * local.shape[0], *local.shape[1:])
-    return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, _BY_REPLICA), [local])
+    rows = NamedSharding(mesh, replica_rows_spec(spec))
+    return jax.make_array_from_single_device_arrays(shape, rows, parts)
 
 
-def own_rows(array: jax.Array) -> jax.Array:
-    """This process's replica's rows of a global per-replica array, on its device, without a copy."""
-    return array.addressable_data(0)
+def own_part(array: jax.Array, local_mesh: Mesh | None = None) -> jax.Array:
+    """This process's replica's part of a global array of the replicas' program (its rows of a
+    per-replica one, its experts of a stack split over every device, a whole weight), without a
+    copy: on its device, or (`local_mesh`: the replica's devices) split over them as the array
+    is split over the replica's devices."""
+    if local_mesh is None:
+        return array.addressable_data(0)
+    spec = array.sharding.spec
+    replicas = num_replicas(array.sharding.mesh)
+    shape = list(array.shape)
+    local_spec = []
+    for axis, entry in enumerate(spec):
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        if DATA_AXIS in axes:
+            shape[axis] //= replicas
+        kept = tuple(a for a in axes if a not in (None, DATA_AXIS))
+        local_spec.append(kept[0] if len(kept) == 1 else (kept or None))
+    parts = [shard.data for shard in array.addressable_shards]
+    return jax.make_array_from_single_device_arrays(
+        tuple(shape), NamedSharding(local_mesh, PartitionSpec(*local_spec)), parts
+    )
 
 
 def agreed_tokens(own: int) -> int:

@@ -25,7 +25,7 @@ from tpu_platform.inputs import StepBuffers, pack_inputs, padding_inputs, prepar
 from tpu_platform.kv_cache import available_kv_bytes, kv_cache_dtype, page_bytes_per_device
 from tpu_platform.pooling import PoolingRequests, pooled_outputs
 from tpu_platform.programs import ExecutableCache, Programs, ProgramSpec, enable_persistent_cache
-from tpu_platform.replica_step import agreed_tokens, fewest, own_rows, side_by_side
+from tpu_platform.replica_step import agreed_tokens, fewest, num_replicas, own_part, side_by_side
 from tpu_platform.runner_config import RunnerConfig, RunnerStats
 from tpu_platform.runner_state import (
     LoadedModel,
@@ -146,7 +146,11 @@ class Runner:
         """How the model is split over the mesh, for the load's log line ("" on one device)."""
         replicas = self.placement.replicas
         if replicas is not None:
-            return f" (experts by index over {replicas.size} data-parallel replicas, one program)"
+            inside = "" if self.mesh is None else f", each x{self.tp_size} tensor parallel"
+            return (
+                f" (experts by index over {num_replicas(replicas)} data-parallel replicas{inside}, "
+                f"{replicas.size} devices, one program)"
+            )
         if self.mesh is None:
             return ""
         experts = ", experts by index" if self.config.expert_parallel and self.loaded.has_experts else ""
@@ -289,7 +293,8 @@ class Runner:
             ("forward", *dims), lambda: self._forward_spec(packed, dims), self._state_leaves, self.kv_caches,
             packed, fed_tokens,
         )  # fmt: skip
-        return tuple(own_rows(out) for out in (logits, greedy, hidden, *jax.tree.leaves(aux)))
+        outputs = (logits, greedy, hidden, *jax.tree.leaves(aux))
+        return tuple(own_part(out, self.mesh) for out in outputs)
 
     def dummy_step(self) -> None:
         """vLLM's step for an idle data-parallel replica (its dummy batch): with the replicas in one
@@ -514,7 +519,7 @@ class Runner:
         beside the step run there: prompt logprobs need the head and the norms, whole on it)."""
         leaves = self._state_leaves
         if self.placement.replicas is not None:
-            leaves = [own_rows(leaf) for leaf in leaves]
+            leaves = [own_part(leaf, self.mesh) for leaf in leaves]
         return jax.tree.unflatten(self._state_def, leaves)
 
     def _lora_handle(self, lora_id: int) -> int:

@@ -88,9 +88,9 @@ class RunnerConfig:
     # (`models.sharding`), instead of inside each expert.
     expert_parallel: bool = False
     # vLLM's `data_parallel_size` with the experts split over the replicas (`expert_parallel`):
-    # this process drives one replica of one device, and every replica's step is one program
-    # over all of them (`tpu_platform.replica_step`), the processes joined in one JAX job
-    # beforehand. 1: a replica of its own (no exchange with other replicas, if any).
+    # this process drives one replica of `tensor_parallel_size` devices, and every replica's step
+    # is one program over all of them (`tpu_platform.replica_step`), the processes joined in one
+    # JAX job beforehand. 1: a replica of its own (no exchange with other replicas, if any).
     data_parallel_size: int = 1
     # vLLM's `quantization`: None, or a method serving int8, fp8, int4 or mxfp4 weights
     # (`QUANTIZATION_METHODS`).
@@ -111,13 +111,12 @@ class RunnerConfig:
             self._check_replicas()
 
     def _check_replicas(self) -> None:
-        """Replicas in one program: one device each, the experts over them, and nothing that
-        runs programs of its own beside the step (each would need the replicas in lock step)."""
-        if not self.expert_parallel or self.tensor_parallel_size != 1:
+        """Replicas in one program: the experts over them, and nothing that runs programs of
+        its own beside the step (each would need the replicas in lock step)."""
+        if not self.expert_parallel:
             raise ValueError(
-                "data-parallel replicas in one step program take expert parallelism and one device "
-                f"a replica; got expert_parallel={self.expert_parallel}, tensor_parallel_size="
-                f"{self.tensor_parallel_size}"
+                "data-parallel replicas in one step program take expert parallelism "
+                "(expert_parallel=True): without it each replica is a program of its own"
             )
         for name, value in (
             ("pooling", self.pooling),

@@ -95,21 +95,24 @@ class Placement:
     mesh: jax.sharding.Mesh | None
     whole: jax.Device | jax.sharding.Sharding
     weight_shardings: ShardingFor
-    # Data-parallel replicas of one device each in one step program (`tpu_platform.replica_step`):
-    # their mesh, this process's device among them; the step alone runs on it, everything else
-    # on `device`. None: none.
+    # Data-parallel replicas in one step program (`tpu_platform.replica_step`): their mesh, this
+    # process's replica's devices among them (`mesh`'s, or `device`); the step alone runs on it,
+    # everything else on `mesh` or `device`. None: none.
     replicas: jax.sharding.Mesh | None = None
 
     @classmethod
     def for_config(cls, config: RunnerConfig) -> Placement:
         """This host's first device (with several hosts too) and, with tensor parallelism, the
         mesh over `config.tensor_parallel_size` of its devices; with `data_parallel_size`, the
-        replicas' mesh over the first device of each process of the job."""
+        replicas' mesh over as many devices of each process of the job."""
         device = jax.local_devices()[0]
         if config.data_parallel_size > 1:  # the experts over the replicas: `models.sharding`
-            replicas = replica_mesh(config.data_parallel_size, replica_devices())
+            tp = config.tensor_parallel_size
+            mesh = tensor_parallel_mesh(tp, jax.local_devices())  # the replica's own devices
+            replicas = replica_mesh(config.data_parallel_size, replica_devices(tp), tp)
             shardings = functools.partial(weight_sharding, replicas, expert_parallel=True)
-            return cls(device, None, device, shardings, replicas)
+            whole = device if mesh is None else replicated(mesh)
+            return cls(device, mesh, whole, shardings, replicas)
         mesh = tensor_parallel_mesh(config.tensor_parallel_size)
         if mesh is None:
             return cls(device, None, device, jax.sharding.SingleDeviceSharding(device))

@@ -6,13 +6,14 @@ stack of a layer (what a gathered expert weight would take), the temporaries, th
 program and its experts' tiles move (`planner.hlo`), and the chip's
 weight bytes as the mesh places them beside `tpu_platform.planner.replicas.chip_weights`.
 
-    python -m tests.aot.expert_parallel_worker STEPS TARGET:MODEL:EP:LAYERS[:tp] [...]
+    python -m tests.aot.expert_parallel_worker STEPS TARGET:MODEL:EP:LAYERS[:tp|:dp|:dpN] [...]
 
 A case ending in `:tp` keeps the experts split inside each over the same mesh (no expert
 parallelism), the sibling the decode step's expert traffic is compared with; one ending in `:dp`
 compiles EP data-parallel replicas of one chip each instead (`tpu_platform.replica_step`: each
 chip attends to its own requests), whose collectives are the experts' gathers and scatters
-alone (listed, none of them "unexpected": the rules table's expectations are tensor parallelism's).
+alone (listed, none of them "unexpected": the rules table's expectations are tensor parallelism's);
+one ending in `:dpN`, EP / N replicas of N chips each (attention tensor-parallel inside each).
 
 STEPS: `decode` (64 sequences), `prefill` (a 2k-token chunk) or both, comma-separated.
 
@@ -49,11 +50,12 @@ TILE_EINSUMS = ("nbd,ndf->nbf", "nbf,nfd->nbd", "etf,efd->td")  # `models.moe.ex
 
 def compile_case(case: str, steps_wanted: list[str]) -> dict:
     target_name, model, ep, layers, *placement = case.split(":")
-    replicas = placement == ["dp"]
+    replicas = bool(placement) and placement[0].startswith("dp")
+    per_replica = int(placement[0][2:] or 1) if replicas else int(ep)  # chips a replica
     setup = StepSetup(
         first_layers(model_config(model), int(layers)), target_name, max_num_seqs=64, max_model_len=2048,
-        max_num_batched_tokens=2048, tp_size=1 if replicas else int(ep), expert_parallel=placement != ["tp"],
-        dp_size=int(ep) if replicas else 1,
+        max_num_batched_tokens=2048, tp_size=per_replica, expert_parallel=placement != ["tp"],
+        dp_size=int(ep) // per_replica if replicas else 1,
     )  # fmt: skip
     stack = _smallest_expert_stack(setup)
     program = step_program(setup, NUM_PAGES)

@@ -50,9 +50,6 @@ CASES = {
     ),
     # vLLM wants tensor parallelism beyond the KV heads (2) for it: both are refused.
     "decode_context_parallel_size": ("llama", dict(decode_context_parallel_size=2, tensor_parallel_size=4)),
-    "enable_expert_parallel with data_parallel_size and tensor_parallel_size": (
-        "mixtral", dict(enable_expert_parallel=True, data_parallel_size=2, tensor_parallel_size=2),
-    ),
     "enable_expert_parallel with data_parallel_size, with LoRA, speculative decoding or pooling": (
         "mixtral", dict(enable_expert_parallel=True, data_parallel_size=2, enable_lora=True),
     ),
@@ -288,9 +285,20 @@ def test_expert_parallelism_on_one_host_is_accepted(models, tp):
     ],
     ids=["one_host", "two_hosts"],
 )
-def test_expert_parallelism_over_data_parallel_replicas_of_one_device_is_accepted(models, hosts):
-    config = _config(models, "mixtral", dict(enable_expert_parallel=True, data_parallel_size=2, **hosts))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_expert_parallelism_over_data_parallel_replicas_is_accepted(models, hosts, tp):
+    options = dict(enable_expert_parallel=True, data_parallel_size=2, tensor_parallel_size=tp, **hosts)
+    config = _config(models, "mixtral", options)
     assert feature_check.refusals(config) == []
+
+
+def test_expert_parallelism_over_replicas_refuses_experts_that_do_not_split_over_all_their_devices(models):
+    # the tiny Mixtral's 4 experts over 2 replicas of 4 devices (its 8 heads split 4 ways)
+    options = dict(enable_expert_parallel=True, data_parallel_size=2, tensor_parallel_size=4)
+    with pytest.raises(
+        ValueError, match=r"data_parallel_size=2 x tensor_parallel_size=4 cannot split .* 4 experts"
+    ):
+        _config(models, "mixtral_8_heads", options)
 
 
 def test_a_mixture_of_experts_replicas_across_hosts_are_accepted_under_vllm_xla_serve(models):

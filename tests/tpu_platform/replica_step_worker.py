@@ -27,11 +27,11 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from models import ModelConfig
 from models.moe import use_expert_parallel
-from models.sharding import DATA_AXIS
-from pallas_kernels import allocate_kv_cache
+from models.sharding import DATA_AXIS, MODEL_AXIS
+from pallas_kernels import allocate_kv_cache, kv_cache_partition_spec
 from tpu_platform.inputs import exercise_inputs, pack_inputs
 from tpu_platform.planner.hlo import hlo_collectives
-from tpu_platform.replica_step import replica_cache_spec, replica_mesh
+from tpu_platform.replica_step import replica_mesh, replica_rows_spec
 from tpu_platform.runner_state import weight_sharding
 from tpu_platform.step import make_forward
 from tpu_platform.weights.preparation import Preparation
@@ -76,7 +76,7 @@ def run(model_dir: str, config: ModelConfig, mesh, replicas: int, expert_paralle
     if mesh is None:
         cache_sharding = SingleDeviceSharding(jax.devices()[0])
     else:  # the replicas' caches side by side (each split over its devices), as the runner holds them
-        cache_sharding = NamedSharding(mesh, replica_cache_spec(BACKEND))
+        cache_sharding = NamedSharding(mesh, replica_rows_spec(kv_cache_partition_spec(BACKEND, MODEL_AXIS)))
     shape = (replicas * local.shape[0], *local.shape[1:])
     caches = [jax.device_put(np.zeros(shape, np.float32), cache_sharding) for _ in range(config.num_layers)]
     forward = make_forward(

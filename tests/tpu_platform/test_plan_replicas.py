@@ -113,24 +113,27 @@ def test_a_planner_row_as_replicas_keeps_the_compiled_programs_step_bytes():
     assert "replicas" not in _with_replicas(dict(row), setup, one, 1)
 
 
-def test_replicas_in_one_program_place_a_chip_s_experts_as_the_arithmetic_counts():
-    """8 replicas of one chip in one program (`tpu_platform.replica_step`, the planner's `--dp 8
-    --ep --tp 1`): the mesh places on a chip 16 whole experts a layer and everything else whole,
-    what `chip_weights` counts with the experts over the 8 chips."""
+@pytest.mark.parametrize(("replicas", "chips_each"), [(8, 1), (4, 2)])
+def test_replicas_in_one_program_place_a_chip_s_experts_as_the_arithmetic_counts(replicas, chips_each):
+    """8 replicas of one chip, or 4 of two, in one program (`tpu_platform.replica_step`, the
+    planner's `--dp 8 --ep --tp 1` and `--dp 4 --ep --tp 2`): the mesh places on a chip 16 whole
+    experts a layer and its replica's share of everything else, what `chip_weights` counts with
+    the experts over the 8 chips."""
     setup = StepSetup(
-        model_config("qwen3-30b-a3b"), "v6e-8", max_model_len=2048, expert_parallel=True, dp_size=8
-    )
-    mesh = AbstractMesh((8, 1), ("data", "model"))  # `setup.mesh()`'s, on no compile-only chips
+        model_config("qwen3-30b-a3b"), "v6e-8", max_model_len=2048, expert_parallel=True,
+        dp_size=replicas, tp_size=chips_each,
+    )  # fmt: skip
+    mesh = AbstractMesh((replicas, chips_each), ("data", "model"))  # `setup.mesh()`'s, on no chips
     placed = setup.abstract_model().chip_weight_bytes(mesh)
     assert placed == chip_weights(setup, 8).total_bytes
     assert chip_weights(setup, 8).expert_bytes == 48 * 16 * 3 * 2048 * 768 * 2
 
 
-def test_replicas_in_one_program_are_one_chip_each_and_split_the_experts():
+def test_replicas_in_one_program_fit_the_target_and_split_the_experts():
     qwen = model_config("qwen3-30b-a3b")
-    with pytest.raises(ValueError, match=r"dp_size=4 with tp_size=2: .* use tp_size=1"):
-        StepSetup(qwen, "v6e-8", tp_size=2, dp_size=4, expert_parallel=True)
-    with pytest.raises(ValueError, match=r"dp_size=16 does not fit target 'v6e-8'"):
+    with pytest.raises(ValueError, match=r"dp_size=8 x tp_size=2 does not fit target 'v6e-8' .* at most 4"):
+        StepSetup(qwen, "v6e-8", tp_size=2, dp_size=8, expert_parallel=True)
+    with pytest.raises(ValueError, match=r"dp_size=16 x tp_size=1 does not fit target 'v6e-8'"):
         StepSetup(qwen, "v6e-8", dp_size=16, expert_parallel=True)
     with pytest.raises(ValueError, match=r"128 experts by index: 128 does not divide by 6"):
         StepSetup(qwen, "v6e-8", dp_size=6, expert_parallel=True)

@@ -31,8 +31,8 @@ from tpu_platform.replica_step import (
     agreed_tokens,
     fewest,
     num_replicas,
-    replica_cache_spec,
     replica_mesh,
+    replica_rows_spec,
 )
 from tpu_platform.runner_config import RunnerConfig
 
@@ -124,10 +124,12 @@ def test_replicas_of_several_devices_are_each_a_block_of_the_devices_and_split_t
     mesh = replica_mesh(2, devices, devices_per_replica=3)
     assert dict(mesh.shape) == {DATA_AXIS: 2, MODEL_AXIS: 3}
     assert [[d.id for d in row] for row in mesh.devices] == [[0, 1, 2], [3, 4, 5]]
-    # the replicas side by side on the first axis, each replica's KV heads over its devices: in
-    # the xla layout the heads are that first axis (replica-major), in the TPU kernel's the second
-    assert replica_cache_spec("xla") == PartitionSpec((DATA_AXIS, MODEL_AXIS))
-    assert replica_cache_spec("pallas_tpu") == PartitionSpec(DATA_AXIS, MODEL_AXIS)
+    # the replicas side by side on the first axis, each replica's split over its devices as its
+    # own is: a cache on its KV heads (the xla layout's first axis: replica-major there), a
+    # latent cache not at all
+    assert replica_rows_spec(PartitionSpec(MODEL_AXIS)) == PartitionSpec((DATA_AXIS, MODEL_AXIS))
+    assert replica_rows_spec(PartitionSpec(None, MODEL_AXIS)) == PartitionSpec(DATA_AXIS, MODEL_AXIS)
+    assert replica_rows_spec(PartitionSpec()) == PartitionSpec(DATA_AXIS)
 
 
 def test_experts_that_do_not_split_over_the_replicas_name_the_sizes_that_do():
@@ -144,11 +146,10 @@ def test_one_process_agrees_with_itself():
     assert agreed_tokens(5) == 5 and fewest(7) == 7
 
 
-def test_a_runner_of_replicas_in_one_program_takes_one_device_each_and_the_experts_over_them():
-    with pytest.raises(ValueError, match="take expert parallelism and one device a replica"):
+def test_a_runner_of_replicas_in_one_program_takes_the_experts_over_them():
+    with pytest.raises(ValueError, match=r"take expert parallelism \(expert_parallel=True\)"):
         RunnerConfig(model_path="m", data_parallel_size=2)
-    with pytest.raises(ValueError, match="take expert parallelism and one device a replica"):
-        RunnerConfig(model_path="m", data_parallel_size=2, expert_parallel=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="lora is not served with the experts split over data-parallel"):
         RunnerConfig(model_path="m", data_parallel_size=2, expert_parallel=True, lora=LoraConfig(1, 8))
     RunnerConfig(model_path="m", data_parallel_size=2, expert_parallel=True)
+    RunnerConfig(model_path="m", data_parallel_size=2, expert_parallel=True, tensor_parallel_size=2)

@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import ModelConfig
-from models.sharding import DATA_AXIS, MODEL_AXIS, check_expert_parallel, kv_heads_on_mesh, vocab_parallel
+from models.sharding import MODEL_AXIS, check_expert_parallel, kv_heads_on_mesh, vocab_parallel
 from pallas_kernels import kv_cache_partition_spec, latent_cache_partition_spec
 from pallas_kernels.backend import resolve_backend
 from tpu_platform.buckets import StepBuckets
@@ -59,7 +59,7 @@ from tpu_platform.planner.compiled import ProgramFacts, compile_with_text, measu
 from tpu_platform.planner.hlo import ExpectedCollectives
 from tpu_platform.planner.hybrid import abstract_hybrid_caches, hybrid_page_bytes
 from tpu_platform.planner.targets import CompileTarget, compile_only_devices, target
-from tpu_platform.replica_step import num_replicas, replica_mesh
+from tpu_platform.replica_step import num_replicas, replica_mesh, replica_rows_spec
 from tpu_platform.runner_config import default_page_size
 from tpu_platform.sampling import SamplerFlags, dummy_tensors
 from tpu_platform.state_cache import page_size_holding_a_state
@@ -147,8 +147,9 @@ class StepSetup:
     attention_backend: str = "auto"  # as the runner's: "auto" picks by the target's device kind
     expert_parallel: bool = False  # vLLM's enable_expert_parallel: experts split by index
     speculative_tokens: int = 0  # vLLM's num_speculative_tokens: k drafts a request (0: none)
-    # Data-parallel replicas of one chip each in one step program (`tpu_platform.replica_step`),
-    # the experts split by index over them under `expert_parallel`; 1: none.
+    # Data-parallel replicas of `tp_size` chips each in one step program
+    # (`tpu_platform.replica_step`), the experts split by index over all their chips under
+    # `expert_parallel`; 1: none.
     dp_size: int = 1
 
     def __post_init__(self) -> None:
@@ -175,18 +176,14 @@ class StepSetup:
             self._check_replicas(chips)
 
     def _check_replicas(self, chips: int) -> None:
-        if self.tp_size > 1:
+        if self.dp_size * self.tp_size > chips:
             raise ValueError(
-                f"dp_size={self.dp_size} with tp_size={self.tp_size}: replicas in one step program "
-                "are one chip each (attention tensor-parallel inside a replica is not built); use tp_size=1"
-            )
-        if self.dp_size > chips:
-            raise ValueError(
-                f"dp_size={self.dp_size} does not fit target {self.target!r} of {chips} chip(s); "
-                f"use a dp_size from 1 to {chips} or a larger target"
+                f"dp_size={self.dp_size} x tp_size={self.tp_size} does not fit target {self.target!r} "
+                f"of {chips} chip(s); use at most {chips // self.tp_size} replicas or a larger target"
             )
         if self.expert_parallel and self.config.num_experts:
-            check_expert_parallel(self.config.num_experts, self.dp_size, replicas=self.dp_size)
+            ep_size = self.dp_size * self.tp_size
+            check_expert_parallel(self.config.num_experts, ep_size, replicas=self.dp_size)
 
     @property
     def compile_target(self) -> CompileTarget:
@@ -237,8 +234,8 @@ class StepSetup:
         """The runner's mesh over the first `tp_size` compile-only chips (None at TP=1); on a
         multi-host target, as the joined hosts build it (`hosts.per_host_devices`: a compile-only
         pod topology's devices carry their hosts)."""
-        if self.dp_size > 1:  # a chip a replica (`tpu_platform.replica_step`)
-            return replica_mesh(self.dp_size, compile_only_devices(self.target))
+        if self.dp_size > 1:  # `tp_size` chips a replica (`tpu_platform.replica_step`)
+            return replica_mesh(self.dp_size, compile_only_devices(self.target), self.tp_size)
         if self.tp_size == 1:  # one chip of a target of several hosts too (a data-parallel replica)
             return None
         devices = compile_only_devices(self.target)
@@ -276,9 +273,10 @@ def _everywhere(mesh: Mesh | None, device: jax.Device, tree: Any) -> Any:
 def _abstract_caches(setup: StepSetup, num_pages: int, mesh: Mesh | None) -> list[jax.ShapeDtypeStruct]:
     """The runner's stacked caches (`allocate_stacked_caches`), abstract: on a mesh of all KV
     heads (`StepSetup.kv_heads`), split on them as the runner allocates them; over data-parallel
-    replicas, one chip's caches a replica, side by side (`replica_step.side_by_side`)."""
+    replicas, a replica's caches side by side, each split over its chips as tensor parallelism
+    splits them (`replica_step.side_by_side`)."""
     if num_replicas(mesh) > 1:
-        rows = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+        rows = NamedSharding(mesh, replica_rows_spec(_cache_spec(setup)))
         return [
             jax.ShapeDtypeStruct(
                 (setup.dp_size * cache.shape[0], *cache.shape[1:]), cache.dtype, sharding=rows
@@ -300,13 +298,15 @@ def _abstract_caches(setup: StepSetup, num_pages: int, mesh: Mesh | None) -> lis
     if mesh is None:
         return caches
     # `eval_shape` gives the shapes; the shardings are the ones `allocate_stacked_caches` makes.
-    spec = (
-        latent_cache_partition_spec()
-        if config.latent_cache_width
-        else kv_cache_partition_spec(setup.backend, MODEL_AXIS)
-    )
-    split = NamedSharding(mesh, spec)
+    split = NamedSharding(mesh, _cache_spec(setup))
     return [abstract_leaf(cache, split) for cache in caches]
+
+
+def _cache_spec(setup: StepSetup) -> PartitionSpec:
+    """How tensor parallelism splits a cache: on its KV heads, a latent one not at all."""
+    if setup.config.latent_cache_width:
+        return latent_cache_partition_spec()
+    return kv_cache_partition_spec(setup.backend, MODEL_AXIS)
 
 
 def kv_page_bytes(setup: StepSetup) -> int:

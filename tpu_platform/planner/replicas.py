@@ -11,10 +11,8 @@ cache, and the replicas together hold D times its tokens.
 With the experts split over the replicas (vLLM's expert-parallel group of D x N chips, attention
 data-parallel: each replica attends to its own requests on its own N chips), a chip holds its
 replica's share of every other weight, as N-way tensor parallelism places it, and 1 / (D x N)
-of the routed experts, whole. At one chip a replica that is the program of
-`tpu_platform.replica_step`, which the planner compiles; at several (not built) it is arithmetic
-beside the compiled forms, to size what building it would give (docs/architecture.md, "Expert
-parallelism across replicas").
+of the routed experts, whole: the program of `tpu_platform.replica_step`, which the planner
+compiles (docs/architecture.md, "Expert parallelism across replicas").
 """
 
 from __future__ import annotations
