@@ -114,5 +114,11 @@ def test_two_replicas_of_two_devices_each_with_the_experts_over_all_four_answer_
     np.testing.assert_allclose(prompt_logprobs, _hf_prompt_logprobs(hf, PROMPTS[1]), rtol=1e-4, atol=1e-4)
     served = _requests_per_engine(metrics)
     assert set(served) == {"0", "1"} and all(n > 0 for n in served.values()), served
+    after_warm_up = [
+        line for line in metrics.splitlines() if line.startswith("vllm_xla:compilations_after_warmup")
+    ]
+    assert len(after_warm_up) == 2 and all(float(line.rsplit(" ", 1)[1]) == 0 for line in after_warm_up), (
+        after_warm_up
+    )
     said = "experts by index over 2 data-parallel replicas, each x2 tensor parallel, 4 devices"
     assert log.read_text().count(said) == 2, log.read_text()[-3000:]

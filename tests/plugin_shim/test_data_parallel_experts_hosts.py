@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Expert parallelism over data-parallel replicas across hosts: two "hosts" on this machine
 (`multihost_launch`: a process each with its own simulated CPU devices and cache), each running
-one replica of a tiny Qwen3-MoE with vLLM's multi-node data-parallel options and
-`--enable-expert-parallel`, host 1 `--headless`. The two ranks' processes join one JAX job and
-run one step program, the experts split over the two hosts' devices (`tpu_platform.replica_step`).
+one replica of a tiny Qwen3-MoE (on one of its devices, or tensor-parallel on both) with vLLM's
+multi-node data-parallel options and `--enable-expert-parallel`, host 1 `--headless`. The two
+ranks' processes join one JAX job and run one step program, the experts split over the two hosts'
+devices (`tpu_platform.replica_step`).
 Concurrent completions answer with transformers' greedy tokens and reach both replicas, and
 killing host 1 ends host 0, non-zero, by the hosts' liveness link."""
 
@@ -29,13 +30,17 @@ from tests.plugin_shim.test_data_parallel_hosts import (
 pytestmark = pytest.mark.full  # two servers joined in one JAX job, both warming up
 
 
-def test_replicas_across_hosts_with_the_experts_over_them_answer_and_end_together(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2], ids=["a_device_a_replica", "two_devices_a_replica"])
+def test_replicas_across_hosts_with_the_experts_over_them_answer_and_end_together(tmp_path, tp):
+    """`tp`: each host's replica on that many of its devices, tensor-parallel, the experts over
+    every host's devices (2 x tp)."""
     from transformers import AutoModelForCausalLM
 
     model = save_tiny("Qwen3MoeForCausalLM", str(tmp_path / "model"), seed=7)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
-    hosts = _start_hosts(model, tmp_path, [*SERVE, "--enable-expert-parallel"])
+    options = [*SERVE, "--enable-expert-parallel", f"--tensor-parallel-size={tp}"]
+    hosts = _start_hosts(model, tmp_path, options)
     try:
         assert completions(hosts["port"], model, PROMPTS, NEW_TOKENS) == want
         served = _requests_per_engine(get(f"http://127.0.0.1:{hosts['port']}/metrics", timeout=30).decode())

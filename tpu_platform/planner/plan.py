@@ -396,9 +396,10 @@ def expected_collectives(setup: StepSetup, num_tokens: int, num_seqs: int = 0) -
 def compile_sampler(setup: StepSetup, rows: int, flags: SamplerFlags = SAMPLING_FLAGS) -> ProgramFacts:
     """Compiles the runner's sampler for `rows` padded rows of logits with `flags` on one chip
     (on a mesh: replicated, as the runner's, the logits arriving gathered)."""
-    device, mesh = compile_only_devices(setup.target)[0], setup.mesh()
-    if num_replicas(mesh) > 1:  # each replica samples its own rows on its chip
-        mesh = None
+    devices = compile_only_devices(setup.target)
+    device, mesh = devices[0], setup.mesh()
+    if num_replicas(mesh) > 1:  # each replica samples its own rows on its own chips
+        mesh = tensor_parallel_mesh(setup.tp_size, devices)
     vocab = setup.config.vocab_size
     logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
     args = _everywhere(mesh, device, (logits, dummy_tensors(flags, rows, vocab)))
