@@ -32,8 +32,7 @@ from models.layers import ATTENTION_LINEARS, CausalLM, DecoderLayer, PagedAttent
 from models.linear import Linear
 from models.metadata import AttentionMetadata
 from models.moe import (
-    experts_by_index_on_mesh,
-    experts_by_index_over_replicas,
+    experts_by_index,
     experts_routed,
     experts_routed_on_mesh,
     route,
@@ -175,13 +174,10 @@ class GptOssMoE(nnx.Module):
         act = functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit)
         if md is not None and (md.mesh is not None or md.replicas > 1) and self.expert_parallel:
             by_index = dict(gate_bias=gate_up_bias, down_bias=ex.down_proj_bias[...])
-            if md.replicas > 1:
-                return experts_by_index_over_replicas(
-                    x, (gate_up, None, down), weights, experts, act, mesh=md.mesh, **by_index
-                )
-            return experts_by_index_on_mesh(
-                md.mesh, x, (gate_up, None, down), weights, experts, act, **by_index
-            )
+            return experts_by_index(
+                x, (gate_up, None, down), weights, experts, act, mesh=md.mesh, over_replicas=md.replicas > 1,
+                **by_index,
+            )  # fmt: skip
         split = down.shape[1] // (BLOCK if ex.mxfp4 else 1)  # the units a device holds whole
         if md is not None and md.mesh is not None and split % md.tp_size == 0:
             y = experts_routed_on_mesh(

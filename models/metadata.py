@@ -52,7 +52,7 @@ class AttentionMetadata:
     mesh: Mesh | None = dataclasses.field(default=None, metadata={"static": True})
     # Data-parallel replicas of one device each the step runs as, under a `shard_map` manual over
     # `models.sharding.DATA_AXIS` (`tpu_platform.replica_step`): only experts split by index over
-    # them exchange tokens (`models.moe.experts_by_index_over_replicas`). 1: none.
+    # them exchange tokens (`models.moe.experts_by_index`). 1: none.
     replicas: int = dataclasses.field(default=1, metadata={"static": True})
     # Every mixture-of-experts layer counts the tokens it routes to each expert (`models.expert_load`).
     count_expert_load: bool = dataclasses.field(default=False, metadata={"static": True})

@@ -313,8 +313,7 @@ def experts_routed_on_mesh(
     )(x, stacks, weights, experts, gate_bias, tuple(offsets), input_order, *extra)
 
 
-def experts_by_index_on_mesh(
-    mesh: Mesh,
+def experts_by_index(
     x: jax.Array,
     stacks: tuple[jax.Array, jax.Array | None, jax.Array],
     weights: jax.Array,
@@ -326,71 +325,40 @@ def experts_by_index_on_mesh(
     down_bias: jax.Array | None = None,
     offsets: tuple[jax.Array | None, jax.Array | None, jax.Array | None] | None = None,
     input_order: jax.Array | None = None,
+    *,
+    mesh: Mesh | AbstractMesh | None = None,
+    over_replicas: bool = False,
 ) -> jax.Array:
-    """`experts_routed` under expert parallelism: every expert array split on its expert axis
-    over `mesh`'s model axis (`models.sharding.EXPERT_PARALLEL_RULE`), device i holding experts
-    `i * E / N ..` whole. The tokens and their routing are on every device (attention's sum left
-    them replicated), so each device runs its own experts on the assignments routed to them (the
-    others' sent to expert id E/N, in no tile, weight 0), and one sum over the
-    devices combines them: the same `[T, D]` all-reduce as the split experts', and no token or
-    weight exchanged before it. `down_bias [E, D]` (GPT-OSS): added once per chosen expert, by
-    the device holding it. Other arguments as in `experts_routed_on_mesh`."""
-    split, whole = PartitionSpec(MODEL_AXIS), PartitionSpec()
-    own = _own_experts(act, weights_on_input)
+    """`experts_routed` under expert parallelism: every expert array split on its expert axis,
+    each device holding its E / N experts whole (`models.sharding.EXPERT_PARALLEL_RULE`; device
+    i experts `i * E / N ..`). Each device runs its own experts on the assignments routed to them
+    (the others' sent to expert id E / N, in no tile, weight 0), and sums combine them: no token
+    or weight moves before them. `down_bias [E, D]` (GPT-OSS): added once per chosen expert, by
+    the device holding it. Other arguments as in `experts_routed_on_mesh`.
 
-    def local(x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, *scales):
-        device = jax.lax.axis_index(MODEL_AXIS)
-        partial = own(device, x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, scales)
-        return jax.lax.psum(partial, MODEL_AXIS)
-
-    extra = scales if scales is not None else ()
-    offsets = (None, None, None) if offsets is None else offsets
-    return jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(whole, split, whole, whole, split, split, split, split, *(split for _ in extra)),
-        out_specs=whole,
-        check_vma=False,
-    )(x, stacks, weights, experts, gate_bias, down_bias, tuple(offsets), input_order, *extra)
-
-
-def experts_by_index_over_replicas(
-    x: jax.Array,
-    stacks: tuple[jax.Array, jax.Array | None, jax.Array],
-    weights: jax.Array,
-    experts: jax.Array,
-    act: Callable[[jax.Array], jax.Array],
-    scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-    gate_bias: jax.Array | None = None,
-    weights_on_input: bool = False,
-    down_bias: jax.Array | None = None,
-    offsets: tuple[jax.Array | None, jax.Array | None, jax.Array | None] | None = None,
-    input_order: jax.Array | None = None,
-    mesh: AbstractMesh | None = None,
-) -> jax.Array:
-    """`experts_by_index_on_mesh` for data-parallel replicas, run inside a `shard_map` manual
-    over `DATA_AXIS` (`tpu_platform.replica_step`): `x [T, D]` and its routing are this
-    replica's own tokens, the arrays of `stacks` (and its scales, biases, offsets, orders) this
-    replica's E / R experts, replica r holding experts `r * E / R ..`; `mesh`: the replica's own
-    devices' mesh (the context's, its model axis of N devices each holding E / (R * N) of them),
-    None for a device a replica.
-
-    Every replica's tokens and routing are gathered, each device runs its own experts on the
-    assignments routed to them (those of a replica's N devices summed over them), and the sums
-    are scattered back, each replica keeping its own rows: an all-gather and a reduce-scatter of
-    `[T, D]` a replica. Per token of a replica they move 2 (R - 1) rows (to each other replica
-    and back); a ragged all-to-all would move its k routed rows out and back, those on other
-    replicas: 2k (R - 1) / R. So R / k times the all-to-all's bytes: the same at R = k (top-8
-    models over 8 replicas), fewer below, more above, with no ragged sizes to exchange first and
-    no device waiting on the busiest expert's rows."""
-    x, weights, experts = (jax.lax.all_gather(a, DATA_AXIS, tiled=True) for a in (x, weights, experts))
-    replica = jax.lax.axis_index(DATA_AXIS)
+    On `mesh`'s model axis (one replica's N devices) the tokens and their routing are on every
+    device (attention's sum left them replicated), and one `[T, D]` sum over the devices
+    combines their parts: the split experts' all-reduce. `over_replicas` (run inside a
+    `shard_map` manual over `DATA_AXIS`, `tpu_platform.replica_step`; `mesh` the replica's own,
+    None for a device a replica): `x` and its routing are this replica's own tokens, the stacks
+    its devices' experts (replica r holding experts `r * E / R ..`). Every replica's tokens and
+    routing are gathered, each device runs its own experts on them, and the sums are scattered
+    back, each replica keeping its own rows: an all-gather and a reduce-scatter of `[T, D]` a
+    replica. Per token of a replica they move 2 (R - 1) rows (to each other replica and back); a
+    ragged all-to-all would move its k routed rows out and back, those on other replicas:
+    2k (R - 1) / R. So R / k times the all-to-all's bytes: the same at R = k (top-8 models over
+    8 replicas), fewer below, more above, with no ragged sizes to exchange first and no device
+    waiting on the busiest expert's rows."""
+    replica = jnp.zeros((), jnp.int32)
+    if over_replicas:
+        x, weights, experts = (jax.lax.all_gather(a, DATA_AXIS, tiled=True) for a in (x, weights, experts))
+        replica = jax.lax.axis_index(DATA_AXIS)
     offsets = (None, None, None) if offsets is None else tuple(offsets)
     own = _own_experts(act, weights_on_input)
     extra = scales or ()
-    if mesh is None:
+    if mesh is None:  # a device a replica
         partial = own(replica, x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, extra)
-    else:  # each of the replica's devices its own experts, by hand: one sum over them
+    else:  # each of the devices its own experts, by hand: one sum over them
         devices = mesh.shape[MODEL_AXIS]
 
         def local(replica, x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, *scales):
@@ -408,6 +376,8 @@ def experts_by_index_over_replicas(
             out_specs=whole,
             check_vma=False,
         )(replica, x, stacks, weights, experts, gate_bias, down_bias, offsets, input_order, *extra)
+    if not over_replicas:
+        return partial
     return jax.lax.psum_scatter(partial, DATA_AXIS, scatter_dimension=0, tiled=True)
 
 
@@ -508,7 +478,7 @@ class SparseMoE(nnx.Module):
         self, x: jax.Array, md: AttentionMetadata | None = None, *, dense: bool = False
     ) -> jax.Array:
         """`md`: the step's metadata (its mesh splits the experts: by index under
-        `expert_parallel`, `experts_by_index_on_mesh`; else inside each, `experts_routed_on_mesh`,
+        `expert_parallel`, `experts_by_index`; else inside each, `experts_routed_on_mesh`,
         when the rules table could split them: F divisible by the TP size, else they are whole).
         `dense=True` runs `experts_dense_reference` instead (tests; int8 weights dequantized)."""
         return self.run_experts(x, *self.select_experts(x), md, dense=dense)
@@ -540,12 +510,18 @@ class SparseMoE(nnx.Module):
         scales = tuple(s.kernel_scale[...] for s in stacks) if int8 else None
         kernels = tuple(s.kernel[...] for s in stacks)
         options = dict(weights_on_input=self.weights_on_input, offsets=offsets, input_order=order)
-        if md is not None and md.replicas > 1 and self.expert_parallel:
-            return experts_by_index_over_replicas(
-                x, kernels, weights, experts, act, scales, mesh=md.mesh, **options
+        if md is not None and (md.mesh is not None or md.replicas > 1) and self.expert_parallel:
+            return experts_by_index(
+                x,
+                kernels,
+                weights,
+                experts,
+                act,
+                scales,
+                mesh=md.mesh,
+                over_replicas=md.replicas > 1,
+                **options,
             )
-        if md is not None and md.mesh is not None and self.expert_parallel:
-            return experts_by_index_on_mesh(md.mesh, x, kernels, weights, experts, act, scales, **options)
         if md is not None and md.mesh is not None and kernels[0].shape[2] % md.tp_size == 0:
             return experts_routed_on_mesh(md.mesh, x, kernels, weights, experts, act, scales, **options)
         return experts_routed(x, *kernels, weights, experts, act, scales=scales, **options)

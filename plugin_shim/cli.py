@@ -262,6 +262,8 @@ _ACROSS_HOSTS = (
     "--data-parallel-start-rank", "-dpr", "--data-parallel-external-lb", "-dpe",
     "--data-parallel-hybrid-lb", "-dph",
 )  # fmt: skip
+# vLLM's supervisor of one external-LB server a local rank (refused: `serve_argv`).
+_SUPERVISED_RANKS = ("--data-parallel-multi-port-external-lb", "-dpm")
 
 
 def serve_argv(model: str, extra: list[str]) -> list[str]:
@@ -272,6 +274,13 @@ def serve_argv(model: str, extra: list[str]) -> list[str]:
     when a host died and joins data-parallel replicas' processes by a liveness link (which
     `vllm serve` lacks); on one host, vLLM's OpenAI server, as a module (works for every vLLM
     distribution name)."""
+    if any(arg.split("=")[0] in _SUPERVISED_RANKS for arg in extra):
+        raise SystemExit(
+            "vllm-xla serve: --data-parallel-multi-port-external-lb is not supported: vLLM's "
+            "supervisor starts each rank's server in a process of its own, which the replicas' "
+            "liveness link does not reach; start each rank with its own `vllm-xla serve "
+            "--data-parallel-rank R --port P` (--device-ids for its devices) instead"
+        )
     if "--headless" in extra or any(arg.split("=")[0] in _ACROSS_HOSTS for arg in extra):
         return [sys.executable, "-m", "plugin_shim.vllm_serve", model, *extra]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra]

@@ -9,7 +9,7 @@ packed inputs, fed tokens and KV cache, and attention, the KV write and the logi
 its devices; inside, the model axis stays automatic and the replica's step is the N-device
 tensor-parallel one (its per-device `shard_map`s nested in this one: their bodies take every
 weight they use as an argument, since a weight closed over would be typed on the outer mesh).
-The only exchange between replicas is the experts' (`models.moe.experts_by_index_over_replicas`:
+The only exchange between replicas is the experts' (`models.moe.experts_by_index`:
 a gather of the replicas' tokens and a scatter of their sums). Every other weight is whole in
 each replica (split over its N devices as tensor parallelism splits it); the experts are split by
 index over all D x N devices (`models.sharding.parameter_sharding`).

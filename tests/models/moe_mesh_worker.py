@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from models.int8 import quantize_per_channel
-from models.moe import experts_by_index_on_mesh, experts_routed, experts_routed_on_mesh, route
+from models.moe import experts_by_index, experts_routed, experts_routed_on_mesh, route
 from tpu_platform.planner.hlo import hlo_collectives
 
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 7, 16, 32, 8, 2
@@ -49,6 +49,11 @@ def main() -> None:
     print(json.dumps(report))
 
 
+def _by_index_on_mesh(mesh: Mesh, *args, **kwargs) -> jax.Array:
+    """`experts_by_index` on `mesh`, called as `experts_routed_on_mesh` is."""
+    return experts_by_index(*args, mesh=mesh, **kwargs)
+
+
 def _affine_errors(mesh: Mesh, x, weights, experts, rng) -> dict[str, float]:
     """Affine 4-bit experts (values, scales and offsets `[E, in / G, out]`, groups of 8: whole
     groups on each of the 4 devices; or per channel) on the mesh, split inside each expert and
@@ -68,7 +73,7 @@ def _affine_errors(mesh: Mesh, x, weights, experts, rng) -> dict[str, float]:
             )
         kernels, scales, offsets = (tuple(q[i] for q in quant) for i in range(3))
         want = experts_routed(x, *kernels, weights, experts, jax.nn.silu, scales=scales, offsets=offsets)
-        for name, run in (("tp", experts_routed_on_mesh), ("ep", experts_by_index_on_mesh)):
+        for name, run in (("tp", experts_routed_on_mesh), ("ep", _by_index_on_mesh)):
             got = jax.jit(
                 lambda x, k, w, ids, s, m, run=run: run(mesh, x, k, w, ids, jax.nn.silu, s, offsets=m)
             )(x, kernels, weights, experts, scales, offsets)
@@ -90,7 +95,7 @@ def _act_order_errors(mesh: Mesh, x, weights, experts, rng) -> dict[str, float]:
     kernels = (gate_rows, up_rows, jnp.asarray(down))
     want = np.asarray(experts_routed(x, *map(jnp.asarray, (gate, up, down)), weights, experts, jax.nn.silu))
     got = {"one": experts_routed(x, *kernels, weights, experts, jax.nn.silu, input_order=jnp.asarray(order))}
-    for name, run in (("tp", experts_routed_on_mesh), ("ep", experts_by_index_on_mesh)):
+    for name, run in (("tp", experts_routed_on_mesh), ("ep", _by_index_on_mesh)):
         got[name] = jax.jit(
             lambda x, k, w, ids, o, run=run: run(mesh, x, k, w, ids, jax.nn.silu, input_order=o)
         )(x, kernels, weights, experts, jnp.asarray(order))

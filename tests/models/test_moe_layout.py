@@ -27,7 +27,7 @@ def _kernels(seed=0):
 
 def _one_device_share(tokens, top_k, devices, seed):
     """Routing over `devices * E` experts as device 0 sees it: its own experts' ids, the rest
-    sent to expert id E at weight 0 (as `experts_by_index_on_mesh` does)."""
+    sent to expert id E at weight 0 (as `experts_by_index` does)."""
     rng = np.random.default_rng(seed)
     weights, experts = route(jnp.asarray(rng.normal(size=(tokens, devices * E))), top_k, renormalize=True)
     mine = experts < E

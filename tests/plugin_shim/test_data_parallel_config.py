@@ -130,3 +130,11 @@ def test_replicas_started_one_by_one_link_their_servers_to_rank_0s(options, head
         _, args = parse_serve(["M", *argv, "--data-parallel-rpc-port", "5000"])
         assert liveness_link(args) == LinkConfig("127.0.0.1", 5001, silence_seconds=100, join_seconds=300)
         assert is_link_head(args) is head, argv
+
+
+def test_vllms_supervisor_of_one_server_a_rank_is_refused_naming_the_launch_that_works():
+    for flag in ("--data-parallel-multi-port-external-lb", "-dpm"):
+        with pytest.raises(
+            SystemExit, match=r"multi-port-external-lb is not supported: .* --data-parallel-rank R"
+        ):
+            serve_argv("M", ["-dp", "4", "-dpl", "2", flag])
