@@ -89,14 +89,19 @@ def _hf_prompt_logprobs(hf, prompt: list[int]) -> list[float]:
     return [float(logprobs[i, token]) for i, token in enumerate(prompt[1:])]
 
 
+@pytest.mark.parametrize(
+    "architecture",
+    ["Qwen3MoeForCausalLM", pytest.param("GptOssForCausalLM", marks=pytest.mark.full)],  # sinks, biases
+    ids=["qwen3_moe", "gpt_oss"],
+)
 def test_two_replicas_of_two_devices_each_with_the_experts_over_all_four_answer_with_transformers_tokens(
-    tmp_path,
+    tmp_path, architecture
 ):
     """DP 2 x TP 2 (vLLM's expert-parallel group of 4 devices): each replica's engine process
     attends tensor-parallel over its own 2 simulated devices, the experts split over all 4."""
     from transformers import AutoModelForCausalLM
 
-    model = save_tiny("Qwen3MoeForCausalLM", str(tmp_path / "model"), seed=7)
+    model = save_tiny(architecture, str(tmp_path / "model"), seed=7)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
     args = [
@@ -108,9 +113,11 @@ def test_two_replicas_of_two_devices_each_with_the_experts_over_all_four_answer_
     with serving(args, _environment(2), log, startup_seconds=600) as base:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda p: _completion_ids(base, model, p), PROMPTS))
+        alone = _completion_ids(base, model, PROMPTS[0])  # one replica busy, the other idle
         prompt_logprobs = _prompt_logprobs(base, model, PROMPTS[1])
         metrics = get(f"{base}/metrics", timeout=30).decode()
     assert got == want
+    assert alone == want[0]
     np.testing.assert_allclose(prompt_logprobs, _hf_prompt_logprobs(hf, PROMPTS[1]), rtol=1e-4, atol=1e-4)
     served = _requests_per_engine(metrics)
     assert set(served) == {"0", "1"} and all(n > 0 for n in served.values()), served
