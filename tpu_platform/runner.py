@@ -285,7 +285,7 @@ class Runner:
     ) -> tuple[jax.Array, ...]:
         """`_run_forward` as one of the data-parallel replicas of one program
         (`tpu_platform.replica_step`): this replica's inputs and fed tokens as its rows of the
-        replicas', its own rows of the outputs back, on its device."""
+        replicas', its own rows of the outputs back, on its devices."""
         replicas = self.placement.replicas
         packed = jax.make_array_from_process_local_data(self.step_program.inputs_sharding, packed)
         fed_tokens = side_by_side(fed_tokens, replicas)
@@ -515,8 +515,9 @@ class Runner:
 
     def _whole_state(self) -> nnx.State:
         """The model's state as the forward sees it (LoRA slots rewrite its leaves); as one of
-        data-parallel replicas in one program, its device's part of each weight (the programs
-        beside the step run there: prompt logprobs need the head and the norms, whole on it)."""
+        data-parallel replicas in one program, its replica's part of each weight on its own
+        devices (the programs beside the step run there: prompt logprobs need the head and the
+        norms, placed as on its own tensor-parallel mesh)."""
         leaves = self._state_leaves
         if self.placement.replicas is not None:
             leaves = [own_part(leaf, self.mesh) for leaf in leaves]

@@ -20,6 +20,7 @@ from tpu_platform.planner.hlo import (
 )
 from tpu_platform.planner.kv import decode_roofline, kv_bytes_read, weight_bytes_read
 from tpu_platform.planner.plan import StepSetup, known_models, model_config
+from tpu_platform.planner.replicas import chip_weights
 from tpu_platform.planner.targets import target
 from tpu_platform.step_program import KVLayout
 from tpu_platform.weights.preparation import Preparation, abstract_prepared
@@ -201,6 +202,22 @@ def test_moe_decode_reads_the_experts_a_batch_touches():
     # one token touches 8 of 128 experts in each of 48 layers
     assert weight_bytes_read(setup, 1) == pytest.approx(total - 48 * 120 * expert, rel=1e-9)
     assert weight_bytes_read(setup, 4096) == pytest.approx(total, rel=1e-6)
+
+
+@pytest.mark.parametrize(("replicas", "chips_each"), [(8, 1), (4, 2)])
+def test_moe_decode_over_replicas_reads_a_chip_s_experts_every_replica_s_tokens_touch(replicas, chips_each):
+    """The experts over 8 chips of replicas: a chip holds 16 of the 128 whole experts a layer
+    and its replica's share of the rest (`chip_weights`), and every replica's tokens reach them."""
+    setup = StepSetup(
+        model_config("qwen3-30b-a3b"), "v6e-8", max_model_len=2048, expert_parallel=True,
+        dp_size=replicas, tp_size=chips_each,
+    )  # fmt: skip
+    chip = chip_weights(setup, 8)
+    assert chip.expert_bytes == 48 * 16 * 3 * 2048 * 768 * 2
+    # one token a replica: each replica's token touches 8 of the 128 experts a layer
+    untouched = chip.expert_bytes * (120 / 128) ** replicas
+    assert weight_bytes_read(setup, 1) == pytest.approx(chip.total_bytes - untouched, rel=1e-9)
+    assert weight_bytes_read(setup, 64) == pytest.approx(chip.total_bytes, rel=1e-6)
 
 
 @pytest.mark.slow  # a 120B model's abstract shapes; the fast tier's planner weights are int8's

@@ -154,9 +154,13 @@ def kv_bytes_read(setup: StepSetup, batch: int, context: int) -> int:
 def weight_bytes_read(setup: StepSetup, batch: int) -> int:
     """Weight bytes a decode step of `batch` tokens reads on one chip: all it holds for a dense
     model; for a mixture of experts, the experts a batch of uniformly routed tokens is expected
-    to touch (on a mesh each chip holds a `1 / tp_size` slice of every expert)."""
+    to touch (on a mesh each chip holds a `1 / tp_size` slice of every expert, or on average
+    that many whole ones; with the experts over data-parallel replicas, `1 / (dp_size x
+    tp_size)`, and every replica's batch reaches them)."""
     config = setup.config
-    total = setup.abstract_model().chip_weight_bytes(setup.mesh() if setup.tp_size > 1 else None)
+    replicas = setup.dp_size if setup.expert_parallel else 1  # the replicas a chip's experts serve
+    devices = setup.tp_size * replicas  # the chips the experts are spread over
+    total = setup.abstract_model().chip_weight_bytes(setup.abstract_mesh())
     if not config.num_experts:
         return total
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
@@ -165,15 +169,15 @@ def weight_bytes_read(setup: StepSetup, batch: int) -> int:
     values = values.removesuffix("z")  # int4z: the routed experts keep no offsets (`quantize_int4`)
     weight = 3 * hidden * inner // 2 if values == "int4" else 3 * hidden * inner  # int4: 2 a byte
     if getattr(config, "mxfp4", False):  # FP4 values, a one-byte scale per 32 (`models.mxfp4`)
-        expert = 3 * hidden * inner * 17 // 32 // setup.tp_size
+        expert = 3 * hidden * inner * 17 // 32 // devices
     elif values in ("fp8", "int4") and group:  # a float32 scale per group of inputs and output
-        expert = (weight + 4 * 3 * hidden * inner // int(group)) // setup.tp_size
+        expert = (weight + 4 * 3 * hidden * inner // int(group)) // devices
     elif values in ("int8", "fp8", "int4"):  # 8- or 4-bit kernels, a float32 scale per channel
-        expert = (weight + 4 * (2 * inner + hidden)) // setup.tp_size
+        expert = (weight + 4 * (2 * inner + hidden)) // devices
     else:
-        expert = 3 * hidden * inner * _itemsize(setup.dtype) // setup.tp_size
+        expert = 3 * hidden * inner * _itemsize(setup.dtype) // devices
     all_experts = moe_layers * config.num_experts * expert
-    untouched = (1 - config.num_experts_per_tok / config.num_experts) ** batch
+    untouched = (1 - config.num_experts_per_tok / config.num_experts) ** (batch * replicas)
     return int(total - all_experts * untouched)
 
 

@@ -37,10 +37,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from models import ModelConfig
-from models.sharding import MODEL_AXIS, check_expert_parallel, kv_heads_on_mesh, vocab_parallel
+from models.sharding import DATA_AXIS, MODEL_AXIS, check_expert_parallel, kv_heads_on_mesh, vocab_parallel
 from pallas_kernels import kv_cache_partition_spec, latent_cache_partition_spec
 from pallas_kernels.backend import resolve_backend
 from tpu_platform.buckets import StepBuckets
@@ -243,6 +243,13 @@ class StepSetup:
         if num_hosts > 1:
             return Mesh(np.array(per_host_devices(self.tp_size, num_hosts, devices)), (MODEL_AXIS,))
         return tensor_parallel_mesh(self.tp_size, devices)
+
+    def abstract_mesh(self) -> AbstractMesh | None:
+        """`mesh()`'s shape and axes without its chips (what places a chip's weights), None at
+        one chip: no compiler needed."""
+        if self.dp_size > 1:
+            return AbstractMesh((self.dp_size, self.tp_size), (DATA_AXIS, MODEL_AXIS))
+        return AbstractMesh((self.tp_size,), (MODEL_AXIS,)) if self.tp_size > 1 else None
 
     @property
     def kv_layout(self) -> KVLayout:
