@@ -42,18 +42,9 @@ def test_two_replicas_with_the_experts_split_over_them_answer_with_transformers_
     model = save_tiny("Qwen3MoeForCausalLM", str(tmp_path / "model"), seed=7)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
-    args = [
-        "--model", model, "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "4",
-        "--max-num-batched-tokens", "32", "--data-parallel-size", "2", "--enable-expert-parallel",
-    ]  # fmt: skip
     log = tmp_path / "server.log"
-    with serving(args, _environment(1), log, startup_seconds=600) as base:
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            got = list(pool.map(lambda p: _completion_ids(base, model, p), PROMPTS))
-        alone = _completion_ids(base, model, PROMPTS[0])  # one replica busy, the other idle
-        # A program beside the step (prompt logprobs, on the replica's own device)
-        prompt_logprobs = _prompt_logprobs(base, model, PROMPTS[1])
-        metrics = get(f"{base}/metrics", timeout=30).decode()
+    with serving(_two_replicas(model, 1), _environment(1), log, startup_seconds=600) as base:
+        got, alone, prompt_logprobs, metrics = _asked(base, model)
         ranks = {
             int(rank): int(pid)
             for rank, pid in re.findall(r"\(EngineCore_DP(\d) pid=(\d+)\)", log.read_text())
@@ -73,6 +64,26 @@ def test_two_replicas_with_the_experts_split_over_them_answer_with_transformers_
     assert set(served) == {"0", "1"} and all(n > 0 for n in served.values()), served
     text = log.read_text()
     assert text.count("experts by index over 2 data-parallel replicas") == 2, text[-3000:]
+
+
+def _two_replicas(model: str, devices: int) -> list[str]:
+    """A small server of 2 replicas of `devices` devices each, the experts split over all."""
+    return [
+        "--model", model, "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "32", "--data-parallel-size", "2",
+        "--tensor-parallel-size", str(devices), "--enable-expert-parallel",
+    ]  # fmt: skip
+
+
+def _asked(base: str, model: str) -> tuple[list[list[int]], list[int], list[float], str]:
+    """The server's answers: every prompt at once, the first alone (one replica busy, the other
+    idle: its dummy steps), the second's prompt logprobs (a program beside the step, on the
+    replica's own devices), and its metrics."""
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: _completion_ids(base, model, p), PROMPTS))
+    alone = _completion_ids(base, model, PROMPTS[0])
+    prompt_logprobs = _prompt_logprobs(base, model, PROMPTS[1])
+    return got, alone, prompt_logprobs, get(f"{base}/metrics", timeout=30).decode()
 
 
 def _prompt_logprobs(base: str, model: str, prompt: list[int]) -> list[float]:
@@ -104,18 +115,9 @@ def test_two_replicas_of_two_devices_each_with_the_experts_over_all_four_answer_
     model = save_tiny(architecture, str(tmp_path / "model"), seed=7)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
-    args = [
-        "--model", model, "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "4",
-        "--max-num-batched-tokens", "32", "--data-parallel-size", "2", "--tensor-parallel-size", "2",
-        "--enable-expert-parallel",
-    ]  # fmt: skip
     log = tmp_path / "server.log"
-    with serving(args, _environment(2), log, startup_seconds=600) as base:
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            got = list(pool.map(lambda p: _completion_ids(base, model, p), PROMPTS))
-        alone = _completion_ids(base, model, PROMPTS[0])  # one replica busy, the other idle
-        prompt_logprobs = _prompt_logprobs(base, model, PROMPTS[1])
-        metrics = get(f"{base}/metrics", timeout=30).decode()
+    with serving(_two_replicas(model, 2), _environment(2), log, startup_seconds=600) as base:
+        got, alone, prompt_logprobs, metrics = _asked(base, model)
     assert got == want
     assert alone == want[0]
     np.testing.assert_allclose(prompt_logprobs, _hf_prompt_logprobs(hf, PROMPTS[1]), rtol=1e-4, atol=1e-4)
