@@ -16,12 +16,12 @@ Which devices an engine process drives is vLLM's choice (`assigned_physical_gpu_
 DP rank's slice of the host's devices, or of `--device-ids`), fixed before its JAX starts a
 backend: GPUs by JAX's `jax_cuda_visible_devices`, TPU chips by the runtime's per-process
 variables (chip bounds, visible chips, a port of its own), simulated CPU devices by nothing (each
-process has its own). Replicas started one by one (`--data-parallel-rank`: external load
+process has its own). vLLM's engine launcher writes every local DP rank's slice into its
+configuration before starting it (on a platform that is not CUDA's), after a dense replica's DP
+size is reset to one too. Replicas started one by one (`--data-parallel-rank`: external load
 balancing; `--data-parallel-start-rank` on a host with its own API server: hybrid) are vLLM's
 too; `vllm-xla serve` links their servers so that one that dies ends the others
-(`plugin_shim.vllm_serve`). vLLM resets a dense replica's DP size to one, so the replicas on this
-host are counted at start (`DP_LOCAL_KEY`, in vLLM's `additional_config`) for a configuration
-that lacks vLLM's assignment.
+(`plugin_shim.vllm_serve`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-# Where the replicas on this host are counted at start (vLLM sets a dense replica's to one).
-DP_LOCAL_KEY = "xla_data_parallel_size_local"
 # Set by `plugin_shim.vllm_serve` once this host joined the hosts' liveness link (its address):
 # replicas across hosts are refused without it, since no dead host would end the others.
 LINK_KEY = "xla_data_parallel_liveness_link"
@@ -52,29 +50,11 @@ class Replica:
     device_ids: tuple[int, ...]
 
 
-def record_local_replicas(vllm_config: VllmConfig) -> None:
-    """At start, before vLLM's engine processes exist: how many replicas this host runs."""
-    parallel = vllm_config.parallel_config
-    if parallel.data_parallel_size <= 1:
-        return
-    if not isinstance(vllm_config.additional_config, dict):
-        vllm_config.additional_config = {}
-    vllm_config.additional_config.setdefault(DP_LOCAL_KEY, parallel.data_parallel_size_local)
-
-
-def replica(vllm_config: VllmConfig, devices_per_replica: int) -> Replica | None:
-    """This engine process's devices, or None: all of the host's. vLLM's own assignment first
-    (`assigned_physical_gpu_ids`: each local DP rank's slice of the host's devices, or of
-    `--device-ids`), else this replica's share by its index among the host's replicas."""
+def replica(vllm_config: VllmConfig) -> Replica | None:
+    """This engine process's devices as vLLM assigned them (`assigned_physical_gpu_ids`: its
+    local DP rank's slice of the host's devices, or of `--device-ids`), or None: all of them."""
     assigned = getattr(vllm_config.parallel_config, "assigned_physical_gpu_ids", None)
-    if assigned:
-        return Replica(device_ids=tuple(int(i) for i in assigned))
-    extra = vllm_config.additional_config
-    local = int(extra.get(DP_LOCAL_KEY, 1)) if isinstance(extra, dict) else 1
-    if local <= 1:
-        return None
-    first = vllm_config.parallel_config.data_parallel_index % local * devices_per_replica
-    return Replica(device_ids=tuple(range(first, first + devices_per_replica)))
+    return Replica(device_ids=tuple(int(i) for i in assigned)) if assigned else None
 
 
 def claim_devices(rep: Replica, platform: str | None) -> dict[str, str]:

@@ -15,7 +15,6 @@ from vllm.exceptions import VLLMValidationError
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from plugin_shim.cache_dtype import runner_kv_cache_dtype
-from plugin_shim.data_parallel import record_local_replicas
 from plugin_shim.feature_check import SUPPORTED_QUANTIZATION, refuse_quantization, refuse_unsupported
 from plugin_shim.flax_models import refuse_unsupported_architecture, register_hybrid_placeholders
 from plugin_shim.internals import jax_backends_initialized
@@ -120,7 +119,6 @@ class XlaPlatform(Platform):
         _refuse_strict_compile_without_warm_up(vllm_config.model_config)
         refuse_unsupported_architecture(vllm_config)  # before the worker: with the list we serve
         configure_parallel(vllm_config)  # tensor parallelism: one worker over a mesh
-        record_local_replicas(vllm_config)  # data parallelism: each replica's devices, in its worker
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_mode = CUDAGraphMode.NONE

@@ -132,7 +132,7 @@ class XlaWorker(WorkerBase):
         self.device = torch.device("cpu")
         # Before JAX starts a backend: a data-parallel replica's own devices; across hosts, JAX's
         # hosts, then vLLM's (docs/multihost.md).
-        replica = data_parallel.replica(self.vllm_config, mesh_tensor_parallel_size(self.vllm_config))
+        replica = data_parallel.replica(self.vllm_config)
         if replica is not None:
             data_parallel.claim_devices(replica, env.platform)
         replicas, agreement = data_parallel.expert_replicas(self.vllm_config), None

@@ -15,7 +15,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.engine.utils import set_assigned_physical_gpu_ids_for_dp_rank
 
 from plugin_shim.cli import serve_argv
-from plugin_shim.data_parallel import DP_LOCAL_KEY, Replica, claim_devices, replica
+from plugin_shim.data_parallel import Replica, claim_devices, replica
 from plugin_shim.vllm_serve import is_link_head, liveness_link, parse_serve
 from tests.tiny_models import save_tiny_llama
 from tpu_platform.liveness import LinkConfig
@@ -26,35 +26,34 @@ def model(tmp_path_factory) -> str:
     return save_tiny_llama(str(tmp_path_factory.mktemp("dp") / "model"))
 
 
-def test_replicas_run_one_worker_in_their_engine_process_and_are_counted(model):
+def test_replicas_run_one_worker_in_their_engine_process_on_their_own_devices(model):
     config = EngineArgs(
         model=model, max_model_len=64, data_parallel_size=2, tensor_parallel_size=2
     ).create_engine_config()
     assert config.parallel_config.distributed_executor_backend == "uni"  # vLLM's own pick is mp
-    assert config.additional_config[DP_LOCAL_KEY] == 2
-    config.parallel_config.data_parallel_index = 1
+    set_assigned_physical_gpu_ids_for_dp_rank(config, 1)  # vLLM's launcher, for local rank 1
     config.parallel_config.reconfigure_for_independent_dp_rank()  # what vLLM does to a dense replica
-    assert replica(config, 2) == Replica(device_ids=(2, 3))
+    assert replica(config) == Replica(device_ids=(2, 3))
 
 
 def test_an_engine_process_drives_the_devices_vllm_assigned_it(model):
     """`--device-ids` (vLLM's `assigned_physical_gpu_ids`), and each local DP rank's slice of it
     or of the host's devices, which vLLM's engine launcher writes into the rank's configuration."""
     config = EngineArgs(model=model, max_model_len=64, device_ids=[3]).create_engine_config()
-    assert replica(config, 1) == Replica(device_ids=(3,))
+    assert replica(config) == Replica(device_ids=(3,))
     config = EngineArgs(
         model=model, max_model_len=64, data_parallel_size=2, tensor_parallel_size=2, device_ids=[4, 5, 6, 7]
     ).create_engine_config()
     set_assigned_physical_gpu_ids_for_dp_rank(config, 1, [4, 5, 6, 7])  # vLLM's launcher, for rank 1
     config.parallel_config.data_parallel_index = 0  # not what picks the devices: vLLM's slice does
-    assert replica(config, 2) == Replica(device_ids=(6, 7))
+    assert replica(config) == Replica(device_ids=(6, 7))
 
 
 def test_one_replica_is_no_data_parallelism(model):
     config = EngineArgs(
         model=model, max_model_len=64, distributed_executor_backend="mp"
     ).create_engine_config()
-    assert replica(config, 1) is None
+    assert replica(config) is None
     assert config.parallel_config.distributed_executor_backend == "uni"
 
 
