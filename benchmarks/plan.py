@@ -61,7 +61,6 @@ planner runs each platform's compiles in a subprocess that has that toolchain on
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import pathlib
@@ -95,7 +94,7 @@ def plan_one(model: str, target: str, tp_size: int, quantization: str, args: arg
         dp_size=replicas,
     )  # fmt: skip
     row = _depth_row(setup, args, model) if args.depth else _whole_row(setup, args, model)
-    return _with_replicas(_with_draft(row, setup, args), setup, args, tp_size)
+    return _with_replicas(_with_draft(row, setup, args), setup, args)
 
 
 def _drafts(args: argparse.Namespace) -> int:
@@ -123,8 +122,8 @@ def _whole_row(setup, args: argparse.Namespace, model: str) -> dict:
     return row
 
 
-def _with_replicas(row: dict, setup, args: argparse.Namespace, tp_size: int) -> dict:
-    """`row` as `--dp` replicas of `tp_size` chips (`tpu_platform.planner.replicas`): a chip's
+def _with_replicas(row: dict, setup, args: argparse.Namespace) -> dict:
+    """`row` as `--dp` replicas of `setup.tp_size` chips (`tpu_platform.planner.replicas`): a chip's
     weights and a replica's KV tokens, the steps keeping what the compiled program's keep beside
     its weights and cache. Without `--ep` the compiled program is the replica's own; with it the
     replicas' own, the experts split over every replica's chips."""
@@ -133,10 +132,9 @@ def _with_replicas(row: dict, setup, args: argparse.Namespace, tp_size: int) -> 
         return row
     from tpu_platform.planner.replicas import plan_replicas
 
-    replica = dataclasses.replace(setup, tp_size=tp_size)
     steps = row["budget_bytes"] - row["weight_bytes"] - row["kv_bytes"]
     plan = plan_replicas(
-        replica, args.dp, steps, experts_over_replicas=args.ep, memory_utilization=args.memory_utilization
+        setup, args.dp, steps, experts_over_replicas=args.ep, memory_utilization=args.memory_utilization
     )
     row["replicas"] = {**plan.as_dict(), "batch_fits": plan.kv_tokens >= args.batch * args.context}
     return row

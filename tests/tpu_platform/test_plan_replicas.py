@@ -103,14 +103,14 @@ def test_a_planner_row_as_replicas_keeps_the_compiled_programs_step_bytes():
     kv = (V6E_BUDGET - weights - GIB) // page * page
     row = {"fits": True, "budget_bytes": V6E_BUDGET, "weight_bytes": weights, "kv_bytes": kv}
     args = argparse.Namespace(dp=8, ep=False, batch=64, context=2048, memory_utilization=0.9)
-    replicas = _with_replicas(dict(row), setup, args, 1)["replicas"]
+    replicas = _with_replicas(dict(row), setup, args)["replicas"]
     # Each replica is that program: its chip, its cache; eight of them.
     assert (replicas["weight_bytes"], replicas["kv_bytes"]) == (weights, kv)
     assert replicas["total_kv_tokens"] == 8 * replicas["kv_tokens"] == 8 * kv // page * PAGE_TOKENS
     assert replicas["batch_fits"] == (kv // page * PAGE_TOKENS >= 64 * 2048)
     # Without --dp the row is left as compiled.
     one = argparse.Namespace(**{**vars(args), "dp": 1})
-    assert "replicas" not in _with_replicas(dict(row), setup, one, 1)
+    assert "replicas" not in _with_replicas(dict(row), setup, one)
 
 
 @pytest.mark.parametrize(("replicas", "chips_each"), [(8, 1), (4, 2)])
